@@ -1,0 +1,3 @@
+from mapl_swarm.cli import main
+import sys
+sys.exit(main())

@@ -1,0 +1,121 @@
+"""``mapl-swarm`` command line: argument parsing and logging set-up only.
+
+User mistakes (bad config, missing files, refused handshakes...) raise :class:`MaplError`; they are
+printed on one line (``mapl-swarm: error: ...``) with exit status 2, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import tomllib
+from typing import Any
+
+from mapl_swarm.errors import ConfigError, MaplError
+
+log = logging.getLogger("mapl_swarm")
+
+__all__ = ["main", "build_parser", "parse_overrides"]
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``["run.steps=20", "compression.codec=\"none\""]`` -> nested dict; values parse as TOML
+    (bare words fall back to strings)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set expects SECTION.KEY=VALUE, got {item!r}")
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        parts = key.split(".")
+        node = out
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {key}: {p} is not a table")
+        node[parts[-1]] = value
+    return out
+
+
+def _load(args: argparse.Namespace):
+    from mapl_swarm.config import config_from_dict, load_config
+
+    overrides = parse_overrides(args.set or [])
+    if args.preset:
+        overrides["preset"] = args.preset
+    if args.config:
+        return load_config(args.config, overrides)
+    return config_from_dict(overrides, "--set")
+
+
+def _cmd_prepare(args: argparse.Namespace) -> int:
+    from mapl_swarm.data import prepare_data
+
+    cfg = _load(args)
+    data = prepare_data(cfg.data, progress=not args.quiet)
+    m = data.meta
+    print(f"prepared {data.path}: {m.get('train_tokens')} train / {m.get('val_tokens')} val tokens, "
+          f"vocab {data.tokenizer.vocab_size}, corpus {m.get('corpus_fingerprint', '')[:16]}")
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from mapl_swarm.pipeline.trainer import train
+
+    cfg = _load(args)
+    s = train(cfg, resume=args.resume, progress=not args.quiet)
+    init = f"{s.initial_val_loss:.4f} -> " if s.initial_val_loss is not None else ""
+    print(f"codec {cfg.compression.codec} P={cfg.run.num_stages}: val loss {init}{s.final_val_loss:.4f}, "
+          f"train loss {s.final_train_loss:.4f}, {s.tokens_per_s:.0f} tokens/s")
+    for b, bpt in enumerate(s.bytes_per_token):
+        print(f"  boundary {b}->{b + 1}: {bpt['forward']:.1f} B/token forward, "
+              f"{bpt['backward']:.1f} B/token backward (measured payload)")
+    print(f"metrics: {cfg.run.out_dir}/metrics.jsonl")
+    return 0
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML run config (see peers/)")
+    p.add_argument("--preset", help="model preset: tiny, 150M, 500M, 1B")
+    p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
+                   help="override one config value (repeatable), e.g. --set run.steps=20")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mapl-swarm", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("prepare", help="build the tokenizer and token shards")
+    _add_config_args(p)
+    p.set_defaults(func=_cmd_prepare)
+
+    p = sub.add_parser("train", help="train all stages in this process")
+    _add_config_args(p)
+    p.add_argument("--resume", action="store_true", help="resume from the newest complete checkpoint")
+    p.set_defaults(func=_cmd_train)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    try:
+        return int(args.func(args) or 0)
+    except MaplError as exc:
+        print(f"mapl-swarm: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("mapl-swarm: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,381 @@
+"""Typed run configuration: frozen dataclasses, presets, strict TOML loading, fingerprint.
+
+A run is described by one :class:`TrainConfig` made of five sections (model, compression,
+optim, data, run). TOML files mirror that layout; an optional top-level ``preset`` key picks a
+model preset whose fields the ``[model]`` table may then override. Unknown keys are errors
+that name the key and the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from mapl_swarm.errors import ConfigError
+
+__all__ = [
+    "ModelConfig",
+    "CompressionConfig",
+    "OptimConfig",
+    "DataConfig",
+    "RunConfig",
+    "TrainConfig",
+    "MODEL_PRESETS",
+    "CODECS",
+    "ANCHORS",
+    "WIRE_DTYPES",
+    "load_config",
+    "config_from_dict",
+    "config_to_dict",
+    "model_fingerprint",
+]
+
+CODECS = ("none", "mapl", "fixed", "naive", "ssn")
+ANCHORS = ("factorized", "full", "static", "none")
+WIRE_DTYPES = ("bf16", "fp16", "fp32")
+SCHEDULES = ("cosine", "wsd", "constant")
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """LLaMA-style decoder shape."""
+
+    vocab_size: int = 8192
+    """Vocabulary size; must equal the tokenizer's."""
+    hidden_size: int = 256
+    """Residual stream width d."""
+    num_layers: int = 8
+    """Number of decoder layers L, split over the pipeline stages."""
+    num_heads: int = 4
+    """Attention heads."""
+    num_kv_heads: int = 0
+    """Key/value heads for grouped-query attention; 0 means equal to num_heads."""
+    ffn_hidden_size: int = 672
+    """SwiGLU intermediate width."""
+    context_length: int = 256
+    """Tokens per training sequence T (each sequence carries T+1 ids for labels)."""
+    rope_theta: float = 10000.0
+    """Rotary embedding base."""
+    rms_norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation of linear and embedding weights."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size",
+                     "context_length"):
+            _check(getattr(self, name) > 0, f"model.{name} must be positive, got {getattr(self, name)}")
+        _check(self.hidden_size % self.num_heads == 0,
+               f"model.hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        _check((self.hidden_size // self.num_heads) % 2 == 0, "model head dimension must be even (rotary)")
+        kv = self.kv_heads
+        _check(kv > 0 and self.num_heads % kv == 0,
+               f"model.num_heads {self.num_heads} is not divisible by num_kv_heads {kv}")
+        _check(self.init_std > 0, "model.init_std must be positive")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(hidden_size=256, num_layers=8, num_heads=4, ffn_hidden_size=672,
+                        context_length=256),
+    "150M": ModelConfig(vocab_size=32000, hidden_size=1024, num_layers=9, num_heads=8,
+                        ffn_hidden_size=2688, context_length=2048),
+    "500M": ModelConfig(vocab_size=32000, hidden_size=1536, num_layers=18, num_heads=12,
+                        ffn_hidden_size=4096, context_length=2048),
+    "1B": ModelConfig(vocab_size=32000, hidden_size=2048, num_layers=20, num_heads=16,
+                      ffn_hidden_size=5440, context_length=2048),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompressionConfig:
+    """How activations and gradients cross each stage boundary."""
+
+    codec: str = "mapl"
+    """Boundary codec: none | mapl | fixed | naive | ssn."""
+    rank: int = 64
+    """Projection rank r (ssn: subspace rank k). Ignored by `none`."""
+    anchor: str = "factorized"
+    """Token anchor for mapl/fixed/naive: factorized | full | static | none."""
+    anchor_rank: int = 64
+    """Rank r_a of the factorized anchor E_small (V x r_a) @ P (r_a x d)."""
+    anchor_init_std: float = 0.02
+    """Initial standard deviation of trainable anchor tables."""
+    wire_dtype: str = "bf16"
+    """Dtype of activations and their gradients on the wire: bf16 | fp16 | fp32."""
+    ssn_refresh_interval_steps: int = 500
+    """SSN: Grassmann refresh of U every this many steps; 0 keeps U frozen (as node0)."""
+    ssn_refresh_lr: float = 1e-2
+    """SSN: Grassmann refresh learning rate."""
+
+    def __post_init__(self) -> None:
+        _check(self.codec in CODECS, f"compression.codec must be one of {CODECS}, got {self.codec!r}")
+        _check(self.anchor in ANCHORS, f"compression.anchor must be one of {ANCHORS}, got {self.anchor!r}")
+        _check(self.wire_dtype in WIRE_DTYPES,
+               f"compression.wire_dtype must be one of {WIRE_DTYPES}, got {self.wire_dtype!r}")
+        _check(self.rank > 0, f"compression.rank must be positive, got {self.rank}")
+        _check(self.anchor_rank > 0, f"compression.anchor_rank must be positive, got {self.anchor_rank}")
+        _check(self.ssn_refresh_interval_steps >= 0, "compression.ssn_refresh_interval_steps must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """Hybrid Muon / AdamW / SPEL optimizer (MAPL paper Appendix E, H)."""
+
+    muon_lr: float = 0.02
+    """Peak Muon learning rate; AdamW and SPEL rates are multiples of it."""
+    adamw_lr_ratio: float = 0.5
+    """AdamW lr = ratio x muon_lr (embeddings, norms, lm_head, anchors)."""
+    projector_lr_ratio: float = 0.1
+    """SPEL (and naive projector Muon) lr = ratio x muon_lr."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay for Muon and AdamW parameters."""
+    muon_momentum: float = 0.95
+    """Muon Nesterov momentum."""
+    muon_ns_steps: int = 5
+    """Polar Express steps for the Muon direction."""
+    spel_momentum: float = 0.95
+    """SPEL heavy-ball momentum beta."""
+    spel_direction_steps: int = 5
+    """Polar Express steps for the SPEL direction msign(G)."""
+    spel_retraction_steps: int = 8
+    """Polar Express steps (fp32) for the SPEL retraction msign(A - lr D)."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.95
+    """AdamW beta2."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    schedule: str = "cosine"
+    """Learning-rate schedule after warmup: cosine | wsd | constant."""
+    warmup_steps: int = 10
+    """Linear warmup steps."""
+    min_lr_ratio: float = 0.1
+    """Final lr as a fraction of the peak (cosine, wsd)."""
+    wsd_decay_fraction: float = 0.2
+    """WSD: fraction of the run spent in the final linear decay."""
+    grad_clip_norm: float = 0.0
+    """Per-stage gradient norm clipping threshold; 0 disables."""
+
+    def __post_init__(self) -> None:
+        _check(self.schedule in SCHEDULES, f"optim.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        for name in ("muon_lr", "adamw_lr_ratio", "projector_lr_ratio", "adam_eps"):
+            _check(getattr(self, name) > 0, f"optim.{name} must be positive")
+        for name in ("muon_momentum", "spel_momentum", "adam_beta1", "adam_beta2", "min_lr_ratio",
+                     "wsd_decay_fraction"):
+            _check(0 <= getattr(self, name) <= 1, f"optim.{name} must be in [0, 1]")
+        _check(self.warmup_steps >= 0 and self.grad_clip_norm >= 0 and self.weight_decay >= 0,
+               "optim.warmup_steps, grad_clip_norm and weight_decay must be >= 0")
+        for name in ("muon_ns_steps", "spel_direction_steps", "spel_retraction_steps"):
+            _check(getattr(self, name) >= 1, f"optim.{name} must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Corpus, tokenizer and token shards."""
+
+    source: str = "stdlib"
+    """`stdlib` (the interpreter's own standard library sources), a local file or folder path,
+    or `hf:NAME` for a Hugging Face dataset (name or local path)."""
+    cache_dir: str = ".mapl_cache"
+    """Folder for the trained tokenizer and token shards."""
+    tokenizer: str = ""
+    """Empty: train a byte-level BPE on the corpus. Else a tokenizer.json path, or a
+    transformers tokenizer name/path."""
+    vocab_size: int = 8192
+    """Vocabulary size when training a BPE tokenizer."""
+    val_fraction: float = 0.02
+    """Fraction of documents held out for validation (chosen by a hash of their name)."""
+    max_corpus_bytes: int = 0
+    """Read at most this many bytes of corpus (0 = all); for quick tests."""
+    text_extensions: tuple[str, ...] = (".py", ".txt", ".md", ".rst")
+    """File suffixes read when the source is a folder."""
+    hf_split: str = "train"
+    """Hugging Face split to read."""
+    hf_text_field: str = "text"
+    """Hugging Face column holding the text."""
+
+    def __post_init__(self) -> None:
+        _check(self.source != "", "data.source must not be empty")
+        _check(0 < self.val_fraction < 1, f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
+        _check(self.vocab_size >= 260, f"data.vocab_size must be >= 260, got {self.vocab_size}")
+        _check(self.max_corpus_bytes >= 0, "data.max_corpus_bytes must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Pipeline layout, batch sizes, schedule of validation/checkpoints, runtime settings."""
+
+    seed: int = 0
+    """Run seed; every random initialisation derives from (seed, component)."""
+    num_stages: int = 4
+    """Pipeline stages P."""
+    micro_batch_size: int = 4
+    """Sequences per micro-batch."""
+    num_micro_batches: int = 4
+    """Micro-batches per optimizer step (gradient accumulation)."""
+    steps: int = 100
+    """Optimizer steps to train."""
+    val_interval_steps: int = 25
+    """Validate every this many steps (and at the end); 0 disables periodic validation."""
+    val_batches: int = 4
+    """Micro-batches of held-out data per validation."""
+    checkpoint_interval_steps: int = 0
+    """Save per-stage checkpoints every this many steps (and at the end); 0 disables."""
+    keep_checkpoints: int = 2
+    """Newest complete checkpoints kept on disk."""
+    log_interval_steps: int = 1
+    """Write a metrics record every this many steps."""
+    out_dir: str = "runs/default"
+    """Folder for metrics.jsonl, checkpoints and the run manifest."""
+    threads: int = 0
+    """torch intra-op threads per process; 0 keeps torch's default."""
+    device: str = "auto"
+    """auto (CUDA when present) | cpu | cuda."""
+    run_id: str = "mapl"
+    """Swarm run name; peers of different runs never talk."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_stages", "micro_batch_size", "num_micro_batches", "steps", "val_batches",
+                     "keep_checkpoints", "log_interval_steps"):
+            _check(getattr(self, name) > 0, f"run.{name} must be positive, got {getattr(self, name)}")
+        for name in ("val_interval_steps", "checkpoint_interval_steps", "threads"):
+            _check(getattr(self, name) >= 0, f"run.{name} must be >= 0")
+        _check(self.device in ("auto", "cpu", "cuda"), f"run.device must be auto|cpu|cuda, got {self.device!r}")
+
+    @property
+    def tokens_per_step_factor(self) -> int:
+        return self.micro_batch_size * self.num_micro_batches
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """A whole run."""
+
+    model: ModelConfig = field(default_factory=lambda: MODEL_PRESETS["tiny"])
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        m, c, r = self.model, self.compression, self.run
+        _check(r.num_stages <= m.num_layers,
+               f"cannot split {m.num_layers} layers over {r.num_stages} stages (run.num_stages > model.num_layers)")
+        if c.codec != "none":
+            _check(c.rank <= m.hidden_size,
+                   f"compression.rank {c.rank} exceeds model.hidden_size {m.hidden_size}")
+            _check(c.anchor_rank <= m.hidden_size,
+                   f"compression.anchor_rank {c.anchor_rank} exceeds model.hidden_size {m.hidden_size}")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.run.micro_batch_size * self.run.num_micro_batches * self.model.context_length
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "compression": CompressionConfig,
+    "optim": OptimConfig,
+    "data": DataConfig,
+    "run": RunConfig,
+}
+
+
+def _coerce(cls: type, name: str, value: Any, where: str) -> Any:
+    hint = get_type_hints(cls)[name]
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if getattr(hint, "__origin__", None) is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: {name} must be a list, got {value!r}")
+        return tuple(value)
+    base = hint if isinstance(hint, type) else None
+    if base is not None and (not isinstance(value, base) or (base is int and isinstance(value, bool))):
+        raise ConfigError(f"{where}: {name} must be {base.__name__}, got {value!r}")
+    return value
+
+
+def _section(cls: type, values: dict[str, Any], where: str, base: Any = None) -> Any:
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where} must be a table")
+    known = {f.name for f in fields(cls)}
+    for key in values:
+        if key not in known:
+            raise ConfigError(f"{where}: unknown key {key!r} (known: {', '.join(sorted(known))})")
+    kwargs = {k: _coerce(cls, k, v, where) for k, v in values.items()}
+    if base is not None:
+        return replace(base, **kwargs)
+    return cls(**kwargs)
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> TrainConfig:
+    """Build a TrainConfig from nested plain data; unknown keys raise ConfigError naming them."""
+    raw = dict(raw)
+    preset = raw.pop("preset", "tiny")
+    if preset not in MODEL_PRESETS:
+        raise ConfigError(f"{source}: unknown preset {preset!r} (known: {', '.join(MODEL_PRESETS)})")
+    for key in raw:
+        if key not in _SECTIONS:
+            raise ConfigError(f"{source}: unknown key {key!r} (known: preset, {', '.join(_SECTIONS)})")
+    parts = {}
+    for name, cls in _SECTIONS.items():
+        base = MODEL_PRESETS[preset] if name == "model" else None
+        parts[name] = _section(cls, raw.get(name, {}), f"{source} [{name}]", base)
+    return TrainConfig(**parts)
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """Load a TOML config strictly; ``overrides`` is a nested dict merged over the file."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    for section, values in (overrides or {}).items():
+        if isinstance(values, dict):
+            raw.setdefault(section, {})
+            if not isinstance(raw[section], dict):
+                raise ConfigError(f"{path}: {section} must be a table")
+            raw[section].update(values)
+        else:
+            raw[section] = values
+    return config_from_dict(raw, str(path))
+
+
+def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
+    """Plain nested dict (JSON/TOML friendly) of a config."""
+    out = dataclasses.asdict(cfg)
+    out["data"]["text_extensions"] = list(cfg.data.text_extensions)
+    return out
+
+
+def model_fingerprint(cfg: TrainConfig, tokenizer_hash: str, vocab_size: int) -> str:
+    """Hex digest that two peers must share: model, codec, seed, tokenizer hash and vocab size."""
+    payload = {
+        "model": dataclasses.asdict(cfg.model),
+        "compression": dataclasses.asdict(cfg.compression),
+        "seed": cfg.run.seed,
+        "num_stages": cfg.run.num_stages,
+        "context_length": cfg.model.context_length,
+        "tokenizer_hash": tokenizer_hash,
+        "vocab_size": vocab_size,
+    }
+    blob = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:32]
+
