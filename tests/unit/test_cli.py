@@ -1,0 +1,75 @@
+"""User mistakes give one-line errors, no traceback; config loading is strict."""
+
+import subprocess
+import sys
+
+import pytest
+
+from mapl_swarm.cli import parse_overrides
+from mapl_swarm.config import load_config
+from mapl_swarm.errors import ConfigError
+
+
+def _run(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "mapl_swarm", *args], capture_output=True, text=True,
+                          timeout=120, cwd=cwd)
+
+
+def _assert_one_line_error(proc, *needles):
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("mapl-swarm: error:")]
+    assert len(lines) == 1, proc.stderr
+    for n in needles:
+        assert n in lines[0]
+
+
+def test_unknown_config_key_names_key_and_file(tmp_path):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text('[run]\nnum_stages = 2\nbogus_key = 3\n')
+    _assert_one_line_error(_run("train", "--config", str(cfg)), "bogus_key", str(cfg))
+
+
+def test_missing_corpus_path(tmp_path):
+    missing = tmp_path / "nope"
+    proc = _run("train", "--set", f'data.source="{missing}"', "--set", "run.steps=1",
+                "--set", f'data.cache_dir="{tmp_path}/cache"')
+    _assert_one_line_error(proc, str(missing))
+
+
+def test_impossible_partition():
+    proc = _run("train", "--set", "run.num_stages=9")
+    _assert_one_line_error(proc, "cannot split 8 layers over 9 stages")
+
+
+def test_missing_config_file(tmp_path):
+    _assert_one_line_error(_run("train", "--config", str(tmp_path / "x.toml")), "not found")
+
+
+def test_overrides_parse_toml_values():
+    assert parse_overrides(["run.steps=3", "compression.codec=none", 'data.source="a b"']) == {
+        "run": {"steps": 3}, "compression": {"codec": "none"}, "data": {"source": "a b"}}
+    with pytest.raises(ConfigError):
+        parse_overrides(["nokey"])
+
+
+def test_config_file_and_preset(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text('preset = "150M"\n[model]\nnum_layers = 4\n[run]\nnum_stages = 4\n')
+    cfg = load_config(p)
+    assert cfg.model.hidden_size == 1024 and cfg.model.num_layers == 4
+    with pytest.raises(ConfigError, match="must be int"):
+        p.write_text('[run]\nsteps = "ten"\n')
+        load_config(p)
+    with pytest.raises(ConfigError, match="unknown preset"):
+        p.write_text('preset = "7B"\n')
+        load_config(p)
+
+
+def test_shipped_configs_load():
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2] / "peers"
+    files = sorted(root.glob("*.toml"))
+    assert files
+    for f in files:
+        load_config(f)
