@@ -1,0 +1,88 @@
+"""Wire protocol 1.0: messages <-> ZeroMQ multipart frames (normative text: protocol/SPEC.md).
+
+Imports no torch; tensors are numpy arrays (bf16 as its raw ``uint16`` bit patterns).
+
+API
+---
+``Message(*, type, run_id, src, dst, step=0, micro=0, seq=0, pver=0, cver=0, meta={}, tensors={},
+version=(1, 0))``
+    One message. ``type`` is a :class:`MessageType`; ``tensors`` maps names (frame order) to
+    :class:`WireTensor` (a plain numpy array is wrapped with its inferred tag).
+``WireTensor(dtype, data)`` / ``WireTensor.from_array(array, dtype=None)``
+    Dtype tag (``bf16 fp16 fp32 fp64 uint8 uint16 uint32 int32 int64``) plus numpy elements.
+``encode(msg, *, secret=None, compress=None, max_header_bytes=64 KiB, max_frame_bytes=256 MiB)
+-> list[bytes | memoryview]``
+    Canonical header frame, then one frame per tensor. ``raw`` tensor frames are memoryviews of
+    the arrays (zero copy: keep them unchanged until sent). ``compress``: one codec for all
+    tensors or ``{name: "raw" | "lz4"}``; default ``lz4`` for integer tags, ``raw`` for floats;
+    ``lz4`` falls back to ``raw`` when it does not shrink. ``secret`` (bytes) adds HMAC-SHA256.
+``decode(frames, *, secret=None, max_header_bytes=64 KiB, max_frame_bytes=256 MiB) -> Message``
+    Raises only :class:`WireError` subclasses on bad input; unknown header/descriptor keys of the
+    same major are ignored; ``raw`` tensors are read-only views of the frames.
+``default_codec(dtype) -> str``; ``MessageType``; ``PROTOCOL_VERSION``; ``META_SCHEMA``.
+
+Errors (``.code``): MalformedHeader, UnknownMessageType, VersionMismatch (``peer speaks 2.0,
+this peer speaks 1.0``; ``.peer_version``, ``.local_version``), FrameCountMismatch,
+LengthMismatch, ChecksumMismatch, FrameTooLarge, BadDtype, BadShape, BadCodec,
+DecompressionFailed, AuthFailed, InvalidMessage — all subclasses of :class:`WireError`
+(itself a ``mapl_swarm.errors.MaplError``); ``ERRORS_BY_CODE`` maps codes to classes.
+
+``meta`` per type (required; optional): HELLO/WELCOME ``fingerprint`` str, ``num_stages`` uint,
+``capabilities`` [str]; ``components`` map, ``peer`` str. REJECT ``code``, ``reason`` str;
+``local``, ``remote``. ACT ``mode`` "train"|"eval". PROJ_GRAD —; ``micro_batches`` uint.
+REPORT ``loss`` float, ``tokens`` uint; ``mode``, ``metrics`` {str: number}. HEARTBEAT —;
+``sent_ns`` uint. BYE —; ``reason`` str. ERROR ``code``, ``message`` str; ``ref_seq`` uint.
+GRAD, PROJ, CODEBOOK_SLICE, RESYNC: none yet. PROJ, PROJ_GRAD and CODEBOOK_SLICE tensors must
+be fp32 (BadDtype); HELLO, WELCOME, REJECT, REPORT, RESYNC, HEARTBEAT, BYE, ERROR carry none.
+
+Golden vectors: ``python -m mapl_swarm.wire.vectors --out protocol/vectors/v1`` (regenerate),
+``python -m mapl_swarm.wire.vectors --check protocol/vectors/v1`` (verify).
+"""
+
+from .errors import (
+    ERRORS_BY_CODE,
+    AuthFailed,
+    BadCodec,
+    BadDtype,
+    BadShape,
+    ChecksumMismatch,
+    DecompressionFailed,
+    FrameCountMismatch,
+    FrameTooLarge,
+    InvalidMessage,
+    LengthMismatch,
+    MalformedHeader,
+    UnknownMessageType,
+    VersionMismatch,
+    WireError,
+)
+from .frames import decode, default_codec, encode
+from .message import META_SCHEMA, Message, WireTensor
+from .spec import DTYPES, PROTOCOL_VERSION, MessageType
+
+__all__ = [
+    "Message",
+    "WireTensor",
+    "MessageType",
+    "PROTOCOL_VERSION",
+    "DTYPES",
+    "META_SCHEMA",
+    "encode",
+    "decode",
+    "default_codec",
+    "WireError",
+    "MalformedHeader",
+    "UnknownMessageType",
+    "VersionMismatch",
+    "FrameCountMismatch",
+    "LengthMismatch",
+    "ChecksumMismatch",
+    "FrameTooLarge",
+    "BadDtype",
+    "BadShape",
+    "BadCodec",
+    "DecompressionFailed",
+    "AuthFailed",
+    "InvalidMessage",
+    "ERRORS_BY_CODE",
+]

@@ -1,0 +1,176 @@
+"""Constants of wire protocol 1.0: version, message types, dtypes, codecs, limits, key order.
+
+Everything here mirrors a table of ``protocol/SPEC.md``; change the spec first, then this file.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "MessageType",
+    "RESERVED_TYPE_CODES",
+    "DType",
+    "DTYPES",
+    "FLOAT_DTYPES",
+    "INTEGER_DTYPES",
+    "CODECS",
+    "FP32_ONLY_TYPES",
+    "TENSOR_TYPES",
+    "MODES",
+    "REJECT_CODES",
+    "HEADER_KEYS",
+    "DESCRIPTOR_KEYS",
+    "AUTH_KEY",
+    "AUTH_TAG_BYTES",
+    "MAC_DOMAIN",
+    "DEFAULT_MAX_HEADER_BYTES",
+    "DEFAULT_MAX_FRAME_BYTES",
+    "MAX_TENSORS",
+    "MAX_NDIM",
+    "MAX_RUN_ID_BYTES",
+    "MAX_NAME_BYTES",
+    "MAX_META_DEPTH",
+    "UINT16_MAX",
+    "UINT32_MAX",
+    "UINT64_MAX",
+    "INT64_MIN",
+]
+
+PROTOCOL_VERSION: tuple[int, int] = (1, 0)
+"""(major, minor) spoken by this implementation."""
+
+
+class MessageType(enum.IntEnum):
+    """Message type codes (SPEC §5)."""
+
+    HELLO = 1
+    WELCOME = 2
+    REJECT = 3
+    ACT = 4
+    GRAD = 5
+    PROJ_GRAD = 6
+    PROJ = 7
+    REPORT = 8
+    CODEBOOK_SLICE = 9
+    RESYNC = 10
+    HEARTBEAT = 11
+    BYE = 12
+    ERROR = 13
+
+
+RESERVED_TYPE_CODES: frozenset[int] = frozenset({14, 15})
+"""Reserved for checkpoint agreement; a 1.0 decoder rejects them as unknown."""
+
+
+@dataclass(frozen=True)
+class DType:
+    """One element type tag of SPEC §4."""
+
+    tag: str
+    """Name on the wire."""
+    itemsize: int
+    """Bytes per element."""
+    numpy: np.dtype
+    """Little-endian numpy dtype the elements are viewed as (bf16 is viewed as uint16)."""
+    is_float: bool
+    """Whether the tag is a floating-point type."""
+
+
+def _dt(tag: str, np_str: str, is_float: bool) -> DType:
+    d = np.dtype(np_str)
+    return DType(tag=tag, itemsize=d.itemsize, numpy=d, is_float=is_float)
+
+
+DTYPES: dict[str, DType] = {
+    d.tag: d
+    for d in (
+        _dt("bf16", "<u2", True),
+        _dt("fp16", "<f2", True),
+        _dt("fp32", "<f4", True),
+        _dt("fp64", "<f8", True),
+        _dt("uint8", "|u1", False),
+        _dt("uint16", "<u2", False),
+        _dt("uint32", "<u4", False),
+        _dt("int32", "<i4", False),
+        _dt("int64", "<i8", False),
+    )
+}
+"""Supported dtype tags, by tag."""
+
+FLOAT_DTYPES: frozenset[str] = frozenset(t for t, d in DTYPES.items() if d.is_float)
+INTEGER_DTYPES: frozenset[str] = frozenset(t for t, d in DTYPES.items() if not d.is_float)
+
+CODECS: tuple[str, ...] = ("raw", "lz4")
+"""Tensor frame codecs: uncompressed, or one LZ4 block without stored size."""
+
+FP32_ONLY_TYPES: frozenset[MessageType] = frozenset(
+    {MessageType.PROJ, MessageType.PROJ_GRAD, MessageType.CODEBOOK_SLICE}
+)
+"""Message types whose tensors must all be fp32."""
+
+TENSOR_TYPES: frozenset[MessageType] = frozenset(
+    {
+        MessageType.ACT,
+        MessageType.GRAD,
+        MessageType.PROJ_GRAD,
+        MessageType.PROJ,
+        MessageType.CODEBOOK_SLICE,
+    }
+)
+"""Message types that may carry tensors; every other type carries none."""
+
+MODES: tuple[str, ...] = ("train", "eval")
+"""Values of ``meta["mode"]`` (ACT, REPORT)."""
+
+REJECT_CODES: tuple[str, ...] = (
+    "version_mismatch",
+    "run_mismatch",
+    "stage_mismatch",
+    "fingerprint_mismatch",
+    "num_stages_mismatch",
+    "auth_failed",
+    "busy",
+)
+"""Codes a REJECT uses (SPEC §5); not enforced by the decoder."""
+
+HEADER_KEYS: tuple[str, ...] = (
+    "v",
+    "type",
+    "run",
+    "src",
+    "dst",
+    "step",
+    "micro",
+    "seq",
+    "pver",
+    "cver",
+    "meta",
+    "tensors",
+)
+"""Required header keys in canonical order; ``auth`` follows when present."""
+
+DESCRIPTOR_KEYS: tuple[str, ...] = ("name", "dtype", "shape", "codec", "nbytes", "rawbytes", "crc")
+"""Tensor descriptor keys in canonical order."""
+
+AUTH_KEY = "auth"
+AUTH_TAG_BYTES = 32
+MAC_DOMAIN = b"MAPLWIRE"
+"""Prefix of the HMAC input (SPEC §7)."""
+
+DEFAULT_MAX_HEADER_BYTES = 64 * 1024
+DEFAULT_MAX_FRAME_BYTES = 256 * 1024 * 1024
+MAX_TENSORS = 64
+MAX_NDIM = 8
+MAX_RUN_ID_BYTES = 128
+MAX_NAME_BYTES = 64
+MAX_META_DEPTH = 8
+
+UINT16_MAX = 2**16 - 1
+UINT32_MAX = 2**32 - 1
+UINT64_MAX = 2**64 - 1
+INT64_MIN = -(2**63)

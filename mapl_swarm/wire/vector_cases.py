@@ -1,0 +1,312 @@
+"""The golden vector cases of protocol/vectors/v1: valid, accept-only and invalid messages.
+
+Valid cases are encodings of :func:`vector_samples.samples`; accept and invalid cases are those
+encodings altered at the msgpack level (one defect each), with CRCs and auth tags fixed up where
+the case is about something else.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import lz4.block
+import msgpack
+
+from .frames import compute_tag, encode
+from .vector_samples import VECTOR_SECRET, samples
+
+__all__ = ["Case", "build_cases"]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One golden vector."""
+
+    name: str
+    kind: str
+    """``valid``, ``accept`` or ``invalid``."""
+    frames: list[bytes]
+    description: str
+    error: str | None = None
+    """Expected error code (invalid)."""
+    equivalent: str | None = None
+    """Valid vector that re-encoding the decoded message reproduces (accept)."""
+    secret: bool = False
+    """Decode with the vectors' secret."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _hdr(frames: list[bytes]) -> dict[str, Any]:
+    return msgpack.unpackb(frames[0], raw=False)
+
+
+def _pack(h: Any) -> bytes:
+    return msgpack.packb(h, use_bin_type=True)
+
+
+def _edit(
+    frames: list[bytes],
+    fn: Callable[[dict[str, Any]], Any],
+    *,
+    sign: bool = False,
+    key: bytes = VECTOR_SECRET,
+) -> list[bytes]:
+    """Re-pack the header after ``fn`` edits its dict; ``sign`` recomputes the tag with ``key``."""
+    h = _hdr(frames)
+    fn(h)
+    if sign:
+        h.pop("auth", None)
+        h["auth"] = bytes(32)
+        body = _pack(h)[:-32]
+        return [body + compute_tag(key, body, frames[1:]), *frames[1:]]
+    return [_pack(h), *frames[1:]]
+
+
+def _set(key: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    def fn(h: dict[str, Any]) -> None:
+        h[key] = value
+
+    return fn
+
+
+def _desc(i: int, **kv: Any) -> Callable[[dict[str, Any]], None]:
+    def fn(h: dict[str, Any]) -> None:
+        h["tensors"][i].update(kv)
+
+    return fn
+
+
+def _meta(**kv: Any) -> Callable[[dict[str, Any]], None]:
+    def fn(h: dict[str, Any]) -> None:
+        h["meta"].update(kv)
+        for k, v in kv.items():
+            if v is _DROP:
+                del h["meta"][k]
+
+    return fn
+
+
+_DROP = object()
+
+
+def _replace_frame(frames: list[bytes], i: int, data: bytes, **desc: Any) -> list[bytes]:
+    """Put ``data`` as tensor frame ``i`` with a matching nbytes/crc (plus ``desc`` overrides)."""
+    out = [*frames]
+    out[1 + i] = data
+    return _edit(out, _desc(i, nbytes=len(data), crc=zlib.crc32(data), **desc))
+
+
+def _flip(b: bytes, pos: int) -> bytes:
+    return b[:pos] + bytes([b[pos] ^ 0x01]) + b[pos + 1 :]
+
+
+def _valid(v: dict[str, list[bytes]]) -> list[Case]:
+    text = {
+        "hello": "HELLO from stage 1 to stage 0 with fingerprint components",
+        "welcome": "WELCOME answering the HELLO",
+        "reject": "REJECT fingerprint_mismatch naming both fingerprints",
+        "act_train": "ACT train: int64 ids (lz4) and bf16 z (raw)",
+        "act_eval": "ACT eval: int32 ids (lz4) and fp16 z (raw)",
+        "act_vq": "ACT with uint8 VQ codes (lz4 does not pay: sent raw)",
+        "grad": "GRAD with bf16 dz",
+        "proj_grad": "PROJ_GRAD with fp32 (8, 4) gradient",
+        "proj": "PROJ with fp32 (8, 4) projector, pver 13",
+        "report": "REPORT loss, tokens, mode and metrics",
+        "codebook_slice": "CODEBOOK_SLICE (reserved layout) with fp32 codes",
+        "resync": "RESYNC, no meta",
+        "heartbeat": "HEARTBEAT with sent_ns",
+        "bye": "BYE with reason",
+        "error": "ERROR with code, message, ref_seq",
+        "all_dtypes": "one tensor of every dtype, a scalar and an empty tensor",
+        "large_ints": "largest src/micro/seq, 64-bit step/pver",
+        "meta_free": "free meta: nested maps sorted, bin, nil, bools, negative and 64-bit ints",
+        "act_auth": "ACT train authenticated with the vectors' secret",
+        "hello_auth": "HELLO authenticated with the vectors' secret",
+    }
+    return [Case(n, "valid", f, text[n], secret=n.endswith("_auth")) for n, f in v.items()]
+
+
+def _accept(v: dict[str, list[bytes]]) -> list[Case]:
+    def unknown_key(h: dict[str, Any]) -> None:
+        h["v"] = [1, 3]
+        h["route"] = {"via": "relay-7", "ttl": 3}
+
+    def reverse(h: dict[str, Any]) -> None:
+        items = list(h.items())[::-1]
+        h.clear()
+        h.update(items)
+
+    def unsorted_meta(h: dict[str, Any]) -> None:
+        h["meta"] = dict(reversed(list(h["meta"].items())))
+        h["meta"]["metrics"] = dict(reversed(list(h["meta"]["metrics"].items())))
+
+    def auth_unknown(h: dict[str, Any]) -> None:
+        h["v"] = [1, 2]
+        h["trace"] = "abc"
+
+    rep = v["report"][0]
+    wide = rep.replace(b"\xa4step\x0c", b"\xa4step\xcf" + struct.pack(">Q", 12))
+    wide = wide.replace(b"\xa6tokens\xcd\x10\x00", b"\xa6tokens\xce\x00\x00\x10\x00")
+    f32 = rep.replace(b"\xa4loss\xcb" + struct.pack(">d", 3.25), b"\xa4loss\xca" + struct.pack(">f", 3.25))
+    assert wide != rep and f32 != rep
+    A = "accept"
+    return [
+        Case("unknown_header_key", A, _edit(v["hello"], unknown_key),
+             "version 1.3 header with an unknown key: ignored", equivalent="hello"),
+        Case("unknown_descriptor_key", A, _edit(v["act_train"], _desc(0, layout="bt")),
+             "tensor descriptor with an unknown key: ignored", equivalent="act_train"),
+        Case("newer_minor", A, _edit(v["heartbeat"], _set("v", [1, 7])),
+             "version 1.7 with nothing new: decoded as 1.7", equivalent="heartbeat"),
+        Case("key_order_reversed", A, _edit(v["hello"], reverse),
+             "header keys in reverse order", equivalent="hello"),
+        Case("wide_integers", A, [wide],
+             "step as uint64 and tokens as uint32 instead of the smallest width", equivalent="report"),
+        Case("float32_loss", A, [f32], "loss as msgpack float32", equivalent="report"),
+        Case("meta_unsorted", A, _edit(v["report"], unsorted_meta),
+             "meta and nested map keys not sorted", equivalent="report"),
+        Case("auth_unknown_key", A, _edit(v["act_auth"], auth_unknown, sign=True),
+             "authenticated 1.2 header with an unknown key before auth", equivalent="act_auth",
+             secret=True),
+    ]
+
+
+def _invalid(v: dict[str, list[bytes]]) -> list[Case]:
+    hello, act, act_auth, rep = v["hello"], v["act_train"], v["act_auth"], v["report"]
+    h0 = hello[0]
+    ids_raw = samples()["act_train"].tensors["ids"].wire_array().tobytes()
+    half = lz4.block.compress(ids_raw[: len(ids_raw) // 2], store_size=False)
+
+    def drop(key: str) -> Callable[[dict[str, Any]], None]:
+        return lambda h: h.pop(key)
+
+    def deep(h: dict[str, Any]) -> None:
+        x: Any = 1
+        for _ in range(9):
+            x = [x]
+        h["meta"]["deep"] = x
+
+    def auth_not_last(h: dict[str, Any]) -> None:
+        tensors = h.pop("tensors")
+        h["tensors"] = tensors  # now after auth
+
+    def many(h: dict[str, Any]) -> None:
+        h["tensors"] = [dict(h["tensors"][0], name=f"t{i}") for i in range(65)]
+
+    def dup_names(h: dict[str, Any]) -> None:
+        h["tensors"][1]["name"] = "ids"
+
+    def hb_tensor(h: dict[str, Any]) -> None:
+        h["tensors"] = [{"name": "x", "dtype": "uint8", "shape": [1], "codec": "raw",
+                         "nbytes": 1, "rawbytes": 1, "crc": zlib.crc32(b"\x07")}]
+
+    M, T, D, FC = "malformed_header", "unknown_message_type", "bad_dtype", "frame_count_mismatch"
+    L, C, S, AU, IM = "length_mismatch", "checksum_mismatch", "bad_shape", "auth_failed", "invalid_message"
+    cases: list[tuple[str, list[bytes], str, str]] = [
+        ("not_msgpack", [b"\xc1"], M, "header byte 0xc1 is never used by msgpack"),
+        ("header_not_map", [_pack([1, 0])], M, "header is an array"),
+        ("header_truncated", [h0[:-5]], M, "header cut short"),
+        ("header_trailing_bytes", [h0 + b"\x00"], M, "a byte after the header map"),
+        ("duplicate_key", [bytes([h0[0] + 1]) + h0[1:] + b"\xa4step\x00"], M, "key 'step' twice"),
+        ("integer_key", [bytes([h0[0] + 1]) + h0[1:] + b"\x01\x02"], M, "an integer map key"),
+        ("missing_run", _edit(hello, drop("run")), M, "required key 'run' missing"),
+        ("missing_tensors", _edit(hello, drop("tensors")), M, "required key 'tensors' missing"),
+        ("step_string", _edit(hello, _set("step", "12")), M, "step is a string"),
+        ("step_negative", _edit(hello, _set("step", -1)), M, "step is negative"),
+        ("step_float", _edit(hello, _set("step", 12.0)), M, "step is a float"),
+        ("micro_too_large", _edit(hello, _set("micro", 2**32)), M, "micro above 2^32-1"),
+        ("src_too_large", _edit(hello, _set("src", 65536)), M, "src above 65535"),
+        ("run_empty", _edit(hello, _set("run", "")), M, "empty run id"),
+        ("run_too_long", _edit(hello, _set("run", "r" * 129)), M, "run id of 129 bytes"),
+        ("version_string", _edit(hello, _set("v", "1.0")), M, "v is a string"),
+        ("version_short", _edit(hello, _set("v", [1])), M, "v has one element"),
+        ("meta_not_map", _edit(hello, _set("meta", [1])), M, "meta is an array"),
+        ("meta_ext_type", _edit(hello, _meta(t=msgpack.ExtType(5, b"x"))), M, "msgpack ext value"),
+        ("meta_too_deep", _edit(rep, deep), M, "meta nested 10 deep"),
+        ("tensors_not_array", _edit(hello, _set("tensors", {})), M, "tensors is a map"),
+        ("too_many_tensors", _edit(act, many), M, "65 tensor descriptors"),
+        ("duplicate_tensor_name", _edit(act, dup_names), M, "two tensors named 'ids'"),
+        ("descriptor_not_map", _edit(act, lambda h: h["tensors"].__setitem__(0, 5)), M,
+         "descriptor is an integer"),
+        ("descriptor_missing_crc", _edit(act, lambda h: h["tensors"][0].pop("crc")), M,
+         "descriptor lacks crc"),
+        ("tensor_name_empty", _edit(act, _desc(0, name="")), M, "empty tensor name"),
+        ("crc_too_large", _edit(act, _desc(0, crc=2**32)), M, "crc above 2^32-1"),
+        ("version_major_2", _edit(hello, _set("v", [2, 0])), "version_mismatch",
+         "major 2: 'peer speaks 2.0, this peer speaks 1.0'"),
+        ("version_major_0", _edit(hello, _set("v", [0, 9])), "version_mismatch", "major 0"),
+        ("type_unknown", _edit(hello, _set("type", 99)), T, "type 99"),
+        ("type_reserved", _edit(hello, _set("type", 14)), T, "type 14, reserved for checkpoints"),
+        ("type_zero", _edit(hello, _set("type", 0)), T, "type 0"),
+        ("type_string", _edit(hello, _set("type", "HELLO")), M, "type given by name"),
+        ("no_frames", [], FC, "zero frames"),
+        ("missing_frame", act[:-1], FC, "two descriptors, one tensor frame"),
+        ("extra_frame", [*act, b"\x00"], FC, "a frame without descriptor"),
+        ("dtype_unknown", _edit(act, _desc(1, dtype="fp8")), D, "dtype fp8 is not in 1.0"),
+        ("dtype_not_string", _edit(act, _desc(1, dtype=2)), D, "dtype is an integer"),
+        ("proj_bf16", _edit(v["proj"], _desc(0, dtype="bf16", shape=[8, 8])), D,
+         "PROJ tensor in bf16"),
+        ("proj_grad_fp16", _edit(v["proj_grad"], _desc(0, dtype="fp16", shape=[8, 8])), D,
+         "PROJ_GRAD tensor in fp16"),
+        ("codebook_fp64", _edit(v["codebook_slice"], _desc(0, dtype="fp64", shape=[16, 1])), D,
+         "CODEBOOK_SLICE tensor in fp64"),
+        ("shape_negative", _edit(act, _desc(1, shape=[2, -4, 4])), S, "negative dimension"),
+        ("shape_9_dims", _edit(act, _desc(1, shape=[1] * 7 + [8, 4])), S, "9 dimensions"),
+        ("shape_float", _edit(act, _desc(1, shape=[2.0, 4, 4])), S, "float dimension"),
+        ("shape_not_array", _edit(act, _desc(1, shape=32)), S, "shape is an integer"),
+        ("codec_unknown", _edit(act, _desc(1, codec="zstd")), "bad_codec", "codec zstd"),
+        ("rawbytes_wrong", _edit(act, _desc(1, rawbytes=130, nbytes=130)), L,
+         "rawbytes 130 for a (2, 4, 4) bf16 tensor"),
+        ("raw_nbytes_differs", _edit(act, _desc(1, nbytes=63)), L, "raw codec, nbytes != rawbytes"),
+        ("frame_shorter", [*act[:2], act[2][:-1]], L, "tensor frame one byte short"),
+        ("lz4_short_output", _replace_frame(act, 0, half), L,
+         "lz4 block decompressing to half of rawbytes"),
+        ("checksum_header", _edit(act, _desc(1, crc=(_hdr(act)["tensors"][1]["crc"] + 1) % 2**32)),
+         C, "crc field off by one"),
+        ("checksum_bitflip", [*act[:2], _flip(act[2], 5)], C, "one bit of z flipped"),
+        ("lz4_garbage", _replace_frame(act, 0, b"\xff" * 24), "decompression_failed",
+         "lz4 frame that is not an LZ4 block (crc matches)"),
+        ("header_too_large", _edit(v["heartbeat"], _meta(pad="x" * 65536)), "frame_too_large",
+         "header over 64 KiB"),
+        ("nbytes_too_large", _edit(act, _desc(0, nbytes=2**28 + 1)), "frame_too_large",
+         "declared on-wire size over 256 MiB"),
+        ("rawbytes_too_large", _edit(act, _desc(0, shape=[2**25 + 1], rawbytes=2**28 + 8)),
+         "frame_too_large", "declared decoded size over 256 MiB (decompression bomb)"),
+        ("act_mode_bad", _edit(act, _meta(mode="test")), IM, "ACT mode 'test'"),
+        ("act_mode_missing", _edit(act, _meta(mode=_DROP)), IM, "ACT without mode"),
+        ("report_loss_string", _edit(rep, _meta(loss="3.25")), IM, "REPORT loss is a string"),
+        ("report_loss_int", _edit(rep, _meta(loss=3)), IM, "REPORT loss is an integer"),
+        ("report_tokens_float", _edit(rep, _meta(tokens=4096.0)), IM, "REPORT tokens is a float"),
+        ("report_tokens_bool", _edit(rep, _meta(tokens=True)), IM, "REPORT tokens is a bool"),
+        ("hello_no_fingerprint", _edit(hello, _meta(fingerprint=_DROP)), IM, "HELLO lacks fingerprint"),
+        ("hello_zero_stages", _edit(hello, _meta(num_stages=0)), IM, "HELLO num_stages 0"),
+        ("error_no_code", _edit(v["error"], _meta(code=_DROP)), IM, "ERROR lacks code"),
+        ("heartbeat_with_tensor", _edit([*v["heartbeat"], b"\x07"], hb_tensor), IM,
+         "HEARTBEAT carrying a tensor"),
+    ]
+    out = [Case(n, "invalid", f, d, error=e) for n, f, e, d in cases]
+    tag_flip = [_flip(act_auth[0], len(act_auth[0]) - 1), *act_auth[1:]]
+    tampered = _replace_frame(act_auth, 1, _flip(act_auth[2], 0))
+    auth_cases = [
+        ("auth_bad_tag", tag_flip, True, "last tag bit flipped"),
+        ("auth_missing", act, True, "no tag, receiver has the secret"),
+        ("auth_unexpected", act_auth, False, "tag present, receiver has no secret"),
+        ("auth_tampered_frame", tampered, True, "z altered and its crc fixed, tag not"),
+        ("auth_not_last", _edit(act_auth, auth_not_last), True, "auth before tensors"),
+        ("auth_short", _edit(act_auth, _set("auth", bytes(16))), True, "16-byte tag"),
+        ("auth_wrong_secret", _edit(act, lambda h: None, sign=True, key=b"another secret"), True,
+         "tag made with another secret"),
+    ]
+    out += [Case(n, "invalid", f, d, error=AU, secret=s) for n, f, s, d in auth_cases]
+    return out
+
+
+def build_cases() -> list[Case]:
+    """Every golden vector, valid first, then accept, then invalid."""
+    v = {
+        name: [bytes(f) for f in encode(m, secret=VECTOR_SECRET if name.endswith("_auth") else None)]
+        for name, m in samples().items()
+    }
+    return _valid(v) + _accept(v) + _invalid(v)

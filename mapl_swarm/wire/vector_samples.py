@@ -1,0 +1,220 @@
+"""Deterministic sample messages, one per message type, for the golden vectors and tests.
+
+Tensor contents come from integer arithmetic only (no RNG, no transcendental functions), so the
+bytes are identical on every platform and numpy version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from .message import Message, WireTensor
+from .spec import MessageType
+
+__all__ = ["VECTOR_SECRET", "RUN_ID", "FINGERPRINT", "sample_floats", "sample_ids", "samples"]
+
+VECTOR_SECRET = b"mapl-swarm golden vector secret"
+"""Shared secret of the authenticated vectors (never use it for a real run)."""
+
+RUN_ID = "vectors-run-0001"
+FINGERPRINT = hashlib.sha256(b"mapl-swarm example config").hexdigest()
+_OTHER_FINGERPRINT = hashlib.sha256(b"mapl-swarm other config").hexdigest()
+
+
+def sample_floats(n: int, salt: int = 0) -> np.ndarray:
+    """``n`` float32 values in [-2, 2) from a multiplicative hash (exact IEEE arithmetic)."""
+    k = (np.arange(n, dtype=np.uint64) + np.uint64(salt)) * np.uint64(2654435761)
+    u = (k % np.uint64(2**24)).astype(np.float32)
+    return u / np.float32(2**22) - np.float32(2.0)
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    """bf16 bit patterns of float32 values (truncation)."""
+    return (x.astype("<f4").view("<u4") >> 16).astype("<u2")
+
+
+def sample_ids(b: int, t: int, dtype: str = "<i8") -> np.ndarray:
+    """A (b, t) id tensor repeating a short sentence, as BPE ids of text do."""
+    sentence = np.array([464, 2068, 7586, 21831, 18045, 625, 262, 16931, 3290, 13], dtype=dtype)
+    return np.resize(sentence, b * t).reshape(b, t)
+
+
+def _stage_hello(mtype: MessageType) -> Message:
+    return Message(
+        type=mtype,
+        run_id=RUN_ID,
+        src=1 if mtype is MessageType.HELLO else 0,
+        dst=0 if mtype is MessageType.HELLO else 1,
+        meta={
+            "fingerprint": FINGERPRINT,
+            "num_stages": 4,
+            "capabilities": [],
+            "components": {
+                "model": hashlib.sha256(b"model").hexdigest()[:16],
+                "codec": "mapl r=8 bf16",
+                "tokenizer_sha256": hashlib.sha256(b"tokenizer.json").hexdigest(),
+                "vocab_size": 50257,
+            },
+            "peer": "stage1@host-b" if mtype is MessageType.HELLO else "stage0@host-a",
+        },
+    )
+
+
+def samples() -> dict[str, Message]:
+    """Sample messages by vector name (B=2 sequences, T=4 tokens, d=8, r=4)."""
+    b, t, d, r = 2, 4, 8, 4
+    z = _bf16(sample_floats(b * t * r, 1)).reshape(b, t, r)
+    out: dict[str, Message] = {}
+    out["hello"] = _stage_hello(MessageType.HELLO)
+    out["welcome"] = _stage_hello(MessageType.WELCOME)
+    out["reject"] = Message(
+        type=MessageType.REJECT,
+        run_id=RUN_ID,
+        src=0,
+        dst=1,
+        meta={
+            "code": "fingerprint_mismatch",
+            "reason": f"fingerprint mismatch: peer {_OTHER_FINGERPRINT}, this peer {FINGERPRINT}",
+            "local": FINGERPRINT,
+            "remote": _OTHER_FINGERPRINT,
+        },
+    )
+    common = dict(run_id=RUN_ID, step=12, micro=3, seq=41, pver=12)
+    out["act_train"] = Message(
+        type=MessageType.ACT,
+        src=0,
+        dst=1,
+        meta={"mode": "train"},
+        tensors={"ids": WireTensor("int64", sample_ids(b, t + 1)), "z": WireTensor("bf16", z)},
+        **common,
+    )
+    out["act_eval"] = Message(
+        type=MessageType.ACT,
+        src=1,
+        dst=2,
+        meta={"mode": "eval"},
+        tensors={
+            "ids": WireTensor("int32", sample_ids(b, t + 1, "<i4")),
+            "z": WireTensor("fp16", sample_floats(b * t * r, 2).astype("<f2").reshape(b, t, r)),
+        },
+        **common,
+    )
+    codes = ((np.arange(b * t * r, dtype=np.uint64) * np.uint64(40503)) % np.uint64(251)).astype("u1")
+    out["act_vq"] = Message(
+        type=MessageType.ACT,
+        src=2,
+        dst=3,
+        cver=77,
+        meta={"mode": "train"},
+        tensors={
+            "ids": WireTensor("int64", sample_ids(b, t + 1)),
+            "codes": WireTensor("uint8", codes.reshape(b, t, r)),
+        },
+        **common,
+    )
+    out["grad"] = Message(
+        type=MessageType.GRAD,
+        src=1,
+        dst=0,
+        tensors={"dz": WireTensor("bf16", _bf16(sample_floats(b * t * r, 3)).reshape(b, t, r))},
+        **common,
+    )
+    out["proj_grad"] = Message(
+        type=MessageType.PROJ_GRAD,
+        src=1,
+        dst=0,
+        meta={"micro_batches": 4},
+        tensors={"grad": WireTensor("fp32", sample_floats(d * r, 4).reshape(d, r))},
+        **{**common, "micro": 0},
+    )
+    out["proj"] = Message(
+        type=MessageType.PROJ,
+        src=0,
+        dst=1,
+        tensors={"proj": WireTensor("fp32", sample_floats(d * r, 5).reshape(d, r))},
+        **{**common, "micro": 0, "pver": 13},
+    )
+    out["report"] = Message(
+        type=MessageType.REPORT,
+        src=3,
+        dst=2,
+        meta={
+            "loss": 3.25,
+            "tokens": 4096,
+            "mode": "train",
+            "metrics": {"grad_norm": 1.5, "lr": 0.001, "tokens_per_s": 1200},
+        },
+        **common,
+    )
+    out["codebook_slice"] = Message(
+        type=MessageType.CODEBOOK_SLICE,
+        src=0,
+        dst=1,
+        cver=78,
+        tensors={"codes": WireTensor("fp32", sample_floats(16 * 2, 6).reshape(16, 2))},
+        **common,
+    )
+    out["resync"] = Message(type=MessageType.RESYNC, run_id=RUN_ID, src=1, dst=0, seq=9)
+    out["heartbeat"] = Message(
+        type=MessageType.HEARTBEAT, run_id=RUN_ID, src=0, dst=1, seq=7, meta={"sent_ns": 1234567890123}
+    )
+    out["bye"] = Message(
+        type=MessageType.BYE, run_id=RUN_ID, src=0, dst=1, seq=8, meta={"reason": "shutdown"}
+    )
+    out["error"] = Message(
+        type=MessageType.ERROR,
+        run_id=RUN_ID,
+        src=1,
+        dst=0,
+        seq=10,
+        meta={"code": "checksum_mismatch", "message": "tensor 'z': CRC-32 mismatch", "ref_seq": 17},
+    )
+    out["all_dtypes"] = Message(
+        type=MessageType.ACT,
+        meta={"mode": "train"},
+        src=0,
+        dst=1,
+        tensors={
+            "bf16": WireTensor("bf16", _bf16(sample_floats(6, 7)).reshape(2, 3)),
+            "fp16": WireTensor("fp16", sample_floats(3, 8).astype("<f2")),
+            "fp32": WireTensor("fp32", sample_floats(1, 9).reshape(())),
+            "fp64": WireTensor("fp64", sample_floats(4, 10).astype("<f8").reshape(2, 1, 2)),
+            "uint8": WireTensor("uint8", np.arange(5, dtype="u1")),
+            "uint16": WireTensor("uint16", np.array([0, 1, 65535], dtype="<u2")),
+            "uint32": WireTensor("uint32", np.array([0, 2**32 - 1], dtype="<u4")),
+            "int32": WireTensor("int32", np.array([-(2**31), -1, 0, 2**31 - 1], dtype="<i4")),
+            "int64": WireTensor("int64", np.array([-(2**63), 2**63 - 1], dtype="<i8")),
+            "empty": WireTensor("fp32", np.zeros((0, 3), dtype="<f4")),
+        },
+        **common,
+    )
+    out["large_ints"] = Message(
+        type=MessageType.GRAD,
+        run_id=RUN_ID,
+        src=65535,
+        dst=65534,
+        step=2**40 + 1,
+        micro=2**32 - 1,
+        seq=2**64 - 1,
+        pver=2**63,
+        cver=2**16,
+    )
+    out["meta_free"] = Message(
+        type=MessageType.ACT,
+        run_id="run-ünïcödé-✓",
+        src=0,
+        dst=1,
+        meta={
+            "mode": "eval",
+            "zeta": [1, -1, -200, 70000, -(2**63), 2**64 - 1],
+            "alpha": {"b": None, "a": True, "c": False},
+            "blob": b"\x00\x01\xfe\xff",
+            "pi": 3.141592653589793,
+            "nested": {"z": [{"y": 1.5, "x": "é"}]},
+        },
+    )
+    out["act_auth"] = out["act_train"]
+    out["hello_auth"] = out["hello"]
+    return out

@@ -1,0 +1,245 @@
+"""Golden vector tool: regenerate or check ``protocol/vectors/v1``.
+
+    python -m mapl_swarm.wire.vectors --out protocol/vectors/v1     # (re)write the vectors
+    python -m mapl_swarm.wire.vectors --check protocol/vectors/v1   # verify them, exit 1 on failure
+
+Each vector is one ``.mwv`` file: a msgpack array whose items are the message's frames as bin.
+``manifest.json`` lists every file with its expectation (``valid`` / ``accept`` / ``invalid``),
+the error code of invalid ones, the valid vector an accept-only one re-encodes to, and a JSON
+summary of what valid and accept vectors decode to. ``--check`` verifies every expectation
+against the decoder and that the generator reproduces the stored files byte for byte.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from .errors import ERRORS_BY_CODE, WireError
+from .frames import decode, encode
+from .message import Message
+from .spec import PROTOCOL_VERSION
+from .vector_cases import Case, build_cases
+from .vector_samples import VECTOR_SECRET
+
+__all__ = [
+    "SUFFIX",
+    "KINDS",
+    "pack_container",
+    "unpack_container",
+    "summarize",
+    "build_manifest",
+    "write_vectors",
+    "check_entry",
+    "check_vectors",
+    "main",
+]
+
+SUFFIX = ".mwv"
+KINDS = ("valid", "accept", "invalid")
+MANIFEST = "manifest.json"
+
+
+def pack_container(frames: list[bytes]) -> bytes:
+    """Vector file bytes for ``frames``."""
+    return msgpack.packb([bytes(f) for f in frames], use_bin_type=True)
+
+
+def unpack_container(data: bytes) -> list[bytes]:
+    """Frames stored in a vector file."""
+    frames = msgpack.unpackb(data, raw=False)
+    if not isinstance(frames, list) or not all(isinstance(f, bytes) for f in frames):
+        raise ValueError("vector file is not a msgpack array of bin")
+    return frames
+
+
+def _json(v: Any) -> Any:
+    if isinstance(v, bytes):
+        return {"bin": v.hex()}
+    if isinstance(v, dict):
+        return {k: _json(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json(x) for x in v]
+    return v
+
+
+def summarize(msg: Message) -> dict[str, Any]:
+    """JSON summary of a decoded message (bin values as ``{"bin": hex}``, tensors by SHA-256)."""
+    return {
+        "version": list(msg.version),
+        "type": msg.type.name,
+        "run": msg.run_id,
+        "src": msg.src,
+        "dst": msg.dst,
+        "step": msg.step,
+        "micro": msg.micro,
+        "seq": msg.seq,
+        "pver": msg.pver,
+        "cver": msg.cver,
+        "meta": _json(msg.meta),
+        "tensors": [
+            {
+                "name": name,
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "sha256": hashlib.sha256(t.wire_array().tobytes()).hexdigest(),
+            }
+            for name, t in msg.tensors.items()
+        ],
+    }
+
+
+def _file(c: Case) -> str:
+    return f"{c.kind}/{c.name}{SUFFIX}"
+
+
+def _secret(entry: dict[str, Any]) -> bytes | None:
+    return VECTOR_SECRET if entry.get("secret") else None
+
+
+def build_manifest(cases: list[Case]) -> dict[str, Any]:
+    """Manifest describing ``cases``."""
+    by_name = {c.name: c for c in cases if c.kind == "valid"}
+    entries = []
+    for c in cases:
+        e: dict[str, Any] = {"file": _file(c), "expect": c.kind, "secret": c.secret}
+        if c.kind == "invalid":
+            e["error"] = c.error
+            e["error_class"] = ERRORS_BY_CODE[c.error].__name__
+        else:
+            if c.kind == "accept":
+                e["equivalent"] = _file(by_name[c.equivalent])
+            msg = decode(c.frames, secret=VECTOR_SECRET if c.secret else None)
+            e["message"] = summarize(msg)
+        e["description"] = c.description
+        entries.append(e)
+    return {
+        "protocol": f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}",
+        "regenerate": "python -m mapl_swarm.wire.vectors --out protocol/vectors/v1",
+        "check": "python -m mapl_swarm.wire.vectors --check protocol/vectors/v1",
+        "container": f"each {SUFFIX} file is a msgpack array of bin: the message's frames in order",
+        "secret_hex": VECTOR_SECRET.hex(),
+        "vectors": entries,
+    }
+
+
+def _manifest_text(manifest: dict[str, Any]) -> str:
+    return json.dumps(manifest, indent=1, ensure_ascii=False) + "\n"
+
+
+def write_vectors(out: Path) -> int:
+    """Write every vector and the manifest under ``out``; remove stale vector files. Returns count."""
+    cases = build_cases()
+    manifest = build_manifest(cases)
+    keep = {out / _file(c) for c in cases}
+    for kind in KINDS:
+        (out / kind).mkdir(parents=True, exist_ok=True)
+        for p in (out / kind).glob(f"*{SUFFIX}"):
+            if p not in keep:
+                p.unlink()
+    for c in cases:
+        (out / _file(c)).write_bytes(pack_container(c.frames))
+    (out / MANIFEST).write_text(_manifest_text(manifest), encoding="utf-8")
+    return len(cases)
+
+
+def _codecs(frames: list[bytes]) -> dict[str, str]:
+    return {d["name"]: d["codec"] for d in msgpack.unpackb(frames[0], raw=False)["tensors"]}
+
+
+def _same(a: list[Any], b: list[Any]) -> bool:
+    return len(a) == len(b) and all(bytes(x) == bytes(y) for x, y in zip(a, b))
+
+
+def check_entry(root: Path, entry: dict[str, Any]) -> None:
+    """Check one manifest entry against the decoder; raise AssertionError saying what differs."""
+    frames = unpack_container((root / entry["file"]).read_bytes())
+    secret = _secret(entry)
+    kind = entry["expect"]
+    name = entry["file"]
+    if kind == "invalid":
+        try:
+            decode(frames, secret=secret)
+        except WireError as e:
+            if e.code != entry["error"]:
+                raise AssertionError(f"{name}: expected {entry['error']}, got {e.code}: {e}") from e
+            return
+        except Exception as e:  # a decoder must never raise anything else
+            raise AssertionError(f"{name}: raised {type(e).__name__}: {e}") from e
+        raise AssertionError(f"{name}: accepted, expected {entry['error']}")
+    try:
+        msg = decode(frames, secret=secret)
+    except WireError as e:
+        raise AssertionError(f"{name}: rejected with {e.code}: {e}") from e
+    got = json.loads(json.dumps(summarize(msg), ensure_ascii=False))
+    if got != entry["message"]:
+        raise AssertionError(f"{name}: decodes to {got}, manifest says {entry['message']}")
+    if kind == "valid":
+        target = frames
+    elif kind == "accept":
+        target = unpack_container((root / entry["equivalent"]).read_bytes())
+        msg.version = PROTOCOL_VERSION
+    else:
+        raise AssertionError(f"{name}: unknown expectation {kind!r}")
+    again = encode(msg, secret=secret, compress=_codecs(target))
+    if not _same(again, target):
+        what = "itself" if kind == "valid" else entry["equivalent"]
+        raise AssertionError(f"{name}: re-encoding does not reproduce {what} byte for byte")
+
+
+def check_vectors(root: Path) -> list[str]:
+    """Every problem found in the vectors under ``root`` (empty when all is well)."""
+    problems: list[str] = []
+    try:
+        stored = json.loads((root / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        return [f"cannot read {root / MANIFEST}: {e}"]
+    for entry in stored.get("vectors", []):
+        try:
+            check_entry(root, entry)
+        except (AssertionError, OSError, ValueError) as e:
+            problems.append(str(e))
+    cases = build_cases()
+    if (root / MANIFEST).read_text(encoding="utf-8") != _manifest_text(build_manifest(cases)):
+        problems.append(f"{MANIFEST} differs from what the generator writes")
+    expected = {_file(c): pack_container(c.frames) for c in cases}
+    present = {str(p.relative_to(root)) for k in KINDS for p in (root / k).glob(f"*{SUFFIX}")}
+    for f in sorted(present - expected.keys()):
+        problems.append(f"{f}: stored but not generated (stale)")
+    for f, data in expected.items():
+        if f not in present:
+            problems.append(f"{f}: generated but not stored")
+        elif (root / f).read_bytes() != data:
+            problems.append(f"{f}: stored bytes differ from the generator's")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line entry point; returns the exit status."""
+    p = argparse.ArgumentParser(prog="python -m mapl_swarm.wire.vectors", description=__doc__.split("\n")[0])
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--out", type=Path, help="directory to (re)write the vectors into")
+    g.add_argument("--check", type=Path, help="directory of stored vectors to verify")
+    args = p.parse_args(argv)
+    if args.out is not None:
+        n = write_vectors(args.out)
+        print(f"wrote {n} vectors and {MANIFEST} to {args.out}")
+        return 0
+    problems = check_vectors(args.check)
+    for line in problems:
+        print(f"FAIL {line}")
+    n = len(json.loads((args.check / MANIFEST).read_text(encoding="utf-8")).get("vectors", [])) if (
+        args.check / MANIFEST
+    ).exists() else 0
+    print(f"{n} vectors checked in {args.check}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
+    return 0 if not problems else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

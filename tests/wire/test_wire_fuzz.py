@@ -1,0 +1,159 @@
+"""Hypothesis fuzzing: the decoder raises only WireError subclasses, whatever the bytes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgpack
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mapl_swarm.wire import Message, MessageType, WireError, WireTensor, decode, encode
+from mapl_swarm.wire.frames import compute_tag
+from mapl_swarm.wire.spec import DTYPES, HEADER_KEYS
+from mapl_swarm.wire.vector_samples import VECTOR_SECRET
+from mapl_swarm.wire.vectors import unpack_container
+
+ROOT = Path(__file__).resolve().parents[2] / "protocol" / "vectors" / "v1"
+_MANIFEST = json.loads((ROOT / "manifest.json").read_text(encoding="utf-8"))["vectors"]
+GOOD = [
+    (unpack_container((ROOT / e["file"]).read_bytes()), VECTOR_SECRET if e["secret"] else None)
+    for e in _MANIFEST
+    if e["expect"] in ("valid", "accept")
+]
+
+FUZZ = settings(max_examples=300, deadline=None, database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def decode_or_wire_error(frames, secret=None):
+    """Decode; only a Message or a WireError is an acceptable outcome."""
+    try:
+        out = decode(frames, secret=secret)
+    except WireError as e:
+        assert isinstance(e.code, str) and e.code != "wire_error"
+        return e
+    assert isinstance(out, Message)
+    return out
+
+
+@FUZZ
+@given(st.lists(st.binary(max_size=300), max_size=5), st.sampled_from([None, b"key"]))
+def test_random_bytes(frames, secret):
+    decode_or_wire_error(frames, secret)
+
+
+msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
+    | st.text(max_size=12) | st.binary(max_size=12),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
+field_values = st.one_of(
+    msgpack_values,
+    st.integers(0, 2**64 - 1),
+    st.sampled_from([[1, 0], [1, 9], [2, 0], -1, 2**32, "train", "eval", *DTYPES, "raw", "lz4"]),
+    st.lists(st.integers(-2, 2**40), max_size=9),
+)
+DESCRIPTOR_KEYS = ["name", "dtype", "shape", "codec", "nbytes", "rawbytes", "crc"]
+
+
+@FUZZ
+@given(st.sampled_from(GOOD), st.data())
+def test_valid_headers_with_random_field_values(good, data):
+    """Start from a valid header, replace a few fields (re-signing when authenticated)."""
+    frames, secret = good
+    head = msgpack.unpackb(frames[0], raw=False)
+    head.pop("auth", None)
+    for _ in range(data.draw(st.integers(1, 3))):
+        where = data.draw(st.sampled_from(["header", "meta", "descriptor"]))
+        if where == "header":
+            head[data.draw(st.sampled_from([*HEADER_KEYS, "x"]))] = data.draw(field_values)
+        elif where == "meta" and isinstance(head.get("meta"), dict):
+            keys = ["mode", "loss", "tokens", "fingerprint", "num_stages", "capabilities", "code"]
+            head["meta"][data.draw(st.sampled_from(keys))] = data.draw(field_values)
+        elif isinstance(head.get("tensors"), list) and head["tensors"]:
+            d = data.draw(st.sampled_from(head["tensors"]))
+            if isinstance(d, dict):
+                d[data.draw(st.sampled_from(DESCRIPTOR_KEYS))] = data.draw(field_values)
+    if secret is not None:
+        head["auth"] = bytes(32)
+        body = msgpack.packb(head, use_bin_type=True)[:-32]
+        new = [body + compute_tag(secret, body, frames[1:]), *frames[1:]]
+    else:
+        new = [msgpack.packb(head, use_bin_type=True), *frames[1:]]
+    decode_or_wire_error(new, secret)
+
+
+@st.composite
+def mutated(draw):
+    frames, secret = draw(st.sampled_from(GOOD))
+    frames = [bytearray(f) for f in frames]
+    for _ in range(draw(st.integers(1, 4))):
+        op = draw(st.sampled_from(["flip", "truncate", "insert", "drop", "dup", "set"]))
+        if not frames:
+            break
+        i = draw(st.integers(0, len(frames) - 1))
+        f = frames[i]
+        if op == "flip" and f:
+            pos = draw(st.integers(0, len(f) - 1))
+            f[pos] ^= 1 << draw(st.integers(0, 7))
+        elif op == "set" and f:
+            f[draw(st.integers(0, len(f) - 1))] = draw(st.integers(0, 255))
+        elif op == "truncate":
+            del f[draw(st.integers(0, len(f))):]
+        elif op == "insert":
+            pos = draw(st.integers(0, len(f)))
+            f[pos:pos] = draw(st.binary(min_size=1, max_size=8))
+        elif op == "drop":
+            del frames[i]
+        elif op == "dup":
+            frames.insert(i, bytearray(f))
+    return [bytes(f) for f in frames], secret
+
+
+@FUZZ
+@given(mutated())
+def test_mutated_valid_vectors(case):
+    frames, secret = case
+    decode_or_wire_error(frames, secret)
+
+
+@FUZZ
+@given(st.sampled_from(GOOD), st.data())
+def test_every_single_bit_flip_in_a_tensor_frame_is_caught(good, data):
+    frames, secret = good
+    if len(frames) < 2 or not any(frames[1:]):
+        return
+    i = data.draw(st.sampled_from([k for k in range(1, len(frames)) if frames[k]]))
+    f = bytearray(frames[i])
+    pos = data.draw(st.integers(0, len(f) - 1))
+    f[pos] ^= 1 << data.draw(st.integers(0, 7))
+    out = decode_or_wire_error([*frames[:i], bytes(f), *frames[i + 1:]], secret)
+    assert isinstance(out, WireError)
+
+
+@FUZZ
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(sorted(DTYPES)), st.lists(st.integers(0, 5), max_size=3),
+                  st.integers(0, 2**32 - 1), st.sampled_from(["raw", "lz4"])),
+        max_size=4,
+    ),
+    st.sampled_from([None, b"k"]),
+)
+def test_random_tensors_round_trip(specs, secret):
+    tensors, codecs = {}, {}
+    for n, (tag, shape, seed, codec) in enumerate(specs):
+        size = int(np.prod(shape)) * DTYPES[tag].itemsize
+        raw = np.random.default_rng(seed).integers(0, 4, size=size, dtype=np.uint8)
+        tensors[f"t{n}"] = WireTensor(tag, raw.view(DTYPES[tag].numpy).reshape(shape))
+        codecs[f"t{n}"] = codec
+    msg = Message(type=MessageType.ACT, run_id="fuzz", src=0, dst=1, meta={"mode": "eval"},
+                  tensors=tensors)
+    frames = encode(msg, secret=secret, compress=codecs)
+    back = decode(frames, secret=secret)
+    assert back == msg
+    assert [bytes(f) for f in encode(back, secret=secret, compress=codecs)] == [bytes(f) for f in frames]

@@ -1,0 +1,53 @@
+"""Golden vectors: every stored vector behaves as protocol/vectors/v1/manifest.json says."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mapl_swarm.wire import ERRORS_BY_CODE, MessageType
+from mapl_swarm.wire.vectors import check_entry, check_vectors, main
+
+ROOT = Path(__file__).resolve().parents[2] / "protocol" / "vectors" / "v1"
+MANIFEST = json.loads((ROOT / "manifest.json").read_text(encoding="utf-8"))
+ENTRIES = MANIFEST["vectors"]
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=[e["file"] for e in ENTRIES])
+def test_vector_behaves_as_manifest_says(entry):
+    check_entry(ROOT, entry)
+
+
+def test_generator_reproduces_stored_vectors():
+    assert check_vectors(ROOT) == []
+
+
+def test_check_cli_passes(capsys):
+    assert main(["--check", str(ROOT)]) == 0
+    assert "OK" in capsys.readouterr().out
+
+
+def test_check_cli_detects_tampering(tmp_path, capsys):
+    assert main(["--out", str(tmp_path)]) == 0
+    victim = tmp_path / "valid" / "act_train.mwv"
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 1
+    victim.write_bytes(bytes(data))
+    (tmp_path / "invalid" / "stale.mwv").write_bytes(b"\x90")
+    assert main(["--check", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "valid/act_train.mwv" in out and "stale" in out
+
+
+def test_vectors_cover_every_error_and_message_type():
+    errors = {e["error"] for e in ENTRIES if e["expect"] == "invalid"}
+    assert errors == set(ERRORS_BY_CODE)
+    types = {e["message"]["type"] for e in ENTRIES if e["expect"] == "valid"}
+    assert types == {t.name for t in MessageType}
+    kinds = {e["expect"] for e in ENTRIES}
+    assert kinds == {"valid", "accept", "invalid"}
+    for e in ENTRIES:
+        assert (ROOT / e["file"]).is_file()
+        assert e["file"].startswith(e["expect"] + "/")
