@@ -78,6 +78,50 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_peer(args: argparse.Namespace) -> int:
+    from mapl_swarm.peer.main import run_peer
+
+    cfg = _load(args)
+    secret = args.secret_file and open(args.secret_file, "rb").read().strip()
+    result = run_peer(cfg, args.stage, initial_peers=args.initial_peer or (), resume=args.resume,
+                      progress=not args.quiet, secret=secret or None)
+    if args.stage == 0 and result.train_losses:
+        print(f"stage 0 done: {len(result.train_losses)} steps, last loss {result.train_losses[-1]:.4f}, "
+              f"{result.tokens / max(result.wall_s, 1e-9):.0f} tokens/s, {result.bad_frames} bad frames dropped")
+    return 0
+
+
+def _cmd_dht(args: argparse.Namespace) -> int:
+    from mapl_swarm.net.discovery import run_bootstrap_node
+
+    def ready(maddrs: list[str]) -> None:
+        print("DHT bootstrap node running; start peers with one of:")
+        for m in maddrs:
+            print(f"  --initial-peer {m}")
+        sys.stdout.flush()
+
+    run_bootstrap_node(args.host, args.port, announce_host=args.announce_host, ready=ready)
+    return 0
+
+
+def _cmd_launch(args: argparse.Namespace) -> int:
+    from mapl_swarm.peer.launch import launch
+
+    cfg = _load(args)
+    child_args = (["--config", args.config] if args.config else []) + (["--preset", args.preset] if args.preset else [])
+    for item in args.set or []:
+        child_args += ["--set", item]
+    s = launch(cfg, child_args, progress=not args.quiet)
+    val = f", val loss {s.val_history[-1][1]:.4f}" if s.val_history else ""
+    print(f"swarm {cfg.compression.codec} P={cfg.run.num_stages}: {len(s.train_losses)} steps, train loss "
+          f"{s.train_losses[-1]:.4f}{val}, {s.tokens / max(s.wall_s, 1e-9):.0f} tokens/s")
+    for b, link in enumerate(s.links):
+        print(f"  link {b}->{b + 1}: {link['forward_payload']:.1f} B/token forward, "
+              f"{link['backward_payload']:.1f} B/token backward payload; "
+              f"{link['forward_wire']:.1f} / {link['backward_wire']:.1f} B/token on the wire")
+    return 0
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML run config (see peers/)")
     p.add_argument("--preset", help="model preset: tiny, 150M, 500M, 1B")
@@ -99,6 +143,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--resume", action="store_true", help="resume from the newest complete checkpoint")
     p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("peer", help="run one pipeline stage as a network peer")
+    _add_config_args(p)
+    p.add_argument("--stage", type=int, required=True, help="stage index, 0 .. num_stages-1")
+    p.add_argument("--initial-peer", action="append", metavar="MADDR", help="DHT bootstrap multiaddr")
+    p.add_argument("--resume", action="store_true", help="resume from the newest complete checkpoint")
+    p.add_argument("--secret-file", help="file holding the run's shared secret (adds HMAC tags)")
+    p.set_defaults(func=_cmd_peer)
+
+    p = sub.add_parser("dht", help="run a DHT bootstrap node and print its multiaddrs")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--announce-host", default=None, help="address other hosts dial (needs --port)")
+    p.set_defaults(func=_cmd_dht)
+
+    p = sub.add_parser("launch", help="start a DHT and every stage peer on this machine")
+    _add_config_args(p)
+    p.set_defaults(func=_cmd_launch)
     return parser
 
 

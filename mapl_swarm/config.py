@@ -24,6 +24,7 @@ __all__ = [
     "OptimConfig",
     "DataConfig",
     "RunConfig",
+    "NetConfig",
     "TrainConfig",
     "MODEL_PRESETS",
     "CODECS",
@@ -262,6 +263,45 @@ class RunConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class NetConfig:
+    """How a stage peer binds, finds its neighbours and shapes its outbound links."""
+
+    bind_host: str = "127.0.0.1"
+    """Interface the peer's ZeroMQ ROUTER binds (0.0.0.0 for every interface)."""
+    port: int = 0
+    """TCP port to bind; 0 picks a free one."""
+    advertise_host: str = ""
+    """Host announced to other peers; empty: bind_host, or this host's address when bound to 0.0.0.0."""
+    dht_host: str = "127.0.0.1"
+    """Interface the peer's DHT node listens on."""
+    dht_port: int = 0
+    """DHT TCP port; 0 picks a free one."""
+    initial_peers: tuple[str, ...] = ()
+    """DHT bootstrap multiaddrs (one is enough)."""
+    bandwidth_mbps: float = 0.0
+    """Emulated bandwidth of every outbound link in Mbit/s; 0 is unlimited."""
+    latency_ms: float = 0.0
+    """Emulated one-way latency of every outbound link."""
+    max_in_flight: int = 0
+    """Micro-batches stage 1 keeps in flight (1F1B warm-up depth); 0 means num_stages."""
+    timeout_s: float = 120.0
+    """Longest wait for any expected message (neighbour discovery, handshake, activations)."""
+    heartbeat_interval_s: float = 2.0
+    """Heartbeat period on idle links."""
+    compress_ids: bool = True
+    """lz4-compress token-id frames (activations are never compressed: lz4 gains nothing on them)."""
+    max_frame_bytes: int = 256 * 1024 * 1024
+    """Largest tensor frame accepted."""
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.port < 65536 and 0 <= self.dht_port < 65536, "net.port and net.dht_port must be in [0, 65535]")
+        for name in ("bandwidth_mbps", "latency_ms", "max_in_flight"):
+            _check(getattr(self, name) >= 0, f"net.{name} must be >= 0")
+        for name in ("timeout_s", "heartbeat_interval_s", "max_frame_bytes"):
+            _check(getattr(self, name) > 0, f"net.{name} must be positive")
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """A whole run."""
 
@@ -270,6 +310,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    net: NetConfig = field(default_factory=NetConfig)
 
     def __post_init__(self) -> None:
         m, c, r = self.model, self.compression, self.run
@@ -292,6 +333,7 @@ _SECTIONS: dict[str, type] = {
     "optim": OptimConfig,
     "data": DataConfig,
     "run": RunConfig,
+    "net": NetConfig,
 }
 
 
@@ -362,6 +404,7 @@ def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
     """Plain nested dict (JSON/TOML friendly) of a config."""
     out = dataclasses.asdict(cfg)
     out["data"]["text_extensions"] = list(cfg.data.text_extensions)
+    out["net"]["initial_peers"] = list(cfg.net.initial_peers)
     return out
 
 

@@ -1,0 +1,116 @@
+"""Quality benchmark: none / mapl / fixed / naive / ssn at equal token budget on the tiny preset.
+
+    python bench/quality.py [--steps 120] [--codecs none,mapl,...] [--rank 64]
+
+Each run trains in-process (P=4) from the same seed on the embedded stdlib corpus, then the script
+writes bench/results/quality.json (with a run manifest per run) and bench/results/quality.md, and
+replaces the quality section of BENCHMARKS.md between its markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import re
+import time
+from pathlib import Path
+
+from mapl_swarm.config import config_from_dict, config_to_dict
+from mapl_swarm.data import prepare_data
+from mapl_swarm.metrics import run_manifest
+from mapl_swarm.pipeline.trainer import train
+
+ROOT = Path(__file__).resolve().parents[1]
+BEGIN, END = "<!-- quality:begin -->", "<!-- quality:end -->"
+
+
+def run_one(codec: str, args: argparse.Namespace, data) -> dict:
+    cfg = config_from_dict({
+        "preset": "tiny",
+        "compression": {"codec": codec, "rank": args.rank, "anchor_rank": args.rank,
+                        "ssn_refresh_interval_steps": args.ssn_refresh},
+        "optim": {"warmup_steps": max(1, args.steps // 20)},
+        "run": {"num_stages": args.stages, "micro_batch_size": args.micro_batch_size,
+                "num_micro_batches": args.micro_batches, "steps": args.steps, "seed": args.seed,
+                "val_interval_steps": max(1, args.steps // 4), "val_batches": 8,
+                "out_dir": str(ROOT / "runs" / "bench-quality" / codec), "threads": args.threads},
+    })
+    t0 = time.perf_counter()
+    s = train(cfg, progress=not args.quiet, data=data)
+    wall = time.perf_counter() - t0
+    return {
+        "codec": codec,
+        "val_loss": s.final_val_loss,
+        "train_loss": s.final_train_loss,
+        "val_history": s.val_history,
+        "bytes_per_token": s.bytes_per_token[0] if s.bytes_per_token else {},
+        "tokens": s.tokens,
+        "wall_s": wall,
+        "manifest": run_manifest(config_to_dict(cfg), corpus_fingerprint=data.meta["corpus_fingerprint"],
+                                 tokenizer_hash=data.tokenizer.file_hash, seed=args.seed),
+    }
+
+
+def to_markdown(results: list[dict], args: argparse.Namespace, command: str) -> str:
+    base = next((r["val_loss"] for r in results if r["codec"] == "none"), None)
+    none_bytes = next((r["bytes_per_token"]["total"] for r in results if r["codec"] == "none"), None)
+    m = results[0]["manifest"]
+    lines = [
+        f"Command: `{command}`  ",
+        f"Machine: {platform.machine()}, {m['machine']}, torch {m['versions']['torch']}, "
+        f"{args.threads or 'default'} threads; date {time.strftime('%Y-%m-%d')}; commit {m['commit'][:12]}  ",
+        f"Setup: tiny preset (d=256, 8 layers), P={args.stages}, rank {args.rank} "
+        f"({256 // args.rank}x vs bf16 `none`), {args.steps} steps x {args.micro_batches} micro-batches x "
+        f"{args.micro_batch_size} x 256 tokens = {results[0]['tokens']:,} tokens per run, seed {args.seed}, "
+        f"corpus {m['corpus_fingerprint'][:16]} (stdlib), tokenizer {m['tokenizer_hash'][:12]}; "
+        f"ssn U refresh every {args.ssn_refresh or 'never (frozen, node0)'} steps.",
+        "",
+        "| codec | final val loss | Δ% vs none | payload B/token per boundary (fwd+bwd) | compression vs none | wall s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        delta = f"{100 * (r['val_loss'] - base) / base:+.2f}%" if base else "-"
+        total = r["bytes_per_token"].get("total", 0.0)
+        ratio = f"{none_bytes / total:.2f}x" if none_bytes and total else "-"
+        lines.append(f"| {r['codec']} | {r['val_loss']:.4f} | {delta} | {total:.1f} | {ratio} | {r['wall_s']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--codecs", default="none,mapl,fixed,naive,ssn")
+    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--rank", type=int, default=64)
+    ap.add_argument("--stages", type=int, default=4)
+    ap.add_argument("--micro-batch-size", type=int, default=4)
+    ap.add_argument("--micro-batches", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ssn-refresh", type=int, default=500)
+    ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--no-update", action="store_true", help="do not rewrite BENCHMARKS.md")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    command = "python bench/quality.py " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+        if k not in ("quiet", "no_update") and v != ap.get_default(k))
+    data = prepare_data(config_from_dict({}).data, progress=not args.quiet)
+    results = [run_one(c, args, data) for c in args.codecs.split(",")]
+    out = ROOT / "bench" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "quality.json").write_text(json.dumps(results, indent=2))
+    md = to_markdown(results, args, command.strip())
+    (out / "quality.md").write_text(md)
+    print(md)
+    bench = ROOT / "BENCHMARKS.md"
+    if not args.no_update and bench.exists():
+        text = bench.read_text()
+        if BEGIN in text and END in text:
+            text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), BEGIN + "\n" + md + END, text, flags=re.S)
+            bench.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Start one stage peer: DHT first (it forks), then torch, data, the stage and the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Sequence
+
+from mapl_swarm.config import TrainConfig
+from mapl_swarm.errors import ConfigError
+from mapl_swarm.net.discovery import Discovery, DiscoveryConfig
+
+log = logging.getLogger(__name__)
+
+__all__ = ["run_peer"]
+
+
+def _terminate(signum, frame):  # SIGTERM -> clean shutdown through finally blocks
+    raise SystemExit(128 + signum)
+
+
+def run_peer(cfg: TrainConfig, stage: int, *, initial_peers: Sequence[str] = (), resume: bool = False,
+             progress: bool = True, secret: bytes | None = None,
+             wire_version: tuple[int, int] | None = None):
+    """Run stage ``stage`` of ``cfg`` until the swarm finishes; returns its PeerResult."""
+    if not 0 <= stage < cfg.run.num_stages:
+        raise ConfigError(f"--stage {stage} is outside 0..{cfg.run.num_stages - 1} (run.num_stages)")
+    signal.signal(signal.SIGTERM, _terminate)
+    net = cfg.net
+    peers = tuple(initial_peers) or net.initial_peers
+    discovery = Discovery(cfg.run.run_id, DiscoveryConfig(initial_peers=peers, host=net.dht_host,
+                                                          port=net.dht_port))
+    discovery.start()  # forks the DHT process: before the event loop, ZeroMQ and torch work
+    try:
+        import torch
+
+        from mapl_swarm.config import model_fingerprint
+        from mapl_swarm.data import BatchSampler, prepare_data, validation_batches
+        from mapl_swarm.net.transport import run
+        from mapl_swarm.peer.runtime import Peer, write_result
+        from mapl_swarm.pipeline import checkpoint
+        from mapl_swarm.pipeline.stage import StageRuntime
+        from mapl_swarm.pipeline.trainer import check_vocab, resolve_device
+        from mapl_swarm.wire.spec import PROTOCOL_VERSION
+
+        if cfg.run.threads:
+            torch.set_num_threads(cfg.run.threads)
+        data = prepare_data(cfg.data, progress=False)
+        check_vocab(cfg, data)
+        fingerprint = model_fingerprint(cfg, data.tokenizer.file_hash, data.tokenizer.vocab_size)
+        rt = StageRuntime(cfg, stage, resolve_device(cfg.run.device))
+        sampler = val = None
+        if stage == 0:
+            sampler = BatchSampler(data.train, cfg.run.micro_batch_size, cfg.model.context_length, cfg.run.seed)
+            val = validation_batches(data.val, cfg.run.micro_batch_size, cfg.model.context_length,
+                                     cfg.run.val_batches)
+        start = 0
+        if resume:
+            start = checkpoint.latest_complete_step(cfg.run.out_dir, cfg.run.num_stages) or 0
+            if start:
+                state = checkpoint.load_stage(cfg.run.out_dir, start, stage)
+                rt.load_state_dict(state)
+                if sampler is not None:
+                    sampler.load_state_dict(state["data"])
+                log.info("stage %d resumed from step %d", stage, start)
+
+        async def announce(endpoint: str) -> None:
+            await asyncio.get_running_loop().run_in_executor(None, discovery.announce, stage, endpoint)
+
+        peer = Peer(cfg, stage, rt, fingerprint=fingerprint, resolve=discovery.lookup_async, announce=announce,
+                    sampler=sampler, val_batches=val, progress=progress and stage == 0, start_step=start,
+                    secret=secret, wire_version=wire_version or PROTOCOL_VERSION)
+        result = run(peer.run())
+        write_result(result, cfg.run.out_dir)
+        return result
+    finally:
+        discovery.close()
