@@ -1,0 +1,29 @@
+"""Networking for pipeline peers: ZeroMQ transport, link emulator, heartbeats, DHT discovery.
+
+- :mod:`~mapl_swarm.net.emulator` — token-bucket bandwidth + latency delay line per link direction.
+- :mod:`~mapl_swarm.net.transport` — asyncio ZeroMQ ROUTER/DEALER transport with shaped links.
+- :mod:`~mapl_swarm.net.counters` — payload / wire byte accounting by link, direction and kind.
+- :mod:`~mapl_swarm.net.heartbeat` — periodic heartbeats and silent-peer detection.
+- :mod:`~mapl_swarm.net.discovery` — hivemind DHT announce / lookup of ``(run, stage)`` endpoints.
+  Start it before the event loop, ZeroMQ and torch (its DHT forks a process).
+
+Importing this package does not import hivemind or torch.
+"""
+
+from mapl_swarm.net.counters import Frame, Traffic, TrafficCounters, payload_bytes, zmtp_wire_bytes
+from mapl_swarm.net.discovery import Discovery, DiscoveryConfig, run_bootstrap_node, start_dht
+from mapl_swarm.net.emulator import LinkConfig, LinkShaper, ShaperStats
+from mapl_swarm.net.errors import (DiscoveryError, DiscoveryTimeoutError, LinkClosedError, NetError,
+                                   NetTimeoutError)
+from mapl_swarm.net.heartbeat import HeartbeatConfig, HeartbeatMonitor, attach_heartbeat
+from mapl_swarm.net.transport import (Transport, TransportConfig, install_event_loop_policy,
+                                      new_event_loop, run, tcp_endpoint)
+
+__all__ = [
+    "Frame", "Traffic", "TrafficCounters", "payload_bytes", "zmtp_wire_bytes",
+    "Discovery", "DiscoveryConfig", "run_bootstrap_node", "start_dht",
+    "LinkConfig", "LinkShaper", "ShaperStats",
+    "NetError", "NetTimeoutError", "LinkClosedError", "DiscoveryError", "DiscoveryTimeoutError",
+    "HeartbeatConfig", "HeartbeatMonitor", "attach_heartbeat",
+    "Transport", "TransportConfig", "install_event_loop_policy", "new_event_loop", "run", "tcp_endpoint",
+]

@@ -1,0 +1,329 @@
+"""Asyncio ZeroMQ transport between pipeline peers, with per-link shaping and traffic counters.
+
+Topology: every peer binds one ROUTER socket for everything it receives and connects one
+DEALER per neighbour for what it sends. The DEALER's routing id is the sender's name, so the
+ROUTER tells who sent each message; each outbound DEALER sits behind a
+:class:`~mapl_swarm.net.emulator.LinkShaper`, so every direction of a link is shaped by its
+sender. ``connect`` never waits for the other side: ZeroMQ queues messages (up to the send
+high-water mark) until the neighbour is up, so peers may start in any order.
+
+Frames are opaque (``list[bytes | memoryview]``; the wire format lives in :mod:`mapl_swarm.wire`).
+They are sent with ``copy=False`` (pyzmq still copies frames under 64 KiB): do not mutate a
+buffer after handing it to :meth:`Transport.send`. Received frames under 64 KiB come back as
+``bytes``, larger ones as zero-copy ``memoryview`` s.
+
+Counters (:class:`~mapl_swarm.net.counters.TrafficCounters`) are keyed by link name, direction
+and a caller ``kind`` label; for received messages the kind comes from the optional ``rx_kind``
+classifier (``"rx"`` without one). Name links after the neighbour's transport name so that the
+``tx`` and ``rx`` rows of a link line up.
+
+Create and use a transport inside one event loop (see :func:`new_event_loop`); when the peer
+also uses hivemind's DHT, start the DHT first (see :mod:`mapl_swarm.net.discovery`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import socket
+from dataclasses import dataclass
+from typing import Any, Callable, Coroutine, Sequence, TypeVar
+
+import zmq
+import zmq.asyncio
+
+from mapl_swarm.errors import ConfigError
+from mapl_swarm.net.counters import Frame, TrafficCounters
+from mapl_swarm.net.emulator import LinkConfig, LinkShaper
+from mapl_swarm.net.errors import LinkClosedError, NetError, NetTimeoutError
+
+__all__ = [
+    "TransportConfig",
+    "Transport",
+    "tcp_endpoint",
+    "install_event_loop_policy",
+    "new_event_loop",
+    "run",
+]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_ZERO_COPY_MIN_BYTES = zmq.COPY_THRESHOLD
+_WILDCARD_HOSTS = ("0.0.0.0", "::", "*", "")
+
+
+def install_event_loop_policy() -> bool:
+    """Make asyncio create uvloop loops when uvloop is importable; returns whether it is."""
+    try:
+        import uvloop
+    except ImportError:
+        return False
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return True
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """A new event loop: uvloop's when importable, asyncio's default otherwise."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """Run ``main`` to completion on a fresh loop from :func:`new_event_loop` (one per peer)."""
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        return runner.run(main)
+
+
+def tcp_endpoint(host: str, port: int) -> str:
+    """``tcp://HOST:PORT``, with IPv6 literals bracketed."""
+    try:
+        if ipaddress.ip_address(host).version == 6:
+            host = f"[{host}]"
+    except ValueError:
+        pass
+    return f"tcp://{host}:{port}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransportConfig:
+    """Where a peer listens, what it advertises, and its socket limits."""
+
+    bind_host: str = "0.0.0.0"
+    """Interface to bind the inbound ROUTER to; ``0.0.0.0`` (or ``::``) means all interfaces."""
+    bind_port: int = 0
+    """TCP port to bind; 0 lets the OS pick one (read it back from :attr:`Transport.port`)."""
+    advertise_host: str | None = None
+    """Host others use to reach this peer (announced in the DHT). ``None``: the bind host, or,
+    when bound to a wildcard, this machine's hostname address (127.0.0.1 if that fails)."""
+    send_hwm: int = 1000
+    """ZeroMQ send high-water mark per neighbour, in messages (queued while it is down)."""
+    recv_hwm: int = 1000
+    """ZeroMQ receive high-water mark of the inbound socket, in messages."""
+    send_timeout_s: float = 60.0
+    """Default deadline of :meth:`Transport.send` (waiting for room in the link's send buffer)."""
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.bind_port <= 65535):
+            raise ConfigError(f"transport.bind_port must be in 0..65535, got {self.bind_port}")
+        for name in ("send_hwm", "recv_hwm"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"transport.{name} must be >= 0, got {getattr(self, name)}")
+        if not self.send_timeout_s > 0:
+            raise ConfigError(f"transport.send_timeout_s must be > 0, got {self.send_timeout_s}")
+
+
+class Transport:
+    """One peer's ZeroMQ endpoint: an inbound ROUTER plus a shaped DEALER per neighbour.
+
+    Usage (inside the peer's event loop)::
+
+        async with Transport("stage1", TransportConfig(advertise_host="10.0.0.5")) as t:
+            announce(t.endpoint)                     # e.g. tcp://10.0.0.5:41234
+            t.connect("stage2", endpoint_of_stage2, LinkConfig(bandwidth_mbps=100))
+            await t.send("stage2", frames, kind="ACT")
+            peer, frames = await t.recv(timeout_s=30)
+    """
+
+    def __init__(self, name: str, config: TransportConfig = TransportConfig(), *,
+                 rx_kind: Callable[[Sequence[Frame]], str] | None = None,
+                 context: zmq.asyncio.Context | None = None) -> None:
+        if not name or not name.isprintable():
+            raise ConfigError(f"transport name must be a non-empty printable string, got {name!r}")
+        self.name = name
+        self.config = config
+        self.counters = TrafficCounters()
+        self._rx_kind = rx_kind
+        self._own_context = context is None
+        self._ctx = context if context is not None else zmq.asyncio.Context()
+        self._router: zmq.asyncio.Socket | None = None
+        self._dealers: dict[str, zmq.asyncio.Socket] = {}
+        self._shapers: dict[str, LinkShaper] = {}
+        self._last_seen: dict[str, float] = {}
+        self._listeners: list[Callable[[str], None]] = []
+        self._bound_endpoint = ""
+        self._endpoint = ""
+        self._closed = False
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> str:
+        """Bind the inbound socket; returns the advertised endpoint (``tcp://HOST:PORT``)."""
+        if self._router is not None:
+            return self._endpoint
+        router = self._ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.RCVHWM, self.config.recv_hwm)
+        router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted neighbour takes over its name
+        try:
+            router.bind(tcp_endpoint(self.config.bind_host, self.config.bind_port))
+        except zmq.ZMQError as exc:
+            router.close(linger=0)
+            raise NetError(f"cannot bind {tcp_endpoint(self.config.bind_host, self.config.bind_port)}: "
+                           f"{exc}") from exc
+        self._router = router
+        self._bound_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._endpoint = tcp_endpoint(self._advertise_host(), self.port)
+        logger.info("%s: bound %s, advertising %s", self.name, self._bound_endpoint, self._endpoint)
+        return self._endpoint
+
+    async def __aenter__(self) -> "Transport":
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self, *, drain_timeout_s: float = 0.0) -> None:
+        """Close every socket with linger 0; with ``drain_timeout_s`` > 0, flush links first."""
+        if self._closed:
+            return
+        if drain_timeout_s > 0:
+            try:
+                await self.flush(drain_timeout_s)
+            except NetError as exc:
+                logger.warning("%s: closing with undelivered messages: %s", self.name, exc)
+        self._closed = True
+        for link in list(self._shapers):
+            await self.disconnect(link)
+        if self._router is not None:
+            self._router.close(linger=0)
+        if self._own_context:
+            self._ctx.term()
+
+    # -- addresses -------------------------------------------------------------------------------
+    @property
+    def bound_endpoint(self) -> str:
+        """The endpoint actually bound, as ZeroMQ reports it (e.g. ``tcp://0.0.0.0:41234``)."""
+        return self._bound_endpoint
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint to advertise to neighbours (``tcp://advertise_host:port``)."""
+        return self._endpoint
+
+    @property
+    def port(self) -> int:
+        """The bound TCP port (resolved when ``bind_port`` was 0)."""
+        return int(self._bound_endpoint.rsplit(":", 1)[1])
+
+    def _advertise_host(self) -> str:
+        if self.config.advertise_host:
+            return self.config.advertise_host
+        if self.config.bind_host not in _WILDCARD_HOSTS:
+            return self.config.bind_host
+        try:
+            host = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            host = "127.0.0.1"
+        logger.warning("%s: bound to a wildcard without advertise_host; advertising %s", self.name, host)
+        return host
+
+    # -- outbound --------------------------------------------------------------------------------
+    def connect(self, link: str, endpoint: str, config: LinkConfig = LinkConfig()) -> None:
+        """Open the outbound link ``link`` to ``endpoint`` (returns at once; ZeroMQ queues
+        messages until the neighbour is reachable). Must be called inside the event loop."""
+        self._check_open()
+        if link in self._dealers:
+            raise NetError(f"{self.name}: link {link!r} is already connected")
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.SNDHWM, self.config.send_hwm)
+        dealer.setsockopt(zmq.ROUTING_ID, self.name.encode())
+        try:
+            dealer.connect(endpoint)
+        except zmq.ZMQError as exc:
+            dealer.close(linger=0)
+            raise NetError(f"{self.name}: cannot connect link {link!r} to {endpoint!r}: {exc}") from exc
+
+        async def deliver(frames: list[Frame]) -> None:
+            await dealer.send_multipart(frames, copy=False)
+
+        self._dealers[link] = dealer
+        self._shapers[link] = LinkShaper(config, deliver, name=f"{self.name}->{link}")
+        logger.info("%s: link %r -> %s (%s)", self.name, link, endpoint, config)
+
+    async def disconnect(self, link: str) -> None:
+        """Close an outbound link; undelivered messages are dropped (``flush`` first to keep them)."""
+        shaper = self._shapers.pop(link, None)
+        dealer = self._dealers.pop(link, None)
+        if shaper is not None:
+            await shaper.aclose()
+        if dealer is not None:
+            dealer.close(linger=0)
+
+    def links(self) -> list[str]:
+        """Names of the connected outbound links."""
+        return list(self._shapers)
+
+    def shaper(self, link: str) -> LinkShaper:
+        """The shaper of an outbound link (its ``stats()`` give utilisation)."""
+        return self._shaper(link)
+
+    async def send(self, link: str, frames: Sequence[Frame], *, kind: str = "control",
+                   timeout_s: float | None = None) -> None:
+        """Send one multipart message on ``link`` through its shaper, counted under ``kind``.
+
+        Returns once the message is queued. Raises :class:`NetTimeoutError` (and queues nothing)
+        if the link's send buffer stays full for ``timeout_s`` (default ``config.send_timeout_s``):
+        the link is saturated or the neighbour stopped reading."""
+        shaper = self._shaper(link)
+        frames = list(frames)
+        timeout_s = self.config.send_timeout_s if timeout_s is None else timeout_s
+        try:
+            await asyncio.wait_for(shaper.send(frames), timeout_s)
+        except asyncio.TimeoutError:
+            raise NetTimeoutError(f"{self.name}: send of a {kind} message on link {link!r} "
+                                  f"not accepted within {timeout_s:g} s (send buffer full)") from None
+        self.counters.add(link, "tx", kind, frames)
+
+    async def flush(self, timeout_s: float) -> None:
+        """Wait until every outbound link has handed all its messages to ZeroMQ."""
+        await asyncio.wait_for(asyncio.gather(*(s.flush(timeout_s) for s in self._shapers.values())),
+                               timeout_s + 1.0)
+
+    # -- inbound ---------------------------------------------------------------------------------
+    async def recv(self, timeout_s: float) -> tuple[str, list[Frame]]:
+        """Next inbound message as ``(sender name, frames)``; raises :class:`NetTimeoutError`
+        naming this peer and the timeout when nothing arrives within ``timeout_s``."""
+        self._check_open()
+        router = self._router
+        if router is None:
+            raise NetError(f"{self.name}: recv before start()")
+        try:
+            parts = await asyncio.wait_for(router.recv_multipart(copy=False), timeout_s)
+        except asyncio.TimeoutError:
+            raise NetTimeoutError(f"{self.name}: no message received on {self._endpoint} within "
+                                  f"{timeout_s:g} s") from None
+        peer = parts[0].bytes.decode(errors="replace")
+        frames: list[Frame] = [p.buffer if len(p) >= _ZERO_COPY_MIN_BYTES else p.bytes for p in parts[1:]]
+        kind = self._rx_kind(frames) if self._rx_kind is not None else "rx"
+        self.counters.add(peer, "rx", kind, frames)
+        self._last_seen[peer] = asyncio.get_running_loop().time()
+        for listener in self._listeners:
+            listener(peer)
+        return peer, frames
+
+    def last_seen(self, peer: str) -> float | None:
+        """Event-loop time of the last message received from ``peer`` (None if never)."""
+        return self._last_seen.get(peer)
+
+    def add_receive_listener(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(sender)`` on every received message (e.g. ``HeartbeatMonitor.heard``)."""
+        self._listeners.append(listener)
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _shaper(self, link: str) -> LinkShaper:
+        self._check_open()
+        try:
+            return self._shapers[link]
+        except KeyError:
+            raise NetError(f"{self.name}: no outbound link {link!r} (connected: {sorted(self._shapers)})") \
+                from None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LinkClosedError(f"transport {self.name!r} is closed")

@@ -1,0 +1,150 @@
+"""hivemind DHT discovery: shuffled start order, lookup timeout, refresh, expiry, re-announce.
+
+All DHT nodes are started from the test's main thread before any lookup thread or event loop
+exists (hivemind forks its DHT process; see mapl_swarm.net.discovery).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterator
+
+import pytest
+
+from mapl_swarm.errors import ConfigError
+from mapl_swarm.net.discovery import Discovery, DiscoveryConfig, run_bootstrap_node, start_dht
+from mapl_swarm.net.errors import DiscoveryError, DiscoveryTimeoutError
+
+# hivemind imports torch, whose jit module warns on import; not ours to fix.
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def bootstrap() -> Iterator[list[str]]:
+    dht = start_dht(host="127.0.0.1", timeout_s=30)
+    try:
+        yield [str(m) for m in dht.get_visible_maddrs()]
+    finally:
+        dht.shutdown()
+
+
+def peer_config(bootstrap: list[str], **kwargs: float) -> DiscoveryConfig:
+    return DiscoveryConfig(initial_peers=tuple(bootstrap), host="127.0.0.1", **kwargs)
+
+
+def wait_until(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(60)
+def test_peers_in_shuffled_order_find_neighbours(bootstrap: list[str]) -> None:
+    stages = [0, 1, 2]
+    order = stages[:]
+    random.Random(time.time_ns()).shuffle(order)
+    peers: dict[int, Discovery] = {}
+    try:
+        for s in order:  # forks, from the main thread, before any lookup thread exists
+            peers[s] = Discovery("run-shuffle", peer_config(bootstrap)).start()
+        wanted = [(s, n) for s in stages for n in (s - 1, s + 1) if n in stages]
+        with ThreadPoolExecutor(len(wanted)) as pool:
+            # Every lookup starts before anything is announced and must wait for it.
+            futures = {(s, n): pool.submit(peers[s].lookup, n, 20.0) for s, n in wanted}
+            random.shuffle(order)
+            for s in order:
+                peers[s].announce(s, f"tcp://127.0.0.1:{5000 + s}")
+            found = {key: f.result(timeout=30) for key, f in futures.items()}
+        assert found == {(s, n): f"tcp://127.0.0.1:{5000 + n}" for s, n in wanted}
+        assert peers[1].entries(0)[0][:2] == (peers[0].peer_id, "tcp://127.0.0.1:5000")
+
+        async def async_lookup() -> str:
+            return await peers[0].lookup_async(2, timeout_s=5)
+
+        assert asyncio.run(async_lookup()) == "tcp://127.0.0.1:5002"
+    finally:
+        for p in peers.values():
+            p.close()
+
+
+@pytest.mark.timeout(30)
+def test_missing_stage_times_out_with_clear_message(bootstrap: list[str]) -> None:
+    with Discovery("run-missing", peer_config(bootstrap, poll_s=0.1)) as d:
+        t0 = time.monotonic()
+        with pytest.raises(DiscoveryTimeoutError, match=r"run 'run-missing' stage 7 within 1 s") as info:
+            d.lookup(7, timeout_s=1.0)
+        assert 1.0 <= time.monotonic() - t0 < 3.0
+        assert isinstance(info.value, TimeoutError)
+
+        async def async_lookup() -> str:
+            return await d.lookup_async(7, timeout_s=0.5)
+
+        with pytest.raises(DiscoveryTimeoutError, match="stage 7"):
+            asyncio.run(async_lookup())
+
+
+@pytest.mark.timeout(60)
+def test_refresh_expiry_and_reannounce(bootstrap: list[str]) -> None:
+    cfg = peer_config(bootstrap, ttl_s=1.5, refresh_s=0.3, poll_s=0.1)
+    with Discovery("run-ttl", cfg) as d, Discovery("run-ttl", peer_config(bootstrap)) as reader:
+        d.announce(3, "tcp://10.0.0.3:7000")
+        first_expiry = d.entries(3)[0][2]
+        # Refresh keeps the entry alive past its first expiry.
+        wait_until(lambda: time.time() > first_expiry + 0.3, 5, "first expiry to pass")
+        assert reader.lookup(3, timeout_s=2) == "tcp://10.0.0.3:7000"
+        assert reader.entries(3)[0][2] > first_expiry
+        # Without refresh (and no tombstone) the entry expires within ttl_s.
+        d.withdraw(3, tombstone=False)
+        wait_until(lambda: reader.entries(3) == [], cfg.ttl_s + 3, "entry to expire")
+        with pytest.raises(DiscoveryTimeoutError):
+            reader.lookup(3, timeout_s=0.3)
+        # Re-announcing after expiry makes it visible again, with a new endpoint.
+        d.announce(3, "tcp://10.0.0.3:7001")
+        assert reader.lookup(3, timeout_s=5) == "tcp://10.0.0.3:7001"
+        # A tombstone hides it at once.
+        d.withdraw(3)
+        with pytest.raises(DiscoveryTimeoutError):
+            reader.lookup(3, timeout_s=0.3)
+
+
+@pytest.mark.timeout(60)
+def test_restarted_peer_wins_and_bad_bootstrap_fails(bootstrap: list[str]) -> None:
+    with Discovery("run-restart", peer_config(bootstrap)) as old, \
+            Discovery("run-restart", peer_config(bootstrap)) as new:
+        old.announce(1, "tcp://10.0.0.1:1111")
+        new.announce(1, "tcp://10.0.0.1:2222")  # stored later, so it expires later
+        assert old.lookup(1, timeout_s=5) == "tcp://10.0.0.1:2222"
+        assert len(old.entries(1)) == 2
+    parts = bootstrap[0].split("/")  # ['', 'ip4', HOST, 'tcp', PORT, 'p2p', PEER_ID]
+    parts[4] = "1"  # nothing listens on port 1
+    dead = "/".join(parts)
+    t0 = time.monotonic()
+    with pytest.raises(DiscoveryError, match="could not start a DHT node"):
+        Discovery("run-x", DiscoveryConfig(initial_peers=(dead,), host="127.0.0.1",
+                                           start_timeout_s=2.0)).start()
+    assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.timeout(30)
+def test_bootstrap_node_reports_maddrs_and_stops() -> None:
+    stop = threading.Event()
+    seen: list[str] = []
+
+    def ready(maddrs: list[str]) -> None:
+        seen.extend(maddrs)
+        stop.set()
+
+    assert run_bootstrap_node("127.0.0.1", 0, ready=ready, stop=stop) == seen
+    assert seen and all(m.startswith("/ip4/127.0.0.1/tcp/") and "/p2p/" in m for m in seen)
+    with pytest.raises(ConfigError, match="explicit"):
+        DiscoveryConfig(announce_host="dht.example", port=0)
+    with pytest.raises(ConfigError, match="refresh_s"):
+        DiscoveryConfig(ttl_s=5, refresh_s=5)
+    with pytest.raises(DiscoveryError, match="start"):
+        Discovery("run-y").lookup(0, timeout_s=0.1)
