@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from typing import Sequence
 
 from mapl_swarm.config import TrainConfig
@@ -16,17 +15,11 @@ log = logging.getLogger(__name__)
 __all__ = ["run_peer"]
 
 
-def _terminate(signum, frame):  # SIGTERM -> clean shutdown through finally blocks
-    raise SystemExit(128 + signum)
-
-
 def run_peer(cfg: TrainConfig, stage: int, *, initial_peers: Sequence[str] = (), resume: bool = False,
-             progress: bool = True, secret: bytes | None = None,
-             wire_version: tuple[int, int] | None = None):
+             progress: bool = True, secret: bytes | None = None):
     """Run stage ``stage`` of ``cfg`` until the swarm finishes; returns its PeerResult."""
     if not 0 <= stage < cfg.run.num_stages:
         raise ConfigError(f"--stage {stage} is outside 0..{cfg.run.num_stages - 1} (run.num_stages)")
-    signal.signal(signal.SIGTERM, _terminate)
     net = cfg.net
     peers = tuple(initial_peers) or net.initial_peers
     discovery = Discovery(cfg.run.run_id, DiscoveryConfig(initial_peers=peers, host=net.dht_host,
@@ -42,7 +35,6 @@ def run_peer(cfg: TrainConfig, stage: int, *, initial_peers: Sequence[str] = (),
         from mapl_swarm.pipeline import checkpoint
         from mapl_swarm.pipeline.stage import StageRuntime
         from mapl_swarm.pipeline.trainer import check_vocab, resolve_device
-        from mapl_swarm.wire.spec import PROTOCOL_VERSION
 
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
@@ -70,7 +62,7 @@ def run_peer(cfg: TrainConfig, stage: int, *, initial_peers: Sequence[str] = (),
 
         peer = Peer(cfg, stage, rt, fingerprint=fingerprint, resolve=discovery.lookup_async, announce=announce,
                     sampler=sampler, val_batches=val, progress=progress and stage == 0, start_step=start,
-                    secret=secret, wire_version=wire_version or PROTOCOL_VERSION)
+                    secret=secret)
         result = run(peer.run())
         write_result(result, cfg.run.out_dir)
         return result

@@ -40,9 +40,9 @@ from mapl_swarm.peer.mailbox import Mailbox
 from mapl_swarm.peer.tensors import from_wire, to_wire
 from mapl_swarm.pipeline import checkpoint
 from mapl_swarm.pipeline.inprocess import LinkCounter
+from mapl_swarm.pipeline.probe import append_health
 from mapl_swarm.pipeline.stage import StageRuntime
 from mapl_swarm.wire import Message, MessageType, VersionMismatch, WireError, decode, encode
-from mapl_swarm.wire.spec import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,8 @@ class PeerResult:
     """Payload bytes sent per link and kind (act, ids, grad, proj, proj_grad)."""
     wire_tx: dict[str, dict[str, int]] = field(default_factory=dict)
     """Bytes handed to ZeroMQ per link and message type (headers included)."""
+    shaper: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per outbound link: shaped bytes sent and seconds the emulated link spent transmitting."""
 
 
 class Peer:
@@ -81,8 +83,7 @@ class Peer:
     def __init__(self, cfg: TrainConfig, stage: int, runtime: StageRuntime, *, fingerprint: str,
                  resolve: Callable[[int, float], Any], announce: Callable[[str], Any],
                  sampler=None, val_batches: list[torch.Tensor] | None = None, progress: bool = False,
-                 start_step: int = 0, secret: bytes | None = None,
-                 wire_version: tuple[int, int] = PROTOCOL_VERSION) -> None:
+                 start_step: int = 0, secret: bytes | None = None) -> None:
         self.cfg, self.stage, self.rt = cfg, stage, runtime
         self.P = cfg.run.num_stages
         self.M = cfg.run.num_micro_batches
@@ -91,7 +92,7 @@ class Peer:
         self.resolve, self.announce = resolve, announce
         self.sampler, self.val_batches = sampler, val_batches or []
         self.progress, self.start_step = progress, start_step
-        self.secret, self.wire_version = secret, wire_version
+        self.secret = secret
         self.up = stage - 1 if stage > 0 else None
         self.down = stage + 1 if stage < self.P - 1 else None
         self.neighbours = [s for s in (self.up, self.down) if s is not None]
@@ -121,8 +122,7 @@ class Peer:
         self._seq[dst] = seq + 1
         wire_tensors = {k: to_wire(v) for k, v in (tensors or {}).items()}
         msg = Message(type=mtype, run_id=self.cfg.run.run_id, src=self.stage, dst=dst, step=step,
-                      micro=micro, seq=seq, pver=pver, meta=meta or {}, tensors=wire_tensors,
-                      version=self.wire_version)
+                      micro=micro, seq=seq, pver=pver, meta=meta or {}, tensors=wire_tensors)
         compress = None if self.cfg.net.compress_ids else "raw"
         frames = encode(msg, secret=self.secret, compress=compress,
                         max_frame_bytes=self.cfg.net.max_frame_bytes)
@@ -244,7 +244,7 @@ class Peer:
             hb = attach_heartbeat(
                 transport, HeartbeatConfig(interval_s=net.heartbeat_interval_s, timeout_s=net.timeout_s),
                 lambda peer: encode(Message(type=MT.HEARTBEAT, run_id=self.cfg.run.run_id, src=self.stage,
-                                            dst=int(peer.removeprefix("stage")), version=self.wire_version),
+                                            dst=int(peer.removeprefix("stage"))),
                                     secret=self.secret),
                 on_silent=lambda peer, s: self.mailbox.fail(MaplError(f"{self.name}: {peer} silent for {s:.0f} s")))
             try:
@@ -268,6 +268,10 @@ class Peer:
                 stage_name(s): {r["kind"]: r["wire_bytes"] for r in transport.counters.rows()
                                 if r["link"] == stage_name(s) and r["direction"] == "tx"}
                 for s in self.neighbours}
+            for s in self.neighbours:
+                st = transport.shaper(stage_name(s)).stats()
+                self.result.shaper[stage_name(s)] = {"bytes_sent": st.bytes_sent, "busy_s": st.busy_s,
+                                                     "messages": st.messages_sent}
         return self.result
 
     async def _handshake(self) -> None:
@@ -344,7 +348,8 @@ class Peer:
             if msg.step != step:
                 raise MaplError(f"{self.name}: PROJ_GRAD for step {msg.step} while finishing step {step}")
             self.rt.add_outbound_projector_grad(from_wire(msg.tensors["grad"]))
-        await self._compute(self.rt.step)
+        step_metrics = await self._compute(self.rt.step)
+        append_health(self.cfg.run.out_dir, self.stage, step + 1, step_metrics)  # run.health_interval_steps
         proj = self.rt.outbound_projector()
         if proj is not None:
             await self._send(self.down, MT.PROJ, step=step + 1, pver=proj[1], tensors={"proj": proj[0]},

@@ -1,0 +1,110 @@
+"""Helpers for multi-process swarm tests: watched subprocesses, a DHT bootstrap, small configs."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+CONFIG = """
+preset = "tiny"
+[model]
+vocab_size = 512
+hidden_size = 64
+num_layers = 4
+num_heads = 4
+ffn_hidden_size = 128
+context_length = 32
+[compression]
+codec = "{codec}"
+rank = {rank}
+anchor_rank = 16
+[optim]
+warmup_steps = 2
+[data]
+vocab_size = 512
+max_corpus_bytes = 400000
+val_fraction = 0.2
+cache_dir = "{cache}"
+[run]
+num_stages = {stages}
+micro_batch_size = 2
+num_micro_batches = 3
+steps = {steps}
+val_interval_steps = {steps}
+val_batches = 2
+out_dir = "{out}"
+run_id = "{run_id}"
+[net]
+timeout_s = {timeout}
+"""
+
+
+def write_config(path: Path, *, codec="mapl", rank=16, stages=4, steps=5, cache: Path, out: Path,
+                 run_id="test", timeout=60) -> Path:
+    path.write_text(CONFIG.format(codec=codec, rank=rank, stages=stages, steps=steps, cache=cache, out=out,
+                                  run_id=run_id, timeout=timeout))
+    return path
+
+
+class Watched:
+    """A subprocess whose stdout/stderr lines are collected by threads; wait for patterns."""
+
+    def __init__(self, cmd: list[str]) -> None:
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self._threads = [threading.Thread(target=self._pump, args=(s,), daemon=True)
+                         for s in (self.proc.stdout, self.proc.stderr)]
+        for t in self._threads:
+            t.start()
+
+    def _pump(self, stream) -> None:
+        for line in stream:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        rx = re.compile(pattern)
+        with self._cond:
+            ok = self._cond.wait_for(lambda: any(rx.search(l) for l in self.lines) or self.proc.poll() is not None,
+                                     timeout)
+            for l in self.lines:
+                m = rx.search(l)
+                if m:
+                    return m
+        raise AssertionError(f"{pattern!r} not seen within {timeout} s (exited={self.proc.poll()}):\n"
+                             + "\n".join(self.lines[-30:]))
+
+    def wait(self, timeout: float) -> int:
+        code = self.proc.wait(timeout)
+        for t in self._threads:
+            t.join(5)
+        return code
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 20) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "mapl_swarm", *args]
+
+
+def start_dht() -> tuple[Watched, str]:
+    dht = Watched(cli("dht", "--host", "127.0.0.1"))
+    maddr = dht.wait_for(r"--initial-peer (\S+)", 60).group(1)
+    return dht, maddr

@@ -1,0 +1,126 @@
+"""Real multi-process swarms over ZeroMQ + DHT: equivalence, handshake refusal, garbage frames."""
+
+import json
+import os
+import re
+
+import pytest
+import zmq
+
+from mapl_swarm.compress import boundary_bytes
+from mapl_swarm.config import load_config
+from mapl_swarm.peer.launch import launch
+from mapl_swarm.pipeline.trainer import train
+
+from swarm_helpers import Watched, cli, start_dht, write_config
+
+pytestmark = pytest.mark.timeout(420)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.mark.parametrize("codec", ["none", "mapl"])
+def test_four_peer_swarm_matches_single_process(tmp_path, cache, codec):
+    path = write_config(tmp_path / "swarm.toml", codec=codec, cache=cache, out=tmp_path / "swarm",
+                        run_id=f"eq-{codec}")
+    cfg = load_config(path)
+    summary = launch(cfg, ["--config", str(path)], progress=False, timeout_s=360)
+    ref_cfg = load_config(path, {"run": {"out_dir": str(tmp_path / "ref")}})
+    ref = train(ref_cfg, progress=False)
+    ref_losses = [json.loads(l)["loss"] for l in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()
+                  if "loss" in json.loads(l)]
+    assert len(summary.train_losses) == 5
+    assert summary.train_losses == pytest.approx(ref_losses, rel=1e-3)
+    assert summary.val_history[-1][1] == pytest.approx(ref.final_val_loss, rel=1e-3)
+    exp = boundary_bytes(codec, 64, 16, "bf16", 512, 32)
+    proj = (64 * 16 * 4 * 5 / summary.tokens) if codec == "mapl" else 0.0
+    for link in summary.links:  # measured payload bytes/token equal the accounting exactly
+        assert link["forward_payload"] == pytest.approx(exp.forward_bytes + proj, rel=1e-9)
+        assert link["backward_payload"] == pytest.approx(exp.backward_bytes + proj, rel=1e-9)
+        assert link["forward_wire"] > link["forward_payload"]  # headers counted on the wire
+
+
+def test_fingerprint_mismatch_refused_with_both_values(tmp_path, cache):
+    a = write_config(tmp_path / "a.toml", stages=2, cache=cache, out=tmp_path / "a", run_id="fp", timeout=30)
+    b = write_config(tmp_path / "b.toml", stages=2, rank=8, cache=cache, out=tmp_path / "b", run_id="fp",
+                     timeout=30)
+    dht, maddr = start_dht()
+    try:
+        p0 = Watched(cli("peer", "--config", str(a), "--stage", "0", "--initial-peer", maddr, "--quiet"))
+        p1 = Watched(cli("peer", "--config", str(b), "--stage", "1", "--initial-peer", maddr, "--quiet"))
+        for p in (p0, p1):
+            assert p.wait(120) == 2, p.output
+            err = [l for l in p.lines if l.startswith("mapl-swarm: error:")]
+            assert len(err) == 1 and "fingerprint mismatch" in err[0], p.output
+            assert "Traceback" not in p.output
+            fps = [tok.strip(",") for tok in err[0].split() if len(tok.strip(",")) == 32]
+            assert len(set(fps)) == 2, err[0]  # both fingerprints named
+    finally:
+        dht.stop(sig=2)
+
+
+def test_other_major_version_refused(tmp_path, cache):
+    path = write_config(tmp_path / "c.toml", stages=2, cache=cache, out=tmp_path / "c", run_id="ver", timeout=40)
+    dht, maddr = start_dht()
+    script = (  # a stage-1 peer whose every header claims protocol 2.0
+        "import sys, msgpack\n"
+        "import mapl_swarm.peer.runtime as rtm\n"
+        "_encode = rtm.encode\n"
+        "def encode_v2(msg, **kw):\n"
+        "    frames = _encode(msg, **kw)\n"
+        "    header = msgpack.unpackb(bytes(frames[0]))\n"
+        "    header['v'] = [2, 0]\n"
+        "    return [msgpack.packb(header)] + list(frames[1:])\n"
+        "rtm.encode = encode_v2\n"
+        "import sys\n"
+        "from mapl_swarm.config import load_config\n"
+        "from mapl_swarm.errors import MaplError\n"
+        "from mapl_swarm.peer.main import run_peer\n"
+        "try:\n"
+        f"    run_peer(load_config({str(path)!r}), 1, initial_peers=[{maddr!r}], progress=False)\n"
+        "except MaplError as e:\n"
+        "    print('mapl-swarm: error:', e, file=sys.stderr); sys.exit(2)\n"
+    )
+    try:
+        p0 = Watched(cli("peer", "--config", str(path), "--stage", "0", "--initial-peer", maddr, "--quiet"))
+        p1 = Watched([os.sys.executable, "-c", script])
+        assert p1.wait(120) == 2, p1.output
+        assert re.search(r"refused stage 1: peer speaks 2\.0, this peer speaks 1\.\d+", p1.output), p1.output
+        assert p0.proc.poll() is None  # the refusing peer keeps serving
+        p0.wait_for(r"dropped a message from .stage1.: peer speaks 2\.0", 10)
+        p0.stop()
+    finally:
+        dht.stop(sig=2)
+
+
+def test_garbage_frames_dropped_while_training_continues(tmp_path, cache):
+    path = write_config(tmp_path / "g.toml", stages=2, steps=6, cache=cache, out=tmp_path / "g", run_id="junk")
+    dht, maddr = start_dht()
+    ctx = zmq.Context()
+    try:
+        p1 = Watched(cli("peer", "--config", str(path), "--stage", "1", "--initial-peer", maddr, "--quiet"))
+        endpoint = p1.wait_for(r"stage1: bound (tcp://\S+),", 120).group(1)
+        p0 = Watched(cli("peer", "--config", str(path), "--stage", "0", "--initial-peer", maddr, "--quiet"))
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, b"intruder")
+        sock.connect(endpoint)
+        from mapl_swarm.wire import Message, MessageType, encode
+        valid = encode(Message(type=MessageType.HEARTBEAT, run_id="junk", src=0, dst=1))
+        sock.send_multipart([b"\x00garbage\xff" * 3])
+        sock.send_multipart([bytes(valid[0])[:7]])  # truncated header
+        sock.send_multipart([bytes(valid[0]), b"unexpected tensor frame"])
+        sock.send_multipart([os.urandom(64), os.urandom(1000)])
+        for p in (p0, p1):
+            assert p.wait(300) == 0, p.output
+        res1 = json.loads((tmp_path / "g" / "peer_stage1.json").read_text())
+        res0 = json.loads((tmp_path / "g" / "peer_stage0.json").read_text())
+        assert res1["bad_frames"] >= 4
+        assert len(res0["train_losses"]) == 6
+        assert "dropped a message" in p1.output
+    finally:
+        ctx.destroy(linger=0)
+        dht.stop(sig=2)
