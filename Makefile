@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 demo: $(VENV)/.installed
-	$(BIN)/mapl-swarm train --config peers/demo.toml
+	$(BIN)/mapl-swarm launch --config peers/demo.toml
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q

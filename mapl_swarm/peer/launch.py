@@ -32,6 +32,8 @@ _GRACE_S = 20.0
 @dataclass
 class SwarmSummary:
     train_losses: list[float]
+    report_times_s: list[float]
+    """When each step's loss reached stage 1 (seconds since the handshake)."""
     val_history: list[list[float]]
     tokens: int
     wall_s: float
@@ -50,8 +52,10 @@ def summarize(out_dir: str | Path, num_stages: int) -> SwarmSummary:
         wf = res[b]["wire_tx"].get(f"stage{b + 1}", {})
         wb = res[b + 1]["wire_tx"].get(f"stage{b}", {})
         links.append({
-            "forward_payload": (fwd.get("act", 0) + fwd.get("ids", 0) + fwd.get("proj", 0)) / tokens,
-            "backward_payload": (bwd.get("grad", 0) + bwd.get("proj_grad", 0)) / tokens,
+            "forward_payload": (fwd.get("act", 0) + fwd.get("ids", 0) + fwd.get("proj", 0)
+                                + fwd.get("codebook", 0)) / tokens,
+            "backward_payload": (bwd.get("grad", 0) + bwd.get("proj_grad", 0) + bwd.get("grad_codebook", 0))
+                                / tokens,
             "forward_wire": sum(wf.values()) / tokens,
             "backward_wire": sum(wb.values()) / tokens,
             "payload_by_kind": {**{f"fwd_{k}": v / tokens for k, v in fwd.items()},
@@ -59,7 +63,11 @@ def summarize(out_dir: str | Path, num_stages: int) -> SwarmSummary:
             "wire_by_type": {**{f"fwd_{k}": v / tokens for k, v in wf.items()},
                              **{f"bwd_{k}": v / tokens for k, v in wb.items()}},
         })
-    return SwarmSummary(res[0]["train_losses"], res[0]["val_history"], res[0]["tokens"], res[0]["wall_s"], links)
+    for b, link in enumerate(links):
+        link["shaper_forward"] = res[b]["shaper"].get(f"stage{b + 1}", {})
+        link["shaper_backward"] = res[b + 1]["shaper"].get(f"stage{b}", {})
+    return SwarmSummary(res[0]["train_losses"], res[0]["report_times_s"], res[0]["val_history"], res[0]["tokens"],
+                        res[0]["wall_s"], links)
 
 
 def _stop_all(procs: list[subprocess.Popen]) -> None:

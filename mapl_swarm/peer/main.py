@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from pathlib import Path
 from typing import Sequence
 
 from mapl_swarm.config import TrainConfig
@@ -12,7 +14,22 @@ from mapl_swarm.net.discovery import Discovery, DiscoveryConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["run_peer"]
+__all__ = ["run_peer", "read_peers_file"]
+
+
+def read_peers_file(path: str, timeout_s: float) -> list[str]:
+    """Multiaddrs from a file written by ``mapl-swarm dht --maddr-file``, waiting for it to appear
+    (containers start in any order)."""
+    deadline = time.monotonic() + timeout_s
+    p = Path(path)
+    while not p.exists():
+        if time.monotonic() > deadline:
+            raise ConfigError(f"initial peers file {path} did not appear within {timeout_s:g} s")
+        time.sleep(0.5)  # waiting for another container, not synchronising tests
+    peers = [line.strip() for line in p.read_text().splitlines() if line.strip()]
+    if not peers:
+        raise ConfigError(f"initial peers file {path} is empty")
+    return peers
 
 
 def run_peer(cfg: TrainConfig, stage: int, *, initial_peers: Sequence[str] = (), resume: bool = False,
