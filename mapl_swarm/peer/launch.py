@@ -24,7 +24,7 @@ from mapl_swarm.net.discovery import Discovery, DiscoveryConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["launch", "SwarmSummary", "summarize"]
+__all__ = ["launch", "SwarmSummary", "summarize", "stop_all"]
 
 _GRACE_S = 20.0
 
@@ -70,7 +70,7 @@ def summarize(out_dir: str | Path, num_stages: int) -> SwarmSummary:
                         res[0]["wall_s"], links)
 
 
-def _stop_all(procs: list[subprocess.Popen]) -> None:
+def stop_all(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
@@ -120,6 +120,6 @@ def launch(cfg: TrainConfig, config_args: list[str], *, progress: bool = True,
     except KeyboardInterrupt:
         raise MaplError("interrupted; stopped every peer") from None
     finally:
-        _stop_all(procs)
+        stop_all(procs)
         bootstrap.close()
     return summarize(cfg.run.out_dir, P)

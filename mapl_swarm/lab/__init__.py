@@ -1,0 +1,1 @@
+"""Network lab: the compose topology in Linux network namespaces with kernel (tbf) shaping."""
