@@ -1,0 +1,55 @@
+"""A peer lost mid-run costs at most the steps since the last complete checkpoint."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from mapl_swarm.config import load_config
+from mapl_swarm.pipeline import checkpoint
+from mapl_swarm.pipeline.trainer import train
+
+from swarm_helpers import Watched, cli, write_config
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _wait_complete_checkpoint(out, stages, deadline_s):
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        step = checkpoint.latest_complete_step(out, stages)
+        if step:
+            return step
+        time.sleep(0.2)  # watching another process's files, with a deadline
+    raise AssertionError("no complete checkpoint appeared")
+
+
+def test_killed_peer_then_resume_continues_exactly(tmp_path):
+    path = write_config(tmp_path / "r.toml", stages=3, steps=6, cache=tmp_path / "cache", out=tmp_path / "run",
+                        run_id="resume")
+    text = path.read_text().replace("[net]", "[net]\nheartbeat_interval_s = 1.0")
+    path.write_text(text.replace("val_interval_steps = 6", "val_interval_steps = 6\ncheckpoint_interval_steps = 2"))
+    swarm = Watched(cli("launch", "--config", str(path), "--quiet"))
+    step = _wait_complete_checkpoint(tmp_path / "run", 3, 300)
+    victim = subprocess.run(["pgrep", "-f", f"peer --config {path} --stage 2"], capture_output=True, text=True)
+    pid = int(victim.stdout.split()[0])
+    os.kill(pid, signal.SIGKILL)  # a crashed host
+    assert swarm.wait(120) == 2, swarm.output
+    assert "stage 2 peer exited" in swarm.output
+    done = checkpoint.latest_complete_step(tmp_path / "run", 3)
+    assert done >= step
+
+    resumed = Watched(cli("launch", "--config", str(path), "--resume", "--quiet"))
+    assert resumed.wait(300) == 0, resumed.output
+    losses = json.loads((tmp_path / "run" / "peer_stage0.json").read_text())["train_losses"]
+    assert len(losses) == 6 - done
+
+    ref = train(load_config(path, {"run": {"out_dir": str(tmp_path / "ref"), "checkpoint_interval_steps": 0}}),
+                progress=False)
+    ref_losses = [json.loads(l)["loss"] for l in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()
+                  if "loss" in json.loads(l)]
+    assert len(ref_losses) == 6 and ref.steps == 6
+    assert losses == pytest.approx(ref_losses[done:], rel=1e-3)
