@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test bench-quality clean
+.PHONY: setup demo test bench-quality sweep-cpu clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,9 @@ test: $(VENV)/.installed
 
 bench-quality: $(VENV)/.installed
 	$(BIN)/python bench/quality.py
+
+sweep-cpu: $(VENV)/.installed   # ~1 h on 2 cores; resumable (re-run to continue)
+	$(BIN)/mapl-swarm sweep --grid bench/grids/cpu.toml --publish bench/results/sweep-cpu --benchmarks BENCHMARKS.md
 
 clean:
 	rm -rf $(VENV)

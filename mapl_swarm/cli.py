@@ -128,7 +128,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     from mapl_swarm.peer.launch import launch
 
     cfg = _load(args)
-    s = launch(cfg, _config_args(args), progress=not args.quiet)
+    s = launch(cfg, _config_args(args) + (["--resume"] if args.resume else []), progress=not args.quiet)
     val = f", val loss {s.val_history[-1][1]:.4f}" if s.val_history else ""
     print(f"swarm {cfg.compression.codec} P={cfg.run.num_stages}: {len(s.train_losses)} steps, train loss "
           f"{s.train_losses[-1]:.4f}{val}, {s.tokens / max(s.wall_s, 1e-9):.0f} tokens/s")
@@ -229,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("launch", help="start a DHT and every stage peer on this machine")
     _add_config_args(p)
+    p.add_argument("--resume", action="store_true", help="every peer resumes from the newest complete checkpoint")
     p.set_defaults(func=_cmd_launch)
     return parser
 

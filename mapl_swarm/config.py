@@ -36,7 +36,8 @@ __all__ = [
     "model_fingerprint",
 ]
 
-CODECS = ("none", "mapl", "fixed", "naive", "ssn")
+CODECS = ("none", "mapl", "fixed", "naive", "ssn", "mapl_vq")
+VQ_SYNC_MODES = ("stream", "full")
 ANCHORS = ("factorized", "full", "static", "none")
 WIRE_DTYPES = ("bf16", "fp16", "fp32")
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -106,7 +107,7 @@ class CompressionConfig:
     """How activations and gradients cross each stage boundary."""
 
     codec: str = "mapl"
-    """Boundary codec: none | mapl | fixed | naive | ssn."""
+    """Boundary codec: none | mapl | fixed | naive | ssn | mapl_vq (mapl + residual VQ of Z and dL/dZ)."""
     rank: int = 64
     """Projection rank r (ssn: subspace rank k). Ignored by `none`."""
     anchor: str = "factorized"
@@ -121,6 +122,38 @@ class CompressionConfig:
     """SSN: Grassmann refresh of U every this many steps; 0 keeps U frozen (as node0)."""
     ssn_refresh_lr: float = 1e-2
     """SSN: Grassmann refresh learning rate."""
+    vq_codebook_size: int = 256
+    """mapl_vq: codes K per codebook (one per group and round); codes travel as uint8 when K <= 256,
+    else uint16 (K <= 65536)."""
+    vq_rounds: int = 2
+    """mapl_vq: residual quantization rounds R (round k quantizes what rounds < k left)."""
+    vq_group_size: int = 2
+    """mapl_vq: coordinates G per group; the rank is split into rank/G groups, each with its own
+    codebooks. G=2, R=2, K=256 sends rank bytes per token (bf16 MAPL: 2 x rank)."""
+    vq_slice_fraction: float = 0.0625
+    """mapl_vq, stream sync: fraction of each codebook's codes sent per training micro-batch (a
+    CODEBOOK_SLICE of ceil(fraction x K) codes, round-robin). Slice bytes per micro-batch are
+    4 x R x rank x ceil(fraction x K), i.e. 8 x fraction x K / tokens of the codes' bytes at G=2:
+    1.6 % at K=256 and 8k-token micro-batches."""
+    vq_sync: str = "stream"
+    """mapl_vq codebook synchronisation: stream (slices, SPEC 5.1) | full (whole codebooks every
+    micro-batch, for comparison)."""
+    vq_ema_decay: float = 0.99
+    """mapl_vq: EMA decay of the k-means statistics (code usage and sums) per micro-batch."""
+    vq_kmeans_init_batches: int = 1
+    """mapl_vq: the first this many training micro-batches initialise the codebooks by k-means on
+    their data (each sent as a full slice) before EMA updates take over."""
+    vq_kmeans_iters: int = 10
+    """mapl_vq: Lloyd iterations per k-means initialisation."""
+    vq_dead_code_ratio: float = 0.03
+    """mapl_vq: a code whose EMA usage share falls below ratio / K is dead and replaced by a random
+    vector of the current micro-batch (0 disables replacement)."""
+    vq_max_distance_mib: float = 8.0
+    """mapl_vq: bound on the encoder's distance tensor per chunk, in MiB (tokens are chunked)."""
+    vq_compile: bool = False
+    """mapl_vq: fuse the nearest-code search (distances + argmin) into one kernel with
+    torch.compile (Triton on CUDA, C++/OpenMP on CPU; ~1 min to compile once). Codes may differ
+    from the eager path on (near-)ties; sender and receiver stay identical either way."""
 
     def __post_init__(self) -> None:
         _check(self.codec in CODECS, f"compression.codec must be one of {CODECS}, got {self.codec!r}")
@@ -130,6 +163,21 @@ class CompressionConfig:
         _check(self.rank > 0, f"compression.rank must be positive, got {self.rank}")
         _check(self.anchor_rank > 0, f"compression.anchor_rank must be positive, got {self.anchor_rank}")
         _check(self.ssn_refresh_interval_steps >= 0, "compression.ssn_refresh_interval_steps must be >= 0")
+        _check(2 <= self.vq_codebook_size <= 1 << 16,
+               f"compression.vq_codebook_size must be in 2..65536, got {self.vq_codebook_size}")
+        for name in ("vq_rounds", "vq_group_size", "vq_kmeans_init_batches", "vq_kmeans_iters"):
+            _check(getattr(self, name) >= 1, f"compression.{name} must be >= 1, got {getattr(self, name)}")
+        _check(0 < self.vq_slice_fraction <= 1,
+               f"compression.vq_slice_fraction must be in (0, 1], got {self.vq_slice_fraction}")
+        _check(self.vq_sync in VQ_SYNC_MODES,
+               f"compression.vq_sync must be one of {VQ_SYNC_MODES}, got {self.vq_sync!r}")
+        _check(0 <= self.vq_ema_decay < 1, f"compression.vq_ema_decay must be in [0, 1), got {self.vq_ema_decay}")
+        _check(0 <= self.vq_dead_code_ratio < 1,
+               f"compression.vq_dead_code_ratio must be in [0, 1), got {self.vq_dead_code_ratio}")
+        _check(self.vq_max_distance_mib > 0, "compression.vq_max_distance_mib must be positive")
+        if self.codec == "mapl_vq":
+            _check(self.rank % self.vq_group_size == 0,
+                   f"compression.rank {self.rank} is not divisible by vq_group_size {self.vq_group_size}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -240,6 +288,9 @@ class RunConfig:
     """Newest complete checkpoints kept on disk."""
     log_interval_steps: int = 1
     """Write a metrics record every this many steps."""
+    health_interval_steps: int = 0
+    """Log compression health per boundary (energy captured, projector orthonormality error,
+    backward gradient fidelity, codec stats) into the metrics stream every this many steps; 0 is off."""
     out_dir: str = "runs/default"
     """Folder for metrics.jsonl, checkpoints and the run manifest."""
     threads: int = 0
@@ -253,7 +304,7 @@ class RunConfig:
         for name in ("num_stages", "micro_batch_size", "num_micro_batches", "steps", "val_batches",
                      "keep_checkpoints", "log_interval_steps"):
             _check(getattr(self, name) > 0, f"run.{name} must be positive, got {getattr(self, name)}")
-        for name in ("val_interval_steps", "checkpoint_interval_steps", "threads"):
+        for name in ("val_interval_steps", "checkpoint_interval_steps", "threads", "health_interval_steps"):
             _check(getattr(self, name) >= 0, f"run.{name} must be >= 0")
         _check(self.device in ("auto", "cpu", "cuda"), f"run.device must be auto|cpu|cuda, got {self.device!r}")
 

@@ -1,4 +1,4 @@
-"""Boundary compression: codecs (none, mapl, fixed, naive, ssn), anchors and byte accounting."""
+"""Boundary compression: codecs (none, mapl, fixed, naive, ssn, mapl_vq), anchors, byte accounting."""
 
 from mapl_swarm.compress.anchors import StageAnchor
 from mapl_swarm.compress.boundary import (
@@ -6,6 +6,7 @@ from mapl_swarm.compress.boundary import (
     Boundary,
     BoundaryBytes,
     boundary_bytes,
+    config_boundary_bytes,
     id_wire_dtype,
     payload_width,
 )
@@ -16,6 +17,7 @@ __all__ = [
     "BoundaryBytes",
     "WIRE_TORCH_DTYPES",
     "boundary_bytes",
+    "config_boundary_bytes",
     "id_wire_dtype",
     "payload_width",
 ]

@@ -10,37 +10,46 @@ mapl       (X - anchor_send[ids]) @ A   (r channels)               A in St(d, r)
 fixed      same                                                   A random orthonormal, frozen
 naive      same                                                   A under plain Muon (no manifold)
 ssn        (X - T_fixed[ids]) @ U       (k channels)               one global U for all boundaries
+mapl_vq    residual VQ codes of mapl's Z (R x r/G bytes)           as mapl (SPEL)
 =========  =====================================================  ==========================
 
 The receiver computes ``X_hat = Z @ A.T + anchor_recv[ids]``; backward sends ``dL/dZ = dL/dX_hat @ A``.
 The sender owns A (boundary b's projector is seeded by (run seed, "projector", b)); the receiver
 holds a copy whose gradient (``dL/dX_hat^T Z``, summed over the step) travels back to the sender
 once per step. Payloads cross the wire in the wire dtype; ids as uint16 (uint32 above 65,536 ids).
+``mapl_vq`` projects exactly like ``mapl``; the quantization of Z and dL/dZ and the codebook
+streams live in :mod:`.vq` and :mod:`.codebook_sync` (driven by the stage runtime).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from mapl_swarm.compress.ops import project, reconstruct
+from mapl_swarm.compress.vq import VQSettings
 from mapl_swarm.optim.spel import random_stiefel
 from mapl_swarm.rng import generator
+
+if TYPE_CHECKING:
+    from mapl_swarm.config import TrainConfig
 
 __all__ = [
     "Boundary",
     "BoundaryBytes",
     "WIRE_TORCH_DTYPES",
     "boundary_bytes",
+    "config_boundary_bytes",
     "id_wire_dtype",
     "payload_width",
 ]
 
 WIRE_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-PROJECTED_CODECS = ("mapl", "fixed", "naive", "ssn")
-TRAINABLE_PROJECTOR_CODECS = ("mapl", "naive")
+PROJECTED_CODECS = ("mapl", "fixed", "naive", "ssn", "mapl_vq")
+TRAINABLE_PROJECTOR_CODECS = ("mapl", "naive", "mapl_vq")
 
 
 def id_wire_dtype(vocab_size: int) -> torch.dtype:
@@ -63,6 +72,10 @@ class BoundaryBytes:
     """Token ids forward: (T+1)/T ids per token."""
     backward_bytes: float
     """Gradient payload backward."""
+    codebook_bytes: float = 0.0
+    """mapl_vq: steady-state CODEBOOK_SLICE bytes per token, each way (amortised over the
+    micro-batch; not in forward/backward_bytes; 0 when the micro-batch size is not given). The
+    k-means initialisation's full slices (once per run) come on top."""
 
     @property
     def forward_bytes(self) -> float:
@@ -74,16 +87,36 @@ class BoundaryBytes:
 
 
 def boundary_bytes(codec: str, hidden_size: int, rank: int, wire_dtype: str, vocab_size: int,
-                   seq_len: int) -> BoundaryBytes:
-    """Exact payload bytes per token of one boundary for the given codec settings."""
+                   seq_len: int, *, vq: VQSettings | None = None,
+                   tokens_per_micro: int | None = None) -> BoundaryBytes:
+    """Exact payload bytes per token of one boundary for the given codec settings.
+
+    ``mapl_vq`` needs ``vq`` (its codes: R x r/G bytes per token each way for K <= 256); with
+    ``tokens_per_micro`` its amortised codebook slices are reported in ``codebook_bytes``."""
+    id_item = torch.empty((), dtype=id_wire_dtype(vocab_size)).element_size()
+    ids = id_item * (seq_len + 1) / seq_len
+    if codec == "mapl_vq":
+        if vq is None:
+            raise ValueError("boundary_bytes: mapl_vq needs its VQSettings")
+        codes = float(vq.code_bytes_per_token)
+        slices = vq.slice_bytes_per_micro / tokens_per_micro if tokens_per_micro else 0.0
+        return BoundaryBytes(forward_act_bytes=codes, forward_ids_bytes=ids, backward_bytes=codes,
+                             codebook_bytes=slices)
     width = payload_width(codec, hidden_size, rank)
     item = torch.empty((), dtype=WIRE_TORCH_DTYPES[wire_dtype]).element_size()
-    id_item = torch.empty((), dtype=id_wire_dtype(vocab_size)).element_size()
     return BoundaryBytes(
         forward_act_bytes=float(width * item),
-        forward_ids_bytes=id_item * (seq_len + 1) / seq_len,
+        forward_ids_bytes=ids,
         backward_bytes=float(width * item),
     )
+
+
+def config_boundary_bytes(cfg: "TrainConfig") -> BoundaryBytes:
+    """:func:`boundary_bytes` of a run config (micro-batch of B x T tokens)."""
+    c, m = cfg.compression, cfg.model
+    vq = VQSettings.from_config(c) if c.codec == "mapl_vq" else None
+    return boundary_bytes(c.codec, m.hidden_size, c.rank, c.wire_dtype, m.vocab_size, m.context_length,
+                          vq=vq, tokens_per_micro=cfg.run.micro_batch_size * m.context_length)
 
 
 class Boundary(nn.Module):

@@ -45,6 +45,15 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def _git_dirty() -> bool | None:
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                             text=True, timeout=5, cwd=Path(__file__).resolve().parent)
+        return bool(out.stdout.strip()) if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def run_manifest(config: dict[str, Any], **extra: Any) -> dict[str, Any]:
     """Commit, package versions, machine and config of a run."""
     versions = {}
@@ -55,6 +64,7 @@ def run_manifest(config: dict[str, Any], **extra: Any) -> dict[str, Any]:
             versions[pkg] = "not installed"
     return {
         "commit": _git_commit(),
+        "commit_dirty": _git_dirty(),
         "versions": versions,
         "python": platform.python_version(),
         "machine": f"{platform.machine()} {platform.system()} {platform.release()}",

@@ -91,7 +91,7 @@ def launch(cfg: TrainConfig, config_args: list[str], *, progress: bool = True,
     P = cfg.run.num_stages
     threads = cfg.run.threads or max(1, (os.cpu_count() or 1) // P)
     Path(cfg.run.out_dir).mkdir(parents=True, exist_ok=True)
-    for s in range(P):
+    for s in range(P):  # results of an earlier run must not be mistaken for this one's
         (Path(cfg.run.out_dir) / f"peer_stage{s}.json").unlink(missing_ok=True)
     bootstrap = Discovery(cfg.run.run_id, DiscoveryConfig(host=cfg.net.dht_host, port=cfg.net.dht_port))
     bootstrap.start()

@@ -37,12 +37,14 @@ from mapl_swarm.net.emulator import LinkConfig
 from mapl_swarm.net.heartbeat import HeartbeatConfig, attach_heartbeat
 from mapl_swarm.net.transport import Transport, TransportConfig
 from mapl_swarm.peer.mailbox import Mailbox
+from mapl_swarm.peer.vq_link import CodebookLink, act_payload, act_tensors, grad_payload, grad_tensors
 from mapl_swarm.peer.tensors import from_wire, to_wire
 from mapl_swarm.pipeline import checkpoint
 from mapl_swarm.pipeline.inprocess import LinkCounter
 from mapl_swarm.pipeline.probe import append_health
 from mapl_swarm.pipeline.stage import StageRuntime
 from mapl_swarm.wire import Message, MessageType, VersionMismatch, WireError, decode, encode
+from mapl_swarm.wire.codebook import VQ_CAPABILITY
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,8 @@ class PeerResult:
 
     stage: int
     train_losses: list[float] = field(default_factory=list)
+    report_times_s: list[float] = field(default_factory=list)
+    """Seconds since the handshake at which each step's REPORT reached stage 1."""
     val_history: list[tuple[int, float]] = field(default_factory=list)
     tokens: int = 0
     wall_s: float = 0.0
@@ -75,6 +79,8 @@ class PeerResult:
     """Bytes handed to ZeroMQ per link and message type (headers included)."""
     shaper: dict[str, dict[str, float]] = field(default_factory=dict)
     """Per outbound link: shaped bytes sent and seconds the emulated link spent transmitting."""
+    codebooks: dict[str, Any] = field(default_factory=dict)
+    """mapl_vq: slices applied/ignored/rejected (by error code), RESYNCs, versions and digests."""
 
 
 class Peer:
@@ -110,6 +116,8 @@ class Peer:
         self._last_train_loss: list[float] = []  # last stage: losses of the current step
         self._eval_losses: list[float] = []
         self.transport: Transport | None = None
+        self.vq_link = CodebookLink(self) if runtime.vq is not None else None
+        """mapl_vq: codebook slices and RESYNC on this peer's links (:mod:`.vq_link`)."""
 
     # ------------------------------------------------------------------ plumbing
     async def _compute(self, fn, *args, **kwargs):
@@ -117,12 +125,12 @@ class Peer:
 
     async def _send(self, dst: int, mtype: MessageType, *, step: int = 0, micro: int = 0,
                     meta: dict | None = None, tensors: dict[str, torch.Tensor] | None = None,
-                    pver: int = 0, payload_kinds: dict[str, str] | None = None) -> None:
+                    pver: int = 0, payload_kinds: dict[str, str] | None = None, cver: int = 0) -> None:
         seq = self._seq.get(dst, 0)
         self._seq[dst] = seq + 1
         wire_tensors = {k: to_wire(v) for k, v in (tensors or {}).items()}
         msg = Message(type=mtype, run_id=self.cfg.run.run_id, src=self.stage, dst=dst, step=step,
-                      micro=micro, seq=seq, pver=pver, meta=meta or {}, tensors=wire_tensors)
+                      micro=micro, seq=seq, pver=pver, cver=cver, meta=meta or {}, tensors=wire_tensors)
         compress = None if self.cfg.net.compress_ids else "raw"
         frames = encode(msg, secret=self.secret, compress=compress,
                         max_frame_bytes=self.cfg.net.max_frame_bytes)
@@ -174,6 +182,8 @@ class Peer:
             self.mailbox.fail(MaplError(f"stage {msg.src} failed: {msg.meta.get('message')}"))
         elif t == MT.HEARTBEAT:
             pass
+        elif t == MT.RESYNC and self.vq_link is not None:
+            self.vq_link.on_resync(msg)
         elif t == MT.REPORT:
             if self.stage == 0:
                 self._on_report(msg)
@@ -195,16 +205,35 @@ class Peer:
             await self._send(msg.src, MT.REJECT, meta={"code": "fingerprint_mismatch", "reason": reason})
             return
         await self._send(msg.src, MT.WELCOME, meta=self._hello_meta())
+        if self.vq_link is not None:
+            await self.vq_link.on_handshake(msg.src)
 
     def _hello_meta(self) -> dict:
-        return {"fingerprint": self.fingerprint, "num_stages": self.P, "capabilities": ["1f1b"],
+        caps = ["1f1b"] + ([VQ_CAPABILITY] if self.vq_link is not None else [])
+        return {"fingerprint": self.fingerprint, "num_stages": self.P, "capabilities": caps,
                 "peer": self.name}
+
+    async def _next(self, types: list[MessageType], timeout: float, what: str) -> Message:
+        """The next message of ``types``, applying the codebook slices that arrive before it."""
+        while True:
+            msg = await self.mailbox.get([*types, MT.CODEBOOK_SLICE], timeout, what)
+            if msg.type != MT.CODEBOOK_SLICE:
+                return msg
+            if self.vq_link is None:
+                self._bad_frame(stage_name(msg.src), "CODEBOOK_SLICE but the codec has no codebooks")
+            else:
+                await self.vq_link.on_slice(msg)
+
+    async def _decode(self, work, src: int):
+        """Await ``work`` (a compute that decodes what ``src`` sent); VQ version errors ask for RESYNC."""
+        return await (self.vq_link.guard(work, src) if self.vq_link is not None else work)
 
     def _on_report(self, msg: Message) -> None:
         self._reports.append(msg)
         self._report_event.set()
         if msg.meta.get("mode") == "train":
             self.result.train_losses.append(float(msg.meta["loss"]))
+            self.result.report_times_s.append(time.perf_counter() - self._t0)
             self.result.tokens += int(msg.meta["tokens"])
             if self._bar is not None:
                 elapsed = max(time.perf_counter() - self._t0, 1e-9)
@@ -249,6 +278,9 @@ class Peer:
                 on_silent=lambda peer, s: self.mailbox.fail(MaplError(f"{self.name}: {peer} silent for {s:.0f} s")))
             try:
                 await self._handshake()
+                # a resumed receiver's checkpoint may hold the projector of before the sender's
+                # last step: the sender's copy is authoritative, so send it before any ACT
+                await self._send_projector(self.start_step)
                 self._t0 = time.perf_counter()
                 if self.stage == 0:
                     await self._drive()
@@ -272,6 +304,8 @@ class Peer:
                 st = transport.shaper(stage_name(s)).stats()
                 self.result.shaper[stage_name(s)] = {"bytes_sent": st.bytes_sent, "busy_s": st.busy_s,
                                                      "messages": st.messages_sent}
+            if self.vq_link is not None:
+                self.result.codebooks = self.vq_link.summary()
         return self.result
 
     async def _handshake(self) -> None:
@@ -301,8 +335,9 @@ class Peer:
                 while sent < self.M and sent - done < in_flight:
                     await self._forward_and_send(step, sent, ids=batches[sent])
                     sent += 1
-                msg = await self.mailbox.get([MT.GRAD], timeout, "(gradient) ")
-                await self._compute(self.rt.backward, msg.micro, {"grad": from_wire(msg.tensors["dz"])})
+                msg = await self._next([MT.GRAD], timeout, "(gradient) ")
+                await self._decode(self._compute(self.rt.backward, msg.micro, grad_payload(msg), cver=msg.cver),
+                                   msg.src)
                 done += 1
             await self._flush(step)
             done_steps = step + 1
@@ -318,21 +353,42 @@ class Peer:
         before = sum(1 for r in self._reports if r.meta.get("mode") == "eval")
         for i, ids in enumerate(self.val_batches):
             res = await self._compute(self.rt.forward, -1 - i, ids=ids, train=False)
-            await self._send(self.down, MT.ACT, step=step, micro=i, meta={"mode": "eval"},
-                             tensors={"z": res.payload["act"], "ids": res.payload["ids"]},
-                             payload_kinds={"z": "eval_act", "ids": "eval_ids"})
+            await self._send_act(step, i, res.payload, eval_mode=True)
         await self._wait_report("eval", before + 1, self.cfg.net.timeout_s)
         report = [r for r in self._reports if r.meta.get("mode") == "eval"][-1]
         self.result.val_history.append((step, float(report.meta["loss"])))
         log.info("step %d: val loss %.4f", step, report.meta["loss"])
 
     # ------------------------------------------------------------------ every stage
-    async def _forward_and_send(self, step: int, micro: int, *, ids=None, payload=None) -> None:
-        res = await self._compute(self.rt.forward, micro, ids=ids, payload=payload, train=True)
+    async def _forward_and_send(self, step: int, micro: int, *, ids=None, payload=None,
+                                cver: int | None = None) -> None:
+        res = await self._decode(self._compute(self.rt.forward, micro, ids=ids, payload=payload, train=True,
+                                               cver=cver), self.up)
+        await self._send_act(step, micro, res.payload, eval_mode=False)
+
+    async def _send_act(self, step: int, micro: int, payload: dict, *, eval_mode: bool) -> None:
+        """ACT downstream, after the codebook slices it needs (mapl_vq)."""
+        if self.vq_link is not None:
+            await self.vq_link.send_slices(self.down, "act", step, micro)
         pver = self.rt.outbound.version if self.rt.outbound is not None else 0
-        await self._send(self.down, MT.ACT, step=step, micro=micro, meta={"mode": "train"}, pver=pver,
-                         tensors={"z": res.payload["act"], "ids": res.payload["ids"]},
-                         payload_kinds={"z": "act", "ids": "ids"})
+        tensors, kinds = act_tensors(payload, eval_mode=eval_mode)
+        await self._send(self.down, MT.ACT, step=step, micro=micro, pver=pver,
+                         meta={"mode": "eval" if eval_mode else "train"}, tensors=tensors,
+                         payload_kinds=kinds, cver=self.rt.codebook_version("act"))
+
+    async def _send_grad(self, step: int, micro: int, payload: dict) -> None:
+        """GRAD upstream, after the codebook slices it needs (mapl_vq)."""
+        if self.vq_link is not None:
+            await self.vq_link.send_slices(self.up, "grad", step, micro)
+        tensors, kinds = grad_tensors(payload)
+        await self._send(self.up, MT.GRAD, step=step, micro=micro, tensors=tensors, payload_kinds=kinds,
+                         cver=self.rt.codebook_version("grad"))
+
+    async def _send_projector(self, step: int) -> None:
+        proj = self.rt.outbound_projector()
+        if proj is not None:
+            await self._send(self.down, MT.PROJ, step=step, pver=proj[1], tensors={"proj": proj[0]},
+                             payload_kinds={"proj": "proj"})
 
     async def _flush(self, step: int) -> None:
         """End of step: projector gradient up, optimizer step, projector down, checkpoint."""
@@ -350,10 +406,7 @@ class Peer:
             self.rt.add_outbound_projector_grad(from_wire(msg.tensors["grad"]))
         step_metrics = await self._compute(self.rt.step)
         append_health(self.cfg.run.out_dir, self.stage, step + 1, step_metrics)  # run.health_interval_steps
-        proj = self.rt.outbound_projector()
-        if proj is not None:
-            await self._send(self.down, MT.PROJ, step=step + 1, pver=proj[1], tensors={"proj": proj[0]},
-                             payload_kinds={"proj": "proj"})
+        await self._send_projector(step + 1)
         every = self.cfg.run.checkpoint_interval_steps
         done = step + 1
         if every and (done % every == 0 or done == self.cfg.run.steps):
@@ -368,7 +421,7 @@ class Peer:
         inbound = self.rt.inbound
         step_done = {"fwd": 0, "bwd": 0}
         while True:
-            msg = await self.mailbox.get([MT.ACT, MT.GRAD, MT.PROJ, MT.BYE], timeout, "(pipeline) ")
+            msg = await self._next([MT.ACT, MT.GRAD, MT.PROJ, MT.BYE], timeout, "(pipeline) ")
             if msg.type == MT.BYE:
                 if self.down is not None:
                     await self._send(self.down, MT.BYE, meta=dict(msg.meta))
@@ -377,15 +430,15 @@ class Peer:
                 await self._compute(self.rt.load_inbound_projector, from_wire(msg.tensors["proj"]), msg.pver)
                 continue
             if msg.type == MT.GRAD:
-                grad = await self._compute(self.rt.backward, msg.micro, {"grad": from_wire(msg.tensors["dz"])})
-                await self._send(self.up, MT.GRAD, step=msg.step, micro=msg.micro, tensors={"dz": grad["grad"]},
-                                 payload_kinds={"dz": "grad"})
+                grad = await self._decode(self._compute(self.rt.backward, msg.micro, grad_payload(msg),
+                                                        cver=msg.cver), msg.src)
+                await self._send_grad(msg.step, msg.micro, grad)
                 step_done["bwd"] += 1
                 if step_done["bwd"] == self.M:
                     await self._flush(msg.step)
                     step_done = {"fwd": 0, "bwd": 0}
                 continue
-            payload = {"act": from_wire(msg.tensors["z"]), "ids": from_wire(msg.tensors["ids"])}
+            payload = act_payload(msg)
             if msg.meta.get("mode") == "eval":
                 await self._eval_forward(msg, payload)
                 continue
@@ -393,13 +446,13 @@ class Peer:
                 raise MaplError(f"{self.name}: ACT made with projector v{msg.pver}, this stage holds "
                                 f"v{inbound.version}")
             if self.down is not None:
-                await self._forward_and_send(msg.step, msg.micro, payload=payload)
+                await self._forward_and_send(msg.step, msg.micro, payload=payload, cver=msg.cver)
                 continue
             # last stage: forward, loss, backward at once (1F1B's tail)
-            res = await self._compute(self.rt.forward, msg.micro, payload=payload, train=True)
+            res = await self._decode(self._compute(self.rt.forward, msg.micro, payload=payload, train=True,
+                                                   cver=msg.cver), msg.src)
             grad = await self._compute(self.rt.backward, msg.micro, None)
-            await self._send(self.up, MT.GRAD, step=msg.step, micro=msg.micro, tensors={"dz": grad["grad"]},
-                             payload_kinds={"dz": "grad"})
+            await self._send_grad(msg.step, msg.micro, grad)
             self._last_train_loss.append(res.loss)
             step_done["fwd"] += 1
             if step_done["fwd"] == self.M:
@@ -411,11 +464,10 @@ class Peer:
                 step_done = {"fwd": 0, "bwd": 0}
 
     async def _eval_forward(self, msg: Message, payload: dict) -> None:
-        res = await self._compute(self.rt.forward, -1 - msg.micro, payload=payload, train=False)
+        res = await self._decode(self._compute(self.rt.forward, -1 - msg.micro, payload=payload, train=False,
+                                               cver=msg.cver), msg.src)
         if self.down is not None:
-            await self._send(self.down, MT.ACT, step=msg.step, micro=msg.micro, meta={"mode": "eval"},
-                             tensors={"z": res.payload["act"], "ids": res.payload["ids"]},
-                             payload_kinds={"z": "eval_act", "ids": "eval_ids"})
+            await self._send_act(msg.step, msg.micro, res.payload, eval_mode=True)
             return
         self._eval_losses.append(res.loss)
         if len(self._eval_losses) == self.cfg.run.val_batches:

@@ -1,7 +1,9 @@
 """All P stages in one process, joined by in-memory links that count every payload byte.
 
 Payloads are produced by :class:`StageRuntime` already cast to their wire dtypes, so an in-memory
-link moves exactly what a network link would (the wire only adds headers). Micro-batches run
+link moves exactly what a network link would (the wire only adds headers). With mapl_vq the
+codebook slices a stage queues travel first, in the order a peer sends them (counted as
+``codebook`` forward and ``grad_codebook`` backward), and the payload carries its ``cver``. Micro-batches run
 forward through every stage then backward; the result equals a 1F1B or GPipe schedule of the same
 step because weights only change at the step's flush, and gradients accumulate in micro-batch order.
 """
@@ -59,14 +61,26 @@ class InProcessPipeline:
         self.stages = [StageRuntime(cfg, s, device) for s in range(cfg.run.num_stages)]
         self.links = [LinkCounter() for _ in range(cfg.run.num_stages - 1)]
 
+    def _deliver_slices(self, src: int, dst: int, stream: str, count: bool) -> int:
+        """Move stage ``src``'s queued ``stream`` slices to stage ``dst``; returns the payload cver."""
+        link = self.links[min(src, dst)]
+        for sl in self.stages[src].take_slices(stream):
+            if count:
+                link.add("codebook" if stream == "act" else "grad_codebook", sl.codes)
+            self.stages[dst].apply_slice(sl)
+        return self.stages[src].codebook_version(stream)
+
     def _forward(self, micro: int, ids: torch.Tensor, train: bool) -> tuple[float, int]:
         payload = None
         result = None
+        cver = None
         for s, stage in enumerate(self.stages):
-            result = stage.forward(micro, ids=ids if s == 0 else None, payload=payload, train=train)
+            result = stage.forward(micro, ids=ids if s == 0 else None, payload=payload, train=train, cver=cver)
             payload = result.payload
+            if payload is not None:
+                cver = self._deliver_slices(s, s + 1, "act", train)
             if payload is not None and train:
-                self.links[s].add("act", payload["act"])
+                self.links[s].add("act", payload["codes"] if "codes" in payload else payload["act"])
                 self.links[s].add("ids", payload["ids"])
         assert result is not None and result.loss is not None
         return result.loss, result.tokens
@@ -79,10 +93,12 @@ class InProcessPipeline:
             losses.append(loss)
             tokens += n
             grad = None
+            cver = None
             for s in range(len(self.stages) - 1, -1, -1):
-                grad = self.stages[s].backward(micro, grad)
+                grad = self.stages[s].backward(micro, grad, cver=cver)
                 if grad is not None:
-                    self.links[s - 1].add("grad", grad["grad"])
+                    cver = self._deliver_slices(s, s - 1, "grad", True)
+                    self.links[s - 1].add("grad", grad["codes"] if "codes" in grad else grad["grad"])
         return losses, tokens
 
     def finish_step(self) -> dict[str, float]:

@@ -7,6 +7,11 @@ same numbers. Payloads are dicts of tensors already cast to their wire dtype:
 
 - ACT payload: ``{"act": (B, T, w) wire dtype, "ids": (B, T+1) uint16/uint32}``
 - GRAD payload: ``{"grad": (B, T, w) wire dtype}``
+- mapl_vq: ``"codes"`` (B, T, R, r/G) uint8/uint16 replaces ``"act"`` and ``"grad"``. Each forward
+  or backward that encodes may queue codebook slices: the driver delivers
+  :meth:`take_slices` (``"act"`` downstream, ``"grad"`` upstream) to the neighbour's
+  :meth:`apply_slice` *before* the payload, and passes :meth:`codebook_version` along as the
+  payload's ``cver`` (see :mod:`mapl_swarm.compress.vq_stage`).
 
 Projector exchange once per step (DESIGN §2): the receiver hands its partial gradient with
 :meth:`take_inbound_projector_grad`, the sender adds it with :meth:`add_outbound_projector_grad`,
@@ -26,9 +31,13 @@ from torch import nn
 
 from mapl_swarm.compress import WIRE_TORCH_DTYPES, Boundary, StageAnchor, id_wire_dtype
 from mapl_swarm.compress import ssn
+from mapl_swarm.compress.codebook_sync import CodebookSlice
+from mapl_swarm.compress.vq import VQSettings
+from mapl_swarm.compress.vq_stage import StageVQ
 from mapl_swarm.config import TrainConfig
 from mapl_swarm.model import StageModel
 from mapl_swarm.optim import SPEL, Muon, lr_multiplier
+from mapl_swarm.pipeline.probe import BoundaryProbe
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +73,7 @@ class StageRuntime:
 
         self.model = StageModel(m, stage, self.num_stages, seed)
         self.anchor: StageAnchor | None = None
-        if not self.is_first and c.codec in ("mapl", "fixed", "naive"):
+        if not self.is_first and c.codec in ("mapl", "fixed", "naive", "mapl_vq"):
             self.anchor = StageAnchor(c.anchor, m.vocab_size, m.hidden_size, c.anchor_rank,
                                       c.anchor_init_std, seed, stage)
         self.ssn_basis: nn.Parameter | None = None
@@ -84,11 +93,18 @@ class StageRuntime:
         self.modules.to(self.device)
         if self.ssn_basis is not None:
             self._ssn_constrain()
+        self.vq: StageVQ | None = None
+        """mapl_vq: this stage's codebook streams."""
+        if c.codec == "mapl_vq":
+            self.vq = StageVQ(VQSettings.from_config(c), stage, has_inbound=self.inbound is not None,
+                              has_outbound=self.outbound is not None, seed=seed, device=self.device)
 
         self.optimizers = self._build_optimizers()
         self.step_count = 0
         self.loss_scale = 1.0 / cfg.run.num_micro_batches
         self._saved: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.probe = BoundaryProbe(cfg.run.health_interval_steps)
+        """Compression health metrics (run.health_interval_steps); see :mod:`.probe`."""
 
     # ------------------------------------------------------------------ construction
     def register_ssn_offsets(self, offsets: torch.Tensor) -> None:
@@ -120,7 +136,7 @@ class StageRuntime:
                  dict(params=no_decay, lr=adam_lr, base_lr=adam_lr, weight_decay=0.0)],
                 lr=adam_lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps),
         ]
-        if out is not None and out.codec == "mapl":
+        if out is not None and out.codec in ("mapl", "mapl_vq"):
             opts.append(SPEL([dict(params=[out.projector], lr=proj_lr, base_lr=proj_lr)], lr=proj_lr,
                              momentum=o.spel_momentum, direction_steps=o.spel_direction_steps,
                              retraction_steps=o.spel_retraction_steps))
@@ -144,9 +160,11 @@ class StageRuntime:
         return anchor
 
     def forward(self, micro: int, *, ids: torch.Tensor | None = None,
-                payload: dict[str, torch.Tensor] | None = None, train: bool = True) -> ForwardResult:
+                payload: dict[str, torch.Tensor] | None = None, train: bool = True,
+                cver: int | None = None) -> ForwardResult:
         """Run micro-batch ``micro``. Stage 1 takes ``ids`` (B, T+1); later stages take the ACT
-        payload of the previous stage. With ``train`` the graph is kept for :meth:`backward`."""
+        payload of the previous stage (mapl_vq: encoded at codebook version ``cver``; None skips
+        the check). With ``train`` the graph is kept for :meth:`backward`."""
         if self.is_first:
             if ids is None:
                 raise ValueError("the first stage needs token ids")
@@ -156,6 +174,7 @@ class StageRuntime:
                 raise ValueError(f"stage {self.stage} needs an ACT payload")
             all_ids = payload["ids"].to(self.device).long()
         tokens_in = all_ids[:, :-1]  # (B, T) inputs; labels are all_ids[:, 1:]
+        probe_due = self.probe.due(self.step_count, micro, train)
         with torch.set_grad_enabled(train), self._autocast():
             z_in = None
             anchor = self.anchor(tokens_in) if self.anchor is not None else None
@@ -164,10 +183,14 @@ class StageRuntime:
                 embedded = self.model.embed(tokens_in)
                 x = embedded if self.codec != "ssn" else embedded + self.ssn_offsets[tokens_in]
             else:
-                z_in = payload["act"].to(self.device, torch.float32)
+                if self.vq is not None:
+                    z_in = self.vq.decode("act", payload["codes"].to(self.device), cver)
+                else:
+                    z_in = payload["act"].to(self.device, torch.float32)
                 if train:
                     z_in.requires_grad_(True)
                 x = self.inbound.decode(z_in, self._offset(tokens_in, None, anchor))
+                self.probe.on_recv(probe_due, x)
             x = self.model.run_layers(x)
             if self.is_last:
                 logits = self.model.head(x).float()  # (B, T, V)
@@ -175,15 +198,22 @@ class StageRuntime:
                 if train:
                     self._saved[micro] = (loss * self.loss_scale, z_in)
                 return ForwardResult(None, float(loss.detach()), tokens_in.numel())
-            z = self.outbound.encode(x, self._offset(tokens_in, embedded, anchor)).float()
+            offset = self._offset(tokens_in, embedded, anchor)
+            self.probe.on_send(probe_due, x, offset, tokens_in)
+            z = self.outbound.encode(x, offset).float()
         if train:
             self._saved[micro] = (z, z_in)
-        out = {"act": z.detach().to(self.wire_dtype), "ids": all_ids.to(self.id_dtype)}
+        if self.vq is not None:  # straight-through: backward feeds the decoded dL/dZ_hat to z
+            out = {"codes": self.vq.encode("act", z.detach(), learn=train), "ids": all_ids.to(self.id_dtype)}
+        else:
+            out = {"act": z.detach().to(self.wire_dtype), "ids": all_ids.to(self.id_dtype)}
         return ForwardResult(out, None, tokens_in.numel())
 
-    def backward(self, micro: int, payload: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor] | None:
+    def backward(self, micro: int, payload: dict[str, torch.Tensor] | None = None,
+                 cver: int | None = None) -> dict[str, torch.Tensor] | None:
         """Backward of micro-batch ``micro`` given the next stage's GRAD payload (None on the last
-        stage); returns the GRAD payload for the previous stage (None on the first)."""
+        stage; mapl_vq: codes at version ``cver``); returns the GRAD payload for the previous stage
+        (None on the first)."""
         if micro not in self._saved:
             raise KeyError(f"stage {self.stage}: no saved forward for micro-batch {micro}")
         out, z_in = self._saved.pop(micro)
@@ -192,17 +222,38 @@ class StageRuntime:
         else:
             if payload is None:
                 raise ValueError(f"stage {self.stage} needs a GRAD payload")
-            grad = payload["grad"].to(self.device, torch.float32)
+            if self.vq is not None:
+                grad = self.vq.decode("grad", payload["codes"].to(self.device), cver)
+            else:
+                grad = payload["grad"].to(self.device, torch.float32)
             if grad.shape != out.shape:
                 raise ValueError(f"GRAD shape {tuple(grad.shape)} != activation shape {tuple(out.shape)}")
             out.backward(grad)
         if z_in is None:
             return None
+        if self.vq is not None:
+            return {"codes": self.vq.encode("grad", z_in.grad, learn=True)}
         return {"grad": z_in.grad.to(self.wire_dtype)}
 
     @property
     def pending_micro_batches(self) -> int:
         return len(self._saved)
+
+    # ------------------------------------------------------------------ codebook streams (mapl_vq)
+    def take_slices(self, stream: str) -> list[CodebookSlice]:
+        """Codebook slices queued by the last forward (``"act"``, for the next stage) or backward
+        (``"grad"``, for the previous stage); deliver them before that payload. [] without VQ."""
+        return self.vq.take_slices(stream) if self.vq is not None else []
+
+    def codebook_version(self, stream: str) -> int:
+        """``cver`` of the last payload this stage encoded on ``stream`` (0 without VQ)."""
+        return self.vq.version(stream) if self.vq is not None and stream in self.vq.tx else 0
+
+    def apply_slice(self, sl: CodebookSlice) -> str:
+        """Apply a neighbour's slice (raises the named CodebookError when rejected)."""
+        if self.vq is None:
+            raise ValueError(f"stage {self.stage}: codec {self.codec} has no codebooks")
+        return self.vq.apply_slice(sl)
 
     # ------------------------------------------------------------------ projector exchange
     def take_inbound_projector_grad(self) -> torch.Tensor | None:
@@ -245,7 +296,7 @@ class StageRuntime:
         for opt in self.optimizers:
             for group in opt.param_groups:
                 group["lr"] = group["base_lr"] * mult
-        metrics = {"lr_mult": mult}
+        metrics = {"lr_mult": mult, **self.probe.collect(self.inbound, self.outbound, getattr(self, "vq", None))}
         if o.grad_clip_norm > 0:
             params = [p for p in self.optimized_parameters() if p.grad is not None]
             metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, o.grad_clip_norm))
@@ -256,6 +307,8 @@ class StageRuntime:
             self.outbound.version += 1
         if self.ssn_basis is not None:
             self._ssn_constrain()
+        if self.vq is not None:
+            metrics.update(self.vq.metrics())
         self.step_count += 1
         return metrics
 
@@ -288,6 +341,7 @@ class StageRuntime:
             "optimizers": [opt.state_dict() for opt in self.optimizers],
             "versions": versions,
             "rng_cpu": torch.get_rng_state(),
+            **({"vq": self.vq.state_dict()} if self.vq is not None else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -300,3 +354,5 @@ class StageRuntime:
             getattr(self, k).version = int(v)
         self.step_count = int(state["step"])
         torch.set_rng_state(state["rng_cpu"])
+        if self.vq is not None:
+            self.vq.load_state_dict(state["vq"])

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from mapl_swarm.compress import boundary_bytes
+from mapl_swarm.compress import config_boundary_bytes
 from mapl_swarm.config import TrainConfig, config_to_dict
 from mapl_swarm.data import BatchSampler, PreparedData, prepare_data, validation_batches
 from mapl_swarm.errors import ConfigError
@@ -82,8 +83,10 @@ def _resume(pipe: InProcessPipeline, cfg: TrainConfig, sampler: BatchSampler) ->
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
-          data: PreparedData | None = None) -> TrainSummary:
-    """Train ``cfg`` with all stages in this process."""
+          data: PreparedData | None = None,
+          on_finish: Callable[[InProcessPipeline, list[torch.Tensor]], None] | None = None) -> TrainSummary:
+    """Train ``cfg`` with all stages in this process. ``on_finish(pipeline, val_batches)`` is called
+    once after the final validation (end-of-run analysis)."""
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     device = resolve_device(cfg.run.device)
@@ -99,10 +102,10 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
     manifest = run_manifest(config_to_dict(cfg), corpus_fingerprint=data.meta.get("corpus_fingerprint"),
                             tokenizer_hash=data.tokenizer.file_hash, seed=run.seed, resumed_from=start)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
-    expected = boundary_bytes(cfg.compression.codec, cfg.model.hidden_size, cfg.compression.rank,
-                              cfg.compression.wire_dtype, cfg.model.vocab_size, T)
-    log.info("codec %s: %.1f B/token forward, %.1f B/token backward per boundary",
-             cfg.compression.codec, expected.forward_bytes, expected.backward_bytes)
+    expected = config_boundary_bytes(cfg)
+    log.info("codec %s: %.1f B/token forward, %.1f B/token backward per boundary (+ %.2f B/token "
+             "codebook slices each way)", cfg.compression.codec, expected.forward_bytes,
+             expected.backward_bytes, expected.codebook_bytes)
 
     initial_val = pipe.evaluate(val) if start == 0 else None
     val_history: list[tuple[int, float]] = [] if initial_val is None else [(0, initial_val)]
@@ -127,11 +130,13 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
             record = {"step": done, "loss": loss, "tokens": res.tokens, "step_s": round(dt, 4),
                       "tokens_per_s": res.tokens / dt, "lr_mult": res.metrics.get("stage0/lr_mult"),
                       "bytes_per_token": per_link}
+            health = {k.split("/", 1)[1]: v for k, v in res.metrics.items() if "/health/" in k}
+            record.update(dict(sorted(health.items())))
             if run.val_interval_steps and (done % run.val_interval_steps == 0 or done == run.steps):
                 val_loss = pipe.evaluate(val)
                 val_history.append((done, val_loss))
                 record["val_loss"] = val_loss
-            if done % run.log_interval_steps == 0 or "val_loss" in record:
+            if done % run.log_interval_steps == 0 or "val_loss" in record or health:
                 metrics.write(record)
             if run.checkpoint_interval_steps and (done % run.checkpoint_interval_steps == 0 or done == run.steps):
                 _save_checkpoint(pipe, cfg, sampler, done)
@@ -142,11 +147,13 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
     if not val_history or val_history[-1][0] != run.steps:
         val_loss = pipe.evaluate(val)
         val_history.append((run.steps, val_loss))
+    if on_finish is not None:
+        on_finish(pipe, val)
     total_tok = max(tokens_total, 1)
     per_boundary = []
     for link in pipe.links:
-        fwd = link.bytes["act"] + link.bytes["ids"] + link.bytes["proj"]
-        bwd = link.bytes["grad"] + link.bytes["proj_grad"]
+        fwd = link.bytes["act"] + link.bytes["ids"] + link.bytes["proj"] + link.bytes["codebook"]
+        bwd = link.bytes["grad"] + link.bytes["proj_grad"] + link.bytes["grad_codebook"]
         per_boundary.append({"forward": fwd / total_tok, "backward": bwd / total_tok,
                              "total": (fwd + bwd) / total_tok})
     return TrainSummary(steps=run.steps, final_train_loss=loss, final_val_loss=val_history[-1][1],

@@ -1,11 +1,11 @@
-"""Wire protocol 1.0: messages <-> ZeroMQ multipart frames (normative text: protocol/SPEC.md).
+"""Wire protocol 1.1: messages <-> ZeroMQ multipart frames (normative text: protocol/SPEC.md).
 
 Imports no torch; tensors are numpy arrays (bf16 as its raw ``uint16`` bit patterns).
 
 API
 ---
 ``Message(*, type, run_id, src, dst, step=0, micro=0, seq=0, pver=0, cver=0, meta={}, tensors={},
-version=(1, 0))``
+version=(1, 1))``
     One message. ``type`` is a :class:`MessageType`; ``tensors`` maps names (frame order) to
     :class:`WireTensor` (a plain numpy array is wrapped with its inferred tag).
 ``WireTensor(dtype, data)`` / ``WireTensor.from_array(array, dtype=None)``
@@ -22,7 +22,7 @@ version=(1, 0))``
 ``default_codec(dtype) -> str``; ``MessageType``; ``PROTOCOL_VERSION``; ``META_SCHEMA``.
 
 Errors (``.code``): MalformedHeader, UnknownMessageType, VersionMismatch (``peer speaks 2.0,
-this peer speaks 1.0``; ``.peer_version``, ``.local_version``), FrameCountMismatch,
+this peer speaks 1.1``; ``.peer_version``, ``.local_version``), FrameCountMismatch,
 LengthMismatch, ChecksumMismatch, FrameTooLarge, BadDtype, BadShape, BadCodec,
 DecompressionFailed, AuthFailed, InvalidMessage — all subclasses of :class:`WireError`
 (itself a ``mapl_swarm.errors.MaplError``); ``ERRORS_BY_CODE`` maps codes to classes.
@@ -32,8 +32,12 @@ DecompressionFailed, AuthFailed, InvalidMessage — all subclasses of :class:`Wi
 ``local``, ``remote``. ACT ``mode`` "train"|"eval". PROJ_GRAD —; ``micro_batches`` uint.
 REPORT ``loss`` float, ``tokens`` uint; ``mode``, ``metrics`` {str: number}. HEARTBEAT —;
 ``sent_ns`` uint. BYE —; ``reason`` str. ERROR ``code``, ``message`` str; ``ref_seq`` uint.
-GRAD, PROJ, CODEBOOK_SLICE, RESYNC: none yet. PROJ, PROJ_GRAD and CODEBOOK_SLICE tensors must
+CODEBOOK_SLICE —; ``stream`` "act"|"grad", ``start`` uint, ``full`` bool. RESYNC —; ``stream``,
+``have`` uint, ``reason`` str. GRAD, PROJ: none. PROJ, PROJ_GRAD and CODEBOOK_SLICE tensors must
 be fp32 (BadDtype); HELLO, WELCOME, REJECT, REPORT, RESYNC, HEARTBEAT, BYE, ERROR carry none.
+
+Codebook streaming (SPEC §5.1): slice/RESYNC messages and the receiver's checks (from
+:mod:`mapl_swarm.codebook_rules`) in :mod:`mapl_swarm.wire.codebook`.
 
 Golden vectors: ``python -m mapl_swarm.wire.vectors --out protocol/vectors/v1`` (regenerate),
 ``python -m mapl_swarm.wire.vectors --check protocol/vectors/v1`` (verify).

@@ -160,6 +160,8 @@ META_SCHEMA: dict[MessageType, tuple[dict[str, str], dict[str, str]]] = {
     MessageType.ACT: ({"mode": "mode"}, {}),
     MessageType.PROJ_GRAD: ({}, {"micro_batches": "uint"}),
     MessageType.REPORT: ({"loss": "float", "tokens": "uint"}, {"mode": "mode", "metrics": "metrics"}),
+    MessageType.CODEBOOK_SLICE: ({}, {"stream": "stream", "start": "uint", "full": "bool"}),
+    MessageType.RESYNC: ({}, {"stream": "stream", "have": "uint", "reason": "str"}),
     MessageType.HEARTBEAT: ({}, {"sent_ns": "uint"}),
     MessageType.BYE: ({}, {"reason": "str"}),
     MessageType.ERROR: ({"code": "str", "message": "str"}, {"ref_seq": "uint"}),
@@ -185,6 +187,10 @@ def _kind_ok(kind: str, v: Any) -> bool:
         return type(v) is float
     if kind == "mode":
         return isinstance(v, str) and v in spec.MODES
+    if kind == "stream":
+        return isinstance(v, str) and v in spec.STREAMS
+    if kind == "bool":
+        return type(v) is bool
     if kind == "strs":
         return isinstance(v, list) and all(isinstance(x, str) for x in v)
     if kind == "map":
@@ -199,6 +205,8 @@ _KIND_TEXT = {
     "uint": "a non-negative integer",
     "float": "a float",
     "mode": "'train' or 'eval'",
+    "stream": "'act' or 'grad'",
+    "bool": "a bool",
     "strs": "an array of strings",
     "map": "a map",
     "metrics": "a map of numbers",

@@ -1,4 +1,4 @@
-"""Constants of wire protocol 1.0: version, message types, dtypes, codecs, limits, key order.
+"""Constants of wire protocol 1.1: version, message types, dtypes, codecs, limits, key order.
 
 Everything here mirrors a table of ``protocol/SPEC.md``; change the spec first, then this file.
 """
@@ -22,6 +22,7 @@ __all__ = [
     "FP32_ONLY_TYPES",
     "TENSOR_TYPES",
     "MODES",
+    "STREAMS",
     "REJECT_CODES",
     "HEADER_KEYS",
     "DESCRIPTOR_KEYS",
@@ -41,7 +42,7 @@ __all__ = [
     "INT64_MIN",
 ]
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 0)
+PROTOCOL_VERSION: tuple[int, int] = (1, 1)
 """(major, minor) spoken by this implementation."""
 
 
@@ -126,6 +127,9 @@ TENSOR_TYPES: frozenset[MessageType] = frozenset(
 
 MODES: tuple[str, ...] = ("train", "eval")
 """Values of ``meta["mode"]`` (ACT, REPORT)."""
+
+STREAMS: tuple[str, ...] = ("act", "grad")
+"""Values of ``meta["stream"]`` (CODEBOOK_SLICE, RESYNC; SPEC §5.1): forward Z or backward dL/dZ."""
 
 REJECT_CODES: tuple[str, ...] = (
     "version_mismatch",

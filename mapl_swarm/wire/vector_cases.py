@@ -1,8 +1,9 @@
-"""The golden vector cases of protocol/vectors/v1: valid, accept-only and invalid messages.
+"""The golden vector cases of protocol/vectors/v1: valid, accept-only, invalid and codebook.
 
 Valid cases are encodings of :func:`vector_samples.samples`; accept and invalid cases are those
 encodings altered at the msgpack level (one defect each), with CRCs and auth tags fixed up where
-the case is about something else.
+the case is about something else. Codebook cases (protocol 1.1, SPEC §5.1) are valid frames with a
+codebook receiver state; the expected outcome is applied, ignored, or a named codebook error.
 """
 
 from __future__ import annotations
@@ -14,9 +15,13 @@ from typing import Any, Callable
 
 import lz4.block
 import msgpack
+import numpy as np
 
+from .codebook import slice_message
 from .frames import compute_tag, encode
-from .vector_samples import VECTOR_SECRET, samples
+from .message import Message, WireTensor
+from .spec import MessageType
+from .vector_samples import RUN_ID, VECTOR_SECRET, VQ_LAYOUT, sample_codebook, sample_floats, samples
 
 __all__ = ["Case", "build_cases"]
 
@@ -27,7 +32,7 @@ class Case:
 
     name: str
     kind: str
-    """``valid``, ``accept`` or ``invalid``."""
+    """``valid``, ``accept``, ``invalid`` or ``codebook``."""
     frames: list[bytes]
     description: str
     error: str | None = None
@@ -37,6 +42,7 @@ class Case:
     secret: bool = False
     """Decode with the vectors' secret."""
     extra: dict[str, Any] = field(default_factory=dict)
+    """Codebook cases: ``receiver`` (state) and ``outcome`` (``apply``, ``ignore`` or an error code)."""
 
 
 def _hdr(frames: list[bytes]) -> dict[str, Any]:
@@ -125,6 +131,11 @@ def _valid(v: dict[str, list[bytes]]) -> list[Case]:
         "meta_free": "free meta: nested maps sorted, bin, nil, bools, negative and 64-bit ints",
         "act_auth": "ACT train authenticated with the vectors' secret",
         "hello_auth": "HELLO authenticated with the vectors' secret",
+        "codebook_slice_stream": "1.1 CODEBOOK_SLICE of the act stream: codes 4..7, version 6",
+        "codebook_slice_full": "1.1 full CODEBOOK_SLICE of the grad stream (16 codes), version 9",
+        "resync_stream": "1.1 RESYNC of the act stream, receiver at version 5",
+        "act_vq_rounds": "1.1 ACT: uint16 ids and uint8 codes (B, T, R=2, r/G=2) at cver 6",
+        "grad_vq": "1.1 GRAD: uint8 codes (B, T, R=2, r/G=2) at cver 9",
     }
     return [Case(n, "valid", f, text[n], secret=n.endswith("_auth")) for n, f in v.items()]
 
@@ -235,7 +246,7 @@ def _invalid(v: dict[str, list[bytes]]) -> list[Case]:
         ("tensor_name_empty", _edit(act, _desc(0, name="")), M, "empty tensor name"),
         ("crc_too_large", _edit(act, _desc(0, crc=2**32)), M, "crc above 2^32-1"),
         ("version_major_2", _edit(hello, _set("v", [2, 0])), "version_mismatch",
-         "major 2: 'peer speaks 2.0, this peer speaks 1.0'"),
+         "major 2: 'peer speaks 2.0, this peer speaks 1.x'"),
         ("version_major_0", _edit(hello, _set("v", [0, 9])), "version_mismatch", "major 0"),
         ("type_unknown", _edit(hello, _set("type", 99)), T, "type 99"),
         ("type_reserved", _edit(hello, _set("type", 14)), T, "type 14, reserved for checkpoints"),
@@ -285,6 +296,14 @@ def _invalid(v: dict[str, list[bytes]]) -> list[Case]:
         ("error_no_code", _edit(v["error"], _meta(code=_DROP)), IM, "ERROR lacks code"),
         ("heartbeat_with_tensor", _edit([*v["heartbeat"], b"\x07"], hb_tensor), IM,
          "HEARTBEAT carrying a tensor"),
+        ("codebook_start_string", _edit(v["codebook_slice_stream"], _meta(start="4")), IM,
+         "CODEBOOK_SLICE start is a string (1.1)"),
+        ("codebook_stream_unknown", _edit(v["codebook_slice_stream"], _meta(stream="fwd")), IM,
+         "CODEBOOK_SLICE stream 'fwd' (1.1)"),
+        ("codebook_full_int", _edit(v["codebook_slice_full"], _meta(full=1)), IM,
+         "CODEBOOK_SLICE full is an integer (1.1)"),
+        ("resync_have_negative", _edit(v["resync_stream"], _meta(have=-1)), IM,
+         "RESYNC have is negative (1.1)"),
     ]
     out = [Case(n, "invalid", f, d, error=e) for n, f, e, d in cases]
     tag_flip = [_flip(act_auth[0], len(act_auth[0]) - 1), *act_auth[1:]]
@@ -303,10 +322,92 @@ def _invalid(v: dict[str, list[bytes]]) -> list[Case]:
     return out
 
 
+def _receiver(version: int = 5, awaiting: bool = False, stream: str = "act") -> dict[str, Any]:
+    R, NG, K, G = VQ_LAYOUT
+    return {"stream": stream, "version": version, "awaiting_resync": awaiting, "rounds": R,
+            "groups": NG, "codebook_size": K, "group_size": G}
+
+
+def _slice(version: int, start: int, n: int, *, full: bool = False, stream: str = "act",
+           shape: tuple[int, ...] | None = None, salt: int = 20) -> list[bytes]:
+    if shape is None:
+        codes = sample_codebook(start, n, salt)
+    else:  # a wrong shape
+        codes = sample_floats(int(np.prod(shape)), salt).reshape(shape)
+    msg = slice_message(run_id=RUN_ID, src=0, dst=1, stream=stream, version=version, start=start,
+                        full=full, codes=codes, step=12, micro=3, version_tuple=(1, 1))
+    msg.seq = 50
+    return [bytes(f) for f in encode(msg)]
+
+
+def _codebook(v: dict[str, list[bytes]]) -> list[Case]:
+    """Valid frames checked by a codebook receiver (SPEC §5.1): applied, ignored or rejected."""
+    R, NG, K, G = VQ_LAYOUT
+    nan = sample_codebook(4, 4, 21)
+    nan[1, 0, 2, 1] = float("nan")
+    nan_msg = slice_message(run_id=RUN_ID, src=0, dst=1, stream="act", version=6, start=4, full=False,
+                            codes=nan, step=12, micro=3, version_tuple=(1, 1))
+    two = slice_message(run_id=RUN_ID, src=0, dst=1, stream="act", version=6, start=4, full=False,
+                        codes=sample_codebook(4, 4, 22), step=12, micro=3, version_tuple=(1, 1))
+    two.tensors["more"] = WireTensor("fp32", sample_codebook(8, 1, 23))
+    full_start = slice_message(run_id=RUN_ID, src=0, dst=1, stream="act", version=9, start=4, full=True,
+                               codes=sample_codebook(0, K, 24), step=12, micro=3, version_tuple=(1, 1))
+
+    def act(cver: int, codes: Any, dtype: str = "uint8") -> list[bytes]:
+        m = Message(type=MessageType.ACT, run_id=RUN_ID, src=0, dst=1, step=12, micro=3, seq=51, pver=12,
+                    cver=cver, meta={"mode": "train"}, version=(1, 1),
+                    tensors={"ids": v_ids, "codes": WireTensor(dtype, codes)})
+        return [bytes(f) for f in encode(m)]
+
+    v_ids = samples()["act_vq_rounds"].tensors["ids"]
+    good_codes = samples()["act_vq_rounds"].tensors["codes"].wire_array()
+    big = good_codes.copy()
+    big[1, 2, 1, 0] = K
+    rx, SM, SS, SI = _receiver(), "slice_malformed", "slice_shape_mismatch", "slice_index_out_of_range"
+    cases: list[tuple[str, list[bytes], dict[str, Any], str, str]] = [
+        ("slice_next_version", v["codebook_slice_stream"], rx, "apply",
+         "partial slice at version v+1: applied"),
+        ("slice_full_newer", _slice(9, 0, K, full=True), rx, "apply", "full slice at version 9 > 5: applied"),
+        ("slice_full_while_awaiting", _slice(3, 0, K, full=True), _receiver(awaiting=True), "apply",
+         "full slice while awaiting a resync: applied whatever its version"),
+        ("slice_partial_while_awaiting", v["codebook_slice_stream"], _receiver(awaiting=True), "ignore",
+         "partial slice while awaiting a resync: ignored"),
+        ("slice_grad_stream", v["codebook_slice_full"], _receiver(stream="grad"), "apply",
+         "full slice of the grad stream to its receiver"),
+        ("slice_stale_replay", _slice(5, 4, 4), rx, "stale_slice", "version 5 == receiver's 5 (replay)"),
+        ("slice_stale_old", _slice(1, 4, 4), rx, "stale_slice", "version 1 < receiver's 5"),
+        ("slice_full_stale", _slice(5, 0, K, full=True), rx, "stale_slice", "full slice not newer"),
+        ("slice_future_gap", _slice(7, 4, 4), rx, "future_slice", "version 7 skips 6: slices lost"),
+        ("slice_rounds_mismatch", _slice(6, 4, 4, shape=(3, NG, 4, G)), rx, SS, "3 rounds, receiver has 2"),
+        ("slice_groups_mismatch", _slice(6, 4, 4, shape=(R, 4, 4, G)), rx, SS, "4 groups, receiver has 2"),
+        ("slice_group_size_mismatch", _slice(6, 4, 4, shape=(R, NG, 4, 3)), rx, SS, "group size 3, not 2"),
+        ("slice_three_dims", _slice(6, 4, 4, shape=(R, NG, 8)), rx, SS, "codes with 3 dimensions"),
+        ("slice_empty", _slice(6, 4, 0), rx, SS, "slice of zero codes"),
+        ("slice_full_short", _slice(9, 0, 8, full=True), rx, SS, "full slice of 8 codes, K = 16"),
+        ("slice_index_beyond_end", _slice(6, 14, 4), rx, SI, "codes 14..17 of 16"),
+        ("slice_start_past_end", _slice(6, 16, 1), rx, SI, "start 16 of 16 codes"),
+        ("slice_wrong_stream", _slice(6, 4, 4, stream="grad"), rx, SM, "grad slice to the act receiver"),
+        ("slice_no_meta", v["codebook_slice"], rx, SM, "the 1.0 reserved layout: no stream/start"),
+        ("slice_nan", [bytes(f) for f in encode(nan_msg)], rx, SM, "a NaN among the codes"),
+        ("slice_two_tensors", [bytes(f) for f in encode(two)], rx, SM, "a second tensor"),
+        ("slice_full_nonzero_start", [bytes(f) for f in encode(full_start)], rx, SM, "full slice at start 4"),
+        ("codes_current_version", v["act_vq_rounds"], _receiver(version=6), "apply",
+         "ACT codes at the receiver's version: decoded"),
+        ("codes_old_version", v["act_vq_rounds"], rx, "codebook_version_mismatch",
+         "ACT codes at version 6, receiver at 5"),
+        ("codes_out_of_range", act(6, big), _receiver(version=6), "bad_codes", "a code equal to K"),
+        ("codes_wrong_shape", act(6, good_codes.reshape(2, 4, 4, 1)), _receiver(version=6), "bad_codes",
+         "codes (B, T, 4, 1) for R=2, r/G=2"),
+        ("codes_wrong_dtype", act(6, good_codes.astype("<u2"), "uint16"), _receiver(version=6), "bad_codes",
+         "uint16 codes for K = 16"),
+    ]
+    return [Case(n, "codebook", f, d, extra={"receiver": r, "outcome": o}) for n, f, r, o, d in cases]
+
+
 def build_cases() -> list[Case]:
-    """Every golden vector, valid first, then accept, then invalid."""
+    """Every golden vector: valid, accept, invalid, then codebook (1.1)."""
     v = {
         name: [bytes(f) for f in encode(m, secret=VECTOR_SECRET if name.endswith("_auth") else None)]
         for name, m in samples().items()
     }
-    return _valid(v) + _accept(v) + _invalid(v)
+    return _valid(v) + _accept(v) + _invalid(v) + _codebook(v)

@@ -13,7 +13,8 @@ import numpy as np
 from .message import Message, WireTensor
 from .spec import MessageType
 
-__all__ = ["VECTOR_SECRET", "RUN_ID", "FINGERPRINT", "sample_floats", "sample_ids", "samples"]
+__all__ = ["VECTOR_SECRET", "RUN_ID", "FINGERPRINT", "VQ_LAYOUT", "sample_floats", "sample_ids",
+           "sample_codebook", "samples"]
 
 VECTOR_SECRET = b"mapl-swarm golden vector secret"
 """Shared secret of the authenticated vectors (never use it for a real run)."""
@@ -62,8 +63,55 @@ def _stage_hello(mtype: MessageType) -> Message:
     )
 
 
+VQ_LAYOUT = (2, 2, 16, 2)
+"""(R, r/G, K, G) of the VQ samples: 2 rounds, r = 4 in 2 groups of 2, 16 codes."""
+
+
+def sample_codebook(start: int, n: int, salt: int, rounds: int = 2, groups: int = 2,
+                    group_size: int = 2) -> np.ndarray:
+    """fp32 codes ``start .. start+n-1`` of sample codebooks, shape (rounds, groups, n, group_size)."""
+    return sample_floats(rounds * groups * n * group_size, salt + 1000 * start).reshape(
+        rounds, groups, n, group_size)
+
+
+def _codes(b: int, t: int, salt: int) -> np.ndarray:
+    """(b, t, R, r/G) uint8 VQ codes below K = 16."""
+    R, NG, K, _ = VQ_LAYOUT
+    k = (np.arange(b * t * R * NG, dtype=np.uint64) + np.uint64(salt)) * np.uint64(40503)
+    return (k % np.uint64(K)).astype("u1").reshape(b, t, R, NG)
+
+
+def _vq_samples(b: int, t: int) -> dict[str, Message]:
+    """Protocol 1.1 messages of SPEC §5.1."""
+    v11 = (1, 1)
+    common = dict(run_id=RUN_ID, step=12, micro=3, seq=42, pver=12, version=v11)
+    out: dict[str, Message] = {}
+    out["codebook_slice_stream"] = Message(
+        type=MessageType.CODEBOOK_SLICE, src=0, dst=1, cver=6, meta={"stream": "act", "start": 4},
+        tensors={"codes": WireTensor("fp32", sample_codebook(4, 4, 11))}, **common)
+    out["codebook_slice_full"] = Message(
+        type=MessageType.CODEBOOK_SLICE, src=2, dst=1, cver=9,
+        meta={"stream": "grad", "start": 0, "full": True},
+        tensors={"codes": WireTensor("fp32", sample_codebook(0, 16, 12))}, **common)
+    out["resync_stream"] = Message(
+        type=MessageType.RESYNC, run_id=RUN_ID, src=1, dst=0, seq=11, version=v11,
+        meta={"stream": "act", "have": 5, "reason": "future_slice"})
+    out["act_vq_rounds"] = Message(
+        type=MessageType.ACT, src=0, dst=1, cver=6, meta={"mode": "train"},
+        tensors={"ids": WireTensor("uint16", sample_ids(b, t + 1, "<u2")),
+                 "codes": WireTensor("uint8", _codes(b, t, 1))}, **common)
+    out["grad_vq"] = Message(
+        type=MessageType.GRAD, src=2, dst=1, cver=9,
+        tensors={"codes": WireTensor("uint8", _codes(b, t, 2))}, **common)
+    return out
+
+
 def samples() -> dict[str, Message]:
-    """Sample messages by vector name (B=2 sequences, T=4 tokens, d=8, r=4)."""
+    """Sample messages by vector name (B=2 sequences, T=4 tokens, d=8, r=4).
+
+    Messages of protocol 1.0 are pinned to version (1, 0) (a minor version never changes existing
+    vectors); those of SPEC §5.1 are (1, 1).
+    """
     b, t, d, r = 2, 4, 8, 4
     z = _bf16(sample_floats(b * t * r, 1)).reshape(b, t, r)
     out: dict[str, Message] = {}
@@ -215,6 +263,9 @@ def samples() -> dict[str, Message]:
             "nested": {"z": [{"y": 1.5, "x": "é"}]},
         },
     )
+    for m in out.values():
+        m.version = (1, 0)
     out["act_auth"] = out["act_train"]
     out["hello_auth"] = out["hello"]
+    out.update(_vq_samples(b, t))
     return out

@@ -4,9 +4,10 @@
     python -m mapl_swarm.wire.vectors --check protocol/vectors/v1   # verify them, exit 1 on failure
 
 Each vector is one ``.mwv`` file: a msgpack array whose items are the message's frames as bin.
-``manifest.json`` lists every file with its expectation (``valid`` / ``accept`` / ``invalid``),
-the error code of invalid ones, the valid vector an accept-only one re-encodes to, and a JSON
-summary of what valid and accept vectors decode to. ``--check`` verifies every expectation
+``manifest.json`` lists every file with its expectation (``valid`` / ``accept`` / ``invalid`` /
+``codebook``), the error code of invalid ones, the valid vector an accept-only one re-encodes to,
+the receiver state and outcome of codebook ones (SPEC §5.1), and a JSON summary of what valid,
+accept and codebook vectors decode to. ``--check`` verifies every expectation
 against the decoder and that the generator reproduces the stored files byte for byte.
 """
 
@@ -21,6 +22,7 @@ from typing import Any
 
 import msgpack
 
+from .codebook import CODEBOOK_ERRORS_BY_CODE, CodebookError, CodebookLayout, receiver_outcome
 from .errors import ERRORS_BY_CODE, WireError
 from .frames import decode, encode
 from .message import Message
@@ -37,12 +39,13 @@ __all__ = [
     "build_manifest",
     "write_vectors",
     "check_entry",
+    "codebook_outcome",
     "check_vectors",
     "main",
 ]
 
 SUFFIX = ".mwv"
-KINDS = ("valid", "accept", "invalid")
+KINDS = ("valid", "accept", "invalid", "codebook")
 MANIFEST = "manifest.json"
 
 
@@ -112,6 +115,12 @@ def build_manifest(cases: list[Case]) -> dict[str, Any]:
         if c.kind == "invalid":
             e["error"] = c.error
             e["error_class"] = ERRORS_BY_CODE[c.error].__name__
+        elif c.kind == "codebook":
+            e["receiver"] = c.extra["receiver"]
+            e["outcome"] = c.extra["outcome"]
+            if c.extra["outcome"] in CODEBOOK_ERRORS_BY_CODE:
+                e["error_class"] = CODEBOOK_ERRORS_BY_CODE[c.extra["outcome"]].__name__
+            e["message"] = summarize(decode(c.frames))
         else:
             if c.kind == "accept":
                 e["equivalent"] = _file(by_name[c.equivalent])
@@ -157,6 +166,17 @@ def _same(a: list[Any], b: list[Any]) -> bool:
     return len(a) == len(b) and all(bytes(x) == bytes(y) for x, y in zip(a, b))
 
 
+def codebook_outcome(msg: Message, receiver: dict[str, Any]) -> str:
+    """``apply``, ``ignore`` or the error code a codebook receiver in state ``receiver`` gives."""
+    layout = CodebookLayout(rounds=receiver["rounds"], groups=receiver["groups"],
+                            codebook_size=receiver["codebook_size"], group_size=receiver["group_size"])
+    try:
+        return receiver_outcome(msg, stream=receiver["stream"], layout=layout, have=receiver["version"],
+                                awaiting_resync=receiver["awaiting_resync"])
+    except CodebookError as e:
+        return e.code
+
+
 def check_entry(root: Path, entry: dict[str, Any]) -> None:
     """Check one manifest entry against the decoder; raise AssertionError saying what differs."""
     frames = unpack_container((root / entry["file"]).read_bytes())
@@ -180,11 +200,18 @@ def check_entry(root: Path, entry: dict[str, Any]) -> None:
     got = json.loads(json.dumps(summarize(msg), ensure_ascii=False))
     if got != entry["message"]:
         raise AssertionError(f"{name}: decodes to {got}, manifest says {entry['message']}")
-    if kind == "valid":
+    if kind == "codebook":
+        outcome = codebook_outcome(msg, entry["receiver"])
+        if outcome != entry["outcome"]:
+            raise AssertionError(f"{name}: codebook receiver says {outcome}, expected {entry['outcome']}")
+    if kind in ("valid", "codebook"):
         target = frames
     elif kind == "accept":
         target = unpack_container((root / entry["equivalent"]).read_bytes())
-        msg.version = PROTOCOL_VERSION
+        try:
+            msg.version = decode(target, secret=secret).version
+        except WireError as e:
+            raise AssertionError(f"{name}: its equivalent {entry['equivalent']} is rejected: {e.code}") from e
     else:
         raise AssertionError(f"{name}: unknown expectation {kind!r}")
     again = encode(msg, secret=secret, compress=_codecs(target))

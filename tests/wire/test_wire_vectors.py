@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from mapl_swarm.wire import ERRORS_BY_CODE, MessageType
+from mapl_swarm.wire.codebook import CODEBOOK_ERRORS_BY_CODE
 from mapl_swarm.wire.vectors import check_entry, check_vectors, main
 
 ROOT = Path(__file__).resolve().parents[2] / "protocol" / "vectors" / "v1"
@@ -47,7 +48,17 @@ def test_vectors_cover_every_error_and_message_type():
     types = {e["message"]["type"] for e in ENTRIES if e["expect"] == "valid"}
     assert types == {t.name for t in MessageType}
     kinds = {e["expect"] for e in ENTRIES}
-    assert kinds == {"valid", "accept", "invalid"}
+    assert kinds == {"valid", "accept", "invalid", "codebook"}
+    outcomes = {e["outcome"] for e in ENTRIES if e["expect"] == "codebook"}
+    assert outcomes == {"apply", "ignore", *CODEBOOK_ERRORS_BY_CODE}
     for e in ENTRIES:
         assert (ROOT / e["file"]).is_file()
         assert e["file"].startswith(e["expect"] + "/")
+
+
+def test_existing_vectors_keep_version_1_0_and_new_ones_are_1_1():
+    """A minor version adds vectors and never changes existing ones (SPEC §10)."""
+    assert MANIFEST["protocol"] == "1.1"
+    by_file = {e["file"]: e for e in ENTRIES if "message" in e}
+    assert by_file["valid/act_train.mwv"]["message"]["version"] == [1, 0]
+    assert by_file["valid/codebook_slice_stream.mwv"]["message"]["version"] == [1, 1]

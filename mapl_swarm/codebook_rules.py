@@ -1,0 +1,183 @@
+"""Codebook streaming rules of SPEC §5.1: named errors, codebook layout, the receiver's checks.
+
+Pure Python (no torch, no wire dependencies), so the torch codec state
+(:mod:`mapl_swarm.compress.codebook_sync`) and the golden-vector checker
+(:mod:`mapl_swarm.wire.codebook`) apply the very same rules, in the same order:
+
+1. meta and tensor (:class:`SliceMalformed`), 2. shape (:class:`SliceShapeMismatch`),
+3. index range (:class:`SliceIndexOutOfRange`), 4. finite values (:class:`SliceMalformed`),
+5. version (:class:`StaleSlice`, :class:`FutureSlice`).
+
+These errors belong to the codebook receiver, not to the frame decoder (the messages are valid
+frames), so they are :class:`CodebookError` s and not wire errors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mapl_swarm.errors import MaplError
+
+__all__ = [
+    "CodebookError",
+    "SliceMalformed",
+    "SliceShapeMismatch",
+    "SliceIndexOutOfRange",
+    "StaleSlice",
+    "FutureSlice",
+    "CodebookVersionMismatch",
+    "BadCodes",
+    "CODEBOOK_ERRORS_BY_CODE",
+    "CodebookLayout",
+    "APPLY",
+    "IGNORE",
+    "VQ_CAPABILITY",
+    "STREAMS",
+    "code_dtype",
+    "check_slice",
+    "check_codes",
+]
+
+STREAMS = ("act", "grad")
+"""Codebook streams: forward Z (``act``) and backward dL/dZ (``grad``)."""
+
+APPLY = "apply"
+"""Outcome of :func:`check_slice`: the receiver applies the slice."""
+IGNORE = "ignore"
+"""Outcome of :func:`check_slice`: a partial slice while awaiting a resync (counted, no error)."""
+VQ_CAPABILITY = "vq_stream"
+"""HELLO/WELCOME capability of peers that follow SPEC §5.1."""
+
+
+class CodebookError(MaplError):
+    """A slice or a VQ code tensor the codebook receiver refuses; ``code`` names it."""
+
+    code = "codebook_error"
+
+
+class SliceMalformed(CodebookError):
+    """Missing/wrong ``stream`` or ``start``, not exactly one tensor ``codes``, ``full`` with
+    start != 0, or a non-finite value."""
+
+    code = "slice_malformed"
+
+
+class SliceShapeMismatch(CodebookError):
+    """``codes`` is not (R, r/G, n, G) for this receiver's R, r/G, G; n = 0; full with n != K."""
+
+    code = "slice_shape_mismatch"
+
+
+class SliceIndexOutOfRange(CodebookError):
+    """``start + n > K``."""
+
+    code = "slice_index_out_of_range"
+
+
+class StaleSlice(CodebookError):
+    """The slice's version is not newer than the receiver's (replay or old slice)."""
+
+    code = "stale_slice"
+
+
+class FutureSlice(CodebookError):
+    """A partial slice skipping versions (slices were lost): the receiver asks for a RESYNC."""
+
+    code = "future_slice"
+
+
+class CodebookVersionMismatch(CodebookError):
+    """VQ codes encoded with another codebook version than the receiver holds."""
+
+    code = "codebook_version_mismatch"
+
+
+class BadCodes(CodebookError):
+    """VQ codes missing, of the wrong dtype or shape (not (B, T, R, r/G)), or a code >= K."""
+
+    code = "bad_codes"
+
+
+CODEBOOK_ERRORS_BY_CODE: dict[str, type[CodebookError]] = {
+    cls.code: cls
+    for cls in (SliceMalformed, SliceShapeMismatch, SliceIndexOutOfRange, StaleSlice, FutureSlice,
+                CodebookVersionMismatch, BadCodes)
+}
+"""Codebook error class for each stable code."""
+
+
+@dataclass(frozen=True)
+class CodebookLayout:
+    """Shape of one stream's codebooks: (rounds, groups, codebook_size, group_size)."""
+
+    rounds: int
+    """Residual rounds R."""
+    groups: int
+    """Groups r/G."""
+    codebook_size: int
+    """Codes per codebook K."""
+    group_size: int
+    """Coordinates per group G."""
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(R, r/G, K, G)."""
+        return (self.rounds, self.groups, self.codebook_size, self.group_size)
+
+
+def code_dtype(codebook_size: int) -> str:
+    """Wire dtype of VQ codes: ``uint8`` when K <= 256, else ``uint16`` (K <= 65536)."""
+    if not 1 <= codebook_size <= 1 << 16:
+        raise ValueError(f"codebook size must be in 1..65536, got {codebook_size}")
+    return "uint8" if codebook_size <= 256 else "uint16"
+
+
+def check_slice(*, stream: str, version: int, start: int, full: bool, shape: tuple[int, ...],
+                finite: bool | None, expect_stream: str, layout: CodebookLayout, have: int,
+                awaiting_resync: bool = False) -> str:
+    """Apply SPEC §5.1's receiver rules; returns :data:`APPLY` or :data:`IGNORE`, or raises.
+
+    ``shape`` and ``finite`` describe the slice's codes (``finite=None`` skips that check, for
+    callers that test it themselves); ``have`` is the receiver's version.
+    """
+    if stream != expect_stream:
+        raise SliceMalformed(f"slice of stream {stream!r} sent to the {expect_stream!r} receiver")
+    if full and start != 0:
+        raise SliceMalformed(f"a full slice starts at 0, got start {start}")
+    R, NG, K, G = layout.shape
+    shape = tuple(shape)
+    if len(shape) != 4 or (shape[0], shape[1], shape[3]) != (R, NG, G) or shape[2] == 0:
+        raise SliceShapeMismatch(f"slice codes shape {shape}, expected ({R}, {NG}, n >= 1, {G})")
+    n = shape[2]
+    if full and n != K:
+        raise SliceShapeMismatch(f"full slice of {n} codes, the codebooks hold {K}")
+    if start + n > K:
+        raise SliceIndexOutOfRange(f"slice codes {start}..{start + n - 1} outside 0..{K - 1}")
+    if finite is False:
+        raise SliceMalformed("slice codes contain non-finite values")
+    if awaiting_resync:
+        return APPLY if full else IGNORE
+    if version <= have:
+        raise StaleSlice(f"slice version {version} is not newer than the receiver's {have}")
+    if not full and version != have + 1:
+        raise FutureSlice(f"slice version {version} skips from {have}: slices were lost")
+    return APPLY
+
+
+def check_codes(*, cver: int, have: int, dtype: str, shape: tuple[int, ...], max_code: int | None,
+                layout: CodebookLayout) -> None:
+    """SPEC §5.1 checks of an ACT/GRAD ``codes`` tensor: version first, then dtype, shape, range.
+
+    ``max_code`` is the largest code (None for an empty tensor or to skip the range check).
+    """
+    if cver != have:
+        raise CodebookVersionMismatch(f"codes encoded with codebook version {cver}, the receiver "
+                                      f"holds version {have}")
+    want = code_dtype(layout.codebook_size)
+    if dtype != want:
+        raise BadCodes(f"codes must be {want} for K={layout.codebook_size}, got {dtype}")
+    shape = tuple(shape)
+    if len(shape) != 4 or shape[2:] != (layout.rounds, layout.groups):
+        raise BadCodes(f"codes shape {shape}, expected (B, T, {layout.rounds}, {layout.groups})")
+    if max_code is not None and max_code >= layout.codebook_size:
+        raise BadCodes(f"code {max_code} outside 0..{layout.codebook_size - 1}")

@@ -1,0 +1,286 @@
+"""Streamed codebook synchronisation for MAPL+VQ (SPEC §5.1): sender with mirror, receiver.
+
+One **stream** (``act``: Z downstream, ``grad``: dL/dZ upstream) has a :class:`VQSender` on the
+stage that encodes and a :class:`VQReceiver` on the stage that decodes. The sender learns its
+codebooks (:class:`~mapl_swarm.compress.vq.EmaKMeans`) but encodes only with its **mirror** of what
+the receiver holds; each encode first moves a slice of learned codes into the mirror and queues a
+:class:`CodebookSlice` that the transport must deliver — and the receiver apply — before the codes:
+
+======================  ==========================================================================
+training micro-batch    before encoding
+======================  ==========================================================================
+first k-means batches   k-means init of the learned codebooks, full slice
+resync requested        full slice (also in eval mode)
+``vq_sync = "full"``    full slice
+``vq_sync = "stream"``  partial slice of ceil(fraction x K) codes, round-robin over 0..K-1
+======================  ==========================================================================
+
+after encoding, the learned codebooks take one EMA k-means step on the micro-batch. Versions count
+slices (a full slice too), so the codes carry the version (header ``cver``) they were encoded with
+and a receiver at another version refuses them. The receiver checks every slice with the rules
+of :mod:`mapl_swarm.codebook_rules` (shared with the golden vectors) before touching its
+codebooks, so a rejected slice never corrupts them. The in-process pipeline and the peers deliver the same slices in the
+same order, so both decode the same numbers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from mapl_swarm.codebook_rules import IGNORE, CodebookError, check_codes, check_slice
+from mapl_swarm.compress.vq import EmaKMeans, VQSettings, decode_codes, lookup, nearest_codes, quantize, to_groups
+from mapl_swarm.rng import generator
+
+if TYPE_CHECKING:  # the wire package (msgpack, lz4) is only needed by peers, imported where used
+    from mapl_swarm.wire import Message
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CodebookSlice", "VQSender", "VQReceiver", "stream_generator"]
+
+_CODE_TAGS = {torch.uint8: "uint8", torch.uint16: "uint16"}
+
+
+def stream_generator(seed: int, boundary: int, stream: str) -> torch.Generator:
+    """The sender's random stream (k-means seeds, dead-code replacement) of one boundary stream."""
+    return generator(seed, "vq", boundary, stream)
+
+
+@dataclass
+class CodebookSlice:
+    """One CODEBOOK_SLICE: codes ``start .. start+n-1`` of every codebook of ``stream``."""
+
+    stream: str
+    """``act`` or ``grad``."""
+    version: int
+    """The stream's version after applying the slice (header ``cver``)."""
+    start: int
+    full: bool
+    codes: torch.Tensor
+    """fp32 (R, r/G, n, G)."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() * self.codes.element_size()
+
+    def to_message(self, *, run_id: str, src: int, dst: int, step: int = 0, micro: int = 0,
+                   version_tuple: tuple[int, int] | None = None) -> Message:
+        from mapl_swarm.wire.codebook import slice_message
+
+        kw = {} if version_tuple is None else {"version_tuple": version_tuple}
+        codes = self.codes.detach().to("cpu", torch.float32).contiguous().numpy()
+        return slice_message(run_id=run_id, src=src, dst=dst, stream=self.stream, version=self.version,
+                             start=self.start, full=self.full, codes=codes, step=step, micro=micro, **kw)
+
+    @classmethod
+    def from_message(cls, msg: Message) -> "CodebookSlice":
+        """Read a decoded CODEBOOK_SLICE (raises SliceMalformed on bad meta or tensors)."""
+        from mapl_swarm.wire.codebook import slice_fields
+
+        f = slice_fields(msg)
+        codes = torch.from_numpy(np.array(f.codes, dtype=np.float32))  # own, writable copy
+        return cls(stream=f.stream, version=f.version, start=f.start, full=f.full, codes=codes)
+
+
+def _digest(codebooks: torch.Tensor, version: int) -> str:
+    h = hashlib.sha256(codebooks.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    h.update(int(version).to_bytes(8, "little"))
+    return h.hexdigest()
+
+
+class VQSender:
+    """The encoding side of one stream: learned codebooks, mirror, version, pending slices."""
+
+    def __init__(self, s: VQSettings, stream: str, gen: torch.Generator,
+                 device: torch.device | str = "cpu") -> None:
+        self.s, self.stream, self.gen = s, stream, gen
+        self.device = torch.device(device)
+        self.learner = EmaKMeans(s, self.device)
+        self.mirror = torch.zeros(s.layout.shape, device=self.device)
+        """What the receiver holds: the only codebooks the encoder uses."""
+        self.version = 0
+        self.cursor = 0
+        self.init_done = 0
+        self.resync_pending = False
+        self._pending: list[CodebookSlice] = []
+        self._acc: dict[str, float] = defaultdict(float)
+        self.totals: dict[str, int] = defaultdict(int)
+        """Lifetime counters: slices, full_slices, slice_bytes, encodes, tokens."""
+
+    # ------------------------------------------------------------------ slices
+    def request_resync(self) -> None:
+        """The receiver asked for a RESYNC: the next encode sends a full slice first."""
+        self.resync_pending = True
+
+    def take_slices(self) -> list[CodebookSlice]:
+        """Slices queued by the last encodes, oldest first; deliver them before the codes."""
+        out, self._pending = self._pending, []
+        return out
+
+    def _emit(self, start: int, n: int, full: bool) -> None:
+        live = self.learner.live
+        if full:
+            self.mirror.copy_(live)
+        else:
+            self.mirror[:, :, start:start + n] = live[:, :, start:start + n]
+        self.version += 1
+        sl = CodebookSlice(self.stream, self.version, start, full, self.mirror[:, :, start:start + n].clone())
+        self._pending.append(sl)
+        self.totals["slices"] += 1
+        self.totals["full_slices"] += int(full)
+        self.totals["slice_bytes"] += sl.nbytes
+
+    def _kmeans_init(self, x: torch.Tensor) -> None:
+        for k in range(self.s.rounds):
+            self.learner.init_round(k, x, self.gen)
+            idx = nearest_codes(x, self.learner.live[k], self.s.max_distance_bytes, fused=self.s.compile)
+            x = x - lookup(self.learner.live[k], idx)
+
+    # ------------------------------------------------------------------ encode
+    @torch.no_grad()
+    def encode(self, z: torch.Tensor, *, learn: bool) -> torch.Tensor:
+        """Codes (..., R, r/G) of z (..., r) against the mirror, after queueing this micro-batch's
+        slice; with ``learn`` (training) the learned codebooks then take an EMA step."""
+        s = self.s
+        lead = z.shape[:-1]
+        x = to_groups(z.detach(), s.group_size)  # (N, NG, G)
+        init = learn and self.init_done < s.kmeans_init_batches
+        if init:
+            self._kmeans_init(x)
+            self.init_done += 1
+            self._emit(0, s.codebook_size, True)
+        elif self.resync_pending or (learn and s.sync == "full"):
+            self._emit(0, s.codebook_size, True)
+        elif learn:
+            n = min(s.slice_codes, s.codebook_size - self.cursor)
+            self._emit(self.cursor, n, False)
+            self.cursor = (self.cursor + n) % s.codebook_size
+        if init or self.resync_pending:
+            self.resync_pending = False
+        codes, residuals = quantize(x, self.mirror, s.max_distance_bytes, fused=s.compile)  # (N, R, NG)
+        dead = 0
+        if learn and not init:
+            for k in range(s.rounds):
+                dead += self.learner.update_round(k, residuals[k], codes[:, k], self.gen)
+        energy = float(residuals[0].pow(2).sum())
+        if energy > 0:
+            self._acc["rel_error"] += float(residuals[-1].pow(2).sum()) / energy
+            self._acc["rel_error_round1"] += float(residuals[1].pow(2).sum()) / energy
+            self._acc["measured"] += 1
+        self._acc["dead_replaced"] += dead
+        self.totals["encodes"] += 1
+        self.totals["tokens"] += x.shape[0]
+        return codes.to(s.code_dtype).reshape(*lead, s.rounds, s.groups)
+
+    def metrics(self) -> dict[str, float]:
+        """Mean relative error ||z - z_hat||^2 / ||z||^2 (all rounds and round 1 only), dead codes
+        replaced and round-0 usage perplexity since the last call; then resets."""
+        acc, self._acc = self._acc, defaultdict(float)
+        n = max(acc["measured"], 1.0)
+        return {"rel_error": acc["rel_error"] / n, "rel_error_round1": acc["rel_error_round1"] / n,
+                "dead_replaced": acc["dead_replaced"], "perplexity": self.learner.usage_perplexity(),
+                "version": float(self.version)}
+
+    def digest(self) -> str:
+        """SHA-256 of the mirror and its version (equals the receiver's :meth:`VQReceiver.digest`)."""
+        return _digest(self.mirror, self.version)
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict:
+        if self._pending:
+            raise RuntimeError(f"vq {self.stream} sender: checkpoint with {len(self._pending)} undelivered slices")
+        return {"learner": self.learner.state_dict(), "mirror": self.mirror.clone(), "version": self.version,
+                "cursor": self.cursor, "init_done": self.init_done, "resync_pending": self.resync_pending,
+                "gen": self.gen.get_state(), "totals": dict(self.totals)}
+
+    def load_state_dict(self, st: dict) -> None:
+        self.learner.load_state_dict(st["learner"])
+        self.mirror.copy_(st["mirror"])
+        self.version, self.cursor, self.init_done = int(st["version"]), int(st["cursor"]), int(st["init_done"])
+        self.resync_pending = bool(st["resync_pending"])
+        self.gen.set_state(st["gen"])
+        self.totals = defaultdict(int, st["totals"])
+
+
+class VQReceiver:
+    """The decoding side of one stream: codebooks, version, awaiting-resync flag, counters."""
+
+    def __init__(self, s: VQSettings, stream: str, device: torch.device | str = "cpu") -> None:
+        self.s, self.stream = s, stream
+        self.device = torch.device(device)
+        self.codebooks = torch.zeros(s.layout.shape, device=self.device)
+        self.version = 0
+        self.awaiting_resync = False
+        self.applied = 0
+        self.ignored = 0
+        self.rejected: dict[str, int] = defaultdict(int)
+        """Rejected slices and code tensors by error code."""
+
+    def apply(self, sl: CodebookSlice) -> str:
+        """Check and apply one slice (SPEC §5.1); returns ``apply`` or ``ignore``. A rejected slice
+        raises its :class:`~mapl_swarm.codebook_rules.CodebookError` (counted, logged) and leaves
+        the codebooks and version untouched."""
+        codes = sl.codes
+        try:
+            finite = codes.dtype == torch.float32 and bool(torch.isfinite(codes).all())
+            outcome = check_slice(stream=sl.stream, version=sl.version, start=sl.start, full=sl.full,
+                                  shape=tuple(codes.shape), finite=finite, expect_stream=self.stream,
+                                  layout=self.s.layout, have=self.version, awaiting_resync=self.awaiting_resync)
+        except CodebookError as exc:
+            self._reject(exc)
+            raise
+        if outcome == IGNORE:
+            self.ignored += 1
+            return outcome
+        n = codes.shape[2]
+        self.codebooks[:, :, sl.start:sl.start + n] = codes.to(self.device)
+        self.version = sl.version
+        self.awaiting_resync = False
+        self.applied += 1
+        return outcome
+
+    def _reject(self, exc: CodebookError) -> None:
+        self.rejected[exc.code] += 1
+        log.warning("vq %s receiver (version %d): rejected: %s: %s (%d rejected so far)", self.stream,
+                    self.version, type(exc).__name__, exc, sum(self.rejected.values()))
+
+    @torch.no_grad()
+    def decode(self, codes: torch.Tensor, cver: int) -> torch.Tensor:
+        """Codes (..., R, r/G) encoded at version ``cver`` -> fp32 (..., r); raises
+        CodebookVersionMismatch or BadCodes (counted) instead of decoding wrong numbers."""
+        K = self.s.codebook_size
+        tag = _CODE_TAGS.get(codes.dtype, str(codes.dtype))
+        full_range = codes.dtype == torch.uint8 and K == 256
+        try:
+            max_code = None if full_range or codes.numel() == 0 else int(codes.long().max())
+            check_codes(cver=cver, have=self.version, dtype=tag, shape=tuple(codes.shape), max_code=max_code,
+                        layout=self.s.layout)
+        except CodebookError as exc:
+            self._reject(exc)
+            raise
+        return decode_codes(codes.to(self.device), self.codebooks)
+
+    def request_resync(self) -> int:
+        """Enter the awaiting-resync state; returns the version to put in RESYNC ``have``."""
+        self.awaiting_resync = True
+        return self.version
+
+    def digest(self) -> str:
+        """SHA-256 of the codebooks and version."""
+        return _digest(self.codebooks, self.version)
+
+    def state_dict(self) -> dict:
+        return {"codebooks": self.codebooks.clone(), "version": self.version,
+                "awaiting_resync": self.awaiting_resync}
+
+    def load_state_dict(self, st: dict) -> None:
+        self.codebooks.copy_(st["codebooks"])
+        self.version = int(st["version"])
+        self.awaiting_resync = bool(st["awaiting_resync"])

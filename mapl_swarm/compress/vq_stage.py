@@ -1,0 +1,110 @@
+"""The VQ streams one pipeline stage takes part in (MAPL+VQ), behind a transport-agnostic API.
+
+Boundary b joins stage b (sender of Z, receiver of dL/dZ) and stage b+1 (receiver of Z, sender of
+dL/dZ). A stage therefore owns up to four stream ends:
+
+==================  =========================  ==============================================
+boundary            ``act`` stream (Z)          ``grad`` stream (dL/dZ)
+==================  =========================  ==============================================
+outbound (b = s)    :class:`VQSender`           :class:`VQReceiver`
+inbound (b = s-1)   :class:`VQReceiver`         :class:`VQSender`
+==================  =========================  ==============================================
+
+Seen from the stage, ``take_slices("act")`` are the slices to send downstream (before the ACT),
+``take_slices("grad")`` those to send upstream (before the GRAD); an incoming slice goes to
+:meth:`StageVQ.apply_slice` whatever its stream. The sender of boundary b's stream draws from
+``generator(seed, "vq", b, stream)``, so a stage computes the same codes alone on its host as in
+the single-process pipeline.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mapl_swarm.compress.codebook_sync import CodebookSlice, VQReceiver, VQSender, stream_generator
+from mapl_swarm.compress.vq import VQSettings
+
+__all__ = ["StageVQ", "STREAMS"]
+
+STREAMS = ("act", "grad")
+
+
+class StageVQ:
+    """Codebook senders and receivers of one stage (``has_inbound``/``has_outbound`` boundaries)."""
+
+    def __init__(self, s: VQSettings, stage: int, *, has_inbound: bool, has_outbound: bool, seed: int,
+                 device: torch.device | str = "cpu") -> None:
+        self.s = s
+        self.tx: dict[str, VQSender] = {}
+        """Senders by stream: ``act`` on the outbound boundary, ``grad`` on the inbound one."""
+        self.rx: dict[str, VQReceiver] = {}
+        """Receivers by stream: ``act`` on the inbound boundary, ``grad`` on the outbound one."""
+        if has_outbound:
+            self.tx["act"] = VQSender(s, "act", stream_generator(seed, stage, "act"), device)
+            self.rx["grad"] = VQReceiver(s, "grad", device)
+        if has_inbound:
+            self.rx["act"] = VQReceiver(s, "act", device)
+            self.tx["grad"] = VQSender(s, "grad", stream_generator(seed, stage - 1, "grad"), device)
+
+    @staticmethod
+    def _check(stream: str) -> None:
+        if stream not in STREAMS:
+            raise ValueError(f"stream must be one of {STREAMS}, got {stream!r}")
+
+    def encode(self, stream: str, z: torch.Tensor, *, learn: bool) -> torch.Tensor:
+        """Codes (B, T, R, r/G) of z (B, T, r) on this stage's ``stream`` sender (fp32 math, never
+        under autocast)."""
+        with torch.autocast(device_type=z.device.type, enabled=False):
+            return self.tx[stream].encode(z.float(), learn=learn)
+
+    def decode(self, stream: str, codes: torch.Tensor, cver: int | None) -> torch.Tensor:
+        """fp32 (B, T, r) from codes of ``stream`` encoded at version ``cver`` (None: the
+        receiver's current version, i.e. no check)."""
+        rx = self.rx[stream]
+        return rx.decode(codes, rx.version if cver is None else cver)
+
+    def take_slices(self, stream: str) -> list[CodebookSlice]:
+        """Slices this stage's ``stream`` sender queued; deliver them before its next payload."""
+        self._check(stream)
+        tx = self.tx.get(stream)
+        return tx.take_slices() if tx is not None else []
+
+    def version(self, stream: str) -> int:
+        """Version of this stage's ``stream`` sender (the ``cver`` of the codes it encoded last)."""
+        return self.tx[stream].version
+
+    def apply_slice(self, sl: CodebookSlice) -> str:
+        """Apply a slice received from a neighbour; raises the named CodebookError if rejected."""
+        self._check(sl.stream)
+        rx = self.rx.get(sl.stream)
+        if rx is None:
+            raise ValueError(f"this stage receives no {sl.stream!r} stream")
+        return rx.apply(sl)
+
+    def request_resync(self, stream: str) -> int:
+        """Receiver side: enter awaiting-resync; returns the version for RESYNC ``have``."""
+        return self.rx[stream].request_resync()
+
+    def resync_requested(self, stream: str) -> None:
+        """Sender side: a RESYNC arrived, the next encode of ``stream`` sends a full slice."""
+        self.tx[stream].request_resync()
+
+    def metrics(self) -> dict[str, float]:
+        """Sender metrics since the last call, keys ``vq_<stream>_<name>``; receiver rejections."""
+        out: dict[str, float] = {}
+        for stream, tx in self.tx.items():
+            for k, v in tx.metrics().items():
+                out[f"vq_{stream}_{k}"] = v
+        for stream, rx in self.rx.items():
+            out[f"vq_{stream}_rx_rejected"] = float(sum(rx.rejected.values()))
+        return out
+
+    def state_dict(self) -> dict:
+        return {"tx": {k: v.state_dict() for k, v in self.tx.items()},
+                "rx": {k: v.state_dict() for k, v in self.rx.items()}}
+
+    def load_state_dict(self, st: dict) -> None:
+        for k, v in st["tx"].items():
+            self.tx[k].load_state_dict(v)
+        for k, v in st["rx"].items():
+            self.rx[k].load_state_dict(v)

@@ -1,0 +1,246 @@
+"""Experiment grids: strict TOML files expanding into one run spec per (codec, rank, P, anchor, seed).
+
+A grid file (see ``bench/grids/``)::
+
+    name = "cpu"                       # label used in reports
+    description = "..."                # free text
+    tokens_per_run = 491520            # equal token budget: every run trains this many tokens
+    out_dir = "runs/sweep-cpu"         # default output folder (``--out`` overrides)
+
+    [base]                             # a run config, same layout as peers/*.toml
+    preset = "tiny"                    # (``run.steps`` is derived from tokens_per_run: leave it out)
+    [base.run]
+    micro_batch_size = 4
+
+    [[group]]                          # one cartesian product; repeat for more
+    name = "table1"
+    codecs = ["none", "mapl", "fixed", "naive", "ssn"]
+    ranks = [32]                       # default: [base compression.rank]
+    stages = [4]                       # default: [base run.num_stages]
+    anchors = ["factorized"]           # default: [base compression.anchor]
+    seeds = [0, 1]                     # default: [base run.seed]
+
+Runs that several groups produce are run once. The anchor only matters for codecs with a token
+anchor and the rank not at all for ``none``, so those runs collapse to one. Unknown keys are errors
+naming the key and the file; a codec this build does not know (e.g. ``mapl_vq`` before it exists)
+is kept in the spec list with ``available = False`` and skipped by the sweep with a message.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import tomllib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from mapl_swarm import config as config_mod
+from mapl_swarm.config import TrainConfig, config_from_dict, config_to_dict
+from mapl_swarm.errors import ConfigError
+
+__all__ = ["Grid", "GridGroup", "RunSpec", "load_grid", "grid_from_dict", "ANCHORED_CODECS"]
+
+ANCHORED_CODECS = ("mapl", "fixed", "naive", "mapl_vq")
+"""Codecs whose later stages use ``compression.anchor`` (none and ssn ignore it)."""
+PLANNED_CODECS = ("mapl_vq",)
+"""Codecs a grid may name before this build implements them (their runs are skipped)."""
+
+_TOP_KEYS = {"name", "description", "tokens_per_run", "out_dir", "base", "group"}
+_GROUP_KEYS = {"name", "codecs", "ranks", "stages", "anchors", "seeds"}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run of a grid."""
+
+    codec: str
+    rank: int
+    stages: int
+    anchor: str
+    seed: int
+    groups: tuple[str, ...]
+    """Names of the grid groups that asked for this run."""
+    raw: dict[str, Any] = field(compare=False, repr=False)
+    """Nested config dict (base + this run's values), not yet validated."""
+    available: bool = True
+    """False when this build does not know the codec; the sweep skips the run."""
+
+    @property
+    def run_id(self) -> str:
+        parts = [self.codec]
+        if self.codec != "none":
+            parts.append(f"r{self.rank}")
+        parts.append(f"P{self.stages}")
+        if self.codec in ANCHORED_CODECS:
+            parts.append(f"anchor-{self.anchor}")
+        parts.append(f"s{self.seed}")
+        return "-".join(parts)
+
+    @property
+    def label(self) -> str:
+        """Config label without the seed (runs differing only by seed share it)."""
+        return self.run_id.rsplit("-s", 1)[0]
+
+    def config(self, out_dir: str | Path) -> TrainConfig:
+        raw = copy.deepcopy(self.raw)
+        raw.setdefault("run", {})["out_dir"] = str(Path(out_dir))
+        return config_from_dict(raw, f"grid run {self.run_id}")
+
+
+def config_hash(cfg: TrainConfig) -> str:
+    """Digest of everything that shapes a run's numbers (the output folder excluded)."""
+    d = config_to_dict(cfg)
+    d["run"].pop("out_dir", None)
+    d.pop("net", None)
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class GridGroup:
+    name: str
+    codecs: tuple[str, ...]
+    ranks: tuple[int, ...]
+    stages: tuple[int, ...]
+    anchors: tuple[str, ...]
+    seeds: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Grid:
+    """A parsed grid file."""
+
+    name: str
+    description: str
+    tokens_per_run: int
+    out_dir: str
+    base: dict[str, Any]
+    groups: tuple[GridGroup, ...]
+    source: str = "<dict>"
+
+    @property
+    def base_config(self) -> TrainConfig:
+        return config_from_dict(copy.deepcopy(self.base), f"{self.source} [base]")
+
+    def expand(self) -> list[RunSpec]:
+        """Every distinct run, ordered seed-major (all configs of the first seed come first)."""
+        specs: dict[tuple, RunSpec] = {}
+        for g in self.groups:
+            for seed in g.seeds:
+                for stages in g.stages:
+                    for codec in g.codecs:
+                        for rank in g.ranks:
+                            for anchor in g.anchors:
+                                spec = self._spec(g.name, codec, rank, stages, anchor, seed)
+                                key = (spec.run_id,)
+                                if key in specs:
+                                    old = specs[key]
+                                    if g.name not in old.groups:
+                                        specs[key] = replace(old, groups=old.groups + (g.name,))
+                                else:
+                                    specs[key] = spec
+        order = {key: i for i, key in enumerate(specs)}
+        return sorted(specs.values(), key=lambda s: (s.seed, order[(s.run_id,)]))
+
+    def _spec(self, group: str, codec: str, rank: int, stages: int, anchor: str, seed: int) -> RunSpec:
+        base_cfg = self.base_config
+        if codec == "none":
+            rank = base_cfg.compression.rank
+        if codec not in ANCHORED_CODECS:
+            anchor = base_cfg.compression.anchor
+        raw = copy.deepcopy(self.base)
+        comp = raw.setdefault("compression", {})
+        comp.update(codec=codec, rank=rank, anchor=anchor)
+        run = raw.setdefault("run", {})
+        run.update(num_stages=stages, seed=seed)
+        tokens_per_step = base_cfg.tokens_per_step
+        run["steps"] = self.tokens_per_run // tokens_per_step
+        return RunSpec(codec=codec, rank=rank, stages=stages, anchor=anchor, seed=seed, groups=(group,),
+                       raw=raw, available=codec in config_mod.CODECS)
+
+
+def _typed_list(value: Any, kind: type, key: str, where: str) -> tuple:
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f"{where}: {key} must be a non-empty list, got {value!r}")
+    for v in value:
+        if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+            raise ConfigError(f"{where}: {key} entries must be {kind.__name__}, got {v!r}")
+    return tuple(value)
+
+
+def grid_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Grid:
+    """Validate a grid given as plain data; errors name the key and the file."""
+    for key in raw:
+        if key not in _TOP_KEYS:
+            raise ConfigError(f"{source}: unknown key {key!r} (known: {', '.join(sorted(_TOP_KEYS))})")
+    for key in ("name", "tokens_per_run", "base", "group"):
+        if key not in raw:
+            raise ConfigError(f"{source}: missing key {key!r}")
+    name, desc, out_dir = raw["name"], raw.get("description", ""), raw.get("out_dir", f"runs/sweep-{raw['name']}")
+    if not all(isinstance(v, str) for v in (name, desc, out_dir)):
+        raise ConfigError(f"{source}: name, description and out_dir must be strings")
+    tokens = raw["tokens_per_run"]
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens <= 0:
+        raise ConfigError(f"{source}: tokens_per_run must be a positive integer, got {tokens!r}")
+    base = raw["base"]
+    if not isinstance(base, dict):
+        raise ConfigError(f"{source}: base must be a table")
+    if "steps" in base.get("run", {}):
+        raise ConfigError(f"{source}: [base.run] steps is derived from tokens_per_run; remove it")
+    base_cfg = config_from_dict(copy.deepcopy(base), f"{source} [base]")  # strict: unknown keys raise
+    if tokens < base_cfg.tokens_per_step:
+        raise ConfigError(f"{source}: tokens_per_run {tokens} is less than one step "
+                          f"({base_cfg.tokens_per_step} tokens)")
+    if tokens % base_cfg.tokens_per_step:
+        raise ConfigError(f"{source}: tokens_per_run {tokens} is not a multiple of the tokens per step "
+                          f"{base_cfg.tokens_per_step} (micro_batch_size x num_micro_batches x context_length)")
+    groups_raw = raw["group"]
+    if not isinstance(groups_raw, list) or not groups_raw:
+        raise ConfigError(f"{source}: group must be a non-empty array of tables ([[group]])")
+    groups = []
+    for i, g in enumerate(groups_raw):
+        where = f"{source} [[group]] #{i + 1}"
+        if not isinstance(g, dict):
+            raise ConfigError(f"{where} must be a table")
+        for key in g:
+            if key not in _GROUP_KEYS:
+                raise ConfigError(f"{where}: unknown key {key!r} (known: {', '.join(sorted(_GROUP_KEYS))})")
+        if "codecs" not in g:
+            raise ConfigError(f"{where}: missing key 'codecs'")
+        c, r = base_cfg.compression, base_cfg.run
+        codecs = _typed_list(g["codecs"], str, "codecs", where)
+        for codec in codecs:
+            if codec not in config_mod.CODECS and codec not in PLANNED_CODECS:
+                raise ConfigError(f"{where}: codecs entry {codec!r} is not one of "
+                                  f"{tuple(config_mod.CODECS) + PLANNED_CODECS}")
+        anchors = _typed_list(g.get("anchors", [c.anchor]), str, "anchors", where)
+        for a in anchors:
+            if a not in config_mod.ANCHORS:
+                raise ConfigError(f"{where}: anchors entry {a!r} is not one of {config_mod.ANCHORS}")
+        groups.append(GridGroup(
+            name=str(g.get("name", f"group{i + 1}")),
+            codecs=codecs,
+            ranks=_typed_list(g.get("ranks", [c.rank]), int, "ranks", where),
+            stages=_typed_list(g.get("stages", [r.num_stages]), int, "stages", where),
+            anchors=anchors,
+            seeds=_typed_list(g.get("seeds", [r.seed]), int, "seeds", where),
+        ))
+    grid = Grid(name=name, description=desc, tokens_per_run=tokens, out_dir=out_dir, base=base,
+                groups=tuple(groups), source=source)
+    for spec in grid.expand():  # every run must form a valid config (codecs this build knows)
+        if spec.available:
+            spec.config("/tmp/x")
+    return grid
+
+
+def load_grid(path: str | Path) -> Grid:
+    """Load a grid TOML file strictly."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"grid file not found: {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    return grid_from_dict(raw, str(path))

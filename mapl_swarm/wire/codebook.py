@@ -1,0 +1,139 @@
+"""Codebook streaming messages (SPEC §5.1): CODEBOOK_SLICE / RESYNC builders and readers.
+
+The receiver's rules themselves live in :mod:`mapl_swarm.codebook_rules` (pure Python, shared with
+the torch codec state); this module re-exports them and adds what needs wire messages: reading a
+slice's fields, the outcome for a decoded message (used by the golden vectors), and builders.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mapl_swarm.codebook_rules import (
+    APPLY,
+    CODEBOOK_ERRORS_BY_CODE,
+    IGNORE,
+    VQ_CAPABILITY,
+    BadCodes,
+    CodebookError,
+    CodebookLayout,
+    CodebookVersionMismatch,
+    FutureSlice,
+    SliceIndexOutOfRange,
+    SliceMalformed,
+    SliceShapeMismatch,
+    StaleSlice,
+    check_codes,
+    check_slice,
+    code_dtype,
+)
+
+from . import spec
+from .message import Message, WireTensor
+from .spec import MessageType
+
+__all__ = [
+    "CodebookError",
+    "SliceMalformed",
+    "SliceShapeMismatch",
+    "SliceIndexOutOfRange",
+    "StaleSlice",
+    "FutureSlice",
+    "CodebookVersionMismatch",
+    "BadCodes",
+    "CODEBOOK_ERRORS_BY_CODE",
+    "CodebookLayout",
+    "SliceFields",
+    "APPLY",
+    "IGNORE",
+    "VQ_CAPABILITY",
+    "code_dtype",
+    "slice_fields",
+    "check_slice",
+    "check_codes",
+    "receiver_outcome",
+    "slice_message",
+    "resync_message",
+]
+
+
+@dataclass(frozen=True)
+class SliceFields:
+    """What a CODEBOOK_SLICE says (meta and tensor checked, layout not yet)."""
+
+    stream: str
+    version: int
+    """Header ``cver``: the stream's version after the slice."""
+    start: int
+    full: bool
+    codes: np.ndarray
+    """fp32 array (R, r/G, n, G) (read-only view of the frame when decoded)."""
+
+
+def slice_fields(msg: Message) -> SliceFields:
+    """Read a CODEBOOK_SLICE's fields; :class:`SliceMalformed` when meta or tensors are wrong."""
+    if msg.type is not MessageType.CODEBOOK_SLICE:
+        raise SliceMalformed(f"expected CODEBOOK_SLICE, got {msg.type.name}")
+    meta = msg.meta
+    stream, start, full = meta.get("stream"), meta.get("start"), meta.get("full", False)
+    if stream not in spec.STREAMS:
+        raise SliceMalformed(f"slice meta.stream must be one of {spec.STREAMS}, got {stream!r:.40}")
+    if type(start) is not int or start < 0:
+        raise SliceMalformed(f"slice meta.start must be a non-negative integer, got {start!r:.40}")
+    if type(full) is not bool:
+        raise SliceMalformed(f"slice meta.full must be a bool, got {full!r:.40}")
+    if list(msg.tensors) != ["codes"]:
+        raise SliceMalformed(f"a slice carries exactly one tensor 'codes', got {list(msg.tensors)}")
+    t = msg.tensors["codes"]
+    if t.dtype != "fp32":
+        raise SliceMalformed(f"slice codes must be fp32, got {t.dtype}")
+    return SliceFields(stream=stream, version=msg.cver, start=start, full=full, codes=t.wire_array())
+
+
+def receiver_outcome(msg: Message, *, stream: str, layout: CodebookLayout, have: int,
+                     awaiting_resync: bool = False) -> str:
+    """What a ``stream`` receiver at version ``have`` does with a decoded message: a
+    CODEBOOK_SLICE gives :data:`APPLY` or :data:`IGNORE`, ACT/GRAD codes :data:`APPLY` (decodable);
+    otherwise the :class:`CodebookError` is raised. Used by the golden vectors."""
+    if msg.type is MessageType.CODEBOOK_SLICE:
+        f = slice_fields(msg)
+        shape = f.codes.shape
+        finite = bool(np.isfinite(f.codes).all())
+        return check_slice(stream=f.stream, version=f.version, start=f.start, full=f.full, shape=shape,
+                           finite=finite, expect_stream=stream, layout=layout, have=have,
+                           awaiting_resync=awaiting_resync)
+    if msg.type in (MessageType.ACT, MessageType.GRAD):
+        t = msg.tensors.get("codes")
+        if t is None:
+            raise BadCodes(f"{msg.type.name} carries no 'codes' tensor")
+        a = t.wire_array()
+        check_codes(cver=msg.cver, have=have, dtype=t.dtype, shape=t.shape,
+                    max_code=int(a.max()) if a.size else None, layout=layout)
+        return APPLY
+    raise CodebookError(f"{msg.type.name} is not a codebook message")
+
+
+def slice_message(*, run_id: str, src: int, dst: int, stream: str, version: int, start: int,
+                  full: bool, codes: np.ndarray, step: int = 0, micro: int = 0,
+                  version_tuple: tuple[int, int] = spec.PROTOCOL_VERSION) -> Message:
+    """A CODEBOOK_SLICE message (``codes``: float32 array (R, r/G, n, G))."""
+    meta: dict[str, Any] = {"stream": stream, "start": int(start)}
+    if full:
+        meta["full"] = True
+    return Message(type=MessageType.CODEBOOK_SLICE, run_id=run_id, src=src, dst=dst, step=step,
+                   micro=micro, cver=int(version), meta=meta,
+                   tensors={"codes": WireTensor("fp32", np.ascontiguousarray(codes, dtype="<f4"))},
+                   version=version_tuple)
+
+
+def resync_message(*, run_id: str, src: int, dst: int, stream: str, have: int, reason: str = "",
+                   version_tuple: tuple[int, int] = spec.PROTOCOL_VERSION) -> Message:
+    """A RESYNC message asking the ``stream`` sender ``dst`` for a full slice."""
+    meta: dict[str, Any] = {"stream": stream, "have": int(have)}
+    if reason:
+        meta["reason"] = reason
+    return Message(type=MessageType.RESYNC, run_id=run_id, src=src, dst=dst, meta=meta,
+                   version=version_tuple)
