@@ -26,22 +26,29 @@ ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- quality:begin -->", "<!-- quality:end -->"
 
 
-def run_one(codec: str, args: argparse.Namespace, data) -> dict:
+def run_one(label: str, args: argparse.Namespace, data) -> dict:
+    codec, _, variant = label.partition(":")
+    compression = {"codec": codec, "rank": args.rank, "anchor_rank": args.rank,
+                   "ssn_refresh_interval_steps": args.ssn_refresh}
+    if variant == "full":  # MAPL+VQ ablation: whole codebooks every micro-batch instead of slices
+        compression["vq_sync"] = "full"
+    elif variant:
+        raise SystemExit(f"unknown codec variant {label!r} (known: mapl_vq:full)")
     cfg = config_from_dict({
         "preset": "tiny",
-        "compression": {"codec": codec, "rank": args.rank, "anchor_rank": args.rank,
-                        "ssn_refresh_interval_steps": args.ssn_refresh},
+        "compression": compression,
         "optim": {"warmup_steps": max(1, args.steps // 20)},
         "run": {"num_stages": args.stages, "micro_batch_size": args.micro_batch_size,
                 "num_micro_batches": args.micro_batches, "steps": args.steps, "seed": args.seed,
                 "val_interval_steps": max(1, args.steps // 4), "val_batches": 8,
-                "out_dir": str(ROOT / "runs" / "bench-quality" / codec), "threads": args.threads},
+                "out_dir": str(ROOT / "runs" / "bench-quality" / label.replace(":", "-")),
+                "threads": args.threads},
     })
     t0 = time.perf_counter()
     s = train(cfg, progress=not args.quiet, data=data)
     wall = time.perf_counter() - t0
     return {
-        "codec": codec,
+        "codec": label,
         "val_loss": s.final_val_loss,
         "train_loss": s.final_train_loss,
         "val_history": s.val_history,
@@ -91,15 +98,23 @@ def main() -> None:
     ap.add_argument("--ssn-refresh", type=int, default=500)
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--no-update", action="store_true", help="do not rewrite BENCHMARKS.md")
+    ap.add_argument("--merge", action="store_true",
+                    help="add these codecs' rows to bench/results/quality.json instead of replacing it")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     command = "python bench/quality.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-        if k not in ("quiet", "no_update") and v != ap.get_default(k))
+        if k not in ("quiet", "no_update", "merge") and v != ap.get_default(k))
     data = prepare_data(config_from_dict({}).data, progress=not args.quiet)
-    results = [run_one(c, args, data) for c in args.codecs.split(",")]
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
+    previous = {}
+    if args.merge and (out / "quality.json").exists():  # keep other codecs' rows of the same setup
+        previous = {r["codec"]: r for r in json.loads((out / "quality.json").read_text())}
+    for c in args.codecs.split(","):
+        previous[c] = run_one(c, args, data)
+    order = ["none", "mapl", "fixed", "naive", "ssn", "mapl_vq", "mapl_vq:full"]
+    results = sorted(previous.values(), key=lambda r: order.index(r["codec"]) if r["codec"] in order else 99)
     (out / "quality.json").write_text(json.dumps(results, indent=2))
     md = to_markdown(results, args, command.strip())
     (out / "quality.md").write_text(md)

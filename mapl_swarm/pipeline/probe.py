@@ -11,10 +11,13 @@ before the optimizer moves the projector:
 - receiver side (boundary b = inbound): ``health/b{b}/grad_fidelity`` = cos(g, g A Aᵀ) for the
   receiver's gradient g = dL/dX̂;
 - codec hook: a boundary object with a ``health() -> dict[str, float]`` method is called on health
-  steps on both sides and its keys are logged as ``health/b{b}/{key}``; the stage's VQ codec
-  (``StageRuntime.vq``), when it has ``health()``, returns keys naming their boundary
-  (``"b{b}/vq_cos"``, ``"b{b}/vq_rel_error"``, ``"b{b}/dead_code_fraction"``: see
-  :func:`mapl_swarm.metrics.health.quantization_stats`), logged as ``health/{key}``.
+  steps on both sides and its keys are logged as ``health/b{b}/{key}``; other stage-level codec
+  objects passed to :meth:`BoundaryProbe.collect` may do the same with keys naming their boundary
+  (``"b{b}/name"``, logged as ``health/b{b}/name``);
+- MAPL+VQ (``StageRuntime.vq``): the probed micro-batch's Z = R A (outbound ``act`` stream) and
+  dL/dZ = g A (inbound ``grad`` stream) are quantized against the sender's mirror codebooks:
+  ``health/b{b}/vq_act_cos`` = cos(Z, Ẑ), ``vq_act_rel_error`` = ‖Z − Ẑ‖/‖Z‖,
+  ``vq_act_dead_code_fraction`` = share of codes no token selects (and ``vq_grad_*``).
 
 Because the peers run the same StageRuntime, a swarm computes the same numbers per stage. The
 probe can also record every forward (``record_all``), which the end-of-run analysis uses.
@@ -27,9 +30,12 @@ from pathlib import Path
 
 import torch
 
+from mapl_swarm.compress.codebook_sync import VQSender
+from mapl_swarm.compress.vq import decode_codes, quantize, to_groups
+from mapl_swarm.compress.vq_stage import StageVQ
 from mapl_swarm.metrics import JsonlWriter, health
 
-__all__ = ["BoundaryProbe", "Capture", "append_health"]
+__all__ = ["BoundaryProbe", "Capture", "append_health", "vq_stream_health"]
 
 
 @dataclass
@@ -101,10 +107,45 @@ class BoundaryProbe:
                 if callable(hook):
                     out.update({f"health/b{side.index}/{k}": float(v) for k, v in hook().items()})
             for extra in extras:
+                if isinstance(extra, StageVQ):
+                    out.update(_stage_vq_health(extra, send, grad, inbound, outbound))
                 hook = getattr(extra, "health", None)
                 if callable(hook):
                     out.update({f"health/{k}": float(v) for k, v in hook().items()})
         return out
+
+
+def vq_stream_health(sender: VQSender, z: torch.Tensor) -> dict[str, float]:
+    """Quantize z (..., r) against the sender's mirror codebooks (bit-identical to what the receiver
+    decodes with): ``vq_cos`` = cos(Z, Ẑ), ``vq_rel_error`` = ‖Z − Ẑ‖/‖Z‖, and
+    ``vq_dead_code_fraction`` = share of the R x r/G x K codes that no token of z selects."""
+    s = sender.s
+    x = to_groups(z.detach().float(), s.group_size)  # (N, NG, G)
+    codes, _ = quantize(x, sender.mirror, s.max_distance_bytes)  # (N, R, NG)
+    z_hat = decode_codes(codes, sender.mirror)  # (N, NG*G)
+    R, NG, K, _ = sender.mirror.shape
+    offs = (torch.arange(R, device=codes.device)[:, None] * NG + torch.arange(NG, device=codes.device)) * K
+    counts = torch.bincount((codes + offs).reshape(-1), minlength=R * NG * K)  # (R*NG*K,)
+    out = health.quantization_stats(x.reshape(x.shape[0], -1), z_hat)
+    out["vq_dead_code_fraction"] = health.dead_code_fraction(counts)
+    return out
+
+
+def _stage_vq_health(vq: StageVQ, send: Capture | None, grad: torch.Tensor | None, inbound,
+                     outbound) -> dict[str, float]:
+    """MAPL+VQ streams of a stage on the probed micro-batch: Z = R A on the outbound ``act`` stream,
+    dL/dZ = g A on the inbound ``grad`` stream."""
+    out: dict[str, float] = {}
+    tx = vq.tx
+    if send is not None and "act" in tx and outbound is not None:
+        z = health.as_tokens(send.residual) @ outbound.projector.detach().float()  # (N, d)@(d, r)
+        out.update({f"health/b{outbound.index}/{k.replace('vq_', 'vq_act_')}": v
+                    for k, v in vq_stream_health(tx["act"], z).items()})
+    if grad is not None and "grad" in tx and inbound is not None:
+        dz = health.as_tokens(grad) @ inbound.projector.detach().float()  # (N, d)@(d, r)
+        out.update({f"health/b{inbound.index}/{k.replace('vq_', 'vq_grad_')}": v
+                    for k, v in vq_stream_health(tx["grad"], dz).items()})
+    return out
 
 
 def append_health(out_dir: str | Path, stage: int, step: int, metrics: dict[str, float]) -> None:

@@ -127,3 +127,32 @@ def test_codec_health_hook_and_peer_stream(make_config, tmp_path):
     assert len(lines) == 1
     rec = json.loads(lines[0])
     assert rec["step"] == 7 and rec["stage"] == 1 and rec["health/b0/grad_fidelity"] == 0.5 and "lr_mult" not in rec
+
+
+def test_vq_health_exact_codebook_and_live_probe(make_config):
+    from mapl_swarm.compress.codebook_sync import VQSender
+    from mapl_swarm.compress.vq import VQSettings
+    from mapl_swarm.pipeline.probe import vq_stream_health
+
+    cfg = make_config(compression={"codec": "mapl_vq", "vq_codebook_size": 16},
+                      run={"num_stages": 3, "health_interval_steps": 2})
+    s = VQSettings.from_config(cfg.compression)  # r=16, G=2, R=2, K=16
+    sender = VQSender(s, "act", torch.Generator().manual_seed(0), "cpu")
+    codes = torch.randn(16, 2, generator=torch.Generator().manual_seed(1))
+    sender.mirror.zero_()
+    sender.mirror[0] = codes  # round 0: the same 16 codes in every group; round 1: zeros
+    pick = torch.randint(0, 8, (50, 8), generator=torch.Generator().manual_seed(2))  # codes 0..7 only
+    z = codes[pick].reshape(50, 16)  # (N, r): every group exactly a code
+    h = vq_stream_health(sender, z)
+    assert h["vq_cos"] == pytest.approx(1.0) and h["vq_rel_error"] == pytest.approx(0.0, abs=1e-6)
+    assert 0.5 <= h["vq_dead_code_fraction"] < 1.0  # round 0 uses <= 8 of 16 codes, round 1 one
+
+    pipe = InProcessPipeline(cfg)
+    pipe.train_step(_batches(2))
+    m = pipe.train_step(_batches(2)).metrics
+    for b in range(2):
+        for key in (f"stage{b}/health/b{b}/vq_act_cos", f"stage{b + 1}/health/b{b}/vq_grad_cos"):
+            assert 0.0 < m[key] <= 1.0 + 1e-6, key
+        assert 0.0 <= m[f"stage{b}/health/b{b}/vq_act_dead_code_fraction"] <= 1.0
+        assert m[f"stage{b}/health/b{b}/vq_act_rel_error"] >= 0.0
+        assert f"stage{b}/health/b{b}/energy_captured" in m
