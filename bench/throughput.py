@@ -154,6 +154,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--wan", action="store_true", help="also run 200 Mbit/s + 50 ms")
     ap.add_argument("--no-update", action="store_true")
+    ap.add_argument("--merge", action="store_true",
+                    help="add these rows to bench/results/throughput.json instead of replacing it")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     command = f"python bench/throughput.py --codecs {args.codecs} --bandwidth-mbps {args.bandwidth_mbps:g} " \
@@ -172,6 +174,14 @@ def main() -> None:
     manifest = run_manifest({"codecs": args.codecs, "profiles": profiles, "steps": args.steps})
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
+    if args.merge and (out / "throughput.json").exists():  # keep earlier rows of other cases
+        def key(r: dict) -> tuple:
+            return r["codec"], r["rank"], r["bandwidth_mbps"], r["latency_ms"]
+        new = {key(r) for r in rows}
+        old = json.loads((out / "throughput.json").read_text())["rows"]
+        rows = [r for r in old if key(r) not in new] + rows
+        rows.sort(key=lambda r: (r["bandwidth_mbps"], r["latency_ms"]))  # stable: old rows first
+        command += " (merged into the earlier rows)"
     (out / "throughput.json").write_text(json.dumps({"manifest": manifest, "rows": rows}, indent=2))
     md = to_markdown(rows, command, manifest)
     (out / "throughput.md").write_text(md)
