@@ -31,6 +31,7 @@ __all__ = [
     "ANCHORS",
     "WIRE_DTYPES",
     "load_config",
+    "read_toml",
     "config_from_dict",
     "config_to_dict",
     "model_fingerprint",
@@ -431,15 +432,20 @@ def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> TrainConfig
     return TrainConfig(**parts)
 
 
+def read_toml(path: Path, what: str) -> dict[str, Any]:
+    """Parse a TOML file; a missing file or bad syntax is a ConfigError naming the file."""
+    try:
+        return tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{what} file not found: {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+
+
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> TrainConfig:
     """Load a TOML config strictly; ``overrides`` is a nested dict merged over the file."""
     path = Path(path)
-    try:
-        raw = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    raw = read_toml(path, "config")
     for section, values in (overrides or {}).items():
         if isinstance(values, dict):
             raw.setdefault(section, {})

@@ -31,13 +31,12 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from mapl_swarm import config as config_mod
-from mapl_swarm.config import TrainConfig, config_from_dict, config_to_dict
+from mapl_swarm.config import TrainConfig, config_from_dict, config_to_dict, read_toml
 from mapl_swarm.errors import ConfigError
 
 __all__ = ["Grid", "GridGroup", "RunSpec", "load_grid", "grid_from_dict", "ANCHORED_CODECS"]
@@ -237,10 +236,4 @@ def grid_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Grid:
 def load_grid(path: str | Path) -> Grid:
     """Load a grid TOML file strictly."""
     path = Path(path)
-    try:
-        raw = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"grid file not found: {path}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
-    return grid_from_dict(raw, str(path))
+    return grid_from_dict(read_toml(path, "grid"), str(path))

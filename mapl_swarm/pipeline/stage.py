@@ -296,7 +296,7 @@ class StageRuntime:
         for opt in self.optimizers:
             for group in opt.param_groups:
                 group["lr"] = group["base_lr"] * mult
-        metrics = {"lr_mult": mult, **self.probe.collect(self.inbound, self.outbound, getattr(self, "vq", None))}
+        metrics = {"lr_mult": mult, **self.probe.collect(self.inbound, self.outbound, self.vq)}
         if o.grad_clip_norm > 0:
             params = [p for p in self.optimized_parameters() if p.grad is not None]
             metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, o.grad_clip_norm))
