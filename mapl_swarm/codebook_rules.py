@@ -32,6 +32,7 @@ __all__ = [
     "APPLY",
     "IGNORE",
     "VQ_CAPABILITY",
+    "RETRANSMIT_CAPABILITY",
     "STREAMS",
     "code_dtype",
     "check_slice",
@@ -47,6 +48,8 @@ IGNORE = "ignore"
 """Outcome of :func:`check_slice`: a partial slice while awaiting a resync (counted, no error)."""
 VQ_CAPABILITY = "vq_stream"
 """HELLO/WELCOME capability of peers that follow SPEC §5.1."""
+RETRANSMIT_CAPABILITY = "vq_retransmit"
+"""HELLO/WELCOME capability of peers that answer RESYNC ``retransmit`` requests (SPEC §5.1, 1.2)."""
 
 
 class CodebookError(MaplError):

@@ -15,6 +15,10 @@ Seen from the stage, ``take_slices("act")`` are the slices to send downstream (b
 :meth:`StageVQ.apply_slice` whatever its stream. The sender of boundary b's stream draws from
 ``generator(seed, "vq", b, stream)``, so a stage computes the same codes alone on its host as in
 the single-process pipeline.
+
+Every encode with a ``key`` (the stage's micro-batch index) keeps its input until the same key is
+encoded again, so :meth:`StageVQ.reencode` can answer a retransmission request (SPEC §5.1, 1.2):
+the same values encoded again, after a full slice, against the new mirror.
 """
 
 from __future__ import annotations
@@ -45,17 +49,30 @@ class StageVQ:
         if has_inbound:
             self.rx["act"] = VQReceiver(s, "act", device)
             self.tx["grad"] = VQSender(s, "grad", stream_generator(seed, stage - 1, "grad"), device)
+        self._inputs: dict[tuple[str, int], torch.Tensor] = {}
+        """Last encoded values per (stream, key), for :meth:`reencode`."""
 
     @staticmethod
     def _check(stream: str) -> None:
         if stream not in STREAMS:
             raise ValueError(f"stream must be one of {STREAMS}, got {stream!r}")
 
-    def encode(self, stream: str, z: torch.Tensor, *, learn: bool) -> torch.Tensor:
+    def encode(self, stream: str, z: torch.Tensor, *, learn: bool, key: int | None = None) -> torch.Tensor:
         """Codes (B, T, R, r/G) of z (B, T, r) on this stage's ``stream`` sender (fp32 math, never
-        under autocast)."""
+        under autocast); with ``key`` z is kept for :meth:`reencode`."""
+        if key is not None:
+            self._inputs[(stream, key)] = z.detach()
         with torch.autocast(device_type=z.device.type, enabled=False):
             return self.tx[stream].encode(z.float(), learn=learn)
+
+    def reencode(self, stream: str, key: int) -> torch.Tensor | None:
+        """Retransmission: the values last encoded under ``key`` encoded again after a full slice
+        (queued, to be sent first), without training the codebooks; None if they are gone."""
+        z = self._inputs.get((stream, key))
+        if z is None:
+            return None
+        self.tx[stream].request_resync()
+        return self.encode(stream, z, learn=False)
 
     def decode(self, stream: str, codes: torch.Tensor, cver: int | None) -> torch.Tensor:
         """fp32 (B, T, r) from codes of ``stream`` encoded at version ``cver`` (None: the

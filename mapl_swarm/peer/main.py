@@ -14,7 +14,7 @@ from mapl_swarm.net.discovery import Discovery, DiscoveryConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["run_peer", "read_peers_file"]
+__all__ = ["build_peer", "run_peer", "read_peers_file"]
 
 
 def read_peers_file(path: str, timeout_s: float) -> list[str]:
@@ -32,6 +32,43 @@ def read_peers_file(path: str, timeout_s: float) -> list[str]:
     return peers
 
 
+def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool = False, progress: bool = True,
+               secret: bytes | None = None):
+    """The :class:`~mapl_swarm.peer.runtime.Peer` of stage ``stage``: its data (stage 1), its
+    StageRuntime, resumed from the newest complete checkpoint with ``resume``. ``resolve(stage,
+    timeout_s)`` and ``announce(endpoint)`` are awaitables (the DHT's, or any other directory)."""
+    import torch
+
+    from mapl_swarm.config import model_fingerprint
+    from mapl_swarm.data import BatchSampler, prepare_data, validation_batches
+    from mapl_swarm.peer.runtime import Peer
+    from mapl_swarm.pipeline import checkpoint
+    from mapl_swarm.pipeline.stage import StageRuntime
+    from mapl_swarm.pipeline.trainer import check_vocab, resolve_device
+
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    data = prepare_data(cfg.data, progress=False)
+    check_vocab(cfg, data)
+    fingerprint = model_fingerprint(cfg, data.tokenizer.file_hash, data.tokenizer.vocab_size)
+    rt = StageRuntime(cfg, stage, resolve_device(cfg.run.device))
+    sampler = val = None
+    if stage == 0:
+        sampler = BatchSampler(data.train, cfg.run.micro_batch_size, cfg.model.context_length, cfg.run.seed)
+        val = validation_batches(data.val, cfg.run.micro_batch_size, cfg.model.context_length, cfg.run.val_batches)
+    start = 0
+    if resume:
+        start = checkpoint.latest_complete_step(cfg.run.out_dir, cfg.run.num_stages) or 0
+        if start:
+            state = checkpoint.load_stage(cfg.run.out_dir, start, stage)
+            rt.load_state_dict(state)
+            if sampler is not None:
+                sampler.load_state_dict(state["data"])
+            log.info("stage %d resumed from step %d", stage, start)
+    return Peer(cfg, stage, rt, fingerprint=fingerprint, resolve=resolve, announce=announce, sampler=sampler,
+                val_batches=val, progress=progress and stage == 0, start_step=start, secret=secret)
+
+
 def run_peer(cfg: TrainConfig, stage: int, *, initial_peers: Sequence[str] = (), resume: bool = False,
              progress: bool = True, secret: bytes | None = None):
     """Run stage ``stage`` of ``cfg`` until the swarm finishes; returns its PeerResult."""
@@ -43,43 +80,14 @@ def run_peer(cfg: TrainConfig, stage: int, *, initial_peers: Sequence[str] = (),
                                                           port=net.dht_port))
     discovery.start()  # forks the DHT process: before the event loop, ZeroMQ and torch work
     try:
-        import torch
-
-        from mapl_swarm.config import model_fingerprint
-        from mapl_swarm.data import BatchSampler, prepare_data, validation_batches
         from mapl_swarm.net.transport import run
-        from mapl_swarm.peer.runtime import Peer, write_result
-        from mapl_swarm.pipeline import checkpoint
-        from mapl_swarm.pipeline.stage import StageRuntime
-        from mapl_swarm.pipeline.trainer import check_vocab, resolve_device
-
-        if cfg.run.threads:
-            torch.set_num_threads(cfg.run.threads)
-        data = prepare_data(cfg.data, progress=False)
-        check_vocab(cfg, data)
-        fingerprint = model_fingerprint(cfg, data.tokenizer.file_hash, data.tokenizer.vocab_size)
-        rt = StageRuntime(cfg, stage, resolve_device(cfg.run.device))
-        sampler = val = None
-        if stage == 0:
-            sampler = BatchSampler(data.train, cfg.run.micro_batch_size, cfg.model.context_length, cfg.run.seed)
-            val = validation_batches(data.val, cfg.run.micro_batch_size, cfg.model.context_length,
-                                     cfg.run.val_batches)
-        start = 0
-        if resume:
-            start = checkpoint.latest_complete_step(cfg.run.out_dir, cfg.run.num_stages) or 0
-            if start:
-                state = checkpoint.load_stage(cfg.run.out_dir, start, stage)
-                rt.load_state_dict(state)
-                if sampler is not None:
-                    sampler.load_state_dict(state["data"])
-                log.info("stage %d resumed from step %d", stage, start)
+        from mapl_swarm.peer.runtime import write_result
 
         async def announce(endpoint: str) -> None:
             await asyncio.get_running_loop().run_in_executor(None, discovery.announce, stage, endpoint)
 
-        peer = Peer(cfg, stage, rt, fingerprint=fingerprint, resolve=discovery.lookup_async, announce=announce,
-                    sampler=sampler, val_batches=val, progress=progress and stage == 0, start_step=start,
-                    secret=secret)
+        peer = build_peer(cfg, stage, resolve=discovery.lookup_async, announce=announce, resume=resume,
+                          progress=progress, secret=secret)
         result = run(peer.run())
         write_result(result, cfg.run.out_dir)
         return result

@@ -37,14 +37,21 @@ from mapl_swarm.net.emulator import LinkConfig
 from mapl_swarm.net.heartbeat import HeartbeatConfig, attach_heartbeat
 from mapl_swarm.net.transport import Transport, TransportConfig
 from mapl_swarm.peer.mailbox import Mailbox
-from mapl_swarm.peer.vq_link import CodebookLink, act_payload, act_tensors, grad_payload, grad_tensors
+from mapl_swarm.peer.vq_link import (
+    CodebookLink,
+    Retransmitting,
+    act_payload,
+    act_tensors,
+    grad_payload,
+    grad_tensors,
+)
 from mapl_swarm.peer.tensors import from_wire, to_wire
 from mapl_swarm.pipeline import checkpoint
 from mapl_swarm.pipeline.inprocess import LinkCounter
 from mapl_swarm.pipeline.probe import append_health
 from mapl_swarm.pipeline.stage import StageRuntime
 from mapl_swarm.wire import Message, MessageType, VersionMismatch, WireError, decode, encode
-from mapl_swarm.wire.codebook import VQ_CAPABILITY
+from mapl_swarm.wire.codebook import RETRANSMIT_CAPABILITY, VQ_CAPABILITY
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +111,8 @@ class Peer:
         self.neighbours = [s for s in (self.up, self.down) if s is not None]
         self.mailbox = Mailbox(self.name)
         self.welcomed: set[int] = set()
+        self.neighbour_caps: dict[int, set[str]] = {}
+        """Capabilities each neighbour advertised in its HELLO/WELCOME."""
         self._welcome_event = asyncio.Event()
         self._seq: dict[int, int] = {}
         self.links = {s: LinkCounter() for s in self.neighbours}
@@ -114,14 +123,30 @@ class Peer:
         self._bar: tqdm | None = None
         self._t0 = 0.0
         self._last_train_loss: list[float] = []  # last stage: losses of the current step
+        self._backwards = 0  # middle stages: backwards done in the current step
         self._eval_losses: list[float] = []
         self.transport: Transport | None = None
         self.vq_link = CodebookLink(self) if runtime.vq is not None else None
         """mapl_vq: codebook slices and RESYNC on this peer's links (:mod:`.vq_link`)."""
+        self.encode_lock = asyncio.Lock()
+        """Held from a compute that encodes until its payload is sent (a retransmission takes it too)."""
+        self._tasks: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ plumbing
     async def _compute(self, fn, *args, **kwargs):
         return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: fn(*args, **kwargs))
+
+    def spawn(self, coro) -> None:
+        """Run ``coro`` beside the serving loop; its failure fails the peer."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+
+        def done(t: asyncio.Task) -> None:
+            self._tasks.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                self.mailbox.fail(t.exception())
+
+        task.add_done_callback(done)
 
     async def _send(self, dst: int, mtype: MessageType, *, step: int = 0, micro: int = 0,
                     meta: dict | None = None, tensors: dict[str, torch.Tensor] | None = None,
@@ -173,6 +198,7 @@ class Peer:
             await self._on_hello(msg)
         elif t == MT.WELCOME:
             self.welcomed.add(msg.src)
+            self.neighbour_caps[msg.src] = set(msg.meta.get("capabilities", []))
             if set(self.neighbours) <= self.welcomed:
                 self._welcome_event.set()
         elif t == MT.REJECT:
@@ -204,12 +230,13 @@ class Peer:
             reason = f"num_stages mismatch: peer has {meta.get('num_stages')}, this peer has {self.P}"
             await self._send(msg.src, MT.REJECT, meta={"code": "fingerprint_mismatch", "reason": reason})
             return
+        self.neighbour_caps[msg.src] = set(meta.get("capabilities", []))
         await self._send(msg.src, MT.WELCOME, meta=self._hello_meta())
         if self.vq_link is not None:
             await self.vq_link.on_handshake(msg.src)
 
     def _hello_meta(self) -> dict:
-        caps = ["1f1b"] + ([VQ_CAPABILITY] if self.vq_link is not None else [])
+        caps = ["1f1b"] + ([VQ_CAPABILITY, RETRANSMIT_CAPABILITY] if self.vq_link is not None else [])
         return {"fingerprint": self.fingerprint, "num_stages": self.P, "capabilities": caps,
                 "peer": self.name}
 
@@ -224,9 +251,12 @@ class Peer:
             else:
                 await self.vq_link.on_slice(msg)
 
-    async def _decode(self, work, src: int):
-        """Await ``work`` (a compute that decodes what ``src`` sent); VQ version errors ask for RESYNC."""
-        return await (self.vq_link.guard(work, src) if self.vq_link is not None else work)
+    async def _decode(self, work, msg: Message):
+        """Await ``work`` (a compute that decodes ``msg``); VQ version errors ask for a RESYNC and a
+        retransmission (raising :class:`Retransmitting`: drop ``msg``, its copy follows)."""
+        if self.vq_link is None:
+            return await work
+        return await self.vq_link.guard(work, msg.src, (msg.step, msg.micro, msg.meta.get("mode", "train")))
 
     def _on_report(self, msg: Message) -> None:
         self._reports.append(msg)
@@ -289,6 +319,9 @@ class Peer:
                 self.result.wall_s = time.perf_counter() - self._t0
                 await transport.flush(net.timeout_s)
             finally:
+                for task in list(self._tasks):
+                    task.cancel()
+                await asyncio.gather(*self._tasks, return_exceptions=True)
                 await hb.aclose()
                 receiver.cancel()
                 await asyncio.gather(receiver, return_exceptions=True)
@@ -336,8 +369,11 @@ class Peer:
                     await self._forward_and_send(step, sent, ids=batches[sent])
                     sent += 1
                 msg = await self._next([MT.GRAD], timeout, "(gradient) ")
-                await self._decode(self._compute(self.rt.backward, msg.micro, grad_payload(msg), cver=msg.cver),
-                                   msg.src)
+                try:
+                    await self._decode(self._compute(self.rt.backward, msg.micro, grad_payload(msg),
+                                                     cver=msg.cver), msg)
+                except Retransmitting:
+                    continue
                 done += 1
             await self._flush(step)
             done_steps = step + 1
@@ -352,24 +388,28 @@ class Peer:
             return
         before = sum(1 for r in self._reports if r.meta.get("mode") == "eval")
         for i, ids in enumerate(self.val_batches):
-            res = await self._compute(self.rt.forward, -1 - i, ids=ids, train=False)
-            await self._send_act(step, i, res.payload, eval_mode=True)
+            async with self.encode_lock:
+                res = await self._compute(self.rt.forward, -1 - i, ids=ids, train=False)
+                await self._send_act(step, i, res.payload, eval_mode=True)
         await self._wait_report("eval", before + 1, self.cfg.net.timeout_s)
         report = [r for r in self._reports if r.meta.get("mode") == "eval"][-1]
         self.result.val_history.append((step, float(report.meta["loss"])))
         log.info("step %d: val loss %.4f", step, report.meta["loss"])
 
     # ------------------------------------------------------------------ every stage
-    async def _forward_and_send(self, step: int, micro: int, *, ids=None, payload=None,
-                                cver: int | None = None) -> None:
-        res = await self._decode(self._compute(self.rt.forward, micro, ids=ids, payload=payload, train=True,
-                                               cver=cver), self.up)
-        await self._send_act(step, micro, res.payload, eval_mode=False)
+    async def _forward_and_send(self, step: int, micro: int, *, ids=None, msg: Message | None = None) -> None:
+        """Forward of a micro-batch (stage 1: ``ids``; later: the ACT ``msg``) and its ACT."""
+        async with self.encode_lock:
+            work = self._compute(self.rt.forward, micro, ids=ids, payload=None if msg is None else act_payload(msg),
+                                 train=True, cver=None if msg is None else msg.cver)
+            res = await (work if msg is None else self._decode(work, msg))
+            await self._send_act(step, micro, res.payload, eval_mode=False)
 
     async def _send_act(self, step: int, micro: int, payload: dict, *, eval_mode: bool) -> None:
         """ACT downstream, after the codebook slices it needs (mapl_vq)."""
         if self.vq_link is not None:
             await self.vq_link.send_slices(self.down, "act", step, micro)
+            self.vq_link.remember("act", "eval" if eval_mode else "train", step, micro, payload)
         pver = self.rt.outbound.version if self.rt.outbound is not None else 0
         tensors, kinds = act_tensors(payload, eval_mode=eval_mode)
         await self._send(self.down, MT.ACT, step=step, micro=micro, pver=pver,
@@ -380,6 +420,7 @@ class Peer:
         """GRAD upstream, after the codebook slices it needs (mapl_vq)."""
         if self.vq_link is not None:
             await self.vq_link.send_slices(self.up, "grad", step, micro)
+            self.vq_link.remember("grad", "train", step, micro, payload)
         tensors, kinds = grad_tensors(payload)
         await self._send(self.up, MT.GRAD, step=step, micro=micro, tensors=tensors, payload_kinds=kinds,
                          cver=self.rt.codebook_version("grad"))
@@ -418,57 +459,65 @@ class Peer:
     async def _serve(self) -> None:
         """Stages 2..P: react to ACT / GRAD / PROJ until BYE."""
         timeout = self.cfg.net.timeout_s
-        inbound = self.rt.inbound
-        step_done = {"fwd": 0, "bwd": 0}
         while True:
             msg = await self._next([MT.ACT, MT.GRAD, MT.PROJ, MT.BYE], timeout, "(pipeline) ")
             if msg.type == MT.BYE:
                 if self.down is not None:
                     await self._send(self.down, MT.BYE, meta=dict(msg.meta))
                 return
-            if msg.type == MT.PROJ:
-                await self._compute(self.rt.load_inbound_projector, from_wire(msg.tensors["proj"]), msg.pver)
-                continue
-            if msg.type == MT.GRAD:
-                grad = await self._decode(self._compute(self.rt.backward, msg.micro, grad_payload(msg),
-                                                        cver=msg.cver), msg.src)
-                await self._send_grad(msg.step, msg.micro, grad)
-                step_done["bwd"] += 1
-                if step_done["bwd"] == self.M:
-                    await self._flush(msg.step)
-                    step_done = {"fwd": 0, "bwd": 0}
-                continue
-            payload = act_payload(msg)
-            if msg.meta.get("mode") == "eval":
-                await self._eval_forward(msg, payload)
-                continue
-            if inbound is not None and inbound.trainable and msg.pver != inbound.version:
-                raise MaplError(f"{self.name}: ACT made with projector v{msg.pver}, this stage holds "
-                                f"v{inbound.version}")
-            if self.down is not None:
-                await self._forward_and_send(msg.step, msg.micro, payload=payload, cver=msg.cver)
-                continue
-            # last stage: forward, loss, backward at once (1F1B's tail)
-            res = await self._decode(self._compute(self.rt.forward, msg.micro, payload=payload, train=True,
-                                                   cver=msg.cver), msg.src)
+            try:
+                if msg.type == MT.PROJ:
+                    await self._compute(self.rt.load_inbound_projector, from_wire(msg.tensors["proj"]), msg.pver)
+                elif msg.type == MT.GRAD:
+                    await self._on_grad(msg)
+                elif msg.meta.get("mode") == "eval":
+                    await self._eval_forward(msg)
+                else:
+                    await self._on_act(msg)
+            except Retransmitting:
+                continue  # undecodable VQ codes: dropped, their retransmission follows
+
+    async def _on_grad(self, msg: Message) -> None:
+        """Middle stage: backward, GRAD upstream; the step's last one flushes."""
+        async with self.encode_lock:
+            grad = await self._decode(self._compute(self.rt.backward, msg.micro, grad_payload(msg), cver=msg.cver),
+                                      msg)
+            await self._send_grad(msg.step, msg.micro, grad)
+        self._backwards += 1
+        if self._backwards == self.M:
+            self._backwards = 0
+            await self._flush(msg.step)
+
+    async def _on_act(self, msg: Message) -> None:
+        """Train ACT: forward and ACT downstream; the last stage also runs the backward at once
+        (1F1B's tail), and after the step's last one flushes and reports the loss."""
+        inbound = self.rt.inbound
+        if inbound is not None and inbound.trainable and msg.pver != inbound.version:
+            raise MaplError(f"{self.name}: ACT made with projector v{msg.pver}, this stage holds "
+                            f"v{inbound.version}")
+        if self.down is not None:
+            await self._forward_and_send(msg.step, msg.micro, msg=msg)
+            return
+        async with self.encode_lock:
+            res = await self._decode(self._compute(self.rt.forward, msg.micro, payload=act_payload(msg), train=True,
+                                                   cver=msg.cver), msg)
             grad = await self._compute(self.rt.backward, msg.micro, None)
             await self._send_grad(msg.step, msg.micro, grad)
-            self._last_train_loss.append(res.loss)
-            step_done["fwd"] += 1
-            if step_done["fwd"] == self.M:
-                losses, self._last_train_loss = self._last_train_loss, []
-                await self._flush(msg.step)
-                await self._send(self.up, MT.REPORT, step=msg.step + 1,
-                                 meta={"mode": "train", "loss": sum(losses) / len(losses),
-                                       "tokens": res.tokens * len(losses)})
-                step_done = {"fwd": 0, "bwd": 0}
+        self._last_train_loss.append(res.loss)
+        if len(self._last_train_loss) == self.M:
+            losses, self._last_train_loss = self._last_train_loss, []
+            await self._flush(msg.step)
+            await self._send(self.up, MT.REPORT, step=msg.step + 1,
+                             meta={"mode": "train", "loss": sum(losses) / len(losses),
+                                   "tokens": res.tokens * len(losses)})
 
-    async def _eval_forward(self, msg: Message, payload: dict) -> None:
-        res = await self._decode(self._compute(self.rt.forward, -1 - msg.micro, payload=payload, train=False,
-                                               cver=msg.cver), msg.src)
-        if self.down is not None:
-            await self._send_act(msg.step, msg.micro, res.payload, eval_mode=True)
-            return
+    async def _eval_forward(self, msg: Message) -> None:
+        async with self.encode_lock:
+            res = await self._decode(self._compute(self.rt.forward, -1 - msg.micro, payload=act_payload(msg),
+                                                   train=False, cver=msg.cver), msg)
+            if self.down is not None:
+                await self._send_act(msg.step, msg.micro, res.payload, eval_mode=True)
+                return
         self._eval_losses.append(res.loss)
         if len(self._eval_losses) == self.cfg.run.val_batches:
             losses, self._eval_losses = self._eval_losses, []

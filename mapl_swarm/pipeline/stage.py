@@ -204,7 +204,8 @@ class StageRuntime:
         if train:
             self._saved[micro] = (z, z_in)
         if self.vq is not None:  # straight-through: backward feeds the decoded dL/dZ_hat to z
-            out = {"codes": self.vq.encode("act", z.detach(), learn=train), "ids": all_ids.to(self.id_dtype)}
+            out = {"codes": self.vq.encode("act", z.detach(), learn=train, key=micro),
+                   "ids": all_ids.to(self.id_dtype)}
         else:
             out = {"act": z.detach().to(self.wire_dtype), "ids": all_ids.to(self.id_dtype)}
         return ForwardResult(out, None, tokens_in.numel())
@@ -216,23 +217,24 @@ class StageRuntime:
         (None on the first)."""
         if micro not in self._saved:
             raise KeyError(f"stage {self.stage}: no saved forward for micro-batch {micro}")
-        out, z_in = self._saved.pop(micro)
+        out, z_in = self._saved[micro]
         if self.is_last:
-            out.backward()
+            grad = None
         else:
             if payload is None:
                 raise ValueError(f"stage {self.stage} needs a GRAD payload")
-            if self.vq is not None:
+            if self.vq is not None:  # undecodable codes raise here and keep the forward for a retransmission
                 grad = self.vq.decode("grad", payload["codes"].to(self.device), cver)
             else:
                 grad = payload["grad"].to(self.device, torch.float32)
             if grad.shape != out.shape:
                 raise ValueError(f"GRAD shape {tuple(grad.shape)} != activation shape {tuple(out.shape)}")
-            out.backward(grad)
+        del self._saved[micro]
+        out.backward(grad)
         if z_in is None:
             return None
         if self.vq is not None:
-            return {"codes": self.vq.encode("grad", z_in.grad, learn=True)}
+            return {"codes": self.vq.encode("grad", z_in.grad, learn=True, key=micro)}
         return {"grad": z_in.grad.to(self.wire_dtype)}
 
     @property
@@ -248,6 +250,14 @@ class StageRuntime:
     def codebook_version(self, stream: str) -> int:
         """``cver`` of the last payload this stage encoded on ``stream`` (0 without VQ)."""
         return self.vq.version(stream) if self.vq is not None and stream in self.vq.tx else 0
+
+    def reencode(self, stream: str, micro: int) -> torch.Tensor | None:
+        """mapl_vq retransmission: the codes of micro-batch ``micro``'s last ``stream`` payload
+        (the forward's ``micro``: negative for eval) encoded again after a full slice; None when
+        this stage no longer holds its values."""
+        if self.vq is None or stream not in self.vq.tx:
+            return None
+        return self.vq.reencode(stream, micro)
 
     def apply_slice(self, sl: CodebookSlice) -> str:
         """Apply a neighbour's slice (raises the named CodebookError when rejected)."""

@@ -16,6 +16,7 @@ from mapl_swarm.codebook_rules import (
     APPLY,
     CODEBOOK_ERRORS_BY_CODE,
     IGNORE,
+    RETRANSMIT_CAPABILITY,
     VQ_CAPABILITY,
     BadCodes,
     CodebookError,
@@ -50,6 +51,7 @@ __all__ = [
     "APPLY",
     "IGNORE",
     "VQ_CAPABILITY",
+    "RETRANSMIT_CAPABILITY",
     "code_dtype",
     "slice_fields",
     "check_slice",
@@ -57,6 +59,7 @@ __all__ = [
     "receiver_outcome",
     "slice_message",
     "resync_message",
+    "resync_meta",
 ]
 
 
@@ -130,10 +133,24 @@ def slice_message(*, run_id: str, src: int, dst: int, stream: str, version: int,
 
 
 def resync_message(*, run_id: str, src: int, dst: int, stream: str, have: int, reason: str = "",
+                   retransmit: tuple[int, int, str] | None = None,
                    version_tuple: tuple[int, int] = spec.PROTOCOL_VERSION) -> Message:
-    """A RESYNC message asking the ``stream`` sender ``dst`` for a full slice."""
+    """A RESYNC message asking the ``stream`` sender ``dst`` for a full slice; with ``retransmit``
+    = (step, micro, mode) also for that ACT/GRAD re-encoded against the new mirror (1.2)."""
+    meta: dict[str, Any] = resync_meta(stream, have, reason, retransmit)
+    step, micro = retransmit[:2] if retransmit is not None else (0, 0)
+    return Message(type=MessageType.RESYNC, run_id=run_id, src=src, dst=dst, step=step, micro=micro,
+                   meta=meta, version=version_tuple)
+
+
+def resync_meta(stream: str, have: int, reason: str = "",
+                retransmit: tuple[int, int, str] | None = None) -> dict[str, Any]:
+    """RESYNC ``meta``: ``stream``, ``have``, ``reason`` if any; ``retransmit`` and ``mode`` when
+    asking for a retransmission (its step and micro go in the header)."""
     meta: dict[str, Any] = {"stream": stream, "have": int(have)}
     if reason:
         meta["reason"] = reason
-    return Message(type=MessageType.RESYNC, run_id=run_id, src=src, dst=dst, meta=meta,
-                   version=version_tuple)
+    if retransmit is not None:
+        meta["retransmit"] = True
+        meta["mode"] = retransmit[2]
+    return meta

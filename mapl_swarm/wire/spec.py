@@ -1,4 +1,4 @@
-"""Constants of wire protocol 1.1: version, message types, dtypes, codecs, limits, key order.
+"""Constants of wire protocol 1.2: version, message types, dtypes, codecs, limits, key order.
 
 Everything here mirrors a table of ``protocol/SPEC.md``; change the spec first, then this file.
 """
@@ -42,7 +42,7 @@ __all__ = [
     "INT64_MIN",
 ]
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 1)
+PROTOCOL_VERSION: tuple[int, int] = (1, 2)
 """(major, minor) spoken by this implementation."""
 
 

@@ -136,6 +136,7 @@ def _valid(v: dict[str, list[bytes]]) -> list[Case]:
         "resync_stream": "1.1 RESYNC of the act stream, receiver at version 5",
         "act_vq_rounds": "1.1 ACT: uint16 ids and uint8 codes (B, T, R=2, r/G=2) at cver 6",
         "grad_vq": "1.1 GRAD: uint8 codes (B, T, R=2, r/G=2) at cver 9",
+        "resync_retransmit": "1.2 RESYNC asking for eval ACT step 12 micro 3 re-encoded after a full slice",
     }
     return [Case(n, "valid", f, text[n], secret=n.endswith("_auth")) for n, f in v.items()]
 
@@ -304,6 +305,10 @@ def _invalid(v: dict[str, list[bytes]]) -> list[Case]:
          "CODEBOOK_SLICE full is an integer (1.1)"),
         ("resync_have_negative", _edit(v["resync_stream"], _meta(have=-1)), IM,
          "RESYNC have is negative (1.1)"),
+        ("resync_retransmit_int", _edit(v["resync_retransmit"], _meta(retransmit=1)), IM,
+         "RESYNC retransmit is an integer (1.2)"),
+        ("resync_mode_unknown", _edit(v["resync_retransmit"], _meta(mode="test")), IM,
+         "RESYNC mode 'test' (1.2)"),
     ]
     out = [Case(n, "invalid", f, d, error=e) for n, f, e, d in cases]
     tag_flip = [_flip(act_auth[0], len(act_auth[0]) - 1), *act_auth[1:]]

@@ -103,6 +103,10 @@ def _vq_samples(b: int, t: int) -> dict[str, Message]:
     out["grad_vq"] = Message(
         type=MessageType.GRAD, src=2, dst=1, cver=9,
         tensors={"codes": WireTensor("uint8", _codes(b, t, 2))}, **common)
+    out["resync_retransmit"] = Message(  # protocol 1.2
+        type=MessageType.RESYNC, run_id=RUN_ID, src=1, dst=0, step=12, micro=3, seq=43, version=(1, 2),
+        meta={"stream": "act", "have": 5, "reason": "codebook_version_mismatch", "retransmit": True,
+              "mode": "eval"})
     return out
 
 
@@ -110,7 +114,7 @@ def samples() -> dict[str, Message]:
     """Sample messages by vector name (B=2 sequences, T=4 tokens, d=8, r=4).
 
     Messages of protocol 1.0 are pinned to version (1, 0) (a minor version never changes existing
-    vectors); those of SPEC §5.1 are (1, 1).
+    vectors); those of SPEC §5.1 are (1, 1), the retransmission RESYNC (1, 2).
     """
     b, t, d, r = 2, 4, 8, 4
     z = _bf16(sample_floats(b * t * r, 1)).reshape(b, t, r)

@@ -3,32 +3,50 @@
 import asyncio
 from types import SimpleNamespace
 
+import pytest
 import torch
 
-from mapl_swarm.compress.codebook_sync import VQSender, stream_generator
-from mapl_swarm.compress.vq import VQSettings
+from mapl_swarm.compress.codebook_sync import CodebookSlice, VQSender, stream_generator
+from mapl_swarm.compress.vq import VQSettings, decode_codes
 from mapl_swarm.compress.vq_stage import StageVQ
 from mapl_swarm.config import CompressionConfig
-from mapl_swarm.peer.vq_link import CodebookLink
+from mapl_swarm.peer.vq_link import CodebookLink, Retransmitting
 from mapl_swarm.wire import Message, MessageType, decode, encode
+from mapl_swarm.wire.codebook import RETRANSMIT_CAPABILITY, CodebookVersionMismatch
 
 S = VQSettings.from_config(CompressionConfig(codec="mapl_vq", rank=8, vq_codebook_size=16,
                                              vq_slice_fraction=0.25, vq_kmeans_iters=2))
 
 
 class StubPeer:
-    """Stage 1 of 3: receives ``act`` from stage 0 and ``grad`` from stage 2."""
+    """Stage 1 of 3: receives ``act`` from stage 0 and ``grad`` from stage 2; records what it sends."""
 
-    name, up, down = "stage1", 0, 2
+    name, stage, up, down = "stage1", 1, 0, 2
 
     def __init__(self) -> None:
         vq = StageVQ(S, 1, has_inbound=True, has_outbound=True, seed=0)
-        self.rt = SimpleNamespace(vq=vq, apply_slice=vq.apply_slice, take_slices=vq.take_slices)
+        self.rt = SimpleNamespace(vq=vq, apply_slice=vq.apply_slice, take_slices=vq.take_slices,
+                                  reencode=vq.reencode)
         self.sent: list[tuple[int, MessageType, dict]] = []
         self.bad: list[str] = []
+        self.neighbour_caps: dict[int, set[str]] = {}
+        self.encode_lock = asyncio.Lock()
+        self.tasks: list[asyncio.Task] = []
 
     async def _send(self, dst, mtype, **kw):
         self.sent.append((dst, mtype, kw))
+
+    async def _compute(self, fn, *args, **kwargs):
+        return fn(*args, **kwargs)
+
+    def spawn(self, coro):
+        self.tasks.append(asyncio.get_running_loop().create_task(coro))
+
+    async def _send_act(self, step, micro, payload, *, eval_mode):
+        await self.link.send_slices(self.down, "act", step, micro)
+        self.link.remember("act", "eval" if eval_mode else "train", step, micro, payload)
+        await self._send(self.down, MessageType.ACT, step=step, micro=micro, tensors=payload,
+                         meta={"mode": "eval" if eval_mode else "train"}, cver=self.rt.vq.version("act"))
 
     def _bad_frame(self, sender, why):
         self.bad.append(why)
@@ -40,7 +58,7 @@ def _wire(sl) -> Message:
 
 def test_slices_applied_rejections_counted_and_gaps_trigger_resync():
     peer = StubPeer()
-    link = CodebookLink(peer)
+    link = peer.link = CodebookLink(peer)
     upstream = VQSender(S, "act", stream_generator(0, 0, "act"))  # stage 0's act sender
     gen = torch.Generator().manual_seed(0)
     slices = []
@@ -61,6 +79,7 @@ def test_slices_applied_rejections_counted_and_gaps_trigger_resync():
                                meta={"stream": "act", "have": 0}))
         await link.on_handshake(2)
         await link.on_handshake(2)  # stage 2 handshakes again: it reconnected
+        await asyncio.gather(*peer.tasks)
 
     asyncio.run(scenario())
     assert link.stats["applied"] == 2 and link.stats["ignored"] == 1
@@ -72,3 +91,88 @@ def test_slices_applied_rejections_counted_and_gaps_trigger_resync():
                        (2, {"stream": "grad", "have": 0, "reason": "reconnected"})]
     assert peer.rt.vq.tx["act"].resync_pending and link.stats["reconnects"] == 1
     assert peer.bad == []
+
+
+def _codes_from(src: int, cver: int) -> Message:
+    return Message(type=MessageType.ACT, run_id="r", src=src, dst=1, step=4, micro=2, cver=cver,
+                   meta={"mode": "eval"})
+
+
+def test_undecodable_codes_ask_for_a_retransmission_only_from_peers_that_offer_it():
+    peer = StubPeer()
+    link = peer.link = CodebookLink(peer)
+
+    async def undecodable():
+        raise CodebookVersionMismatch("codes encoded with codebook version 9, the receiver holds version 0")
+
+    async def scenario():
+        with pytest.raises(CodebookVersionMismatch):  # stage 0 did not advertise vq_retransmit
+            await link.guard(undecodable(), 0, (4, 2, "eval"))
+        peer.neighbour_caps[0] = {"vq_stream", RETRANSMIT_CAPABILITY}
+        with pytest.raises(Retransmitting):
+            await link.guard(undecodable(), 0, (4, 2, "eval"))
+
+    asyncio.run(scenario())
+    resyncs = [(dst, kw["step"], kw["micro"], kw["meta"]) for dst, t, kw in peer.sent if t == MessageType.RESYNC]
+    reason = "codebook_version_mismatch"
+    assert resyncs == [(0, 0, 0, {"stream": "act", "have": 0, "reason": reason}),
+                       (0, 4, 2, {"stream": "act", "have": 0, "reason": reason, "retransmit": True, "mode": "eval"})]
+    assert link.stats["retransmits_requested"] == 1
+    # the RESYNC meta is valid on the wire (1.2 optional fields typed)
+    msg = decode(encode(Message(type=MessageType.RESYNC, run_id="r", src=1, dst=0, step=4, micro=2,
+                                meta=resyncs[1][3])))
+    assert msg.meta == resyncs[1][3] and (msg.step, msg.micro) == (4, 2)
+
+
+def test_retransmission_sends_a_full_slice_then_the_same_values_reencoded():
+    peer = StubPeer()
+    link = peer.link = CodebookLink(peer)
+    vq = peer.rt.vq
+    gen = torch.Generator().manual_seed(1)
+    z = torch.randn(2, 16, 8, generator=gen)
+    receiver = StageVQ(S, 2, has_inbound=True, has_outbound=False, seed=0)  # stage 2's act receiver
+    ids = torch.zeros(2, 17, dtype=torch.int64)
+
+    async def scenario():
+        for micro in range(3):  # train micro-batches 0..2 of step 4, then eval micro-batch 0 (key -1)
+            codes = vq.encode("act", z + micro, learn=True, key=micro)
+            await peer._send_act(4, micro, {"codes": codes, "ids": ids}, eval_mode=False)
+        await peer._send_act(4, 0, {"codes": vq.encode("act", z * 2, learn=False, key=-1), "ids": ids},
+                             eval_mode=True)
+        for _, t, kw in peer.sent:  # the receiver got every slice but the last train one (lost)
+            if t == MessageType.CODEBOOK_SLICE and kw["cver"] != 3:
+                receiver.apply_slice(_wire_slice(kw))
+        peer.sent.clear()
+        learned = vq.tx["act"].learner.state_dict()
+        for micro, mode, step in ((2, "train", 4), (0, "eval", 4), (1, "train", 3)):
+            link.on_resync(Message(type=MessageType.RESYNC, run_id="r", src=2, dst=1, step=step, micro=micro,
+                                   meta={"stream": "act", "have": 2, "retransmit": True, "mode": mode}))
+            await asyncio.gather(*peer.tasks)
+        return learned
+
+    learned = asyncio.run(scenario())
+    kinds = [(t, kw.get("step"), kw.get("micro"), kw["meta"].get("full"), kw["meta"].get("mode"))
+             for _, t, kw in peer.sent]
+    assert kinds == [(MessageType.CODEBOOK_SLICE, 4, 2, True, None), (MessageType.ACT, 4, 2, None, "train"),
+                     (MessageType.CODEBOOK_SLICE, 4, 0, True, None), (MessageType.ACT, 4, 0, None, "eval"),
+                     (MessageType.ERROR, None, None, None, None)]  # step 3 micro 1 is gone: ERROR
+    assert peer.sent[-1][2]["meta"]["code"] == "retransmit_unavailable"
+    assert link.stats["retransmitted"] == 2
+    for (_, _, sl), (_, _, act), values in ((peer.sent[0], peer.sent[1], z + 2), (peer.sent[2], peer.sent[3], z * 2)):
+        receiver.apply_slice(_wire_slice(sl))  # full slice: applied whatever the receiver's version
+        decoded = receiver.decode("act", act["tensors"]["codes"], act["cver"])
+        expected = vq.tx["act"].mirror
+        assert act["cver"] == sl["cver"] == receiver.rx["act"].version
+        assert torch.equal(decoded, decode_codes(act["tensors"]["codes"], expected))  # bit-identical
+        assert act["tensors"]["ids"] is ids
+        assert float((decoded - values).pow(2).mean()) < float(values.pow(2).mean())
+    # re-encoding never trains the sender's codebooks
+    after = vq.tx["act"].learner.state_dict()
+    assert all(torch.equal(learned[k], after[k]) for k in ("live", "share", "sums"))
+
+
+def _wire_slice(kw: dict):
+    """The CodebookSlice a recorded CODEBOOK_SLICE send carries, through the real wire encoding."""
+    msg = Message(type=MessageType.CODEBOOK_SLICE, run_id="r", src=1, dst=2, cver=kw["cver"], meta=kw["meta"],
+                  tensors={"codes": kw["tensors"]["codes"].numpy()})
+    return CodebookSlice.from_message(decode(encode(msg)))
