@@ -11,7 +11,7 @@ from mapl_swarm.pipeline.trainer import train
 
 from swarm_helpers import write_config
 
-pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]  # ~100 s on the 2-core machine
+pytestmark = pytest.mark.timeout(420)  # ~50 s on the 2-core machine
 
 
 def test_four_peer_vq_swarm_matches_single_process(tmp_path):
