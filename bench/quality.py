@@ -26,14 +26,16 @@ ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- quality:begin -->", "<!-- quality:end -->"
 
 
-def run_one(label: str, args: argparse.Namespace, data) -> dict:
+def run_one(label: str, args: argparse.Namespace, data, command: str) -> dict:
     codec, _, variant = label.partition(":")
     compression = {"codec": codec, "rank": args.rank, "anchor_rank": args.rank,
                    "ssn_refresh_interval_steps": args.ssn_refresh}
     if variant == "full":  # MAPL+VQ ablation: whole codebooks every micro-batch instead of slices
         compression["vq_sync"] = "full"
+    elif variant.startswith("slice="):  # MAPL+VQ: another slice fraction than the default
+        compression["vq_slice_fraction"] = float(variant.removeprefix("slice="))
     elif variant:
-        raise SystemExit(f"unknown codec variant {label!r} (known: mapl_vq:full)")
+        raise SystemExit(f"unknown codec variant {label!r} (known: mapl_vq:full, mapl_vq:slice=FRACTION)")
     cfg = config_from_dict({
         "preset": "tiny",
         "compression": compression,
@@ -55,33 +57,37 @@ def run_one(label: str, args: argparse.Namespace, data) -> dict:
         "bytes_per_token": s.bytes_per_token[0] if s.bytes_per_token else {},
         "tokens": s.tokens,
         "wall_s": wall,
+        "command": command,
         "manifest": run_manifest(config_to_dict(cfg), corpus_fingerprint=data.meta["corpus_fingerprint"],
                                  tokenizer_hash=data.tokenizer.file_hash, seed=args.seed),
     }
 
 
-def to_markdown(results: list[dict], args: argparse.Namespace, command: str) -> str:
+def to_markdown(results: list[dict], args: argparse.Namespace) -> str:
     base = next((r["val_loss"] for r in results if r["codec"] == "none"), None)
     none_bytes = next((r["bytes_per_token"]["total"] for r in results if r["codec"] == "none"), None)
     m = results[0]["manifest"]
+    commands = list(dict.fromkeys(r["command"] for r in results))
     lines = [
-        f"Command: `{command}`  ",
+        "Commands (rows merged from separate runs; each row's commit in the last column): "
+        + ", ".join(f"`{c}`" for c in commands) + "  ",
         f"Machine: {platform.machine()}, {m['machine']}, torch {m['versions']['torch']}, "
-        f"{args.threads or 'default'} threads; date {time.strftime('%Y-%m-%d')}; commit {m['commit'][:12]}  ",
+        f"{args.threads or 'default'} threads; date {time.strftime('%Y-%m-%d')}  ",
         f"Setup: tiny preset (d=256, 8 layers), P={args.stages}, rank {args.rank} "
         f"({256 // args.rank}x vs bf16 `none`), {args.steps} steps x {args.micro_batches} micro-batches x "
         f"{args.micro_batch_size} x 256 tokens = {results[0]['tokens']:,} tokens per run, seed {args.seed}, "
         f"corpus {m['corpus_fingerprint'][:16]} (stdlib), tokenizer {m['tokenizer_hash'][:12]}; "
         f"ssn U refresh every {args.ssn_refresh or 'never (frozen, node0)'} steps.",
         "",
-        "| codec | final val loss | Δ% vs none | payload B/token per boundary (fwd+bwd) | compression vs none | wall s |",
-        "|---|---|---|---|---|---|",
+        "| codec | final val loss | Δ% vs none | payload B/token per boundary (fwd+bwd) | compression vs none | wall s | commit |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in results:
         delta = f"{100 * (r['val_loss'] - base) / base:+.2f}%" if base else "-"
         total = r["bytes_per_token"].get("total", 0.0)
         ratio = f"{none_bytes / total:.2f}x" if none_bytes and total else "-"
-        lines.append(f"| {r['codec']} | {r['val_loss']:.4f} | {delta} | {total:.1f} | {ratio} | {r['wall_s']:.0f} |")
+        lines.append(f"| {r['codec']} | {r['val_loss']:.4f} | {delta} | {total:.1f} | {ratio} | {r['wall_s']:.0f} "
+                     f"| {r['manifest']['commit'][:7]} |")
     return "\n".join(lines) + "\n"
 
 
@@ -102,9 +108,10 @@ def main() -> None:
                     help="add these codecs' rows to bench/results/quality.json instead of replacing it")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    command = "python bench/quality.py " + " ".join(
+    command = ("python bench/quality.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
         if k not in ("quiet", "no_update", "merge") and v != ap.get_default(k))
+        + (" --merge" if args.merge else "")).strip()
     data = prepare_data(config_from_dict({}).data, progress=not args.quiet)
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
@@ -112,11 +119,12 @@ def main() -> None:
     if args.merge and (out / "quality.json").exists():  # keep other codecs' rows of the same setup
         previous = {r["codec"]: r for r in json.loads((out / "quality.json").read_text())}
     for c in args.codecs.split(","):
-        previous[c] = run_one(c, args, data)
-    order = ["none", "mapl", "fixed", "naive", "ssn", "mapl_vq", "mapl_vq:full"]
-    results = sorted(previous.values(), key=lambda r: order.index(r["codec"]) if r["codec"] in order else 99)
+        previous[c] = run_one(c, args, data, command)
+    order = ["none", "mapl", "fixed", "naive", "ssn", "mapl_vq"]
+    results = sorted(previous.values(), key=lambda r: (order.index(r["codec"].split(":")[0])
+                                                       if r["codec"].split(":")[0] in order else 99, r["codec"]))
     (out / "quality.json").write_text(json.dumps(results, indent=2))
-    md = to_markdown(results, args, command.strip())
+    md = to_markdown(results, args)
     (out / "quality.md").write_text(md)
     print(md)
     bench = ROOT / "BENCHMARKS.md"
