@@ -30,12 +30,16 @@ def run_one(label: str, args: argparse.Namespace, data, command: str) -> dict:
     codec, _, variant = label.partition(":")
     compression = {"codec": codec, "rank": args.rank, "anchor_rank": args.rank,
                    "ssn_refresh_interval_steps": args.ssn_refresh}
-    if variant == "full":  # MAPL+VQ ablation: whole codebooks every micro-batch instead of slices
-        compression["vq_sync"] = "full"
-    elif variant.startswith("slice="):  # MAPL+VQ: another slice fraction than the default
-        compression["vq_slice_fraction"] = float(variant.removeprefix("slice="))
-    elif variant:
-        raise SystemExit(f"unknown codec variant {label!r} (known: mapl_vq:full, mapl_vq:slice=FRACTION)")
+    for part in filter(None, variant.split("+")):  # MAPL+VQ variants, e.g. mapl_vq:priority+slice=0.25
+        if part == "full":  # ablation: whole codebooks every micro-batch instead of slices
+            compression["vq_sync"] = "full"
+        elif part in ("priority", "round_robin"):
+            compression["vq_slice_order"] = part
+        elif part.startswith("slice="):  # another slice fraction than the default
+            compression["vq_slice_fraction"] = float(part.removeprefix("slice="))
+        else:
+            raise SystemExit(f"unknown codec variant {label!r} (known parts, joined by '+': full, priority, "
+                             "round_robin, slice=FRACTION)")
     cfg = config_from_dict({
         "preset": "tiny",
         "compression": compression,

@@ -5,8 +5,9 @@ Pure Python (no torch, no wire dependencies), so the torch codec state
 (:mod:`mapl_swarm.wire.codebook`) apply the very same rules, in the same order:
 
 1. meta and tensor (:class:`SliceMalformed`), 2. shape (:class:`SliceShapeMismatch`),
-3. index range (:class:`SliceIndexOutOfRange`), 4. finite values (:class:`SliceMalformed`),
-5. version (:class:`StaleSlice`, :class:`FutureSlice`).
+3. index range (:class:`SliceIndexOutOfRange`; an indexed slice's rows strictly increasing:
+:class:`SliceMalformed`), 4. finite values (:class:`SliceMalformed`), 5. version
+(:class:`StaleSlice`, :class:`FutureSlice`).
 
 These errors belong to the codebook receiver, not to the frame decoder (the messages are valid
 frames), so they are :class:`CodebookError` s and not wire errors.
@@ -33,6 +34,8 @@ __all__ = [
     "IGNORE",
     "VQ_CAPABILITY",
     "RETRANSMIT_CAPABILITY",
+    "INDEXED_SLICES_CAPABILITY",
+    "SliceIndex",
     "STREAMS",
     "code_dtype",
     "check_slice",
@@ -50,6 +53,8 @@ VQ_CAPABILITY = "vq_stream"
 """HELLO/WELCOME capability of peers that follow SPEC §5.1."""
 RETRANSMIT_CAPABILITY = "vq_retransmit"
 """HELLO/WELCOME capability of peers that answer RESYNC ``retransmit`` requests (SPEC §5.1, 1.2)."""
+INDEXED_SLICES_CAPABILITY = "vq_indexed_slices"
+"""HELLO/WELCOME capability of peers that accept indexed CODEBOOK_SLICEs (SPEC §5.1, 1.2)."""
 
 
 class CodebookError(MaplError):
@@ -135,27 +140,54 @@ def code_dtype(codebook_size: int) -> str:
     return "uint8" if codebook_size <= 256 else "uint16"
 
 
+@dataclass(frozen=True)
+class SliceIndex:
+    """What the rules need to know of an indexed slice's ``index`` tensor (SPEC §5.1, 1.2)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    max_index: int
+    """Largest index (0 for an empty tensor)."""
+    increasing: bool
+    """Every row ``index[k, g, :]`` strictly increasing."""
+
+
 def check_slice(*, stream: str, version: int, start: int, full: bool, shape: tuple[int, ...],
                 finite: bool | None, expect_stream: str, layout: CodebookLayout, have: int,
-                awaiting_resync: bool = False) -> str:
+                awaiting_resync: bool = False, index: SliceIndex | None = None) -> str:
     """Apply SPEC §5.1's receiver rules; returns :data:`APPLY` or :data:`IGNORE`, or raises.
 
     ``shape`` and ``finite`` describe the slice's codes (``finite=None`` skips that check, for
-    callers that test it themselves); ``have`` is the receiver's version.
+    callers that test it themselves); ``index`` its ``index`` tensor if any; ``have`` is the
+    receiver's version.
     """
     if stream != expect_stream:
         raise SliceMalformed(f"slice of stream {stream!r} sent to the {expect_stream!r} receiver")
     if full and start != 0:
         raise SliceMalformed(f"a full slice starts at 0, got start {start}")
     R, NG, K, G = layout.shape
+    if index is not None:
+        if full:
+            raise SliceMalformed("a full slice carries no index")
+        if start != 0:
+            raise SliceMalformed(f"an indexed slice has start 0, got start {start}")
+        if index.dtype != code_dtype(K):
+            raise SliceMalformed(f"slice index must be {code_dtype(K)} for K={K}, got {index.dtype}")
     shape = tuple(shape)
     if len(shape) != 4 or (shape[0], shape[1], shape[3]) != (R, NG, G) or shape[2] == 0:
         raise SliceShapeMismatch(f"slice codes shape {shape}, expected ({R}, {NG}, n >= 1, {G})")
     n = shape[2]
     if full and n != K:
         raise SliceShapeMismatch(f"full slice of {n} codes, the codebooks hold {K}")
+    if index is not None and tuple(index.shape) != (R, NG, n):
+        raise SliceShapeMismatch(f"slice index shape {tuple(index.shape)}, expected ({R}, {NG}, {n})")
     if start + n > K:
         raise SliceIndexOutOfRange(f"slice codes {start}..{start + n - 1} outside 0..{K - 1}")
+    if index is not None:
+        if index.max_index >= K:
+            raise SliceIndexOutOfRange(f"slice index {index.max_index} outside 0..{K - 1}")
+        if not index.increasing:
+            raise SliceMalformed("slice index rows must be strictly increasing")
     if finite is False:
         raise SliceMalformed("slice codes contain non-finite values")
     if awaiting_resync:

@@ -39,6 +39,7 @@ __all__ = [
 
 CODECS = ("none", "mapl", "fixed", "naive", "ssn", "mapl_vq")
 VQ_SYNC_MODES = ("stream", "full")
+VQ_SLICE_ORDERS = ("round_robin", "priority")
 ANCHORS = ("factorized", "full", "static", "none")
 WIRE_DTYPES = ("bf16", "fp16", "fp32")
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -136,6 +137,10 @@ class CompressionConfig:
     CODEBOOK_SLICE of ceil(fraction x K) codes, round-robin). Slice bytes per micro-batch are
     4 x R x rank x ceil(fraction x K), i.e. 8 x fraction x K / tokens of the codes' bytes at G=2:
     1.6 % at K=256 and 8k-token micro-batches."""
+    vq_slice_order: str = "round_robin"
+    """mapl_vq, stream sync: which codes a slice carries: round_robin (a contiguous range cycling
+    over the codebook) | priority (per codebook the codes with the largest usage share x squared
+    drift since the receiver's copy, as an indexed slice: +1 byte per code and codebook for K <= 256)."""
     vq_sync: str = "stream"
     """mapl_vq codebook synchronisation: stream (slices, SPEC 5.1) | full (whole codebooks every
     micro-batch, for comparison)."""
@@ -170,6 +175,8 @@ class CompressionConfig:
             _check(getattr(self, name) >= 1, f"compression.{name} must be >= 1, got {getattr(self, name)}")
         _check(0 < self.vq_slice_fraction <= 1,
                f"compression.vq_slice_fraction must be in (0, 1], got {self.vq_slice_fraction}")
+        _check(self.vq_slice_order in VQ_SLICE_ORDERS,
+               f"compression.vq_slice_order must be one of {VQ_SLICE_ORDERS}, got {self.vq_slice_order!r}")
         _check(self.vq_sync in VQ_SYNC_MODES,
                f"compression.vq_sync must be one of {VQ_SYNC_MODES}, got {self.vq_sync!r}")
         _check(0 <= self.vq_ema_decay < 1, f"compression.vq_ema_decay must be in [0, 1), got {self.vq_ema_decay}")

@@ -12,7 +12,9 @@ training micro-batch    before encoding
 first k-means batches   k-means init of the learned codebooks, full slice
 resync requested        full slice (also in eval mode)
 ``vq_sync = "full"``    full slice
-``vq_sync = "stream"``  partial slice of ceil(fraction x K) codes, round-robin over 0..K-1
+``vq_sync = "stream"``  partial slice of n = ceil(fraction x K) codes: ``round_robin`` a range
+                        cycling over 0..K-1; ``priority`` an indexed slice (SPEC 1.2), per
+                        codebook the n codes with the largest share x ||live - mirror||^2
 ======================  ==========================================================================
 
 after encoding, the learned codebooks take one EMA k-means step on the micro-batch. Versions count
@@ -34,7 +36,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from mapl_swarm.codebook_rules import IGNORE, CodebookError, check_codes, check_slice
+from mapl_swarm.codebook_rules import IGNORE, CodebookError, SliceIndex, check_codes, check_slice
 from mapl_swarm.compress.vq import EmaKMeans, VQSettings, decode_codes, lookup, nearest_codes, quantize, to_groups
 from mapl_swarm.rng import generator
 
@@ -65,10 +67,14 @@ class CodebookSlice:
     full: bool
     codes: torch.Tensor
     """fp32 (R, r/G, n, G)."""
+    index: torch.Tensor | None = None
+    """Indexed slice (SPEC 1.2): uint8/uint16 (R, r/G, n), the positions of ``codes`` in each
+    codebook (rows strictly increasing; ``start`` is 0). None: codes ``start .. start+n-1``."""
 
     @property
     def nbytes(self) -> int:
-        return self.codes.numel() * self.codes.element_size()
+        extra = 0 if self.index is None else self.index.numel() * self.index.element_size()
+        return self.codes.numel() * self.codes.element_size() + extra
 
     def to_message(self, *, run_id: str, src: int, dst: int, step: int = 0, micro: int = 0,
                    version_tuple: tuple[int, int] | None = None) -> Message:
@@ -76,8 +82,10 @@ class CodebookSlice:
 
         kw = {} if version_tuple is None else {"version_tuple": version_tuple}
         codes = self.codes.detach().to("cpu", torch.float32).contiguous().numpy()
+        index = None if self.index is None else self.index.to("cpu").contiguous().numpy()
         return slice_message(run_id=run_id, src=src, dst=dst, stream=self.stream, version=self.version,
-                             start=self.start, full=self.full, codes=codes, step=step, micro=micro, **kw)
+                             start=self.start, full=self.full, codes=codes, step=step, micro=micro, index=index,
+                             **kw)
 
     @classmethod
     def from_message(cls, msg: Message) -> "CodebookSlice":
@@ -86,7 +94,16 @@ class CodebookSlice:
 
         f = slice_fields(msg)
         codes = torch.from_numpy(np.array(f.codes, dtype=np.float32))  # own, writable copy
-        return cls(stream=f.stream, version=f.version, start=f.start, full=f.full, codes=codes)
+        index = None if f.index is None else torch.from_numpy(np.array(f.index, dtype=f.index.dtype.newbyteorder("=")))
+        return cls(stream=f.stream, version=f.version, start=f.start, full=f.full, codes=codes, index=index)
+
+
+def _index_info(index: torch.Tensor) -> SliceIndex:
+    """The rules' summary of an indexed slice's ``index`` tensor."""
+    i = index.long()
+    increasing = i.ndim == 0 or i.shape[-1] < 2 or bool((i.diff(dim=-1) > 0).all())
+    return SliceIndex(dtype=_CODE_TAGS.get(index.dtype, str(index.dtype)), shape=tuple(index.shape),
+                      max_index=int(i.max()) if i.numel() else 0, increasing=increasing)
 
 
 def _digest(codebooks: torch.Tensor, version: int) -> str:
@@ -131,10 +148,25 @@ class VQSender:
         else:
             self.mirror[:, :, start:start + n] = live[:, :, start:start + n]
         self.version += 1
-        sl = CodebookSlice(self.stream, self.version, start, full, self.mirror[:, :, start:start + n].clone())
+        self._queue(CodebookSlice(self.stream, self.version, start, full, self.mirror[:, :, start:start + n].clone()))
+
+    def _emit_priority(self, n: int) -> None:
+        """Indexed slice: per codebook the n codes whose staleness share x ||live - mirror||^2 is
+        largest (codes in use that moved most, freshly replaced dead codes)."""
+        R, NG, K, G = self.s.layout.shape
+        score = self.learner.share * (self.learner.live - self.mirror).pow(2).sum(-1)  # (R, NG, K)
+        idx = score.topk(n, dim=-1).indices.sort(-1).values.reshape(R * NG, n)  # rows increasing
+        rows = torch.arange(R * NG, device=idx.device)[:, None]
+        mirror = self.mirror.view(R * NG, K, G)
+        mirror[rows, idx] = self.learner.live.reshape(R * NG, K, G)[rows, idx]
+        self.version += 1
+        self._queue(CodebookSlice(self.stream, self.version, 0, False, mirror[rows, idx].reshape(R, NG, n, G),
+                                  index=idx.reshape(R, NG, n).to(self.s.code_dtype)))
+
+    def _queue(self, sl: CodebookSlice) -> None:
         self._pending.append(sl)
         self.totals["slices"] += 1
-        self.totals["full_slices"] += int(full)
+        self.totals["full_slices"] += int(sl.full)
         self.totals["slice_bytes"] += sl.nbytes
 
     def _kmeans_init(self, x: torch.Tensor) -> None:
@@ -158,6 +190,8 @@ class VQSender:
             self._emit(0, s.codebook_size, True)
         elif self.resync_pending or (learn and s.sync == "full"):
             self._emit(0, s.codebook_size, True)
+        elif learn and s.slice_order == "priority":
+            self._emit_priority(s.slice_codes)
         elif learn:
             n = min(s.slice_codes, s.codebook_size - self.cursor)
             self._emit(self.cursor, n, False)
@@ -232,7 +266,8 @@ class VQReceiver:
             finite = codes.dtype == torch.float32 and bool(torch.isfinite(codes).all())
             outcome = check_slice(stream=sl.stream, version=sl.version, start=sl.start, full=sl.full,
                                   shape=tuple(codes.shape), finite=finite, expect_stream=self.stream,
-                                  layout=self.s.layout, have=self.version, awaiting_resync=self.awaiting_resync)
+                                  layout=self.s.layout, have=self.version, awaiting_resync=self.awaiting_resync,
+                                  index=None if sl.index is None else _index_info(sl.index))
         except CodebookError as exc:
             self._reject(exc)
             raise
@@ -240,7 +275,13 @@ class VQReceiver:
             self.ignored += 1
             return outcome
         n = codes.shape[2]
-        self.codebooks[:, :, sl.start:sl.start + n] = codes.to(self.device)
+        if sl.index is None:
+            self.codebooks[:, :, sl.start:sl.start + n] = codes.to(self.device)
+        else:
+            R, NG, K, G = self.s.layout.shape
+            idx = sl.index.to(self.device).long().reshape(R * NG, n)
+            rows = torch.arange(R * NG, device=self.device)[:, None]
+            self.codebooks.view(R * NG, K, G)[rows, idx] = codes.to(self.device).reshape(R * NG, n, G)
         self.version = sl.version
         self.awaiting_resync = False
         self.applied += 1

@@ -58,6 +58,7 @@ class VQSettings:
     group_size: int
     slice_fraction: float
     sync: str
+    slice_order: str
     ema_decay: float
     kmeans_init_batches: int
     kmeans_iters: int
@@ -69,6 +70,7 @@ class VQSettings:
     def from_config(cls, c: CompressionConfig) -> "VQSettings":
         return cls(rank=c.rank, codebook_size=c.vq_codebook_size, rounds=c.vq_rounds,
                    group_size=c.vq_group_size, slice_fraction=c.vq_slice_fraction, sync=c.vq_sync,
+                   slice_order=c.vq_slice_order,
                    ema_decay=c.vq_ema_decay, kmeans_init_batches=c.vq_kmeans_init_batches,
                    kmeans_iters=c.vq_kmeans_iters, dead_code_ratio=c.vq_dead_code_ratio,
                    max_distance_mib=c.vq_max_distance_mib, compile=c.vq_compile)
@@ -97,17 +99,21 @@ class VQSettings:
         """Codes per partial slice: ceil(fraction x K)."""
         return min(self.codebook_size, math.ceil(self.slice_fraction * self.codebook_size - 1e-9))
 
-    def slice_bytes(self, n: int) -> int:
-        """fp32 bytes of a slice of ``n`` codes of every codebook: 4 x R x r/G x n x G."""
-        return 4 * self.rounds * self.groups * n * self.group_size
+    def slice_bytes(self, n: int, *, indexed: bool = False) -> int:
+        """Bytes of a slice of ``n`` codes of every codebook: fp32 codes, 4 x R x r/G x n x G, plus
+        for an indexed slice its index, R x r/G x n x (1 or 2)."""
+        per_code = 4 * self.group_size + (self.code_bytes_per_token // (self.rounds * self.groups) if indexed else 0)
+        return self.rounds * self.groups * n * per_code
 
     @property
     def slice_bytes_per_micro(self) -> float:
         """Steady-state slice bytes per training micro-batch (full sync: the whole codebooks;
-        stream: K codes spread over ceil(K / n) micro-batches)."""
+        stream round_robin: K codes spread over ceil(K / n) micro-batches; priority: n indexed codes)."""
         K = self.codebook_size
         if self.sync == "full":
             return float(self.slice_bytes(K))
+        if self.slice_order == "priority":
+            return float(self.slice_bytes(self.slice_codes, indexed=True))
         return self.slice_bytes(K) / math.ceil(K / self.slice_codes)
 
     @property

@@ -35,7 +35,7 @@ from mapl_swarm.peer.vq_link import CodebookLink
 from mapl_swarm.pipeline.inprocess import LinkCounter
 from mapl_swarm.pipeline.stage import StageRuntime
 from mapl_swarm.wire import Message, MessageType, VersionMismatch, WireError, decode, encode
-from mapl_swarm.wire.codebook import RETRANSMIT_CAPABILITY, VQ_CAPABILITY
+from mapl_swarm.wire.codebook import INDEXED_SLICES_CAPABILITY, RETRANSMIT_CAPABILITY, VQ_CAPABILITY
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +220,8 @@ class Peer(PipelineSchedule):
             await self.vq_link.on_handshake(msg.src)
 
     def _hello_meta(self) -> dict:
-        caps = ["1f1b"] + ([VQ_CAPABILITY, RETRANSMIT_CAPABILITY] if self.vq_link is not None else [])
+        vq_caps = [VQ_CAPABILITY, RETRANSMIT_CAPABILITY, INDEXED_SLICES_CAPABILITY]
+        caps = ["1f1b"] + (vq_caps if self.vq_link is not None else [])
         return {"fingerprint": self.fingerprint, "num_stages": self.P, "capabilities": caps,
                 "peer": self.name}
 
@@ -320,6 +321,9 @@ class Peer(PipelineSchedule):
                             f"{self.cfg.net.timeout_s:g} s") from None
         if self.mailbox.error is not None:
             raise self.mailbox.error
+        if self.vq_link is not None:
+            for s in self.neighbours:
+                self.vq_link.check_neighbour(s)
         log.info("%s: handshake done with stages %s", self.name, self.neighbours)
 
 def write_result(result: PeerResult, out_dir: str | Path) -> Path:

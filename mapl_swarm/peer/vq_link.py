@@ -26,7 +26,9 @@ from typing import TYPE_CHECKING, Any, Awaitable
 from mapl_swarm.compress.codebook_sync import CodebookSlice
 from mapl_swarm.peer.tensors import from_wire
 from mapl_swarm.wire import Message, MessageType
+from mapl_swarm.errors import MaplError
 from mapl_swarm.wire.codebook import (
+    INDEXED_SLICES_CAPABILITY,
     RETRANSMIT_CAPABILITY,
     CodebookError,
     CodebookVersionMismatch,
@@ -94,8 +96,9 @@ class CodebookLink:
         for sl in self.peer.rt.take_slices(stream):
             meta = {"stream": sl.stream, "start": sl.start, **({"full": True} if sl.full else {})}
             kind = "codebook" if stream == "act" else "grad_codebook"
+            tensors = {"codes": sl.codes, **({} if sl.index is None else {"index": sl.index})}
             await self.peer._send(dst, MT.CODEBOOK_SLICE, step=step, micro=micro, meta=meta, cver=sl.version,
-                                  tensors={"codes": sl.codes}, payload_kinds={"codes": kind})
+                                  tensors=tensors, payload_kinds={name: kind for name in tensors})
 
     async def on_slice(self, msg: Message) -> None:
         """Apply a received slice; rejections are counted and logged, a gap asks for a RESYNC."""
@@ -164,6 +167,13 @@ class CodebookLink:
     def remember(self, stream: str, mode: str, step: int, micro: int, payload: dict) -> None:
         """Note an ACT/GRAD payload as sent (the last one per stream, mode and micro is kept)."""
         self._sent[(stream, mode, micro)] = (step, payload)
+
+    def check_neighbour(self, neighbour: int) -> None:
+        """Refuse a link whose receiver cannot take this peer's slices (indexed: capability 1.2)."""
+        if self.peer.rt.vq.s.slice_order == "priority" and \
+                INDEXED_SLICES_CAPABILITY not in self.peer.neighbour_caps.get(neighbour, ()):
+            raise MaplError(f"{self.peer.name}: stage {neighbour} does not accept indexed codebook slices "
+                            f"(capability {INDEXED_SLICES_CAPABILITY!r}), which vq_slice_order = 'priority' sends")
 
     async def on_handshake(self, src: int) -> None:
         """After answering a HELLO: a second handshake with ``src`` is a reconnection -> RESYNC."""

@@ -66,7 +66,8 @@ class InProcessPipeline:
         link = self.links[min(src, dst)]
         for sl in self.stages[src].take_slices(stream):
             if count:
-                link.add("codebook" if stream == "act" else "grad_codebook", sl.codes)
+                link.add("codebook" if stream == "act" else "grad_codebook",
+                         {"codes": sl.codes, **({} if sl.index is None else {"index": sl.index})})
             self.stages[dst].apply_slice(sl)
         return self.stages[src].codebook_version(stream)
 

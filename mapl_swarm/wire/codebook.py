@@ -16,6 +16,7 @@ from mapl_swarm.codebook_rules import (
     APPLY,
     CODEBOOK_ERRORS_BY_CODE,
     IGNORE,
+    INDEXED_SLICES_CAPABILITY,
     RETRANSMIT_CAPABILITY,
     VQ_CAPABILITY,
     BadCodes,
@@ -25,6 +26,7 @@ from mapl_swarm.codebook_rules import (
     FutureSlice,
     SliceIndexOutOfRange,
     SliceMalformed,
+    SliceIndex,
     SliceShapeMismatch,
     StaleSlice,
     check_codes,
@@ -52,6 +54,9 @@ __all__ = [
     "IGNORE",
     "VQ_CAPABILITY",
     "RETRANSMIT_CAPABILITY",
+    "INDEXED_SLICES_CAPABILITY",
+    "SliceIndex",
+    "index_info",
     "code_dtype",
     "slice_fields",
     "check_slice",
@@ -74,6 +79,9 @@ class SliceFields:
     full: bool
     codes: np.ndarray
     """fp32 array (R, r/G, n, G) (read-only view of the frame when decoded)."""
+    index: np.ndarray | None = None
+    """Indexed slice (1.2): uint8/uint16 array (R, r/G, n) of the codes' positions."""
+    index_dtype: str | None = None
 
 
 def slice_fields(msg: Message) -> SliceFields:
@@ -88,12 +96,23 @@ def slice_fields(msg: Message) -> SliceFields:
         raise SliceMalformed(f"slice meta.start must be a non-negative integer, got {start!r:.40}")
     if type(full) is not bool:
         raise SliceMalformed(f"slice meta.full must be a bool, got {full!r:.40}")
-    if list(msg.tensors) != ["codes"]:
-        raise SliceMalformed(f"a slice carries exactly one tensor 'codes', got {list(msg.tensors)}")
+    if list(msg.tensors) not in (["codes"], ["codes", "index"]):
+        raise SliceMalformed(f"a slice carries the tensor 'codes', then optionally 'index', got {list(msg.tensors)}")
     t = msg.tensors["codes"]
     if t.dtype != "fp32":
         raise SliceMalformed(f"slice codes must be fp32, got {t.dtype}")
-    return SliceFields(stream=stream, version=msg.cver, start=start, full=full, codes=t.wire_array())
+    index = msg.tensors.get("index")
+    return SliceFields(stream=stream, version=msg.cver, start=start, full=full, codes=t.wire_array(),
+                       index=None if index is None else index.wire_array(),
+                       index_dtype=None if index is None else index.dtype)
+
+
+def index_info(index: np.ndarray, dtype: str) -> SliceIndex:
+    """The :class:`SliceIndex` summary of an ``index`` array (R, r/G, n) of wire dtype ``dtype``."""
+    a = np.asarray(index).astype(np.int64)
+    increasing = a.ndim == 0 or a.shape[-1] < 2 or bool((np.diff(a, axis=-1) > 0).all())
+    return SliceIndex(dtype=dtype, shape=tuple(a.shape), max_index=int(a.max()) if a.size else 0,
+                      increasing=increasing)
 
 
 def receiver_outcome(msg: Message, *, stream: str, layout: CodebookLayout, have: int,
@@ -105,9 +124,10 @@ def receiver_outcome(msg: Message, *, stream: str, layout: CodebookLayout, have:
         f = slice_fields(msg)
         shape = f.codes.shape
         finite = bool(np.isfinite(f.codes).all())
+        index = None if f.index is None else index_info(f.index, f.index_dtype)
         return check_slice(stream=f.stream, version=f.version, start=f.start, full=f.full, shape=shape,
                            finite=finite, expect_stream=stream, layout=layout, have=have,
-                           awaiting_resync=awaiting_resync)
+                           awaiting_resync=awaiting_resync, index=index)
     if msg.type in (MessageType.ACT, MessageType.GRAD):
         t = msg.tensors.get("codes")
         if t is None:
@@ -121,15 +141,18 @@ def receiver_outcome(msg: Message, *, stream: str, layout: CodebookLayout, have:
 
 def slice_message(*, run_id: str, src: int, dst: int, stream: str, version: int, start: int,
                   full: bool, codes: np.ndarray, step: int = 0, micro: int = 0,
+                  index: np.ndarray | None = None,
                   version_tuple: tuple[int, int] = spec.PROTOCOL_VERSION) -> Message:
-    """A CODEBOOK_SLICE message (``codes``: float32 array (R, r/G, n, G))."""
+    """A CODEBOOK_SLICE message (``codes``: float32 array (R, r/G, n, G); ``index``: an indexed
+    slice's uint8/uint16 array (R, r/G, n), 1.2)."""
     meta: dict[str, Any] = {"stream": stream, "start": int(start)}
     if full:
         meta["full"] = True
+    tensors = {"codes": WireTensor("fp32", np.ascontiguousarray(codes, dtype="<f4"))}
+    if index is not None:
+        tensors["index"] = WireTensor.from_array(np.ascontiguousarray(index))
     return Message(type=MessageType.CODEBOOK_SLICE, run_id=run_id, src=src, dst=dst, step=step,
-                   micro=micro, cver=int(version), meta=meta,
-                   tensors={"codes": WireTensor("fp32", np.ascontiguousarray(codes, dtype="<f4"))},
-                   version=version_tuple)
+                   micro=micro, cver=int(version), meta=meta, tensors=tensors, version=version_tuple)
 
 
 def resync_message(*, run_id: str, src: int, dst: int, stream: str, have: int, reason: str = "",

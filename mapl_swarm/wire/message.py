@@ -226,7 +226,10 @@ def check_type_rules(
         raise InvalidMessage(f"{mtype.name} carries no tensors, got {[n for n, _ in dtypes]}")
     if mtype in spec.FP32_ONLY_TYPES:
         for name, tag in dtypes:
-            if tag != "fp32":
+            if mtype is MessageType.CODEBOOK_SLICE and name == "index":  # 1.2: indexed slices
+                if tag not in spec.CODE_DTYPES:
+                    raise BadDtype(f"CODEBOOK_SLICE tensor 'index' must be uint8 or uint16, got {tag}")
+            elif tag != "fp32":
                 raise BadDtype(f"{mtype.name} tensor {name!r} must be fp32, got {tag}")
     required, optional = META_SCHEMA.get(mtype, ({}, {}))
     for key, kind in required.items():

@@ -20,6 +20,7 @@ __all__ = [
     "INTEGER_DTYPES",
     "CODECS",
     "FP32_ONLY_TYPES",
+    "CODE_DTYPES",
     "TENSOR_TYPES",
     "MODES",
     "STREAMS",
@@ -112,7 +113,10 @@ CODECS: tuple[str, ...] = ("raw", "lz4")
 FP32_ONLY_TYPES: frozenset[MessageType] = frozenset(
     {MessageType.PROJ, MessageType.PROJ_GRAD, MessageType.CODEBOOK_SLICE}
 )
-"""Message types whose tensors must all be fp32."""
+"""Message types whose tensors must all be fp32 (but a CODEBOOK_SLICE ``index``: CODE_DTYPES, 1.2)."""
+
+CODE_DTYPES: tuple[str, ...] = ("uint8", "uint16")
+"""Dtypes of VQ codes and of a CODEBOOK_SLICE's ``index`` tensor (SPEC §5.1)."""
 
 TENSOR_TYPES: frozenset[MessageType] = frozenset(
     {

@@ -21,7 +21,15 @@ from .codebook import slice_message
 from .frames import compute_tag, encode
 from .message import Message, WireTensor
 from .spec import MessageType
-from .vector_samples import RUN_ID, VECTOR_SECRET, VQ_LAYOUT, sample_codebook, sample_floats, samples
+from .vector_samples import (
+    RUN_ID,
+    SAMPLE_INDEX,
+    VECTOR_SECRET,
+    VQ_LAYOUT,
+    sample_codebook,
+    sample_floats,
+    samples,
+)
 
 __all__ = ["Case", "build_cases"]
 
@@ -136,6 +144,7 @@ def _valid(v: dict[str, list[bytes]]) -> list[Case]:
         "resync_stream": "1.1 RESYNC of the act stream, receiver at version 5",
         "act_vq_rounds": "1.1 ACT: uint16 ids and uint8 codes (B, T, R=2, r/G=2) at cver 6",
         "grad_vq": "1.1 GRAD: uint8 codes (B, T, R=2, r/G=2) at cver 9",
+        "codebook_slice_indexed": "1.2 indexed CODEBOOK_SLICE: each of the 4 codebooks its own 3 codes",
         "resync_retransmit": "1.2 RESYNC asking for eval ACT step 12 micro 3 re-encoded after a full slice",
     }
     return [Case(n, "valid", f, text[n], secret=n.endswith("_auth")) for n, f in v.items()]
@@ -305,6 +314,10 @@ def _invalid(v: dict[str, list[bytes]]) -> list[Case]:
          "CODEBOOK_SLICE full is an integer (1.1)"),
         ("resync_have_negative", _edit(v["resync_stream"], _meta(have=-1)), IM,
          "RESYNC have is negative (1.1)"),
+        ("codebook_index_int32", _edit(v["codebook_slice_indexed"], _desc(1, dtype="int32", shape=[3])), D,
+         "CODEBOOK_SLICE index tensor int32 (1.2: uint8/uint16 only)"),
+        ("codebook_index_float", _edit(v["codebook_slice_indexed"], _desc(1, dtype="fp32", shape=[3])), D,
+         "CODEBOOK_SLICE index tensor fp32 (1.2: uint8/uint16 only)"),
         ("resync_retransmit_int", _edit(v["resync_retransmit"], _meta(retransmit=1)), IM,
          "RESYNC retransmit is an integer (1.2)"),
         ("resync_mode_unknown", _edit(v["resync_retransmit"], _meta(mode="test")), IM,
@@ -358,6 +371,20 @@ def _codebook(v: dict[str, list[bytes]]) -> list[Case]:
     full_start = slice_message(run_id=RUN_ID, src=0, dst=1, stream="act", version=9, start=4, full=True,
                                codes=sample_codebook(0, K, 24), step=12, micro=3, version_tuple=(1, 1))
 
+    def indexed(index: Any, *, start: int = 0, full: bool = False, n: int | None = None) -> list[bytes]:
+        """A 1.2 indexed slice at version 6 with ``index`` (R, r/G, n) positions."""
+        index = np.asarray(index)
+        m = slice_message(run_id=RUN_ID, src=0, dst=1, stream="act", version=9 if full else 6, start=start,
+                          full=full, codes=sample_codebook(0, index.shape[-1] if n is None else n, 25), step=12,
+                          micro=3, index=index, version_tuple=(1, 2))
+        return [bytes(f) for f in encode(m)]
+
+    ix = SAMPLE_INDEX
+    swapped, repeated, beyond = ix.copy(), ix.copy(), ix.copy()
+    swapped[1, 0] = [4, 3, 7]
+    repeated[0, 1] = [2, 2, 15]
+    beyond[1, 1, 2] = K
+
     def act(cver: int, codes: Any, dtype: str = "uint8") -> list[bytes]:
         m = Message(type=MessageType.ACT, run_id=RUN_ID, src=0, dst=1, step=12, micro=3, seq=51, pver=12,
                     cver=cver, meta={"mode": "train"}, version=(1, 1),
@@ -396,6 +423,16 @@ def _codebook(v: dict[str, list[bytes]]) -> list[Case]:
         ("slice_nan", [bytes(f) for f in encode(nan_msg)], rx, SM, "a NaN among the codes"),
         ("slice_two_tensors", [bytes(f) for f in encode(two)], rx, SM, "a second tensor"),
         ("slice_full_nonzero_start", [bytes(f) for f in encode(full_start)], rx, SM, "full slice at start 4"),
+        ("slice_indexed_next_version", v["codebook_slice_indexed"], rx, "apply",
+         "1.2 indexed slice at version v+1: applied"),
+        ("slice_indexed_full", indexed(np.tile(np.arange(K, dtype="u1"), (R, NG, 1)), full=True), rx, SM,
+         "1.2 a full slice with an index"),
+        ("slice_indexed_nonzero_start", indexed(ix, start=4), rx, SM, "1.2 indexed slice at start 4"),
+        ("slice_indexed_uint16", indexed(ix.astype("<u2")), rx, SM, "1.2 uint16 index for K = 16"),
+        ("slice_indexed_shape", indexed(ix[:, :, :2], n=3), rx, SS, "1.2 index of 2 positions for 3 codes"),
+        ("slice_indexed_beyond_end", indexed(beyond), rx, SI, "1.2 index 16 of 16 codes"),
+        ("slice_indexed_not_increasing", indexed(swapped), rx, SM, "1.2 index row 4, 3, 7"),
+        ("slice_indexed_repeated", indexed(repeated), rx, SM, "1.2 index row 2, 2, 15"),
         ("codes_current_version", v["act_vq_rounds"], _receiver(version=6), "apply",
          "ACT codes at the receiver's version: decoded"),
         ("codes_old_version", v["act_vq_rounds"], rx, "codebook_version_mismatch",

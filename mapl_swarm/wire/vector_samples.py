@@ -66,6 +66,9 @@ def _stage_hello(mtype: MessageType) -> Message:
 VQ_LAYOUT = (2, 2, 16, 2)
 """(R, r/G, K, G) of the VQ samples: 2 rounds, r = 4 in 2 groups of 2, 16 codes."""
 
+SAMPLE_INDEX = np.array([[[1, 5, 9], [0, 2, 15]], [[3, 4, 7], [8, 11, 12]]], dtype="u1")
+"""(R, r/G, n=3) positions of an indexed slice's codes (1.2): rows strictly increasing, < K."""
+
 
 def sample_codebook(start: int, n: int, salt: int, rounds: int = 2, groups: int = 2,
                     group_size: int = 2) -> np.ndarray:
@@ -103,6 +106,11 @@ def _vq_samples(b: int, t: int) -> dict[str, Message]:
     out["grad_vq"] = Message(
         type=MessageType.GRAD, src=2, dst=1, cver=9,
         tensors={"codes": WireTensor("uint8", _codes(b, t, 2))}, **common)
+    out["codebook_slice_indexed"] = Message(  # protocol 1.2: each codebook its own 3 codes
+        type=MessageType.CODEBOOK_SLICE, src=0, dst=1, cver=6, meta={"stream": "act", "start": 0},
+        tensors={"codes": WireTensor("fp32", sample_codebook(0, 3, 13)),
+                 "index": WireTensor("uint8", SAMPLE_INDEX)},
+        **{**common, "version": (1, 2)})
     out["resync_retransmit"] = Message(  # protocol 1.2
         type=MessageType.RESYNC, run_id=RUN_ID, src=1, dst=0, step=12, micro=3, seq=43, version=(1, 2),
         meta={"stream": "act", "have": 5, "reason": "codebook_version_mismatch", "retransmit": True,

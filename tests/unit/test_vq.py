@@ -178,6 +178,7 @@ def test_vq_config_is_validated():
     with pytest.raises(ConfigError, match="divisible"):
         CompressionConfig(codec="mapl_vq", rank=9)
     for bad in (dict(vq_slice_fraction=0.0), dict(vq_sync="sometimes"), dict(vq_codebook_size=1),
+                dict(vq_slice_order="random"),
                 dict(vq_ema_decay=1.0), dict(vq_rounds=0)):
         with pytest.raises(ConfigError):
             CompressionConfig(codec="mapl_vq", **bad)
@@ -236,3 +237,76 @@ def test_fused_compiled_search_matches_eager():
     chosen = d.gather(-1, fused.T.unsqueeze(-1)).squeeze(-1)
     assert torch.allclose(chosen, best, atol=1e-5)  # nearest up to float ties
     assert (fused != eager).float().mean() < 1e-3
+
+
+def test_priority_slices_send_the_most_drifted_codes_and_stay_bit_identical():
+    s = _settings(vq_slice_order="priority", vq_slice_fraction=0.125)  # 4 of 32 codes per slice
+    tx, rx = _pair(s)
+    gen = torch.Generator().manual_seed(6)
+    centers = 3 * torch.randn(10, 8, generator=gen)
+    tx.encode(_mixture(gen, 256, centers), learn=True)
+    for sl in tx.take_slices():
+        assert sl.full and sl.index is None and rx.apply(sl) == "apply"
+    # a known drift: one code per codebook moves, weighted by its share
+    R, NG, K, G = s.layout.shape
+    moved = torch.randint(0, K, (R, NG), generator=gen)
+    tx.learner.share.fill_(1.0 / K)
+    tx.learner.live.copy_(tx.mirror)
+    tx.learner.live[torch.arange(R)[:, None], torch.arange(NG), moved] += 5.0
+    tx._emit_priority(s.slice_codes)
+    (sl,) = tx.take_slices()
+    assert sl.index.dtype == torch.uint8 and sl.index.shape == (R, NG, 4) and sl.start == 0 and not sl.full
+    assert bool((sl.index == moved[..., None]).any(-1).all())  # every moved code is in its codebook's slice
+    assert bool((sl.index.long().diff(dim=-1) > 0).all())
+    assert sl.nbytes == s.slice_bytes(4, indexed=True) == R * NG * 4 * (4 * G + 1)
+    back = CodebookSlice.from_message(decode(encode(sl.to_message(run_id="r", src=0, dst=1))))
+    assert torch.equal(back.index, sl.index) and rx.apply(back) == "apply" and rx.digest() == tx.digest()
+    for _ in range(40):  # training: the receiver stays bit-identical to the mirror after every slice
+        codes = tx.encode(_mixture(gen, 64, centers), learn=True)
+        for sl in tx.take_slices():
+            assert sl.index is not None and rx.apply(sl) == "apply"
+            assert rx.digest() == tx.digest()
+        assert torch.equal(rx.decode(codes, tx.version), decode_codes(codes, tx.mirror))
+    assert s.slice_bytes_per_micro == s.slice_bytes(4, indexed=True)
+
+
+def test_bad_indexed_slices_are_rejected_by_name():
+    s = _settings(vq_slice_order="priority")
+    tx, rx = _pair(s)
+    gen = torch.Generator().manual_seed(7)
+    tx.encode(torch.randn(1, 64, 8, generator=gen), learn=True)
+    for sl in tx.take_slices():
+        rx.apply(sl)
+    good, v = rx.digest(), rx.version
+    R, NG, K, G = s.layout.shape
+    codes = torch.randn(R, NG, 3, G, generator=gen)
+    ok = torch.tensor([1, 5, 9], dtype=torch.uint8).expand(R, NG, 3).contiguous()
+    swapped = ok.clone()
+    swapped[1, 2] = torch.tensor([5, 1, 9])
+    beyond = ok.clone()
+    beyond[0, 3, 2] = K
+    bad = [
+        (CodebookSlice("act", v + 1, 0, False, codes, index=swapped), SliceMalformed),
+        (CodebookSlice("act", v + 1, 4, False, codes, index=ok), SliceMalformed),  # start must be 0
+        (CodebookSlice("act", v + 1, 0, False, codes, index=ok.to(torch.uint16)), SliceMalformed),
+        (CodebookSlice("act", v + 1, 0, False, codes, index=ok[:, :, :2]), SliceShapeMismatch),
+        (CodebookSlice("act", v + 1, 0, False, codes, index=beyond), SliceIndexOutOfRange),
+    ]
+    for sl, err in bad:
+        with pytest.raises(err):
+            rx.apply(sl)
+        assert rx.digest() == good and rx.version == v
+    assert rx.apply(CodebookSlice("act", v + 1, 0, False, codes, index=ok)) == "apply"
+    assert torch.equal(rx.codebooks[:, :, [1, 5, 9]], codes)
+
+
+def test_uint16_indices_above_256_codes_round_trip_the_wire():
+    s = _settings(vq_slice_order="priority", vq_codebook_size=512, vq_slice_fraction=0.01, vq_kmeans_iters=2)
+    tx, rx = _pair(s)
+    gen = torch.Generator().manual_seed(8)
+    for _ in range(3):
+        codes = tx.encode(torch.randn(1, 600, 8, generator=gen), learn=True)
+        for sl in tx.take_slices():
+            back = CodebookSlice.from_message(decode(encode(sl.to_message(run_id="r", src=0, dst=1))))
+            assert rx.apply(back) == "apply"
+    assert sl.index.dtype == torch.uint16 and codes.dtype == torch.uint16 and rx.digest() == tx.digest()

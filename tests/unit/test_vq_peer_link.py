@@ -1,6 +1,7 @@
 """A peer's codebook link: rejected slices are counted (never fatal), gaps and reconnects ask for RESYNC."""
 
 import asyncio
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -10,9 +11,10 @@ from mapl_swarm.compress.codebook_sync import CodebookSlice, VQSender, stream_ge
 from mapl_swarm.compress.vq import VQSettings, decode_codes
 from mapl_swarm.compress.vq_stage import StageVQ
 from mapl_swarm.config import CompressionConfig
+from mapl_swarm.errors import MaplError
 from mapl_swarm.peer.vq_link import CodebookLink, Retransmitting
 from mapl_swarm.wire import Message, MessageType, decode, encode
-from mapl_swarm.wire.codebook import RETRANSMIT_CAPABILITY, CodebookVersionMismatch
+from mapl_swarm.wire.codebook import INDEXED_SLICES_CAPABILITY, RETRANSMIT_CAPABILITY, CodebookVersionMismatch
 
 S = VQSettings.from_config(CompressionConfig(codec="mapl_vq", rank=8, vq_codebook_size=16,
                                              vq_slice_fraction=0.25, vq_kmeans_iters=2))
@@ -176,3 +178,15 @@ def _wire_slice(kw: dict):
     msg = Message(type=MessageType.CODEBOOK_SLICE, run_id="r", src=1, dst=2, cver=kw["cver"], meta=kw["meta"],
                   tensors={"codes": kw["tensors"]["codes"].numpy()})
     return CodebookSlice.from_message(decode(encode(msg)))
+
+
+def test_priority_slices_need_a_receiver_that_accepts_indexed_slices():
+    peer = StubPeer()
+    link = CodebookLink(peer)
+    link.check_neighbour(2)  # round-robin slices: any vq_stream receiver
+    s = dataclasses.replace(S, slice_order="priority")
+    peer.rt.vq = StageVQ(s, 1, has_inbound=True, has_outbound=True, seed=0)
+    with pytest.raises(MaplError, match="vq_indexed_slices"):
+        link.check_neighbour(2)
+    peer.neighbour_caps[2] = {"vq_stream", INDEXED_SLICES_CAPABILITY}
+    link.check_neighbour(2)
