@@ -110,20 +110,23 @@ def main() -> None:
     ap.add_argument("--no-update", action="store_true", help="do not rewrite BENCHMARKS.md")
     ap.add_argument("--merge", action="store_true",
                     help="add these codecs' rows to bench/results/quality.json instead of replacing it")
+    ap.add_argument("--render-only", action="store_true",
+                    help="run nothing: rewrite quality.md and BENCHMARKS.md from bench/results/quality.json")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     command = ("python bench/quality.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-        if k not in ("quiet", "no_update", "merge") and v != ap.get_default(k))
+        if k not in ("quiet", "no_update", "merge", "render_only") and v != ap.get_default(k))
         + (" --merge" if args.merge else "")).strip()
-    data = prepare_data(config_from_dict({}).data, progress=not args.quiet)
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
     previous = {}
-    if args.merge and (out / "quality.json").exists():  # keep other codecs' rows of the same setup
+    if (args.merge or args.render_only) and (out / "quality.json").exists():  # keep other rows of the setup
         previous = {r["codec"]: r for r in json.loads((out / "quality.json").read_text())}
-    for c in args.codecs.split(","):
-        previous[c] = run_one(c, args, data, command)
+    if not args.render_only:
+        data = prepare_data(config_from_dict({}).data, progress=not args.quiet)
+        for c in args.codecs.split(","):
+            previous[c] = run_one(c, args, data, command)
     order = ["none", "mapl", "fixed", "naive", "ssn", "mapl_vq"]
     results = sorted(previous.values(), key=lambda r: (order.index(r["codec"].split(":")[0])
                                                        if r["codec"].split(":")[0] in order else 99, r["codec"]))

@@ -5,8 +5,7 @@ one event loop with an in-memory directory instead of the DHT, so the test can l
 link: stage 0 drops the ``act`` CODEBOOK_SLICE of step 1 micro-batch 1 and stage 1 the ``grad``
 slice of step 2 micro-batch 0. Without retransmission the receivers could not decode the next
 codes and the run would stop; with it every micro-batch of every step trains, the codebooks end
-bit-identical, and the steps before the loss equal the single-process run exactly. The slices
-are indexed (``vq_slice_order = "priority"``, SPEC 1.2), so they cross the real wire too.
+bit-identical, and the steps before the loss equal the single-process run exactly.
 """
 
 import asyncio
@@ -65,8 +64,7 @@ def test_lost_slices_are_healed_by_resync_and_retransmission(tmp_path):
     path = write_config(tmp_path / "vq.toml", codec="mapl_vq", stages=2, steps=STEPS, cache=tmp_path / "cache",
                         out=tmp_path / "swarm", run_id="retransmit", timeout=60)
     path.write_text(path.read_text().replace(
-        "anchor_rank = 16\n",
-        'anchor_rank = 16\nvq_codebook_size = 32\nvq_slice_fraction = 0.25\nvq_slice_order = "priority"\n'))
+        "anchor_rank = 16\n", "anchor_rank = 16\nvq_codebook_size = 32\nvq_slice_fraction = 0.25\n"))
     cfg = load_config(path, {"run": {"threads": 1}})
     directory = Directory()
     peers = [build_peer(cfg, s, resolve=directory.resolve, announce=directory.announcer(s), progress=False)

@@ -40,7 +40,8 @@ def test_four_peer_vq_swarm_matches_single_process(tmp_path):
     exp = config_boundary_bytes(cfg)
     assert exp.forward_act_bytes == exp.backward_bytes == 16  # R x r/G = 2 x 8 one-byte codes per token
     s = 4 * 2 * 16  # fp32 bytes per code index over all codebooks: 4 x R x r/G x G
-    slices = (32 + (micro - 1) * 8) * s / summary.tokens  # k-means init slice is full, then 8 of 32
+    ix = 2 * 8  # an indexed (priority) slice adds one uint8 index per code and codebook: R x r/G
+    slices = (32 * s + (micro - 1) * 8 * (s + ix)) / summary.tokens  # k-means init slice is full, then 8 of 32
     for link in summary.links:  # measured payload bytes/token by kind equal the accounting exactly
         kinds = link["payload_by_kind"]
         assert kinds["fwd_act"] == pytest.approx(exp.forward_act_bytes, rel=1e-9)

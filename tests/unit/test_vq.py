@@ -184,8 +184,10 @@ def test_vq_config_is_validated():
             CompressionConfig(codec="mapl_vq", **bad)
 
 
-def test_pipeline_codes_and_bytes_match_accounting(make_config):
-    cfg = make_config(compression={"codec": "mapl_vq", "vq_codebook_size": 32, "vq_slice_fraction": 0.25})
+@pytest.mark.parametrize("order", ["priority", "round_robin"])
+def test_pipeline_codes_and_bytes_match_accounting(make_config, order):
+    cfg = make_config(compression={"codec": "mapl_vq", "vq_codebook_size": 32, "vq_slice_fraction": 0.25,
+                                   "vq_slice_order": order})
     pipe = InProcessPipeline(cfg)
     gen = torch.Generator().manual_seed(0)
     n_micro = 3
@@ -195,8 +197,9 @@ def test_pipeline_codes_and_bytes_match_accounting(make_config):
     assert exp.forward_act_bytes == exp.backward_bytes == 2 * 8 == s.code_bytes_per_token  # r=16: 16 B/token
     assert exp == dataclasses.replace(boundary_bytes("mapl_vq", 64, 16, "bf16", 256, 16, vq=s,
                                                      tokens_per_micro=32))
-    assert exp.codebook_bytes == s.slice_bytes(8) / 32  # 8 codes of 32 per 32-token micro-batch
-    slice_bytes = s.slice_bytes(32) + (n_micro - 1) * s.slice_bytes(8)  # k-means init slice is full
+    partial = s.slice_bytes(8, indexed=order == "priority")  # 8 codes of 32, + 1-byte index if priority
+    assert exp.codebook_bytes == partial / 32  # per token of a 32-token micro-batch
+    slice_bytes = s.slice_bytes(32) + (n_micro - 1) * partial  # the k-means init slice is full
     for b, link in enumerate(pipe.links):
         assert link.bytes["act"] == exp.forward_act_bytes * tokens
         assert link.bytes["ids"] == exp.forward_ids_bytes * tokens
