@@ -148,7 +148,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     rep = run_sweep(grid, args.out, progress=not args.quiet, only=args.only, command=command,
                     report_only=args.report_only)
     print(f"sweep {grid.name}: {len(rep.ran)} run, {len(rep.skipped_done)} already finished, "
-          f"{len(rep.skipped_unavailable)} skipped (codec not available), {len(rep.failed)} failed")
+          f"{len(rep.failed)} failed")
     for f in rep.failed:
         print(f"failed: {f}")
     print(f"summary: {rep.summary_path}")

@@ -21,9 +21,8 @@ A grid file (see ``bench/grids/``)::
     seeds = [0, 1]                     # default: [base run.seed]
 
 Runs that several groups produce are run once. The anchor only matters for codecs with a token
-anchor and the rank not at all for ``none``, so those runs collapse to one. Unknown keys are errors
-naming the key and the file; a codec this build does not know (e.g. ``mapl_vq`` before it exists)
-is kept in the spec list with ``available = False`` and skipped by the sweep with a message.
+anchor and the rank not at all for ``none``, so those runs collapse to one. Unknown keys and codecs
+are errors naming the key and the file.
 """
 
 from __future__ import annotations
@@ -43,8 +42,6 @@ __all__ = ["Grid", "GridGroup", "RunSpec", "load_grid", "grid_from_dict", "ANCHO
 
 ANCHORED_CODECS = ("mapl", "fixed", "naive", "mapl_vq")
 """Codecs whose later stages use ``compression.anchor`` (none and ssn ignore it)."""
-PLANNED_CODECS = ("mapl_vq",)
-"""Codecs a grid may name before this build implements them (their runs are skipped)."""
 
 _TOP_KEYS = {"name", "description", "tokens_per_run", "out_dir", "base", "group"}
 _GROUP_KEYS = {"name", "codecs", "ranks", "stages", "anchors", "seeds"}
@@ -63,8 +60,6 @@ class RunSpec:
     """Names of the grid groups that asked for this run."""
     raw: dict[str, Any] = field(compare=False, repr=False)
     """Nested config dict (base + this run's values), not yet validated."""
-    available: bool = True
-    """False when this build does not know the codec; the sweep skips the run."""
 
     @property
     def run_id(self) -> str:
@@ -156,7 +151,7 @@ class Grid:
         tokens_per_step = base_cfg.tokens_per_step
         run["steps"] = self.tokens_per_run // tokens_per_step
         return RunSpec(codec=codec, rank=rank, stages=stages, anchor=anchor, seed=seed, groups=(group,),
-                       raw=raw, available=codec in config_mod.CODECS)
+                       raw=raw)
 
 
 def _typed_list(value: Any, kind: type, key: str, where: str) -> tuple:
@@ -210,9 +205,8 @@ def grid_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Grid:
         c, r = base_cfg.compression, base_cfg.run
         codecs = _typed_list(g["codecs"], str, "codecs", where)
         for codec in codecs:
-            if codec not in config_mod.CODECS and codec not in PLANNED_CODECS:
-                raise ConfigError(f"{where}: codecs entry {codec!r} is not one of "
-                                  f"{tuple(config_mod.CODECS) + PLANNED_CODECS}")
+            if codec not in config_mod.CODECS:
+                raise ConfigError(f"{where}: codecs entry {codec!r} is not one of {config_mod.CODECS}")
         anchors = _typed_list(g.get("anchors", [c.anchor]), str, "anchors", where)
         for a in anchors:
             if a not in config_mod.ANCHORS:
@@ -227,9 +221,8 @@ def grid_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Grid:
         ))
     grid = Grid(name=name, description=desc, tokens_per_run=tokens, out_dir=out_dir, base=base,
                 groups=tuple(groups), source=source)
-    for spec in grid.expand():  # every run must form a valid config (codecs this build knows)
-        if spec.available:
-            spec.config("/tmp/x")
+    for spec in grid.expand():  # every run must form a valid config
+        spec.config("/tmp/x")
     return grid
 
 

@@ -38,7 +38,6 @@ class SweepReport:
 
     ran: list[str] = field(default_factory=list)
     skipped_done: list[str] = field(default_factory=list)
-    skipped_unavailable: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     """Runs that raised; their JSON is not written, so the next invocation retries them."""
     summary_path: Path | None = None
@@ -145,10 +144,6 @@ def run_sweep(grid: Grid, out: str | Path | None = None, *, progress: bool = Tru
     specs = [s for s in grid.expand() if only is None or only in s.run_id]
     data = None
     for i, spec in enumerate(specs):
-        if not spec.available:
-            report.skipped_unavailable.append(spec.run_id)
-            log.warning("skipping %s: codec %r is not available in this build", spec.run_id, spec.codec)
-            continue
         path = out / "runs" / f"{spec.run_id}.json"
         want = config_hash(spec.config(out / "train" / spec.run_id))
         if path.exists():
@@ -178,7 +173,6 @@ def run_sweep(grid: Grid, out: str | Path | None = None, *, progress: bool = Tru
         report.ran.append(spec.run_id)
         log.info("[%d/%d] %s: val loss %.4f, %.1f act B/token, %.0f s", i + 1, len(specs), spec.run_id,
                  result["val_loss"], result["act_bytes_per_token"], result["wall_s"])
-    skipped = [f"{rid} (codec not available in this build)" for rid in report.skipped_unavailable]
-    skipped += [f"{r} — FAILED" for r in report.failed]
+    skipped = [f"{r} — FAILED" for r in report.failed]
     report.summary_path, report.plots = write_report(grid, out, skipped=skipped, command=command)
     return report
