@@ -151,6 +151,14 @@ class SliceIndex:
     increasing: bool
     """Every row ``index[k, g, :]`` strictly increasing."""
 
+    @classmethod
+    def of(cls, dtype: str, shape: tuple[int, ...], values: list[int]) -> "SliceIndex":
+        """Summary of an ``index`` tensor of wire ``dtype`` and ``shape`` from its row-major values."""
+        n = shape[-1] if shape else 1
+        rows = [values[i:i + n] for i in range(0, len(values), n)] if n else []
+        increasing = all(a < b for row in rows for a, b in zip(row, row[1:]))
+        return cls(dtype=dtype, shape=tuple(shape), max_index=max(values, default=0), increasing=increasing)
+
 
 def check_slice(*, stream: str, version: int, start: int, full: bool, shape: tuple[int, ...],
                 finite: bool | None, expect_stream: str, layout: CodebookLayout, have: int,

@@ -94,16 +94,8 @@ class CodebookSlice:
 
         f = slice_fields(msg)
         codes = torch.from_numpy(np.array(f.codes, dtype=np.float32))  # own, writable copy
-        index = None if f.index is None else torch.from_numpy(np.array(f.index, dtype=f.index.dtype.newbyteorder("=")))
+        index = None if f.index is None else torch.from_numpy(f.index.astype(f.index.dtype.newbyteorder("=")))
         return cls(stream=f.stream, version=f.version, start=f.start, full=f.full, codes=codes, index=index)
-
-
-def _index_info(index: torch.Tensor) -> SliceIndex:
-    """The rules' summary of an indexed slice's ``index`` tensor."""
-    i = index.long()
-    increasing = i.ndim == 0 or i.shape[-1] < 2 or bool((i.diff(dim=-1) > 0).all())
-    return SliceIndex(dtype=_CODE_TAGS.get(index.dtype, str(index.dtype)), shape=tuple(index.shape),
-                      max_index=int(i.max()) if i.numel() else 0, increasing=increasing)
 
 
 def _digest(codebooks: torch.Tensor, version: int) -> str:
@@ -267,7 +259,9 @@ class VQReceiver:
             outcome = check_slice(stream=sl.stream, version=sl.version, start=sl.start, full=sl.full,
                                   shape=tuple(codes.shape), finite=finite, expect_stream=self.stream,
                                   layout=self.s.layout, have=self.version, awaiting_resync=self.awaiting_resync,
-                                  index=None if sl.index is None else _index_info(sl.index))
+                                  index=None if sl.index is None else SliceIndex.of(
+                                      _CODE_TAGS.get(sl.index.dtype, str(sl.index.dtype)), tuple(sl.index.shape),
+                                      sl.index.long().flatten().tolist()))
         except CodebookError as exc:
             self._reject(exc)
             raise

@@ -90,9 +90,14 @@ class VQSettings:
         return _TORCH_CODE_DTYPES[code_dtype(self.codebook_size)]
 
     @property
+    def code_bytes(self) -> int:
+        """Bytes of one code (and of one index of an indexed slice): 1 for K <= 256, else 2."""
+        return 1 if self.codebook_size <= 256 else 2
+
+    @property
     def code_bytes_per_token(self) -> int:
         """Bytes of codes per token: R x r/G x (1 or 2)."""
-        return self.rounds * self.groups * (1 if self.codebook_size <= 256 else 2)
+        return self.rounds * self.groups * self.code_bytes
 
     @property
     def slice_codes(self) -> int:
@@ -102,7 +107,7 @@ class VQSettings:
     def slice_bytes(self, n: int, *, indexed: bool = False) -> int:
         """Bytes of a slice of ``n`` codes of every codebook: fp32 codes, 4 x R x r/G x n x G, plus
         for an indexed slice its index, R x r/G x n x (1 or 2)."""
-        per_code = 4 * self.group_size + (self.code_bytes_per_token // (self.rounds * self.groups) if indexed else 0)
+        per_code = 4 * self.group_size + (self.code_bytes if indexed else 0)
         return self.rounds * self.groups * n * per_code
 
     @property

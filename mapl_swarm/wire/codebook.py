@@ -56,7 +56,6 @@ __all__ = [
     "RETRANSMIT_CAPABILITY",
     "INDEXED_SLICES_CAPABILITY",
     "SliceIndex",
-    "index_info",
     "code_dtype",
     "slice_fields",
     "check_slice",
@@ -107,14 +106,6 @@ def slice_fields(msg: Message) -> SliceFields:
                        index_dtype=None if index is None else index.dtype)
 
 
-def index_info(index: np.ndarray, dtype: str) -> SliceIndex:
-    """The :class:`SliceIndex` summary of an ``index`` array (R, r/G, n) of wire dtype ``dtype``."""
-    a = np.asarray(index).astype(np.int64)
-    increasing = a.ndim == 0 or a.shape[-1] < 2 or bool((np.diff(a, axis=-1) > 0).all())
-    return SliceIndex(dtype=dtype, shape=tuple(a.shape), max_index=int(a.max()) if a.size else 0,
-                      increasing=increasing)
-
-
 def receiver_outcome(msg: Message, *, stream: str, layout: CodebookLayout, have: int,
                      awaiting_resync: bool = False) -> str:
     """What a ``stream`` receiver at version ``have`` does with a decoded message: a
@@ -124,7 +115,7 @@ def receiver_outcome(msg: Message, *, stream: str, layout: CodebookLayout, have:
         f = slice_fields(msg)
         shape = f.codes.shape
         finite = bool(np.isfinite(f.codes).all())
-        index = None if f.index is None else index_info(f.index, f.index_dtype)
+        index = None if f.index is None else SliceIndex.of(f.index_dtype, f.index.shape, f.index.ravel().tolist())
         return check_slice(stream=f.stream, version=f.version, start=f.start, full=f.full, shape=shape,
                            finite=finite, expect_stream=stream, layout=layout, have=have,
                            awaiting_resync=awaiting_resync, index=index)

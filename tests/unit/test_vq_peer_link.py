@@ -183,9 +183,12 @@ def _wire_slice(kw: dict):
 def test_priority_slices_need_a_receiver_that_accepts_indexed_slices():
     peer = StubPeer()
     link = CodebookLink(peer)
-    link.check_neighbour(2)  # round-robin slices: any vq_stream receiver
-    s = dataclasses.replace(S, slice_order="priority")
-    peer.rt.vq = StageVQ(s, 1, has_inbound=True, has_outbound=True, seed=0)
+    def stage(order: str) -> StageVQ:
+        return StageVQ(dataclasses.replace(S, slice_order=order), 1, has_inbound=True, has_outbound=True, seed=0)
+
+    peer.rt.vq = stage("round_robin")
+    link.check_neighbour(2)  # contiguous slices: any vq_stream receiver
+    peer.rt.vq = stage("priority")
     with pytest.raises(MaplError, match="vq_indexed_slices"):
         link.check_neighbour(2)
     peer.neighbour_caps[2] = {"vq_stream", INDEXED_SLICES_CAPABILITY}
