@@ -24,7 +24,8 @@ def test_short_mapl_vq_training_lowers_val_loss(tmp_path):
     exp = config_boundary_bytes(cfg)
     assert exp.forward_act_bytes == exp.backward_bytes == 16
     micro = 20 * 2
-    slices = 4 * 2 * 16 * (64 + (micro - 1) * 16)  # one full (k-means init), then 16 of 64 codes
+    # one full slice (k-means init), then 16 of 64 codes per micro-batch with their uint8 index
+    slices = 4 * 2 * 16 * 64 + (micro - 1) * 16 * (4 * 2 * 16 + 2 * 8)
     extra = (64 * 16 * 4 * 20 + slices) / summary.tokens
     for bpt in summary.bytes_per_token:
         assert abs(bpt["forward"] - (16 + exp.forward_ids_bytes + extra)) < 1e-6
