@@ -134,9 +134,9 @@ class CompressionConfig:
     codebooks. G=2, R=2, K=256 sends rank bytes per token (bf16 MAPL: 2 x rank)."""
     vq_slice_fraction: float = 0.0625
     """mapl_vq, stream sync: fraction of each codebook's codes sent per training micro-batch (a
-    CODEBOOK_SLICE of ceil(fraction x K) codes, round-robin). Slice bytes per micro-batch are
-    4 x R x rank x ceil(fraction x K), i.e. 8 x fraction x K / tokens of the codes' bytes at G=2:
-    1.6 % at K=256 and 8k-token micro-batches."""
+    CODEBOOK_SLICE of n = ceil(fraction x K) codes of every codebook, chosen by vq_slice_order).
+    At G=2 and K <= 256 its bytes are 9 x n / tokens of the codes' bytes per micro-batch with
+    priority slices (8 x n / tokens round-robin): 1.8 % at n=16 and 8k-token micro-batches."""
     vq_slice_order: str = "priority"
     """mapl_vq, stream sync: which codes a slice carries: priority (per codebook the codes with the
     largest usage share x squared drift since the receiver's copy, as an indexed slice: +1 byte per
