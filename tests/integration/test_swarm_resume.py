@@ -27,6 +27,22 @@ def _wait_complete_checkpoint(out, stages, deadline_s):
     raise AssertionError("no complete checkpoint appeared")
 
 
+def _pids(*pgrep_args: str) -> list[int]:
+    return [int(p) for p in subprocess.run(["pgrep", *pgrep_args], capture_output=True, text=True).stdout.split()]
+
+
+def _crash_host(pattern: str) -> None:
+    """SIGKILL a peer the way a host crash does: the peer, its forked DHT child (same command line)
+    and the DHT's p2pd daemon, so nothing of it outlives the test."""
+    peer = _pids("-f", pattern)
+    assert peer, f"no process matches {pattern!r}"
+    for pid in {*peer, *(c for p in peer for c in _pids("-P", str(p)))}:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def test_killed_peer_then_resume_continues_exactly(tmp_path):
     path = write_config(tmp_path / "r.toml", stages=3, steps=6, cache=tmp_path / "cache", out=tmp_path / "run",
                         run_id="resume")
@@ -34,9 +50,7 @@ def test_killed_peer_then_resume_continues_exactly(tmp_path):
     path.write_text(text.replace("val_interval_steps = 6", "val_interval_steps = 6\ncheckpoint_interval_steps = 2"))
     swarm = Watched(cli("launch", "--config", str(path), "--quiet"))
     step = _wait_complete_checkpoint(tmp_path / "run", 3, 300)
-    victim = subprocess.run(["pgrep", "-f", f"peer --config {path} --stage 2"], capture_output=True, text=True)
-    pid = int(victim.stdout.split()[0])
-    os.kill(pid, signal.SIGKILL)  # a crashed host
+    _crash_host(f"peer --config {path} --stage 2")
     assert swarm.wait(120) == 2, swarm.output
     assert "stage 2 peer exited" in swarm.output
     done = checkpoint.latest_complete_step(tmp_path / "run", 3)
