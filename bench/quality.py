@@ -30,8 +30,11 @@ def run_one(label: str, args: argparse.Namespace, data, command: str) -> dict:
     codec, _, variant = label.partition(":")
     compression = {"codec": codec, "rank": args.rank, "anchor_rank": args.rank,
                    "ssn_refresh_interval_steps": args.ssn_refresh}
-    for part in filter(None, variant.split("+")):  # MAPL+VQ variants, e.g. mapl_vq:priority+slice=0.25
-        if part == "full":  # ablation: whole codebooks every micro-batch instead of slices
+    seed = args.seed
+    for part in filter(None, variant.split("+")):  # variants, e.g. mapl_vq:priority+slice=0.25, mapl:seed=1
+        if part.startswith("seed="):  # another seed (model init and data order) than --seed
+            seed = int(part.removeprefix("seed="))
+        elif part == "full":  # ablation: whole codebooks every micro-batch instead of slices
             compression["vq_sync"] = "full"
         elif part in ("priority", "round_robin"):
             compression["vq_slice_order"] = part
@@ -39,13 +42,13 @@ def run_one(label: str, args: argparse.Namespace, data, command: str) -> dict:
             compression["vq_slice_fraction"] = float(part.removeprefix("slice="))
         else:
             raise SystemExit(f"unknown codec variant {label!r} (known parts, joined by '+': full, priority, "
-                             "round_robin, slice=FRACTION)")
+                             "round_robin, slice=FRACTION, seed=N)")
     cfg = config_from_dict({
         "preset": "tiny",
         "compression": compression,
         "optim": {"warmup_steps": max(1, args.steps // 20)},
         "run": {"num_stages": args.stages, "micro_batch_size": args.micro_batch_size,
-                "num_micro_batches": args.micro_batches, "steps": args.steps, "seed": args.seed,
+                "num_micro_batches": args.micro_batches, "steps": args.steps, "seed": seed,
                 "val_interval_steps": max(1, args.steps // 4), "val_batches": 8,
                 "out_dir": str(ROOT / "runs" / "bench-quality" / label.replace(":", "-")),
                 "threads": args.threads},
@@ -63,12 +66,16 @@ def run_one(label: str, args: argparse.Namespace, data, command: str) -> dict:
         "wall_s": wall,
         "command": command,
         "manifest": run_manifest(config_to_dict(cfg), corpus_fingerprint=data.meta["corpus_fingerprint"],
-                                 tokenizer_hash=data.tokenizer.file_hash, seed=args.seed),
+                                 tokenizer_hash=data.tokenizer.file_hash, seed=seed),
     }
 
 
+def _seed(r: dict) -> int:
+    return int(r["manifest"]["seed"])
+
+
 def to_markdown(results: list[dict], args: argparse.Namespace) -> str:
-    base = next((r["val_loss"] for r in results if r["codec"] == "none"), None)
+    base = {_seed(r): r["val_loss"] for r in results if r["codec"].split(":")[0] == "none"}  # per seed
     none_bytes = next((r["bytes_per_token"]["total"] for r in results if r["codec"] == "none"), None)
     m = results[0]["manifest"]
     commands = list(dict.fromkeys(r["command"] for r in results))
@@ -79,7 +86,8 @@ def to_markdown(results: list[dict], args: argparse.Namespace) -> str:
         f"{args.threads or 'default'} threads; date {time.strftime('%Y-%m-%d')}  ",
         f"Setup: tiny preset (d=256, 8 layers), P={args.stages}, rank {args.rank} "
         f"({256 // args.rank}x vs bf16 `none`), {args.steps} steps x {args.micro_batches} micro-batches x "
-        f"{args.micro_batch_size} x 256 tokens = {results[0]['tokens']:,} tokens per run, seed {args.seed}, "
+        f"{args.micro_batch_size} x 256 tokens = {results[0]['tokens']:,} tokens per run, seed {args.seed} "
+        f"(`:seed=N` rows: seed N, Δ% against `none` of the same seed), "
         f"corpus {m['corpus_fingerprint'][:16]} (stdlib), tokenizer {m['tokenizer_hash'][:12]}; "
         f"ssn U refresh every {args.ssn_refresh or 'never (frozen, node0)'} steps.",
         "",
@@ -87,7 +95,8 @@ def to_markdown(results: list[dict], args: argparse.Namespace) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        delta = f"{100 * (r['val_loss'] - base) / base:+.2f}%" if base else "-"
+        b = base.get(_seed(r))
+        delta = f"{100 * (r['val_loss'] - b) / b:+.2f}%" if b else "-"
         total = r["bytes_per_token"].get("total", 0.0)
         ratio = f"{none_bytes / total:.2f}x" if none_bytes and total else "-"
         lines.append(f"| {r['codec']} | {r['val_loss']:.4f} | {delta} | {total:.1f} | {ratio} | {r['wall_s']:.0f} "
