@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -41,6 +42,12 @@ run_id = "{run_id}"
 [net]
 timeout_s = {timeout}
 """
+
+
+def train_losses(out_dir: Path) -> list[float]:
+    """Per-step train losses an in-process run wrote to ``out_dir/metrics.jsonl``."""
+    records = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "loss" in r]
 
 
 def write_config(path: Path, *, codec="mapl", rank=16, stages=4, steps=5, cache: Path, out: Path,

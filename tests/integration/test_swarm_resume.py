@@ -12,7 +12,7 @@ from mapl_swarm.config import load_config
 from mapl_swarm.pipeline import checkpoint
 from mapl_swarm.pipeline.trainer import train
 
-from swarm_helpers import Watched, cli, write_config
+from swarm_helpers import Watched, cli, train_losses, write_config
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -63,7 +63,6 @@ def test_killed_peer_then_resume_continues_exactly(tmp_path):
 
     ref = train(load_config(path, {"run": {"out_dir": str(tmp_path / "ref"), "checkpoint_interval_steps": 0}}),
                 progress=False)
-    ref_losses = [json.loads(l)["loss"] for l in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()
-                  if "loss" in json.loads(l)]
+    ref_losses = train_losses(tmp_path / "ref")
     assert len(ref_losses) == 6 and ref.steps == 6
     assert losses == pytest.approx(ref_losses[done:], rel=1e-3)

@@ -9,7 +9,6 @@ bit-identical, and the steps before the loss equal the single-process run exactl
 """
 
 import asyncio
-import json
 
 import pytest
 
@@ -18,7 +17,7 @@ from mapl_swarm.peer.main import build_peer
 from mapl_swarm.pipeline.trainer import train
 from mapl_swarm.wire import MessageType
 
-from swarm_helpers import write_config
+from swarm_helpers import train_losses, write_config
 
 pytestmark = pytest.mark.timeout(300)
 STEPS = 4
@@ -89,8 +88,7 @@ def test_lost_slices_are_healed_by_resync_and_retransmission(tmp_path):
     assert cb1["digests"]["tx_grad"] == cb0["digests"]["rx_grad"]
 
     ref = train(load_config(path, {"run": {"out_dir": str(tmp_path / "ref"), "threads": 1}}), progress=False)
-    ref_losses = [json.loads(line)["loss"] for line in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()
-                  if "loss" in json.loads(line)]
+    ref_losses = train_losses(tmp_path / "ref")
     assert results[0].train_losses[0] == pytest.approx(ref_losses[0], rel=1e-4)  # before any loss
     # afterwards the healed run trains on codes of slightly different (fresher) codebooks
     assert results[0].train_losses == pytest.approx(ref_losses, rel=0.05)

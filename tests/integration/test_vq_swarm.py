@@ -9,7 +9,7 @@ from mapl_swarm.config import load_config
 from mapl_swarm.peer.launch import launch
 from mapl_swarm.pipeline.trainer import train
 
-from swarm_helpers import write_config
+from swarm_helpers import train_losses, write_config
 
 pytestmark = pytest.mark.timeout(420)  # ~50 s on the 2-core machine
 
@@ -23,8 +23,7 @@ def test_four_peer_vq_swarm_matches_single_process(tmp_path):
     summary = launch(cfg, ["--config", str(path)], progress=False, timeout_s=360)
     ref_cfg = load_config(path, {"run": {"out_dir": str(tmp_path / "ref")}})
     ref = train(ref_cfg, progress=False)
-    ref_losses = [json.loads(l)["loss"] for l in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()
-                  if "loss" in json.loads(l)]
+    ref_losses = train_losses(tmp_path / "ref")
     assert summary.train_losses == pytest.approx(ref_losses, rel=1e-3)
     assert summary.val_history[-1][1] == pytest.approx(ref.final_val_loss, rel=1e-3)
     peers = [json.loads((tmp_path / "swarm" / f"peer_stage{s}.json").read_text()) for s in range(4)]
