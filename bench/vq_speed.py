@@ -62,9 +62,9 @@ def bench_preset(preset: str, compiled: bool, args: argparse.Namespace, device: 
     tokens = batch * seq
     gen = torch.Generator().manual_seed(0)
     stage = StageRuntime(cfg, 1, device)
-    ids = torch.randint(0, cfg.model.vocab_size, (batch, seq + 1), generator=gen).to(stage.id_dtype)
-    act = torch.randn(batch, seq, rank, generator=gen).to(stage.wire_dtype)
-    grad = (1e-3 * torch.randn(batch, seq, rank, generator=gen)).to(stage.wire_dtype)
+    ids = torch.randint(0, cfg.model.vocab_size, (batch, seq + 1), generator=gen).to(stage.codec.id_dtype)
+    act = torch.randn(batch, seq, rank, generator=gen).to(stage.codec.wire_dtype)
+    grad = (1e-3 * torch.randn(batch, seq, rank, generator=gen)).to(stage.codec.wire_dtype)
 
     def stage_step() -> None:
         stage.forward(0, payload={"act": act.to(device), "ids": ids.to(device)}, train=True)

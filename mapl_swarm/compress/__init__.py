@@ -14,10 +14,13 @@ _EXPORTS = {
     "Boundary": "mapl_swarm.compress.boundary",
     "BoundaryBytes": "mapl_swarm.compress.boundary",
     "WIRE_TORCH_DTYPES": "mapl_swarm.compress.boundary",
-    "boundary_bytes": "mapl_swarm.compress.boundary",
-    "config_boundary_bytes": "mapl_swarm.compress.boundary",
+    "BoundaryShape": "mapl_swarm.compress.boundary",
     "id_wire_dtype": "mapl_swarm.compress.boundary",
-    "payload_width": "mapl_swarm.compress.boundary",
+    "StageCodec": "mapl_swarm.compress.codecs",
+    "boundary_bytes": "mapl_swarm.compress.codecs",
+    "build_codec": "mapl_swarm.compress.codecs",
+    "codec_class": "mapl_swarm.compress.codecs",
+    "config_boundary_bytes": "mapl_swarm.compress.codecs",
 }
 
 __all__ = list(_EXPORTS)

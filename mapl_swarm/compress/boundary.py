@@ -1,24 +1,15 @@
-"""Boundary codecs: what one side of a stage boundary does to activations and gradients.
+"""One side of a stage boundary: the projector and the encode/decode around it.
 
-Every codec is one class, :class:`Boundary`, configured by kind and role:
+A :class:`Boundary` is the ``send`` or ``recv`` side of boundary ``index`` (between stage ``index``
+and ``index + 1``). Which projector it holds — none (uncompressed), a frozen or trainable random
+orthonormal A (fixed / mapl / naive / mapl_vq), or SSN's global basis U shared by every boundary —
+is decided by the stage's codec object (:mod:`.codecs`), never here.
 
-=========  =====================================================  ==========================
-codec      forward payload per token                              projector
-=========  =====================================================  ==========================
-none       X (d channels)                                         -
-mapl       (X - anchor_send[ids]) @ A   (r channels)               A in St(d, r), SPEL
-fixed      same                                                   A random orthonormal, frozen
-naive      same                                                   A under plain Muon (no manifold)
-ssn        (X - T_fixed[ids]) @ U       (k channels)               one global U for all boundaries
-mapl_vq    residual VQ codes of mapl's Z (R x r/G bytes)           as mapl (SPEL)
-=========  =====================================================  ==========================
-
-The receiver computes ``X_hat = Z @ A.T + anchor_recv[ids]``; backward sends ``dL/dZ = dL/dX_hat @ A``.
-The sender owns A (boundary b's projector is seeded by (run seed, "projector", b)); the receiver
-holds a copy whose gradient (``dL/dX_hat^T Z``, summed over the step) travels back to the sender
-once per step. Payloads cross the wire in the wire dtype; ids as uint16 (uint32 above 65,536 ids).
-``mapl_vq`` projects exactly like ``mapl``; the quantization of Z and dL/dZ and the codebook
-streams live in :mod:`.vq` and :mod:`.codebook_sync` (driven by the stage runtime).
+The sender computes ``Z = (X - offset_send) @ A``; the receiver ``X_hat = Z @ A.T + offset_recv``;
+backward sends ``dL/dZ = dL/dX_hat @ A``. The sender owns A; the receiver holds a copy whose gradient
+(``dL/dX_hat^T Z``, summed over the step) travels back once per step. Payloads cross the wire in
+the wire dtype; ids as uint16 (uint32 above 65,536 ids). Byte accounting per token:
+:class:`BoundaryBytes`, computed by each codec from a :class:`BoundaryShape`.
 """
 
 from __future__ import annotations
@@ -30,36 +21,18 @@ import torch
 from torch import nn
 
 from mapl_swarm.compress.ops import project, reconstruct
-from mapl_swarm.compress.vq import VQSettings
-from mapl_swarm.optim.spel import random_stiefel
-from mapl_swarm.rng import generator
 
 if TYPE_CHECKING:
-    from mapl_swarm.config import TrainConfig
+    from mapl_swarm.compress.vq import VQSettings
 
-__all__ = [
-    "Boundary",
-    "BoundaryBytes",
-    "WIRE_TORCH_DTYPES",
-    "boundary_bytes",
-    "config_boundary_bytes",
-    "id_wire_dtype",
-    "payload_width",
-]
+__all__ = ["Boundary", "BoundaryBytes", "BoundaryShape", "WIRE_TORCH_DTYPES", "id_wire_dtype"]
 
 WIRE_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-PROJECTED_CODECS = ("mapl", "fixed", "naive", "ssn", "mapl_vq")
-TRAINABLE_PROJECTOR_CODECS = ("mapl", "naive", "mapl_vq")
 
 
 def id_wire_dtype(vocab_size: int) -> torch.dtype:
     """uint16 when every id fits, else uint32."""
     return torch.uint16 if vocab_size <= 1 << 16 else torch.uint32
-
-
-def payload_width(codec: str, hidden_size: int, rank: int) -> int:
-    """Channels per token on the wire."""
-    return hidden_size if codec == "none" else rank
 
 
 @dataclass(frozen=True)
@@ -86,73 +59,55 @@ class BoundaryBytes:
         return self.forward_bytes + self.backward_bytes
 
 
-def boundary_bytes(codec: str, hidden_size: int, rank: int, wire_dtype: str, vocab_size: int,
-                   seq_len: int, *, vq: VQSettings | None = None,
-                   tokens_per_micro: int | None = None) -> BoundaryBytes:
-    """Exact payload bytes per token of one boundary for the given codec settings.
+@dataclass(frozen=True, kw_only=True)
+class BoundaryShape:
+    """What a boundary's byte count depends on."""
 
-    ``mapl_vq`` needs ``vq`` (its codes: R x r/G bytes per token each way for K <= 256); with
-    ``tokens_per_micro`` its amortised codebook slices are reported in ``codebook_bytes``."""
-    id_item = torch.empty((), dtype=id_wire_dtype(vocab_size)).element_size()
-    ids = id_item * (seq_len + 1) / seq_len
-    if codec == "mapl_vq":
-        if vq is None:
-            raise ValueError("boundary_bytes: mapl_vq needs its VQSettings")
-        codes = float(vq.code_bytes_per_token)
-        slices = vq.slice_bytes_per_micro / tokens_per_micro if tokens_per_micro else 0.0
-        return BoundaryBytes(forward_act_bytes=codes, forward_ids_bytes=ids, backward_bytes=codes,
-                             codebook_bytes=slices)
-    width = payload_width(codec, hidden_size, rank)
-    item = torch.empty((), dtype=WIRE_TORCH_DTYPES[wire_dtype]).element_size()
-    return BoundaryBytes(
-        forward_act_bytes=float(width * item),
-        forward_ids_bytes=ids,
-        backward_bytes=float(width * item),
-    )
+    hidden_size: int
+    rank: int
+    wire_dtype: str
+    vocab_size: int
+    seq_len: int
+    """Tokens T per sequence (each sequence carries T+1 ids)."""
+    vq: "VQSettings | None" = None
+    """Codebook settings of a quantized codec."""
+    tokens_per_micro: int | None = None
+    """Tokens per micro-batch, to amortise per-micro-batch traffic (codebook slices)."""
 
-
-def config_boundary_bytes(cfg: "TrainConfig") -> BoundaryBytes:
-    """:func:`boundary_bytes` of a run config (micro-batch of B x T tokens)."""
-    c, m = cfg.compression, cfg.model
-    vq = VQSettings.from_config(c) if c.codec == "mapl_vq" else None
-    return boundary_bytes(c.codec, m.hidden_size, c.rank, c.wire_dtype, m.vocab_size, m.context_length,
-                          vq=vq, tokens_per_micro=cfg.run.micro_batch_size * m.context_length)
+    @property
+    def ids_bytes_per_token(self) -> float:
+        item = torch.empty((), dtype=id_wire_dtype(self.vocab_size)).element_size()
+        return item * (self.seq_len + 1) / self.seq_len
 
 
 class Boundary(nn.Module):
-    """One side (``role`` = "send" or "recv") of boundary ``index`` for one codec.
+    """One side (``role`` = "send" or "recv") of boundary ``index``.
 
-    ``shared_basis`` is the global SSN basis U, owned by the stage and shared with its other side.
-    """
+    ``projector``: None (the boundary passes X through), a tensor (held as a trainable parameter
+    when ``trainable``, else as a frozen buffer), or an ``nn.Parameter`` owned elsewhere and shared
+    (SSN's global basis U; held as is)."""
 
-    def __init__(self, codec: str, role: str, index: int, hidden_size: int, rank: int, seed: int,
-                 shared_basis: nn.Parameter | None = None) -> None:
+    def __init__(self, role: str, index: int, projector: torch.Tensor | None, *, trainable: bool) -> None:
         super().__init__()
         if role not in ("send", "recv"):
             raise ValueError(f"role must be send or recv, got {role!r}")
-        self.codec = codec
         self.role = role
         self.index = index
-        self.width = payload_width(codec, hidden_size, rank)
+        self._trainable = trainable
         self.version = 0
         """Number of optimizer updates applied to the projector."""
         self.projector: torch.Tensor | None
-        if codec == "ssn":
-            if shared_basis is None:
-                raise ValueError("ssn boundaries need the stage's shared basis U")
-            self.projector = shared_basis
-        elif codec in PROJECTED_CODECS:
-            a = random_stiefel(hidden_size, rank, generator(seed, "projector", index))
-            if codec in TRAINABLE_PROJECTOR_CODECS:
-                self.projector = nn.Parameter(a)
-            else:
-                self.register_buffer("projector", a)
+        if projector is None or isinstance(projector, nn.Parameter):
+            self.projector = projector
+        elif trainable:
+            self.projector = nn.Parameter(projector)
         else:
-            self.projector = None
+            self.register_buffer("projector", projector)
 
     @property
     def trainable(self) -> bool:
-        return self.codec in TRAINABLE_PROJECTOR_CODECS
+        """The projector learns and is exchanged once per step (sender -> receiver)."""
+        return self._trainable
 
     def encode(self, x: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
         """Sender: (B, T, d) -> (B, T, width), in x's dtype, inside the autograd graph."""

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from mapl_swarm.compress import ssn
 from mapl_swarm.config import TrainConfig
 from mapl_swarm.pipeline.stage import StageRuntime
 
@@ -109,7 +108,8 @@ class InProcessPipeline:
             if g is not None:
                 link.add("proj_grad", g)
                 self.stages[b].add_outbound_projector_grad(g)
-        self._maybe_refresh_ssn()
+        codecs = [stage.codec for stage in self.stages]
+        codecs[0].before_pipeline_step(codecs, self.stages[0].step_count)  # e.g. SSN's refresh of U
         metrics: dict[str, float] = {}
         for stage in self.stages:
             for k, v in stage.step().items():
@@ -126,20 +126,6 @@ class InProcessPipeline:
         losses, tokens = self.accumulate(micro_batches)
         metrics = self.finish_step()
         return StepResult(sum(losses) / len(losses), tokens, metrics)
-
-    def _maybe_refresh_ssn(self) -> None:
-        c = self.cfg.compression
-        step = self.stages[0].step_count
-        if c.codec != "ssn" or c.ssn_refresh_interval_steps == 0:
-            return
-        grads = [s.take_ssn_basis_grad() for s in self.stages]
-        if (step + 1) % c.ssn_refresh_interval_steps != 0:
-            return
-        total = torch.stack([g.cpu() for g in grads if g is not None]).sum(0)
-        new_basis = ssn.grassmann_step(self.stages[0].ssn_basis.detach().cpu(), total, c.ssn_refresh_lr)
-        for stage in self.stages:
-            stage.set_ssn_basis(new_basis)
-        log.info("ssn: Grassmann refresh of U at step %d", step + 1)
 
     @torch.no_grad()
     def evaluate(self, batches: list[torch.Tensor]) -> float:

@@ -1,4 +1,8 @@
-"""The runtime of one pipeline stage: model slice, boundary codecs, optimizers, saved graphs.
+"""The runtime of one pipeline stage: model slice, its boundary codec, optimizers, saved graphs.
+
+What differs between codecs (anchors, projectors, payload encoding, their optimizer rows, hooks)
+is the stage's codec object (:mod:`mapl_swarm.compress.codecs`); the optimizers come from one
+parameter table (:mod:`mapl_swarm.optim.param_table`).
 
 A :class:`StageRuntime` is transport-agnostic: it turns an inbound payload into an outbound one
 (forward), an outbound gradient into an inbound one (backward), and steps its optimizers. The
@@ -29,14 +33,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mapl_swarm.compress import WIRE_TORCH_DTYPES, Boundary, StageAnchor, id_wire_dtype
-from mapl_swarm.compress import ssn
 from mapl_swarm.compress.codebook_sync import CodebookSlice
-from mapl_swarm.compress.vq import VQSettings
+from mapl_swarm.compress.codecs import StageCodec, build_codec
 from mapl_swarm.compress.vq_stage import StageVQ
 from mapl_swarm.config import TrainConfig
 from mapl_swarm.model import StageModel
-from mapl_swarm.optim import SPEL, Muon, lr_multiplier
+from mapl_swarm.optim import lr_multiplier
+from mapl_swarm.optim.param_table import ParamRow, build_optimizers, model_rows
 from mapl_swarm.pipeline.probe import BoundaryProbe
 
 log = logging.getLogger(__name__)
@@ -66,81 +69,31 @@ class StageRuntime:
         self.device = torch.device(device)
         self.is_first = stage == 0
         self.is_last = stage == self.num_stages - 1
-        m, c, seed = cfg.model, cfg.compression, cfg.run.seed
-        self.codec = c.codec
-        self.wire_dtype = WIRE_TORCH_DTYPES[c.wire_dtype]
-        self.id_dtype = id_wire_dtype(m.vocab_size)
-
-        self.model = StageModel(m, stage, self.num_stages, seed)
-        self.anchor: StageAnchor | None = None
-        if not self.is_first and c.codec in ("mapl", "fixed", "naive", "mapl_vq"):
-            self.anchor = StageAnchor(c.anchor, m.vocab_size, m.hidden_size, c.anchor_rank,
-                                      c.anchor_init_std, seed, stage)
-        self.ssn_basis: nn.Parameter | None = None
-        if c.codec == "ssn":
-            self.ssn_basis = nn.Parameter(ssn.ssn_basis(m.hidden_size, c.rank, seed),
-                                          requires_grad=c.ssn_refresh_interval_steps > 0)
-            self.register_ssn_offsets(ssn.ssn_offsets(m.vocab_size, m.hidden_size, seed))
-        self.inbound = None if self.is_first else Boundary(
-            c.codec, "recv", stage - 1, m.hidden_size, c.rank, seed, self.ssn_basis)
-        self.outbound = None if self.is_last or self.num_stages == 1 else Boundary(
-            c.codec, "send", stage, m.hidden_size, c.rank, seed, self.ssn_basis)
-
-        self.modules = nn.ModuleDict({"model": self.model})
-        for name, mod in (("anchor", self.anchor), ("inbound", self.inbound), ("outbound", self.outbound)):
-            if mod is not None:
-                self.modules[name] = mod
+        self.model = StageModel(cfg.model, stage, self.num_stages, cfg.run.seed)
+        self.codec: StageCodec = build_codec(cfg, stage, self.device)
+        """Everything codec-specific of this stage: anchor, boundaries, payloads, its param rows."""
+        self.anchor, self.inbound, self.outbound = self.codec.anchor, self.codec.inbound, self.codec.outbound
+        self.modules = nn.ModuleDict({"model": self.model, **self.codec.modules()})
         self.modules.to(self.device)
-        if self.ssn_basis is not None:
-            self._ssn_constrain()
-        self.vq: StageVQ | None = None
-        """mapl_vq: this stage's codebook streams."""
-        if c.codec == "mapl_vq":
-            self.vq = StageVQ(VQSettings.from_config(c), stage, has_inbound=self.inbound is not None,
-                              has_outbound=self.outbound is not None, seed=seed, device=self.device)
-
-        self.optimizers = self._build_optimizers()
+        self.codec.setup(self.model)
+        self.param_rows: list[ParamRow] = self._param_rows()
+        """The stage's parameter table (label -> optimizer, lr ratio, weight decay)."""
+        self.optimizers = build_optimizers(self.param_rows, cfg.optim)
         self.step_count = 0
         self.loss_scale = 1.0 / cfg.run.num_micro_batches
         self._saved: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.probe = BoundaryProbe(cfg.run.health_interval_steps)
         """Compression health metrics (run.health_interval_steps); see :mod:`.probe`."""
 
-    # ------------------------------------------------------------------ construction
-    def register_ssn_offsets(self, offsets: torch.Tensor) -> None:
-        self.ssn_offsets = offsets.to(self.device)
+    @property
+    def vq(self) -> StageVQ | None:
+        """MAPL+VQ: this stage's codebook streams (None for the other codecs)."""
+        return self.codec.vq
 
-    def _build_optimizers(self) -> list[torch.optim.Optimizer]:
-        o = self.cfg.optim
-        muon_lr, adam_lr, proj_lr = o.muon_lr, o.muon_lr * o.adamw_lr_ratio, o.muon_lr * o.projector_lr_ratio
+    # ------------------------------------------------------------------ construction
+    def _param_rows(self) -> list[ParamRow]:
         hidden = [p for _, p in self.model.hidden_matrices()]
-        hidden_ids = {id(p) for p in hidden}
-        decay, no_decay = [], []
-        for mod in (self.model, self.anchor):
-            if mod is None:
-                continue
-            for p in mod.parameters():
-                if id(p) in hidden_ids or not p.requires_grad:
-                    continue
-                (decay if p.dim() >= 2 else no_decay).append(p)
-        muon_groups = [dict(params=hidden, lr=muon_lr, base_lr=muon_lr, weight_decay=o.weight_decay)]
-        out = self.outbound
-        if out is not None and out.codec == "naive":
-            # The naive baseline: the projector as an ordinary 2D weight under Muon at the projector
-            # lr, no weight decay, so only the manifold constraint differs from SPEL.
-            muon_groups.append(dict(params=[out.projector], lr=proj_lr, base_lr=proj_lr, weight_decay=0.0))
-        opts: list[torch.optim.Optimizer] = [
-            Muon(muon_groups, lr=muon_lr, momentum=o.muon_momentum, ns_steps=o.muon_ns_steps),
-            torch.optim.AdamW(
-                [dict(params=decay, lr=adam_lr, base_lr=adam_lr, weight_decay=o.weight_decay),
-                 dict(params=no_decay, lr=adam_lr, base_lr=adam_lr, weight_decay=0.0)],
-                lr=adam_lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps),
-        ]
-        if out is not None and out.codec in ("mapl", "mapl_vq"):
-            opts.append(SPEL([dict(params=[out.projector], lr=proj_lr, base_lr=proj_lr)], lr=proj_lr,
-                             momentum=o.spel_momentum, direction_steps=o.spel_direction_steps,
-                             retraction_steps=o.spel_retraction_steps))
-        return opts
+        return model_rows(self.model, hidden, self.cfg.optim) + self.codec.param_rows()
 
     def optimized_parameters(self) -> list[torch.Tensor]:
         return [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
@@ -150,14 +103,6 @@ class StageRuntime:
         if self.device.type == "cuda":
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
-
-    def _offset(self, ids: torch.Tensor, embedded: torch.Tensor | None,
-                anchor: torch.Tensor | None) -> torch.Tensor | None:
-        if self.codec == "ssn":
-            return self.ssn_offsets[ids]
-        if self.is_first:
-            return None if self.cfg.compression.anchor == "none" else embedded
-        return anchor
 
     def forward(self, micro: int, *, ids: torch.Tensor | None = None,
                 payload: dict[str, torch.Tensor] | None = None, train: bool = True,
@@ -177,19 +122,16 @@ class StageRuntime:
         probe_due = self.probe.due(self.step_count, micro, train)
         with torch.set_grad_enabled(train), self._autocast():
             z_in = None
-            anchor = self.anchor(tokens_in) if self.anchor is not None else None
+            anchor = self.codec.stage_anchor(tokens_in)
             embedded = None
             if self.is_first:
                 embedded = self.model.embed(tokens_in)
-                x = embedded if self.codec != "ssn" else embedded + self.ssn_offsets[tokens_in]
+                x = self.codec.first_stage_input(embedded, tokens_in)
             else:
-                if self.vq is not None:
-                    z_in = self.vq.decode("act", payload["codes"].to(self.device), cver)
-                else:
-                    z_in = payload["act"].to(self.device, torch.float32)
+                z_in = self.codec.decode_act(payload, cver)
                 if train:
                     z_in.requires_grad_(True)
-                x = self.inbound.decode(z_in, self._offset(tokens_in, None, anchor))
+                x = self.inbound.decode(z_in, self.codec.offset(tokens_in, None, anchor))
                 self.probe.on_recv(probe_due, x)
             x = self.model.run_layers(x)
             if self.is_last:
@@ -198,16 +140,12 @@ class StageRuntime:
                 if train:
                     self._saved[micro] = (loss * self.loss_scale, z_in)
                 return ForwardResult(None, float(loss.detach()), tokens_in.numel())
-            offset = self._offset(tokens_in, embedded, anchor)
+            offset = self.codec.offset(tokens_in, embedded, anchor)
             self.probe.on_send(probe_due, x, offset, tokens_in)
             z = self.outbound.encode(x, offset).float()
         if train:
             self._saved[micro] = (z, z_in)
-        if self.vq is not None:  # straight-through: backward feeds the decoded dL/dZ_hat to z
-            out = {"codes": self.vq.encode("act", z.detach(), learn=train, key=micro),
-                   "ids": all_ids.to(self.id_dtype)}
-        else:
-            out = {"act": z.detach().to(self.wire_dtype), "ids": all_ids.to(self.id_dtype)}
+        out = {**self.codec.encode_act(z, train=train, micro=micro), "ids": all_ids.to(self.codec.id_dtype)}
         return ForwardResult(out, None, tokens_in.numel())
 
     def backward(self, micro: int, payload: dict[str, torch.Tensor] | None = None,
@@ -223,23 +161,14 @@ class StageRuntime:
         else:
             if payload is None:
                 raise ValueError(f"stage {self.stage} needs a GRAD payload")
-            if self.vq is not None:  # undecodable codes raise here and keep the forward for a retransmission
-                grad = self.vq.decode("grad", payload["codes"].to(self.device), cver)
-            else:
-                grad = payload["grad"].to(self.device, torch.float32)
+            grad = self.codec.decode_grad(payload, cver)  # may raise and keep the forward (VQ retransmission)
             if grad.shape != out.shape:
                 raise ValueError(f"GRAD shape {tuple(grad.shape)} != activation shape {tuple(out.shape)}")
         del self._saved[micro]
         out.backward(grad)
         if z_in is None:
             return None
-        if self.vq is not None:
-            return {"codes": self.vq.encode("grad", z_in.grad, learn=True, key=micro)}
-        return {"grad": z_in.grad.to(self.wire_dtype)}
-
-    @property
-    def pending_micro_batches(self) -> int:
-        return len(self._saved)
+        return self.codec.encode_grad(z_in.grad, micro=micro)
 
     # ------------------------------------------------------------------ codebook streams (mapl_vq)
     def take_slices(self, stream: str) -> list[CodebookSlice]:
@@ -262,7 +191,7 @@ class StageRuntime:
     def apply_slice(self, sl: CodebookSlice) -> str:
         """Apply a neighbour's slice (raises the named CodebookError when rejected)."""
         if self.vq is None:
-            raise ValueError(f"stage {self.stage}: codec {self.codec} has no codebooks")
+            raise ValueError(f"stage {self.stage}: codec {self.codec.name} has no codebooks")
         return self.vq.apply_slice(sl)
 
     # ------------------------------------------------------------------ projector exchange
@@ -315,31 +244,10 @@ class StageRuntime:
             opt.zero_grad(set_to_none=True)
         if self.outbound is not None and self.outbound.trainable:
             self.outbound.version += 1
-        if self.ssn_basis is not None:
-            self._ssn_constrain()
-        if self.vq is not None:
-            metrics.update(self.vq.metrics())
+        self.codec.after_step()
+        metrics.update(self.codec.step_metrics())
         self.step_count += 1
         return metrics
-
-    # ------------------------------------------------------------------ ssn
-    def _ssn_constrain(self) -> None:
-        if self.is_last:
-            return  # layers after the last boundary need no constraint (node0 exempts them)
-        emb = self.model.embed_tokens.weight if self.is_first else None
-        ssn.constrain_(self.ssn_basis, self.model.residual_writers(), emb)
-
-    def take_ssn_basis_grad(self) -> torch.Tensor | None:
-        if self.ssn_basis is None or not self.ssn_basis.requires_grad:
-            return None
-        g = self.ssn_basis.grad
-        self.ssn_basis.grad = None
-        return torch.zeros_like(self.ssn_basis) if g is None else g.detach().clone()
-
-    def set_ssn_basis(self, basis: torch.Tensor) -> None:
-        with torch.no_grad():
-            self.ssn_basis.copy_(basis.to(self.device))
-        self._ssn_constrain()
 
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict:
@@ -351,7 +259,7 @@ class StageRuntime:
             "optimizers": [opt.state_dict() for opt in self.optimizers],
             "versions": versions,
             "rng_cpu": torch.get_rng_state(),
-            **({"vq": self.vq.state_dict()} if self.vq is not None else {}),
+            **self.codec.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -364,5 +272,4 @@ class StageRuntime:
             getattr(self, k).version = int(v)
         self.step_count = int(state["step"])
         torch.set_rng_state(state["rng_cpu"])
-        if self.vq is not None:
-            self.vq.load_state_dict(state["vq"])
+        self.codec.load_state_dict(state)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from mapl_swarm.compress import Boundary, StageAnchor, boundary_bytes
+from mapl_swarm.compress.codecs import boundary_projector
 from mapl_swarm.compress.ops import project, reconstruct
 from mapl_swarm.optim import stiefel_error
 from mapl_swarm.pipeline.inprocess import InProcessPipeline
@@ -23,8 +24,8 @@ def test_mapl_boundary_split_backward_matches_formula_autograd():
     gradient reaching X equals autograd of X_hat = ((X - a_s) A) A^T + a_r."""
     torch.manual_seed(1)
     d, r = 16, 4
-    send = Boundary("mapl", "send", 0, d, r, seed=0).double()
-    recv = Boundary("mapl", "recv", 0, d, r, seed=0).double()
+    send = Boundary("send", 0, boundary_projector(d, r, seed=0, index=0), trainable=True).double()
+    recv = Boundary("recv", 0, boundary_projector(d, r, seed=0, index=0), trainable=True).double()
     torch.testing.assert_close(send.projector, recv.projector, rtol=0, atol=0)
     x = torch.randn(2, 5, d, dtype=torch.float64, requires_grad=True)
     a_send, a_recv = torch.randn(2, 5, d, dtype=torch.float64), torch.randn(2, 5, d, dtype=torch.float64)
@@ -45,8 +46,8 @@ def test_mapl_boundary_split_backward_matches_formula_autograd():
 
 
 def test_projector_is_on_stiefel_and_seeded_by_boundary():
-    b0 = Boundary("mapl", "send", 0, 64, 16, seed=5)
-    b1 = Boundary("mapl", "send", 1, 64, 16, seed=5)
+    b0 = Boundary("send", 0, boundary_projector(64, 16, seed=5, index=0), trainable=True)
+    b1 = Boundary("send", 1, boundary_projector(64, 16, seed=5, index=1), trainable=True)
     assert stiefel_error(b0.projector.detach()) < 1e-5
     assert not torch.equal(b0.projector, b1.projector)
 
@@ -106,7 +107,7 @@ def test_ssn_boundary_is_lossless_at_every_boundary(make_config):
 
         def spy(x, offset, encode=encode, stage=stage):
             z = encode(x, offset)
-            captured.append((stage.stage, (x - offset).detach(), z.detach(), stage.ssn_basis.detach().clone()))
+            captured.append((stage.stage, (x - offset).detach(), z.detach(), stage.codec.basis.detach().clone()))
             return z
         stage.outbound.encode = spy
     gen = torch.Generator().manual_seed(0)
@@ -116,6 +117,6 @@ def test_ssn_boundary_is_lossless_at_every_boundary(make_config):
     for _, resid, z, basis in captured:
         recon = z @ basis.T
         assert torch.linalg.vector_norm(recon - resid) / torch.linalg.vector_norm(resid) < 1e-5
-    bases = [s.ssn_basis.detach() for s in pipe.stages]
+    bases = [s.codec.basis.detach() for s in pipe.stages]
     assert all(torch.equal(bases[0], b) for b in bases[1:])
     assert stiefel_error(bases[0]) < 1e-4
