@@ -1,6 +1,6 @@
 """Codebook streaming messages (SPEC §5.1): CODEBOOK_SLICE / RESYNC builders and readers.
 
-The receiver's rules themselves live in :mod:`mapl_swarm.codebook_rules` (pure Python, shared with
+The receiver's rules themselves live in :mod:`mapl_swarm.wire.codebook_rules` (pure Python, shared with
 the torch codec state); this module re-exports them and adds what needs wire messages: reading a
 slice's fields, the outcome for a decoded message (used by the golden vectors), and builders.
 """
@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from mapl_swarm.codebook_rules import (
+from .codebook_rules import (
     APPLY,
     CODEBOOK_ERRORS_BY_CODE,
     IGNORE,
