@@ -10,8 +10,8 @@ import hashlib
 
 import numpy as np
 
-from .message import Message, WireTensor
-from .spec import MessageType
+from mapl_swarm.wire.message import Message, WireTensor
+from mapl_swarm.wire.spec import MessageType
 
 __all__ = ["VECTOR_SECRET", "RUN_ID", "FINGERPRINT", "VQ_LAYOUT", "sample_floats", "sample_ids",
            "sample_codebook", "samples"]
