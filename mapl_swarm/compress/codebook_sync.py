@@ -78,6 +78,8 @@ class CodebookSlice:
 
     def to_message(self, *, run_id: str, src: int, dst: int, step: int = 0, micro: int = 0,
                    version_tuple: tuple[int, int] | None = None) -> Message:
+        """This slice as a CODEBOOK_SLICE (the wire's one encoder, :func:`~mapl_swarm.wire.codebook.slice_parts`,
+        via ``slice_message``); :meth:`from_message` is its inverse."""
         from mapl_swarm.wire.codebook import slice_message
 
         kw = {} if version_tuple is None else {"version_tuple": version_tuple}

@@ -354,8 +354,7 @@ def _slice(version: int, start: int, n: int, *, full: bool = False, stream: str 
     else:  # a wrong shape
         codes = sample_floats(int(np.prod(shape)), salt).reshape(shape)
     msg = slice_message(run_id=RUN_ID, src=0, dst=1, stream=stream, version=version, start=start,
-                        full=full, codes=codes, step=12, micro=3, version_tuple=(1, 1))
-    msg.seq = 50
+                        full=full, codes=codes, step=12, micro=3, seq=50, version_tuple=(1, 1))
     return [bytes(f) for f in encode(msg)]
 
 
