@@ -31,7 +31,7 @@ from torch import nn
 
 from mapl_swarm.compress.ops import project, reconstruct
 from mapl_swarm.compress.vq import VQSettings
-from mapl_swarm.optim.spel import random_stiefel
+from mapl_swarm.compress.stiefel import random_stiefel
 from mapl_swarm.rng import generator
 
 if TYPE_CHECKING:
