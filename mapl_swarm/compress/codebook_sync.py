@@ -20,7 +20,7 @@ resync requested        full slice (also in eval mode)
 after encoding, the learned codebooks take one EMA k-means step on the micro-batch. Versions count
 slices (a full slice too), so the codes carry the version (header ``cver``) they were encoded with
 and a receiver at another version refuses them. The receiver checks every slice with the rules
-of :mod:`mapl_swarm.codebook_rules` (shared with the golden vectors) before touching its
+of :mod:`mapl_swarm.wire.codebook_rules` (shared with the golden vectors) before touching its
 codebooks, so a rejected slice never corrupts them. The in-process pipeline and the peers deliver the same slices in the
 same order, so both decode the same numbers.
 """
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from mapl_swarm.codebook_rules import IGNORE, CodebookError, SliceIndex, check_codes, check_slice
+from mapl_swarm.wire.codebook_rules import IGNORE, CodebookError, SliceIndex, check_codes, check_slice
 from mapl_swarm.compress.vq import EmaKMeans, VQSettings, decode_codes, lookup, nearest_codes, quantize, to_groups
 from mapl_swarm.rng import generator
 
@@ -78,6 +78,8 @@ class CodebookSlice:
 
     def to_message(self, *, run_id: str, src: int, dst: int, step: int = 0, micro: int = 0,
                    version_tuple: tuple[int, int] | None = None) -> Message:
+        """This slice as a CODEBOOK_SLICE (the wire's one encoder, :func:`~mapl_swarm.wire.codebook.slice_parts`,
+        via ``slice_message``); :meth:`from_message` is its inverse."""
         from mapl_swarm.wire.codebook import slice_message
 
         kw = {} if version_tuple is None else {"version_tuple": version_tuple}
@@ -251,7 +253,7 @@ class VQReceiver:
 
     def apply(self, sl: CodebookSlice) -> str:
         """Check and apply one slice (SPEC §5.1); returns ``apply`` or ``ignore``. A rejected slice
-        raises its :class:`~mapl_swarm.codebook_rules.CodebookError` (counted, logged) and leaves
+        raises its :class:`~mapl_swarm.wire.codebook_rules.CodebookError` (counted, logged) and leaves
         the codebooks and version untouched."""
         codes = sl.codes
         try:

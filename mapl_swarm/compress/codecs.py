@@ -40,7 +40,7 @@ from mapl_swarm.compress.codebook_sync import CodebookSlice
 from mapl_swarm.compress.vq import VQSettings
 from mapl_swarm.compress.vq_stage import StageVQ
 from mapl_swarm.optim.param_table import ParamRow, adamw_rows
-from mapl_swarm.optim.spel import random_stiefel
+from mapl_swarm.compress.stiefel import random_stiefel
 from mapl_swarm.rng import generator
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mapl_swarm.optim.spel import random_stiefel
+from mapl_swarm.compress.stiefel import random_stiefel
 from mapl_swarm.rng import generator
 
 __all__ = ["ssn_basis", "ssn_offsets", "constrain_", "grassmann_step"]

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from mapl_swarm.config import CompressionConfig
-from mapl_swarm.codebook_rules import CodebookLayout, code_dtype
+from mapl_swarm.wire.codebook_rules import CodebookLayout, code_dtype
 
 __all__ = [
     "VQSettings",

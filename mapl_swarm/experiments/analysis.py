@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from mapl_swarm.metrics import health
-from mapl_swarm.optim.spel import random_stiefel
+from mapl_swarm.compress.stiefel import random_stiefel
 from mapl_swarm.rng import generator
 
 __all__ = ["analyze_pipeline", "link_bytes"]

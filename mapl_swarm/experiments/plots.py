@@ -210,7 +210,7 @@ def projector_angles(results: list[dict], path: Path) -> Path | None:
     rand = r["analysis"].get("random_pair_angle")
     if rand is None:  # results written before the reference was stored: compute it here
         from mapl_swarm.metrics.health import mean_principal_angle
-        from mapl_swarm.optim.spel import random_stiefel
+        from mapl_swarm.compress.stiefel import random_stiefel
         from mapl_swarm.rng import generator
 
         d, k = r["hidden_size"], r["rank"]

@@ -45,7 +45,7 @@ from torch import Tensor
 
 from mapl_swarm.optim.polar import msign
 
-__all__ = ["SPEL", "project_tangent", "random_stiefel", "stiefel_error"]
+__all__ = ["SPEL", "project_tangent", "stiefel_error"]
 
 
 def stiefel_error(A: Tensor) -> float:
@@ -59,21 +59,6 @@ def stiefel_error(A: Tensor) -> float:
     return float(torch.linalg.vector_norm(gram - eye))
 
 
-def random_stiefel(d: int, r: int, generator: torch.Generator | None = None) -> Tensor:
-    """A uniformly random point of ``St(d, r)``: fp32 ``(d, r)`` with orthonormal columns (CPU).
-
-    QR of a Gaussian in fp64, with the sign of each column fixed by ``diag(R) > 0`` so the result is
-    Haar-distributed and deterministic for a given generator.
-    """
-    if not 0 < r <= d:
-        raise ValueError(f"St(d, r) needs 0 < r <= d, got d={d} r={r}")
-    G = torch.randn(d, r, generator=generator, dtype=torch.float64)  # (d, r)
-    Q, R = torch.linalg.qr(G)  # Q (d, r), R (r, r)
-    signs = torch.sign(torch.diagonal(R))
-    signs[signs == 0] = 1.0
-    return (Q * signs).to(torch.float32)  # (d, r) · (r,) flips columns
-
-
 def project_tangent(A: Tensor, M: Tensor) -> Tensor:
     """Project ``M`` (d, r) onto the tangent space of ``St(d, r)`` at ``A``: ``M - A sym(Aᵀ M)``."""
     AtM = A.mT @ M  # (r, r)
@@ -84,7 +69,7 @@ class SPEL(torch.optim.Optimizer):
     """Stiefel-manifold optimizer for projectors ``A ∈ St(d, r)``.
 
     Param-group keys: lr, momentum, direction_steps, retraction_steps. Parameters must be 2D with
-    ``d >= r`` and start on the manifold (e.g. from :func:`random_stiefel`). Momentum is kept in
+    ``d >= r`` and start on the manifold (e.g. from :func:`mapl_swarm.compress.stiefel.random_stiefel`). Momentum is kept in
     fp32 and the retraction computed in fp32 whatever the parameter dtype.
 
     Args:

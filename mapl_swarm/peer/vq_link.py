@@ -93,12 +93,14 @@ class CodebookLink:
 
     async def send_slices(self, dst: int, stream: str, step: int, micro: int) -> None:
         """Send the runtime's queued ``stream`` slices to ``dst`` (before the payload they precede)."""
+        from mapl_swarm.wire.codebook import slice_parts  # the one CODEBOOK_SLICE encoder
+
+        kind = "codebook" if stream == "act" else "grad_codebook"
         for sl in self.peer.rt.take_slices(stream):
-            meta = {"stream": sl.stream, "start": sl.start, **({"full": True} if sl.full else {})}
-            kind = "codebook" if stream == "act" else "grad_codebook"
-            tensors = {"codes": sl.codes, **({} if sl.index is None else {"index": sl.index})}
-            await self.peer._send(dst, MT.CODEBOOK_SLICE, step=step, micro=micro, meta=meta, cver=sl.version,
-                                  tensors=tensors, payload_kinds={name: kind for name in tensors})
+            p = slice_parts(stream=sl.stream, version=sl.version, start=sl.start, full=sl.full, codes=sl.codes,
+                            index=sl.index)
+            await self.peer._send(dst, MT.CODEBOOK_SLICE, step=step, micro=micro, meta=p.meta, cver=p.cver,
+                                  tensors=p.tensors, payload_kinds={name: kind for name in p.tensors})
 
     async def on_slice(self, msg: Message) -> None:
         """Apply a received slice; rejections are counted and logged, a gap asks for a RESYNC."""

@@ -36,33 +36,33 @@ CODEBOOK_SLICE —; ``stream`` "act"|"grad", ``start`` uint, ``full`` bool. RESY
 ``have`` uint, ``reason`` str, ``retransmit`` bool, ``mode`` (1.2). GRAD, PROJ: none. PROJ, PROJ_GRAD and CODEBOOK_SLICE tensors must
 be fp32 (BadDtype; a CODEBOOK_SLICE ``index`` is uint8/uint16, 1.2); HELLO, WELCOME, REJECT, REPORT, RESYNC, HEARTBEAT, BYE, ERROR carry none.
 
-Codebook streaming (SPEC §5.1): slice/RESYNC messages and the receiver's checks (from
-:mod:`mapl_swarm.codebook_rules`) in :mod:`mapl_swarm.wire.codebook`.
+Codebook streaming (SPEC §5.1): slice/RESYNC messages in :mod:`mapl_swarm.wire.codebook`, the
+receiver's checks in :mod:`mapl_swarm.wire.codebook_rules` (pure Python, shared with the torch codec
+state in :mod:`mapl_swarm.compress`).
 
-Golden vectors: ``python -m mapl_swarm.wire.vectors --out protocol/vectors/v1`` (regenerate),
-``python -m mapl_swarm.wire.vectors --check protocol/vectors/v1`` (verify).
+Golden vectors (tooling, not imported by the runtime modules): :mod:`mapl_swarm.wire.golden`;
+``python -m mapl_swarm.wire.golden --out protocol/vectors/v1`` (regenerate),
+``python -m mapl_swarm.wire.golden --check protocol/vectors/v1`` (verify).
+
+The package imports lazily (the names above load their module on first use), so that
+:mod:`mapl_swarm.wire.codebook_rules` can be imported by the in-process stack without msgpack,
+lz4 or numpy.
 """
 
-from .errors import (
-    ERRORS_BY_CODE,
-    AuthFailed,
-    BadCodec,
-    BadDtype,
-    BadShape,
-    ChecksumMismatch,
-    DecompressionFailed,
-    FrameCountMismatch,
-    FrameTooLarge,
-    InvalidMessage,
-    LengthMismatch,
-    MalformedHeader,
-    UnknownMessageType,
-    VersionMismatch,
-    WireError,
-)
-from .frames import decode, default_codec, encode
-from .message import META_SCHEMA, Message, WireTensor
-from .spec import DTYPES, PROTOCOL_VERSION, MessageType
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_ERRORS = ("ERRORS_BY_CODE", "AuthFailed", "BadCodec", "BadDtype", "BadShape", "ChecksumMismatch",
+           "DecompressionFailed", "FrameCountMismatch", "FrameTooLarge", "InvalidMessage", "LengthMismatch",
+           "MalformedHeader", "UnknownMessageType", "VersionMismatch", "WireError")
+_EXPORTS = {
+    **{name: "mapl_swarm.wire.errors" for name in _ERRORS},
+    **{name: "mapl_swarm.wire.frames" for name in ("decode", "default_codec", "encode")},
+    **{name: "mapl_swarm.wire.message" for name in ("META_SCHEMA", "Message", "WireTensor")},
+    **{name: "mapl_swarm.wire.spec" for name in ("DTYPES", "PROTOCOL_VERSION", "MessageType")},
+}
 
 __all__ = [
     "Message",
@@ -90,3 +90,16 @@ __all__ = [
     "InvalidMessage",
     "ERRORS_BY_CODE",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,18 +1,23 @@
 """Codebook streaming messages (SPEC §5.1): CODEBOOK_SLICE / RESYNC builders and readers.
 
-The receiver's rules themselves live in :mod:`mapl_swarm.codebook_rules` (pure Python, shared with
-the torch codec state); this module re-exports them and adds what needs wire messages: reading a
-slice's fields, the outcome for a decoded message (used by the golden vectors), and builders.
+The receiver's rules themselves live in :mod:`mapl_swarm.wire.codebook_rules` (pure Python, shared with
+the torch codec state); this module re-exports them and adds what needs wire messages:
+
+* :func:`slice_parts` — THE CODEBOOK_SLICE encoder: header ``cver``, ``meta`` and tensors by wire
+  name, for any array type (peers pass torch tensors, :func:`slice_message` numpy arrays);
+* :func:`slice_fields` — its inverse, reading a decoded slice;
+* :func:`receiver_outcome` — what a receiver does with a decoded message (the golden vectors);
+* :func:`slice_message`, :func:`resync_message`, :func:`resync_meta` — message builders.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from mapl_swarm.codebook_rules import (
+from .codebook_rules import (
     APPLY,
     CODEBOOK_ERRORS_BY_CODE,
     IGNORE,
@@ -50,6 +55,7 @@ __all__ = [
     "CODEBOOK_ERRORS_BY_CODE",
     "CodebookLayout",
     "SliceFields",
+    "SliceParts",
     "APPLY",
     "IGNORE",
     "VQ_CAPABILITY",
@@ -57,6 +63,7 @@ __all__ = [
     "INDEXED_SLICES_CAPABILITY",
     "SliceIndex",
     "code_dtype",
+    "slice_parts",
     "slice_fields",
     "check_slice",
     "check_codes",
@@ -65,6 +72,37 @@ __all__ = [
     "resync_message",
     "resync_meta",
 ]
+
+
+ArrayT = TypeVar("ArrayT")
+
+
+@dataclass(frozen=True)
+class SliceParts(Generic[ArrayT]):
+    """What a CODEBOOK_SLICE carries besides its routing header (run, src, dst, step, micro, seq)."""
+
+    cver: int
+    """Header ``cver``: the stream's version after the slice."""
+    meta: dict[str, Any]
+    """``stream``, ``start``, and ``full: True`` for a full slice (absent otherwise)."""
+    tensors: dict[str, ArrayT]
+    """``codes`` (fp32 (R, r/G, n, G)), then ``index`` (uint8/uint16 (R, r/G, n)) for an indexed slice."""
+
+
+def slice_parts(*, stream: str, version: int, start: int, full: bool, codes: ArrayT,
+                index: ArrayT | None = None) -> SliceParts[ArrayT]:
+    """The CODEBOOK_SLICE encoder (SPEC §5.1), used by peers, :func:`slice_message` and the golden
+    vectors; :func:`slice_fields` reads what it writes.
+
+    The arrays pass through unchanged (numpy arrays or torch tensors: whoever builds the
+    :class:`Message` converts them). It enforces none of the receiver's rules, so tests and the
+    golden vectors can build slices a receiver must refuse.
+    """
+    meta: dict[str, Any] = {"stream": stream, "start": int(start)}
+    if full:
+        meta["full"] = True
+    tensors = {"codes": codes} if index is None else {"codes": codes, "index": index}
+    return SliceParts(cver=int(version), meta=meta, tensors=tensors)
 
 
 @dataclass(frozen=True)
@@ -84,7 +122,8 @@ class SliceFields:
 
 
 def slice_fields(msg: Message) -> SliceFields:
-    """Read a CODEBOOK_SLICE's fields; :class:`SliceMalformed` when meta or tensors are wrong."""
+    """Read a CODEBOOK_SLICE's fields (the inverse of :func:`slice_parts`); :class:`SliceMalformed`
+    when meta or tensors are wrong."""
     if msg.type is not MessageType.CODEBOOK_SLICE:
         raise SliceMalformed(f"expected CODEBOOK_SLICE, got {msg.type.name}")
     meta = msg.meta
@@ -130,20 +169,24 @@ def receiver_outcome(msg: Message, *, stream: str, layout: CodebookLayout, have:
     raise CodebookError(f"{msg.type.name} is not a codebook message")
 
 
+_SLICE_WIRE = {
+    "codes": lambda a: WireTensor("fp32", np.ascontiguousarray(a, dtype="<f4")),
+    "index": lambda a: WireTensor.from_array(np.ascontiguousarray(a)),
+}
+"""numpy array -> WireTensor for each slice tensor name."""
+
+
 def slice_message(*, run_id: str, src: int, dst: int, stream: str, version: int, start: int,
-                  full: bool, codes: np.ndarray, step: int = 0, micro: int = 0,
-                  index: np.ndarray | None = None,
+                  full: bool, codes: np.ndarray, step: int = 0, micro: int = 0, seq: int = 0,
+                  pver: int = 0, index: np.ndarray | None = None,
                   version_tuple: tuple[int, int] = spec.PROTOCOL_VERSION) -> Message:
-    """A CODEBOOK_SLICE message (``codes``: float32 array (R, r/G, n, G); ``index``: an indexed
-    slice's uint8/uint16 array (R, r/G, n), 1.2)."""
-    meta: dict[str, Any] = {"stream": stream, "start": int(start)}
-    if full:
-        meta["full"] = True
-    tensors = {"codes": WireTensor("fp32", np.ascontiguousarray(codes, dtype="<f4"))}
-    if index is not None:
-        tensors["index"] = WireTensor.from_array(np.ascontiguousarray(index))
+    """A CODEBOOK_SLICE message from :func:`slice_parts` (``codes``: float32 array (R, r/G, n, G);
+    ``index``: an indexed slice's uint8/uint16 array (R, r/G, n), 1.2)."""
+    p = slice_parts(stream=stream, version=version, start=start, full=full, codes=codes, index=index)
+    tensors = {name: _SLICE_WIRE[name](a) for name, a in p.tensors.items()}
     return Message(type=MessageType.CODEBOOK_SLICE, run_id=run_id, src=src, dst=dst, step=step,
-                   micro=micro, cver=int(version), meta=meta, tensors=tensors, version=version_tuple)
+                   micro=micro, seq=seq, pver=pver, cver=p.cver, meta=p.meta, tensors=tensors,
+                   version=version_tuple)
 
 
 def resync_message(*, run_id: str, src: int, dst: int, stream: str, have: int, reason: str = "",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mapl_swarm.metrics import health
-from mapl_swarm.optim.spel import random_stiefel
+from mapl_swarm.compress.stiefel import random_stiefel
 from mapl_swarm.pipeline.inprocess import InProcessPipeline
 
 

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from mapl_swarm.compress.stiefel import random_stiefel
 from mapl_swarm.optim import (
     POLAR_EXPRESS_COEFFS,
     SPEL,
@@ -16,7 +17,6 @@ from mapl_swarm.optim import (
     muon_scale,
     polar_express_coeffs,
     project_tangent,
-    random_stiefel,
     stiefel_error,
 )
 

@@ -22,7 +22,7 @@ from mapl_swarm.wire import (
     decode,
     encode,
 )
-from mapl_swarm.wire.vector_samples import sample_floats, sample_ids, samples
+from mapl_swarm.wire.golden.samples import sample_floats, sample_ids, samples
 
 
 def act(**tensors) -> Message:

@@ -13,7 +13,7 @@ import sys
 sys.modules["torch"] = None  # any `import torch` now raises ImportError
 import numpy as np
 import mapl_swarm.wire as w
-import mapl_swarm.wire.vectors
+import mapl_swarm.wire.golden
 m = w.Message(type=w.MessageType.ACT, run_id="r", src=0, dst=1, meta={"mode": "train"},
               tensors={"ids": np.arange(10, dtype=np.int64)})
 assert w.decode(w.encode(m)) == m

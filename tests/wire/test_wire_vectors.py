@@ -9,7 +9,7 @@ import pytest
 
 from mapl_swarm.wire import ERRORS_BY_CODE, MessageType
 from mapl_swarm.wire.codebook import CODEBOOK_ERRORS_BY_CODE
-from mapl_swarm.wire.vectors import check_entry, check_vectors, main
+from mapl_swarm.wire.golden.vectors import check_entry, check_vectors, main
 
 ROOT = Path(__file__).resolve().parents[2] / "protocol" / "vectors" / "v1"
 MANIFEST = json.loads((ROOT / "manifest.json").read_text(encoding="utf-8"))

@@ -10,8 +10,9 @@ import hashlib
 
 import numpy as np
 
-from .message import Message, WireTensor
-from .spec import MessageType
+from mapl_swarm.wire.codebook import slice_message
+from mapl_swarm.wire.message import Message, WireTensor
+from mapl_swarm.wire.spec import MessageType
 
 __all__ = ["VECTOR_SECRET", "RUN_ID", "FINGERPRINT", "VQ_LAYOUT", "sample_floats", "sample_ids",
            "sample_codebook", "samples"]
@@ -89,13 +90,13 @@ def _vq_samples(b: int, t: int) -> dict[str, Message]:
     v11 = (1, 1)
     common = dict(run_id=RUN_ID, step=12, micro=3, seq=42, pver=12, version=v11)
     out: dict[str, Message] = {}
-    out["codebook_slice_stream"] = Message(
-        type=MessageType.CODEBOOK_SLICE, src=0, dst=1, cver=6, meta={"stream": "act", "start": 4},
-        tensors={"codes": WireTensor("fp32", sample_codebook(4, 4, 11))}, **common)
-    out["codebook_slice_full"] = Message(
-        type=MessageType.CODEBOOK_SLICE, src=2, dst=1, cver=9,
-        meta={"stream": "grad", "start": 0, "full": True},
-        tensors={"codes": WireTensor("fp32", sample_codebook(0, 16, 12))}, **common)
+    slices = dict(run_id=RUN_ID, step=12, micro=3, seq=42, pver=12)  # the production slice encoder
+    out["codebook_slice_stream"] = slice_message(
+        src=0, dst=1, stream="act", version=6, start=4, full=False, codes=sample_codebook(4, 4, 11),
+        version_tuple=v11, **slices)
+    out["codebook_slice_full"] = slice_message(
+        src=2, dst=1, stream="grad", version=9, start=0, full=True, codes=sample_codebook(0, 16, 12),
+        version_tuple=v11, **slices)
     out["resync_stream"] = Message(
         type=MessageType.RESYNC, run_id=RUN_ID, src=1, dst=0, seq=11, version=v11,
         meta={"stream": "act", "have": 5, "reason": "future_slice"})
@@ -106,11 +107,9 @@ def _vq_samples(b: int, t: int) -> dict[str, Message]:
     out["grad_vq"] = Message(
         type=MessageType.GRAD, src=2, dst=1, cver=9,
         tensors={"codes": WireTensor("uint8", _codes(b, t, 2))}, **common)
-    out["codebook_slice_indexed"] = Message(  # protocol 1.2: each codebook its own 3 codes
-        type=MessageType.CODEBOOK_SLICE, src=0, dst=1, cver=6, meta={"stream": "act", "start": 0},
-        tensors={"codes": WireTensor("fp32", sample_codebook(0, 3, 13)),
-                 "index": WireTensor("uint8", SAMPLE_INDEX)},
-        **{**common, "version": (1, 2)})
+    out["codebook_slice_indexed"] = slice_message(  # protocol 1.2: each codebook its own 3 codes
+        src=0, dst=1, stream="act", version=6, start=0, full=False, codes=sample_codebook(0, 3, 13),
+        index=SAMPLE_INDEX, version_tuple=(1, 2), **slices)
     out["resync_retransmit"] = Message(  # protocol 1.2
         type=MessageType.RESYNC, run_id=RUN_ID, src=1, dst=0, step=12, micro=3, seq=43, version=(1, 2),
         meta={"stream": "act", "have": 5, "reason": "codebook_version_mismatch", "retransmit": True,

@@ -1,7 +1,7 @@
 """Golden vector tool: regenerate or check ``protocol/vectors/v1``.
 
-    python -m mapl_swarm.wire.vectors --out protocol/vectors/v1     # (re)write the vectors
-    python -m mapl_swarm.wire.vectors --check protocol/vectors/v1   # verify them, exit 1 on failure
+    python -m mapl_swarm.wire.golden --out protocol/vectors/v1     # (re)write the vectors
+    python -m mapl_swarm.wire.golden --check protocol/vectors/v1   # verify them, exit 1 on failure
 
 Each vector is one ``.mwv`` file: a msgpack array whose items are the message's frames as bin.
 ``manifest.json`` lists every file with its expectation (``valid`` / ``accept`` / ``invalid`` /
@@ -16,19 +16,19 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import msgpack
 
-from .codebook import CODEBOOK_ERRORS_BY_CODE, CodebookError, CodebookLayout, receiver_outcome
-from .errors import ERRORS_BY_CODE, WireError
-from .frames import decode, encode
-from .message import Message
-from .spec import PROTOCOL_VERSION
-from .vector_cases import Case, build_cases
-from .vector_samples import VECTOR_SECRET
+from mapl_swarm.wire.codebook import CODEBOOK_ERRORS_BY_CODE, CodebookError, CodebookLayout, receiver_outcome
+from mapl_swarm.wire.errors import ERRORS_BY_CODE, WireError
+from mapl_swarm.wire.frames import decode, encode
+from mapl_swarm.wire.message import Message
+from mapl_swarm.wire.spec import PROTOCOL_VERSION
+
+from .cases import Case, build_cases
+from .samples import VECTOR_SECRET
 
 __all__ = [
     "SUFFIX",
@@ -47,6 +47,8 @@ __all__ = [
 SUFFIX = ".mwv"
 KINDS = ("valid", "accept", "invalid", "codebook")
 MANIFEST = "manifest.json"
+COMMAND = "mapl_swarm.wire.golden"
+"""The module to run with ``python -m`` (named in the manifest)."""
 
 
 def pack_container(frames: list[bytes]) -> bytes:
@@ -130,8 +132,8 @@ def build_manifest(cases: list[Case]) -> dict[str, Any]:
         entries.append(e)
     return {
         "protocol": f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}",
-        "regenerate": "python -m mapl_swarm.wire.vectors --out protocol/vectors/v1",
-        "check": "python -m mapl_swarm.wire.vectors --check protocol/vectors/v1",
+        "regenerate": f"python -m {COMMAND} --out protocol/vectors/v1",
+        "check": f"python -m {COMMAND} --check protocol/vectors/v1",
         "container": f"each {SUFFIX} file is a msgpack array of bin: the message's frames in order",
         "secret_hex": VECTOR_SECRET.hex(),
         "vectors": entries,
@@ -249,7 +251,7 @@ def check_vectors(root: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Command line entry point; returns the exit status."""
-    p = argparse.ArgumentParser(prog="python -m mapl_swarm.wire.vectors", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog=f"python -m {COMMAND}", description=__doc__.split("\n")[0])
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--out", type=Path, help="directory to (re)write the vectors into")
     g.add_argument("--check", type=Path, help="directory of stored vectors to verify")
@@ -267,6 +269,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{n} vectors checked in {args.check}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
     return 0 if not problems else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

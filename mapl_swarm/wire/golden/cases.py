@@ -1,6 +1,6 @@
 """The golden vector cases of protocol/vectors/v1: valid, accept-only, invalid and codebook.
 
-Valid cases are encodings of :func:`vector_samples.samples`; accept and invalid cases are those
+Valid cases are encodings of :func:`mapl_swarm.wire.golden.samples.samples`; accept and invalid cases are those
 encodings altered at the msgpack level (one defect each), with CRCs and auth tags fixed up where
 the case is about something else. Codebook cases (protocol 1.1, SPEC §5.1) are valid frames with a
 codebook receiver state; the expected outcome is applied, ignored, or a named codebook error.
@@ -17,11 +17,12 @@ import lz4.block
 import msgpack
 import numpy as np
 
-from .codebook import slice_message
-from .frames import compute_tag, encode
-from .message import Message, WireTensor
-from .spec import MessageType
-from .vector_samples import (
+from mapl_swarm.wire.codebook import slice_message
+from mapl_swarm.wire.frames import compute_tag, encode
+from mapl_swarm.wire.message import Message, WireTensor
+from mapl_swarm.wire.spec import MessageType
+
+from .samples import (
     RUN_ID,
     SAMPLE_INDEX,
     VECTOR_SECRET,
@@ -353,8 +354,7 @@ def _slice(version: int, start: int, n: int, *, full: bool = False, stream: str 
     else:  # a wrong shape
         codes = sample_floats(int(np.prod(shape)), salt).reshape(shape)
     msg = slice_message(run_id=RUN_ID, src=0, dst=1, stream=stream, version=version, start=start,
-                        full=full, codes=codes, step=12, micro=3, version_tuple=(1, 1))
-    msg.seq = 50
+                        full=full, codes=codes, step=12, micro=3, seq=50, version_tuple=(1, 1))
     return [bytes(f) for f in encode(msg)]
 
 

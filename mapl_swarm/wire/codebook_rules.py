@@ -1,8 +1,9 @@
 """Codebook streaming rules of SPEC §5.1: named errors, codebook layout, the receiver's checks.
 
-Pure Python (no torch, no wire dependencies), so the torch codec state
-(:mod:`mapl_swarm.compress.codebook_sync`) and the golden-vector checker
-(:mod:`mapl_swarm.wire.codebook`) apply the very same rules, in the same order:
+Pure Python (no torch, numpy, msgpack or lz4; the wire package imports lazily, so importing this
+module loads none of them), so the torch codec state (:mod:`mapl_swarm.compress.codebook_sync`,
+:mod:`mapl_swarm.compress.vq`) and the wire side (:mod:`mapl_swarm.wire.codebook`, the golden
+vectors) apply the very same rules, in the same order:
 
 1. meta and tensor (:class:`SliceMalformed`), 2. shape (:class:`SliceShapeMismatch`),
 3. index range (:class:`SliceIndexOutOfRange`; an indexed slice's rows strictly increasing:
