@@ -17,6 +17,7 @@ import re
 import time
 from pathlib import Path
 
+from mapl_swarm.compress.catalog import codecs_by_order, uncompressed_codec
 from mapl_swarm.config import config_from_dict, config_to_dict
 from mapl_swarm.data import prepare_data
 from mapl_swarm.metrics import run_manifest
@@ -24,6 +25,7 @@ from mapl_swarm.pipeline.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- quality:begin -->", "<!-- quality:end -->"
+DEFAULT_CODECS = "none,mapl,fixed,naive,ssn"
 
 
 def run_one(label: str, args: argparse.Namespace, data, command: str) -> dict:
@@ -74,9 +76,24 @@ def _seed(r: dict) -> int:
     return int(r["manifest"]["seed"])
 
 
+def _codec(label: str) -> str:
+    """The codec of a row label (``codec[:variant]``)."""
+    return label.partition(":")[0]
+
+
+def sort_rows(results: list[dict]) -> list[dict]:
+    """Rows in the default ``--codecs`` order, then the other codecs in catalog order; variants after
+    their plain codec, by label; unknown codecs last."""
+    order = list(dict.fromkeys(DEFAULT_CODECS.split(",") + [i.name for i in codecs_by_order()]))
+    return sorted(results, key=lambda r: (order.index(_codec(r["codec"])) if _codec(r["codec"]) in order else 99,
+                                          r["codec"]))
+
+
 def to_markdown(results: list[dict], args: argparse.Namespace) -> str:
-    base = {_seed(r): r["val_loss"] for r in results if r["codec"].split(":")[0] == "none"}  # per seed
-    none_bytes = next((r["bytes_per_token"]["total"] for r in results if r["codec"] == "none"), None)
+    reference = uncompressed_codec()
+    base = {_seed(r): r["val_loss"] for r in results if _codec(r["codec"]) == reference}  # per seed
+    # bytes of the plain uncompressed row (variants such as seed=N send the same bytes)
+    none_bytes = next((r["bytes_per_token"]["total"] for r in results if r["codec"] == reference), None)
     m = results[0]["manifest"]
     commands = list(dict.fromkeys(r["command"] for r in results))
     lines = [
@@ -106,7 +123,7 @@ def to_markdown(results: list[dict], args: argparse.Namespace) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--codecs", default="none,mapl,fixed,naive,ssn")
+    ap.add_argument("--codecs", default=DEFAULT_CODECS)
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--rank", type=int, default=64)
     ap.add_argument("--stages", type=int, default=4)
@@ -136,9 +153,7 @@ def main() -> None:
         data = prepare_data(config_from_dict({}).data, progress=not args.quiet)
         for c in args.codecs.split(","):
             previous[c] = run_one(c, args, data, command)
-    order = ["none", "mapl", "fixed", "naive", "ssn", "mapl_vq"]
-    results = sorted(previous.values(), key=lambda r: (order.index(r["codec"].split(":")[0])
-                                                       if r["codec"].split(":")[0] in order else 99, r["codec"]))
+    results = sort_rows(list(previous.values()))
     (out / "quality.json").write_text(json.dumps(results, indent=2))
     md = to_markdown(results, args)
     (out / "quality.md").write_text(md)

@@ -30,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from mapl_swarm.compress.catalog import codec_info
 from mapl_swarm.config import load_config
 from mapl_swarm.metrics import run_manifest
 from mapl_swarm.peer.launch import launch
@@ -129,8 +130,8 @@ def to_markdown(rows: list[dict], command: str, manifest: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        base = next((b for b in rows if b["codec"] == "none" and b["bandwidth_mbps"] == r["bandwidth_mbps"]
-                     and b["latency_ms"] == r["latency_ms"]), None)
+        base = next((b for b in rows if codec_info(b["codec"]).uncompressed
+                     and b["bandwidth_mbps"] == r["bandwidth_mbps"] and b["latency_ms"] == r["latency_ms"]), None)
         w = r["wire_bytes_per_token"]
         tps_ratio = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
         bytes_ratio = base["wire_total_per_token"] / r["wire_total_per_token"] if base else float("nan")
@@ -138,8 +139,9 @@ def to_markdown(rows: list[dict], command: str, manifest: dict) -> str:
         uw = f"{100 * r['util_whole_mean']:.0f}%" if r["util_whole_mean"] is not None else "-"
         ub = f"{100 * r['busy_fraction_mean']:.0f}%" if r["busy_fraction_mean"] is not None else "-"
         link = f"{r['bandwidth_mbps']:g} Mbit/s + {r['latency_ms']:g} ms"
+        rank = r["rank"] if codec_info(r["codec"]).projected else "-"
         lines.append(
-            f"| {link} | {r['codec']} | {r['rank'] if r['codec'] != 'none' else '-'} | {r['tokens_per_s']:.0f} | "
+            f"| {link} | {r['codec']} | {rank} | {r['tokens_per_s']:.0f} | "
             f"{r['wire_total_per_token']:.0f} | {w.get('ACT', 0):.0f} | {w.get('GRAD', 0):.0f} | "
             f"{w.get('PROJ', 0) + w.get('PROJ_GRAD', 0):.1f} | {ctl:.1f} | {tps_ratio:.2f} | {bytes_ratio:.2f} | "
             f"{tps_ratio / bytes_ratio:.2f} | {uw} | {ub} | {100 * r['control_share_of_payload']:.2f}% | "

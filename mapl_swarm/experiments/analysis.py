@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from mapl_swarm.compress.catalog import codec_info
 from mapl_swarm.metrics import health
 from mapl_swarm.compress.stiefel import random_stiefel
 from mapl_swarm.rng import generator
@@ -39,6 +40,7 @@ def analyze_pipeline(pipe, val_batches: list[torch.Tensor], *, max_tokens: int =
                      num_pairs: int = 500, seed: int = 0) -> dict:
     """Diagnostics of a trained :class:`~mapl_swarm.pipeline.inprocess.InProcessPipeline`."""
     cfg = pipe.cfg
+    codec = codec_info(cfg.compression.codec)
     d = cfg.model.hidden_size
     tokens_per_batch = val_batches[0][:, :-1].numel() if val_batches else 1
     n_batches = max(1, min(len(val_batches), -(-max_tokens // tokens_per_batch)))
@@ -51,7 +53,7 @@ def analyze_pipeline(pipe, val_batches: list[torch.Tensor], *, max_tokens: int =
             caps = st.probe.records
             x = torch.cat([c.x.float() for c in caps]).reshape(-1, d)  # (N, d)
             ids = torch.cat([c.ids for c in caps]).reshape(-1)  # (N,)
-            if cfg.compression.codec == "none":  # no anchors: the paper's centring X - E[ids]
+            if codec.uncompressed:  # no anchors: the paper's centring X - E[ids]
                 res = x - pipe.stages[0].model.embed(ids.to(st.device)).float().reshape(-1, d)
                 kind = "X − E[ids]"
             elif caps[0].offset is not None:
@@ -71,7 +73,7 @@ def analyze_pipeline(pipe, val_batches: list[torch.Tensor], *, max_tokens: int =
                 info.update(energy_captured=health.energy_captured(res, a),
                             orth_error=health.orthonormality_error(a),
                             cos_before=_round(before, 4), cos_after=_round(after, 4), cos_pearson=r)
-                if cfg.compression.codec in ("mapl", "fixed", "naive"):  # seeded per boundary
+                if codec.anchored:  # a projector of its own per boundary, seeded (run seed, "projector", b)
                     init = random_stiefel(d, a.shape[1], generator(cfg.run.seed, "projector", b))
                     info["angle_from_init"] = health.mean_principal_angle(a, init.to(a.device))
             boundaries.append(info)

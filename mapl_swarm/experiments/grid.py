@@ -21,7 +21,8 @@ A grid file (see ``bench/grids/``)::
     seeds = [0, 1]                     # default: [base run.seed]
 
 Runs that several groups produce are run once. The anchor only matters for codecs with a token
-anchor and the rank not at all for ``none``, so those runs collapse to one. Unknown keys and codecs
+anchor and the rank only for projected codecs (not ``none``), so those runs collapse to one (both
+facts come from :mod:`mapl_swarm.compress.catalog`). Unknown keys and codecs
 are errors naming the key and the file.
 """
 
@@ -35,13 +36,14 @@ from pathlib import Path
 from typing import Any
 
 from mapl_swarm import config as config_mod
+from mapl_swarm.compress.catalog import CODEC_INFO, CODEC_NAMES, codec_info
 from mapl_swarm.config import TrainConfig, config_from_dict, config_to_dict, read_toml
 from mapl_swarm.errors import ConfigError
 
 __all__ = ["Grid", "GridGroup", "RunSpec", "load_grid", "grid_from_dict", "ANCHORED_CODECS"]
 
-ANCHORED_CODECS = ("mapl", "fixed", "naive", "mapl_vq")
-"""Codecs whose later stages use ``compression.anchor`` (none and ssn ignore it)."""
+ANCHORED_CODECS = tuple(name for name, info in CODEC_INFO.items() if info.anchored)
+"""Codecs whose later stages use ``compression.anchor`` (the others ignore it); from the catalog."""
 
 _TOP_KEYS = {"name", "description", "tokens_per_run", "out_dir", "base", "group"}
 _GROUP_KEYS = {"name", "codecs", "ranks", "stages", "anchors", "seeds"}
@@ -63,11 +65,12 @@ class RunSpec:
 
     @property
     def run_id(self) -> str:
+        info = codec_info(self.codec)
         parts = [self.codec]
-        if self.codec != "none":
+        if info.projected:
             parts.append(f"r{self.rank}")
         parts.append(f"P{self.stages}")
-        if self.codec in ANCHORED_CODECS:
+        if info.anchored:
             parts.append(f"anchor-{self.anchor}")
         parts.append(f"s{self.seed}")
         return "-".join(parts)
@@ -139,9 +142,10 @@ class Grid:
 
     def _spec(self, group: str, codec: str, rank: int, stages: int, anchor: str, seed: int) -> RunSpec:
         base_cfg = self.base_config
-        if codec == "none":
+        info = codec_info(codec)
+        if not info.projected:
             rank = base_cfg.compression.rank
-        if codec not in ANCHORED_CODECS:
+        if not info.anchored:
             anchor = base_cfg.compression.anchor
         raw = copy.deepcopy(self.base)
         comp = raw.setdefault("compression", {})
@@ -205,8 +209,8 @@ def grid_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Grid:
         c, r = base_cfg.compression, base_cfg.run
         codecs = _typed_list(g["codecs"], str, "codecs", where)
         for codec in codecs:
-            if codec not in config_mod.CODECS:
-                raise ConfigError(f"{where}: codecs entry {codec!r} is not one of {config_mod.CODECS}")
+            if codec not in CODEC_NAMES:
+                raise ConfigError(f"{where}: codecs entry {codec!r} is not one of {CODEC_NAMES}")
         anchors = _typed_list(g.get("anchors", [c.anchor]), str, "anchors", where)
         for a in anchors:
             if a not in config_mod.ANCHORS:

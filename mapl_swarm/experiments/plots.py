@@ -8,7 +8,8 @@
 - ``cosine_pairs.png`` — token-pair cosine before vs after projection, with Pearson r (Fig. 4c).
 
 Each function takes the run result dicts written by :mod:`.sweep` and returns the file it wrote,
-or None when the results hold nothing to plot.
+or None when the results hold nothing to plot. Legend names, colours and which codecs a figure shows
+come from the codec catalog (:mod:`mapl_swarm.compress.catalog`).
 """
 
 from __future__ import annotations
@@ -23,22 +24,33 @@ import numpy as np
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from mapl_swarm.experiments.tables import METHOD_NAMES, aggregate  # noqa: E402
+from mapl_swarm.compress.catalog import codec_info, codecs_by_order, headline_codec, uncompressed_codec  # noqa: E402
+from mapl_swarm.experiments.tables import aggregate  # noqa: E402
 
 __all__ = ["make_all", "pareto", "loss_curves", "spectra", "projector_angles", "energy_captured", "cosine_pairs"]
 
-COLORS = {"none": "black", "ssn": "tab:red", "fixed": "tab:gray", "naive": "tab:orange", "mapl": "tab:green",
-          "mapl_vq": "tab:blue"}
 DPI = 90
 
 
 def _name(r: dict) -> str:
-    s = METHOD_NAMES.get(r["codec"], r["codec"]).split(" (")[0]
-    if r["codec"] != "none":
+    info = codec_info(r["codec"])
+    s = info.short_name
+    if info.projected:
         s += f" r={r['rank']}"
-    if r["codec"] in ("mapl", "fixed", "naive", "mapl_vq") and r["anchor"] != "factorized":
+    if info.anchored and r["anchor"] != "factorized":
         s += f", anchor {r['anchor']}"
     return s
+
+
+def _default_anchor(codec: str, anchor: str) -> bool:
+    """The run has the reference anchors: factorized, or any anchor for codecs that ignore it."""
+    return not codec_info(codec).anchored or anchor == "factorized"
+
+
+def _projector_codecs() -> list[str]:
+    """The headline method, then every other codec with per-boundary projectors, in table order."""
+    head = headline_codec()
+    return [head] + [i.name for i in codecs_by_order() if i.anchored and i.name != head]
 
 
 def _primary_stages(results: list[dict]) -> int:
@@ -51,8 +63,7 @@ def _primary_stages(results: list[dict]) -> int:
 
 def _pick(results: list[dict], codec: str, stages: int) -> dict | None:
     """Lowest-seed run of ``codec`` at P=stages with factorized anchors (middle rank if several)."""
-    rs = [r for r in results if r["codec"] == codec and r["stages"] == stages and
-          (codec not in ("mapl", "fixed", "naive") or r["anchor"] == "factorized")]
+    rs = [r for r in results if r["codec"] == codec and r["stages"] == stages and _default_anchor(codec, r["anchor"])]
     if not rs:
         return None
     ranks = sorted({r["rank"] for r in rs})
@@ -70,8 +81,7 @@ def _save(fig, path: Path) -> Path:
 
 def pareto(results: list[dict], path: Path) -> Path | None:
     p = _primary_stages(results)
-    aggs = [a for a in aggregate(results) if a.stages == p and
-            (a.codec not in ("mapl", "fixed", "naive") or a.anchor == "factorized")]
+    aggs = [a for a in aggregate(results) if a.stages == p and _default_anchor(a.codec, a.anchor)]
     if not aggs:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -79,17 +89,18 @@ def pareto(results: list[dict], path: Path) -> Path | None:
     for a in aggs:
         by_codec[a.codec].append(a)
     for codec, items in by_codec.items():
+        info = codec_info(codec)
         items.sort(key=lambda a: a.act_bytes)
         xs = [a.act_bytes for a in items]
         ys = [a.val[0] for a in items]
         es = [0.0 if a.val[1] != a.val[1] else a.val[1] for a in items]
-        marker = "*" if codec == "none" else "o"
-        ax.errorbar(xs, ys, yerr=es, fmt=marker + "-", color=COLORS.get(codec), capsize=3,
-                    markersize=12 if codec == "none" else 6, label=METHOD_NAMES.get(codec, codec).split(" (")[0])
+        marker = "*" if info.uncompressed else "o"
+        ax.errorbar(xs, ys, yerr=es, fmt=marker + "-", color=info.color, capsize=3,
+                    markersize=12 if info.uncompressed else 6, label=info.short_name)
         for a in items:
-            if codec != "none":
+            if info.projected:
                 ax.annotate(f"r={a.rank}", (a.act_bytes, a.val[0]), textcoords="offset points", xytext=(4, 4),
-                            fontsize=7, color=COLORS.get(codec))
+                            fontsize=7, color=info.color)
     pts = sorted((a.act_bytes, a.val[0]) for a in aggs)
     front, best = [], float("inf")
     for x, y in pts:
@@ -139,7 +150,8 @@ def loss_curves(results: list[dict], path: Path) -> Path | None:
         cmap = plt.get_cmap("tab10")
         for i, (label, rs) in enumerate(sorted(by_label.items())):
             r0 = min(rs, key=lambda r: r["seed"])
-            color = "black" if r0["codec"] == "none" else cmap(i % 10)
+            info = codec_info(r0["codec"])
+            color = info.color if info.uncompressed else cmap(i % 10)
             tok_per_step = r0["tokens"] / max(r0["steps"], 1)
             steps = [s for s, _ in r0["train_curve"]]
             ax.plot([s * tok_per_step / 1e6 for s in steps], _ema([v for _, v in r0["train_curve"]]),
@@ -164,7 +176,7 @@ def loss_curves(results: list[dict], path: Path) -> Path | None:
 
 def spectra(results: list[dict], path: Path) -> Path | None:
     p = _primary_stages(results)
-    picks = [(c, _pick(results, c, p)) for c in ("none", "mapl")]
+    picks = [(c, _pick(results, c, p)) for c in (uncompressed_codec(), headline_codec())]
     picks = [(c, r) for c, r in picks if r is not None]
     if not picks:
         return None
@@ -175,10 +187,10 @@ def spectra(results: list[dict], path: Path) -> Path | None:
             ax.plot(range(1, len(cum) + 1), cum, label=f"boundary {b['boundary'] + 1}→{b['boundary'] + 2} "
                     f"(99% at rank {b['rank99']})")
         ax.axhline(0.99, color="gray", ls="--", lw=0.8)
-        if codec != "none":
+        if codec_info(codec).projected:
             ax.axvline(r["rank"], color="green", ls=":", lw=1, label=f"projection rank r={r['rank']}")
         kind = r["analysis"]["boundaries"][-1]["residual"]
-        ax.set_title(f"{METHOD_NAMES[codec].split(' (')[0]} model, P={p}: singular-value energy of {kind}\n"
+        ax.set_title(f"{codec_info(codec).short_name} model, P={p}: singular-value energy of {kind}\n"
                      f"({r['analysis']['boundaries'][0]['tokens']} held-out tokens per boundary)", fontsize=9)
         ax.set_xlabel(f"rank k (of d={r['hidden_size']})")
         ax.set_ylabel("cumulative energy Σσ²(≤k) / Σσ²")
@@ -189,7 +201,8 @@ def spectra(results: list[dict], path: Path) -> Path | None:
 
 
 def projector_angles(results: list[dict], path: Path) -> Path | None:
-    cands = [r for r in results if r["codec"] == "mapl" and len(r["analysis"]["projector_angles"]) > 1]
+    method = codec_info(headline_codec())
+    cands = [r for r in results if r["codec"] == method.name and len(r["analysis"]["projector_angles"]) > 1]
     if not cands:
         return None
     r = max(cands, key=lambda r: (r["stages"], r["anchor"] == "factorized", -r["seed"]))
@@ -217,14 +230,14 @@ def projector_angles(results: list[dict], path: Path) -> Path | None:
         rand = mean_principal_angle(random_stiefel(d, k, generator(r["seed"], "analysis", 0)),
                                     random_stiefel(d, k, generator(r["seed"], "analysis", 1)))
     ref = f"; two random subspaces ≈ {rand:.0f}°" if rand is not None else ""
-    ax.set_title(f"Learned MAPL projectors, P={r['stages']}, r={r['rank']} of d={r['hidden_size']}:\n"
+    ax.set_title(f"Learned {method.display_name} projectors, P={r['stages']}, r={r['rank']} of d={r['hidden_size']}:\n"
                  f"pairwise mean principal angles (0° same subspace, 90° orthogonal{ref})", fontsize=9)
     return _save(fig, path)
 
 
 def energy_captured(results: list[dict], path: Path) -> Path | None:
     p = _primary_stages(results)
-    picks = [(c, _pick(results, c, p)) for c in ("mapl", "fixed", "naive", "mapl_vq")]
+    picks = [(c, _pick(results, c, p)) for c in _projector_codecs()]
     picks = [(c, r) for c, r in picks if r is not None and r["health"]]
     if not picks:
         return None
@@ -233,10 +246,11 @@ def energy_captured(results: list[dict], path: Path) -> Path | None:
         steps = [h["step"] for h in r["health"]]
         keys = sorted(k for k in r["health"][0] if k.endswith("energy_captured"))
         mean = [statistics.fmean(h[k] for k in keys if k in h) for h in r["health"]]
-        ax.plot(steps, mean, "-", color=COLORS[codec], lw=2,
+        ax.plot(steps, mean, "-", color=codec_info(codec).color, lw=2,
                 label=f"{_name(r)} (mean over {len(keys)} boundaries)")
         for k in keys:
-            ax.plot(steps, [h.get(k, float('nan')) for h in r["health"]], "-", color=COLORS[codec], lw=0.6, alpha=0.4)
+            ax.plot(steps, [h.get(k, float('nan')) for h in r["health"]], "-", color=codec_info(codec).color, lw=0.6,
+                    alpha=0.4)
     ax.set_xlabel("training step")
     ax.set_ylabel("energy captured ‖R A‖² / ‖R‖²")
     ax.set_ylim(0, 1.02)
@@ -249,7 +263,9 @@ def energy_captured(results: list[dict], path: Path) -> Path | None:
 
 def cosine_pairs(results: list[dict], path: Path) -> Path | None:
     p = _primary_stages(results)
-    picks = [(c, _pick(results, c, p)) for c in ("mapl", "fixed")]
+    # the learned headline projector against the untrained one of the same shape
+    fixed = [i.name for i in codecs_by_order() if i.anchored and not i.trainable_projector]
+    picks = [(c, _pick(results, c, p)) for c in [headline_codec(), *fixed]]
     picks = [(c, r) for c, r in picks if r is not None]
     if not picks:
         return None
@@ -260,7 +276,7 @@ def cosine_pairs(results: list[dict], path: Path) -> Path | None:
             info = r["analysis"]["boundaries"][b]
             if "cos_before" not in info:
                 continue
-            ax.scatter(info["cos_before"], info["cos_after"], s=4, alpha=0.35, color=COLORS[codec],
+            ax.scatter(info["cos_before"], info["cos_after"], s=4, alpha=0.35, color=codec_info(codec).color,
                        label=f"{_name(r)}: Pearson r={info['cos_pearson']:.3f}")
         ax.plot([-1, 1], [-1, 1], "k--", lw=0.8, label="identity")
         ax.set_xlim(-1, 1)

@@ -6,6 +6,9 @@ of the seed-paired differences (same seed = same data order and shared initial w
 token follow the paper: the forward activation payload per token per boundary (bf16 `none` at
 d=1024 is the paper's 2048 B); the full payload (activations, ids, gradients and projector
 exchange, both directions) is reported alongside.
+
+Which codecs make up each table, their row names and order, and the paper's reference figures per
+codec come from the codec catalog (:mod:`mapl_swarm.compress.catalog`).
 """
 
 from __future__ import annotations
@@ -16,21 +19,15 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
-__all__ = ["Aggregate", "aggregate", "summary_markdown", "METHOD_NAMES", "PAPER"]
+from mapl_swarm.compress.catalog import codec_info, codecs_by_order, headline_codec
 
-METHOD_NAMES = {"none": "Uncompressed", "ssn": "SSN", "mapl": "MAPL", "mapl_vq": "MAPL+VQ",
-                "fixed": "Fixed orthogonal (no updates)", "naive": "Naive learned (Muon, unconstrained)"}
-PROJECTOR_NAMES = {"fixed": "Fixed orthogonal (no updates)", "naive": "Learnable, unconstrained (Muon)",
-                   "mapl": "Learnable + SPEL updates (MAPL)"}
+__all__ = ["Aggregate", "aggregate", "summary_markdown", "ANCHOR_NAMES", "PAPER_ANCHOR_DELTA_PCT"]
+
 ANCHOR_NAMES = {"none": "No anchor", "static": "Static frozen (SSN style)", "full": "Full trainable anchor",
                 "factorized": "Factorized anchor (MAPL)"}
-PAPER = {
-    "table1": {("ssn", 4): 8.37, ("ssn", 8): 8.63, ("mapl", 4): 0.84, ("mapl", 8): 1.11,
-               ("mapl_vq", 4): 1.11, ("mapl_vq", 8): 1.28},
-    "table5": {"fixed": 1.19, "naive": 2.56, "mapl": 0.84},
-    "table6": {"none": 2.39, "static": 2.48, "full": 0.47, "factorized": 1.11},
-}
-"""The paper's Δ% vs uncompressed for the 150M model at 4x (VQ: 8x), 3B DCLM tokens."""
+PAPER_ANCHOR_DELTA_PCT = {"none": 2.39, "static": 2.48, "full": 0.47, "factorized": 1.11}
+"""The paper's Table 6 Δ% vs uncompressed per anchor strategy (MAPL, 150M model, 4x, 3B DCLM tokens).
+The per-codec figures of its Tables 1 and 5 are in the codec catalog."""
 
 
 @dataclass
@@ -84,7 +81,7 @@ def aggregate(results: list[dict]) -> list[Aggregate]:
         groups[r["label"]].append(r)
     aggs = [Aggregate(label, rs[0]["codec"], rs[0]["rank"], rs[0]["stages"], rs[0]["anchor"], rs)
             for label, rs in groups.items()]
-    base = {a.stages: a for a in aggs if a.codec == "none"}
+    base = {a.stages: a for a in aggs if codec_info(a.codec).uncompressed}
     for a in aggs:
         ref = base.get(a.stages)
         if ref is None or a is ref:
@@ -95,8 +92,7 @@ def aggregate(results: list[dict]) -> list[Aggregate]:
             a.delta = (statistics.fmean(pairs), statistics.stdev(pairs) if len(pairs) > 1 else float("nan"))
         else:  # unpaired seeds: compare means
             a.delta = (100 * (a.val[0] - ref.val[0]) / ref.val[0], float("nan"))
-    order = {"none": 0, "ssn": 1, "fixed": 2, "naive": 3, "mapl": 4, "mapl_vq": 5}
-    return sorted(aggs, key=lambda a: (a.stages, order.get(a.codec, 9), a.rank, a.anchor))
+    return sorted(aggs, key=lambda a: (a.stages, codec_info(a.codec).order, a.rank, a.anchor))
 
 
 def _pm(mean: float, std: float, digits: int = 4) -> str:
@@ -108,7 +104,7 @@ def _pm(mean: float, std: float, digits: int = 4) -> str:
 def _delta(a: Aggregate | None) -> str:
     if a is None:
         return "—"
-    if a.codec == "none":
+    if codec_info(a.codec).uncompressed:
         return "—"
     if a.delta is None:
         return "n/a (no uncompressed run)"
@@ -121,35 +117,38 @@ def _paper(v: float | None) -> str:
 
 
 def _table1(aggs: list[Aggregate]) -> list[str]:
-    rows = [a for a in aggs if a.codec in ("none", "ssn", "mapl", "mapl_vq") and
-            (a.codec not in ("mapl", "mapl_vq") or a.anchor == "factorized")]
+    rows = [a for a in aggs if codec_info(a.codec).in_table1 and
+            (not codec_info(a.codec).anchored or a.anchor == "factorized")]
     if not rows:
         return []
     ps = sorted({a.stages for a in rows})
-    keys = sorted({(a.codec, a.rank if a.codec != "none" else 0) for a in rows},
-                  key=lambda k: ({"none": 0, "ssn": 1, "mapl": 2, "mapl_vq": 3}[k[0]], -k[1]))
+    keys = sorted({(a.codec, a.rank if codec_info(a.codec).projected else 0) for a in rows},
+                  key=lambda k: (codec_info(k[0]).order, -k[1]))
     head = "| method | rank | act B/token | comp. | " + " | ".join(f"P={p} val loss | P={p} Δ%" for p in ps)
     head += " | paper Δ% (150M, P=" + "/".join(str(p) for p in ps) + ") |"
     lines = ["### Table 1 — codecs at equal token budget (paper Table 1)", "", head,
              "|" + "---|" * (5 + 2 * len(ps)) ]
     for codec, rank in keys:
+        info = codec_info(codec)
         cells = {p: next((a for a in rows if a.codec == codec and a.stages == p and
-                          (codec == "none" or a.rank == rank)), None) for p in ps}
+                          (not info.projected or a.rank == rank)), None) for p in ps}
         any_a = next(a for a in cells.values() if a is not None)
-        paper_ratio = 8 if codec == "mapl_vq" else 4  # the paper's 150M rows: 4x (MAPL+VQ: 8x)
-        same = abs(any_a.compression - paper_ratio) < 0.5
-        paper = "/".join(_paper(PAPER["table1"].get((codec, p)) if same else None) for p in ps)
-        line = (f"| {METHOD_NAMES.get(codec, codec)} | {rank if codec != 'none' else '—'} | {any_a.act_bytes:.0f} | "
-                f"{'—' if codec == 'none' else f'{any_a.compression:.0f}×'} | ")
+        same = info.paper_ratio is not None and abs(any_a.compression - info.paper_ratio) < 0.5
+        paper_pct = dict(info.paper_delta_pct)
+        paper = "/".join(_paper(paper_pct.get(p) if same else None) for p in ps)
+        line = (f"| {info.display_name} | {rank if info.projected else '—'} | {any_a.act_bytes:.0f} | "
+                f"{'—' if info.uncompressed else f'{any_a.compression:.0f}×'} | ")
         line += " | ".join(f"{_pm(*cells[p].val) if cells[p] else '—'} | {_delta(cells[p])}" for p in ps)
         lines.append(line + f" | {paper} |")
     return lines + [""]
 
 
 def _table5(aggs: list[Aggregate]) -> list[str]:
+    projectors = [i for i in codecs_by_order() if i.projector_label]
     out: list[str] = []
     for p in sorted({a.stages for a in aggs}):
-        rows = [a for a in aggs if a.stages == p and a.codec in ("fixed", "naive", "mapl") and a.anchor == "factorized"]
+        rows = [a for a in aggs if a.stages == p and codec_info(a.codec).projector_label and
+                a.anchor == "factorized"]
         for rank in sorted({a.rank for a in rows}):
             sel = {a.codec: a for a in rows if a.rank == rank}
             if len(sel) < 2:
@@ -159,29 +158,30 @@ def _table5(aggs: list[Aggregate]) -> list[str]:
             out += [f"P={p}, rank {rank} ({sel[next(iter(sel))].compression:.0f}×), factorized anchors:", "",
                     "| projector | val loss | Δ% vs uncompressed | ‖AᵀA − I‖_F (end) | energy captured (end) | paper Δ% |",
                     "|---|---|---|---|---|---|"]
-            for codec in ("fixed", "naive", "mapl"):
-                a = sel.get(codec)
+            for info in projectors:
+                a = sel.get(info.name)
                 if a is None:
                     continue
-                out.append(f"| {PROJECTOR_NAMES[codec]} | {_pm(*a.val)} | {_delta(a)} | "
+                out.append(f"| {info.projector_label} | {_pm(*a.val)} | {_delta(a)} | "
                            f"{a.mean_analysis('orth_error'):.2e} | {a.mean_analysis('energy_captured'):.3f} | "
-                           f"{_paper(PAPER['table5'][codec])} |")
+                           f"{_paper(info.paper_projector_delta_pct)} |")
             out.append("")
     return out
 
 
 def _table6(aggs: list[Aggregate]) -> list[str]:
+    method = codec_info(headline_codec())
     out: list[str] = []
     for p in sorted({a.stages for a in aggs}):
-        rows = [a for a in aggs if a.stages == p and a.codec == "mapl"]
+        rows = [a for a in aggs if a.stages == p and a.codec == method.name]
         for rank in sorted({a.rank for a in rows}):
             sel = {a.anchor: a for a in rows if a.rank == rank}
             if len(sel) < 2:
                 continue
             if not out:
                 out += ["### Table 6 — anchor strategies (paper Table 6 / Appendix G)", ""]
-            none = next((a for a in aggs if a.stages == p and a.codec == "none"), None)
-            out += [f"MAPL, P={p}, rank {rank} ({sel[next(iter(sel))].compression:.0f}×):", "",
+            none = next((a for a in aggs if a.stages == p and codec_info(a.codec).uncompressed), None)
+            out += [f"{method.display_name}, P={p}, rank {rank} ({sel[next(iter(sel))].compression:.0f}×):", "",
                     "| anchor | val loss | Δ% vs uncompressed | trainable anchor params / stage | paper Δ% |",
                     "|---|---|---|---|---|"]
             if none is not None:
@@ -194,7 +194,7 @@ def _table6(aggs: list[Aggregate]) -> list[str]:
                 v, d, ra = cfg["model"]["vocab_size"], cfg["model"]["hidden_size"], cfg["compression"]["anchor_rank"]
                 params = {"none": 0, "static": 0, "full": v * d, "factorized": v * ra}[anchor]
                 out.append(f"| {ANCHOR_NAMES[anchor]} | {_pm(*a.val)} | {_delta(a)} | {params:,} | "
-                           f"{_paper(PAPER['table6'][anchor])} |")
+                           f"{_paper(PAPER_ANCHOR_DELTA_PCT[anchor])} |")
             out.append("")
     return out
 
@@ -214,7 +214,7 @@ def _all_runs(aggs: list[Aggregate]) -> list[str]:
         en = a.mean_analysis("energy_captured")
         lines.append(
             f"| {a.label} | {','.join(map(str, a.seeds))} | {_pm(*a.val)} | {_delta(a)} | {a.act_bytes:.1f} | "
-            f"{a.total_bytes:.1f} | {'—' if a.codec == 'none' else f'{a.compression:.1f}×'} | "
+            f"{a.total_bytes:.1f} | {'—' if codec_info(a.codec).uncompressed else f'{a.compression:.1f}×'} | "
             f"{'—' if en != en else f'{en:.3f}'} | {fid_s} | {a.mean_analysis('rank99'):.0f} | "
             f"{statistics.fmean(r['wall_s'] for r in a.runs):.0f} |")
     return lines + [""]
