@@ -11,10 +11,11 @@ swarm. Validation: stage 1 sends eval ACTs; the last stage reports the mean loss
 sends BYE down the pipeline once the last report arrived.
 
 The schedule sends and receives only through ``links.upstream`` / ``links.downstream``
-(:class:`~.link.PeerLink`), in payload terms. MAPL+VQ: a compute that encodes and the send of its
-payload happen under the compute thread's ``encode_lock`` (a retransmission takes it too); a
-received message whose codes cannot be decoded raises :class:`~.vq_link.Retransmitting` and is
-dropped, its copy follows.
+(:class:`NeighbourLink`, e.g. :class:`~.link.PeerLink`), in payload terms: never stage numbers,
+the transport or message framing. MAPL+VQ: a compute that encodes and the send of its payload
+happen under the compute thread's ``encode_lock`` (a retransmission takes it too); a received
+message whose codes cannot be decoded raises :class:`~.vq_link.Retransmitting` and is dropped,
+its copy follows.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from tqdm import tqdm
 
@@ -37,7 +38,6 @@ if TYPE_CHECKING:
 
     from mapl_swarm.config import TrainConfig
     from mapl_swarm.peer.compute import ComputeThread
-    from mapl_swarm.peer.link import Links, PeerLink
     from mapl_swarm.peer.mailbox import Mailbox
     from mapl_swarm.peer.result import PeerResult
     from mapl_swarm.peer.waiting import WaitingLog
@@ -45,9 +45,55 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PipelineSchedule", "ScheduleSettings", "StepEndHook"]
+__all__ = ["PipelineSchedule", "ScheduleSettings", "StepEndHook", "NeighbourLink", "NeighbourLinks"]
 
 MT = MessageType
+T = TypeVar("T")
+
+
+class NeighbourLink(Protocol):
+    """What the schedule uses of a link to a neighbour (:class:`~.link.PeerLink` is one)."""
+
+    stage: int
+    """The neighbour's stage (waiting lines only)."""
+    endpoint: str | None
+    """Where it is, once known (waiting lines only)."""
+
+    async def send_act(self, step: int, micro: int, payload: Mapping[str, torch.Tensor], *, eval_mode: bool,
+                       pver: int) -> None: ...
+
+    async def send_grad(self, step: int, micro: int, payload: Mapping[str, torch.Tensor]) -> None: ...
+
+    async def send_projector(self, step: int, projector: torch.Tensor, pver: int) -> None: ...
+
+    async def send_projector_grad(self, step: int, grad: torch.Tensor, *, micro_batches: int) -> None: ...
+
+    async def send_report(self, step: int, meta: dict) -> None: ...
+
+    async def send_bye(self, meta: dict) -> None: ...
+
+    def act_payload(self, msg: Message) -> dict: ...
+
+    def grad_payload(self, msg: Message) -> dict: ...
+
+    def projector(self, msg: Message) -> torch.Tensor: ...
+
+    def projector_grad(self, msg: Message) -> torch.Tensor: ...
+
+    async def decoded(self, work: Awaitable[T], msg: Message) -> T: ...
+
+    async def on_codebook_slice(self, msg: Message) -> None: ...
+
+
+class NeighbourLinks(Protocol):
+    """A peer's links as the schedule sees them (:class:`~.link.Links` is one)."""
+
+    upstream: NeighbourLink | None
+    """None on stage 1."""
+    downstream: NeighbourLink | None
+    """None on the last stage."""
+
+    def sender(self, msg: Message) -> NeighbourLink | None: ...
 
 StepEndHook = Callable[[int, dict], Awaitable[None]]
 """``await on_step_end(steps_done, step_metrics)`` after each optimizer step (and its PROJ send)."""
@@ -88,7 +134,7 @@ class ScheduleSettings:
 class PipelineSchedule:
     """Stage 1's driver, every stage's serving loop, the step flush and the loss reports."""
 
-    def __init__(self, runtime: StageRuntime, links: Links, mailbox: Mailbox, compute: ComputeThread, *,
+    def __init__(self, runtime: StageRuntime, links: NeighbourLinks, mailbox: Mailbox, compute: ComputeThread, *,
                  name: str, settings: ScheduleSettings, result: PeerResult, waits: WaitingLog,
                  on_step_end: StepEndHook, sampler: Iterator[torch.Tensor] | None = None,
                  val_batches: Sequence[torch.Tensor] = ()) -> None:
@@ -147,13 +193,13 @@ class PipelineSchedule:
             self._bar.close()
 
     # ------------------------------------------------------------------ waiting
-    def _upstream(self) -> list[PeerLink]:
+    def _upstream(self) -> list[NeighbourLink]:
         return [self.links.upstream] if self.links.upstream is not None else []
 
-    def _downstream(self) -> list[PeerLink]:
+    def _downstream(self) -> list[NeighbourLink]:
         return [self.links.downstream] if self.links.downstream is not None else []
 
-    def _expected(self) -> list[PeerLink]:
+    def _expected(self) -> list[NeighbourLink]:
         """Who the next pipeline message should come from: downstream while gradients are due."""
         if self.links.upstream is None or (self._awaiting_grads and self.links.downstream is not None):
             return self._downstream()
