@@ -21,6 +21,7 @@ from pathlib import Path
 from mapl_swarm.config import TrainConfig
 from mapl_swarm.errors import MaplError
 from mapl_swarm.net.discovery import Discovery, DiscoveryConfig
+from mapl_swarm.pipeline.payload import BACKWARD_KINDS, FORWARD_KINDS, kind_bytes
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +53,8 @@ def summarize(out_dir: str | Path, num_stages: int) -> SwarmSummary:
         wf = res[b]["wire_tx"].get(f"stage{b + 1}", {})
         wb = res[b + 1]["wire_tx"].get(f"stage{b}", {})
         links.append({
-            "forward_payload": (fwd.get("act", 0) + fwd.get("ids", 0) + fwd.get("proj", 0)
-                                + fwd.get("codebook", 0)) / tokens,
-            "backward_payload": (bwd.get("grad", 0) + bwd.get("proj_grad", 0) + bwd.get("grad_codebook", 0))
-                                / tokens,
+            "forward_payload": kind_bytes(fwd, FORWARD_KINDS) / tokens,
+            "backward_payload": kind_bytes(bwd, BACKWARD_KINDS) / tokens,
             "forward_wire": sum(wf.values()) / tokens,
             "backward_wire": sum(wb.values()) / tokens,
             "payload_by_kind": {**{f"fwd_{k}": v / tokens for k, v in fwd.items()},

@@ -41,7 +41,9 @@ def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool 
 
     from mapl_swarm.config import model_fingerprint
     from mapl_swarm.data import BatchSampler, prepare_data, validation_batches
+    from mapl_swarm.peer.compute import ComputeThread
     from mapl_swarm.peer.runtime import Peer
+    from mapl_swarm.peer.step_end import HealthAndCheckpoint
     from mapl_swarm.pipeline import checkpoint
     from mapl_swarm.pipeline.stage import StageRuntime
     from mapl_swarm.pipeline.trainer import check_vocab, resolve_device
@@ -65,8 +67,11 @@ def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool 
             if sampler is not None:
                 sampler.load_state_dict(state["data"])
             log.info("stage %d resumed from step %d", stage, start)
+    compute = ComputeThread(f"stage{stage}")
+    on_step_end = HealthAndCheckpoint(cfg, stage, rt, compute, sampler=sampler)
     return Peer(cfg, stage, rt, fingerprint=fingerprint, resolve=resolve, announce=announce, sampler=sampler,
-                val_batches=val, progress=progress and stage == 0, start_step=start, secret=secret)
+                val_batches=val, progress=progress and stage == 0, start_step=start, secret=secret,
+                compute=compute, on_step_end=on_step_end)
 
 
 def run_peer(cfg: TrainConfig, stage: int, *, initial_peers: Sequence[str] = (), resume: bool = False,

@@ -1,45 +1,223 @@
-"""The 1F1B pipeline schedule of a stage peer (the :class:`~.runtime.Peer` mixes it in).
+"""The 1F1B pipeline schedule of a stage peer, given its runtime, links, mailbox and compute thread.
 
-Stage 1 (index 0) reads the data and keeps up to ``net.max_in_flight`` micro-batches in flight:
-after the warm-up forwards it sends one new forward per returned gradient (1F1B). Later stages
-react: ACT -> forward (the last stage also runs the backward at once), GRAD -> backward. After a
-step's M backwards every stage flushes: receiver sends PROJ_GRAD upstream, sender adds it, steps,
-and sends the new PROJ (with its version) downstream before the next step's first ACT. The last
-stage reports each step's loss upstream (REPORT, relayed stage by stage) so stage 1 shows one
-progress bar for the whole swarm. Validation: stage 1 sends eval ACTs; the last stage reports the
-mean loss. The end: stage 1 sends BYE down the pipeline once the last report arrived.
+Stage 1 (index 0) reads the data and keeps up to ``max_in_flight`` micro-batches in flight: after
+the warm-up forwards it sends one new forward per returned gradient (1F1B). Later stages react:
+ACT -> forward (the last stage also runs the backward at once), GRAD -> backward. After a step's M
+backwards every stage flushes: receiver sends PROJ_GRAD upstream, sender adds it, steps, and sends
+the new PROJ (with its version) downstream before the next step's first ACT; then the step-end hook
+(health record, checkpoint: the run policy's business) runs. The last stage reports each step's
+loss upstream (REPORT, relayed stage by stage) so stage 1 shows one progress bar for the whole
+swarm. Validation: stage 1 sends eval ACTs; the last stage reports the mean loss. The end: stage 1
+sends BYE down the pipeline once the last report arrived.
 
-MAPL+VQ: a compute that encodes and the send of its payload happen under ``encode_lock`` (a
-retransmission takes it too); a received message whose codes cannot be decoded raises
-:class:`~.vq_link.Retransmitting` and is dropped, its copy follows.
+The schedule sends and receives only through ``links.upstream`` / ``links.downstream``
+(:class:`NeighbourLink`, e.g. :class:`~.link.PeerLink`), in payload terms: never stage numbers,
+the transport or message framing. MAPL+VQ: a compute that encodes and the send of its payload
+happen under the compute thread's ``encode_lock`` (a retransmission takes it too); a received
+message whose codes cannot be decoded raises :class:`~.vq_link.Retransmitting` and is dropped,
+its copy follows.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from tqdm import tqdm
 
 from mapl_swarm.errors import MaplError
-from mapl_swarm.peer.tensors import from_wire
-from mapl_swarm.peer.vq_link import Retransmitting, act_payload, act_tensors, grad_payload, grad_tensors
-from mapl_swarm.pipeline import checkpoint
-from mapl_swarm.pipeline.probe import append_health
+from mapl_swarm.peer.vq_link import Retransmitting
 from mapl_swarm.wire import Message, MessageType
+
+if TYPE_CHECKING:
+    import torch
+
+    from mapl_swarm.config import TrainConfig
+    from mapl_swarm.peer.compute import ComputeThread
+    from mapl_swarm.peer.mailbox import Mailbox
+    from mapl_swarm.peer.result import PeerResult
+    from mapl_swarm.peer.waiting import WaitingLog
+    from mapl_swarm.pipeline.stage import StageRuntime
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PipelineSchedule"]
+__all__ = ["PipelineSchedule", "ScheduleSettings", "StepEndHook", "NeighbourLink", "NeighbourLinks"]
 
 MT = MessageType
+T = TypeVar("T")
+
+
+class NeighbourLink(Protocol):
+    """What the schedule uses of a link to a neighbour (:class:`~.link.PeerLink` is one)."""
+
+    stage: int
+    """The neighbour's stage (waiting lines only)."""
+    endpoint: str | None
+    """Where it is, once known (waiting lines only)."""
+
+    async def send_act(self, step: int, micro: int, payload: Mapping[str, torch.Tensor], *, eval_mode: bool,
+                       pver: int) -> None: ...
+
+    async def send_grad(self, step: int, micro: int, payload: Mapping[str, torch.Tensor]) -> None: ...
+
+    async def send_projector(self, step: int, projector: torch.Tensor, pver: int) -> None: ...
+
+    async def send_projector_grad(self, step: int, grad: torch.Tensor, *, micro_batches: int) -> None: ...
+
+    async def send_report(self, step: int, meta: dict) -> None: ...
+
+    async def send_bye(self, meta: dict) -> None: ...
+
+    def act_payload(self, msg: Message) -> dict: ...
+
+    def grad_payload(self, msg: Message) -> dict: ...
+
+    def projector(self, msg: Message) -> torch.Tensor: ...
+
+    def projector_grad(self, msg: Message) -> torch.Tensor: ...
+
+    async def decoded(self, work: Awaitable[T], msg: Message) -> T: ...
+
+    async def on_codebook_slice(self, msg: Message) -> None: ...
+
+
+class NeighbourLinks(Protocol):
+    """A peer's links as the schedule sees them (:class:`~.link.Links` is one)."""
+
+    upstream: NeighbourLink | None
+    """None on stage 1."""
+    downstream: NeighbourLink | None
+    """None on the last stage."""
+
+    def sender(self, msg: Message) -> NeighbourLink | None: ...
+
+StepEndHook = Callable[[int, dict], Awaitable[None]]
+"""``await on_step_end(steps_done, step_metrics)`` after each optimizer step (and its PROJ send)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleSettings:
+    """What the schedule needs of the run's configuration."""
+
+    num_micro_batches: int
+    """M: micro-batches per optimizer step."""
+    steps: int
+    """Optimizer steps of the whole run."""
+    start_step: int = 0
+    """First step to run (resumed runs)."""
+    max_in_flight: int
+    """Micro-batches stage 1 keeps in flight."""
+    val_interval_steps: int = 0
+    """Validate every this many steps (and after the last); 0 never."""
+    val_batches: int = 0
+    """Held-out micro-batches per validation."""
+    timeout_s: float
+    """Longest wait for any one message."""
+    progress: bool = False
+    """Stage 1: show the swarm's progress bar."""
+    progress_desc: str = ""
+    """Its label."""
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig, *, start_step: int = 0, progress: bool = False) -> "ScheduleSettings":
+        run = cfg.run
+        return cls(num_micro_batches=run.num_micro_batches, steps=run.steps, start_step=start_step,
+                   max_in_flight=cfg.net.max_in_flight or run.num_stages, val_interval_steps=run.val_interval_steps,
+                   val_batches=run.val_batches, timeout_s=cfg.net.timeout_s, progress=progress,
+                   progress_desc=f"swarm {cfg.compression.codec} P={run.num_stages}")
 
 
 class PipelineSchedule:
-    """Stage 1's driver, every stage's serving loop, the step flush and the payload sends; uses the
-    peer's plumbing (``rt``, ``mailbox``, ``_send``, ``_next``, ``_compute``, ``_decode``)."""
+    """Stage 1's driver, every stage's serving loop, the step flush and the loss reports."""
 
-    async def _wait_report(self, mode: str, count: int, timeout_s: float) -> None:
+    def __init__(self, runtime: StageRuntime, links: NeighbourLinks, mailbox: Mailbox, compute: ComputeThread, *,
+                 name: str, settings: ScheduleSettings, result: PeerResult, waits: WaitingLog,
+                 on_step_end: StepEndHook, sampler: Iterator[torch.Tensor] | None = None,
+                 val_batches: Sequence[torch.Tensor] = ()) -> None:
+        self.rt = runtime
+        self.links = links
+        self.mailbox = mailbox
+        self.compute = compute
+        self.name = name
+        self.s = settings
+        self.result = result
+        self.waits = waits
+        self.on_step_end = on_step_end
+        self.sampler = sampler
+        self.val_batches = list(val_batches)
+        self.M = settings.num_micro_batches
+        self._reports: list[Message] = []
+        self._report_event = asyncio.Event()
+        self._bar: tqdm | None = None
+        self._t0 = 0.0
+        self._last_train_loss: list[float] = []  # last stage: losses of the current step
+        self._backwards = 0  # middle stages: backwards done in the current step
+        self._eval_losses: list[float] = []
+        self._awaiting_grads = 0  # train ACTs sent downstream whose GRAD has not come back yet
+
+    # ------------------------------------------------------------------ entry points
+    async def run(self) -> None:
+        """Stage 1 drives the steps, later stages serve until BYE; sets ``result.wall_s``."""
+        # a resumed receiver's checkpoint may hold the projector of before the sender's last
+        # step: the sender's copy is authoritative, so send it before any ACT
+        await self._send_projector(self.s.start_step)
+        self._t0 = time.perf_counter()
+        if self.links.upstream is None:
+            await self._drive()
+        else:
+            await self._serve()
+        self.result.wall_s = time.perf_counter() - self._t0
+
+    async def on_report(self, msg: Message) -> None:
+        """A REPORT from downstream: stage 1 records it, other stages relay it upstream."""
+        if self.links.upstream is not None:
+            await self.links.upstream.send_report(msg.step, dict(msg.meta))
+            return
+        self._reports.append(msg)
+        self._report_event.set()
+        if msg.meta.get("mode") == "train":
+            self.result.train_losses.append(float(msg.meta["loss"]))
+            self.result.report_times_s.append(time.perf_counter() - self._t0)
+            self.result.tokens += int(msg.meta["tokens"])
+            if self._bar is not None:
+                elapsed = max(time.perf_counter() - self._t0, 1e-9)
+                self._bar.set_postfix(loss=f"{msg.meta['loss']:.3f}", tok_s=f"{self.result.tokens / elapsed:.0f}")
+                self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+    # ------------------------------------------------------------------ waiting
+    def _upstream(self) -> list[NeighbourLink]:
+        return [self.links.upstream] if self.links.upstream is not None else []
+
+    def _downstream(self) -> list[NeighbourLink]:
+        return [self.links.downstream] if self.links.downstream is not None else []
+
+    def _expected(self) -> list[NeighbourLink]:
+        """Who the next pipeline message should come from: downstream while gradients are due."""
+        if self.links.upstream is None or (self._awaiting_grads and self.links.downstream is not None):
+            return self._downstream()
+        return self._upstream()
+
+    async def _next(self, types: list[MessageType], what: str) -> Message:
+        """The next message of ``types``, applying the codebook slices that arrive before it."""
+        while True:
+            msg = await self.waits.wait(self.mailbox.get([*types, MT.CODEBOOK_SLICE], self.s.timeout_s, what),
+                                        self._expected)
+            if msg.type != MT.CODEBOOK_SLICE:
+                return msg
+            await self.links.sender(msg).on_codebook_slice(msg)
+
+    async def _wait_report(self, mode: str, count: int) -> None:
+        await self.waits.wait(self._reports_in(mode, count, self.s.timeout_s), self._downstream)
+
+    async def _reports_in(self, mode: str, count: int, timeout_s: float) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while sum(1 for r in self._reports if r.meta.get("mode") == mode) < count:
@@ -56,119 +234,98 @@ class PipelineSchedule:
 
     # ------------------------------------------------------------------ stage 1
     async def _drive(self) -> None:
-        run = self.cfg.run
-        in_flight = self.cfg.net.max_in_flight or self.P
-        if self.progress:
-            self._bar = tqdm(total=run.steps, initial=self.start_step, unit="step", dynamic_ncols=True,
-                             desc=f"swarm {self.cfg.compression.codec} P={self.P}")
-        timeout = self.cfg.net.timeout_s
-        for step in range(self.start_step, run.steps):
+        s = self.s
+        down = self.links.downstream
+        if s.progress:
+            self._bar = tqdm(total=s.steps, initial=s.start_step, unit="step", dynamic_ncols=True,
+                             desc=s.progress_desc)
+        for step in range(s.start_step, s.steps):
             batches = [next(self.sampler) for _ in range(self.M)]
             sent = done = 0
             while done < self.M:
-                while sent < self.M and sent - done < in_flight:
+                while sent < self.M and sent - done < s.max_in_flight:
                     await self._forward_and_send(step, sent, ids=batches[sent])
                     sent += 1
-                msg = await self._next([MT.GRAD], timeout, "(gradient) ")
+                msg = await self._next([MT.GRAD], "(gradient) ")
                 try:
-                    await self._decode(self._compute(self.rt.backward, msg.micro, grad_payload(msg),
-                                                     cver=msg.cver), msg)
+                    await down.decoded(self.compute.run(self.rt.backward, msg.micro, down.grad_payload(msg),
+                                                        cver=msg.cver), msg)
                 except Retransmitting:
                     continue
+                self._awaiting_grads -= 1
                 done += 1
             await self._flush(step)
             done_steps = step + 1
-            if run.val_interval_steps and (done_steps % run.val_interval_steps == 0 or done_steps == run.steps):
+            if s.val_interval_steps and (done_steps % s.val_interval_steps == 0 or done_steps == s.steps):
                 await self._validate(done_steps)
-        await self._wait_report("train", run.steps - self.start_step, timeout)
-        if self.down is not None:
-            await self._send(self.down, MT.BYE, meta={"reason": "training finished"})
+        await self._wait_report("train", s.steps - s.start_step)
+        if down is not None:
+            await down.send_bye({"reason": "training finished"})
 
     async def _validate(self, step: int) -> None:
-        if self.P == 1:
+        down = self.links.downstream
+        if down is None:
             return
         before = sum(1 for r in self._reports if r.meta.get("mode") == "eval")
         for i, ids in enumerate(self.val_batches):
-            async with self.encode_lock:
-                res = await self._compute(self.rt.forward, -1 - i, ids=ids, train=False)
-                await self._send_act(step, i, res.payload, eval_mode=True)
-        await self._wait_report("eval", before + 1, self.cfg.net.timeout_s)
+            async with self.compute.encode_lock:
+                res = await self.compute.run(self.rt.forward, -1 - i, ids=ids, train=False)
+                await down.send_act(step, i, res.payload, eval_mode=True, pver=self._pver())
+        await self._wait_report("eval", before + 1)
         report = [r for r in self._reports if r.meta.get("mode") == "eval"][-1]
         self.result.val_history.append((step, float(report.meta["loss"])))
         log.info("step %d: val loss %.4f", step, report.meta["loss"])
 
     # ------------------------------------------------------------------ every stage
+    def _pver(self) -> int:
+        return self.rt.outbound.version if self.rt.outbound is not None else 0
+
     async def _forward_and_send(self, step: int, micro: int, *, ids=None, msg: Message | None = None) -> None:
         """Forward of a micro-batch (stage 1: ``ids``; later: the ACT ``msg``) and its ACT."""
-        async with self.encode_lock:
-            work = self._compute(self.rt.forward, micro, ids=ids, payload=None if msg is None else act_payload(msg),
-                                 train=True, cver=None if msg is None else msg.cver)
-            res = await (work if msg is None else self._decode(work, msg))
-            await self._send_act(step, micro, res.payload, eval_mode=False)
-
-    async def _send_act(self, step: int, micro: int, payload: dict, *, eval_mode: bool) -> None:
-        """ACT downstream, after the codebook slices it needs (mapl_vq)."""
-        if self.vq_link is not None:
-            await self.vq_link.send_slices(self.down, "act", step, micro)
-            self.vq_link.remember("act", "eval" if eval_mode else "train", step, micro, payload)
-        pver = self.rt.outbound.version if self.rt.outbound is not None else 0
-        tensors, kinds = act_tensors(payload, eval_mode=eval_mode)
-        await self._send(self.down, MT.ACT, step=step, micro=micro, pver=pver,
-                         meta={"mode": "eval" if eval_mode else "train"}, tensors=tensors,
-                         payload_kinds=kinds, cver=self.rt.codebook_version("act"))
-
-    async def _send_grad(self, step: int, micro: int, payload: dict) -> None:
-        """GRAD upstream, after the codebook slices it needs (mapl_vq)."""
-        if self.vq_link is not None:
-            await self.vq_link.send_slices(self.up, "grad", step, micro)
-            self.vq_link.remember("grad", "train", step, micro, payload)
-        tensors, kinds = grad_tensors(payload)
-        await self._send(self.up, MT.GRAD, step=step, micro=micro, tensors=tensors, payload_kinds=kinds,
-                         cver=self.rt.codebook_version("grad"))
+        up, down = self.links.upstream, self.links.downstream
+        async with self.compute.encode_lock:
+            payload = None if msg is None else up.act_payload(msg)
+            work = self.compute.run(self.rt.forward, micro, ids=ids, payload=payload, train=True,
+                                    cver=None if msg is None else msg.cver)
+            res = await (work if msg is None else up.decoded(work, msg))
+            await down.send_act(step, micro, res.payload, eval_mode=False, pver=self._pver())
+        self._awaiting_grads += 1
 
     async def _send_projector(self, step: int) -> None:
         proj = self.rt.outbound_projector()
         if proj is not None:
-            await self._send(self.down, MT.PROJ, step=step, pver=proj[1], tensors={"proj": proj[0]},
-                             payload_kinds={"proj": "proj"})
+            await self.links.downstream.send_projector(step, proj[0], proj[1])
 
     async def _flush(self, step: int) -> None:
-        """End of step: projector gradient up, optimizer step, projector down, checkpoint."""
-        timeout = self.cfg.net.timeout_s
-        if self.up is not None:
+        """End of step: projector gradient up, optimizer step, projector down, step-end hook."""
+        up, down = self.links.upstream, self.links.downstream
+        if up is not None:
             g = self.rt.take_inbound_projector_grad()
             if g is not None:
-                await self._send(self.up, MT.PROJ_GRAD, step=step, meta={"micro_batches": self.M},
-                                 tensors={"grad": g}, payload_kinds={"grad": "proj_grad"})
+                await up.send_projector_grad(step, g, micro_batches=self.M)
         proj_before = self.rt.outbound_projector()
         if proj_before is not None:
-            msg = await self.mailbox.get([MT.PROJ_GRAD], timeout, "(projector gradient) ")
+            msg = await self.waits.wait(
+                self.mailbox.get([MT.PROJ_GRAD], self.s.timeout_s, "(projector gradient) "), self._downstream)
             if msg.step != step:
                 raise MaplError(f"{self.name}: PROJ_GRAD for step {msg.step} while finishing step {step}")
-            self.rt.add_outbound_projector_grad(from_wire(msg.tensors["grad"]))
-        step_metrics = await self._compute(self.rt.step)
-        append_health(self.cfg.run.out_dir, self.stage, step + 1, step_metrics)  # run.health_interval_steps
+            self.rt.add_outbound_projector_grad(down.projector_grad(msg))
+        step_metrics = await self.compute.run(self.rt.step)
         await self._send_projector(step + 1)
-        every = self.cfg.run.checkpoint_interval_steps
-        done = step + 1
-        if every and (done % every == 0 or done == self.cfg.run.steps):
-            state = self.rt.state_dict()
-            if self.sampler is not None:
-                state["data"] = self.sampler.state_dict()
-            await self._compute(checkpoint.save_stage, self.cfg.run.out_dir, done, self.stage, state)
+        await self.on_step_end(step + 1, step_metrics)
 
     async def _serve(self) -> None:
         """Stages 2..P: react to ACT / GRAD / PROJ until BYE."""
-        timeout = self.cfg.net.timeout_s
+        up, down = self.links.upstream, self.links.downstream
         while True:
-            msg = await self._next([MT.ACT, MT.GRAD, MT.PROJ, MT.BYE], timeout, "(pipeline) ")
+            msg = await self._next([MT.ACT, MT.GRAD, MT.PROJ, MT.BYE], "(pipeline) ")
             if msg.type == MT.BYE:
-                if self.down is not None:
-                    await self._send(self.down, MT.BYE, meta=dict(msg.meta))
+                if down is not None:
+                    await down.send_bye(dict(msg.meta))
                 return
             try:
                 if msg.type == MT.PROJ:
-                    await self._compute(self.rt.load_inbound_projector, from_wire(msg.tensors["proj"]), msg.pver)
+                    await self.compute.run(self.rt.load_inbound_projector, up.projector(msg), msg.pver)
                 elif msg.type == MT.GRAD:
                     await self._on_grad(msg)
                 elif msg.meta.get("mode") == "eval":
@@ -180,10 +337,12 @@ class PipelineSchedule:
 
     async def _on_grad(self, msg: Message) -> None:
         """Middle stage: backward, GRAD upstream; the step's last one flushes."""
-        async with self.encode_lock:
-            grad = await self._decode(self._compute(self.rt.backward, msg.micro, grad_payload(msg), cver=msg.cver),
-                                      msg)
-            await self._send_grad(msg.step, msg.micro, grad)
+        up, down = self.links.upstream, self.links.downstream
+        async with self.compute.encode_lock:
+            grad = await down.decoded(self.compute.run(self.rt.backward, msg.micro, down.grad_payload(msg),
+                                                       cver=msg.cver), msg)
+            await up.send_grad(msg.step, msg.micro, grad)
+        self._awaiting_grads -= 1
         self._backwards += 1
         if self._backwards == self.M:
             self._backwards = 0
@@ -192,35 +351,35 @@ class PipelineSchedule:
     async def _on_act(self, msg: Message) -> None:
         """Train ACT: forward and ACT downstream; the last stage also runs the backward at once
         (1F1B's tail), and after the step's last one flushes and reports the loss."""
+        up = self.links.upstream
         inbound = self.rt.inbound
         if inbound is not None and inbound.trainable and msg.pver != inbound.version:
             raise MaplError(f"{self.name}: ACT made with projector v{msg.pver}, this stage holds "
                             f"v{inbound.version}")
-        if self.down is not None:
+        if self.links.downstream is not None:
             await self._forward_and_send(msg.step, msg.micro, msg=msg)
             return
-        async with self.encode_lock:
-            res = await self._decode(self._compute(self.rt.forward, msg.micro, payload=act_payload(msg), train=True,
-                                                   cver=msg.cver), msg)
-            grad = await self._compute(self.rt.backward, msg.micro, None)
-            await self._send_grad(msg.step, msg.micro, grad)
+        async with self.compute.encode_lock:
+            res = await up.decoded(self.compute.run(self.rt.forward, msg.micro, payload=up.act_payload(msg),
+                                                    train=True, cver=msg.cver), msg)
+            grad = await self.compute.run(self.rt.backward, msg.micro, None)
+            await up.send_grad(msg.step, msg.micro, grad)
         self._last_train_loss.append(res.loss)
         if len(self._last_train_loss) == self.M:
             losses, self._last_train_loss = self._last_train_loss, []
             await self._flush(msg.step)
-            await self._send(self.up, MT.REPORT, step=msg.step + 1,
-                             meta={"mode": "train", "loss": sum(losses) / len(losses),
-                                   "tokens": res.tokens * len(losses)})
+            await up.send_report(msg.step + 1, {"mode": "train", "loss": sum(losses) / len(losses),
+                                                "tokens": res.tokens * len(losses)})
 
     async def _eval_forward(self, msg: Message) -> None:
-        async with self.encode_lock:
-            res = await self._decode(self._compute(self.rt.forward, -1 - msg.micro, payload=act_payload(msg),
-                                                   train=False, cver=msg.cver), msg)
-            if self.down is not None:
-                await self._send_act(msg.step, msg.micro, res.payload, eval_mode=True)
+        up, down = self.links.upstream, self.links.downstream
+        async with self.compute.encode_lock:
+            res = await up.decoded(self.compute.run(self.rt.forward, -1 - msg.micro, payload=up.act_payload(msg),
+                                                    train=False, cver=msg.cver), msg)
+            if down is not None:
+                await down.send_act(msg.step, msg.micro, res.payload, eval_mode=True, pver=self._pver())
                 return
         self._eval_losses.append(res.loss)
-        if len(self._eval_losses) == self.cfg.run.val_batches:
+        if len(self._eval_losses) == self.s.val_batches:
             losses, self._eval_losses = self._eval_losses, []
-            await self._send(self.up, MT.REPORT, step=msg.step,
-                             meta={"mode": "eval", "loss": sum(losses) / len(losses), "tokens": 0})
+            await up.send_report(msg.step, {"mode": "eval", "loss": sum(losses) / len(losses), "tokens": 0})

@@ -11,33 +11,17 @@ step because weights only change at the step's flush, and gradients accumulate i
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 
 from mapl_swarm.config import TrainConfig
+from mapl_swarm.pipeline.payload import LinkCounter, LinkKind, PayloadKey, Stream, WireName
 from mapl_swarm.pipeline.stage import StageRuntime
 
 log = logging.getLogger(__name__)
 
-__all__ = ["InProcessPipeline", "LinkCounter", "StepResult"]
-
-
-class LinkCounter:
-    """Payload bytes per message kind crossing one boundary."""
-
-    def __init__(self) -> None:
-        self.bytes: dict[str, int] = defaultdict(int)
-        self.messages: dict[str, int] = defaultdict(int)
-
-    def add(self, kind: str, tensors: dict[str, torch.Tensor] | torch.Tensor) -> None:
-        items = tensors.values() if isinstance(tensors, dict) else [tensors]
-        self.bytes[kind] += sum(t.numel() * t.element_size() for t in items)
-        self.messages[kind] += 1
-
-    def total(self) -> int:
-        return sum(self.bytes.values())
+__all__ = ["InProcessPipeline", "LinkCounter", "StepResult"]  # LinkCounter: re-exported from .payload
 
 
 @dataclass
@@ -60,13 +44,13 @@ class InProcessPipeline:
         self.stages = [StageRuntime(cfg, s, device) for s in range(cfg.run.num_stages)]
         self.links = [LinkCounter() for _ in range(cfg.run.num_stages - 1)]
 
-    def _deliver_slices(self, src: int, dst: int, stream: str, count: bool) -> int:
+    def _deliver_slices(self, src: int, dst: int, stream: Stream, count: bool) -> int:
         """Move stage ``src``'s queued ``stream`` slices to stage ``dst``; returns the payload cver."""
         link = self.links[min(src, dst)]
         for sl in self.stages[src].take_slices(stream):
             if count:
-                link.add("codebook" if stream == "act" else "grad_codebook",
-                         {"codes": sl.codes, **({} if sl.index is None else {"index": sl.index})})
+                link.add(stream.slice_kind,
+                         {WireName.CODES: sl.codes, **({} if sl.index is None else {WireName.INDEX: sl.index})})
             self.stages[dst].apply_slice(sl)
         return self.stages[src].codebook_version(stream)
 
@@ -78,10 +62,11 @@ class InProcessPipeline:
             result = stage.forward(micro, ids=ids if s == 0 else None, payload=payload, train=train, cver=cver)
             payload = result.payload
             if payload is not None:
-                cver = self._deliver_slices(s, s + 1, "act", train)
+                cver = self._deliver_slices(s, s + 1, Stream.ACT, train)
             if payload is not None and train:
-                self.links[s].add("act", payload["codes"] if "codes" in payload else payload["act"])
-                self.links[s].add("ids", payload["ids"])
+                act = PayloadKey.CODES if PayloadKey.CODES in payload else PayloadKey.ACT
+                self.links[s].add(LinkKind.ACT, payload[act])
+                self.links[s].add(LinkKind.IDS, payload[PayloadKey.IDS])
         assert result is not None and result.loss is not None
         return result.loss, result.tokens
 
@@ -97,8 +82,9 @@ class InProcessPipeline:
             for s in range(len(self.stages) - 1, -1, -1):
                 grad = self.stages[s].backward(micro, grad, cver=cver)
                 if grad is not None:
-                    cver = self._deliver_slices(s, s - 1, "grad", True)
-                    self.links[s - 1].add("grad", grad["codes"] if "codes" in grad else grad["grad"])
+                    cver = self._deliver_slices(s, s - 1, Stream.GRAD, True)
+                    key = PayloadKey.CODES if PayloadKey.CODES in grad else PayloadKey.GRAD
+                    self.links[s - 1].add(LinkKind.GRAD, grad[key])
         return losses, tokens
 
     def finish_step(self) -> dict[str, float]:
@@ -106,7 +92,7 @@ class InProcessPipeline:
         for b, link in enumerate(self.links):
             g = self.stages[b + 1].take_inbound_projector_grad()
             if g is not None:
-                link.add("proj_grad", g)
+                link.add(LinkKind.PROJ_GRAD, g)
                 self.stages[b].add_outbound_projector_grad(g)
         codecs = [stage.codec for stage in self.stages]
         codecs[0].before_pipeline_step(codecs, self.stages[0].step_count)  # e.g. SSN's refresh of U
@@ -117,7 +103,7 @@ class InProcessPipeline:
         for b, link in enumerate(self.links):
             proj = self.stages[b].outbound_projector()
             if proj is not None:
-                link.add("proj", proj[0])
+                link.add(LinkKind.PROJ, proj[0])
                 self.stages[b + 1].load_inbound_projector(*proj)
         return metrics
 

@@ -19,6 +19,7 @@ from mapl_swarm.errors import ConfigError
 from mapl_swarm.metrics import JsonlWriter, run_manifest
 from mapl_swarm.pipeline import checkpoint
 from mapl_swarm.pipeline.inprocess import InProcessPipeline
+from mapl_swarm.pipeline.payload import BACKWARD_KINDS, FORWARD_KINDS, kind_bytes
 
 log = logging.getLogger(__name__)
 
@@ -152,8 +153,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
     total_tok = max(tokens_total, 1)
     per_boundary = []
     for link in pipe.links:
-        fwd = link.bytes["act"] + link.bytes["ids"] + link.bytes["proj"] + link.bytes["codebook"]
-        bwd = link.bytes["grad"] + link.bytes["proj_grad"] + link.bytes["grad_codebook"]
+        fwd, bwd = kind_bytes(link.bytes, FORWARD_KINDS), kind_bytes(link.bytes, BACKWARD_KINDS)
         per_boundary.append({"forward": fwd / total_tok, "backward": bwd / total_tok,
                              "total": (fwd + bwd) / total_tok})
     return TrainSummary(steps=run.steps, final_train_loss=loss, final_val_loss=val_history[-1][1],

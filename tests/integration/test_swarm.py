@@ -67,7 +67,7 @@ def test_other_major_version_refused(tmp_path, cache):
     dht, maddr = start_dht()
     script = (  # a stage-1 peer whose every header claims protocol 2.0
         "import sys, msgpack\n"
-        "import mapl_swarm.peer.runtime as rtm\n"
+        "import mapl_swarm.peer.link as rtm\n"
         "_encode = rtm.encode\n"
         "def encode_v2(msg, **kw):\n"
         "    frames = _encode(msg, **kw)\n"

@@ -47,16 +47,17 @@ class Directory:
 
 def lose(peer, stream: str, step: int, micro: int, lost: list) -> None:
     """Make ``peer`` silently lose its ``stream`` CODEBOOK_SLICE of (step, micro) once."""
-    send = peer._send
+    link = next(link for link in peer.links if link.tx_stream == stream)
+    send = link.send
 
-    async def lossy(dst, mtype, **kw):
+    async def lossy(mtype, **kw):
         if (mtype == MessageType.CODEBOOK_SLICE and kw["meta"]["stream"] == stream and not lost
                 and (kw.get("step"), kw.get("micro")) == (step, micro)):
             lost.append((stream, step, micro, kw["cver"]))
             return
-        await send(dst, mtype, **kw)
+        await send(mtype, **kw)
 
-    peer._send = lossy
+    link.send = lossy
 
 
 def test_lost_slices_are_healed_by_resync_and_retransmission(tmp_path):

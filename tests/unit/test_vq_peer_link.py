@@ -1,4 +1,4 @@
-"""A peer's codebook link: rejected slices are counted (never fatal), gaps and reconnects ask for RESYNC."""
+"""A peer link's codebook side: rejected slices are counted (never fatal), gaps and reconnects ask for RESYNC."""
 
 import asyncio
 import dataclasses
@@ -12,7 +12,8 @@ from mapl_swarm.compress.vq import VQSettings, decode_codes
 from mapl_swarm.compress.vq_stage import StageVQ
 from mapl_swarm.config import CompressionConfig
 from mapl_swarm.errors import MaplError
-from mapl_swarm.peer.vq_link import CodebookLink, Retransmitting
+from mapl_swarm.peer.link import LinkSettings, PeerLink
+from mapl_swarm.peer.vq_link import Retransmitting, codebook_summary
 from mapl_swarm.wire import Message, MessageType, decode, encode
 from mapl_swarm.wire.codebook import INDEXED_SLICES_CAPABILITY, RETRANSMIT_CAPABILITY, CodebookVersionMismatch
 
@@ -20,38 +21,50 @@ S = VQSettings.from_config(CompressionConfig(codec="mapl_vq", rank=8, vq_codeboo
                                              vq_slice_fraction=0.25, vq_kmeans_iters=2))
 
 
+SETTINGS = LinkSettings(run_id="r", stage=1, num_stages=3, fingerprint="f", capabilities=("1f1b",),
+                        max_frame_bytes=1 << 20)
+
+
+class Compute:
+    """The compute thread, run inline."""
+
+    def __init__(self) -> None:
+        self.encode_lock = asyncio.Lock()
+
+    async def run(self, fn, *args, **kwargs):
+        return fn(*args, **kwargs)
+
+
+class RecordingLink(PeerLink):
+    """A real link of stage 1 whose ``send`` records ``(neighbour, type, kwargs)`` instead of sending."""
+
+    async def send(self, mtype, **kw):
+        self.peer.sent.append((self.stage, mtype, kw))
+
+
 class StubPeer:
     """Stage 1 of 3: receives ``act`` from stage 0 and ``grad`` from stage 2; records what it sends."""
-
-    name, stage, up, down = "stage1", 1, 0, 2
 
     def __init__(self) -> None:
         vq = StageVQ(S, 1, has_inbound=True, has_outbound=True, seed=0)
         self.rt = SimpleNamespace(vq=vq, apply_slice=vq.apply_slice, take_slices=vq.take_slices,
-                                  reencode=vq.reencode)
+                                  reencode=vq.reencode,
+                                  codebook_version=lambda s: vq.version(s) if s in vq.tx else 0)
         self.sent: list[tuple[int, MessageType, dict]] = []
         self.bad: list[str] = []
-        self.neighbour_caps: dict[int, set[str]] = {}
-        self.encode_lock = asyncio.Lock()
         self.tasks: list[asyncio.Task] = []
-
-    async def _send(self, dst, mtype, **kw):
-        self.sent.append((dst, mtype, kw))
-
-    async def _compute(self, fn, *args, **kwargs):
-        return fn(*args, **kwargs)
+        self.up, self.down = (RecordingLink(SETTINGS, s, on_bad_frame=lambda _, why: self.bad.append(why))
+                              for s in (0, 2))
+        compute = Compute()
+        for link in (self.up, self.down):
+            link.peer = self
+            link.use_codebooks(self.rt, compute, spawn=self.spawn)
 
     def spawn(self, coro):
         self.tasks.append(asyncio.get_running_loop().create_task(coro))
 
-    async def _send_act(self, step, micro, payload, *, eval_mode):
-        await self.link.send_slices(self.down, "act", step, micro)
-        self.link.remember("act", "eval" if eval_mode else "train", step, micro, payload)
-        await self._send(self.down, MessageType.ACT, step=step, micro=micro, tensors=payload,
-                         meta={"mode": "eval" if eval_mode else "train"}, cver=self.rt.vq.version("act"))
-
-    def _bad_frame(self, sender, why):
-        self.bad.append(why)
+    def stats(self):
+        return codebook_summary(self.rt.vq, [self.up.codebooks, self.down.codebooks])
 
 
 def _wire(sl) -> Message:
@@ -60,7 +73,7 @@ def _wire(sl) -> Message:
 
 def test_slices_applied_rejections_counted_and_gaps_trigger_resync():
     peer = StubPeer()
-    link = peer.link = CodebookLink(peer)
+    up, down = peer.up, peer.down
     upstream = VQSender(S, "act", stream_generator(0, 0, "act"))  # stage 0's act sender
     gen = torch.Generator().manual_seed(0)
     slices = []
@@ -70,29 +83,32 @@ def test_slices_applied_rejections_counted_and_gaps_trigger_resync():
 
     async def scenario():
         for sl in slices[:2]:
-            await link.on_slice(_wire(sl))
-        await link.on_slice(_wire(slices[0]))  # replay: stale
+            await up.on_codebook_slice(_wire(sl))
+        await up.on_codebook_slice(_wire(slices[0]))  # replay: stale
         no_meta = _wire(slices[2])
         no_meta.meta = {}
-        await link.on_slice(no_meta)  # malformed
-        await link.on_slice(_wire(slices[3]))  # slice 2 was lost: future -> RESYNC
-        await link.on_slice(_wire(slices[4]))  # awaiting the resync: ignored
-        link.on_resync(Message(type=MessageType.RESYNC, run_id="r", src=2, dst=1,
+        await up.on_codebook_slice(no_meta)  # malformed
+        await up.on_codebook_slice(_wire(slices[3]))  # slice 2 was lost: future -> RESYNC
+        await up.on_codebook_slice(_wire(slices[4]))  # awaiting the resync: ignored
+        down.on_resync(Message(type=MessageType.RESYNC, run_id="r", src=2, dst=1,
                                meta={"stream": "act", "have": 0}))
-        await link.on_handshake(2)
-        await link.on_handshake(2)  # stage 2 handshakes again: it reconnected
+        hello = Message(type=MessageType.HELLO, run_id="r", src=2, dst=1, meta=SETTINGS.hello_meta())
+        await down.on_hello(hello)
+        await down.on_hello(hello)  # stage 2 handshakes again: it reconnected
         await asyncio.gather(*peer.tasks)
 
     asyncio.run(scenario())
-    assert link.stats["applied"] == 2 and link.stats["ignored"] == 1
-    assert dict(link.stats["rejected"]) == {"stale_slice": 1, "slice_malformed": 1, "future_slice": 1}
+    stats = peer.stats()
+    assert stats["applied"] == 2 and stats["ignored"] == 1
+    assert dict(stats["rejected"]) == {"stale_slice": 1, "slice_malformed": 1, "future_slice": 1}
     rx = peer.rt.vq.rx["act"]
     assert rx.version == 2 and rx.awaiting_resync
     resyncs = [(dst, kw["meta"]) for dst, t, kw in peer.sent if t == MessageType.RESYNC]
     assert resyncs == [(0, {"stream": "act", "have": 2, "reason": "future_slice"}),
                        (2, {"stream": "grad", "have": 0, "reason": "reconnected"})]
-    assert peer.rt.vq.tx["act"].resync_pending and link.stats["reconnects"] == 1
+    assert peer.rt.vq.tx["act"].resync_pending and stats["reconnects"] == 1
     assert peer.bad == []
+    assert [t for _, t, _ in peer.sent].count(MessageType.WELCOME) == 2
 
 
 def _codes_from(src: int, cver: int) -> Message:
@@ -102,17 +118,17 @@ def _codes_from(src: int, cver: int) -> Message:
 
 def test_undecodable_codes_ask_for_a_retransmission_only_from_peers_that_offer_it():
     peer = StubPeer()
-    link = peer.link = CodebookLink(peer)
+    link = peer.up.codebooks
 
     async def undecodable():
         raise CodebookVersionMismatch("codes encoded with codebook version 9, the receiver holds version 0")
 
     async def scenario():
         with pytest.raises(CodebookVersionMismatch):  # stage 0 did not advertise vq_retransmit
-            await link.guard(undecodable(), 0, (4, 2, "eval"))
-        peer.neighbour_caps[0] = {"vq_stream", RETRANSMIT_CAPABILITY}
+            await link.guard(undecodable(), (4, 2, "eval"))
+        peer.up.capabilities = frozenset({"vq_stream", RETRANSMIT_CAPABILITY})
         with pytest.raises(Retransmitting):
-            await link.guard(undecodable(), 0, (4, 2, "eval"))
+            await link.guard(undecodable(), (4, 2, "eval"))
 
     asyncio.run(scenario())
     resyncs = [(dst, kw["step"], kw["micro"], kw["meta"]) for dst, t, kw in peer.sent if t == MessageType.RESYNC]
@@ -128,7 +144,7 @@ def test_undecodable_codes_ask_for_a_retransmission_only_from_peers_that_offer_i
 
 def test_retransmission_sends_a_full_slice_then_the_same_values_reencoded():
     peer = StubPeer()
-    link = peer.link = CodebookLink(peer)
+    link = peer.down
     vq = peer.rt.vq
     gen = torch.Generator().manual_seed(1)
     z = torch.randn(2, 16, 8, generator=gen)
@@ -138,9 +154,9 @@ def test_retransmission_sends_a_full_slice_then_the_same_values_reencoded():
     async def scenario():
         for micro in range(3):  # train micro-batches 0..2 of step 4, then eval micro-batch 0 (key -1)
             codes = vq.encode("act", z + micro, learn=True, key=micro)
-            await peer._send_act(4, micro, {"codes": codes, "ids": ids}, eval_mode=False)
-        await peer._send_act(4, 0, {"codes": vq.encode("act", z * 2, learn=False, key=-1), "ids": ids},
-                             eval_mode=True)
+            await link.send_act(4, micro, {"codes": codes, "ids": ids}, eval_mode=False, pver=0)
+        await link.send_act(4, 0, {"codes": vq.encode("act", z * 2, learn=False, key=-1), "ids": ids},
+                            eval_mode=True, pver=0)
         for _, t, kw in peer.sent:  # the receiver got every slice but the last train one (lost)
             if t == MessageType.CODEBOOK_SLICE and kw["cver"] != 3:
                 receiver.apply_slice(_wire_slice(kw))
@@ -159,7 +175,7 @@ def test_retransmission_sends_a_full_slice_then_the_same_values_reencoded():
                      (MessageType.CODEBOOK_SLICE, 4, 0, True, None), (MessageType.ACT, 4, 0, None, "eval"),
                      (MessageType.ERROR, None, None, None, None)]  # step 3 micro 1 is gone: ERROR
     assert peer.sent[-1][2]["meta"]["code"] == "retransmit_unavailable"
-    assert link.stats["retransmitted"] == 2
+    assert link.codebooks.stats["retransmitted"] == 2
     for (_, _, sl), (_, _, act), values in ((peer.sent[0], peer.sent[1], z + 2), (peer.sent[2], peer.sent[3], z * 2)):
         receiver.apply_slice(_wire_slice(sl))  # full slice: applied whatever the receiver's version
         decoded = receiver.decode("act", act["tensors"]["codes"], act["cver"])
@@ -182,14 +198,15 @@ def _wire_slice(kw: dict):
 
 def test_priority_slices_need_a_receiver_that_accepts_indexed_slices():
     peer = StubPeer()
-    link = CodebookLink(peer)
+    link = peer.down.codebooks
+
     def stage(order: str) -> StageVQ:
         return StageVQ(dataclasses.replace(S, slice_order=order), 1, has_inbound=True, has_outbound=True, seed=0)
 
     peer.rt.vq = stage("round_robin")
-    link.check_neighbour(2)  # contiguous slices: any vq_stream receiver
+    link.check_capabilities()  # contiguous slices: any vq_stream receiver
     peer.rt.vq = stage("priority")
     with pytest.raises(MaplError, match="vq_indexed_slices"):
-        link.check_neighbour(2)
-    peer.neighbour_caps[2] = {"vq_stream", INDEXED_SLICES_CAPABILITY}
-    link.check_neighbour(2)
+        link.check_capabilities()
+    peer.down.capabilities = frozenset({"vq_stream", INDEXED_SLICES_CAPABILITY})
+    link.check_capabilities()

@@ -1,0 +1,296 @@
+"""A peer's link to one neighbour: handshake state, framing, counting and sending of its messages.
+
+:class:`PeerLink` is everything this peer knows and does about one neighbour: where it is
+(``endpoint``), whether it welcomed us and what it advertised (``capabilities``), the link's
+outbound sequence numbers, how stage payloads become wire tensors and back (names from
+:mod:`mapl_swarm.pipeline.payload`), the payload byte counter, the send through the transport and,
+with mapl_vq, the link's side of the codebook streams (:class:`~.vq_link.CodebookLink`).
+
+The schedule talks to ``links.upstream`` / ``links.downstream`` (:class:`Links`) in payload terms
+(``send_act``, ``send_grad``, ``act_payload``, ``decoded``...), never to stage numbers or the
+transport, so per-link session keys, several replicas of a neighbour stage or re-routing can change
+what a link is without touching the schedule.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from mapl_swarm.net.emulator import LinkConfig
+from mapl_swarm.peer.tensors import from_wire, to_wire
+from mapl_swarm.peer.vq_link import CodebookLink
+from mapl_swarm.pipeline.payload import (
+    ACT_WIRE,
+    GRAD_WIRE,
+    LinkCounter,
+    LinkKind,
+    Stream,
+    WireName,
+    act_kind,
+)
+from mapl_swarm.wire import Message, MessageType, encode
+
+if TYPE_CHECKING:
+    import torch
+
+    from mapl_swarm.net.transport import Transport
+    from mapl_swarm.peer.compute import ComputeThread
+    from mapl_swarm.pipeline.stage import StageRuntime
+
+log = logging.getLogger(__name__)
+
+__all__ = ["LinkSettings", "PeerLink", "Links", "stage_name"]
+
+MT = MessageType
+T = TypeVar("T")
+
+
+def stage_name(stage: int) -> str:
+    """A stage's transport name (its ZeroMQ routing id and the name of links to it)."""
+    return f"stage{stage}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkSettings:
+    """What every link of one peer shares: who this peer is and how it frames its messages."""
+
+    run_id: str
+    """Run id in every header; messages of other runs are dropped."""
+    stage: int
+    """This peer's stage."""
+    num_stages: int
+    """Stages in the pipeline (checked at the handshake)."""
+    fingerprint: str
+    """Config fingerprint (model, codec, tokenizer); a neighbour with another one is refused."""
+    capabilities: tuple[str, ...]
+    """Advertised in HELLO/WELCOME."""
+    secret: bytes | None = None
+    """Shared run secret: frames carry an authentication tag."""
+    compress_ids: bool = True
+    """lz4 on integer tensors (ids, codes) when it helps; False sends every tensor raw."""
+    max_frame_bytes: int
+    """Largest tensor frame accepted or sent."""
+
+    @property
+    def name(self) -> str:
+        return stage_name(self.stage)
+
+    def hello_meta(self) -> dict[str, Any]:
+        """HELLO/WELCOME meta: fingerprint, stage count, capabilities, transport name."""
+        return {"fingerprint": self.fingerprint, "num_stages": self.num_stages,
+                "capabilities": list(self.capabilities), "peer": self.name}
+
+
+class PeerLink:
+    """This peer's link to neighbour ``stage`` (see the module docstring)."""
+
+    def __init__(self, settings: LinkSettings, stage: int, *,
+                 on_bad_frame: Callable[[str, str], None]) -> None:
+        self.settings = settings
+        self.stage = stage
+        """The neighbour's stage."""
+        self.name = stage_name(stage)
+        """The neighbour's transport name (the outbound link's name)."""
+        self.is_upstream = stage < settings.stage
+        self.tx_stream = Stream.GRAD if self.is_upstream else Stream.ACT
+        """The payload stream this peer sends on the link (gradients go upstream)."""
+        self.rx_stream = Stream.ACT if self.is_upstream else Stream.GRAD
+        """The payload stream this peer receives on the link."""
+        self.endpoint: str | None = None
+        """Where the neighbour listens, once found."""
+        self.welcomed = False
+        """The neighbour answered our HELLO with WELCOME."""
+        self.capabilities: frozenset[str] = frozenset()
+        """What the neighbour advertised in its HELLO/WELCOME."""
+        self.counter = LinkCounter()
+        """Payload bytes sent on this link, by kind."""
+        self.codebooks: CodebookLink | None = None
+        """mapl_vq: this link's side of the codebook streams (:meth:`use_codebooks`)."""
+        self._on_bad_frame = on_bad_frame
+        self._seq = 0
+        self._transport: Transport | None = None
+
+    @property
+    def local_name(self) -> str:
+        return self.settings.name
+
+    @property
+    def local_stage(self) -> int:
+        return self.settings.stage
+
+    def use_codebooks(self, runtime: StageRuntime, compute: ComputeThread, *,
+                      spawn: Callable[[Awaitable[Any]], None]) -> None:
+        """Stream the runtime's VQ codebooks on this link (mapl_vq)."""
+        self.codebooks = CodebookLink(self, runtime, compute, spawn=spawn, on_bad_frame=self._on_bad_frame)
+
+    # ------------------------------------------------------------------ transport
+    def connect(self, transport: Transport, endpoint: str, config: LinkConfig) -> None:
+        """Open the outbound link to the neighbour at ``endpoint`` (shaped by ``config``)."""
+        transport.connect(self.name, endpoint, config)
+        self._transport = transport
+        self.endpoint = endpoint
+
+    def frames(self, msg: Message) -> list:
+        """``msg`` encoded for this link (its secret, compression and frame limit)."""
+        s = self.settings
+        return encode(msg, secret=s.secret, compress=None if s.compress_ids else "raw",
+                      max_frame_bytes=s.max_frame_bytes)
+
+    def heartbeat_frames(self) -> list:
+        return self.frames(Message(type=MT.HEARTBEAT, run_id=self.settings.run_id, src=self.settings.stage,
+                                   dst=self.stage))
+
+    async def send(self, mtype: MessageType, *, step: int = 0, micro: int = 0, meta: dict | None = None,
+                   tensors: Mapping[str, torch.Tensor] | None = None, kinds: Mapping[str, LinkKind] | None = None,
+                   pver: int = 0, cver: int = 0) -> None:
+        """Send one message to the neighbour: next sequence number, torch -> wire tensors, payload
+        bytes counted under ``kinds[name]`` per tensor (``kinds`` is required with ``tensors``)."""
+        if self._transport is None:
+            raise RuntimeError(f"{self.local_name}: link to {self.name} used before connect()")
+        seq, self._seq = self._seq, self._seq + 1
+        wire_tensors = {str(k): to_wire(v) for k, v in (tensors or {}).items()}
+        msg = Message(type=mtype, run_id=self.settings.run_id, src=self.settings.stage, dst=self.stage, step=step,
+                      micro=micro, seq=seq, pver=pver, cver=cver, meta=meta or {}, tensors=wire_tensors)
+        frames = self.frames(msg)
+        for name, t in (tensors or {}).items():
+            self.counter.add(kinds[name], t)  # every tensor sent is counted under its kind
+        await self._transport.send(self.name, frames, kind=mtype.name)
+
+    # ------------------------------------------------------------------ handshake
+    async def send_hello(self) -> None:
+        await self.send(MT.HELLO, meta=self.settings.hello_meta())
+
+    async def on_hello(self, msg: Message) -> None:
+        """Answer the neighbour's HELLO: WELCOME, or REJECT on another config; a second HELLO is a
+        reconnection (mapl_vq: ask for a codebook resync)."""
+        meta, s = msg.meta, self.settings
+        if meta.get("fingerprint") != s.fingerprint:
+            reason = (f"config fingerprint mismatch: peer stage {msg.src} has {meta.get('fingerprint')}, "
+                      f"stage {s.stage} has {s.fingerprint}")
+            self._on_bad_frame(self.name, reason)
+            await self.reject("fingerprint_mismatch", reason)
+            return
+        if meta.get("num_stages") != s.num_stages:
+            reason = f"num_stages mismatch: peer has {meta.get('num_stages')}, this peer has {s.num_stages}"
+            await self.reject("fingerprint_mismatch", reason)
+            return
+        self.capabilities = frozenset(meta.get("capabilities", []))
+        await self.send(MT.WELCOME, meta=s.hello_meta())
+        if self.codebooks is not None:
+            await self.codebooks.on_handshake()
+
+    def on_welcome(self, msg: Message) -> None:
+        self.welcomed = True
+        self.capabilities = frozenset(msg.meta.get("capabilities", []))
+
+    def check_capabilities(self) -> None:
+        """After the handshake: raise if the neighbour cannot take what this link will send."""
+        if self.codebooks is not None:
+            self.codebooks.check_capabilities()
+
+    async def reject(self, code: str, reason: str) -> None:
+        await self.send(MT.REJECT, meta={"code": code, "reason": reason})
+
+    # ------------------------------------------------------------------ payloads out
+    async def send_act(self, step: int, micro: int, payload: Mapping[str, torch.Tensor], *, eval_mode: bool,
+                       pver: int) -> None:
+        """ACT (a forward payload) downstream, after the codebook slices it needs (mapl_vq)."""
+        mode = "eval" if eval_mode else "train"
+        if self.codebooks is not None:
+            await self.codebooks.send_slices(step, micro)
+            self.codebooks.remember(mode, step, micro, payload, pver)
+        tensors = {ACT_WIRE[k]: v for k, v in payload.items()}
+        kinds = {ACT_WIRE[k]: act_kind(k, eval_mode=eval_mode) for k in payload}
+        await self.send(MT.ACT, step=step, micro=micro, pver=pver, meta={"mode": mode}, tensors=tensors,
+                        kinds=kinds, cver=self._tx_cver())
+
+    async def send_grad(self, step: int, micro: int, payload: Mapping[str, torch.Tensor]) -> None:
+        """GRAD (a backward payload) upstream, after the codebook slices it needs (mapl_vq)."""
+        if self.codebooks is not None:
+            await self.codebooks.send_slices(step, micro)
+            self.codebooks.remember("train", step, micro, payload, 0)
+        tensors = {GRAD_WIRE[k]: v for k, v in payload.items()}
+        await self.send(MT.GRAD, step=step, micro=micro, tensors=tensors,
+                        kinds={name: LinkKind.GRAD for name in tensors}, cver=self._tx_cver())
+
+    def _tx_cver(self) -> int:
+        return self.codebooks.tx_version() if self.codebooks is not None else 0
+
+    async def send_projector(self, step: int, projector: torch.Tensor, pver: int) -> None:
+        await self.send(MT.PROJ, step=step, pver=pver, tensors={WireName.PROJ: projector},
+                        kinds={WireName.PROJ: LinkKind.PROJ})
+
+    async def send_projector_grad(self, step: int, grad: torch.Tensor, *, micro_batches: int) -> None:
+        await self.send(MT.PROJ_GRAD, step=step, meta={"micro_batches": micro_batches},
+                        tensors={WireName.PROJ_GRAD: grad}, kinds={WireName.PROJ_GRAD: LinkKind.PROJ_GRAD})
+
+    async def send_report(self, step: int, meta: dict) -> None:
+        await self.send(MT.REPORT, step=step, meta=meta)
+
+    async def send_bye(self, meta: dict) -> None:
+        await self.send(MT.BYE, meta=meta)
+
+    # ------------------------------------------------------------------ payloads in
+    def act_payload(self, msg: Message) -> dict:
+        """The stage payload of a received ACT (``act`` or ``codes``, and ``ids``)."""
+        return {k: from_wire(msg.tensors[w]) for k, w in ACT_WIRE.items() if w in msg.tensors}
+
+    def grad_payload(self, msg: Message) -> dict:
+        """The stage payload of a received GRAD (``grad`` or ``codes``)."""
+        return {k: from_wire(msg.tensors[w]) for k, w in GRAD_WIRE.items() if w in msg.tensors}
+
+    def projector(self, msg: Message) -> torch.Tensor:
+        return from_wire(msg.tensors[WireName.PROJ])
+
+    def projector_grad(self, msg: Message) -> torch.Tensor:
+        return from_wire(msg.tensors[WireName.PROJ_GRAD])
+
+    async def decoded(self, work: Awaitable[T], msg: Message) -> T:
+        """Await ``work`` (a compute that decodes ``msg`` from this neighbour). mapl_vq: codes at
+        another codebook version ask for a RESYNC and a retransmission, raising
+        :class:`~.vq_link.Retransmitting` (drop ``msg``, its copy follows)."""
+        if self.codebooks is None:
+            return await work
+        return await self.codebooks.guard(work, (msg.step, msg.micro, msg.meta.get("mode", "train")))
+
+    async def on_codebook_slice(self, msg: Message) -> None:
+        if self.codebooks is None:
+            self._on_bad_frame(self.name, "CODEBOOK_SLICE but the codec has no codebooks")
+        else:
+            await self.codebooks.on_slice(msg)
+
+    def on_resync(self, msg: Message) -> None:
+        if self.codebooks is None:
+            self._on_bad_frame(self.name, "RESYNC but the codec has no codebooks")
+        else:
+            self.codebooks.on_resync(msg)
+
+
+class Links:
+    """A peer's links: ``upstream`` (None on stage 1) and ``downstream`` (None on the last stage)."""
+
+    def __init__(self, upstream: PeerLink | None, downstream: PeerLink | None) -> None:
+        self.upstream = upstream
+        self.downstream = downstream
+
+    def __iter__(self) -> Iterator[PeerLink]:
+        return iter([link for link in (self.upstream, self.downstream) if link is not None])
+
+    def sender(self, msg: Message) -> PeerLink | None:
+        """The link ``msg`` came in on (None: not from a neighbour)."""
+        return next((link for link in self if link.stage == msg.src), None)
+
+    def named(self, name: str) -> PeerLink | None:
+        """The link to the neighbour with transport name ``name``."""
+        return next((link for link in self if link.name == name), None)
+
+    @property
+    def stages(self) -> list[int]:
+        return [link.stage for link in self]
+
+    @property
+    def all_welcomed(self) -> bool:
+        return all(link.welcomed for link in self)

@@ -1,0 +1,39 @@
+"""What a stage peer measured, and its result file (``peer_stage{S}.json``, read by ``launch``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["PeerResult", "write_result"]
+
+
+@dataclass
+class PeerResult:
+    """What a peer measured; stage 1 also holds the swarm's losses."""
+
+    stage: int
+    train_losses: list[float] = field(default_factory=list)
+    report_times_s: list[float] = field(default_factory=list)
+    """Seconds since the handshake at which each step's REPORT reached stage 1."""
+    val_history: list[tuple[int, float]] = field(default_factory=list)
+    tokens: int = 0
+    wall_s: float = 0.0
+    bad_frames: int = 0
+    payload_tx: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Payload bytes sent per link and kind (:class:`~mapl_swarm.pipeline.payload.LinkKind` values)."""
+    wire_tx: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Bytes handed to ZeroMQ per link and message type (headers included)."""
+    shaper: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per outbound link: shaped bytes sent and seconds the emulated link spent transmitting."""
+    codebooks: dict[str, Any] = field(default_factory=dict)
+    """mapl_vq: slices applied/ignored/rejected (by error code), RESYNCs, versions and digests."""
+
+
+def write_result(result: PeerResult, out_dir: str | Path) -> Path:
+    path = Path(out_dir) / f"peer_stage{result.stage}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result.__dict__, indent=2))
+    return path
