@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from mapl_swarm.errors import MaplError
 from mapl_swarm.peer.vq_link import Retransmitting
+from mapl_swarm.pipeline.stage import mean_loss
 from mapl_swarm.wire import Message, MessageType
 
 if TYPE_CHECKING:
@@ -154,9 +155,9 @@ class PipelineSchedule:
         self._report_event = asyncio.Event()
         self._bar: tqdm | None = None
         self._t0 = 0.0
-        self._last_train_loss: list[float] = []  # last stage: losses of the current step
+        self._last_train_loss: list[torch.Tensor] = []  # last stage: losses of the current step (on device)
         self._backwards = 0  # middle stages: backwards done in the current step
-        self._eval_losses: list[float] = []
+        self._eval_losses: list[torch.Tensor] = []
         self._awaiting_grads = 0  # train ACTs sent downstream whose GRAD has not come back yet
 
     # ------------------------------------------------------------------ entry points
@@ -368,8 +369,8 @@ class PipelineSchedule:
         if len(self._last_train_loss) == self.M:
             losses, self._last_train_loss = self._last_train_loss, []
             await self._flush(msg.step)
-            await up.send_report(msg.step + 1, {"mode": "train", "loss": sum(losses) / len(losses),
-                                                "tokens": res.tokens * len(losses)})
+            loss = await self.compute.run(mean_loss, losses)  # one host sync per step, in the worker
+            await up.send_report(msg.step + 1, {"mode": "train", "loss": loss, "tokens": res.tokens * len(losses)})
 
     async def _eval_forward(self, msg: Message) -> None:
         up, down = self.links.upstream, self.links.downstream
@@ -382,4 +383,5 @@ class PipelineSchedule:
         self._eval_losses.append(res.loss)
         if len(self._eval_losses) == self.s.val_batches:
             losses, self._eval_losses = self._eval_losses, []
-            await up.send_report(msg.step, {"mode": "eval", "loss": sum(losses) / len(losses), "tokens": 0})
+            loss = await self.compute.run(mean_loss, losses)
+            await up.send_report(msg.step, {"mode": "eval", "loss": loss, "tokens": 0})

@@ -17,7 +17,7 @@ import torch
 
 from mapl_swarm.config import TrainConfig
 from mapl_swarm.pipeline.payload import LinkCounter, LinkKind, PayloadKey, Stream, WireName
-from mapl_swarm.pipeline.stage import StageRuntime
+from mapl_swarm.pipeline.stage import StageRuntime, loss_values, mean_loss
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class InProcessPipeline:
             self.stages[dst].apply_slice(sl)
         return self.stages[src].codebook_version(stream)
 
-    def _forward(self, micro: int, ids: torch.Tensor, train: bool) -> tuple[float, int]:
+    def _forward(self, micro: int, ids: torch.Tensor, train: bool) -> tuple[torch.Tensor, int]:
         payload = None
         result = None
         cver = None
@@ -85,7 +85,7 @@ class InProcessPipeline:
                     cver = self._deliver_slices(s, s - 1, Stream.GRAD, True)
                     key = PayloadKey.CODES if PayloadKey.CODES in grad else PayloadKey.GRAD
                     self.links[s - 1].add(LinkKind.GRAD, grad[key])
-        return losses, tokens
+        return loss_values(losses), tokens
 
     def finish_step(self) -> dict[str, float]:
         """The step's flush: projector gradients upstream, every stage steps, projectors downstream."""
@@ -116,8 +116,7 @@ class InProcessPipeline:
     @torch.no_grad()
     def evaluate(self, batches: list[torch.Tensor]) -> float:
         """Mean loss over held-out micro-batches, forward only."""
-        losses = [self._forward(-1 - i, ids, train=False)[0] for i, ids in enumerate(batches)]
-        return sum(losses) / len(losses)
+        return mean_loss([self._forward(-1 - i, ids, train=False)[0] for i, ids in enumerate(batches)])
 
     def state_dicts(self) -> list[dict]:
         return [s.state_dict() for s in self.stages]

@@ -44,7 +44,7 @@ from mapl_swarm.pipeline.probe import BoundaryProbe
 
 log = logging.getLogger(__name__)
 
-__all__ = ["StageRuntime", "ForwardResult"]
+__all__ = ["StageRuntime", "ForwardResult", "loss_values", "mean_loss"]
 
 
 @dataclass
@@ -53,10 +53,24 @@ class ForwardResult:
 
     payload: dict[str, torch.Tensor] | None
     """ACT payload for the next stage (None on the last stage)."""
-    loss: float | None
-    """Mean token cross-entropy of the micro-batch (last stage only)."""
+    loss: torch.Tensor | None
+    """Mean token cross-entropy of the micro-batch (last stage only): a detached 0-d fp32 tensor on
+    the stage's device, so a micro-batch costs no host sync; read a step's losses at once with
+    :func:`mean_loss`."""
     tokens: int
     """Tokens in the micro-batch (B * T)."""
+
+
+def loss_values(losses: list[torch.Tensor]) -> list[float]:
+    """Micro-batch losses (:attr:`ForwardResult.loss`) as floats with one host sync for all of them
+    (each fp32 value widened exactly, as a per-item ``float()`` would)."""
+    return torch.stack(losses).double().cpu().tolist()
+
+
+def mean_loss(losses: list[torch.Tensor]) -> float:
+    """Mean of micro-batch losses, one host sync."""
+    values = loss_values(losses)
+    return sum(values) / len(values)
 
 
 class StageRuntime:
@@ -139,7 +153,7 @@ class StageRuntime:
                 loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), all_ids[:, 1:].reshape(-1))
                 if train:
                     self._saved[micro] = (loss * self.loss_scale, z_in)
-                return ForwardResult(None, float(loss.detach()), tokens_in.numel())
+                return ForwardResult(None, loss.detach(), tokens_in.numel())
             offset = self.codec.offset(tokens_in, embedded, anchor)
             self.probe.on_send(probe_due, x, offset, tokens_in)
             z = self.outbound.encode(x, offset).float()
