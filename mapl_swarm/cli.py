@@ -79,7 +79,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     cfg = _load(args)
     s = train(cfg, resume=args.resume, progress=not args.quiet)
     init = f"{s.initial_val_loss:.4f} -> " if s.initial_val_loss is not None else ""
-    print(f"codec {cfg.compression.codec} P={cfg.run.num_stages}: val loss {init}{s.final_val_loss:.4f}, "
+    print(f"codec {cfg.compression.codec} P={cfg.pipeline.num_stages}: val loss {init}{s.final_val_loss:.4f}, "
           f"train loss {s.final_train_loss:.4f}, {s.tokens_per_s:.0f} tokens/s")
     for b, bpt in enumerate(s.bytes_per_token):
         print(f"  boundary {b}->{b + 1}: {bpt['forward']:.1f} B/token forward, "
@@ -130,7 +130,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     cfg = _load(args)
     s = launch(cfg, _config_args(args) + (["--resume"] if args.resume else []), progress=not args.quiet)
     val = f", val loss {s.val_history[-1][1]:.4f}" if s.val_history else ""
-    print(f"swarm {cfg.compression.codec} P={cfg.run.num_stages}: {len(s.train_losses)} steps, train loss "
+    print(f"swarm {cfg.compression.codec} P={cfg.pipeline.num_stages}: {len(s.train_losses)} steps, train loss "
           f"{s.train_losses[-1]:.4f}{val}, {s.tokens / max(s.wall_s, 1e-9):.0f} tokens/s")
     for b, link in enumerate(s.links):
         print(f"  link {b}->{b + 1}: {link['forward_payload']:.1f} B/token forward, "
@@ -165,7 +165,7 @@ def _cmd_lab(args: argparse.Namespace) -> int:
 
     cfg = _load(args)
     s = run_lab_swarm(cfg, _config_args(args), rate_mbit=args.rate_mbit, subnet=args.subnet)
-    print(f"lab swarm {cfg.compression.codec} P={cfg.run.num_stages} over {args.rate_mbit:g} Mbit/s tbf links: "
+    print(f"lab swarm {cfg.compression.codec} P={cfg.pipeline.num_stages} over {args.rate_mbit:g} Mbit/s tbf links: "
           f"{len(s.train_losses)} steps, train loss {s.train_losses[-1]:.4f}, "
           f"{s.tokens / max(s.wall_s, 1e-9):.0f} tokens/s")
     return 0

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from mapl_swarm.compress.ops import project, reconstruct
-from mapl_swarm.compress.vq import VQSettings
+from mapl_swarm.config import VQConfig
 from mapl_swarm.optim.spel import random_stiefel
 from mapl_swarm.rng import generator
 
@@ -87,7 +87,7 @@ class BoundaryBytes:
 
 
 def boundary_bytes(codec: str, hidden_size: int, rank: int, wire_dtype: str, vocab_size: int,
-                   seq_len: int, *, vq: VQSettings | None = None,
+                   seq_len: int, *, vq: VQConfig | None = None,
                    tokens_per_micro: int | None = None) -> BoundaryBytes:
     """Exact payload bytes per token of one boundary for the given codec settings.
 
@@ -97,7 +97,7 @@ def boundary_bytes(codec: str, hidden_size: int, rank: int, wire_dtype: str, voc
     ids = id_item * (seq_len + 1) / seq_len
     if codec == "mapl_vq":
         if vq is None:
-            raise ValueError("boundary_bytes: mapl_vq needs its VQSettings")
+            raise ValueError("boundary_bytes: mapl_vq needs its VQConfig")
         codes = float(vq.code_bytes_per_token)
         slices = vq.slice_bytes_per_micro / tokens_per_micro if tokens_per_micro else 0.0
         return BoundaryBytes(forward_act_bytes=codes, forward_ids_bytes=ids, backward_bytes=codes,
@@ -114,9 +114,9 @@ def boundary_bytes(codec: str, hidden_size: int, rank: int, wire_dtype: str, voc
 def config_boundary_bytes(cfg: "TrainConfig") -> BoundaryBytes:
     """:func:`boundary_bytes` of a run config (micro-batch of B x T tokens)."""
     c, m = cfg.compression, cfg.model
-    vq = VQSettings.from_config(c) if c.codec == "mapl_vq" else None
+    vq = c.vq if c.codec == "mapl_vq" else None
     return boundary_bytes(c.codec, m.hidden_size, c.rank, c.wire_dtype, m.vocab_size, m.context_length,
-                          vq=vq, tokens_per_micro=cfg.run.micro_batch_size * m.context_length)
+                          vq=vq, tokens_per_micro=cfg.pipeline.micro_batch_size * m.context_length)
 
 
 class Boundary(nn.Module):

@@ -88,8 +88,8 @@ def launch(cfg: TrainConfig, config_args: list[str], *, progress: bool = True,
            timeout_s: float | None = None) -> SwarmSummary:
     """Run the whole swarm locally (each peer gets ``config_args``, the options that produced
     ``cfg``); raises MaplError naming the failed stage."""
-    P = cfg.run.num_stages
-    threads = cfg.run.threads or max(1, (os.cpu_count() or 1) // P)
+    P = cfg.pipeline.num_stages
+    threads = cfg.runtime.threads or max(1, (os.cpu_count() or 1) // P)
     Path(cfg.run.out_dir).mkdir(parents=True, exist_ok=True)
     for s in range(P):  # results of an earlier run must not be mistaken for this one's
         (Path(cfg.run.out_dir) / f"peer_stage{s}.json").unlink(missing_ok=True)
@@ -101,7 +101,7 @@ def launch(cfg: TrainConfig, config_args: list[str], *, progress: bool = True,
         log.info("DHT bootstrap at %s; starting %d peers with %d torch threads each", maddr, P, threads)
         base = [sys.executable, "-m", "mapl_swarm", "peer", *config_args]
         for s in range(P):
-            cmd = base + ["--stage", str(s), "--initial-peer", maddr, "--set", f"run.threads={threads}"]
+            cmd = base + ["--stage", str(s), "--initial-peer", maddr, "--set", f"runtime.threads={threads}"]
             if s > 0 or not progress:
                 cmd.append("--quiet")
             procs.append(subprocess.Popen(cmd))

@@ -82,8 +82,8 @@ class Peer(PipelineSchedule):
                  sampler=None, val_batches: list[torch.Tensor] | None = None, progress: bool = False,
                  start_step: int = 0, secret: bytes | None = None) -> None:
         self.cfg, self.stage, self.rt = cfg, stage, runtime
-        self.P = cfg.run.num_stages
-        self.M = cfg.run.num_micro_batches
+        self.P = cfg.pipeline.num_stages
+        self.M = cfg.pipeline.num_micro_batches
         self.name = stage_name(stage)
         self.fingerprint = fingerprint
         self.resolve, self.announce = resolve, announce

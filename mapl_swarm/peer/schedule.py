@@ -78,7 +78,7 @@ class PipelineSchedule:
                 done += 1
             await self._flush(step)
             done_steps = step + 1
-            if run.val_interval_steps and (done_steps % run.val_interval_steps == 0 or done_steps == run.steps):
+            if self.cfg.eval.interval_steps and (done_steps % self.cfg.eval.interval_steps == 0 or done_steps == run.steps):
                 await self._validate(done_steps)
         await self._wait_report("train", run.steps - self.start_step, timeout)
         if self.down is not None:
@@ -147,9 +147,9 @@ class PipelineSchedule:
                 raise MaplError(f"{self.name}: PROJ_GRAD for step {msg.step} while finishing step {step}")
             self.rt.add_outbound_projector_grad(from_wire(msg.tensors["grad"]))
         step_metrics = await self._compute(self.rt.step)
-        append_health(self.cfg.run.out_dir, self.stage, step + 1, step_metrics)  # run.health_interval_steps
+        append_health(self.cfg.run.out_dir, self.stage, step + 1, step_metrics)  # metrics.health_interval_steps
         await self._send_projector(step + 1)
-        every = self.cfg.run.checkpoint_interval_steps
+        every = self.cfg.checkpoint.interval_steps
         done = step + 1
         if every and (done % every == 0 or done == self.cfg.run.steps):
             state = self.rt.state_dict()
@@ -220,7 +220,7 @@ class PipelineSchedule:
                 await self._send_act(msg.step, msg.micro, res.payload, eval_mode=True)
                 return
         self._eval_losses.append(res.loss)
-        if len(self._eval_losses) == self.cfg.run.val_batches:
+        if len(self._eval_losses) == self.cfg.eval.batches:
             losses, self._eval_losses = self._eval_losses, []
             await self._send(self.up, MT.REPORT, step=msg.step,
                              meta={"mode": "eval", "loss": sum(losses) / len(losses), "tokens": 0})

@@ -32,7 +32,6 @@ from torch import nn
 from mapl_swarm.compress import WIRE_TORCH_DTYPES, Boundary, StageAnchor, id_wire_dtype
 from mapl_swarm.compress import ssn
 from mapl_swarm.compress.codebook_sync import CodebookSlice
-from mapl_swarm.compress.vq import VQSettings
 from mapl_swarm.compress.vq_stage import StageVQ
 from mapl_swarm.config import TrainConfig
 from mapl_swarm.model import StageModel
@@ -57,12 +56,12 @@ class ForwardResult:
 
 
 class StageRuntime:
-    """Stage ``stage`` (0-based) of a ``cfg.run.num_stages``-stage pipeline."""
+    """Stage ``stage`` (0-based) of a ``cfg.pipeline.num_stages``-stage pipeline."""
 
     def __init__(self, cfg: TrainConfig, stage: int, device: torch.device | str = "cpu") -> None:
         self.cfg = cfg
         self.stage = stage
-        self.num_stages = cfg.run.num_stages
+        self.num_stages = cfg.pipeline.num_stages
         self.device = torch.device(device)
         self.is_first = stage == 0
         self.is_last = stage == self.num_stages - 1
@@ -96,15 +95,15 @@ class StageRuntime:
         self.vq: StageVQ | None = None
         """mapl_vq: this stage's codebook streams."""
         if c.codec == "mapl_vq":
-            self.vq = StageVQ(VQSettings.from_config(c), stage, has_inbound=self.inbound is not None,
+            self.vq = StageVQ(c.vq, stage, has_inbound=self.inbound is not None,
                               has_outbound=self.outbound is not None, seed=seed, device=self.device)
 
         self.optimizers = self._build_optimizers()
         self.step_count = 0
-        self.loss_scale = 1.0 / cfg.run.num_micro_batches
+        self.loss_scale = 1.0 / cfg.pipeline.num_micro_batches
         self._saved: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        self.probe = BoundaryProbe(cfg.run.health_interval_steps)
-        """Compression health metrics (run.health_interval_steps); see :mod:`.probe`."""
+        self.probe = BoundaryProbe(cfg.metrics.health_interval_steps)
+        """Compression health metrics (metrics.health_interval_steps); see :mod:`.probe`."""
 
     # ------------------------------------------------------------------ construction
     def register_ssn_offsets(self, offsets: torch.Tensor) -> None:

@@ -26,7 +26,7 @@ def _assert_one_line_error(proc, *needles):
 
 def test_unknown_config_key_names_key_and_file(tmp_path):
     cfg = tmp_path / "bad.toml"
-    cfg.write_text('[run]\nnum_stages = 2\nbogus_key = 3\n')
+    cfg.write_text('[pipeline]\nnum_stages = 2\nbogus_key = 3\n')
     _assert_one_line_error(_run("train", "--config", str(cfg)), "bogus_key", str(cfg))
 
 
@@ -38,7 +38,7 @@ def test_missing_corpus_path(tmp_path):
 
 
 def test_impossible_partition():
-    proc = _run("train", "--set", "run.num_stages=9")
+    proc = _run("train", "--set", "pipeline.num_stages=9")
     _assert_one_line_error(proc, "cannot split 8 layers over 9 stages")
 
 
@@ -55,7 +55,7 @@ def test_overrides_parse_toml_values():
 
 def test_config_file_and_preset(tmp_path):
     p = tmp_path / "c.toml"
-    p.write_text('preset = "150M"\n[model]\nnum_layers = 4\n[run]\nnum_stages = 4\n')
+    p.write_text('preset = "150M"\n[model]\nnum_layers = 4\n[pipeline]\nnum_stages = 4\n')
     cfg = load_config(p)
     assert cfg.model.hidden_size == 1024 and cfg.model.num_layers == 4
     with pytest.raises(ConfigError, match="must be int"):
