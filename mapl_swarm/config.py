@@ -52,6 +52,7 @@ __all__ = [
     "ANCHORS",
     "WIRE_DTYPES",
     "SCHEDULES",
+    "MIN_BPE_VOCAB",
     "load_config",
     "read_toml",
     "upgrade_legacy_keys",
@@ -78,7 +79,8 @@ WIRE_DTYPES: tuple[str, ...] = get_args(WireDtype)
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 
 MIN_BPE_VOCAB = 260
-"""Smallest vocabulary a byte-level BPE trained here can have (256 bytes, EOS and a few merges)."""
+"""Smallest ``data.vocab_size`` for the byte-level BPE trained here (256 bytes, EOS and a few merges);
+checked when the tokenizer is trained, so configs used without data may have smaller vocabularies."""
 
 
 def _check(cond: bool, msg: str) -> None:

@@ -244,7 +244,7 @@ class Transport:
 
         self._dealers[link] = dealer
         self._shapers[link] = LinkShaper(config, deliver, name=f"{self.name}->{link}")
-        logger.info("%s: link %r -> %s (%s)", self.name, link, endpoint, config)
+        logger.debug("%s: link %r -> %s (%s)", self.name, link, endpoint, config.describe())
 
     async def disconnect(self, link: str) -> None:
         """Close an outbound link; undelivered messages are dropped (``flush`` first to keep them)."""

@@ -103,8 +103,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
                             tokenizer_hash=data.tokenizer.file_hash, seed=run.seed, resumed_from=start)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
     expected = config_boundary_bytes(cfg)
-    log.info("codec %s: %.1f B/token forward, %.1f B/token backward per boundary (+ %.2f B/token "
-             "codebook slices each way)", cfg.compression.codec, expected.forward_bytes,
+    log.info("codec %s: expected payload per boundary %.1f B/token forward, %.1f B/token backward "
+             "(+ %.2f B/token codebook slices each way)", cfg.compression.codec, expected.forward_bytes,
              expected.backward_bytes, expected.codebook_bytes)
 
     initial_val = pipe.evaluate(val) if start == 0 else None
@@ -140,8 +140,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
                 metrics.write(record)
             if cfg.checkpoint.interval_steps and (done % cfg.checkpoint.interval_steps == 0 or done == run.steps):
                 _save_checkpoint(pipe, cfg, sampler, done)
-            bar.set_postfix(loss=f"{loss:.3f}", val=f"{val_loss:.3f}", tok_s=f"{res.tokens / dt:.0f}",
-                            B_tok=f"{(sum(per_link) / len(per_link)) if per_link else 0:.0f}")
+            bar.set_postfix({"loss": f"{loss:.3f}", "val": f"{val_loss:.3f}", "tok_s": f"{res.tokens / dt:.0f}",
+                             "payload_B/tok": f"{(sum(per_link) / len(per_link)) if per_link else 0:.0f}"})
             bar.update(1)
         bar.close()
     if not val_history or val_history[-1][0] != run.steps:
