@@ -64,7 +64,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-Codec = Literal["none", "mapl", "fixed", "naive", "ssn", "mapl_vq"]
+Codec = Literal["none", "ssn", "fixed", "naive", "mapl", "mapl_vq"]
 """Boundary codec names; equal to :data:`mapl_swarm.compress.catalog.CODEC_NAMES` (a test checks)."""
 Anchor = Literal["factorized", "full", "static", "none"]
 WireDtype = Literal["bf16", "fp16", "fp32"]

@@ -73,3 +73,41 @@ def test_shipped_configs_load():
     assert files
     for f in files:
         load_config(f)
+
+
+_NO_TORCH = r"""
+import sys
+from mapl_swarm.cli import main
+args = sys.argv[1:]
+rc = main(args)
+assert "torch" not in sys.modules, args
+sys.exit(rc)
+"""
+
+
+@pytest.mark.parametrize("args", [
+    ["train", "--set", "model.bogus=1"],
+    ["prepare", "--set", "model.bogus=1"],
+    ["launch", "--set", "model.bogus=1", "--log-level", "WARNING"],
+    ["peer", "--stage", "0", "--set", "model.bogus=1"],
+    ["lab", "--set", "model.bogus=1"],
+    ["train", "--set", "compression.codec=mpal"],
+    ["sweep", "--grid", "no_such_grid.toml"],
+])
+def test_config_errors_answer_before_torch_is_imported(args, tmp_path):
+    proc = subprocess.run([sys.executable, "-c", _NO_TORCH, *args], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    _assert_one_line_error(proc)
+
+
+def test_log_level_after_the_subcommand_reaches_the_children():
+    from mapl_swarm.cli import _config_args, build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["launch", "--config", "f.toml", "--log-level", "warning", "--quiet"])
+    assert args.log_level == "WARNING" and args.quiet
+    assert _config_args(args)[-2:] == ["--log-level", "WARNING"]
+    assert parser.parse_args(["--log-level", "ERROR", "train"]).log_level == "ERROR"
+    assert parser.parse_args(["train"]).log_level == "INFO"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--log-level", "LOUD"])
