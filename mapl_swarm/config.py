@@ -50,7 +50,6 @@ __all__ = [
     "Codec",
     "CODECS",
     "ANCHORS",
-    "WIRE_DTYPES",
     "SCHEDULES",
     "MIN_BPE_VOCAB",
     "load_config",
@@ -75,7 +74,6 @@ Device = Literal["auto", "cpu", "cuda"]
 
 CODECS: tuple[str, ...] = CODEC_NAMES
 ANCHORS: tuple[str, ...] = get_args(Anchor)
-WIRE_DTYPES: tuple[str, ...] = get_args(WireDtype)
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 
 MIN_BPE_VOCAB = 260
@@ -184,13 +182,13 @@ class VQConfig:
     slice_fraction: float = 0.0625
     """Stream sync: fraction of each codebook's codes sent per training micro-batch (a
     CODEBOOK_SLICE of n = ceil(fraction x K) codes of every codebook, chosen by ``slice_order``).
-    Its bytes per micro-batch are :attr:`slice_bytes_per_micro`; the default's cost is measured in
-    BENCHMARKS.md (quality section)."""
+    Its bytes per micro-batch are :attr:`slice_bytes_per_micro`; the default's cost in bytes and loss:
+    BENCHMARKS.md, "Quality: codecs at equal token budget"."""
     slice_order: VQSliceOrder = "priority"
     """Stream sync: which codes a slice carries: priority (per codebook the codes with the largest
     usage share x squared drift since the receiver's copy, as an indexed slice: +1 byte per code and
-    codebook for K <= 256) | round_robin (a contiguous range cycling over the codebook). Default
-    from the BENCHMARKS.md quality comparison of the two orders."""
+    codebook for K <= 256) | round_robin (a contiguous range cycling over the codebook). Default from
+    the comparison of the two orders in BENCHMARKS.md, "Quality: codecs at equal token budget"."""
     sync: VQSync = "stream"
     """Codebook synchronisation: stream (slices, SPEC 5.1) | full (whole codebooks every
     micro-batch, for comparison)."""
@@ -208,8 +206,8 @@ class VQConfig:
     """Bound on the encoder's distance tensor per chunk, in MiB (tokens are chunked)."""
     compile: bool = False
     """Fuse the nearest-code search (distances + argmin) into one kernel with torch.compile (Triton
-    on CUDA, C++/OpenMP on CPU; compiles once, see BENCHMARKS.md for its cost). Codes may differ
-    from the eager path on (near-)ties; sender and receiver stay identical either way."""
+    on CUDA, C++/OpenMP on CPU; compiles once). Off by default: BENCHMARKS.md, "VQ encoder speed". Codes
+    may differ from the eager path on (near-)ties; sender and receiver stay identical either way."""
 
     def __post_init__(self) -> None:
         _check_choices(self)

@@ -11,8 +11,9 @@ finds the nearest code with ``argmin_c ||c||^2 - 2 x.c`` (``||x||^2`` is the sam
 as one ``baddbmm`` per chunk, so its distance tensor never exceeds ``max_distance_bytes``.
 With ``fused`` (config ``compression.vq.compile``) the same formula, written pointwise, goes through
 ``torch.compile``, which fuses distances and argmin into one kernel that never materialises the
-distances (C++/OpenMP on CPU: ~3x faster than eager here; Triton on CUDA). Device-agnostic: the
-same code runs on CPU and CUDA; a compile failure falls back to the eager path with a warning.
+distances (C++/OpenMP on CPU, Triton on CUDA; speed: BENCHMARKS.md, "VQ encoder speed").
+Device-agnostic: the same code runs on CPU and CUDA; a compile failure falls back to the eager path
+with a warning.
 
 Learning (:class:`EmaKMeans`): k-means initialisation (Lloyd) on the first micro-batch(es), then
 EMA k-means — per code, EMA of its usage share and of the sum of the vectors assigned to it, the
