@@ -173,7 +173,8 @@ class CodebookLink:
         if self.peer.rt.vq.s.slice_order == "priority" and \
                 INDEXED_SLICES_CAPABILITY not in self.peer.neighbour_caps.get(neighbour, ()):
             raise MaplError(f"{self.peer.name}: stage {neighbour} does not accept indexed codebook slices "
-                            f"(capability {INDEXED_SLICES_CAPABILITY!r}), which vq_slice_order = 'priority' sends")
+                            f"(capability {INDEXED_SLICES_CAPABILITY!r}), which "
+                            f"compression.vq.slice_order = 'priority' sends")
 
     async def on_handshake(self, src: int) -> None:
         """After answering a HELLO: a second handshake with ``src`` is a reconnection -> RESYNC."""

@@ -87,7 +87,8 @@ def test_lost_slices_are_healed_by_resync_and_retransmission(tmp_path):
     assert cb0["digests"]["tx_act"] == cb1["digests"]["rx_act"]
     assert cb1["digests"]["tx_grad"] == cb0["digests"]["rx_grad"]
 
-    ref = train(load_config(path, {"run": {"out_dir": str(tmp_path / "ref")}, "runtime": {"threads": 1}}), progress=False)
+    ref = train(load_config(path, {"run": {"out_dir": str(tmp_path / "ref")}, "runtime": {"threads": 1}}),
+                progress=False)
     ref_losses = train_losses(tmp_path / "ref")
     assert results[0].train_losses[0] == pytest.approx(ref_losses[0], rel=1e-4)  # before any loss
     # afterwards the healed run trains on codes of slightly different (fresher) codebooks

@@ -111,3 +111,20 @@ def test_log_level_after_the_subcommand_reaches_the_children():
     assert parser.parse_args(["train"]).log_level == "INFO"
     with pytest.raises(SystemExit):
         parser.parse_args(["train", "--log-level", "LOUD"])
+
+
+def test_launched_peers_log_shared_facts_at_debug():
+    import logging
+
+    from mapl_swarm.cli import _SharedFactsAtDebug
+
+    def record(name, level=logging.INFO):
+        return logging.LogRecord(name, level, __file__, 1, "corpus ...", None, None)
+
+    at_info = _SharedFactsAtDebug(logging.INFO)
+    assert not at_info.filter(record("mapl_swarm.data.corpus"))
+    assert not at_info.filter(record("mapl_swarm.net.discovery"))
+    assert at_info.filter(record("mapl_swarm.peer.runtime"))
+    assert at_info.filter(record("mapl_swarm.data.corpus", logging.WARNING))
+    r = record("mapl_swarm.data.shards")
+    assert _SharedFactsAtDebug(logging.DEBUG).filter(r) and r.levelname == "DEBUG"
