@@ -57,11 +57,12 @@ def _load(args: argparse.Namespace):
 
 
 def _config_args(args: argparse.Namespace) -> list[str]:
-    """The config and logging options of this invocation, to hand to child peer processes."""
+    """The config and logging options of this invocation, to hand to child peer processes (the log
+    level only when it is not the default, INFO, which the children have anyway)."""
     out = (["--config", args.config] if args.config else []) + (["--preset", args.preset] if args.preset else [])
     for item in args.set or []:
         out += ["--set", item]
-    return out + ["--log-level", args.log_level]
+    return out + (["--log-level", args.log_level] if args.log_level != "INFO" else [])
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:

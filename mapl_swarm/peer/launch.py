@@ -102,9 +102,10 @@ def launch(cfg: TrainConfig, config_args: list[str], *, progress: bool = True,
     try:
         maddr = bootstrap.visible_maddrs()[0]
         log.info("DHT bootstrap at %s; starting %d peers with %d torch threads each", maddr, P, threads)
-        base = [sys.executable, "-m", "mapl_swarm", "peer", *config_args, "--launched"]
+        base = [sys.executable, "-m", "mapl_swarm", "peer", *config_args]
         for s in range(P):
-            cmd = base + ["--stage", str(s), "--initial-peer", maddr, "--set", f"runtime.threads={threads}"]
+            cmd = base + ["--stage", str(s), "--initial-peer", maddr, "--set", f"runtime.threads={threads}",
+                          "--launched"]
             if s > 0 or not progress:
                 cmd.append("--quiet")
             procs.append(subprocess.Popen(cmd))
