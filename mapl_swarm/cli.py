@@ -186,12 +186,14 @@ def _log_level(value: str) -> str:
     return level
 
 
-def _add_common_args(p: argparse.ArgumentParser) -> None:
-    """Options every subcommand takes (also accepted before the subcommand)."""
+def _add_common_args(p: argparse.ArgumentParser, *, quiet: bool = True) -> None:
+    """Options every subcommand takes: the log level (also accepted before the subcommand) and,
+    where there is a progress bar, --quiet."""
     p.add_argument("--log-level", type=_log_level, default=argparse.SUPPRESS, metavar="LEVEL",
                    help="log messages of this level and above: DEBUG, INFO, WARNING or ERROR (default: INFO); "
                         "passed on to the peers that launch and lab start")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    if quiet:
+        p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -269,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address other hosts dial, in the printed multiaddrs (needs --port; default: the "
                         "listening addresses)")
     p.add_argument("--maddr-file", metavar="PATH", help="also write the multiaddrs to this file (default: none)")
-    _add_common_args(p)
+    _add_common_args(p, quiet=False)
     p.set_defaults(func=_cmd_dht)
 
     p = add("sweep", "run an experiment grid in-process; tables and plots",

@@ -644,9 +644,6 @@ def upgrade_legacy_keys(raw: dict[str, Any], source: str = "<dict>") -> dict[str
                 raise ConfigError(f"{source}: {part} must be a table")
         node[new_path[-1]] = value
         log.warning("%s: %s is now %s; please rename it", source, old, new)
-    for name in ("run", "compression"):  # drop tables the move emptied ([run] with only old keys)
-        if raw.get(name) == {}:
-            del raw[name]
     return raw
 
 
@@ -715,8 +712,12 @@ def _derive_vocab(raw: dict[str, Any], preset: ModelConfig, source: str) -> None
 def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> TrainConfig:
     """Build a TrainConfig from nested plain data; unknown keys raise ConfigError naming them.
 
-    Legacy keys are moved first (:func:`upgrade_legacy_keys`); the vocabulary sizes are then derived
-    or cross-checked (:func:`_derive_vocab`)."""
+    Legacy keys are moved first (:func:`upgrade_legacy_keys`). Then, when the tokenizer is trained
+    here (``data.tokenizer`` empty), the two vocabulary sizes are made to agree: a value set in the
+    data wins over the preset's; only ``data.vocab_size`` set -> ``model.vocab_size`` follows it, only
+    ``model.vocab_size`` set -> ``data.vocab_size`` follows it, neither -> both are the preset's
+    ``model.vocab_size`` (``tiny``: 8192, ``150M``: 32000); both set and different -> ConfigError
+    naming both (:func:`_derive_vocab`)."""
     raw = upgrade_legacy_keys(raw, source)
     preset = raw.pop("preset", "tiny")
     if preset not in MODEL_PRESETS:
