@@ -37,11 +37,11 @@ def run_one(label: str, args: argparse.Namespace, data, command: str) -> dict:
         if part.startswith("seed="):  # another seed (model init and data order) than --seed
             seed = int(part.removeprefix("seed="))
         elif part == "full":  # ablation: whole codebooks every micro-batch instead of slices
-            compression["vq_sync"] = "full"
+            compression.setdefault("vq", {})["sync"] = "full"
         elif part in ("priority", "round_robin"):
-            compression["vq_slice_order"] = part
+            compression.setdefault("vq", {})["slice_order"] = part
         elif part.startswith("slice="):  # another slice fraction than the default
-            compression["vq_slice_fraction"] = float(part.removeprefix("slice="))
+            compression.setdefault("vq", {})["slice_fraction"] = float(part.removeprefix("slice="))
         else:
             raise SystemExit(f"unknown codec variant {label!r} (known parts, joined by '+': full, priority, "
                              "round_robin, slice=FRACTION, seed=N)")
@@ -49,11 +49,12 @@ def run_one(label: str, args: argparse.Namespace, data, command: str) -> dict:
         "preset": "tiny",
         "compression": compression,
         "optim": {"warmup_steps": max(1, args.steps // 20)},
-        "run": {"num_stages": args.stages, "micro_batch_size": args.micro_batch_size,
-                "num_micro_batches": args.micro_batches, "steps": args.steps, "seed": seed,
-                "val_interval_steps": max(1, args.steps // 4), "val_batches": 8,
-                "out_dir": str(ROOT / "runs" / "bench-quality" / label.replace(":", "-")),
-                "threads": args.threads},
+        "run": {"steps": args.steps, "seed": seed,
+                "out_dir": str(ROOT / "runs" / "bench-quality" / label.replace(":", "-"))},
+        "pipeline": {"num_stages": args.stages, "micro_batch_size": args.micro_batch_size,
+                     "num_micro_batches": args.micro_batches},
+        "eval": {"interval_steps": max(1, args.steps // 4), "batches": 8},
+        "runtime": {"threads": args.threads},
     })
     t0 = time.perf_counter()
     s = train(cfg, progress=not args.quiet, data=data)

@@ -50,13 +50,16 @@ anchor_rank = 64
 [data]
 cache_dir = "{cache}"
 [run]
+steps = {steps}
+out_dir = "{out}"
+run_id = "tp-{codec}-{rank}"
+[pipeline]
 num_stages = {P}
 micro_batch_size = 2
 num_micro_batches = {M}
-steps = {steps}
-val_interval_steps = 0
-out_dir = "{out}"
-run_id = "tp-{codec}-{rank}"
+[eval]
+interval_steps = 0
+[runtime]
 threads = 1
 [net]
 bandwidth_mbps = {bw}

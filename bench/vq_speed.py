@@ -6,7 +6,7 @@ For each preset it builds a middle stage (stage 1 of 4, codec ``mapl``) and time
 backward over one micro-batch, then times the VQ work that a ``mapl_vq`` middle stage adds per
 micro-batch: encoding its outbound Z (with the EMA learning step) and its inbound dL/dZ, decoding
 its inbound Z and outbound dL/dZ, each on its own codebooks (K=256, R=2, G=2 by default), with
-the eager encoder and with the torch.compile-fused one (``vq_compile``). Prints the figures and
+the eager encoder and with the torch.compile-fused one (``compression.vq.compile``). Prints the figures and
 writes bench/results/vq_speed.json. Measured on CPU here; the code is device-agnostic
 (``--device cuda`` runs the same code on a GPU, where the compiled search is a Triton kernel).
 """
@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 
 from mapl_swarm.compress.codebook_sync import VQReceiver, VQSender, stream_generator
-from mapl_swarm.compress.vq import VQSettings
 from mapl_swarm.config import config_from_dict
 from mapl_swarm.pipeline.stage import StageRuntime
 
@@ -56,8 +55,8 @@ def bench_preset(preset: str, compiled: bool, args: argparse.Namespace, device: 
     cfg = config_from_dict({
         "preset": preset, "model": {"context_length": seq},
         "compression": {"codec": "mapl", "rank": rank, "anchor_rank": rank,
-                        "vq_max_distance_mib": args.max_distance_mib},
-        "run": {"num_stages": 4, "micro_batch_size": batch, "num_micro_batches": 1},
+                        "vq": {"max_distance_mib": args.max_distance_mib}},
+        "pipeline": {"num_stages": 4, "micro_batch_size": batch, "num_micro_batches": 1},
     })
     tokens = batch * seq
     gen = torch.Generator().manual_seed(0)
@@ -72,10 +71,9 @@ def bench_preset(preset: str, compiled: bool, args: argparse.Namespace, device: 
 
     stage_s = _time(stage_step, args.repeats, device)
 
-    s = VQSettings.from_config(config_from_dict({"compression": {
-        "codec": "mapl_vq", "rank": rank, "vq_codebook_size": args.codebook_size, "vq_rounds": args.rounds,
-        "vq_group_size": args.group_size, "vq_max_distance_mib": args.max_distance_mib,
-        "vq_compile": compiled}}).compression)
+    s = config_from_dict({"compression": {"codec": "mapl_vq", "rank": rank, "vq": {
+        "codebook_size": args.codebook_size, "rounds": args.rounds, "group_size": args.group_size,
+        "max_distance_mib": args.max_distance_mib, "compile": compiled}}}).compression.vq
     z = torch.randn(batch, seq, rank, generator=gen).to(device)
     tx, rx = VQSender(s, "act", stream_generator(0, 1, "act"), device), VQReceiver(s, "act", device)
     if compiled:  # compile once outside the timings (the compiled kernel takes any token count)

@@ -44,6 +44,8 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
 
 
 def _load(args: argparse.Namespace):
+    """The run config of this invocation. Called before anything imports torch, so that a config
+    mistake is answered at once."""
     from mapl_swarm.config import config_from_dict, load_config
 
     overrides = parse_overrides(args.set or [])
@@ -55,17 +57,18 @@ def _load(args: argparse.Namespace):
 
 
 def _config_args(args: argparse.Namespace) -> list[str]:
-    """The config options of this invocation, to hand to child peer processes."""
+    """The config and logging options of this invocation, to hand to child peer processes (the log
+    level only when it is not the default, INFO, which the children have anyway)."""
     out = (["--config", args.config] if args.config else []) + (["--preset", args.preset] if args.preset else [])
     for item in args.set or []:
         out += ["--set", item]
-    return out
+    return out + (["--log-level", args.log_level] if args.log_level != "INFO" else [])
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
+    cfg = _load(args)
     from mapl_swarm.data import prepare_data
 
-    cfg = _load(args)
     data = prepare_data(cfg.data, progress=not args.quiet)
     m = data.meta
     print(f"prepared {data.path}: {m.get('train_tokens')} train / {m.get('val_tokens')} val tokens, "
@@ -74,29 +77,28 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    cfg = _load(args)
     from mapl_swarm.pipeline.trainer import train
 
-    cfg = _load(args)
     s = train(cfg, resume=args.resume, progress=not args.quiet)
     init = f"{s.initial_val_loss:.4f} -> " if s.initial_val_loss is not None else ""
-    print(f"codec {cfg.compression.codec} P={cfg.run.num_stages}: val loss {init}{s.final_val_loss:.4f}, "
+    print(f"codec {cfg.compression.codec} P={cfg.pipeline.num_stages}: val loss {init}{s.final_val_loss:.4f}, "
           f"train loss {s.final_train_loss:.4f}, {s.tokens_per_s:.0f} tokens/s")
+    print("  bytes/token per boundary, payload (tensor bytes that would cross it; in-process, no wire):")
     for b, bpt in enumerate(s.bytes_per_token):
-        print(f"  boundary {b}->{b + 1}: {bpt['forward']:.1f} B/token forward, "
-              f"{bpt['backward']:.1f} B/token backward (measured payload)")
+        print(f"  boundary {b}->{b + 1}: payload {bpt['forward']:.1f} B/token forward, "
+              f"{bpt['backward']:.1f} B/token backward")
     print(f"metrics: {cfg.run.out_dir}/metrics.jsonl")
     return 0
 
 
 def _cmd_peer(args: argparse.Namespace) -> int:
-    from mapl_swarm.peer.main import run_peer
-
     cfg = _load(args)
+    from mapl_swarm.peer.main import read_peers_file, run_peer
+
     secret = args.secret_file and open(args.secret_file, "rb").read().strip()
     peers = list(args.initial_peer or [])
     if args.initial_peers_file:
-        from mapl_swarm.peer.main import read_peers_file
-
         peers += read_peers_file(args.initial_peers_file, cfg.net.timeout_s)
     result = run_peer(cfg, args.stage, initial_peers=peers, resume=args.resume,
                       progress=not args.quiet, secret=secret or None)
@@ -125,25 +127,28 @@ def _cmd_dht(args: argparse.Namespace) -> int:
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
+    cfg = _load(args)
     from mapl_swarm.peer.launch import launch
 
-    cfg = _load(args)
     s = launch(cfg, _config_args(args) + (["--resume"] if args.resume else []), progress=not args.quiet)
     val = f", val loss {s.val_history[-1][1]:.4f}" if s.val_history else ""
-    print(f"swarm {cfg.compression.codec} P={cfg.run.num_stages}: {len(s.train_losses)} steps, train loss "
+    print(f"swarm {cfg.compression.codec} P={cfg.pipeline.num_stages}: {len(s.train_losses)} steps, train loss "
           f"{s.train_losses[-1]:.4f}{val}, {s.tokens / max(s.wall_s, 1e-9):.0f} tokens/s")
+    print("  bytes/token per link, forward / backward: payload = tensor bytes; "
+          "on the wire = ZeroMQ frames with headers")
     for b, link in enumerate(s.links):
-        print(f"  link {b}->{b + 1}: {link['forward_payload']:.1f} B/token forward, "
-              f"{link['backward_payload']:.1f} B/token backward payload; "
-              f"{link['forward_wire']:.1f} / {link['backward_wire']:.1f} B/token on the wire")
+        print(f"  link {b}->{b + 1}: payload {link['forward_payload']:.1f} / {link['backward_payload']:.1f} B/token, "
+              f"on the wire {link['forward_wire']:.1f} / {link['backward_wire']:.1f} B/token")
     return 0
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from mapl_swarm.experiments import load_grid, run_sweep
-    from mapl_swarm.experiments.publish import publish
+    from mapl_swarm.experiments.grid import load_grid
 
     grid = load_grid(args.grid)
+    from mapl_swarm.experiments.publish import publish
+    from mapl_swarm.experiments.sweep import run_sweep
+
     command = f"mapl-swarm sweep --grid {args.grid}" + (f" --out {args.out}" if args.out else "")
     rep = run_sweep(grid, args.out, progress=not args.quiet, only=args.only, command=command,
                     report_only=args.report_only)
@@ -161,77 +166,172 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _cmd_lab(args: argparse.Namespace) -> int:
+    cfg = _load(args)
     from mapl_swarm.lab.swarm import run_lab_swarm
 
-    cfg = _load(args)
     s = run_lab_swarm(cfg, _config_args(args), rate_mbit=args.rate_mbit, subnet=args.subnet)
-    print(f"lab swarm {cfg.compression.codec} P={cfg.run.num_stages} over {args.rate_mbit:g} Mbit/s tbf links: "
+    print(f"lab swarm {cfg.compression.codec} P={cfg.pipeline.num_stages} over {args.rate_mbit:g} Mbit/s tbf links: "
           f"{len(s.train_losses)} steps, train loss {s.train_losses[-1]:.4f}, "
           f"{s.tokens / max(s.wall_s, 1e-9):.0f} tokens/s")
     return 0
 
 
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def _log_level(value: str) -> str:
+    level = value.upper()
+    if level not in _LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(_LOG_LEVELS)}, got {value!r}")
+    return level
+
+
+def _add_common_args(p: argparse.ArgumentParser, *, quiet: bool = True) -> None:
+    """Options every subcommand takes: the log level (also accepted before the subcommand) and,
+    where there is a progress bar, --quiet."""
+    p.add_argument("--log-level", type=_log_level, default=argparse.SUPPRESS, metavar="LEVEL",
+                   help="log messages of this level and above: DEBUG, INFO, WARNING or ERROR (default: INFO); "
+                        "passed on to the peers that launch and lab start")
+    if quiet:
+        p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="TOML run config (see peers/)")
-    p.add_argument("--preset", help="model preset: tiny, 150M, 500M, 1B")
+    p.add_argument("--config", metavar="FILE",
+                   help="TOML run config, e.g. peers/demo.toml (default: none, the built-in defaults)")
+    p.add_argument("--preset", metavar="NAME", help="model preset: tiny, 150M, 500M or 1B (default: tiny, "
+                                                    "or the config file's preset)")
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
-                   help="override one config value (repeatable), e.g. --set run.steps=20")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+                   help="override one config value, as TOML (repeatable), e.g. --set run.steps=20 "
+                        "--set compression.codec=none")
+    _add_common_args(p)
+
+
+def _resume_arg(p: argparse.ArgumentParser, who: str) -> None:
+    p.add_argument("--resume", action="store_true",
+                   help=f"{who} from the newest checkpoint under run.out_dir (default: start at step 0)")
+
+
+_EPILOG = """\
+examples:
+  mapl-swarm train --config peers/demo.toml --set run.steps=20
+  mapl-swarm launch --config peers/demo.toml --log-level WARNING
+  mapl-swarm peer --config peers/150M-mapl.toml --stage 0 --initial-peer /ip4/10.0.0.1/tcp/31337/p2p/...
+  mapl-swarm sweep --grid bench/grids/micro.toml
+
+Every subcommand has its own --help."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mapl-swarm", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="mapl-swarm", epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Pipeline-parallel LLM training across hosts with compressed stage boundaries (MAPL).")
+    parser.add_argument("--log-level", type=_log_level, default="INFO", metavar="LEVEL",
+                        help="DEBUG, INFO, WARNING or ERROR (default: INFO); also accepted after the subcommand")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("prepare", help="build the tokenizer and token shards")
+    def add(name: str, summary: str, description: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=summary, description=description)
+
+    p = add("prepare", "build the tokenizer and token shards",
+            "Read the corpus, train the tokenizer (or load data.tokenizer) and write the token shards "
+            "under data.cache_dir; train, peer and launch reuse them.")
     _add_config_args(p)
     p.set_defaults(func=_cmd_prepare)
 
-    p = sub.add_parser("train", help="train all stages in this process")
+    p = add("train", "train every stage in this process",
+            "Train the whole pipeline in this one process (no network): the reference a swarm reproduces. "
+            "Writes metrics.jsonl, checkpoints and a manifest under run.out_dir.")
     _add_config_args(p)
-    p.add_argument("--resume", action="store_true", help="resume from the newest complete checkpoint")
+    _resume_arg(p, "continue")
     p.set_defaults(func=_cmd_train)
 
-    p = sub.add_parser("peer", help="run one pipeline stage as a network peer")
+    p = add("peer", "run one pipeline stage as a network peer",
+            "Run one stage of the pipeline as a network peer; it finds its neighbours through the DHT "
+            "and trains with them. Start one per stage, on any hosts, in any order.")
     _add_config_args(p)
-    p.add_argument("--stage", type=int, required=True, help="stage index, 0 .. num_stages-1")
-    p.add_argument("--initial-peer", action="append", metavar="MADDR", help="DHT bootstrap multiaddr")
-    p.add_argument("--resume", action="store_true", help="resume from the newest complete checkpoint")
+    p.add_argument("--stage", type=int, required=True, metavar="K",
+                   help="the stage this peer runs, 0 .. pipeline.num_stages-1 (required)")
+    p.add_argument("--initial-peer", action="append", metavar="MADDR",
+                   help="multiaddr of a running DHT node, as printed by `mapl-swarm dht` (repeatable)")
     p.add_argument("--initial-peers-file", metavar="PATH",
                    help="file of DHT multiaddrs written by `mapl-swarm dht --maddr-file` (waited for)")
-    p.add_argument("--secret-file", help="file holding the run's shared secret (adds HMAC tags)")
+    _resume_arg(p, "continue")
+    p.add_argument("--secret-file", metavar="PATH",
+                   help="file holding the run's shared secret; adds HMAC tags (default: none)")
+    p.add_argument("--launched", action="store_true", help=argparse.SUPPRESS)  # started by `launch`
     p.set_defaults(func=_cmd_peer)
 
-    p = sub.add_parser("dht", help="run a DHT bootstrap node and print its multiaddrs")
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=0)
-    p.add_argument("--announce-host", default=None, help="address other hosts dial (needs --port)")
-    p.add_argument("--maddr-file", metavar="PATH", help="also write the multiaddrs to this file")
+    p = add("dht", "run a DHT bootstrap node and print its multiaddrs",
+            "Run a DHT node that peers join first (any running node will do); prints the multiaddrs "
+            "to pass to `mapl-swarm peer --initial-peer`.")
+    p.add_argument("--host", default="0.0.0.0", help="interface to listen on (default: 0.0.0.0, every one)")
+    p.add_argument("--port", type=int, default=0, help="TCP port (default: 0, a free one)")
+    p.add_argument("--announce-host", default=None, metavar="HOST",
+                   help="address other hosts dial, in the printed multiaddrs (needs --port; default: the "
+                        "listening addresses)")
+    p.add_argument("--maddr-file", metavar="PATH", help="also write the multiaddrs to this file (default: none)")
+    _add_common_args(p, quiet=False)
     p.set_defaults(func=_cmd_dht)
 
-    p = sub.add_parser("sweep", help="run an experiment grid in-process; tables and plots")
-    p.add_argument("--grid", required=True, help="grid TOML file (see bench/grids/)")
-    p.add_argument("--out", help="output folder (default: the grid's out_dir)")
-    p.add_argument("--only", metavar="TEXT", help="run only the runs whose id contains TEXT")
+    p = add("sweep", "run an experiment grid in-process; tables and plots",
+            "Run every run of a grid file in this process at an equal token budget (finished runs are "
+            "skipped), then write one JSON per run, a summary with tables, and plots.")
+    p.add_argument("--grid", required=True, metavar="FILE", help="grid TOML file, e.g. bench/grids/micro.toml "
+                                                                 "(required)")
+    p.add_argument("--out", metavar="DIR", help="output folder (default: the grid's out_dir)")
+    p.add_argument("--only", metavar="TEXT", help="run only the runs whose id contains TEXT (default: all)")
     p.add_argument("--report-only", action="store_true", help="write tables and plots from finished runs only")
-    p.add_argument("--publish", metavar="DIR", help="copy summary.md and plots into DIR (e.g. bench/results/sweep-cpu)")
+    p.add_argument("--publish", metavar="DIR",
+                   help="copy summary.md and plots into DIR, e.g. bench/results/sweep-cpu (default: no copy)")
     p.add_argument("--benchmarks", metavar="FILE",
                    help="with --publish: replace the <!-- sweep:NAME:begin/end --> section of FILE (BENCHMARKS.md)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_common_args(p)
     p.set_defaults(func=_cmd_sweep)
 
-    p = sub.add_parser("lab", help="run the compose topology in network namespaces with tbf-shaped links (root)")
+    p = add("lab", "run a swarm in network namespaces with shaped links (root)",
+            "Run the DHT and every stage in its own Linux network namespace, joined by tbf-shaped veth "
+            "links (needs root): the compose topology on one machine.")
     _add_config_args(p)
-    p.add_argument("--rate-mbit", type=float, default=20.0, help="tbf rate of every link, Mbit/s (0: unshaped)")
-    p.add_argument("--subnet", type=int, default=77, help="lab addresses are 10.SUBNET.0.x")
+    p.add_argument("--rate-mbit", type=float, default=20.0, metavar="MBIT",
+                   help="tbf rate of every link in Mbit/s; 0 leaves links unshaped (default: 20)")
+    p.add_argument("--subnet", type=int, default=77, metavar="N", help="lab addresses are 10.N.0.x (default: 77)")
     p.set_defaults(func=_cmd_lab)
 
-    p = sub.add_parser("launch", help="start a DHT and every stage peer on this machine")
+    p = add("launch", "start a DHT and every stage peer on this machine",
+            "Start a DHT node and one peer process per stage on this machine, wait for them and print "
+            "the swarm's loss, tokens/s and bytes/token per link; Ctrl-C stops them all.")
     _add_config_args(p)
-    p.add_argument("--resume", action="store_true", help="every peer resumes from the newest complete checkpoint")
+    _resume_arg(p, "every peer continues")
     p.set_defaults(func=_cmd_launch)
     return parser
+
+
+class _SharedFactsAtDebug(logging.Filter):
+    """For a peer started by ``launch``: facts about inputs it shares with the launcher and the
+    other peers (corpus, token shards, DHT membership), which the launcher logs once at INFO, are
+    logged at DEBUG here."""
+
+    SHARED = ("mapl_swarm.data", "mapl_swarm.net.discovery")
+
+    def __init__(self, level: int) -> None:
+        super().__init__()
+        self.level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.INFO and record.name.startswith(self.SHARED):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return self.level <= logging.DEBUG
+        return True
+
+
+def _setup_logging(args: argparse.Namespace) -> None:
+    level = getattr(logging, args.log_level)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if getattr(args, "launched", False):
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(_SharedFactsAtDebug(level))
+    logging.getLogger("hivemind").setLevel(max(level, logging.getLogger("hivemind").level))
 
 
 def _terminate(signum: int, frame: object) -> None:
@@ -243,8 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    _setup_logging(args)
     try:
         return int(args.func(args) or 0)
     except MaplError as exc:

@@ -1,48 +1,84 @@
 """Typed run configuration: frozen dataclasses, presets, strict TOML loading, fingerprint.
 
-A run is described by one :class:`TrainConfig` made of five sections (model, compression,
-optim, data, run). TOML files mirror that layout; an optional top-level ``preset`` key picks a
-model preset whose fields the ``[model]`` table may then override. Unknown keys are errors
+A run is described by one :class:`TrainConfig` made of one small section per concern: ``model``,
+``compression`` (with its ``compression.vq`` sub-table), ``optim``, ``data``, ``run`` (seed, steps,
+output), ``pipeline`` (stages and batch sizes), ``eval``, ``checkpoint``, ``metrics``, ``runtime``
+(device, threads) and ``net``. TOML files mirror that layout; an optional top-level ``preset`` key
+picks a model preset whose fields the ``[model]`` table may then override. Unknown keys are errors
 that name the key and the file.
+
+Choice fields are typed ``Literal[...]`` and checked in one place (:func:`_check_choices`, called by
+every section's ``__post_init__``). Keys of the older layout (``run.num_stages``,
+``compression.vq_rounds``...) still load: :data:`LEGACY_KEYS` maps each to its new place and a
+warning names the new key.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import hashlib
 import json
+import logging
+import math
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, ClassVar, Literal, get_args, get_origin, get_type_hints
 
+from mapl_swarm.wire.codebook_rules import CodebookLayout, code_dtype
+from mapl_swarm.compress.catalog import CODEC_NAMES, codec_info
 from mapl_swarm.errors import ConfigError
 
 __all__ = [
     "ModelConfig",
+    "VQConfig",
     "CompressionConfig",
     "OptimConfig",
     "DataConfig",
     "RunConfig",
+    "PipelineConfig",
+    "EvalConfig",
+    "CheckpointConfig",
+    "MetricsConfig",
+    "RuntimeConfig",
     "NetConfig",
     "TrainConfig",
     "MODEL_PRESETS",
+    "LEGACY_KEYS",
+    "Codec",
     "CODECS",
     "ANCHORS",
-    "WIRE_DTYPES",
+    "SCHEDULES",
+    "MIN_BPE_VOCAB",
     "load_config",
     "read_toml",
+    "upgrade_legacy_keys",
     "config_from_dict",
     "config_to_dict",
+    "legacy_layout",
     "model_fingerprint",
 ]
 
-CODECS = ("none", "mapl", "fixed", "naive", "ssn", "mapl_vq")
-VQ_SYNC_MODES = ("stream", "full")
-VQ_SLICE_ORDERS = ("round_robin", "priority")
-ANCHORS = ("factorized", "full", "static", "none")
-WIRE_DTYPES = ("bf16", "fp16", "fp32")
-SCHEDULES = ("cosine", "wsd", "constant")
+log = logging.getLogger(__name__)
+
+Codec = Literal["none", "ssn", "fixed", "naive", "mapl", "mapl_vq"]
+"""Boundary codec names; equal to :data:`mapl_swarm.compress.catalog.CODEC_NAMES` (a test checks)."""
+Anchor = Literal["factorized", "full", "static", "none"]
+WireDtype = Literal["bf16", "fp16", "fp32"]
+Schedule = Literal["cosine", "wsd", "constant"]
+VQSync = Literal["stream", "full"]
+VQSliceOrder = Literal["priority", "round_robin"]
+Device = Literal["auto", "cpu", "cuda"]
+
+CODECS: tuple[str, ...] = CODEC_NAMES
+ANCHORS: tuple[str, ...] = get_args(Anchor)
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
+
+MIN_BPE_VOCAB = 260
+"""Smallest ``data.vocab_size`` for the byte-level BPE trained here (256 bytes, EOS and a few merges);
+checked when the tokenizer is trained, so configs used without data may have smaller vocabularies."""
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -50,12 +86,31 @@ def _check(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
+def _check_choices(obj: Any) -> None:
+    """The one check of every ``Literal``-typed field of a config section: its value is one of the
+    Literal's arguments. Called by each section's ``__post_init__`` (files and code alike)."""
+    for f in fields(obj):
+        hint = _hints(type(obj))[f.name]
+        if get_origin(hint) is Literal:
+            allowed, value = get_args(hint), getattr(obj, f.name)
+            _check(isinstance(value, str) and value in allowed,
+                   f"{obj.SECTION}.{f.name} must be one of {allowed}, got {value!r}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """LLaMA-style decoder shape."""
 
+    SECTION: ClassVar[str] = "model"
+
     vocab_size: int = 8192
-    """Vocabulary size; must equal the tokenizer's."""
+    """Vocabulary size; must equal the tokenizer's (derived from ``data.vocab_size`` at load when
+    only that one is set, see :func:`config_from_dict`)."""
     hidden_size: int = 256
     """Residual stream width d."""
     num_layers: int = 8
@@ -76,6 +131,7 @@ class ModelConfig:
     """Standard deviation of the normal initialisation of linear and embedding weights."""
 
     def __post_init__(self) -> None:
+        _check_choices(self)
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size",
                      "context_length"):
             _check(getattr(self, name) > 0, f"model.{name} must be positive, got {getattr(self, name)}")
@@ -105,93 +161,167 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
 
 
 @dataclass(frozen=True, kw_only=True)
+class VQConfig:
+    """``[compression.vq]``: residual vector quantization of Z and dL/dZ (codec ``mapl_vq``), and
+    the settings object of every VQ stream (:mod:`mapl_swarm.compress.vq`). Its derived sizes below
+    need no torch."""
+
+    SECTION: ClassVar[str] = "compression.vq"
+
+    rank: int = field(default=0, metadata={"derived_from": "compression.rank"})
+    """Rank r of the quantized stream: not a key of its own, copied from ``compression.rank`` by
+    :class:`CompressionConfig` (0 only in a VQConfig built outside one)."""
+    codebook_size: int = 256
+    """Codes K per codebook (one per group and round); codes travel as uint8 when K <= 256, else
+    uint16 (K <= 65536)."""
+    rounds: int = 2
+    """Residual quantization rounds R (round k quantizes what rounds < k left)."""
+    group_size: int = 2
+    """Coordinates G per group; the rank is split into rank/G groups, each with its own codebooks.
+    G=2, R=2, K=256 sends rank bytes per token (bf16 MAPL: 2 x rank)."""
+    slice_fraction: float = 0.0625
+    """Stream sync: fraction of each codebook's codes sent per training micro-batch (a
+    CODEBOOK_SLICE of n = ceil(fraction x K) codes of every codebook, chosen by ``slice_order``).
+    Its bytes per micro-batch are :attr:`slice_bytes_per_micro`; the default's cost in bytes and loss:
+    BENCHMARKS.md, "Quality: codecs at equal token budget"."""
+    slice_order: VQSliceOrder = "priority"
+    """Stream sync: which codes a slice carries: priority (per codebook the codes with the largest
+    usage share x squared drift since the receiver's copy, as an indexed slice: +1 byte per code and
+    codebook for K <= 256) | round_robin (a contiguous range cycling over the codebook). Default from
+    the comparison of the two orders in BENCHMARKS.md, "Quality: codecs at equal token budget"."""
+    sync: VQSync = "stream"
+    """Codebook synchronisation: stream (slices, SPEC 5.1) | full (whole codebooks every
+    micro-batch, for comparison)."""
+    ema_decay: float = 0.99
+    """EMA decay of the k-means statistics (code usage and sums) per micro-batch."""
+    kmeans_init_batches: int = 1
+    """The first this many training micro-batches initialise the codebooks by k-means on their data
+    (each sent as a full slice) before EMA updates take over."""
+    kmeans_iters: int = 10
+    """Lloyd iterations per k-means initialisation."""
+    dead_code_ratio: float = 0.03
+    """A code whose EMA usage share falls below ratio / K is dead and replaced by a random vector of
+    the current micro-batch (0 disables replacement)."""
+    max_distance_mib: float = 8.0
+    """Bound on the encoder's distance tensor per chunk, in MiB (tokens are chunked)."""
+    compile: bool = False
+    """Fuse the nearest-code search (distances + argmin) into one kernel with torch.compile (Triton
+    on CUDA, C++/OpenMP on CPU; compiles once). Off by default: BENCHMARKS.md, "VQ encoder speed". Codes
+    may differ from the eager path on (near-)ties; sender and receiver stay identical either way."""
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+        _check(self.rank >= 0, f"compression.vq.rank must be >= 0, got {self.rank}")
+        _check(2 <= self.codebook_size <= 1 << 16,
+               f"compression.vq.codebook_size must be in 2..65536, got {self.codebook_size}")
+        for name in ("rounds", "group_size", "kmeans_init_batches", "kmeans_iters"):
+            _check(getattr(self, name) >= 1, f"compression.vq.{name} must be >= 1, got {getattr(self, name)}")
+        _check(0 < self.slice_fraction <= 1,
+               f"compression.vq.slice_fraction must be in (0, 1], got {self.slice_fraction}")
+        _check(0 <= self.ema_decay < 1, f"compression.vq.ema_decay must be in [0, 1), got {self.ema_decay}")
+        _check(0 <= self.dead_code_ratio < 1,
+               f"compression.vq.dead_code_ratio must be in [0, 1), got {self.dead_code_ratio}")
+        _check(self.max_distance_mib > 0, "compression.vq.max_distance_mib must be positive")
+
+    @property
+    def groups(self) -> int:
+        """Groups r/G per token."""
+        if self.rank <= 0:
+            raise ValueError("VQConfig.rank is unset: take the VQ settings from CompressionConfig.vq")
+        return self.rank // self.group_size
+
+    @property
+    def layout(self) -> CodebookLayout:
+        return CodebookLayout(rounds=self.rounds, groups=self.groups, codebook_size=self.codebook_size,
+                              group_size=self.group_size)
+
+    @property
+    def code_dtype(self) -> str:
+        """Wire dtype name of one code: uint8 for K <= 256, else uint16."""
+        return code_dtype(self.codebook_size)
+
+    @property
+    def code_bytes(self) -> int:
+        """Bytes of one code (and of one index of an indexed slice): 1 for K <= 256, else 2."""
+        return 1 if self.codebook_size <= 256 else 2
+
+    @property
+    def code_bytes_per_token(self) -> int:
+        """Bytes of codes per token: R x r/G x (1 or 2)."""
+        return self.rounds * self.groups * self.code_bytes
+
+    @property
+    def slice_codes(self) -> int:
+        """Codes per partial slice: ceil(fraction x K)."""
+        return min(self.codebook_size, math.ceil(self.slice_fraction * self.codebook_size - 1e-9))
+
+    def slice_bytes(self, n: int, *, indexed: bool = False) -> int:
+        """Bytes of a slice of ``n`` codes of every codebook: fp32 codes, 4 x R x r/G x n x G, plus
+        for an indexed slice its index, R x r/G x n x (1 or 2)."""
+        per_code = 4 * self.group_size + (self.code_bytes if indexed else 0)
+        return self.rounds * self.groups * n * per_code
+
+    @property
+    def slice_bytes_per_micro(self) -> float:
+        """Steady-state slice bytes per training micro-batch (full sync: the whole codebooks;
+        stream round_robin: K codes spread over ceil(K / n) micro-batches; priority: n indexed codes)."""
+        K = self.codebook_size
+        if self.sync == "full":
+            return float(self.slice_bytes(K))
+        if self.slice_order == "priority":
+            return float(self.slice_bytes(self.slice_codes, indexed=True))
+        return self.slice_bytes(K) / math.ceil(K / self.slice_codes)
+
+    @property
+    def max_distance_bytes(self) -> int:
+        return int(self.max_distance_mib * (1 << 20))
+
+
+@dataclass(frozen=True, kw_only=True)
 class CompressionConfig:
     """How activations and gradients cross each stage boundary."""
 
-    codec: str = "mapl"
-    """Boundary codec: none | mapl | fixed | naive | ssn | mapl_vq (mapl + residual VQ of Z and dL/dZ)."""
+    SECTION: ClassVar[str] = "compression"
+
+    codec: Codec = "mapl"
+    """Boundary codec: none | mapl | fixed | naive | ssn | mapl_vq (mapl + residual VQ of Z and dL/dZ,
+    set up in ``[compression.vq]``); see :mod:`mapl_swarm.compress.catalog`."""
     rank: int = 64
     """Projection rank r (ssn: subspace rank k). Ignored by `none`."""
-    anchor: str = "factorized"
+    anchor: Anchor = "factorized"
     """Token anchor for mapl/fixed/naive: factorized | full | static | none."""
     anchor_rank: int = 64
     """Rank r_a of the factorized anchor E_small (V x r_a) @ P (r_a x d)."""
     anchor_init_std: float = 0.02
     """Initial standard deviation of trainable anchor tables."""
-    wire_dtype: str = "bf16"
+    wire_dtype: WireDtype = "bf16"
     """Dtype of activations and their gradients on the wire: bf16 | fp16 | fp32."""
     ssn_refresh_interval_steps: int = 500
     """SSN: Grassmann refresh of U every this many steps; 0 keeps U frozen (as node0)."""
     ssn_refresh_lr: float = 1e-2
     """SSN: Grassmann refresh learning rate."""
-    vq_codebook_size: int = 256
-    """mapl_vq: codes K per codebook (one per group and round); codes travel as uint8 when K <= 256,
-    else uint16 (K <= 65536)."""
-    vq_rounds: int = 2
-    """mapl_vq: residual quantization rounds R (round k quantizes what rounds < k left)."""
-    vq_group_size: int = 2
-    """mapl_vq: coordinates G per group; the rank is split into rank/G groups, each with its own
-    codebooks. G=2, R=2, K=256 sends rank bytes per token (bf16 MAPL: 2 x rank)."""
-    vq_slice_fraction: float = 0.0625
-    """mapl_vq, stream sync: fraction of each codebook's codes sent per training micro-batch (a
-    CODEBOOK_SLICE of n = ceil(fraction x K) codes of every codebook, chosen by vq_slice_order).
-    At G=2 and K <= 256 its bytes are 9 x n / tokens of the codes' bytes per micro-batch with
-    priority slices (8 x n / tokens round-robin): 1.8 % at n=16 and 8k-token micro-batches."""
-    vq_slice_order: str = "priority"
-    """mapl_vq, stream sync: which codes a slice carries: priority (per codebook the codes with the
-    largest usage share x squared drift since the receiver's copy, as an indexed slice: +1 byte per
-    code and codebook for K <= 256; measured +4.85% vs +6.55% for round_robin in BENCHMARKS.md) |
-    round_robin (a contiguous range cycling over the codebook)."""
-    vq_sync: str = "stream"
-    """mapl_vq codebook synchronisation: stream (slices, SPEC 5.1) | full (whole codebooks every
-    micro-batch, for comparison)."""
-    vq_ema_decay: float = 0.99
-    """mapl_vq: EMA decay of the k-means statistics (code usage and sums) per micro-batch."""
-    vq_kmeans_init_batches: int = 1
-    """mapl_vq: the first this many training micro-batches initialise the codebooks by k-means on
-    their data (each sent as a full slice) before EMA updates take over."""
-    vq_kmeans_iters: int = 10
-    """mapl_vq: Lloyd iterations per k-means initialisation."""
-    vq_dead_code_ratio: float = 0.03
-    """mapl_vq: a code whose EMA usage share falls below ratio / K is dead and replaced by a random
-    vector of the current micro-batch (0 disables replacement)."""
-    vq_max_distance_mib: float = 8.0
-    """mapl_vq: bound on the encoder's distance tensor per chunk, in MiB (tokens are chunked)."""
-    vq_compile: bool = False
-    """mapl_vq: fuse the nearest-code search (distances + argmin) into one kernel with
-    torch.compile (Triton on CUDA, C++/OpenMP on CPU; ~1 min to compile once). Codes may differ
-    from the eager path on (near-)ties; sender and receiver stay identical either way."""
+    vq: VQConfig = field(default_factory=VQConfig)
+    """``[compression.vq]``: the VQ settings of codec mapl_vq (its ``rank`` is this section's)."""
 
     def __post_init__(self) -> None:
-        _check(self.codec in CODECS, f"compression.codec must be one of {CODECS}, got {self.codec!r}")
-        _check(self.anchor in ANCHORS, f"compression.anchor must be one of {ANCHORS}, got {self.anchor!r}")
-        _check(self.wire_dtype in WIRE_DTYPES,
-               f"compression.wire_dtype must be one of {WIRE_DTYPES}, got {self.wire_dtype!r}")
+        _check_choices(self)
         _check(self.rank > 0, f"compression.rank must be positive, got {self.rank}")
         _check(self.anchor_rank > 0, f"compression.anchor_rank must be positive, got {self.anchor_rank}")
         _check(self.ssn_refresh_interval_steps >= 0, "compression.ssn_refresh_interval_steps must be >= 0")
-        _check(2 <= self.vq_codebook_size <= 1 << 16,
-               f"compression.vq_codebook_size must be in 2..65536, got {self.vq_codebook_size}")
-        for name in ("vq_rounds", "vq_group_size", "vq_kmeans_init_batches", "vq_kmeans_iters"):
-            _check(getattr(self, name) >= 1, f"compression.{name} must be >= 1, got {getattr(self, name)}")
-        _check(0 < self.vq_slice_fraction <= 1,
-               f"compression.vq_slice_fraction must be in (0, 1], got {self.vq_slice_fraction}")
-        _check(self.vq_slice_order in VQ_SLICE_ORDERS,
-               f"compression.vq_slice_order must be one of {VQ_SLICE_ORDERS}, got {self.vq_slice_order!r}")
-        _check(self.vq_sync in VQ_SYNC_MODES,
-               f"compression.vq_sync must be one of {VQ_SYNC_MODES}, got {self.vq_sync!r}")
-        _check(0 <= self.vq_ema_decay < 1, f"compression.vq_ema_decay must be in [0, 1), got {self.vq_ema_decay}")
-        _check(0 <= self.vq_dead_code_ratio < 1,
-               f"compression.vq_dead_code_ratio must be in [0, 1), got {self.vq_dead_code_ratio}")
-        _check(self.vq_max_distance_mib > 0, "compression.vq_max_distance_mib must be positive")
-        if self.codec == "mapl_vq":
-            _check(self.rank % self.vq_group_size == 0,
-                   f"compression.rank {self.rank} is not divisible by vq_group_size {self.vq_group_size}")
+        _check(isinstance(self.vq, VQConfig), f"compression.vq must be a table, got {self.vq!r}")
+        if self.vq.rank != self.rank:
+            object.__setattr__(self, "vq", replace(self.vq, rank=self.rank))
+        if codec_info(self.codec).quantized:
+            _check(self.rank % self.vq.group_size == 0,
+                   f"compression.rank {self.rank} is not divisible by compression.vq.group_size "
+                   f"{self.vq.group_size}")
 
 
 @dataclass(frozen=True, kw_only=True)
 class OptimConfig:
     """Hybrid Muon / AdamW / SPEL optimizer (MAPL paper Appendix E, H)."""
+
+    SECTION: ClassVar[str] = "optim"
 
     muon_lr: float = 0.02
     """Peak Muon learning rate; AdamW and SPEL rates are multiples of it."""
@@ -217,7 +347,7 @@ class OptimConfig:
     """AdamW beta2."""
     adam_eps: float = 1e-8
     """AdamW epsilon."""
-    schedule: str = "cosine"
+    schedule: Schedule = "cosine"
     """Learning-rate schedule after warmup: cosine | wsd | constant."""
     warmup_steps: int = 10
     """Linear warmup steps."""
@@ -229,7 +359,7 @@ class OptimConfig:
     """Per-stage gradient norm clipping threshold; 0 disables."""
 
     def __post_init__(self) -> None:
-        _check(self.schedule in SCHEDULES, f"optim.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        _check_choices(self)
         for name in ("muon_lr", "adamw_lr_ratio", "projector_lr_ratio", "adam_eps"):
             _check(getattr(self, name) > 0, f"optim.{name} must be positive")
         for name in ("muon_momentum", "spel_momentum", "adam_beta1", "adam_beta2", "min_lr_ratio",
@@ -245,6 +375,8 @@ class OptimConfig:
 class DataConfig:
     """Corpus, tokenizer and token shards."""
 
+    SECTION: ClassVar[str] = "data"
+
     source: str = "stdlib"
     """`stdlib` (the interpreter's own standard library sources), a local file or folder path,
     or `hf:NAME` for a Hugging Face dataset (name or local path)."""
@@ -254,7 +386,8 @@ class DataConfig:
     """Empty: train a byte-level BPE on the corpus. Else a tokenizer.json path, or a
     transformers tokenizer name/path."""
     vocab_size: int = 8192
-    """Vocabulary size when training a BPE tokenizer."""
+    """Vocabulary size when training a BPE tokenizer (at least 260); equals ``model.vocab_size``
+    (derived from it at load when only that one is set, see :func:`config_from_dict`)."""
     val_fraction: float = 0.02
     """Fraction of documents held out for validation (chosen by a hash of their name)."""
     max_corpus_bytes: int = 0
@@ -267,64 +400,128 @@ class DataConfig:
     """Hugging Face column holding the text."""
 
     def __post_init__(self) -> None:
+        _check_choices(self)
         _check(self.source != "", "data.source must not be empty")
         _check(0 < self.val_fraction < 1, f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
-        _check(self.vocab_size >= 260, f"data.vocab_size must be >= 260, got {self.vocab_size}")
+        _check(self.vocab_size > 0, f"data.vocab_size must be positive, got {self.vocab_size}")
         _check(self.max_corpus_bytes >= 0, "data.max_corpus_bytes must be >= 0")
+
+
+def _check_ints(obj: Any, positive: tuple[str, ...] = (), non_negative: tuple[str, ...] = ()) -> None:
+    for name in positive:
+        _check(getattr(obj, name) > 0, f"{obj.SECTION}.{name} must be positive, got {getattr(obj, name)}")
+    for name in non_negative:
+        _check(getattr(obj, name) >= 0, f"{obj.SECTION}.{name} must be >= 0, got {getattr(obj, name)}")
 
 
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
-    """Pipeline layout, batch sizes, schedule of validation/checkpoints, runtime settings."""
+    """What this run is: its seed, length, name and output folder."""
+
+    SECTION: ClassVar[str] = "run"
 
     seed: int = 0
     """Run seed; every random initialisation derives from (seed, component)."""
+    steps: int = 100
+    """Optimizer steps to train."""
+    out_dir: str = "runs/default"
+    """Folder for metrics.jsonl, checkpoints and the run manifest."""
+    run_id: str = "mapl"
+    """Swarm run name; peers of different runs never talk."""
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+        _check_ints(self, positive=("steps",))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    """Pipeline layout and batch sizes."""
+
+    SECTION: ClassVar[str] = "pipeline"
+
     num_stages: int = 4
     """Pipeline stages P."""
     micro_batch_size: int = 4
     """Sequences per micro-batch."""
     num_micro_batches: int = 4
     """Micro-batches per optimizer step (gradient accumulation)."""
-    steps: int = 100
-    """Optimizer steps to train."""
-    val_interval_steps: int = 25
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+        _check_ints(self, positive=("num_stages", "micro_batch_size", "num_micro_batches"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """Validation on held-out data."""
+
+    SECTION: ClassVar[str] = "eval"
+
+    interval_steps: int = 25
     """Validate every this many steps (and at the end); 0 disables periodic validation."""
-    val_batches: int = 4
+    batches: int = 4
     """Micro-batches of held-out data per validation."""
-    checkpoint_interval_steps: int = 0
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+        _check_ints(self, positive=("batches",), non_negative=("interval_steps",))
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Per-stage checkpoints under ``run.out_dir``."""
+
+    SECTION: ClassVar[str] = "checkpoint"
+
+    interval_steps: int = 0
     """Save per-stage checkpoints every this many steps (and at the end); 0 disables."""
-    keep_checkpoints: int = 2
+    keep: int = 2
     """Newest complete checkpoints kept on disk."""
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+        _check_ints(self, positive=("keep",), non_negative=("interval_steps",))
+
+
+@dataclass(frozen=True, kw_only=True)
+class MetricsConfig:
+    """What goes into the metrics stream (``metrics.jsonl``)."""
+
+    SECTION: ClassVar[str] = "metrics"
+
     log_interval_steps: int = 1
     """Write a metrics record every this many steps."""
     health_interval_steps: int = 0
     """Log compression health per boundary (energy captured, projector orthonormality error,
     backward gradient fidelity, codec stats) into the metrics stream every this many steps; 0 is off."""
-    out_dir: str = "runs/default"
-    """Folder for metrics.jsonl, checkpoints and the run manifest."""
-    threads: int = 0
-    """torch intra-op threads per process; 0 keeps torch's default."""
-    device: str = "auto"
-    """auto (CUDA when present) | cpu | cuda."""
-    run_id: str = "mapl"
-    """Swarm run name; peers of different runs never talk."""
 
     def __post_init__(self) -> None:
-        for name in ("num_stages", "micro_batch_size", "num_micro_batches", "steps", "val_batches",
-                     "keep_checkpoints", "log_interval_steps"):
-            _check(getattr(self, name) > 0, f"run.{name} must be positive, got {getattr(self, name)}")
-        for name in ("val_interval_steps", "checkpoint_interval_steps", "threads", "health_interval_steps"):
-            _check(getattr(self, name) >= 0, f"run.{name} must be >= 0")
-        _check(self.device in ("auto", "cpu", "cuda"), f"run.device must be auto|cpu|cuda, got {self.device!r}")
+        _check_choices(self)
+        _check_ints(self, positive=("log_interval_steps",), non_negative=("health_interval_steps",))
 
-    @property
-    def tokens_per_step_factor(self) -> int:
-        return self.micro_batch_size * self.num_micro_batches
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeConfig:
+    """Where and how this process computes."""
+
+    SECTION: ClassVar[str] = "runtime"
+
+    device: Device = "auto"
+    """auto (CUDA when present) | cpu | cuda."""
+    threads: int = 0
+    """torch intra-op threads per process; 0 keeps torch's default."""
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+        _check_ints(self, non_negative=("threads",))
 
 
 @dataclass(frozen=True, kw_only=True)
 class NetConfig:
     """How a stage peer binds, finds its neighbours and shapes its outbound links."""
+
+    SECTION: ClassVar[str] = "net"
 
     bind_host: str = "127.0.0.1"
     """Interface the peer's ZeroMQ ROUTER binds (0.0.0.0 for every interface)."""
@@ -354,6 +551,7 @@ class NetConfig:
     """Largest tensor frame accepted."""
 
     def __post_init__(self) -> None:
+        _check_choices(self)
         _check(0 <= self.port < 65536 and 0 <= self.dht_port < 65536, "net.port and net.dht_port must be in [0, 65535]")
         for name in ("bandwidth_mbps", "latency_ms", "max_in_flight"):
             _check(getattr(self, name) >= 0, f"net.{name} must be >= 0")
@@ -370,13 +568,19 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     net: NetConfig = field(default_factory=NetConfig)
 
     def __post_init__(self) -> None:
-        m, c, r = self.model, self.compression, self.run
-        _check(r.num_stages <= m.num_layers,
-               f"cannot split {m.num_layers} layers over {r.num_stages} stages (run.num_stages > model.num_layers)")
-        if c.codec != "none":
+        m, c, p = self.model, self.compression, self.pipeline
+        _check(p.num_stages <= m.num_layers,
+               f"cannot split {m.num_layers} layers over {p.num_stages} stages "
+               f"(pipeline.num_stages > model.num_layers)")
+        if codec_info(c.codec).projected:
             _check(c.rank <= m.hidden_size,
                    f"compression.rank {c.rank} exceeds model.hidden_size {m.hidden_size}")
             _check(c.anchor_rank <= m.hidden_size,
@@ -384,39 +588,96 @@ class TrainConfig:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.run.micro_batch_size * self.run.num_micro_batches * self.model.context_length
+        return self.pipeline.micro_batch_size * self.pipeline.num_micro_batches * self.model.context_length
 
 
-_SECTIONS: dict[str, type] = {
-    "model": ModelConfig,
-    "compression": CompressionConfig,
-    "optim": OptimConfig,
-    "data": DataConfig,
-    "run": RunConfig,
-    "net": NetConfig,
+_SECTIONS: dict[str, type] = {f.name: get_type_hints(TrainConfig)[f.name] for f in fields(TrainConfig)}
+
+LEGACY_KEYS: dict[str, str] = {
+    "run.num_stages": "pipeline.num_stages",
+    "run.micro_batch_size": "pipeline.micro_batch_size",
+    "run.num_micro_batches": "pipeline.num_micro_batches",
+    "run.val_interval_steps": "eval.interval_steps",
+    "run.val_batches": "eval.batches",
+    "run.checkpoint_interval_steps": "checkpoint.interval_steps",
+    "run.keep_checkpoints": "checkpoint.keep",
+    "run.log_interval_steps": "metrics.log_interval_steps",
+    "run.health_interval_steps": "metrics.health_interval_steps",
+    "run.device": "runtime.device",
+    "run.threads": "runtime.threads",
+    **{f"compression.vq_{name}": f"compression.vq.{name}" for name in (
+        "codebook_size", "rounds", "group_size", "slice_fraction", "slice_order", "sync", "ema_decay",
+        "kmeans_init_batches", "kmeans_iters", "dead_code_ratio", "max_distance_mib", "compile")},
 }
+"""Keys of the older config layout -> their place now (dotted paths). They still load, with a
+warning naming the new key; a config that sets both is an error."""
+
+
+def _lookup(raw: dict[str, Any], path: list[str]) -> tuple[dict[str, Any] | None, bool]:
+    """The table holding ``path``'s last key (None when a table on the way is missing) and
+    whether that key is set."""
+    node: Any = raw
+    for part in path[:-1]:
+        node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict):
+            return None, False
+    return node, path[-1] in node
+
+
+def upgrade_legacy_keys(raw: dict[str, Any], source: str = "<dict>") -> dict[str, Any]:
+    """A copy of the nested config dict ``raw`` with every :data:`LEGACY_KEYS` key moved to its new
+    place, logging one warning per moved key; setting a key under both names is a ConfigError."""
+    raw = copy.deepcopy(raw)
+    for old, new in LEGACY_KEYS.items():
+        old_path, new_path = old.split("."), new.split(".")
+        table, present = _lookup(raw, old_path)
+        if not present:
+            continue
+        _, clash = _lookup(raw, new_path)
+        if clash:
+            raise ConfigError(f"{source}: both {old} (old name) and {new} are set; keep only {new}")
+        value = table.pop(old_path[-1])
+        node = raw
+        for part in new_path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{source}: {part} must be a table")
+        node[new_path[-1]] = value
+        log.warning("%s: %s is now %s; please rename it", source, old, new)
+    return raw
 
 
 def _coerce(cls: type, name: str, value: Any, where: str) -> Any:
-    hint = get_type_hints(cls)[name]
+    hint = _hints(cls)[name]
+    if dataclasses.is_dataclass(hint):
+        return _section(hint, value, f"{where.rstrip(']')}.{name}]")
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if getattr(hint, "__origin__", None) is tuple:
+    if get_origin(hint) is tuple:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: {name} must be a list, got {value!r}")
         return tuple(value)
     base = hint if isinstance(hint, type) else None
     if base is not None and (not isinstance(value, base) or (base is int and isinstance(value, bool))):
         raise ConfigError(f"{where}: {name} must be {base.__name__}, got {value!r}")
-    return value
+    return value  # Literal choices are checked by the section's __post_init__ (_check_choices)
+
+
+def _keys(cls: type) -> set[str]:
+    """TOML keys of a section (derived fields such as ``compression.vq.rank`` are not keys)."""
+    return {f.name for f in fields(cls) if "derived_from" not in f.metadata}
 
 
 def _section(cls: type, values: dict[str, Any], where: str, base: Any = None) -> Any:
     if not isinstance(values, dict):
         raise ConfigError(f"{where} must be a table")
-    known = {f.name for f in fields(cls)}
+    known = _keys(cls)
     for key in values:
         if key not in known:
+            derived = next((f.metadata["derived_from"] for f in fields(cls)
+                            if f.name == key and "derived_from" in f.metadata), None)
+            if derived:
+                raise ConfigError(f"{where}: {key} is not a key of its own: set {derived}")
             raise ConfigError(f"{where}: unknown key {key!r} (known: {', '.join(sorted(known))})")
     kwargs = {k: _coerce(cls, k, v, where) for k, v in values.items()}
     if base is not None:
@@ -424,15 +685,47 @@ def _section(cls: type, values: dict[str, Any], where: str, base: Any = None) ->
     return cls(**kwargs)
 
 
+def _derive_vocab(raw: dict[str, Any], preset: ModelConfig, source: str) -> None:
+    """Make ``model.vocab_size`` and ``data.vocab_size`` agree when the tokenizer is trained here.
+
+    Values set in the file (or ``--set``) win over the preset's: only ``data.vocab_size`` set ->
+    ``model.vocab_size`` follows it; only ``model.vocab_size`` set -> ``data.vocab_size`` follows it;
+    neither -> both take the preset's ``model.vocab_size``; both set to different values -> ConfigError
+    naming both. With an external tokenizer (``data.tokenizer``) nothing is derived: the trainer checks
+    ``model.vocab_size`` against the tokenizer's size.
+    """
+    model, data = raw.get("model", {}), raw.get("data", {})
+    if not isinstance(model, dict) or not isinstance(data, dict) or data.get("tokenizer", ""):
+        return
+    m, d = model.get("vocab_size"), data.get("vocab_size")
+    if m is not None and d is not None:
+        if m != d:
+            raise ConfigError(f"{source}: model.vocab_size {m!r} != data.vocab_size {d!r} (the tokenizer trained "
+                              f"here has data.vocab_size tokens): set one of them, or both to the same value")
+        return
+    if d is not None:
+        raw.setdefault("model", {})["vocab_size"] = d
+    else:
+        raw.setdefault("data", {})["vocab_size"] = preset.vocab_size if m is None else m
+
+
 def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> TrainConfig:
-    """Build a TrainConfig from nested plain data; unknown keys raise ConfigError naming them."""
-    raw = dict(raw)
+    """Build a TrainConfig from nested plain data; unknown keys raise ConfigError naming them.
+
+    Legacy keys are moved first (:func:`upgrade_legacy_keys`). Then, when the tokenizer is trained
+    here (``data.tokenizer`` empty), the two vocabulary sizes are made to agree: a value set in the
+    data wins over the preset's; only ``data.vocab_size`` set -> ``model.vocab_size`` follows it, only
+    ``model.vocab_size`` set -> ``data.vocab_size`` follows it, neither -> both are the preset's
+    ``model.vocab_size`` (``tiny``: 8192, ``150M``: 32000); both set and different -> ConfigError
+    naming both (:func:`_derive_vocab`)."""
+    raw = upgrade_legacy_keys(raw, source)
     preset = raw.pop("preset", "tiny")
     if preset not in MODEL_PRESETS:
         raise ConfigError(f"{source}: unknown preset {preset!r} (known: {', '.join(MODEL_PRESETS)})")
     for key in raw:
         if key not in _SECTIONS:
             raise ConfigError(f"{source}: unknown key {key!r} (known: preset, {', '.join(_SECTIONS)})")
+    _derive_vocab(raw, MODEL_PRESETS[preset], source)
     parts = {}
     for name, cls in _SECTIONS.items():
         base = MODEL_PRESETS[preset] if name == "model" else None
@@ -450,40 +743,76 @@ def read_toml(path: Path, what: str) -> dict[str, Any]:
         raise ConfigError(f"{path}: invalid TOML: {exc}") from None
 
 
-def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> TrainConfig:
-    """Load a TOML config strictly; ``overrides`` is a nested dict merged over the file."""
-    path = Path(path)
-    raw = read_toml(path, "config")
-    for section, values in (overrides or {}).items():
-        if isinstance(values, dict):
-            raw.setdefault(section, {})
-            if not isinstance(raw[section], dict):
-                raise ConfigError(f"{path}: {section} must be a table")
-            raw[section].update(values)
+def _merge(into: dict[str, Any], over: dict[str, Any], where: str) -> None:
+    for key, value in over.items():
+        if isinstance(value, dict):
+            node = into.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{where}: {key} must be a table")
+            _merge(node, value, where)
         else:
-            raw[section] = values
+            into[key] = value
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """Load a TOML config strictly; ``overrides`` is a nested dict merged over the file (legacy keys
+    of either are moved to their new place first, so an old-name override replaces a new-name key)."""
+    path = Path(path)
+    raw = upgrade_legacy_keys(read_toml(path, "config"), str(path))
+    _merge(raw, upgrade_legacy_keys(overrides or {}, "--set"), str(path))
     return config_from_dict(raw, str(path))
 
 
-def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
-    """Plain nested dict (JSON/TOML friendly) of a config."""
-    out = dataclasses.asdict(cfg)
-    out["data"]["text_extensions"] = list(cfg.data.text_extensions)
-    out["net"]["initial_peers"] = list(cfg.net.initial_peers)
+def _plain(obj: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in fields(obj):
+        if "derived_from" in f.metadata:
+            continue
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            value = _plain(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[f.name] = value
     return out
 
 
+def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
+    """Plain nested dict (JSON/TOML friendly) of a config; :func:`config_from_dict` reads it back."""
+    return _plain(cfg)
+
+
+def legacy_layout(d: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a :func:`config_to_dict` dict in the older layout (every :data:`LEGACY_KEYS` key back
+    at its old place): digests of configs (fingerprint, sweep hashes) stay what they were."""
+    d = copy.deepcopy(d)
+    for old, new in LEGACY_KEYS.items():
+        table, present = _lookup(d, new.split("."))
+        if present:
+            node = d
+            for part in old.split(".")[:-1]:
+                node = node.setdefault(part, {})
+            node[old.split(".")[-1]] = table.pop(new.split(".")[-1])
+    for name, value in list(d.items()):
+        if isinstance(value, dict):
+            for key in [k for k, v in value.items() if v == {}]:
+                del value[key]
+            if not value:
+                del d[name]
+    return d
+
+
 def model_fingerprint(cfg: TrainConfig, tokenizer_hash: str, vocab_size: int) -> str:
-    """Hex digest that two peers must share: model, codec, seed, tokenizer hash and vocab size."""
+    """Hex digest that two peers must share: model, codec, seed, tokenizer hash and vocab size
+    (the compression section in the older flat layout, so the digest did not change with it)."""
     payload = {
         "model": dataclasses.asdict(cfg.model),
-        "compression": dataclasses.asdict(cfg.compression),
+        "compression": legacy_layout({"compression": config_to_dict(cfg)["compression"]})["compression"],
         "seed": cfg.run.seed,
-        "num_stages": cfg.run.num_stages,
+        "num_stages": cfg.pipeline.num_stages,
         "context_length": cfg.model.context_length,
         "tokenizer_hash": tokenizer_hash,
         "vocab_size": vocab_size,
     }
     blob = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:32]
-

@@ -13,8 +13,9 @@ def micro_config(**sections) -> TrainConfig:
         "model": {"vocab_size": 256, "hidden_size": 64, "num_layers": 4, "num_heads": 4,
                   "ffn_hidden_size": 128, "context_length": 16},
         "compression": {"rank": 16, "anchor_rank": 16},
-        "run": {"num_stages": 4, "micro_batch_size": 2, "num_micro_batches": 2, "steps": 10,
-                "threads": 0},
+        "run": {"steps": 10},
+        "pipeline": {"num_stages": 4, "micro_batch_size": 2, "num_micro_batches": 2},
+        "runtime": {"threads": 0},
     }
     for name, values in sections.items():
         raw.setdefault(name, {}).update(values)

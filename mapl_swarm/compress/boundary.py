@@ -23,7 +23,7 @@ from torch import nn
 from mapl_swarm.compress.ops import project, reconstruct
 
 if TYPE_CHECKING:
-    from mapl_swarm.compress.vq import VQSettings
+    from mapl_swarm.config import VQConfig
 
 __all__ = ["Boundary", "BoundaryBytes", "BoundaryShape", "WIRE_TORCH_DTYPES", "id_wire_dtype"]
 
@@ -69,7 +69,7 @@ class BoundaryShape:
     vocab_size: int
     seq_len: int
     """Tokens T per sequence (each sequence carries T+1 ids)."""
-    vq: "VQSettings | None" = None
+    vq: "VQConfig | None" = None
     """Codebook settings of a quantized codec."""
     tokens_per_micro: int | None = None
     """Tokens per micro-batch, to amortise per-micro-batch traffic (codebook slices)."""

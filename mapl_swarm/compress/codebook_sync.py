@@ -11,8 +11,8 @@ training micro-batch    before encoding
 ======================  ==========================================================================
 first k-means batches   k-means init of the learned codebooks, full slice
 resync requested        full slice (also in eval mode)
-``vq_sync = "full"``    full slice
-``vq_sync = "stream"``  partial slice of n = ceil(fraction x K) codes: ``round_robin`` a range
+``sync = "full"``       full slice
+``sync = "stream"``     partial slice of n = ceil(fraction x K) codes: ``round_robin`` a range
                         cycling over 0..K-1; ``priority`` an indexed slice (SPEC 1.2), per
                         codebook the n codes with the largest share x ||live - mirror||^2
 ======================  ==========================================================================
@@ -37,7 +37,9 @@ import numpy as np
 import torch
 
 from mapl_swarm.wire.codebook_rules import IGNORE, CodebookError, SliceIndex, check_codes, check_slice
-from mapl_swarm.compress.vq import EmaKMeans, VQSettings, decode_codes, lookup, nearest_codes, quantize, to_groups
+from mapl_swarm.compress.vq import (EmaKMeans, decode_codes, lookup, nearest_codes, quantize, to_groups,
+                                    torch_code_dtype)
+from mapl_swarm.config import VQConfig
 from mapl_swarm.rng import generator
 
 if TYPE_CHECKING:  # the wire package (msgpack, lz4) is only needed by peers, imported where used
@@ -109,7 +111,7 @@ def _digest(codebooks: torch.Tensor, version: int) -> str:
 class VQSender:
     """The encoding side of one stream: learned codebooks, mirror, version, pending slices."""
 
-    def __init__(self, s: VQSettings, stream: str, gen: torch.Generator,
+    def __init__(self, s: VQConfig, stream: str, gen: torch.Generator,
                  device: torch.device | str = "cpu") -> None:
         self.s, self.stream, self.gen = s, stream, gen
         self.device = torch.device(device)
@@ -155,7 +157,7 @@ class VQSender:
         mirror[rows, idx] = self.learner.live.reshape(R * NG, K, G)[rows, idx]
         self.version += 1
         self._queue(CodebookSlice(self.stream, self.version, 0, False, mirror[rows, idx].reshape(R, NG, n, G),
-                                  index=idx.reshape(R, NG, n).to(self.s.code_dtype)))
+                                  index=idx.reshape(R, NG, n).to(torch_code_dtype(self.s))))
 
     def _queue(self, sl: CodebookSlice) -> None:
         self._pending.append(sl)
@@ -205,7 +207,7 @@ class VQSender:
         self._acc["dead_replaced"] += dead
         self.totals["encodes"] += 1
         self.totals["tokens"] += x.shape[0]
-        return codes.to(s.code_dtype).reshape(*lead, s.rounds, s.groups)
+        return codes.to(torch_code_dtype(s)).reshape(*lead, s.rounds, s.groups)
 
     def metrics(self) -> dict[str, float]:
         """Mean relative error ||z - z_hat||^2 / ||z||^2 (all rounds and round 1 only), dead codes
@@ -240,7 +242,7 @@ class VQSender:
 class VQReceiver:
     """The decoding side of one stream: codebooks, version, awaiting-resync flag, counters."""
 
-    def __init__(self, s: VQSettings, stream: str, device: torch.device | str = "cpu") -> None:
+    def __init__(self, s: VQConfig, stream: str, device: torch.device | str = "cpu") -> None:
         self.s, self.stream = s, stream
         self.device = torch.device(device)
         self.codebooks = torch.zeros(s.layout.shape, device=self.device)

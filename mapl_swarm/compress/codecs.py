@@ -37,7 +37,7 @@ from mapl_swarm.compress.anchors import StageAnchor
 from mapl_swarm.compress.boundary import WIRE_TORCH_DTYPES, Boundary, BoundaryBytes, BoundaryShape, id_wire_dtype
 from mapl_swarm.compress.catalog import CodecInfo, codec_info
 from mapl_swarm.compress.codebook_sync import CodebookSlice
-from mapl_swarm.compress.vq import VQSettings
+from mapl_swarm.config import VQConfig
 from mapl_swarm.compress.vq_stage import StageVQ
 from mapl_swarm.optim.param_table import ParamRow, adamw_rows
 from mapl_swarm.compress.stiefel import random_stiefel
@@ -76,7 +76,7 @@ class StageCodec:
         self.cfg = cfg
         self.stage = stage
         self.device = device
-        P = cfg.run.num_stages
+        P = cfg.pipeline.num_stages
         self.is_first, self.is_last = stage == 0, stage == P - 1
         self.wire_dtype = WIRE_TORCH_DTYPES[cfg.compression.wire_dtype]
         self.id_dtype = id_wire_dtype(cfg.model.vocab_size)
@@ -299,7 +299,7 @@ class ProjectedVQCodec(ProjectedCodec):
 
     def __init__(self, name: str, cfg: "TrainConfig", stage: int, device: torch.device) -> None:
         super().__init__(name, cfg, stage, device)
-        self.vq = StageVQ(VQSettings.from_config(cfg.compression), stage, has_inbound=self.inbound is not None,
+        self.vq = StageVQ(cfg.compression.vq, stage, has_inbound=self.inbound is not None,
                           has_outbound=self.outbound is not None, seed=cfg.run.seed, device=device)
 
     def encode_act(self, z, *, train, micro):
@@ -360,7 +360,7 @@ def build_codec(cfg: "TrainConfig", stage: int, device: torch.device) -> StageCo
 
 
 def boundary_bytes(codec: str, hidden_size: int, rank: int, wire_dtype: str, vocab_size: int, seq_len: int,
-                   *, vq: VQSettings | None = None, tokens_per_micro: int | None = None) -> BoundaryBytes:
+                   *, vq: VQConfig | None = None, tokens_per_micro: int | None = None) -> BoundaryBytes:
     """Exact payload bytes per token of one boundary of ``codec`` (``mapl_vq`` needs ``vq``; with
     ``tokens_per_micro`` its amortised codebook slices are in ``codebook_bytes``)."""
     shape = BoundaryShape(hidden_size=hidden_size, rank=rank, wire_dtype=wire_dtype, vocab_size=vocab_size,
@@ -371,9 +371,9 @@ def boundary_bytes(codec: str, hidden_size: int, rank: int, wire_dtype: str, voc
 def config_boundary_bytes(cfg: "TrainConfig") -> BoundaryBytes:
     """:func:`boundary_bytes` of a run config (micro-batch of B x T tokens)."""
     c, m = cfg.compression, cfg.model
-    vq = VQSettings.from_config(c) if codec_info(c.codec).quantized else None
+    vq = c.vq if codec_info(c.codec).quantized else None
     return boundary_bytes(c.codec, m.hidden_size, c.rank, c.wire_dtype, m.vocab_size, m.context_length, vq=vq,
-                          tokens_per_micro=cfg.run.micro_batch_size * m.context_length)
+                          tokens_per_micro=cfg.pipeline.micro_batch_size * m.context_length)
 
 
 def boundary_projector(hidden_size: int, rank: int, seed: int, index: int) -> torch.Tensor:

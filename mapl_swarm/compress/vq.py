@@ -9,10 +9,11 @@ Everything here is vectorised over groups and codes (batched matmuls, gathers an
 the only Python loops run over the R rounds, the k-means iterations and token chunks. The encoder
 finds the nearest code with ``argmin_c ||c||^2 - 2 x.c`` (``||x||^2`` is the same for every code)
 as one ``baddbmm`` per chunk, so its distance tensor never exceeds ``max_distance_bytes``.
-With ``fused`` (config ``vq_compile``) the same formula, written pointwise, goes through
+With ``fused`` (config ``compression.vq.compile``) the same formula, written pointwise, goes through
 ``torch.compile``, which fuses distances and argmin into one kernel that never materialises the
-distances (C++/OpenMP on CPU: ~3x faster than eager here; Triton on CUDA). Device-agnostic: the
-same code runs on CPU and CUDA; a compile failure falls back to the eager path with a warning.
+distances (C++/OpenMP on CPU, Triton on CUDA; speed: BENCHMARKS.md, "VQ encoder speed").
+Device-agnostic: the same code runs on CPU and CUDA; a compile failure falls back to the eager path
+with a warning.
 
 Learning (:class:`EmaKMeans`): k-means initialisation (Lloyd) on the first micro-batch(es), then
 EMA k-means — per code, EMA of its usage share and of the sum of the vectors assigned to it, the
@@ -24,16 +25,13 @@ reset to ``1 / K`` (uniform), so it cannot die again before the replacement reac
 from __future__ import annotations
 
 import logging
-import math
-from dataclasses import dataclass
 
 import torch
 
-from mapl_swarm.config import CompressionConfig
-from mapl_swarm.wire.codebook_rules import CodebookLayout, code_dtype
+from mapl_swarm.config import VQConfig
 
 __all__ = [
-    "VQSettings",
+    "torch_code_dtype",
     "to_groups",
     "nearest_codes",
     "lookup",
@@ -48,82 +46,9 @@ log = logging.getLogger(__name__)
 _TORCH_CODE_DTYPES = {"uint8": torch.uint8, "uint16": torch.uint16}
 
 
-@dataclass(frozen=True)
-class VQSettings:
-    """The VQ settings of one stream (from :class:`~mapl_swarm.config.CompressionConfig`)."""
-
-    rank: int
-    codebook_size: int
-    rounds: int
-    group_size: int
-    slice_fraction: float
-    sync: str
-    slice_order: str
-    ema_decay: float
-    kmeans_init_batches: int
-    kmeans_iters: int
-    dead_code_ratio: float
-    max_distance_mib: float
-    compile: bool = False
-
-    @classmethod
-    def from_config(cls, c: CompressionConfig) -> "VQSettings":
-        return cls(rank=c.rank, codebook_size=c.vq_codebook_size, rounds=c.vq_rounds,
-                   group_size=c.vq_group_size, slice_fraction=c.vq_slice_fraction, sync=c.vq_sync,
-                   slice_order=c.vq_slice_order,
-                   ema_decay=c.vq_ema_decay, kmeans_init_batches=c.vq_kmeans_init_batches,
-                   kmeans_iters=c.vq_kmeans_iters, dead_code_ratio=c.vq_dead_code_ratio,
-                   max_distance_mib=c.vq_max_distance_mib, compile=c.vq_compile)
-
-    @property
-    def groups(self) -> int:
-        return self.rank // self.group_size
-
-    @property
-    def layout(self) -> CodebookLayout:
-        return CodebookLayout(rounds=self.rounds, groups=self.groups, codebook_size=self.codebook_size,
-                              group_size=self.group_size)
-
-    @property
-    def code_dtype(self) -> torch.dtype:
-        """uint8 for K <= 256, else uint16."""
-        return _TORCH_CODE_DTYPES[code_dtype(self.codebook_size)]
-
-    @property
-    def code_bytes(self) -> int:
-        """Bytes of one code (and of one index of an indexed slice): 1 for K <= 256, else 2."""
-        return 1 if self.codebook_size <= 256 else 2
-
-    @property
-    def code_bytes_per_token(self) -> int:
-        """Bytes of codes per token: R x r/G x (1 or 2)."""
-        return self.rounds * self.groups * self.code_bytes
-
-    @property
-    def slice_codes(self) -> int:
-        """Codes per partial slice: ceil(fraction x K)."""
-        return min(self.codebook_size, math.ceil(self.slice_fraction * self.codebook_size - 1e-9))
-
-    def slice_bytes(self, n: int, *, indexed: bool = False) -> int:
-        """Bytes of a slice of ``n`` codes of every codebook: fp32 codes, 4 x R x r/G x n x G, plus
-        for an indexed slice its index, R x r/G x n x (1 or 2)."""
-        per_code = 4 * self.group_size + (self.code_bytes if indexed else 0)
-        return self.rounds * self.groups * n * per_code
-
-    @property
-    def slice_bytes_per_micro(self) -> float:
-        """Steady-state slice bytes per training micro-batch (full sync: the whole codebooks;
-        stream round_robin: K codes spread over ceil(K / n) micro-batches; priority: n indexed codes)."""
-        K = self.codebook_size
-        if self.sync == "full":
-            return float(self.slice_bytes(K))
-        if self.slice_order == "priority":
-            return float(self.slice_bytes(self.slice_codes, indexed=True))
-        return self.slice_bytes(K) / math.ceil(K / self.slice_codes)
-
-    @property
-    def max_distance_bytes(self) -> int:
-        return int(self.max_distance_mib * (1 << 20))
+def torch_code_dtype(s: VQConfig) -> torch.dtype:
+    """The torch dtype of codes: uint8 for K <= 256, else uint16."""
+    return _TORCH_CODE_DTYPES[s.code_dtype]
 
 
 def to_groups(z: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -255,7 +180,7 @@ def kmeans(x: torch.Tensor, K: int, iters: int, gen: torch.Generator, max_distan
 class EmaKMeans:
     """The sender's learned codebooks ``live`` (R, NG, K, G) and their EMA statistics."""
 
-    def __init__(self, s: VQSettings, device: torch.device) -> None:
+    def __init__(self, s: VQConfig, device: torch.device) -> None:
         self.s = s
         R, NG, K, G = s.layout.shape
         self.live = torch.zeros(R, NG, K, G, device=device)

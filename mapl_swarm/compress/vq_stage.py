@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from mapl_swarm.compress.codebook_sync import CodebookSlice, VQReceiver, VQSender, stream_generator
-from mapl_swarm.compress.vq import VQSettings
+from mapl_swarm.config import VQConfig
 
 __all__ = ["StageVQ", "STREAMS"]
 
@@ -36,7 +36,7 @@ STREAMS = ("act", "grad")
 class StageVQ:
     """Codebook senders and receivers of one stage (``has_inbound``/``has_outbound`` boundaries)."""
 
-    def __init__(self, s: VQSettings, stage: int, *, has_inbound: bool, has_outbound: bool, seed: int,
+    def __init__(self, s: VQConfig, stage: int, *, has_inbound: bool, has_outbound: bool, seed: int,
                  device: torch.device | str = "cpu") -> None:
         self.s = s
         self.tx: dict[str, VQSender] = {}

@@ -34,10 +34,10 @@ from typing import Any, BinaryIO
 import numpy as np
 from tqdm import tqdm
 
-from mapl_swarm.config import DataConfig
+from mapl_swarm.config import MIN_BPE_VOCAB, DataConfig
 from mapl_swarm.data.corpus import Document, load_corpus, split_validation
 from mapl_swarm.data.tokenizer import TOKENIZER_FILE, TextTokenizer, load_tokenizer, train_bpe
-from mapl_swarm.errors import DataError
+from mapl_swarm.errors import ConfigError, DataError
 
 __all__ = ["SHARD_FORMAT_VERSION", "PreparedData", "prepare_data", "load_prepared", "shard_dtype"]
 
@@ -200,6 +200,9 @@ def prepare_data(cfg: DataConfig, progress: bool = True) -> PreparedData:
     Reading the corpus (to fingerprint it) happens on every call; training the tokenizer and
     tokenizing happen only when no complete folder for the same key exists.
     """
+    if not cfg.tokenizer and cfg.vocab_size < MIN_BPE_VOCAB:
+        raise ConfigError(f"data.vocab_size {cfg.vocab_size} is too small for the byte-level BPE trained here "
+                          f"(at least {MIN_BPE_VOCAB}: 256 bytes, EOS and merges)")
     corpus = load_corpus(cfg)
     external = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
     key = _cache_key(cfg, corpus.fingerprint, external.file_hash if external else "")

@@ -5,10 +5,32 @@
 * :mod:`.analysis` — end-of-run boundary diagnostics (spectra, principal angles, cosines);
 * :mod:`.tables` — markdown tables shaped like the MAPL paper's Tables 1, 5 and 6;
 * :mod:`.plots` — Pareto frontier, loss curves, Fig. 3 / 4 style plots (matplotlib, imported lazily).
+
+The package imports lazily, so that reading a grid (:mod:`.grid`) does not import torch: a bad grid
+file is reported at once.
 """
 
-from mapl_swarm.experiments.grid import Grid, RunSpec, grid_from_dict, load_grid
-from mapl_swarm.experiments.sweep import SweepReport, load_results, run_sweep, write_report
+from __future__ import annotations
 
-__all__ = ["Grid", "RunSpec", "grid_from_dict", "load_grid", "SweepReport", "load_results", "run_sweep",
-           "write_report"]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Grid": "mapl_swarm.experiments.grid",
+    "RunSpec": "mapl_swarm.experiments.grid",
+    "grid_from_dict": "mapl_swarm.experiments.grid",
+    "load_grid": "mapl_swarm.experiments.grid",
+    "SweepReport": "mapl_swarm.experiments.sweep",
+    "load_results": "mapl_swarm.experiments.sweep",
+    "run_sweep": "mapl_swarm.experiments.sweep",
+    "write_report": "mapl_swarm.experiments.sweep",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -9,14 +9,14 @@ A grid file (see ``bench/grids/``)::
 
     [base]                             # a run config, same layout as peers/*.toml
     preset = "tiny"                    # (``run.steps`` is derived from tokens_per_run: leave it out)
-    [base.run]
+    [base.pipeline]
     micro_batch_size = 4
 
     [[group]]                          # one cartesian product; repeat for more
     name = "table1"
     codecs = ["none", "mapl", "fixed", "naive", "ssn"]
     ranks = [32]                       # default: [base compression.rank]
-    stages = [4]                       # default: [base run.num_stages]
+    stages = [4]                       # default: [base pipeline.num_stages]
     anchors = ["factorized"]           # default: [base compression.anchor]
     seeds = [0, 1]                     # default: [base run.seed]
 
@@ -37,7 +37,8 @@ from typing import Any
 
 from mapl_swarm import config as config_mod
 from mapl_swarm.compress.catalog import CODEC_INFO, CODEC_NAMES, codec_info
-from mapl_swarm.config import TrainConfig, config_from_dict, config_to_dict, read_toml
+from mapl_swarm.config import (TrainConfig, config_from_dict, config_to_dict, legacy_layout, read_toml,
+                               upgrade_legacy_keys)
 from mapl_swarm.errors import ConfigError
 
 __all__ = ["Grid", "GridGroup", "RunSpec", "load_grid", "grid_from_dict", "ANCHORED_CODECS"]
@@ -88,7 +89,7 @@ class RunSpec:
 
 def config_hash(cfg: TrainConfig) -> str:
     """Digest of everything that shapes a run's numbers (the output folder excluded)."""
-    d = config_to_dict(cfg)
+    d = legacy_layout(config_to_dict(cfg))  # the layout hashes were first made in: finished runs still count
     d["run"].pop("out_dir", None)
     d.pop("net", None)
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
@@ -150,10 +151,8 @@ class Grid:
         raw = copy.deepcopy(self.base)
         comp = raw.setdefault("compression", {})
         comp.update(codec=codec, rank=rank, anchor=anchor)
-        run = raw.setdefault("run", {})
-        run.update(num_stages=stages, seed=seed)
-        tokens_per_step = base_cfg.tokens_per_step
-        run["steps"] = self.tokens_per_run // tokens_per_step
+        raw.setdefault("pipeline", {})["num_stages"] = stages
+        raw.setdefault("run", {}).update(seed=seed, steps=self.tokens_per_run // base_cfg.tokens_per_step)
         return RunSpec(codec=codec, rank=rank, stages=stages, anchor=anchor, seed=seed, groups=(group,),
                        raw=raw)
 
@@ -184,6 +183,7 @@ def grid_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Grid:
     base = raw["base"]
     if not isinstance(base, dict):
         raise ConfigError(f"{source}: base must be a table")
+    base = upgrade_legacy_keys(base, f"{source} [base]")  # once here, not once per run
     if "steps" in base.get("run", {}):
         raise ConfigError(f"{source}: [base.run] steps is derived from tokens_per_run; remove it")
     base_cfg = config_from_dict(copy.deepcopy(base), f"{source} [base]")  # strict: unknown keys raise
@@ -206,7 +206,7 @@ def grid_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Grid:
                 raise ConfigError(f"{where}: unknown key {key!r} (known: {', '.join(sorted(_GROUP_KEYS))})")
         if "codecs" not in g:
             raise ConfigError(f"{where}: missing key 'codecs'")
-        c, r = base_cfg.compression, base_cfg.run
+        c, r, p = base_cfg.compression, base_cfg.run, base_cfg.pipeline
         codecs = _typed_list(g["codecs"], str, "codecs", where)
         for codec in codecs:
             if codec not in CODEC_NAMES:
@@ -219,7 +219,7 @@ def grid_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Grid:
             name=str(g.get("name", f"group{i + 1}")),
             codecs=codecs,
             ranks=_typed_list(g.get("ranks", [c.rank]), int, "ranks", where),
-            stages=_typed_list(g.get("stages", [r.num_stages]), int, "stages", where),
+            stages=_typed_list(g.get("stages", [p.num_stages]), int, "stages", where),
             anchors=anchors,
             seeds=_typed_list(g.get("seeds", [r.seed]), int, "seeds", where),
         ))

@@ -105,7 +105,7 @@ def _run_one(spec: RunSpec, grid: Grid, out: Path, data, progress: bool) -> dict
         "act_bytes_per_token": (sum(b.get("act", 0.0) for b in per_kind) / len(per_kind)) if per_kind else 0.0,
         "wall_s": wall,
         "tokens_per_s": summary.tokens_per_s,
-        "device": str(resolve_device(cfg.run.device)),
+        "device": str(resolve_device(cfg.runtime.device)),
         "analysis": diag["analysis"],
         "analysis_s": diag["analysis_s"],
         "manifest": run_manifest(config_to_dict(cfg), corpus_fingerprint=data.meta.get("corpus_fingerprint"),

@@ -230,7 +230,7 @@ def summary_markdown(grid, results: list[dict], *, skipped: list[str], plots: li
         r0 = results[0]
         m = r0["manifest"]
         cfg = m["config"]
-        mdl, run = cfg["model"], cfg["run"]
+        mdl, run = cfg["model"], cfg.get("pipeline") or cfg["run"]  # older manifests: [run]
         lines += [
             f"Command: `{command or f'mapl-swarm sweep --grid {grid.source}'}`  ",
             f"Machine: {platform.machine()}, {m['machine']}, device {r0['device']}, torch {m['versions']['torch']}; "

@@ -2,8 +2,8 @@
 
 Each host (``dht``, ``stage0`` ... ``stage{P-1}``) gets its own Linux network namespace joined to
 a bridge in the root namespace by a veth pair. With ``rate_mbit`` set, both ends of every veth get
-a ``tbf`` qdisc, so everything a host sends *and* receives is shaped by the kernel (measured here:
-18.8 Mbit/s on a 20 Mbit/s tbf). ``netem`` is usually missing on these machines, so delay comes from
+a ``tbf`` qdisc, so everything a host sends *and* receives is shaped by the kernel (checked by
+tests/netns). ``netem`` is usually missing on these machines, so delay comes from
 the app-level emulator (``net.latency_ms``). Needs root and iproute2; every command is checked and
 the lab tears itself down on exit, even after a failure.
 

@@ -25,14 +25,17 @@ __all__ = ["run_lab_swarm"]
 
 def run_lab_swarm(cfg: TrainConfig, config_args: list[str], *, rate_mbit: float, subnet: int = 77,
                   timeout_s: float = 3600.0, threads: int = 1) -> SwarmSummary:
-    """Train ``cfg`` with the DHT and each stage in its own namespace; returns the swarm summary."""
-    P = cfg.run.num_stages
+    """Train ``cfg`` with the DHT and each stage in its own namespace; returns the swarm summary.
+    ``config_args`` (the options that produced ``cfg``, with ``--log-level``) go to every peer; the
+    DHT child gets the log level."""
+    P = cfg.pipeline.num_stages
     hosts = ["dht"] + [f"stage{k}" for k in range(P)]
     procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory() as tmp, NetnsLab(hosts, rate_mbit=rate_mbit, subnet=subnet) as lab:
         maddr_file = str(Path(tmp) / "dht.maddrs")
         base = [sys.executable, "-m", "mapl_swarm"]
-        dht = lab.popen("dht", base + ["dht", "--host", lab.address("dht"), "--maddr-file", maddr_file])
+        log_args = config_args[config_args.index("--log-level"):][:2] if "--log-level" in config_args else []
+        dht = lab.popen("dht", base + ["dht", "--host", lab.address("dht"), "--maddr-file", maddr_file, *log_args])
         procs.append(dht)
         try:
             peers = []
@@ -40,7 +43,7 @@ def run_lab_swarm(cfg: TrainConfig, config_args: list[str], *, rate_mbit: float,
                 addr = lab.address(f"stage{k}")
                 cmd = base + ["peer", *config_args, "--stage", str(k), "--initial-peers-file", maddr_file,
                               "--set", 'net.bind_host="0.0.0.0"', "--set", f'net.advertise_host="{addr}"',
-                              "--set", f'net.dht_host="{addr}"', "--set", f"run.threads={threads}", "--quiet"]
+                              "--set", f'net.dht_host="{addr}"', "--set", f"runtime.threads={threads}", "--quiet"]
                 peers.append(lab.popen(f"stage{k}", cmd))
             procs.extend(peers)
             deadline = time.monotonic() + timeout_s

@@ -16,8 +16,7 @@ from mapl_swarm.net.emulator import LinkConfig, LinkShaper, ShaperStats
 from mapl_swarm.net.errors import (DiscoveryError, DiscoveryTimeoutError, LinkClosedError, NetError,
                                    NetTimeoutError)
 from mapl_swarm.net.heartbeat import HeartbeatConfig, HeartbeatMonitor, attach_heartbeat
-from mapl_swarm.net.transport import (Transport, TransportConfig, install_event_loop_policy,
-                                      new_event_loop, run, tcp_endpoint)
+from mapl_swarm.net.transport import Transport, TransportConfig, new_event_loop, run, tcp_endpoint
 
 __all__ = [
     "Frame", "Traffic", "TrafficCounters", "payload_bytes", "zmtp_wire_bytes",
@@ -25,5 +24,5 @@ __all__ = [
     "LinkConfig", "LinkShaper", "ShaperStats",
     "NetError", "NetTimeoutError", "LinkClosedError", "DiscoveryError", "DiscoveryTimeoutError",
     "HeartbeatConfig", "HeartbeatMonitor", "attach_heartbeat",
-    "Transport", "TransportConfig", "install_event_loop_policy", "new_event_loop", "run", "tcp_endpoint",
+    "Transport", "TransportConfig", "new_event_loop", "run", "tcp_endpoint",
 ]

@@ -122,7 +122,3 @@ class TrafficCounters:
              "wire_bytes": c[2]}
             for (lk, d, k), c in sorted(self._cells.items())
         ]
-
-    def reset(self) -> None:
-        """Forget every count (e.g. after a warm-up phase)."""
-        self._cells.clear()

@@ -69,6 +69,14 @@ class LinkConfig:
         if not (isinstance(self.queue_bytes, int) and self.queue_bytes >= 0):
             raise ConfigError(f"link.queue_bytes must be an integer >= 0, got {self.queue_bytes!r}")
 
+    def describe(self) -> str:
+        """The shaping in words with units, for logs (``unshaped`` when there is none)."""
+        if not self.bandwidth_mbps and not self.latency_ms:
+            return "unshaped"
+        rate = f"{self.bandwidth_mbps:g} Mbit/s" if self.bandwidth_mbps else "unlimited bandwidth"
+        return (f"{rate}, {self.latency_ms:g} ms one-way, burst {self.burst_bytes / 1024:g} KiB, "
+                f"queue {self.queue_bytes / (1 << 20):g} MiB")
+
     @property
     def rate_bytes_per_s(self) -> float:
         """Bandwidth in bytes per second (``inf`` when unlimited)."""

@@ -69,12 +69,6 @@ class HeartbeatMonitor:
         self._heard.setdefault(peer, now)
         self._sent.setdefault(peer, -math.inf)
 
-    def unwatch(self, peer: str) -> None:
-        """Stop watching ``peer`` (e.g. after it said BYE)."""
-        self._heard.pop(peer, None)
-        self._sent.pop(peer, None)
-        self._silent.discard(peer)
-
     def heard(self, peer: str) -> None:
         """Record that something arrived from ``peer`` (unwatched peers are ignored)."""
         if peer in self._heard:

@@ -42,7 +42,6 @@ __all__ = [
     "TransportConfig",
     "Transport",
     "tcp_endpoint",
-    "install_event_loop_policy",
     "new_event_loop",
     "run",
 ]
@@ -52,16 +51,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _ZERO_COPY_MIN_BYTES = zmq.COPY_THRESHOLD
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "*", "")
-
-
-def install_event_loop_policy() -> bool:
-    """Make asyncio create uvloop loops when uvloop is importable; returns whether it is."""
-    try:
-        import uvloop
-    except ImportError:
-        return False
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    return True
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -143,7 +132,6 @@ class Transport:
         self._router: zmq.asyncio.Socket | None = None
         self._dealers: dict[str, zmq.asyncio.Socket] = {}
         self._shapers: dict[str, LinkShaper] = {}
-        self._last_seen: dict[str, float] = {}
         self._listeners: list[Callable[[str], None]] = []
         self._bound_endpoint = ""
         self._endpoint = ""
@@ -244,7 +232,7 @@ class Transport:
 
         self._dealers[link] = dealer
         self._shapers[link] = LinkShaper(config, deliver, name=f"{self.name}->{link}")
-        logger.info("%s: link %r -> %s (%s)", self.name, link, endpoint, config)
+        logger.debug("%s: link %r -> %s (%s)", self.name, link, endpoint, config.describe())
 
     async def disconnect(self, link: str) -> None:
         """Close an outbound link; undelivered messages are dropped (``flush`` first to keep them)."""
@@ -302,14 +290,9 @@ class Transport:
         frames: list[Frame] = [p.buffer if len(p) >= _ZERO_COPY_MIN_BYTES else p.bytes for p in parts[1:]]
         kind = self._rx_kind(frames) if self._rx_kind is not None else "rx"
         self.counters.add(peer, "rx", kind, frames)
-        self._last_seen[peer] = asyncio.get_running_loop().time()
         for listener in self._listeners:
             listener(peer)
         return peer, frames
-
-    def last_seen(self, peer: str) -> float | None:
-        """Event-loop time of the last message received from ``peer`` (None if never)."""
-        return self._last_seen.get(peer)
 
     def add_receive_listener(self, listener: Callable[[str], None]) -> None:
         """Call ``listener(sender)`` on every received message (e.g. ``HeartbeatMonitor.heard``)."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mapl_swarm.config import TrainConfig
+from mapl_swarm.data import prepare_data
 from mapl_swarm.errors import MaplError
 from mapl_swarm.net.discovery import Discovery, DiscoveryConfig
 from mapl_swarm.pipeline.payload import BACKWARD_KINDS, FORWARD_KINDS, kind_bytes
@@ -86,12 +87,14 @@ def stop_all(procs: list[subprocess.Popen]) -> None:
 def launch(cfg: TrainConfig, config_args: list[str], *, progress: bool = True,
            timeout_s: float | None = None) -> SwarmSummary:
     """Run the whole swarm locally (each peer gets ``config_args``, the options that produced
-    ``cfg``); raises MaplError naming the failed stage."""
-    P = cfg.run.num_stages
-    threads = cfg.run.threads or max(1, (os.cpu_count() or 1) // P)
+    ``cfg`` and the log level); raises MaplError naming the failed stage. The launcher prepares the
+    data and runs the DHT bootstrap, and logs those once; its peers log them at DEBUG."""
+    P = cfg.pipeline.num_stages
+    threads = cfg.runtime.threads or max(1, (os.cpu_count() or 1) // P)
     Path(cfg.run.out_dir).mkdir(parents=True, exist_ok=True)
     for s in range(P):  # results of an earlier run must not be mistaken for this one's
         (Path(cfg.run.out_dir) / f"peer_stage{s}.json").unlink(missing_ok=True)
+    prepare_data(cfg.data, progress=progress)  # once, here, rather than raced by every peer
     bootstrap = Discovery(cfg.run.run_id, DiscoveryConfig(host=cfg.net.dht_host, port=cfg.net.dht_port))
     bootstrap.start()
     procs: list[subprocess.Popen] = []
@@ -100,7 +103,8 @@ def launch(cfg: TrainConfig, config_args: list[str], *, progress: bool = True,
         log.info("DHT bootstrap at %s; starting %d peers with %d torch threads each", maddr, P, threads)
         base = [sys.executable, "-m", "mapl_swarm", "peer", *config_args]
         for s in range(P):
-            cmd = base + ["--stage", str(s), "--initial-peer", maddr, "--set", f"run.threads={threads}"]
+            cmd = base + ["--stage", str(s), "--initial-peer", maddr, "--set", f"runtime.threads={threads}",
+                          "--launched"]
             if s > 0 or not progress:
                 cmd.append("--quiet")
             procs.append(subprocess.Popen(cmd))

@@ -48,19 +48,19 @@ def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool 
     from mapl_swarm.pipeline.stage import StageRuntime
     from mapl_swarm.pipeline.trainer import check_vocab, resolve_device
 
-    if cfg.run.threads:
-        torch.set_num_threads(cfg.run.threads)
+    if cfg.runtime.threads:
+        torch.set_num_threads(cfg.runtime.threads)
     data = prepare_data(cfg.data, progress=False)
     check_vocab(cfg, data)
     fingerprint = model_fingerprint(cfg, data.tokenizer.file_hash, data.tokenizer.vocab_size)
-    rt = StageRuntime(cfg, stage, resolve_device(cfg.run.device))
+    rt = StageRuntime(cfg, stage, resolve_device(cfg.runtime.device))
     sampler = val = None
     if stage == 0:
-        sampler = BatchSampler(data.train, cfg.run.micro_batch_size, cfg.model.context_length, cfg.run.seed)
-        val = validation_batches(data.val, cfg.run.micro_batch_size, cfg.model.context_length, cfg.run.val_batches)
+        sampler = BatchSampler(data.train, cfg.pipeline.micro_batch_size, cfg.model.context_length, cfg.run.seed)
+        val = validation_batches(data.val, cfg.pipeline.micro_batch_size, cfg.model.context_length, cfg.eval.batches)
     start = 0
     if resume:
-        start = checkpoint.latest_complete_step(cfg.run.out_dir, cfg.run.num_stages) or 0
+        start = checkpoint.latest_complete_step(cfg.run.out_dir, cfg.pipeline.num_stages) or 0
         if start:
             state = checkpoint.load_stage(cfg.run.out_dir, start, stage)
             rt.load_state_dict(state)
@@ -77,8 +77,8 @@ def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool 
 def run_peer(cfg: TrainConfig, stage: int, *, initial_peers: Sequence[str] = (), resume: bool = False,
              progress: bool = True, secret: bytes | None = None):
     """Run stage ``stage`` of ``cfg`` until the swarm finishes; returns its PeerResult."""
-    if not 0 <= stage < cfg.run.num_stages:
-        raise ConfigError(f"--stage {stage} is outside 0..{cfg.run.num_stages - 1} (run.num_stages)")
+    if not 0 <= stage < cfg.pipeline.num_stages:
+        raise ConfigError(f"--stage {stage} is outside 0..{cfg.pipeline.num_stages - 1} (pipeline.num_stages)")
     net = cfg.net
     peers = tuple(initial_peers) or net.initial_peers
     discovery = Discovery(cfg.run.run_id, DiscoveryConfig(initial_peers=peers, host=net.dht_host,

@@ -70,7 +70,7 @@ class Peer:
                  on_step_end: StepEndHook | None = None,
                  wait_log_interval_s: float = WAIT_LOG_INTERVAL_S) -> None:
         self.cfg, self.stage, self.rt = cfg, stage, runtime
-        P = cfg.run.num_stages
+        P = cfg.pipeline.num_stages
         self.name = stage_name(stage)
         self.resolve, self.announce = resolve, announce
         self.secret = secret

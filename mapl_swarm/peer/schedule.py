@@ -125,11 +125,11 @@ class ScheduleSettings:
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, *, start_step: int = 0, progress: bool = False) -> "ScheduleSettings":
-        run = cfg.run
-        return cls(num_micro_batches=run.num_micro_batches, steps=run.steps, start_step=start_step,
-                   max_in_flight=cfg.net.max_in_flight or run.num_stages, val_interval_steps=run.val_interval_steps,
-                   val_batches=run.val_batches, timeout_s=cfg.net.timeout_s, progress=progress,
-                   progress_desc=f"swarm {cfg.compression.codec} P={run.num_stages}")
+        pipe = cfg.pipeline
+        return cls(num_micro_batches=pipe.num_micro_batches, steps=cfg.run.steps, start_step=start_step,
+                   max_in_flight=cfg.net.max_in_flight or pipe.num_stages, val_interval_steps=cfg.eval.interval_steps,
+                   val_batches=cfg.eval.batches, timeout_s=cfg.net.timeout_s, progress=progress,
+                   progress_desc=f"swarm {cfg.compression.codec} P={pipe.num_stages}")
 
 
 class PipelineSchedule:

@@ -22,7 +22,7 @@ __all__ = ["HealthAndCheckpoint"]
 
 class HealthAndCheckpoint:
     """Append the step's health metrics; save this stage's checkpoint every
-    ``run.checkpoint_interval_steps`` and after the last step (on the compute thread)."""
+    ``checkpoint.interval_steps`` and after the last step (on the compute thread)."""
 
     def __init__(self, cfg: TrainConfig, stage: int, runtime: StageRuntime, compute: ComputeThread, *,
                  sampler: Any = None) -> None:
@@ -30,8 +30,8 @@ class HealthAndCheckpoint:
 
     async def __call__(self, done: int, step_metrics: dict) -> None:
         run = self.cfg.run
-        append_health(run.out_dir, self.stage, done, step_metrics)  # run.health_interval_steps
-        every = run.checkpoint_interval_steps
+        append_health(run.out_dir, self.stage, done, step_metrics)  # metrics.health_interval_steps
+        every = self.cfg.checkpoint.interval_steps
         if every and (done % every == 0 or done == run.steps):
             state = self.rt.state_dict()
             if self.sampler is not None:

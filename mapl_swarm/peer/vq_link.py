@@ -200,7 +200,7 @@ class CodebookLink:
         """Refuse a neighbour that cannot take this link's slices (indexed: capability 1.2)."""
         if self.rt.vq.s.slice_order == "priority" and INDEXED_SLICES_CAPABILITY not in self.link.capabilities:
             raise MaplError(f"{self.link.local_name}: stage {self.link.stage} does not accept indexed codebook "
-                            f"slices (capability {INDEXED_SLICES_CAPABILITY!r}), which vq_slice_order = "
+                            f"slices (capability {INDEXED_SLICES_CAPABILITY!r}), which compression.vq.slice_order = "
                             f"'priority' sends")
 
     async def on_handshake(self) -> None:

@@ -41,8 +41,8 @@ class InProcessPipeline:
 
     def __init__(self, cfg: TrainConfig, device: torch.device | str = "cpu") -> None:
         self.cfg = cfg
-        self.stages = [StageRuntime(cfg, s, device) for s in range(cfg.run.num_stages)]
-        self.links = [LinkCounter() for _ in range(cfg.run.num_stages - 1)]
+        self.stages = [StageRuntime(cfg, s, device) for s in range(cfg.pipeline.num_stages)]
+        self.links = [LinkCounter() for _ in range(cfg.pipeline.num_stages - 1)]
 
     def _deliver_slices(self, src: int, dst: int, stream: Stream, count: bool) -> int:
         """Move stage ``src``'s queued ``stream`` slices to stage ``dst``; returns the payload cver."""

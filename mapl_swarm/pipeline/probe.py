@@ -1,4 +1,4 @@
-"""Live compression health of one stage's boundaries (``run.health_interval_steps``).
+"""Live compression health of one stage's boundaries (``metrics.health_interval_steps``).
 
 A :class:`BoundaryProbe` rides in a :class:`~mapl_swarm.pipeline.stage.StageRuntime`. On every
 health step (``step % health_interval_steps == 0``, counted after the step) it keeps the first

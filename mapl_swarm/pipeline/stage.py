@@ -74,12 +74,12 @@ def mean_loss(losses: list[torch.Tensor]) -> float:
 
 
 class StageRuntime:
-    """Stage ``stage`` (0-based) of a ``cfg.run.num_stages``-stage pipeline."""
+    """Stage ``stage`` (0-based) of a ``cfg.pipeline.num_stages``-stage pipeline."""
 
     def __init__(self, cfg: TrainConfig, stage: int, device: torch.device | str = "cpu") -> None:
         self.cfg = cfg
         self.stage = stage
-        self.num_stages = cfg.run.num_stages
+        self.num_stages = cfg.pipeline.num_stages
         self.device = torch.device(device)
         self.is_first = stage == 0
         self.is_last = stage == self.num_stages - 1
@@ -94,10 +94,10 @@ class StageRuntime:
         """The stage's parameter table (label -> optimizer, lr ratio, weight decay)."""
         self.optimizers = build_optimizers(self.param_rows, cfg.optim)
         self.step_count = 0
-        self.loss_scale = 1.0 / cfg.run.num_micro_batches
+        self.loss_scale = 1.0 / cfg.pipeline.num_micro_batches
         self._saved: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        self.probe = BoundaryProbe(cfg.run.health_interval_steps)
-        """Compression health metrics (run.health_interval_steps); see :mod:`.probe`."""
+        self.probe = BoundaryProbe(cfg.metrics.health_interval_steps)
+        """Compression health metrics (metrics.health_interval_steps); see :mod:`.probe`."""
 
     @property
     def vq(self) -> StageVQ | None:

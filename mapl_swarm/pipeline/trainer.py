@@ -46,7 +46,7 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("run.device is cuda but no CUDA device is available")
+        raise ConfigError("runtime.device is cuda but no CUDA device is available")
     return torch.device(name)
 
 
@@ -61,12 +61,12 @@ def _save_checkpoint(pipe: InProcessPipeline, cfg: TrainConfig, sampler: BatchSa
         if s == 0:
             state["data"] = sampler.state_dict()
         checkpoint.save_stage(cfg.run.out_dir, step, s, state)
-    checkpoint.prune(cfg.run.out_dir, cfg.run.num_stages, cfg.run.keep_checkpoints)
+    checkpoint.prune(cfg.run.out_dir, cfg.pipeline.num_stages, cfg.checkpoint.keep)
     log.info("checkpoint saved at step %d", step)
 
 
 def _resume(pipe: InProcessPipeline, cfg: TrainConfig, sampler: BatchSampler) -> int:
-    step = checkpoint.latest_complete_step(cfg.run.out_dir, cfg.run.num_stages)
+    step = checkpoint.latest_complete_step(cfg.run.out_dir, cfg.pipeline.num_stages)
     if step is None:
         log.warning("--resume: no complete checkpoint under %s, starting from step 0", cfg.run.out_dir)
         return 0
@@ -88,24 +88,24 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
           on_finish: Callable[[InProcessPipeline, list[torch.Tensor]], None] | None = None) -> TrainSummary:
     """Train ``cfg`` with all stages in this process. ``on_finish(pipeline, val_batches)`` is called
     once after the final validation (end-of-run analysis)."""
-    if cfg.run.threads:
-        torch.set_num_threads(cfg.run.threads)
-    device = resolve_device(cfg.run.device)
+    if cfg.runtime.threads:
+        torch.set_num_threads(cfg.runtime.threads)
+    device = resolve_device(cfg.runtime.device)
     data = data or prepare_data(cfg.data, progress=progress)
     check_vocab(cfg, data)
     run, T = cfg.run, cfg.model.context_length
     out = Path(run.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     pipe = InProcessPipeline(cfg, device)
-    sampler = BatchSampler(data.train, run.micro_batch_size, T, run.seed)
-    val = validation_batches(data.val, run.micro_batch_size, T, run.val_batches)
+    sampler = BatchSampler(data.train, cfg.pipeline.micro_batch_size, T, run.seed)
+    val = validation_batches(data.val, cfg.pipeline.micro_batch_size, T, cfg.eval.batches)
     start = _resume(pipe, cfg, sampler) if resume else 0
     manifest = run_manifest(config_to_dict(cfg), corpus_fingerprint=data.meta.get("corpus_fingerprint"),
                             tokenizer_hash=data.tokenizer.file_hash, seed=run.seed, resumed_from=start)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
     expected = config_boundary_bytes(cfg)
-    log.info("codec %s: %.1f B/token forward, %.1f B/token backward per boundary (+ %.2f B/token "
-             "codebook slices each way)", cfg.compression.codec, expected.forward_bytes,
+    log.info("codec %s: expected payload per boundary %.1f B/token forward, %.1f B/token backward "
+             "(+ %.2f B/token codebook slices each way)", cfg.compression.codec, expected.forward_bytes,
              expected.backward_bytes, expected.codebook_bytes)
 
     initial_val = pipe.evaluate(val) if start == 0 else None
@@ -118,7 +118,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
         bar = tqdm(total=run.steps, initial=start, disable=not progress, desc=f"train {cfg.compression.codec}",
                    unit="step", dynamic_ncols=True)
         for step in range(start, run.steps):
-            batches = [next(sampler) for _ in range(run.num_micro_batches)]
+            batches = [next(sampler) for _ in range(cfg.pipeline.num_micro_batches)]
             before = [link.total() for link in pipe.links]
             t0 = time.perf_counter()
             res = pipe.train_step(batches)
@@ -133,16 +133,16 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
                       "bytes_per_token": per_link}
             health = {k.split("/", 1)[1]: v for k, v in res.metrics.items() if "/health/" in k}
             record.update(dict(sorted(health.items())))
-            if run.val_interval_steps and (done % run.val_interval_steps == 0 or done == run.steps):
+            if cfg.eval.interval_steps and (done % cfg.eval.interval_steps == 0 or done == run.steps):
                 val_loss = pipe.evaluate(val)
                 val_history.append((done, val_loss))
                 record["val_loss"] = val_loss
-            if done % run.log_interval_steps == 0 or "val_loss" in record or health:
+            if done % cfg.metrics.log_interval_steps == 0 or "val_loss" in record or health:
                 metrics.write(record)
-            if run.checkpoint_interval_steps and (done % run.checkpoint_interval_steps == 0 or done == run.steps):
+            if cfg.checkpoint.interval_steps and (done % cfg.checkpoint.interval_steps == 0 or done == run.steps):
                 _save_checkpoint(pipe, cfg, sampler, done)
-            bar.set_postfix(loss=f"{loss:.3f}", val=f"{val_loss:.3f}", tok_s=f"{res.tokens / dt:.0f}",
-                            B_tok=f"{(sum(per_link) / len(per_link)) if per_link else 0:.0f}")
+            bar.set_postfix({"loss": f"{loss:.3f}", "val": f"{val_loss:.3f}", "tok_s": f"{res.tokens / dt:.0f}",
+                             "payload_B/tok": f"{(sum(per_link) / len(per_link)) if per_link else 0:.0f}"})
             bar.update(1)
         bar.close()
     if not val_history or val_history[-1][0] != run.steps:

@@ -31,14 +31,16 @@ max_corpus_bytes = 400000
 val_fraction = 0.2
 cache_dir = "{cache}"
 [run]
+steps = {steps}
+out_dir = "{out}"
+run_id = "{run_id}"
+[pipeline]
 num_stages = {stages}
 micro_batch_size = 2
 num_micro_batches = 3
-steps = {steps}
-val_interval_steps = {steps}
-val_batches = 2
-out_dir = "{out}"
-run_id = "{run_id}"
+[eval]
+interval_steps = {steps}
+batches = 2
 [net]
 timeout_s = {timeout}
 """

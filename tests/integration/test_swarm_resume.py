@@ -47,7 +47,7 @@ def test_killed_peer_then_resume_continues_exactly(tmp_path):
     path = write_config(tmp_path / "r.toml", stages=3, steps=6, cache=tmp_path / "cache", out=tmp_path / "run",
                         run_id="resume")
     text = path.read_text().replace("[net]", "[net]\nheartbeat_interval_s = 1.0")
-    path.write_text(text.replace("val_interval_steps = 6", "val_interval_steps = 6\ncheckpoint_interval_steps = 2"))
+    path.write_text(text.replace("[eval]\n", "[checkpoint]\ninterval_steps = 2\n\n[eval]\n"))
     swarm = Watched(cli("launch", "--config", str(path), "--quiet"))
     step = _wait_complete_checkpoint(tmp_path / "run", 3, 300)
     _crash_host(f"peer --config {path} --stage 2")
@@ -61,7 +61,7 @@ def test_killed_peer_then_resume_continues_exactly(tmp_path):
     losses = json.loads((tmp_path / "run" / "peer_stage0.json").read_text())["train_losses"]
     assert len(losses) == 6 - done
 
-    ref = train(load_config(path, {"run": {"out_dir": str(tmp_path / "ref"), "checkpoint_interval_steps": 0}}),
+    ref = train(load_config(path, {"run": {"out_dir": str(tmp_path / "ref")}, "checkpoint": {"interval_steps": 0}}),
                 progress=False)
     ref_losses = train_losses(tmp_path / "ref")
     assert len(ref_losses) == 6 and ref.steps == 6

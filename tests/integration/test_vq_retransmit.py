@@ -64,8 +64,8 @@ def test_lost_slices_are_healed_by_resync_and_retransmission(tmp_path):
     path = write_config(tmp_path / "vq.toml", codec="mapl_vq", stages=2, steps=STEPS, cache=tmp_path / "cache",
                         out=tmp_path / "swarm", run_id="retransmit", timeout=60)
     path.write_text(path.read_text().replace(
-        "anchor_rank = 16\n", "anchor_rank = 16\nvq_codebook_size = 32\nvq_slice_fraction = 0.25\n"))
-    cfg = load_config(path, {"run": {"threads": 1}})
+        "anchor_rank = 16\n", "anchor_rank = 16\nvq = {codebook_size = 32, slice_fraction = 0.25}\n"))
+    cfg = load_config(path, {"runtime": {"threads": 1}})
     directory = Directory()
     peers = [build_peer(cfg, s, resolve=directory.resolve, announce=directory.announcer(s), progress=False)
              for s in range(2)]
@@ -78,7 +78,7 @@ def test_lost_slices_are_healed_by_resync_and_retransmission(tmp_path):
 
     results = asyncio.run(swarm())
     assert lost_act and lost_grad
-    M, tokens = cfg.run.num_micro_batches, cfg.run.micro_batch_size * cfg.model.context_length
+    M, tokens = cfg.pipeline.num_micro_batches, cfg.pipeline.micro_batch_size * cfg.model.context_length
     assert len(results[0].train_losses) == STEPS and results[0].tokens == STEPS * M * tokens
 
     cb0, cb1 = results[0].codebooks, results[1].codebooks
@@ -88,7 +88,8 @@ def test_lost_slices_are_healed_by_resync_and_retransmission(tmp_path):
     assert cb0["digests"]["tx_act"] == cb1["digests"]["rx_act"]
     assert cb1["digests"]["tx_grad"] == cb0["digests"]["rx_grad"]
 
-    ref = train(load_config(path, {"run": {"out_dir": str(tmp_path / "ref"), "threads": 1}}), progress=False)
+    ref = train(load_config(path, {"run": {"out_dir": str(tmp_path / "ref")}, "runtime": {"threads": 1}}),
+                progress=False)
     ref_losses = train_losses(tmp_path / "ref")
     assert results[0].train_losses[0] == pytest.approx(ref_losses[0], rel=1e-4)  # before any loss
     # afterwards the healed run trains on codes of slightly different (fresher) codebooks

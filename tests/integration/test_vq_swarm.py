@@ -18,7 +18,7 @@ def test_four_peer_vq_swarm_matches_single_process(tmp_path):
     path = write_config(tmp_path / "vq.toml", codec="mapl_vq", cache=tmp_path / "cache", out=tmp_path / "swarm",
                         run_id="eq-vq", steps=3)
     path.write_text(path.read_text().replace(
-        "anchor_rank = 16\n", "anchor_rank = 16\nvq_codebook_size = 32\nvq_slice_fraction = 0.25\n"))
+        "anchor_rank = 16\n", "anchor_rank = 16\nvq = {codebook_size = 32, slice_fraction = 0.25}\n"))
     cfg = load_config(path)
     summary = launch(cfg, ["--config", str(path)], progress=False, timeout_s=360)
     ref_cfg = load_config(path, {"run": {"out_dir": str(tmp_path / "ref")}})

@@ -21,14 +21,14 @@ import numpy as np
 import torch
 
 from mapl_swarm.compress.codebook_sync import VQSender, stream_generator
-from mapl_swarm.compress.vq import VQSettings, decode_codes
-from mapl_swarm.config import CompressionConfig
+from mapl_swarm.compress.vq import decode_codes
+from mapl_swarm.config import CompressionConfig, VQConfig
 from mapl_swarm.net.transport import Transport, TransportConfig, run
 from mapl_swarm.wire import Message, MessageType, WireTensor, decode, encode
 
 RUN = "vq-stream-test"
-SETTINGS = VQSettings.from_config(CompressionConfig(codec="mapl_vq", rank=16, vq_codebook_size=64,
-                                                    vq_slice_fraction=0.125, vq_kmeans_iters=3))
+SETTINGS = CompressionConfig(codec="mapl_vq", rank=16,
+                             vq=VQConfig(codebook_size=64, slice_fraction=0.125, kmeans_iters=3)).vq
 TIMEOUT_S = 60.0
 
 

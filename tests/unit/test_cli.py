@@ -26,7 +26,7 @@ def _assert_one_line_error(proc, *needles):
 
 def test_unknown_config_key_names_key_and_file(tmp_path):
     cfg = tmp_path / "bad.toml"
-    cfg.write_text('[run]\nnum_stages = 2\nbogus_key = 3\n')
+    cfg.write_text('[pipeline]\nnum_stages = 2\nbogus_key = 3\n')
     _assert_one_line_error(_run("train", "--config", str(cfg)), "bogus_key", str(cfg))
 
 
@@ -38,7 +38,7 @@ def test_missing_corpus_path(tmp_path):
 
 
 def test_impossible_partition():
-    proc = _run("train", "--set", "run.num_stages=9")
+    proc = _run("train", "--set", "pipeline.num_stages=9")
     _assert_one_line_error(proc, "cannot split 8 layers over 9 stages")
 
 
@@ -55,7 +55,7 @@ def test_overrides_parse_toml_values():
 
 def test_config_file_and_preset(tmp_path):
     p = tmp_path / "c.toml"
-    p.write_text('preset = "150M"\n[model]\nnum_layers = 4\n[run]\nnum_stages = 4\n')
+    p.write_text('preset = "150M"\n[model]\nnum_layers = 4\n[pipeline]\nnum_stages = 4\n')
     cfg = load_config(p)
     assert cfg.model.hidden_size == 1024 and cfg.model.num_layers == 4
     with pytest.raises(ConfigError, match="must be int"):
@@ -73,3 +73,58 @@ def test_shipped_configs_load():
     assert files
     for f in files:
         load_config(f)
+
+
+_NO_TORCH = r"""
+import sys
+from mapl_swarm.cli import main
+args = sys.argv[1:]
+rc = main(args)
+assert "torch" not in sys.modules, args
+sys.exit(rc)
+"""
+
+
+@pytest.mark.parametrize("args", [
+    ["train", "--set", "model.bogus=1"],
+    ["prepare", "--set", "model.bogus=1"],
+    ["launch", "--set", "model.bogus=1", "--log-level", "WARNING"],
+    ["peer", "--stage", "0", "--set", "model.bogus=1"],
+    ["lab", "--set", "model.bogus=1"],
+    ["train", "--set", "compression.codec=mpal"],
+    ["sweep", "--grid", "no_such_grid.toml"],
+])
+def test_config_errors_answer_before_torch_is_imported(args, tmp_path):
+    proc = subprocess.run([sys.executable, "-c", _NO_TORCH, *args], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    _assert_one_line_error(proc)
+
+
+def test_log_level_after_the_subcommand_reaches_the_children():
+    from mapl_swarm.cli import _config_args, build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["launch", "--config", "f.toml", "--log-level", "warning", "--quiet"])
+    assert args.log_level == "WARNING" and args.quiet
+    assert _config_args(args)[-2:] == ["--log-level", "WARNING"]
+    assert parser.parse_args(["--log-level", "ERROR", "train"]).log_level == "ERROR"
+    assert parser.parse_args(["train"]).log_level == "INFO"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--log-level", "LOUD"])
+
+
+def test_launched_peers_log_shared_facts_at_debug():
+    import logging
+
+    from mapl_swarm.cli import _SharedFactsAtDebug
+
+    def record(name, level=logging.INFO):
+        return logging.LogRecord(name, level, __file__, 1, "corpus ...", None, None)
+
+    at_info = _SharedFactsAtDebug(logging.INFO)
+    assert not at_info.filter(record("mapl_swarm.data.corpus"))
+    assert not at_info.filter(record("mapl_swarm.net.discovery"))
+    assert at_info.filter(record("mapl_swarm.peer.runtime"))
+    assert at_info.filter(record("mapl_swarm.data.corpus", logging.WARNING))
+    r = record("mapl_swarm.data.shards")
+    assert _SharedFactsAtDebug(logging.DEBUG).filter(r) and r.levelname == "DEBUG"

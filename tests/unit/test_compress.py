@@ -99,7 +99,7 @@ def test_measured_link_bytes_equal_accounting(make_config, codec, wire):
 
 def test_ssn_boundary_is_lossless_at_every_boundary(make_config):
     cfg = make_config(compression={"codec": "ssn", "wire_dtype": "fp32", "ssn_refresh_interval_steps": 2},
-                      run={"num_stages": 4, "steps": 10})
+                      pipeline={"num_stages": 4}, run={"steps": 10})
     pipe = InProcessPipeline(cfg)
     captured = []
     for stage in pipe.stages[:-1]:

@@ -31,7 +31,7 @@ def test_compose_runs_dht_and_one_peer_per_stage():
         stages[args.stage] = (name, cfg)
         assert svc["build"]["dockerfile"] == "docker/Dockerfile"
         assert "dht" in svc.get("depends_on", [])
-    num = {cfg.run.num_stages for _, cfg in stages.values()}
+    num = {cfg.pipeline.num_stages for _, cfg in stages.values()}
     assert len(num) == 1 and sorted(stages) == list(range(num.pop()))
     for stage, (name, cfg) in stages.items():
         assert cfg.net.bind_host == "0.0.0.0" and cfg.net.port > 0

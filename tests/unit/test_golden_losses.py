@@ -33,10 +33,10 @@ def first_losses(codec: str) -> list[float]:
         torch.manual_seed(0)
         pipe = InProcessPipeline(cfg)
         gen = torch.Generator().manual_seed(1234)
-        B, T, V = cfg.run.micro_batch_size, cfg.model.context_length, cfg.model.vocab_size
+        B, T, V = cfg.pipeline.micro_batch_size, cfg.model.context_length, cfg.model.vocab_size
         losses = []
         for _ in range(STEPS):
-            batches = [torch.randint(0, V, (B, T + 1), generator=gen) for _ in range(cfg.run.num_micro_batches)]
+            batches = [torch.randint(0, V, (B, T + 1), generator=gen) for _ in range(cfg.pipeline.num_micro_batches)]
             losses.append(pipe.train_step(batches).loss)
         return losses
     finally:

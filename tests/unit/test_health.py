@@ -70,7 +70,7 @@ def _batches(n, vocab=256, T=16, B=2):
 
 @pytest.mark.parametrize("codec", ["fixed", "mapl"])
 def test_stage_probe_reports_health_on_interval(make_config, codec):
-    cfg = make_config(compression={"codec": codec}, run={"num_stages": 3, "health_interval_steps": 2})
+    cfg = make_config(compression={"codec": codec}, pipeline={"num_stages": 3}, metrics={"health_interval_steps": 2})
     pipe = InProcessPipeline(cfg)
     first = pipe.train_step(_batches(2)).metrics
     assert not any("health" in k for k in first)
@@ -80,14 +80,14 @@ def test_stage_probe_reports_health_on_interval(make_config, codec):
         assert 0.0 < m[sender + "energy_captured"] < 1.0
         assert m[sender + "orth_error"] < 1e-4
         assert 0.0 < m[receiver + "grad_fidelity"] <= 1.0 + 1e-6
-    off = InProcessPipeline(make_config(compression={"codec": codec}, run={"num_stages": 3}))
+    off = InProcessPipeline(make_config(compression={"codec": codec}, pipeline={"num_stages": 3}))
     assert not any("health" in k for k in off.train_step(_batches(2)).metrics)
 
 
 def test_probe_energy_matches_direct_computation(make_config):
     """The logged energy is ‖R A‖²/‖R‖² of micro-batch 0's residual at the step's projector."""
     cfg = make_config(compression={"codec": "fixed", "wire_dtype": "fp32"},
-                      run={"num_stages": 2, "health_interval_steps": 1})
+                      pipeline={"num_stages": 2}, metrics={"health_interval_steps": 1})
     pipe = InProcessPipeline(cfg)
     mbs = _batches(2)
     st = pipe.stages[0]
@@ -108,7 +108,7 @@ def test_codec_health_hook_and_peer_stream(make_config, tmp_path):
     from mapl_swarm.pipeline.probe import append_health
 
     pipe = InProcessPipeline(make_config(compression={"codec": "mapl"},
-                                         run={"num_stages": 2, "health_interval_steps": 1}))
+                                         pipeline={"num_stages": 2}, metrics={"health_interval_steps": 1}))
     pipe.stages[0].outbound.health = lambda: {"vq_cos": 0.9, "dead_code_fraction": 0.25}
     m = pipe.train_step(_batches(2)).metrics
     assert m["stage0/health/b0/vq_cos"] == 0.9 and m["stage0/health/b0/dead_code_fraction"] == 0.25
@@ -131,12 +131,11 @@ def test_codec_health_hook_and_peer_stream(make_config, tmp_path):
 
 def test_vq_health_exact_codebook_and_live_probe(make_config):
     from mapl_swarm.compress.codebook_sync import VQSender
-    from mapl_swarm.compress.vq import VQSettings
     from mapl_swarm.pipeline.probe import vq_stream_health
 
-    cfg = make_config(compression={"codec": "mapl_vq", "vq_codebook_size": 16},
-                      run={"num_stages": 3, "health_interval_steps": 2})
-    s = VQSettings.from_config(cfg.compression)  # r=16, G=2, R=2, K=16
+    cfg = make_config(compression={"codec": "mapl_vq", "vq": {"codebook_size": 16}},
+                      pipeline={"num_stages": 3}, metrics={"health_interval_steps": 2})
+    s = cfg.compression.vq  # r=16, G=2, R=2, K=16
     sender = VQSender(s, "act", torch.Generator().manual_seed(0), "cpu")
     codes = torch.randn(16, 2, generator=torch.Generator().manual_seed(1))
     sender.mirror.zero_()

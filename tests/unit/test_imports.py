@@ -13,7 +13,7 @@ from mapl_swarm.pipeline.inprocess import InProcessPipeline
 import mapl_swarm.pipeline.trainer, mapl_swarm.data, mapl_swarm.optim, mapl_swarm.compress, mapl_swarm.cli
 cfg = config_from_dict({"model": {"vocab_size": 64, "hidden_size": 32, "num_layers": 2, "num_heads": 2,
                                   "ffn_hidden_size": 64, "context_length": 8},
-                        "compression": {"rank": 8, "anchor_rank": 8}, "run": {"num_stages": 2}})
+                        "compression": {"rank": 8, "anchor_rank": 8}, "pipeline": {"num_stages": 2}})
 pipe = InProcessPipeline(cfg)
 res = pipe.train_step([torch.randint(0, 64, (2, 9))])
 print("ok", res.loss)

@@ -32,9 +32,9 @@ def _named_grads(pipe):
 @pytest.mark.parametrize("stages", [1, 4])
 def test_none_fp32_pipeline_equals_unsplit_model(make_config, stages):
     base = InProcessPipeline(make_config(compression={"codec": "none", "wire_dtype": "fp32"},
-                                         run={"num_stages": 1}))
+                                         pipeline={"num_stages": 1}))
     split = InProcessPipeline(make_config(compression={"codec": "none", "wire_dtype": "fp32"},
-                                          run={"num_stages": stages}))
+                                          pipeline={"num_stages": stages}))
     mbs = _batches(2)
     loss_a, _ = base.accumulate(mbs)
     loss_b, _ = split.accumulate(mbs)

@@ -72,7 +72,7 @@ def _raw(**extra):
            "base": {"model": {"vocab_size": 256, "hidden_size": 64, "num_layers": 4, "num_heads": 4,
                               "ffn_hidden_size": 128, "context_length": 16},
                     "compression": {"rank": 16, "anchor_rank": 16},
-                    "run": {"micro_batch_size": 2, "num_micro_batches": 2}},
+                    "pipeline": {"micro_batch_size": 2, "num_micro_batches": 2}},
            "group": [{"codecs": ["none", "mapl"], "seeds": [0, 1]}]}
     raw.update(extra)
     return raw
@@ -126,7 +126,7 @@ def _fake(codec, seed, val, stages=8, anchor="factorized", rank=32):
         f"{codec}-r{rank}-P{stages}" + (f"-anchor-{anchor}" if codec in ANCHORED_CODECS else ""))
     cfg = {"model": {"vocab_size": 100, "hidden_size": 64, "num_layers": 8, "num_heads": 4,
                      "ffn_hidden_size": 128, "context_length": 16},
-           "compression": {"anchor_rank": 8}, "run": {"num_micro_batches": 2, "micro_batch_size": 2},
+           "compression": {"anchor_rank": 8}, "pipeline": {"num_micro_batches": 2, "micro_batch_size": 2},
            "data": {"source": "stdlib"}}
     return {"run_id": f"{label}-s{seed}", "label": label, "codec": codec, "rank": rank, "stages": stages,
             "anchor": anchor, "seed": seed, "val_loss": val, "steps": 4, "device": "cpu",

@@ -14,9 +14,10 @@ def test_short_mapl_training_lowers_val_loss(tmp_path):
         "optim": {"warmup_steps": 3},
         "data": {"source": "stdlib", "vocab_size": 512, "max_corpus_bytes": 400_000, "val_fraction": 0.2,
                  "cache_dir": str(tmp_path / "cache")},
-        "run": {"num_stages": 4, "micro_batch_size": 4, "num_micro_batches": 2, "steps": 30,
-                "val_interval_steps": 15, "val_batches": 2, "checkpoint_interval_steps": 15,
-                "out_dir": str(tmp_path / "run")},
+        "run": {"steps": 30, "out_dir": str(tmp_path / "run")},
+        "pipeline": {"num_stages": 4, "micro_batch_size": 4, "num_micro_batches": 2},
+        "eval": {"interval_steps": 15, "batches": 2},
+        "checkpoint": {"interval_steps": 15},
     })
     summary = train(cfg, progress=False)
     assert summary.initial_val_loss is not None

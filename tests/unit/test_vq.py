@@ -7,8 +7,8 @@ import torch
 
 from mapl_swarm.compress import boundary_bytes, config_boundary_bytes
 from mapl_swarm.compress.codebook_sync import CodebookSlice, VQReceiver, VQSender, stream_generator
-from mapl_swarm.compress.vq import VQSettings, decode_codes, nearest_codes, quantize, to_groups
-from mapl_swarm.config import CompressionConfig
+from mapl_swarm.compress.vq import decode_codes, nearest_codes, quantize, to_groups
+from mapl_swarm.config import CompressionConfig, VQConfig
 from mapl_swarm.errors import ConfigError
 from mapl_swarm.pipeline.inprocess import InProcessPipeline
 from mapl_swarm.wire import decode, encode
@@ -23,10 +23,10 @@ from mapl_swarm.wire.codebook import (
 )
 
 
-def _settings(**kw) -> VQSettings:
-    base = dict(codec="mapl_vq", rank=8, vq_codebook_size=32, vq_slice_fraction=0.25, vq_kmeans_iters=4)
-    base.update(kw)
-    return VQSettings.from_config(CompressionConfig(**base))
+def _settings(**kw) -> VQConfig:
+    vq = dict(codebook_size=32, slice_fraction=0.25, kmeans_iters=4)
+    vq.update(kw)
+    return CompressionConfig(codec="mapl_vq", rank=8, vq=VQConfig(**vq)).vq
 
 
 def _mixture(gen: torch.Generator, n: int, centers: torch.Tensor, noise: float = 0.2) -> torch.Tensor:
@@ -35,7 +35,7 @@ def _mixture(gen: torch.Generator, n: int, centers: torch.Tensor, noise: float =
     return (centers[pick] + noise * torch.randn(n, centers.shape[1], generator=gen)).unsqueeze(0)
 
 
-def _pair(s: VQSettings, stream: str = "act") -> tuple[VQSender, VQReceiver]:
+def _pair(s: VQConfig, stream: str = "act") -> tuple[VQSender, VQReceiver]:
     return VQSender(s, stream, stream_generator(0, 0, stream)), VQReceiver(s, stream)
 
 
@@ -64,7 +64,7 @@ def test_decode_is_round_ordered_sum_of_codes():
 
 
 def test_residual_rounds_help_and_error_falls_as_codebooks_learn():
-    s = _settings(vq_kmeans_iters=1, vq_ema_decay=0.9)
+    s = _settings(kmeans_iters=1, ema_decay=0.9)
     tx, rx = _pair(s)
     gen = torch.Generator().manual_seed(2)
     centers = 2 * torch.randn(24, 8, generator=gen)
@@ -155,7 +155,7 @@ def test_bad_slices_are_rejected_by_name_and_never_corrupt_the_codebooks():
 
 
 def test_full_sync_sends_whole_codebooks_every_micro_batch():
-    s = _settings(vq_sync="full")
+    s = _settings(sync="full")
     tx, rx = _pair(s)
     for i in range(5):
         tx.encode(torch.randn(1, 64, 8), learn=True)
@@ -165,7 +165,7 @@ def test_full_sync_sends_whole_codebooks_every_micro_batch():
 
 
 def test_dead_codes_are_replaced():
-    s = _settings(vq_dead_code_ratio=0.5, vq_ema_decay=0.5)
+    s = _settings(dead_code_ratio=0.5, ema_decay=0.5)
     tx, _ = _pair(s)
     gen = torch.Generator().manual_seed(5)
     tx.encode(torch.randn(1, 256, 8, generator=gen), learn=True)
@@ -177,17 +177,17 @@ def test_dead_codes_are_replaced():
 def test_vq_config_is_validated():
     with pytest.raises(ConfigError, match="divisible"):
         CompressionConfig(codec="mapl_vq", rank=9)
-    for bad in (dict(vq_slice_fraction=0.0), dict(vq_sync="sometimes"), dict(vq_codebook_size=1),
-                dict(vq_slice_order="random"),
-                dict(vq_ema_decay=1.0), dict(vq_rounds=0)):
+    for bad in (dict(slice_fraction=0.0), dict(sync="sometimes"), dict(codebook_size=1),
+                dict(slice_order="random"),
+                dict(ema_decay=1.0), dict(rounds=0)):
         with pytest.raises(ConfigError):
-            CompressionConfig(codec="mapl_vq", **bad)
+            CompressionConfig(codec="mapl_vq", vq=VQConfig(**bad))
 
 
 @pytest.mark.parametrize("order", ["priority", "round_robin"])
 def test_pipeline_codes_and_bytes_match_accounting(make_config, order):
-    cfg = make_config(compression={"codec": "mapl_vq", "vq_codebook_size": 32, "vq_slice_fraction": 0.25,
-                                   "vq_slice_order": order})
+    cfg = make_config(compression={"codec": "mapl_vq", "vq": {"codebook_size": 32, "slice_fraction": 0.25,
+                                                              "slice_order": order}})
     pipe = InProcessPipeline(cfg)
     gen = torch.Generator().manual_seed(0)
     n_micro = 3
@@ -214,7 +214,7 @@ def test_pipeline_codes_and_bytes_match_accounting(make_config, order):
 
 
 def test_checkpoint_resume_is_exact_with_vq(make_config, tmp_path):
-    cfg = make_config(compression={"codec": "mapl_vq", "vq_codebook_size": 16})
+    cfg = make_config(compression={"codec": "mapl_vq", "vq": {"codebook_size": 16}})
     gen = torch.Generator().manual_seed(1)
     data = [[torch.randint(0, 256, (2, 17), generator=gen) for _ in range(2)] for _ in range(2)]
     ref = InProcessPipeline(cfg)
@@ -243,7 +243,7 @@ def test_fused_compiled_search_matches_eager():
 
 
 def test_priority_slices_send_the_most_drifted_codes_and_stay_bit_identical():
-    s = _settings(vq_slice_order="priority", vq_slice_fraction=0.125)  # 4 of 32 codes per slice
+    s = _settings(slice_order="priority", slice_fraction=0.125)  # 4 of 32 codes per slice
     tx, rx = _pair(s)
     gen = torch.Generator().manual_seed(6)
     centers = 3 * torch.randn(10, 8, generator=gen)
@@ -274,7 +274,7 @@ def test_priority_slices_send_the_most_drifted_codes_and_stay_bit_identical():
 
 
 def test_bad_indexed_slices_are_rejected_by_name():
-    s = _settings(vq_slice_order="priority")
+    s = _settings(slice_order="priority")
     tx, rx = _pair(s)
     gen = torch.Generator().manual_seed(7)
     tx.encode(torch.randn(1, 64, 8, generator=gen), learn=True)
@@ -304,7 +304,7 @@ def test_bad_indexed_slices_are_rejected_by_name():
 
 
 def test_uint16_indices_above_256_codes_round_trip_the_wire():
-    s = _settings(vq_slice_order="priority", vq_codebook_size=512, vq_slice_fraction=0.01, vq_kmeans_iters=2)
+    s = _settings(slice_order="priority", codebook_size=512, slice_fraction=0.01, kmeans_iters=2)
     tx, rx = _pair(s)
     gen = torch.Generator().manual_seed(8)
     for _ in range(3):

@@ -8,17 +8,16 @@ import pytest
 import torch
 
 from mapl_swarm.compress.codebook_sync import CodebookSlice, VQSender, stream_generator
-from mapl_swarm.compress.vq import VQSettings, decode_codes
+from mapl_swarm.compress.vq import decode_codes
 from mapl_swarm.compress.vq_stage import StageVQ
-from mapl_swarm.config import CompressionConfig
+from mapl_swarm.config import CompressionConfig, VQConfig
 from mapl_swarm.errors import MaplError
 from mapl_swarm.peer.link import LinkSettings, PeerLink
 from mapl_swarm.peer.vq_link import Retransmitting, codebook_summary
 from mapl_swarm.wire import Message, MessageType, decode, encode
 from mapl_swarm.wire.codebook import INDEXED_SLICES_CAPABILITY, RETRANSMIT_CAPABILITY, CodebookVersionMismatch
 
-S = VQSettings.from_config(CompressionConfig(codec="mapl_vq", rank=8, vq_codebook_size=16,
-                                             vq_slice_fraction=0.25, vq_kmeans_iters=2))
+S = CompressionConfig(codec="mapl_vq", rank=8, vq=VQConfig(codebook_size=16, slice_fraction=0.25, kmeans_iters=2)).vq
 
 
 SETTINGS = LinkSettings(run_id="r", stage=1, num_stages=3, fingerprint="f", capabilities=("1f1b",),

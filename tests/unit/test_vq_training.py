@@ -9,13 +9,14 @@ def test_short_mapl_vq_training_lowers_val_loss(tmp_path):
     cfg = config_from_dict({
         "model": {"vocab_size": 512, "hidden_size": 64, "num_layers": 4, "num_heads": 4,
                   "ffn_hidden_size": 128, "context_length": 64},
-        "compression": {"codec": "mapl_vq", "rank": 16, "anchor_rank": 16, "vq_codebook_size": 64,
-                        "vq_slice_fraction": 0.25},
+        "compression": {"codec": "mapl_vq", "rank": 16, "anchor_rank": 16,
+                        "vq": {"codebook_size": 64, "slice_fraction": 0.25}},
         "optim": {"warmup_steps": 3},
         "data": {"source": "stdlib", "vocab_size": 512, "max_corpus_bytes": 400_000, "val_fraction": 0.2,
                  "cache_dir": str(tmp_path / "cache")},
-        "run": {"num_stages": 4, "micro_batch_size": 4, "num_micro_batches": 2, "steps": 20,
-                "val_interval_steps": 20, "val_batches": 2, "out_dir": str(tmp_path / "run")},
+        "run": {"steps": 20, "out_dir": str(tmp_path / "run")},
+        "pipeline": {"num_stages": 4, "micro_batch_size": 4, "num_micro_batches": 2},
+        "eval": {"interval_steps": 20, "batches": 2},
     })
     summary = train(cfg, progress=False)
     assert summary.initial_val_loss is not None

@@ -1,0 +1,167 @@
+"""Config layout: legacy keys, Literal choices checked in one place, vocab sizes, round trips."""
+
+import logging
+import subprocess
+import sys
+from dataclasses import fields
+from typing import get_args
+
+import pytest
+
+from mapl_swarm.compress.catalog import CODEC_NAMES
+from mapl_swarm.config import (LEGACY_KEYS, Codec, CompressionConfig, OptimConfig, RuntimeConfig, TrainConfig,
+                               VQConfig, config_from_dict, config_to_dict, load_config, model_fingerprint)
+from mapl_swarm.errors import ConfigError
+
+
+def test_codec_literal_is_the_catalog():
+    assert get_args(Codec) == CODEC_NAMES
+
+
+def test_legacy_keys_move_with_one_warning_each(caplog, tmp_path):
+    p = tmp_path / "old.toml"
+    p.write_text("[run]\nnum_stages = 2\nval_batches = 3\nthreads = 1\nsteps = 5\n"
+                 "[compression]\ncodec = \"mapl_vq\"\nrank = 16\nanchor_rank = 16\nvq_rounds = 3\n")
+    with caplog.at_level(logging.WARNING, logger="mapl_swarm.config"):
+        cfg = load_config(p)
+    assert (cfg.pipeline.num_stages, cfg.eval.batches, cfg.runtime.threads, cfg.run.steps) == (2, 3, 1, 5)
+    assert cfg.compression.vq.rounds == 3
+    warnings = [r.getMessage() for r in caplog.records]
+    for old in ("run.num_stages", "run.val_batches", "run.threads", "compression.vq_rounds"):
+        hits = [w for w in warnings if f" {old} is now {LEGACY_KEYS[old]}" in w]
+        assert len(hits) == 1, warnings
+    assert len(warnings) == 4
+
+
+def test_every_legacy_key_lands_where_the_mapping_says():
+    values = {"run.device": "cpu", "compression.vq_sync": "full", "compression.vq_slice_order": "round_robin",
+              "compression.vq_compile": True, "compression.vq_slice_fraction": 0.5,
+              "compression.vq_ema_decay": 0.5, "compression.vq_dead_code_ratio": 0.5,
+              "compression.vq_max_distance_mib": 2.0}
+    raw: dict = {}
+    expected = {}
+    for i, old in enumerate(LEGACY_KEYS):
+        section, key = old.split(".")
+        value = values.get(old, 2 + (i % 2))
+        raw.setdefault(section, {})[key] = value
+        expected[LEGACY_KEYS[old]] = value
+    raw["compression"]["rank"] = 16
+    cfg = config_from_dict(raw)
+    for new, value in expected.items():
+        obj = cfg
+        for part in new.split("."):
+            obj = getattr(obj, part)
+        assert obj == value, new
+
+
+def test_old_and_new_name_together_is_an_error(tmp_path):
+    p = tmp_path / "both.toml"
+    p.write_text("[run]\nnum_stages = 2\n[pipeline]\nnum_stages = 2\n")
+    with pytest.raises(ConfigError, match=r"both\.toml: both run\.num_stages .* and pipeline\.num_stages"):
+        load_config(p)
+    with pytest.raises(ConfigError, match=r"compression\.vq_sync .* compression\.vq\.sync"):
+        config_from_dict({"compression": {"vq_sync": "full", "vq": {"sync": "full"}}})
+
+
+def test_set_with_an_old_name_overrides_the_file(tmp_path):
+    p = tmp_path / "new.toml"
+    p.write_text("[pipeline]\nnum_stages = 4\n")
+    assert load_config(p, {"run": {"num_stages": 2}}).pipeline.num_stages == 2
+    assert load_config(p, {"pipeline": {"num_stages": 3}}).pipeline.num_stages == 3
+
+
+@pytest.mark.parametrize("raw, key, bad", [
+    ({"compression": {"codec": "mpal"}}, "compression.codec", "'mpal'"),
+    ({"compression": {"anchor": "partial"}}, "compression.anchor", "'partial'"),
+    ({"compression": {"wire_dtype": "int8"}}, "compression.wire_dtype", "'int8'"),
+    ({"compression": {"vq": {"sync": "sometimes"}}}, "compression.vq.sync", "'sometimes'"),
+    ({"compression": {"vq": {"slice_order": "random"}}}, "compression.vq.slice_order", "'random'"),
+    ({"optim": {"schedule": "linear"}}, "optim.schedule", "'linear'"),
+    ({"runtime": {"device": "tpu"}}, "runtime.device", "'tpu'"),
+    ({"runtime": {"device": 3}}, "runtime.device", "3"),
+])
+def test_literal_choices_name_key_allowed_values_and_bad_value(raw, key, bad):
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(raw)
+    msg = str(err.value)
+    assert msg.startswith(f"{key} must be one of (") and msg.endswith(f"got {bad}"), msg
+
+
+def test_literal_choices_are_checked_for_sections_built_in_code():
+    with pytest.raises(ConfigError, match=r"compression\.codec must be one of \('none', 'ssn'"):
+        CompressionConfig(codec="bogus")
+    with pytest.raises(ConfigError, match=r"compression\.vq\.sync must be one of \('stream', 'full'\)"):
+        VQConfig(sync="often")
+    with pytest.raises(ConfigError, match=r"optim\.schedule must be one of"):
+        OptimConfig(schedule="step")
+    with pytest.raises(ConfigError, match=r"runtime\.device must be one of \('auto', 'cpu', 'cuda'\)"):
+        RuntimeConfig(device="gpu")
+
+
+def test_group_size_divides_rank_only_for_quantized_codecs():
+    CompressionConfig(codec="mapl", rank=9)
+    with pytest.raises(ConfigError, match="compression.rank 9 is not divisible by compression.vq.group_size 2"):
+        CompressionConfig(codec="mapl_vq", rank=9)
+
+
+def test_vq_section_carries_the_compression_rank():
+    c = CompressionConfig(codec="mapl_vq", rank=16, vq=VQConfig(codebook_size=64, rank=4))
+    assert c.vq.rank == 16 and c.vq.groups == 8 and c.vq.code_bytes_per_token == 2 * 8
+    from dataclasses import replace
+    assert replace(c, rank=32).vq.rank == 32
+    with pytest.raises(ConfigError, match=r"\[compression\.vq\]: rank is not a key of its own: set compression\.rank"):
+        config_from_dict({"compression": {"vq": {"rank": 8}}})
+
+
+def test_config_to_dict_round_trips():
+    cfg = config_from_dict({"preset": "tiny", "compression": {"codec": "mapl_vq", "rank": 32, "vq": {"rounds": 3}},
+                            "pipeline": {"num_stages": 2}, "eval": {"batches": 7}, "checkpoint": {"keep": 5},
+                            "metrics": {"health_interval_steps": 3}, "runtime": {"threads": 2},
+                            "net": {"initial_peers": ["/ip4/1.2.3.4/tcp/1"]}})
+    d = config_to_dict(cfg)
+    assert "rank" not in d["compression"]["vq"] and d["compression"]["vq"]["rounds"] == 3
+    assert config_from_dict(d) == cfg
+
+
+def test_fingerprint_unchanged_by_the_new_layout():
+    """Value computed by the code before the layout change (flat compression.vq_*, grab-bag [run])."""
+    cfg = config_from_dict({"pipeline": {"num_stages": 2}, "runtime": {"threads": 1}, "eval": {"batches": 3}})
+    assert model_fingerprint(cfg, "abc", 8192) == "84d9bf482fd4f1bc6cffb1891d2641d5"
+    vq = config_from_dict({"pipeline": {"num_stages": 2},
+                           "compression": {"codec": "mapl_vq", "rank": 16, "anchor_rank": 16, "vq": {"rounds": 3}}})
+    assert model_fingerprint(vq, "abc", 8192) == "e781f8b0fd737372a0e079deb85a8175"
+
+
+def test_vocab_sizes_derived_when_only_one_is_set():
+    assert config_from_dict({"data": {"vocab_size": 4096}}).model.vocab_size == 4096
+    assert config_from_dict({"model": {"vocab_size": 1000}}).data.vocab_size == 1000
+    big = config_from_dict({"preset": "150M"})  # neither set: the preset's size for both
+    assert big.model.vocab_size == big.data.vocab_size == 32000
+    assert config_from_dict({"preset": "150M", "data": {"vocab_size": 8192}}).model.vocab_size == 8192
+    same = config_from_dict({"model": {"vocab_size": 512}, "data": {"vocab_size": 512}})
+    assert same.model.vocab_size == same.data.vocab_size == 512
+
+
+def test_vocab_sizes_that_differ_are_an_error_naming_both():
+    with pytest.raises(ConfigError, match=r"c\.toml: model\.vocab_size 512 != data\.vocab_size 1024"):
+        config_from_dict({"model": {"vocab_size": 512}, "data": {"vocab_size": 1024}}, "c.toml")
+
+
+def test_vocab_sizes_not_derived_with_an_external_tokenizer():
+    cfg = config_from_dict({"model": {"vocab_size": 50257}, "data": {"tokenizer": "gpt2", "vocab_size": 8192}})
+    assert (cfg.model.vocab_size, cfg.data.vocab_size) == (50257, 8192)
+
+
+def test_sections_split_by_concern():
+    names = [f.name for f in fields(TrainConfig)]
+    assert names == ["model", "compression", "optim", "data", "run", "pipeline", "eval", "checkpoint", "metrics",
+                     "runtime", "net"]
+    assert {f.name for f in fields(TrainConfig().run)} == {"seed", "steps", "out_dir", "run_id"}
+
+
+def test_config_and_vq_sizes_need_no_torch():
+    code = ("import sys\nfrom mapl_swarm.config import config_from_dict\n"
+            "c = config_from_dict({'compression': {'codec': 'mapl_vq', 'rank': 64}}).compression.vq\n"
+            "print(c.code_bytes_per_token, c.slice_bytes_per_micro, c.layout.shape, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split()[-1] == "False"
