@@ -76,7 +76,7 @@ def _peer(resolve) -> Peer:
         pass
 
     base = TrainConfig()
-    cfg = dataclasses.replace(base, run=dataclasses.replace(base.run, num_stages=2))  # stage 1 waits for stage 0
+    cfg = dataclasses.replace(base, pipeline=dataclasses.replace(base.pipeline, num_stages=2))  # stage 1 waits for stage 0
     return Peer(cfg, 1, SimpleNamespace(vq=None), fingerprint="f", resolve=resolve, announce=announce,
                 wait_log_interval_s=0.02)
 
