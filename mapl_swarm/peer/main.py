@@ -35,16 +35,17 @@ def read_peers_file(path: str, timeout_s: float) -> list[str]:
 def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool = False, progress: bool = True,
                secret: bytes | None = None):
     """The :class:`~mapl_swarm.peer.runtime.Peer` of stage ``stage``: its data (stage 1), its
-    StageRuntime, resumed from the newest complete checkpoint with ``resume``. ``resolve(stage,
-    timeout_s)`` and ``announce(endpoint)`` are awaitables (the DHT's, or any other directory)."""
+    StageRuntime and run policy. With ``resume`` the peer resumes, after the handshake, from the
+    newest step every stage has (agreed by messages, SPEC §5.2). ``resolve(stage, timeout_s)`` and
+    ``announce(endpoint)`` are awaitables (the DHT's, or any other directory)."""
     import torch
 
     from mapl_swarm.config import model_fingerprint
     from mapl_swarm.data import BatchSampler, prepare_data, validation_batches
+    from mapl_swarm.peer.checkpoints import PeerRunPolicy
     from mapl_swarm.peer.runtime import Peer
-    from mapl_swarm.pipeline import checkpoint
+    from mapl_swarm.pipeline.run_policy import check_vocab, resolve_device
     from mapl_swarm.pipeline.stage import StageRuntime
-    from mapl_swarm.pipeline.trainer import check_vocab, resolve_device
 
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
@@ -56,17 +57,9 @@ def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool 
     if stage == 0:
         sampler = BatchSampler(data.train, cfg.run.micro_batch_size, cfg.model.context_length, cfg.run.seed)
         val = validation_batches(data.val, cfg.run.micro_batch_size, cfg.model.context_length, cfg.run.val_batches)
-    start = 0
-    if resume:
-        start = checkpoint.latest_complete_step(cfg.run.out_dir, cfg.run.num_stages) or 0
-        if start:
-            state = checkpoint.load_stage(cfg.run.out_dir, start, stage)
-            rt.load_state_dict(state)
-            if sampler is not None:
-                sampler.load_state_dict(state["data"])
-            log.info("stage %d resumed from step %d", stage, start)
+    policy = PeerRunPolicy(cfg, stage, data, fingerprint, resume=resume)  # resume: after the handshake
     return Peer(cfg, stage, rt, fingerprint=fingerprint, resolve=resolve, announce=announce, sampler=sampler,
-                val_batches=val, progress=progress and stage == 0, start_step=start, secret=secret)
+                val_batches=val, progress=progress and stage == 0, secret=secret, run_policy=policy)
 
 
 def run_peer(cfg: TrainConfig, stage: int, *, initial_peers: Sequence[str] = (), resume: bool = False,

@@ -18,7 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from tqdm import tqdm
@@ -36,6 +36,9 @@ from mapl_swarm.pipeline.inprocess import LinkCounter
 from mapl_swarm.pipeline.stage import StageRuntime
 from mapl_swarm.wire import Message, MessageType, VersionMismatch, WireError, decode, encode
 from mapl_swarm.wire.codebook import INDEXED_SLICES_CAPABILITY, RETRANSMIT_CAPABILITY, VQ_CAPABILITY
+
+if TYPE_CHECKING:
+    from mapl_swarm.peer.checkpoints import PeerRunPolicy
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +83,7 @@ class Peer(PipelineSchedule):
     def __init__(self, cfg: TrainConfig, stage: int, runtime: StageRuntime, *, fingerprint: str,
                  resolve: Callable[[int, float], Any], announce: Callable[[str], Any],
                  sampler=None, val_batches: list[torch.Tensor] | None = None, progress: bool = False,
-                 start_step: int = 0, secret: bytes | None = None) -> None:
+                 start_step: int = 0, secret: bytes | None = None, run_policy: "PeerRunPolicy | None" = None) -> None:
         self.cfg, self.stage, self.rt = cfg, stage, runtime
         self.P = cfg.run.num_stages
         self.M = cfg.run.num_micro_batches
@@ -90,6 +93,8 @@ class Peer(PipelineSchedule):
         self.sampler, self.val_batches = sampler, val_batches or []
         self.progress, self.start_step = progress, start_step
         self.secret = secret
+        self.run_policy = run_policy
+        """Checkpoints (agreed across the swarm, SPEC §5.2), metrics stream and manifest of this stage."""
         self.up = stage - 1 if stage > 0 else None
         self.down = stage + 1 if stage < self.P - 1 else None
         self.neighbours = [s for s in (self.up, self.down) if s is not None]
@@ -192,6 +197,8 @@ class Peer(PipelineSchedule):
             self.mailbox.fail(MaplError(f"stage {msg.src} failed: {msg.meta.get('message')}"))
         elif t == MT.HEARTBEAT:
             pass
+        elif t == MT.CHECKPOINT and self.run_policy is not None:
+            await self.run_policy.on_message(msg)
         elif t == MT.RESYNC and self.vq_link is not None:
             self.vq_link.on_resync(msg)
         elif t == MT.REPORT:
@@ -222,6 +229,7 @@ class Peer(PipelineSchedule):
     def _hello_meta(self) -> dict:
         vq_caps = [VQ_CAPABILITY, RETRANSMIT_CAPABILITY, INDEXED_SLICES_CAPABILITY]
         caps = ["1f1b"] + (vq_caps if self.vq_link is not None else [])
+        caps += self.run_policy.capabilities if self.run_policy is not None else []
         return {"fingerprint": self.fingerprint, "num_stages": self.P, "capabilities": caps,
                 "peer": self.name}
 
@@ -250,6 +258,8 @@ class Peer(PipelineSchedule):
             self.result.train_losses.append(float(msg.meta["loss"]))
             self.result.report_times_s.append(time.perf_counter() - self._t0)
             self.result.tokens += int(msg.meta["tokens"])
+            if self.run_policy is not None:
+                self.run_policy.train_loss(msg.step, float(msg.meta["loss"]), int(msg.meta["tokens"]))
             if self._bar is not None:
                 elapsed = max(time.perf_counter() - self._t0, 1e-9)
                 self._bar.set_postfix(loss=f"{msg.meta['loss']:.3f}", tok_s=f"{self.result.tokens / elapsed:.0f}")
@@ -278,6 +288,15 @@ class Peer(PipelineSchedule):
                 on_silent=lambda peer, s: self.mailbox.fail(MaplError(f"{self.name}: {peer} silent for {s:.0f} s")))
             try:
                 await self._handshake()
+                if self.run_policy is not None:  # the start step (agreed by every stage on resume), loaded
+                    self.start_step = await self.run_policy.begin(
+                        lambda dst, meta: self._send(dst, MT.CHECKPOINT, step=meta.get("step") or 0, meta=meta),
+                        self.neighbour_caps, lambda: self.mailbox.error)
+                    if self.start_step:
+                        state = await self._compute(self.run_policy.load, self.start_step)
+                        await self._compute(self.rt.load_state_dict, state)
+                        if self.sampler is not None:
+                            self.sampler.load_state_dict(state["data"])
                 # a resumed receiver's checkpoint may hold the projector of before the sender's
                 # last step: the sender's copy is authoritative, so send it before any ACT
                 await self._send_projector(self.start_step)
@@ -296,6 +315,8 @@ class Peer(PipelineSchedule):
                 receiver.cancel()
                 await asyncio.gather(receiver, return_exceptions=True)
                 self._pool.shutdown(wait=True)
+                if self.run_policy is not None:
+                    self.run_policy.close()
                 if self._bar is not None:
                     self._bar.close()
             self.result.payload_tx = {stage_name(s): dict(c.bytes) for s, c in self.links.items()}

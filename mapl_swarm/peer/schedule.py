@@ -24,8 +24,6 @@ from tqdm import tqdm
 from mapl_swarm.errors import MaplError
 from mapl_swarm.peer.tensors import from_wire
 from mapl_swarm.peer.vq_link import Retransmitting, act_payload, act_tensors, grad_payload, grad_tensors
-from mapl_swarm.pipeline import checkpoint
-from mapl_swarm.pipeline.probe import append_health
 from mapl_swarm.wire import Message, MessageType
 
 log = logging.getLogger(__name__)
@@ -81,6 +79,8 @@ class PipelineSchedule:
             if run.val_interval_steps and (done_steps % run.val_interval_steps == 0 or done_steps == run.steps):
                 await self._validate(done_steps)
         await self._wait_report("train", run.steps - self.start_step, timeout)
+        if self.run_policy is not None:  # every stage hears the final checkpoint is complete before BYE
+            await self.run_policy.finish(lambda: self.mailbox.error)
         if self.down is not None:
             await self._send(self.down, MT.BYE, meta={"reason": "training finished"})
 
@@ -95,6 +95,8 @@ class PipelineSchedule:
         await self._wait_report("eval", before + 1, self.cfg.net.timeout_s)
         report = [r for r in self._reports if r.meta.get("mode") == "eval"][-1]
         self.result.val_history.append((step, float(report.meta["loss"])))
+        if self.run_policy is not None:
+            self.run_policy.val_loss(step, float(report.meta["loss"]))
         log.info("step %d: val loss %.4f", step, report.meta["loss"])
 
     # ------------------------------------------------------------------ every stage
@@ -147,15 +149,16 @@ class PipelineSchedule:
                 raise MaplError(f"{self.name}: PROJ_GRAD for step {msg.step} while finishing step {step}")
             self.rt.add_outbound_projector_grad(from_wire(msg.tensors["grad"]))
         step_metrics = await self._compute(self.rt.step)
-        append_health(self.cfg.run.out_dir, self.stage, step + 1, step_metrics)  # run.health_interval_steps
         await self._send_projector(step + 1)
-        every = self.cfg.run.checkpoint_interval_steps
         done = step + 1
-        if every and (done % every == 0 or done == self.cfg.run.steps):
-            state = self.rt.state_dict()
-            if self.sampler is not None:
-                state["data"] = self.sampler.state_dict()
-            await self._compute(checkpoint.save_stage, self.cfg.run.out_dir, done, self.stage, state)
+        if self.run_policy is not None:  # metrics record; checkpoint, then its agreement (SPEC §5.2)
+            self.run_policy.step_done(done, step_metrics)
+            if self.run_policy.checkpoint_due(done):
+                state = self.rt.state_dict()
+                if self.sampler is not None:
+                    state["data"] = self.sampler.state_dict()
+                await self._compute(self.run_policy.save, done, state)
+                await self.run_policy.saved(done)
 
     async def _serve(self) -> None:
         """Stages 2..P: react to ACT / GRAD / PROJ until BYE."""
