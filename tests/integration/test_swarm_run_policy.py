@@ -66,6 +66,7 @@ def test_swarm_prunes_writes_manifest_and_streams_metrics(tmp_path):
     assert json.loads((run / "manifest_stage2.json").read_text())["stage"] == 2
 
 
+@pytest.mark.slow  # two 3-peer swarms: ~80 s on the 2-core machine
 def test_multi_host_resume_from_newest_step_every_stage_has(tmp_path):
     path = write_config(tmp_path / "m.toml", stages=3, steps=6, cache=tmp_path / "cache", out=tmp_path / "unused",
                         run_id="multihost")
