@@ -289,9 +289,13 @@ class Peer(PipelineSchedule):
             try:
                 await self._handshake()
                 if self.run_policy is not None:  # the start step (agreed by every stage on resume), loaded
-                    self.start_step = await self.run_policy.begin(
-                        lambda dst, meta: self._send(dst, MT.CHECKPOINT, step=meta.get("step") or 0, meta=meta),
-                        self.neighbour_caps, lambda: self.mailbox.error)
+                    try:
+                        self.start_step = await self.run_policy.begin(
+                            lambda dst, meta: self._send(dst, MT.CHECKPOINT, step=meta.get("step") or 0, meta=meta),
+                            self.neighbour_caps, lambda: self.mailbox.error)
+                    except MaplError:
+                        await transport.flush(net.timeout_s)  # a refusal reaches the other stages first
+                        raise
                     if self.start_step:
                         state = await self._compute(self.run_policy.load, self.start_step)
                         await self._compute(self.rt.load_state_dict, state)

@@ -270,7 +270,7 @@ class StepRecords:
         now = time.perf_counter()
         rec = self._pending.setdefault(step, {})
         rec.update({"step": step, "stage": self.stage, "step_s": round(now - self._last_t, 4),
-                    **{k: float(v) for k, v in sorted(metrics.items())}})
+                    **{k: float(v) for k, v in sorted(metrics.items()) if isinstance(v, (int, float))}})
         self._last_t = now
         self._maybe_write(step)
 

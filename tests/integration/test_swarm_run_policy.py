@@ -72,13 +72,24 @@ def test_multi_host_resume_from_newest_step_every_stage_has(tmp_path):
                         run_id="multihost")
     _configure(path, checkpoint_interval_steps=2, keep_checkpoints=2)
 
+    runs = iter(range(10))
+
     def swarm(*extra: str) -> list[Watched]:
+        """The 3 peers, each with its own run.out_dir (host), under a new run id (the DHT still
+        holds the previous swarm's announcements)."""
+        run_id = f"multihost{next(runs)}"
         return [Watched(cli("peer", "--config", str(path), "--stage", str(s), "--initial-peer", maddr, "--quiet",
-                            "--set", f"run.out_dir=\"{tmp_path / f'host{s}'}\"", *extra)) for s in range(3)]
+                            "--set", f"run.out_dir=\"{tmp_path / f'host{s}'}\"", "--set", f"run.run_id=\"{run_id}\"",
+                            *extra)) for s in range(3)]
 
     dht, maddr = start_dht()
     peers: list[Watched] = []
     try:
+        peers = swarm("--resume")  # nothing to resume: every peer says so and exits non-zero
+        for p in peers:
+            assert p.wait(300) == 2, p.output
+            assert "mapl-swarm: error: --resume: no checkpoint to resume from" in p.output, p.output
+            assert "stage 0 has none, stage 1 has none, stage 2 has none" in p.output, p.output
         peers = swarm()
         for p in peers:
             assert p.wait(300) == 0, p.output
