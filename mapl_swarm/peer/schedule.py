@@ -24,6 +24,7 @@ from tqdm import tqdm
 from mapl_swarm.errors import MaplError
 from mapl_swarm.peer.tensors import from_wire
 from mapl_swarm.peer.vq_link import Retransmitting, act_payload, act_tensors, grad_payload, grad_tensors
+from mapl_swarm.pipeline.run_policy import validation_due
 from mapl_swarm.wire import Message, MessageType
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ class PipelineSchedule:
                 done += 1
             await self._flush(step)
             done_steps = step + 1
-            if run.val_interval_steps and (done_steps % run.val_interval_steps == 0 or done_steps == run.steps):
+            if validation_due(self.cfg, done_steps):
                 await self._validate(done_steps)
         await self._wait_report("train", run.steps - self.start_step, timeout)
         if self.run_policy is not None:  # every stage hears the final checkpoint is complete before BYE

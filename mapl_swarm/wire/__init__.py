@@ -35,8 +35,9 @@ REPORT ``loss`` float, ``tokens`` uint; ``mode``, ``metrics`` {str: number}. HEA
 CODEBOOK_SLICE —; ``stream`` "act"|"grad", ``start`` uint, ``full`` bool. RESYNC —; ``stream``,
 ``have`` uint, ``reason`` str, ``retransmit`` bool, ``mode`` (1.2). CHECKPOINT (1.3) ``phase``
 "saved"|"complete"|"offer"|"resume"; ``step`` uint|nil, ``steps`` [uint], ``have`` {str: [uint]},
-``reason`` str (per-phase rules of SPEC §5.2). GRAD, PROJ: none. PROJ, PROJ_GRAD and CODEBOOK_SLICE tensors must
-be fp32 (BadDtype; a CODEBOOK_SLICE ``index`` is uint8/uint16, 1.2); HELLO, WELCOME, REJECT, REPORT, RESYNC, HEARTBEAT, BYE, ERROR, CHECKPOINT carry none.
+``reason`` str (per-phase rules of SPEC §5.2). GRAD, PROJ: none. PROJ, PROJ_GRAD and
+CODEBOOK_SLICE tensors must be fp32 (BadDtype; a CODEBOOK_SLICE ``index`` is uint8/uint16, 1.2);
+HELLO, WELCOME, REJECT, REPORT, RESYNC, HEARTBEAT, BYE, ERROR, CHECKPOINT carry none.
 
 Codebook streaming (SPEC §5.1): slice/RESYNC messages and the receiver's checks (from
 :mod:`mapl_swarm.codebook_rules`) in :mod:`mapl_swarm.wire.codebook`.

@@ -51,7 +51,8 @@ def test_resume_refuses_other_driver_config_and_exhausted_runs(tmp_path):
         _store(tmp_path, 0, driver="train").usable_steps()
     with pytest.raises(CheckpointError, match=f"fingerprint {'a' * 32} vs {'b' * 32}"):
         _store(tmp_path, 0, fp="b" * 32).usable_steps()
-    with pytest.raises(CheckpointError, match=r"checkpoint at step 40 >= run.steps 12: nothing to train; raise run.steps"):
+    with pytest.raises(CheckpointError,
+                       match=r"checkpoint at step 40 >= run.steps 12: nothing to train; raise run.steps"):
         choose_resume_step({0: [40], 1: [20, 40]}, 12, "x")
     with pytest.raises(CheckpointError, match=r"no checkpoint step that every stage has \(stage 0 has \[4, 6\], "
                                               r"stage 1 has \[2\]\)"):
