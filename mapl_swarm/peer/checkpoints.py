@@ -56,10 +56,14 @@ class CheckpointAgreement:
         self._passed: set[int] = set()
         self._inbox: dict[str, dict[str, Any]] = {}
         self._changed = asyncio.Event()
+        self.enabled = True
+        """False when a neighbour does not take part (an older peer): nothing is sent or pruned."""
 
     # ------------------------------------------------------------ training
     async def on_saved(self, step: int) -> None:
         """This stage's file of ``step`` is durable."""
+        if not self.enabled:
+            return
         self._saved.add(step)
         if self.down is None:
             self._downstream_saved.add(step)  # nothing below the last stage
@@ -195,9 +199,12 @@ class PeerRunPolicy:
         """After the handshake: the step to start from; opens the metrics stream, writes the manifest."""
         self.agreement.send = send
         lacking = [s for s, caps in neighbour_caps.items() if CHECKPOINT_CAPABILITY not in caps]
-        if lacking:
-            raise MaplError(f"stage {self.stage}: neighbour stage(s) {lacking} do not take part in checkpoint "
-                            f"agreement (protocol < 1.3); upgrade every peer")
+        if lacking:  # an older peer (protocol < 1.3): no CHECKPOINT to it, so no agreement at all
+            why = f"neighbour stage(s) {lacking} do not take part in checkpoint agreement (protocol < 1.3)"
+            if self.resume:
+                raise MaplError(f"stage {self.stage}: cannot agree on a resume step: {why}; upgrade every peer")
+            log.warning("stage %d: %s: checkpoints are saved but never pruned", self.stage, why)
+            self.agreement.enabled = False
         start = 0
         if self.resume:
             start = await self.agreement.agree_resume(self.cfg.run.steps, self.cfg.net.timeout_s, failed)
@@ -237,7 +244,7 @@ class PeerRunPolicy:
     async def finish(self, failed: Callable[[], BaseException | None]) -> None:
         """Stage 0 at the end: until the final checkpoint is complete, so every stage hears it before BYE."""
         final = self.cfg.run.steps
-        if self.checkpoint_due(final):
+        if self.checkpoint_due(final) and self.agreement.enabled:
             await self.agreement.wait_complete(final, self.cfg.net.timeout_s, failed)
 
     def close(self) -> None:

@@ -131,3 +131,33 @@ def test_resume_beyond_run_steps_and_foreign_files_are_refused_everywhere(tmp_pa
     peers[1].store.driver = "train"  # stage 1's files were written by swarm peers, it now runs as train
     results = _resume_all(peers, queues, 12)
     assert all(isinstance(r, CheckpointError) and "driver swarm vs train" in str(r) for r in results), results
+
+
+def test_older_neighbour_without_the_capability(tmp_path, make_config):
+    """A neighbour that did not advertise checkpoint_agreement gets no CHECKPOINT: a fresh run trains
+    without pruning, a resume is refused (no agreement possible)."""
+    from types import SimpleNamespace
+
+    from mapl_swarm.errors import MaplError
+    from mapl_swarm.peer.checkpoints import PeerRunPolicy
+
+    cfg = make_config(run={"num_stages": 2, "out_dir": str(tmp_path), "checkpoint_interval_steps": 1})
+    data = SimpleNamespace(meta={}, tokenizer=SimpleNamespace(file_hash="h"))
+    sent = []
+
+    async def send(dst, meta):
+        sent.append(meta)
+
+    async def run(resume):
+        policy = PeerRunPolicy(cfg, 1, data, "f" * 32, resume=resume)
+        try:
+            assert await policy.begin(send, {0: {"1f1b"}}, lambda: None) == 0
+            policy.save(1, {"x": torch.zeros(1)})
+            await policy.saved(1)
+        finally:
+            policy.close()
+
+    asyncio.run(run(False))
+    assert sent == [] and checkpoint.stage_steps(tmp_path, 1) == [1]
+    with pytest.raises(MaplError, match=r"cannot agree on a resume step: neighbour stage\(s\) \[0\] do not take part"):
+        asyncio.run(run(True))
