@@ -135,6 +135,20 @@ def test_new_user_resume_sequence(tmp_path, cache):
         train(_cfg(cache, tmp_path / "empty", 12), resume=True, progress=False)
 
 
+def test_cli_train_resume_at_the_end_exits_2_with_one_line(tmp_path, cache, capsys):
+    from mapl_swarm.cli import main
+    from mapl_swarm.config import config_to_dict
+
+    out = tmp_path / "run"
+    cfg = _cfg(cache, out, 3, checkpoint_interval_steps=3)
+    train(cfg, progress=False)
+    sets = [f"{sec}.{k}={json.dumps(v)}" for sec in ("model", "compression", "optim", "data", "run")
+            for k, v in config_to_dict(cfg)[sec].items() if v is not None and not isinstance(v, (list, dict))]
+    assert main(["train", "--quiet", "--resume", *(a for s in sets for a in ("--set", s))]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["mapl-swarm: error: checkpoint at step 3 >= run.steps 3: nothing to train; raise run.steps"]
+
+
 def test_train_resume_refuses_swarm_checkpoint(tmp_path, cache):
     out = tmp_path / "swarm"
     cfg = _cfg(cache, out, 12)
