@@ -88,7 +88,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     for b, bpt in enumerate(s.bytes_per_token):
         print(f"  boundary {b}->{b + 1}: payload {bpt['forward']:.1f} B/token forward, "
               f"{bpt['backward']:.1f} B/token backward")
-    print(f"metrics: {cfg.run.out_dir}/metrics.jsonl")
+    print(f"metrics: {cfg.run.out_dir}/metrics.jsonl; checkpoints: {cfg.run.out_dir}/checkpoints")
     return 0
 
 
@@ -132,13 +132,17 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
     s = launch(cfg, _config_args(args) + (["--resume"] if args.resume else []), progress=not args.quiet)
     val = f", val loss {s.val_history[-1][1]:.4f}" if s.val_history else ""
+    last = f"{s.train_losses[-1]:.4f}" if s.train_losses else "n/a"
     print(f"swarm {cfg.compression.codec} P={cfg.pipeline.num_stages}: {len(s.train_losses)} steps, train loss "
-          f"{s.train_losses[-1]:.4f}{val}, {s.tokens / max(s.wall_s, 1e-9):.0f} tokens/s")
+          f"{last}{val}, {s.tokens / max(s.wall_s, 1e-9):.0f} tokens/s")
     print("  bytes/token per link, forward / backward: payload = tensor bytes; "
           "on the wire = ZeroMQ frames with headers")
     for b, link in enumerate(s.links):
         print(f"  link {b}->{b + 1}: payload {link['forward_payload']:.1f} / {link['backward_payload']:.1f} B/token, "
               f"on the wire {link['forward_wire']:.1f} / {link['backward_wire']:.1f} B/token")
+    out = Path(cfg.run.out_dir)
+    print(f"metrics: {out}/metrics_stage{{0..{cfg.pipeline.num_stages - 1}}}.jsonl; checkpoints: {out}/checkpoints; "
+          f"manifest: {out}/manifest.json")
     return 0
 
 

@@ -4,8 +4,9 @@ Parts (each module one concern; none imports the in-process pipeline or the trai
 ``runtime`` (:class:`Peer`: lifecycle, receive loop, dispatch table) builds ``link``
 (:class:`PeerLink` per neighbour) with ``vq_link`` (its codebook stream side), ``mailbox``,
 ``compute`` (compute thread, encode lock, background tasks), ``waiting`` (waiting lines) and
-``schedule`` (the 1F1B :class:`PipelineSchedule`, given all of them and a step-end hook from
-``step_end``); ``result`` is what a peer reports, ``main`` starts one, ``launch`` starts a swarm.
+``schedule`` (the 1F1B :class:`PipelineSchedule`, given all of them and the run hooks of
+``checkpoints``: metrics, checkpoints and their agreement across the swarm); ``result`` is what a
+peer reports, ``main`` starts one, ``launch`` starts a swarm.
 
 Import the submodules directly (``mapl_swarm.peer.main`` starts the DHT before importing torch).
 """

@@ -101,6 +101,9 @@ def launch(cfg: TrainConfig, config_args: list[str], *, progress: bool = True,
     try:
         maddr = bootstrap.visible_maddrs()[0]
         log.info("DHT bootstrap at %s; starting %d peers with %d torch threads each", maddr, P, threads)
+        out = Path(cfg.run.out_dir)
+        log.info("metrics: %s (one per stage, appended every step); checkpoints: %s; manifest: %s",
+                 out / f"metrics_stage{{0..{P - 1}}}.jsonl", out / "checkpoints", out / "manifest.json")
         base = [sys.executable, "-m", "mapl_swarm", "peer", *config_args]
         for s in range(P):
             cmd = base + ["--stage", str(s), "--initial-peer", maddr, "--set", f"runtime.threads={threads}",

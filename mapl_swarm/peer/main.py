@@ -35,18 +35,18 @@ def read_peers_file(path: str, timeout_s: float) -> list[str]:
 def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool = False, progress: bool = True,
                secret: bytes | None = None):
     """The :class:`~mapl_swarm.peer.runtime.Peer` of stage ``stage``: its data (stage 1), its
-    StageRuntime, resumed from the newest complete checkpoint with ``resume``. ``resolve(stage,
-    timeout_s)`` and ``announce(endpoint)`` are awaitables (the DHT's, or any other directory)."""
+    StageRuntime and run policy. With ``resume`` the peer resumes, after the handshake, from the
+    newest step every stage has (agreed by messages, SPEC §5.2). ``resolve(stage, timeout_s)`` and
+    ``announce(endpoint)`` are awaitables (the DHT's, or any other directory)."""
     import torch
 
     from mapl_swarm.config import model_fingerprint
     from mapl_swarm.data import BatchSampler, prepare_data, validation_batches
+    from mapl_swarm.peer.checkpoints import PeerRunPolicy
     from mapl_swarm.peer.compute import ComputeThread
     from mapl_swarm.peer.runtime import Peer
-    from mapl_swarm.peer.step_end import HealthAndCheckpoint
-    from mapl_swarm.pipeline import checkpoint
+    from mapl_swarm.pipeline.run_policy import check_vocab, resolve_device
     from mapl_swarm.pipeline.stage import StageRuntime
-    from mapl_swarm.pipeline.trainer import check_vocab, resolve_device
 
     if cfg.runtime.threads:
         torch.set_num_threads(cfg.runtime.threads)
@@ -58,20 +58,12 @@ def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool 
     if stage == 0:
         sampler = BatchSampler(data.train, cfg.pipeline.micro_batch_size, cfg.model.context_length, cfg.run.seed)
         val = validation_batches(data.val, cfg.pipeline.micro_batch_size, cfg.model.context_length, cfg.eval.batches)
-    start = 0
-    if resume:
-        start = checkpoint.latest_complete_step(cfg.run.out_dir, cfg.pipeline.num_stages) or 0
-        if start:
-            state = checkpoint.load_stage(cfg.run.out_dir, start, stage)
-            rt.load_state_dict(state)
-            if sampler is not None:
-                sampler.load_state_dict(state["data"])
-            log.info("stage %d resumed from step %d", stage, start)
     compute = ComputeThread(f"stage{stage}")
-    on_step_end = HealthAndCheckpoint(cfg, stage, rt, compute, sampler=sampler)
+    policy = PeerRunPolicy(cfg, stage, data, fingerprint, resume=resume, runtime=rt, compute=compute,
+                           sampler=sampler)  # resume: agreed after the handshake
     return Peer(cfg, stage, rt, fingerprint=fingerprint, resolve=resolve, announce=announce, sampler=sampler,
-                val_batches=val, progress=progress and stage == 0, start_step=start, secret=secret,
-                compute=compute, on_step_end=on_step_end)
+                val_batches=val, progress=progress and stage == 0, secret=secret, compute=compute,
+                run_policy=policy)
 
 
 def run_peer(cfg: TrainConfig, stage: int, *, initial_peers: Sequence[str] = (), resume: bool = False,

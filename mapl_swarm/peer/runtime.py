@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,12 +36,15 @@ from mapl_swarm.peer.compute import BackgroundTasks, ComputeThread
 from mapl_swarm.peer.link import LinkSettings, Links, PeerLink, stage_name
 from mapl_swarm.peer.mailbox import Mailbox
 from mapl_swarm.peer.result import PeerResult, write_result
-from mapl_swarm.peer.schedule import PipelineSchedule, ScheduleSettings, StepEndHook
+from mapl_swarm.peer.schedule import NoRunHooks, PipelineSchedule, ScheduleSettings
 from mapl_swarm.peer.vq_link import codebook_summary
 from mapl_swarm.peer.waiting import WAIT_LOG_INTERVAL_S, WaitingLog
 from mapl_swarm.pipeline.stage import StageRuntime
 from mapl_swarm.wire import Message, MessageType, VersionMismatch, WireError, decode
 from mapl_swarm.wire.codebook import INDEXED_SLICES_CAPABILITY, RETRANSMIT_CAPABILITY, VQ_CAPABILITY
+
+if TYPE_CHECKING:
+    from mapl_swarm.peer.checkpoints import PeerRunPolicy
 
 log = logging.getLogger(__name__)
 
@@ -54,20 +57,17 @@ class PeerRejected(MaplError):
     """A neighbour refused the handshake (version or config fingerprint mismatch)."""
 
 
-async def _no_step_end(done: int, step_metrics: dict) -> None:
-    return None
-
-
 class Peer:
     """Stage ``stage`` of ``cfg``; ``resolve(stage, timeout_s) -> endpoint`` finds neighbours (the
-    DHT), ``announce(endpoint)`` publishes this peer's. ``on_step_end(steps_done, metrics)`` runs
-    after every optimizer step (health, checkpoints); ``compute`` is the thread it shares with it."""
+    DHT), ``announce(endpoint)`` publishes this peer's. ``run_policy`` (:class:`~.checkpoints.PeerRunPolicy`)
+    agrees the start step after the handshake (resume), records metrics and saves checkpoints after every
+    optimizer step; ``compute`` is the thread it shares with it. Without one nothing is recorded."""
 
     def __init__(self, cfg: TrainConfig, stage: int, runtime: StageRuntime, *, fingerprint: str,
                  resolve: Callable[[int, float], Awaitable[str]], announce: Callable[[str], Awaitable[Any]],
                  sampler=None, val_batches: list[torch.Tensor] | None = None, progress: bool = False,
                  start_step: int = 0, secret: bytes | None = None, compute: ComputeThread | None = None,
-                 on_step_end: StepEndHook | None = None,
+                 run_policy: PeerRunPolicy | None = None,
                  wait_log_interval_s: float = WAIT_LOG_INTERVAL_S) -> None:
         self.cfg, self.stage, self.rt = cfg, stage, runtime
         P = cfg.pipeline.num_stages
@@ -82,7 +82,8 @@ class Peer:
         vq = runtime.vq is not None
         settings = LinkSettings(
             run_id=cfg.run.run_id, stage=stage, num_stages=P, fingerprint=fingerprint,
-            capabilities=("1f1b", *((VQ_CAPABILITY, RETRANSMIT_CAPABILITY, INDEXED_SLICES_CAPABILITY) if vq else ())),
+            capabilities=("1f1b", *((VQ_CAPABILITY, RETRANSMIT_CAPABILITY, INDEXED_SLICES_CAPABILITY) if vq else ()),
+                          *(run_policy.capabilities if run_policy is not None else ())),
             secret=secret, compress_ids=cfg.net.compress_ids, max_frame_bytes=cfg.net.max_frame_bytes)
         self.links = Links(
             upstream=PeerLink(settings, stage - 1, on_bad_frame=self.bad_frame) if stage > 0 else None,
@@ -93,8 +94,9 @@ class Peer:
         self.schedule = PipelineSchedule(
             runtime, self.links, self.mailbox, self.compute, name=self.name,
             settings=ScheduleSettings.from_config(cfg, start_step=start_step, progress=progress),
-            result=self.result, waits=self.waits, on_step_end=on_step_end or _no_step_end,
+            result=self.result, waits=self.waits, hooks=run_policy or NoRunHooks(),
             sampler=sampler, val_batches=val_batches or [])
+        self.run_policy = run_policy
         self._welcome_event = asyncio.Event()
         self._handlers: dict[MessageType, Callable[[Message, PeerLink], Awaitable[None]]] = {
             MT.HELLO: self._on_hello,
@@ -104,6 +106,7 @@ class Peer:
             MT.HEARTBEAT: self._on_heartbeat,
             MT.RESYNC: self._on_resync,
             MT.REPORT: self._on_report,
+            MT.CHECKPOINT: self._on_checkpoint,
         }
         """Messages handled on arrival; every other type goes to the mailbox for the schedule."""
 
@@ -167,6 +170,12 @@ class Peer:
     async def _on_report(self, msg: Message, link: PeerLink) -> None:
         await self.schedule.on_report(msg)
 
+    async def _on_checkpoint(self, msg: Message, link: PeerLink) -> None:
+        if self.run_policy is None:
+            self.bad_frame(link.name, "CHECKPOINT but this peer keeps no checkpoints")
+            return
+        await self.run_policy.on_message(msg)
+
     # ------------------------------------------------------------------ lifecycle
     async def run(self) -> PeerResult:
         net = self.cfg.net
@@ -187,7 +196,8 @@ class Peer:
                 on_silent=lambda peer, s: self.mailbox.fail(MaplError(f"{self.name}: {peer} silent for {s:.0f} s")))
             try:
                 await self._handshake()
-                await self.schedule.run()
+                start = await self._agree_start(transport)
+                await self.schedule.run(start)
                 await transport.flush(net.timeout_s)
             finally:
                 await self.tasks.aclose()
@@ -214,6 +224,22 @@ class Peer:
         for link in self.links:
             link.check_capabilities()
         log.info("%s: handshake done with stages %s", self.name, self.links.stages)
+
+    async def _agree_start(self, transport: Transport) -> int | None:
+        """The step to start from, agreed by every stage on resume (SPEC §5.2), its state loaded."""
+        if self.run_policy is None:
+            return None
+        links = {link.stage: link for link in self.links}
+
+        async def send(dst: int, meta: dict) -> None:
+            await links[dst].send(MT.CHECKPOINT, step=meta.get("step") or 0, meta=meta)
+
+        try:
+            return await self.run_policy.begin(send, {s: set(link.capabilities) for s, link in links.items()},
+                                               lambda: self.mailbox.error)
+        except MaplError:
+            await transport.flush(self.cfg.net.timeout_s)  # a refusal reaches the other stages first
+            raise
 
     def _collect(self, transport: Transport) -> None:
         """The links' and transport's counters into the result."""

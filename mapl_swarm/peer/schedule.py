@@ -24,7 +24,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from tqdm import tqdm
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PipelineSchedule", "ScheduleSettings", "StepEndHook", "NeighbourLink", "NeighbourLinks"]
+__all__ = ["PipelineSchedule", "ScheduleSettings", "RunHooks", "NoRunHooks", "NeighbourLink", "NeighbourLinks"]
 
 MT = MessageType
 T = TypeVar("T")
@@ -96,8 +96,37 @@ class NeighbourLinks(Protocol):
 
     def sender(self, msg: Message) -> NeighbourLink | None: ...
 
-StepEndHook = Callable[[int, dict], Awaitable[None]]
-"""``await on_step_end(steps_done, step_metrics)`` after each optimizer step (and its PROJ send)."""
+class RunHooks(Protocol):
+    """What the schedule reports to the run policy (:class:`~.checkpoints.PeerRunPolicy` is one;
+    :class:`NoRunHooks` records nothing)."""
+
+    async def step_end(self, steps_done: int, step_metrics: dict) -> None:
+        """After each optimizer step and its PROJ send: metrics record, checkpoint and its agreement."""
+
+    def train_loss(self, step: int, loss: float, tokens: int) -> None:
+        """Stage 1: the swarm's training loss of ``step`` (from the last stage's REPORT)."""
+
+    def val_loss(self, step: int, loss: float) -> None:
+        """Stage 1: the validation loss after ``step``."""
+
+    async def finish(self, failed: Callable[[], BaseException | None]) -> None:
+        """Stage 1, before BYE: until every stage has heard the final checkpoint is complete."""
+
+
+class NoRunHooks:
+    """Run hooks that record nothing (peers built without a run policy, e.g. in tests)."""
+
+    async def step_end(self, steps_done: int, step_metrics: dict) -> None:
+        return None
+
+    def train_loss(self, step: int, loss: float, tokens: int) -> None:
+        return None
+
+    def val_loss(self, step: int, loss: float) -> None:
+        return None
+
+    async def finish(self, failed: Callable[[], BaseException | None]) -> None:
+        return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,7 +166,7 @@ class PipelineSchedule:
 
     def __init__(self, runtime: StageRuntime, links: NeighbourLinks, mailbox: Mailbox, compute: ComputeThread, *,
                  name: str, settings: ScheduleSettings, result: PeerResult, waits: WaitingLog,
-                 on_step_end: StepEndHook, sampler: Iterator[torch.Tensor] | None = None,
+                 hooks: RunHooks, sampler: Iterator[torch.Tensor] | None = None,
                  val_batches: Sequence[torch.Tensor] = ()) -> None:
         self.rt = runtime
         self.links = links
@@ -147,7 +176,7 @@ class PipelineSchedule:
         self.s = settings
         self.result = result
         self.waits = waits
-        self.on_step_end = on_step_end
+        self.hooks = hooks
         self.sampler = sampler
         self.val_batches = list(val_batches)
         self.M = settings.num_micro_batches
@@ -161,8 +190,11 @@ class PipelineSchedule:
         self._awaiting_grads = 0  # train ACTs sent downstream whose GRAD has not come back yet
 
     # ------------------------------------------------------------------ entry points
-    async def run(self) -> None:
-        """Stage 1 drives the steps, later stages serve until BYE; sets ``result.wall_s``."""
+    async def run(self, start_step: int | None = None) -> None:
+        """Stage 1 drives the steps, later stages serve until BYE; sets ``result.wall_s``.
+        ``start_step`` (a resume agreed after the handshake) overrides the settings' one."""
+        if start_step is not None:
+            self.s = replace(self.s, start_step=start_step)
         # a resumed receiver's checkpoint may hold the projector of before the sender's last
         # step: the sender's copy is authoritative, so send it before any ACT
         await self._send_projector(self.s.start_step)
@@ -184,6 +216,7 @@ class PipelineSchedule:
             self.result.train_losses.append(float(msg.meta["loss"]))
             self.result.report_times_s.append(time.perf_counter() - self._t0)
             self.result.tokens += int(msg.meta["tokens"])
+            self.hooks.train_loss(msg.step, float(msg.meta["loss"]), int(msg.meta["tokens"]))
             if self._bar is not None:
                 elapsed = max(time.perf_counter() - self._t0, 1e-9)
                 self._bar.set_postfix(loss=f"{msg.meta['loss']:.3f}", tok_s=f"{self.result.tokens / elapsed:.0f}")
@@ -260,6 +293,7 @@ class PipelineSchedule:
             if s.val_interval_steps and (done_steps % s.val_interval_steps == 0 or done_steps == s.steps):
                 await self._validate(done_steps)
         await self._wait_report("train", s.steps - s.start_step)
+        await self.hooks.finish(lambda: self.mailbox.error)
         if down is not None:
             await down.send_bye({"reason": "training finished"})
 
@@ -275,6 +309,7 @@ class PipelineSchedule:
         await self._wait_report("eval", before + 1)
         report = [r for r in self._reports if r.meta.get("mode") == "eval"][-1]
         self.result.val_history.append((step, float(report.meta["loss"])))
+        self.hooks.val_loss(step, float(report.meta["loss"]))
         log.info("step %d: val loss %.4f", step, report.meta["loss"])
 
     # ------------------------------------------------------------------ every stage
@@ -313,7 +348,7 @@ class PipelineSchedule:
             self.rt.add_outbound_projector_grad(down.projector_grad(msg))
         step_metrics = await self.compute.run(self.rt.step)
         await self._send_projector(step + 1)
-        await self.on_step_end(step + 1, step_metrics)
+        await self.hooks.step_end(step + 1, step_metrics)
 
     async def _serve(self) -> None:
         """Stages 2..P: react to ACT / GRAD / PROJ until BYE."""

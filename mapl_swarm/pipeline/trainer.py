@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -13,17 +12,17 @@ import torch
 from tqdm import tqdm
 
 from mapl_swarm.compress import config_boundary_bytes
-from mapl_swarm.config import TrainConfig, config_to_dict
+from mapl_swarm.config import TrainConfig, model_fingerprint
 from mapl_swarm.data import BatchSampler, PreparedData, prepare_data, validation_batches
-from mapl_swarm.errors import ConfigError
-from mapl_swarm.metrics import JsonlWriter, run_manifest
-from mapl_swarm.pipeline import checkpoint
 from mapl_swarm.pipeline.inprocess import InProcessPipeline
 from mapl_swarm.pipeline.payload import BACKWARD_KINDS, FORWARD_KINDS, kind_bytes
+from mapl_swarm.pipeline.run_policy import (MetricsLog, StageCheckpoints, check_vocab, checkpoint_due,
+                                            choose_resume_step, metrics_path, resolve_device, start_fresh,
+                                            validation_due, write_manifest)
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TrainSummary", "train", "resolve_device", "check_vocab"]
+__all__ = ["TrainSummary", "train", "resolve_device", "check_vocab"]  # the last two: run_policy's
 
 
 @dataclass
@@ -42,39 +41,25 @@ class TrainSummary:
     val_history: list[tuple[int, float]] = field(default_factory=list)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("runtime.device is cuda but no CUDA device is available")
-    return torch.device(name)
-
-
-def check_vocab(cfg: TrainConfig, data: PreparedData) -> None:
-    if data.tokenizer.vocab_size != cfg.model.vocab_size:
-        raise ConfigError(f"model.vocab_size {cfg.model.vocab_size} != tokenizer vocabulary "
-                          f"{data.tokenizer.vocab_size} (set model.vocab_size or data.vocab_size)")
-
-
-def _save_checkpoint(pipe: InProcessPipeline, cfg: TrainConfig, sampler: BatchSampler, step: int) -> None:
-    for s, state in enumerate(pipe.state_dicts()):
-        if s == 0:
+def _save_checkpoint(pipe: InProcessPipeline, stores: list[StageCheckpoints], sampler: BatchSampler,
+                     step: int) -> None:
+    for store, state in zip(stores, pipe.state_dicts()):
+        if store.stage == 0:
             state["data"] = sampler.state_dict()
-        checkpoint.save_stage(cfg.run.out_dir, step, s, state)
-    checkpoint.prune(cfg.run.out_dir, cfg.pipeline.num_stages, cfg.checkpoint.keep)
+        store.save(step, state)
+    for store in stores:  # every stage's file is in this one folder: the step is complete
+        store.mark_complete(step)
     log.info("checkpoint saved at step %d", step)
 
 
-def _resume(pipe: InProcessPipeline, cfg: TrainConfig, sampler: BatchSampler) -> int:
-    step = checkpoint.latest_complete_step(cfg.run.out_dir, cfg.pipeline.num_stages)
-    if step is None:
-        log.warning("--resume: no complete checkpoint under %s, starting from step 0", cfg.run.out_dir)
-        return 0
-    for s, stage in enumerate(pipe.stages):
-        state = checkpoint.load_stage(cfg.run.out_dir, step, s)
+def _resume(pipe: InProcessPipeline, cfg: TrainConfig, stores: list[StageCheckpoints], sampler: BatchSampler) -> int:
+    step = choose_resume_step({st.stage: st.usable_steps() for st in stores}, cfg.run.steps, cfg.run.out_dir)
+    for store, stage in zip(stores, pipe.stages):
+        state = store.load(step)
         stage.load_state_dict(state)
-        if s == 0:
+        if store.stage == 0:
             sampler.load_state_dict(state["data"])
+        store.resumed(step)
     for b in range(len(pipe.links)):  # receivers' projector copies are saved too; re-sync anyway
         proj = pipe.stages[b].outbound_projector()
         if proj is not None:
@@ -96,13 +81,16 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
     run, T = cfg.run, cfg.model.context_length
     out = Path(run.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    fingerprint = model_fingerprint(cfg, data.tokenizer.file_hash, data.tokenizer.vocab_size)
+    if not resume:  # a fresh run owns its folder: an earlier run's checkpoints move aside
+        start_fresh(out, range(cfg.pipeline.num_stages))
+    stores = [StageCheckpoints(out, s, driver="train", fingerprint=fingerprint, keep=cfg.checkpoint.keep)
+              for s in range(cfg.pipeline.num_stages)]
     pipe = InProcessPipeline(cfg, device)
     sampler = BatchSampler(data.train, cfg.pipeline.micro_batch_size, T, run.seed)
     val = validation_batches(data.val, cfg.pipeline.micro_batch_size, T, cfg.eval.batches)
-    start = _resume(pipe, cfg, sampler) if resume else 0
-    manifest = run_manifest(config_to_dict(cfg), corpus_fingerprint=data.meta.get("corpus_fingerprint"),
-                            tokenizer_hash=data.tokenizer.file_hash, seed=run.seed, resumed_from=start)
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    start = _resume(pipe, cfg, stores, sampler) if resume else 0
+    write_manifest(cfg, data, driver="train", fingerprint=fingerprint, resumed_from=start)
     expected = config_boundary_bytes(cfg)
     log.info("codec %s: expected payload per boundary %.1f B/token forward, %.1f B/token backward "
              "(+ %.2f B/token codebook slices each way)", cfg.compression.codec, expected.forward_bytes,
@@ -112,7 +100,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
     val_history: list[tuple[int, float]] = [] if initial_val is None else [(0, initial_val)]
     tokens_total, wall, loss = 0, 0.0, float("nan")
     val_loss = initial_val if initial_val is not None else float("nan")
-    with JsonlWriter(out / "metrics.jsonl") as metrics:
+    with MetricsLog(metrics_path(out), resume_from=start if resume else None) as metrics:
         if initial_val is not None:
             metrics.write({"step": 0, "val_loss": initial_val})
         bar = tqdm(total=run.steps, initial=start, disable=not progress, desc=f"train {cfg.compression.codec}",
@@ -133,14 +121,14 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
                       "bytes_per_token": per_link}
             health = {k.split("/", 1)[1]: v for k, v in res.metrics.items() if "/health/" in k}
             record.update(dict(sorted(health.items())))
-            if cfg.eval.interval_steps and (done % cfg.eval.interval_steps == 0 or done == run.steps):
+            if validation_due(cfg, done):
                 val_loss = pipe.evaluate(val)
                 val_history.append((done, val_loss))
                 record["val_loss"] = val_loss
             if done % cfg.metrics.log_interval_steps == 0 or "val_loss" in record or health:
                 metrics.write(record)
-            if cfg.checkpoint.interval_steps and (done % cfg.checkpoint.interval_steps == 0 or done == run.steps):
-                _save_checkpoint(pipe, cfg, sampler, done)
+            if checkpoint_due(cfg, done):
+                _save_checkpoint(pipe, stores, sampler, done)
             bar.set_postfix({"loss": f"{loss:.3f}", "val": f"{val_loss:.3f}", "tok_s": f"{res.tokens / dt:.0f}",
                              "payload_B/tok": f"{(sum(per_link) / len(per_link)) if per_link else 0:.0f}"})
             bar.update(1)

@@ -1,11 +1,11 @@
-"""Wire protocol 1.2: messages <-> ZeroMQ multipart frames (normative text: protocol/SPEC.md).
+"""Wire protocol 1.3: messages <-> ZeroMQ multipart frames (normative text: protocol/SPEC.md).
 
 Imports no torch; tensors are numpy arrays (bf16 as its raw ``uint16`` bit patterns).
 
 API
 ---
 ``Message(*, type, run_id, src, dst, step=0, micro=0, seq=0, pver=0, cver=0, meta={}, tensors={},
-version=(1, 2))``
+version=(1, 3))``
     One message. ``type`` is a :class:`MessageType`; ``tensors`` maps names (frame order) to
     :class:`WireTensor` (a plain numpy array is wrapped with its inferred tag).
 ``WireTensor(dtype, data)`` / ``WireTensor.from_array(array, dtype=None)``
@@ -22,7 +22,7 @@ version=(1, 2))``
 ``default_codec(dtype) -> str``; ``MessageType``; ``PROTOCOL_VERSION``; ``META_SCHEMA``.
 
 Errors (``.code``): MalformedHeader, UnknownMessageType, VersionMismatch (``peer speaks 2.0,
-this peer speaks 1.2``; ``.peer_version``, ``.local_version``), FrameCountMismatch,
+this peer speaks 1.3``; ``.peer_version``, ``.local_version``), FrameCountMismatch,
 LengthMismatch, ChecksumMismatch, FrameTooLarge, BadDtype, BadShape, BadCodec,
 DecompressionFailed, AuthFailed, InvalidMessage — all subclasses of :class:`WireError`
 (itself a ``mapl_swarm.errors.MaplError``); ``ERRORS_BY_CODE`` maps codes to classes.
@@ -33,8 +33,11 @@ DecompressionFailed, AuthFailed, InvalidMessage — all subclasses of :class:`Wi
 REPORT ``loss`` float, ``tokens`` uint; ``mode``, ``metrics`` {str: number}. HEARTBEAT —;
 ``sent_ns`` uint. BYE —; ``reason`` str. ERROR ``code``, ``message`` str; ``ref_seq`` uint.
 CODEBOOK_SLICE —; ``stream`` "act"|"grad", ``start`` uint, ``full`` bool. RESYNC —; ``stream``,
-``have`` uint, ``reason`` str, ``retransmit`` bool, ``mode`` (1.2). GRAD, PROJ: none. PROJ, PROJ_GRAD and CODEBOOK_SLICE tensors must
-be fp32 (BadDtype; a CODEBOOK_SLICE ``index`` is uint8/uint16, 1.2); HELLO, WELCOME, REJECT, REPORT, RESYNC, HEARTBEAT, BYE, ERROR carry none.
+``have`` uint, ``reason`` str, ``retransmit`` bool, ``mode`` (1.2). CHECKPOINT (1.3) ``phase``
+"saved"|"complete"|"offer"|"resume"; ``step`` uint|nil, ``steps`` [uint], ``have`` {str: [uint]},
+``reason`` str (per-phase rules of SPEC §5.2). GRAD, PROJ: none. PROJ, PROJ_GRAD and
+CODEBOOK_SLICE tensors must be fp32 (BadDtype; a CODEBOOK_SLICE ``index`` is uint8/uint16, 1.2);
+HELLO, WELCOME, REJECT, REPORT, RESYNC, HEARTBEAT, BYE, ERROR, CHECKPOINT carry none.
 
 Codebook streaming (SPEC §5.1): slice/RESYNC messages in :mod:`mapl_swarm.wire.codebook`, the
 receiver's checks in :mod:`mapl_swarm.wire.codebook_rules` (pure Python, shared with the torch codec

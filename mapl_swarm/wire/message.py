@@ -166,6 +166,8 @@ META_SCHEMA: dict[MessageType, tuple[dict[str, str], dict[str, str]]] = {
     MessageType.HEARTBEAT: ({}, {"sent_ns": "uint"}),
     MessageType.BYE: ({}, {"reason": "str"}),
     MessageType.ERROR: ({"code": "str", "message": "str"}, {"ref_seq": "uint"}),
+    MessageType.CHECKPOINT: ({"phase": "phase"}, {"step": "uint_or_nil", "steps": "uints", "have": "have",
+                                                  "reason": "str"}),
 }
 """(required, optional) typed ``meta`` fields per message type; other types have none."""
 META_SCHEMA[MessageType.WELCOME] = META_SCHEMA[MessageType.HELLO]
@@ -198,6 +200,14 @@ def _kind_ok(kind: str, v: Any) -> bool:
         return isinstance(v, dict)
     if kind == "metrics":
         return isinstance(v, dict) and all(_is_number(x) for x in v.values())
+    if kind == "phase":
+        return isinstance(v, str) and v in spec.CHECKPOINT_PHASES
+    if kind == "uint_or_nil":
+        return v is None or _is_uint(v)
+    if kind == "uints":
+        return isinstance(v, list) and all(_is_uint(x) for x in v)
+    if kind == "have":
+        return isinstance(v, dict) and all(isinstance(x, list) and all(_is_uint(y) for y in x) for x in v.values())
     return True
 
 
@@ -211,6 +221,10 @@ _KIND_TEXT = {
     "strs": "an array of strings",
     "map": "a map",
     "metrics": "a map of numbers",
+    "phase": "'saved', 'complete', 'offer' or 'resume'",
+    "uint_or_nil": "a non-negative integer or nil",
+    "uints": "an array of non-negative integers",
+    "have": "a map of arrays of non-negative integers",
 }
 
 
@@ -242,3 +256,23 @@ def check_type_rules(
             )
     if mtype in (MessageType.HELLO, MessageType.WELCOME) and meta["num_stages"] < 1:
         raise InvalidMessage(f"{mtype.name} num_stages must be >= 1")
+    if mtype is MessageType.CHECKPOINT:
+        _check_checkpoint(meta)
+
+
+def _check_checkpoint(meta: Mapping[str, Any]) -> None:
+    """CHECKPOINT fields by phase (SPEC §5.2); the field types are already checked."""
+    phase = meta["phase"]
+    if phase in ("saved", "complete") and meta.get("step") is None:
+        raise InvalidMessage(f"CHECKPOINT {phase} needs a step")
+    if phase == "offer":
+        steps = meta.get("steps")
+        if steps is None:
+            raise InvalidMessage("CHECKPOINT offer needs steps")
+        if any(b <= a for a, b in zip(steps, steps[1:])):
+            raise InvalidMessage(f"CHECKPOINT offer steps must be strictly increasing, got {steps!r:.60}")
+    if phase == "resume":
+        if "step" not in meta:
+            raise InvalidMessage("CHECKPOINT resume needs a step (nil when refused)")
+        if meta["step"] is None and not meta.get("reason"):
+            raise InvalidMessage("CHECKPOINT resume without a step needs a reason")

@@ -1,4 +1,4 @@
-"""Constants of wire protocol 1.2: version, message types, dtypes, codecs, limits, key order.
+"""Constants of wire protocol 1.3: version, message types, dtypes, codecs, limits, key order.
 
 Everything here mirrors a table of ``protocol/SPEC.md``; change the spec first, then this file.
 """
@@ -14,6 +14,8 @@ __all__ = [
     "PROTOCOL_VERSION",
     "MessageType",
     "RESERVED_TYPE_CODES",
+    "CHECKPOINT_PHASES",
+    "CHECKPOINT_CAPABILITY",
     "DType",
     "DTYPES",
     "FLOAT_DTYPES",
@@ -43,7 +45,7 @@ __all__ = [
     "INT64_MIN",
 ]
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 2)
+PROTOCOL_VERSION: tuple[int, int] = (1, 3)
 """(major, minor) spoken by this implementation."""
 
 
@@ -63,10 +65,18 @@ class MessageType(enum.IntEnum):
     HEARTBEAT = 11
     BYE = 12
     ERROR = 13
+    CHECKPOINT = 14
+    """Checkpoint agreement (SPEC §5.2, 1.3)."""
 
 
-RESERVED_TYPE_CODES: frozenset[int] = frozenset({14, 15})
-"""Reserved for checkpoint agreement; a 1.0 decoder rejects them as unknown."""
+RESERVED_TYPE_CODES: frozenset[int] = frozenset({15})
+"""Reserved (14 was, until 1.3 made it CHECKPOINT); a decoder rejects them as unknown."""
+
+CHECKPOINT_PHASES: tuple[str, ...] = ("saved", "complete", "offer", "resume")
+"""Values of a CHECKPOINT's ``meta["phase"]`` (SPEC §5.2)."""
+
+CHECKPOINT_CAPABILITY = "checkpoint_agreement"
+"""HELLO/WELCOME capability of peers that take part in checkpoint agreement (SPEC §5.2, 1.3)."""
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,10 @@
 
 import json
 
+import pytest
+
 from mapl_swarm.config import config_from_dict
+from mapl_swarm.errors import CheckpointError
 from mapl_swarm.pipeline.trainer import train
 
 
@@ -32,6 +35,6 @@ def test_short_mapl_training_lowers_val_loss(tmp_path):
         assert abs(bpt["forward"] - (32 + 2 * 65 / 64 + proj_per_token)) < 1e-6
         assert abs(bpt["backward"] - (32 + proj_per_token)) < 1e-6
 
-    # resume: the newest complete checkpoint is step 30 -> nothing left to do, same final val
-    resumed = train(cfg, resume=True, progress=False)
-    assert resumed.final_val_loss == summary.final_val_loss
+    # resume: the newest complete checkpoint is step 30 -> nothing left to do: a clear error (issue 9)
+    with pytest.raises(CheckpointError, match=r"checkpoint at step 30 >= run.steps 30: nothing to train"):
+        train(cfg, resume=True, progress=False)

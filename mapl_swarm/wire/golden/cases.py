@@ -147,6 +147,11 @@ def _valid(v: dict[str, list[bytes]]) -> list[Case]:
         "grad_vq": "1.1 GRAD: uint8 codes (B, T, R=2, r/G=2) at cver 9",
         "codebook_slice_indexed": "1.2 indexed CODEBOOK_SLICE: each of the 4 codebooks its own 3 codes",
         "resync_retransmit": "1.2 RESYNC asking for eval ACT step 12 micro 3 re-encoded after a full slice",
+        "checkpoint_saved": "1.3 CHECKPOINT saved: the last stage has saved step 40",
+        "checkpoint_complete": "1.3 CHECKPOINT complete: every stage has step 40",
+        "checkpoint_offer": "1.3 CHECKPOINT offer: steps stages 1 and 2 both hold, and what each has",
+        "checkpoint_resume": "1.3 CHECKPOINT resume from step 30",
+        "checkpoint_resume_refused": "1.3 CHECKPOINT resume refused: step nil and the reason every stage stops with",
     }
     return [Case(n, "valid", f, text[n], secret=n.endswith("_auth")) for n, f in v.items()]
 
@@ -260,7 +265,7 @@ def _invalid(v: dict[str, list[bytes]]) -> list[Case]:
          "major 2: 'peer speaks 2.0, this peer speaks 1.x'"),
         ("version_major_0", _edit(hello, _set("v", [0, 9])), "version_mismatch", "major 0"),
         ("type_unknown", _edit(hello, _set("type", 99)), T, "type 99"),
-        ("type_reserved", _edit(hello, _set("type", 14)), T, "type 14, reserved for checkpoints"),
+        ("type_reserved", _edit(hello, _set("type", 15)), T, "type 15, reserved (14 until 1.3)"),
         ("type_zero", _edit(hello, _set("type", 0)), T, "type 0"),
         ("type_string", _edit(hello, _set("type", "HELLO")), M, "type given by name"),
         ("no_frames", [], FC, "zero frames"),
@@ -323,6 +328,16 @@ def _invalid(v: dict[str, list[bytes]]) -> list[Case]:
          "RESYNC retransmit is an integer (1.2)"),
         ("resync_mode_unknown", _edit(v["resync_retransmit"], _meta(mode="test")), IM,
          "RESYNC mode 'test' (1.2)"),
+        ("checkpoint_phase_unknown", _edit(v["checkpoint_saved"], _meta(phase="done")), IM,
+         "CHECKPOINT phase 'done' (1.3)"),
+        ("checkpoint_saved_no_step", _edit(v["checkpoint_saved"], _meta(step=_DROP)), IM,
+         "CHECKPOINT saved without a step (1.3)"),
+        ("checkpoint_offer_not_increasing", _edit(v["checkpoint_offer"], _meta(steps=[30, 20])), IM,
+         "CHECKPOINT offer steps 30, 20 (1.3)"),
+        ("checkpoint_resume_nil_no_reason", _edit(v["checkpoint_resume_refused"], _meta(reason=_DROP)), IM,
+         "CHECKPOINT resume with step nil and no reason (1.3)"),
+        ("checkpoint_with_tensor", _edit([*v["checkpoint_saved"], b"\x07"], hb_tensor), IM,
+         "CHECKPOINT carrying a tensor (1.3)"),
     ]
     out = [Case(n, "invalid", f, d, error=e) for n, f, e, d in cases]
     tag_flip = [_flip(act_auth[0], len(act_auth[0]) - 1), *act_auth[1:]]

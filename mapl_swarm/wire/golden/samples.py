@@ -279,4 +279,24 @@ def samples() -> dict[str, Message]:
     out["act_auth"] = out["act_train"]
     out["hello_auth"] = out["hello"]
     out.update(_vq_samples(b, t))
+    out.update(_checkpoint_samples())
     return out
+
+
+def _checkpoint_samples() -> dict[str, Message]:
+    """Protocol 1.3 CHECKPOINT messages of SPEC §5.2 (a 3-stage swarm)."""
+    common = dict(type=MessageType.CHECKPOINT, run_id=RUN_ID, version=(1, 3))
+    return {
+        "checkpoint_saved": Message(src=2, dst=1, step=40, seq=300, meta={"phase": "saved", "step": 40}, **common),
+        "checkpoint_complete": Message(src=0, dst=1, step=40, seq=301, meta={"phase": "complete", "step": 40},
+                                       **common),
+        "checkpoint_offer": Message(src=1, dst=0, seq=2, meta={"phase": "offer", "steps": [20, 30],
+                                                               "have": {"1": [20, 30], "2": [20, 30, 40]}},
+                                    **common),
+        "checkpoint_resume": Message(src=0, dst=1, step=30, seq=2, meta={"phase": "resume", "step": 30}, **common),
+        "checkpoint_resume_refused": Message(
+            src=0, dst=1, seq=2, meta={"phase": "resume", "step": None,
+                                       "reason": "no checkpoint step every stage has: stage 0 has [10], "
+                                                 "stage 1 has [20, 30], stage 2 has [20, 30, 40]"},
+            **common),
+    }

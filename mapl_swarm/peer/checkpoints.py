@@ -1,0 +1,266 @@
+"""A peer's side of the run policy: checkpoint agreement (SPEC §5.2), checkpoints, metrics, manifest.
+
+Each stage's checkpoint folder may be on its own host, so a step is *complete* (every stage has it)
+only when the peers say so with CHECKPOINT messages:
+
+- training: after stage s saved step N, the last stage sends ``saved N`` upstream; a middle stage
+  forwards it once it has also saved N (whichever comes last); stage 0, once it has both, declares
+  N complete and sends ``complete N`` downstream, relayed to the last stage. Every stage records
+  the complete steps and prunes its own files (:func:`mapl_swarm.pipeline.checkpoint.prune_plan`).
+- resume: the last stage offers its usable steps upstream, each stage intersects and forwards,
+  stage 0 picks the newest common step (or refuses, with a reason every stage stops with) and
+  sends ``resume`` downstream, relayed.
+
+:class:`CheckpointAgreement` is that message logic alone (no sockets: ``send(dst, meta)`` is
+injected), so it can be driven by a test in any message order. :class:`PeerRunPolicy` bundles it
+with the stage's :class:`~mapl_swarm.pipeline.run_policy.StageCheckpoints` and metrics records;
+the :class:`~.runtime.Peer` calls its few entry points.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+from mapl_swarm.config import TrainConfig
+from mapl_swarm.errors import CheckpointError, MaplError
+from mapl_swarm.pipeline import run_policy
+from mapl_swarm.pipeline.run_policy import MetricsLog, StageCheckpoints, StepRecords
+from mapl_swarm.wire import Message
+from mapl_swarm.wire.spec import CHECKPOINT_CAPABILITY
+
+if TYPE_CHECKING:
+    from mapl_swarm.data import PreparedData
+    from mapl_swarm.peer.compute import ComputeThread
+    from mapl_swarm.pipeline.stage import StageRuntime
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CheckpointAgreement", "PeerRunPolicy", "CHECKPOINT_CAPABILITY"]
+
+Send = Callable[[int, dict[str, Any]], Awaitable[None]]
+
+
+class CheckpointAgreement:
+    """SPEC §5.2 for stage ``stage`` of ``num_stages``; ``store`` holds this stage's files."""
+
+    def __init__(self, store: StageCheckpoints, stage: int, num_stages: int, send: Send | None = None) -> None:
+        self.store, self.stage = store, stage
+        self.up = stage - 1 if stage > 0 else None
+        self.down = stage + 1 if stage < num_stages - 1 else None
+        self.send = send
+        """``send(dst, meta)``: a CHECKPOINT to a neighbour (set by the peer once its links are up)."""
+        self.declared: set[int] = set()
+        """Steps this stage learnt are complete across the swarm."""
+        self._saved: set[int] = set()
+        self._downstream_saved: set[int] = set()
+        self._passed: set[int] = set()
+        self._inbox: dict[str, dict[str, Any]] = {}
+        self._changed = asyncio.Event()
+        self.enabled = True
+        """False when a neighbour does not take part (an older peer): nothing is sent or pruned."""
+
+    # ------------------------------------------------------------ training
+    async def on_saved(self, step: int) -> None:
+        """This stage's file of ``step`` is durable."""
+        if not self.enabled:
+            return
+        self._saved.add(step)
+        if self.down is None:
+            self._downstream_saved.add(step)  # nothing below the last stage
+        await self._advance(step)
+
+    async def on_message(self, msg: Message) -> None:
+        """A CHECKPOINT from a neighbour (already checked by the frame decoder)."""
+        meta, phase = msg.meta, msg.meta["phase"]
+        expected = self.down if phase in ("saved", "offer") else self.up
+        if msg.src != expected:
+            log.warning("stage %d: ignored CHECKPOINT %s from stage %s (expected from stage %s)", self.stage,
+                        phase, msg.src, expected)
+            return
+        if phase == "saved":
+            self._downstream_saved.add(meta["step"])
+            await self._advance(meta["step"])
+        elif phase == "complete":
+            self._complete(meta["step"])
+            if self.down is not None:
+                await self.send(self.down, {"phase": "complete", "step": meta["step"]})
+        else:  # offer / resume: awaited by agree_resume
+            self._inbox[phase] = dict(meta)
+            self._notify()
+
+    async def _advance(self, step: int) -> None:
+        if step in self._passed or step not in self._saved or step not in self._downstream_saved:
+            return
+        self._passed.add(step)
+        if self.up is not None:
+            await self.send(self.up, {"phase": "saved", "step": step})
+            return
+        self._complete(step)  # stage 0: every stage has it
+        if self.down is not None:
+            await self.send(self.down, {"phase": "complete", "step": step})
+
+    def _complete(self, step: int) -> None:
+        self.declared.add(step)
+        pruned = self.store.mark_complete(step)
+        log.debug("stage %d: step %d complete across the swarm; pruned %s", self.stage, step, pruned)
+        self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+
+    async def _until(self, ready: Callable[[], bool], timeout_s: float, what: str,
+                     failed: Callable[[], BaseException | None]) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not ready():
+            error = failed()
+            if error is not None:
+                raise error
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise MaplError(f"stage {self.stage}: no {what} within {timeout_s:g} s")
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), min(remaining, 1.0))
+            except asyncio.TimeoutError:
+                pass
+
+    async def wait_complete(self, step: int, timeout_s: float,
+                            failed: Callable[[], BaseException | None] = lambda: None) -> None:
+        """Until ``step`` is complete across the swarm (stage 0, before its BYE)."""
+        await self._until(lambda: step in self.declared, timeout_s, f"checkpoint agreement on step {step}", failed)
+
+    # ------------------------------------------------------------ resume
+    def _usable(self) -> tuple[list[int], str | None]:
+        try:
+            return self.store.usable_steps(), None
+        except CheckpointError as exc:
+            return [], str(exc)
+
+    async def agree_resume(self, run_steps: int, timeout_s: float,
+                           failed: Callable[[], BaseException | None] = lambda: None) -> int:
+        """The step every stage resumes from (all stages get the same answer or the same error)."""
+        mine, reason = self._usable()
+        if self.down is None:
+            offer: dict[str, Any] = {"steps": mine, "have": {}}
+        else:
+            await self._until(lambda: "offer" in self._inbox, timeout_s, "checkpoint offer from downstream", failed)
+            offer = self._inbox.pop("offer")
+        have = {**offer.get("have", {}), str(self.stage): mine}
+        common = sorted(set(offer["steps"]) & set(mine))
+        reasons = "; ".join(r for r in (offer.get("reason"), reason) if r)
+        if self.up is not None:
+            await self.send(self.up, {"phase": "offer", "steps": common, "have": have,
+                                      **({"reason": reasons} if reasons else {})})
+            await self._until(lambda: "resume" in self._inbox, timeout_s, "resume decision from upstream", failed)
+            decision = self._inbox.pop("resume")
+            if self.down is not None:
+                await self.send(self.down, decision)
+            if decision["step"] is None:
+                raise CheckpointError(decision.get("reason") or "resume refused")
+            return int(decision["step"])
+        try:  # stage 0 decides
+            if reasons:
+                raise CheckpointError(reasons)
+            step = run_policy.choose_resume_step({int(k): v for k, v in have.items()}, run_steps,
+                                                 "each stage's run.out_dir")
+        except CheckpointError as exc:
+            if self.down is not None:
+                await self.send(self.down, {"phase": "resume", "step": None, "reason": str(exc)})
+            raise
+        if self.down is not None:
+            await self.send(self.down, {"phase": "resume", "step": step})
+        return step
+
+
+class PeerRunPolicy:
+    """What a stage peer asks of the run policy, in the order it asks:
+
+    ``capabilities`` (HELLO) -> ``on_message`` (every CHECKPOINT) -> ``begin`` (after the handshake:
+    the start step, agreed with the other stages on resume, its state loaded on the compute thread)
+    -> per step ``step_end`` (metrics record; checkpoint saved on the compute thread, then its
+    agreement), ``train_loss`` / ``val_loss`` (stage 0) -> ``finish`` (stage 0, before BYE) -> ``close``.
+    It is the schedule's :class:`~.schedule.RunHooks`."""
+
+    def __init__(self, cfg: TrainConfig, stage: int, data: "PreparedData", fingerprint: str, *, resume: bool,
+                 runtime: "StageRuntime", compute: "ComputeThread", sampler: Any = None) -> None:
+        self.cfg, self.stage, self.data, self.fingerprint, self.resume = cfg, stage, data, fingerprint, resume
+        self.rt, self.compute, self.sampler = runtime, compute, sampler
+        if not resume:  # a fresh run owns its folder (before its first save, i.e. before the handshake)
+            run_policy.start_fresh(cfg.run.out_dir, [stage])
+        self.store = StageCheckpoints(cfg.run.out_dir, stage, driver="swarm", fingerprint=fingerprint,
+                                      keep=cfg.checkpoint.keep)
+        self.agreement = CheckpointAgreement(self.store, stage, cfg.pipeline.num_stages)
+        self.records: StepRecords | None = None
+        self.capabilities = [CHECKPOINT_CAPABILITY]
+
+    async def on_message(self, msg: Message) -> None:
+        await self.agreement.on_message(msg)
+
+    async def begin(self, send: Send, neighbour_caps: dict[int, set[str]],
+                    failed: Callable[[], BaseException | None]) -> int:
+        """After the handshake: the step to start from; opens the metrics stream, writes the manifest."""
+        self.agreement.send = send
+        lacking = [s for s, caps in neighbour_caps.items() if CHECKPOINT_CAPABILITY not in caps]
+        if lacking:  # an older peer (protocol < 1.3): no CHECKPOINT to it, so no agreement at all
+            why = f"neighbour stage(s) {lacking} do not take part in checkpoint agreement (protocol < 1.3)"
+            if self.resume:
+                raise MaplError(f"stage {self.stage}: cannot agree on a resume step: {why}; upgrade every peer")
+            log.warning("stage %d: %s: checkpoints are saved but never pruned", self.stage, why)
+            self.agreement.enabled = False
+        start = 0
+        if self.resume:
+            start = await self.agreement.agree_resume(self.cfg.run.steps, self.cfg.net.timeout_s, failed)
+            self.store.resumed(start)
+            await self.compute.run(self._load, start)
+            log.info("stage %d resumed from step %d (agreed by every stage)", self.stage, start)
+        run_policy.write_manifest(self.cfg, self.data, driver="swarm", fingerprint=self.fingerprint,
+                                  resumed_from=start, stage=self.stage)
+        path = run_policy.metrics_path(self.cfg.run.out_dir, self.stage)
+        self.records = StepRecords(self.cfg, self.stage, MetricsLog(path, resume_from=start if self.resume else None),
+                                   start)
+        return start
+
+    def _load(self, step: int) -> None:
+        state = self.store.load(step)
+        self.rt.load_state_dict(state)
+        if self.sampler is not None:
+            self.sampler.load_state_dict(state["data"])
+
+    def _save(self, step: int) -> None:
+        state = self.rt.state_dict()
+        if self.sampler is not None:
+            state["data"] = self.sampler.state_dict()
+        self.store.save(step, state)
+
+    def checkpoint_due(self, step: int) -> bool:
+        return run_policy.checkpoint_due(self.cfg, step)
+
+    async def step_end(self, step: int, metrics: dict[str, float]) -> None:
+        """After optimizer step ``step``: its metrics record; a checkpoint when due, then its agreement."""
+        if self.records is not None:
+            self.records.stage_step(step, metrics)
+        if self.checkpoint_due(step):
+            await self.compute.run(self._save, step)
+            await self.agreement.on_saved(step)
+
+    def train_loss(self, step: int, loss: float, tokens: int) -> None:
+        if self.records is not None:
+            self.records.train_loss(step, loss, tokens)
+
+    def val_loss(self, step: int, loss: float) -> None:
+        if self.records is not None:
+            self.records.val_loss(step, loss)
+
+    async def finish(self, failed: Callable[[], BaseException | None]) -> None:
+        """Stage 0 at the end: until the final checkpoint is complete, so every stage hears it before BYE."""
+        final = self.cfg.run.steps
+        if self.checkpoint_due(final) and self.agreement.enabled:
+            await self.agreement.wait_complete(final, self.cfg.net.timeout_s, failed)
+
+    def close(self) -> None:
+        if self.records is not None:
+            self.records.close()
+            self.records = None

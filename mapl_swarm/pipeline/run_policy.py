@@ -1,0 +1,302 @@
+"""The run policy shared by ``train`` (all stages in one process) and every swarm peer.
+
+One place decides: the device, the vocabulary check, the run folder's layout, fresh start versus
+resume, checkpoint cadence, checkpoint metadata and pruning, the run manifest, the per-step JSONL
+metrics and the validation cadence. The two drivers differ only in how a step becomes
+*complete*: ``train`` sees every stage's file in its one folder; swarm peers agree by messages
+(:mod:`mapl_swarm.peer.checkpoints`), because each stage's folder may be on another host.
+
+Run folder (``run.out_dir``; each host of a swarm has its own, or they share one)::
+
+    manifest.json                 the run manifest (train; swarm: stage 0)
+    manifest_stage{S}.json        swarm stage S > 0: its own manifest (same fields + stage)
+    metrics.jsonl                 train: one record per logged step
+    metrics_stage{S}.jsonl        swarm stage S: one record per step, appended as it happens
+    checkpoints/step_N/stage_S.pt, stage_S.meta.json, checkpoints/complete_stage{S}.json
+    checkpoints.previous/         an earlier run's checkpoints, moved there by a fresh run
+    peer_stage{S}.json            swarm stage S: its result summary, written at the end
+
+A fresh run (no ``--resume``) moves an earlier run's checkpoints of its stages to
+``checkpoints.previous/`` and starts its metrics file anew, so the older, higher-numbered steps
+can never outrank (and prune) its own. A resume appends to the metrics (records after the resume
+step, left by the interrupted run, are dropped) and refuses checkpoints written by the other
+driver or another config, and ones at or beyond ``run.steps``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable
+
+from mapl_swarm.config import TrainConfig, config_to_dict
+from mapl_swarm.errors import CheckpointError, ConfigError
+from mapl_swarm.metrics import JsonlWriter, run_manifest
+from mapl_swarm.pipeline import checkpoint
+
+if TYPE_CHECKING:
+    import torch
+
+    from mapl_swarm.data import PreparedData
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DRIVERS", "resolve_device", "check_vocab", "checkpoint_due", "validation_due", "metrics_path",
+           "manifest_path", "write_manifest", "start_fresh", "StageCheckpoints", "choose_resume_step",
+           "check_resume_step", "MetricsLog", "StepRecords"]
+
+DRIVERS = ("train", "swarm")
+"""Who wrote a checkpoint: the in-process trainer or swarm peers."""
+
+
+# ---------------------------------------------------------------- device, vocabulary, cadence
+def resolve_device(name: str) -> "torch.device":
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("runtime.device is cuda but no CUDA device is available")
+    return torch.device(name)
+
+
+def check_vocab(cfg: TrainConfig, data: "PreparedData") -> None:
+    if data.tokenizer.vocab_size != cfg.model.vocab_size:
+        raise ConfigError(f"model.vocab_size {cfg.model.vocab_size} != tokenizer vocabulary "
+                          f"{data.tokenizer.vocab_size} (set model.vocab_size or data.vocab_size)")
+
+
+def checkpoint_due(cfg: TrainConfig, step: int) -> bool:
+    """Whether a checkpoint is saved after ``step`` (every ``checkpoint.interval_steps`` and at
+    the end; never when the interval is 0)."""
+    every = cfg.checkpoint.interval_steps
+    return bool(every) and (step % every == 0 or step == cfg.run.steps)
+
+
+def validation_due(cfg: TrainConfig, step: int) -> bool:
+    """Whether validation runs after ``step`` (every ``eval.interval_steps`` and at the end)."""
+    every = cfg.eval.interval_steps
+    return bool(every) and (step % every == 0 or step == cfg.run.steps)
+
+
+# ---------------------------------------------------------------- layout, manifest, fresh start
+def metrics_path(out_dir: str | Path, stage: int | None = None) -> Path:
+    """``metrics.jsonl`` (train, ``stage=None``) or ``metrics_stage{S}.jsonl`` (swarm peer)."""
+    return Path(out_dir) / ("metrics.jsonl" if stage is None else f"metrics_stage{stage}.jsonl")
+
+
+def manifest_path(out_dir: str | Path, stage: int | None = None) -> Path:
+    """``manifest.json`` (train; swarm stage 0) or ``manifest_stage{S}.json`` (swarm stage S > 0)."""
+    return Path(out_dir) / ("manifest.json" if not stage else f"manifest_stage{stage}.json")
+
+
+def write_manifest(cfg: TrainConfig, data: "PreparedData", *, driver: str, fingerprint: str,
+                   resumed_from: int, stage: int | None = None) -> Path:
+    """The run manifest: commit, versions, machine, config, corpus, who trains and from where."""
+    extra: dict[str, Any] = {"driver": driver, "config_fingerprint": fingerprint}
+    if stage is not None:
+        extra["stage"] = stage
+    manifest = run_manifest(config_to_dict(cfg), corpus_fingerprint=data.meta.get("corpus_fingerprint"),
+                            tokenizer_hash=data.tokenizer.file_hash, seed=cfg.run.seed, resumed_from=resumed_from,
+                            **extra)
+    path = manifest_path(cfg.run.out_dir, stage)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(manifest, indent=2))
+    os.replace(tmp, path)
+    return path
+
+
+def start_fresh(out_dir: str | Path, stages: Iterable[int]) -> list[int]:
+    """A run without ``--resume`` owns its folder: an earlier run's checkpoints of ``stages`` move to
+    ``checkpoints.previous/`` (one log line says so); returns the steps moved."""
+    stages = list(stages)
+    moved = checkpoint.retire_stages(out_dir, stages)
+    if moved:
+        which = f"stage {stages[0]}" if len(stages) == 1 else f"stages {stages[0]}-{stages[-1]}"
+        log.info("fresh run: moved an earlier run's checkpoints (%s, steps %s) to %s", which,
+                 ", ".join(map(str, moved)), Path(out_dir) / checkpoint.PREVIOUS)
+    return moved
+
+
+# ---------------------------------------------------------------- checkpoints of one stage
+class StageCheckpoints:
+    """One stage's checkpoint files under ``out_dir``: save with metadata, list usable steps,
+    load, record complete steps and prune (:func:`checkpoint.prune_plan`). Create it after
+    :func:`start_fresh` (it reads the complete steps recorded so far)."""
+
+    def __init__(self, out_dir: str | Path, stage: int, *, driver: str, fingerprint: str, keep: int) -> None:
+        if driver not in DRIVERS:
+            raise ValueError(f"driver must be one of {DRIVERS}, got {driver!r}")
+        self.root, self.stage = Path(out_dir), stage
+        self.driver, self.fingerprint, self.keep = driver, fingerprint, keep
+        self.complete: list[int] = checkpoint.read_complete(self.root, stage)
+        """Steps known to be complete across the swarm (every stage has them)."""
+
+    def save(self, step: int, state: dict[str, Any]) -> None:
+        checkpoint.save_stage(self.root, step, self.stage, state, meta={
+            "driver": self.driver, "config_fingerprint": self.fingerprint, "step": step, "stage": self.stage})
+
+    def load(self, step: int) -> dict[str, Any]:
+        return checkpoint.load_stage(self.root, step, self.stage)
+
+    def local_steps(self) -> list[int]:
+        return checkpoint.stage_steps(self.root, self.stage)
+
+    def usable_steps(self) -> list[int]:
+        """This stage's steps a resume may use; a file of another driver or config (or one without
+        metadata) raises :class:`CheckpointError` naming both."""
+        steps = self.local_steps()
+        for step in reversed(steps):
+            where = f"checkpoint step {step} of stage {self.stage} under {self.root / checkpoint.CHECKPOINTS}"
+            meta = checkpoint.read_meta(self.root, step, self.stage)
+            if meta is None:
+                raise CheckpointError(f"{where} has no stage_{self.stage}.meta.json (written before checkpoint "
+                                      f"metadata existed), so its driver and config are unknown; move it away "
+                                      f"or run without --resume")
+            if meta.get("driver") != self.driver:
+                raise CheckpointError(f"{where} was written by another driver: driver {meta.get('driver')} vs "
+                                      f"{self.driver} (this run); run without --resume to start fresh")
+            if meta.get("config_fingerprint") != self.fingerprint:
+                raise CheckpointError(f"{where} was written with another config: fingerprint "
+                                      f"{meta.get('config_fingerprint')} vs {self.fingerprint} (this run); model, "
+                                      f"codec, seed, stages and tokenizer must match to resume")
+        return steps
+
+    def mark_complete(self, step: int) -> list[int]:
+        """Record ``step`` as complete and prune; returns the steps whose files were deleted."""
+        local = self.local_steps()
+        if step in self.complete or step not in local:
+            return []
+        self.complete = sorted({*(s for s in self.complete if s in local), step})
+        checkpoint.write_complete(self.root, self.stage, self.complete)
+        doomed = checkpoint.prune_plan(local, self.complete, self.keep)
+        self.complete = [s for s in self.complete if s not in doomed]
+        checkpoint.write_complete(self.root, self.stage, self.complete)
+        checkpoint.delete_stage_steps(self.root, self.stage, doomed)
+        return doomed
+
+    def resumed(self, step: int) -> None:
+        """Resuming from ``step``: it is complete, and later files (of the interrupted run) are stale."""
+        stale = [s for s in self.local_steps() if s > step]
+        checkpoint.delete_stage_steps(self.root, self.stage, stale)
+        if stale:
+            log.info("stage %d: removed checkpoint steps %s of the interrupted run (resuming from %d)",
+                     self.stage, stale, step)
+        self.complete = sorted({*(s for s in self.complete if s < step), step})
+        checkpoint.write_complete(self.root, self.stage, self.complete)
+
+
+def choose_resume_step(have: dict[int, list[int]], run_steps: int, where: str) -> int:
+    """The newest step every stage of ``have`` (stage -> usable steps) holds, or a
+    :class:`CheckpointError` saying why there is none (or why it leaves nothing to train)."""
+    common = set.intersection(*(set(v) for v in have.values())) if have else set()
+    if not common:
+        listing = ", ".join(f"stage {s} has {sorted(v) if v else 'none'}" for s, v in sorted(have.items()))
+        if not any(have.values()):
+            raise CheckpointError(f"--resume: no checkpoint to resume from under {where} ({listing}); "
+                                  f"run without --resume to start fresh")
+        raise CheckpointError(f"--resume: no checkpoint step that every stage has ({listing})")
+    step = max(common)
+    check_resume_step(step, run_steps)
+    return step
+
+
+def check_resume_step(step: int, run_steps: int) -> None:
+    if step >= run_steps:
+        raise CheckpointError(f"checkpoint at step {step} >= run.steps {run_steps}: nothing to train; "
+                              f"raise run.steps")
+
+
+# ---------------------------------------------------------------- metrics
+class MetricsLog:
+    """A JSONL metrics file, one record per line, flushed per record. Fresh (``resume_from=None``):
+    started anew. Resume: records after ``resume_from`` (the interrupted run's) are dropped, then
+    appended to."""
+
+    def __init__(self, path: str | Path, *, resume_from: int | None) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_from is None:
+            self.path.write_text("")
+        elif self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines() if _step_of(line) <= resume_from]
+            tmp = self.path.with_name(f".{self.path.name}.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, self.path)
+        self._writer = JsonlWriter(self.path)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._writer.write(record)
+
+    def close(self) -> None:
+        self._writer.close()
+
+    def __enter__(self) -> "MetricsLog":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _step_of(line: str) -> float:
+    try:
+        return float(json.loads(line).get("step", 0))
+    except (ValueError, AttributeError):
+        return float("inf")  # an unreadable line of the interrupted run: dropped
+
+
+class StepRecords:
+    """A swarm stage's per-step records to ``metrics_stage{S}.jsonl``: the stage's own figures at its
+    step flush (step time, lr multiplier, health, optimizer metrics); stage 0's record also waits
+    for the swarm's train loss (REPORT) and, on validation steps, the val loss. Each record is
+    written as soon as it is whole."""
+
+    def __init__(self, cfg: TrainConfig, stage: int, log_: MetricsLog, start_step: int) -> None:
+        self.cfg, self.stage, self.log = cfg, stage, log_
+        self._pending: dict[int, dict[str, Any]] = {}
+        self._last_t = time.perf_counter()
+        self._needs_loss = stage == 0 and cfg.pipeline.num_stages > 1
+        self.start_step = start_step
+
+    def _due(self, step: int) -> bool:
+        return step % self.cfg.metrics.log_interval_steps == 0 or validation_due(self.cfg, step)
+
+    def stage_step(self, step: int, metrics: dict[str, float]) -> None:
+        """The stage finished ``step`` (after its optimizer step) with ``metrics``."""
+        now = time.perf_counter()
+        rec = self._pending.setdefault(step, {})
+        rec.update({"step": step, "stage": self.stage, "step_s": round(now - self._last_t, 4),
+                    **{k: float(v) for k, v in sorted(metrics.items()) if isinstance(v, (int, float))}})
+        self._last_t = now
+        self._maybe_write(step)
+
+    def train_loss(self, step: int, loss: float, tokens: int) -> None:
+        rec = self._pending.setdefault(step, {})
+        rec.update({"loss": loss, "tokens": tokens})
+        self._maybe_write(step)
+
+    def val_loss(self, step: int, loss: float) -> None:
+        self._pending.setdefault(step, {})["val_loss"] = loss
+        self._maybe_write(step)
+
+    def _maybe_write(self, step: int) -> None:
+        rec = self._pending[step]
+        if "stage" not in rec:
+            return
+        if self._needs_loss and ("loss" not in rec or (validation_due(self.cfg, step) and "val_loss" not in rec)):
+            return
+        del self._pending[step]
+        if self._due(step) or any(k.startswith("health/") for k in rec):
+            self.log.write(rec)
+
+    def close(self) -> None:
+        """Write what is pending (a run that stopped early), then close the file."""
+        for step in sorted(self._pending):
+            if "stage" in self._pending[step]:
+                self.log.write(self._pending[step])
+        self._pending.clear()
+        self.log.close()

@@ -1,0 +1,167 @@
+"""CheckpointAgreement (SPEC §5.2) driven without sockets: saves and messages in any order."""
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from mapl_swarm.errors import CheckpointError
+from mapl_swarm.peer.checkpoints import CheckpointAgreement
+from mapl_swarm.pipeline import checkpoint
+from mapl_swarm.pipeline.run_policy import StageCheckpoints
+from mapl_swarm.wire import Message, MessageType, decode, encode
+
+P = 3
+
+
+def _swarm(root, keep=2, driver="swarm"):
+    """P agreements whose messages go through the real wire codec into per-link FIFO queues."""
+    queues: dict[tuple[int, int], list[Message]] = {}
+    peers = []
+    for s in range(P):
+        store = StageCheckpoints(root / f"host{s}", s, driver=driver, fingerprint="f" * 32, keep=keep)
+
+        def send(dst, meta, src=s):
+            msg = Message(type=MessageType.CHECKPOINT, run_id="t", src=src, dst=dst, step=meta.get("step") or 0,
+                          meta=meta)
+            queues.setdefault((src, dst), []).append(decode(encode(msg)))  # a valid frame every time
+
+        async def asend(dst, meta, src=s):
+            send(dst, meta, src)
+
+        peers.append(CheckpointAgreement(store, s, P, asend))
+    return peers, queues
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_saved_and_complete_in_any_order(tmp_path, seed):
+    rng = random.Random(seed)
+    peers, queues = _swarm(tmp_path)
+    steps = [2, 4, 6, 8]
+    saves = {s: list(steps) for s in range(P)}  # each stage saves in step order, interleaved at random
+
+    async def run():
+        while any(saves.values()) or any(queues.values()):
+            choices = [("save", s) for s in range(P) if saves[s]] + [("msg", k) for k, q in queues.items() if q]
+            kind, who = rng.choice(choices)
+            if kind == "save":
+                step = saves[who].pop(0)
+                peers[who].store.save(step, {"x": torch.full((1,), float(step))})
+                await peers[who].on_saved(step)
+            else:
+                msg = queues[who].pop(0)
+                await peers[who[1]].on_message(msg)
+
+    asyncio.run(run())
+    for p in peers:
+        assert p.declared == set(steps)
+        assert p.store.local_steps() == [6, 8]  # keep = 2; nothing newer than the newest complete lost
+        assert checkpoint.read_complete(p.store.root, p.stage) == [6, 8]
+
+
+def test_prune_waits_for_the_slowest_stage(tmp_path):
+    peers, queues = _swarm(tmp_path, keep=1)
+
+    async def run():
+        for step in (2, 4):
+            for s in (0, 1):
+                peers[s].store.save(step, {"x": torch.zeros(1)})
+                await peers[s].on_saved(step)
+        assert not queues.get((1, 0))  # stage 1 has not heard from stage 2: nothing forwarded
+        assert peers[0].declared == set() and peers[0].store.local_steps() == [2, 4]
+        peers[2].store.save(2, {"x": torch.zeros(1)})
+        await peers[2].on_saved(2)
+        await peers[1].on_message(queues[(2, 1)].pop(0))
+        await peers[0].on_message(queues[(1, 0)].pop(0))
+        assert peers[0].declared == {2}
+        assert peers[0].store.local_steps() == [2, 4]  # 4 is newer than the newest complete step: kept
+
+    asyncio.run(run())
+
+
+def _resume_all(peers, queues, run_steps):
+    async def pump():
+        while True:
+            for (src, dst), q in queues.items():
+                while q:
+                    await peers[dst].on_message(q.pop(0))
+            await asyncio.sleep(0)
+
+    async def run():
+        pumper = asyncio.create_task(pump())
+        try:
+            return await asyncio.gather(*(p.agree_resume(run_steps, 10.0) for p in peers), return_exceptions=True)
+        finally:
+            pumper.cancel()
+
+    return asyncio.run(run())
+
+
+def test_resume_agrees_on_the_newest_common_step(tmp_path):
+    peers, queues = _swarm(tmp_path, keep=5)
+    have = {0: [2, 4, 6], 1: [2, 4], 2: [4, 6]}
+    for s, steps in have.items():
+        for step in steps:
+            peers[s].store.save(step, {"x": torch.zeros(1)})
+    assert _resume_all(peers, queues, 10) == [4, 4, 4]
+
+
+def test_resume_refusal_reaches_every_stage_with_what_each_had(tmp_path):
+    peers, queues = _swarm(tmp_path)
+    for s, steps in {0: [2], 1: [4], 2: [4]}.items():
+        for step in steps:
+            peers[s].store.save(step, {"x": torch.zeros(1)})
+    results = _resume_all(peers, queues, 10)
+    assert all(isinstance(r, CheckpointError) for r in results), results
+    assert len({str(r) for r in results}) == 1
+    assert "stage 0 has [2], stage 1 has [4], stage 2 has [4]" in str(results[0])
+
+
+def test_resume_beyond_run_steps_and_foreign_files_are_refused_everywhere(tmp_path):
+    peers, queues = _swarm(tmp_path)
+    for p in peers:
+        p.store.save(40, {"x": torch.zeros(1)})
+    results = _resume_all(peers, queues, 12)
+    assert all("checkpoint at step 40 >= run.steps 12: nothing to train" in str(r) for r in results), results
+
+    peers, queues = _swarm(tmp_path / "b")
+    for p in peers:
+        p.store.save(4, {"x": torch.zeros(1)})
+    peers[1].store.driver = "train"  # stage 1's files were written by swarm peers, it now runs as train
+    results = _resume_all(peers, queues, 12)
+    assert all(isinstance(r, CheckpointError) and "driver swarm vs train" in str(r) for r in results), results
+
+
+def test_older_neighbour_without_the_capability(tmp_path, make_config):
+    """A neighbour that did not advertise checkpoint_agreement gets no CHECKPOINT: a fresh run trains
+    without pruning, a resume is refused (no agreement possible)."""
+    from types import SimpleNamespace
+
+    from mapl_swarm.errors import MaplError
+    from mapl_swarm.peer.checkpoints import PeerRunPolicy
+    from mapl_swarm.peer.compute import ComputeThread
+
+    cfg = make_config(run={"num_stages": 2, "out_dir": str(tmp_path), "checkpoint_interval_steps": 1})
+    data = SimpleNamespace(meta={}, tokenizer=SimpleNamespace(file_hash="h"))
+    sent = []
+
+    async def send(dst, meta):
+        sent.append(meta)
+
+    runtime = SimpleNamespace(state_dict=lambda: {"x": torch.zeros(1)})
+
+    async def run(resume):
+        compute = ComputeThread("stage1")
+        policy = PeerRunPolicy(cfg, 1, data, "f" * 32, resume=resume, runtime=runtime, compute=compute)
+        try:
+            assert await policy.begin(send, {0: {"1f1b"}}, lambda: None) == 0
+            await policy.step_end(1, {})
+        finally:
+            policy.close()
+            compute.close()
+
+    asyncio.run(run(False))
+    assert sent == [] and checkpoint.stage_steps(tmp_path, 1) == [1]
+    with pytest.raises(MaplError, match=r"cannot agree on a resume step: neighbour stage\(s\) \[0\] do not take part"):
+        asyncio.run(run(True))

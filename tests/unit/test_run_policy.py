@@ -1,0 +1,160 @@
+"""The run policy shared by ``train`` and swarm peers: pruning rule, fresh runs own their folder,
+checkpoint metadata, and the new user's resume sequence (issue 9)."""
+
+import json
+
+import pytest
+import torch
+
+from mapl_swarm.config import config_from_dict
+from mapl_swarm.errors import CheckpointError
+from mapl_swarm.pipeline import checkpoint
+from mapl_swarm.pipeline.run_policy import (MetricsLog, StageCheckpoints, choose_resume_step, start_fresh)
+from mapl_swarm.pipeline.trainer import train
+
+
+@pytest.mark.parametrize("local, complete, keep, doomed", [
+    ([], [], 2, []),
+    ([2, 4, 6], [], 2, []),                     # nothing complete: keep everything
+    ([2, 4, 6], [2, 4, 6], 2, [2]),
+    ([2, 4, 6, 8], [2, 4, 6], 2, [2]),          # 8 is newer than the newest complete: kept
+    ([2, 4, 6, 8], [2, 4, 6], 1, [2, 4]),
+    ([1, 2, 3, 4, 5], [2, 4], 2, [1, 3]),       # incomplete steps older than the newest complete go
+    ([6, 40], [40], 2, [6]),
+    ([2, 4], [2, 4], 5, []),
+])
+def test_prune_plan(local, complete, keep, doomed):
+    assert checkpoint.prune_plan(local, complete, keep) == doomed
+
+
+def _store(root, stage, driver="swarm", fp="a" * 32, keep=2):
+    return StageCheckpoints(root, stage, driver=driver, fingerprint=fp, keep=keep)
+
+
+def test_stage_checkpoints_prune_only_own_files_and_never_the_newest_complete(tmp_path):
+    s0, s1 = _store(tmp_path, 0), _store(tmp_path, 1)
+    for step in (2, 4, 6):
+        s0.save(step, {"x": torch.zeros(1)})
+        s1.save(step, {"x": torch.zeros(1)})
+    assert s0.mark_complete(2) == [] and s0.mark_complete(4) == []
+    assert s0.mark_complete(6) == [2]
+    assert s0.local_steps() == [4, 6] and s1.local_steps() == [2, 4, 6]  # stage 1 not told yet
+    assert checkpoint.read_complete(tmp_path, 0) == [4, 6]
+    assert _store(tmp_path, 0).complete == [4, 6]  # survives a restart
+    meta = checkpoint.read_meta(tmp_path, 6, 0)
+    assert meta == {"driver": "swarm", "config_fingerprint": "a" * 32, "step": 6, "stage": 0}
+
+
+def test_resume_refuses_other_driver_config_and_exhausted_runs(tmp_path):
+    _store(tmp_path, 0).save(40, {"x": torch.zeros(1)})
+    with pytest.raises(CheckpointError, match="driver swarm vs train"):
+        _store(tmp_path, 0, driver="train").usable_steps()
+    with pytest.raises(CheckpointError, match=f"fingerprint {'a' * 32} vs {'b' * 32}"):
+        _store(tmp_path, 0, fp="b" * 32).usable_steps()
+    with pytest.raises(CheckpointError,
+                       match=r"checkpoint at step 40 >= run.steps 12: nothing to train; raise run.steps"):
+        choose_resume_step({0: [40], 1: [20, 40]}, 12, "x")
+    with pytest.raises(CheckpointError, match=r"no checkpoint step that every stage has \(stage 0 has \[4, 6\], "
+                                              r"stage 1 has \[2\]\)"):
+        choose_resume_step({0: [4, 6], 1: [2]}, 12, "x")
+    with pytest.raises(CheckpointError, match="no checkpoint to resume from"):
+        choose_resume_step({0: [], 1: []}, 12, "x")
+    assert choose_resume_step({0: [2, 4, 6], 1: [2, 4], 2: [4, 6]}, 12, "x") == 4
+    checkpoint.save_stage(tmp_path, 50, 0, {"x": torch.zeros(1)})  # before metadata existed
+    with pytest.raises(CheckpointError, match="no stage_0.meta.json"):
+        _store(tmp_path, 0).usable_steps()
+
+
+def test_fresh_start_moves_earlier_checkpoints_and_metrics_restart(tmp_path):
+    old = _store(tmp_path, 0)
+    for step in (20, 40):
+        old.save(step, {"x": torch.zeros(1)})
+        old.mark_complete(step)
+    older = tmp_path / "checkpoints.previous" / "step_00000099"  # an older run's .previous
+    older.mkdir(parents=True)
+    (older / "stage_0.pt").write_bytes(b"old")
+    assert start_fresh(tmp_path, [0]) == [20, 40]
+    assert checkpoint.stage_steps(tmp_path, 0) == []
+    prev = sorted(p.name for p in (tmp_path / "checkpoints.previous").iterdir())
+    assert prev == ["complete_stage0.json", "step_00000020", "step_00000040"]
+
+    path = tmp_path / "metrics.jsonl"
+    with MetricsLog(path, resume_from=None) as m:
+        for step in (1, 2, 3, 4):
+            m.write({"step": step})
+    with MetricsLog(path, resume_from=2) as m:  # resumed at 2: the interrupted run's 3, 4 dropped
+        m.write({"step": 3})
+    assert [json.loads(l)["step"] for l in path.read_text().splitlines()] == [1, 2, 3]
+    MetricsLog(path, resume_from=None).close()
+    assert path.read_text() == ""
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+def _cfg(cache, out, steps, **run):
+    return config_from_dict({
+        "model": {"vocab_size": 512, "hidden_size": 32, "num_layers": 2, "num_heads": 2,
+                  "ffn_hidden_size": 64, "context_length": 16},
+        "compression": {"codec": "mapl", "rank": 8, "anchor_rank": 8},
+        "optim": {"warmup_steps": 2},
+        "data": {"source": "stdlib", "vocab_size": 512, "max_corpus_bytes": 200_000, "val_fraction": 0.2,
+                 "cache_dir": str(cache)},
+        "run": {"num_stages": 2, "micro_batch_size": 2, "num_micro_batches": 1, "steps": steps,
+                "val_interval_steps": 0, "val_batches": 1, "checkpoint_interval_steps": 20,
+                "out_dir": str(out), **run},
+    })
+
+
+def test_new_user_resume_sequence(tmp_path, cache):
+    out = tmp_path / "demo"
+    # another run's newer checkpoints (like the demo's step 20/40)
+    train(_cfg(cache, out, 10, checkpoint_interval_steps=5), progress=False)
+    assert checkpoint.complete_steps(out, 2) == [5, 10]
+    # fresh 6 steps into the same folder: keeps its own step-6 checkpoint
+    six = train(_cfg(cache, out, 6), progress=False)
+    assert checkpoint.complete_steps(out, 2) == [6]
+    assert checkpoint.complete_steps(out / "checkpoints.previous", 2) == []  # not a run root
+    assert sorted(p.name for p in (out / "checkpoints.previous").glob("step_*")) == ["step_00000005", "step_00000010"]
+    records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]  # started anew
+    # resume to 12 continues from 6 (run.steps may change across a resume; the lr schedule follows it)
+    resumed = train(_cfg(cache, out, 12), resume=True, progress=False)
+    assert resumed.steps == 12 and json.loads((out / "manifest.json").read_text())["resumed_from"] == 6
+    records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 13))
+    assert checkpoint.complete_steps(out, 2) == [6, 12]
+    assert six.steps == 6
+    # resume at run.steps: a clear error, nothing "trained"
+    with pytest.raises(CheckpointError, match=r"checkpoint at step 12 >= run.steps 12: nothing to train"):
+        train(_cfg(cache, out, 12), resume=True, progress=False)
+    # nothing to resume
+    with pytest.raises(CheckpointError, match="no checkpoint to resume from"):
+        train(_cfg(cache, tmp_path / "empty", 12), resume=True, progress=False)
+
+
+def test_cli_train_resume_at_the_end_exits_2_with_one_line(tmp_path, cache, capsys):
+    from mapl_swarm.cli import main
+    from mapl_swarm.config import config_to_dict
+
+    out = tmp_path / "run"
+    cfg = _cfg(cache, out, 3, checkpoint_interval_steps=3)
+    train(cfg, progress=False)
+    sets = [f"{sec}.{k}={json.dumps(v)}" for sec in ("model", "compression", "optim", "data", "run")
+            for k, v in config_to_dict(cfg)[sec].items() if v is not None and not isinstance(v, (list, dict))]
+    assert main(["train", "--quiet", "--resume", *(a for s in sets for a in ("--set", s))]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["mapl-swarm: error: checkpoint at step 3 >= run.steps 3: nothing to train; raise run.steps"]
+
+
+def test_train_resume_refuses_swarm_checkpoint(tmp_path, cache):
+    out = tmp_path / "swarm"
+    cfg = _cfg(cache, out, 12)
+    train(_cfg(cache, out, 4, checkpoint_interval_steps=4), progress=False)
+    for s in range(2):  # as a swarm peer would have written it
+        meta = checkpoint.read_meta(out, 4, s)
+        checkpoint.save_stage(out, 4, s, checkpoint.load_stage(out, 4, s), meta={**meta, "driver": "swarm"})
+    with pytest.raises(CheckpointError, match="driver swarm vs train"):
+        train(cfg, resume=True, progress=False)
