@@ -48,15 +48,8 @@ def test_killed_peer_then_resume_continues_exactly(tmp_path):
     # checkpoint (step 2) appears: several steps are still to go, so the resume has steps to train
     path = write_config(tmp_path / "r.toml", stages=3, steps=10, cache=tmp_path / "cache", out=tmp_path / "run",
                         run_id="resume")
-    text = path.read_text().replace("[net]", "[net]
-heartbeat_interval_s = 1.0
-bandwidth_mbps = 0.25")
-    path.write_text(text.replace("[eval]
-", "[checkpoint]
-interval_steps = 2
-
-[eval]
-"))
+    text = path.read_text().replace("[net]", "[net]\nheartbeat_interval_s = 1.0\nbandwidth_mbps = 0.25")
+    path.write_text(text.replace("[eval]\n", "[checkpoint]\ninterval_steps = 2\n\n[eval]\n"))
     swarm = Watched(cli("launch", "--config", str(path), "--quiet"))
     step = _wait_complete_checkpoint(tmp_path / "run", 3, 300)
     _crash_host(f"peer --config {path} --stage 2")
