@@ -1,4 +1,4 @@
-"""Swarm peers follow the run policy: pruning to run.keep_checkpoints across the swarm, a manifest,
+"""Swarm peers follow the run policy: pruning to checkpoint.keep across the swarm, a manifest,
 per-step metrics streamed while the run goes, and multi-host resume from the newest step every
 stage has (each stage with its own run.out_dir, agreement by CHECKPOINT messages, SPEC §5.2)."""
 
@@ -21,10 +21,10 @@ def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
-def _configure(path: Path, **run) -> Path:
-    extra = "".join(f"{k} = {v}\n" for k, v in run.items())
+def _configure(path: Path, **checkpoint) -> Path:
+    extra = "".join(f"{k} = {v}\n" for k, v in checkpoint.items())
     text = path.read_text().replace("[net]\n", "[net]\nheartbeat_interval_s = 1.0\n")
-    path.write_text(text.replace("[run]\n", "[run]\n" + extra))
+    path.write_text(text.replace("[eval]\n", "[checkpoint]\n" + extra + "[eval]\n"))
     return path
 
 
@@ -32,7 +32,7 @@ def test_swarm_prunes_writes_manifest_and_streams_metrics(tmp_path):
     steps = 12
     path = write_config(tmp_path / "p.toml", stages=3, steps=steps, cache=tmp_path / "cache", out=tmp_path / "run",
                         run_id="policy")
-    _configure(path, checkpoint_interval_steps=2, keep_checkpoints=2)
+    _configure(path, interval_steps=2, keep=2)
     path.write_text(path.read_text().replace("[net]\n", "[net]\nbandwidth_mbps = 0.5\n"))
     swarm = Watched(cli("launch", "--config", str(path), "--quiet"))
     try:
@@ -49,7 +49,7 @@ def test_swarm_prunes_writes_manifest_and_streams_metrics(tmp_path):
     run = tmp_path / "run"
     assert "metrics: " in swarm.output and "checkpoints: " in swarm.output
     step_dirs = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
-    assert step_dirs == [f"step_{steps - 2:08d}", f"step_{steps:08d}"]  # keep_checkpoints = 2
+    assert step_dirs == [f"step_{steps - 2:08d}", f"step_{steps:08d}"]  # checkpoint.keep = 2
     for s in range(3):
         assert checkpoint.stage_steps(run, s) == [steps - 2, steps]
         assert checkpoint.read_complete(run, s) == [steps - 2, steps]
@@ -70,7 +70,7 @@ def test_swarm_prunes_writes_manifest_and_streams_metrics(tmp_path):
 def test_multi_host_resume_from_newest_step_every_stage_has(tmp_path):
     path = write_config(tmp_path / "m.toml", stages=3, steps=6, cache=tmp_path / "cache", out=tmp_path / "unused",
                         run_id="multihost")
-    _configure(path, checkpoint_interval_steps=2, keep_checkpoints=2)
+    _configure(path, interval_steps=2, keep=2)
 
     runs = iter(range(10))
 

@@ -142,7 +142,7 @@ def test_older_neighbour_without_the_capability(tmp_path, make_config):
     from mapl_swarm.peer.checkpoints import PeerRunPolicy
     from mapl_swarm.peer.compute import ComputeThread
 
-    cfg = make_config(run={"num_stages": 2, "out_dir": str(tmp_path), "checkpoint_interval_steps": 1})
+    cfg = make_config(run={"out_dir": str(tmp_path)}, pipeline={"num_stages": 2}, checkpoint={"interval_steps": 1})
     data = SimpleNamespace(meta={}, tokenizer=SimpleNamespace(file_hash="h"))
     sent = []
 

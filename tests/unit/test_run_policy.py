@@ -94,7 +94,7 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
 
 
-def _cfg(cache, out, steps, **run):
+def _cfg(cache, out, steps, **checkpoint):
     return config_from_dict({
         "model": {"vocab_size": 512, "hidden_size": 32, "num_layers": 2, "num_heads": 2,
                   "ffn_hidden_size": 64, "context_length": 16},
@@ -102,16 +102,17 @@ def _cfg(cache, out, steps, **run):
         "optim": {"warmup_steps": 2},
         "data": {"source": "stdlib", "vocab_size": 512, "max_corpus_bytes": 200_000, "val_fraction": 0.2,
                  "cache_dir": str(cache)},
-        "run": {"num_stages": 2, "micro_batch_size": 2, "num_micro_batches": 1, "steps": steps,
-                "val_interval_steps": 0, "val_batches": 1, "checkpoint_interval_steps": 20,
-                "out_dir": str(out), **run},
+        "run": {"steps": steps, "out_dir": str(out)},
+        "pipeline": {"num_stages": 2, "micro_batch_size": 2, "num_micro_batches": 1},
+        "eval": {"interval_steps": 0, "batches": 1},
+        "checkpoint": {"interval_steps": 20, **checkpoint},
     })
 
 
 def test_new_user_resume_sequence(tmp_path, cache):
     out = tmp_path / "demo"
     # another run's newer checkpoints (like the demo's step 20/40)
-    train(_cfg(cache, out, 10, checkpoint_interval_steps=5), progress=False)
+    train(_cfg(cache, out, 10, interval_steps=5), progress=False)
     assert checkpoint.complete_steps(out, 2) == [5, 10]
     # fresh 6 steps into the same folder: keeps its own step-6 checkpoint
     six = train(_cfg(cache, out, 6), progress=False)
@@ -140,7 +141,7 @@ def test_cli_train_resume_at_the_end_exits_2_with_one_line(tmp_path, cache, caps
     from mapl_swarm.config import config_to_dict
 
     out = tmp_path / "run"
-    cfg = _cfg(cache, out, 3, checkpoint_interval_steps=3)
+    cfg = _cfg(cache, out, 3, interval_steps=3)
     train(cfg, progress=False)
     sets = [f"{sec}.{k}={json.dumps(v)}" for sec in ("model", "compression", "optim", "data", "run")
             for k, v in config_to_dict(cfg)[sec].items() if v is not None and not isinstance(v, (list, dict))]
@@ -152,7 +153,7 @@ def test_cli_train_resume_at_the_end_exits_2_with_one_line(tmp_path, cache, caps
 def test_train_resume_refuses_swarm_checkpoint(tmp_path, cache):
     out = tmp_path / "swarm"
     cfg = _cfg(cache, out, 12)
-    train(_cfg(cache, out, 4, checkpoint_interval_steps=4), progress=False)
+    train(_cfg(cache, out, 4, interval_steps=4), progress=False)
     for s in range(2):  # as a swarm peer would have written it
         meta = checkpoint.read_meta(out, 4, s)
         checkpoint.save_stage(out, 4, s, checkpoint.load_stage(out, 4, s), meta={**meta, "driver": "swarm"})
