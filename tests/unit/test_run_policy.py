@@ -143,7 +143,7 @@ def test_cli_train_resume_at_the_end_exits_2_with_one_line(tmp_path, cache, caps
     out = tmp_path / "run"
     cfg = _cfg(cache, out, 3, interval_steps=3)
     train(cfg, progress=False)
-    sets = [f"{sec}.{k}={json.dumps(v)}" for sec in ("model", "compression", "optim", "data", "run")
+    sets = [f"{sec}.{k}={json.dumps(v)}" for sec in ("model", "compression", "optim", "data", "run", "pipeline", "eval", "checkpoint")
             for k, v in config_to_dict(cfg)[sec].items() if v is not None and not isinstance(v, (list, dict))]
     assert main(["train", "--quiet", "--resume", *(a for s in sets for a in ("--set", s))]) == 2
     err = capsys.readouterr().err.strip().splitlines()
