@@ -155,8 +155,10 @@ class CompressionConfig:
     vq_dead_code_ratio: float = 0.03
     """mapl_vq: a code whose EMA usage share falls below ratio / K is dead and replaced by a random
     vector of the current micro-batch (0 disables replacement)."""
-    vq_max_distance_mib: float = 8.0
-    """mapl_vq: bound on the encoder's distance tensor per chunk, in MiB (tokens are chunked)."""
+    vq_max_distance_mib: float = 0.0
+    """mapl_vq: override of the eager encoder's distance-tensor budget per chunk of tokens, in MiB;
+    0 (auto) sizes it by device: a quarter of the available memory on CUDA (8 MiB..1 GiB), 32 MiB
+    on CPU. The fused (vq_compile) search stores no distances and is never chunked."""
     vq_compile: bool = False
     """mapl_vq: fuse the nearest-code search (distances + argmin) into one kernel with
     torch.compile (Triton on CUDA, C++/OpenMP on CPU; ~1 min to compile once). Codes may differ
@@ -183,7 +185,8 @@ class CompressionConfig:
         _check(0 <= self.vq_ema_decay < 1, f"compression.vq_ema_decay must be in [0, 1), got {self.vq_ema_decay}")
         _check(0 <= self.vq_dead_code_ratio < 1,
                f"compression.vq_dead_code_ratio must be in [0, 1), got {self.vq_dead_code_ratio}")
-        _check(self.vq_max_distance_mib > 0, "compression.vq_max_distance_mib must be positive")
+        _check(self.vq_max_distance_mib >= 0,
+               f"compression.vq_max_distance_mib must be >= 0 (0: sized by device), got {self.vq_max_distance_mib}")
         if self.codec == "mapl_vq":
             _check(self.rank % self.vq_group_size == 0,
                    f"compression.rank {self.rank} is not divisible by vq_group_size {self.vq_group_size}")
