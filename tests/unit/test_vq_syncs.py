@@ -9,8 +9,11 @@ validation of wire inputs (``codebook_sync.host_codes_check`` / ``host_slice_che
 memory that just came off the wire, before anything moves to the device, and the proxy checks that
 every tensor it is given is a CPU tensor. The statistics are read once per step, by ``metrics()``.
 
-Against the code before issue 10 this test fails: 7 reads per training encode (three ``float``
-of the quantization error, ``int(dead.sum())`` per round...), 1 per decode, 2 per slice apply.
+Against the code before issue 10 this test fails: 5 reads per training encode (``int(dead.sum())``
+per round, three ``float`` of the quantization error; its 2 CPU-drawn indices copied to the device
+are the issue's other 2 on a GPU, invisible on CPU), 3 per eval encode, 1 per decode (K < 256),
+1-2 per slice apply. On a GPU, ``test_vq_sizing.test_no_sync_in_cuda_encode_apply_decode`` runs
+the same flow under ``torch.cuda.set_sync_debug_mode("error")``.
 """
 
 from __future__ import annotations
