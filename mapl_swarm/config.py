@@ -202,8 +202,11 @@ class VQConfig:
     dead_code_ratio: float = 0.03
     """A code whose EMA usage share falls below ratio / K is dead and replaced by a random vector of
     the current micro-batch (0 disables replacement)."""
-    max_distance_mib: float = 8.0
-    """Bound on the encoder's distance tensor per chunk, in MiB (tokens are chunked)."""
+    max_distance_mib: float = 0.0
+    """Override of the eager encoder's distance-tensor budget per chunk of tokens, in MiB; 0 (auto)
+    sizes it by device (``mapl_swarm.compress.vq.distance_budget_bytes``: a fraction of the free
+    memory on CUDA, a cache-sized chunk on CPU). The fused (``compile``) search stores no distances
+    and is never chunked."""
     compile: bool = False
     """Fuse the nearest-code search (distances + argmin) into one kernel with torch.compile (Triton
     on CUDA, C++/OpenMP on CPU; compiles once). Off by default: BENCHMARKS.md, "VQ encoder speed". Codes
@@ -221,7 +224,8 @@ class VQConfig:
         _check(0 <= self.ema_decay < 1, f"compression.vq.ema_decay must be in [0, 1), got {self.ema_decay}")
         _check(0 <= self.dead_code_ratio < 1,
                f"compression.vq.dead_code_ratio must be in [0, 1), got {self.dead_code_ratio}")
-        _check(self.max_distance_mib > 0, "compression.vq.max_distance_mib must be positive")
+        _check(self.max_distance_mib >= 0,
+               f"compression.vq.max_distance_mib must be >= 0 (0: sized by device), got {self.max_distance_mib}")
 
     @property
     def groups(self) -> int:
@@ -271,10 +275,6 @@ class VQConfig:
         if self.slice_order == "priority":
             return float(self.slice_bytes(self.slice_codes, indexed=True))
         return self.slice_bytes(K) / math.ceil(K / self.slice_codes)
-
-    @property
-    def max_distance_bytes(self) -> int:
-        return int(self.max_distance_mib * (1 << 20))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -804,10 +804,15 @@ def legacy_layout(d: dict[str, Any]) -> dict[str, Any]:
 
 def model_fingerprint(cfg: TrainConfig, tokenizer_hash: str, vocab_size: int) -> str:
     """Hex digest that two peers must share: model, codec, seed, tokenizer hash and vocab size
-    (the compression section in the older flat layout, so the digest did not change with it)."""
+    (the compression section in the older flat layout). The VQ encoder's host-local performance
+    knobs (``compression.vq.max_distance_mib``, ``compression.vq.compile``) are left out: hosts with
+    different memory or compilers must still join the same run."""
+    compression = legacy_layout({"compression": config_to_dict(cfg)["compression"]})["compression"]
+    for local in ("vq_max_distance_mib", "vq_compile"):
+        compression.pop(local, None)
     payload = {
         "model": dataclasses.asdict(cfg.model),
-        "compression": legacy_layout({"compression": config_to_dict(cfg)["compression"]})["compression"],
+        "compression": compression,
         "seed": cfg.run.seed,
         "num_stages": cfg.pipeline.num_stages,
         "context_length": cfg.model.context_length,

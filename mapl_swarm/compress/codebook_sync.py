@@ -23,12 +23,27 @@ and a receiver at another version refuses them. The receiver checks every slice 
 of :mod:`mapl_swarm.wire.codebook_rules` (shared with the golden vectors) before touching its
 codebooks, so a rejected slice never corrupts them. The in-process pipeline and the peers deliver the same slices in the
 same order, so both decode the same numbers.
+
+No host syncs per micro-batch (issue 10): the sender's statistics (quantization error, dead codes
+replaced, usage) stay on its device and :meth:`VQSender.metrics` reads them once per step; its
+random draws use a generator on its device seeded with the keyed seed (:func:`stream_generator`).
+The receiver validates what came off the wire on the host (:func:`host_codes_check`,
+:func:`host_slice_check`: shape, dtype, range, finiteness) before copying it to its device, so an
+invalid code never reaches a device kernel. Tensors already on a device never crossed a wire (the
+in-process pipeline hands the sender's own codes and slices over): their metadata is checked,
+their values are valid by construction (argmin over K codes; sorted top-k indices) and are not
+read, which would be a sync. Only the k-means initialisation (first micro-batches) syncs.
+
+:meth:`VQSender.warm_up` / :meth:`~mapl_swarm.compress.vq_stage.StageVQ.warm_up` size the search
+for the device and compile the fused search before the handshake.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import math
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -37,8 +52,19 @@ import numpy as np
 import torch
 
 from mapl_swarm.wire.codebook_rules import IGNORE, CodebookError, SliceIndex, check_codes, check_slice
-from mapl_swarm.compress.vq import (EmaKMeans, decode_codes, lookup, nearest_codes, quantize, to_groups,
-                                    torch_code_dtype)
+from mapl_swarm.compress.vq import (
+    EmaKMeans,
+    chunk_tokens,
+    decode_codes,
+    device_generator,
+    distance_budget_bytes,
+    lookup,
+    nearest_codes,
+    quantize,
+    to_groups,
+    torch_code_dtype,
+    warm_up_fused_search,
+)
 from mapl_swarm.config import VQConfig
 from mapl_swarm.rng import generator
 
@@ -47,13 +73,60 @@ if TYPE_CHECKING:  # the wire package (msgpack, lz4) is only needed by peers, im
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CodebookSlice", "VQSender", "VQReceiver", "stream_generator"]
+__all__ = ["CodebookSlice", "VQSender", "VQReceiver", "stream_generator", "host_codes_check", "host_slice_check"]
 
 _CODE_TAGS = {torch.uint8: "uint8", torch.uint16: "uint16"}
+_FULL_RANGE = {torch.uint8: 1 << 8, torch.uint16: 1 << 16}
+
+
+def _stats_dtype(device: torch.device) -> torch.dtype:
+    """float64 (the host's Python floats, exactly) where the device has it."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def host_codes_check(codes: torch.Tensor, codebook_size: int) -> int | None:
+    """The largest code of a host (CPU) ``codes`` tensor for the range check of
+    :func:`~mapl_swarm.wire.codebook_rules.check_codes`; None when there is nothing to check (empty,
+    a dtype that is not a code dtype — refused by the dtype check —, or one whose every value is a
+    valid code, uint8 for K = 256). Reads host memory only."""
+    if codes.device.type != "cpu":
+        raise ValueError(f"host_codes_check reads host tensors, got one on {codes.device}")
+    full = _FULL_RANGE.get(codes.dtype)
+    if full is None or full <= codebook_size or codes.numel() == 0:
+        return None
+    return int(codes.long().max())
+
+
+def host_slice_check(codes: torch.Tensor, index: torch.Tensor | None) -> tuple[bool, SliceIndex | None]:
+    """Value checks of a host (CPU) slice: are its fp32 codes finite, and the summary of its
+    ``index`` (as :meth:`SliceIndex.of` of its values). Reads host memory only."""
+    for t in (codes, index):
+        if t is not None and t.device.type != "cpu":
+            raise ValueError(f"host_slice_check reads host tensors, got one on {t.device}")
+    finite = codes.dtype == torch.float32 and bool(torch.isfinite(codes).all())
+    if index is None:
+        return finite, None
+    v = index.long()
+    increasing = v.dim() == 0 or v.shape[-1] < 2 or bool((v.diff(dim=-1) > 0).all())  # every row
+    return finite, SliceIndex(dtype=_CODE_TAGS.get(index.dtype, str(index.dtype)), shape=tuple(index.shape),
+                              max_index=int(v.max()) if v.numel() else 0, increasing=increasing)
+
+
+def _device_slice_summary(codes: torch.Tensor, index: torch.Tensor | None) -> tuple[bool | None, SliceIndex | None]:
+    """Metadata-only summary of a slice already on a device (in-process: the sender's own mirror
+    and sorted top-k indices, valid by construction); reading its values would be a sync. Codes
+    that are not fp32 are refused (``finite`` False), fp32 ones are not read (``finite`` None)."""
+    finite = None if codes.dtype == torch.float32 else False
+    if index is None:
+        return finite, None
+    return finite, SliceIndex(dtype=_CODE_TAGS.get(index.dtype, str(index.dtype)), shape=tuple(index.shape),
+                            max_index=0, increasing=True)
 
 
 def stream_generator(seed: int, boundary: int, stream: str) -> torch.Generator:
-    """The sender's random stream (k-means seeds, dead-code replacement) of one boundary stream."""
+    """The sender's random stream (k-means seeds, dead-code replacement) of one boundary stream: a
+    CPU generator with the keyed seed; a sender on another device draws from a generator on its
+    device seeded with the same seed (:func:`~mapl_swarm.compress.vq.device_generator`)."""
     return generator(seed, "vq", boundary, stream)
 
 
@@ -115,6 +188,8 @@ class VQSender:
                  device: torch.device | str = "cpu") -> None:
         self.s, self.stream, self.gen = s, stream, gen
         self.device = torch.device(device)
+        self.draw_gen = device_generator(gen, self.device)
+        """The generator every draw uses: ``gen`` on CPU, a device generator with its seed elsewhere."""
         self.learner = EmaKMeans(s, self.device)
         self.mirror = torch.zeros(s.layout.shape, device=self.device)
         """What the receiver holds: the only codebooks the encoder uses."""
@@ -123,7 +198,12 @@ class VQSender:
         self.init_done = 0
         self.resync_pending = False
         self._pending: list[CodebookSlice] = []
-        self._acc: dict[str, float] = defaultdict(float)
+        self._err = torch.zeros(3, dtype=_stats_dtype(self.device), device=self.device)
+        """Since the last :meth:`metrics`: sums of the relative error (all rounds, round 1) and the
+        number of encodes measured (non-zero input), on the device."""
+        self._dead_seen = 0
+        """The learner's dead-code total at the last :meth:`metrics`."""
+        self._distance_bytes: int | None = None
         self.totals: dict[str, int] = defaultdict(int)
         """Lifetime counters: slices, full_slices, slice_bytes, encodes, tokens."""
 
@@ -165,10 +245,39 @@ class VQSender:
         self.totals["full_slices"] += int(sl.full)
         self.totals["slice_bytes"] += sl.nbytes
 
+    @property
+    def distance_bytes(self) -> int:
+        """The eager search's per-chunk distance budget on this sender's device, sized once (at
+        :meth:`warm_up` or the first encode; ``compression.vq.max_distance_mib`` > 0 overrides it)."""
+        if self._distance_bytes is None:
+            self._distance_bytes = distance_budget_bytes(self.device, override_mib=self.s.max_distance_mib)
+        return self._distance_bytes
+
+    def warm_up(self, tokens: int) -> dict[str, float]:
+        """Get ready for encodes of ``tokens`` tokens (a micro-batch's B x T) before the handshake:
+        size the eager search for this device and, with ``vq_compile``, compile the fused search on
+        dummy data of the real shapes. Touches no codebook, statistic or random stream (the codes
+        stay the same with or without it). Returns ``fused`` (1.0 if on), ``distance_mib``,
+        ``chunks`` (eager chunks per round) and ``compile_s``."""
+        s = self.s
+        budget = self.distance_bytes
+        t0 = time.perf_counter()
+        fused = s.compile and warm_up_fused_search(tokens, s.groups, s.codebook_size, s.group_size, self.device)
+        compile_s = time.perf_counter() - t0 if s.compile else 0.0
+        chunks = 1 if fused else math.ceil(max(1, tokens) / chunk_tokens(budget, s.groups, s.codebook_size))
+        if fused:
+            log.info("vq %s: fused nearest-code search compiled in %.1f s", self.stream, compile_s)
+        else:
+            log.info("vq %s: eager nearest-code search%s: %d chunk(s) per round of %d tokens, %.0f MiB distances",
+                     self.stream, "" if s.compile else " (compression.vq_compile = false)", chunks, tokens,
+                     budget / (1 << 20))
+        return {"fused": float(fused), "distance_mib": budget / (1 << 20), "chunks": float(chunks),
+                "compile_s": compile_s}
+
     def _kmeans_init(self, x: torch.Tensor) -> None:
         for k in range(self.s.rounds):
-            self.learner.init_round(k, x, self.gen)
-            idx = nearest_codes(x, self.learner.live[k], self.s.max_distance_bytes, fused=self.s.compile)
+            self.learner.init_round(k, x, self.draw_gen, self.distance_bytes)
+            idx = nearest_codes(x, self.learner.live[k], self.distance_bytes, fused=self.s.compile)
             x = x - lookup(self.learner.live[k], idx)
 
     # ------------------------------------------------------------------ encode
@@ -194,29 +303,35 @@ class VQSender:
             self.cursor = (self.cursor + n) % s.codebook_size
         if init or self.resync_pending:
             self.resync_pending = False
-        codes, residuals = quantize(x, self.mirror, s.max_distance_bytes, fused=s.compile)  # (N, R, NG)
-        dead = 0
+        codes, residuals = quantize(x, self.mirror, self.distance_bytes, fused=s.compile)  # (N, R, NG)
         if learn and not init:
             for k in range(s.rounds):
-                dead += self.learner.update_round(k, residuals[k], codes[:, k], self.gen)
-        energy = float(residuals[0].pow(2).sum())
-        if energy > 0:
-            self._acc["rel_error"] += float(residuals[-1].pow(2).sum()) / energy
-            self._acc["rel_error_round1"] += float(residuals[1].pow(2).sum()) / energy
-            self._acc["measured"] += 1
-        self._acc["dead_replaced"] += dead
+                self.learner.update_round(k, residuals[k], codes[:, k], self.draw_gen)
+        # ||x||^2, ||left after all rounds||^2, ||left after round 1||^2: fp32 sums, then float64 as
+        # the host's Python floats were; accumulated on the device, read by metrics()
+        sq = torch.stack([residuals[0].pow(2).sum(), residuals[-1].pow(2).sum(), residuals[1].pow(2).sum()])
+        sq = sq.to(self._err.dtype)  # (3,)
+        energy = sq[0]
+        measured = energy > 0
+        self._err += torch.where(measured, torch.stack([sq[1] / energy, sq[2] / energy, torch.ones_like(energy)]),
+                                 torch.zeros_like(sq))
         self.totals["encodes"] += 1
         self.totals["tokens"] += x.shape[0]
         return codes.to(torch_code_dtype(s)).reshape(*lead, s.rounds, s.groups)
 
     def metrics(self) -> dict[str, float]:
         """Mean relative error ||z - z_hat||^2 / ||z||^2 (all rounds and round 1 only), dead codes
-        replaced and round-0 usage perplexity since the last call; then resets."""
-        acc, self._acc = self._acc, defaultdict(float)
-        n = max(acc["measured"], 1.0)
-        return {"rel_error": acc["rel_error"] / n, "rel_error_round1": acc["rel_error_round1"] / n,
-                "dead_replaced": acc["dead_replaced"], "perplexity": self.learner.usage_perplexity(),
-                "version": float(self.version)}
+        replaced and round-0 usage perplexity since the last call; then resets. The step's one
+        host read of the statistics (a sync on a GPU): call it once per step."""
+        dt = self._err.dtype
+        stats = torch.cat([self._err, self.learner.dead_total.to(dt).reshape(1),
+                           self.learner.usage_perplexity_tensor().to(dt).reshape(1)])
+        rel, rel1, measured, dead_total, perplexity = stats.tolist()  # the one read
+        self._err.zero_()
+        dead, self._dead_seen = int(dead_total) - self._dead_seen, int(dead_total)
+        n = max(measured, 1.0)
+        return {"rel_error": rel / n, "rel_error_round1": rel1 / n, "dead_replaced": float(dead),
+                "perplexity": perplexity, "version": float(self.version)}
 
     def digest(self) -> str:
         """SHA-256 of the mirror and its version (equals the receiver's :meth:`VQReceiver.digest`)."""
@@ -228,7 +343,8 @@ class VQSender:
             raise RuntimeError(f"vq {self.stream} sender: checkpoint with {len(self._pending)} undelivered slices")
         return {"learner": self.learner.state_dict(), "mirror": self.mirror.clone(), "version": self.version,
                 "cursor": self.cursor, "init_done": self.init_done, "resync_pending": self.resync_pending,
-                "gen": self.gen.get_state(), "totals": dict(self.totals)}
+                "gen": self.gen.get_state(), "totals": dict(self.totals),
+                **({} if self.draw_gen is self.gen else {"draw_gen": self.draw_gen.get_state()})}
 
     def load_state_dict(self, st: dict) -> None:
         self.learner.load_state_dict(st["learner"])
@@ -236,7 +352,10 @@ class VQSender:
         self.version, self.cursor, self.init_done = int(st["version"]), int(st["cursor"]), int(st["init_done"])
         self.resync_pending = bool(st["resync_pending"])
         self.gen.set_state(st["gen"])
+        if self.draw_gen is not self.gen and "draw_gen" in st:
+            self.draw_gen.set_state(st["draw_gen"])
         self.totals = defaultdict(int, st["totals"])
+        self._dead_seen = self.learner.dead_replaced  # metrics count replacements after the restore
 
 
 class VQReceiver:
@@ -259,13 +378,13 @@ class VQReceiver:
         the codebooks and version untouched."""
         codes = sl.codes
         try:
-            finite = codes.dtype == torch.float32 and bool(torch.isfinite(codes).all())
+            host = codes.device.type == "cpu" and (sl.index is None or sl.index.device.type == "cpu")
+            # wire slices are host tensors: values checked here, before any device copy
+            finite, index = host_slice_check(codes, sl.index) if host else _device_slice_summary(codes, sl.index)
             outcome = check_slice(stream=sl.stream, version=sl.version, start=sl.start, full=sl.full,
                                   shape=tuple(codes.shape), finite=finite, expect_stream=self.stream,
                                   layout=self.s.layout, have=self.version, awaiting_resync=self.awaiting_resync,
-                                  index=None if sl.index is None else SliceIndex.of(
-                                      _CODE_TAGS.get(sl.index.dtype, str(sl.index.dtype)), tuple(sl.index.shape),
-                                      sl.index.long().flatten().tolist()))
+                                  index=index)
         except CodebookError as exc:
             self._reject(exc)
             raise
@@ -273,13 +392,14 @@ class VQReceiver:
             self.ignored += 1
             return outcome
         n = codes.shape[2]
+        codes = codes.to(self.device, non_blocking=True)  # checked: a host-to-device copy, no sync
         if sl.index is None:
-            self.codebooks[:, :, sl.start:sl.start + n] = codes.to(self.device)
+            self.codebooks[:, :, sl.start:sl.start + n] = codes
         else:
             R, NG, K, G = self.s.layout.shape
-            idx = sl.index.to(self.device).long().reshape(R * NG, n)
+            idx = sl.index.to(self.device, non_blocking=True).long().reshape(R * NG, n)
             rows = torch.arange(R * NG, device=self.device)[:, None]
-            self.codebooks.view(R * NG, K, G)[rows, idx] = codes.to(self.device).reshape(R * NG, n, G)
+            self.codebooks.view(R * NG, K, G)[rows, idx] = codes.reshape(R * NG, n, G)
         self.version = sl.version
         self.awaiting_resync = False
         self.applied += 1
@@ -293,18 +413,21 @@ class VQReceiver:
     @torch.no_grad()
     def decode(self, codes: torch.Tensor, cver: int) -> torch.Tensor:
         """Codes (..., R, r/G) encoded at version ``cver`` -> fp32 (..., r); raises
-        CodebookVersionMismatch or BadCodes (counted) instead of decoding wrong numbers."""
-        K = self.s.codebook_size
+        CodebookVersionMismatch or BadCodes (counted) instead of decoding wrong numbers.
+
+        Host (CPU) codes, as they come off the wire, are checked in full on the host and only then
+        copied to the device (non-blocking); codes already on a device (the in-process pipeline:
+        this process's encoder, in range by construction) get the version, dtype and shape checks
+        without a read of their values, which would be a sync."""
         tag = _CODE_TAGS.get(codes.dtype, str(codes.dtype))
-        full_range = codes.dtype == torch.uint8 and K == 256
         try:
-            max_code = None if full_range or codes.numel() == 0 else int(codes.long().max())
+            max_code = host_codes_check(codes, self.s.codebook_size) if codes.device.type == "cpu" else None
             check_codes(cver=cver, have=self.version, dtype=tag, shape=tuple(codes.shape), max_code=max_code,
                         layout=self.s.layout)
         except CodebookError as exc:
             self._reject(exc)
             raise
-        return decode_codes(codes.to(self.device), self.codebooks)
+        return decode_codes(codes.to(self.device, non_blocking=True), self.codebooks)
 
     def request_resync(self) -> int:
         """Enter the awaiting-resync state; returns the version to put in RESYNC ``have``."""

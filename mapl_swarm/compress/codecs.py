@@ -156,6 +156,11 @@ class StageCodec:
         """Codec metrics of the step just taken."""
         return {}
 
+    def warm_up(self, tokens_per_micro: int) -> dict:
+        """Before the handshake: prepare device work (mapl_vq: size and compile the VQ search for
+        micro-batches of ``tokens_per_micro`` tokens); returns what it decided (empty: nothing)."""
+        return {}
+
     @staticmethod
     def before_pipeline_step(codecs: list["StageCodec"], step: int) -> None:
         """In-process pipeline only: a hook over every stage's codec before the stages step."""
@@ -307,16 +312,20 @@ class ProjectedVQCodec(ProjectedCodec):
         return {"codes": self.vq.encode("act", z.detach(), learn=train, key=micro)}
 
     def decode_act(self, payload, cver):
-        return self.vq.decode("act", payload["codes"].to(self.device), cver)
+        # codes as received: the receiver checks host codes before copying them to the device
+        return self.vq.decode("act", payload["codes"], cver)
 
     def encode_grad(self, grad, *, micro):
         return {"codes": self.vq.encode("grad", grad, learn=True, key=micro)}
 
     def decode_grad(self, payload, cver):
-        return self.vq.decode("grad", payload["codes"].to(self.device), cver)
+        return self.vq.decode("grad", payload["codes"], cver)
 
     def step_metrics(self) -> dict[str, float]:
         return self.vq.metrics()
+
+    def warm_up(self, tokens_per_micro: int) -> dict:
+        return self.vq.warm_up(tokens_per_micro)
 
     def state_dict(self) -> dict:
         return {"vq": self.vq.state_dict()}

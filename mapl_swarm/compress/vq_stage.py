@@ -106,8 +106,16 @@ class StageVQ:
         """Sender side: a RESYNC arrived, the next encode of ``stream`` sends a full slice."""
         self.tx[stream].request_resync()
 
+    def warm_up(self, tokens: int) -> dict[str, dict[str, float]]:
+        """Before the handshake: size each sender's search for this device and, with
+        ``vq_compile``, compile the fused search on dummy data of ``tokens`` tokens (the micro-batch's
+        B x T) so the first encode does not compile (~1 min). Changes no codebook, statistic or
+        random stream. Returns each sender's :meth:`VQSender.warm_up` figures by stream."""
+        return {stream: tx.warm_up(tokens) for stream, tx in self.tx.items()}
+
     def metrics(self) -> dict[str, float]:
-        """Sender metrics since the last call, keys ``vq_<stream>_<name>``; receiver rejections."""
+        """Sender metrics since the last call, keys ``vq_<stream>_<name>``; receiver rejections.
+        Reads the senders' device statistics (a host sync each): call it once per step."""
         out: dict[str, float] = {}
         for stream, tx in self.tx.items():
             for k, v in tx.metrics().items():

@@ -54,6 +54,7 @@ def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool 
     check_vocab(cfg, data)
     fingerprint = model_fingerprint(cfg, data.tokenizer.file_hash, data.tokenizer.vocab_size)
     rt = StageRuntime(cfg, stage, resolve_device(cfg.runtime.device))
+    rt.codec.warm_up(cfg.pipeline.micro_batch_size * cfg.model.context_length)  # before the handshake
     sampler = val = None
     if stage == 0:
         sampler = BatchSampler(data.train, cfg.pipeline.micro_batch_size, cfg.model.context_length, cfg.run.seed)

@@ -121,7 +121,7 @@ def vq_stream_health(sender: VQSender, z: torch.Tensor) -> dict[str, float]:
     ``vq_dead_code_fraction`` = share of the R x r/G x K codes that no token of z selects."""
     s = sender.s
     x = to_groups(z.detach().float(), s.group_size)  # (N, NG, G)
-    codes, _ = quantize(x, sender.mirror, s.max_distance_bytes)  # (N, R, NG)
+    codes, _ = quantize(x, sender.mirror, sender.distance_bytes)  # (N, R, NG)
     z_hat = decode_codes(codes, sender.mirror)  # (N, NG*G)
     R, NG, K, _ = sender.mirror.shape
     offs = (torch.arange(R, device=codes.device)[:, None] * NG + torch.arange(NG, device=codes.device)) * K
