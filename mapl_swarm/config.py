@@ -71,6 +71,7 @@ Schedule = Literal["cosine", "wsd", "constant"]
 VQSync = Literal["stream", "full"]
 VQSliceOrder = Literal["priority", "round_robin"]
 Device = Literal["auto", "cpu", "cuda"]
+Autocast = Literal["auto", "off", "bf16"]
 
 CODECS: tuple[str, ...] = CODEC_NAMES
 ANCHORS: tuple[str, ...] = get_args(Anchor)
@@ -511,6 +512,10 @@ class RuntimeConfig:
     """auto (CUDA when present) | cpu | cuda."""
     threads: int = 0
     """torch intra-op threads per process; 0 keeps torch's default."""
+    autocast: Autocast = "auto"
+    """Mixed precision of a stage's forward: bf16 (``torch.autocast`` to bfloat16, on CUDA and on
+    CPU alike; boundary projections, VQ and the loss stay fp32) | off (fp32) | auto (bf16 on CUDA,
+    off on CPU). MAPL paper Table 7: bf16."""
 
     def __post_init__(self) -> None:
         _check_choices(self)

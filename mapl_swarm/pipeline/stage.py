@@ -114,8 +114,10 @@ class StageRuntime:
 
     # ------------------------------------------------------------------ forward / backward
     def _autocast(self):
-        if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
+        """``runtime.autocast``: bf16 autocast on this stage's device type (CPU too), or none."""
+        mode = self.cfg.runtime.autocast
+        if mode == "bf16" or (mode == "auto" and self.device.type == "cuda"):
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     def forward(self, micro: int, *, ids: torch.Tensor | None = None,
