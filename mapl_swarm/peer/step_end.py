@@ -33,7 +33,7 @@ class HealthAndCheckpoint:
         append_health(run.out_dir, self.stage, done, step_metrics)  # run.health_interval_steps
         every = run.checkpoint_interval_steps
         if every and (done % every == 0 or done == run.steps):
-            state = self.rt.state_dict()
+            state = await self.compute.run(self.rt.state_dict)  # clones device tensors: in the worker
             if self.sampler is not None:
                 state["data"] = self.sampler.state_dict()
             await self.compute.run(checkpoint.save_stage, run.out_dir, done, self.stage, state)
