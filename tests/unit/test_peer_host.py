@@ -93,3 +93,20 @@ def test_a_frame_keeps_its_tensor_alive_until_zeromq_has_sent_it():
         router.close(linger=0)
     finally:
         ctx.term()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_results_land_in_pinned_host_memory_and_come_back_asynchronously():
+    x = torch.randn(1024, 1024, device="cuda")
+    for _ in range(50):  # queued kernels still running when the copy is queued
+        x = torch.tanh(x @ x / 1024)
+    act, idx = x.to(torch.bfloat16), torch.arange(20, device="cuda")[::2]  # idx: strided
+    host = tensors_to_host({"act": act, "idx": idx})
+    for name, dev in (("act", act), ("idx", idx)):
+        assert host[name].device.type == "cpu" and host[name].is_pinned() and host[name].is_contiguous()
+        assert torch.equal(host[name], dev.cpu())  # the worker's event wait covered the copies
+    host_rt = HostRuntime(SimpleNamespace(device=torch.device("cuda")))
+    assert host_rt.pin
+    (back,) = host_rt.received({"act": to_wire(host["act"])}).values()
+    assert back.is_pinned() and torch.equal(back.to("cuda", non_blocking=True).cpu(), act.cpu())
