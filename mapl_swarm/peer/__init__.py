@@ -6,7 +6,8 @@ Parts (each module one concern; none imports the in-process pipeline or the trai
 ``compute`` (compute thread, encode lock, background tasks), ``host`` (the runtime's calls on
 the compute thread: wire tensors in, host tensors out; ``tensors`` wraps them for the wire),
 ``waiting`` (waiting lines) and ``schedule`` (the 1F1B :class:`PipelineSchedule`, given all of
-them and a step-end hook from ``step_end``); ``result`` is what a peer reports, ``main`` starts one, ``launch`` starts a swarm.
+them and a step-end hook from ``step_end``); ``result`` is what a peer reports, ``main`` starts
+one, ``launch`` starts a swarm.
 
 Import the submodules directly (``mapl_swarm.peer.main`` starts the DHT before importing torch).
 """

@@ -240,11 +240,11 @@ class PeerLink:
     # Received tensors stay in wire form here (read-only views of the frames): the compute thread
     # turns them into torch tensors (:class:`~.host.HostRuntime`), so the loop copies nothing.
     def act_wire(self, msg: Message) -> dict[str, WireTensor]:
-        """The stage payload of a received ACT by payload key (``act`` or ``codes``, and ``ids``), as wire tensors."""
+        """A received ACT's wire tensors by payload key (``act`` or ``codes``, and ``ids``)."""
         return {k: msg.tensors[w] for k, w in ACT_WIRE.items() if w in msg.tensors}
 
     def grad_wire(self, msg: Message) -> dict[str, WireTensor]:
-        """The stage payload of a received GRAD by payload key (``grad`` or ``codes``), as wire tensors."""
+        """A received GRAD's wire tensors by payload key (``grad`` or ``codes``)."""
         return {k: msg.tensors[w] for k, w in GRAD_WIRE.items() if w in msg.tensors}
 
     def projector_wire(self, msg: Message) -> WireTensor:

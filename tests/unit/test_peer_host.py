@@ -36,7 +36,8 @@ def test_cpu_tensors_reach_the_host_without_a_copy_when_contiguous():
                        index=torch.tensor([[0, 2]], dtype=torch.uint8))
     (out,) = slices_to_host([sl])
     assert (out.stream, out.version, out.start, out.full) == ("act", 3, 0, False)
-    assert out.codes.is_contiguous() and torch.equal(out.codes, sl.codes) and out.index.data_ptr() == sl.index.data_ptr()
+    assert out.codes.is_contiguous() and torch.equal(out.codes, sl.codes)
+    assert out.index.data_ptr() == sl.index.data_ptr()  # contiguous: no copy
 
 
 def test_host_runtime_converts_wire_tensors_in_and_returns_host_tensors():
@@ -46,7 +47,8 @@ def test_host_runtime_converts_wire_tensors_in_and_returns_host_tensors():
 
     def forward(micro, *, ids=None, payload=None, train=True, cver=None):
         seen.update(payload)
-        return ForwardResult({"act": payload["act"].float().transpose(0, 2).contiguous().transpose(0, 2), "ids": payload["ids"]}, None, 10)
+        act = payload["act"].float().transpose(0, 2).contiguous().transpose(0, 2)  # strided (2, 5, 4)
+        return ForwardResult({"act": act, "ids": payload["ids"]}, None, 10)
 
     host = HostRuntime(SimpleNamespace(forward=forward, device=torch.device("cpu")))
     assert not host.pin  # pinning needs a CUDA stage
