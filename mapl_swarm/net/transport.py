@@ -228,6 +228,11 @@ class Transport:
             raise NetError(f"{self.name}: cannot connect link {link!r} to {endpoint!r}: {exc}") from exc
 
         async def deliver(frames: list[Frame]) -> None:
+            # copy=False: a frame of 64 KiB or more becomes a zmq.Frame whose buffer object pyzmq
+            # keeps referenced (zmq.utils.garbage) until libzmq has sent or dropped the message, so
+            # the memory under a memoryview frame (e.g. a pinned tensor: peer.tensors.to_wire)
+            # stays alive until then; smaller frames are copied. (Until this call the frames list
+            # is held by the shaper; a send that waits for room holds it in pyzmq's future.)
             await dealer.send_multipart(frames, copy=False)
 
         self._dealers[link] = dealer

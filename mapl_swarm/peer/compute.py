@@ -2,8 +2,10 @@
 
 Compute stays synchronous and off the event loop: :class:`ComputeThread` runs the stage's
 forward/backward/step on one worker thread, so the loop keeps sending, receiving and
-heart-beating meanwhile. Its ``encode_lock`` is held from a compute that encodes a payload until
-that payload is sent (a VQ retransmission takes it too), so nothing encodes in between.
+heart-beating meanwhile; what a compute hands to the wire comes back in host memory, device
+copies included (:class:`~.host.HostRuntime`), so the loop never waits for a device. Its
+``encode_lock`` is held from a compute that encodes a payload until that payload is sent (a VQ
+retransmission takes it too), so nothing encodes in between.
 :class:`BackgroundTasks` runs coroutines beside the serving loop (e.g. answering a RESYNC); a
 failure is handed to ``on_error`` (the peer fails its mailbox, which stops the schedule).
 """

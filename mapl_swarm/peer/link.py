@@ -2,12 +2,13 @@
 
 :class:`PeerLink` is everything this peer knows and does about one neighbour: where it is
 (``endpoint``), whether it welcomed us and what it advertised (``capabilities``), the link's
-outbound sequence numbers, how stage payloads become wire tensors and back (names from
-:mod:`mapl_swarm.pipeline.payload`), the payload byte counter, the send through the transport and,
+outbound sequence numbers, how stage payloads map to wire tensors and back (names from
+:mod:`mapl_swarm.pipeline.payload`; the compute thread does every torch <-> host conversion, the
+link only wraps host memory), the payload byte counter, the send through the transport and,
 with mapl_vq, the link's side of the codebook streams (:class:`~.vq_link.CodebookLink`).
 
 The schedule talks to ``links.upstream`` / ``links.downstream`` (:class:`Links`) in payload terms
-(``send_act``, ``send_grad``, ``act_payload``, ``decoded``...), never to stage numbers or the
+(``send_act``, ``send_grad``, ``act_wire``, ``decoded``...), never to stage numbers or the
 transport, so per-link session keys, several replicas of a neighbour stage or re-routing can change
 what a link is without touching the schedule.
 """
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from mapl_swarm.net.emulator import LinkConfig
-from mapl_swarm.peer.tensors import from_wire, to_wire
+from mapl_swarm.peer.tensors import to_wire
 from mapl_swarm.peer.vq_link import CodebookLink
 from mapl_swarm.pipeline.payload import (
     ACT_WIRE,
@@ -31,7 +32,7 @@ from mapl_swarm.pipeline.payload import (
     WireName,
     act_kind,
 )
-from mapl_swarm.wire import Message, MessageType, encode
+from mapl_swarm.wire import Message, MessageType, WireTensor, encode
 
 if TYPE_CHECKING:
     import torch
@@ -147,7 +148,9 @@ class PeerLink:
                    tensors: Mapping[str, torch.Tensor] | None = None, kinds: Mapping[str, LinkKind] | None = None,
                    pver: int = 0, cver: int = 0) -> None:
         """Send one message to the neighbour: next sequence number, torch -> wire tensors, payload
-        bytes counted under ``kinds[name]`` per tensor (``kinds`` is required with ``tensors``)."""
+        bytes counted under ``kinds[name]`` per tensor (``kinds`` is required with ``tensors``).
+        ``tensors`` are host tensors, contiguous: what :class:`~.host.HostRuntime` returns (the
+        frames view their memory until sent, see :func:`~.tensors.to_wire`)."""
         if self._transport is None:
             raise RuntimeError(f"{self.local_name}: link to {self.name} used before connect()")
         seq, self._seq = self._seq, self._seq + 1
@@ -234,19 +237,21 @@ class PeerLink:
         await self.send(MT.BYE, meta=meta)
 
     # ------------------------------------------------------------------ payloads in
-    def act_payload(self, msg: Message) -> dict:
-        """The stage payload of a received ACT (``act`` or ``codes``, and ``ids``)."""
-        return {k: from_wire(msg.tensors[w]) for k, w in ACT_WIRE.items() if w in msg.tensors}
+    # Received tensors stay in wire form here (read-only views of the frames): the compute thread
+    # turns them into torch tensors (:class:`~.host.HostRuntime`), so the loop copies nothing.
+    def act_wire(self, msg: Message) -> dict[str, WireTensor]:
+        """A received ACT's wire tensors by payload key (``act`` or ``codes``, and ``ids``)."""
+        return {k: msg.tensors[w] for k, w in ACT_WIRE.items() if w in msg.tensors}
 
-    def grad_payload(self, msg: Message) -> dict:
-        """The stage payload of a received GRAD (``grad`` or ``codes``)."""
-        return {k: from_wire(msg.tensors[w]) for k, w in GRAD_WIRE.items() if w in msg.tensors}
+    def grad_wire(self, msg: Message) -> dict[str, WireTensor]:
+        """A received GRAD's wire tensors by payload key (``grad`` or ``codes``)."""
+        return {k: msg.tensors[w] for k, w in GRAD_WIRE.items() if w in msg.tensors}
 
-    def projector(self, msg: Message) -> torch.Tensor:
-        return from_wire(msg.tensors[WireName.PROJ])
+    def projector_wire(self, msg: Message) -> WireTensor:
+        return msg.tensors[WireName.PROJ]
 
-    def projector_grad(self, msg: Message) -> torch.Tensor:
-        return from_wire(msg.tensors[WireName.PROJ_GRAD])
+    def projector_grad_wire(self, msg: Message) -> WireTensor:
+        return msg.tensors[WireName.PROJ_GRAD]
 
     async def decoded(self, work: Awaitable[T], msg: Message) -> T:
         """Await ``work`` (a compute that decodes ``msg`` from this neighbour). mapl_vq: codes at

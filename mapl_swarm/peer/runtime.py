@@ -199,6 +199,7 @@ class Peer:
                 start = await self._agree_start(transport)
                 await self.schedule.run(start)
                 await transport.flush(net.timeout_s)
+                codebooks = await self.compute.run(self._codebook_summary)  # digests read device memory
             finally:
                 await self.tasks.aclose()
                 await hb.aclose()
@@ -206,7 +207,7 @@ class Peer:
                 await asyncio.gather(receiver, return_exceptions=True)
                 self.compute.close()
                 self.schedule.close()
-            self._collect(transport)
+            self._collect(transport, codebooks)
         return self.result
 
     async def _handshake(self) -> None:
@@ -241,8 +242,14 @@ class Peer:
             await transport.flush(self.cfg.net.timeout_s)  # a refusal reaches the other stages first
             raise
 
-    def _collect(self, transport: Transport) -> None:
-        """The links' and transport's counters into the result."""
+    def _codebook_summary(self) -> dict[str, Any] | None:
+        """mapl_vq: the links' codebook counters, versions and digests (on the compute thread)."""
+        if self.rt.vq is None:
+            return None
+        return codebook_summary(self.rt.vq, [link.codebooks for link in self.links])
+
+    def _collect(self, transport: Transport, codebooks: dict[str, Any] | None) -> None:
+        """The links' and transport's counters (and the codebook summary) into the result."""
         rows = transport.counters.rows()
         for link in self.links:
             self.result.payload_tx[link.name] = {str(k): v for k, v in link.counter.bytes.items()}
@@ -251,5 +258,5 @@ class Peer:
             st = transport.shaper(link.name).stats()
             self.result.shaper[link.name] = {"bytes_sent": st.bytes_sent, "busy_s": st.busy_s,
                                              "messages": st.messages_sent}
-        if self.rt.vq is not None:
-            self.result.codebooks = codebook_summary(self.rt.vq, [link.codebooks for link in self.links])
+        if codebooks is not None:
+            self.result.codebooks = codebooks

@@ -16,6 +16,12 @@ the transport or message framing. MAPL+VQ: a compute that encodes and the send o
 happen under the compute thread's ``encode_lock`` (a retransmission takes it too); a received
 message whose codes cannot be decoded raises :class:`~.vq_link.Retransmitting` and is dropped,
 its copy follows.
+
+Threads: every runtime call that touches tensors runs on the compute thread through
+:class:`~.host.HostRuntime` (``self.host``): it takes the received messages' wire tensors and
+returns what goes out in host memory, so the event loop only reads versions and flags of the
+runtime, encodes bytes and moves frames, and stays responsive (heartbeats, receives, the link
+shaper) while the device computes.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 from tqdm import tqdm
 
 from mapl_swarm.errors import MaplError
+from mapl_swarm.peer.host import HostRuntime
 from mapl_swarm.peer.vq_link import Retransmitting
 from mapl_swarm.pipeline.stage import mean_loss
 from mapl_swarm.wire import Message, MessageType
@@ -43,6 +50,7 @@ if TYPE_CHECKING:
     from mapl_swarm.peer.result import PeerResult
     from mapl_swarm.peer.waiting import WaitingLog
     from mapl_swarm.pipeline.stage import StageRuntime
+    from mapl_swarm.wire import WireTensor
 
 log = logging.getLogger(__name__)
 
@@ -73,13 +81,13 @@ class NeighbourLink(Protocol):
 
     async def send_bye(self, meta: dict) -> None: ...
 
-    def act_payload(self, msg: Message) -> dict: ...
+    def act_wire(self, msg: Message) -> dict[str, WireTensor]: ...
 
-    def grad_payload(self, msg: Message) -> dict: ...
+    def grad_wire(self, msg: Message) -> dict[str, WireTensor]: ...
 
-    def projector(self, msg: Message) -> torch.Tensor: ...
+    def projector_wire(self, msg: Message) -> WireTensor: ...
 
-    def projector_grad(self, msg: Message) -> torch.Tensor: ...
+    def projector_grad_wire(self, msg: Message) -> WireTensor: ...
 
     async def decoded(self, work: Awaitable[T], msg: Message) -> T: ...
 
@@ -169,6 +177,9 @@ class PipelineSchedule:
                  hooks: RunHooks, sampler: Iterator[torch.Tensor] | None = None,
                  val_batches: Sequence[torch.Tensor] = ()) -> None:
         self.rt = runtime
+        """Read on the loop only for versions and flags; tensor work goes through ``self.host``."""
+        self.host = HostRuntime(runtime)
+        """The runtime's calls on the compute thread: wire tensors in, host tensors out."""
         self.links = links
         self.mailbox = mailbox
         self.compute = compute
@@ -282,7 +293,7 @@ class PipelineSchedule:
                     sent += 1
                 msg = await self._next([MT.GRAD], "(gradient) ")
                 try:
-                    await down.decoded(self.compute.run(self.rt.backward, msg.micro, down.grad_payload(msg),
+                    await down.decoded(self.compute.run(self.host.backward, msg.micro, down.grad_wire(msg),
                                                         cver=msg.cver), msg)
                 except Retransmitting:
                     continue
@@ -304,7 +315,7 @@ class PipelineSchedule:
         before = sum(1 for r in self._reports if r.meta.get("mode") == "eval")
         for i, ids in enumerate(self.val_batches):
             async with self.compute.encode_lock:
-                res = await self.compute.run(self.rt.forward, -1 - i, ids=ids, train=False)
+                res = await self.compute.run(self.host.forward, -1 - i, ids=ids, train=False)
                 await down.send_act(step, i, res.payload, eval_mode=True, pver=self._pver())
         await self._wait_report("eval", before + 1)
         report = [r for r in self._reports if r.meta.get("mode") == "eval"][-1]
@@ -320,15 +331,21 @@ class PipelineSchedule:
         """Forward of a micro-batch (stage 1: ``ids``; later: the ACT ``msg``) and its ACT."""
         up, down = self.links.upstream, self.links.downstream
         async with self.compute.encode_lock:
-            payload = None if msg is None else up.act_payload(msg)
-            work = self.compute.run(self.rt.forward, micro, ids=ids, payload=payload, train=True,
+            wire = None if msg is None else up.act_wire(msg)
+            work = self.compute.run(self.host.forward, micro, ids=ids, wire=wire, train=True,
                                     cver=None if msg is None else msg.cver)
             res = await (work if msg is None else up.decoded(work, msg))
             await down.send_act(step, micro, res.payload, eval_mode=False, pver=self._pver())
         self._awaiting_grads += 1
 
+    def _owns_projector(self) -> bool:
+        """This stage steps and sends a trainable outbound projector (reads flags only)."""
+        return self.rt.outbound is not None and self.rt.outbound.trainable
+
     async def _send_projector(self, step: int) -> None:
-        proj = self.rt.outbound_projector()
+        if not self._owns_projector():
+            return
+        proj = await self.compute.run(self.host.outbound_projector)
         if proj is not None:
             await self.links.downstream.send_projector(step, proj[0], proj[1])
 
@@ -336,16 +353,15 @@ class PipelineSchedule:
         """End of step: projector gradient up, optimizer step, projector down, step-end hook."""
         up, down = self.links.upstream, self.links.downstream
         if up is not None:
-            g = self.rt.take_inbound_projector_grad()
+            g = await self.compute.run(self.host.take_inbound_projector_grad)
             if g is not None:
                 await up.send_projector_grad(step, g, micro_batches=self.M)
-        proj_before = self.rt.outbound_projector()
-        if proj_before is not None:
+        if self._owns_projector():
             msg = await self.waits.wait(
                 self.mailbox.get([MT.PROJ_GRAD], self.s.timeout_s, "(projector gradient) "), self._downstream)
             if msg.step != step:
                 raise MaplError(f"{self.name}: PROJ_GRAD for step {msg.step} while finishing step {step}")
-            self.rt.add_outbound_projector_grad(down.projector_grad(msg))
+            await self.compute.run(self.host.add_outbound_projector_grad, down.projector_grad_wire(msg))
         step_metrics = await self.compute.run(self.rt.step)
         await self._send_projector(step + 1)
         await self.hooks.step_end(step + 1, step_metrics)
@@ -361,7 +377,7 @@ class PipelineSchedule:
                 return
             try:
                 if msg.type == MT.PROJ:
-                    await self.compute.run(self.rt.load_inbound_projector, up.projector(msg), msg.pver)
+                    await self.compute.run(self.host.load_inbound_projector, up.projector_wire(msg), msg.pver)
                 elif msg.type == MT.GRAD:
                     await self._on_grad(msg)
                 elif msg.meta.get("mode") == "eval":
@@ -375,7 +391,7 @@ class PipelineSchedule:
         """Middle stage: backward, GRAD upstream; the step's last one flushes."""
         up, down = self.links.upstream, self.links.downstream
         async with self.compute.encode_lock:
-            grad = await down.decoded(self.compute.run(self.rt.backward, msg.micro, down.grad_payload(msg),
+            grad = await down.decoded(self.compute.run(self.host.backward, msg.micro, down.grad_wire(msg),
                                                        cver=msg.cver), msg)
             await up.send_grad(msg.step, msg.micro, grad)
         self._awaiting_grads -= 1
@@ -396,9 +412,9 @@ class PipelineSchedule:
             await self._forward_and_send(msg.step, msg.micro, msg=msg)
             return
         async with self.compute.encode_lock:
-            res = await up.decoded(self.compute.run(self.rt.forward, msg.micro, payload=up.act_payload(msg),
+            res = await up.decoded(self.compute.run(self.host.forward, msg.micro, wire=up.act_wire(msg),
                                                     train=True, cver=msg.cver), msg)
-            grad = await self.compute.run(self.rt.backward, msg.micro, None)
+            grad = await self.compute.run(self.host.backward, msg.micro, None)
             await up.send_grad(msg.step, msg.micro, grad)
         self._last_train_loss.append(res.loss)
         if len(self._last_train_loss) == self.M:
@@ -410,7 +426,7 @@ class PipelineSchedule:
     async def _eval_forward(self, msg: Message) -> None:
         up, down = self.links.upstream, self.links.downstream
         async with self.compute.encode_lock:
-            res = await up.decoded(self.compute.run(self.rt.forward, -1 - msg.micro, payload=up.act_payload(msg),
+            res = await up.decoded(self.compute.run(self.host.forward, -1 - msg.micro, wire=up.act_wire(msg),
                                                     train=False, cver=msg.cver), msg)
             if down is not None:
                 await down.send_act(msg.step, msg.micro, res.payload, eval_mode=True, pver=self._pver())

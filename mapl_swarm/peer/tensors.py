@@ -2,7 +2,12 @@
 
 Stage payloads (see :mod:`mapl_swarm.pipeline.stage`) already hold wire dtypes; here they become
 :class:`~mapl_swarm.wire.WireTensor` s and back, bit for bit. bf16 travels as its raw uint16
-patterns. Received arrays are copied once into torch-owned memory (frames are read-only views).
+patterns.
+
+Threads: :func:`to_wire` runs on the event loop (in :meth:`~.link.PeerLink.send`) and only wraps
+memory: it takes host tensors that the compute thread already brought to the host
+(:mod:`.host`) and refuses any other. :func:`from_wire` copies a received frame once into torch
+memory (pinned on request) and runs on the compute thread (:class:`~.host.HostRuntime`).
 """
 
 from __future__ import annotations
@@ -29,11 +34,33 @@ _TAG_TO_TORCH = {v: k for k, v in TORCH_TO_TAG.items()}
 
 
 def to_wire(t: torch.Tensor) -> WireTensor:
-    """A CPU, contiguous view of ``t`` as a WireTensor (no copy for CPU contiguous tensors)."""
+    """A WireTensor viewing the memory of ``t``, a contiguous CPU tensor (no copy, no device work).
+
+    Raises ValueError for a tensor on another device or a non-contiguous one: bringing tensors to
+    the host is the compute thread's job (:func:`~.host.to_host`), never the event loop's.
+
+    Ownership until ZeroMQ has sent the bytes (pinned buffers included; nothing here copies):
+    the numpy array from ``Tensor.numpy()`` has as ``.base`` a torch Tensor sharing ``t``'s
+    storage, so the array keeps the storage alive; :func:`mapl_swarm.wire.encode` makes each raw
+    tensor frame a ``memoryview`` of a view of that array (lz4 frames are new ``bytes``); the
+    frames list is held by the link's shaper until delivery, then by pyzmq: ``send_multipart(...,
+    copy=False)`` wraps each frame of 64 KiB or more in a ``zmq.Frame`` whose buffer object pyzmq
+    stores (``zmq.utils.garbage.gc.store``) until libzmq's free callback says the message is gone
+    (smaller frames are copied by pyzmq). So frame -> array view -> array -> base tensor ->
+    storage, and the storage is freed (a pinned block goes back to torch's host cache) only after
+    the send has completed. The tensor must not be written meanwhile: the compute thread hands
+    fresh buffers to the wire (see :mod:`.host`).
+    """
     tag = TORCH_TO_TAG.get(t.dtype)
     if tag is None:
         raise TypeError(f"dtype {t.dtype} has no wire tag")
-    t = t.detach().to("cpu").contiguous()
+    if t.device.type != "cpu":
+        raise ValueError(f"to_wire got a tensor on {t.device}: the compute thread brings tensors to the "
+                         f"host (peer.host.to_host) before they reach the event loop")
+    if not t.is_contiguous():
+        raise ValueError(f"to_wire got a non-contiguous tensor of shape {tuple(t.shape)}: the compute "
+                         f"thread makes wire tensors contiguous (peer.host.to_host)")
+    t = t.detach()
     if t.dtype == torch.bfloat16:
         arr = t.view(torch.uint16).numpy()  # raw bf16 bit patterns
     else:
@@ -41,12 +68,14 @@ def to_wire(t: torch.Tensor) -> WireTensor:
     return WireTensor(tag, arr)
 
 
-def from_wire(w: WireTensor, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The tensor a WireTensor carries, with its exact wire dtype, on ``device``."""
-    arr = np.ascontiguousarray(w.wire_array()).copy()  # own writable memory
-    t = torch.from_numpy(arr)
-    if w.dtype == "bf16":
-        t = t.view(torch.bfloat16)
-    expected = _TAG_TO_TORCH[w.dtype]
-    assert t.dtype == expected, (t.dtype, expected)
-    return t.to(device)
+def from_wire(w: WireTensor, device: torch.device | str = "cpu", *, pin: bool = False) -> torch.Tensor:
+    """The tensor a WireTensor carries, with its exact wire dtype, on ``device``: one copy out of
+    the (read-only) frame into torch-owned memory, page-locked with ``pin`` (CUDA only) so that a
+    later ``.to(cuda, non_blocking=True)`` is asynchronous."""
+    arr = w.wire_array()  # C-contiguous little-endian view of the frame
+    dtype = _TAG_TO_TORCH[w.dtype]
+    t = torch.empty(arr.shape, dtype=dtype, pin_memory=pin)
+    dst = t.view(torch.uint16) if dtype == torch.bfloat16 else t
+    if arr.size:
+        np.copyto(dst.numpy(), arr, casting="no")
+    return t.to(device, non_blocking=pin)

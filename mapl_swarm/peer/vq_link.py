@@ -17,6 +17,10 @@ advertised ``vq_retransmit``: :meth:`CodebookLink.guard` sends a RESYNC naming t
 and waits for its copy. The link remembers each ACT/GRAD it sent (:meth:`CodebookLink.remember`)
 and answers with a full slice and the same message re-encoded, under the compute thread's encode
 lock so no other encode of the stream comes between them.
+
+Threads: taking the queued slices (brought to host memory), reading and applying a received slice
+and re-encoding run on the compute thread (:class:`~.host.HostRuntime`); the loop only reads
+versions and flags.
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from mapl_swarm.compress.codebook_sync import CodebookSlice
 from mapl_swarm.errors import MaplError
+from mapl_swarm.peer.host import HostRuntime
 from mapl_swarm.pipeline.payload import PayloadKey, Stream
 from mapl_swarm.wire import Message, MessageType
 from mapl_swarm.wire.codebook import (
@@ -97,6 +101,8 @@ class CodebookLink:
                  spawn: Callable[[Awaitable[Any]], None], on_bad_frame: Callable[[str, str], None]) -> None:
         self.link = link
         self.rt = runtime
+        self.host = HostRuntime(runtime)
+        """The runtime's tensor calls, made on the compute thread."""
         self.compute = compute
         self._spawn = spawn
         self._on_bad_frame = on_bad_frame
@@ -123,7 +129,7 @@ class CodebookLink:
         """Send the runtime's queued slices of this link's stream (before the payload they precede)."""
         stream = self.tx
         kind = stream.slice_kind
-        for sl in self.rt.take_slices(stream):
+        for sl in await self.compute.run(self.host.take_slices, stream):  # host memory
             p = slice_parts(stream=sl.stream, version=sl.version, start=sl.start, full=sl.full, codes=sl.codes,
                             index=sl.index)  # the one CODEBOOK_SLICE encoder (shared with the golden vectors)
             await self.link.send(MT.CODEBOOK_SLICE, step=step, micro=micro, meta=p.meta, cver=p.cver,
@@ -132,7 +138,7 @@ class CodebookLink:
     async def on_slice(self, msg: Message) -> None:
         """Apply a received slice; rejections are counted and logged, a gap asks for a RESYNC."""
         try:
-            outcome = self.rt.apply_slice(CodebookSlice.from_message(msg))
+            outcome = await self.compute.run(self.host.apply_slice, msg)
         except CodebookError as exc:
             self.stats["rejected"][exc.code] += 1
             log.warning("%s: rejected a codebook slice from stage %d: %s: %s", self.link.local_name, msg.src,
@@ -178,7 +184,7 @@ class CodebookLink:
             codes = None
             if sent is not None and sent.step == msg.step:
                 key = msg.micro if mode == "train" else -1 - msg.micro
-                codes = await self.compute.run(self.rt.reencode, stream, key)
+                codes = await self.compute.run(self.host.reencode, stream, key)
             if codes is None:
                 why = (f"stage {self.link.local_stage} no longer holds {stream} {mode} step {msg.step} "
                        f"micro-batch {msg.micro} (it holds step {sent.step if sent else None})")

@@ -129,11 +129,13 @@ class StageRuntime:
         if self.is_first:
             if ids is None:
                 raise ValueError("the first stage needs token ids")
-            all_ids = ids.to(self.device, torch.long)
+            host_ids = ids  # (B, T+1) int64 from the sampler, on the CPU
         else:
             if payload is None:
                 raise ValueError(f"stage {self.stage} needs an ACT payload")
-            all_ids = payload["ids"].to(self.device).long()
+            host_ids = payload["ids"]  # (B, T+1) wire dtype, on the CPU (pinned on CUDA peers)
+        # the device copy computes; the host ids go on to the next stage (no device round trip)
+        all_ids = host_ids.to(self.device, non_blocking=True).long()
         tokens_in = all_ids[:, :-1]  # (B, T) inputs; labels are all_ids[:, 1:]
         probe_due = self.probe.due(self.step_count, micro, train)
         with torch.set_grad_enabled(train), self._autocast():
@@ -161,7 +163,7 @@ class StageRuntime:
             z = self.outbound.encode(x, offset).float()
         if train:
             self._saved[micro] = (z, z_in)
-        out = {**self.codec.encode_act(z, train=train, micro=micro), "ids": all_ids.to(self.codec.id_dtype)}
+        out = {**self.codec.encode_act(z, train=train, micro=micro), "ids": host_ids.to("cpu", self.codec.id_dtype)}
         return ForwardResult(out, None, tokens_in.numel())
 
     def backward(self, micro: int, payload: dict[str, torch.Tensor] | None = None,

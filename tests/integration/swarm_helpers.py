@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import signal
@@ -117,3 +118,25 @@ def start_dht() -> tuple[Watched, str]:
     dht = Watched(cli("dht", "--host", "127.0.0.1"))
     maddr = dht.wait_for(r"--initial-peer (\S+)", 60).group(1)
     return dht, maddr
+
+
+class Directory:
+    """Endpoints by stage, in memory (what the DHT does between hosts)."""
+
+    def __init__(self) -> None:
+        self.endpoints: dict[int, str] = {}
+        self.changed = asyncio.Event()
+
+    def announcer(self, stage: int):
+        async def announce(endpoint: str) -> None:
+            self.endpoints[stage] = endpoint
+            self.changed.set()
+        return announce
+
+    async def resolve(self, stage: int, timeout_s: float) -> str:
+        async def wait() -> str:
+            while stage not in self.endpoints:
+                self.changed.clear()
+                await self.changed.wait()
+            return self.endpoints[stage]
+        return await asyncio.wait_for(wait(), timeout_s)

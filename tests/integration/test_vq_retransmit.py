@@ -17,32 +17,10 @@ from mapl_swarm.peer.main import build_peer
 from mapl_swarm.pipeline.trainer import train
 from mapl_swarm.wire import MessageType
 
-from swarm_helpers import train_losses, write_config
+from swarm_helpers import Directory, train_losses, write_config
 
 pytestmark = pytest.mark.timeout(300)
 STEPS = 4
-
-
-class Directory:
-    """Endpoints by stage, in memory (what the DHT does between hosts)."""
-
-    def __init__(self) -> None:
-        self.endpoints: dict[int, str] = {}
-        self.changed = asyncio.Event()
-
-    def announcer(self, stage: int):
-        async def announce(endpoint: str) -> None:
-            self.endpoints[stage] = endpoint
-            self.changed.set()
-        return announce
-
-    async def resolve(self, stage: int, timeout_s: float) -> str:
-        async def wait() -> str:
-            while stage not in self.endpoints:
-                self.changed.clear()
-                await self.changed.wait()
-            return self.endpoints[stage]
-        return await asyncio.wait_for(wait(), timeout_s)
 
 
 def lose(peer, stream: str, step: int, micro: int, lost: list) -> None:

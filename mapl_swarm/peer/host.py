@@ -1,0 +1,159 @@
+"""Device <-> host for everything that crosses the wire, done on the compute thread (DESIGN §6).
+
+The event loop only encodes bytes and moves frames. Every stage call whose result travels or
+whose input came off the wire goes through :class:`HostRuntime`, whose methods run on the compute
+thread (``await compute.run(host.forward, ...)``), so by the time ``compute.run`` returns:
+
+- what goes out (ACT/GRAD payloads, the projector and its gradient, codebook slices, re-encoded
+  codes) is in host memory, contiguous (:func:`to_host`): CUDA tensors are copied into fresh
+  pinned buffers with ``non_blocking=True`` and one CUDA event per device, recorded after the
+  copies and synchronised here, in the worker, says they have landed. The loop never waits for
+  the device; :func:`~.tensors.to_wire` only wraps host memory (and refuses anything else).
+  CPU tensors pass unchanged when contiguous (no copy), else as a contiguous copy.
+- what came in (the wire tensors of ACT, GRAD, PROJ, PROJ_GRAD, CODEBOOK_SLICE) has been copied out
+  of its frame into torch memory (:func:`~.tensors.from_wire`), pinned when the stage runs on
+  CUDA so the stage's ``.to(device, non_blocking=True)`` copies are asynchronous.
+
+Buffers handed to the wire are always fresh (a copy on CUDA; on the CPU the runtime's results are
+new tensors: payloads are cast, projectors cloned) and nothing writes them afterwards; how they
+stay alive until ZeroMQ has sent them: :func:`~.tensors.to_wire`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from mapl_swarm.compress.codebook_sync import CodebookSlice
+from mapl_swarm.peer.tensors import from_wire
+
+if TYPE_CHECKING:
+    from mapl_swarm.pipeline.stage import ForwardResult, StageRuntime
+    from mapl_swarm.wire import Message, WireTensor
+
+__all__ = ["HostRuntime", "to_host", "tensors_to_host", "slices_to_host"]
+
+K = TypeVar("K", bound=Hashable)
+
+
+def _start_copy(t: torch.Tensor) -> tuple[torch.Tensor, torch.device | None]:
+    """``t``'s host copy (being made) and the CUDA device to wait for (None: nothing to wait for)."""
+    t = t.detach()
+    if t.device.type == "cpu":
+        return t.contiguous(), None  # no copy when already contiguous
+    if t.device.type == "cuda":
+        buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)  # page-locked: the DMA target
+        buf.copy_(t, non_blocking=True)  # queued on the device's current stream, after the compute
+        return buf, t.device
+    return t.to("cpu").contiguous(), None  # another accelerator: a blocking copy, still in the worker
+
+
+def _wait(devices: set[torch.device]) -> None:
+    """Block the compute thread (never the loop) until the copies queued on ``devices`` are done."""
+    for device in devices:
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(device))
+        done.synchronize()
+
+
+def tensors_to_host(tensors: Mapping[K, torch.Tensor]) -> dict[K, torch.Tensor]:
+    """Every tensor of ``tensors`` in host memory, contiguous, with one wait per device."""
+    out: dict[K, torch.Tensor] = {}
+    devices: set[torch.device] = set()
+    for key, t in tensors.items():
+        out[key], device = _start_copy(t)
+        if device is not None:
+            devices.add(device)
+    _wait(devices)
+    return out
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """One tensor in host memory, contiguous (see :func:`tensors_to_host`)."""
+    return tensors_to_host({0: t})[0]
+
+
+def slices_to_host(slices: list[CodebookSlice]) -> list[CodebookSlice]:
+    """Codebook slices with their ``codes`` and ``index`` in host memory (one wait for all)."""
+    tensors: dict[tuple[int, str], torch.Tensor] = {}
+    for i, sl in enumerate(slices):
+        tensors[(i, "codes")] = sl.codes
+        if sl.index is not None:
+            tensors[(i, "index")] = sl.index
+    host = tensors_to_host(tensors)
+    return [dataclasses.replace(sl, codes=host[(i, "codes")], index=host.get((i, "index")))
+            for i, sl in enumerate(slices)]
+
+
+class HostRuntime:
+    """A :class:`~mapl_swarm.pipeline.stage.StageRuntime`'s calls as a peer makes them: wire tensors
+    in, host tensors out. **Every method runs on the compute thread** (``compute.run(host.X, ...)``);
+    the event loop passes it the wire tensors of received messages and sends what it returns.
+
+    ``runtime`` is a StageRuntime or anything with the methods used (tests pass a stub); received
+    tensors are pinned when its ``device`` is a CUDA device."""
+
+    def __init__(self, runtime: StageRuntime | Any) -> None:
+        self.rt = runtime
+        device = getattr(runtime, "device", None)
+        self.pin = device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available()
+        """Copy received tensors into pinned memory (the stage runs on CUDA)."""
+
+    def received(self, wire: Mapping[K, WireTensor]) -> dict[K, torch.Tensor]:
+        """Wire tensors as torch tensors in host memory (pinned on CUDA stages)."""
+        return {key: from_wire(w, pin=self.pin) for key, w in wire.items()}
+
+    # ------------------------------------------------------------------ payloads
+    def forward(self, micro: int, *, ids: torch.Tensor | None = None,
+                wire: Mapping[str, WireTensor] | None = None, train: bool = True,
+                cver: int | None = None) -> ForwardResult:
+        """:meth:`StageRuntime.forward` of stage 1's ``ids`` or of a received ACT payload (``wire``,
+        by payload key); the ACT payload it returns is in host memory (the loss stays on the device)."""
+        payload = None if wire is None else self.received(wire)
+        res = self.rt.forward(micro, ids=ids, payload=payload, train=train, cver=cver)
+        if res.payload is None:
+            return res
+        return dataclasses.replace(res, payload=tensors_to_host(res.payload))
+
+    def backward(self, micro: int, wire: Mapping[str, WireTensor] | None = None,
+                 cver: int | None = None) -> dict[str, torch.Tensor] | None:
+        """:meth:`StageRuntime.backward` of a received GRAD payload (``wire``; None on the last stage);
+        the GRAD payload it returns is in host memory."""
+        grad = self.rt.backward(micro, None if wire is None else self.received(wire), cver=cver)
+        return None if grad is None else tensors_to_host(grad)
+
+    # ------------------------------------------------------------------ projector exchange
+    def outbound_projector(self) -> tuple[torch.Tensor, int] | None:
+        """The projector to send downstream (host, fp32) and its version; None if this stage owns none."""
+        proj = self.rt.outbound_projector()
+        return None if proj is None else (to_host(proj[0]), proj[1])
+
+    def take_inbound_projector_grad(self) -> torch.Tensor | None:
+        """The step's partial projector gradient to send upstream (host, fp32), or None."""
+        g = self.rt.take_inbound_projector_grad()
+        return None if g is None else to_host(g)
+
+    def add_outbound_projector_grad(self, wire: WireTensor) -> None:
+        """Add the receiver's PROJ_GRAD tensor to the outbound projector's gradient."""
+        self.rt.add_outbound_projector_grad(from_wire(wire, pin=self.pin))
+
+    def load_inbound_projector(self, wire: WireTensor, version: int) -> None:
+        """Load the PROJ tensor the sender stage sent (at ``version``)."""
+        self.rt.load_inbound_projector(from_wire(wire, pin=self.pin), version)
+
+    # ------------------------------------------------------------------ codebook streams (mapl_vq)
+    def take_slices(self, stream: str) -> list[CodebookSlice]:
+        """The slices the last encodes of ``stream`` queued (:meth:`StageRuntime.take_slices`), in host memory."""
+        return slices_to_host(self.rt.take_slices(stream))
+
+    def reencode(self, stream: str, micro: int) -> torch.Tensor | None:
+        """:meth:`StageRuntime.reencode`'s codes in host memory (None when they are gone)."""
+        codes = self.rt.reencode(stream, micro)
+        return None if codes is None else to_host(codes)
+
+    def apply_slice(self, msg: Message) -> str:
+        """Read a received CODEBOOK_SLICE and apply it (raises its CodebookError when rejected)."""
+        return self.rt.apply_slice(CodebookSlice.from_message(msg))
