@@ -163,10 +163,14 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     print(f"summary: {rep.summary_path}")
     for p in rep.plots:
         print(f"plot: {p}")
+    if rep.failed:  # loud: a table missing a codec's rows must not look like a result
+        print(f"mapl-swarm: error: {len(rep.failed)} sweep run(s) failed (above); their rows are missing"
+              + (f", so nothing was published to {args.publish}" if args.publish else ""), file=sys.stderr)
+        return 1
     if args.publish:
         for p in publish(rep.summary_path, rep.plots, args.publish, benchmarks=args.benchmarks, name=grid.name):
             print(f"published: {p}")
-    return 1 if rep.failed else 0
+    return 0
 
 
 def _cmd_lab(args: argparse.Namespace) -> int:

@@ -224,6 +224,10 @@ def summary_markdown(grid, results: list[dict], *, skipped: list[str], plots: li
     """The whole report of a sweep as markdown."""
     aggs = aggregate(results)
     lines = [f"## Sweep `{grid.name}`", ""]
+    failed = [x for x in skipped if x.endswith("FAILED")]
+    if failed:
+        lines += [f"**INCOMPLETE: {len(failed)} run(s) failed; their rows are missing from every table below:** "
+                  + "; ".join(failed), ""]
     if grid.description:
         lines += [grid.description.strip(), ""]
     if results:

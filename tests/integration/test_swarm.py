@@ -43,6 +43,24 @@ def test_four_peer_swarm_matches_single_process(tmp_path, cache, codec):
         assert link["forward_wire"] > link["forward_payload"]  # headers counted on the wire
 
 
+@pytest.mark.parametrize("codec", [
+    "mapl", "mapl_vq",
+    *(pytest.param(c, marks=pytest.mark.slow) for c in ("none", "fixed", "naive", "ssn")),
+])
+def test_four_peer_swarm_matches_single_process_under_cpu_bf16_autocast(tmp_path, cache, codec):
+    """runtime.autocast = "bf16" on CPU: the swarm's losses equal the in-process run's within bf16
+    distance (each peer process has its own threads, so bf16 reductions may round differently)."""
+    path = write_config(tmp_path / "swarm.toml", codec=codec, cache=cache, out=tmp_path / "swarm",
+                        run_id=f"bf16-{codec}")
+    path.write_text(path.read_text() + '\n[runtime]\nautocast = "bf16"\n')
+    cfg = load_config(path)
+    summary = launch(cfg, ["--config", str(path)], progress=False, timeout_s=360)
+    ref = train(load_config(path, {"run": {"out_dir": str(tmp_path / "ref")}}), progress=False)
+    assert len(summary.train_losses) == 5
+    assert summary.train_losses == pytest.approx(train_losses(tmp_path / "ref"), rel=1e-2)
+    assert summary.val_history[-1][1] == pytest.approx(ref.final_val_loss, rel=1e-2)
+
+
 def test_fingerprint_mismatch_refused_with_both_values(tmp_path, cache):
     a = write_config(tmp_path / "a.toml", stages=2, cache=cache, out=tmp_path / "a", run_id="fp", timeout=30)
     b = write_config(tmp_path / "b.toml", stages=2, rank=8, cache=cache, out=tmp_path / "b", run_id="fp",

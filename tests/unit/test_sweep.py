@@ -67,6 +67,29 @@ def test_micro_sweep_end_to_end_and_resume(tmp_path, capsys):
     assert before == {p: p.stat().st_mtime_ns for p in (out / "runs").glob("*.json")}
 
 
+def test_a_failed_run_fails_the_sweep_loudly_and_publishes_nothing(tmp_path, capsys, monkeypatch):
+    """A codec that crashes (e.g. under bf16 autocast) must not leave a table that looks complete."""
+    from mapl_swarm.experiments import sweep
+
+    real = sweep._run_one
+
+    def broken(spec, *args, **kwargs):
+        if spec.codec == "mapl":
+            raise RuntimeError("expected m1 and m2 to have the same dtype")
+        return real(spec, *args, **kwargs)
+
+    monkeypatch.setattr(sweep, "_run_one", broken)
+    grid_file = _micro_grid_file(tmp_path)
+    assert cli.main(["--log-level", "ERROR", "sweep", "--grid", str(grid_file), "--quiet",
+                     "--publish", str(tmp_path / "pub")]) == 1
+    captured = capsys.readouterr()
+    assert "1 run, 0 already finished, 1 failed" in captured.out
+    assert "1 sweep run(s) failed" in captured.err and "nothing was published" in captured.err
+    assert not (tmp_path / "pub").exists()
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "INCOMPLETE: 1 run(s) failed" in summary and "mapl-r16-P3-anchor-factorized-s0" in summary
+
+
 def _raw(**extra):
     raw = {"name": "t", "tokens_per_run": 256,
            "base": {"model": {"vocab_size": 256, "hidden_size": 64, "num_layers": 4, "num_heads": 4,
