@@ -128,9 +128,10 @@ def _cmd_dht(args: argparse.Namespace) -> int:
 
 def _cmd_launch(args: argparse.Namespace) -> int:
     cfg = _load(args)
-    from mapl_swarm.peer.launch import launch
+    from mapl_swarm.peer.launch import launch, parse_gpus
 
-    s = launch(cfg, _config_args(args) + (["--resume"] if args.resume else []), progress=not args.quiet)
+    gpus = parse_gpus(args.gpus) if args.gpus else None
+    s = launch(cfg, _config_args(args) + (["--resume"] if args.resume else []), progress=not args.quiet, gpus=gpus)
     val = f", val loss {s.val_history[-1][1]:.4f}" if s.val_history else ""
     last = f"{s.train_losses[-1]:.4f}" if s.train_losses else "n/a"
     print(f"swarm {cfg.compression.codec} P={cfg.pipeline.num_stages}: {len(s.train_losses)} steps, train loss "
@@ -311,6 +312,10 @@ def build_parser() -> argparse.ArgumentParser:
             "the swarm's loss, tokens/s and bytes/token per link; Ctrl-C stops them all.")
     _add_config_args(p)
     _resume_arg(p, "every peer continues")
+    p.add_argument("--gpus", metavar="LIST",
+                   help="GPUs to give the peers, round-robin, one per peer through its CUDA_VISIBLE_DEVICES, "
+                        "e.g. --gpus 0,1,2,3 (a repeated id shares a GPU; needs runtime.device auto or cuda) "
+                        "(default: the visible GPUs, round-robin; none: the peers' environment is unchanged)")
     p.set_defaults(func=_cmd_launch)
     return parser
 

@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import math
+import re
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -71,6 +72,8 @@ Schedule = Literal["cosine", "wsd", "constant"]
 VQSync = Literal["stream", "full"]
 VQSliceOrder = Literal["priority", "round_robin"]
 Device = Literal["auto", "cpu", "cuda"]
+"""``runtime.device`` choices; ``cuda:N`` (a CUDA device index) is accepted too (the field's
+``pattern`` metadata, checked by :func:`_check_choices`)."""
 Autocast = Literal["auto", "off", "bf16"]
 
 CODECS: tuple[str, ...] = CODEC_NAMES
@@ -94,13 +97,17 @@ def _hints(cls: type) -> dict[str, Any]:
 
 def _check_choices(obj: Any) -> None:
     """The one check of every ``Literal``-typed field of a config section: its value is one of the
-    Literal's arguments. Called by each section's ``__post_init__`` (files and code alike)."""
+    Literal's arguments, or matches the field's ``pattern`` metadata when it has one (a regular
+    expression, with ``pattern_name`` saying it in words, e.g. ``runtime.device = "cuda:1"``).
+    Called by each section's ``__post_init__`` (files and code alike)."""
     for f in fields(obj):
         hint = _hints(type(obj))[f.name]
         if get_origin(hint) is Literal:
             allowed, value = get_args(hint), getattr(obj, f.name)
-            _check(isinstance(value, str) and value in allowed,
-                   f"{obj.SECTION}.{f.name} must be one of {allowed}, got {value!r}")
+            pattern = f.metadata.get("pattern")
+            ok = isinstance(value, str) and (value in allowed or bool(pattern and re.fullmatch(pattern, value)))
+            also = f" or {f.metadata['pattern_name']}" if pattern else ""
+            _check(ok, f"{obj.SECTION}.{f.name} must be one of {allowed}{also}, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -508,8 +515,13 @@ class RuntimeConfig:
 
     SECTION: ClassVar[str] = "runtime"
 
-    device: Device = "auto"
-    """auto (CUDA when present) | cpu | cuda."""
+    device: Device = field(default="auto", metadata={
+        "pattern": r"cuda:[0-9]+", "pattern_name": "'cuda:N' (N: a CUDA device index, 0, 1, ...)"})
+    """auto (CUDA when present, else the CPU) | cpu | cuda (the first visible CUDA device) | cuda:N
+    (visible CUDA device N; more than the visible count is an error when the device is resolved,
+    :func:`mapl_swarm.pipeline.run_policy.resolve_device`). Honoured by every thread that computes
+    (``bind_device``). Under ``mapl-swarm launch`` each peer sees only the GPU it is given through
+    ``CUDA_VISIBLE_DEVICES`` (``--gpus``), so ``cuda`` / ``auto`` is the setting to use there."""
     threads: int = 0
     """torch intra-op threads per process; 0 keeps torch's default."""
     autocast: Autocast = "auto"

@@ -25,8 +25,12 @@ T = TypeVar("T")
 class ComputeThread:
     """One worker thread for a stage's compute, and the lock that orders encodes and sends."""
 
-    def __init__(self, name: str) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-compute")
+    def __init__(self, name: str, *, initializer: Callable[[], None] | None = None) -> None:
+        """``initializer`` runs once on the worker thread before its first compute: per-thread
+        state such as the current CUDA device (``torch.cuda.set_device`` in another thread does
+        not reach this one), given by whoever builds the peer."""
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-compute",
+                                        initializer=initializer)
         self.encode_lock = asyncio.Lock()
         """Held from a compute that encodes until its payload is sent (a retransmission takes it too)."""
 

@@ -4,6 +4,13 @@ The launcher starts a DHT node (the bootstrap), then one ``mapl-swarm peer`` pro
 with the machine's cores split between their torch threads, waits for them, and stops all of
 them cleanly (SIGTERM, then SIGKILL after a grace period) on Ctrl-C or as soon as any one fails.
 At the end it prints the swarm's loss, tokens/s and measured bytes/token per link.
+
+GPUs: each peer is given one GPU through its own ``CUDA_VISIBLE_DEVICES`` (:func:`gpu_plan`):
+round-robin over the launcher's visible GPUs, or over ``--gpus 0,1,2,3``; several peers may share
+one GPU (4 peers on one H200 all get it). The launcher itself never imports torch for this: it
+reads its ``CUDA_VISIBLE_DEVICES``, else counts ``nvidia-smi -L``. With no GPU, with
+``runtime.device = "cpu"`` or with an explicit ``cuda:N`` the children's environment is left as it
+is. The command and environment of every peer are built by the pure :func:`peer_processes`.
 """
 
 from __future__ import annotations
@@ -11,22 +18,25 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from mapl_swarm.config import TrainConfig
 from mapl_swarm.data import prepare_data
-from mapl_swarm.errors import MaplError
+from mapl_swarm.errors import ConfigError, MaplError
 from mapl_swarm.net.discovery import Discovery, DiscoveryConfig
 from mapl_swarm.pipeline.payload import BACKWARD_KINDS, FORWARD_KINDS, kind_bytes
 
 log = logging.getLogger(__name__)
 
-__all__ = ["launch", "SwarmSummary", "summarize", "stop_all"]
+__all__ = ["launch", "SwarmSummary", "summarize", "stop_all", "parse_gpus", "visible_gpus", "gpu_plan",
+           "PeerProcess", "peer_processes"]
 
 _GRACE_S = 20.0
 
@@ -84,13 +94,110 @@ def stop_all(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
+# ---------------------------------------------------------------- GPUs and peer processes
+_GPU_ID = re.compile(r"[0-9]+|(GPU|MIG)-[0-9A-Za-z/-]+")
+
+
+def parse_gpus(text: str) -> list[str]:
+    """``--gpus 0,1,2,3``: the GPUs to hand out, as ``CUDA_VISIBLE_DEVICES`` takes them (indices or
+    ``GPU-``/``MIG-`` UUIDs); they replace the launcher's own ``CUDA_VISIBLE_DEVICES`` in the
+    children. A repeated id is fine (two peers on one GPU)."""
+    ids = [t.strip() for t in text.split(",")]
+    bad = [t for t in ids if not _GPU_ID.fullmatch(t)]
+    if not ids or bad:
+        raise ConfigError(f"--gpus {text!r}: expected comma-separated GPU indices or UUIDs, e.g. --gpus 0,1,2,3"
+                          + (f" (bad: {', '.join(repr(b) for b in bad)})" if bad else ""))
+    return ids
+
+
+def _nvidia_smi_count() -> int:
+    """GPUs listed by ``nvidia-smi -L`` (0 when it is missing or fails): a probe that needs no torch."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=15, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if re.match(r"GPU [0-9]+:", line))
+
+
+def visible_gpus(environ: Mapping[str, str], probe: Callable[[], int] = _nvidia_smi_count) -> list[str]:
+    """The GPUs the launcher may hand out: its ``CUDA_VISIBLE_DEVICES`` entries when that is set
+    (up to the first invalid one such as ``-1``, where CUDA stops too; empty: none), else
+    ``0 .. n-1`` for the ``n`` GPUs ``probe`` counts."""
+    cvd = environ.get("CUDA_VISIBLE_DEVICES")
+    if cvd is None:
+        return [str(i) for i in range(probe())]
+    out = []
+    for t in (t.strip() for t in cvd.split(",")):
+        if not _GPU_ID.fullmatch(t):
+            break
+        out.append(t)
+    return out
+
+
+def gpu_plan(device: str, num_peers: int, *, gpus: Sequence[str] | None = None,
+             environ: Mapping[str, str] | None = None,
+             probe: Callable[[], int] = _nvidia_smi_count) -> list[str | None]:
+    """Per peer, the ``CUDA_VISIBLE_DEVICES`` value it gets (None: its environment is left alone).
+
+    ``runtime.device`` ``auto`` / ``cuda``: round-robin over ``gpus`` (``--gpus``) or else the
+    launcher's :func:`visible_gpus` (4 GPUs, 4 peers -> 0,1,2,3; 1 GPU -> every peer gets it;
+    ``--gpus 2,3`` -> 2,3,2,3); no GPU -> all None. ``cpu`` and an explicit ``cuda:N`` (every
+    peer on device N of the launcher's view, as configured) -> all None, and ``--gpus`` with
+    either is a ConfigError (a peer that sees one GPU has no ``cuda:1``)."""
+    if device == "cpu" or device.startswith("cuda:"):
+        if gpus:
+            raise ConfigError(f"--gpus needs runtime.device = \"auto\" or \"cuda\" (each peer then sees its one "
+                              f"GPU as cuda:0), got runtime.device = {device!r}")
+        return [None] * num_peers
+    pool = list(gpus) if gpus else visible_gpus(os.environ if environ is None else environ, probe)
+    if not pool:
+        return [None] * num_peers
+    return [pool[s % len(pool)] for s in range(num_peers)]
+
+
+@dataclass(frozen=True)
+class PeerProcess:
+    """How ``launch`` starts one stage peer."""
+
+    stage: int
+    cmd: list[str]
+    env: dict[str, str]
+    gpu: str | None
+    """Its ``CUDA_VISIBLE_DEVICES`` (None: inherited unchanged)."""
+
+
+def peer_processes(num_stages: int, config_args: Sequence[str], *, maddr: str, threads: int, progress: bool,
+                   gpus: Sequence[str | None], environ: Mapping[str, str],
+                   python: str = sys.executable) -> list[PeerProcess]:
+    """The command and environment of every stage peer (pure: nothing is started). ``gpus`` is
+    :func:`gpu_plan`'s answer; a peer's environment is ``environ`` with its GPU as
+    ``CUDA_VISIBLE_DEVICES``, or ``environ`` unchanged when it has none."""
+    base = [python, "-m", "mapl_swarm", "peer", *config_args]
+    out = []
+    for s in range(num_stages):
+        cmd = base + ["--stage", str(s), "--initial-peer", maddr, "--set", f"runtime.threads={threads}",
+                      "--launched"]
+        if s > 0 or not progress:
+            cmd.append("--quiet")
+        env = dict(environ)
+        if gpus[s] is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpus[s]
+        out.append(PeerProcess(s, cmd, env, gpus[s]))
+    return out
+
+
 def launch(cfg: TrainConfig, config_args: list[str], *, progress: bool = True,
-           timeout_s: float | None = None) -> SwarmSummary:
+           timeout_s: float | None = None, gpus: Sequence[str] | None = None) -> SwarmSummary:
     """Run the whole swarm locally (each peer gets ``config_args``, the options that produced
     ``cfg`` and the log level); raises MaplError naming the failed stage. The launcher prepares the
-    data and runs the DHT bootstrap, and logs those once; its peers log them at DEBUG."""
+    data and runs the DHT bootstrap, and logs those once; its peers log them at DEBUG. ``gpus``
+    (``--gpus``) are handed out round-robin, else the visible ones (:func:`gpu_plan`)."""
     P = cfg.pipeline.num_stages
     threads = cfg.runtime.threads or max(1, (os.cpu_count() or 1) // P)
+    plan = gpu_plan(cfg.runtime.device, P, gpus=gpus)  # before any work: a bad --gpus answers at once
+    if any(g is not None for g in plan):
+        log.info("GPUs per peer (CUDA_VISIBLE_DEVICES): %s",
+                 ", ".join(f"stage {s} -> {g}" for s, g in enumerate(plan)))
     Path(cfg.run.out_dir).mkdir(parents=True, exist_ok=True)
     for s in range(P):  # results of an earlier run must not be mistaken for this one's
         (Path(cfg.run.out_dir) / f"peer_stage{s}.json").unlink(missing_ok=True)
@@ -104,13 +211,9 @@ def launch(cfg: TrainConfig, config_args: list[str], *, progress: bool = True,
         out = Path(cfg.run.out_dir)
         log.info("metrics: %s (one per stage, appended every step); checkpoints: %s; manifest: %s",
                  out / f"metrics_stage{{0..{P - 1}}}.jsonl", out / "checkpoints", out / "manifest.json")
-        base = [sys.executable, "-m", "mapl_swarm", "peer", *config_args]
-        for s in range(P):
-            cmd = base + ["--stage", str(s), "--initial-peer", maddr, "--set", f"runtime.threads={threads}",
-                          "--launched"]
-            if s > 0 or not progress:
-                cmd.append("--quiet")
-            procs.append(subprocess.Popen(cmd))
+        for peer in peer_processes(P, config_args, maddr=maddr, threads=threads, progress=progress, gpus=plan,
+                                   environ=os.environ):
+            procs.append(subprocess.Popen(peer.cmd, env=peer.env))
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             codes = [p.poll() for p in procs]

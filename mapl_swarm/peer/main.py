@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from pathlib import Path
@@ -45,7 +46,7 @@ def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool 
     from mapl_swarm.peer.checkpoints import PeerRunPolicy
     from mapl_swarm.peer.compute import ComputeThread
     from mapl_swarm.peer.runtime import Peer
-    from mapl_swarm.pipeline.run_policy import check_vocab, resolve_device
+    from mapl_swarm.pipeline.run_policy import bind_device, check_vocab, resolve_device
     from mapl_swarm.pipeline.stage import StageRuntime
 
     if cfg.runtime.threads:
@@ -53,13 +54,15 @@ def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool 
     data = prepare_data(cfg.data, progress=False)
     check_vocab(cfg, data)
     fingerprint = model_fingerprint(cfg, data.tokenizer.file_hash, data.tokenizer.vocab_size)
-    rt = StageRuntime(cfg, stage, resolve_device(cfg.runtime.device))
+    device = resolve_device(cfg.runtime.device)
+    bind_device(device)  # this (event-loop) thread; the compute thread binds it itself, below
+    rt = StageRuntime(cfg, stage, device)
     rt.codec.warm_up(cfg.pipeline.micro_batch_size * cfg.model.context_length)  # before the handshake
     sampler = val = None
     if stage == 0:
         sampler = BatchSampler(data.train, cfg.pipeline.micro_batch_size, cfg.model.context_length, cfg.run.seed)
         val = validation_batches(data.val, cfg.pipeline.micro_batch_size, cfg.model.context_length, cfg.eval.batches)
-    compute = ComputeThread(f"stage{stage}")
+    compute = ComputeThread(f"stage{stage}", initializer=functools.partial(bind_device, device))
     policy = PeerRunPolicy(cfg, stage, data, fingerprint, resume=resume, runtime=rt, compute=compute,
                            sampler=sampler)  # resume: agreed after the handshake
     return Peer(cfg, stage, rt, fingerprint=fingerprint, resolve=resolve, announce=announce, sampler=sampler,

@@ -16,9 +16,9 @@ from mapl_swarm.config import TrainConfig, model_fingerprint
 from mapl_swarm.data import BatchSampler, PreparedData, prepare_data, validation_batches
 from mapl_swarm.pipeline.inprocess import InProcessPipeline
 from mapl_swarm.pipeline.payload import BACKWARD_KINDS, FORWARD_KINDS, kind_bytes
-from mapl_swarm.pipeline.run_policy import (MetricsLog, StageCheckpoints, check_vocab, checkpoint_due,
-                                            choose_resume_step, metrics_path, resolve_device, start_fresh,
-                                            validation_due, write_manifest)
+from mapl_swarm.pipeline.run_policy import (MetricsLog, StageCheckpoints, bind_device, check_vocab,
+                                            checkpoint_due, choose_resume_step, metrics_path, resolve_device,
+                                            start_fresh, validation_due, write_manifest)
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
     if cfg.runtime.threads:
         torch.set_num_threads(cfg.runtime.threads)
     device = resolve_device(cfg.runtime.device)
+    bind_device(device)  # cuda:N: kernels, streams and compiled code without a device go to N too
     data = data or prepare_data(cfg.data, progress=progress)
     check_vocab(cfg, data)
     run, T = cfg.run, cfg.model.context_length
