@@ -136,8 +136,9 @@ class StageCodec:
         return {"act": z.detach().to(self.wire_dtype)}
 
     def decode_act(self, payload: Payload, cver: int | None) -> torch.Tensor:
-        """fp32 (B, T, w) on the stage's device from a received ACT payload."""
-        return payload["act"].to(self.device, torch.float32)
+        """fp32 (B, T, w) on the stage's device from a received ACT payload (a pinned host payload
+        is copied without blocking, then widened on the device)."""
+        return payload["act"].to(self.device, non_blocking=True).float()
 
     def encode_grad(self, grad: torch.Tensor, *, micro: int) -> Payload:
         """GRAD payload of dL/dZ_in (B, T, w)."""
@@ -146,7 +147,7 @@ class StageCodec:
     def decode_grad(self, payload: Payload, cver: int | None) -> torch.Tensor:
         """fp32 (B, T, w) from a received GRAD payload (undecodable VQ codes raise the named
         CodebookError, leaving the saved forward in place for a retransmission)."""
-        return payload["grad"].to(self.device, torch.float32)
+        return payload["grad"].to(self.device, non_blocking=True).float()
 
     # ------------------------------------------------------------------ steps, state
     def after_step(self) -> None:
