@@ -1,0 +1,211 @@
+"""Config sections of a run: its identity and budget, pipeline layout, evaluation, checkpoints,
+metrics, runtime (device, precision), network; and the whole :class:`TrainConfig`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import ClassVar, get_type_hints
+
+from mapl_swarm.compress.catalog import codec_info
+from mapl_swarm.config.base import Autocast, Device, _check, _check_choices, _check_ints
+from mapl_swarm.config.sections import CompressionConfig, DataConfig, MODEL_PRESETS, ModelConfig, OptimConfig
+
+__all__ = [
+    "RunConfig",
+    "PipelineConfig",
+    "EvalConfig",
+    "CheckpointConfig",
+    "MetricsConfig",
+    "RuntimeConfig",
+    "NetConfig",
+    "TrainConfig",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """What this run is: its seed, length, name and output folder."""
+
+    SECTION: ClassVar[str] = "run"
+
+    seed: int = 0
+    """Run seed; every random initialisation derives from (seed, component)."""
+    steps: int = 100
+    """Optimizer steps to train."""
+    out_dir: str = "runs/default"
+    """Folder for metrics.jsonl, checkpoints and the run manifest."""
+    run_id: str = "mapl"
+    """Swarm run name; peers of different runs never talk."""
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+        _check_ints(self, positive=("steps",))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    """Pipeline layout and batch sizes."""
+
+    SECTION: ClassVar[str] = "pipeline"
+
+    num_stages: int = 4
+    """Pipeline stages P."""
+    micro_batch_size: int = 4
+    """Sequences per micro-batch."""
+    num_micro_batches: int = 4
+    """Micro-batches per optimizer step (gradient accumulation)."""
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+        _check_ints(self, positive=("num_stages", "micro_batch_size", "num_micro_batches"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """Validation on held-out data."""
+
+    SECTION: ClassVar[str] = "eval"
+
+    interval_steps: int = 25
+    """Validate every this many steps (and at the end); 0 disables periodic validation."""
+    batches: int = 4
+    """Micro-batches of held-out data per validation."""
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+        _check_ints(self, positive=("batches",), non_negative=("interval_steps",))
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Per-stage checkpoints under ``run.out_dir``."""
+
+    SECTION: ClassVar[str] = "checkpoint"
+
+    interval_steps: int = 0
+    """Save per-stage checkpoints every this many steps (and at the end); 0 disables."""
+    keep: int = 2
+    """Newest complete checkpoints kept on disk."""
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+        _check_ints(self, positive=("keep",), non_negative=("interval_steps",))
+
+
+@dataclass(frozen=True, kw_only=True)
+class MetricsConfig:
+    """What goes into the metrics stream (``metrics.jsonl``)."""
+
+    SECTION: ClassVar[str] = "metrics"
+
+    log_interval_steps: int = 1
+    """Write a metrics record every this many steps."""
+    health_interval_steps: int = 0
+    """Log compression health per boundary (energy captured, projector orthonormality error,
+    backward gradient fidelity, codec stats) into the metrics stream every this many steps; 0 is off."""
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+        _check_ints(self, positive=("log_interval_steps",), non_negative=("health_interval_steps",))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeConfig:
+    """Where and how this process computes."""
+
+    SECTION: ClassVar[str] = "runtime"
+
+    device: Device = field(default="auto", metadata={
+        "pattern": r"cuda:[0-9]+", "pattern_name": "'cuda:N' (N: a CUDA device index, 0, 1, ...)"})
+    """auto (CUDA when present, else the CPU) | cpu | cuda (the first visible CUDA device) | cuda:N
+    (visible CUDA device N; more than the visible count is an error when the device is resolved,
+    :func:`mapl_swarm.pipeline.run_policy.resolve_device`). Honoured by every thread that computes
+    (``bind_device``). Under ``mapl-swarm launch`` each peer sees only the GPU it is given through
+    ``CUDA_VISIBLE_DEVICES`` (``--gpus``), so ``cuda`` / ``auto`` is the setting to use there."""
+    threads: int = 0
+    """torch intra-op threads per process; 0 keeps torch's default."""
+    autocast: Autocast = "auto"
+    """Mixed precision of a stage's forward: bf16 (``torch.autocast`` to bfloat16, on CUDA and on
+    CPU alike; boundary projections, VQ and the loss stay fp32) | off (fp32) | auto (bf16 on CUDA,
+    off on CPU). MAPL paper Table 7: bf16."""
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+        _check_ints(self, non_negative=("threads",))
+
+
+@dataclass(frozen=True, kw_only=True)
+class NetConfig:
+    """How a stage peer binds, finds its neighbours and shapes its outbound links."""
+
+    SECTION: ClassVar[str] = "net"
+
+    bind_host: str = "127.0.0.1"
+    """Interface the peer's ZeroMQ ROUTER binds (0.0.0.0 for every interface)."""
+    port: int = 0
+    """TCP port to bind; 0 picks a free one."""
+    advertise_host: str = ""
+    """Host announced to other peers; empty: bind_host, or this host's address when bound to 0.0.0.0."""
+    dht_host: str = "127.0.0.1"
+    """Interface the peer's DHT node listens on."""
+    dht_port: int = 0
+    """DHT TCP port; 0 picks a free one."""
+    initial_peers: tuple[str, ...] = ()
+    """DHT bootstrap multiaddrs (one is enough)."""
+    bandwidth_mbps: float = 0.0
+    """Emulated bandwidth of every outbound link in Mbit/s; 0 is unlimited."""
+    latency_ms: float = 0.0
+    """Emulated one-way latency of every outbound link."""
+    max_in_flight: int = 0
+    """Micro-batches stage 1 keeps in flight (1F1B warm-up depth); 0 means num_stages."""
+    timeout_s: float = 120.0
+    """Longest wait for any expected message (neighbour discovery, handshake, activations)."""
+    heartbeat_interval_s: float = 2.0
+    """Heartbeat period on idle links."""
+    compress_ids: bool = True
+    """lz4-compress token-id frames (activations are never compressed: lz4 gains nothing on them)."""
+    max_frame_bytes: int = 256 * 1024 * 1024
+    """Largest tensor frame accepted."""
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+        _check(0 <= self.port < 65536 and 0 <= self.dht_port < 65536, "net.port and net.dht_port must be in [0, 65535]")
+        for name in ("bandwidth_mbps", "latency_ms", "max_in_flight"):
+            _check(getattr(self, name) >= 0, f"net.{name} must be >= 0")
+        for name in ("timeout_s", "heartbeat_interval_s", "max_frame_bytes"):
+            _check(getattr(self, name) > 0, f"net.{name} must be positive")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """A whole run."""
+
+    model: ModelConfig = field(default_factory=lambda: MODEL_PRESETS["tiny"])
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    net: NetConfig = field(default_factory=NetConfig)
+
+    def __post_init__(self) -> None:
+        m, c, p = self.model, self.compression, self.pipeline
+        _check(p.num_stages <= m.num_layers,
+               f"cannot split {m.num_layers} layers over {p.num_stages} stages "
+               f"(pipeline.num_stages > model.num_layers)")
+        if codec_info(c.codec).projected:
+            _check(c.rank <= m.hidden_size,
+                   f"compression.rank {c.rank} exceeds model.hidden_size {m.hidden_size}")
+            _check(c.anchor_rank <= m.hidden_size,
+                   f"compression.anchor_rank {c.anchor_rank} exceeds model.hidden_size {m.hidden_size}")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.pipeline.micro_batch_size * self.pipeline.num_micro_batches * self.model.context_length
+
+
+_SECTIONS: dict[str, type] = {f.name: get_type_hints(TrainConfig)[f.name] for f in fields(TrainConfig)}
