@@ -93,9 +93,11 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
     start = _resume(pipe, cfg, stores, sampler) if resume else 0
     write_manifest(cfg, data, driver="train", fingerprint=fingerprint, resumed_from=start)
     expected = config_boundary_bytes(cfg)
+    slices = (f" (+ {expected.codebook_bytes:.2f} B/token codebook slices each way)"
+              if expected.codebook_bytes else "")
     log.info("codec %s: expected payload per boundary %.1f B/token forward, %.1f B/token backward "
-             "(+ %.2f B/token codebook slices each way)", cfg.compression.codec, expected.forward_bytes,
-             expected.backward_bytes, expected.codebook_bytes)
+             "(activations, ids and gradients; projector exchange not included)%s", cfg.compression.codec,
+             expected.forward_bytes, expected.backward_bytes, slices)
 
     initial_val = pipe.evaluate(val) if start == 0 else None
     val_history: list[tuple[int, float]] = [] if initial_val is None else [(0, initial_val)]
