@@ -6,8 +6,7 @@ by configs and reports) does not pull in torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from mapl_swarm.lazy import lazy_exports
 
 _EXPORTS = {
     "StageAnchor": "mapl_swarm.compress.anchors",
@@ -26,8 +25,4 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

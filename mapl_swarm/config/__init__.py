@@ -13,82 +13,10 @@ every section's ``__post_init__``). Keys of the older layout (``run.num_stages``
 warning names the new key.
 """
 
-from mapl_swarm.config.base import (
-    ANCHORS,
-    CODECS,
-    MIN_BPE_VOCAB,
-    SCHEDULES,
-    Anchor,
-    Autocast,
-    Codec,
-    Device,
-    Schedule,
-    VQSliceOrder,
-    VQSync,
-    WireDtype,
-)
-from mapl_swarm.config.loading import (
-    LEGACY_KEYS,
-    config_from_dict,
-    config_to_dict,
-    legacy_layout,
-    load_config,
-    model_fingerprint,
-    read_toml,
-    upgrade_legacy_keys,
-)
-from mapl_swarm.config.run import (
-    CheckpointConfig,
-    EvalConfig,
-    MetricsConfig,
-    NetConfig,
-    PipelineConfig,
-    RunConfig,
-    RuntimeConfig,
-    TrainConfig,
-)
-from mapl_swarm.config.sections import (
-    MODEL_PRESETS,
-    CompressionConfig,
-    DataConfig,
-    ModelConfig,
-    OptimConfig,
-    VQConfig,
-)
+from mapl_swarm.config import base, loading, run, sections
+from mapl_swarm.config.base import *  # noqa: F401,F403 (re-exports, each module's __all__)
+from mapl_swarm.config.loading import *  # noqa: F401,F403
+from mapl_swarm.config.run import *  # noqa: F401,F403
+from mapl_swarm.config.sections import *  # noqa: F401,F403
 
-__all__ = [
-    "ModelConfig",
-    "VQConfig",
-    "CompressionConfig",
-    "OptimConfig",
-    "DataConfig",
-    "RunConfig",
-    "PipelineConfig",
-    "EvalConfig",
-    "CheckpointConfig",
-    "MetricsConfig",
-    "RuntimeConfig",
-    "NetConfig",
-    "TrainConfig",
-    "MODEL_PRESETS",
-    "LEGACY_KEYS",
-    "Codec",
-    "Anchor",
-    "WireDtype",
-    "Schedule",
-    "VQSync",
-    "VQSliceOrder",
-    "Device",
-    "Autocast",
-    "CODECS",
-    "ANCHORS",
-    "SCHEDULES",
-    "MIN_BPE_VOCAB",
-    "load_config",
-    "read_toml",
-    "upgrade_legacy_keys",
-    "config_from_dict",
-    "config_to_dict",
-    "legacy_layout",
-    "model_fingerprint",
-]
+__all__ = [*base.__all__, *sections.__all__, *run.__all__, *loading.__all__]

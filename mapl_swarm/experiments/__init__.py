@@ -12,8 +12,7 @@ file is reported at once.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from mapl_swarm.lazy import lazy_exports
 
 _EXPORTS = {
     "Grid": "mapl_swarm.experiments.grid",
@@ -29,8 +28,4 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -54,8 +54,7 @@ lz4 or numpy.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from mapl_swarm.lazy import lazy_exports
 
 _ERRORS = ("ERRORS_BY_CODE", "AuthFailed", "BadCodec", "BadDtype", "BadShape", "ChecksumMismatch",
            "DecompressionFailed", "FrameCountMismatch", "FrameTooLarge", "InvalidMessage", "LengthMismatch",
@@ -95,14 +94,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
