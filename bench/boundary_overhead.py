@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from mapl_swarm.cli import parse_overrides
-from mapl_swarm.compress.catalog import CODEC_NAMES, codec_info
+from mapl_swarm.compress.catalog import CODEC_NAMES, codec_info, uncompressed_codec
 from mapl_swarm.config import config_from_dict
 from mapl_swarm.pipeline.payload import PayloadKey, Stream
 from mapl_swarm.pipeline.run_policy import bind_device, resolve_device
@@ -124,9 +124,6 @@ def bench_codec(codec: str, args: argparse.Namespace, device: torch.device) -> d
     }
     if device.type == "cuda":
         out["max_memory_allocated_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
-    del stages, stage, got, sent
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return out
 
 
@@ -154,12 +151,15 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     codecs = list(CODEC_NAMES) if args.codecs == "all" else args.codecs.split(",")
-    codecs = ["none"] + [c for c in codecs if c != "none"]  # the reference first
+    ref = uncompressed_codec()
+    codecs = [ref] + [c for c in codecs if c != ref]  # the reference (none) first
     device = resolve_device(args.device)
     bind_device(device)
     results: list[dict] = []
     for codec in codecs:
         r = bench_codec(codec, args, device)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the codec's stages are gone: the next one starts from a clean cache
         results.append(r)
         print(f"{codec}: stage {r['stage']} ({r['layers']} layers) fwd+bwd {1e3 * r['fwd_bwd_s']:.2f} ms over "
               f"{r['tokens']} tokens; payload {r['fwd_payload_bytes_per_token']:.0f} / "
@@ -168,7 +168,7 @@ def main() -> None:
 
 
 def _write_report(args: argparse.Namespace, device: torch.device, results: list[dict]) -> None:
-    base = next(r for r in results if r["codec"] == "none")["fwd_bwd_s"]  # "none" runs first
+    base = results[0]["fwd_bwd_s"]  # the uncompressed reference runs first
     for r in results:
         r["overhead_vs_none"] = r["fwd_bwd_s"] / base - 1
     report = {

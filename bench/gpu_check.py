@@ -7,9 +7,9 @@
     python bench/gpu_check.py summary --dir DIR --label TEXT ... (DIR/summary.md and DIR/gpu_check.json)
 
 Every part's JSON carries ``part``, ``title``, ``status`` (ok | failed | skipped), ``reason`` (when
-not ok), ``label`` (what its figures are: a measurement, or "smoke (CPU, not a measurement)"),
-``limit_s``, ``wall_s`` and its ``commands`` (each with its wall time and exit status); a failed
-part keeps whatever figures its command wrote before it stopped.
+not ok; a failed part adds its log's ``log_tail``), ``label`` (what its figures are: a measurement,
+or "smoke (CPU, not a measurement)"), ``limit_s``, ``wall_s`` and its ``commands`` (each with its
+wall time and exit status); a failed part keeps whatever figures its command wrote before it stopped.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mapl_swarm.cli import parse_overrides  # noqa: E402  (torch-free)
+from mapl_swarm.compress.catalog import uncompressed_codec  # noqa: E402
 
 PARTS = (  # (part, file, title) in the order the script runs them
     ("vq_speed", "vq_speed.json", "VQ encoder speed (eager, compiled) and share of a middle stage"),
@@ -136,7 +137,8 @@ def cmd_sweep_result(args: argparse.Namespace) -> None:
         runs.append({k: r.get(k) for k in ("run_id", "codec", "rank", "stages", "steps", "tokens", "val_loss",
                                            "initial_val_loss", "train_loss", "act_bytes_per_token", "wall_s",
                                            "tokens_per_s", "device")})
-    base = next((r["val_loss"] for r in runs if r["codec"] == "none" and r["val_loss"]), None)  # one seed
+    ref = uncompressed_codec()
+    base = next((r["val_loss"] for r in runs if r["codec"] == ref and r["val_loss"]), None)  # one seed
     for r in runs:
         if base and r["val_loss"] is not None:
             r["delta_pct_vs_none"] = 100 * (r["val_loss"] / base - 1)
@@ -186,15 +188,13 @@ def cmd_finish(args: argparse.Namespace) -> None:
             reason = f"exit status {failed['rc']} from `{failed['command']}`"
         else:
             reason = problem or f"exit status {args.rc} and no result file {args.json.name}"
-        tail = _tail(args.log, 15)
-        if tail:
-            reason += "; log tail:\n" + tail
+        data["log_tail"] = _tail(args.log, 20)
     data.update({"part": args.part, "title": title, "status": status, "label": args.label,
                  "limit_s": args.limit_s, "wall_s": sum(s["wall_s"] for s in commands), "commands": commands})
     if reason:
         data["reason"] = reason
     _write(args.json, data)
-    print(f"part {args.part}: {status}" + (f" ({reason.splitlines()[0]})" if reason else ""))
+    print(f"part {args.part}: {status}" + (f" ({reason})" if reason else ""))
 
 
 # ---------------------------------------------------------------- summary
@@ -212,8 +212,8 @@ def _figures(part: str, d: dict) -> str:
             + (f", compile {r['compile_s']:.1f} s" if "compile_s" in r else "")
             for r in d.get("results", []))
     if part == "boundary_overhead":
-        return ", ".join(f"{r['codec']} {_pct(r['overhead_vs_none'])}" for r in d.get("results", [])
-                         if r["codec"] != "none") + " vs none"
+        return ", ".join(f"{r['codec']} {_pct(r['overhead_vs_none'])}" for r in d.get("results", [])[1:]) \
+            + f" vs {d['results'][0]['codec']}"  # results[0]: the uncompressed reference
     if part == "swarm":
         b = d.get("bytes_per_token", {})
         return (f"{d.get('stages')} peers, {d.get('train_steps')} steps: {d.get('tokens_per_s', math.nan):.0f} tokens/s; "
@@ -275,7 +275,7 @@ def cmd_summary(args: argparse.Namespace) -> None:
             cell = f"{args.label}: {figures}"
             details += _details(part, d, args.label)
         else:
-            cell = status.upper() + (f": {d['reason'].splitlines()[0]}" if d.get("reason") else "")
+            cell = d.get("reason", "").replace("\n", " ")
             if figures and d.get("results", d.get("runs")):
                 cell += f"; partial, {args.label}: {figures}"
         wall = d.get("wall_s")
@@ -296,6 +296,10 @@ def cmd_summary(args: argparse.Namespace) -> None:
         "command": args.command, "commit": args.commit, "total_s": total, "parts": statuses,
         "files": [f for _, f, _ in PARTS] + ["summary.md"]})
     print("\n".join(md))
+    failed = [p for p, st in statuses.items() if st == "failed"]
+    if failed:
+        print(f"gpu_check: failed parts: {', '.join(failed)}", file=sys.stderr)
+        sys.exit(1)
 
 
 def main() -> None:
@@ -332,11 +336,12 @@ def main() -> None:
     s.add_argument("--limit-s", type=float, required=True)
     s.add_argument("--label", required=True)
     s.add_argument("--steps-file", type=Path, help="JSON lines: command, wall_s, rc of each step")
-    s.add_argument("--log", type=Path, help="the part's log (its tail goes into a failure's reason)")
+    s.add_argument("--log", type=Path, help="the part's log (a failure keeps its tail)")
     s.add_argument("--skip-reason", default="")
     s.set_defaults(func=cmd_finish)
 
-    s = sub.add_parser("summary", help="DIR/summary.md (a row per part) and DIR/gpu_check.json")
+    s = sub.add_parser("summary", help="DIR/summary.md (a row per part) and DIR/gpu_check.json; "
+                                       "exit status 1 when a part failed")
     s.add_argument("--dir", type=Path, required=True)
     s.add_argument("--label", required=True)
     s.add_argument("--smoke", action="store_true")

@@ -11,9 +11,10 @@
 #      (`mapl-swarm sweep --grid <slice of bench/grids/gpu-small.toml> --only P4`) -> DIR/sweep.json
 #   5. a Markdown table of all parts                                         -> DIR/summary.md (+ DIR/gpu_check.json)
 # Each part runs under its own time box (`timeout`); its JSON is written as soon as it ends, with
-# "status": "ok" | "failed" (+ "reason": the time box, the exit status and the log's tail) |
+# "status": "ok" | "failed" (+ "reason": the time box or the exit status, and "log_tail") |
 # "skipped" (+ "reason"); a failing part never stops the others. Logs and scratch files go to the
 # work folder (--work, default a new /tmp folder), so DIR holds the 6 files above and nothing else.
+# Exit status: 0 when every part is ok or skipped, 1 when one failed, 2 for a usage error.
 #
 # Usage:
 #   bench/gpu_check.sh --out DIR [--device cuda|cpu] [--smoke] [--wheels WHEELDIR] [--python PY] [--work WORK]
@@ -27,13 +28,14 @@
 # transformers, msgpack, uvloop and tokenizers, but not pyzmq, lz4, hivemind or hivemind's own
 # dependencies): on a machine with PyPI access, in the repository root,
 #     echo /.whl/ >> .git/info/exclude          # .whl/ is also in .gitignore
-#     bench/gpu_check.sh --fetch-wheels .whl    # 23 cp312 manylinux x86_64 wheels, ~24 MiB
+#     bench/gpu_check.sh --fetch-wheels .whl    # 25 cp312 manylinux x86_64 wheels, ~25 MiB
 # which runs, for the pinned versions in WHEELS below,
 #     pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #         --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
 #         --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl NAME==VERSION
 # and builds the three pure-Python ones PyPI has only as sources (SDIST_WHEELS: `pip wheel --no-deps`,
-# py3-none-any). Then carry .whl to the GPU machine (the device tool: carry [".whl"]) and run
+# py3-none-any). Then carry .whl to the GPU machine with the repository (it is git-ignored: name it
+# explicitly when copying the working tree) and run
 #     bench/gpu_check.sh --out DIR --wheels .whl
 # which installs them offline first:
 #     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target WORK/site .whl/*.whl
@@ -43,11 +45,13 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # cp312 wheels for the GPU image: pyzmq, lz4, hivemind and hivemind's dependencies (the versions the
-# CPU test environment runs; protobuf too: hivemind's generated code needs a runtime >= 5.27.2).
+# CPU test environment runs; protobuf too: hivemind's generated code needs a runtime >= 5.27.2). Checked
+# complete against the GPU image's package list as read in 2026-11: every Requires-Dist of these
+# wheels, for CPython 3.12 on Linux, is one of them or already in the image.
 WHEELS=(pyzmq==27.3.0 lz4==4.4.5 hivemind==1.1.12 base58==2.1.1 configargparse==1.9.0 cryptography==50.0.2
         cffi==2.1.1 pycparser==3.12 grpcio-tools==1.85.1 netaddr==1.3.0 py-cid==0.5.0 py-multibase==2.0.0
-        py-multicodec==1.0.0 py-multihash==3.0.0 morphys==1.0 pydantic==2.14.4 pydantic-core==2.50.5
-        annotated-types==0.8.0 typing-inspection==0.4.5 protobuf==7.36.2)
+        py-multicodec==1.0.0 py-multihash==3.0.0 blake3==1.0.11 mmh3==5.3.1 morphys==1.0 pydantic==2.14.4
+        pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 protobuf==7.36.2)
 SDIST_WHEELS=(prefetch-generator==1.0.3 python-baseconv==1.2.2 varint==1.0.2)  # no wheels on PyPI: built here
 
 OUT="" DEVICE="cuda" SMOKE=0 WHEELDIR="" FETCH="" PY="python3" WORK=""
@@ -126,7 +130,8 @@ step() {
   else
     timeout -k 10 "$left" "$@" >>"$PART_LOG" 2>&1 || rc=$?
   fi
-  "$PY" -c 'import json, sys; print(json.dumps({"command": sys.argv[1], "wall_s": round(float(sys.argv[3]) - float(sys.argv[2]), 3), "rc": int(sys.argv[4])}))' \
+  "$PY" -c 'import json, sys; c, t0, t1, rc = sys.argv[1:]
+print(json.dumps({"command": c, "wall_s": round(float(t1) - float(t0), 3), "rc": int(rc)}))' \
     "$*" "$t0" "${EPOCHREALTIME:-$SECONDS}" "$rc" >>"$PART_STEPS"
   ((rc == 0)) || echo "  -> exit status $rc (log: $PART_LOG)"
   return "$rc"
@@ -191,7 +196,8 @@ part_boundary_overhead() {
 part_swarm() {
   local missing
   if ! missing="$("$PY" -c 'import zmq, lz4, hivemind' 2>&1)"; then
-    PART_SKIP="needs pyzmq, lz4 and hivemind (+ hivemind's dependencies), not importable here: $(tail -n 1 <<<"$missing"); carry their wheels: --wheels DIR (see the top of bench/gpu_check.sh)"
+    PART_SKIP="needs pyzmq, lz4 and hivemind (+ hivemind's dependencies), not importable here: $(tail -n 1 <<<"$missing")"
+    PART_SKIP+="; carry their wheels: --wheels DIR (see the top of bench/gpu_check.sh)"
     echo "  skipped: $PART_SKIP"
     return 0
   fi
@@ -226,5 +232,7 @@ SUMMARY=("$PY" bench/gpu_check.py summary --dir "$OUT" --label "$LABEL" --device
          --commit "$COMMIT" --total-s "$((SECONDS - T_START))")
 [[ $SMOKE == 1 ]] && SUMMARY+=(--smoke)
 echo "== summary"
-"${SUMMARY[@]}"
+status=0
+"${SUMMARY[@]}" || status=$?
 echo "gpu_check: $((SECONDS - T_START)) s; results in $OUT; logs in $WORK"
+exit "$status"  # 1 when a part failed (its JSON and summary.md say why); a skipped part is not a failure
