@@ -111,6 +111,14 @@ def _write(path: Path, obj: dict) -> None:
     tmp.replace(path)
 
 
+def _steady(tokens: int, report_times_s: list[float]) -> float | None:
+    """Tokens/s over the steps after the first (None with fewer than 2 steps)."""
+    n = len(report_times_s)
+    if n < 2 or report_times_s[-1] <= report_times_s[0]:
+        return None
+    return tokens / n * (n - 1) / (report_times_s[-1] - report_times_s[0])
+
+
 def cmd_swarm_result(args: argparse.Namespace) -> None:
     from mapl_swarm.peer.launch import summarize
 
@@ -120,7 +128,11 @@ def cmd_swarm_result(args: argparse.Namespace) -> None:
     mean = lambda key: sum(link[key] for link in links) / len(links)  # noqa: E731
     _write(args.out, {
         "benchmark": "swarm", "command": args.command, "stages": args.stages, "train_steps": len(s.train_losses),
-        "tokens": s.tokens, "wall_s": s.wall_s, "tokens_per_s": s.tokens / wall,
+        "tokens": s.tokens, "swarm_wall_s": s.wall_s, "tokens_per_s": s.tokens / wall,
+        "tokens_per_s_note": "stage 0's tokens over its wall time from the handshake to the end (warm-up, "
+                             "k-means init and the final validation included); steady_tokens_per_s: the steps "
+                             "after the first, from the times their losses reached stage 0",
+        "steady_tokens_per_s": _steady(s.tokens, s.report_times_s),
         "train_losses": s.train_losses, "val_history": s.val_history,
         "bytes_per_token": {k: mean(k) for k in ("forward_payload", "backward_payload", "forward_wire",
                                                  "backward_wire")},
@@ -216,7 +228,9 @@ def _figures(part: str, d: dict) -> str:
             + f" vs {d['results'][0]['codec']}"  # results[0]: the uncompressed reference
     if part == "swarm":
         b = d.get("bytes_per_token", {})
-        return (f"{d.get('stages')} peers, {d.get('train_steps')} steps: {d.get('tokens_per_s', math.nan):.0f} tokens/s; "
+        steady = d.get("steady_tokens_per_s")
+        return (f"{d.get('stages')} peers, {d.get('train_steps')} steps: {d.get('tokens_per_s', math.nan):.0f} tokens/s"
+                + (f" ({steady:.0f} after the first step)" if steady else "") + "; "
                 f"{b.get('forward_payload', math.nan):.1f} / {b.get('backward_payload', math.nan):.1f} B/token payload, "
                 f"{b.get('forward_wire', math.nan):.1f} / {b.get('backward_wire', math.nan):.1f} on the wire "
                 f"(fwd / bwd, mean over links)")

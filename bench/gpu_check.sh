@@ -166,7 +166,7 @@ if [[ $SMOKE == 1 ]]; then
   SLICE_ARGS=("${TINY[@]}" --set model.vocab_size=512 --set runtime.autocast='"bf16"')
   SWEEP_ONLY="P4"
 else
-  LIMITS=(75 40 95 60)  # 270 s of time boxes: within 5 minutes with the wheels' install and the summary
+  LIMITS=(70 50 90 60)  # 270 s of time boxes: within 5 minutes with the wheels' install and the summary
   VQ_ARGS=(--presets 150M --variants eager,compiled --repeats 5 --batch 4 --seq 2048)  # rank 256: DESIGN.md §5
   BO_ARGS=(--preset 150M --rank 256 --batch 4 --seq 2048 --warmup 2 --repeats 10)
   SWARM_STAGES=4
