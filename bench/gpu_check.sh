@@ -170,8 +170,11 @@ else
   VQ_ARGS=(--presets 150M --variants eager,compiled --repeats 5 --batch 4 --seq 2048)  # rank 256: DESIGN.md §5
   BO_ARGS=(--preset 150M --rank 256 --batch 4 --seq 2048 --warmup 2 --repeats 10)
   SWARM_STAGES=4
+  # 150M, rank 256, 4 x 2048 tokens per micro-batch; the 32k BPE needs a corpus that has 32,000 tokens
+  # to learn (model.vocab_size must equal the tokenizer's): 4 MB of the stdlib gave 29,015, 8 MB 32,000
+  # (3.6 s here), so 12 MB for a margin
   SWARM_ARGS=(--set run.steps=3 --set pipeline.num_micro_batches=4 --set eval.batches=1
-              --set data.max_corpus_bytes=8000000)  # 150M, rank 256, 4 x 2048 tokens per micro-batch
+              --set data.max_corpus_bytes=12000000)
   GPU_ARGS=(--gpus 0,0,0,0)  # one GPU shared by the 4 peers
   SLICE_STEPS=5
   SLICE_ARGS=(--set optim.warmup_steps=2 --set data.max_corpus_bytes=8000000)
