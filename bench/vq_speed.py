@@ -1,6 +1,7 @@
 """VQ encoder/decoder speed against a pipeline stage's own forward+backward (MAPL+VQ).
 
     python bench/vq_speed.py [--presets tiny,150M] [--variants eager,compiled] [--repeats 5]
+                             [--autocast off|bf16] [--batch B --seq T --rank R]
 
 For each preset it builds a middle stage (stage 1 of 4, codec ``mapl``) and times its forward +
 backward over one micro-batch, then times the VQ work that a ``mapl_vq`` middle stage adds per
@@ -9,6 +10,9 @@ its inbound Z and outbound dL/dZ, each on its own codebooks (K=256, R=2, G=2 by 
 the eager encoder and with the torch.compile-fused one (``compression.vq.compile``). Prints the figures and
 writes bench/results/vq_speed.json. Measured on CPU here; the code is device-agnostic
 (``--device cuda`` runs the same code on a GPU, where the compiled search is a Triton kernel).
+``--autocast bf16`` runs the stage's forward+backward under bf16 autocast (``runtime.autocast``; the
+VQ work stays fp32 either way, as in training); ``--batch/--seq/--rank`` replace the preset's
+micro-batch shape (e.g. the 4 x 2048 tokens of DESIGN.md §5, or tiny smoke shapes).
 """
 
 from __future__ import annotations
@@ -52,11 +56,13 @@ def _time(fn, repeats: int, device: torch.device) -> float:
 
 def bench_preset(preset: str, compiled: bool, args: argparse.Namespace, device: torch.device) -> dict:
     rank, batch, seq = SHAPES[preset]
+    rank, batch, seq = args.rank or rank, args.batch or batch, args.seq or seq
     cfg = config_from_dict({
         "preset": preset, "model": {"context_length": seq},
         "compression": {"codec": "mapl", "rank": rank, "anchor_rank": rank,
                         "vq": {"max_distance_mib": args.max_distance_mib}},
         "pipeline": {"num_stages": 4, "micro_batch_size": batch, "num_micro_batches": 1},
+        "runtime": {"autocast": args.autocast},
     })
     tokens = batch * seq
     gen = torch.Generator().manual_seed(0)
@@ -102,7 +108,7 @@ def bench_preset(preset: str, compiled: bool, args: argparse.Namespace, device: 
     dec_s = _time(decode, args.repeats, device)
     vq_stage_s = 2 * (enc_s + dec_s)  # a middle stage: Z out + dL/dZ in encoded, Z in + dL/dZ out decoded
     out = {
-        "preset": preset, "encoder": "compiled" if compiled else "eager",
+        "preset": preset, "encoder": "compiled" if compiled else "eager", "autocast": args.autocast,
         **({"compile_s": compile_s} if compiled else {}), "hidden_size": cfg.model.hidden_size, "layers_per_stage": len(stage.model.layers),
         "rank": rank, "tokens_per_micro_batch": tokens, "codebook_size": s.codebook_size, "rounds": s.rounds,
         "group_size": s.group_size, "max_distance_mib": args.max_distance_mib,
@@ -133,22 +139,36 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--group-size", type=int, default=2)
     p.add_argument("--max-distance-mib", type=float, default=0.0, help="0: sized by device")
+    p.add_argument("--autocast", choices=("off", "bf16"), default="off",
+                   help="runtime.autocast of the stage's forward+backward (default: off, fp32)")
+    p.add_argument("--batch", type=int, default=0, help="sequences per micro-batch (0: the preset's shape)")
+    p.add_argument("--seq", type=int, default=0, help="tokens per sequence (0: the preset's shape)")
+    p.add_argument("--rank", type=int, default=0, help="projection rank r (0: the preset's shape)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "vq_speed.json")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    results = [bench_preset(name, v == "compiled", args, device) for v in args.variants.split(",")
-               for name in args.presets.split(",")]
+    results: list[dict] = []
+    for v in args.variants.split(","):
+        for name in args.presets.split(","):
+            results.append(bench_preset(name, v == "compiled", args, device))
+            _write_report(args, device, results)  # after each result: a run stopped later keeps these
+
+
+def _write_report(args: argparse.Namespace, device: torch.device, results: list[dict]) -> None:
     report = {"benchmark": "vq_speed", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "machine": {"platform": platform.platform(), "processor": platform.processor(),
                           "load_average_1m_at_end": os.getloadavg()[0], "cpus": os.cpu_count(),
-                          "torch": torch.__version__, "threads": torch.get_num_threads(), "device": str(device)},
+                          "torch": torch.__version__, "threads": torch.get_num_threads(), "device": str(device),
+                          **({"gpu": torch.cuda.get_device_name(device)} if device.type == "cuda" else {})},
               "command": "python bench/vq_speed.py " + " ".join(f"--{k.replace('_', '-')} {v}"
                                                                 for k, v in vars(args).items() if k != "out"),
               "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    tmp.replace(args.out)
     print(f"wrote {args.out}")
 
 
