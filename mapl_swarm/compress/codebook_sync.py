@@ -255,7 +255,7 @@ class VQSender:
 
     def warm_up(self, tokens: int) -> dict[str, float]:
         """Get ready for encodes of ``tokens`` tokens (a micro-batch's B x T) before the handshake:
-        size the eager search for this device and, with ``vq_compile``, compile the fused search on
+        size the eager search for this device and, with ``compression.vq.compile``, compile the fused search on
         dummy data of the real shapes. Touches no codebook, statistic or random stream (the codes
         stay the same with or without it). Returns ``fused`` (1.0 if on), ``distance_mib``,
         ``chunks`` (eager chunks per round) and ``compile_s``."""
@@ -269,7 +269,7 @@ class VQSender:
             log.info("vq %s: fused nearest-code search compiled in %.1f s", self.stream, compile_s)
         else:
             log.info("vq %s: eager nearest-code search%s: %d chunk(s) per round of %d tokens, %.0f MiB distances",
-                     self.stream, "" if s.compile else " (compression.vq_compile = false)", chunks, tokens,
+                     self.stream, "" if s.compile else " (compression.vq.compile = false)", chunks, tokens,
                      budget / (1 << 20))
         return {"fused": float(fused), "distance_mib": budget / (1 << 20), "chunks": float(chunks),
                 "compile_s": compile_s}

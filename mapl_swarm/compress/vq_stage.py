@@ -108,7 +108,7 @@ class StageVQ:
 
     def warm_up(self, tokens: int) -> dict[str, dict[str, float]]:
         """Before the handshake: size each sender's search for this device and, with
-        ``vq_compile``, compile the fused search on dummy data of ``tokens`` tokens (the micro-batch's
+        ``compression.vq.compile``, compile the fused search on dummy data of ``tokens`` tokens (the micro-batch's
         B x T) so the first encode does not compile (~1 min). Changes no codebook, statistic or
         random stream. Returns each sender's :meth:`VQSender.warm_up` figures by stream."""
         return {stream: tx.warm_up(tokens) for stream, tx in self.tx.items()}
