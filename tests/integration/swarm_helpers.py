@@ -81,8 +81,8 @@ class Watched:
     def wait_for(self, pattern: str, timeout: float) -> re.Match:
         rx = re.compile(pattern)
         with self._cond:
-            ok = self._cond.wait_for(lambda: any(rx.search(l) for l in self.lines) or self.proc.poll() is not None,
-                                     timeout)
+            self._cond.wait_for(lambda: any(rx.search(l) for l in self.lines) or self.proc.poll() is not None,
+                                timeout)
             for l in self.lines:
                 m = rx.search(l)
                 if m:
@@ -91,7 +91,14 @@ class Watched:
                              + "\n".join(self.lines[-30:]))
 
     def wait(self, timeout: float) -> int:
-        code = self.proc.wait(timeout)
+        """The exit status; a process still running after ``timeout`` is stopped (SIGINT, then
+        SIGKILL) and the failure shows its output."""
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.stop(signal.SIGINT, timeout=30)
+            raise AssertionError(f"{self.proc.args[:4]}... still running after {timeout} s; its output:\n"
+                                 + "\n".join(self.lines[-60:])) from None
         for t in self._threads:
             t.join(5)
         return code

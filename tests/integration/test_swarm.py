@@ -102,15 +102,18 @@ def test_other_major_version_refused(tmp_path, cache):
         "except MaplError as e:\n"
         "    print('mapl-swarm: error:', e, file=sys.stderr); sys.exit(2)\n"
     )
+    procs = []
     try:
         p0 = Watched(cli("peer", "--config", str(path), "--stage", "0", "--initial-peer", maddr, "--quiet"))
         p1 = Watched([os.sys.executable, "-c", script])
-        assert p1.wait(120) == 2, p1.output
+        procs += [p0, p1]
+        assert p1.wait(180) == 2, p1.output
         assert re.search(r"refused stage 1: peer speaks 2\.0, this peer speaks 1\.\d+", p1.output), p1.output
         assert p0.proc.poll() is None  # the refusing peer keeps serving
         p0.wait_for(r"dropped a message from .stage1.: peer speaks 2\.0", 10)
-        p0.stop()
     finally:
+        for p in procs:
+            p.stop()
         dht.stop(sig=2)
 
 
