@@ -57,10 +57,10 @@ log = logging.getLogger(__name__)
 _TORCH_CODE_DTYPES = {"uint8": torch.uint8, "uint16": torch.uint16}
 
 _MIB = 1 << 20
-CPU_DISTANCE_BYTES = 32 * _MIB
-"""CPU budget of one chunk's (NG, chunk, K) fp32 distance tensor: within a server's last-level
-cache, and large enough that per-chunk overhead does not dominate (2-core machine, 150M shape
-8192 x 128 groups x K=256: 1 MiB 5.5 s, 8 MiB 3.1 s, 32-128 MiB 2.3-2.6 s per search)."""
+CPU_DISTANCE_BYTES = 8 * _MIB
+"""CPU budget of one chunk's (NG, chunk, K) fp32 distance tensor: cache-sized, and large enough that
+per-chunk overhead does not dominate. Source: BENCHMARKS.md, "VQ encoder speed" (larger budgets
+were no faster for the whole encode on the CPU measured there)."""
 CUDA_FREE_FRACTION = 0.25
 """CUDA: share of the memory available to this process (driver-free plus the caching allocator's
 reserved-but-unused) one chunk may take."""

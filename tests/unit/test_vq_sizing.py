@@ -38,11 +38,11 @@ def test_distance_budget_follows_the_device():
     assert distance_budget_bytes("cuda", free_bytes=3 * GiB) == 512 * MiB  # a quarter, power of two
     assert _chunks(distance_budget_bytes("cuda", free_bytes=3 * GiB)) == 2
     assert distance_budget_bytes("cuda", free_bytes=10 * MiB) == 8 * MiB  # the floor on a full device
-    assert distance_budget_bytes("cpu") == vq.CPU_DISTANCE_BYTES == 32 * MiB and _chunks(32 * MiB) == 32
+    assert distance_budget_bytes("cpu") == vq.CPU_DISTANCE_BYTES == 8 * MiB and _chunks(8 * MiB) == 128
     assert distance_budget_bytes("cuda", override_mib=8, free_bytes=130 * GiB) == 8 * MiB  # override wins
     assert _chunks(8 * MiB) == 128
     s = _compression(codec="mapl_vq").vq
-    assert s.max_distance_mib == 0 and distance_budget_bytes("cpu", override_mib=s.max_distance_mib) == 32 * MiB
+    assert s.max_distance_mib == 0 and distance_budget_bytes("cpu", override_mib=s.max_distance_mib) == 8 * MiB
     assert distance_budget_bytes("cuda", override_mib=s.max_distance_mib, free_bytes=130 * GiB) == GiB
     tiny = _compression(codec="mapl_vq", vq_max_distance_mib=0.5).vq
     assert distance_budget_bytes("cpu", override_mib=tiny.max_distance_mib) == MiB // 2
