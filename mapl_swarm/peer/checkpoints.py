@@ -97,7 +97,8 @@ class CheckpointAgreement:
         if self.up is not None:
             await self.send(self.up, {"phase": "saved", "step": step})
             return
-        self._complete(step)  # stage 0: every stage has it
+        log.info("checkpoint step %d saved by every stage", step)  # stage 0 decides: once per swarm
+        self._complete(step)
         if self.down is not None:
             await self.send(self.down, {"phase": "complete", "step": step})
 

@@ -4,7 +4,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 
 import pytest
 
@@ -15,16 +14,6 @@ from mapl_swarm.pipeline.trainer import train
 from swarm_helpers import Watched, cli, train_losses, write_config
 
 pytestmark = pytest.mark.timeout(600)
-
-
-def _wait_complete_checkpoint(out, stages, deadline_s):
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        step = checkpoint.latest_complete_step(out, stages)
-        if step:
-            return step
-        time.sleep(0.2)  # watching another process's files, with a deadline
-    raise AssertionError("no complete checkpoint appeared")
 
 
 def _pids(*pgrep_args: str) -> list[int]:
@@ -51,7 +40,7 @@ def test_killed_peer_then_resume_continues_exactly(tmp_path):
     text = path.read_text().replace("[net]", "[net]\nheartbeat_interval_s = 1.0\nbandwidth_mbps = 0.25")
     path.write_text(text.replace("[eval]\n", "[checkpoint]\ninterval_steps = 2\n\n[eval]\n"))
     swarm = Watched(cli("launch", "--config", str(path), "--quiet"))
-    step = _wait_complete_checkpoint(tmp_path / "run", 3, 300)
+    step = int(swarm.wait_for(r"checkpoint step (\d+) saved by every stage", 300).group(1))
     _crash_host(f"peer --config {path} --stage 2")
     assert swarm.wait(120) == 2, swarm.output
     assert "stage 2 peer exited" in swarm.output

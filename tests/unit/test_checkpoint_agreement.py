@@ -15,9 +15,19 @@ from mapl_swarm.wire import Message, MessageType, decode, encode
 P = 3
 
 
+class _Queues(dict):
+    """Per-link FIFO queues of messages ((src, dst) -> list) that wake a waiting pump on arrival."""
+
+    event: asyncio.Event | None = None
+
+    def arrived(self) -> None:
+        if self.event is not None:
+            self.event.set()
+
+
 def _swarm(root, keep=2, driver="swarm"):
     """P agreements whose messages go through the real wire codec into per-link FIFO queues."""
-    queues: dict[tuple[int, int], list[Message]] = {}
+    queues = _Queues()
     peers = []
     for s in range(P):
         store = StageCheckpoints(root / f"host{s}", s, driver=driver, fingerprint="f" * 32, keep=keep)
@@ -26,6 +36,7 @@ def _swarm(root, keep=2, driver="swarm"):
             msg = Message(type=MessageType.CHECKPOINT, run_id="t", src=src, dst=dst, step=meta.get("step") or 0,
                           meta=meta)
             queues.setdefault((src, dst), []).append(decode(encode(msg)))  # a valid frame every time
+            queues.arrived()
 
         async def asend(dst, meta, src=s):
             send(dst, meta, src)
@@ -83,12 +94,15 @@ def test_prune_waits_for_the_slowest_stage(tmp_path):
 def _resume_all(peers, queues, run_steps):
     async def pump():
         while True:
+            await queues.event.wait()
+            queues.event.clear()
             for (src, dst), q in queues.items():
                 while q:
                     await peers[dst].on_message(q.pop(0))
-            await asyncio.sleep(0)
 
     async def run():
+        queues.event = asyncio.Event()
+        queues.event.set()  # deliver whatever is already queued
         pumper = asyncio.create_task(pump())
         try:
             return await asyncio.gather(*(p.agree_resume(run_steps, 10.0) for p in peers), return_exceptions=True)
