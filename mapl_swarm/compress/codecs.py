@@ -36,7 +36,6 @@ from mapl_swarm.compress import ssn
 from mapl_swarm.compress.anchors import StageAnchor
 from mapl_swarm.compress.boundary import WIRE_TORCH_DTYPES, Boundary, BoundaryBytes, BoundaryShape, id_wire_dtype
 from mapl_swarm.compress.catalog import CodecInfo, codec_info
-from mapl_swarm.compress.codebook_sync import CodebookSlice
 from mapl_swarm.config import VQConfig
 from mapl_swarm.compress.vq_stage import StageVQ
 from mapl_swarm.optim.param_table import ParamRow, adamw_rows
@@ -346,10 +345,6 @@ class ProjectedVQCodec(ProjectedCodec):
         slices = vq.slice_bytes_per_micro / shape.tokens_per_micro if shape.tokens_per_micro else 0.0
         return BoundaryBytes(forward_act_bytes=codes, forward_ids_bytes=shape.ids_bytes_per_token,
                              backward_bytes=codes, codebook_bytes=slices)
-
-    # codebook streams, for the drivers
-    def take_slices(self, stream: str) -> list[CodebookSlice]:
-        return self.vq.take_slices(stream)
 
 
 CODEC_CLASSES: dict[str, type[StageCodec]] = {

@@ -38,6 +38,7 @@ from tqdm import tqdm
 from mapl_swarm.errors import MaplError
 from mapl_swarm.peer.host import HostRuntime
 from mapl_swarm.peer.vq_link import Retransmitting
+from mapl_swarm.pipeline.run_policy import due
 from mapl_swarm.pipeline.stage import mean_loss
 from mapl_swarm.wire import Message, MessageType
 
@@ -301,7 +302,7 @@ class PipelineSchedule:
                 done += 1
             await self._flush(step)
             done_steps = step + 1
-            if s.val_interval_steps and (done_steps % s.val_interval_steps == 0 or done_steps == s.steps):
+            if due(s.val_interval_steps, done_steps, s.steps):
                 await self._validate(done_steps)
         await self._wait_report("train", s.steps - s.start_step)
         await self.hooks.finish(lambda: self.mailbox.error)

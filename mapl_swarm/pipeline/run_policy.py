@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DRIVERS", "resolve_device", "bind_device", "check_vocab", "checkpoint_due", "validation_due", "metrics_path",
+__all__ = ["DRIVERS", "resolve_device", "bind_device", "check_vocab", "due", "checkpoint_due", "validation_due", "metrics_path",
            "manifest_path", "write_manifest", "start_fresh", "StageCheckpoints", "choose_resume_step",
            "check_resume_step", "MetricsLog", "StepRecords"]
 
@@ -106,17 +106,20 @@ def check_vocab(cfg: TrainConfig, data: "PreparedData") -> None:
                           f"{data.tokenizer.vocab_size} (set model.vocab_size or data.vocab_size)")
 
 
+def due(every: int, step: int, total_steps: int) -> bool:
+    """The cadence of periodic work after optimizer step ``step``: every ``every`` steps and after
+    the last one; never when ``every`` is 0."""
+    return bool(every) and (step % every == 0 or step == total_steps)
+
+
 def checkpoint_due(cfg: TrainConfig, step: int) -> bool:
-    """Whether a checkpoint is saved after ``step`` (every ``checkpoint.interval_steps`` and at
-    the end; never when the interval is 0)."""
-    every = cfg.checkpoint.interval_steps
-    return bool(every) and (step % every == 0 or step == cfg.run.steps)
+    """Whether a checkpoint is saved after ``step`` (``checkpoint.interval_steps``, :func:`due`)."""
+    return due(cfg.checkpoint.interval_steps, step, cfg.run.steps)
 
 
 def validation_due(cfg: TrainConfig, step: int) -> bool:
-    """Whether validation runs after ``step`` (every ``eval.interval_steps`` and at the end)."""
-    every = cfg.eval.interval_steps
-    return bool(every) and (step % every == 0 or step == cfg.run.steps)
+    """Whether validation runs after ``step`` (``eval.interval_steps``, :func:`due`)."""
+    return due(cfg.eval.interval_steps, step, cfg.run.steps)
 
 
 # ---------------------------------------------------------------- layout, manifest, fresh start
