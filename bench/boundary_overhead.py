@@ -32,6 +32,7 @@ import torch
 
 from mapl_swarm.cli import parse_overrides
 from mapl_swarm.compress.catalog import CODEC_NAMES, codec_info, uncompressed_codec
+from mapl_swarm.files import atomic_write_text
 from mapl_swarm.config import config_from_dict
 from mapl_swarm.pipeline.payload import PayloadKey, Stream
 from mapl_swarm.pipeline.run_policy import bind_device, resolve_device
@@ -182,9 +183,7 @@ def _write_report(args: argparse.Namespace, device: torch.device, results: list[
         "results": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    tmp.replace(args.out)
+    atomic_write_text(args.out, json.dumps(report, indent=2) + "\n")
     print(f"{results[-1]['codec']}: {100 * results[-1]['overhead_vs_none']:+.1f}% vs none; wrote {args.out}")
 
 

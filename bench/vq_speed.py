@@ -29,6 +29,7 @@ import torch
 
 from mapl_swarm.compress.codebook_sync import VQReceiver, VQSender, stream_generator
 from mapl_swarm.config import config_from_dict
+from mapl_swarm.files import atomic_write_text
 from mapl_swarm.pipeline.stage import StageRuntime
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,9 +167,7 @@ def _write_report(args: argparse.Namespace, device: torch.device, results: list[
                                                                 for k, v in vars(args).items() if k != "out"),
               "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    tmp.replace(args.out)
+    atomic_write_text(args.out, json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
 
 

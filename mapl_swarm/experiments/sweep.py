@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from pathlib import Path
 
 from mapl_swarm.compress import WIRE_TORCH_DTYPES
 from mapl_swarm.config import config_to_dict
+from mapl_swarm.files import atomic_write_text
 from mapl_swarm.experiments.analysis import analyze_pipeline, link_bytes
 from mapl_swarm.experiments.grid import Grid, RunSpec, config_hash
 from mapl_swarm.metrics import run_manifest
@@ -42,12 +42,6 @@ class SweepReport:
     """Runs that raised; their JSON is not written, so the next invocation retries them."""
     summary_path: Path | None = None
     plots: list[Path] = field(default_factory=list)
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _read_metrics(path: Path) -> list[dict]:
@@ -131,7 +125,7 @@ def write_report(grid: Grid, out: Path, *, skipped: list[str] | None = None, com
     md = tables.summary_markdown(grid, results, skipped=skipped or [], plots=[p.relative_to(out) for p in made],
                                  command=command)
     path = out / "summary.md"
-    _atomic_write(path, md)
+    atomic_write_text(path, md)
     return path, made
 
 
@@ -169,7 +163,7 @@ def run_sweep(grid: Grid, out: str | Path | None = None, *, progress: bool = Tru
             log.exception("[%d/%d] %s failed: %s", i + 1, len(specs), spec.run_id, exc)
             report.failed.append(f"{spec.run_id} ({type(exc).__name__}: {exc})")
             continue
-        _atomic_write(path, json.dumps(result, indent=1))
+        atomic_write_text(path, json.dumps(result, indent=1))
         report.ran.append(spec.run_id)
         log.info("[%d/%d] %s: val loss %.4f, %.1f act B/token, %.0f s", i + 1, len(specs), spec.run_id,
                  result["val_loss"], result["act_bytes_per_token"], result["wall_s"])

@@ -26,6 +26,7 @@ from typing import Any, Iterable
 import torch
 
 from mapl_swarm.errors import CheckpointError
+from mapl_swarm.files import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +47,6 @@ def _stage_files(d: Path, stage: int) -> list[Path]:
     return [d / f"stage_{stage}.pt", d / f"stage_{stage}.meta.json"]
 
 
-def _atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def save_stage(root: str | Path, step: int, stage: int, state: dict[str, Any],
                meta: dict[str, Any] | None = None) -> Path:
     """Atomically write one stage's state for ``step``, then its ``meta`` (``stage_<s>.meta.json``)."""
@@ -62,7 +57,7 @@ def save_stage(root: str | Path, step: int, stage: int, state: dict[str, Any],
     torch.save(state, tmp)
     os.replace(tmp, final)
     if meta is not None:
-        _atomic_text(d / f"stage_{stage}.meta.json", json.dumps(meta, sort_keys=True))
+        atomic_write_text(d / f"stage_{stage}.meta.json", json.dumps(meta, sort_keys=True))
     return final
 
 
@@ -123,7 +118,7 @@ def read_complete(root: str | Path, stage: int) -> list[int]:
 def write_complete(root: str | Path, stage: int, steps: Iterable[int]) -> None:
     base = Path(root) / CHECKPOINTS
     base.mkdir(parents=True, exist_ok=True)
-    _atomic_text(base / f"complete_stage{stage}.json", json.dumps({"steps": sorted(set(steps))}))
+    atomic_write_text(base / f"complete_stage{stage}.json", json.dumps({"steps": sorted(set(steps))}))
 
 
 def prune_plan(local: Iterable[int], complete: Iterable[int], keep: int) -> list[int]:

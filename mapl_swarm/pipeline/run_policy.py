@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from mapl_swarm.config import TrainConfig, config_to_dict
 from mapl_swarm.errors import CheckpointError, ConfigError
+from mapl_swarm.files import atomic_write_text
 from mapl_swarm.metrics import JsonlWriter, run_manifest
 from mapl_swarm.pipeline import checkpoint
 
@@ -144,10 +145,7 @@ def write_manifest(cfg: TrainConfig, data: "PreparedData", *, driver: str, finge
                             **extra)
     path = manifest_path(cfg.run.out_dir, stage)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(manifest, indent=2))
-    os.replace(tmp, path)
-    return path
+    return atomic_write_text(path, json.dumps(manifest, indent=2))
 
 
 def start_fresh(out_dir: str | Path, stages: Iterable[int]) -> list[int]:
@@ -264,9 +262,7 @@ class MetricsLog:
             self.path.write_text("")
         elif self.path.exists():
             kept = [line for line in self.path.read_text().splitlines() if _step_of(line) <= resume_from]
-            tmp = self.path.with_name(f".{self.path.name}.tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            os.replace(tmp, self.path)
+            atomic_write_text(self.path, "".join(line + "\n" for line in kept))
         self._writer = JsonlWriter(self.path)
 
     def write(self, record: dict[str, Any]) -> None:
