@@ -38,6 +38,11 @@ class CodecInfo:
     """The projector learns (its gradient crosses the link once per step)."""
     quantized: bool = False
     """Z and dL/dZ travel as VQ codes (codebooks streamed)."""
+    frozen_offsets: bool = False
+    """Stage 1 adds the frozen token offsets T_fixed (``compression.ssn_offset_std``) to its embedding."""
+    offsets_reference: bool = False
+    """The uncompressed run with the same frozen offsets: the second reference of every codec with
+    ``frozen_offsets`` (so an offset table's own effect is not counted as the codec's)."""
     projector_label: str = ""
     """Table-5 row label (projector ablation), empty when the codec is not one of its rows."""
     color: str
@@ -64,19 +69,22 @@ class CodecInfo:
 CODEC_INFO: dict[str, CodecInfo] = {i.name: i for i in (
     CodecInfo(name="none", display_name="Uncompressed", family="uncompressed", order=0, uncompressed=True,
               baseline=True, projected=False, color="black", in_table1=True),
-    CodecInfo(name="ssn", display_name="SSN", family="ssn", order=1, baseline=True, color="tab:red",
-              in_table1=True, paper_ratio=4, paper_delta_pct=((4, 8.37), (8, 8.63))),
-    CodecInfo(name="fixed", display_name="Fixed orthogonal (no updates)", family="projected", order=2,
+    CodecInfo(name="none_offsets", display_name="Uncompressed + SSN offsets", family="uncompressed", order=1,
+              baseline=True, projected=False, frozen_offsets=True, offsets_reference=True, color="tab:brown",
+              in_table1=True),
+    CodecInfo(name="ssn", display_name="SSN", family="ssn", order=2, baseline=True, color="tab:red",
+              frozen_offsets=True, in_table1=True, paper_ratio=4, paper_delta_pct=((4, 8.37), (8, 8.63))),
+    CodecInfo(name="fixed", display_name="Fixed orthogonal (no updates)", family="projected", order=3,
               baseline=True, anchored=True, projector_label="Fixed orthogonal (no updates)", color="tab:gray",
               paper_projector_delta_pct=1.19),
-    CodecInfo(name="naive", display_name="Naive learned (Muon, unconstrained)", family="projected", order=3,
+    CodecInfo(name="naive", display_name="Naive learned (Muon, unconstrained)", family="projected", order=4,
               baseline=True, anchored=True, trainable_projector=True,
               projector_label="Learnable, unconstrained (Muon)", color="tab:orange", paper_projector_delta_pct=2.56),
-    CodecInfo(name="mapl", display_name="MAPL", family="projected", order=4, anchored=True,
+    CodecInfo(name="mapl", display_name="MAPL", family="projected", order=5, anchored=True,
               trainable_projector=True, projector_label="Learnable + SPEL updates (MAPL)", color="tab:green",
               headline=True, in_table1=True, paper_ratio=4, paper_delta_pct=((4, 0.84), (8, 1.11)),
               paper_projector_delta_pct=0.84),
-    CodecInfo(name="mapl_vq", display_name="MAPL+VQ", family="projected_vq", order=5, anchored=True,
+    CodecInfo(name="mapl_vq", display_name="MAPL+VQ", family="projected_vq", order=6, anchored=True,
               trainable_projector=True, quantized=True, color="tab:blue", in_table1=True, paper_ratio=8,
               paper_delta_pct=((4, 1.11), (8, 1.28))),
 )}

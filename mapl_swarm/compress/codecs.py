@@ -15,7 +15,8 @@ between codecs on that stage:
 =============  ============================  ==============================================
 family         codecs                        boundary
 =============  ============================  ==============================================
-uncompressed   none                          X (d channels) in the wire dtype
+uncompressed   none, none_offsets            X (d channels) in the wire dtype (none_offsets: stage 1
+                                             adds SSN's frozen T_fixed to its embedding output)
 projected      mapl, fixed, naive            Z = (X - anchor[ids]) A  (r channels)
 ssn            ssn                           Z = (X - T_fixed[ids]) U  (k channels, one U)
 projected_vq   mapl_vq                       residual VQ codes of mapl's Z (codebooks streamed)
@@ -109,6 +110,10 @@ class StageCodec:
     def param_rows(self) -> list[ParamRow]:
         """This codec's rows of the stage's parameter table."""
         return []
+
+    def adamw_lr_ratio(self) -> float:
+        """AdamW lr ratio of the model's own AdamW rows (embeddings, norms, lm_head) under this codec."""
+        return self.cfg.optim.adamw_lr_ratio
 
     def setup(self, model: nn.Module) -> None:
         """Called once the stage's modules (``model`` among them) are on their device, before the
@@ -222,6 +227,27 @@ class ProjectedCodec(StageCodec):
         return shape.rank
 
 
+def frozen_offsets(cfg: "TrainConfig", device: torch.device) -> torch.Tensor:
+    """SSN's frozen token offsets T_fixed (V, d) at ``compression.ssn_offset_std`` on ``device``."""
+    m = cfg.model
+    return ssn.ssn_offsets(m.vocab_size, m.hidden_size, cfg.run.seed, cfg.compression.ssn_offset_std).to(device)
+
+
+class OffsetsCodec(StageCodec):
+    """``none_offsets``: the uncompressed boundary with SSN's frozen token offsets added to stage 1's
+    embedding output (no projection, the model's AdamW ratio): the reference that separates SSN's
+    offset table from its compression."""
+
+    names = ("none_offsets",)
+
+    def __init__(self, name: str, cfg: "TrainConfig", stage: int, device: torch.device) -> None:
+        self.offsets = frozen_offsets(cfg, device) if stage == 0 else None
+        super().__init__(name, cfg, stage, device)
+
+    def first_stage_input(self, embedded: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return embedded + self.offsets[tokens]
+
+
 class SSNCodec(StageCodec):
     """Subspace Networks (:mod:`.ssn`): one global basis U for every boundary, frozen token offsets
     T_fixed added to stage 1's embedding output, residual writers projected onto span(U) after
@@ -233,9 +259,12 @@ class SSNCodec(StageCodec):
         c, m = cfg.compression, cfg.model
         self.basis = nn.Parameter(ssn.ssn_basis(m.hidden_size, c.rank, cfg.run.seed),
                                   requires_grad=c.ssn_refresh_interval_steps > 0)
-        self.offsets = ssn.ssn_offsets(m.vocab_size, m.hidden_size, cfg.run.seed).to(device)
+        self.offsets = frozen_offsets(cfg, device)
         super().__init__(name, cfg, stage, device)
         self._model: nn.Module | None = None
+
+    def adamw_lr_ratio(self) -> float:
+        return self.cfg.compression.ssn_adamw_lr_ratio
 
     def _boundary(self, role: str, index: int) -> Boundary:
         return Boundary(role, index, self.basis, trainable=False)  # shared by both sides and stages
@@ -348,7 +377,7 @@ class ProjectedVQCodec(ProjectedCodec):
 
 
 CODEC_CLASSES: dict[str, type[StageCodec]] = {
-    name: cls for cls in (StageCodec, ProjectedCodec, SSNCodec, ProjectedVQCodec) for name in cls.names}
+    name: cls for cls in (StageCodec, OffsetsCodec, ProjectedCodec, SSNCodec, ProjectedVQCodec) for name in cls.names}
 """The registry: codec name -> its family's class."""
 
 

@@ -1,6 +1,7 @@
 """Subspace Networks (Ramasinghe et al. 2025) baseline: one global basis U for every boundary.
 
-Every stage holds the same frozen ``T_fixed`` (V x d, N(0, 1)) token offsets and the same
+Every stage holds the same frozen ``T_fixed`` (V x d, N(0, s^2) with s = ``compression.ssn_offset_std``,
+by default the model's embedding init std) token offsets and the same
 ``U`` (d x k, orthonormal columns), both seeded by the run seed alone. Stage 1 adds
 ``T_fixed[ids]`` to its embedding output; each boundary sends ``(X - T_fixed[ids]) @ U`` and
 the receiver adds ``T_fixed[ids]`` back. After every optimizer step the residual-stream writers
@@ -30,9 +31,10 @@ def ssn_basis(hidden_size: int, rank: int, seed: int) -> torch.Tensor:
     return random_stiefel(hidden_size, rank, generator(seed, "ssn_basis"))
 
 
-def ssn_offsets(vocab_size: int, hidden_size: int, seed: int) -> torch.Tensor:
-    """The frozen N(0, 1) token offsets T_fixed (V x d), identical on every stage."""
-    return torch.randn(vocab_size, hidden_size, generator=generator(seed, "ssn_offsets"))
+def ssn_offsets(vocab_size: int, hidden_size: int, seed: int, std: float) -> torch.Tensor:
+    """The frozen N(0, std^2) token offsets T_fixed (V x d), identical on every stage (and the same
+    table, up to its scale, for every ``std`` of a seed)."""
+    return torch.randn(vocab_size, hidden_size, generator=generator(seed, "ssn_offsets")) * std
 
 
 @torch.no_grad()

@@ -28,7 +28,7 @@ __all__ = [
 
 
 
-Codec = Literal["none", "ssn", "fixed", "naive", "mapl", "mapl_vq"]
+Codec = Literal["none", "none_offsets", "ssn", "fixed", "naive", "mapl", "mapl_vq"]
 """Boundary codec names; equal to :data:`mapl_swarm.compress.catalog.CODEC_NAMES` (a test checks)."""
 Anchor = Literal["factorized", "full", "static", "none"]
 WireDtype = Literal["bf16", "fp16", "fp32"]

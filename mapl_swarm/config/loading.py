@@ -11,7 +11,8 @@ import logging
 import tomllib
 from dataclasses import fields, replace
 from pathlib import Path
-from typing import Any, get_origin
+from types import UnionType
+from typing import Any, get_args, get_origin
 
 from mapl_swarm.errors import ConfigError
 from mapl_swarm.config.base import _hints
@@ -87,6 +88,8 @@ def upgrade_legacy_keys(raw: dict[str, Any], source: str = "<dict>") -> dict[str
 
 def _coerce(cls: type, name: str, value: Any, where: str) -> Any:
     hint = _hints(cls)[name]
+    if get_origin(hint) is UnionType and type(None) in get_args(hint):  # optional: the other type
+        hint = next(h for h in get_args(hint) if h is not type(None))
     if dataclasses.is_dataclass(hint):
         return _section(hint, value, f"{where.rstrip(']')}.{name}]")
     if hint is float and isinstance(value, int) and not isinstance(value, bool):

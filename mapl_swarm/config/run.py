@@ -3,7 +3,7 @@ metrics, runtime (device, precision), network; and the whole :class:`TrainConfig
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import ClassVar, get_type_hints
 
 from mapl_swarm.compress.catalog import codec_info
@@ -194,6 +194,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         m, c, p = self.model, self.compression, self.pipeline
+        if c.ssn_offset_std is None:  # derived: commensurate with the embedding it is added to
+            object.__setattr__(self, "compression", replace(c, ssn_offset_std=m.init_std))
         _check(p.num_stages <= m.num_layers,
                f"cannot split {m.num_layers} layers over {p.num_stages} stages "
                f"(pipeline.num_stages > model.num_layers)")

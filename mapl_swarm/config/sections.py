@@ -203,8 +203,8 @@ class CompressionConfig:
     SECTION: ClassVar[str] = "compression"
 
     codec: Codec = "mapl"
-    """Boundary codec: none | mapl | fixed | naive | ssn | mapl_vq (mapl + residual VQ of Z and dL/dZ,
-    set up in ``[compression.vq]``); see :mod:`mapl_swarm.compress.catalog`."""
+    """Boundary codec: none | none_offsets | mapl | fixed | naive | ssn | mapl_vq (mapl + residual VQ of
+    Z and dL/dZ, set up in ``[compression.vq]``); see :mod:`mapl_swarm.compress.catalog`."""
     rank: int = 64
     """Projection rank r (ssn: subspace rank k). Ignored by `none`."""
     anchor: Anchor = "factorized"
@@ -219,6 +219,15 @@ class CompressionConfig:
     """SSN: Grassmann refresh of U every this many steps; 0 keeps U frozen (as node0)."""
     ssn_refresh_lr: float = 1e-2
     """SSN: Grassmann refresh learning rate."""
+    ssn_offset_std: float | None = None
+    """SSN and none_offsets: standard deviation of the frozen token offsets T_fixed. Unset (default):
+    the model's ``init_std``, so the offsets are commensurate with the learned embedding they are
+    added to (the comparison of offset scales in BENCHMARKS.md, "Honest baselines"); 1.0 gives the
+    unscaled N(0, 1) table. Resolved by :class:`~mapl_swarm.config.TrainConfig`, so run manifests
+    record the number."""
+    ssn_adamw_lr_ratio: float = 0.1
+    """SSN: AdamW lr = ratio x ``optim.muon_lr`` for SSN runs (replaces ``optim.adamw_lr_ratio``);
+    the MAPL paper's Table 8 setting for SSN + Muon."""
     vq: VQConfig = field(default_factory=VQConfig)
     """``[compression.vq]``: the VQ settings of codec mapl_vq (its ``rank`` is this section's)."""
 
@@ -227,6 +236,10 @@ class CompressionConfig:
         _check(self.rank > 0, f"compression.rank must be positive, got {self.rank}")
         _check(self.anchor_rank > 0, f"compression.anchor_rank must be positive, got {self.anchor_rank}")
         _check(self.ssn_refresh_interval_steps >= 0, "compression.ssn_refresh_interval_steps must be >= 0")
+        _check(self.ssn_offset_std is None or self.ssn_offset_std >= 0,
+               f"compression.ssn_offset_std must be >= 0, got {self.ssn_offset_std}")
+        _check(self.ssn_adamw_lr_ratio > 0,
+               f"compression.ssn_adamw_lr_ratio must be positive, got {self.ssn_adamw_lr_ratio}")
         _check(isinstance(self.vq, VQConfig), f"compression.vq must be a table, got {self.vq!r}")
         if self.vq.rank != self.rank:
             object.__setattr__(self, "vq", replace(self.vq, rank=self.rank))

@@ -19,6 +19,8 @@ A grid file (see ``bench/grids/``)::
     stages = [4]                       # default: [base pipeline.num_stages]
     anchors = ["factorized"]           # default: [base compression.anchor]
     seeds = [0, 1]                     # default: [base run.seed]
+    variant = "adamw0.5"               # optional: a named variant of these runs (in their run id) ...
+    set = { optim = { adamw_lr_ratio = 0.5 } }   # ... and the settings it changes over [base]
 
 Runs that several groups produce are run once. The anchor only matters for codecs with a token
 anchor and the rank only for projected codecs (not ``none``), so those runs collapse to one (both
@@ -47,7 +49,7 @@ ANCHORED_CODECS = tuple(name for name, info in CODEC_INFO.items() if info.anchor
 """Codecs whose later stages use ``compression.anchor`` (the others ignore it); from the catalog."""
 
 _TOP_KEYS = {"name", "description", "tokens_per_run", "out_dir", "base", "group"}
-_GROUP_KEYS = {"name", "codecs", "ranks", "stages", "anchors", "seeds"}
+_GROUP_KEYS = {"name", "codecs", "ranks", "stages", "anchors", "seeds", "variant", "set"}
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,9 @@ class RunSpec:
     seed: int
     groups: tuple[str, ...]
     """Names of the grid groups that asked for this run."""
-    raw: dict[str, Any] = field(compare=False, repr=False)
+    variant: str = ""
+    """Name of the group's ``set`` of settings over ``[base]`` (empty: the base settings)."""
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """Nested config dict (base + this run's values), not yet validated."""
 
     @property
@@ -73,6 +77,8 @@ class RunSpec:
         parts.append(f"P{self.stages}")
         if info.anchored:
             parts.append(f"anchor-{self.anchor}")
+        if self.variant:
+            parts.append(self.variant)
         parts.append(f"s{self.seed}")
         return "-".join(parts)
 
@@ -103,6 +109,18 @@ class GridGroup:
     stages: tuple[int, ...]
     anchors: tuple[str, ...]
     seeds: tuple[int, ...]
+    variant: str = ""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """The group's ``set`` table: settings over ``[base]`` for its runs (same layout as ``[base]``)."""
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with the tables of ``over`` merged in, recursively (both unchanged)."""
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
+            else copy.deepcopy(value)
+    return out
 
 
 @dataclass(frozen=True)
@@ -130,7 +148,7 @@ class Grid:
                     for codec in g.codecs:
                         for rank in g.ranks:
                             for anchor in g.anchors:
-                                spec = self._spec(g.name, codec, rank, stages, anchor, seed)
+                                spec = self._spec(g, codec, rank, stages, anchor, seed)
                                 key = (spec.run_id,)
                                 if key in specs:
                                     old = specs[key]
@@ -141,20 +159,20 @@ class Grid:
         order = {key: i for i, key in enumerate(specs)}
         return sorted(specs.values(), key=lambda s: (s.seed, order[(s.run_id,)]))
 
-    def _spec(self, group: str, codec: str, rank: int, stages: int, anchor: str, seed: int) -> RunSpec:
+    def _spec(self, group: GridGroup, codec: str, rank: int, stages: int, anchor: str, seed: int) -> RunSpec:
         base_cfg = self.base_config
         info = codec_info(codec)
         if not info.projected:
             rank = base_cfg.compression.rank
         if not info.anchored:
             anchor = base_cfg.compression.anchor
-        raw = copy.deepcopy(self.base)
+        raw = _merge(self.base, group.settings)
         comp = raw.setdefault("compression", {})
         comp.update(codec=codec, rank=rank, anchor=anchor)
         raw.setdefault("pipeline", {})["num_stages"] = stages
         raw.setdefault("run", {}).update(seed=seed, steps=self.tokens_per_run // base_cfg.tokens_per_step)
-        return RunSpec(codec=codec, rank=rank, stages=stages, anchor=anchor, seed=seed, groups=(group,),
-                       raw=raw)
+        return RunSpec(codec=codec, rank=rank, stages=stages, anchor=anchor, seed=seed, groups=(group.name,),
+                       variant=group.variant, raw=raw)
 
 
 def _typed_list(value: Any, kind: type, key: str, where: str) -> tuple:
@@ -211,6 +229,13 @@ def grid_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Grid:
         for codec in codecs:
             if codec not in CODEC_NAMES:
                 raise ConfigError(f"{where}: codecs entry {codec!r} is not one of {CODEC_NAMES}")
+        variant, settings = g.get("variant", ""), g.get("set", {})
+        if not isinstance(variant, str) or not isinstance(settings, dict) or bool(variant) != bool(settings):
+            raise ConfigError(f"{where}: variant (a name) and set (a table of settings over [base]) come together")
+        if variant and not variant.replace("_", "").replace(".", "").isalnum():
+            raise ConfigError(f"{where}: variant {variant!r} may hold only letters, digits, '.' and '_'")
+        if "run" in settings and "steps" in settings["run"]:
+            raise ConfigError(f"{where}: set.run.steps is derived from tokens_per_run; remove it")
         anchors = _typed_list(g.get("anchors", [c.anchor]), str, "anchors", where)
         for a in anchors:
             if a not in config_mod.ANCHORS:
@@ -222,10 +247,12 @@ def grid_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Grid:
             stages=_typed_list(g.get("stages", [p.num_stages]), int, "stages", where),
             anchors=anchors,
             seeds=_typed_list(g.get("seeds", [r.seed]), int, "seeds", where),
+            variant=variant,
+            settings=upgrade_legacy_keys(copy.deepcopy(settings), where),
         ))
     grid = Grid(name=name, description=desc, tokens_per_run=tokens, out_dir=out_dir, base=base,
                 groups=tuple(groups), source=source)
-    for spec in grid.expand():  # every run must form a valid config
+    for spec in grid.expand():  # every run must form a valid config (unknown keys in a set raise)
         spec.config("/tmp/x")
     return grid
 

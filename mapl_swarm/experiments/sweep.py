@@ -3,12 +3,15 @@
 Layout under the output folder::
 
     runs/<run_id>.json     one result per finished run (metrics, bytes, diagnostics, manifest)
-    train/<run_id>/        the run's metrics.jsonl and manifest.json (deleted and redone if unfinished)
+    train/<run_id>/        the run's metrics.jsonl, manifest.json and (when the grid sets
+                           ``[base.checkpoint] interval_steps``) its checkpoints
     summary.md             Table 1 / 5 / 6 shaped tables and the plot list
     plots/*.png            Pareto frontier, loss curves, spectra, principal angles, energy, cosines
 
 A run whose JSON exists with the same config digest is skipped, so re-invoking the same command
-after an interruption continues where it stopped. Every run trains the grid's ``tokens_per_run``.
+after an interruption continues where it stopped: an unfinished run resumes from its newest
+checkpoint when the grid checkpoints (long grids), and starts over otherwise. Every run trains the
+grid's ``tokens_per_run``.
 """
 
 from __future__ import annotations
@@ -50,12 +53,29 @@ def _read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _train(cfg, train_dir: Path, **kwargs):
+    """Train ``cfg`` into ``train_dir``, resuming an interrupted attempt from its newest checkpoint
+    when the grid checkpoints; returns (summary, step resumed from)."""
+    from mapl_swarm.errors import CheckpointError
+    from mapl_swarm.pipeline.run_policy import manifest_path
+    from mapl_swarm.pipeline.trainer import train
+
+    if train_dir.exists() and cfg.checkpoint.interval_steps > 0:
+        try:
+            summary = train(cfg, resume=True, **kwargs)
+            manifest = json.loads(manifest_path(train_dir).read_text())
+            return summary, int(manifest.get("resumed_from", 0))
+        except CheckpointError as exc:
+            log.warning("%s: cannot resume (%s); starting over", train_dir.name, exc)
+    if train_dir.exists():
+        shutil.rmtree(train_dir)  # an unfinished earlier attempt without checkpoints: start clean
+    return train(cfg, **kwargs), 0
+
+
 def _run_one(spec: RunSpec, grid: Grid, out: Path, data, progress: bool) -> dict:
-    from mapl_swarm.pipeline.trainer import resolve_device, train
+    from mapl_swarm.pipeline.trainer import resolve_device
 
     train_dir = out / "train" / spec.run_id
-    if train_dir.exists():
-        shutil.rmtree(train_dir)  # an unfinished earlier attempt: start clean (metrics append)
     cfg = spec.config(train_dir)
     diag: dict = {}
 
@@ -66,17 +86,22 @@ def _run_one(spec: RunSpec, grid: Grid, out: Path, data, progress: bool) -> dict
         diag["pipe"] = pipe
 
     t0 = time.perf_counter()
-    summary = train(cfg, progress=progress, data=data, on_finish=on_finish)
+    summary, resumed_from = _train(cfg, train_dir, progress=progress, data=data, on_finish=on_finish)
     wall = time.perf_counter() - t0
     per_kind = link_bytes(diag.pop("pipe"), summary.tokens)
     records = _read_metrics(train_dir / "metrics.jsonl")
     train_curve = [[r["step"], round(r["loss"], 5)] for r in records if "loss" in r]
+    # from the metrics file, which keeps the validations of every attempt of a resumed run
+    val_history = [[r["step"], r["val_loss"]] for r in records if "val_loss" in r]
+    if not val_history or val_history[-1][0] != summary.steps:
+        val_history.append([summary.steps, summary.final_val_loss])
     health = [{k: v for k, v in r.items() if k == "step" or k.startswith("health/")}
               for r in records if any(k.startswith("health/") for k in r)]
     wire_item = WIRE_TORCH_DTYPES[cfg.compression.wire_dtype].itemsize
     return {
         "run_id": spec.run_id,
         "label": spec.label,
+        "variant": spec.variant,
         "groups": list(spec.groups),
         "codec": spec.codec,
         "rank": spec.rank,
@@ -89,9 +114,10 @@ def _run_one(spec: RunSpec, grid: Grid, out: Path, data, progress: bool) -> dict
         "steps": summary.steps,
         "tokens": summary.tokens,
         "val_loss": summary.final_val_loss,
-        "initial_val_loss": summary.initial_val_loss,
+        "initial_val_loss": val_history[0][1] if val_history and val_history[0][0] == 0 else None,
         "train_loss": summary.final_train_loss,
-        "val_history": summary.val_history,
+        "val_history": val_history,
+        "resumed_from": resumed_from,
         "train_curve": train_curve,
         "health": health,
         "bytes_per_token": summary.bytes_per_token,

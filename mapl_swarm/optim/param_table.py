@@ -43,23 +43,26 @@ class ParamRow:
     params: list[nn.Parameter] = field(default_factory=list, compare=False)
 
 
-def model_rows(model: nn.Module, hidden: Sequence[nn.Parameter], o: OptimConfig) -> list[ParamRow]:
+def model_rows(model: nn.Module, hidden: Sequence[nn.Parameter], o: OptimConfig, *,
+               adamw_lr_ratio: float | None = None) -> list[ParamRow]:
     """The model's rows: hidden matrices under Muon; other matrices (embeddings, lm_head) under
-    AdamW with weight decay; vectors (norms, biases) under AdamW without. Frozen tensors are left out."""
+    AdamW with weight decay; vectors (norms, biases) under AdamW without. Frozen tensors are left out.
+    ``adamw_lr_ratio`` overrides ``o.adamw_lr_ratio`` (a codec's own setting, e.g. SSN's)."""
     return [ParamRow("hidden", "muon", 1.0, 1.0, list(hidden)),
-            *adamw_rows("model", model, o, exclude=hidden)]
+            *adamw_rows("model", model, o, exclude=hidden, lr_ratio=adamw_lr_ratio)]
 
 
 def adamw_rows(label: str, module: nn.Module | None, o: OptimConfig, *,
-               exclude: Sequence[nn.Parameter] = ()) -> list[ParamRow]:
-    """``module``'s trainable tensors under AdamW: matrices with weight decay, vectors without
-    (no rows without a module)."""
+               exclude: Sequence[nn.Parameter] = (), lr_ratio: float | None = None) -> list[ParamRow]:
+    """``module``'s trainable tensors under AdamW at ``lr_ratio`` (default ``o.adamw_lr_ratio``):
+    matrices with weight decay, vectors without (no rows without a module)."""
     if module is None:
         return []
+    ratio = o.adamw_lr_ratio if lr_ratio is None else lr_ratio
     skip = {id(p) for p in exclude}
     params = [p for p in module.parameters() if p.requires_grad and id(p) not in skip]
-    return [ParamRow(f"{label}_matrices", "adamw", o.adamw_lr_ratio, 1.0, [p for p in params if p.dim() >= 2]),
-            ParamRow(f"{label}_vectors", "adamw", o.adamw_lr_ratio, 0.0, [p for p in params if p.dim() < 2])]
+    return [ParamRow(f"{label}_matrices", "adamw", ratio, 1.0, [p for p in params if p.dim() >= 2]),
+            ParamRow(f"{label}_vectors", "adamw", ratio, 0.0, [p for p in params if p.dim() < 2])]
 
 
 def _groups(rows: Sequence[ParamRow], optimizer: str, o: OptimConfig) -> list[dict]:

@@ -107,7 +107,8 @@ class StageRuntime:
     # ------------------------------------------------------------------ construction
     def _param_rows(self) -> list[ParamRow]:
         hidden = [p for _, p in self.model.hidden_matrices()]
-        return model_rows(self.model, hidden, self.cfg.optim) + self.codec.param_rows()
+        return (model_rows(self.model, hidden, self.cfg.optim, adamw_lr_ratio=self.codec.adamw_lr_ratio())
+                + self.codec.param_rows())
 
     def optimized_parameters(self) -> list[torch.Tensor]:
         return [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]

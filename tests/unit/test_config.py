@@ -88,7 +88,7 @@ def test_literal_choices_name_key_allowed_values_and_bad_value(raw, key, bad):
 
 
 def test_literal_choices_are_checked_for_sections_built_in_code():
-    with pytest.raises(ConfigError, match=r"compression\.codec must be one of \('none', 'ssn'"):
+    with pytest.raises(ConfigError, match=r"compression\.codec must be one of \('none', 'none_offsets', 'ssn'"):
         CompressionConfig(codec="bogus")
     with pytest.raises(ConfigError, match=r"compression\.vq\.sync must be one of \('stream', 'full'\)"):
         VQConfig(sync="often")
@@ -125,10 +125,10 @@ def test_config_to_dict_round_trips():
 
 def test_fingerprint_unchanged_by_the_new_layout():
     """Pinned values: the layout (flat compression.vq_*, grab-bag [run] or the sections) does not
-    move the digest. (Re-pinned once, when the host-local VQ knobs max_distance_mib and compile left
-    the fingerprint.)"""
+    move the digest. (Re-pinned when the host-local VQ knobs max_distance_mib and compile left the
+    fingerprint, and when SSN's offset std and AdamW ratio joined [compression].)"""
     cfg = config_from_dict({"pipeline": {"num_stages": 2}, "runtime": {"threads": 1}, "eval": {"batches": 3}})
-    assert model_fingerprint(cfg, "abc", 8192) == "bbabaf49c4d2f8637f5ae5bf13fc43ae"
+    assert model_fingerprint(cfg, "abc", 8192) == "60e1ec85170a84b92223cdaa4ac0bd16"
     legacy = config_from_dict({"run": {"num_stages": 2, "threads": 1, "val_batches": 3}})
     assert model_fingerprint(legacy, "abc", 8192) == model_fingerprint(cfg, "abc", 8192)
     local = config_from_dict({"pipeline": {"num_stages": 2}, "compression": {"vq": {"max_distance_mib": 4.0,
@@ -136,7 +136,7 @@ def test_fingerprint_unchanged_by_the_new_layout():
     assert model_fingerprint(local, "abc", 8192) == model_fingerprint(cfg, "abc", 8192)
     vq = config_from_dict({"pipeline": {"num_stages": 2},
                            "compression": {"codec": "mapl_vq", "rank": 16, "anchor_rank": 16, "vq": {"rounds": 3}}})
-    assert model_fingerprint(vq, "abc", 8192) == "85654f48b97a4cc55795c6bb3af1a72e"
+    assert model_fingerprint(vq, "abc", 8192) == "35bcfbc85b543aaa87b6fb97bab72659"
 
 
 def test_vocab_sizes_derived_when_only_one_is_set():
