@@ -42,9 +42,13 @@ def run_one(label: str, args: argparse.Namespace, data, command: str) -> dict:
             compression.setdefault("vq", {})["slice_order"] = part
         elif part.startswith("slice="):  # another slice fraction than the default
             compression.setdefault("vq", {})["slice_fraction"] = float(part.removeprefix("slice="))
+        elif part.startswith("adamw="):  # SSN's AdamW lr ratio other than its default
+            compression["ssn_adamw_lr_ratio"] = float(part.removeprefix("adamw="))
+        elif part.startswith("offsets="):  # frozen-offset std (ssn, none_offsets) other than the default
+            compression["ssn_offset_std"] = float(part.removeprefix("offsets="))
         else:
             raise SystemExit(f"unknown codec variant {label!r} (known parts, joined by '+': full, priority, "
-                             "round_robin, slice=FRACTION, seed=N)")
+                             "round_robin, slice=FRACTION, adamw=RATIO, offsets=STD, seed=N)")
     cfg = config_from_dict({
         "preset": "tiny",
         "compression": compression,
