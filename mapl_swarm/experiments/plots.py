@@ -5,7 +5,9 @@
 - ``spectra.png`` — cumulative singular-value energy of the boundary residual (Fig. 3);
 - ``projector_angles.png`` — pairwise mean principal angles between learned projectors (Fig. 4a);
 - ``energy_captured.png`` — residual energy captured during training, learned vs fixed (Fig. 4b);
-- ``cosine_pairs.png`` — token-pair cosine before vs after projection, with Pearson r (Fig. 4c).
+- ``cosine_pairs.png`` — token-pair cosine before vs after projection, with Pearson r (Fig. 4c);
+- ``learned_minus_fixed.png`` — learned-minus-fixed projector val loss gap per validation step, per
+  seed and mean (when a grid has both validated at several steps, see :func:`.tables.long_budget_pairs`).
 
 Each function takes the run result dicts written by :mod:`.sweep` and returns the file it wrote,
 or None when the results hold nothing to plot. Legend names, colours and which codecs a figure shows
@@ -25,9 +27,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from mapl_swarm.compress.catalog import codec_info, codecs_by_order, headline_codec, uncompressed_codec  # noqa: E402
-from mapl_swarm.experiments.tables import aggregate  # noqa: E402
+from mapl_swarm.experiments.tables import aggregate, gap_by_step, long_budget_pairs  # noqa: E402
 
-__all__ = ["make_all", "pareto", "loss_curves", "spectra", "projector_angles", "energy_captured", "cosine_pairs"]
+__all__ = ["make_all", "pareto", "loss_curves", "spectra", "projector_angles", "energy_captured", "cosine_pairs",
+           "learned_minus_fixed", "data_limits"]
 
 DPI = 90
 
@@ -35,6 +38,8 @@ DPI = 90
 def _name(r: dict) -> str:
     info = codec_info(r["codec"])
     s = info.short_name
+    if r.get("variant"):
+        s += f" [{r['variant']}]"
     if info.projected:
         s += f" r={r['rank']}"
     if info.anchored and r["anchor"] != "factorized":
@@ -62,13 +67,26 @@ def _primary_stages(results: list[dict]) -> int:
 
 
 def _pick(results: list[dict], codec: str, stages: int) -> dict | None:
-    """Lowest-seed run of ``codec`` at P=stages with factorized anchors (middle rank if several)."""
-    rs = [r for r in results if r["codec"] == codec and r["stages"] == stages and _default_anchor(codec, r["anchor"])]
+    """Lowest-seed run of ``codec`` at P=stages with factorized anchors and no grid variant (middle
+    rank if several)."""
+    rs = [r for r in results if r["codec"] == codec and r["stages"] == stages and _default_anchor(codec, r["anchor"])
+          and not r.get("variant")]
     if not rs:
         return None
     ranks = sorted({r["rank"] for r in rs})
     rank = ranks[len(ranks) // 2]
     return min((r for r in rs if r["rank"] == rank), key=lambda r: r["seed"])
+
+
+def data_limits(values, margin: float = 0.05) -> tuple[float, float]:
+    """Axis limits holding every finite value of ``values``, widened by ``margin`` of their span on
+    each side (±0.5 around a single value); (0, 1) when there is none."""
+    finite = [float(v) for v in values if np.isfinite(v)]
+    if not finite:
+        return 0.0, 1.0
+    lo, hi = min(finite), max(finite)
+    pad = margin * (hi - lo) if hi > lo else 0.5
+    return lo - pad, hi + pad
 
 
 def _save(fig, path: Path) -> Path:
@@ -87,8 +105,8 @@ def pareto(results: list[dict], path: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     by_codec = defaultdict(list)
     for a in aggs:
-        by_codec[a.codec].append(a)
-    for codec, items in by_codec.items():
+        by_codec[a.codec, a.variant].append(a)
+    for (codec, variant), items in by_codec.items():
         info = codec_info(codec)
         items.sort(key=lambda a: a.act_bytes)
         xs = [a.act_bytes for a in items]
@@ -96,7 +114,8 @@ def pareto(results: list[dict], path: Path) -> Path | None:
         es = [0.0 if a.val[1] != a.val[1] else a.val[1] for a in items]
         marker = "*" if info.uncompressed else "o"
         ax.errorbar(xs, ys, yerr=es, fmt=marker + "-", color=info.color, capsize=3,
-                    markersize=12 if info.uncompressed else 6, label=info.short_name)
+                    markersize=12 if info.uncompressed else 6,
+                    label=info.short_name + (f" [{variant}]" if variant else ""))
         for a in items:
             if info.projected:
                 ax.annotate(f"r={a.rank}", (a.act_bytes, a.val[0]), textcoords="offset points", xytext=(4, 4),
@@ -148,28 +167,28 @@ def loss_curves(results: list[dict], path: Path) -> Path | None:
             if r["stages"] == p:
                 by_label[r["label"]].append(r)
         cmap = plt.get_cmap("tab10")
+        plotted: list[float] = []
         for i, (label, rs) in enumerate(sorted(by_label.items())):
             r0 = min(rs, key=lambda r: r["seed"])
             info = codec_info(r0["codec"])
             color = info.color if info.uncompressed else cmap(i % 10)
             tok_per_step = r0["tokens"] / max(r0["steps"], 1)
             steps = [s for s, _ in r0["train_curve"]]
-            ax.plot([s * tok_per_step / 1e6 for s in steps], _ema([v for _, v in r0["train_curve"]]),
-                    color=color, alpha=0.45, lw=1)
+            train = _ema([v for _, v in r0["train_curve"]])
+            ax.plot([s * tok_per_step / 1e6 for s in steps], train, color=color, alpha=0.45, lw=1)
             val = defaultdict(list)
             for r in rs:
                 for s, v in r["val_history"]:
                     val[s].append(v)
             vs = sorted(val)
-            ax.plot([s * tok_per_step / 1e6 for s in vs], [statistics.fmean(val[s]) for s in vs], "o-",
-                    color=color, ms=3, lw=1.5, label=_name(r0))
+            val_mean = [statistics.fmean(val[s]) for s in vs]
+            ax.plot([s * tok_per_step / 1e6 for s in vs], val_mean, "o-", color=color, ms=3, lw=1.5, label=_name(r0))
+            plotted += train + val_mean
         ax.set_xlabel("training tokens (millions)")
         ax.set_ylabel("loss (nats/token)")
         ax.set_title(f"P={p}: validation (markers, seed mean) and train loss (thin, EMA, seed 0)", fontsize=9)
         ax.grid(alpha=0.3)
-        finals = [r["val_loss"] for r in results if r["stages"] == p]
-        if finals:
-            ax.set_ylim(min(finals) - 0.3, max(finals) + 1.5)
+        ax.set_ylim(*data_limits(plotted))  # every curve inside the axes
         ax.legend(fontsize=7)
     return _save(fig, path)
 
@@ -290,11 +309,34 @@ def cosine_pairs(results: list[dict], path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def learned_minus_fixed(results: list[dict], path: Path) -> Path | None:
+    pairs = long_budget_pairs(aggregate(results))
+    if not pairs:
+        return None
+    fig, axes = plt.subplots(1, len(pairs), figsize=(6.5 * len(pairs), 4.2), squeeze=False)
+    for ax, (fixed, learned) in zip(axes[0], pairs):
+        rows = gap_by_step(fixed, learned)
+        seeds = sorted({s for _, g in rows for s in g})
+        for s in seeds:
+            pts = [(step, g[s]) for step, g in rows if s in g]
+            ax.plot(*zip(*pts), "o-", lw=0.8, ms=3, alpha=0.6, label=f"seed {s}")
+        ax.plot([step for step, _ in rows], [statistics.fmean(g.values()) for _, g in rows], "-",
+                color=codec_info(learned.codec).color, lw=2.2, label=f"mean over {len(seeds)} seeds")
+        ax.axhline(0.0, color="black", lw=0.8)
+        ax.set_xlabel("training step")
+        ax.set_ylabel("val loss gap, (learned − fixed) / fixed (%)")
+        ax.set_title(f"{learned.display_name} minus {fixed.display_name}, P={learned.stages}, r={learned.rank}\n"
+                     "paired by seed; below 0: the learned projector is ahead", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
 def make_all(results: list[dict], folder: Path) -> list[Path]:
     """Every plot the results support; returns the files written."""
     folder = Path(folder)
     made = []
-    for fn in (pareto, loss_curves, spectra, projector_angles, energy_captured, cosine_pairs):
+    for fn in (pareto, loss_curves, spectra, projector_angles, energy_captured, cosine_pairs, learned_minus_fixed):
         out = fn(results, folder / f"{fn.__name__}.png")
         if out is not None:
             made.append(out)
