@@ -17,7 +17,7 @@ import re
 import time
 from pathlib import Path
 
-from mapl_swarm.compress.catalog import codecs_by_order, uncompressed_codec
+from mapl_swarm.compress.catalog import CODEC_INFO, codecs_by_order, uncompressed_codec
 from mapl_swarm.config import config_from_dict, config_to_dict
 from mapl_swarm.data import prepare_data
 from mapl_swarm.metrics import run_manifest
@@ -82,8 +82,32 @@ def _seed(r: dict) -> int:
 
 
 def _codec(label: str) -> str:
-    """The codec of a row label (``codec[:variant]``)."""
+    """The codec of a row label (``codec[:variant]``, e.g. ``ssn:adamw=0.5``, ``ssn:offsets=1.0+seed=1``)."""
     return label.partition(":")[0]
+
+
+def _offsets_key(r: dict) -> tuple[int, float | None]:
+    """What a frozen-offset row is paired on: its seed and its offsets' std (``ssn:offsets=1.0`` is
+    compared with ``none_offsets:offsets=1.0``, not with the default offsets)."""
+    return _seed(r), r["manifest"]["config"]["compression"].get("ssn_offset_std")
+
+
+def offsets_deltas(results: list[dict]) -> dict[str, float]:
+    """Δ% of every frozen-offset row (``ssn`` and its variants) vs the uncompressed row with the same
+    frozen offsets (the catalog's ``offsets_reference``) of the same seed and offset std, by row label.
+    A plain reference row is preferred to a variant of it."""
+    refs: dict[tuple[int, float | None], float] = {}
+    for r in sorted(results, key=lambda r: ":" not in r["codec"]):  # plain rows last: they win
+        info = CODEC_INFO.get(_codec(r["codec"]))
+        if info is not None and info.offsets_reference:
+            refs[_offsets_key(r)] = r["val_loss"]
+    out = {}
+    for r in results:
+        info = CODEC_INFO.get(_codec(r["codec"]))
+        ref = refs.get(_offsets_key(r))
+        if info is not None and info.frozen_offsets and not info.offsets_reference and ref:
+            out[r["codec"]] = 100 * (r["val_loss"] - ref) / ref
+    return out
 
 
 def sort_rows(results: list[dict]) -> list[dict]:
@@ -113,16 +137,22 @@ def to_markdown(results: list[dict], args: argparse.Namespace) -> str:
         f"corpus {m['corpus_fingerprint'][:16]} (stdlib), tokenizer {m['tokenizer_hash'][:12]}; "
         f"ssn U refresh every {args.ssn_refresh or 'never (frozen, node0)'} steps.",
         "",
-        "| codec | final val loss | Δ% vs none | payload B/token per boundary (fwd+bwd) | compression vs none | wall s | commit |",
-        "|---|---|---|---|---|---|---|",
+        "Δ% vs none_offsets: frozen-offset codecs (SSN) against the uncompressed run that adds the same "
+        "frozen offsets, of the same seed and offset std (—: no such row).",
+        "",
+        "| codec | final val loss | Δ% vs none | Δ% vs none_offsets | payload B/token per boundary (fwd+bwd) "
+        "| compression vs none | wall s | commit |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    vs_offsets = offsets_deltas(results)
     for r in results:
         b = base.get(_seed(r))
         delta = f"{100 * (r['val_loss'] - b) / b:+.2f}%" if b else "-"
+        delta_offsets = f"{vs_offsets[r['codec']]:+.2f}%" if r["codec"] in vs_offsets else "—"
         total = r["bytes_per_token"].get("total", 0.0)
         ratio = f"{none_bytes / total:.2f}x" if none_bytes and total else "-"
-        lines.append(f"| {r['codec']} | {r['val_loss']:.4f} | {delta} | {total:.1f} | {ratio} | {r['wall_s']:.0f} "
-                     f"| {r['manifest']['commit'][:7]} |")
+        lines.append(f"| {r['codec']} | {r['val_loss']:.4f} | {delta} | {delta_offsets} | {total:.1f} | {ratio} "
+                     f"| {r['wall_s']:.0f} | {r['manifest']['commit'][:7]} |")
     return "\n".join(lines) + "\n"
 
 
