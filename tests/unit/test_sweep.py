@@ -1,6 +1,7 @@
 """Experiment sweep: micro grid end to end (JSON, tables, plots, health), resume, strict grids."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,8 +15,8 @@ GRIDS = ROOT / "bench" / "grids"
 PLOTS = ["pareto", "loss_curves", "spectra", "projector_angles", "energy_captured", "cosine_pairs"]
 
 
-def _micro_grid_file(tmp_path: Path) -> Path:
-    text = (GRIDS / "micro.toml").read_text()
+def _micro_grid_file(tmp_path: Path, extra: str = "") -> Path:
+    text = (GRIDS / "micro.toml").read_text() + extra
     text = text.replace('source = "stdlib"', f'source = "stdlib"\ncache_dir = "{tmp_path / "cache"}"')
     text = text.replace('out_dir = "runs/sweep-micro"', f'out_dir = "{tmp_path / "out"}"')
     path = tmp_path / "micro.toml"
@@ -65,6 +66,38 @@ def test_micro_sweep_end_to_end_and_resume(tmp_path, capsys):
     assert cli.main(["--log-level", "WARNING", "sweep", "--grid", str(grid_file), "--quiet"]) == 0
     assert "0 run, 2 already finished" in capsys.readouterr().out
     assert before == {p: p.stat().st_mtime_ns for p in (out / "runs").glob("*.json")}
+
+
+def test_an_interrupted_run_resumes_from_its_checkpoint_and_matches_an_uninterrupted_one(tmp_path):
+    """Checkpoints every 2 steps (keep 2): a run whose result is lost and whose newest checkpoint is
+    gone resumes from the older one, keeps the validations of its first attempt and ends where an
+    uninterrupted run ends."""
+    from mapl_swarm.experiments import run_sweep
+    from mapl_swarm.pipeline.checkpoint import CHECKPOINTS
+
+    grid_file = _micro_grid_file(tmp_path, "\n[base.checkpoint]\ninterval_steps = 2\n")
+    grid_file.write_text(grid_file.read_text().replace('codecs = ["none", "mapl"]', 'codecs = ["mapl"]'))
+    grid = load_grid(grid_file)
+    [spec] = grid.expand()
+    a, b = tmp_path / "A", tmp_path / "B"
+    assert run_sweep(grid, a, progress=False).ran == [spec.run_id]
+    assert run_sweep(grid, b, progress=False).ran == [spec.run_id]
+    ref = json.loads((a / "runs" / f"{spec.run_id}.json").read_text())
+    assert ref["resumed_from"] == 0 and [s for s, _ in ref["val_history"]] == [0, 4, 8]
+
+    (b / "runs" / f"{spec.run_id}.json").unlink()  # the run "did not finish" ...
+    steps = sorted((b / "train" / spec.run_id / CHECKPOINTS).glob("step_*"))
+    assert [p.name for p in steps] == ["step_00000006", "step_00000008"]
+    for p in steps[1:]:  # ... and its newest checkpoint is gone
+        shutil.rmtree(p)
+    assert run_sweep(grid, b, progress=False).ran == [spec.run_id]
+    res = json.loads((b / "runs" / f"{spec.run_id}.json").read_text())
+    assert res["resumed_from"] == 6
+    assert [s for s, _ in res["val_history"]] == [0, 4, 8]  # 0 and 4 from the first attempt
+    for (s_ref, v_ref), (s, v) in zip(ref["val_history"], res["val_history"]):
+        assert s == s_ref and v == pytest.approx(v_ref, abs=1e-6)
+    assert res["val_loss"] == pytest.approx(ref["val_loss"], abs=1e-6)
+    assert [s for s, _ in res["train_curve"]] == list(range(1, 9))
 
 
 def test_a_failed_run_fails_the_sweep_loudly_and_publishes_nothing(tmp_path, capsys, monkeypatch):
