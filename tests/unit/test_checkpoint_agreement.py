@@ -12,6 +12,8 @@ from mapl_swarm.pipeline import checkpoint
 from mapl_swarm.pipeline.run_policy import StageCheckpoints
 from mapl_swarm.wire import Message, MessageType, decode, encode
 
+from checkpoint_damage import flip_tensor_byte, truncate
+
 P = 3
 
 
@@ -179,3 +181,24 @@ def test_older_neighbour_without_the_capability(tmp_path, make_config):
     assert sent == [] and checkpoint.stage_steps(tmp_path, 1) == [1]
     with pytest.raises(MaplError, match=r"cannot agree on a resume step: neighbour stage\(s\) \[0\] do not take part"):
         asyncio.run(run(True))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "no_manifest"])
+def test_only_verified_steps_are_offered_so_every_stage_can_load_the_agreed_one(tmp_path, damage):
+    """Stage 1's copy of the newest step is damaged: every stage agrees on the previous one, and
+    every stage's file of it loads."""
+    peers, queues = _swarm(tmp_path, keep=5)
+    for p in peers:
+        for step in (2, 4):
+            p.store.save(step, {"w": torch.randn(32, 16), "stage": p.stage})
+    pt = tmp_path / "host1" / "checkpoints" / "step_00000004" / "stage_1.pt"
+    if damage == "flip":
+        flip_tensor_byte(pt)
+    elif damage == "truncate":
+        truncate(pt)
+    else:
+        pt.with_name("stage_1.manifest.json").unlink()
+    assert [p.store.usable_steps() for p in peers] == [[2, 4], [2], [2, 4]]
+    assert _resume_all(peers, queues, 10) == [2, 2, 2]
+    for p in peers:
+        assert p.store.load(2)["stage"] == p.stage

@@ -7,6 +7,7 @@ import errno
 import hashlib
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,8 @@ from mapl_swarm.errors import CheckpointError
 from mapl_swarm.files import atomic_write_bytes, atomic_write_text, atomic_writer
 from mapl_swarm.pipeline import checkpoint
 from mapl_swarm.pipeline.run_policy import StageCheckpoints, choose_resume_step, save_step
+
+from checkpoint_damage import flip_tensor_byte, truncate
 
 FP = "f" * 32
 
@@ -35,27 +38,6 @@ def _pt(root: Path, step: int, stage: int) -> Path:
 
 def _leftovers(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*tmp*"))
-
-
-def flip_tensor_byte(path: Path) -> None:
-    """Flip one byte inside the data of the file's largest tensor (its bytes are stored verbatim)."""
-    state = torch.load(path, weights_only=True)
-    tensors = [t for t in _tensors(state) if t.numel() > 1]
-    t = max(tensors, key=lambda t: t.numel())
-    data = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-    raw = bytearray(path.read_bytes())
-    at = raw.find(data)
-    assert at >= 0 and raw.find(data, at + 1) < 0
-    raw[at + len(data) // 2 + 3] ^= 0x40  # an exponent bit of a float32 in the middle
-    path.write_bytes(bytes(raw))
-
-
-def _tensors(x):
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, dict):
-        for v in x.values():
-            yield from _tensors(v)
 
 
 # ---------------------------------------------------------------- atomic writes
@@ -112,8 +94,7 @@ def _flip(root, step, stage):
 
 
 def _truncate(root, step, stage):
-    p = _pt(root, step, stage)
-    p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+    truncate(_pt(root, step, stage))
 
 
 def _no_manifest(root, step, stage):
@@ -144,7 +125,6 @@ def test_a_damaged_newest_step_is_skipped_with_one_warning_and_the_previous_one_
     assert len(warnings) == 1, warnings
     assert warnings[0].startswith("checkpoint step 4 of stage 1 is not usable, skipped: ")
     assert str(tmp_path / "checkpoints" / "step_00000004") in warnings[0]
-    import re
     assert re.search(why, warnings[0]), warnings[0]
     assert choose_resume_step(have, 10, "x") == 2
     torch.testing.assert_close(stores[1].load(2)["w"], _state(21)["w"], rtol=0, atol=0)
