@@ -7,7 +7,8 @@ only when the peers say so with CHECKPOINT messages:
   forwards it once it has also saved N (whichever comes last); stage 0, once it has both, declares
   N complete and sends ``complete N`` downstream, relayed to the last stage. Every stage records
   the complete steps and prunes its own files (:func:`mapl_swarm.pipeline.checkpoint.prune_plan`).
-- resume: the last stage offers its usable steps upstream, each stage intersects and forwards,
+- resume: the last stage offers its usable steps (those whose files verify against their
+  manifests, so every stage can load the agreed step) upstream, each stage intersects and forwards,
   stage 0 picks the newest common step (or refuses, with a reason every stage stops with) and
   sends ``resume`` downstream, relayed.
 
@@ -195,6 +196,8 @@ class PeerRunPolicy:
                                       keep=cfg.checkpoint.keep)
         self.agreement = CheckpointAgreement(self.store, stage, cfg.pipeline.num_stages)
         self.records: StepRecords | None = None
+        self._unsaved: set[int] = set()
+        """Steps this stage could not save (a full disk): never complete."""
         self.capabilities = [CHECKPOINT_CAPABILITY]
 
     async def on_message(self, msg: Message) -> None:
@@ -230,11 +233,14 @@ class PeerRunPolicy:
         if self.sampler is not None:
             self.sampler.load_state_dict(state["data"])
 
-    def _save(self, step: int) -> None:
+    def _save(self, step: int) -> bool:
         state = self.rt.state_dict()
         if self.sampler is not None:
             state["data"] = self.sampler.state_dict()
-        self.store.save(step, state)
+        saved = self.store.save(step, state)  # False: a full disk (warned); the step never completes
+        if not saved:
+            self._unsaved.add(step)
+        return saved
 
     def checkpoint_due(self, step: int) -> bool:
         return run_policy.checkpoint_due(self.cfg, step)
@@ -243,8 +249,7 @@ class PeerRunPolicy:
         """After optimizer step ``step``: its metrics record; a checkpoint when due, then its agreement."""
         if self.records is not None:
             self.records.stage_step(step, metrics)
-        if self.checkpoint_due(step):
-            await self.compute.run(self._save, step)
+        if self.checkpoint_due(step) and await self.compute.run(self._save, step):
             await self.agreement.on_saved(step)
 
     def train_loss(self, step: int, loss: float, tokens: int) -> None:
@@ -258,7 +263,7 @@ class PeerRunPolicy:
     async def finish(self, failed: Callable[[], BaseException | None]) -> None:
         """Stage 0 at the end: until the final checkpoint is complete, so every stage hears it before BYE."""
         final = self.cfg.run.steps
-        if self.checkpoint_due(final) and self.agreement.enabled:
+        if self.checkpoint_due(final) and self.agreement.enabled and final not in self._unsaved:
             await self.agreement.wait_complete(final, self.cfg.net.timeout_s, failed)
 
     def close(self) -> None:

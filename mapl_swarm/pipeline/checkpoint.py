@@ -1,20 +1,34 @@
-"""Per-stage checkpoint files at common step numbers, and the pruning rule.
+"""Per-stage checkpoint files at common step numbers: written atomically, verified before use, and
+the pruning rule.
 
 Layout under ``<out_dir>``::
 
-    checkpoints/step_<08d>/stage_<s>.pt          one stage's state (torch.save)
-    checkpoints/step_<08d>/stage_<s>.meta.json   who wrote it: driver, config fingerprint, step, stage
-    checkpoints/complete_stage<s>.json           the steps stage s knows every stage has (agreed)
-    checkpoints.previous/...                     an earlier run's checkpoints, moved by a fresh run
+    checkpoints/step_<08d>/stage_<s>.pt              one stage's state (torch.save)
+    checkpoints/step_<08d>/stage_<s>.manifest.json   written last: every file of the stage's step
+                                                     with its size and SHA-256; who wrote it (driver,
+                                                     config fingerprint), step, stage
+    checkpoints/complete_stage<s>.json               the steps stage s knows every stage has (agreed)
+    checkpoints.previous/...                         an earlier run's checkpoints, moved by a fresh run
 
-Every file is written to a temporary name and renamed, so a crash never leaves a half file under
-the final name. Each stage only ever touches its own files, so stages sharing one folder (one
-host) and stages on separate hosts behave the same. Files are local; nothing here crosses the
-network (which steps are complete swarm-wide is agreed by the peers, :mod:`mapl_swarm.peer.checkpoints`).
+Every file is written to a temporary name beside it, fsynced and renamed, then the folder is
+fsynced (:mod:`mapl_swarm.files`), so a crash never leaves a half file under the final name; the
+manifest comes last, so a step without one is incomplete. A stage's step is *usable* only when its
+manifest lists files that are all there with their recorded sizes and hashes (:func:`verify_stage`);
+:func:`load_stage` checks the same before ``torch.load``. A save that fails (a full disk) leaves no
+file of that stage's step behind and says, in one line, where and how many bytes it needed
+(:class:`CheckpointSaveError`).
+
+Steps written before manifests existed (``stage_<s>.meta.json`` beside the ``.pt``, no manifest) are
+still loaded, with a warning that they cannot be verified, so an upgrade does not strand a run.
+
+Each stage only ever touches its own files, so stages sharing one folder (one host) and stages on
+separate hosts behave the same. Files are local; nothing here crosses the network (which steps are
+complete swarm-wide is agreed by the peers, :mod:`mapl_swarm.peer.checkpoints`).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -26,77 +40,287 @@ from typing import Any, Iterable
 import torch
 
 from mapl_swarm.errors import CheckpointError
-from mapl_swarm.files import atomic_write_text
+from mapl_swarm.files import atomic_write_text, atomic_writer, fsync_dir, sha256_file, temp_name_glob
 
 log = logging.getLogger(__name__)
 
-__all__ = ["save_stage", "load_stage", "read_meta", "stage_steps", "complete_steps", "latest_complete_step",
-           "read_complete", "write_complete", "prune_plan", "delete_stage_steps", "prune", "retire_stages",
-           "CHECKPOINTS", "PREVIOUS"]
+__all__ = ["save_stage", "load_stage", "verify_stage", "read_meta", "stage_steps", "complete_steps",
+           "latest_complete_step", "read_complete", "write_complete", "prune_plan", "delete_stage_steps",
+           "prune", "retire_stages", "remove_temp_files", "state_nbytes", "UnusableCheckpoint",
+           "CheckpointSaveError", "CHECKPOINTS", "PREVIOUS", "MANIFEST_FORMAT"]
 
 CHECKPOINTS = "checkpoints"
 PREVIOUS = "checkpoints.previous"
+MANIFEST_FORMAT = 1
+"""Version of ``stage_<s>.manifest.json``."""
 _STEP_RE = re.compile(r"^step_(\d{8})$")
+_PERMANENT = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG}
+"""Errors a later save would meet again: the run stops instead of training on without checkpoints."""
+
+
+class UnusableCheckpoint(CheckpointError):
+    """A stage's step that must not be loaded: incomplete or corrupt (the message names the file)."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """A stage's step could not be saved; nothing of it is left on disk. ``permanent``: no later save
+    can succeed there either (read-only folder, no permission, a state larger than the filesystem)."""
+
+    def __init__(self, message: str, *, permanent: bool) -> None:
+        super().__init__(message)
+        self.permanent = permanent
 
 
 def _step_dir(root: Path, step: int, folder: str = CHECKPOINTS) -> Path:
     return Path(root) / folder / f"step_{step:08d}"
 
 
+def _pt(d: Path, stage: int) -> Path:
+    return d / f"stage_{stage}.pt"
+
+
+def _manifest(d: Path, stage: int) -> Path:
+    return d / f"stage_{stage}.manifest.json"
+
+
+def _legacy_meta(d: Path, stage: int) -> Path:
+    return d / f"stage_{stage}.meta.json"
+
+
 def _stage_files(d: Path, stage: int) -> list[Path]:
-    return [d / f"stage_{stage}.pt", d / f"stage_{stage}.meta.json"]
+    """The stage's files of a step folder, the manifest first (removing it first makes the step
+    unusable before its data goes), then the data, the legacy metadata, any temporary files."""
+    named = [_manifest(d, stage), _pt(d, stage), _legacy_meta(d, stage)]
+    temps = [t for f in named for t in sorted(d.glob(temp_name_glob(f.name)))] if d.is_dir() else []
+    return [*named, *temps]
+
+
+# ---------------------------------------------------------------- save
+def _storages(state: Any) -> dict[tuple[str, int], int]:
+    """Distinct tensor storages in ``state`` (nested dicts, lists, tuples) -> their bytes."""
+    seen: dict[tuple[str, int], int] = {}
+
+    def walk(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            st = x.untyped_storage()
+            seen[(str(x.device), st.data_ptr())] = st.nbytes()
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk(state)
+    return seen
+
+
+def state_nbytes(state: Any) -> int:
+    """Bytes of the distinct tensor storages in ``state``: a lower bound of its ``torch.save`` size."""
+    return sum(_storages(state).values())
+
+
+def _estimate(state: Any) -> tuple[int, int]:
+    """(lower bound, estimate) of a state's file size: its tensors, plus about 300 bytes of zip
+    record and pickle per storage (measured: 270-280) and a few kB of fixed overhead."""
+    storages = _storages(state)
+    low = sum(storages.values())
+    return low, low + 320 * len(storages) + 4096
+
+
+def _human(n: int) -> str:
+    for unit, size in (("GB", 1 << 30), ("MB", 1 << 20), ("kB", 1 << 10)):
+        if n >= size:
+            return f"{n} bytes ({n / size:.1f} {unit})"
+    return f"{n} bytes"
 
 
 def save_stage(root: str | Path, step: int, stage: int, state: dict[str, Any],
                meta: dict[str, Any] | None = None) -> Path:
-    """Atomically write one stage's state for ``step``, then its ``meta`` (``stage_<s>.meta.json``)."""
+    """Write one stage's state for ``step`` atomically, then its manifest (sizes, SHA-256 and
+    ``meta``: driver, config fingerprint...). A failure (full disk, I/O error) removes whatever of
+    this stage's step was written and raises :class:`CheckpointSaveError` naming the path and the
+    bytes needed."""
     d = _step_dir(Path(root), step)
-    d.mkdir(parents=True, exist_ok=True)
-    final = d / f"stage_{stage}.pt"
-    tmp = d / f".stage_{stage}.pt.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, final)
-    if meta is not None:
-        atomic_write_text(d / f"stage_{stage}.meta.json", json.dumps(meta, sort_keys=True))
+    final = _pt(d, stage)
+    low, need = _estimate(state)
+    where = f"checkpoint step {step} of stage {stage} not saved"
+    try:
+        _make_step_dir(d)
+        _manifest(d, stage).unlink(missing_ok=True)  # a re-save: the old manifest must not outlive its data
+        free = shutil.disk_usage(d).free
+        if free < low:  # cannot fit: fail before filling the disk
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(final))
+        with atomic_writer(final) as f:
+            torch.save(state, f)
+        manifest = {**(meta or {}), "format": MANIFEST_FORMAT, "step": step, "stage": stage,
+                    "files": {final.name: {"bytes": f.nbytes, "sha256": f.hexdigest()}}}
+        atomic_write_text(_manifest(d, stage), json.dumps(manifest, indent=1, sort_keys=True))
+    except (OSError, RuntimeError) as exc:
+        cause = _os_error(exc)
+        if cause is None and not _is_write_failure(exc):
+            _discard(d, stage)
+            raise  # not an I/O problem (a bug): keep its traceback
+        _discard(d, stage)
+        raise _save_error(cause, exc, where, final, low, need) from None
     return final
 
 
+def _make_step_dir(d: Path) -> None:
+    if d.is_dir():
+        return
+    d.parent.mkdir(parents=True, exist_ok=True)
+    d.mkdir(exist_ok=True)
+    fsync_dir(d.parent)
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError behind ``exc``: itself, or one in its chain (``torch.save`` into a Python file
+    turns the file's ENOSPC into a RuntimeError ``[enforce fail at inline_container.cc] unexpected pos``)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError) and exc.errno is not None:
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _is_write_failure(exc: BaseException) -> bool:
+    text = str(exc)
+    return "inline_container" in text or "file write failed" in text or "PytorchStreamWriter" in text
+
+
+def _save_error(cause: OSError | None, exc: BaseException, where: str, path: Path, low: int,
+                need: int) -> CheckpointSaveError:
+    try:
+        usage = shutil.disk_usage(path.parent if path.parent.exists() else path.parent.parent)
+    except OSError:
+        usage = None
+    code = cause.errno if cause is not None else None
+    full = code in (errno.ENOSPC, errno.EDQUOT) or (code is None and usage is not None and usage.free < need)
+    if full:
+        space = "" if usage is None else f", {_human(usage.free)} free of {_human(usage.total)}"
+        never = usage is not None and low > usage.total
+        return CheckpointSaveError(f"{where}: no space left on device for {path} (needs about {_human(need)}"
+                                   f"{space}{'; the filesystem is smaller than that' if never else ''})",
+                                   permanent=never)
+    reason = (cause.strerror or str(cause)) if cause is not None else str(exc).splitlines()[0]
+    return CheckpointSaveError(f"{where}: cannot write {path}: {reason} (needs about {_human(need)})",
+                               permanent=code in _PERMANENT)
+
+
+def _discard(d: Path, stage: int) -> None:
+    """Remove this stage's files of one step folder (and the folder when it is left empty)."""
+    for f in _stage_files(d, stage):
+        try:
+            f.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("cannot remove %s: %s", f, exc.strerror)
+    try:
+        d.rmdir()
+    except OSError:
+        pass  # other stages' files remain (or it is gone already)
+
+
+# ---------------------------------------------------------------- verify, load
+def verify_stage(root: str | Path, step: int, stage: int) -> dict[str, Any]:
+    """The manifest of stage ``stage``'s ``step`` once every file it lists has its recorded size and
+    SHA-256; :class:`UnusableCheckpoint` naming the file and why otherwise (missing manifest,
+    unreadable manifest, missing file, truncated, size or hash mismatch). A step written before
+    manifests existed returns its ``meta.json`` with ``"files": None`` (nothing to verify against)."""
+    d = _step_dir(Path(root), step)
+    path = _manifest(d, stage)
+    try:
+        manifest = json.loads(path.read_text())
+        files = manifest["files"]
+        if manifest.get("format") != MANIFEST_FORMAT or not isinstance(files, dict) or not files:
+            raise ValueError(f"no file list of format {MANIFEST_FORMAT}")
+        sizes = {name: (int(want["bytes"]), str(want["sha256"])) for name, want in files.items()}
+        if any(Path(name).name != name or name.startswith(".") for name in sizes):
+            raise ValueError("a listed file is not a plain name in the step folder")
+    except FileNotFoundError:
+        if _legacy_meta(d, stage).exists() and _pt(d, stage).exists():
+            return {**(read_meta(root, step, stage) or {}), "files": None}
+        raise UnusableCheckpoint(f"{_pt(d, stage)}: missing manifest {path.name} (an unfinished save)") from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UnusableCheckpoint(f"{path}: unreadable manifest ({exc})") from None
+    for name, (nbytes, sha256) in sorted(sizes.items()):
+        f = d / name
+        try:
+            size = f.stat().st_size
+        except FileNotFoundError:
+            raise UnusableCheckpoint(f"{f}: missing (listed in {path.name})") from None
+        if size < nbytes:
+            raise UnusableCheckpoint(f"{f}: truncated ({size} of {nbytes} bytes)")
+        if size > nbytes:
+            raise UnusableCheckpoint(f"{f}: size mismatch ({size} bytes, the manifest says {nbytes})")
+        _, digest = sha256_file(f)
+        if digest != sha256:
+            raise UnusableCheckpoint(f"{f}: hash mismatch (sha256 {digest[:16]}..., the manifest says "
+                                     f"{sha256[:16]}...)")
+    return manifest
+
+
 def load_stage(root: str | Path, step: int, stage: int) -> dict[str, Any]:
-    path = _step_dir(Path(root), step) / f"stage_{stage}.pt"
-    if not path.exists():
+    """One stage's state of ``step``, verified against its manifest first (:func:`verify_stage`)."""
+    d = _step_dir(Path(root), step)
+    path = _pt(d, stage)
+    if not path.exists() and not _manifest(d, stage).exists():
         raise CheckpointError(f"checkpoint missing: {path}")
     try:
+        manifest = verify_stage(root, step, stage)
+    except UnusableCheckpoint as exc:
+        raise CheckpointError(f"cannot read checkpoint {exc}") from None
+    if manifest["files"] is None:
+        log.warning("checkpoint %s has no manifest (written before checkpoints had checksums): loaded "
+                    "unverified", path)
+    try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # corrupted file: name it, never crash with a traceback
+    except Exception as exc:  # unreadable although it verified (or legacy): name it, never a traceback
         raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from None
 
 
 def read_meta(root: str | Path, step: int, stage: int) -> dict[str, Any] | None:
-    """The metadata of a stage file, or None when it has none (written before metadata existed)."""
-    path = _step_dir(Path(root), step) / f"stage_{stage}.meta.json"
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read checkpoint metadata {path}: {exc}") from None
+    """Who wrote a stage's step (driver, config fingerprint, step, stage): from its manifest, or the
+    ``meta.json`` of a step written before manifests; None when it has neither."""
+    d = _step_dir(Path(root), step)
+    for path in (_manifest(d, stage), _legacy_meta(d, stage)):
+        try:
+            meta = json.loads(path.read_text())
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"cannot read checkpoint metadata {path}: {exc}") from None
+        return {k: v for k, v in meta.items() if k not in ("files", "format")}
+    return None
 
 
+# ---------------------------------------------------------------- which steps are there
 def _steps(base: Path) -> list[tuple[int, Path]]:
     if not base.is_dir():
         return []
     return sorted((int(m.group(1)), d) for d in base.iterdir() if (m := _STEP_RE.match(d.name)))
 
 
+def _has_any(d: Path, stage: int) -> bool:
+    return any(f.exists() for f in (_pt(d, stage), _manifest(d, stage), _legacy_meta(d, stage)))
+
+
+def _written(d: Path, stage: int) -> bool:
+    """The stage's save of this step finished (its manifest is there; or a pre-manifest step)."""
+    return _manifest(d, stage).exists() or (_pt(d, stage).exists() and _legacy_meta(d, stage).exists())
+
+
 def stage_steps(root: str | Path, stage: int) -> list[int]:
-    """Steps (ascending) for which stage ``stage`` has its file under ``root``."""
-    return [s for s, d in _steps(Path(root) / CHECKPOINTS) if (d / f"stage_{stage}.pt").exists()]
+    """Steps (ascending) for which stage ``stage`` has files under ``root`` (finished or not)."""
+    return [s for s, d in _steps(Path(root) / CHECKPOINTS) if _has_any(d, stage)]
 
 
 def complete_steps(root: str | Path, num_stages: int) -> list[int]:
-    """Steps (ascending) for which all ``num_stages`` stage files exist under this one ``root``."""
-    return [s for s, d in _steps(Path(root) / CHECKPOINTS)
-            if all((d / f"stage_{k}.pt").exists() for k in range(num_stages))]
+    """Steps (ascending) for which all ``num_stages`` stages finished their save under this one
+    ``root`` (manifests present; :func:`verify_stage` checks the contents)."""
+    return [s for s, d in _steps(Path(root) / CHECKPOINTS) if all(_written(d, k) for k in range(num_stages))]
 
 
 def latest_complete_step(root: str | Path, num_stages: int) -> int | None:
@@ -121,6 +345,7 @@ def write_complete(root: str | Path, stage: int, steps: Iterable[int]) -> None:
     atomic_write_text(base / f"complete_stage{stage}.json", json.dumps({"steps": sorted(set(steps))}))
 
 
+# ---------------------------------------------------------------- pruning, retiring, cleaning
 def prune_plan(local: Iterable[int], complete: Iterable[int], keep: int) -> list[int]:
     """Which of a stage's ``local`` steps to delete: all but the newest ``keep`` complete steps,
     never the newest complete step, never a step newer than it; nothing while none is complete."""
@@ -135,21 +360,32 @@ def prune_plan(local: Iterable[int], complete: Iterable[int], keep: int) -> list
 def delete_stage_steps(root: str | Path, stage: int, steps: Iterable[int]) -> None:
     """Remove stage ``stage``'s files of ``steps`` (and a step folder left empty)."""
     for step in steps:
-        d = _step_dir(Path(root), step)
-        for f in _stage_files(d, stage):
-            f.unlink(missing_ok=True)
-        try:
-            d.rmdir()
-        except OSError:
-            pass  # other stages' files remain (or it is gone already)
+        _discard(_step_dir(Path(root), step), stage)
         log.debug("pruned stage %d of checkpoint step %d", stage, step)
 
 
 def prune(root: str | Path, num_stages: int, keep: int) -> None:
-    """Single-folder pruning: complete = every stage's file is here (:func:`prune_plan`)."""
+    """Single-folder pruning: complete = every stage's save finished here (:func:`prune_plan`)."""
     complete = complete_steps(root, num_stages)
     for s in range(num_stages):
         delete_stage_steps(root, s, prune_plan(stage_steps(root, s), complete, keep))
+
+
+def remove_temp_files(root: str | Path, stage: int) -> list[Path]:
+    """Remove the temporary files a killed save of stage ``stage`` left under ``root`` (only that
+    stage's process writes them); returns what was removed."""
+    base = Path(root) / CHECKPOINTS
+    gone = sorted(base.glob(temp_name_glob(f"complete_stage{stage}.json"))) if base.is_dir() else []
+    for _, d in _steps(base):
+        named = (_pt(d, stage), _manifest(d, stage))
+        gone += [t for f in named for t in sorted(d.glob(temp_name_glob(f.name)))]
+    for t in gone:
+        t.unlink(missing_ok=True)
+        try:
+            t.parent.rmdir()
+        except OSError:
+            pass
+    return gone
 
 
 def retire_stages(root: str | Path, stages: Iterable[int]) -> list[int]:
@@ -161,6 +397,7 @@ def retire_stages(root: str | Path, stages: Iterable[int]) -> list[int]:
         _drop_stages_in(d, stages)
     for s in stages:
         (root / PREVIOUS / f"complete_stage{s}.json").unlink(missing_ok=True)
+        remove_temp_files(root, s)
     moved = set()
     for step, d in _steps(root / CHECKPOINTS):
         for s in stages:

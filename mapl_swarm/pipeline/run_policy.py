@@ -12,7 +12,7 @@ Run folder (``run.out_dir``; each host of a swarm has its own, or they share one
     manifest_stage{S}.json        swarm stage S > 0: its own manifest (same fields + stage)
     metrics.jsonl                 train: one record per logged step
     metrics_stage{S}.jsonl        swarm stage S: one record per step, appended as it happens
-    checkpoints/step_N/stage_S.pt, stage_S.meta.json, checkpoints/complete_stage{S}.json
+    checkpoints/step_N/stage_S.pt, stage_S.manifest.json, checkpoints/complete_stage{S}.json
     checkpoints.previous/         an earlier run's checkpoints, moved there by a fresh run
     peer_stage{S}.json            swarm stage S: its result summary, written at the end
 
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
 from mapl_swarm.config import TrainConfig, config_to_dict
-from mapl_swarm.errors import CheckpointError, ConfigError
+from mapl_swarm.errors import CheckpointError, ConfigError, MaplError
 from mapl_swarm.files import atomic_write_text
 from mapl_swarm.metrics import JsonlWriter, run_manifest
 from mapl_swarm.pipeline import checkpoint
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = ["DRIVERS", "resolve_device", "bind_device", "check_vocab", "due", "checkpoint_due", "validation_due", "metrics_path",
-           "manifest_path", "write_manifest", "start_fresh", "StageCheckpoints", "choose_resume_step",
+           "manifest_path", "write_manifest", "start_fresh", "StageCheckpoints", "save_step", "choose_resume_step",
            "check_resume_step", "MetricsLog", "StepRecords"]
 
 DRIVERS = ("train", "swarm")
@@ -144,8 +144,11 @@ def write_manifest(cfg: TrainConfig, data: "PreparedData", *, driver: str, finge
                             tokenizer_hash=data.tokenizer.file_hash, seed=cfg.run.seed, resumed_from=resumed_from,
                             **extra)
     path = manifest_path(cfg.run.out_dir, stage)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return atomic_write_text(path, json.dumps(manifest, indent=2))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return atomic_write_text(path, json.dumps(manifest, indent=2))
+    except OSError as exc:  # a full or read-only disk before the first step: one line, no traceback
+        raise MaplError(f"cannot write the run manifest {path}: {exc.strerror or exc}") from None
 
 
 def start_fresh(out_dir: str | Path, stages: Iterable[int]) -> list[int]:
@@ -162,9 +165,10 @@ def start_fresh(out_dir: str | Path, stages: Iterable[int]) -> list[int]:
 
 # ---------------------------------------------------------------- checkpoints of one stage
 class StageCheckpoints:
-    """One stage's checkpoint files under ``out_dir``: save with metadata, list usable steps,
-    load, record complete steps and prune (:func:`checkpoint.prune_plan`). Create it after
-    :func:`start_fresh` (it reads the complete steps recorded so far)."""
+    """One stage's checkpoint files under ``out_dir``: save with a manifest, list the verified
+    (usable) steps, load, record complete steps and prune (:func:`checkpoint.prune_plan`). Create it
+    after :func:`start_fresh` (it reads the complete steps recorded so far, and removes the
+    temporary files a killed save of this stage left)."""
 
     def __init__(self, out_dir: str | Path, stage: int, *, driver: str, fingerprint: str, keep: int) -> None:
         if driver not in DRIVERS:
@@ -173,28 +177,48 @@ class StageCheckpoints:
         self.driver, self.fingerprint, self.keep = driver, fingerprint, keep
         self.complete: list[int] = checkpoint.read_complete(self.root, stage)
         """Steps known to be complete across the swarm (every stage has them)."""
+        for t in checkpoint.remove_temp_files(self.root, stage):
+            log.info("stage %d: removed %s, left by an interrupted checkpoint save", stage, t)
 
-    def save(self, step: int, state: dict[str, Any]) -> None:
-        checkpoint.save_stage(self.root, step, self.stage, state, meta={
-            "driver": self.driver, "config_fingerprint": self.fingerprint, "step": step, "stage": self.stage})
+    def save(self, step: int, state: dict[str, Any]) -> bool:
+        """Save ``step``; False (after one warning naming the path and the bytes needed) when it
+        could not be saved, e.g. on a full disk: nothing of the step is left, earlier steps are
+        untouched and training goes on (the next checkpoint is tried again). Raises
+        :class:`~checkpoint.CheckpointSaveError` when no checkpoint can ever be saved there."""
+        try:
+            checkpoint.save_stage(self.root, step, self.stage, state, meta={
+                "driver": self.driver, "config_fingerprint": self.fingerprint, "step": step, "stage": self.stage})
+        except checkpoint.CheckpointSaveError as exc:
+            if exc.permanent:
+                raise
+            log.warning("%s; training goes on, the next checkpoint is tried again", exc)
+            return False
+        return True
+
+    def discard(self, step: int) -> None:
+        """Remove this stage's files of ``step`` (another stage could not save it)."""
+        checkpoint.delete_stage_steps(self.root, self.stage, [step])
 
     def load(self, step: int) -> dict[str, Any]:
+        """The state of ``step``, verified against its manifest before it is read."""
         return checkpoint.load_stage(self.root, step, self.stage)
 
     def local_steps(self) -> list[int]:
         return checkpoint.stage_steps(self.root, self.stage)
 
     def usable_steps(self) -> list[int]:
-        """This stage's steps a resume may use; a file of another driver or config (or one without
-        metadata) raises :class:`CheckpointError` naming both."""
-        steps = self.local_steps()
-        for step in reversed(steps):
+        """This stage's steps a resume may use: those whose files verify against their manifest
+        (every file hashed, so call it at resume time). An incomplete or corrupt step is left out
+        with one warning naming the file and why; a step of another driver or config raises
+        :class:`CheckpointError` naming both. Steps written before manifests count (their load warns)."""
+        usable = []
+        for step in reversed(self.local_steps()):
+            try:
+                meta = checkpoint.verify_stage(self.root, step, self.stage)
+            except checkpoint.UnusableCheckpoint as exc:
+                log.warning("checkpoint step %d of stage %d is not usable, skipped: %s", step, self.stage, exc)
+                continue
             where = f"checkpoint step {step} of stage {self.stage} under {self.root / checkpoint.CHECKPOINTS}"
-            meta = checkpoint.read_meta(self.root, step, self.stage)
-            if meta is None:
-                raise CheckpointError(f"{where} has no stage_{self.stage}.meta.json (written before checkpoint "
-                                      f"metadata existed), so its driver and config are unknown; move it away "
-                                      f"or run without --resume")
             if meta.get("driver") != self.driver:
                 raise CheckpointError(f"{where} was written by another driver: driver {meta.get('driver')} vs "
                                       f"{self.driver} (this run); run without --resume to start fresh")
@@ -202,7 +226,15 @@ class StageCheckpoints:
                 raise CheckpointError(f"{where} was written with another config: fingerprint "
                                       f"{meta.get('config_fingerprint')} vs {self.fingerprint} (this run); model, "
                                       f"codec, seed, stages and tokenizer must match to resume")
-        return steps
+            usable.append(step)
+        return sorted(usable)
+
+    def _record_complete(self) -> None:
+        try:
+            checkpoint.write_complete(self.root, self.stage, self.complete)
+        except OSError as exc:  # a full disk: the record is only a hint for pruning after a restart
+            log.warning("stage %d: cannot record the complete checkpoint steps under %s: %s", self.stage,
+                        self.root / checkpoint.CHECKPOINTS, exc.strerror or exc)
 
     def mark_complete(self, step: int) -> list[int]:
         """Record ``step`` as complete and prune; returns the steps whose files were deleted."""
@@ -210,10 +242,10 @@ class StageCheckpoints:
         if step in self.complete or step not in local:
             return []
         self.complete = sorted({*(s for s in self.complete if s in local), step})
-        checkpoint.write_complete(self.root, self.stage, self.complete)
+        self._record_complete()
         doomed = checkpoint.prune_plan(local, self.complete, self.keep)
         self.complete = [s for s in self.complete if s not in doomed]
-        checkpoint.write_complete(self.root, self.stage, self.complete)
+        self._record_complete()
         checkpoint.delete_stage_steps(self.root, self.stage, doomed)
         return doomed
 
@@ -225,7 +257,25 @@ class StageCheckpoints:
             log.info("stage %d: removed checkpoint steps %s of the interrupted run (resuming from %d)",
                      self.stage, stale, step)
         self.complete = sorted({*(s for s in self.complete if s < step), step})
-        checkpoint.write_complete(self.root, self.stage, self.complete)
+        self._record_complete()
+
+
+def save_step(stores: list[StageCheckpoints], step: int, states: list[dict[str, Any]]) -> bool:
+    """Every stage's state of ``step``, all in one process (``train``): all saved, or none (the
+    stages already saved are removed again when one fails, so the step is never half there)."""
+    try:
+        for store, state in zip(stores, states, strict=True):
+            if not store.save(step, state):
+                break
+        else:
+            return True
+    except BaseException:
+        for store in stores:
+            store.discard(step)
+        raise
+    for store in stores:
+        store.discard(step)
+    return False
 
 
 def choose_resume_step(have: dict[int, list[int]], run_steps: int, where: str) -> int:
@@ -240,6 +290,10 @@ def choose_resume_step(have: dict[int, list[int]], run_steps: int, where: str) -
         raise CheckpointError(f"--resume: no checkpoint step that every stage has ({listing})")
     step = max(common)
     check_resume_step(step, run_steps)
+    newer = sorted({s for v in have.values() for s in v if s > step})
+    if newer:
+        log.info("resuming from step %d, the newest step every stage holds intact (step %s: not on every stage)",
+                 step, ", ".join(map(str, newer)))
     return step
 
 

@@ -18,7 +18,7 @@ from mapl_swarm.pipeline.inprocess import InProcessPipeline
 from mapl_swarm.pipeline.payload import BACKWARD_KINDS, FORWARD_KINDS, kind_bytes
 from mapl_swarm.pipeline.run_policy import (MetricsLog, StageCheckpoints, bind_device, check_vocab,
                                             checkpoint_due, choose_resume_step, metrics_path, resolve_device,
-                                            start_fresh, validation_due, write_manifest)
+                                            save_step, start_fresh, validation_due, write_manifest)
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +43,10 @@ class TrainSummary:
 
 def _save_checkpoint(pipe: InProcessPipeline, stores: list[StageCheckpoints], sampler: BatchSampler,
                      step: int) -> None:
-    for store, state in zip(stores, pipe.state_dicts()):
-        if store.stage == 0:
-            state["data"] = sampler.state_dict()
-        store.save(step, state)
+    states = pipe.state_dicts()
+    states[0]["data"] = sampler.state_dict()
+    if not save_step(stores, step, states):  # e.g. a full disk: said once, nothing of the step left
+        return
     for store in stores:  # every stage's file is in this one folder: the step is complete
         store.mark_complete(step)
     log.info("checkpoint saved at step %d", step)

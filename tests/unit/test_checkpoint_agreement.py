@@ -12,6 +12,8 @@ from mapl_swarm.pipeline import checkpoint
 from mapl_swarm.pipeline.run_policy import StageCheckpoints
 from mapl_swarm.wire import Message, MessageType, decode, encode
 
+from checkpoint_damage import flip_tensor_byte, truncate
+
 P = 3
 
 
@@ -179,3 +181,73 @@ def test_older_neighbour_without_the_capability(tmp_path, make_config):
     assert sent == [] and checkpoint.stage_steps(tmp_path, 1) == [1]
     with pytest.raises(MaplError, match=r"cannot agree on a resume step: neighbour stage\(s\) \[0\] do not take part"):
         asyncio.run(run(True))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "no_manifest"])
+def test_only_verified_steps_are_offered_so_every_stage_can_load_the_agreed_one(tmp_path, damage):
+    """Stage 1's copy of the newest step is damaged: every stage agrees on the previous one, and
+    every stage's file of it loads."""
+    peers, queues = _swarm(tmp_path, keep=5)
+    for p in peers:
+        for step in (2, 4):
+            p.store.save(step, {"w": torch.randn(32, 16), "stage": p.stage})
+    pt = tmp_path / "host1" / "checkpoints" / "step_00000004" / "stage_1.pt"
+    if damage == "flip":
+        flip_tensor_byte(pt)
+    elif damage == "truncate":
+        truncate(pt)
+    else:
+        pt.with_name("stage_1.manifest.json").unlink()
+    assert [p.store.usable_steps() for p in peers] == [[2, 4], [2], [2, 4]]
+    assert _resume_all(peers, queues, 10) == [2, 2, 2]
+    for p in peers:
+        assert p.store.load(2)["stage"] == p.stage
+
+
+def test_a_peer_that_cannot_save_a_step_does_not_offer_it_and_does_not_wait_for_it(tmp_path, make_config,
+                                                                                    monkeypatch, caplog):
+    """A full disk at stage 0's final checkpoint: one warning, no ``saved``/``complete`` for the step,
+    and ``finish`` does not wait for an agreement that cannot come."""
+    import errno
+    from types import SimpleNamespace
+
+    from mapl_swarm.peer.checkpoints import CHECKPOINT_CAPABILITY, PeerRunPolicy
+    from mapl_swarm.peer.compute import ComputeThread
+
+    cfg = make_config(run={"out_dir": str(tmp_path), "steps": 2}, pipeline={"num_stages": 2},
+                      checkpoint={"interval_steps": 1}, net={"timeout_s": 5.0})
+    data = SimpleNamespace(meta={}, tokenizer=SimpleNamespace(file_hash="h"))
+    sent = []
+
+    async def send(dst, meta):
+        sent.append(meta)
+
+    def full_disk(obj, f):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    runtime = SimpleNamespace(state_dict=lambda: {"x": torch.zeros(1)})
+
+    async def run():
+        compute = ComputeThread("stage0")
+        policy = PeerRunPolicy(cfg, 0, data, "f" * 32, resume=False, runtime=runtime, compute=compute)
+        try:
+            assert await policy.begin(send, {1: {CHECKPOINT_CAPABILITY}}, lambda: None) == 0
+            await policy.step_end(1, {})
+            await policy.agreement.on_message(Message(type=MessageType.CHECKPOINT, run_id="t", src=1, dst=0, step=1,
+                                                      meta={"phase": "saved", "step": 1}))
+            assert sent == [{"phase": "complete", "step": 1}]
+            monkeypatch.setattr(checkpoint.torch, "save", full_disk)
+            await policy.step_end(2, {})
+            await policy.agreement.on_message(Message(type=MessageType.CHECKPOINT, run_id="t", src=1, dst=0, step=2,
+                                                      meta={"phase": "saved", "step": 2}))
+            await asyncio.wait_for(policy.finish(lambda: None), 1.0)
+        finally:
+            policy.close()
+            compute.close()
+
+    with caplog.at_level("WARNING"):
+        asyncio.run(run())
+    assert sent == [{"phase": "complete", "step": 1}]  # step 2 never declared complete
+    assert checkpoint.stage_steps(tmp_path, 0) == [1]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= 30]
+    assert len(warnings) == 1 and warnings[0].startswith("checkpoint step 2 of stage 0 not saved: no space left")
