@@ -47,7 +47,7 @@ import math
 import secrets
 import socket
 from dataclasses import dataclass
-from typing import Any, Callable, Coroutine, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, Sequence, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -57,7 +57,12 @@ from mapl_swarm.errors import ConfigError
 from mapl_swarm.net.counters import Frame, TrafficCounters
 from mapl_swarm.net.emulator import LinkConfig, LinkShaper
 from mapl_swarm.net.errors import LinkClosedError, NetError, NetTimeoutError
+from mapl_swarm.net.limits import max_message_bytes
 from mapl_swarm.net.runkey import CurveKeys
+
+if TYPE_CHECKING:
+    from mapl_swarm.config import TrainConfig
+    from mapl_swarm.net.runkey import RunKey
 
 __all__ = [
     "CurveKeys",
@@ -154,6 +159,15 @@ class TransportConfig:
             raise ConfigError(f"transport.zmq_heartbeat_s must be >= 0, got {self.zmq_heartbeat_s}")
         if self.curve is not None and not isinstance(self.curve, CurveKeys):
             raise ConfigError("transport.curve must be CurveKeys (from the run key) or None")
+
+    @classmethod
+    def for_run(cls, cfg: TrainConfig, run_key: RunKey | None) -> "TransportConfig":
+        """A stage peer's transport: the run's ``[net]`` section, the run key's CURVE keypair (None:
+        insecure) and the run's message bound (:func:`~mapl_swarm.net.limits.max_message_bytes`)."""
+        net = cfg.net
+        return cls(bind_host=net.bind_host, bind_port=net.port, advertise_host=net.advertise_host or None,
+                   send_timeout_s=net.timeout_s, curve=run_key.curve if run_key is not None else None,
+                   max_message_bytes=max_message_bytes(cfg), zmq_heartbeat_s=net.zmq_heartbeat_s)
 
     def heartbeat_options(self) -> dict[int, int]:
         """The ZeroMQ heartbeat socket options (milliseconds) of every socket; empty when off."""
