@@ -40,12 +40,15 @@ from zmq.utils import z85
 
 from mapl_swarm.errors import ConfigError
 
-__all__ = ["RunKey", "CurveKeys", "load_run_key", "create_run_key", "RUN_KEY_HEADER", "RUN_KEY_BYTES"]
+__all__ = ["RunKey", "CurveKeys", "load_run_key", "create_run_key", "run_dir_key", "RUN_KEY_HEADER",
+           "RUN_KEY_BYTES", "RUN_KEY_FILE"]
 
 RUN_KEY_HEADER = "mapl-run-key v1"
 """First line of a run key file."""
 RUN_KEY_BYTES = 32
 """Random bytes in a run key."""
+RUN_KEY_FILE = "run.key"
+"""Name of the run key that ``launch`` and ``lab`` keep in the run's folder (``run.out_dir``)."""
 _HEX_LINE = re.compile(r"[0-9a-f]{64}")
 
 
@@ -184,3 +187,17 @@ def create_run_key(path: str | os.PathLike[str], *, force: bool = False) -> RunK
     finally:
         tmp.unlink(missing_ok=True)
     return key
+
+
+def run_dir_key(out_dir: str | os.PathLike[str]) -> RunKey:
+    """The run key of a local run (``launch``, ``lab``): ``OUT_DIR/run.key``, created (mode 0600)
+    when missing, so a resumed run keeps its key; replace the file to rotate it."""
+    path = Path(out_dir) / RUN_KEY_FILE
+    if path.exists():
+        return load_run_key(path)
+    try:
+        return create_run_key(path)
+    except ConfigError:
+        if path.exists():  # another launcher created it meanwhile
+            return load_run_key(path)
+        raise
