@@ -12,14 +12,15 @@ high-water mark) until the neighbour is up, so peers may start in any order.
 
 Members only (``TransportConfig.curve``, from the run key, :mod:`mapl_swarm.net.runkey`): the
 ROUTER is a ZeroMQ CURVE server with the run's keypair and a ZAP handler on the transport's context
-admits only clients presenting the run's public key; every DEALER is a CURVE client with that same
-keypair. Links are encrypted and authenticated; a party without the key completes no handshake,
+(pyzmq's thread authenticator, started before the bind) admits only clients presenting the run's
+public key; every DEALER is a CURVE client with that same keypair. Links are encrypted and authenticated; a party without the key completes no handshake,
 so none of its frames is delivered and it learns no plaintext. Without ``curve`` (``--insecure``)
 everything travels in the clear and anyone may connect.
 
 No takeover: ``ROUTER_HANDOVER`` is off, so a second connection presenting a routing id that is in
-use cannot take it over (the first one keeps it); ZeroMQ heartbeats (``zmq_heartbeat_s``) drop a
-dead connection, freeing its routing id for a reconnect. ``ROUTER_MANDATORY`` is on: replying to a
+use cannot take it over (the first one keeps it, and ZeroMQ never serves the second); ZeroMQ
+heartbeats (``zmq_heartbeat_s``) drop a dead connection, freeing its routing id, and a DEALER
+reconnects only after the ROUTER must have dropped its old connection. ``ROUTER_MANDATORY`` is on: replying to a
 connection that is gone raises :class:`NetError`. ``max_message_bytes`` is the ROUTER's
 ``ZMQ_MAXMSGSIZE``: a connection sending a larger frame is dropped before the frame is buffered
 (the sender's DEALER reconnects; other connections are not affected).
