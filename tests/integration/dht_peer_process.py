@@ -1,6 +1,7 @@
 """A peer-like process for tests/integration/test_dht_lifecycle.py (not a test module).
 
-    python dht_peer_process.py hold     # one DHT node, announces, prints READY {json}, blocks
+    python dht_peer_process.py hold     # two DHT nodes, the second started on a thread that
+                                        # then ends; announces, prints READY {json}, blocks
     python dht_peer_process.py sigint   # bootstrap + joined node, prints READY {json}, and on
                                         # Ctrl-C (KeyboardInterrupt) closes both, prints CLOSED
 
@@ -15,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 
 from mapl_swarm.net.discovery import Discovery, DiscoveryConfig
 
@@ -23,9 +25,14 @@ def main(mode: str) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     config = DiscoveryConfig(host="127.0.0.1")
     nodes = [Discovery("run-lifecycle", config).start()]
+    joined = DiscoveryConfig(host="127.0.0.1", initial_peers=tuple(nodes[0].visible_maddrs()))
     if mode == "sigint":
-        joined = DiscoveryConfig(host="127.0.0.1", initial_peers=tuple(nodes[0].visible_maddrs()))
         nodes.append(Discovery("run-lifecycle", joined).start())
+    else:  # a node forked on a thread outlives that thread, yet dies with this process
+        nodes.append(Discovery("run-lifecycle", joined))
+        starter = threading.Thread(target=nodes[-1].start)
+        starter.start()
+        starter.join()
     try:
         nodes[-1].announce(0, "tcp://127.0.0.1:1")
         assert nodes[0].lookup(0, timeout_s=10) == "tcp://127.0.0.1:1"
