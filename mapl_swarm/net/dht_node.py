@@ -9,9 +9,9 @@ hivemind's multiaddr parser, requires its ``/p2p/<peer id>`` and resolves its DN
 :func:`check_listen_address` binds the DHT port briefly. p2pd listens with ``SO_REUSEPORT``, so
 without that check a second node on a taken port does not fail at all: it shares the port and
 the kernel splits incoming connections between the two. A failure p2pd still reports (a race
-for the port, anything the checks miss) is raised at once with p2pd's own reason; only "none of
-the initial peers answered" is retried until the deadline, since peers may start before the
-bootstrap node.
+for the port, an unreadable identity file, anything the checks miss) is raised at once with
+p2pd's own reason; only "none of the initial peers answered" and a start slower than its deadline
+are retried until the deadline, since peers may start before the bootstrap node.
 
 **Nothing left behind.** The node process (1) leaves its parent's process group, so Ctrl-C in
 a terminal or a signal to the group reaches only the peer, which then stops the node through
@@ -63,9 +63,10 @@ a loaded machine)."""
 _RESOLVE_TIMEOUT_S = 3.0
 """Longest wait for the DNS name of an initial peer; when it runs out, p2pd resolves it itself."""
 _DNS_PROTOCOLS = {"dns": socket.AF_UNSPEC, "dns4": socket.AF_INET, "dns6": socket.AF_INET6}
-_PERMANENT = ("failed to parse", "already in use", "cannot assign requested address", "permission denied",
-              "no such host", "already taken", "p2pd binary", "exec format")
-"""Lower-case fragments of p2pd / hivemind start failures that retrying cannot fix."""
+_TRANSIENT = ("bootstrap", "timeout", "timed out", "failed to start in")
+"""Lower-case fragments of the start failures worth retrying: initial peers that do not answer
+(yet), a start slower than its deadline. Any other failure (a malformed address, a taken port, an
+unreadable identity file...) is raised at once."""
 
 
 def host_maddr(host: str, port: int) -> str:
@@ -175,6 +176,8 @@ def start_dht(*, host: str = "0.0.0.0", port: int = 0, announce_host: str | None
     if identity_path:
         kwargs["identity_path"] = identity_path
     where = f"{host_maddr(host, port)} joining {peers or 'no peers'}"
+    if identity_path:
+        where += f" with identity {identity_path}"
     deadline = time.monotonic() + timeout_s
     last_reason = ""
     while True:
@@ -186,7 +189,7 @@ def start_dht(*, host: str = "0.0.0.0", port: int = 0, announce_host: str | None
         except Exception as exc:  # noqa: BLE001 - hivemind raises assorted daemon errors
             _reap_failed_start(dht)
             reason = _failure_reason(exc)
-            if any(fragment in reason.lower() for fragment in _PERMANENT):
+            if reason and not any(fragment in reason.lower() for fragment in _TRANSIENT):
                 raise DiscoveryError(f"could not start a DHT node on {where}: {reason}") from None
             last_reason = reason or last_reason
             if time.monotonic() >= deadline:
