@@ -8,7 +8,7 @@ torch_shm_manager that hivemind's shared-memory futures start. Then:
   every one of them is gone within 5 s, and so are p2pd's unix sockets and the peer's /dev/shm
   segments;
 * SIGINT to the peer's process group (Ctrl-C in a terminal): the peer closes its nodes, exits 0,
-  and stderr has no traceback, go-libp2p error or hard-kill warning.
+  stderr has no traceback, go-libp2p error or hard-kill warning, and nothing is left behind.
 """
 
 from __future__ import annotations
@@ -149,6 +149,7 @@ def test_sigint_to_the_process_group_closes_the_dht_quietly() -> None:
         tree = descendants(peer.pid)
         sockets = [s for p in tree if p.name == "p2pd" for s in p2pd_sockets(p)]
         assert len(sockets) == 4, tree  # two nodes, two sockets each
+        shm = sorted(Path("/dev/shm").glob(f"torch_{peer.pid}_*"))
 
         os.killpg(peer.pid, signal.SIGINT)  # Ctrl-C: the whole foreground process group
         out, err = peer.communicate(timeout=30)
@@ -156,6 +157,7 @@ def test_sigint_to_the_process_group_closes_the_dht_quietly() -> None:
         for bad in ("Traceback", "ERROR", "grace period", "hard way", "did not stop", "terminate called"):
             assert bad not in err, f"{bad!r} in the peer's stderr:\n{err[-4000:]}"
         assert wait_for(lambda: all(gone(p) for p in tree), 5.0), [p for p in tree if not gone(p)]
-        assert not [s for s in sockets if s.exists()]
+        assert wait_for(lambda: not any(p.exists() for p in [*sockets, *shm]), 5.0), \
+            f"left behind: {[str(p) for p in [*sockets, *shm] if p.exists()]}"
     finally:
         reap(peer, tree)
