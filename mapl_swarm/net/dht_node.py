@@ -179,7 +179,7 @@ def start_dht(*, host: str = "0.0.0.0", port: int = 0, announce_host: str | None
     if identity_path:
         where += f" with identity {identity_path}"
     deadline = time.monotonic() + timeout_s
-    last_reason = ""
+    last_reason, attempt = "", 0
     while True:
         dht = node_class(initial_peers=peers or None, start=False, **kwargs)
         dht.shutdown_timeout = shutdown_timeout_s
@@ -197,7 +197,9 @@ def start_dht(*, host: str = "0.0.0.0", port: int = 0, announce_host: str | None
                         else "")
                 raise DiscoveryError(f"could not start a DHT node on {where} within {timeout_s:g} s: "
                                      f"{last_reason or 'the node did not become ready'}{hint}") from exc
-            logger.info("DHT start failed (%s); retrying", reason or "not ready in time")
+            (logger.debug if attempt else logger.info)("DHT start failed (%s); retrying for up to %g s",
+                                                      reason or "not ready in time", timeout_s)
+            attempt += 1
             time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
 
