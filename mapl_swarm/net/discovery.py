@@ -25,8 +25,12 @@ event loop, its ZeroMQ context or doing any torch work — and only then build e
     discovery.start()                       # forks the DHT process: do this first
     run(peer_main(discovery))               # then the event loop, zmq, torch ...
 
-Never SIGTERM a DHT child (call :meth:`Discovery.close`): a child killed while it holds
-hivemind's cross-process MPFuture lock makes every later DHT start in the process tree hang.
+The DHT process and its p2pd daemon live in their own process group, so Ctrl-C reaches only
+the peer, and die with the peer even when it is SIGKILLed; :meth:`Discovery.close` stops them
+cleanly (:mod:`mapl_swarm.net.dht_node`). Stop them with :meth:`Discovery.close`, not a signal:
+a DHT process killed while it holds hivemind's cross-process MPFuture lock makes every later DHT
+start in the process tree hang. A malformed initial peer, an unresolvable host or a taken DHT
+port fail :meth:`Discovery.start` at once, naming the address.
 
 Inside the loop use :meth:`Discovery.announce` / :meth:`Discovery.lookup_async`; the blocking
 DHT calls go to the default executor. Re-announcement runs on a daemon thread every
@@ -36,7 +40,6 @@ DHT calls go to the default executor. Re-announcement runs on a daemon thread ev
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import math
 import threading
@@ -45,16 +48,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
 from mapl_swarm.errors import ConfigError
+from mapl_swarm.net.dht_node import host_maddr, start_dht
 from mapl_swarm.net.errors import DiscoveryError, DiscoveryTimeoutError
 
 __all__ = ["DiscoveryConfig", "Discovery", "start_dht", "run_bootstrap_node", "host_maddr", "stage_key",
            "dht_validators", "HasDhtKey", "MAX_STAGES", "MAX_TTL_S"]
 
 logger = logging.getLogger(__name__)
-
-_CHILD_EXIT_TIMEOUT_S = 15.0
-"""Grace period for a DHT child to exit before it is terminated (hivemind's default, 3 s, is
-short on a loaded machine, and a terminated child can leave hivemind's MPFuture lock held)."""
 
 MAX_STAGES = 1024
 """A keyed peer's DHT node accepts records only under ``stage_key(run_id, s)`` for s below this."""
@@ -68,15 +68,6 @@ class HasDhtKey(Protocol):
 
     @property
     def dht_key(self) -> bytes: ...
-
-
-def host_maddr(host: str, port: int) -> str:
-    """Multiaddr ``/ip4|ip6|dns/HOST/tcp/PORT`` for a host name or IP literal."""
-    try:
-        proto = "ip6" if ipaddress.ip_address(host).version == 6 else "ip4"
-    except ValueError:
-        proto = "dns"
-    return f"/{proto}/{host}/tcp/{port}"
 
 
 def stage_key(run_id: str, stage: int) -> str:
@@ -97,50 +88,6 @@ def dht_validators(run_key: HasDhtKey | None, run_id: str | None = None) -> list
 
     allowed = None if run_id is None else [stage_key(run_id, s) for s in range(MAX_STAGES)]
     return [RunKeyValidator(dht_key, allowed_keys=allowed)]
-
-
-def start_dht(*, host: str = "0.0.0.0", port: int = 0, announce_host: str | None = None,
-              initial_peers: Sequence[str] = (), identity_path: str | None = None,
-              client_mode: bool = False, record_validators: Sequence[Any] = (),
-              timeout_s: float = 30.0) -> Any:
-    """Fork and start a ``hivemind.DHT``; returns it once ready (see the start-order note).
-
-    ``announce_host`` requires an explicit ``port`` (hivemind refuses to announce port 0).
-    ``identity_path`` makes the peer id, hence the multiaddr, stable across restarts (useful
-    for a bootstrap node whose address is written into configs). ``record_validators`` (see
-    :func:`dht_validators`) go to the forked node. Unreachable initial peers are retried until
-    ``timeout_s``, so peers may start before the bootstrap node."""
-    if announce_host and port == 0:
-        raise ConfigError("discovery: announce_host needs an explicit DHT port (hivemind cannot "
-                          "announce port 0)")
-    from hivemind import DHT  # deferred: imports torch
-
-    kwargs: dict[str, Any] = dict(host_maddrs=[host_maddr(host, port)], client_mode=client_mode,
-                                  record_validators=list(record_validators),
-                                  shutdown_timeout=_CHILD_EXIT_TIMEOUT_S)
-    if announce_host:
-        kwargs["announce_maddrs"] = [host_maddr(announce_host, port)]
-    if identity_path:
-        kwargs["identity_path"] = identity_path
-    deadline = time.monotonic() + timeout_s
-    while True:
-        dht = DHT(initial_peers=list(initial_peers) or None, start=False, **kwargs)
-        try:
-            dht.run_in_background(await_ready=True, timeout=max(0.1, deadline - time.monotonic()))
-            return dht
-        except Exception as exc:  # noqa: BLE001 - hivemind raises assorted daemon errors
-            # Let the failed child exit by itself: SIGTERM can kill it while it holds hivemind's
-            # cross-process MPFuture lock, after which every later DHT start here hangs.
-            dht.join(_CHILD_EXIT_TIMEOUT_S)
-            if dht.is_alive():
-                logger.warning("failed DHT process %s did not exit; terminating it", dht.pid)
-                dht.terminate()
-            if time.monotonic() >= deadline:
-                raise DiscoveryError(f"could not start a DHT node on {host_maddr(host, port)} joining "
-                                     f"{list(initial_peers) or 'no peers'} within {timeout_s:g} s: "
-                                     f"{exc}") from exc
-            logger.info("DHT start failed (%s); retrying", exc)
-            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
 
 def run_bootstrap_node(host: str = "0.0.0.0", port: int = 0, *, announce_host: str | None = None,

@@ -1,5 +1,6 @@
 """hivemind DHT discovery: shuffled start order, lookup timeout, refresh, expiry, re-announce,
-several claimants of one stage (unsigned records; signed ones: test_dht_signed.py).
+several claimants of one stage (unsigned records; signed ones: test_dht_signed.py), errors that
+cannot go away failing at once (process lifetime and shutdown: test_dht_lifecycle.py).
 
 All DHT nodes are started from the test's main thread before any lookup thread or event loop
 exists (hivemind forks its DHT process; see mapl_swarm.net.discovery).
@@ -9,9 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
@@ -156,3 +160,40 @@ def test_bootstrap_node_reports_maddrs_and_stops() -> None:
         DiscoveryConfig(ttl_s=5, refresh_s=5)
     with pytest.raises(DiscoveryError, match="start"):
         Discovery("run-y").lookup(0, timeout_s=0.1)
+
+
+@pytest.mark.timeout(60)
+def test_bad_addresses_and_a_taken_port_fail_at_once(bootstrap: list[str], tmp_path: Path) -> None:
+    """No retries for what retrying cannot fix: each fails within 5 s, naming the address (the
+    last case passes every check before the fork and fails in p2pd, which gives the reason)."""
+    garbled = tmp_path / "identity.key"
+    garbled.write_text("not a private key")
+    peer_id = bootstrap[0].rsplit("/", 1)[1]
+    taken_by_dht = int(bootstrap[0].split("/")[4])  # p2pd listens with SO_REUSEPORT: it would be shared
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        taken = listener.getsockname()[1]
+        cases: list[tuple[dict, type[Exception], str]] = [
+            (dict(initial_peers=("garbage",)), ConfigError, "'garbage' is not a valid multiaddr: Must begin with /"),
+            (dict(initial_peers=(f"/ip4/127.0.0.1/tcp/http/p2p/{peer_id}",)), ConfigError,
+             "/tcp/http/p2p/.* is not a valid multiaddr"),
+            (dict(initial_peers=("/ip4/127.0.0.1/tcp/4001",)), ConfigError, "'/ip4/127.0.0.1/tcp/4001' has no peer id"),
+            (dict(initial_peers=tuple(bootstrap), port=taken_by_dht), DiscoveryError,
+             f"DHT port {taken_by_dht} on 127.0.0.1 is already in use"),
+            (dict(port=taken), DiscoveryError, f"DHT port {taken} on 127.0.0.1 is already in use"),
+            (dict(host="192.0.2.1", port=taken), DiscoveryError, "192.0.2.1 is not an address of this machine"),
+            (dict(identity_path=str(garbled)), DiscoveryError, f"with identity {re.escape(str(garbled))}: .+"),
+        ]
+        try:
+            socket.getaddrinfo("no-such-host.invalid", None)
+        except socket.gaierror as exc:
+            if exc.errno == socket.EAI_NONAME:  # a resolver that answers (else p2pd would decide)
+                cases.append((dict(initial_peers=(f"/dns/no-such-host.invalid/tcp/4001/p2p/{peer_id}",)),
+                              DiscoveryError, "no-such-host.invalid.* cannot be resolved"))
+        for settings, error, message in cases:
+            config = DiscoveryConfig(**{"host": "127.0.0.1", **settings})
+            t0 = time.monotonic()
+            with pytest.raises(error, match=message):
+                Discovery("run-bad", config).start()
+            assert time.monotonic() - t0 < 5.0, settings

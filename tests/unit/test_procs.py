@@ -1,0 +1,96 @@
+"""mapl_swarm.procs on real processes: a child dies with its SIGKILLed parent (issue 13, item 5).
+
+Each case starts a small Python "parent" that starts a child and prints the child's pid, then
+SIGKILLs the parent and waits, with a deadline, for the child to be gone.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mapl_swarm.procs import parent_death_signal_supported
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+
+pytestmark = pytest.mark.skipif(not (parent_death_signal_supported() and Path("/proc/self/stat").exists()),
+                                reason="needs Linux: prctl(PR_SET_PDEATHSIG) and /proc")
+
+PREEXEC_PARENT = """
+import subprocess, sys
+from mapl_swarm.procs import die_with_parent
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], preexec_fn=die_with_parent())
+print(child.pid, flush=True)
+sys.stdin.read()
+"""
+
+WATCHED_CHILD = """
+import os, sys, threading
+from mapl_swarm.procs import watch_parent
+assert watch_parent(int(sys.argv[1]), lambda: os._exit(0)) is not None
+print("watching", flush=True)
+threading.Event().wait()
+"""
+WATCH_PARENT = f"""
+import os, subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", {WATCHED_CHILD!r}, str(os.getpid())], stdout=subprocess.PIPE)
+assert child.stdout.readline() == b"watching\\n"
+print(child.pid, flush=True)
+sys.stdin.read()
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
+
+
+def kill_parent_and_check_child(parent_code: str) -> None:
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              env=ENV, text=True)
+    child = 0
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        assert alive(child)
+        parent.kill()
+        parent.wait(timeout=10)
+        deadline = time.monotonic() + 5.0
+        while alive(child) and time.monotonic() < deadline:
+            time.sleep(0.02)  # polling process state against a deadline
+        assert not alive(child), "child still alive 5 s after its parent was SIGKILLed"
+    finally:
+        parent.kill()
+        if child and alive(child):  # first: it holds the parent's stdout open
+            os.kill(child, signal.SIGKILL)
+        parent.communicate(timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_die_with_parent_preexec_kills_the_child_with_its_parent() -> None:
+    kill_parent_and_check_child(PREEXEC_PARENT)
+
+
+@pytest.mark.timeout(60)
+def test_watch_parent_calls_back_when_the_parent_dies() -> None:
+    if not hasattr(os, "pidfd_open"):
+        pytest.skip("os.pidfd_open unavailable")
+    kill_parent_and_check_child(WATCH_PARENT)
+
+
+@pytest.mark.timeout(60)
+def test_a_parent_already_gone_sends_the_signal_at_once() -> None:
+    code = ("import signal; from mapl_swarm.procs import set_parent_death_signal\n"
+            "set_parent_death_signal(signal.SIGTERM, parent_pid=-1)\nprint('survived')")
+    done = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=30)
+    assert (done.returncode, done.stdout) == (-signal.SIGTERM, "")
