@@ -34,8 +34,10 @@ from pathlib import Path
 from mapl_swarm.config import TrainConfig
 from mapl_swarm.data import prepare_data
 from mapl_swarm.errors import ConfigError, MaplError
+from mapl_swarm.net.dht_node import check_listen_address
 from mapl_swarm.net.discovery import Discovery, DiscoveryConfig
 from mapl_swarm.net.runkey import run_dir_key
+from mapl_swarm.procs import die_with_parent
 from mapl_swarm.pipeline.payload import BACKWARD_KINDS, FORWARD_KINDS, kind_bytes
 
 log = logging.getLogger(__name__)
@@ -171,18 +173,48 @@ class PeerProcess:
     """Its ``CUDA_VISIBLE_DEVICES`` (None: inherited unchanged)."""
 
 
+def peer_ports(base: int, num_stages: int, *, offset: int = 0) -> list[int]:
+    """Each peer's own port when a base port is set (``base + offset + stage``); 0 (the OS picks)
+    for every peer otherwise."""
+    return [base + offset + s if base else 0 for s in range(num_stages)]
+
+
+def check_ports(cfg: TrainConfig) -> None:
+    """Before anything starts: every fixed port the swarm will listen on (the bootstrap's
+    ``net.dht_port``, each peer's ``net.dht_port + 1 + stage`` and ``net.port + stage``) is free;
+    DiscoveryError naming the first one that is not."""
+    P, net = cfg.pipeline.num_stages, cfg.net
+    wanted = [(net.dht_host, p) for p in ([net.dht_port] if net.dht_port else [])]
+    wanted += [(net.dht_host, p) for p in peer_ports(net.dht_port, P, offset=1) if p]
+    wanted += [(net.bind_host, p) for p in peer_ports(net.port, P) if p]
+    ports = [p for _, p in wanted]
+    clash = sorted({p for p in ports if ports.count(p) > 1})
+    if clash:
+        raise ConfigError(f"net.port and net.dht_port give the swarm overlapping ports {clash}: peers use "
+                          f"net.port + stage, the DHT net.dht_port .. net.dht_port + {P}; move one of them")
+    for host, port in wanted:
+        check_listen_address(host, port)
+
+
 def peer_processes(num_stages: int, config_args: Sequence[str], *, maddr: str, threads: int, progress: bool,
                    gpus: Sequence[str | None], environ: Mapping[str, str], key_file: str,
-                   python: str = sys.executable) -> list[PeerProcess]:
+                   net_port: int = 0, dht_port: int = 0, python: str = sys.executable) -> list[PeerProcess]:
     """The command and environment of every stage peer (pure: nothing is started). ``gpus`` is
     :func:`gpu_plan`'s answer; a peer's environment is ``environ`` with its GPU as
     ``CUDA_VISIBLE_DEVICES``, or ``environ`` unchanged when it has none. ``key_file``: the path of
-    the run key every peer reads (the key itself never appears in a command or environment)."""
+    the run key every peer reads (the key itself never appears in a command or environment). With
+    a base ``net_port`` / ``dht_port`` each peer gets its own (:func:`peer_ports`; the bootstrap
+    keeps ``dht_port`` itself)."""
     base = [python, "-m", "mapl_swarm", "peer", *config_args]
+    ports, dht_ports = peer_ports(net_port, num_stages), peer_ports(dht_port, num_stages, offset=1)
     out = []
     for s in range(num_stages):
         cmd = base + ["--stage", str(s), "--initial-peer", maddr, "--set", f"runtime.threads={threads}",
                       "--launched", "--key-file", key_file]
+        if ports[s]:
+            cmd += ["--set", f"net.port={ports[s]}"]
+        if dht_ports[s]:
+            cmd += ["--set", f"net.dht_port={dht_ports[s]}"]
         if s > 0 or not progress:
             cmd.append("--quiet")
         env = dict(environ)
@@ -207,6 +239,7 @@ def launch(cfg: TrainConfig, config_args: list[str], *, progress: bool = True,
     Path(cfg.run.out_dir).mkdir(parents=True, exist_ok=True)
     for s in range(P):  # results of an earlier run must not be mistaken for this one's
         (Path(cfg.run.out_dir) / f"peer_stage{s}.json").unlink(missing_ok=True)
+    check_ports(cfg)  # a taken or clashing port answers at once, before data, DHT or peers
     run_key = run_dir_key(cfg.run.out_dir)
     log.info("run key %s: %s (every peer reads it; replace the file to rotate the key)", run_key.key_id,
              run_key.path)
@@ -222,8 +255,10 @@ def launch(cfg: TrainConfig, config_args: list[str], *, progress: bool = True,
         log.info("metrics: %s (one per stage, appended every step); checkpoints: %s; manifest: %s",
                  out / f"metrics_stage{{0..{P - 1}}}.jsonl", out / "checkpoints", out / "manifest.json")
         for peer in peer_processes(P, config_args, maddr=maddr, threads=threads, progress=progress, gpus=plan,
-                                   environ=os.environ, key_file=run_key.path):
-            procs.append(subprocess.Popen(peer.cmd, env=peer.env))
+                                   environ=os.environ, key_file=run_key.path, net_port=cfg.net.port,
+                                   dht_port=cfg.net.dht_port):
+            # a launcher killed even by SIGKILL takes its peers (and with them their DHT nodes) along
+            procs.append(subprocess.Popen(peer.cmd, env=peer.env, preexec_fn=die_with_parent()))
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             codes = [p.poll() for p in procs]
