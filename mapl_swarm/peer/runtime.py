@@ -5,42 +5,55 @@ A peer is assembled from parts, each owning one concern:
 - :class:`~.link.PeerLink` per neighbour (``links.upstream`` / ``links.downstream``): handshake
   state, sequence numbers, torch <-> wire payloads, byte counters, the send, and with mapl_vq the
   link's codebook stream (:class:`~.vq_link.CodebookLink`);
-- :class:`~.mailbox.Mailbox`: decoded pipeline messages waiting to be taken, in arrival order;
+- :class:`~.admission.Admission`: what gets in (sender, header, who may say what, session and
+  sequence, tensors decoded on the decode thread, content), every drop counted by code;
+- :class:`~.mailbox.Mailbox`: admitted pipeline messages waiting to be taken, in arrival order,
+  bounded per neighbour;
 - :class:`~.compute.ComputeThread`: the stage's compute off the event loop, and the encode lock;
 - :class:`~.schedule.PipelineSchedule`: the 1F1B schedule, given all of the above and a step-end hook;
 - :class:`~.waiting.WaitingLog`: "waiting for stage K at ADDR (n s)" lines during long waits.
 
 The peer itself owns the lifecycle (transport, discovery, heartbeats, handshake, result) and the
-receive loop, whose :meth:`Peer._dispatch` routes each message type through one table.
+receive loop, whose :meth:`Peer._dispatch` routes each admitted message type through one table.
 
 The peer drives the same :class:`~mapl_swarm.pipeline.stage.StageRuntime` as the single-process
-pipeline. Bad frames (garbage, truncated, wrong version, wrong run, unknown sender) are counted,
-logged and dropped; the peer keeps serving.
+pipeline. Messages that cannot be used (garbage, wrong version, run or sender, a type the sender may
+not send, another session, a replay, bad content, a full queue) are dropped, counted by code in the
+result (``rejects``) and logged; the peer keeps serving. A HELLO is answered on its own connection
+(WELCOME, or REJECT with the code), so a forged HELLO never reaches the real neighbour. Heartbeats
+go to a neighbour once it welcomed this peer. A NaN/Inf in this peer's own compute
+(:class:`~mapl_swarm.errors.NonFiniteError`) is told to the neighbours (ERROR ``non_finite``) and
+ends the peer (exit status 3).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mapl_swarm.config import TrainConfig
-from mapl_swarm.errors import MaplError
+from mapl_swarm.errors import MaplError, NonFiniteError
 from mapl_swarm.net.emulator import LinkConfig
-from mapl_swarm.net.heartbeat import HeartbeatConfig, attach_heartbeat
+from mapl_swarm.net.errors import NetError
+from mapl_swarm.net.heartbeat import HeartbeatConfig, HeartbeatMonitor
 from mapl_swarm.net.transport import Transport, TransportConfig
-from mapl_swarm.peer.compute import BackgroundTasks, ComputeThread
-from mapl_swarm.peer.link import LinkSettings, Links, PeerLink, stage_name
+from mapl_swarm.peer._pre14 import DecodeLimits
+from mapl_swarm.peer.admission import Admission, Arrival, RejectCounter, mailbox_bound
+from mapl_swarm.peer.compute import BackgroundTasks, ComputeThread, WorkerThread
+from mapl_swarm.peer.link import LinkSettings, Links, PeerLink, Reply, stage_name, stage_of
 from mapl_swarm.peer.mailbox import Mailbox
 from mapl_swarm.peer.result import PeerResult, write_result
 from mapl_swarm.peer.schedule import NoRunHooks, PipelineSchedule, ScheduleSettings
+from mapl_swarm.peer.session import HelloRefused, Rejected
 from mapl_swarm.peer.vq_link import codebook_summary
 from mapl_swarm.peer.waiting import WAIT_LOG_INTERVAL_S, WaitingLog
 from mapl_swarm.pipeline.stage import StageRuntime
-from mapl_swarm.wire import Message, MessageType, VersionMismatch, WireError, decode
+from mapl_swarm.wire import Message, MessageType, VersionMismatch
 from mapl_swarm.wire.codebook import INDEXED_SLICES_CAPABILITY, RETRANSMIT_CAPABILITY, VQ_CAPABILITY
 
 if TYPE_CHECKING:
@@ -75,8 +88,12 @@ class Peer:
         self.resolve, self.announce = resolve, announce
         self.secret = secret
         self.result = PeerResult(stage)
-        self.mailbox = Mailbox(self.name)
+        self.rejects = RejectCounter(self.name, self.result.rejects)
+        """Counts and logs every dropped message by code (into ``result.rejects``)."""
+        self.mailbox = Mailbox(self.name, max_per_sender=mailbox_bound(cfg))
         self.compute = compute or ComputeThread(self.name)
+        self.decoder = WorkerThread(f"{self.name}-decode")
+        """Decodes and inflates received tensors and checks their content, off the event loop."""
         self.tasks = BackgroundTasks(on_error=self.mailbox.fail)
         self.waits = WaitingLog(self.name, wait_log_interval_s)
         vq = runtime.vq is not None
@@ -95,11 +112,17 @@ class Peer:
             runtime, self.links, self.mailbox, self.compute, name=self.name,
             settings=ScheduleSettings.from_config(cfg, start_step=start_step, progress=progress),
             result=self.result, waits=self.waits, hooks=run_policy or NoRunHooks(),
-            sampler=sampler, val_batches=val_batches or [])
+            sampler=sampler, val_batches=val_batches or [], reject=self.rejects)
         self.run_policy = run_policy
+        self.admission = Admission(
+            settings, self.links, rejects=self.rejects, decoder=self.decoder, timeout_s=cfg.net.timeout_s,
+            limits=DecodeLimits(max_frame_bytes=cfg.net.max_frame_bytes), clock=time.monotonic,
+            replies_on_link=False)
+        self.monitor: HeartbeatMonitor | None = None
+        """Heartbeats to, and silence of, each neighbour once it welcomed this peer (set in :meth:`serve`)."""
+        self._refused_versions: set[str] = set()
         self._welcome_event = asyncio.Event()
         self._handlers: dict[MessageType, Callable[[Message, PeerLink], Awaitable[None]]] = {
-            MT.HELLO: self._on_hello,
             MT.WELCOME: self._on_welcome,
             MT.REJECT: self._on_reject,
             MT.ERROR: self._on_error,
@@ -108,36 +131,74 @@ class Peer:
             MT.REPORT: self._on_report,
             MT.CHECKPOINT: self._on_checkpoint,
         }
-        """Messages handled on arrival; every other type goes to the mailbox for the schedule."""
+        """Messages handled on arrival (HELLO: by :meth:`receive`); every other type goes to the mailbox
+        for the schedule."""
 
     def bad_frame(self, sender: str, why: str) -> None:
-        """Count, log and drop a message that cannot be used."""
-        self.result.bad_frames += 1
-        log.warning("%s: dropped a message from %r: %s (%d dropped so far)", self.name, sender, why,
-                    self.result.bad_frames)
+        """Count, log and drop a message the links cannot use (``not_allowed``)."""
+        self.rejects("not_allowed", sender, why)
 
     # ------------------------------------------------------------------ receiving
     async def _receive_loop(self, transport: Transport) -> None:
-        net = self.cfg.net
+        """Messages on this peer's ROUTER, from every connection, one at a time (in order)."""
         while True:
             sender, frames = await transport.recv(timeout_s=3600.0)
-            try:
-                msg = decode(frames, secret=self.secret, max_frame_bytes=net.max_frame_bytes)
-            except VersionMismatch as exc:
-                self.bad_frame(sender, str(exc))
-                link = self.links.named(sender)
-                if link is not None:
-                    await link.reject("version_mismatch", str(exc))
-                continue
-            except WireError as exc:
-                self.bad_frame(sender, f"{type(exc).__name__}: {exc}")
-                continue
-            link = self.links.sender(msg)
-            if msg.run_id != self.cfg.run.run_id or msg.dst != self.stage or link is None:
-                self.bad_frame(sender, f"run {msg.run_id!r} src {msg.src} dst {msg.dst} is not for "
-                                       f"{self.cfg.run.run_id!r} stage {self.stage}")
-                continue
-            await self._dispatch(msg, link)
+            await self.receive(Arrival(sender, frames), transport)
+
+    async def _reply_loop(self, transport: Any) -> None:
+        """Answers (WELCOME/REJECT) on this peer's own connections to its neighbours."""
+        while True:
+            link, frames = await transport.recv_reply(timeout_s=3600.0)
+            await self.receive(Arrival(link, frames, reply_link=link), transport)
+
+    async def receive(self, arrival: Arrival, transport: Any) -> None:
+        """Admit one received message (:class:`~.admission.Admission`) and dispatch it; answer a
+        refused HELLO with REJECT on its own connection."""
+        try:
+            got = await self.admission.admit(arrival)
+        except HelloRefused as exc:
+            self.rejects(exc.code, arrival.sender, exc.text)
+            link = self._link_of(arrival)
+            if link is not None:
+                await self._answer(link.refuse(exc.code, exc.text, self._reply(transport, arrival, link)))
+            return
+        except VersionMismatch as exc:
+            self.rejects(exc.code, arrival.sender, str(exc))
+            link = self._link_of(arrival)
+            if link is not None and arrival.sender not in self._refused_versions:  # once per connection
+                self._refused_versions.add(arrival.sender)
+                await self._answer(link.refuse(exc.code, str(exc), self._reply(transport, arrival, link)))
+            return
+        if got is None:
+            return
+        if self.monitor is not None:
+            self.monitor.heard(got.link.name)
+        if got.msg.type is MT.HELLO:
+            reply = self._reply(transport, arrival, got.link)
+            await self._answer(got.link.on_hello(got.msg, arrival.sender, reply, now=self.admission.clock()))
+            return
+        try:
+            await self._dispatch(got.msg, got.link)
+        except Rejected as exc:  # queue_full
+            self.rejects(exc.code, arrival.sender, exc.text)
+
+    def _link_of(self, arrival: Arrival) -> PeerLink | None:
+        if arrival.reply_link is not None:
+            return None  # never answer an answer
+        stage = stage_of(arrival.sender)
+        return None if stage is None else self.links.by_stage(stage)
+
+    def _reply(self, transport: Any, arrival: Arrival, link: PeerLink) -> Reply:
+        """Sends back on ``arrival``'s own connection (a transport without ``reply``: on the link)."""
+        if self.admission.replies_on_link:
+            return lambda frames, kind: transport.reply(arrival.sender, frames, kind=kind)
+        return lambda frames, kind: transport.send(link.name, frames, kind=kind)
+
+    async def _answer(self, sending: Awaitable[None]) -> None:
+        try:
+            await sending
+        except NetError as exc:  # the connection is gone, or does not read
+            log.warning("%s: could not answer: %s", self.name, exc)
 
     async def _dispatch(self, msg: Message, link: PeerLink) -> None:
         handler = self._handlers.get(msg.type)
@@ -146,15 +207,15 @@ class Peer:
         else:
             await handler(msg, link)
 
-    async def _on_hello(self, msg: Message, link: PeerLink) -> None:
-        await link.on_hello(msg)
-
     async def _on_welcome(self, msg: Message, link: PeerLink) -> None:
         link.on_welcome(msg)
+        if self.monitor is not None:
+            self.monitor.watch(link.name)  # heartbeats to it from now on
         if self.links.all_welcomed:
             self._welcome_event.set()
 
     async def _on_reject(self, msg: Message, link: PeerLink) -> None:
+        link.on_reject(msg)
         self.mailbox.fail(PeerRejected(f"stage {msg.src} refused stage {self.stage}: {msg.meta.get('reason')}"))
         self._welcome_event.set()
 
@@ -181,34 +242,63 @@ class Peer:
         net = self.cfg.net
         tcfg = TransportConfig(bind_host=net.bind_host, bind_port=net.port,
                                advertise_host=net.advertise_host or None, send_timeout_s=net.timeout_s)
-        shaping = LinkConfig(bandwidth_mbps=net.bandwidth_mbps, latency_ms=net.latency_ms)
         async with Transport(self.name, tcfg) as transport:
-            endpoint = transport.start()
-            await self.announce(endpoint)
-            for link in self.links:
-                ep = await self.waits.wait(self.resolve(link.stage, net.timeout_s), lambda link=link: [link])
-                link.connect(transport, ep, shaping)
-                log.info("%s: link to stage %d at %s", self.name, link.stage, ep)
-            receiver = asyncio.create_task(self._receive_loop(transport))
-            hb = attach_heartbeat(
-                transport, HeartbeatConfig(interval_s=net.heartbeat_interval_s, timeout_s=net.timeout_s),
-                lambda name: self.links.named(name).heartbeat_frames(),
-                on_silent=lambda peer, s: self.mailbox.fail(MaplError(f"{self.name}: {peer} silent for {s:.0f} s")))
+            return await self.serve(transport)
+
+    async def serve(self, transport: Any) -> PeerResult:
+        """Announce, find the neighbours, shake hands, train until the end, collect the counters.
+        ``transport`` is a started :class:`~mapl_swarm.net.transport.Transport` (tests: a fake)."""
+        net = self.cfg.net
+        shaping = LinkConfig(bandwidth_mbps=net.bandwidth_mbps, latency_ms=net.latency_ms)
+        self.admission.replies_on_link = hasattr(transport, "reply") and hasattr(transport, "recv_reply")
+        endpoint = transport.start()
+        await self.announce(endpoint)
+        for link in self.links:
+            ep = await self.waits.wait(self.resolve(link.stage, net.timeout_s), lambda link=link: [link])
+            link.connect(transport, ep, shaping)
+            log.info("%s: link to stage %d at %s", self.name, link.stage, ep)
+        receivers = [asyncio.create_task(self._receive_loop(transport))]
+        if self.admission.replies_on_link:
+            receivers.append(asyncio.create_task(self._reply_loop(transport)))
+        self.monitor = HeartbeatMonitor(
+            HeartbeatConfig(interval_s=net.heartbeat_interval_s, timeout_s=net.timeout_s),
+            send=lambda name: self.links.named(name).send_heartbeat(),
+            on_silent=lambda peer, s: self.mailbox.fail(MaplError(f"{self.name}: {peer} silent for {s:.0f} s")))
+        self.monitor.start()
+        try:
             try:
                 await self._handshake()
                 start = await self._agree_start(transport)
                 await self.schedule.run(start)
                 await transport.flush(net.timeout_s)
                 codebooks = await self.compute.run(self._codebook_summary)  # digests read device memory
-            finally:
-                await self.tasks.aclose()
-                await hb.aclose()
-                receiver.cancel()
-                await asyncio.gather(receiver, return_exceptions=True)
-                self.compute.close()
-                self.schedule.close()
-            self._collect(transport, codebooks)
+            except NonFiniteError as exc:
+                await self._tell_neighbours(transport, exc)
+                raise
+        finally:
+            await self.tasks.aclose()
+            await self.monitor.aclose()
+            for task in receivers:
+                task.cancel()
+            await asyncio.gather(*receivers, return_exceptions=True)
+            self.compute.close()
+            self.decoder.close()
+            self.schedule.close()
+        self._collect(transport, codebooks)
         return self.result
+
+    async def _tell_neighbours(self, transport: Any, exc: NonFiniteError) -> None:
+        """Best effort: ERROR ``non_finite`` to every neighbour this peer may send to, before it exits."""
+        for link in self.links:
+            if link.welcomed:
+                try:
+                    await asyncio.wait_for(link.send(MT.ERROR, meta={"code": "non_finite", "message": str(exc)}), 5.0)
+                except (NetError, asyncio.TimeoutError) as err:
+                    log.warning("%s: could not tell stage %d: %s", self.name, link.stage, err)
+        try:
+            await transport.flush(5.0)
+        except (NetError, asyncio.TimeoutError):
+            pass
 
     async def _handshake(self) -> None:
         for link in self.links:
@@ -250,6 +340,7 @@ class Peer:
 
     def _collect(self, transport: Transport, codebooks: dict[str, Any] | None) -> None:
         """The links' and transport's counters (and the codebook summary) into the result."""
+        self.result.bad_frames = self.rejects.total
         rows = transport.counters.rows()
         for link in self.links:
             self.result.payload_tx[link.name] = {str(k): v for k, v in link.counter.bytes.items()}

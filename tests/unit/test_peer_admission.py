@@ -1,0 +1,246 @@
+"""Who may say what, sessions and sequence numbers, the schedule's window (issue 12, items 2-4).
+
+Real 2-stage swarms on an in-memory network (:mod:`peer_fakes`: no sockets, no sleeps); attacks
+are injected at precise points through the network's tap. Each attacked run must finish with the
+losses of the clean run, with every forged message dropped and counted by its code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from mapl_swarm.errors import MaplError, NonFiniteError
+from mapl_swarm.peer.result import write_result
+from mapl_swarm.pipeline.inprocess import InProcessPipeline
+from mapl_swarm.pipeline.stage import StageRuntime
+from mapl_swarm.wire import Message, MessageType, WireTensor, decode, encode
+
+from peer_fakes import run_swarm, sampler, swarm_config, two_stage_swarm
+
+pytestmark = pytest.mark.timeout(300)
+
+MT = MessageType
+EVIL = "stage0.0badc0de"
+
+
+def _run(cfg=None, setup=None):
+    """Run a fresh 2-stage swarm (``setup(net, peers)`` first); returns (net, peers, results)."""
+
+    async def main():
+        net, peers, transports = two_stage_swarm(cfg)
+        if setup is not None:
+            setup(net, peers)
+        return net, peers, await run_swarm(peers, transports)
+
+    return asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def clean():
+    return _run()
+
+
+def _reference_losses(cfg) -> list[float]:
+    pipe = InProcessPipeline(cfg)
+    batches = sampler(cfg)
+    return [pipe.train_step([next(batches) for _ in range(cfg.pipeline.num_micro_batches)]).loss
+            for _ in range(cfg.run.steps)]
+
+
+def _msg(mtype, src=0, dst=1, **kw) -> list:
+    return encode(Message(type=mtype, run_id="mem", src=src, dst=dst, **kw))
+
+
+def _act(step=0, micro=0, pver=0, value=0.0, **kw) -> list:
+    cfg = swarm_config()
+    B, T, r = cfg.pipeline.micro_batch_size, cfg.model.context_length, cfg.compression.rank
+    z = np.full((B, T, r), value, dtype=np.float32).astype(np.uint16)  # bf16 patterns
+    ids = np.zeros((B, T + 1), dtype=np.uint16)
+    return _msg(MT.ACT, step=step, micro=micro, pver=pver, meta={"mode": "train"},
+                tensors={"z": WireTensor("bf16", z), "ids": ids}, **kw)
+
+
+def _on_first(net, src: str, mtype: MessageType, action, nth: int = 1) -> None:
+    """Call ``action()`` when ``src`` sends its ``nth`` message of ``mtype`` (before it is delivered)."""
+    seen = {"n": 0}
+
+    def tap(sender, dst, frames, reply):
+        if sender.startswith(src + ".") and not reply and _type(frames) == mtype:
+            seen["n"] += 1
+            if seen["n"] == nth:
+                action(frames)
+
+    net.tap = tap
+
+
+def _type(frames) -> MessageType | None:
+    try:
+        return decode(frames).type
+    except Exception:  # noqa: BLE001
+        return None
+
+
+# ---------------------------------------------------------------------- the clean run
+def test_clean_swarm_trains_like_one_process_and_keeps_the_session_rules(clean):
+    net, peers, results = clean
+    cfg = swarm_config()
+    assert results[0].train_losses == pytest.approx(_reference_losses(cfg), rel=1e-5)
+    assert results[0].rejects == {} and results[1].rejects == {} and results[0].bad_frames == 0
+    for a, b in (("stage0", "stage1"), ("stage1", "stage0")):
+        sent = [(m, rep) for s, d, m, rep in net.log if s.startswith(a + ".") and d == b]
+        own = [m for m, rep in sent if not rep]
+        answers = [m for m, rep in sent if rep]
+        assert own[0].type == MT.HELLO and own[0].seq == 0
+        assert [m.seq for m in own] == list(range(len(own)))  # +1 per message, no gap
+        assert [(m.type, m.seq) for m in answers] == [(MT.WELCOME, 0)]  # on the HELLO's connection
+        welcome_at = next(i for i, (s, d, m, rep) in enumerate(net.log)
+                          if rep and s.startswith(b + ".") and d == a)
+        first_hb = next(i for i, (s, d, m, rep) in enumerate(net.log)
+                        if s.startswith(a + ".") and d == b and m.type == MT.HEARTBEAT)
+        assert first_hb > welcome_at  # no HEARTBEAT before WELCOME
+    down = net.messages("stage0", "stage1")
+    up = net.messages("stage1", "stage0")
+    act_pver = {(m.step, m.micro): m.pver for m in down if m.type == MT.ACT}
+    assert max(act_pver.values()) == cfg.run.steps - 1  # mapl: the projector steps every step
+    assert {(m.step, m.micro): m.pver for m in up if m.type == MT.GRAD} == act_pver  # GRAD: its ACT's pver
+    assert [(m.step, m.pver) for m in up if m.type == MT.PROJ_GRAD] == [(s, s) for s in range(cfg.run.steps)]
+    assert [m.step for m in up if m.type == MT.REPORT] == list(range(cfg.run.steps))  # REPORT of step s says s
+    assert [(m.step, m.pver) for m in down if m.type == MT.PROJ] == [(s, s) for s in range(cfg.run.steps + 1)]
+
+
+def test_result_json_counts_rejects_by_code(tmp_path, clean):
+    result = clean[2][1]
+    result.rejects = {"not_allowed": 2, "replay": 1}
+    data = json.loads(write_result(result, tmp_path).read_text())
+    assert data["rejects"] == {"not_allowed": 2, "replay": 1}
+
+
+# ---------------------------------------------------------------------- outsiders and strangers
+def test_forged_hello_is_refused_on_its_own_connection_never_to_the_real_neighbour(clean):
+    hello_meta = {"fingerprint": "fp", "num_stages": 2, "capabilities": ["1f1b"], "peer": "stage0"}
+
+    def setup(net, peers):
+        def attack(_):
+            net.inject("stage1", EVIL, _msg(MT.HELLO, meta=hello_meta))  # a second stage 0 while the first is alive
+            net.inject("stage1", "stage0.0000bad2", _msg(MT.HELLO, meta={**hello_meta, "fingerprint": "bogus"}))
+        _on_first(net, "stage0", MT.ACT, attack)
+
+    net, peers, results = _run(setup=setup)
+    assert results[0].train_losses == clean[2][0].train_losses
+    assert results[1].rejects == {"stage_taken": 1, "fingerprint_mismatch": 1}
+    assert [decode(f).meta["code"] for f in net.orphan_replies[EVIL]] == ["stage_taken"]
+    assert [decode(f).meta["code"] for f in net.orphan_replies["stage0.0000bad2"]] == ["fingerprint_mismatch"]
+    assert not any(m.type == MT.REJECT for m in net.messages("stage1", "stage0"))  # the real stage 0 heard none
+
+
+def test_messages_from_strangers_and_other_sessions_are_dropped_and_training_continues(clean):
+    report = _msg(MT.REPORT, src=1, dst=0, meta={"loss": 0.123, "tokens": 64, "mode": "train"}, seq=99)
+
+    def setup(net, peers):
+        def attack(_):
+            for rid in (EVIL, "intruder"):
+                net.inject("stage1", rid, _msg(MT.ERROR, seq=50, meta={"code": "internal", "message": "die"}))
+                net.inject("stage1", rid, _msg(MT.BYE, seq=51))
+                net.inject("stage1", rid, _act(seq=52))
+            for _ in range(3):
+                net.inject("stage0", "stage1.0badc0de", report)
+            net.inject("stage0", "stage1.0badc0de", _msg(MT.ERROR, src=1, dst=0, seq=53,
+                                                         meta={"code": "internal", "message": "die"}))
+        _on_first(net, "stage0", MT.ACT, attack)
+
+    net, peers, results = _run(setup=setup)
+    assert results[0].train_losses == clean[2][0].train_losses and len(results[0].train_losses) == 3
+    assert results[1].rejects == {"wrong_session": 3, "not_allowed": 3}
+    assert results[0].rejects == {"wrong_session": 4}
+
+
+def test_a_captured_message_replayed_on_its_session_is_dropped(clean):
+    captured: dict[MessageType, list] = {}
+
+    def setup(net, peers):
+        def tap(sender, dst, frames, reply):
+            mtype = _type(frames)
+            if sender.startswith("stage0.") and mtype in (MT.ACT, MT.PROJ) and mtype not in captured:
+                captured[mtype] = (sender, [bytes(f) for f in frames])
+            elif sender.startswith("stage0.") and mtype == MT.ACT and len(captured) == 2 and "done" not in captured:
+                captured["done"] = True
+                for rid, frames_ in (captured[MT.PROJ], captured[MT.ACT]):
+                    net.inject("stage1", rid, frames_)
+        net.tap = tap
+
+    net, peers, results = _run(setup=setup)
+    assert results[0].train_losses == clean[2][0].train_losses
+    assert results[1].rejects == {"replay": 2}
+
+
+# ---------------------------------------------------------------------- insiders: a buggy neighbour
+def test_a_neighbour_sending_what_it_may_not_or_outside_the_window_cannot_derail_training(clean):
+    """Stage 1 (a key holder) also sends an ACT upstream, a GRAD for a micro-batch never sent, the
+    same GRAD twice, REPORTs of steps not reached or twice; stage 0 sends an ACT made with projector
+    99 and a second PROJ: all dropped, training unchanged."""
+
+    def setup(net, peers):
+        up, down = peers[1].links.upstream, peers[0].links.downstream
+        send_grad, send_report, send_act = up.send_grad, up.send_report, down.send_act
+        done = set()
+
+        async def grad(step, micro, payload, *, pver):
+            await send_grad(step, micro, payload, pver=pver)
+            if "grad" not in done:
+                done.add("grad")
+                await send_grad(step, micro, payload, pver=pver)  # twice
+                await send_grad(step, 7, payload, pver=pver)  # a micro-batch stage 0 never sent
+                await up.send(MT.ACT, step=step, meta={"mode": "train"})  # ACT flows down only
+
+        async def report(step, meta):
+            await send_report(step, meta)
+            if "report" not in done:
+                done.add("report")
+                await send_report(step, {**meta, "loss": 0.123})  # twice
+                await send_report(step + 5, {**meta, "loss": 0.123})  # a step not reached
+
+        async def act(step, micro, payload, *, eval_mode, pver):
+            await send_act(step, micro, payload, eval_mode=eval_mode, pver=pver)
+            if step == 1 and "act" not in done:
+                done.add("act")
+                await send_act(step, micro + 1, payload, eval_mode=eval_mode, pver=99)  # another projector
+                await send_act(step, micro, payload, eval_mode=eval_mode, pver=pver)  # the same micro-batch again
+                await down.send(MT.REPORT, step=0, meta={"loss": 0.5, "tokens": 1})  # REPORT flows up only
+
+        up.send_grad, up.send_report, down.send_act = grad, report, act
+
+    net, peers, results = _run(setup=setup)
+    assert results[0].train_losses == clean[2][0].train_losses and len(results[0].train_losses) == 3
+    assert results[0].rejects == {"out_of_window": 3, "replay": 1, "not_allowed": 1}
+    assert results[1].rejects == {"stale_projector": 1, "out_of_window": 1, "not_allowed": 1}
+
+
+def test_non_finite_values_in_a_stages_own_compute_stop_it_and_its_neighbour_hears(clean):
+    def setup(net, peers):
+        rt = peers[1].rt
+        forward = rt.forward
+
+        def poisoned(micro, **kw):  # stage 1's weights turn NaN during step 1
+            if rt.step_count == 1:
+                with torch.no_grad():
+                    next(rt.model.parameters()).fill_(float("nan"))
+            return forward(micro, **kw)
+
+        rt.forward = poisoned
+
+    async def main():
+        net, peers, transports = two_stage_swarm()
+        setup(net, peers)
+        return net, await asyncio.wait_for(asyncio.gather(*(p.serve(t) for p, t in zip(peers, transports)),
+                                                          return_exceptions=True), 120)
+
+    net, (r0, r1) = asyncio.run(main())
+    assert isinstance(r1, NonFiniteError) and r1.step == 1 and r1.exit_code == 3, r1
+    assert isinstance(r0, MaplError) and "non-finite" in str(r0), r0
+    assert [m.meta["code"] for m in net.messages("stage1", "stage0") if m.type == MT.ERROR] == ["non_finite"]
+    assert not any(m.type == MT.GRAD and m.step == 1 for m in net.messages("stage1", "stage0"))  # none sent
