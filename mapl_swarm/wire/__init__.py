@@ -16,7 +16,8 @@ version=(1, 4))``
     the arrays (zero copy: keep them unchanged until sent). ``compress``: one codec for all
     tensors or ``{name: "raw" | "lz4"}``; default ``lz4`` for integer tags, ``raw`` for floats;
     ``lz4`` falls back to ``raw`` when it does not shrink. ``secret`` (bytes) adds HMAC-SHA256.
-``decode(frames, *, secret=None, max_header_bytes=64 KiB, max_frame_bytes=256 MiB, limits=None) -> Message``
+``decode(frames, *, secret=None, max_header_bytes=64 KiB, max_frame_bytes=256 MiB, limits=None)
+-> Message``
     Raises only :class:`WireError` subclasses on bad input; unknown header/descriptor keys of the
     same major are ignored; ``raw`` tensors are read-only views of the frames. It is
 ``decode_header(frames, limits=None, *, secret=None) -> (Header, raw descriptors)`` (size, msgpack,
@@ -37,9 +38,9 @@ DecompressionFailed, AuthFailed, InvalidMessage — all subclasses of :class:`Wi
 
 ``meta`` per type (required; optional): HELLO/WELCOME ``fingerprint`` str, ``num_stages`` uint,
 ``capabilities`` [str], since 1.4 also ``nonce`` (16-byte bin), ``num_micro_batches``,
-``micro_batch_size`` (uint >= 1) and for WELCOME ``hello_nonce``; ``components`` map, ``peer`` str.
-REJECT optional ``hello_nonce`` (1.4). REJECT ``code``, ``reason`` str;
-``local``, ``remote``. ACT ``mode`` "train"|"eval". PROJ_GRAD —; ``micro_batches`` uint.
+``micro_batch_size`` (uint >= 1), ``eval_batches`` (uint) and for WELCOME ``hello_nonce``;
+``components`` map, ``peer`` str. REJECT ``code``, ``reason`` str; ``local``, ``remote``,
+``hello_nonce`` (1.4). ACT ``mode`` "train"|"eval". PROJ_GRAD —; ``micro_batches`` uint.
 REPORT ``loss`` float, ``tokens`` uint; ``mode``, ``metrics`` {str: number}. HEARTBEAT —;
 ``sent_ns`` uint. BYE —; ``reason`` str. ERROR ``code``, ``message`` str; ``ref_seq`` uint.
 CODEBOOK_SLICE —; ``stream`` "act"|"grad", ``start`` uint, ``full`` bool. RESYNC —; ``stream``,

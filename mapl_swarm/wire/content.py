@@ -216,7 +216,7 @@ class RunShapes:
 
 @dataclass(frozen=True, kw_only=True)
 class Window:
-    """What a receiver accepts on one link right now (SPEC §6.1, §9.6)."""
+    """What a receiver accepts on one link right now (SPEC §6.1 rules 4-5, §9.6)."""
 
     low: int
     """Oldest step accepted."""
@@ -269,7 +269,7 @@ def _direction(mtype: MessageType, meta: Mapping[str, Any]) -> str:
 
 def check_sender(msg: Message | Header, shapes: RunShapes) -> None:
     """``not_allowed`` unless ``msg`` is addressed to this stage by a neighbour allowed to send its
-    type (SPEC §9.5). Works on a decoded message or on a header from ``decode_header``."""
+    type (SPEC §9.4). Works on a decoded message or on a header from ``decode_header``."""
     s, P = shapes.stage, shapes.num_stages
     mtype = msg.type
     if msg.dst != s:

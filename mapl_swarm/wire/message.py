@@ -152,7 +152,7 @@ class Message:
 
 
 _HELLO_OPTIONAL = {"components": "map", "peer": "str", "nonce": "nonce", "num_micro_batches": "count",
-                   "micro_batch_size": "count"}
+                   "micro_batch_size": "count", "eval_batches": "uint"}
 META_SCHEMA: dict[MessageType, tuple[dict[str, str], dict[str, str]]] = {
     MessageType.HELLO: (
         {"fingerprint": "str", "num_stages": "uint", "capabilities": "strs"},
@@ -179,8 +179,9 @@ META_SCHEMA: dict[MessageType, tuple[dict[str, str], dict[str, str]]] = {
 fields are required from a version on (:data:`REQUIRED_SINCE`)."""
 
 REQUIRED_SINCE: dict[MessageType, tuple[tuple[int, int], tuple[str, ...]]] = {
-    MessageType.HELLO: (spec.SESSION_VERSION, ("nonce", "num_micro_batches", "micro_batch_size")),
-    MessageType.WELCOME: (spec.SESSION_VERSION, ("nonce", "hello_nonce", "num_micro_batches", "micro_batch_size")),
+    MessageType.HELLO: (spec.SESSION_VERSION, ("nonce", "num_micro_batches", "micro_batch_size", "eval_batches")),
+    MessageType.WELCOME: (spec.SESSION_VERSION, ("nonce", "hello_nonce", "num_micro_batches", "micro_batch_size",
+                                                 "eval_batches")),
 }
 """Optional ``meta`` fields of :data:`META_SCHEMA` that a message of that version or newer MUST carry
 (SPEC §5: the 1.4 handshake nonces and pipeline shape)."""

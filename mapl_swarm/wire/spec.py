@@ -87,7 +87,8 @@ CHECKPOINT_CAPABILITY = "checkpoint_agreement"
 """HELLO/WELCOME capability of peers that take part in checkpoint agreement (SPEC §5.2, 1.3)."""
 
 PIPELINE_CAPABILITY = "1f1b"
-"""HELLO/WELCOME capability of peers that run the 1F1B schedule of SPEC §9.6 (every reference peer)."""
+"""HELLO/WELCOME capability of peers that run the 1F1B schedule of SPEC §9.6 (SPEC §5.3; every
+reference peer advertises it)."""
 
 NONCE_BYTES = 16
 """Length of the handshake nonces ``meta.nonce`` / ``meta.hello_nonce`` (SPEC §5, §7; 1.4)."""

@@ -138,7 +138,7 @@ def test_handshake_fields_are_required_from_1_4():
     assert hello.version == (1, 4)
     old = samples()["hello"]  # 1.0: no nonce, still valid
     assert decode(encode(old)) == old
-    for field in ("nonce", "num_micro_batches", "micro_batch_size"):
+    for field in ("nonce", "num_micro_batches", "micro_batch_size", "eval_batches"):
         m = Message(**{**hello.__dict__, "meta": {k: v for k, v in hello.meta.items() if k != field}})
         with pytest.raises(InvalidMessage, match=field):
             encode(m)

@@ -324,7 +324,7 @@ def _session_samples(b: int, t: int) -> dict[str, Message]:
     v14 = (1, 4)
     hello = _stage_hello(MessageType.HELLO)
     welcome = _stage_hello(MessageType.WELCOME)
-    shape = {"num_micro_batches": 4, "micro_batch_size": b}
+    shape = {"num_micro_batches": 4, "micro_batch_size": b, "eval_batches": 2}
     hello.meta.update(capabilities=["1f1b", "checkpoint_agreement"], nonce=HELLO_NONCE, **shape)
     welcome.meta.update(capabilities=["1f1b", "checkpoint_agreement"], nonce=WELCOME_NONCE,
                         hello_nonce=HELLO_NONCE, **shape)
