@@ -93,16 +93,36 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_key(args: argparse.Namespace):
+    """The run key of ``--key-file`` (None with ``--insecure``), read before any other work."""
+    from mapl_swarm.net.runkey import load_run_key
+
+    return None if args.insecure else load_run_key(args.key_file)
+
+
+def _cmd_keys(args: argparse.Namespace) -> int:
+    from mapl_swarm.net.runkey import create_run_key, load_run_key
+
+    if args.if_missing and Path(args.out).exists():
+        key = load_run_key(args.out)  # a bad or world-readable file is still an error
+        print(f"kept run key {args.out} (key id {key.key_id})")
+        return 0
+    key = create_run_key(args.out, force=args.force)
+    print(f"wrote run key {args.out} (key id {key.key_id}, mode 0600); give every peer of the run a copy "
+          f"(--key-file) over a trusted channel, and no one else")
+    return 0
+
+
 def _cmd_peer(args: argparse.Namespace) -> int:
     cfg = _load(args)
+    run_key = _run_key(args)
     from mapl_swarm.peer.main import read_peers_file, run_peer
 
-    secret = args.secret_file and open(args.secret_file, "rb").read().strip()
     peers = list(args.initial_peer or [])
     if args.initial_peers_file:
         peers += read_peers_file(args.initial_peers_file, cfg.net.timeout_s)
-    result = run_peer(cfg, args.stage, initial_peers=peers, resume=args.resume,
-                      progress=not args.quiet, secret=secret or None)
+    result = run_peer(cfg, args.stage, run_key=run_key, initial_peers=peers, resume=args.resume,
+                      progress=not args.quiet)
     if args.stage == 0 and result.train_losses:
         print(f"stage 0 done: {len(result.train_losses)} steps, last loss {result.train_losses[-1]:.4f}, "
               f"{result.tokens / max(result.wall_s, 1e-9):.0f} tokens/s, {result.bad_frames} bad frames dropped")
@@ -110,7 +130,12 @@ def _cmd_peer(args: argparse.Namespace) -> int:
 
 
 def _cmd_dht(args: argparse.Namespace) -> int:
+    run_key = _run_key(args)
     from mapl_swarm.net.discovery import run_bootstrap_node
+
+    if run_key is None:
+        log.warning("INSECURE: DHT bootstrap node without a run key (--insecure): it accepts unsigned records, "
+                    "so anyone can announce a stage")
 
     def ready(maddrs: list[str]) -> None:
         if args.maddr_file:
@@ -123,7 +148,7 @@ def _cmd_dht(args: argparse.Namespace) -> int:
             print(f"  --initial-peer {m}")
         sys.stdout.flush()
 
-    run_bootstrap_node(args.host, args.port, announce_host=args.announce_host, ready=ready)
+    run_bootstrap_node(args.host, args.port, announce_host=args.announce_host, ready=ready, run_key=run_key)
     return 0
 
 
@@ -217,6 +242,17 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     _add_common_args(p)
 
 
+def _key_args(p: argparse.ArgumentParser, what: str) -> None:
+    """``--key-file PATH`` or ``--insecure``, one of them required."""
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--key-file", metavar="PATH",
+                       help=f"the run key file (mode 0600, from `mapl-swarm keys`): {what}; it also keys the "
+                            f"HMAC tags (no separate secret)")
+    group.add_argument("--insecure", action="store_true",
+                       help="run without a run key: plain TCP, unsigned records, anyone may read and join "
+                            "(logged as a warning)")
+
+
 def _resume_arg(p: argparse.ArgumentParser, who: str) -> None:
     p.add_argument("--resume", action="store_true",
                    help=f"{who} from the newest checkpoint under run.out_dir (default: start at step 0)")
@@ -226,7 +262,8 @@ _EPILOG = """\
 examples:
   mapl-swarm train --config peers/demo.toml --set run.steps=20
   mapl-swarm launch --config peers/demo.toml --log-level WARNING
-  mapl-swarm peer --config peers/150M-mapl.toml --stage 0 --initial-peer /ip4/10.0.0.1/tcp/31337/p2p/...
+  mapl-swarm keys --out run.key
+  mapl-swarm peer --config peers/150M-mapl.toml --stage 0 --key-file run.key --initial-peer /ip4/10.0.0.1/tcp/31337/p2p/...
   mapl-swarm sweep --grid bench/grids/micro.toml
 
 Every subcommand has its own --help."""
@@ -267,8 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--initial-peers-file", metavar="PATH",
                    help="file of DHT multiaddrs written by `mapl-swarm dht --maddr-file` (waited for)")
     _resume_arg(p, "continue")
-    p.add_argument("--secret-file", metavar="PATH",
-                   help="file holding the run's shared secret; adds HMAC tags (default: none)")
+    _key_args(p, "only holders of the same key can connect, links are encrypted, DHT records signed")
     p.add_argument("--launched", action="store_true", help=argparse.SUPPRESS)  # started by `launch`
     p.set_defaults(func=_cmd_peer)
 
@@ -281,8 +317,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address other hosts dial, in the printed multiaddrs (needs --port; default: the "
                         "listening addresses)")
     p.add_argument("--maddr-file", metavar="PATH", help="also write the multiaddrs to this file (default: none)")
+    _key_args(p, "the node keeps only records signed with it")
     _add_common_args(p, quiet=False)
     p.set_defaults(func=_cmd_dht)
+
+    p = add("keys", "create a run key file",
+            "Create a run key: a file every peer of one run needs (--key-file) and no one else may have. "
+            "It is written with mode 0600 and never printed; only its path and key id are shown. "
+            "`launch`, `lab` and compose create one themselves.")
+    p.add_argument("--out", required=True, metavar="FILE", help="where to write the key (required)")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--force", action="store_true", help="replace an existing file (a new key: key rotation)")
+    how.add_argument("--if-missing", action="store_true",
+                     help="keep an existing valid key file instead of refusing (for scripts and compose)")
+    _add_common_args(p, quiet=False)
+    p.set_defaults(func=_cmd_keys)
 
     p = add("sweep", "run an experiment grid in-process; tables and plots",
             "Run every run of a grid file in this process at an equal token budget (finished runs are "
@@ -301,7 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("lab", "run a swarm in network namespaces with shaped links (root)",
             "Run the DHT and every stage in its own Linux network namespace, joined by tbf-shaped veth "
-            "links (needs root): the compose topology on one machine.")
+            "links (needs root): the compose topology on one machine. The peers share the run key "
+            "RUN_DIR/run.key (run.out_dir), created with mode 0600 when missing.")
     _add_config_args(p)
     p.add_argument("--rate-mbit", type=float, default=20.0, metavar="MBIT",
                    help="tbf rate of every link in Mbit/s; 0 leaves links unshaped (default: 20)")
@@ -310,7 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("launch", "start a DHT and every stage peer on this machine",
             "Start a DHT node and one peer process per stage on this machine, wait for them and print "
-            "the swarm's loss, tokens/s and bytes/token per link; Ctrl-C stops them all.")
+            "the swarm's loss, tokens/s and bytes/token per link; Ctrl-C stops them all. The peers share "
+            "the run key RUN_DIR/run.key (run.out_dir), created with mode 0600 when missing.")
     _add_config_args(p)
     _resume_arg(p, "every peer continues")
     p.add_argument("--gpus", metavar="LIST",

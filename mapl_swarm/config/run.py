@@ -3,6 +3,7 @@ metrics, runtime (device, precision), network; and the whole :class:`TrainConfig
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
 from typing import ClassVar, get_type_hints
 
@@ -166,6 +167,15 @@ class NetConfig:
     """lz4-compress token-id frames (activations are never compressed: lz4 gains nothing on them)."""
     max_frame_bytes: int = 256 * 1024 * 1024
     """Largest tensor frame accepted."""
+    max_message_bytes: int = 0
+    """Largest frame a peer's socket accepts (ZeroMQ's maximum message size; the connection of a
+    larger one is dropped before it is buffered). 0 derives it from the run's shapes: its largest
+    legitimate message plus the header limit and 12.5% (:mod:`mapl_swarm.net.limits`). Otherwise
+    at least 4096."""
+    zmq_heartbeat_s: float = 10.0
+    """ZeroMQ heartbeat interval on every connection: one that does not answer within 3x this is
+    dropped, freeing its routing id for a reconnect. Keep 3x it above the time the slowest link
+    needs to carry the largest message. 0 turns ZeroMQ heartbeats off."""
 
     def __post_init__(self) -> None:
         _check_choices(self)
@@ -174,6 +184,10 @@ class NetConfig:
             _check(getattr(self, name) >= 0, f"net.{name} must be >= 0")
         for name in ("timeout_s", "heartbeat_interval_s", "max_frame_bytes"):
             _check(getattr(self, name) > 0, f"net.{name} must be positive")
+        _check(self.max_message_bytes == 0 or self.max_message_bytes >= 4096,  # the handshake counts too
+               f"net.max_message_bytes must be 0 (derived from the run) or >= 4096, got {self.max_message_bytes}")
+        _check(math.isfinite(self.zmq_heartbeat_s) and self.zmq_heartbeat_s >= 0,
+               f"net.zmq_heartbeat_s must be >= 0 (0: off), got {self.zmq_heartbeat_s}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,7 +1,8 @@
 """Run the compose topology (a DHT host + one host per stage) inside a :class:`NetnsLab`.
 
 Every peer runs the same ``mapl-swarm dht`` / ``mapl-swarm peer`` commands as ``compose.yaml``,
-bound to its namespace's address, with every link shaped by the kernel's tbf.
+bound to its namespace's address, with every link shaped by the kernel's tbf. The DHT node and
+every peer read the run key ``run.out_dir/run.key`` (created with mode 0600 when missing), by path.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from mapl_swarm.config import TrainConfig
 from mapl_swarm.errors import MaplError
 from mapl_swarm.lab.netns import NetnsLab
+from mapl_swarm.net.runkey import run_dir_key
 from mapl_swarm.peer.launch import SwarmSummary, stop_all, summarize
 
 log = logging.getLogger(__name__)
@@ -30,12 +32,14 @@ def run_lab_swarm(cfg: TrainConfig, config_args: list[str], *, rate_mbit: float,
     DHT child gets the log level."""
     P = cfg.pipeline.num_stages
     hosts = ["dht"] + [f"stage{k}" for k in range(P)]
+    key_args = ["--key-file", run_dir_key(cfg.run.out_dir).path]
     procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory() as tmp, NetnsLab(hosts, rate_mbit=rate_mbit, subnet=subnet) as lab:
         maddr_file = str(Path(tmp) / "dht.maddrs")
         base = [sys.executable, "-m", "mapl_swarm"]
         log_args = config_args[config_args.index("--log-level"):][:2] if "--log-level" in config_args else []
-        dht = lab.popen("dht", base + ["dht", "--host", lab.address("dht"), "--maddr-file", maddr_file, *log_args])
+        dht = lab.popen("dht", base + ["dht", "--host", lab.address("dht"), "--maddr-file", maddr_file, *key_args,
+                                       *log_args])
         procs.append(dht)
         try:
             peers = []
@@ -43,7 +47,8 @@ def run_lab_swarm(cfg: TrainConfig, config_args: list[str], *, rate_mbit: float,
                 addr = lab.address(f"stage{k}")
                 cmd = base + ["peer", *config_args, "--stage", str(k), "--initial-peers-file", maddr_file,
                               "--set", 'net.bind_host="0.0.0.0"', "--set", f'net.advertise_host="{addr}"',
-                              "--set", f'net.dht_host="{addr}"', "--set", f"runtime.threads={threads}", "--quiet"]
+                              "--set", f'net.dht_host="{addr}"', "--set", f"runtime.threads={threads}", "--quiet",
+                              *key_args]
                 peers.append(lab.popen(f"stage{k}", cmd))
             procs.extend(peers)
             deadline = time.monotonic() + timeout_s

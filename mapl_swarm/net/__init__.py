@@ -1,7 +1,10 @@
 """Networking for pipeline peers: ZeroMQ transport, link emulator, heartbeats, DHT discovery.
 
 - :mod:`~mapl_swarm.net.emulator` — token-bucket bandwidth + latency delay line per link direction.
-- :mod:`~mapl_swarm.net.transport` — asyncio ZeroMQ ROUTER/DEALER transport with shaped links.
+- :mod:`~mapl_swarm.net.runkey` — the run key file and what derives from it (CURVE keys, HMAC keys).
+- :mod:`~mapl_swarm.net.transport` — asyncio ZeroMQ ROUTER/DEALER transport with shaped links,
+  members-only (CURVE) with the run key.
+- :mod:`~mapl_swarm.net.limits` — the largest legitimate message of a run, from its config.
 - :mod:`~mapl_swarm.net.counters` — payload / wire byte accounting by link, direction and kind.
 - :mod:`~mapl_swarm.net.heartbeat` — periodic heartbeats and silent-peer detection.
 - :mod:`~mapl_swarm.net.discovery` — hivemind DHT announce / lookup of ``(run, stage)`` endpoints.
@@ -16,6 +19,8 @@ from mapl_swarm.net.emulator import LinkConfig, LinkShaper, ShaperStats
 from mapl_swarm.net.errors import (DiscoveryError, DiscoveryTimeoutError, LinkClosedError, NetError,
                                    NetTimeoutError)
 from mapl_swarm.net.heartbeat import HeartbeatConfig, HeartbeatMonitor, attach_heartbeat
+from mapl_swarm.net.limits import derived_max_message_bytes, max_message_bytes
+from mapl_swarm.net.runkey import CurveKeys, RunKey, create_run_key, load_run_key
 from mapl_swarm.net.transport import Transport, TransportConfig, new_event_loop, run, tcp_endpoint
 
 __all__ = [
@@ -24,5 +29,7 @@ __all__ = [
     "LinkConfig", "LinkShaper", "ShaperStats",
     "NetError", "NetTimeoutError", "LinkClosedError", "DiscoveryError", "DiscoveryTimeoutError",
     "HeartbeatConfig", "HeartbeatMonitor", "attach_heartbeat",
+    "derived_max_message_bytes", "max_message_bytes",
+    "CurveKeys", "RunKey", "create_run_key", "load_run_key",
     "Transport", "TransportConfig", "new_event_loop", "run", "tcp_endpoint",
 ]

@@ -8,7 +8,10 @@ silence_s)`` once and wakes :meth:`HeartbeatMonitor.wait_silent`. Hearing from t
 silence clock, so a neighbour that never comes up is also reported after ``timeout_s``.
 
 :func:`attach_heartbeat` wires a monitor to a :class:`~mapl_swarm.net.transport.Transport`:
-heartbeats go out on the transport's links and every received message counts as heard.
+heartbeats go out on the transport's links and every received message counts as heard from its
+sender's transport *name* (the routing id without its per-instance suffix,
+:meth:`Transport.name_of <mapl_swarm.net.transport.Transport.name_of>`), so a neighbour that
+restarts with a new routing id is still the same watched peer.
 """
 
 from __future__ import annotations
@@ -133,7 +136,7 @@ def attach_heartbeat(transport: "Transport", config: HeartbeatConfig,
     and treats every message received from a peer as a sign of life.
 
     ``peers`` defaults to the transport's outbound links; name links after the neighbours'
-    transport names so received messages match them."""
+    transport names so received messages (whose routing ids are ``<name>.<hex>``) match them."""
 
     async def send(peer: str) -> None:
         await transport.send(peer, make_heartbeat(peer), kind=kind, timeout_s=config.interval_s)
@@ -141,5 +144,6 @@ def attach_heartbeat(transport: "Transport", config: HeartbeatConfig,
     monitor = HeartbeatMonitor(config, send=send, on_silent=on_silent)
     for peer in (transport.links() if peers is None else peers):
         monitor.watch(peer)
-    transport.add_receive_listener(monitor.heard)
+    name_of = type(transport).name_of
+    transport.add_receive_listener(lambda routing_id: monitor.heard(name_of(routing_id)))
     return monitor.start()

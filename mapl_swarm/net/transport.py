@@ -1,11 +1,28 @@
 """Asyncio ZeroMQ transport between pipeline peers, with per-link shaping and traffic counters.
 
 Topology: every peer binds one ROUTER socket for everything it receives and connects one
-DEALER per neighbour for what it sends. The DEALER's routing id is the sender's name, so the
-ROUTER tells who sent each message; each outbound DEALER sits behind a
+DEALER per neighbour for what it sends. Each transport picks a routing id
+``<name>.<8 hex digits>`` (:attr:`Transport.routing_id`, new per instance) that all its DEALERs
+carry, so the ROUTER tells who sent each message (:meth:`Transport.recv` returns it, and
+:meth:`Transport.name_of` its name part); :meth:`Transport.reply` answers on the ROUTER, on the
+very connection a message came in on. Each outbound DEALER sits behind a
 :class:`~mapl_swarm.net.emulator.LinkShaper`, so every direction of a link is shaped by its
 sender. ``connect`` never waits for the other side: ZeroMQ queues messages (up to the send
 high-water mark) until the neighbour is up, so peers may start in any order.
+
+Members only (``TransportConfig.curve``, from the run key, :mod:`mapl_swarm.net.runkey`): the
+ROUTER is a ZeroMQ CURVE server with the run's keypair and a ZAP handler on the transport's context
+admits only clients presenting the run's public key; every DEALER is a CURVE client with that same
+keypair. Links are encrypted and authenticated; a party without the key completes no handshake,
+so none of its frames is delivered and it learns no plaintext. Without ``curve`` (``--insecure``)
+everything travels in the clear and anyone may connect.
+
+No takeover: ``ROUTER_HANDOVER`` is off, so a second connection presenting a routing id that is in
+use cannot take it over (the first one keeps it); ZeroMQ heartbeats (``zmq_heartbeat_s``) drop a
+dead connection, freeing its routing id for a reconnect. ``ROUTER_MANDATORY`` is on: replying to a
+connection that is gone raises :class:`NetError`. ``max_message_bytes`` is the ROUTER's
+``ZMQ_MAXMSGSIZE``: a connection sending a larger frame is dropped before the frame is buffered
+(the sender's DEALER reconnects; other connections are not affected).
 
 Frames are opaque (``list[bytes | memoryview]``; the wire format lives in :mod:`mapl_swarm.wire`).
 They are sent with ``copy=False`` (pyzmq still copies frames under 64 KiB): do not mutate a
@@ -14,8 +31,8 @@ buffer after handing it to :meth:`Transport.send`. Received frames under 64 KiB 
 
 Counters (:class:`~mapl_swarm.net.counters.TrafficCounters`) are keyed by link name, direction
 and a caller ``kind`` label; for received messages the kind comes from the optional ``rx_kind``
-classifier (``"rx"`` without one). Name links after the neighbour's transport name so that the
-``tx`` and ``rx`` rows of a link line up.
+classifier (``"rx"`` without one), under the sender's transport name (not its routing id). Name
+links after the neighbour's transport name so that the ``tx`` and ``rx`` rows of a link line up.
 
 Create and use a transport inside one event loop (see :func:`new_event_loop`); when the peer
 also uses hivemind's DHT, start the DHT first (see :mod:`mapl_swarm.net.discovery`).
@@ -26,19 +43,29 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import math
+import secrets
 import socket
 from dataclasses import dataclass
-from typing import Any, Callable, Coroutine, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, Sequence, TypeVar
 
 import zmq
 import zmq.asyncio
+from zmq.auth.thread import ThreadAuthenticator
 
 from mapl_swarm.errors import ConfigError
 from mapl_swarm.net.counters import Frame, TrafficCounters
 from mapl_swarm.net.emulator import LinkConfig, LinkShaper
 from mapl_swarm.net.errors import LinkClosedError, NetError, NetTimeoutError
+from mapl_swarm.net.limits import max_message_bytes
+from mapl_swarm.net.runkey import CurveKeys
+
+if TYPE_CHECKING:
+    from mapl_swarm.config import TrainConfig
+    from mapl_swarm.net.runkey import RunKey
 
 __all__ = [
+    "CurveKeys",
     "TransportConfig",
     "Transport",
     "tcp_endpoint",
@@ -51,6 +78,15 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _ZERO_COPY_MIN_BYTES = zmq.COPY_THRESHOLD
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "*", "")
+ZAP_DOMAIN = "mapl"
+"""ZAP domain of every CURVE ROUTER (the authenticator admits the run key in this domain only)."""
+_HEARTBEAT_TIMEOUT_FACTOR = 3
+_MAX_HEARTBEAT_TTL_MS = 6_553_500  # ZMQ_HEARTBEAT_TTL travels in deciseconds, 16 bits
+_CURVE_FRAME_OVERHEAD = 33
+"""Bytes CURVE adds to each frame (libzmq 4.3's MESSAGE command: name, nonce, MAC, flags), which
+ZMQ_MAXMSGSIZE counts: added to ``max_message_bytes`` so that it limits the plaintext frame."""
+MIN_MAX_MESSAGE_BYTES = 4096
+"""Smallest non-zero ``max_message_bytes``: ZMQ_MAXMSGSIZE also limits the handshake's commands."""
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -95,6 +131,18 @@ class TransportConfig:
     """ZeroMQ receive high-water mark of the inbound socket, in messages."""
     send_timeout_s: float = 60.0
     """Default deadline of :meth:`Transport.send` (waiting for room in the link's send buffer)."""
+    curve: CurveKeys | None = None
+    """The run's CURVE keypair (:attr:`RunKey.curve <mapl_swarm.net.runkey.RunKey.curve>`): links
+    are encrypted and only holders of the run key may connect. None: insecure (plain TCP, anyone
+    may connect and read)."""
+    max_message_bytes: int = 0
+    """Largest frame the ROUTER accepts, in plaintext bytes (``ZMQ_MAXMSGSIZE``, which ZeroMQ
+    applies to each frame); a connection sending a larger one is dropped. 0: unlimited."""
+    zmq_heartbeat_s: float = 10.0
+    """ZeroMQ heartbeat interval on every socket (``ZMQ_HEARTBEAT_IVL``); a connection that does not
+    answer within 3x this (``ZMQ_HEARTBEAT_TIMEOUT``, also the TTL announced to the other side)
+    is dropped. Keep 3x it above the time the slowest link needs to carry the largest frame
+    (a PONG waits behind a frame being sent). 0: no ZeroMQ heartbeats."""
 
     def __post_init__(self) -> None:
         if not (0 <= self.bind_port <= 65535):
@@ -104,6 +152,45 @@ class TransportConfig:
                 raise ConfigError(f"transport.{name} must be >= 0, got {getattr(self, name)}")
         if not self.send_timeout_s > 0:
             raise ConfigError(f"transport.send_timeout_s must be > 0, got {self.send_timeout_s}")
+        if self.max_message_bytes != 0 and self.max_message_bytes < MIN_MAX_MESSAGE_BYTES:
+            raise ConfigError(f"transport.max_message_bytes must be 0 (unlimited) or >= {MIN_MAX_MESSAGE_BYTES}, "
+                              f"got {self.max_message_bytes}")
+        if not (math.isfinite(self.zmq_heartbeat_s) and self.zmq_heartbeat_s >= 0):
+            raise ConfigError(f"transport.zmq_heartbeat_s must be >= 0, got {self.zmq_heartbeat_s}")
+        if self.curve is not None and not isinstance(self.curve, CurveKeys):
+            raise ConfigError("transport.curve must be CurveKeys (from the run key) or None")
+
+    @classmethod
+    def for_run(cls, cfg: TrainConfig, run_key: RunKey | None) -> "TransportConfig":
+        """A stage peer's transport: the run's ``[net]`` section, the run key's CURVE keypair (None:
+        insecure) and the run's message bound (:func:`~mapl_swarm.net.limits.max_message_bytes`)."""
+        net = cfg.net
+        return cls(bind_host=net.bind_host, bind_port=net.port, advertise_host=net.advertise_host or None,
+                   send_timeout_s=net.timeout_s, curve=run_key.curve if run_key is not None else None,
+                   max_message_bytes=max_message_bytes(cfg), zmq_heartbeat_s=net.zmq_heartbeat_s)
+
+    def heartbeat_options(self) -> dict[int, int]:
+        """The ZeroMQ heartbeat socket options (milliseconds) of every socket; empty when off."""
+        if self.zmq_heartbeat_s == 0:
+            return {}
+        ivl = max(1, round(self.zmq_heartbeat_s * 1000))
+        timeout = _HEARTBEAT_TIMEOUT_FACTOR * ivl
+        return {zmq.HEARTBEAT_IVL: ivl, zmq.HEARTBEAT_TIMEOUT: timeout,
+                zmq.HEARTBEAT_TTL: min(timeout, _MAX_HEARTBEAT_TTL_MS)}
+
+
+class _RunKeyOnly:
+    """ZAP credentials provider: admits exactly one CURVE client key (the run's public key)."""
+
+    def __init__(self, public: bytes, owner: "Transport") -> None:
+        self._public = public
+        self._owner = owner
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        ok = domain == ZAP_DOMAIN and secrets.compare_digest(client_key, self._public)
+        if not ok:
+            self._owner._refused()
+        return ok
 
 
 class Transport:
@@ -111,11 +198,13 @@ class Transport:
 
     Usage (inside the peer's event loop)::
 
-        async with Transport("stage1", TransportConfig(advertise_host="10.0.0.5")) as t:
+        config = TransportConfig(advertise_host="10.0.0.5", curve=run_key.curve)
+        async with Transport("stage1", config) as t:
             announce(t.endpoint)                     # e.g. tcp://10.0.0.5:41234
             t.connect("stage2", endpoint_of_stage2, LinkConfig(bandwidth_mbps=100))
             await t.send("stage2", frames, kind="ACT")
-            peer, frames = await t.recv(timeout_s=30)
+            sender, frames = await t.recv(timeout_s=30)   # sender: e.g. "stage0.5f3a9c01"
+            await t.reply(sender, answer, kind="WELCOME")  # on the connection it came in on
     """
 
     def __init__(self, name: str, config: TransportConfig = TransportConfig(), *,
@@ -125,11 +214,16 @@ class Transport:
             raise ConfigError(f"transport name must be a non-empty printable string, got {name!r}")
         self.name = name
         self.config = config
+        self.routing_id = f"{name}.{secrets.token_hex(4)}"
+        """This instance's routing id, ``<name>.<8 hex>``, carried by every DEALER it connects."""
+        self.refused_connections = 0
+        """Connections the ZAP handler refused (CURVE clients without the run key)."""
         self.counters = TrafficCounters()
         self._rx_kind = rx_kind
         self._own_context = context is None
         self._ctx = context if context is not None else zmq.asyncio.Context()
         self._router: zmq.asyncio.Socket | None = None
+        self._auth: ThreadAuthenticator | None = None
         self._dealers: dict[str, zmq.asyncio.Socket] = {}
         self._shapers: dict[str, LinkShaper] = {}
         self._listeners: list[Callable[[str], None]] = []
@@ -142,21 +236,63 @@ class Transport:
         """Bind the inbound socket; returns the advertised endpoint (``tcp://HOST:PORT``)."""
         if self._router is not None:
             return self._endpoint
+        self._check_open()
+        cfg = self.config
+        if cfg.curve is not None:
+            self._start_authenticator(cfg.curve)  # before the bind: libzmq admits everyone without one
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
-        router.setsockopt(zmq.RCVHWM, self.config.recv_hwm)
-        router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted neighbour takes over its name
+        router.setsockopt(zmq.RCVHWM, cfg.recv_hwm)
+        router.setsockopt(zmq.ROUTER_HANDOVER, 0)  # a second connection cannot take a routing id over
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # replies to a gone connection fail loudly
+        router.setsockopt(zmq.MAXMSGSIZE, self._max_msg_size())
+        for option, value in cfg.heartbeat_options().items():
+            router.setsockopt(option, value)
+        if cfg.curve is not None:
+            router.setsockopt(zmq.CURVE_SERVER, 1)
+            router.setsockopt(zmq.CURVE_SECRETKEY, cfg.curve.secret)
+            router.setsockopt(zmq.CURVE_PUBLICKEY, cfg.curve.public)
+            router.setsockopt_string(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
         try:
-            router.bind(tcp_endpoint(self.config.bind_host, self.config.bind_port))
+            router.bind(tcp_endpoint(cfg.bind_host, cfg.bind_port))
         except zmq.ZMQError as exc:
             router.close(linger=0)
-            raise NetError(f"cannot bind {tcp_endpoint(self.config.bind_host, self.config.bind_port)}: "
-                           f"{exc}") from exc
+            self._stop_authenticator()
+            raise NetError(f"cannot bind {tcp_endpoint(cfg.bind_host, cfg.bind_port)}: {exc}") from exc
         self._router = router
         self._bound_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._endpoint = tcp_endpoint(self._advertise_host(), self.port)
-        logger.info("%s: bound %s, advertising %s", self.name, self._bound_endpoint, self._endpoint)
+        logger.info("%s: bound %s, advertising %s (%s, routing id %s)", self.name, self._bound_endpoint,
+                    self._endpoint, "CURVE, members only" if cfg.curve is not None else "INSECURE: plain TCP",
+                    self.routing_id)
         return self._endpoint
+
+    def _max_msg_size(self) -> int:
+        limit = self.config.max_message_bytes
+        if limit == 0:
+            return -1
+        return limit + (_CURVE_FRAME_OVERHEAD if self.config.curve is not None else 0)
+
+    def _start_authenticator(self, curve: CurveKeys) -> None:
+        auth = ThreadAuthenticator(self._ctx, log=logging.getLogger(f"{__name__}.zap"))
+        try:
+            auth.start()
+        except zmq.ZMQError as exc:
+            raise NetError(f"{self.name}: cannot start the ZAP handler ({exc}): a CURVE transport needs a "
+                           f"ZeroMQ context of its own") from exc
+        auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=_RunKeyOnly(curve.public, self))
+        self._auth = auth
+
+    def _stop_authenticator(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+
+    def _refused(self) -> None:
+        self.refused_connections += 1
+        if self.refused_connections == 1 or math.log2(self.refused_connections).is_integer():
+            logger.warning("%s: refused a connection without the run key (%d so far)", self.name,
+                           self.refused_connections)
 
     async def __aenter__(self) -> "Transport":
         self.start()
@@ -179,6 +315,7 @@ class Transport:
             await self.disconnect(link)
         if self._router is not None:
             self._router.close(linger=0)
+        self._stop_authenticator()  # after the ROUTER: never a moment without the ZAP handler
         if self._own_context:
             self._ctx.term()
 
@@ -217,10 +354,17 @@ class Transport:
         self._check_open()
         if link in self._dealers:
             raise NetError(f"{self.name}: link {link!r} is already connected")
+        cfg = self.config
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.SNDHWM, self.config.send_hwm)
-        dealer.setsockopt(zmq.ROUTING_ID, self.name.encode())
+        dealer.setsockopt(zmq.SNDHWM, cfg.send_hwm)
+        dealer.setsockopt(zmq.ROUTING_ID, self.routing_id.encode())
+        for option, value in cfg.heartbeat_options().items():
+            dealer.setsockopt(option, value)
+        if cfg.curve is not None:  # client of the run's server key, proving the run's keypair
+            dealer.setsockopt(zmq.CURVE_SERVERKEY, cfg.curve.public)
+            dealer.setsockopt(zmq.CURVE_PUBLICKEY, cfg.curve.public)
+            dealer.setsockopt(zmq.CURVE_SECRETKEY, cfg.curve.secret)
         try:
             dealer.connect(endpoint)
         except zmq.ZMQError as exc:
@@ -278,9 +422,43 @@ class Transport:
         await asyncio.wait_for(asyncio.gather(*(s.flush(timeout_s) for s in self._shapers.values())),
                                timeout_s + 1.0)
 
+    async def reply(self, routing_id: str, frames: Sequence[Frame], *, kind: str = "control",
+                    timeout_s: float | None = None) -> None:
+        """Send one message on the ROUTER to the connection ``routing_id`` (as :meth:`recv` returned
+        it): the answer goes back on the very connection the message came in on, e.g. WELCOME or
+        REJECT to a HELLO. Unshaped; counted under the sender's name and ``kind``. Raises
+        :class:`NetError` when that connection is gone (``ROUTER_MANDATORY``) and
+        :class:`NetTimeoutError` when it accepts nothing within ``timeout_s`` (default
+        ``config.send_timeout_s``)."""
+        self._check_open()
+        router = self._router
+        if router is None:
+            raise NetError(f"{self.name}: reply before start()")
+        frames = list(frames)
+        timeout_s = self.config.send_timeout_s if timeout_s is None else timeout_s
+        try:
+            await asyncio.wait_for(router.send_multipart([routing_id.encode(), *frames], copy=False), timeout_s)
+        except asyncio.TimeoutError:
+            raise NetTimeoutError(f"{self.name}: reply ({kind}) to {routing_id!r} not accepted within "
+                                  f"{timeout_s:g} s") from None
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                raise NetError(f"{self.name}: cannot reply ({kind}) to {routing_id!r}: no such connection "
+                               f"(gone)") from None
+            raise NetError(f"{self.name}: reply ({kind}) to {routing_id!r} failed: {exc}") from exc
+        self.counters.add(self.name_of(routing_id), "tx", kind, frames)
+
+    @staticmethod
+    def name_of(routing_id: str) -> str:
+        """The transport name in a routing id: ``"stage1.5f3a9c01"`` -> ``"stage1"`` (the part before
+        the last dot; a routing id without one is its own name)."""
+        name, dot, _ = routing_id.rpartition(".")
+        return name if dot else routing_id
+
     # -- inbound ---------------------------------------------------------------------------------
     async def recv(self, timeout_s: float) -> tuple[str, list[Frame]]:
-        """Next inbound message as ``(sender name, frames)``; raises :class:`NetTimeoutError`
+        """Next inbound message as ``(sender routing id, frames)`` (:meth:`name_of` gives the
+        sender's name; :meth:`reply` answers on its connection); raises :class:`NetTimeoutError`
         naming this peer and the timeout when nothing arrives within ``timeout_s``."""
         self._check_open()
         router = self._router
@@ -291,16 +469,17 @@ class Transport:
         except asyncio.TimeoutError:
             raise NetTimeoutError(f"{self.name}: no message received on {self._endpoint} within "
                                   f"{timeout_s:g} s") from None
-        peer = parts[0].bytes.decode(errors="replace")
+        sender = parts[0].bytes.decode(errors="replace")
         frames: list[Frame] = [p.buffer if len(p) >= _ZERO_COPY_MIN_BYTES else p.bytes for p in parts[1:]]
         kind = self._rx_kind(frames) if self._rx_kind is not None else "rx"
-        self.counters.add(peer, "rx", kind, frames)
+        self.counters.add(self.name_of(sender), "rx", kind, frames)
         for listener in self._listeners:
-            listener(peer)
-        return peer, frames
+            listener(sender)
+        return sender, frames
 
     def add_receive_listener(self, listener: Callable[[str], None]) -> None:
-        """Call ``listener(sender)`` on every received message (e.g. ``HeartbeatMonitor.heard``)."""
+        """Call ``listener(sender routing id)`` on every received message (the heartbeat monitor's,
+        :func:`~mapl_swarm.net.heartbeat.attach_heartbeat`, maps it to the sender's name)."""
         self._listeners.append(listener)
 
     # -- helpers ---------------------------------------------------------------------------------

@@ -11,6 +11,10 @@ one GPU (4 peers on one H200 all get it). The launcher itself never imports torc
 reads its ``CUDA_VISIBLE_DEVICES``, else counts ``nvidia-smi -L``. With no GPU, with
 ``runtime.device = "cpu"`` or with an explicit ``cuda:N`` the children's environment is left as it
 is. The command and environment of every peer are built by the pure :func:`peer_processes`.
+
+Run key: the peers (and the launcher's DHT bootstrap) share ``run.out_dir/run.key``
+(:func:`~mapl_swarm.net.runkey.run_dir_key`), created with mode 0600 when missing and kept for a
+``--resume``; each peer gets its path (``--key-file``), never the key.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from mapl_swarm.config import TrainConfig
 from mapl_swarm.data import prepare_data
 from mapl_swarm.errors import ConfigError, MaplError
 from mapl_swarm.net.discovery import Discovery, DiscoveryConfig
+from mapl_swarm.net.runkey import run_dir_key
 from mapl_swarm.pipeline.payload import BACKWARD_KINDS, FORWARD_KINDS, kind_bytes
 
 log = logging.getLogger(__name__)
@@ -167,16 +172,17 @@ class PeerProcess:
 
 
 def peer_processes(num_stages: int, config_args: Sequence[str], *, maddr: str, threads: int, progress: bool,
-                   gpus: Sequence[str | None], environ: Mapping[str, str],
+                   gpus: Sequence[str | None], environ: Mapping[str, str], key_file: str,
                    python: str = sys.executable) -> list[PeerProcess]:
     """The command and environment of every stage peer (pure: nothing is started). ``gpus`` is
     :func:`gpu_plan`'s answer; a peer's environment is ``environ`` with its GPU as
-    ``CUDA_VISIBLE_DEVICES``, or ``environ`` unchanged when it has none."""
+    ``CUDA_VISIBLE_DEVICES``, or ``environ`` unchanged when it has none. ``key_file``: the path of
+    the run key every peer reads (the key itself never appears in a command or environment)."""
     base = [python, "-m", "mapl_swarm", "peer", *config_args]
     out = []
     for s in range(num_stages):
         cmd = base + ["--stage", str(s), "--initial-peer", maddr, "--set", f"runtime.threads={threads}",
-                      "--launched"]
+                      "--launched", "--key-file", key_file]
         if s > 0 or not progress:
             cmd.append("--quiet")
         env = dict(environ)
@@ -201,8 +207,12 @@ def launch(cfg: TrainConfig, config_args: list[str], *, progress: bool = True,
     Path(cfg.run.out_dir).mkdir(parents=True, exist_ok=True)
     for s in range(P):  # results of an earlier run must not be mistaken for this one's
         (Path(cfg.run.out_dir) / f"peer_stage{s}.json").unlink(missing_ok=True)
+    run_key = run_dir_key(cfg.run.out_dir)
+    log.info("run key %s: %s (every peer reads it; replace the file to rotate the key)", run_key.key_id,
+             run_key.path)
     prepare_data(cfg.data, progress=progress)  # once, here, rather than raced by every peer
-    bootstrap = Discovery(cfg.run.run_id, DiscoveryConfig(host=cfg.net.dht_host, port=cfg.net.dht_port))
+    bootstrap = Discovery(cfg.run.run_id, DiscoveryConfig(host=cfg.net.dht_host, port=cfg.net.dht_port),
+                          run_key=run_key)
     bootstrap.start()
     procs: list[subprocess.Popen] = []
     try:
@@ -212,7 +222,7 @@ def launch(cfg: TrainConfig, config_args: list[str], *, progress: bool = True,
         log.info("metrics: %s (one per stage, appended every step); checkpoints: %s; manifest: %s",
                  out / f"metrics_stage{{0..{P - 1}}}.jsonl", out / "checkpoints", out / "manifest.json")
         for peer in peer_processes(P, config_args, maddr=maddr, threads=threads, progress=progress, gpus=plan,
-                                   environ=os.environ):
+                                   environ=os.environ, key_file=run_key.path):
             procs.append(subprocess.Popen(peer.cmd, env=peer.env))
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:

@@ -1,21 +1,64 @@
-"""Start one stage peer: DHT first (it forks), then torch, data, the stage and the event loop."""
+"""Start one stage peer: DHT first (it forks), then torch, data, the stage and the event loop.
+
+A peer is a member of its run through the run key (:mod:`mapl_swarm.net.runkey`): its links are
+members-only and encrypted (CURVE), its HELLO/WELCOME/REJECT carry the key's HMAC tag and its DHT
+records are signed. Without one (``--insecure``) everything is in the clear and anyone may join;
+:class:`InsecureWarning` then says so in the log every minute while the peer runs.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
+import threading
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from mapl_swarm.config import TrainConfig
 from mapl_swarm.errors import ConfigError
 from mapl_swarm.net.discovery import Discovery, DiscoveryConfig
 
+if TYPE_CHECKING:
+    from mapl_swarm.net.runkey import RunKey
+
 log = logging.getLogger(__name__)
 
-__all__ = ["build_peer", "run_peer", "read_peers_file"]
+__all__ = ["build_peer", "run_peer", "read_peers_file", "InsecureWarning", "INSECURE_WARNING_INTERVAL_S"]
+
+INSECURE_WARNING_INTERVAL_S = 60.0
+"""How often an insecure peer repeats its warning."""
+
+
+class InsecureWarning:
+    """While open, logs a warning that this peer runs without a run key, at once and then every
+    ``interval_s`` (a daemon thread: it keeps warning while the event loop or the compute is busy)."""
+
+    MESSAGE = ("INSECURE: stage %d runs without a run key (--insecure): links are unencrypted and "
+               "unauthenticated, anyone who can reach this host can read the training data and join or "
+               "disrupt the run; use --key-file (create one with `mapl-swarm keys --out FILE`)")
+
+    def __init__(self, stage: int, interval_s: float = INSECURE_WARNING_INTERVAL_S) -> None:
+        self.stage = stage
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="insecure-warning", daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            log.warning(self.MESSAGE, self.stage)
+            if self._stop.wait(self.interval_s):
+                return
+
+    def __enter__(self) -> "InsecureWarning":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def read_peers_file(path: str, timeout_s: float) -> list[str]:
@@ -34,11 +77,12 @@ def read_peers_file(path: str, timeout_s: float) -> list[str]:
 
 
 def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool = False, progress: bool = True,
-               secret: bytes | None = None):
+               run_key: RunKey | None = None):
     """The :class:`~mapl_swarm.peer.runtime.Peer` of stage ``stage``: its data (stage 1), its
     StageRuntime and run policy. With ``resume`` the peer resumes, after the handshake, from the
     newest step every stage has (agreed by messages, SPEC §5.2). ``resolve(stage, timeout_s)`` and
-    ``announce(endpoint)`` are awaitables (the DHT's, or any other directory)."""
+    ``announce(endpoint)`` are awaitables (the DHT's, or any other directory). ``run_key``: the
+    run's membership (members-only CURVE links, the HMAC tag from its ``auth_key``); None: insecure."""
     import torch
 
     from mapl_swarm.config import model_fingerprint
@@ -66,20 +110,24 @@ def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool 
     policy = PeerRunPolicy(cfg, stage, data, fingerprint, resume=resume, runtime=rt, compute=compute,
                            sampler=sampler)  # resume: agreed after the handshake
     return Peer(cfg, stage, rt, fingerprint=fingerprint, resolve=resolve, announce=announce, sampler=sampler,
-                val_batches=val, progress=progress and stage == 0, secret=secret, compute=compute,
-                run_policy=policy)
+                val_batches=val, progress=progress and stage == 0, compute=compute, run_policy=policy,
+                secret=run_key.auth_key if run_key is not None else None, run_key=run_key)
 
 
-def run_peer(cfg: TrainConfig, stage: int, *, initial_peers: Sequence[str] = (), resume: bool = False,
-             progress: bool = True, secret: bytes | None = None):
-    """Run stage ``stage`` of ``cfg`` until the swarm finishes; returns its PeerResult."""
+def run_peer(cfg: TrainConfig, stage: int, *, run_key: RunKey | None, initial_peers: Sequence[str] = (),
+             resume: bool = False, progress: bool = True,
+             insecure_warning_interval_s: float = INSECURE_WARNING_INTERVAL_S):
+    """Run stage ``stage`` of ``cfg`` until the swarm finishes; returns its PeerResult. ``run_key``
+    None runs insecure, warning every ``insecure_warning_interval_s``."""
     if not 0 <= stage < cfg.pipeline.num_stages:
         raise ConfigError(f"--stage {stage} is outside 0..{cfg.pipeline.num_stages - 1} (pipeline.num_stages)")
+    if run_key is not None:
+        log.info("stage %d: run key %s (%s): members-only encrypted links", stage, run_key.key_id, run_key.path)
     net = cfg.net
     peers = tuple(initial_peers) or net.initial_peers
     discovery = Discovery(cfg.run.run_id, DiscoveryConfig(initial_peers=peers, host=net.dht_host,
-                                                          port=net.dht_port))
-    discovery.start()  # forks the DHT process: before the event loop, ZeroMQ and torch work
+                                                          port=net.dht_port), run_key=run_key)
+    discovery.start()  # forks the DHT process: before the event loop, ZeroMQ, torch work and threads
     try:
         from mapl_swarm.net.transport import run
         from mapl_swarm.peer.runtime import write_result
@@ -87,9 +135,10 @@ def run_peer(cfg: TrainConfig, stage: int, *, initial_peers: Sequence[str] = (),
         async def announce(endpoint: str) -> None:
             await asyncio.get_running_loop().run_in_executor(None, discovery.announce, stage, endpoint)
 
-        peer = build_peer(cfg, stage, resolve=discovery.lookup_async, announce=announce, resume=resume,
-                          progress=progress, secret=secret)
-        result = run(peer.run())
+        with InsecureWarning(stage, insecure_warning_interval_s) if run_key is None else contextlib.nullcontext():
+            peer = build_peer(cfg, stage, resolve=discovery.lookup_async, announce=announce, resume=resume,
+                              progress=progress, run_key=run_key)
+            result = run(peer.run())
         write_result(result, cfg.run.out_dir)
         return result
     finally:

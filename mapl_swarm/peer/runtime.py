@@ -57,6 +57,7 @@ from mapl_swarm.wire import Message, MessageType, VersionMismatch
 from mapl_swarm.wire.codebook import INDEXED_SLICES_CAPABILITY, RETRANSMIT_CAPABILITY, VQ_CAPABILITY
 
 if TYPE_CHECKING:
+    from mapl_swarm.net.runkey import RunKey
     from mapl_swarm.peer.checkpoints import PeerRunPolicy
 
 log = logging.getLogger(__name__)
@@ -81,12 +82,13 @@ class Peer:
                  sampler=None, val_batches: list[torch.Tensor] | None = None, progress: bool = False,
                  start_step: int = 0, secret: bytes | None = None, compute: ComputeThread | None = None,
                  run_policy: PeerRunPolicy | None = None,
-                 wait_log_interval_s: float = WAIT_LOG_INTERVAL_S) -> None:
+                 wait_log_interval_s: float = WAIT_LOG_INTERVAL_S, run_key: RunKey | None = None) -> None:
         self.cfg, self.stage, self.rt = cfg, stage, runtime
         P = cfg.pipeline.num_stages
         self.name = stage_name(stage)
         self.resolve, self.announce = resolve, announce
         self.secret = secret
+        self.run_key = run_key  # members-only links (CURVE); None: insecure
         self.result = PeerResult(stage)
         self.rejects = RejectCounter(self.name, self.result.rejects)
         """Counts and logs every dropped message by code (into ``result.rejects``)."""
@@ -239,9 +241,7 @@ class Peer:
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self) -> PeerResult:
-        net = self.cfg.net
-        tcfg = TransportConfig(bind_host=net.bind_host, bind_port=net.port,
-                               advertise_host=net.advertise_host or None, send_timeout_s=net.timeout_s)
+        tcfg = TransportConfig.for_run(self.cfg, self.run_key)
         async with Transport(self.name, tcfg) as transport:
             return await self.serve(transport)
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -117,12 +119,26 @@ class Watched:
                 self.proc.wait()
 
 
+@functools.cache
+def shared_key_file() -> str:
+    """The run key the swarm tests' peers and DHT nodes share (created once per test process, in a
+    temporary folder, mode 0600)."""
+    from mapl_swarm.net.runkey import create_run_key
+
+    return create_run_key(Path(tempfile.mkdtemp(prefix="mapl-test-key-")) / "run.key").path
+
+
 def cli(*args: str) -> list[str]:
+    """``mapl-swarm ARGS``; ``peer`` and ``dht`` get ``--key-file`` :func:`shared_key_file` unless
+    ARGS choose (``--key-file`` or ``--insecure``)."""
+    if args and args[0] in ("peer", "dht") and not {"--key-file", "--insecure"} & set(args):
+        args = (*args, "--key-file", shared_key_file())
     return [sys.executable, "-m", "mapl_swarm", *args]
 
 
-def start_dht() -> tuple[Watched, str]:
-    dht = Watched(cli("dht", "--host", "127.0.0.1"))
+def start_dht(*args: str) -> tuple[Watched, str]:
+    """A DHT bootstrap node on 127.0.0.1 (``args``: more options, e.g. ``--insecure``) and its multiaddr."""
+    dht = Watched(cli("dht", "--host", "127.0.0.1", *args))
     maddr = dht.wait_for(r"--initial-peer (\S+)", 60).group(1)
     return dht, maddr
 

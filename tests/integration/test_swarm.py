@@ -12,7 +12,7 @@ from mapl_swarm.config import load_config
 from mapl_swarm.peer.launch import launch
 from mapl_swarm.pipeline.trainer import train
 
-from swarm_helpers import Watched, cli, start_dht, train_losses, write_config
+from swarm_helpers import Watched, cli, shared_key_file, start_dht, train_losses, write_config
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -96,9 +96,11 @@ def test_other_major_version_refused(tmp_path, cache):
         "import sys\n"
         "from mapl_swarm.config import load_config\n"
         "from mapl_swarm.errors import MaplError\n"
+        "from mapl_swarm.net.runkey import load_run_key\n"
         "from mapl_swarm.peer.main import run_peer\n"
         "try:\n"
-        f"    run_peer(load_config({str(path)!r}), 1, initial_peers=[{maddr!r}], progress=False)\n"
+        f"    run_peer(load_config({str(path)!r}), 1, run_key=load_run_key({shared_key_file()!r}),\n"
+        f"             initial_peers=[{maddr!r}], progress=False)\n"
         "except MaplError as e:\n"
         "    print('mapl-swarm: error:', e, file=sys.stderr); sys.exit(2)\n"
     )
@@ -110,7 +112,7 @@ def test_other_major_version_refused(tmp_path, cache):
         assert p1.wait(180) == 2, p1.output
         assert re.search(r"refused stage 1: peer speaks 2\.0, this peer speaks 1\.\d+", p1.output), p1.output
         assert p0.proc.poll() is None  # the refusing peer keeps serving
-        p0.wait_for(r"dropped a message from .stage1.: peer speaks 2\.0", 10)
+        p0.wait_for(r"dropped a message from .stage1\.[0-9a-f]{8}.: peer speaks 2\.0", 10)
     finally:
         for p in procs:
             p.stop()
@@ -118,13 +120,17 @@ def test_other_major_version_refused(tmp_path, cache):
 
 
 def test_garbage_frames_dropped_while_training_continues(tmp_path, cache):
+    """An insecure run (with a run key a stranger's frames are never delivered at all: the decoder
+    sees only what members send)."""
     path = write_config(tmp_path / "g.toml", stages=2, steps=6, cache=cache, out=tmp_path / "g", run_id="junk")
-    dht, maddr = start_dht()
+    dht, maddr = start_dht("--insecure")
     ctx = zmq.Context()
     try:
-        p1 = Watched(cli("peer", "--config", str(path), "--stage", "1", "--initial-peer", maddr, "--quiet"))
+        p1 = Watched(cli("peer", "--config", str(path), "--stage", "1", "--initial-peer", maddr, "--quiet",
+                         "--insecure"))
         endpoint = p1.wait_for(r"stage1: bound (tcp://\S+),", 120).group(1)
-        p0 = Watched(cli("peer", "--config", str(path), "--stage", "0", "--initial-peer", maddr, "--quiet"))
+        p0 = Watched(cli("peer", "--config", str(path), "--stage", "0", "--initial-peer", maddr, "--quiet",
+                         "--insecure"))
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, b"intruder")

@@ -89,7 +89,9 @@ sys.exit(rc)
     ["train", "--set", "model.bogus=1"],
     ["prepare", "--set", "model.bogus=1"],
     ["launch", "--set", "model.bogus=1", "--log-level", "WARNING"],
-    ["peer", "--stage", "0", "--set", "model.bogus=1"],
+    ["peer", "--stage", "0", "--key-file", "run.key", "--set", "model.bogus=1"],
+    ["peer", "--stage", "0", "--key-file", "missing.key"],  # the key is read before torch too
+    ["dht", "--key-file", "missing.key"],
     ["lab", "--set", "model.bogus=1"],
     ["train", "--set", "compression.codec=mpal"],
     ["sweep", "--grid", "no_such_grid.toml"],

@@ -11,17 +11,26 @@ from mapl_swarm.config import load_config
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _mounts(svc: dict) -> dict[str, tuple[str, str]]:
+    """Volume mounts of a service: container path -> (volume, mode)."""
+    out = {}
+    for spec in svc.get("volumes", []):
+        volume, path, *mode = spec.split(":")
+        out[path] = (volume, mode[0] if mode else "rw")
+    return out
+
+
 def test_compose_runs_dht_and_one_peer_per_stage():
     compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
     services = compose["services"]
     assert "dht" in services
-    dht_cmd = services["dht"]["command"]
-    assert dht_cmd[0] == "dht" and "--maddr-file" in dht_cmd
-    maddr_file = dht_cmd[dht_cmd.index("--maddr-file") + 1]
-    stages = {}
     parser = build_parser()
+    dht = parser.parse_args(services["dht"]["command"])
+    assert dht.command == "dht" and dht.maddr_file
+    maddr_file = dht.maddr_file
+    stages = {}
     for name, svc in services.items():
-        if name == "dht":
+        if name in ("dht", "keys"):
             continue
         args = parser.parse_args(svc["command"])  # every command parses with the real CLI
         assert args.command == "peer"
@@ -38,6 +47,27 @@ def test_compose_runs_dht_and_one_peer_per_stage():
         # each peer advertises its own service name so the others can dial it
         cmd = " ".join(services[name]["command"])
         assert f'net.advertise_host="{name}"' in cmd
+
+
+def test_compose_shares_one_run_key_read_only():
+    """A one-shot `keys` service writes the run key to a volume; the DHT node and every peer start
+    after it completed, mount that volume read-only and read the key by path (never inline)."""
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    services, parser = compose["services"], build_parser()
+    keys = parser.parse_args(services["keys"]["command"])
+    assert keys.command == "keys" and keys.if_missing and not keys.force
+    key_dir = str(Path(keys.out).parent)
+    volume, mode = _mounts(services["keys"])[key_dir]
+    assert mode == "rw" and volume in compose["volumes"]
+    assert services["keys"].get("depends_on") in ({}, [], None)
+    for name, svc in services.items():
+        if name == "keys":
+            continue
+        args = parser.parse_args(svc["command"])
+        assert args.key_file == keys.out and not args.insecure, name
+        assert _mounts(svc)[key_dir] == (volume, "ro"), name
+        assert svc["depends_on"]["keys"] == {"condition": "service_completed_successfully"}, name
+        assert not any("KEY" in str(k).upper() for k in svc.get("environment", {})), name
 
 
 def test_dockerfile_installs_pinned_torch_then_package():

@@ -48,10 +48,10 @@ async def test_exchange_multipart_both_ways(pair: tuple[Transport, Transport]) -
         await a.send("b", m, kind=m[0].decode())
     for m in msgs:
         peer, frames = await b.recv(timeout_s=5)
-        assert peer == "a"
+        assert peer == a.routing_id and Transport.name_of(peer) == "a"
         assert [bytes(f) for f in frames] == m
     await b.send("a", [b"REPORT", b"loss=3.1"], kind="REPORT")
-    assert await a.recv(timeout_s=5) == ("b", [b"REPORT", b"loss=3.1"])
+    assert await a.recv(timeout_s=5) == (b.routing_id, [b"REPORT", b"loss=3.1"])
 
 
 @pytest.mark.asyncio
@@ -150,7 +150,7 @@ async def test_advertised_address_differs_from_bind_address() -> None:
         assert t.endpoint == f"tcp://127.0.0.1:{t.port}"
         c.connect("wild", t.endpoint)
         await c.send("wild", [b"hello"])
-        assert await t.recv(timeout_s=5) == ("client", [b"hello"])
+        assert await t.recv(timeout_s=5) == (c.routing_id, [b"hello"])
     assert tcp_endpoint("::1", 5) == "tcp://[::1]:5"
 
 
@@ -163,7 +163,7 @@ async def test_sender_may_start_before_receiver() -> None:
         early.connect("late", tcp_endpoint("127.0.0.1", port))
         await early.send("late", [b"queued", b"before bind"])
         async with Transport("late", TransportConfig(bind_host="127.0.0.1", bind_port=port)) as late:
-            assert await late.recv(timeout_s=5) == ("early", [b"queued", b"before bind"])
+            assert await late.recv(timeout_s=5) == (early.routing_id, [b"queued", b"before bind"])
 
 
 @pytest.mark.asyncio

@@ -1,0 +1,203 @@
+"""The run key: one secret file that makes a peer a member of a run.
+
+Every member of a run holds the same key file (``mapl-swarm keys --out FILE`` creates one;
+``launch``, ``lab`` and the compose demo create and share one themselves). Everything a member
+proves or protects is derived from it, each value under its own label, so no derived value reveals
+another or the key:
+
+- ``curve_secret`` / ``curve_public``: the run's ZeroMQ CURVE keypair (z85). Every member's ROUTER
+  is a CURVE server with it, every DEALER a CURVE client with it, and the ZAP handler admits only
+  clients presenting ``curve_public``: a party without the key completes no handshake, so no frame
+  of it is delivered and it learns no plaintext (:mod:`mapl_swarm.net.transport`);
+- ``auth_key``: the HMAC key of the wire's authentication tag (SPEC §7);
+- ``dht_key``: the HMAC key of signed DHT records (:mod:`mapl_swarm.net.discovery`);
+- ``key_id``: a short public name of the key for logs (not secret, reveals nothing of it).
+
+File format (``mapl-run-key v1``), mode 0600 (no group or other permission bit)::
+
+    mapl-run-key v1
+    <64 lowercase hex digits: the 32 random key bytes>
+
+Each line ends with a newline (CRLF line ends are read as LF).
+
+Keys are read from files only: never from a command line or an environment variable, never
+printed or logged (``repr`` shows the key id and the path).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import secrets
+import stat
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import zmq
+from zmq.utils import z85
+
+from mapl_swarm.errors import ConfigError
+
+__all__ = ["RunKey", "CurveKeys", "load_run_key", "create_run_key", "run_dir_key", "RUN_KEY_HEADER",
+           "RUN_KEY_BYTES", "RUN_KEY_FILE"]
+
+RUN_KEY_HEADER = "mapl-run-key v1"
+"""First line of a run key file."""
+RUN_KEY_BYTES = 32
+"""Random bytes in a run key."""
+RUN_KEY_FILE = "run.key"
+"""Name of the run key that ``launch`` and ``lab`` keep in the run's folder (``run.out_dir``)."""
+_HEX_LINE = re.compile(r"[0-9a-f]{64}")
+
+
+def _derive(label: bytes, key: bytes) -> bytes:
+    return hashlib.sha256(label + key).digest()
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """A ZeroMQ CURVE keypair, z85-encoded (40 bytes each). A run's members all hold the same one:
+    it is their server key, their client key and the only client key their ZAP handler admits."""
+
+    public: bytes
+    """z85 public key (the server key clients dial, and the one client key admitted)."""
+    secret: bytes = field(repr=False)
+    """z85 secret key."""
+
+    def __post_init__(self) -> None:
+        if len(self.public) != 40 or len(self.secret) != 40:
+            raise ConfigError("CURVE keys must be 40-byte z85 strings")
+
+
+@dataclass(frozen=True, eq=False)
+class RunKey:
+    """A run key (32 secret bytes) and what derives from it (see the module docstring). Compare
+    keys by :attr:`key_id`; ``repr`` never shows secret bytes."""
+
+    secret: bytes = field(repr=False)
+    """The 32 key bytes."""
+    path: str = ""
+    """The file it was read from or written to (empty for a key built in memory)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.secret, bytes) or len(self.secret) != RUN_KEY_BYTES:
+            raise ConfigError(f"a run key is {RUN_KEY_BYTES} bytes")
+
+    def __repr__(self) -> str:
+        return f"RunKey(key_id={self.key_id!r}, path={self.path!r})"
+
+    __str__ = __repr__
+
+    @cached_property
+    def key_id(self) -> str:
+        """Hex of SHA-256(b"mapl-keyid-v1" + key)[:8]: names the key in logs (not secret)."""
+        return _derive(b"mapl-keyid-v1", self.secret)[:8].hex()
+
+    @cached_property
+    def curve(self) -> CurveKeys:
+        """The run's CURVE keypair: secret = z85(SHA-256(b"mapl-curve-v1" + key)), public derived."""
+        secret = z85.encode(_derive(b"mapl-curve-v1", self.secret))
+        return CurveKeys(public=zmq.curve_public(secret), secret=secret)
+
+    @property
+    def curve_secret(self) -> bytes:
+        """z85 CURVE secret key (40 bytes)."""
+        return self.curve.secret
+
+    @property
+    def curve_public(self) -> bytes:
+        """z85 CURVE public key (40 bytes)."""
+        return self.curve.public
+
+    @cached_property
+    def auth_key(self) -> bytes:
+        """SHA-256(b"mapl-auth-v1" + key): HMAC key of the wire tag of HELLO/WELCOME/REJECT."""
+        return _derive(b"mapl-auth-v1", self.secret)
+
+    @cached_property
+    def dht_key(self) -> bytes:
+        """SHA-256(b"mapl-dht-v1" + key): HMAC key of signed DHT records."""
+        return _derive(b"mapl-dht-v1", self.secret)
+
+    @classmethod
+    def generate(cls, path: str = "") -> "RunKey":
+        """A new random key (not written anywhere; :func:`create_run_key` writes one)."""
+        return cls(secrets.token_bytes(RUN_KEY_BYTES), path)
+
+    def file_text(self) -> str:
+        """The key file's content."""
+        return f"{RUN_KEY_HEADER}\n{self.secret.hex()}\n"
+
+
+def load_run_key(path: str | os.PathLike[str]) -> RunKey:
+    """Read a run key file; a missing file, a mode with any group/other bit, or a bad format is a
+    one-line :class:`ConfigError` naming the file (never showing its content)."""
+    p = Path(path)
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        raise ConfigError(f"run key file {p} does not exist (create one with `mapl-swarm keys --out {p}`)") from None
+    except OSError as exc:
+        raise ConfigError(f"run key file {p}: cannot read it: {exc.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"run key file {p} is not a regular file")
+    if st.st_mode & 0o077:
+        raise ConfigError(f"run key file {p} is readable by others (mode {stat.S_IMODE(st.st_mode):04o}); "
+                          f"run: chmod 600 {p}")
+    try:
+        text = p.read_text(encoding="ascii")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"run key file {p}: cannot read it as a run key: {type(exc).__name__}") from None
+    lines = text.split("\n")
+    if len(lines) != 3 or lines[0] != RUN_KEY_HEADER or not _HEX_LINE.fullmatch(lines[1]) or lines[2] != "":
+        raise ConfigError(f"run key file {p} is not a run key (expected the line {RUN_KEY_HEADER!r}, then "
+                          f"{2 * RUN_KEY_BYTES} lowercase hex digits; create one with `mapl-swarm keys --out FILE`)")
+    return RunKey(bytes.fromhex(lines[1]), str(p))
+
+
+def create_run_key(path: str | os.PathLike[str], *, force: bool = False) -> RunKey:
+    """Write a new random run key to ``path`` (mode 0600, atomically: a crash leaves either no file
+    or the whole key). An existing file is a ConfigError unless ``force`` replaces it."""
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"run key file {p} is a directory")
+    if p.exists() and not force:
+        raise ConfigError(f"run key file {p} already exists (--force replaces it; every peer then needs the "
+                          f"new file)")
+    p.parent.mkdir(parents=True, exist_ok=True)
+    key = RunKey.generate(str(p))
+    tmp = p.with_name(f".{p.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        try:
+            os.fchmod(fd, 0o600)  # whatever the umask
+            os.write(fd, key.file_text().encode("ascii"))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if force:
+            os.replace(tmp, p)
+        else:
+            try:
+                os.link(tmp, p)  # fails if the file appeared meanwhile: never overwrite without force
+            except FileExistsError:
+                raise ConfigError(f"run key file {p} already exists (--force replaces it)") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return key
+
+
+def run_dir_key(out_dir: str | os.PathLike[str]) -> RunKey:
+    """The run key of a local run (``launch``, ``lab``): ``OUT_DIR/run.key``, created (mode 0600)
+    when missing, so a resumed run keeps its key; replace the file to rotate it."""
+    path = Path(out_dir) / RUN_KEY_FILE
+    if path.exists():
+        return load_run_key(path)
+    try:
+        return create_run_key(path)
+    except ConfigError:
+        if path.exists():  # another launcher created it meanwhile
+            return load_run_key(path)
+        raise
