@@ -1,24 +1,30 @@
 """What a peer lets in: who may say what, sessions and sequence numbers, bounded decoding, content.
 
-Every received message passes these checks, in this order, before anything of it reaches the
-schedule, the stage runtime, its optimizer or its codebooks (issue 12; SPEC §6, §9). The first that
-fails drops the message with a stable code (:class:`Rejected`), counted by code in the peer's
-result (``rejects``) and logged (:class:`RejectCounter`); the peer keeps serving.
+Every received message passes these checks, in the order of SPEC §6.1, before anything of it
+reaches the schedule, the stage runtime, its optimizer or its codebooks (issue 12). The first that
+fails drops the message with a stable code (:class:`~.session.Rejected`, or the wire's
+``ContentError`` / ``WireError``), counted by code in the peer's result (``rejects``) and logged
+(:class:`RejectCounter`); the peer keeps serving.
 
-1. **sender**: the routing id names a neighbour stage (:func:`~.link.stage_of`), else ``not_allowed``;
+1. **sender**: the routing id is ``stage<k>.<8 hex>`` of a neighbour (:func:`~.link.stage_of`),
+   else ``not_allowed``, unread;
 2. **header**, on the event loop, before any tensor frame is looked at: size, msgpack, version,
-   fields, type and authentication with the key of the sender's session (the wire's codes);
-3. **run and stages**: ``run_mismatch``, ``stage_mismatch`` (``dst`` is not this stage), and
-   ``wrong_session`` when ``src`` is not the stage of the connection it came in on;
-4. **session**: a HELLO opens one (:meth:`Admission.check_hello`; a refusal is a REJECT to the
-   HELLO's own connection, :class:`HelloRefused`, never to the bound neighbour); WELCOME and REJECT
-   count only as the answer to this peer's pending HELLO; every other message only from the routing
-   id bound at the handshake (``not_allowed`` before one, ``wrong_session`` from another) with a
+   fields, type and authentication with the key of the sender's session (the run's auth key for
+   the handshake; the wire's codes, ``auth_failed`` for anything from a connection without a session);
+3. **handshake**: a HELLO opens a session (:meth:`Admission.check_hello`; a refusal is a REJECT to
+   the HELLO's own connection, :class:`~.session.HelloRefused`, never to the bound neighbour);
+   WELCOME and REJECT count only as the answer to this peer's pending HELLO, echoing its nonce;
+   all three only with ``seq`` 0;
+4. **who may say what** (``not_allowed``): run, ``dst``, ``src`` equal to the routing id's stage,
+   the type's direction (``wire.content.check_sender``, SPEC §9.4);
+5. **session**: only from the routing id bound at the handshake (``wrong_session``), with a
    sequence number above the last accepted (``replay``; a gap is logged as lost messages);
-5. **who may say what** (:func:`allowed_from`): per type, the neighbour direction, else ``not_allowed``;
-6. **tensors**, decoded and inflated off the event loop (the decode thread), within limits;
-7. **content** against the run's shapes and the schedule's window (``content_check``), also off
-   the loop;
+6. **window** and **sizes** on the header (``out_of_window``, ``stale_projector``,
+   ``size_mismatch``: ``wire.content.check_header`` / ``check_declared`` against the run's
+   :class:`~mapl_swarm.wire.RunShapes` and the link's :class:`~mapl_swarm.wire.Window`);
+7. **tensors** decoded and inflated off the event loop (the decode thread) within the run's limits,
+   then their **content** (shapes, dtypes, id and code ranges, finite values:
+   ``wire.content.check_content``), also off the loop;
 8. the mailbox's per-neighbour bound (``queue_full``, :class:`~.mailbox.Mailbox`).
 """
 
@@ -29,10 +35,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from mapl_swarm.peer._pre14 import DecodeLimits, decode_header, decode_tensors
+from mapl_swarm.compress.catalog import codec_info
 from mapl_swarm.peer.link import stage_of
 from mapl_swarm.peer.session import HelloRefused, Rejected, RxSession
-from mapl_swarm.wire import Message, MessageType, VersionMismatch, WireError
+from mapl_swarm.wire import (ContentError, DecodeLimits, Message, MessageType, RunShapes, VersionMismatch, Window,
+                             WireError, check_content, check_declared, check_header, check_sender, decode_header,
+                             decode_tensors)
+from mapl_swarm.wire.spec import HANDSHAKE_TYPES
 
 if TYPE_CHECKING:
     from mapl_swarm.config import TrainConfig
@@ -43,38 +52,23 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = ["Rejected", "HelloRefused", "RejectCounter", "RxSession", "Arrival", "Admitted", "Admission",
-           "allowed_from", "mailbox_bound", "FROM_UPSTREAM", "FROM_DOWNSTREAM", "FROM_EITHER"]
+           "run_shapes", "mailbox_bound"]
 
 MT = MessageType
 
-FROM_UPSTREAM = frozenset({MT.ACT, MT.PROJ, MT.BYE})
-"""Accepted only from the upstream neighbour (BYE: stage 0 ends the run down the pipeline)."""
-FROM_DOWNSTREAM = frozenset({MT.GRAD, MT.PROJ_GRAD, MT.REPORT})
-"""Accepted only from the downstream neighbour."""
-FROM_EITHER = frozenset({MT.HELLO, MT.WELCOME, MT.REJECT, MT.HEARTBEAT, MT.ERROR})
-"""Accepted from either neighbour (all but HELLO only within its handshake or session)."""
-
-
-def allowed_from(mtype: MessageType, meta: Mapping[str, Any], *, upstream: bool) -> bool:
-    """Whether a message of ``mtype`` may come from the upstream (``upstream``) or downstream
-    neighbour. CODEBOOK_SLICE follows its stream (``act`` down, ``grad`` up), RESYNC goes against
-    it (the receiver of a stream asks its sender), CHECKPOINT by phase (``saved``/``offer`` up,
-    ``complete``/``resume`` down; SPEC §5.2)."""
-    if mtype in FROM_EITHER:
-        return True
-    if mtype in FROM_UPSTREAM:
-        return upstream
-    if mtype in FROM_DOWNSTREAM:
-        return not upstream
-    flowing = "act" if upstream else "grad"  # the stream this neighbour sends us
-    if mtype is MT.CODEBOOK_SLICE:
-        return meta.get("stream", flowing) == flowing
-    if mtype is MT.RESYNC:
-        asked = "grad" if upstream else "act"  # the stream we send it
-        return meta.get("stream", asked) == asked
-    if mtype is MT.CHECKPOINT:
-        return (meta.get("phase") in ("complete", "resume")) == upstream
-    return False
+def run_shapes(cfg: TrainConfig, stage: int) -> RunShapes:
+    """The run as stage ``stage`` sees it (:class:`~mapl_swarm.wire.RunShapes`): what every tensor it
+    receives must look like, from the config alone."""
+    m, c, p = cfg.model, cfg.compression, cfg.pipeline
+    info = codec_info(c.codec)
+    vq = c.vq if info.quantized else None
+    return RunShapes(micro_batch_size=p.micro_batch_size, context_length=m.context_length, hidden_size=m.hidden_size,
+                     width=c.rank if info.projected else m.hidden_size, vocab_size=m.vocab_size,
+                     wire_dtype=c.wire_dtype, id_dtype="uint16" if m.vocab_size <= 1 << 16 else "uint32",
+                     vq_rounds=vq.rounds if vq else 0, vq_group_size=vq.group_size if vq else 0,
+                     vq_codebook_size=vq.codebook_size if vq else 0, num_micro_batches=p.num_micro_batches,
+                     eval_batches=cfg.eval.batches, num_stages=p.num_stages, stage=stage,
+                     trainable_projector=info.trainable_projector)
 
 
 def mailbox_bound(cfg: TrainConfig) -> int:
@@ -123,29 +117,28 @@ class Admitted:
     sender: str
 
 
-ContentCheck = Callable[[Message], None]
-"""Checks one decoded message against the run and a window snapshot (raises :class:`Rejected`)."""
-
-
 class Admission:
-    """The checks of the module docstring for one peer (see there). ``content_check(link)`` gives
-    the content check for a message from ``link``, taken on the loop (a snapshot of the schedule's
-    window) and run on the decode thread; None checks nothing beyond the wire."""
+    """The checks of the module docstring for one peer (see there). ``shapes`` is the run as this
+    stage sees it (:func:`run_shapes`); ``window(link)`` the link's current window (the schedule's,
+    :meth:`~.schedule.PipelineSchedule.window`), read on the loop when a message arrives."""
 
-    def __init__(self, settings: LinkSettings, links: Links, *, rejects: RejectCounter, limits: DecodeLimits,
-                 decoder: WorkerThread, timeout_s: float, clock: Callable[[], float],
-                 replies_on_link: bool, content_check: Callable[[PeerLink], ContentCheck | None] | None = None) -> None:
+    def __init__(self, settings: LinkSettings, links: Links, *, shapes: RunShapes, window: Callable[[PeerLink], Window],
+                 rejects: RejectCounter, decoder: WorkerThread, timeout_s: float, clock: Callable[[], float],
+                 replies_on_link: bool) -> None:
         self.s = settings
         self.links = links
+        self.shapes = shapes
+        self.window = window
         self.rejects = rejects
-        self.limits = limits
+        self.limits: DecodeLimits = shapes.decode_limits()
+        """Per tensor name the largest size the run allows, checked before any inflate (SPEC §8)."""
         self.decoder = decoder
         self.timeout_s = timeout_s
         self.clock = clock
         self.replies_on_link = replies_on_link
         """WELCOME/REJECT come back on this peer's own connection (``Arrival.reply_link``); False
-        with a transport that cannot reply on a connection (they then come on the neighbour's)."""
-        self.content_check = content_check
+        with a transport that cannot receive there (they then come on the neighbour's connection,
+        recognised by the HELLO nonce they echo)."""
 
     # ------------------------------------------------------------------ the way in
     async def admit(self, arrival: Arrival) -> Admitted | None:
@@ -156,16 +149,18 @@ class Admission:
         try:
             link = self._link_of(arrival)
             header = self._header(arrival, link)
+            if header.type in HANDSHAKE_TYPES and header.seq != 0:
+                raise Rejected("not_allowed", f"{header.type.name} with seq {header.seq} (the handshake's is 0)")
             if header.type is MT.HELLO:
                 if arrival.reply_link is not None:
                     raise Rejected("not_allowed", "HELLO on this peer's own connection")
                 self.check_hello(header, link, sender)
-            else:
-                self._check_message(header, link, arrival)
+                return Admitted(decode_tensors(header, arrival.frames, self.limits), link, sender)
+            self._check_message(header, link, arrival)
             msg = await self._tensors(header, arrival.frames, link)
         except (HelloRefused, VersionMismatch):
             raise
-        except Rejected as exc:
+        except (Rejected, ContentError) as exc:
             self.rejects(exc.code, sender, exc.text)
             return None
         except WireError as exc:
@@ -186,79 +181,74 @@ class Admission:
     def _header(self, arrival: Arrival, link: PeerLink) -> Header:
         """Phase 1 on the loop: nothing is unpacked; the key is the session's (the run's for the handshake)."""
         session = link.rx if link.rx is not None and link.rx.routing_id == arrival.sender else None
-        secret = link.rx_secret(session)
-        header, _ = decode_header(arrival.frames, self.limits, secret=secret)
+        header, _ = decode_header(arrival.frames, self.limits, secret=link.rx_secret(session))
         return header
 
     # ------------------------------------------------------------------ handshake and session
     def check_hello(self, h: Header, link: PeerLink, sender: str) -> None:
-        """SPEC §9.2 in order (version and authentication are the decoder's): run, stages,
-        ``num_stages``, fingerprint; then the stage's bound session."""
-        s, meta = self.s, h.meta
+        """SPEC §9.2 step 2 in order (version and authentication are the decoder's): run, stages,
+        configuration, then the stage's live session (a HELLO from the bound connection itself is
+        a reconnection that replaces it)."""
+        s, nonce = self.s, h.meta.get("nonce")
         if h.run != s.run_id:
-            raise HelloRefused("run_mismatch", f"run mismatch: peer {h.run!r}, this peer {s.run_id!r}")
+            raise HelloRefused("run_mismatch", f"run mismatch: peer {h.run!r}, this peer {s.run_id!r}", nonce)
         if h.dst != s.stage or h.src != link.stage:
             raise HelloRefused("stage_mismatch", f"stage mismatch: HELLO from stage {h.src} for stage {h.dst} on "
-                                                 f"a connection of stage {link.stage}; this peer is stage {s.stage}")
-        if meta.get("num_stages") != s.num_stages:
-            raise HelloRefused("stage_mismatch", f"num_stages mismatch: peer {meta.get('num_stages')}, "
-                                                 f"this peer {s.num_stages}")
-        if meta.get("fingerprint") != s.fingerprint:
-            raise HelloRefused("fingerprint_mismatch", f"config fingerprint mismatch: peer stage {h.src} has "
-                                                       f"{meta.get('fingerprint')}, stage {s.stage} has {s.fingerprint}")
+                                                 f"a connection of stage {link.stage}; this peer is stage {s.stage}",
+                               nonce)
+        refused = s.mismatch(h.meta)
+        if refused is not None:
+            raise HelloRefused(*refused, nonce)
         bound = link.rx
-        if bound is not None and bound.routing_id == sender:
-            raise Rejected("replay", "a second HELLO on a bound session")
-        if bound is not None and bound.alive(self.clock(), self.timeout_s):
+        if bound is not None and bound.routing_id != sender and bound.alive(self.clock(), self.timeout_s):
             raise HelloRefused("stage_taken", f"stage {link.stage} is taken: its session is alive "
-                                              f"(heard {self.clock() - bound.heard_at:.0f} s ago)")
+                                              f"(heard {self.clock() - bound.heard_at:.0f} s ago)", nonce)
 
     def _check_message(self, h: Header, link: PeerLink, arrival: Arrival) -> None:
+        """SPEC §6.1 rules 1-6 on the authenticated header of anything but HELLO."""
         s = self.s
         if h.run != s.run_id:
-            raise Rejected("run_mismatch", f"run {h.run!r}, this peer's is {s.run_id!r}")
-        if h.dst != s.stage:
-            raise Rejected("stage_mismatch", f"dst {h.dst}, this peer is stage {s.stage}")
+            raise Rejected("not_allowed", f"run {h.run!r}, this peer's is {s.run_id!r}")
         if h.src != link.stage:
-            raise Rejected("wrong_session", f"src {h.src} on a connection of stage {link.stage}")
+            raise Rejected("not_allowed", f"src {h.src} on a connection of stage {link.stage}")
         if h.type in (MT.WELCOME, MT.REJECT):
+            check_sender(h, self.shapes)
             self._check_answer(h, link, arrival)
             return
         if arrival.reply_link is not None:
             raise Rejected("not_allowed", f"{h.type.name} on this peer's own connection (only WELCOME/REJECT)")
+        check_sender(h, self.shapes)  # dst, the type's direction, the codec's types
         session = link.rx
-        if session is None:
-            raise Rejected("not_allowed", f"{h.type.name} before a handshake with stage {link.stage}")
-        if session.routing_id != arrival.sender:
+        if session is None or session.routing_id != arrival.sender:
             raise Rejected("wrong_session", f"{h.type.name} from {arrival.sender!r}; stage {link.stage}'s "
-                                            f"session is {session.routing_id!r}")
+                                            f"session is {session.routing_id if session else None!r}")
         gap = session.accept(h.seq, self.clock())
         if gap:
             log.warning("%s: %d message(s) from stage %d lost before seq %d (%d lost on the session)", s.name, gap,
                         link.stage, h.seq, session.lost)
-        if not allowed_from(h.type, h.meta, upstream=link.is_upstream):
-            side = "upstream" if link.is_upstream else "downstream"
-            raise Rejected("not_allowed", f"{h.type.name} is not accepted from the {side} neighbour")
+        check_header(h, self.shapes, self.window(link))  # step window, projector version
+        check_declared(h, self.shapes)  # declared sizes, before anything is inflated
 
     def _check_answer(self, h: Header, link: PeerLink, arrival: Arrival) -> None:
-        """WELCOME/REJECT count only as the answer to this peer's pending HELLO, on its connection."""
+        """WELCOME/REJECT count only as the answer to this peer's pending HELLO (SPEC §9.2 step 3)."""
         if self.replies_on_link and arrival.reply_link is None:
             raise Rejected("not_allowed", f"{h.type.name} not on this peer's connection to stage {link.stage}")
         if not link.awaiting_answer:
             raise Rejected("not_allowed", f"{h.type.name} but no HELLO to stage {link.stage} awaits an answer")
-        if not link.answers_hello(h.meta):
-            raise Rejected("wrong_session", f"{h.type.name} for another HELLO (hello_nonce)")
+        if not link.answers_hello(h.type, h.meta):
+            raise Rejected("not_allowed", f"{h.type.name} for another HELLO (hello_nonce)")
 
     # ------------------------------------------------------------------ tensors and content
     async def _tensors(self, header: Header, frames: Sequence[Any], link: PeerLink) -> Message:
-        check = self.content_check(link) if self.content_check is not None and header.tensors else None
-        if not header.tensors:  # nothing to inflate: stays on the loop
+        if header.type in (MT.WELCOME, MT.REJECT):
             return decode_tensors(header, frames, self.limits)
-        return await self.decoder.run(self._decode, header, frames, check)
+        window = self.window(link)  # a snapshot, taken on the loop
+        if not header.tensors:  # nothing to inflate: the content rules (a REPORT's numbers) on the loop
+            return self._decode(header, frames, window)
+        return await self.decoder.run(self._decode, header, frames, window)
 
-    def _decode(self, header: Header, frames: Sequence[Any], check: ContentCheck | None) -> Message:
-        """On the decode thread: descriptors within limits, CRC, inflate, then the content check."""
+    def _decode(self, header: Header, frames: Sequence[Any], window: Window) -> Message:
+        """Descriptors within limits, CRC, inflate, then the content rules (the decode thread for tensors)."""
         msg = decode_tensors(header, frames, self.limits)
-        if check is not None:
-            check(msg)
+        check_content(msg, self.shapes, window)
         return msg

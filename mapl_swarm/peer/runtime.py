@@ -21,9 +21,11 @@ pipeline. Messages that cannot be used (garbage, wrong version, run or sender, a
 not send, another session, a replay, bad content, a full queue) are dropped, counted by code in the
 result (``rejects``) and logged; the peer keeps serving. A HELLO is answered on its own connection
 (WELCOME, or REJECT with the code), so a forged HELLO never reaches the real neighbour. Heartbeats
-go to a neighbour once it welcomed this peer. A NaN/Inf in this peer's own compute
-(:class:`~mapl_swarm.errors.NonFiniteError`) is told to the neighbours (ERROR ``non_finite``) and
-ends the peer (exit status 3).
+go to a neighbour once it welcomed this peer. ERROR is informational (logged, counted in
+``errors``) except ``retransmit_unavailable``; BYE from upstream ends the run, from downstream it
+stops this peer (the neighbour left). A NaN/Inf in this peer's own compute
+(:class:`~mapl_swarm.errors.NonFiniteError`) ends the peer (exit status 3) after a BYE naming it
+upstream; downstream it is a lost neighbour (SPEC §9.5).
 """
 
 from __future__ import annotations
@@ -42,8 +44,7 @@ from mapl_swarm.net.emulator import LinkConfig
 from mapl_swarm.net.errors import NetError
 from mapl_swarm.net.heartbeat import HeartbeatConfig, HeartbeatMonitor
 from mapl_swarm.net.transport import Transport, TransportConfig
-from mapl_swarm.peer._pre14 import DecodeLimits
-from mapl_swarm.peer.admission import Admission, Arrival, RejectCounter, mailbox_bound
+from mapl_swarm.peer.admission import Admission, Arrival, RejectCounter, mailbox_bound, run_shapes
 from mapl_swarm.peer.compute import BackgroundTasks, ComputeThread, WorkerThread
 from mapl_swarm.peer.link import LinkSettings, Links, PeerLink, Reply, stage_name, stage_of
 from mapl_swarm.peer.mailbox import Mailbox
@@ -103,7 +104,9 @@ class Peer:
             run_id=cfg.run.run_id, stage=stage, num_stages=P, fingerprint=fingerprint,
             capabilities=("1f1b", *((VQ_CAPABILITY, RETRANSMIT_CAPABILITY, INDEXED_SLICES_CAPABILITY) if vq else ()),
                           *(run_policy.capabilities if run_policy is not None else ())),
-            secret=secret, compress_ids=cfg.net.compress_ids, max_frame_bytes=cfg.net.max_frame_bytes)
+            num_micro_batches=cfg.pipeline.num_micro_batches, micro_batch_size=cfg.pipeline.micro_batch_size,
+            eval_batches=cfg.eval.batches, secret=secret, compress_ids=cfg.net.compress_ids,
+            max_frame_bytes=cfg.net.max_frame_bytes)
         self.links = Links(
             upstream=PeerLink(settings, stage - 1, on_bad_frame=self.bad_frame) if stage > 0 else None,
             downstream=PeerLink(settings, stage + 1, on_bad_frame=self.bad_frame) if stage < P - 1 else None)
@@ -117,9 +120,8 @@ class Peer:
             sampler=sampler, val_batches=val_batches or [], reject=self.rejects)
         self.run_policy = run_policy
         self.admission = Admission(
-            settings, self.links, rejects=self.rejects, decoder=self.decoder, timeout_s=cfg.net.timeout_s,
-            limits=DecodeLimits(max_frame_bytes=cfg.net.max_frame_bytes), clock=time.monotonic,
-            replies_on_link=False)
+            settings, self.links, shapes=run_shapes(cfg, stage), window=self.schedule.window, rejects=self.rejects,
+            decoder=self.decoder, timeout_s=cfg.net.timeout_s, clock=time.monotonic, replies_on_link=False)
         self.monitor: HeartbeatMonitor | None = None
         """Heartbeats to, and silence of, each neighbour once it welcomed this peer (set in :meth:`serve`)."""
         self._refused_versions: set[str] = set()
@@ -128,6 +130,7 @@ class Peer:
             MT.WELCOME: self._on_welcome,
             MT.REJECT: self._on_reject,
             MT.ERROR: self._on_error,
+            MT.BYE: self._on_bye,
             MT.HEARTBEAT: self._on_heartbeat,
             MT.RESYNC: self._on_resync,
             MT.REPORT: self._on_report,
@@ -162,7 +165,8 @@ class Peer:
             self.rejects(exc.code, arrival.sender, exc.text)
             link = self._link_of(arrival)
             if link is not None:
-                await self._answer(link.refuse(exc.code, exc.text, self._reply(transport, arrival, link)))
+                await self._answer(link.refuse(exc.code, exc.text, self._reply(transport, arrival, link),
+                                               hello_nonce=exc.hello_nonce))
             return
         except VersionMismatch as exc:
             self.rejects(exc.code, arrival.sender, str(exc))
@@ -179,6 +183,8 @@ class Peer:
             reply = self._reply(transport, arrival, got.link)
             await self._answer(got.link.on_hello(got.msg, arrival.sender, reply, now=self.admission.clock()))
             return
+        if got.msg.type is MT.PROJ:
+            got.link.pver = got.msg.pver  # the link's projector version moves on (SPEC §9.6)
         try:
             await self._dispatch(got.msg, got.link)
         except Rejected as exc:  # queue_full
@@ -205,11 +211,18 @@ class Peer:
     async def _dispatch(self, msg: Message, link: PeerLink) -> None:
         handler = self._handlers.get(msg.type)
         if handler is None:
-            self.mailbox.put(msg)  # ACT, GRAD, PROJ, PROJ_GRAD, CODEBOOK_SLICE, BYE: the schedule's
+            self.mailbox.put(msg)  # ACT, GRAD, PROJ, PROJ_GRAD, CODEBOOK_SLICE, BYE from upstream: the schedule's
         else:
             await handler(msg, link)
 
     async def _on_welcome(self, msg: Message, link: PeerLink) -> None:
+        refused = link.settings.mismatch(msg.meta)
+        if refused is not None:  # the neighbour runs another configuration (SPEC §9.2 step 3)
+            link.on_reject(msg)
+            self.mailbox.fail(PeerRejected(f"stage {msg.src} welcomed stage {self.stage} with another "
+                                           f"configuration: {refused[1]}"))
+            self._welcome_event.set()
+            return
         link.on_welcome(msg)
         if self.monitor is not None:
             self.monitor.watch(link.name)  # heartbeats to it from now on
@@ -222,7 +235,21 @@ class Peer:
         self._welcome_event.set()
 
     async def _on_error(self, msg: Message, link: PeerLink) -> None:
-        self.mailbox.fail(MaplError(f"stage {msg.src} failed: {msg.meta.get('message')}"))
+        """ERROR is informational (SPEC §9.5): logged and counted; ``retransmit_unavailable`` (a
+        micro-batch this peer waits for is lost) stops the peer."""
+        code = str(msg.meta.get("code"))
+        self.result.errors[code] = self.result.errors.get(code, 0) + 1
+        log.warning("%s: stage %d reports an error: %s: %s", self.name, msg.src, code, msg.meta.get("message"))
+        if code == "retransmit_unavailable":
+            self.mailbox.fail(MaplError(f"stage {msg.src} failed: {msg.meta.get('message')}"))
+
+    async def _on_bye(self, msg: Message, link: PeerLink) -> None:
+        """BYE from upstream ends the run (the schedule's); from downstream the neighbour left before
+        the end, and this peer cannot finish (SPEC §9.5)."""
+        if link.is_upstream:
+            self.mailbox.put(msg)
+        else:
+            self.mailbox.fail(MaplError(f"stage {msg.src} left before the end: {msg.meta.get('reason')}"))
 
     async def _on_heartbeat(self, msg: Message, link: PeerLink) -> None:
         pass  # any message is a sign of life (the transport's receive listener saw it)
@@ -288,13 +315,15 @@ class Peer:
         return self.result
 
     async def _tell_neighbours(self, transport: Any, exc: NonFiniteError) -> None:
-        """Best effort: ERROR ``non_finite`` to every neighbour this peer may send to, before it exits."""
-        for link in self.links:
-            if link.welcomed:
-                try:
-                    await asyncio.wait_for(link.send(MT.ERROR, meta={"code": "non_finite", "message": str(exc)}), 5.0)
-                except (NetError, asyncio.TimeoutError) as err:
-                    log.warning("%s: could not tell stage %d: %s", self.name, link.stage, err)
+        """Best effort, before this peer exits: BYE with the reason upstream, where it stops the
+        neighbour at once (SPEC §9.5: a downstream neighbour left before the end). Downstream, a BYE
+        would end the run as finished; the neighbour there sees this peer lost instead."""
+        up = self.links.upstream
+        if up is not None and up.welcomed:
+            try:
+                await asyncio.wait_for(up.send_bye({"reason": str(exc)}), 5.0)
+            except (NetError, asyncio.TimeoutError) as err:
+                log.warning("%s: could not tell stage %d: %s", self.name, up.stage, err)
         try:
             await transport.flush(5.0)
         except (NetError, asyncio.TimeoutError):

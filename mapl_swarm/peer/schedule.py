@@ -21,9 +21,9 @@ Window (issue 12): the schedule knows which messages can come next: the current 
 micro-batches of it already taken, the train ACTs whose GRAD is due, the projector versions. A
 pipeline message outside it (a second ACT for a micro-batch, a GRAD nobody asked for, an ACT made
 with another projector, a PROJ_GRAD of another step, a REPORT twice) is dropped with a code
-(``out_of_window``, ``stale_projector``, ``replay``), counted through ``reject``, and the schedule
-waits on; it never reaches the runtime. :meth:`PipelineSchedule.window` is the coarse version for
-the receive path (before tensors are decoded). GRAD and PROJ_GRAD carry the projector version their
+(``out_of_window``, ``stale_projector``), counted through ``reject``, and the schedule waits on; it
+never reaches the runtime. :meth:`PipelineSchedule.window` is the coarse version the receive path
+checks first (``wire.Window``, before tensors are decoded). GRAD and PROJ_GRAD carry the projector version their
 ACTs were made with; the last stage's REPORT of step ``s`` says ``s`` (eval REPORTs: the step of
 their eval ACTs).
 
@@ -50,7 +50,7 @@ from mapl_swarm.peer.host import HostRuntime
 from mapl_swarm.peer.vq_link import Retransmitting
 from mapl_swarm.pipeline.run_policy import due
 from mapl_swarm.pipeline.stage import mean_loss
-from mapl_swarm.wire import Message, MessageType
+from mapl_swarm.wire import Message, MessageType, Window
 
 if TYPE_CHECKING:
     import torch
@@ -66,28 +66,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = ["PipelineSchedule", "ScheduleSettings", "RunHooks", "NoRunHooks", "NeighbourLink", "NeighbourLinks",
-           "StepWindow"]
+]
 
 MT = MessageType
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class StepWindow:
-    """What a neighbour's next tensor message may carry, as the receive path checks it before the
-    tensors are decoded (a snapshot; the schedule checks each message exactly when it takes it)."""
-
-    low: int
-    """Oldest step a message may belong to (the current one)."""
-    high: int
-    """Newest step (the next one: its ACTs or PROJ may come while this one flushes)."""
-    pver: int
-    """Oldest projector version a message may carry (ACT/PROJ: the inbound projector's; GRAD/PROJ_GRAD:
-    the outbound's)."""
-    num_micro_batches: int
-    """Train micro-batches per step (``micro`` below it)."""
-    eval_batches: int
-    """Eval ACTs per validation (``micro`` below it in eval mode)."""
 
 
 class NeighbourLink(Protocol):
@@ -97,6 +79,8 @@ class NeighbourLink(Protocol):
     """The neighbour's stage (waiting lines only)."""
     endpoint: str | None
     """Where it is, once known (waiting lines only)."""
+    pver: int | None
+    """The link's projector version (SPEC §9.6), None before any PROJ (the window's)."""
 
     async def send_act(self, step: int, micro: int, payload: Mapping[str, torch.Tensor], *, eval_mode: bool,
                        pver: int) -> None: ...
@@ -267,7 +251,7 @@ class PipelineSchedule:
         mode = msg.meta.get("mode", "train")
         key = (mode, msg.step)
         if key in self._reported:
-            self._reject("replay", f"stage{msg.src}", f"a second {mode} REPORT of step {msg.step}")
+            self._reject("out_of_window", f"stage{msg.src}", f"a second {mode} REPORT of step {msg.step}")
             return
         if (mode == "train" and not self.s.start_step <= msg.step <= min(self.step, self.s.steps - 1)) or \
                 (mode == "eval" and msg.step not in self._eval_steps):
@@ -291,11 +275,17 @@ class PipelineSchedule:
                 self._bar.set_postfix(loss=f"{msg.meta['loss']:.3f}", tok_s=f"{self.result.tokens / elapsed:.0f}")
                 self._bar.update(1)
 
-    def window(self, upstream: bool) -> StepWindow:
-        """The coarse window of tensor messages from the upstream (``upstream``) or downstream link."""
+    def window(self, link: NeighbourLink) -> Window:
+        """What the receive path accepts from ``link`` now (SPEC §9.6 step window, §6.1 rules 4-5):
+        the current step and the next; from downstream also the previous one (its REPORT may come
+        after this stage moved on). ``pver``: the link's projector version (None: no trainable one)."""
+        upstream = link is self.links.upstream
         boundary = self.rt.inbound if upstream else self.rt.outbound
-        return StepWindow(low=self.step, high=self.step + 1, pver=boundary.version if boundary is not None else 0,
-                          num_micro_batches=self.M, eval_batches=self.s.val_batches)
+        pver = None
+        if boundary is not None and boundary.trainable:
+            pver = link.pver if link.pver is not None else boundary.version
+        low = self.step if upstream else max(self.s.start_step, self.step - 1)
+        return Window(low=low, high=self.step + 1, pver=pver)
 
     def close(self) -> None:
         if self._bar is not None:

@@ -17,7 +17,12 @@ class Rejected(Exception):
 
 
 class HelloRefused(Rejected):
-    """A HELLO refused: answered with REJECT ``code`` (reason ``text``) on the HELLO's own connection."""
+    """A HELLO refused: answered with REJECT ``code`` (reason ``text``, ``hello_nonce`` the HELLO's
+    when it was readable) on the HELLO's own connection."""
+
+    def __init__(self, code: str, text: str, hello_nonce: object = None) -> None:
+        super().__init__(code, text)
+        self.hello_nonce = hello_nonce
 
 
 @dataclass

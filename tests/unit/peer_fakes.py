@@ -17,6 +17,7 @@ from collections import defaultdict
 from types import SimpleNamespace
 from typing import Any, Callable
 
+import msgpack
 import torch
 
 from mapl_swarm.net.counters import TrafficCounters
@@ -26,6 +27,16 @@ from mapl_swarm.pipeline.stage import StageRuntime
 from mapl_swarm.wire import decode
 
 from conftest import micro_config
+
+
+def peek(frames: list):
+    """The message ``frames`` carry, its tag (if any) not checked; None for garbage."""
+    try:
+        header = msgpack.unpackb(bytes(frames[0]))
+        header.pop("auth", None)
+        return decode([msgpack.packb(header), *frames[1:]])
+    except Exception:  # noqa: BLE001 - garbage
+        return None
 
 
 class FakeNet:
@@ -48,10 +59,7 @@ class FakeNet:
         self.transports[dst].inbox.put_nowait((routing_id, [bytes(f) for f in frames]))
 
     def _record(self, src: str, dst: str, frames: list, reply: bool) -> None:
-        try:
-            msg = decode(frames, secret=None)
-        except Exception:  # noqa: BLE001 - keyed or garbage: recorded undecoded
-            msg = None
+        msg = peek(frames)
         self.log.append((src, dst, msg, reply))
         self.tap(src, dst, frames, reply)
 
@@ -126,11 +134,13 @@ def sampler(cfg, seed: int = 0):
         yield torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=gen)
 
 
-def two_stage_swarm(cfg=None, *, fingerprint: str = "fp") -> tuple[FakeNet, list[Peer], list[FakeTransport]]:
-    """Stages 0 and 1 of ``cfg`` (default :func:`swarm_config`) on a :class:`FakeNet`; run them with
-    :func:`run_swarm`. Call inside a running event loop."""
+def two_stage_swarm(cfg=None, *, fingerprint: str = "fp", secret: bytes | None = None,
+                    net: FakeNet | None = None) -> tuple[FakeNet, list[Peer], list[FakeTransport]]:
+    """Stages 0 .. P-1 of ``cfg`` (default :func:`swarm_config`, 2 stages) on a :class:`FakeNet`,
+    with the run's auth key ``secret`` (None: insecure); run them with :func:`run_swarm`. Call
+    inside a running event loop."""
     cfg = cfg or swarm_config()
-    net = FakeNet()
+    net = net or FakeNet()
     P = cfg.pipeline.num_stages
     transports = [net.transport(f"stage{s}") for s in range(P)]
 
@@ -142,7 +152,7 @@ def two_stage_swarm(cfg=None, *, fingerprint: str = "fp") -> tuple[FakeNet, list
 
     val = [next(sampler(cfg, 99)) for _ in range(cfg.eval.batches)] if cfg.eval.interval_steps else []
     peers = [Peer(cfg, s, StageRuntime(cfg, s), fingerprint=fingerprint, resolve=resolve, announce=announce,
-                  sampler=sampler(cfg) if s == 0 else None, val_batches=val if s == 0 else None)
+                  sampler=sampler(cfg) if s == 0 else None, val_batches=val if s == 0 else None, secret=secret)
              for s in range(P)]
     return net, peers, transports
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import mapl_swarm.peer.admission as admission
-from mapl_swarm.peer.admission import Arrival, allowed_from, mailbox_bound
+from mapl_swarm.peer.admission import Arrival, mailbox_bound
+from mapl_swarm.peer.link import stage_of
 from mapl_swarm.peer.mailbox import Mailbox
 from mapl_swarm.peer.runtime import Peer
 from mapl_swarm.peer.session import Rejected
@@ -21,7 +22,8 @@ from peer_fakes import FakeNet, swarm_config
 
 MT = MessageType
 UP, DOWN = "stage0.000000a0", "stage2.000000b0"
-HELLO = {"fingerprint": "fp", "num_stages": 3, "capabilities": ["1f1b"]}
+HELLO = {"fingerprint": "fp", "num_stages": 3, "capabilities": ["1f1b"], "nonce": b"n" * 16,
+         "num_micro_batches": 2, "micro_batch_size": 2, "eval_batches": 1}
 
 
 def _cfg():
@@ -63,6 +65,11 @@ class Middle:
     def answers(self, routing_id: str) -> list[tuple[str, int, str | None]]:
         return [(m.type.name, m.seq, m.meta.get("code")) for m in map(decode, self.net.orphan_replies[routing_id])]
 
+    def welcome(self, stage: int, seq: int = 0, **meta) -> list:
+        """The neighbour's WELCOME to this peer's pending HELLO."""
+        nonce = self.peer.links.by_stage(stage)._hello_nonce
+        return msg(MT.WELCOME, src=stage, seq=seq, meta={**HELLO, "nonce": b"w" * 16, "hello_nonce": nonce, **meta})
+
 
 def msg(mtype, *, src, dst=1, run="mem", **kw) -> list:
     return encode(Message(type=mtype, run_id=run, src=src, dst=dst, **kw))
@@ -92,12 +99,16 @@ def run(coro_fn):
     (dict(src=2), "stage_mismatch"),  # a stage-0 connection claiming stage 2
     (dict(meta={**HELLO, "num_stages": 4}), "stage_mismatch"),
     (dict(meta={**HELLO, "fingerprint": "other"}), "fingerprint_mismatch"),
+    (dict(meta={**HELLO, "num_micro_batches": 3}), "fingerprint_mismatch"),
+    (dict(meta={**HELLO, "micro_batch_size": 1}), "fingerprint_mismatch"),
+    (dict(meta={**HELLO, "eval_batches": 4}), "fingerprint_mismatch"),
 ])
 def test_a_refused_hello_gets_reject_with_the_spec_code_on_its_own_connection(case, code):
     async def scenario(m):
         await m.feed(UP, msg(MT.HELLO, **{"src": 0, "meta": HELLO, **case}))
     m = run(scenario)
     assert m.answers(UP) == [("REJECT", 0, code)]
+    assert decode(m.net.orphan_replies[UP][0]).meta["hello_nonce"] == HELLO["nonce"]
     assert m.rejects == {code: 1} and m.peer.links.upstream.rx is None
 
 
@@ -117,13 +128,18 @@ def test_other_major_version_gets_one_reject_per_connection():
 def test_welcome_binds_the_session_and_a_second_connection_for_the_stage_is_refused():
     async def scenario(m):
         await m.handshake()
+        await m.feed(UP, msg(MT.HEARTBEAT, src=0, seq=1))
         await m.feed("stage0.0badc0de", msg(MT.HELLO, src=0, meta=HELLO))  # stage 0 is alive: taken
-        await m.feed(UP, msg(MT.HELLO, src=0, meta=HELLO))  # the same connection again: a replay
+        await m.feed(UP, msg(MT.HELLO, src=0, meta=HELLO))  # the bound connection again: it reconnects
+        await m.feed(UP, msg(MT.HEARTBEAT, src=0, seq=1))  # the new session's seq starts again
     m = run(scenario)
     assert m.peer.links.upstream.rx.routing_id == UP and m.peer.links.downstream.rx.routing_id == DOWN
-    assert m.answers(UP) == [("WELCOME", 0, None)] and m.answers(DOWN) == [("WELCOME", 0, None)]
+    assert m.answers(UP) == [("WELCOME", 0, None)] * 2 and m.answers(DOWN) == [("WELCOME", 0, None)]
+    welcome = decode(m.net.orphan_replies[DOWN][0]).meta
+    assert welcome["hello_nonce"] == HELLO["nonce"] and len(welcome["nonce"]) == 16
+    assert welcome["num_micro_batches"] == 2 and welcome["micro_batch_size"] == 2 and welcome["eval_batches"] == 1
     assert m.answers("stage0.0badc0de") == [("REJECT", 0, "stage_taken")]
-    assert m.rejects == {"stage_taken": 1, "replay": 1}
+    assert m.rejects == {"stage_taken": 1} and m.peer.links.upstream.rx.last_seq == 1
 
 
 def test_a_dead_session_may_be_replaced_by_a_new_connection():
@@ -139,18 +155,30 @@ def test_a_dead_session_may_be_replaced_by_a_new_connection():
 
 def test_welcome_and_reject_count_only_as_the_answer_to_this_peers_hello():
     async def scenario(m):
-        welcome = msg(MT.WELCOME, src=0, meta=HELLO)
         reject = msg(MT.REJECT, src=0, meta={"code": "fingerprint_mismatch", "reason": "forged"})
-        await m.feed(UP, welcome, reply_link="stage0")  # no HELLO sent yet
+        await m.feed("stage0", msg(MT.WELCOME, src=0, meta={**HELLO, "hello_nonce": b"x" * 16}),
+                     reply_link="stage0")  # no HELLO sent yet
         await m.peer.links.upstream.send_hello()
+        welcome = m.welcome(0)
         await m.feed(UP, reject)  # on the neighbour's connection, not this peer's own one
         await m.feed("stage0.0badc0de", welcome)
+        await m.feed("stage0", msg(MT.REJECT, src=0, meta={"code": "x", "reason": "for another HELLO",
+                                                         "hello_nonce": b"x" * 16}), reply_link="stage0")
+        await m.feed("stage0", m.welcome(0, seq=3), reply_link="stage0")  # the handshake's seq is 0
         assert m.peer.mailbox.error is None and not m.peer.links.upstream.welcomed
         await m.feed("stage0", welcome, reply_link="stage0")  # the answer, on this peer's connection
         await m.feed("stage0", reject, reply_link="stage0")  # a second answer
     m = run(scenario)
     assert m.peer.links.upstream.welcomed and m.peer.mailbox.error is None
-    assert m.rejects == {"not_allowed": 4}
+    assert m.rejects == {"not_allowed": 6}
+
+
+def test_a_welcome_of_another_configuration_stops_the_peer():
+    async def scenario(m):
+        await m.peer.links.upstream.send_hello()
+        await m.feed("stage0", m.welcome(0, num_micro_batches=4), reply_link="stage0")
+    m = run(scenario)
+    assert "num_micro_batches mismatch: peer 4, this peer 2" in str(m.peer.mailbox.error)
 
 
 def test_hello_seq_0_then_every_message_takes_the_next_seq_and_heartbeats_wait_for_welcome():
@@ -158,7 +186,7 @@ def test_hello_seq_0_then_every_message_takes_the_next_seq_and_heartbeats_wait_f
         link = m.peer.links.downstream
         await link.send_heartbeat()  # not welcomed: nothing goes out
         await link.send_hello()
-        await m.feed("stage2", msg(MT.WELCOME, src=2, meta=HELLO), reply_link="stage2")
+        await m.feed("stage2", m.welcome(2), reply_link="stage2")
         await link.send_heartbeat()
         await link.send_heartbeat()
     m = run(scenario)
@@ -177,37 +205,39 @@ def test_after_the_handshake_only_the_bound_connection_in_sequence_and_direction
         await m.feed(UP, msg(MT.HEARTBEAT, src=0, seq=3))  # older
         await m.feed("stage0.0badc0de", msg(MT.BYE, src=0, seq=9))  # another connection of stage 0
         await m.feed(UP, msg(MT.BYE, src=2, seq=10))  # stage 0's connection claiming stage 2
-        await m.feed(DOWN, msg(MT.BYE, src=2, seq=1))  # BYE flows down only
-        await m.feed(DOWN, msg(MT.ERROR, src=2, seq=2, meta={"code": "internal", "message": "x"}))
+        await m.feed(DOWN, msg(MT.ERROR, src=2, seq=1, meta={"code": "internal", "message": "x"}))
+        await m.feed(DOWN, msg(MT.BYE, src=2, seq=2, meta={"reason": "going"}))
         await m.feed(UP, msg(MT.ERROR, src=0, seq=11, run="other", meta={"code": "internal", "message": "x"}))
         await m.feed("intruder", msg(MT.BYE, src=0, seq=12))
     m = run(scenario)
-    assert m.rejects == {"not_allowed": 3, "replay": 2, "wrong_session": 2, "run_mismatch": 1}
+    assert m.rejects == {"not_allowed": 3, "replay": 2, "wrong_session": 2}
     assert m.peer.links.upstream.rx.lost == 2 and m.peer.links.upstream.rx.last_seq == 4  # refused: not consumed
-    assert isinstance(m.peer.mailbox.error, Exception) and "stage 2 failed" in str(m.peer.mailbox.error)
+    assert m.peer.result.errors == {"internal": 1}  # ERROR is informational
+    assert "stage 2 left before the end" in str(m.peer.mailbox.error)  # BYE from downstream: it left
 
 
-@pytest.mark.parametrize("mtype, meta, from_up, from_down", [
-    (MT.ACT, {"mode": "train"}, True, False),
-    (MT.PROJ, {}, True, False),
-    (MT.BYE, {}, True, False),
-    (MT.GRAD, {}, False, True),
-    (MT.PROJ_GRAD, {}, False, True),
-    (MT.REPORT, {}, False, True),
-    (MT.HEARTBEAT, {}, True, True),
-    (MT.ERROR, {}, True, True),
-    (MT.CODEBOOK_SLICE, {"stream": "act"}, True, False),
-    (MT.CODEBOOK_SLICE, {"stream": "grad"}, False, True),
-    (MT.RESYNC, {"stream": "act"}, False, True),
-    (MT.RESYNC, {"stream": "grad"}, True, False),
-    (MT.CHECKPOINT, {"phase": "saved"}, False, True),
-    (MT.CHECKPOINT, {"phase": "offer"}, False, True),
-    (MT.CHECKPOINT, {"phase": "complete"}, True, False),
-    (MT.CHECKPOINT, {"phase": "resume"}, True, False),
+@pytest.mark.parametrize("mtype, meta, sender, allowed", [
+    (MT.ACT, {"mode": "train"}, UP, True),
+    (MT.ACT, {"mode": "train"}, DOWN, False),
+    (MT.PROJ, {}, UP, True),
+    (MT.PROJ, {}, DOWN, False),
+    (MT.GRAD, {}, DOWN, True),
+    (MT.GRAD, {}, UP, False),
+    (MT.PROJ_GRAD, {}, UP, False),
+    (MT.REPORT, {"loss": 1.0, "tokens": 1}, UP, False),
+    (MT.CHECKPOINT, {"phase": "saved", "step": 1}, UP, False),
+    (MT.CHECKPOINT, {"phase": "complete", "step": 1}, DOWN, False),
+    (MT.CODEBOOK_SLICE, {"stream": "act"}, UP, False),  # this run has no codebooks
+    (MT.RESYNC, {"stream": "act"}, DOWN, False),
+    (MT.HEARTBEAT, {}, UP, True),
+    (MT.HEARTBEAT, {}, DOWN, True),
 ])
-def test_who_may_say_what(mtype, meta, from_up, from_down):
-    assert allowed_from(mtype, meta, upstream=True) is from_up
-    assert allowed_from(mtype, meta, upstream=False) is from_down
+def test_who_may_say_what(mtype, meta, sender, allowed):
+    async def scenario(m):
+        await m.handshake()
+        await m.feed(sender, msg(mtype, src=stage_of(sender), seq=1, meta=meta))
+    m = run(scenario)
+    assert ("not_allowed" not in m.rejects) is allowed, m.rejects
 
 
 # ---------------------------------------------------------------------- bounded resources
@@ -230,7 +260,7 @@ def test_tensors_are_decoded_off_the_loop_and_never_for_a_stranger(monkeypatch):
         await m.feed(UP, act(seq=1, step=0))
     m = run(scenario)
     assert decoded == ["stage1-decode_0"] and m.peer.mailbox.queued(0) == 1
-    assert m.rejects == {"not_allowed": 2, "wrong_session": 1}
+    assert m.rejects == {"not_allowed": 1, "wrong_session": 2}
 
 
 def test_each_neighbour_may_queue_a_bounded_number_of_messages():

@@ -91,7 +91,8 @@ def test_slices_applied_rejections_counted_and_gaps_trigger_resync():
         await up.on_codebook_slice(_wire(slices[4]))  # awaiting the resync: ignored
         down.on_resync(Message(type=MessageType.RESYNC, run_id="r", src=2, dst=1,
                                meta={"stream": "act", "have": 0}))
-        hello = Message(type=MessageType.HELLO, run_id="r", src=2, dst=1, meta=SETTINGS.hello_meta())
+        hello = Message(type=MessageType.HELLO, run_id="r", src=2, dst=1,
+                        meta={**SETTINGS.hello_meta(), "nonce": bytes(16)})
         async def reply(frames, kind):  # WELCOME goes back on the HELLO's own connection
             peer.sent.append((2, decode(frames).type, {}))
 
