@@ -9,6 +9,8 @@
 - :mod:`~mapl_swarm.net.heartbeat` — periodic heartbeats and silent-peer detection.
 - :mod:`~mapl_swarm.net.discovery` — hivemind DHT announce / lookup of ``(run, stage)`` endpoints.
   Start it before the event loop, ZeroMQ and torch (its DHT forks a process).
+- :mod:`~mapl_swarm.net.dht_validation` — DHT records signed with the run key (imports hivemind;
+  loaded by discovery only for keyed runs).
 
 Importing this package does not import hivemind or torch.
 """

@@ -1,10 +1,20 @@
 """Peer discovery through hivemind's DHT: ``(run, stage) -> ZeroMQ endpoint`` with expiry.
 
-Record layout: key ``mapl/{run_id}/stage/{stage}``, subkey = the announcer's DHT peer id,
-value = its advertised endpoint (``tcp://HOST:PORT``), expiring ``ttl_s`` after each store. The
-subkey keeps two claimants of one stage (e.g. a restarted peer and its stale predecessor) apart;
-:meth:`Discovery.lookup` picks the entry that expires last, i.e. the freshest announcement. A
-withdrawn stage is overwritten by an empty-endpoint tombstone, which lookups skip.
+Record layout: key ``mapl/{run_id}/stage/{stage}``, one subkey per announcing peer (its
+routing id; by default its DHT peer id), value = its advertised endpoint (``tcp://HOST:PORT``),
+expiring ``ttl_s`` after each store. The subkeys keep claimants of one stage (a restarted peer
+and its stale predecessor, or an impostor holding the run key) apart: :meth:`Discovery.lookup_all`
+returns every claimed endpoint, freshest (latest expiring) first, so a peer can try each until
+one completes an authenticated handshake; :meth:`Discovery.lookup` returns the first. A withdrawn
+stage is overwritten by an empty-endpoint tombstone, which lookups skip.
+
+**Signed records.** With a run key (``run_key=``, anything with a 32-byte ``dht_key``), every
+DHT node of the run — each peer's and the bootstrap node's (:func:`run_bootstrap_node`) — runs a
+:class:`~mapl_swarm.net.dht_validation.RunKeyValidator`: it signs what it stores and stores,
+caches and returns only records whose HMAC tag verifies, so records of anyone without the key
+(unsigned, or signed with another key) are never seen. A peer's node also refuses keys other
+than its run's stage keys. Keyed and unkeyed nodes do not mix: without a key a node neither signs
+nor checks records (today's insecure behaviour), and cannot decode signed ones.
 
 **Start order matters.** ``hivemind.DHT`` runs its node in a *forked* child process. Forking a
 process that already runs threads (ZeroMQ's I/O threads, torch's thread pools, an executor)
@@ -32,18 +42,32 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from mapl_swarm.errors import ConfigError
 from mapl_swarm.net.errors import DiscoveryError, DiscoveryTimeoutError
 
-__all__ = ["DiscoveryConfig", "Discovery", "start_dht", "run_bootstrap_node", "host_maddr", "stage_key"]
+__all__ = ["DiscoveryConfig", "Discovery", "start_dht", "run_bootstrap_node", "host_maddr", "stage_key",
+           "dht_validators", "HasDhtKey", "MAX_STAGES", "MAX_TTL_S"]
 
 logger = logging.getLogger(__name__)
 
 _CHILD_EXIT_TIMEOUT_S = 15.0
 """Grace period for a DHT child to exit before it is terminated (hivemind's default, 3 s, is
 short on a loaded machine, and a terminated child can leave hivemind's MPFuture lock held)."""
+
+MAX_STAGES = 1024
+"""A keyed peer's DHT node accepts records only under ``stage_key(run_id, s)`` for s below this."""
+MAX_TTL_S = 86400.0
+"""Longest announcement lifetime; equals ``dht_validation.MAX_TTL_S`` (not imported from there,
+which would import hivemind)."""
+
+
+class HasDhtKey(Protocol):
+    """What discovery needs of a run key (``mapl_swarm.net.runkey.RunKey``)."""
+
+    @property
+    def dht_key(self) -> bytes: ...
 
 
 def host_maddr(host: str, port: int) -> str:
@@ -60,21 +84,39 @@ def stage_key(run_id: str, stage: int) -> str:
     return f"mapl/{run_id}/stage/{stage}"
 
 
+def dht_validators(run_key: HasDhtKey | None, run_id: str | None = None) -> list[Any]:
+    """Record validators for a DHT node of a run: none without a key (insecure), else one
+    :class:`~mapl_swarm.net.dht_validation.RunKeyValidator` — restricted to the run's stage keys
+    when ``run_id`` is given. Imports hivemind (and torch) only when keyed."""
+    if run_key is None:
+        return []
+    dht_key = run_key.dht_key
+    if not isinstance(dht_key, bytes) or len(dht_key) != 32:
+        raise ConfigError("run key: dht_key must be 32 bytes")
+    from mapl_swarm.net.dht_validation import RunKeyValidator  # deferred: imports hivemind
+
+    allowed = None if run_id is None else [stage_key(run_id, s) for s in range(MAX_STAGES)]
+    return [RunKeyValidator(dht_key, allowed_keys=allowed)]
+
+
 def start_dht(*, host: str = "0.0.0.0", port: int = 0, announce_host: str | None = None,
               initial_peers: Sequence[str] = (), identity_path: str | None = None,
-              client_mode: bool = False, timeout_s: float = 30.0) -> Any:
+              client_mode: bool = False, record_validators: Sequence[Any] = (),
+              timeout_s: float = 30.0) -> Any:
     """Fork and start a ``hivemind.DHT``; returns it once ready (see the start-order note).
 
     ``announce_host`` requires an explicit ``port`` (hivemind refuses to announce port 0).
     ``identity_path`` makes the peer id, hence the multiaddr, stable across restarts (useful
-    for a bootstrap node whose address is written into configs). Unreachable initial peers are
-    retried until ``timeout_s``, so peers may start before the bootstrap node."""
+    for a bootstrap node whose address is written into configs). ``record_validators`` (see
+    :func:`dht_validators`) go to the forked node. Unreachable initial peers are retried until
+    ``timeout_s``, so peers may start before the bootstrap node."""
     if announce_host and port == 0:
         raise ConfigError("discovery: announce_host needs an explicit DHT port (hivemind cannot "
                           "announce port 0)")
     from hivemind import DHT  # deferred: imports torch
 
     kwargs: dict[str, Any] = dict(host_maddrs=[host_maddr(host, port)], client_mode=client_mode,
+                                  record_validators=list(record_validators),
                                   shutdown_timeout=_CHILD_EXIT_TIMEOUT_S)
     if announce_host:
         kwargs["announce_maddrs"] = [host_maddr(announce_host, port)]
@@ -104,16 +146,20 @@ def start_dht(*, host: str = "0.0.0.0", port: int = 0, announce_host: str | None
 def run_bootstrap_node(host: str = "0.0.0.0", port: int = 0, *, announce_host: str | None = None,
                        initial_peers: Sequence[str] = (), identity_path: str | None = None,
                        ready: Callable[[list[str]], None] | None = None,
-                       stop: threading.Event | None = None) -> list[str]:
+                       stop: threading.Event | None = None, run_key: HasDhtKey | None = None,
+                       run_id: str | None = None) -> list[str]:
     """Run a DHT bootstrap node until ``stop`` is set (or forever / Ctrl-C when it is None).
 
     ``ready`` receives the node's visible multiaddrs once it is up (the CLI prints them; any one
-    is enough for peers to join). Returns those multiaddrs after shutting the node down."""
+    is enough for peers to join). Returns those multiaddrs after shutting the node down.
+    With ``run_key`` the node stores only records signed with it (and, given ``run_id``, only
+    that run's stage keys); without, it stores anything (insecure runs)."""
     dht = start_dht(host=host, port=port, announce_host=announce_host, initial_peers=initial_peers,
-                    identity_path=identity_path)
+                    identity_path=identity_path, record_validators=dht_validators(run_key, run_id))
     try:
         maddrs = [str(m) for m in dht.get_visible_maddrs()]
-        logger.info("DHT bootstrap node up: %s", " ".join(maddrs))
+        logger.info("DHT bootstrap node up (%s records): %s",
+                    "signed" if run_key is not None else "unsigned", " ".join(maddrs))
         if ready is not None:
             ready(maddrs)
         (stop or threading.Event()).wait()
@@ -161,6 +207,9 @@ class DiscoveryConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"discovery.{name} must be a finite number > 0, got {value}")
+        if self.ttl_s > MAX_TTL_S:
+            raise ConfigError(f"discovery.ttl_s must be at most {MAX_TTL_S:g} (a keyed DHT refuses records "
+                              f"expiring later), got {self.ttl_s}")
         if self.refresh_s >= self.ttl_s:
             raise ConfigError(f"discovery.refresh_s ({self.refresh_s}) must be below ttl_s ({self.ttl_s})")
 
@@ -168,14 +217,17 @@ class DiscoveryConfig:
 class Discovery:
     """Announce this peer's stages and look up neighbours in one run (see module docstring)."""
 
-    def __init__(self, run_id: str, config: DiscoveryConfig = DiscoveryConfig()) -> None:
+    def __init__(self, run_id: str, config: DiscoveryConfig = DiscoveryConfig(), *,
+                 run_key: HasDhtKey | None = None) -> None:
         if not run_id or "/" in run_id:
             raise ConfigError(f"run id must be non-empty and contain no '/', got {run_id!r}")
         self.run_id = run_id
         self.config = config
+        self._run_key = run_key
         self._dht: Any = None
         self._peer_id = ""
-        self._announced: dict[int, str] = {}
+        self._announced: dict[int, tuple[str, str]] = {}  # stage -> (subkey, endpoint)
+        self._refusals_logged: set[int] = set()
         self._lock = threading.Lock()  # guards the DHT command pipe
         self._state = threading.Lock()  # serialises announce / withdraw / refresh
         self._stop = threading.Event()
@@ -188,9 +240,11 @@ class Discovery:
             c = self.config
             self._dht = start_dht(host=c.host, port=c.port, announce_host=c.announce_host,
                                   initial_peers=c.initial_peers, identity_path=c.identity_path,
-                                  client_mode=c.client_mode, timeout_s=c.start_timeout_s)
+                                  client_mode=c.client_mode, timeout_s=c.start_timeout_s,
+                                  record_validators=dht_validators(self._run_key, self.run_id))
             self._peer_id = str(self._dht.peer_id)
-            logger.info("joined DHT as %s", self._peer_id)
+            logger.info("joined DHT as %s (%s records)", self._peer_id,
+                        "signed" if self.signed else "unsigned")
         return self
 
     def __enter__(self) -> "Discovery":
@@ -201,20 +255,34 @@ class Discovery:
 
     @property
     def peer_id(self) -> str:
-        """This node's DHT peer id (the subkey of its announcements)."""
+        """This node's DHT peer id (the default subkey of its announcements)."""
         return self._peer_id
+
+    @property
+    def signed(self) -> bool:
+        """Whether records are signed and checked with the run key."""
+        return self._run_key is not None
 
     def visible_maddrs(self) -> list[str]:
         """Multiaddrs other nodes can use as ``initial_peers`` to join through this one."""
         return [str(m) for m in self._require().get_visible_maddrs()]
 
-    def announce(self, stage: int, endpoint: str) -> None:
-        """Publish ``endpoint`` for ``stage`` now and keep refreshing it every ``refresh_s``."""
+    def announce(self, stage: int, endpoint: str, *, subkey: str | None = None) -> None:
+        """Publish ``endpoint`` for ``stage`` under ``subkey`` (this announcer's routing id; default
+        the DHT peer id) now, and keep refreshing it every ``refresh_s``. Announcing the stage
+        again under another subkey tombstones the previous one."""
         if not endpoint:
             raise ConfigError("cannot announce an empty endpoint")
+        if not 0 <= stage < MAX_STAGES:
+            raise ConfigError(f"stage must be in 0..{MAX_STAGES - 1}, got {stage}")
+        self._require()
+        subkey = subkey or self._peer_id
         with self._state:
-            self._store(stage, endpoint)
-            self._announced[stage] = endpoint
+            self._store(stage, subkey, endpoint)
+            previous = self._announced.get(stage)
+            self._announced[stage] = (subkey, endpoint)
+            if previous is not None and previous[0] != subkey:
+                self._store(stage, previous[0], "")
         if self._refresher is None:
             self._refresher = threading.Thread(target=self._refresh_loop, name="mapl-dht-refresh",
                                                daemon=True)
@@ -224,12 +292,13 @@ class Discovery:
         """Stop refreshing ``stage``. With ``tombstone`` the entry is hidden at once; without,
         it stays visible until its expiry (at most ``ttl_s``)."""
         with self._state:
-            self._announced.pop(stage, None)
+            subkey, _ = self._announced.pop(stage, (self._peer_id, ""))
             if tombstone:
-                self._store(stage, "")
+                self._store(stage, subkey, "")
 
     def entries(self, stage: int) -> list[tuple[str, str, float]]:
-        """Live announcements of ``stage`` as ``(peer_id, endpoint, expiration)``, freshest first."""
+        """Live announcements of ``stage`` as ``(subkey, endpoint, expiration)``, freshest first
+        (tombstones included, as endpoint ``""``; with a run key only validly signed ones)."""
         result = self._call(lambda dht: dht.get(stage_key(self.run_id, stage), latest=True,
                                                 return_future=True), f"get stage {stage}")
         if result is None:
@@ -240,29 +309,38 @@ class Discovery:
                if isinstance(v.value, str)]
         return sorted(out, key=lambda e: e[2], reverse=True)
 
-    def lookup(self, stage: int, timeout_s: float) -> str:
-        """Endpoint of ``stage``, polling until it appears; raises :class:`DiscoveryTimeoutError`."""
+    def lookup_all(self, stage: int, timeout_s: float) -> list[str]:
+        """Every endpoint announced for ``stage`` (distinct, freshest first), polling until there
+        is at least one; raises :class:`DiscoveryTimeoutError`."""
         deadline = time.monotonic() + timeout_s
         while True:
-            endpoint = self._freshest(stage)
-            if endpoint:
-                return endpoint
+            endpoints = self._endpoints(stage)
+            if endpoints:
+                return endpoints
             remaining = deadline - time.monotonic()
             if remaining <= 0 or self._stop.wait(min(self.config.poll_s, remaining)):
                 raise self._timeout(stage, timeout_s)
 
-    async def lookup_async(self, stage: int, timeout_s: float) -> str:
-        """:meth:`lookup` for the event loop: DHT reads run in the executor, waits are cancellable."""
+    async def lookup_all_async(self, stage: int, timeout_s: float) -> list[str]:
+        """:meth:`lookup_all` for the event loop: DHT reads run in the executor, waits are cancellable."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
-            endpoint = await loop.run_in_executor(None, self._freshest, stage)
-            if endpoint:
-                return endpoint
+            endpoints = await loop.run_in_executor(None, self._endpoints, stage)
+            if endpoints:
+                return endpoints
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise self._timeout(stage, timeout_s)
             await asyncio.sleep(min(self.config.poll_s, remaining))
+
+    def lookup(self, stage: int, timeout_s: float) -> str:
+        """The freshest endpoint of ``stage`` (first of :meth:`lookup_all`)."""
+        return self._first(stage, self.lookup_all(stage, timeout_s))
+
+    async def lookup_async(self, stage: int, timeout_s: float) -> str:
+        """:meth:`lookup` for the event loop."""
+        return self._first(stage, await self.lookup_all_async(stage, timeout_s))
 
     def close(self) -> None:
         """Stop refreshing and shut the DHT process down (announcements expire by themselves)."""
@@ -276,15 +354,18 @@ class Discovery:
 
     # -- internals -------------------------------------------------------------------------------
     def _timeout(self, stage: int, timeout_s: float) -> DiscoveryTimeoutError:
+        signed = "; only records signed with this run key count" if self.signed else ""
         return DiscoveryTimeoutError(f"no peer announced run {self.run_id!r} stage {stage} within "
-                                     f"{timeout_s:g} s (DHT key {stage_key(self.run_id, stage)!r})")
+                                     f"{timeout_s:g} s (DHT key {stage_key(self.run_id, stage)!r}{signed})")
 
-    def _freshest(self, stage: int) -> str:
-        live = [e for e in self.entries(stage) if e[1]]
-        if len({e[1] for e in live}) > 1:
-            logger.warning("run %r stage %d announced by %d peers; using %s", self.run_id, stage,
-                           len(live), live[0][1])
-        return live[0][1] if live else ""
+    def _endpoints(self, stage: int) -> list[str]:
+        return list(dict.fromkeys(endpoint for _, endpoint, _ in self.entries(stage) if endpoint))
+
+    def _first(self, stage: int, endpoints: list[str]) -> str:
+        if len(endpoints) > 1:
+            logger.warning("run %r stage %d announced at %d endpoints; using %s", self.run_id, stage,
+                           len(endpoints), endpoints[0])
+        return endpoints[0]
 
     def _require(self) -> Any:
         if self._dht is None:
@@ -298,23 +379,32 @@ class Discovery:
         try:
             return future.result(timeout=self.config.request_timeout_s)
         except Exception as exc:  # noqa: BLE001 - MPFuture timeouts and daemon errors
-            raise DiscoveryError(f"DHT {what} for run {self.run_id!r} failed: {exc!r}") from exc
+            hint = "" if self.signed or not what.startswith("get") else (
+                " (a node without the run key cannot read records signed with one: if this run has "
+                "a key, give it to this peer)")
+            raise DiscoveryError(f"DHT {what} for run {self.run_id!r} failed: {exc!r}{hint}") from exc
 
-    def _store(self, stage: int, endpoint: str) -> None:
+    def _store(self, stage: int, subkey: str, endpoint: str) -> None:
         from hivemind.utils import get_dht_time
 
         expiration = get_dht_time() + self.config.ttl_s
         ok = self._call(lambda dht: dht.store(stage_key(self.run_id, stage), endpoint, expiration,
-                                              subkey=self._peer_id, return_future=True),
+                                              subkey=subkey, return_future=True),
                         f"store stage {stage}")
         if not ok:
-            raise DiscoveryError(f"DHT refused to store run {self.run_id!r} stage {stage}")
+            # hivemind reports the answer of the replica that answered last, so one node that
+            # refuses (e.g. one without the run key, or an attacker's) makes this False although
+            # other nodes (normally this one too) stored the record: log it, do not fail.
+            log = logger.debug if stage in self._refusals_logged else logger.warning
+            self._refusals_logged.add(stage)
+            log("a DHT node refused the announcement of run %r stage %d (a node without the run key, "
+                "or with another one?)", self.run_id, stage)
 
     def _refresh_loop(self) -> None:
         while not self._stop.wait(self.config.refresh_s):
             with self._state:
-                for stage, endpoint in self._announced.items():
+                for stage, (subkey, endpoint) in self._announced.items():
                     try:
-                        self._store(stage, endpoint)
+                        self._store(stage, subkey, endpoint)
                     except DiscoveryError as exc:
                         logger.warning("re-announce failed: %s", exc)

@@ -1,4 +1,5 @@
-"""hivemind DHT discovery: shuffled start order, lookup timeout, refresh, expiry, re-announce.
+"""hivemind DHT discovery: shuffled start order, lookup timeout, refresh, expiry, re-announce,
+several claimants of one stage (unsigned records; signed ones: test_dht_signed.py).
 
 All DHT nodes are started from the test's main thread before any lookup thread or event loop
 exists (hivemind forks its DHT process; see mapl_swarm.net.discovery).
@@ -118,9 +119,16 @@ def test_restarted_peer_wins_and_bad_bootstrap_fails(bootstrap: list[str]) -> No
     with Discovery("run-restart", peer_config(bootstrap)) as old, \
             Discovery("run-restart", peer_config(bootstrap)) as new:
         old.announce(1, "tcp://10.0.0.1:1111")
-        new.announce(1, "tcp://10.0.0.1:2222")  # stored later, so it expires later
+        new.announce(1, "tcp://10.0.0.1:2222", subkey="stage1.0002")  # stored later: expires later
         assert old.lookup(1, timeout_s=5) == "tcp://10.0.0.1:2222"
-        assert len(old.entries(1)) == 2
+        assert [e[0] for e in old.entries(1)] == ["stage1.0002", old.peer_id]
+        assert new.lookup_all(1, timeout_s=5) == ["tcp://10.0.0.1:2222", "tcp://10.0.0.1:1111"]
+        # Re-announcing under another subkey retires the previous one (its tombstone is skipped).
+        new.announce(1, "tcp://10.0.0.1:3333", subkey="stage1.0003")
+        assert asyncio.run(old.lookup_all_async(1, timeout_s=5)) == ["tcp://10.0.0.1:3333",
+                                                                      "tcp://10.0.0.1:1111"]
+        new.withdraw(1)  # tombstones the current subkey
+        assert old.lookup_all(1, timeout_s=5) == ["tcp://10.0.0.1:1111"]
     parts = bootstrap[0].split("/")  # ['', 'ip4', HOST, 'tcp', PORT, 'p2p', PEER_ID]
     parts[4] = "1"  # nothing listens on port 1
     dead = "/".join(parts)
