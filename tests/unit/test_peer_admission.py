@@ -277,3 +277,52 @@ def test_non_finite_values_in_a_stages_own_compute_stop_it_and_its_neighbour_hea
     byes = [m.meta["reason"] for m in net.messages("stage1", "stage0") if m.type == MT.BYE]
     assert len(byes) == 1 and "non-finite values (NaN/Inf)" in byes[0]
     assert not any(m.type == MT.GRAD and m.step == 1 for m in net.messages("stage1", "stage0"))  # none sent
+
+
+def test_well_formed_messages_that_do_not_fit_the_run_are_dropped_before_compute(clean):
+    """A key holder sends, through its real session, tensors of the wrong shape or dtype, ids outside
+    the vocabulary, NaN payloads, a NaN REPORT and an lz4 bomb (16 MiB of ids in a small frame): each
+    is dropped with its SPEC §6.1 code before anything reaches the model, and training is unchanged."""
+    cfg = swarm_config()
+    B, T, d, r, V = (cfg.pipeline.micro_batch_size, cfg.model.context_length, cfg.model.hidden_size,
+                     cfg.compression.rank, cfg.model.vocab_size)
+    bf16 = lambda shape, value=0.0: torch.full(shape, value, dtype=torch.bfloat16)  # noqa: E731
+    ids = torch.zeros((B, T + 1), dtype=torch.uint16)
+    nan = float("nan")
+
+    def setup(net, peers):
+        down, up = peers[0].links.downstream, peers[1].links.upstream
+        send_act, send_grad = down.send_act, up.send_grad
+        done = set()
+
+        async def act(step, micro, payload, *, eval_mode, pver):
+            if step == 1 and "act" not in done:
+                done.add("act")
+                bad = [{"z": bf16((B, T, r - 1)), "ids": ids}, {"z": bf16((B, T, r)), "ids": ids[:, :-2].contiguous()},
+                       {"z": bf16((B, T, r)), "ids": torch.full((B, T + 1), V, dtype=torch.uint16)},
+                       {"z": bf16((B, T, r), nan), "ids": ids}, {"z": torch.zeros((B, T, r // 2)), "ids": ids},
+                       {"z": bf16((B, T, r)), "ids": torch.zeros((1, 8 << 20), dtype=torch.uint16)}]
+                for tensors in bad:
+                    await down.send(MT.ACT, step=step, micro=micro, pver=pver, meta={"mode": "train"},
+                                    tensors=tensors, kinds={k: "act" for k in tensors})
+                await down.send(MT.PROJ, step=step, pver=pver, tensors={"proj": torch.full((d, r), nan)},
+                                kinds={"proj": "proj"})
+            await send_act(step, micro, payload, eval_mode=eval_mode, pver=pver)
+
+        async def grad(step, micro, payload, *, pver):
+            if step == 1 and "grad" not in done:
+                done.add("grad")
+                await up.send(MT.GRAD, step=step, micro=micro, pver=pver, tensors={"dz": bf16((B, T, r), nan)},
+                              kinds={"dz": "grad"})
+                await up.send(MT.PROJ_GRAD, step=step, pver=pver, meta={"micro_batches": 2},
+                              tensors={"grad": torch.zeros((d, r - 1))}, kinds={"grad": "proj_grad"})
+                await up.send(MT.REPORT, step=step, meta={"mode": "train", "loss": float("nan"), "tokens": 1})
+            await send_grad(step, micro, payload, pver=pver)
+
+        down.send_act, up.send_grad = act, grad
+
+    net, peers, results = _run(setup=setup)
+    assert results[0].train_losses == clean[2][0].train_losses
+    assert results[1].rejects == {"wrong_shape": 2, "id_out_of_range": 1, "non_finite": 2, "wrong_dtype": 1,
+                                  "size_mismatch": 1}
+    assert results[0].rejects == {"non_finite": 2, "wrong_shape": 1}
