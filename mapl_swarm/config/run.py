@@ -172,10 +172,11 @@ class NetConfig:
     larger one is dropped before it is buffered). 0 derives it from the run's shapes: its largest
     legitimate message plus the header limit and 12.5% (:mod:`mapl_swarm.net.limits`). Otherwise
     at least 4096."""
-    zmq_heartbeat_s: float = 10.0
+    zmq_heartbeat_s: float = 5.0
     """ZeroMQ heartbeat interval on every connection: one that does not answer within 3x this is
-    dropped, freeing its routing id for a reconnect. Keep 3x it above the time the slowest link
-    needs to carry the largest message. 0 turns ZeroMQ heartbeats off."""
+    dropped, freeing its routing id; a dropped link reconnects after 5x to 10x this. Keep 3x it
+    above the time the slowest link needs to carry the largest message. 0 turns ZeroMQ
+    heartbeats off (dead connections then linger until TCP gives up)."""
 
     def __post_init__(self) -> None:
         _check_choices(self)

@@ -12,14 +12,15 @@ high-water mark) until the neighbour is up, so peers may start in any order.
 
 Members only (``TransportConfig.curve``, from the run key, :mod:`mapl_swarm.net.runkey`): the
 ROUTER is a ZeroMQ CURVE server with the run's keypair and a ZAP handler on the transport's context
-admits only clients presenting the run's public key; every DEALER is a CURVE client with that same
-keypair. Links are encrypted and authenticated; a party without the key completes no handshake,
+(pyzmq's thread authenticator, started before the bind) admits only clients presenting the run's
+public key; every DEALER is a CURVE client with that same keypair. Links are encrypted and authenticated; a party without the key completes no handshake,
 so none of its frames is delivered and it learns no plaintext. Without ``curve`` (``--insecure``)
 everything travels in the clear and anyone may connect.
 
 No takeover: ``ROUTER_HANDOVER`` is off, so a second connection presenting a routing id that is in
-use cannot take it over (the first one keeps it); ZeroMQ heartbeats (``zmq_heartbeat_s``) drop a
-dead connection, freeing its routing id for a reconnect. ``ROUTER_MANDATORY`` is on: replying to a
+use cannot take it over (the first one keeps it, and ZeroMQ never serves the second); ZeroMQ
+heartbeats (``zmq_heartbeat_s``) drop a dead connection, freeing its routing id, and a DEALER
+reconnects only after the ROUTER must have dropped its old connection. ``ROUTER_MANDATORY`` is on: replying to a
 connection that is gone raises :class:`NetError`. ``max_message_bytes`` is the ROUTER's
 ``ZMQ_MAXMSGSIZE``: a connection sending a larger frame is dropped before the frame is buffered
 (the sender's DEALER reconnects; other connections are not affected).
@@ -81,6 +82,9 @@ _WILDCARD_HOSTS = ("0.0.0.0", "::", "*", "")
 ZAP_DOMAIN = "mapl"
 """ZAP domain of every CURVE ROUTER (the authenticator admits the run key in this domain only)."""
 _HEARTBEAT_TIMEOUT_FACTOR = 3
+_RECONNECT_FACTOR = 5
+"""A DEALER's reconnect interval in heartbeat intervals: longer than the ROUTER needs to drop the
+dead connection (up to one interval until its next PING, then the timeout)."""
 _MAX_HEARTBEAT_TTL_MS = 6_553_500  # ZMQ_HEARTBEAT_TTL travels in deciseconds, 16 bits
 _CURVE_FRAME_OVERHEAD = 33
 """Bytes CURVE adds to each frame (libzmq 4.3's MESSAGE command: name, nonce, MAC, flags), which
@@ -138,11 +142,14 @@ class TransportConfig:
     max_message_bytes: int = 0
     """Largest frame the ROUTER accepts, in plaintext bytes (``ZMQ_MAXMSGSIZE``, which ZeroMQ
     applies to each frame); a connection sending a larger one is dropped. 0: unlimited."""
-    zmq_heartbeat_s: float = 10.0
+    zmq_heartbeat_s: float = 5.0
     """ZeroMQ heartbeat interval on every socket (``ZMQ_HEARTBEAT_IVL``); a connection that does not
     answer within 3x this (``ZMQ_HEARTBEAT_TIMEOUT``, also the TTL announced to the other side)
     is dropped. Keep 3x it above the time the slowest link needs to carry the largest frame
-    (a PONG waits behind a frame being sent). 0: no ZeroMQ heartbeats."""
+    (a PONG waits behind a frame being sent). A DEALER waits 5x this (to 10x, ZeroMQ's jitter)
+    before it reconnects, so that the ROUTER has dropped the dead connection by then (without
+    handover a reconnection arriving while the old one is held would never be served).
+    0: no ZeroMQ heartbeats, reconnects after 0.1 s."""
 
     def __post_init__(self) -> None:
         if not (0 <= self.bind_port <= 65535):
@@ -177,6 +184,13 @@ class TransportConfig:
         timeout = _HEARTBEAT_TIMEOUT_FACTOR * ivl
         return {zmq.HEARTBEAT_IVL: ivl, zmq.HEARTBEAT_TIMEOUT: timeout,
                 zmq.HEARTBEAT_TTL: min(timeout, _MAX_HEARTBEAT_TTL_MS)}
+
+    def dealer_options(self) -> dict[int, int]:
+        """The heartbeat options plus the DEALER's reconnect interval (see ``zmq_heartbeat_s``)."""
+        options = self.heartbeat_options()
+        if options:
+            options[zmq.RECONNECT_IVL] = _RECONNECT_FACTOR * options[zmq.HEARTBEAT_IVL]
+        return options
 
 
 class _RunKeyOnly:
@@ -359,7 +373,7 @@ class Transport:
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.SNDHWM, cfg.send_hwm)
         dealer.setsockopt(zmq.ROUTING_ID, self.routing_id.encode())
-        for option, value in cfg.heartbeat_options().items():
+        for option, value in cfg.dealer_options().items():
             dealer.setsockopt(option, value)
         if cfg.curve is not None:  # client of the run's server key, proving the run's keypair
             dealer.setsockopt(zmq.CURVE_SERVERKEY, cfg.curve.public)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+from dataclasses import replace
 from typing import AsyncIterator
 
 import pytest
@@ -201,7 +202,8 @@ async def test_reply_reaches_the_hellos_own_connection(members) -> None:
 @pytest.mark.asyncio
 async def test_max_message_size_drops_the_oversized_message_and_keeps_serving() -> None:
     cfg = TransportConfig(bind_host="127.0.0.1", curve=KEY.curve, max_message_bytes=100_000)
-    async with Transport("rx", cfg) as rx, Transport("big", SECURE) as big, Transport("small", SECURE) as small:
+    fast = replace(SECURE, zmq_heartbeat_s=0.1)  # the dropped DEALER reconnects after 0.5 s
+    async with Transport("rx", cfg) as rx, Transport("big", fast) as big, Transport("small", fast) as small:
         big.connect("rx", rx.endpoint)
         small.connect("rx", rx.endpoint)
         await big.send("rx", [b"hdr", bytes(100_001)])  # one frame over the limit
@@ -214,9 +216,10 @@ async def test_max_message_size_drops_the_oversized_message_and_keeps_serving() 
 
 
 def test_heartbeat_options() -> None:
-    assert TransportConfig(zmq_heartbeat_s=0).heartbeat_options() == {}
-    assert TransportConfig(zmq_heartbeat_s=2.5).heartbeat_options() == {
-        zmq.HEARTBEAT_IVL: 2500, zmq.HEARTBEAT_TIMEOUT: 7500, zmq.HEARTBEAT_TTL: 7500}
+    assert TransportConfig(zmq_heartbeat_s=0).heartbeat_options() == TransportConfig(zmq_heartbeat_s=0).dealer_options() == {}
+    hb = {zmq.HEARTBEAT_IVL: 2500, zmq.HEARTBEAT_TIMEOUT: 7500, zmq.HEARTBEAT_TTL: 7500}
+    assert TransportConfig(zmq_heartbeat_s=2.5).heartbeat_options() == hb
+    assert TransportConfig(zmq_heartbeat_s=2.5).dealer_options() == {**hb, zmq.RECONNECT_IVL: 12500}
 
 
 class FreezableProxy:
@@ -230,29 +233,39 @@ class FreezableProxy:
         self.generation = 0
         self.tasks: list[asyncio.Task] = []
         self.writers: list[asyncio.StreamWriter] = []
+        self.client_writers: list[asyncio.StreamWriter] = []
         self.server: asyncio.base_events.Server | None = None
 
     async def start(self) -> str:
         self.server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
         return f"tcp://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
 
-    def freeze(self) -> None:
+    def freeze(self, *, reset_clients: bool = False) -> None:
+        """Make the connections open so far dead; with ``reset_clients`` their client side is also
+        closed (the DEALER sees it at once) while the server side stays open and silent."""
         self.frozen_generation = self.generation
         self.generation += 1
+        if reset_clients:
+            for writer in self.client_writers:
+                writer.close()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
         self.writers += [writer, up_writer]
+        self.client_writers.append(writer)
         generation = self.generation
         for src, dst in ((reader, up_writer), (up_reader, writer)):
             self.tasks.append(asyncio.create_task(self._pump(src, dst, generation)))
 
     async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, generation: int) -> None:
-        while data := await src.read(65536):
-            if generation <= self.frozen_generation:
-                await asyncio.Event().wait()  # dead: hold the socket open, forward nothing, forever
-            dst.write(data)
-            await dst.drain()
+        try:
+            while data := await src.read(65536):
+                if generation <= self.frozen_generation:
+                    await asyncio.Event().wait()  # dead: hold the socket open, forward nothing, forever
+                dst.write(data)
+                await dst.drain()
+        except ConnectionError:
+            pass
 
     async def aclose(self) -> None:
         for t in self.tasks:
@@ -294,4 +307,23 @@ async def test_zmq_heartbeat_drops_a_dead_connection_and_frees_its_routing_id() 
         finally:
             rx._router.disable_monitor()
             monitor.close(linger=0)
+            await proxy.aclose()
+
+
+@pytest.mark.asyncio
+async def test_reconnection_waits_until_the_router_dropped_the_half_dead_connection() -> None:
+    """The DEALER's side of a connection dies at once (reset) while the ROUTER's side stays open and
+    silent. Without handover the ROUTER would never serve a reconnection arriving while it still
+    holds the old connection; the DEALER waits (5x the heartbeat) until the ROUTER dropped it."""
+    cfg = TransportConfig(bind_host="127.0.0.1", curve=KEY.curve, zmq_heartbeat_s=0.1)
+    assert cfg.dealer_options()[zmq.RECONNECT_IVL] == 500
+    async with Transport("rx", cfg) as rx, Transport("a", cfg) as a:
+        proxy = FreezableProxy(rx.port)
+        try:
+            a.connect("rx", await proxy.start())
+            await a.send("rx", [b"one"])
+            assert await recv_payload(rx, b"one") == a.routing_id
+            proxy.freeze(reset_clients=True)
+            assert await until_delivered(a, "rx", rx) == a.routing_id
+        finally:
             await proxy.aclose()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+from dataclasses import replace
 from typing import AsyncIterator, Sequence
 
 import pytest
@@ -159,7 +160,9 @@ async def test_sender_may_start_before_receiver() -> None:
     with socket.socket() as s:  # find a free port, then let the receiver bind it later
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    async with Transport("early", LOOPBACK) as early:
+    # ZeroMQ retries the connection every reconnect interval (0.1 s without ZeroMQ heartbeats; with
+    # them 5x the heartbeat: a peer dials a neighbour only once it announced its bound endpoint)
+    async with Transport("early", replace(LOOPBACK, zmq_heartbeat_s=0)) as early:
         early.connect("late", tcp_endpoint("127.0.0.1", port))
         await early.send("late", [b"queued", b"before bind"])
         async with Transport("late", TransportConfig(bind_host="127.0.0.1", bind_port=port)) as late:
