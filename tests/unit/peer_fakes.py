@@ -6,7 +6,7 @@ message came from, ``recv_reply`` for answers on its own connections, ``flush``,
 ``shaper``). Every delivery passes :attr:`FakeNet.tap` (``tap(src_routing_id, dst_name, frames,
 reply)``), which tests use to record traffic and to inject messages at a precise point, without
 sleeping. Replies to a routing id no transport holds (an attacker's) are kept in
-:attr:`FakeNet.orphan_replies`. :func:`two_stage_swarm` builds a real 2-stage swarm on it.
+:attr:`FakeNet.orphan_replies`. :func:`fake_swarm` builds a real swarm of P stages on it.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def sampler(cfg, seed: int = 0):
         yield torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=gen)
 
 
-def two_stage_swarm(cfg=None, *, fingerprint: str = "fp", secret: bytes | None = None,
+def fake_swarm(cfg=None, *, fingerprint: str = "fp", secret: bytes | None = None,
                     net: FakeNet | None = None) -> tuple[FakeNet, list[Peer], list[FakeTransport]]:
     """Stages 0 .. P-1 of ``cfg`` (default :func:`swarm_config`, 2 stages) on a :class:`FakeNet`,
     with the run's auth key ``secret`` (None: insecure); run them with :func:`run_swarm`. Call

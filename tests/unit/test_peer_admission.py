@@ -20,7 +20,7 @@ from mapl_swarm.pipeline.inprocess import InProcessPipeline
 from mapl_swarm.pipeline.stage import StageRuntime
 from mapl_swarm.wire import Message, MessageType, WireTensor, decode, encode
 
-from peer_fakes import peek, run_swarm, sampler, swarm_config, two_stage_swarm
+from peer_fakes import peek, run_swarm, sampler, swarm_config, fake_swarm
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -35,7 +35,7 @@ def _run(cfg=None, setup=None, secret=None):
     """Run a fresh 2-stage swarm (``setup(net, peers)`` first); returns (net, peers, results)."""
 
     async def main():
-        net, peers, transports = two_stage_swarm(cfg, secret=secret)
+        net, peers, transports = fake_swarm(cfg, secret=secret)
         if setup is not None:
             setup(net, peers)
         return net, peers, await run_swarm(peers, transports)
@@ -266,7 +266,7 @@ def test_non_finite_values_in_a_stages_own_compute_stop_it_and_its_neighbour_hea
         rt.forward = poisoned
 
     async def main():
-        net, peers, transports = two_stage_swarm()
+        net, peers, transports = fake_swarm()
         setup(net, peers)
         return net, await asyncio.wait_for(asyncio.gather(*(p.serve(t) for p, t in zip(peers, transports)),
                                                           return_exceptions=True), 120)
@@ -326,3 +326,28 @@ def test_well_formed_messages_that_do_not_fit_the_run_are_dropped_before_compute
     assert results[1].rejects == {"wrong_shape": 2, "id_out_of_range": 1, "non_finite": 2, "wrong_dtype": 1,
                                   "size_mismatch": 1}
     assert results[0].rejects == {"non_finite": 2, "wrong_shape": 1}
+
+
+@pytest.mark.parametrize("codec", ["none", "fixed", "ssn", "mapl_vq"])
+def test_every_codec_passes_the_content_checks_its_run_shapes_derive(codec):
+    """What each codec's peers send fits :func:`run_shapes` of its config (nothing dropped; with
+    validation, so eval ACTs and REPORTs too) and trains as one process does."""
+    vq = {"vq": {"codebook_size": 16, "kmeans_iters": 2}} if codec == "mapl_vq" else {}
+    cfg = swarm_config(compression={"codec": codec, **vq}, eval={"interval_steps": 2, "batches": 3})
+    net, peers, results = _run(cfg)
+    assert results[0].rejects == {} and results[1].rejects == {}
+    assert len(results[0].train_losses) == 3 and len(results[0].val_history) == 2
+    assert results[0].train_losses == pytest.approx(_reference_losses(cfg), rel=1e-4)
+
+
+def test_a_three_stage_swarm_relays_and_checks_every_link():
+    """A middle stage forwards ACTs and GRADs with their pver, relays REPORTs, and drops nothing."""
+    cfg = swarm_config(pipeline={"num_stages": 3}, eval={"interval_steps": 3, "batches": 2})
+    net, peers, results = _run(cfg)
+    assert all(r.rejects == {} for r in results)
+    assert results[0].train_losses == pytest.approx(_reference_losses(cfg), rel=1e-5)
+    assert [m.step for m in net.messages("stage1", "stage0") if m.type == MT.REPORT] == [0, 1, 2, 3]  # 3: eval
+    assert [m.meta["mode"] for m in net.messages("stage1", "stage0") if m.type == MT.REPORT][-1] == "eval"
+    for a, b in (("stage1", "stage2"), ("stage0", "stage1")):
+        acts = {(m.step, m.micro): m.pver for m in net.messages(a, b) if m.type == MT.ACT and m.meta["mode"] == "train"}
+        assert {(m.step, m.micro): m.pver for m in net.messages(b, a) if m.type == MT.GRAD} == acts
