@@ -31,7 +31,7 @@ fails drops the message with a stable code (:class:`~.session.Rejected`, or the 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +55,7 @@ __all__ = ["Rejected", "HelloRefused", "RejectCounter", "RxSession", "Arrival", 
            "run_shapes", "mailbox_bound"]
 
 MT = MessageType
+
 
 def run_shapes(cfg: TrainConfig, stage: int) -> RunShapes:
     """The run as stage ``stage`` sees it (:class:`~mapl_swarm.wire.RunShapes`): what every tensor it

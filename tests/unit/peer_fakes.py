@@ -21,7 +21,6 @@ import msgpack
 import torch
 
 from mapl_swarm.net.counters import TrafficCounters
-from mapl_swarm.net.errors import NetError
 from mapl_swarm.peer.runtime import Peer
 from mapl_swarm.pipeline.stage import StageRuntime
 from mapl_swarm.wire import decode

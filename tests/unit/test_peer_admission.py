@@ -17,7 +17,6 @@ import torch
 from mapl_swarm.errors import MaplError, NonFiniteError
 from mapl_swarm.peer.result import write_result
 from mapl_swarm.pipeline.inprocess import InProcessPipeline
-from mapl_swarm.pipeline.stage import StageRuntime
 from mapl_swarm.wire import Message, MessageType, WireTensor, decode, encode
 
 from peer_fakes import peek, run_swarm, sampler, swarm_config, fake_swarm
@@ -59,10 +58,11 @@ def _msg(mtype, src=0, dst=1, **kw) -> list:
     return encode(Message(type=mtype, run_id="mem", src=src, dst=dst, **kw))
 
 
-def _act(step=0, micro=0, pver=0, value=0.0, **kw) -> list:
+def _act(step=0, micro=0, pver=0, **kw) -> list:
+    """A train ACT that fits the run (zeros)."""
     cfg = swarm_config()
     B, T, r = cfg.pipeline.micro_batch_size, cfg.model.context_length, cfg.compression.rank
-    z = np.full((B, T, r), value, dtype=np.float32).astype(np.uint16)  # bf16 patterns
+    z = np.zeros((B, T, r), dtype=np.uint16)  # bf16 bit patterns of 0.0
     ids = np.zeros((B, T + 1), dtype=np.uint16)
     return _msg(MT.ACT, step=step, micro=micro, pver=pver, meta={"mode": "train"},
                 tensors={"z": WireTensor("bf16", z), "ids": ids}, **kw)

@@ -16,7 +16,7 @@ from mapl_swarm.peer.mailbox import Mailbox
 from mapl_swarm.peer.runtime import Peer
 from mapl_swarm.peer.session import Rejected
 from mapl_swarm.pipeline.stage import StageRuntime
-from mapl_swarm.wire import Message, MessageType, PROTOCOL_VERSION, WireTensor, decode, encode
+from mapl_swarm.wire import Message, MessageType, WireTensor, decode, encode
 
 from peer_fakes import FakeNet, swarm_config
 
