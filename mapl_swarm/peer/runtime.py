@@ -172,6 +172,8 @@ class Peer:
             self.rejects(exc.code, arrival.sender, str(exc))
             link = self._link_of(arrival)
             if link is not None and arrival.sender not in self._refused_versions:  # once per connection
+                if len(self._refused_versions) >= 1024:
+                    self._refused_versions.clear()  # bounded memory; a connection may get a second answer
                 self._refused_versions.add(arrival.sender)
                 await self._answer(link.refuse(exc.code, str(exc), self._reply(transport, arrival, link)))
             return
