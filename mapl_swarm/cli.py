@@ -1,7 +1,8 @@
 """``mapl-swarm`` command line: argument parsing and logging set-up only.
 
 User mistakes (bad config, missing files, refused handshakes...) raise :class:`MaplError`; they are
-printed on one line (``mapl-swarm: error: ...``) with exit status 2, never as a traceback.
+printed on one line (``mapl-swarm: error: ...``) with exit status 2 (3 for a NaN/Inf in the
+process's own compute, :class:`~mapl_swarm.errors.NonFiniteError`), never as a traceback.
 """
 
 from __future__ import annotations
@@ -412,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except MaplError as exc:
         print(f"mapl-swarm: error: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code  # 2; 3 for a NaN/Inf in this process's own compute (NonFiniteError)
     except KeyboardInterrupt:
         print("mapl-swarm: interrupted", file=sys.stderr)
         return 130

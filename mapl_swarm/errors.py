@@ -2,14 +2,17 @@
 
 Every error a user can cause (bad config, missing file, wrong protocol version...) is raised
 as a subclass of :class:`MaplError`; the CLI prints its message on one line and exits non-zero
-instead of showing a traceback.
+instead of showing a traceback: with the error's ``exit_code`` (2 unless a class says otherwise).
 """
 
-__all__ = ["MaplError", "ConfigError", "DataError", "CheckpointError"]
+__all__ = ["MaplError", "ConfigError", "DataError", "CheckpointError", "NonFiniteError"]
 
 
 class MaplError(Exception):
     """Base class of errors caused by user input or environment, reported without traceback."""
+
+    exit_code = 2
+    """The CLI's exit status for this error."""
 
 
 class ConfigError(MaplError):
@@ -22,3 +25,22 @@ class DataError(MaplError):
 
 class CheckpointError(MaplError):
     """Missing, incomplete or incompatible checkpoint."""
+
+
+class NonFiniteError(MaplError):
+    """A NaN or Inf in this process's own compute (a loss, the gradients before the optimizer step,
+    a tensor about to be sent): nothing of it was applied, sent or checkpointed. Exit status 3."""
+
+    exit_code = 3
+
+    def __init__(self, *, stage: int, step: int, tensor: str) -> None:
+        self.stage, self.step, self.tensor = stage, step, tensor
+        super().__init__(f"stage {stage}: non-finite values (NaN/Inf) in {tensor} at step {step}; "
+                         f"not applied, sent or checkpointed")
+
+    def __reduce__(self):  # keep picklable despite the keyword-only __init__
+        return (_non_finite, (self.stage, self.step, self.tensor))
+
+
+def _non_finite(stage: int, step: int, tensor: str) -> NonFiniteError:
+    return NonFiniteError(stage=stage, step=step, tensor=tensor)

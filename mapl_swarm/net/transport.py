@@ -5,7 +5,8 @@ DEALER per neighbour for what it sends. Each transport picks a routing id
 ``<name>.<8 hex digits>`` (:attr:`Transport.routing_id`, new per instance) that all its DEALERs
 carry, so the ROUTER tells who sent each message (:meth:`Transport.recv` returns it, and
 :meth:`Transport.name_of` its name part); :meth:`Transport.reply` answers on the ROUTER, on the
-very connection a message came in on. Each outbound DEALER sits behind a
+very connection a message came in on, and the dialer reads that answer on its DEALER
+(:meth:`Transport.recv_reply`). Each outbound DEALER sits behind a
 :class:`~mapl_swarm.net.emulator.LinkShaper`, so every direction of a link is shaped by its
 sender. ``connect`` never waits for the other side: ZeroMQ queues messages (up to the send
 high-water mark) until the neighbour is up, so peers may start in any order.
@@ -79,6 +80,9 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _ZERO_COPY_MIN_BYTES = zmq.COPY_THRESHOLD
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "*", "")
+REPLY_QUEUE_MESSAGES = 64
+"""Replies (messages received on the DEALERs) waiting for :meth:`Transport.recv_reply` at most; a
+neighbour's ROUTER answers a HELLO once, so more are dropped."""
 ZAP_DOMAIN = "mapl"
 """ZAP domain of every CURVE ROUTER (the authenticator admits the run key in this domain only)."""
 _HEARTBEAT_TIMEOUT_FACTOR = 3
@@ -219,6 +223,7 @@ class Transport:
             await t.send("stage2", frames, kind="ACT")
             sender, frames = await t.recv(timeout_s=30)   # sender: e.g. "stage0.5f3a9c01"
             await t.reply(sender, answer, kind="WELCOME")  # on the connection it came in on
+            link, frames = await t.recv_reply(timeout_s=30)  # an answer to what a DEALER sent
     """
 
     def __init__(self, name: str, config: TransportConfig = TransportConfig(), *,
@@ -241,6 +246,10 @@ class Transport:
         self._dealers: dict[str, zmq.asyncio.Socket] = {}
         self._shapers: dict[str, LinkShaper] = {}
         self._listeners: list[Callable[[str], None]] = []
+        self._readers: dict[str, asyncio.Task[None]] = {}
+        self._replies: asyncio.Queue[tuple[str, list[Frame]]] = asyncio.Queue(maxsize=REPLY_QUEUE_MESSAGES)
+        self.dropped_replies = 0
+        """Replies dropped because :attr:`REPLY_QUEUE_MESSAGES` were already waiting."""
         self._bound_endpoint = ""
         self._endpoint = ""
         self._closed = False
@@ -395,12 +404,18 @@ class Transport:
 
         self._dealers[link] = dealer
         self._shapers[link] = LinkShaper(config, deliver, name=f"{self.name}->{link}")
+        self._readers[link] = asyncio.get_running_loop().create_task(self._read_replies(link, dealer),
+                                                                     name=f"{self.name}<-{link} replies")
         logger.debug("%s: link %r -> %s (%s)", self.name, link, endpoint, config.describe())
 
     async def disconnect(self, link: str) -> None:
         """Close an outbound link; undelivered messages are dropped (``flush`` first to keep them)."""
         shaper = self._shapers.pop(link, None)
         dealer = self._dealers.pop(link, None)
+        reader = self._readers.pop(link, None)
+        if reader is not None:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
         if shaper is not None:
             await shaper.aclose()
         if dealer is not None:
@@ -490,6 +505,34 @@ class Transport:
         for listener in self._listeners:
             listener(sender)
         return sender, frames
+
+    async def recv_reply(self, timeout_s: float) -> tuple[str, list[Frame]]:
+        """Next message received on one of this transport's DEALERs, as ``(link name, frames)``: a
+        ROUTER reply of the neighbour that link dialed (WELCOME or REJECT to a HELLO, SPEC §1.2), on
+        the very connection the HELLO went out on. Raises :class:`NetTimeoutError` when none
+        arrives within ``timeout_s``."""
+        self._check_open()
+        try:
+            return await asyncio.wait_for(self._replies.get(), timeout_s)
+        except asyncio.TimeoutError:
+            raise NetTimeoutError(f"{self.name}: no reply received within {timeout_s:g} s") from None
+
+    async def _read_replies(self, link: str, dealer: zmq.asyncio.Socket) -> None:
+        while True:
+            try:
+                parts = await dealer.recv_multipart(copy=False)
+            except zmq.ZMQError as exc:  # the socket closed under us
+                logger.debug("%s: replies on link %r end: %s", self.name, link, exc)
+                return
+            frames: list[Frame] = [p.buffer if len(p) >= _ZERO_COPY_MIN_BYTES else p.bytes for p in parts]
+            kind = self._rx_kind(frames) if self._rx_kind is not None else "rx"
+            self.counters.add(link, "rx", kind, frames)
+            try:
+                self._replies.put_nowait((link, frames))
+            except asyncio.QueueFull:
+                self.dropped_replies += 1
+                logger.warning("%s: dropped a reply on link %r: %d replies wait already (%d dropped)", self.name,
+                               link, REPLY_QUEUE_MESSAGES, self.dropped_replies)
 
     def add_receive_listener(self, listener: Callable[[str], None]) -> None:
         """Call ``listener(sender routing id)`` on every received message (the heartbeat monitor's,

@@ -1,5 +1,8 @@
 """Where a peer's work runs: one compute thread (with the encode lock) and background tasks.
 
+Received tensors are decoded and inflated on another :class:`WorkerThread` (the peer's decode
+thread, :mod:`.admission`), so neither a long compute delays decoding nor a large message the loop.
+
 Compute stays synchronous and off the event loop: :class:`ComputeThread` runs the stage's
 forward/backward/step on one worker thread, so the loop keeps sending, receiving and
 heart-beating meanwhile; what a compute hands to the wire comes back in host memory, device
@@ -17,30 +20,37 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-__all__ = ["ComputeThread", "BackgroundTasks"]
+__all__ = ["WorkerThread", "ComputeThread", "BackgroundTasks"]
 
 T = TypeVar("T")
 
 
-class ComputeThread:
+class WorkerThread:
+    """One worker thread that runs calls in order, awaited from the event loop."""
+
+    def __init__(self, name: str, *, initializer: Callable[[], None] | None = None) -> None:
+        """``initializer`` runs once on the worker thread before its first call."""
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=initializer)
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` on the worker thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: fn(*args, **kwargs))
+
+    def close(self) -> None:
+        """Wait for the running call, then stop the thread."""
+        self._pool.shutdown(wait=True)
+
+
+class ComputeThread(WorkerThread):
     """One worker thread for a stage's compute, and the lock that orders encodes and sends."""
 
     def __init__(self, name: str, *, initializer: Callable[[], None] | None = None) -> None:
         """``initializer`` runs once on the worker thread before its first compute: per-thread
         state such as the current CUDA device (``torch.cuda.set_device`` in another thread does
         not reach this one), given by whoever builds the peer."""
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-compute",
-                                        initializer=initializer)
+        super().__init__(f"{name}-compute", initializer=initializer)
         self.encode_lock = asyncio.Lock()
         """Held from a compute that encodes until its payload is sent (a retransmission takes it too)."""
-
-    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """``fn(*args, **kwargs)`` on the compute thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: fn(*args, **kwargs))
-
-    def close(self) -> None:
-        """Wait for the running compute, then stop the thread."""
-        self._pool.shutdown(wait=True)
 
 
 class BackgroundTasks:

@@ -14,6 +14,11 @@ thread (``await compute.run(host.forward, ...)``), so by the time ``compute.run`
   of its frame into torch memory (:func:`~.tensors.from_wire`), pinned when the stage runs on
   CUDA so the stage's ``.to(device, non_blocking=True)`` copies are asynchronous.
 
+What goes out is checked for NaN/Inf here, on the host copy (no device sync):
+:func:`~mapl_swarm.pipeline.stage.check_finite` raises
+:class:`~mapl_swarm.errors.NonFiniteError` before a non-finite ACT, GRAD, PROJ or PROJ_GRAD reaches
+the event loop, so it is never sent.
+
 Buffers handed to the wire are always fresh (a copy on CUDA; on the CPU the runtime's results are
 new tensors: payloads are cast, projectors cloned) and nothing writes them afterwards; how they
 stay alive until ZeroMQ has sent them: :func:`~.tensors.to_wire`.
@@ -29,6 +34,7 @@ import torch
 
 from mapl_swarm.compress.codebook_sync import CodebookSlice
 from mapl_swarm.peer.tensors import from_wire
+from mapl_swarm.pipeline.stage import check_finite
 
 if TYPE_CHECKING:
     from mapl_swarm.pipeline.stage import ForwardResult, StageRuntime
@@ -102,6 +108,9 @@ class HostRuntime:
         self.pin = device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available()
         """Copy received tensors into pinned memory (the stage runs on CUDA)."""
 
+    def _check(self, tensors: Mapping[str, torch.Tensor], what: str) -> None:
+        check_finite(tensors, stage=getattr(self.rt, "stage", -1), step=getattr(self.rt, "step_count", 0), what=what)
+
     def received(self, wire: Mapping[K, WireTensor]) -> dict[K, torch.Tensor]:
         """Wire tensors as torch tensors in host memory (pinned on CUDA stages)."""
         return {key: from_wire(w, pin=self.pin) for key, w in wire.items()}
@@ -116,25 +125,39 @@ class HostRuntime:
         res = self.rt.forward(micro, ids=ids, payload=payload, train=train, cver=cver)
         if res.payload is None:
             return res
-        return dataclasses.replace(res, payload=tensors_to_host(res.payload))
+        payload = tensors_to_host(res.payload)
+        self._check(payload, f"the ACT of micro-batch {micro}" if micro >= 0 else f"the eval ACT of batch {-1 - micro}")
+        return dataclasses.replace(res, payload=payload)
 
     def backward(self, micro: int, wire: Mapping[str, WireTensor] | None = None,
                  cver: int | None = None) -> dict[str, torch.Tensor] | None:
         """:meth:`StageRuntime.backward` of a received GRAD payload (``wire``; None on the last stage);
         the GRAD payload it returns is in host memory."""
         grad = self.rt.backward(micro, None if wire is None else self.received(wire), cver=cver)
-        return None if grad is None else tensors_to_host(grad)
+        if grad is None:
+            return None
+        grad = tensors_to_host(grad)
+        self._check(grad, f"the GRAD of micro-batch {micro}")
+        return grad
 
     # ------------------------------------------------------------------ projector exchange
     def outbound_projector(self) -> tuple[torch.Tensor, int] | None:
         """The projector to send downstream (host, fp32) and its version; None if this stage owns none."""
         proj = self.rt.outbound_projector()
-        return None if proj is None else (to_host(proj[0]), proj[1])
+        if proj is None:
+            return None
+        value = to_host(proj[0])
+        self._check({"proj": value}, "the PROJ")
+        return value, proj[1]
 
     def take_inbound_projector_grad(self) -> torch.Tensor | None:
         """The step's partial projector gradient to send upstream (host, fp32), or None."""
         g = self.rt.take_inbound_projector_grad()
-        return None if g is None else to_host(g)
+        if g is None:
+            return None
+        g = to_host(g)
+        self._check({"grad": g}, "the PROJ_GRAD")
+        return g
 
     def add_outbound_projector_grad(self, wire: WireTensor) -> None:
         """Add the receiver's PROJ_GRAD tensor to the outbound projector's gradient."""

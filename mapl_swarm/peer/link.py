@@ -7,6 +7,13 @@ outbound sequence numbers, how stage payloads map to wire tensors and back (name
 link only wraps host memory), the payload byte counter, the send through the transport and,
 with mapl_vq, the link's side of the codebook streams (:class:`~.vq_link.CodebookLink`).
 
+Sessions (issue 12, SPEC §9): the link's outbound direction is open once the neighbour answered
+this peer's HELLO with WELCOME (``welcomed``); nothing but HELLO goes out before (heartbeats
+included). Its inbound direction is the neighbour's connection bound when this peer welcomed the
+neighbour's HELLO (``rx``, an :class:`~.admission.RxSession`: routing id, sequence, key). WELCOME
+and REJECT carry ``seq`` 0 and go back on the HELLO's own connection (``reply``); every other
+message takes the next ``seq`` of the link's outbound connection (HELLO has 0).
+
 The schedule talks to ``links.upstream`` / ``links.downstream`` (:class:`Links`) in payload terms
 (``send_act``, ``send_grad``, ``act_wire``, ``decoded``...), never to stage numbers or the
 transport, so per-link session keys, several replicas of a neighbour stage or re-routing can change
@@ -16,11 +23,13 @@ what a link is without touching the schedule.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+import re
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from mapl_swarm.net.emulator import LinkConfig
+from mapl_swarm.peer.session import RxSession
 from mapl_swarm.peer.tensors import to_wire
 from mapl_swarm.peer.vq_link import CodebookLink
 from mapl_swarm.pipeline.payload import (
@@ -32,7 +41,8 @@ from mapl_swarm.pipeline.payload import (
     WireName,
     act_kind,
 )
-from mapl_swarm.wire import Message, MessageType, WireTensor, encode
+from mapl_swarm.wire import Message, MessageType, WireTensor, encode, handshake_secret, new_nonce, session_key
+from mapl_swarm.wire.spec import HANDSHAKE_TYPES, NONCE_BYTES
 
 if TYPE_CHECKING:
     import torch
@@ -43,15 +53,26 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LinkSettings", "PeerLink", "Links", "stage_name"]
+__all__ = ["LinkSettings", "PeerLink", "Links", "Reply", "stage_name", "stage_of"]
 
 MT = MessageType
 T = TypeVar("T")
 
+Reply = Callable[[Sequence[Any], str], Awaitable[None]]
+"""Sends ``(frames, kind)`` back on the connection a received message came in on."""
+
+_ROUTING_ID = re.compile(r"stage(0|[1-9][0-9]{0,4})\.[0-9a-f]{8}")
+
 
 def stage_name(stage: int) -> str:
-    """A stage's transport name (its ZeroMQ routing id and the name of links to it)."""
+    """A stage's transport name (the name part of its routing id, and the name of links to it)."""
     return f"stage{stage}"
+
+
+def stage_of(routing_id: str) -> int | None:
+    """The stage of a routing id ``stage<k>.<8 hex>`` (SPEC §1.2); None for anything else."""
+    m = _ROUTING_ID.fullmatch(routing_id)
+    return int(m.group(1)) if m else None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,8 +89,15 @@ class LinkSettings:
     """Config fingerprint (model, codec, tokenizer); a neighbour with another one is refused."""
     capabilities: tuple[str, ...]
     """Advertised in HELLO/WELCOME."""
+    num_micro_batches: int = 1
+    """M, micro-batches per step: not in the fingerprint, so checked at the handshake (1.4)."""
+    micro_batch_size: int = 1
+    """B, sequences per micro-batch (checked at the handshake)."""
+    eval_batches: int = 0
+    """E, eval micro-batches per validation (checked at the handshake)."""
     secret: bytes | None = None
-    """Shared run secret: frames carry an authentication tag."""
+    """The run key's auth key (None: insecure, no tags): HELLO/WELCOME/REJECT are tagged with it,
+    every later message with its session's key (SPEC §7.2)."""
     compress_ids: bool = True
     """lz4 on integer tensors (ids, codes) when it helps; False sends every tensor raw."""
     max_frame_bytes: int
@@ -80,9 +108,24 @@ class LinkSettings:
         return stage_name(self.stage)
 
     def hello_meta(self) -> dict[str, Any]:
-        """HELLO/WELCOME meta: fingerprint, stage count, capabilities, transport name."""
+        """HELLO/WELCOME meta without the nonces: fingerprint, stage count, the pipeline's M, B and E,
+        capabilities, transport name."""
         return {"fingerprint": self.fingerprint, "num_stages": self.num_stages,
-                "capabilities": list(self.capabilities), "peer": self.name}
+                "num_micro_batches": self.num_micro_batches, "micro_batch_size": self.micro_batch_size,
+                "eval_batches": self.eval_batches, "capabilities": list(self.capabilities), "peer": self.name}
+
+    def mismatch(self, meta: Mapping[str, Any]) -> tuple[str, str] | None:
+        """(REJECT code, reason naming both values) when a HELLO/WELCOME's ``meta`` is of another
+        run configuration (SPEC §9.2 steps 3-4, after run and stages); None when it fits."""
+        if meta.get("num_stages") != self.num_stages:
+            return "stage_mismatch", f"num_stages mismatch: peer {meta.get('num_stages')}, this peer {self.num_stages}"
+        if meta.get("fingerprint") != self.fingerprint:
+            return "fingerprint_mismatch", (f"config fingerprint mismatch: peer {meta.get('fingerprint')}, "
+                                            f"this peer {self.fingerprint}")
+        for key in ("num_micro_batches", "micro_batch_size", "eval_batches"):
+            if meta.get(key) != getattr(self, key):
+                return "fingerprint_mismatch", f"{key} mismatch: peer {meta.get(key)}, this peer {getattr(self, key)}"
+        return None
 
 
 class PeerLink:
@@ -110,6 +153,18 @@ class PeerLink:
         """Payload bytes sent on this link, by kind."""
         self.codebooks: CodebookLink | None = None
         """mapl_vq: this link's side of the codebook streams (:meth:`use_codebooks`)."""
+        self.rx: RxSession | None = None
+        """The neighbour's connection bound when this peer welcomed its HELLO (None before)."""
+        self.hello_sent = False
+        """This peer sent HELLO on the link; until WELCOME or REJECT answers it, ``awaiting_answer``."""
+        self.rejected = False
+        """The neighbour answered this peer's HELLO with REJECT."""
+        self.tx_key: bytes | None = None
+        """The outbound session's key (from this peer's HELLO and the neighbour's WELCOME nonces)."""
+        self.pver: int | None = None
+        """The link's projector version (SPEC §9.6): of the last PROJ admitted from upstream, or sent
+        downstream; None before any."""
+        self._hello_nonce: bytes | None = None
         self._on_bad_frame = on_bad_frame
         self._seq = 0
         self._transport: Transport | None = None
@@ -135,14 +190,25 @@ class PeerLink:
         self.endpoint = endpoint
 
     def frames(self, msg: Message) -> list:
-        """``msg`` encoded for this link (its secret, compression and frame limit)."""
+        """``msg`` encoded for this link: tagged with the run's auth key (handshake) or the session's
+        key, its compression and frame limit."""
         s = self.settings
-        return encode(msg, secret=s.secret, compress=None if s.compress_ids else "raw",
-                      max_frame_bytes=s.max_frame_bytes)
+        key = s.secret
+        if s.secret is not None and msg.type not in HANDSHAKE_TYPES:
+            if self.tx_key is None:
+                raise RuntimeError(f"{self.local_name}: {msg.type.name} to {self.name} before its WELCOME")
+            key = self.tx_key
+        return encode(msg, secret=key, compress=None if s.compress_ids else "raw", max_frame_bytes=s.max_frame_bytes)
 
-    def heartbeat_frames(self) -> list:
-        return self.frames(Message(type=MT.HEARTBEAT, run_id=self.settings.run_id, src=self.settings.stage,
-                                   dst=self.stage))
+    def _answer(self, mtype: MessageType, meta: dict) -> list:
+        """WELCOME/REJECT frames: ``seq`` 0, outside the link's outbound sequence (SPEC §9.2)."""
+        return self.frames(Message(type=mtype, run_id=self.settings.run_id, src=self.settings.stage,
+                                   dst=self.stage, seq=0, meta=meta))
+
+    async def send_heartbeat(self) -> None:
+        """HEARTBEAT with the next ``seq``; only once the neighbour welcomed this peer (SPEC §9.3)."""
+        if self.welcomed:
+            await self.send(MT.HEARTBEAT)
 
     async def send(self, mtype: MessageType, *, step: int = 0, micro: int = 0, meta: dict | None = None,
                    tensors: Mapping[str, torch.Tensor] | None = None, kinds: Mapping[str, LinkKind] | None = None,
@@ -164,38 +230,66 @@ class PeerLink:
 
     # ------------------------------------------------------------------ handshake
     async def send_hello(self) -> None:
-        await self.send(MT.HELLO, meta=self.settings.hello_meta())
+        """HELLO with ``seq`` 0 and a fresh nonce, opening the link's outbound session."""
+        self._hello_nonce = new_nonce()
+        self.hello_sent, self.welcomed, self.rejected, self.tx_key = True, False, False, None
+        self._seq = 0
+        await self.send(MT.HELLO, meta={**self.settings.hello_meta(), "nonce": self._hello_nonce})
 
-    async def on_hello(self, msg: Message) -> None:
-        """Answer the neighbour's HELLO: WELCOME, or REJECT on another config; a second HELLO is a
-        reconnection (mapl_vq: ask for a codebook resync)."""
-        meta, s = msg.meta, self.settings
-        if meta.get("fingerprint") != s.fingerprint:
-            reason = (f"config fingerprint mismatch: peer stage {msg.src} has {meta.get('fingerprint')}, "
-                      f"stage {s.stage} has {s.fingerprint}")
-            self._on_bad_frame(self.name, reason)
-            await self.reject("fingerprint_mismatch", reason)
-            return
-        if meta.get("num_stages") != s.num_stages:
-            reason = f"num_stages mismatch: peer has {meta.get('num_stages')}, this peer has {s.num_stages}"
-            await self.reject("fingerprint_mismatch", reason)
-            return
-        self.capabilities = frozenset(meta.get("capabilities", []))
-        await self.send(MT.WELCOME, meta=s.hello_meta())
+    @property
+    def awaiting_answer(self) -> bool:
+        """This peer's HELLO is not answered yet (only then WELCOME or REJECT is accepted)."""
+        return self.hello_sent and not self.welcomed and not self.rejected
+
+    def answers_hello(self, mtype: MessageType, meta: Mapping[str, Any]) -> bool:
+        """A WELCOME echoes this peer's HELLO nonce; a REJECT does when it carries one (SPEC §9.2)."""
+        echo = meta.get("hello_nonce")
+        if echo is None and mtype is MT.REJECT:
+            return True
+        return echo == self._hello_nonce
+
+    def rx_secret(self, session: RxSession | None):
+        """The key a message on ``session`` (None: no bound session) is authenticated with: the
+        auth key for the handshake, the session's key after it (``wire.session.handshake_secret``)."""
+        return handshake_secret(self.settings.secret, None if session is None else session.key)
+
+    async def on_hello(self, msg: Message, sender: str, reply: Reply, *, now: float) -> None:
+        """Welcome the neighbour's HELLO (already checked, :meth:`~.admission.Admission.check_hello`):
+        bind its connection ``sender`` as the link's inbound session, with the session key of both
+        nonces, and answer WELCOME on it. A later HELLO is a reconnection (mapl_vq: ask for a
+        codebook resync)."""
+        s = self.settings
+        self.capabilities = frozenset(msg.meta.get("capabilities", []))
+        nonce = new_nonce()
+        key = None if s.secret is None else session_key(s.secret, msg.meta["nonce"], nonce)
+        self.rx = RxSession(routing_id=sender, heard_at=now, last_seq=msg.seq, key=key)
+        await reply(self._answer(MT.WELCOME, {**s.hello_meta(), "nonce": nonce, "hello_nonce": msg.meta["nonce"]}),
+                    MT.WELCOME.name)
         if self.codebooks is not None:
             await self.codebooks.on_handshake()
 
+    async def refuse(self, code: str, reason: str, reply: Reply, *, hello_nonce: Any = None) -> None:
+        """REJECT a HELLO on its own connection (``reply``), never on the bound session; with the
+        HELLO's nonce when it was readable."""
+        meta = {"code": code, "reason": reason}
+        if isinstance(hello_nonce, bytes) and len(hello_nonce) == NONCE_BYTES:
+            meta["hello_nonce"] = hello_nonce
+        await reply(self._answer(MT.REJECT, meta), MT.REJECT.name)
+
     def on_welcome(self, msg: Message) -> None:
+        """The neighbour welcomed this peer's HELLO: the outbound session is open, with its key."""
+        s = self.settings
         self.welcomed = True
         self.capabilities = frozenset(msg.meta.get("capabilities", []))
+        self.tx_key = None if s.secret is None else session_key(s.secret, self._hello_nonce, msg.meta["nonce"])
+
+    def on_reject(self, msg: Message) -> None:
+        self.rejected = True
 
     def check_capabilities(self) -> None:
         """After the handshake: raise if the neighbour cannot take what this link will send."""
         if self.codebooks is not None:
             self.codebooks.check_capabilities()
-
-    async def reject(self, code: str, reason: str) -> None:
-        await self.send(MT.REJECT, meta={"code": code, "reason": reason})
 
     # ------------------------------------------------------------------ payloads out
     async def send_act(self, step: int, micro: int, payload: Mapping[str, torch.Tensor], *, eval_mode: bool,
@@ -210,24 +304,28 @@ class PeerLink:
         await self.send(MT.ACT, step=step, micro=micro, pver=pver, meta={"mode": mode}, tensors=tensors,
                         kinds=kinds, cver=self._tx_cver())
 
-    async def send_grad(self, step: int, micro: int, payload: Mapping[str, torch.Tensor]) -> None:
-        """GRAD (a backward payload) upstream, after the codebook slices it needs (mapl_vq)."""
+    async def send_grad(self, step: int, micro: int, payload: Mapping[str, torch.Tensor], *, pver: int) -> None:
+        """GRAD (a backward payload) upstream, after the codebook slices it needs (mapl_vq); ``pver``
+        is the projector version its ACT was made with."""
         if self.codebooks is not None:
             await self.codebooks.send_slices(step, micro)
-            self.codebooks.remember("train", step, micro, payload, 0)
+            self.codebooks.remember("train", step, micro, payload, pver)
         tensors = {GRAD_WIRE[k]: v for k, v in payload.items()}
-        await self.send(MT.GRAD, step=step, micro=micro, tensors=tensors,
+        await self.send(MT.GRAD, step=step, micro=micro, pver=pver, tensors=tensors,
                         kinds={name: LinkKind.GRAD for name in tensors}, cver=self._tx_cver())
 
     def _tx_cver(self) -> int:
         return self.codebooks.tx_version() if self.codebooks is not None else 0
 
     async def send_projector(self, step: int, projector: torch.Tensor, pver: int) -> None:
+        """PROJ of ``step`` (the step whose ACTs it precedes) downstream; the link is at ``pver`` after it."""
+        self.pver = pver
         await self.send(MT.PROJ, step=step, pver=pver, tensors={WireName.PROJ: projector},
                         kinds={WireName.PROJ: LinkKind.PROJ})
 
-    async def send_projector_grad(self, step: int, grad: torch.Tensor, *, micro_batches: int) -> None:
-        await self.send(MT.PROJ_GRAD, step=step, meta={"micro_batches": micro_batches},
+    async def send_projector_grad(self, step: int, grad: torch.Tensor, *, micro_batches: int, pver: int) -> None:
+        """PROJ_GRAD of ``step`` upstream; ``pver``: the projector version it was computed at."""
+        await self.send(MT.PROJ_GRAD, step=step, pver=pver, meta={"micro_batches": micro_batches},
                         tensors={WireName.PROJ_GRAD: grad}, kinds={WireName.PROJ_GRAD: LinkKind.PROJ_GRAD})
 
     async def send_report(self, step: int, meta: dict) -> None:
@@ -286,7 +384,11 @@ class Links:
 
     def sender(self, msg: Message) -> PeerLink | None:
         """The link ``msg`` came in on (None: not from a neighbour)."""
-        return next((link for link in self if link.stage == msg.src), None)
+        return self.by_stage(msg.src)
+
+    def by_stage(self, stage: int) -> PeerLink | None:
+        """The link to neighbour ``stage`` (None: not a neighbour)."""
+        return next((link for link in self if link.stage == stage), None)
 
     def named(self, name: str) -> PeerLink | None:
         """The link to the neighbour with transport name ``name``."""

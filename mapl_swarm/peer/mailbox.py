@@ -8,25 +8,37 @@ neighbour) wakes every waiter and is raised from :meth:`Mailbox.get`.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 
 from mapl_swarm.errors import MaplError
+from mapl_swarm.peer.session import Rejected
 from mapl_swarm.wire import Message, MessageType
 
 __all__ = ["Mailbox"]
 
 
 class Mailbox:
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, max_per_sender: int = 1 << 30) -> None:
         self.name = name
+        self.max_per_sender = max_per_sender
         self._items: deque[Message] = deque()
+        self._queued: Counter[int] = Counter()
         self._changed = asyncio.Event()
         self._error: BaseException | None = None
 
     def put(self, msg: Message) -> None:
+        """Queue ``msg``; :class:`~.session.Rejected` ``queue_full`` when its sender has
+        ``max_per_sender`` messages waiting."""
+        if self._queued[msg.src] >= self.max_per_sender:
+            raise Rejected("queue_full", f"{self.max_per_sender} messages of stage {msg.src} already wait")
+        self._queued[msg.src] += 1
         self._items.append(msg)
         self._changed.set()
+
+    def queued(self, src: int) -> int:
+        """Messages of stage ``src`` waiting."""
+        return self._queued[src]
 
     def fail(self, error: BaseException) -> None:
         """Make every current and future :meth:`get` raise ``error`` (first error wins)."""
@@ -44,6 +56,7 @@ class Mailbox:
         for i, msg in enumerate(self._items):
             if msg.type in wanted:
                 del self._items[i]
+                self._queued[msg.src] -= 1
                 return msg
         return None
 

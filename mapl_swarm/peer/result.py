@@ -22,6 +22,14 @@ class PeerResult:
     tokens: int = 0
     wall_s: float = 0.0
     bad_frames: int = 0
+    """Received messages dropped, whatever the reason (the sum of ``rejects``)."""
+    rejects: dict[str, int] = field(default_factory=dict)
+    """Received messages dropped, by code: wire errors (``malformed_header``, ``auth_failed``...),
+    who-may-say-what and session rules (``not_allowed``, ``wrong_session``, ``replay``,
+    ``stage_taken``...), content errors (``wrong_shape``, ``non_finite``, ``out_of_window``...) and
+    ``queue_full`` (SPEC §6)."""
+    errors: dict[str, int] = field(default_factory=dict)
+    """ERROR messages received from neighbours, by code (informational, SPEC §9.5)."""
     payload_tx: dict[str, dict[str, int]] = field(default_factory=dict)
     """Payload bytes sent per link and kind (:class:`~mapl_swarm.pipeline.payload.LinkKind` values)."""
     wire_tx: dict[str, dict[str, int]] = field(default_factory=dict)

@@ -5,42 +5,56 @@ A peer is assembled from parts, each owning one concern:
 - :class:`~.link.PeerLink` per neighbour (``links.upstream`` / ``links.downstream``): handshake
   state, sequence numbers, torch <-> wire payloads, byte counters, the send, and with mapl_vq the
   link's codebook stream (:class:`~.vq_link.CodebookLink`);
-- :class:`~.mailbox.Mailbox`: decoded pipeline messages waiting to be taken, in arrival order;
+- :class:`~.admission.Admission`: what gets in (sender, header, who may say what, session and
+  sequence, tensors decoded on the decode thread, content), every drop counted by code;
+- :class:`~.mailbox.Mailbox`: admitted pipeline messages waiting to be taken, in arrival order,
+  bounded per neighbour;
 - :class:`~.compute.ComputeThread`: the stage's compute off the event loop, and the encode lock;
 - :class:`~.schedule.PipelineSchedule`: the 1F1B schedule, given all of the above and a step-end hook;
 - :class:`~.waiting.WaitingLog`: "waiting for stage K at ADDR (n s)" lines during long waits.
 
 The peer itself owns the lifecycle (transport, discovery, heartbeats, handshake, result) and the
-receive loop, whose :meth:`Peer._dispatch` routes each message type through one table.
+receive loop, whose :meth:`Peer._dispatch` routes each admitted message type through one table.
 
 The peer drives the same :class:`~mapl_swarm.pipeline.stage.StageRuntime` as the single-process
-pipeline. Bad frames (garbage, truncated, wrong version, wrong run, unknown sender) are counted,
-logged and dropped; the peer keeps serving.
+pipeline. Messages that cannot be used (garbage, wrong version, run or sender, a type the sender may
+not send, another session, a replay, bad content, a full queue) are dropped, counted by code in the
+result (``rejects``) and logged; the peer keeps serving. A HELLO is answered on its own connection
+(WELCOME, or REJECT with the code), so a forged HELLO never reaches the real neighbour. Heartbeats
+go to a neighbour once it welcomed this peer. ERROR is informational (logged, counted in
+``errors``) except ``retransmit_unavailable``; BYE from upstream ends the run, from downstream it
+stops this peer (the neighbour left). A NaN/Inf in this peer's own compute
+(:class:`~mapl_swarm.errors.NonFiniteError`) ends the peer (exit status 3) after a BYE naming it
+upstream; downstream it is a lost neighbour (SPEC §9.5).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mapl_swarm.config import TrainConfig
-from mapl_swarm.errors import MaplError
+from mapl_swarm.errors import MaplError, NonFiniteError
 from mapl_swarm.net.emulator import LinkConfig
-from mapl_swarm.net.heartbeat import HeartbeatConfig, attach_heartbeat
+from mapl_swarm.net.errors import NetError
+from mapl_swarm.net.heartbeat import HeartbeatConfig, HeartbeatMonitor
 from mapl_swarm.net.transport import Transport, TransportConfig
-from mapl_swarm.peer.compute import BackgroundTasks, ComputeThread
-from mapl_swarm.peer.link import LinkSettings, Links, PeerLink, stage_name
+from mapl_swarm.peer.admission import Admission, Arrival, RejectCounter, mailbox_bound, run_shapes
+from mapl_swarm.peer.compute import BackgroundTasks, ComputeThread, WorkerThread
+from mapl_swarm.peer.link import LinkSettings, Links, PeerLink, Reply, stage_name, stage_of
 from mapl_swarm.peer.mailbox import Mailbox
 from mapl_swarm.peer.result import PeerResult, write_result
 from mapl_swarm.peer.schedule import NoRunHooks, PipelineSchedule, ScheduleSettings
+from mapl_swarm.peer.session import HelloRefused, Rejected
 from mapl_swarm.peer.vq_link import codebook_summary
 from mapl_swarm.peer.waiting import WAIT_LOG_INTERVAL_S, WaitingLog
 from mapl_swarm.pipeline.stage import StageRuntime
-from mapl_swarm.wire import Message, MessageType, VersionMismatch, WireError, decode
+from mapl_swarm.wire import Message, MessageType, VersionMismatch
 from mapl_swarm.wire.codebook import INDEXED_SLICES_CAPABILITY, RETRANSMIT_CAPABILITY, VQ_CAPABILITY
 
 if TYPE_CHECKING:
@@ -77,8 +91,12 @@ class Peer:
         self.secret = secret
         self.run_key = run_key  # members-only links (CURVE); None: insecure
         self.result = PeerResult(stage)
-        self.mailbox = Mailbox(self.name)
+        self.rejects = RejectCounter(self.name, self.result.rejects)
+        """Counts and logs every dropped message by code (into ``result.rejects``)."""
+        self.mailbox = Mailbox(self.name, max_per_sender=mailbox_bound(cfg))
         self.compute = compute or ComputeThread(self.name)
+        self.decoder = WorkerThread(f"{self.name}-decode")
+        """Decodes and inflates received tensors and checks their content, off the event loop."""
         self.tasks = BackgroundTasks(on_error=self.mailbox.fail)
         self.waits = WaitingLog(self.name, wait_log_interval_s)
         vq = runtime.vq is not None
@@ -86,7 +104,9 @@ class Peer:
             run_id=cfg.run.run_id, stage=stage, num_stages=P, fingerprint=fingerprint,
             capabilities=("1f1b", *((VQ_CAPABILITY, RETRANSMIT_CAPABILITY, INDEXED_SLICES_CAPABILITY) if vq else ()),
                           *(run_policy.capabilities if run_policy is not None else ())),
-            secret=secret, compress_ids=cfg.net.compress_ids, max_frame_bytes=cfg.net.max_frame_bytes)
+            num_micro_batches=cfg.pipeline.num_micro_batches, micro_batch_size=cfg.pipeline.micro_batch_size,
+            eval_batches=cfg.eval.batches, secret=secret, compress_ids=cfg.net.compress_ids,
+            max_frame_bytes=cfg.net.max_frame_bytes)
         self.links = Links(
             upstream=PeerLink(settings, stage - 1, on_bad_frame=self.bad_frame) if stage > 0 else None,
             downstream=PeerLink(settings, stage + 1, on_bad_frame=self.bad_frame) if stage < P - 1 else None)
@@ -97,71 +117,141 @@ class Peer:
             runtime, self.links, self.mailbox, self.compute, name=self.name,
             settings=ScheduleSettings.from_config(cfg, start_step=start_step, progress=progress),
             result=self.result, waits=self.waits, hooks=run_policy or NoRunHooks(),
-            sampler=sampler, val_batches=val_batches or [])
+            sampler=sampler, val_batches=val_batches or [], reject=self.rejects)
         self.run_policy = run_policy
+        self.admission = Admission(
+            settings, self.links, shapes=run_shapes(cfg, stage), window=self.schedule.window, rejects=self.rejects,
+            decoder=self.decoder, timeout_s=cfg.net.timeout_s, clock=time.monotonic, replies_on_link=False)
+        self.monitor: HeartbeatMonitor | None = None
+        """Heartbeats to, and silence of, each neighbour once it welcomed this peer (set in :meth:`serve`)."""
+        self._refused_versions: set[str] = set()
         self._welcome_event = asyncio.Event()
         self._handlers: dict[MessageType, Callable[[Message, PeerLink], Awaitable[None]]] = {
-            MT.HELLO: self._on_hello,
             MT.WELCOME: self._on_welcome,
             MT.REJECT: self._on_reject,
             MT.ERROR: self._on_error,
+            MT.BYE: self._on_bye,
             MT.HEARTBEAT: self._on_heartbeat,
             MT.RESYNC: self._on_resync,
             MT.REPORT: self._on_report,
             MT.CHECKPOINT: self._on_checkpoint,
         }
-        """Messages handled on arrival; every other type goes to the mailbox for the schedule."""
+        """Messages handled on arrival (HELLO: by :meth:`receive`); every other type goes to the mailbox
+        for the schedule."""
 
     def bad_frame(self, sender: str, why: str) -> None:
-        """Count, log and drop a message that cannot be used."""
-        self.result.bad_frames += 1
-        log.warning("%s: dropped a message from %r: %s (%d dropped so far)", self.name, sender, why,
-                    self.result.bad_frames)
+        """Count, log and drop a message the links cannot use (``not_allowed``)."""
+        self.rejects("not_allowed", sender, why)
 
     # ------------------------------------------------------------------ receiving
     async def _receive_loop(self, transport: Transport) -> None:
-        net = self.cfg.net
+        """Messages on this peer's ROUTER, from every connection, one at a time (in order)."""
         while True:
             sender, frames = await transport.recv(timeout_s=3600.0)
-            try:
-                msg = decode(frames, secret=self.secret, max_frame_bytes=net.max_frame_bytes)
-            except VersionMismatch as exc:
-                self.bad_frame(sender, str(exc))
-                link = self.links.named(transport.name_of(sender))
-                if link is not None:
-                    await link.reject("version_mismatch", str(exc))
-                continue
-            except WireError as exc:
-                self.bad_frame(sender, f"{type(exc).__name__}: {exc}")
-                continue
-            link = self.links.sender(msg)
-            if msg.run_id != self.cfg.run.run_id or msg.dst != self.stage or link is None:
-                self.bad_frame(sender, f"run {msg.run_id!r} src {msg.src} dst {msg.dst} is not for "
-                                       f"{self.cfg.run.run_id!r} stage {self.stage}")
-                continue
-            await self._dispatch(msg, link)
+            await self.receive(Arrival(sender, frames), transport)
+
+    async def _reply_loop(self, transport: Any) -> None:
+        """Answers (WELCOME/REJECT) on this peer's own connections to its neighbours."""
+        while True:
+            link, frames = await transport.recv_reply(timeout_s=3600.0)
+            await self.receive(Arrival(link, frames, reply_link=link), transport)
+
+    async def receive(self, arrival: Arrival, transport: Any) -> None:
+        """Admit one received message (:class:`~.admission.Admission`) and dispatch it; answer a
+        refused HELLO with REJECT on its own connection."""
+        try:
+            got = await self.admission.admit(arrival)
+        except HelloRefused as exc:
+            self.rejects(exc.code, arrival.sender, exc.text)
+            link = self._link_of(arrival)
+            if link is not None:
+                await self._answer(link.refuse(exc.code, exc.text, self._reply(transport, arrival, link),
+                                               hello_nonce=exc.hello_nonce))
+            return
+        except VersionMismatch as exc:
+            self.rejects(exc.code, arrival.sender, str(exc))
+            link = self._link_of(arrival)
+            if link is not None and arrival.sender not in self._refused_versions:  # once per connection
+                if len(self._refused_versions) >= 1024:
+                    self._refused_versions.clear()  # bounded memory; a connection may get a second answer
+                self._refused_versions.add(arrival.sender)
+                await self._answer(link.refuse(exc.code, str(exc), self._reply(transport, arrival, link)))
+            return
+        if got is None:
+            return
+        if self.monitor is not None:
+            self.monitor.heard(got.link.name)
+        if got.msg.type is MT.HELLO:
+            reply = self._reply(transport, arrival, got.link)
+            await self._answer(got.link.on_hello(got.msg, arrival.sender, reply, now=self.admission.clock()))
+            return
+        if got.msg.type is MT.PROJ:
+            got.link.pver = got.msg.pver  # the link's projector version moves on (SPEC §9.6)
+        try:
+            await self._dispatch(got.msg, got.link)
+        except Rejected as exc:  # queue_full
+            self.rejects(exc.code, arrival.sender, exc.text)
+
+    def _link_of(self, arrival: Arrival) -> PeerLink | None:
+        if arrival.reply_link is not None:
+            return None  # never answer an answer
+        stage = stage_of(arrival.sender)
+        return None if stage is None else self.links.by_stage(stage)
+
+    def _reply(self, transport: Any, arrival: Arrival, link: PeerLink) -> Reply:
+        """Sends back on ``arrival``'s own connection (a transport without ``reply``: on the link)."""
+        if self.admission.replies_on_link:
+            return lambda frames, kind: transport.reply(arrival.sender, frames, kind=kind)
+        return lambda frames, kind: transport.send(link.name, frames, kind=kind)
+
+    async def _answer(self, sending: Awaitable[None]) -> None:
+        try:
+            await sending
+        except NetError as exc:  # the connection is gone, or does not read
+            log.warning("%s: could not answer: %s", self.name, exc)
 
     async def _dispatch(self, msg: Message, link: PeerLink) -> None:
         handler = self._handlers.get(msg.type)
         if handler is None:
-            self.mailbox.put(msg)  # ACT, GRAD, PROJ, PROJ_GRAD, CODEBOOK_SLICE, BYE: the schedule's
+            self.mailbox.put(msg)  # ACT, GRAD, PROJ, PROJ_GRAD, CODEBOOK_SLICE, BYE from upstream: the schedule's
         else:
             await handler(msg, link)
 
-    async def _on_hello(self, msg: Message, link: PeerLink) -> None:
-        await link.on_hello(msg)
-
     async def _on_welcome(self, msg: Message, link: PeerLink) -> None:
+        refused = link.settings.mismatch(msg.meta)
+        if refused is not None:  # the neighbour runs another configuration (SPEC §9.2 step 3)
+            link.on_reject(msg)
+            self.mailbox.fail(PeerRejected(f"stage {msg.src} welcomed stage {self.stage} with another "
+                                           f"configuration: {refused[1]}"))
+            self._welcome_event.set()
+            return
         link.on_welcome(msg)
+        if self.monitor is not None:
+            self.monitor.watch(link.name)  # heartbeats to it from now on
         if self.links.all_welcomed:
             self._welcome_event.set()
 
     async def _on_reject(self, msg: Message, link: PeerLink) -> None:
+        link.on_reject(msg)
         self.mailbox.fail(PeerRejected(f"stage {msg.src} refused stage {self.stage}: {msg.meta.get('reason')}"))
         self._welcome_event.set()
 
     async def _on_error(self, msg: Message, link: PeerLink) -> None:
-        self.mailbox.fail(MaplError(f"stage {msg.src} failed: {msg.meta.get('message')}"))
+        """ERROR is informational (SPEC §9.5): logged and counted; ``retransmit_unavailable`` (a
+        micro-batch this peer waits for is lost) stops the peer."""
+        code = str(msg.meta.get("code"))
+        self.result.errors[code] = self.result.errors.get(code, 0) + 1
+        log.warning("%s: stage %d reports an error: %s: %s", self.name, msg.src, code, msg.meta.get("message"))
+        if code == "retransmit_unavailable":
+            self.mailbox.fail(MaplError(f"stage {msg.src} failed: {msg.meta.get('message')}"))
+
+    async def _on_bye(self, msg: Message, link: PeerLink) -> None:
+        """BYE from upstream ends the run (the schedule's); from downstream the neighbour left before
+        the end, and this peer cannot finish (SPEC §9.5)."""
+        if link.is_upstream:
+            self.mailbox.put(msg)
+        else:
+            self.mailbox.fail(MaplError(f"stage {msg.src} left before the end: {msg.meta.get('reason')}"))
 
     async def _on_heartbeat(self, msg: Message, link: PeerLink) -> None:
         pass  # any message is a sign of life (the transport's receive listener saw it)
@@ -180,36 +270,66 @@ class Peer:
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self) -> PeerResult:
-        net = self.cfg.net
         tcfg = TransportConfig.for_run(self.cfg, self.run_key)
-        shaping = LinkConfig(bandwidth_mbps=net.bandwidth_mbps, latency_ms=net.latency_ms)
         async with Transport(self.name, tcfg) as transport:
-            endpoint = transport.start()
-            await self.announce(endpoint)
-            for link in self.links:
-                ep = await self.waits.wait(self.resolve(link.stage, net.timeout_s), lambda link=link: [link])
-                link.connect(transport, ep, shaping)
-                log.info("%s: link to stage %d at %s", self.name, link.stage, ep)
-            receiver = asyncio.create_task(self._receive_loop(transport))
-            hb = attach_heartbeat(
-                transport, HeartbeatConfig(interval_s=net.heartbeat_interval_s, timeout_s=net.timeout_s),
-                lambda name: self.links.named(name).heartbeat_frames(),
-                on_silent=lambda peer, s: self.mailbox.fail(MaplError(f"{self.name}: {peer} silent for {s:.0f} s")))
+            return await self.serve(transport)
+
+    async def serve(self, transport: Any) -> PeerResult:
+        """Announce, find the neighbours, shake hands, train until the end, collect the counters.
+        ``transport`` is a started :class:`~mapl_swarm.net.transport.Transport` (tests: a fake)."""
+        net = self.cfg.net
+        shaping = LinkConfig(bandwidth_mbps=net.bandwidth_mbps, latency_ms=net.latency_ms)
+        self.admission.replies_on_link = hasattr(transport, "reply") and hasattr(transport, "recv_reply")
+        endpoint = transport.start()
+        await self.announce(endpoint)
+        for link in self.links:
+            ep = await self.waits.wait(self.resolve(link.stage, net.timeout_s), lambda link=link: [link])
+            link.connect(transport, ep, shaping)
+            log.info("%s: link to stage %d at %s", self.name, link.stage, ep)
+        receivers = [asyncio.create_task(self._receive_loop(transport))]
+        if self.admission.replies_on_link:
+            receivers.append(asyncio.create_task(self._reply_loop(transport)))
+        self.monitor = HeartbeatMonitor(
+            HeartbeatConfig(interval_s=net.heartbeat_interval_s, timeout_s=net.timeout_s),
+            send=lambda name: self.links.named(name).send_heartbeat(),
+            on_silent=lambda peer, s: self.mailbox.fail(MaplError(f"{self.name}: {peer} silent for {s:.0f} s")))
+        self.monitor.start()
+        try:
             try:
                 await self._handshake()
                 start = await self._agree_start(transport)
                 await self.schedule.run(start)
                 await transport.flush(net.timeout_s)
                 codebooks = await self.compute.run(self._codebook_summary)  # digests read device memory
-            finally:
-                await self.tasks.aclose()
-                await hb.aclose()
-                receiver.cancel()
-                await asyncio.gather(receiver, return_exceptions=True)
-                self.compute.close()
-                self.schedule.close()
-            self._collect(transport, codebooks)
+            except NonFiniteError as exc:
+                await self._tell_neighbours(transport, exc)
+                raise
+        finally:
+            await self.tasks.aclose()
+            await self.monitor.aclose()
+            for task in receivers:
+                task.cancel()
+            await asyncio.gather(*receivers, return_exceptions=True)
+            self.compute.close()
+            self.decoder.close()
+            self.schedule.close()
+        self._collect(transport, codebooks)
         return self.result
+
+    async def _tell_neighbours(self, transport: Any, exc: NonFiniteError) -> None:
+        """Best effort, before this peer exits: BYE with the reason upstream, where it stops the
+        neighbour at once (SPEC §9.5: a downstream neighbour left before the end). Downstream, a BYE
+        would end the run as finished; the neighbour there sees this peer lost instead."""
+        up = self.links.upstream
+        if up is not None and up.welcomed:
+            try:
+                await asyncio.wait_for(up.send_bye({"reason": str(exc)}), 5.0)
+            except (NetError, asyncio.TimeoutError) as err:
+                log.warning("%s: could not tell stage %d: %s", self.name, up.stage, err)
+        try:
+            await transport.flush(5.0)
+        except (NetError, asyncio.TimeoutError):
+            pass
 
     async def _handshake(self) -> None:
         for link in self.links:
@@ -251,6 +371,7 @@ class Peer:
 
     def _collect(self, transport: Transport, codebooks: dict[str, Any] | None) -> None:
         """The links' and transport's counters (and the codebook summary) into the result."""
+        self.result.bad_frames = self.rejects.total
         rows = transport.counters.rows()
         for link in self.links:
             self.result.payload_tx[link.name] = {str(k): v for k, v in link.counter.bytes.items()}

@@ -17,6 +17,16 @@ happen under the compute thread's ``encode_lock`` (a retransmission takes it too
 message whose codes cannot be decoded raises :class:`~.vq_link.Retransmitting` and is dropped,
 its copy follows.
 
+Window (issue 12): the schedule knows which messages can come next: the current ``step``, the
+micro-batches of it already taken, the train ACTs whose GRAD is due, the projector versions. A
+pipeline message outside it (a second ACT for a micro-batch, a GRAD nobody asked for, an ACT made
+with another projector, a PROJ_GRAD of another step, a REPORT twice) is dropped with a code
+(``out_of_window``, ``stale_projector``), counted through ``reject``, and the schedule waits on; it
+never reaches the runtime. :meth:`PipelineSchedule.window` is the coarse version the receive path
+checks first (``wire.Window``, before tensors are decoded). GRAD and PROJ_GRAD carry the projector version their
+ACTs were made with; the last stage's REPORT of step ``s`` says ``s`` (eval REPORTs: the step of
+their eval ACTs).
+
 Threads: every runtime call that touches tensors runs on the compute thread through
 :class:`~.host.HostRuntime` (``self.host``): it takes the received messages' wire tensors and
 returns what goes out in host memory, so the event loop only reads versions and flags of the
@@ -40,7 +50,7 @@ from mapl_swarm.peer.host import HostRuntime
 from mapl_swarm.peer.vq_link import Retransmitting
 from mapl_swarm.pipeline.run_policy import due
 from mapl_swarm.pipeline.stage import mean_loss
-from mapl_swarm.wire import Message, MessageType
+from mapl_swarm.wire import Message, MessageType, Window
 
 if TYPE_CHECKING:
     import torch
@@ -55,7 +65,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PipelineSchedule", "ScheduleSettings", "RunHooks", "NoRunHooks", "NeighbourLink", "NeighbourLinks"]
+__all__ = ["PipelineSchedule", "ScheduleSettings", "RunHooks", "NoRunHooks", "NeighbourLink", "NeighbourLinks",
+]
 
 MT = MessageType
 T = TypeVar("T")
@@ -68,15 +79,18 @@ class NeighbourLink(Protocol):
     """The neighbour's stage (waiting lines only)."""
     endpoint: str | None
     """Where it is, once known (waiting lines only)."""
+    pver: int | None
+    """The link's projector version (SPEC §9.6), None before any PROJ (the window's)."""
 
     async def send_act(self, step: int, micro: int, payload: Mapping[str, torch.Tensor], *, eval_mode: bool,
                        pver: int) -> None: ...
 
-    async def send_grad(self, step: int, micro: int, payload: Mapping[str, torch.Tensor]) -> None: ...
+    async def send_grad(self, step: int, micro: int, payload: Mapping[str, torch.Tensor], *, pver: int) -> None: ...
 
     async def send_projector(self, step: int, projector: torch.Tensor, pver: int) -> None: ...
 
-    async def send_projector_grad(self, step: int, grad: torch.Tensor, *, micro_batches: int) -> None: ...
+    async def send_projector_grad(self, step: int, grad: torch.Tensor, *, micro_batches: int,
+                                  pver: int) -> None: ...
 
     async def send_report(self, step: int, meta: dict) -> None: ...
 
@@ -176,7 +190,8 @@ class PipelineSchedule:
     def __init__(self, runtime: StageRuntime, links: NeighbourLinks, mailbox: Mailbox, compute: ComputeThread, *,
                  name: str, settings: ScheduleSettings, result: PeerResult, waits: WaitingLog,
                  hooks: RunHooks, sampler: Iterator[torch.Tensor] | None = None,
-                 val_batches: Sequence[torch.Tensor] = ()) -> None:
+                 val_batches: Sequence[torch.Tensor] = (),
+                 reject: Callable[[str, str, str], None] | None = None) -> None:
         self.rt = runtime
         """Read on the loop only for versions and flags; tensor work goes through ``self.host``."""
         self.host = HostRuntime(runtime)
@@ -199,7 +214,18 @@ class PipelineSchedule:
         self._last_train_loss: list[torch.Tensor] = []  # last stage: losses of the current step (on device)
         self._backwards = 0  # middle stages: backwards done in the current step
         self._eval_losses: list[torch.Tensor] = []
-        self._awaiting_grads = 0  # train ACTs sent downstream whose GRAD has not come back yet
+        self._reject = reject or (lambda code, sender, text: log.warning("%s: dropped a message from %s: %s (%s)",
+                                                                         name, sender, text, code))
+        self.step = settings.start_step
+        """The step this stage works on: the next one to flush."""
+        self._awaiting: set[int] = set()  # micro-batches of train ACTs sent downstream whose GRAD is due
+        self._taken: set[tuple[str, int]] = set()  # (mode, micro) of the ACTs of ``step`` taken
+        self._reported: set[tuple[str, int]] = set()  # (mode, step) of the REPORTs recorded or relayed
+        self._eval_steps: set[int] = set()  # steps of the eval ACTs this stage sent or served
+
+    @property
+    def _awaiting_grads(self) -> int:
+        return len(self._awaiting)
 
     # ------------------------------------------------------------------ entry points
     async def run(self, start_step: int | None = None) -> None:
@@ -207,6 +233,7 @@ class PipelineSchedule:
         ``start_step`` (a resume agreed after the handshake) overrides the settings' one."""
         if start_step is not None:
             self.s = replace(self.s, start_step=start_step)
+        self.step = self.s.start_step
         # a resumed receiver's checkpoint may hold the projector of before the sender's last
         # step: the sender's copy is authoritative, so send it before any ACT
         await self._send_projector(self.s.start_step)
@@ -218,21 +245,47 @@ class PipelineSchedule:
         self.result.wall_s = time.perf_counter() - self._t0
 
     async def on_report(self, msg: Message) -> None:
-        """A REPORT from downstream: stage 1 records it, other stages relay it upstream."""
+        """A REPORT from downstream: stage 1 records it, other stages relay it upstream. A train
+        REPORT of a step this stage has not reached, or one already seen, is dropped; so is an
+        eval REPORT of a validation this stage did not take part in."""
+        mode = msg.meta.get("mode", "train")
+        key = (mode, msg.step)
+        if key in self._reported:
+            self._reject("out_of_window", f"stage{msg.src}", f"a second {mode} REPORT of step {msg.step}")
+            return
+        if (mode == "train" and not self.s.start_step <= msg.step <= min(self.step, self.s.steps - 1)) or \
+                (mode == "eval" and msg.step not in self._eval_steps):
+            self._reject("out_of_window", f"stage{msg.src}", f"{mode} REPORT of step {msg.step} (this stage is at "
+                                                             f"step {self.step})")
+            return
+        self._reported.add(key)
         if self.links.upstream is not None:
             await self.links.upstream.send_report(msg.step, dict(msg.meta))
             return
         self._reports.append(msg)
         self._report_event.set()
-        if msg.meta.get("mode") == "train":
+        if mode == "train":
+            done = msg.step + 1  # records are keyed by steps done
             self.result.train_losses.append(float(msg.meta["loss"]))
             self.result.report_times_s.append(time.perf_counter() - self._t0)
             self.result.tokens += int(msg.meta["tokens"])
-            self.hooks.train_loss(msg.step, float(msg.meta["loss"]), int(msg.meta["tokens"]))
+            self.hooks.train_loss(done, float(msg.meta["loss"]), int(msg.meta["tokens"]))
             if self._bar is not None:
                 elapsed = max(time.perf_counter() - self._t0, 1e-9)
                 self._bar.set_postfix(loss=f"{msg.meta['loss']:.3f}", tok_s=f"{self.result.tokens / elapsed:.0f}")
                 self._bar.update(1)
+
+    def window(self, link: NeighbourLink) -> Window:
+        """What the receive path accepts from ``link`` now (SPEC §9.6 step window, §6.1 rules 4-5):
+        the current step and the next; from downstream also the previous one (its REPORT may come
+        after this stage moved on). ``pver``: the link's projector version (None: no trainable one)."""
+        upstream = link is self.links.upstream
+        boundary = self.rt.inbound if upstream else self.rt.outbound
+        pver = None
+        if boundary is not None and boundary.trainable:
+            pver = link.pver if link.pver is not None else boundary.version
+        low = self.step if upstream else max(self.s.start_step, self.step - 1)
+        return Window(low=low, high=self.step + 1, pver=pver)
 
     def close(self) -> None:
         if self._bar is not None:
@@ -293,12 +346,14 @@ class PipelineSchedule:
                     await self._forward_and_send(step, sent, ids=batches[sent])
                     sent += 1
                 msg = await self._next([MT.GRAD], "(gradient) ")
+                if not self._grad_due(msg):
+                    continue
                 try:
                     await down.decoded(self.compute.run(self.host.backward, msg.micro, down.grad_wire(msg),
                                                         cver=msg.cver), msg)
                 except Retransmitting:
                     continue
-                self._awaiting_grads -= 1
+                self._awaiting.discard(msg.micro)
                 done += 1
             await self._flush(step)
             done_steps = step + 1
@@ -314,6 +369,7 @@ class PipelineSchedule:
         if down is None:
             return
         before = sum(1 for r in self._reports if r.meta.get("mode") == "eval")
+        self._eval_steps.add(step)
         for i, ids in enumerate(self.val_batches):
             async with self.compute.encode_lock:
                 res = await self.compute.run(self.host.forward, -1 - i, ids=ids, train=False)
@@ -326,7 +382,52 @@ class PipelineSchedule:
 
     # ------------------------------------------------------------------ every stage
     def _pver(self) -> int:
+        """The outbound projector's version: what this stage's ACTs are made with."""
         return self.rt.outbound.version if self.rt.outbound is not None else 0
+
+    def _inbound_pver(self) -> int:
+        """The inbound projector's version: what the ACTs this stage takes must be made with."""
+        return self.rt.inbound.version if self.rt.inbound is not None else 0
+
+    # ------------------------------------------------------------------ the window
+    def _drop(self, code: str, msg: Message, text: str) -> bool:
+        self._reject(code, f"stage{msg.src}", f"{msg.type.name} step {msg.step} micro-batch {msg.micro}: {text}")
+        return False
+
+    def _grad_due(self, msg: Message) -> bool:
+        """A GRAD answers a train ACT of this step whose GRAD is still due, made with this projector."""
+        if msg.step != self.step or msg.micro not in self._awaiting:
+            return self._drop("out_of_window", msg, f"no GRAD due for it (step {self.step}, due "
+                                                    f"{sorted(self._awaiting)})")
+        if msg.pver != self._pver():
+            return self._drop("stale_projector", msg, f"made with projector v{msg.pver}, this stage holds "
+                                                      f"v{self._pver()}")
+        return True
+
+    def _act_due(self, msg: Message) -> bool:
+        """An ACT of this step for a micro-batch not taken yet, made with the inbound projector."""
+        mode = msg.meta.get("mode", "train")
+        count = self.M if mode == "train" else self.s.val_batches
+        if msg.step != self.step or not 0 <= msg.micro < count or (mode, msg.micro) in self._taken:
+            return self._drop("out_of_window", msg, f"{mode} ACT outside step {self.step}'s {count} micro-batches "
+                                                    f"or taken already")
+        if msg.pver != self._inbound_pver():
+            return self._drop("stale_projector", msg, f"made with projector v{msg.pver}, this stage holds "
+                                                      f"v{self._inbound_pver()}")
+        return True
+
+    def _proj_due(self, msg: Message) -> bool:
+        """The projector after the upstream stage's last step (at the start: its current one)."""
+        if msg.step != self.step or ("proj", msg.step) in self._taken:
+            return self._drop("out_of_window", msg, f"PROJ for step {msg.step} at step {self.step} (or a second one)")
+        if msg.pver < self._inbound_pver():
+            return self._drop("stale_projector", msg, f"projector v{msg.pver}, this stage holds v{self._inbound_pver()}")
+        return True
+
+    def _advance(self) -> None:
+        """The step is flushed: the window moves on."""
+        self.step += 1
+        self._taken.clear()
 
     async def _forward_and_send(self, step: int, micro: int, *, ids=None, msg: Message | None = None) -> None:
         """Forward of a micro-batch (stage 1: ``ids``; later: the ACT ``msg``) and its ACT."""
@@ -337,7 +438,7 @@ class PipelineSchedule:
                                     cver=None if msg is None else msg.cver)
             res = await (work if msg is None else up.decoded(work, msg))
             await down.send_act(step, micro, res.payload, eval_mode=False, pver=self._pver())
-        self._awaiting_grads += 1
+        self._awaiting.add(micro)
 
     def _owns_projector(self) -> bool:
         """This stage steps and sends a trainable outbound projector (reads flags only)."""
@@ -354,18 +455,31 @@ class PipelineSchedule:
         """End of step: projector gradient up, optimizer step, projector down, step-end hook."""
         up, down = self.links.upstream, self.links.downstream
         if up is not None:
+            pver = self._inbound_pver()  # before the next PROJ is loaded
             g = await self.compute.run(self.host.take_inbound_projector_grad)
             if g is not None:
-                await up.send_projector_grad(step, g, micro_batches=self.M)
+                await up.send_projector_grad(step, g, micro_batches=self.M, pver=pver)
         if self._owns_projector():
-            msg = await self.waits.wait(
-                self.mailbox.get([MT.PROJ_GRAD], self.s.timeout_s, "(projector gradient) "), self._downstream)
-            if msg.step != step:
-                raise MaplError(f"{self.name}: PROJ_GRAD for step {msg.step} while finishing step {step}")
+            msg = await self._projector_grad(step)
             await self.compute.run(self.host.add_outbound_projector_grad, down.projector_grad_wire(msg))
         step_metrics = await self.compute.run(self.rt.step)
+        self._advance()
         await self._send_projector(step + 1)
         await self.hooks.step_end(step + 1, step_metrics)
+
+    async def _projector_grad(self, step: int) -> Message:
+        """The downstream stage's PROJ_GRAD of ``step``, at this projector's version, over M micro-batches."""
+        while True:
+            msg = await self.waits.wait(
+                self.mailbox.get([MT.PROJ_GRAD], self.s.timeout_s, "(projector gradient) "), self._downstream)
+            if msg.step != step or msg.meta.get("micro_batches", self.M) != self.M:
+                self._drop("out_of_window", msg, f"PROJ_GRAD of {msg.meta.get('micro_batches')} micro-batches "
+                                                 f"while finishing step {step} of {self.M}")
+            elif msg.pver != self._pver():
+                self._drop("stale_projector", msg, f"computed at projector v{msg.pver}, this stage holds "
+                                                    f"v{self._pver()}")
+            else:
+                return msg
 
     async def _serve(self) -> None:
         """Stages 2..P: react to ACT / GRAD / PROJ until BYE."""
@@ -376,16 +490,23 @@ class PipelineSchedule:
                 if down is not None:
                     await down.send_bye(dict(msg.meta))
                 return
+            taken = None
             try:
                 if msg.type == MT.PROJ:
-                    await self.compute.run(self.host.load_inbound_projector, up.projector_wire(msg), msg.pver)
+                    if self._proj_due(msg):
+                        await self.compute.run(self.host.load_inbound_projector, up.projector_wire(msg), msg.pver)
+                        self._taken.add(("proj", msg.step))
                 elif msg.type == MT.GRAD:
-                    await self._on_grad(msg)
-                elif msg.meta.get("mode") == "eval":
-                    await self._eval_forward(msg)
-                else:
-                    await self._on_act(msg)
+                    if self._grad_due(msg):
+                        await self._on_grad(msg)
+                elif self._act_due(msg):
+                    mode = msg.meta.get("mode", "train")
+                    taken = (mode, msg.micro)
+                    self._taken.add(taken)  # before the compute: the step may flush within it
+                    await (self._eval_forward(msg) if mode == "eval" else self._on_act(msg))
             except Retransmitting:
+                if taken is not None:
+                    self._taken.discard(taken)  # its copy follows
                 continue  # undecodable VQ codes: dropped, their retransmission follows
 
     async def _on_grad(self, msg: Message) -> None:
@@ -394,8 +515,8 @@ class PipelineSchedule:
         async with self.compute.encode_lock:
             grad = await down.decoded(self.compute.run(self.host.backward, msg.micro, down.grad_wire(msg),
                                                        cver=msg.cver), msg)
-            await up.send_grad(msg.step, msg.micro, grad)
-        self._awaiting_grads -= 1
+            await up.send_grad(msg.step, msg.micro, grad, pver=self._inbound_pver())
+        self._awaiting.discard(msg.micro)
         self._backwards += 1
         if self._backwards == self.M:
             self._backwards = 0
@@ -405,10 +526,6 @@ class PipelineSchedule:
         """Train ACT: forward and ACT downstream; the last stage also runs the backward at once
         (1F1B's tail), and after the step's last one flushes and reports the loss."""
         up = self.links.upstream
-        inbound = self.rt.inbound
-        if inbound is not None and inbound.trainable and msg.pver != inbound.version:
-            raise MaplError(f"{self.name}: ACT made with projector v{msg.pver}, this stage holds "
-                            f"v{inbound.version}")
         if self.links.downstream is not None:
             await self._forward_and_send(msg.step, msg.micro, msg=msg)
             return
@@ -416,16 +533,17 @@ class PipelineSchedule:
             res = await up.decoded(self.compute.run(self.host.forward, msg.micro, wire=up.act_wire(msg),
                                                     train=True, cver=msg.cver), msg)
             grad = await self.compute.run(self.host.backward, msg.micro, None)
-            await up.send_grad(msg.step, msg.micro, grad)
+            await up.send_grad(msg.step, msg.micro, grad, pver=msg.pver)
         self._last_train_loss.append(res.loss)
         if len(self._last_train_loss) == self.M:
             losses, self._last_train_loss = self._last_train_loss, []
-            await self._flush(msg.step)
+            await self._flush(msg.step)  # checks the step's losses before its optimizer step (NonFiniteError)
             loss = await self.compute.run(mean_loss, losses)  # one host sync per step, in the worker
-            await up.send_report(msg.step + 1, {"mode": "train", "loss": loss, "tokens": res.tokens * len(losses)})
+            await up.send_report(msg.step, {"mode": "train", "loss": loss, "tokens": res.tokens * len(losses)})
 
     async def _eval_forward(self, msg: Message) -> None:
         up, down = self.links.upstream, self.links.downstream
+        self._eval_steps.add(msg.step)
         async with self.compute.encode_lock:
             res = await up.decoded(self.compute.run(self.host.forward, -1 - msg.micro, wire=up.act_wire(msg),
                                                     train=False, cver=msg.cver), msg)

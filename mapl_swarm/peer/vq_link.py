@@ -79,7 +79,7 @@ class LinkEnd(Protocol):
     async def send_act(self, step: int, micro: int, payload: Mapping[str, Any], *, eval_mode: bool,
                        pver: int) -> None: ...
 
-    async def send_grad(self, step: int, micro: int, payload: Mapping[str, Any]) -> None: ...
+    async def send_grad(self, step: int, micro: int, payload: Mapping[str, Any], *, pver: int) -> None: ...
 
 
 @dataclass
@@ -195,7 +195,7 @@ class CodebookLink:
             if stream == Stream.ACT:
                 await self.link.send_act(msg.step, msg.micro, payload, eval_mode=mode == "eval", pver=sent.pver)
             else:
-                await self.link.send_grad(msg.step, msg.micro, payload)
+                await self.link.send_grad(msg.step, msg.micro, payload, pver=sent.pver)
             self.stats["retransmitted"] += 1
 
     def remember(self, mode: str, step: int, micro: int, payload: Mapping[str, Any], pver: int) -> None:

@@ -17,6 +17,12 @@ same numbers. Payloads are dicts of tensors already cast to their wire dtype:
   :meth:`apply_slice` *before* the payload, and passes :meth:`codebook_version` along as the
   payload's ``cver`` (see :mod:`mapl_swarm.compress.vq_stage`).
 
+Own non-finite values (issue 12): :meth:`StageRuntime.step` checks the step's training losses
+(last stage) and the gradients' total norm with one host sync before any optimizer update, and
+:func:`check_finite` checks a host payload before it is sent; either raises
+:class:`~mapl_swarm.errors.NonFiniteError` naming the step and the tensor, so a NaN/Inf is never
+applied, sent or checkpointed.
+
 Projector exchange once per step (DESIGN §2): the receiver hands its partial gradient with
 :meth:`take_inbound_projector_grad`, the sender adds it with :meth:`add_outbound_projector_grad`,
 steps, and hands the new projector with :meth:`outbound_projector` to
@@ -27,6 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +45,7 @@ from mapl_swarm.compress.codebook_sync import CodebookSlice
 from mapl_swarm.compress.codecs import StageCodec, build_codec
 from mapl_swarm.compress.vq_stage import StageVQ
 from mapl_swarm.config import TrainConfig
+from mapl_swarm.errors import NonFiniteError
 from mapl_swarm.model import StageModel
 from mapl_swarm.optim import lr_multiplier
 from mapl_swarm.optim.param_table import ParamRow, build_optimizers, model_rows
@@ -44,7 +53,7 @@ from mapl_swarm.pipeline.probe import BoundaryProbe
 
 log = logging.getLogger(__name__)
 
-__all__ = ["StageRuntime", "ForwardResult", "loss_values", "mean_loss"]
+__all__ = ["StageRuntime", "ForwardResult", "loss_values", "mean_loss", "check_finite"]
 
 
 @dataclass
@@ -73,6 +82,15 @@ def mean_loss(losses: list[torch.Tensor]) -> float:
     return sum(values) / len(values)
 
 
+def check_finite(tensors: Mapping[str, torch.Tensor], *, stage: int, step: int, what: str) -> None:
+    """Raise :class:`NonFiniteError` if a floating tensor of ``tensors`` holds a NaN or Inf (``what``
+    names the message, e.g. "ACT of micro-batch 3"). Meant for host tensors (no device sync);
+    integer tensors (ids, VQ codes) are skipped."""
+    for name, t in tensors.items():
+        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+            raise NonFiniteError(stage=stage, step=step, tensor=f"{what} tensor {name!r}")
+
+
 class StageRuntime:
     """Stage ``stage`` (0-based) of a ``cfg.pipeline.num_stages``-stage pipeline."""
 
@@ -96,6 +114,8 @@ class StageRuntime:
         self.step_count = 0
         self.loss_scale = 1.0 / cfg.pipeline.num_micro_batches
         self._saved: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._step_losses: list[torch.Tensor] = []
+        """Last stage: the current step's training losses (on the device), checked by :meth:`step`."""
         self.probe = BoundaryProbe(cfg.metrics.health_interval_steps)
         """Compression health metrics (metrics.health_interval_steps); see :mod:`.probe`."""
 
@@ -158,6 +178,7 @@ class StageRuntime:
                 loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), all_ids[:, 1:].reshape(-1))
                 if train:
                     self._saved[micro] = (loss * self.loss_scale, z_in)
+                    self._step_losses.append(loss.detach())
                 return ForwardResult(None, loss.detach(), tokens_in.numel())
             offset = self.codec.offset(tokens_in, embedded, anchor)
             self.probe.on_send(probe_due, x, offset, tokens_in)
@@ -254,10 +275,12 @@ class StageRuntime:
         for opt in self.optimizers:
             for group in opt.param_groups:
                 group["lr"] = group["base_lr"] * mult
+        params = [p for p in self.optimized_parameters() if p.grad is not None]
+        total_norm, grad_norm = self._check_finite_step(params)  # raises before anything is applied
         metrics = {"lr_mult": mult, **self.probe.collect(self.inbound, self.outbound, self.vq)}
         if o.grad_clip_norm > 0:
-            params = [p for p in self.optimized_parameters() if p.grad is not None]
-            metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, o.grad_clip_norm))
+            torch.nn.utils.clip_grads_with_norm_(params, o.grad_clip_norm, total_norm)
+            metrics["grad_norm"] = grad_norm
         for opt in self.optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -267,6 +290,26 @@ class StageRuntime:
         metrics.update(self.codec.step_metrics())
         self.step_count += 1
         return metrics
+
+    def _check_finite_step(self, params: list[torch.Tensor]) -> tuple[torch.Tensor, float]:
+        """The gradients' total 2-norm (as ``clip_grad_norm_`` computes it) and its value, after one
+        host sync that also reads the step's training losses (last stage); raises
+        :class:`NonFiniteError` naming the step and the first non-finite loss or gradient."""
+        losses, self._step_losses = self._step_losses, []
+        grads = [p.grad for p in params]
+        total = (torch.nn.utils.get_total_norm(grads) if grads
+                 else torch.zeros((), device=self.device))
+        values = torch.stack([total.float().to(self.device), *(x.float() for x in losses)]).tolist()  # the sync
+        for i, v in enumerate(values[1:]):
+            if not math.isfinite(v):
+                raise NonFiniteError(stage=self.stage, step=self.step_count, tensor=f"the loss of micro-batch {i}")
+        if not math.isfinite(values[0]):
+            names = {id(p): n for n, p in self.modules.named_parameters()}
+            bad = next((p for p in params if not bool(torch.isfinite(p.grad).all())), None)
+            what = ("the gradients' total norm (overflow)" if bad is None else
+                    f"the gradient of {names.get(id(bad), f'a parameter of shape {tuple(bad.shape)}')}")
+            raise NonFiniteError(stage=self.stage, step=self.step_count, tensor=what)
+        return total, values[0]
 
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict:

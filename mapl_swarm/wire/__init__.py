@@ -1,11 +1,11 @@
-"""Wire protocol 1.3: messages <-> ZeroMQ multipart frames (normative text: protocol/SPEC.md).
+"""Wire protocol 1.4: messages <-> ZeroMQ multipart frames (normative text: protocol/SPEC.md).
 
 Imports no torch; tensors are numpy arrays (bf16 as its raw ``uint16`` bit patterns).
 
 API
 ---
 ``Message(*, type, run_id, src, dst, step=0, micro=0, seq=0, pver=0, cver=0, meta={}, tensors={},
-version=(1, 3))``
+version=(1, 4))``
     One message. ``type`` is a :class:`MessageType`; ``tensors`` maps names (frame order) to
     :class:`WireTensor` (a plain numpy array is wrapped with its inferred tag).
 ``WireTensor(dtype, data)`` / ``WireTensor.from_array(array, dtype=None)``
@@ -16,20 +16,31 @@ version=(1, 3))``
     the arrays (zero copy: keep them unchanged until sent). ``compress``: one codec for all
     tensors or ``{name: "raw" | "lz4"}``; default ``lz4`` for integer tags, ``raw`` for floats;
     ``lz4`` falls back to ``raw`` when it does not shrink. ``secret`` (bytes) adds HMAC-SHA256.
-``decode(frames, *, secret=None, max_header_bytes=64 KiB, max_frame_bytes=256 MiB) -> Message``
+``decode(frames, *, secret=None, max_header_bytes=64 KiB, max_frame_bytes=256 MiB, limits=None)
+-> Message``
     Raises only :class:`WireError` subclasses on bad input; unknown header/descriptor keys of the
-    same major are ignored; ``raw`` tensors are read-only views of the frames.
+    same major are ignored; ``raw`` tensors are read-only views of the frames. It is
+``decode_header(frames, limits=None, *, secret=None) -> (Header, raw descriptors)`` (size, msgpack,
+version, fields, type, authentication: check run, sender and session here) followed by
+``decode_tensors(header, frames, limits=None) -> Message`` (descriptors against
+:class:`DecodeLimits` on declared sizes, frame count, per-type rules, frames; LZ4 inflates into
+exactly ``rawbytes``). ``secret``: bytes, None, or a callable picking the key from the header.
+``DecodeLimits(max_header_bytes, max_frame_bytes, max_rawbytes={name: bytes} | None)``.
+``session_key(auth_key, hello_nonce, welcome_nonce)``, ``new_nonce()``,
+``handshake_secret(auth_key, session)`` (1.4, SPEC §7.2): :mod:`mapl_swarm.wire.session`.
 ``default_codec(dtype) -> str``; ``MessageType``; ``PROTOCOL_VERSION``; ``META_SCHEMA``.
 
 Errors (``.code``): MalformedHeader, UnknownMessageType, VersionMismatch (``peer speaks 2.0,
-this peer speaks 1.3``; ``.peer_version``, ``.local_version``), FrameCountMismatch,
+this peer speaks 1.4``; ``.peer_version``, ``.local_version``), FrameCountMismatch,
 LengthMismatch, ChecksumMismatch, FrameTooLarge, BadDtype, BadShape, BadCodec,
 DecompressionFailed, AuthFailed, InvalidMessage — all subclasses of :class:`WireError`
 (itself a ``mapl_swarm.errors.MaplError``); ``ERRORS_BY_CODE`` maps codes to classes.
 
 ``meta`` per type (required; optional): HELLO/WELCOME ``fingerprint`` str, ``num_stages`` uint,
-``capabilities`` [str]; ``components`` map, ``peer`` str. REJECT ``code``, ``reason`` str;
-``local``, ``remote``. ACT ``mode`` "train"|"eval". PROJ_GRAD —; ``micro_batches`` uint.
+``capabilities`` [str], since 1.4 also ``nonce`` (16-byte bin), ``num_micro_batches``,
+``micro_batch_size`` (uint >= 1), ``eval_batches`` (uint) and for WELCOME ``hello_nonce``;
+``components`` map, ``peer`` str. REJECT ``code``, ``reason`` str; ``local``, ``remote``,
+``hello_nonce`` (1.4). ACT ``mode`` "train"|"eval". PROJ_GRAD —; ``micro_batches`` uint.
 REPORT ``loss`` float, ``tokens`` uint; ``mode``, ``metrics`` {str: number}. HEARTBEAT —;
 ``sent_ns`` uint. BYE —; ``reason`` str. ERROR ``code``, ``message`` str; ``ref_seq`` uint.
 CODEBOOK_SLICE —; ``stream`` "act"|"grad", ``start`` uint, ``full`` bool. RESYNC —; ``stream``,
@@ -38,6 +49,10 @@ CODEBOOK_SLICE —; ``stream`` "act"|"grad", ``start`` uint, ``full`` bool. RESY
 ``reason`` str (per-phase rules of SPEC §5.2). GRAD, PROJ: none. PROJ, PROJ_GRAD and
 CODEBOOK_SLICE tensors must be fp32 (BadDtype; a CODEBOOK_SLICE ``index`` is uint8/uint16, 1.2);
 HELLO, WELCOME, REJECT, REPORT, RESYNC, HEARTBEAT, BYE, ERROR, CHECKPOINT carry none.
+
+Content checks (SPEC §6.1, 1.4): :mod:`mapl_swarm.wire.content` — ``RunShapes``, ``Window``,
+``ContentError(code, text)``, ``check_sender``, ``check_header``, ``check_declared``, ``check_content``,
+``CONTENT_CODES``.
 
 Codebook streaming (SPEC §5.1): slice/RESYNC messages in :mod:`mapl_swarm.wire.codebook`, the
 receiver's checks in :mod:`mapl_swarm.wire.codebook_rules` (pure Python, shared with the torch codec
@@ -61,7 +76,13 @@ _ERRORS = ("ERRORS_BY_CODE", "AuthFailed", "BadCodec", "BadDtype", "BadShape", "
            "MalformedHeader", "UnknownMessageType", "VersionMismatch", "WireError")
 _EXPORTS = {
     **{name: "mapl_swarm.wire.errors" for name in _ERRORS},
-    **{name: "mapl_swarm.wire.frames" for name in ("decode", "default_codec", "encode")},
+    **{name: "mapl_swarm.wire.frames" for name in ("decode", "decode_header", "decode_tensors", "DecodeLimits",
+                                                   "default_codec", "encode")},
+    "Header": "mapl_swarm.wire.header",
+    **{name: "mapl_swarm.wire.session" for name in ("session_key", "new_nonce", "handshake_secret")},
+    **{name: "mapl_swarm.wire.content" for name in ("CONTENT_CODES", "ContentError", "RunShapes", "Window",
+                                                    "check_sender", "check_header", "check_declared",
+                                                    "check_content")},
     **{name: "mapl_swarm.wire.message" for name in ("META_SCHEMA", "Message", "WireTensor")},
     **{name: "mapl_swarm.wire.spec" for name in ("DTYPES", "PROTOCOL_VERSION", "MessageType")},
 }
@@ -75,7 +96,22 @@ __all__ = [
     "META_SCHEMA",
     "encode",
     "decode",
+    "decode_header",
+    "decode_tensors",
+    "Header",
+    "DecodeLimits",
     "default_codec",
+    "session_key",
+    "new_nonce",
+    "handshake_secret",
+    "CONTENT_CODES",
+    "ContentError",
+    "RunShapes",
+    "Window",
+    "check_sender",
+    "check_header",
+    "check_declared",
+    "check_content",
     "WireError",
     "MalformedHeader",
     "UnknownMessageType",

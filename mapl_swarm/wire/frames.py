@@ -1,10 +1,21 @@
-"""Messages <-> ZeroMQ multipart frames (SPEC §1, §4, §6, §7).
+"""Messages <-> ZeroMQ multipart frames (SPEC §1, §4, §6, §7, §8).
 
 :func:`encode` returns ``[header, *tensor_frames]``; an uncompressed tensor frame is a
 ``memoryview`` of the source array's memory (no copy), so it must stay unchanged until the send
-has completed (pyzmq ``copy=False``). :func:`decode` accepts ``bytes``, ``memoryview`` or any
-buffer (``zmq.Frame`` via its ``.buffer``) and raises only :class:`WireError` subclasses for any
-bytes it is given; ``raw`` tensors come back as read-only numpy views of the received frames.
+has completed (pyzmq ``copy=False``). Decoding takes ``bytes``, ``memoryview`` or any buffer
+(``zmq.Frame`` via its ``.buffer``) and raises only :class:`WireError` subclasses for any bytes
+it is given; ``raw`` tensors come back as read-only numpy views of the received frames.
+
+Decoding runs in two phases so that a receiver checks run, sender and session before any tensor
+is unpacked (SPEC §6 order):
+
+1. :func:`decode_header` — header size, msgpack, version, header fields, type, authentication;
+   nothing is allocated beyond the header map (the tag is computed over the frames as they are).
+2. :func:`decode_tensors` — descriptors against :class:`DecodeLimits` (declared sizes, before any
+   allocation), frame count, per-type rules, then per frame: length, CRC, LZ4 into a buffer of
+   exactly ``rawbytes`` (a block that would write more fails without allocating more).
+
+:func:`decode` is the two in a row.
 """
 
 from __future__ import annotations
@@ -12,8 +23,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+import types
 import zlib
-from typing import Any, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import lz4.block
 import numpy as np
@@ -42,12 +55,50 @@ from .header import (
 )
 from .message import Message, WireTensor, check_type_rules
 
-__all__ = ["encode", "decode", "default_codec", "compute_tag", "Frame"]
+__all__ = ["encode", "decode", "decode_header", "decode_tensors", "DecodeLimits", "Secret", "default_codec",
+           "compute_tag", "Frame"]
 
 Frame = bytes | memoryview
 """What :func:`encode` returns per frame."""
 
+Secret = bytes | None | Callable[[Header], "bytes | None"]
+"""What decoding authenticates with: a key, None (no key: the message must be untagged), or a
+callable picking the key from the parsed header (e.g. :func:`mapl_swarm.wire.session.handshake_secret`:
+the auth key for the handshake, the session key after it); the callable may raise :class:`AuthFailed`."""
+
 _ZERO_TAG = bytes(spec.AUTH_TAG_BYTES)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeLimits:
+    """Size limits a decoder applies to declared sizes before allocating anything (SPEC §8)."""
+
+    max_header_bytes: int = spec.DEFAULT_MAX_HEADER_BYTES
+    """Largest header frame; a larger one is FrameTooLarge before it is parsed."""
+    max_frame_bytes: int = spec.DEFAULT_MAX_FRAME_BYTES
+    """Largest tensor frame, on the wire (``nbytes``) and decoded (``rawbytes``)."""
+    max_rawbytes: Mapping[str, int] | None = None
+    """Per tensor name, the largest decoded size (``rawbytes``) the run can use (e.g.
+    :meth:`mapl_swarm.wire.content.RunShapes.decode_limits`); a tensor of a name not listed here
+    with ``rawbytes`` > 0 is FrameTooLarge. None: only ``max_frame_bytes`` applies."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_header_bytes", "max_frame_bytes"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"DecodeLimits.{name} must be a positive integer, got {value!r}")
+        if self.max_rawbytes is not None:
+            table = dict(self.max_rawbytes)
+            for name, value in table.items():
+                if not isinstance(name, str) or type(value) is not int or value < 0:
+                    raise ValueError(f"DecodeLimits.max_rawbytes needs str -> int >= 0, got {name!r}: {value!r}")
+            object.__setattr__(self, "max_rawbytes", types.MappingProxyType(table))
+
+    def rawbytes_limit(self, name: str) -> int:
+        """The largest ``rawbytes`` accepted for a tensor named ``name``."""
+        if self.max_rawbytes is None:
+            return self.max_frame_bytes
+        return min(self.max_frame_bytes, self.max_rawbytes.get(name, 0))
 
 
 def default_codec(dtype: str) -> str:
@@ -119,7 +170,7 @@ def encode(
     meta = canonical_meta(msg.meta)
     if len(msg.tensors) > spec.MAX_TENSORS:
         raise MalformedHeader(f"{len(msg.tensors)} tensors exceed the limit of {spec.MAX_TENSORS}")
-    check_type_rules(msg.type, meta, [(n, t.dtype) for n, t in msg.tensors.items()])
+    check_type_rules(msg.type, meta, [(n, t.dtype) for n, t in msg.tensors.items()], (major, minor))
 
     descriptors: list[Descriptor] = []
     frames: list[Frame] = []
@@ -192,7 +243,9 @@ def _as_buffer(frame: Any) -> memoryview:
     return mv
 
 
-def _authenticate(h: Header, bufs: list[memoryview], secret: bytes | None) -> None:
+def _authenticate(h: Header, bufs: list[memoryview], secret: Secret) -> None:
+    if callable(secret):
+        secret = _check_secret(secret(h))
     if secret is None:
         if h.auth is not None:
             raise AuthFailed("message carries an auth tag but this peer has no secret")
@@ -203,34 +256,54 @@ def _authenticate(h: Header, bufs: list[memoryview], secret: bytes | None) -> No
         raise AuthFailed("auth must be the last header key, a 32-byte bin")
     expected = compute_tag(secret, bufs[0][: -spec.AUTH_TAG_BYTES], bufs[1:])
     if not hmac.compare_digest(expected, h.auth):
-        raise AuthFailed("auth tag mismatch: wrong secret or altered message")
+        raise AuthFailed("auth tag mismatch: wrong key (another run or session) or altered message")
 
 
-def decode(
-    frames: Iterable[Any],
-    *,
-    secret: bytes | None = None,
-    max_header_bytes: int = spec.DEFAULT_MAX_HEADER_BYTES,
-    max_frame_bytes: int = spec.DEFAULT_MAX_FRAME_BYTES,
-) -> Message:
-    """Decode ZeroMQ frames into a :class:`Message`, checking everything SPEC §6 lists.
+def _limits(limits: DecodeLimits | None) -> DecodeLimits:
+    if limits is None:
+        return DecodeLimits()
+    if not isinstance(limits, DecodeLimits):
+        raise TypeError(f"limits must be a DecodeLimits, got {type(limits).__name__}")
+    return limits
 
-    Unknown header and descriptor keys (newer minor version) are ignored; ``Message.version``
-    is the sender's version. Limits apply to declared sizes before anything is allocated; bound
-    the total message size at the socket (``zmq.MAXMSGSIZE``) as well.
+
+def decode_header(
+    frames: Iterable[Any], limits: DecodeLimits | None = None, *, secret: Secret = None
+) -> tuple[Header, tuple[Any, ...]]:
+    """Phase 1: parse and authenticate the header of ``frames``; no tensor is touched.
+
+    Checks header size, msgpack, version, header fields, type and authentication (in that order;
+    SPEC §6). Returns the :class:`Header` and its raw descriptor maps (unchecked: phase 2 checks
+    them). Raises only :class:`WireError` subclasses; callers check run, sender and session on the
+    header before calling :func:`decode_tensors`.
     """
-    secret = _check_secret(secret)
+    limits = _limits(limits)
+    if not callable(secret):
+        secret = _check_secret(secret)
     bufs = [_as_buffer(f) for f in frames]
     if not bufs:
         raise FrameCountMismatch("empty message: no header frame")
-    h = parse_header(bufs[0], max_header_bytes=max_header_bytes)
+    h = parse_header(bufs[0], max_header_bytes=limits.max_header_bytes)
     _authenticate(h, bufs, secret)
-    descriptors = parse_descriptors(h.tensors, max_frame_bytes=max_frame_bytes)
+    return h, h.tensors
+
+
+def decode_tensors(header: Header, frames: Iterable[Any], limits: DecodeLimits | None = None) -> Message:
+    """Phase 2: the :class:`Message` of ``frames`` whose header :func:`decode_header` returned.
+
+    Descriptors are checked against ``limits`` on their declared sizes before anything is
+    allocated; an ``lz4`` frame is inflated into a buffer of exactly ``rawbytes`` bytes.
+    """
+    limits = _limits(limits)
+    bufs = [_as_buffer(f) for f in frames]
+    h = header
+    descriptors = parse_descriptors(h.tensors, max_frame_bytes=limits.max_frame_bytes,
+                                    rawbytes_limit=limits.rawbytes_limit)
     if len(bufs) != 1 + len(descriptors):
         raise FrameCountMismatch(
             f"{len(bufs)} frames for {len(descriptors)} tensors (expected {1 + len(descriptors)})"
         )
-    check_type_rules(h.type, h.meta, [(d.name, d.dtype) for d in descriptors])
+    check_type_rules(h.type, h.meta, [(d.name, d.dtype) for d in descriptors], h.version)
 
     tensors: dict[str, WireTensor] = {}
     for d, buf in zip(descriptors, bufs[1:]):
@@ -240,10 +313,12 @@ def decode(
             raise ChecksumMismatch(f"tensor {d.name!r}: CRC-32 mismatch")
         data: Any = buf
         if d.codec == "lz4":
-            try:
+            try:  # a destination of exactly rawbytes: a block that would write more fails
                 data = lz4.block.decompress(buf, uncompressed_size=d.rawbytes)
             except Exception as e:  # LZ4BlockError, ValueError on size 0, MemoryError...
-                raise DecompressionFailed(f"tensor {d.name!r}: {e}"[:200]) from None
+                raise DecompressionFailed(
+                    f"tensor {d.name!r}: not an LZ4 block decompressing within {d.rawbytes} bytes: {e}"[:200]
+                ) from None
             if len(data) != d.rawbytes:
                 raise LengthMismatch(
                     f"tensor {d.name!r}: decompressed to {len(data)} bytes, header says {d.rawbytes}"
@@ -266,3 +341,26 @@ def decode(
         tensors=tensors,
         version=h.version,
     )
+
+
+def decode(
+    frames: Iterable[Any],
+    *,
+    secret: Secret = None,
+    max_header_bytes: int = spec.DEFAULT_MAX_HEADER_BYTES,
+    max_frame_bytes: int = spec.DEFAULT_MAX_FRAME_BYTES,
+    limits: DecodeLimits | None = None,
+) -> Message:
+    """Decode ZeroMQ frames into a :class:`Message`, checking everything SPEC §6 lists.
+
+    :func:`decode_header` then :func:`decode_tensors`. ``limits`` (when given) replaces
+    ``max_header_bytes`` / ``max_frame_bytes``. Unknown header and descriptor keys (newer minor
+    version) are ignored; ``Message.version`` is the sender's version. Limits apply to declared
+    sizes before anything is allocated; bound the total message size at the socket
+    (``zmq.MAXMSGSIZE``) as well.
+    """
+    if limits is None:
+        limits = DecodeLimits(max_header_bytes=max_header_bytes, max_frame_bytes=max_frame_bytes)
+    frames = list(frames)
+    header, _ = decode_header(frames, limits, secret=secret)
+    return decode_tensors(header, frames, limits)

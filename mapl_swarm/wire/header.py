@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import msgpack
 import numpy as np
@@ -108,10 +108,9 @@ def canonical_meta(value: Any, depth: int = 1, path: str = "meta") -> Any:
     """Check a ``meta`` value and return its canonical form (sorted map keys, plain Python types).
 
     Numpy scalars become Python scalars and tuples become lists; anything msgpack cannot carry
-    losslessly under SPEC §2 raises :class:`MalformedHeader`.
+    losslessly under SPEC §2 raises :class:`MalformedHeader`. ``depth`` counts containers (maps
+    and arrays), the ``meta`` map itself being depth 1; a scalar is no level (SPEC §2, 1.4).
     """
-    if depth > spec.MAX_META_DEPTH:
-        raise MalformedHeader(f"{path}: nested deeper than {spec.MAX_META_DEPTH}")
     if isinstance(value, np.generic):
         value = value.item()
     if value is None or isinstance(value, (bool, str, bytes, float)):
@@ -125,6 +124,8 @@ def canonical_meta(value: Any, depth: int = 1, path: str = "meta") -> Any:
         if not spec.INT64_MIN <= value <= spec.UINT64_MAX:
             raise MalformedHeader(f"{path}: integer {value} outside int64/uint64")
         return int(value)
+    if isinstance(value, (list, tuple, dict)) and depth > spec.MAX_META_DEPTH:
+        raise MalformedHeader(f"{path}: containers nested deeper than {spec.MAX_META_DEPTH}")
     if isinstance(value, (list, tuple)):
         return [canonical_meta(v, depth + 1, f"{path}[{i}]") for i, v in enumerate(value)]
     if isinstance(value, dict):
@@ -249,7 +250,8 @@ def parse_header(buf: Any, *, max_header_bytes: int = spec.DEFAULT_MAX_HEADER_BY
     )
 
 
-def _parse_descriptor(i: int, d: Any, max_frame_bytes: int) -> Descriptor:
+def _parse_descriptor(i: int, d: Any, max_frame_bytes: int,
+                      rawbytes_limit: Callable[[str], int] | None = None) -> Descriptor:
     if not isinstance(d, dict):
         raise MalformedHeader(f"tensor descriptor {i} is not a map")
     missing = [k for k in spec.DESCRIPTOR_KEYS if k not in d]
@@ -275,6 +277,9 @@ def _parse_descriptor(i: int, d: Any, max_frame_bytes: int) -> Descriptor:
             raise FrameTooLarge(
                 f"tensor {name!r}: {size} bytes {what} exceed the limit of {max_frame_bytes}"
             )
+    if rawbytes_limit is not None and rawbytes > (limit := rawbytes_limit(name)):
+        raise FrameTooLarge(f"tensor {name!r}: {rawbytes} bytes decoded exceed this run's limit of {limit} "
+                            f"for that name")
     expected = math.prod(shape) * spec.DTYPES[dtype].itemsize
     if rawbytes != expected:
         raise LengthMismatch(
@@ -286,10 +291,14 @@ def _parse_descriptor(i: int, d: Any, max_frame_bytes: int) -> Descriptor:
 
 
 def parse_descriptors(
-    raw: tuple[Any, ...], *, max_frame_bytes: int = spec.DEFAULT_MAX_FRAME_BYTES
+    raw: tuple[Any, ...], *, max_frame_bytes: int = spec.DEFAULT_MAX_FRAME_BYTES,
+    rawbytes_limit: Callable[[str], int] | None = None,
 ) -> tuple[Descriptor, ...]:
-    """Check raw descriptor maps (SPEC §4) and return them as :class:`Descriptor` objects."""
-    out = tuple(_parse_descriptor(i, d, max_frame_bytes) for i, d in enumerate(raw))
+    """Check raw descriptor maps (SPEC §4) and return them as :class:`Descriptor` objects.
+
+    ``rawbytes_limit(name)``, when given, bounds each tensor's declared decoded size by name.
+    """
+    out = tuple(_parse_descriptor(i, d, max_frame_bytes, rawbytes_limit) for i, d in enumerate(raw))
     names = [d.name for d in out]
     if len(set(names)) != len(names):
         raise MalformedHeader(f"duplicate tensor names in {names}")

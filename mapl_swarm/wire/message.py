@@ -15,7 +15,7 @@ from . import spec
 from .errors import BadDtype, InvalidMessage, UnknownMessageType
 from .spec import MessageType
 
-__all__ = ["WireTensor", "Message", "META_SCHEMA", "check_type_rules"]
+__all__ = ["WireTensor", "Message", "META_SCHEMA", "REQUIRED_SINCE", "check_type_rules"]
 
 _TAG_BY_NUMPY = {
     np.dtype(np.float16): "fp16",
@@ -151,12 +151,18 @@ class Message:
         self.version = tuple(self.version)  # type: ignore[assignment]
 
 
+_HELLO_OPTIONAL = {"components": "map", "peer": "str", "nonce": "nonce", "num_micro_batches": "count",
+                   "micro_batch_size": "count", "eval_batches": "uint"}
 META_SCHEMA: dict[MessageType, tuple[dict[str, str], dict[str, str]]] = {
     MessageType.HELLO: (
         {"fingerprint": "str", "num_stages": "uint", "capabilities": "strs"},
-        {"components": "map", "peer": "str"},
+        _HELLO_OPTIONAL,
     ),
-    MessageType.REJECT: ({"code": "str", "reason": "str"}, {"local": "any", "remote": "any"}),
+    MessageType.WELCOME: (
+        {"fingerprint": "str", "num_stages": "uint", "capabilities": "strs"},
+        {**_HELLO_OPTIONAL, "hello_nonce": "nonce"},
+    ),
+    MessageType.REJECT: ({"code": "str", "reason": "str"}, {"local": "any", "remote": "any", "hello_nonce": "nonce"}),
     MessageType.ACT: ({"mode": "mode"}, {}),
     MessageType.PROJ_GRAD: ({}, {"micro_batches": "uint"}),
     MessageType.REPORT: ({"loss": "float", "tokens": "uint"}, {"mode": "mode", "metrics": "metrics"}),
@@ -169,8 +175,16 @@ META_SCHEMA: dict[MessageType, tuple[dict[str, str], dict[str, str]]] = {
     MessageType.CHECKPOINT: ({"phase": "phase"}, {"step": "uint_or_nil", "steps": "uints", "have": "have",
                                                   "reason": "str"}),
 }
-"""(required, optional) typed ``meta`` fields per message type; other types have none."""
-META_SCHEMA[MessageType.WELCOME] = META_SCHEMA[MessageType.HELLO]
+"""(required, optional) typed ``meta`` fields per message type; other types have none. Some optional
+fields are required from a version on (:data:`REQUIRED_SINCE`)."""
+
+REQUIRED_SINCE: dict[MessageType, tuple[tuple[int, int], tuple[str, ...]]] = {
+    MessageType.HELLO: (spec.SESSION_VERSION, ("nonce", "num_micro_batches", "micro_batch_size", "eval_batches")),
+    MessageType.WELCOME: (spec.SESSION_VERSION, ("nonce", "hello_nonce", "num_micro_batches", "micro_batch_size",
+                                                 "eval_batches")),
+}
+"""Optional ``meta`` fields of :data:`META_SCHEMA` that a message of that version or newer MUST carry
+(SPEC §5: the 1.4 handshake nonces and pipeline shape)."""
 
 
 def _is_uint(v: Any) -> bool:
@@ -186,6 +200,10 @@ def _kind_ok(kind: str, v: Any) -> bool:
         return isinstance(v, str)
     if kind == "uint":
         return _is_uint(v)
+    if kind == "count":
+        return _is_uint(v) and v >= 1
+    if kind == "nonce":
+        return isinstance(v, bytes) and len(v) == spec.NONCE_BYTES
     if kind == "float":
         return type(v) is float
     if kind == "mode":
@@ -214,6 +232,8 @@ def _kind_ok(kind: str, v: Any) -> bool:
 _KIND_TEXT = {
     "str": "a string",
     "uint": "a non-negative integer",
+    "count": "a positive integer",
+    "nonce": f"a bin of {spec.NONCE_BYTES} bytes",
     "float": "a float",
     "mode": "'train' or 'eval'",
     "stream": "'act' or 'grad'",
@@ -229,9 +249,10 @@ _KIND_TEXT = {
 
 
 def check_type_rules(
-    mtype: MessageType, meta: Mapping[str, Any], dtypes: Iterable[tuple[str, str]]
+    mtype: MessageType, meta: Mapping[str, Any], dtypes: Iterable[tuple[str, str]],
+    version: tuple[int, int] = spec.PROTOCOL_VERSION,
 ) -> None:
-    """Check SPEC §5 for a message of type ``mtype`` with tensors ``(name, dtype tag)``.
+    """Check SPEC §5 for a message of type ``mtype`` and ``version`` with tensors ``(name, dtype tag)``.
 
     Raises InvalidMessage (tensor on a control type, bad ``meta``) or BadDtype (fp32 rule).
     """
@@ -246,7 +267,9 @@ def check_type_rules(
             elif tag != "fp32":
                 raise BadDtype(f"{mtype.name} tensor {name!r} must be fp32, got {tag}")
     required, optional = META_SCHEMA.get(mtype, ({}, {}))
-    for key, kind in required.items():
+    since, later = REQUIRED_SINCE.get(mtype, (None, ()))
+    must = [*required, *(later if since is not None and tuple(version) >= since else ())]
+    for key in must:
         if key not in meta:
             raise InvalidMessage(f"{mtype.name} meta lacks required field {key!r}")
     for key, kind in (*required.items(), *optional.items()):

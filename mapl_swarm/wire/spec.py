@@ -1,4 +1,4 @@
-"""Constants of wire protocol 1.3: version, message types, dtypes, codecs, limits, key order.
+"""Constants of wire protocol 1.4: version, message types, dtypes, codecs, limits, key order.
 
 Everything here mirrors a table of ``protocol/SPEC.md``; change the spec first, then this file.
 """
@@ -16,6 +16,11 @@ __all__ = [
     "RESERVED_TYPE_CODES",
     "CHECKPOINT_PHASES",
     "CHECKPOINT_CAPABILITY",
+    "PIPELINE_CAPABILITY",
+    "HANDSHAKE_TYPES",
+    "NONCE_BYTES",
+    "SESSION_DOMAIN",
+    "SESSION_VERSION",
     "DType",
     "DTYPES",
     "FLOAT_DTYPES",
@@ -45,7 +50,7 @@ __all__ = [
     "INT64_MIN",
 ]
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 3)
+PROTOCOL_VERSION: tuple[int, int] = (1, 4)
 """(major, minor) spoken by this implementation."""
 
 
@@ -69,6 +74,9 @@ class MessageType(enum.IntEnum):
     """Checkpoint agreement (SPEC §5.2, 1.3)."""
 
 
+HANDSHAKE_TYPES: frozenset[MessageType] = frozenset({MessageType.HELLO, MessageType.WELCOME, MessageType.REJECT})
+"""The handshake (SPEC §9): tagged with the run's auth key; every later message with the session key (§7)."""
+
 RESERVED_TYPE_CODES: frozenset[int] = frozenset({15})
 """Reserved (14 was, until 1.3 made it CHECKPOINT); a decoder rejects them as unknown."""
 
@@ -77,6 +85,19 @@ CHECKPOINT_PHASES: tuple[str, ...] = ("saved", "complete", "offer", "resume")
 
 CHECKPOINT_CAPABILITY = "checkpoint_agreement"
 """HELLO/WELCOME capability of peers that take part in checkpoint agreement (SPEC §5.2, 1.3)."""
+
+PIPELINE_CAPABILITY = "1f1b"
+"""HELLO/WELCOME capability of peers that run the 1F1B schedule of SPEC §9.6 (SPEC §5.3; every
+reference peer advertises it)."""
+
+NONCE_BYTES = 16
+"""Length of the handshake nonces ``meta.nonce`` / ``meta.hello_nonce`` (SPEC §5, §7; 1.4)."""
+
+SESSION_DOMAIN = b"mapl-session-v1"
+"""Prefix of the session key derivation (SPEC §7.2)."""
+
+SESSION_VERSION: tuple[int, int] = (1, 4)
+"""First version whose HELLO/WELCOME must carry nonces and the pipeline fields (SPEC §5)."""
 
 
 @dataclass(frozen=True)
@@ -150,11 +171,10 @@ REJECT_CODES: tuple[str, ...] = (
     "run_mismatch",
     "stage_mismatch",
     "fingerprint_mismatch",
-    "num_stages_mismatch",
-    "auth_failed",
-    "busy",
+    "stage_taken",
 )
-"""Codes a REJECT uses (SPEC §5); not enforced by the decoder."""
+"""Codes a REJECT uses (SPEC §9.2, 1.4); not enforced by the decoder (a receiver treats any code as
+a refusal). ``num_stages_mismatch``, ``auth_failed`` and ``busy`` of 1.0-1.3 are no longer sent."""
 
 HEADER_KEYS: tuple[str, ...] = (
     "v",

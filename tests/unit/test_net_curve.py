@@ -192,8 +192,7 @@ async def test_reply_reaches_the_hellos_own_connection(members) -> None:
     await b.reply(sender, [b"WELCOME"], kind="WELCOME")
     assert b.counters.get("a", "tx", "WELCOME").messages == 1
     # the reply arrives on a's DEALER (the HELLO's connection), not on a's ROUTER
-    dealer = a._dealers["b"]
-    assert await asyncio.wait_for(dealer.recv_multipart(), 5) == [b"WELCOME"]
+    assert await a.recv_reply(timeout_s=5) == ("b", [b"WELCOME"])
     await nothing_delivered(a, 0.2)
     with pytest.raises(NetError, match="no such connection"):
         await b.reply("a.ffffffff", [b"REJECT"], kind="REJECT")

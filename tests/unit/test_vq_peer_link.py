@@ -91,9 +91,13 @@ def test_slices_applied_rejections_counted_and_gaps_trigger_resync():
         await up.on_codebook_slice(_wire(slices[4]))  # awaiting the resync: ignored
         down.on_resync(Message(type=MessageType.RESYNC, run_id="r", src=2, dst=1,
                                meta={"stream": "act", "have": 0}))
-        hello = Message(type=MessageType.HELLO, run_id="r", src=2, dst=1, meta=SETTINGS.hello_meta())
-        await down.on_hello(hello)
-        await down.on_hello(hello)  # stage 2 handshakes again: it reconnected
+        hello = Message(type=MessageType.HELLO, run_id="r", src=2, dst=1,
+                        meta={**SETTINGS.hello_meta(), "nonce": bytes(16)})
+        async def reply(frames, kind):  # WELCOME goes back on the HELLO's own connection
+            peer.sent.append((2, decode(frames).type, {}))
+
+        await down.on_hello(hello, "stage2.0000000a", reply, now=0.0)
+        await down.on_hello(hello, "stage2.0000000b", reply, now=1.0)  # stage 2 handshakes again: it reconnected
         await asyncio.gather(*peer.tasks)
 
     asyncio.run(scenario())
@@ -108,6 +112,7 @@ def test_slices_applied_rejections_counted_and_gaps_trigger_resync():
     assert peer.rt.vq.tx["act"].resync_pending and stats["reconnects"] == 1
     assert peer.bad == []
     assert [t for _, t, _ in peer.sent].count(MessageType.WELCOME) == 2
+    assert down.rx.routing_id == "stage2.0000000b"  # the new connection is the bound session
 
 
 def _codes_from(src: int, cver: int) -> Message:

@@ -136,8 +136,8 @@ def test_version_mismatch_names_both_versions():
     head["v"] = [2, 0]
     with pytest.raises(VersionMismatch) as exc:
         decode([msgpack.packb(head)])
-    assert str(exc.value) == "peer speaks 2.0, this peer speaks 1.3"
-    assert exc.value.peer_version == (2, 0) and exc.value.local_version == (1, 3)
+    assert str(exc.value) == "peer speaks 2.0, this peer speaks 1.4"
+    assert exc.value.peer_version == (2, 0) and exc.value.local_version == (1, 4)
     assert exc.value.code == "version_mismatch" and isinstance(exc.value, MaplError)
 
 

@@ -13,13 +13,13 @@ from hypothesis import strategies as st
 from mapl_swarm.wire import Message, MessageType, WireError, WireTensor, decode, encode
 from mapl_swarm.wire.frames import compute_tag
 from mapl_swarm.wire.spec import DTYPES, HEADER_KEYS
-from mapl_swarm.wire.golden.samples import VECTOR_SECRET
+from mapl_swarm.wire.golden.samples import vector_key
 from mapl_swarm.wire.golden.vectors import unpack_container
 
 ROOT = Path(__file__).resolve().parents[2] / "protocol" / "vectors" / "v1"
 _MANIFEST = json.loads((ROOT / "manifest.json").read_text(encoding="utf-8"))["vectors"]
 GOOD = [
-    (unpack_container((ROOT / e["file"]).read_bytes()), VECTOR_SECRET if e["secret"] else None)
+    (unpack_container((ROOT / e["file"]).read_bytes()), vector_key(e["secret"]))
     for e in _MANIFEST
     if e["expect"] in ("valid", "accept")
 ]

@@ -9,11 +9,15 @@ import pytest
 
 from mapl_swarm.wire import ERRORS_BY_CODE, MessageType
 from mapl_swarm.wire.codebook import CODEBOOK_ERRORS_BY_CODE
+from mapl_swarm.wire.content import CONTENT_CODES
 from mapl_swarm.wire.golden.vectors import check_entry, check_vectors, main
 
 ROOT = Path(__file__).resolve().parents[2] / "protocol" / "vectors" / "v1"
 MANIFEST = json.loads((ROOT / "manifest.json").read_text(encoding="utf-8"))
 ENTRIES = MANIFEST["vectors"]
+LINK_STATE_CODES = {"replay", "wrong_session", "stage_taken", "queue_full"}
+"""Content codes that need a link's state (the peer's): no single-message vector expresses them."""
+MESSAGE_CONTENT_CODES = set(CONTENT_CODES) - LINK_STATE_CODES
 
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=[e["file"] for e in ENTRIES])
@@ -48,9 +52,11 @@ def test_vectors_cover_every_error_and_message_type():
     types = {e["message"]["type"] for e in ENTRIES if e["expect"] == "valid"}
     assert types == {t.name for t in MessageType}
     kinds = {e["expect"] for e in ENTRIES}
-    assert kinds == {"valid", "accept", "invalid", "codebook"}
+    assert kinds == {"valid", "accept", "invalid", "codebook", "content"}
     outcomes = {e["outcome"] for e in ENTRIES if e["expect"] == "codebook"}
     assert outcomes == {"apply", "ignore", *CODEBOOK_ERRORS_BY_CODE}
+    content = {e["outcome"] for e in ENTRIES if e["expect"] == "content"}
+    assert content == {"accept", *MESSAGE_CONTENT_CODES}
     for e in ENTRIES:
         assert (ROOT / e["file"]).is_file()
         assert e["file"].startswith(e["expect"] + "/")
@@ -58,7 +64,7 @@ def test_vectors_cover_every_error_and_message_type():
 
 def test_existing_vectors_keep_version_1_0_and_new_ones_are_1_1():
     """A minor version adds vectors and never changes existing ones (SPEC §10)."""
-    assert MANIFEST["protocol"] == "1.3"
+    assert MANIFEST["protocol"] == "1.4"
     by_file = {e["file"]: e for e in ENTRIES if "message" in e}
     assert by_file["valid/act_train.mwv"]["message"]["version"] == [1, 0]
     assert by_file["valid/codebook_slice_stream.mwv"]["message"]["version"] == [1, 1]

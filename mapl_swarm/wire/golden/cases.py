@@ -4,6 +4,8 @@ Valid cases are encodings of :func:`mapl_swarm.wire.golden.samples.samples`; acc
 encodings altered at the msgpack level (one defect each), with CRCs and auth tags fixed up where
 the case is about something else. Codebook cases (protocol 1.1, SPEC §5.1) are valid frames with a
 codebook receiver state; the expected outcome is applied, ignored, or a named codebook error.
+Content cases (protocol 1.4, SPEC §6.1) are valid frames with a run description and a step window
+(:mod:`.content_cases`); the expected outcome is accepted or a named content error.
 """
 
 from __future__ import annotations
@@ -22,14 +24,20 @@ from mapl_swarm.wire.frames import compute_tag, encode
 from mapl_swarm.wire.message import Message, WireTensor
 from mapl_swarm.wire.spec import MessageType
 
+from .content_cases import content_cases
 from .samples import (
+    AUTH_KEY,
+    OTHER_SESSION_KEY,
     RUN_ID,
     SAMPLE_INDEX,
+    SAMPLE_KEYS,
+    SESSION_KEY,
     VECTOR_SECRET,
     VQ_LAYOUT,
     sample_codebook,
     sample_floats,
     samples,
+    vector_key,
 )
 
 __all__ = ["Case", "build_cases"]
@@ -48,10 +56,12 @@ class Case:
     """Expected error code (invalid)."""
     equivalent: str | None = None
     """Valid vector that re-encoding the decoded message reproduces (accept)."""
-    secret: bool = False
-    """Decode with the vectors' secret."""
+    secret: bool | str = False
+    """Decode with the vectors' secret (True), a named key of the manifest (``auth_key``,
+    ``session_key``; 1.4) or without one (False)."""
     extra: dict[str, Any] = field(default_factory=dict)
-    """Codebook cases: ``receiver`` (state) and ``outcome`` (``apply``, ``ignore`` or an error code)."""
+    """Codebook cases: ``receiver`` (state) and ``outcome`` (``apply``, ``ignore`` or an error code);
+    content cases: ``run``, ``window`` and ``outcome`` (``accept`` or a content error code)."""
 
 
 def _hdr(frames: list[bytes]) -> dict[str, Any]:
@@ -152,8 +162,20 @@ def _valid(v: dict[str, list[bytes]]) -> list[Case]:
         "checkpoint_offer": "1.3 CHECKPOINT offer: steps stages 1 and 2 both hold, and what each has",
         "checkpoint_resume": "1.3 CHECKPOINT resume from step 30",
         "checkpoint_resume_refused": "1.3 CHECKPOINT resume refused: step nil and the reason every stage stops with",
+        "hello_nonce": "1.4 HELLO: nonce, num_micro_batches, micro_batch_size, eval_batches (insecure run: no tag)",
+        "welcome_nonce": "1.4 WELCOME: its own nonce and the HELLO's as hello_nonce (no tag)",
+        "hello_run_key": "1.4 HELLO tagged with the run key's auth_key",
+        "welcome_run_key": "1.4 WELCOME tagged with the run key's auth_key",
+        "reject_stage_taken": "1.4 REJECT stage_taken echoing the HELLO's nonce, tagged with auth_key",
+        "act_session": "1.4 ACT tagged with the session key of the manifest's handshake, seq 1",
+        "heartbeat_session": "1.4 HEARTBEAT tagged with the session key, seq 2",
+        "meta_depth_8": "1.4 meta nested 8 deep (meta map + 7 arrays; the scalar is no level)",
     }
-    return [Case(n, "valid", f, text[n], secret=n.endswith("_auth")) for n, f in v.items()]
+
+    def key(n: str) -> bool | str:
+        return SAMPLE_KEYS.get(n, n.endswith("_auth"))
+
+    return [Case(n, "valid", f, text[n], secret=key(n)) for n, f in v.items()]
 
 
 def _accept(v: dict[str, list[bytes]]) -> list[Case]:
@@ -353,7 +375,51 @@ def _invalid(v: dict[str, list[bytes]]) -> list[Case]:
          "tag made with another secret"),
     ]
     out += [Case(n, "invalid", f, d, error=AU, secret=s) for n, f, s, d in auth_cases]
-    return out
+    return out + _invalid_14(v)
+
+
+def _invalid_14(v: dict[str, list[bytes]]) -> list[Case]:
+    """Protocol 1.4: handshake fields, meta depth, an LZ4 block longer than rawbytes, session keys."""
+    hello, welcome, reject = v["hello_nonce"], v["welcome_nonce"], v["reject_stage_taken"]
+    act = v["act_session"]
+    ids_raw = samples()["act_train"].tensors["ids"].wire_array().tobytes()
+    double = lz4.block.compress(ids_raw * 2, store_size=False)
+
+    def deep9(h: dict[str, Any]) -> None:
+        x: Any = 9
+        for _ in range(8):  # meta + 8 nested arrays: depth 9
+            x = [x]
+        h["meta"]["deep"] = x
+
+    IM, AU = "invalid_message", "auth_failed"
+    cases: list[tuple[str, list[bytes], str, bool | str, str]] = [
+        ("hello_no_nonce", _edit(hello, _meta(nonce=_DROP)), IM, False, "1.4 HELLO without nonce"),
+        ("hello_nonce_short", _edit(hello, _meta(nonce=bytes(15))), IM, False, "1.4 HELLO nonce of 15 bytes"),
+        ("hello_nonce_string", _edit(hello, _meta(nonce="00" * 16)), IM, False, "1.4 HELLO nonce as hex text"),
+        ("hello_no_micro_batches", _edit(hello, _meta(num_micro_batches=_DROP)), IM, False,
+         "1.4 HELLO without num_micro_batches"),
+        ("hello_micro_batch_size_zero", _edit(hello, _meta(micro_batch_size=0)), IM, False,
+         "1.4 HELLO micro_batch_size 0"),
+        ("hello_eval_batches_negative", _edit(hello, _meta(eval_batches=-1)), IM, False,
+         "1.4 HELLO eval_batches -1"),
+        ("welcome_no_hello_nonce", _edit(welcome, _meta(hello_nonce=_DROP)), IM, False,
+         "1.4 WELCOME without hello_nonce"),
+        ("welcome_no_nonce", _edit(welcome, _meta(nonce=_DROP)), IM, False, "1.4 WELCOME without its nonce"),
+        ("reject_hello_nonce_long", _edit(reject, _meta(hello_nonce=bytes(17)), sign=True, key=AUTH_KEY), IM,
+         "auth_key", "1.4 REJECT hello_nonce of 17 bytes"),
+        ("meta_depth_9", _edit(v["meta_depth_8"], deep9), "malformed_header", False,
+         "1.4 meta nested 9 deep (meta map + 8 arrays)"),
+        ("lz4_long_output", _replace_frame(v["act_train"], 0, double), "decompression_failed", False,
+         "lz4 block decompressing to 2x rawbytes: fails in a buffer of rawbytes (never allocated larger)"),
+        ("session_tagged_with_auth_key", _edit(act, lambda h: None, sign=True, key=AUTH_KEY), AU, "session_key",
+         "1.4 ACT tagged with the auth key instead of the session key"),
+        ("session_replayed", _edit(act, lambda h: None, sign=True, key=OTHER_SESSION_KEY), AU, "session_key",
+         "1.4 ACT captured in another session (another WELCOME nonce), replayed into this one"),
+        ("hello_wrong_run_key", _edit(v["hello_run_key"], lambda h: None, sign=True, key=SESSION_KEY), AU,
+         "auth_key",
+         "1.4 HELLO tagged with another key than the run key's auth_key"),
+    ]
+    return [Case(n, "invalid", f, d, error=e, secret=k) for n, f, e, k, d in cases]
 
 
 def _receiver(version: int = 5, awaiting: bool = False, stream: str = "act") -> dict[str, Any]:
@@ -462,9 +528,11 @@ def _codebook(v: dict[str, list[bytes]]) -> list[Case]:
 
 
 def build_cases() -> list[Case]:
-    """Every golden vector: valid, accept, invalid, then codebook (1.1)."""
+    """Every golden vector: valid, accept, invalid, codebook (1.1), then content (1.4)."""
     v = {
-        name: [bytes(f) for f in encode(m, secret=VECTOR_SECRET if name.endswith("_auth") else None)]
+        name: [bytes(f) for f in encode(m, secret=vector_key(SAMPLE_KEYS.get(name, name.endswith("_auth"))))]
         for name, m in samples().items()
     }
-    return _valid(v) + _accept(v) + _invalid(v) + _codebook(v)
+    content = [Case(n, "content", f, d, extra={"run": r.to_dict(), "window": w.to_dict(), "outcome": o})
+               for n, f, d, r, w, o in content_cases()]
+    return _valid(v) + _accept(v) + _invalid(v) + _codebook(v) + content

@@ -12,13 +12,48 @@ import numpy as np
 
 from mapl_swarm.wire.codebook import slice_message
 from mapl_swarm.wire.message import Message, WireTensor
+from mapl_swarm.wire.session import session_key
 from mapl_swarm.wire.spec import MessageType
 
-__all__ = ["VECTOR_SECRET", "RUN_ID", "FINGERPRINT", "VQ_LAYOUT", "sample_floats", "sample_ids",
-           "sample_codebook", "samples"]
+__all__ = ["VECTOR_SECRET", "VECTOR_RUN_KEY", "AUTH_KEY", "HELLO_NONCE", "WELCOME_NONCE", "SESSION_KEY",
+           "OTHER_SESSION_KEY", "KEY_RECIPES", "SAMPLE_KEYS", "vector_key", "RUN_ID", "FINGERPRINT", "VQ_LAYOUT",
+           "sample_floats", "sample_ids", "sample_codebook", "samples"]
 
 VECTOR_SECRET = b"mapl-swarm golden vector secret"
-"""Shared secret of the authenticated vectors (never use it for a real run)."""
+"""Shared secret of the authenticated 1.0 vectors (never use it for a real run)."""
+
+VECTOR_RUN_KEY = hashlib.sha256(b"mapl-swarm golden vector run key").digest()
+"""The 32 random bytes of the 1.4 vectors' run key file (never use it for a real run)."""
+AUTH_KEY = hashlib.sha256(b"mapl-auth-v1" + VECTOR_RUN_KEY).digest()
+"""The run key's HMAC key for HELLO / WELCOME / REJECT (SPEC §7.1)."""
+HELLO_NONCE = hashlib.sha256(b"mapl-swarm golden hello nonce").digest()[:16]
+WELCOME_NONCE = hashlib.sha256(b"mapl-swarm golden welcome nonce").digest()[:16]
+SESSION_KEY = session_key(AUTH_KEY, HELLO_NONCE, WELCOME_NONCE)
+"""The session key of the vectors' handshake (SPEC §7.2)."""
+OTHER_SESSION_KEY = session_key(AUTH_KEY, HELLO_NONCE, hashlib.sha256(b"another welcome").digest()[:16])
+"""The key of another session (another WELCOME nonce): a replay into it fails authentication."""
+
+KEY_RECIPES = {
+    "auth_key": 'SHA-256("mapl-auth-v1" || run key)',
+    "session_key": 'HMAC-SHA256(auth_key, "mapl-session-v1" || hello_nonce || welcome_nonce)',
+}
+"""How each named key of the manifest is derived (SPEC §7)."""
+
+SAMPLE_KEYS: dict[str, str] = {
+    "hello_run_key": "auth_key",
+    "welcome_run_key": "auth_key",
+    "reject_stage_taken": "auth_key",
+    "act_session": "session_key",
+    "heartbeat_session": "session_key",
+}
+"""1.4 samples encoded with a named key (the others: untagged, or VECTOR_SECRET for ``*_auth``)."""
+
+
+def vector_key(which: bool | str) -> bytes | None:
+    """The key a vector is tagged with: False none, True VECTOR_SECRET, or a name of KEY_RECIPES."""
+    if which is True:
+        return VECTOR_SECRET
+    return {"auth_key": AUTH_KEY, "session_key": SESSION_KEY}.get(which) if which else None
 
 RUN_ID = "vectors-run-0001"
 FINGERPRINT = hashlib.sha256(b"mapl-swarm example config").hexdigest()
@@ -280,7 +315,45 @@ def samples() -> dict[str, Message]:
     out["hello_auth"] = out["hello"]
     out.update(_vq_samples(b, t))
     out.update(_checkpoint_samples())
+    out.update(_session_samples(b, t))
     return out
+
+
+def _session_samples(b: int, t: int) -> dict[str, Message]:
+    """Protocol 1.4 messages: handshake nonces and pipeline shape, session-tagged traffic, meta depth."""
+    v14 = (1, 4)
+    hello = _stage_hello(MessageType.HELLO)
+    welcome = _stage_hello(MessageType.WELCOME)
+    shape = {"num_micro_batches": 4, "micro_batch_size": b, "eval_batches": 2}
+    hello.meta.update(capabilities=["1f1b", "checkpoint_agreement"], nonce=HELLO_NONCE, **shape)
+    welcome.meta.update(capabilities=["1f1b", "checkpoint_agreement"], nonce=WELCOME_NONCE,
+                        hello_nonce=HELLO_NONCE, **shape)
+    hello.version = welcome.version = v14
+    reject = Message(type=MessageType.REJECT, run_id=RUN_ID, src=0, dst=1, version=v14,
+                     meta={"code": "stage_taken", "hello_nonce": HELLO_NONCE,
+                           "reason": "stage 1 is taken: a live session with stage1.0a1b2c3d, this HELLO "
+                                     "came from stage1.9f8e7d6c"})
+    z = _bf16(sample_floats(b * t * 4, 31)).reshape(b, t, 4)
+    act = Message(type=MessageType.ACT, run_id=RUN_ID, src=1, dst=2, step=12, micro=0, seq=1, pver=12,
+                  version=v14, meta={"mode": "train"},
+                  tensors={"ids": WireTensor("uint16", sample_ids(b, t + 1, "<u2")), "z": WireTensor("bf16", z)})
+    heartbeat = Message(type=MessageType.HEARTBEAT, run_id=RUN_ID, src=1, dst=2, seq=2, version=v14,
+                        meta={"sent_ns": 1234567890999})
+    deep: object = 8
+    for _ in range(7):  # meta (depth 1) + 7 nested arrays = depth 8, the most SPEC §2 allows
+        deep = [deep]
+    depth8 = Message(type=MessageType.HEARTBEAT, run_id=RUN_ID, src=0, dst=1, seq=3, version=v14,
+                     meta={"deep": deep})
+    return {
+        "hello_nonce": hello,
+        "welcome_nonce": welcome,
+        "hello_run_key": hello,
+        "welcome_run_key": welcome,
+        "reject_stage_taken": reject,
+        "act_session": act,
+        "heartbeat_session": heartbeat,
+        "meta_depth_8": depth8,
+    }
 
 
 def _checkpoint_samples() -> dict[str, Message]:

@@ -5,16 +5,20 @@
 
 Each vector is one ``.mwv`` file: a msgpack array whose items are the message's frames as bin.
 ``manifest.json`` lists every file with its expectation (``valid`` / ``accept`` / ``invalid`` /
-``codebook``), the error code of invalid ones, the valid vector an accept-only one re-encodes to,
-the receiver state and outcome of codebook ones (SPEC §5.1), and a JSON summary of what valid,
-accept and codebook vectors decode to. ``--check`` verifies every expectation
-against the decoder and that the generator reproduces the stored files byte for byte.
+``codebook`` / ``content``), the key it is checked with, the error code of invalid ones, the valid
+vector an accept-only one re-encodes to, the receiver state and outcome of codebook ones (SPEC
+§5.1), the run, window and outcome of content ones (SPEC §6.1, 1.4), and a JSON summary of what
+the decodable vectors decode to. The manifest's ``keys`` give the 1.4 run key and the derivation of
+its auth key and of the session key of one handshake (SPEC §7). ``--check`` verifies every
+expectation against the decoder, the key derivations, and that the generator reproduces the stored
+files byte for byte.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import hmac
 import json
 from pathlib import Path
 from typing import Any
@@ -22,13 +26,24 @@ from typing import Any
 import msgpack
 
 from mapl_swarm.wire.codebook import CODEBOOK_ERRORS_BY_CODE, CodebookError, CodebookLayout, receiver_outcome
+from mapl_swarm.wire.content import ContentError, RunShapes, Window, check_content, check_declared, check_header
 from mapl_swarm.wire.errors import ERRORS_BY_CODE, WireError
-from mapl_swarm.wire.frames import decode, encode
+from mapl_swarm.wire.frames import decode, decode_header, decode_tensors, encode
 from mapl_swarm.wire.message import Message
-from mapl_swarm.wire.spec import PROTOCOL_VERSION
+from mapl_swarm.wire.session import session_key
+from mapl_swarm.wire.spec import PROTOCOL_VERSION, SESSION_DOMAIN
 
 from .cases import Case, build_cases
-from .samples import VECTOR_SECRET
+from .samples import (
+    AUTH_KEY,
+    HELLO_NONCE,
+    KEY_RECIPES,
+    SESSION_KEY,
+    VECTOR_RUN_KEY,
+    VECTOR_SECRET,
+    WELCOME_NONCE,
+    vector_key,
+)
 
 __all__ = [
     "SUFFIX",
@@ -40,12 +55,15 @@ __all__ = [
     "write_vectors",
     "check_entry",
     "codebook_outcome",
+    "content_outcome",
+    "keys_block",
+    "check_keys",
     "check_vectors",
     "main",
 ]
 
 SUFFIX = ".mwv"
-KINDS = ("valid", "accept", "invalid", "codebook")
+KINDS = ("valid", "accept", "invalid", "codebook", "content")
 MANIFEST = "manifest.json"
 COMMAND = "mapl_swarm.wire.golden"
 """The module to run with ``python -m`` (named in the manifest)."""
@@ -105,7 +123,59 @@ def _file(c: Case) -> str:
 
 
 def _secret(entry: dict[str, Any]) -> bytes | None:
-    return VECTOR_SECRET if entry.get("secret") else None
+    """The key an entry is checked with: ``secret`` false, true (the 1.0 secret) or a key name (1.4)."""
+    return vector_key(entry.get("secret", False))
+
+
+RUN_KEY_FILE_HEADER = "mapl-run-key v1"
+"""First line of a run key file (SPEC §7.1)."""
+
+
+def keys_block() -> dict[str, Any]:
+    """The manifest's ``keys``: the 1.4 vectors' run key file and the keys derived from it."""
+    return {
+        "run_key_file": f"{RUN_KEY_FILE_HEADER}\n{VECTOR_RUN_KEY.hex()}\n",
+        "auth_key": {"recipe": KEY_RECIPES["auth_key"], "hex": AUTH_KEY.hex()},
+        "hello_nonce_hex": HELLO_NONCE.hex(),
+        "welcome_nonce_hex": WELCOME_NONCE.hex(),
+        "session_key": {"recipe": KEY_RECIPES["session_key"], "hex": SESSION_KEY.hex()},
+    }
+
+
+def check_keys(keys: dict[str, Any]) -> list[str]:
+    """Problems with a manifest's ``keys`` (each derivation recomputed from the run key file)."""
+    try:
+        head, hexkey, rest = keys["run_key_file"].split("\n")
+        run_key = bytes.fromhex(hexkey)
+        if head != RUN_KEY_FILE_HEADER or rest != "" or len(run_key) != 32 or hexkey != hexkey.lower():
+            return ["keys.run_key_file is not 'mapl-run-key v1\\n<64 lowercase hex>\\n'"]
+        auth = hashlib.sha256(b"mapl-auth-v1" + run_key).digest()
+        hello, welcome = bytes.fromhex(keys["hello_nonce_hex"]), bytes.fromhex(keys["welcome_nonce_hex"])
+        session = hmac.new(auth, SESSION_DOMAIN + hello + welcome, hashlib.sha256).digest()
+    except (KeyError, ValueError, AttributeError) as e:
+        return [f"keys block unreadable: {e}"]
+    problems = []
+    if keys["auth_key"]["hex"] != auth.hex():
+        problems.append("keys.auth_key does not follow its recipe")
+    if keys["session_key"]["hex"] != session.hex() or session != session_key(auth, hello, welcome):
+        problems.append("keys.session_key does not follow its recipe")
+    return problems
+
+
+def content_outcome(frames: list[bytes], run: dict[str, Any], window: dict[str, Any]) -> str:
+    """``accept`` or the content error code a receiver of ``run`` with ``window`` gives (SPEC §6.1
+    order: the header's rules and declared sizes, decoding with the run's limits, then the tensors).
+    A wire error propagates: content vectors are valid frames."""
+    shapes, win = RunShapes.from_dict(run), Window.from_dict(window)
+    header, _ = decode_header(frames)
+    try:
+        check_header(header, shapes, win)
+        check_declared(header, shapes)
+        msg = decode_tensors(header, frames, shapes.decode_limits())
+        check_content(msg, shapes, win)
+    except ContentError as e:
+        return e.code
+    return "accept"
 
 
 def build_manifest(cases: list[Case]) -> dict[str, Any]:
@@ -123,10 +193,15 @@ def build_manifest(cases: list[Case]) -> dict[str, Any]:
             if c.extra["outcome"] in CODEBOOK_ERRORS_BY_CODE:
                 e["error_class"] = CODEBOOK_ERRORS_BY_CODE[c.extra["outcome"]].__name__
             e["message"] = summarize(decode(c.frames))
+        elif c.kind == "content":
+            e["run"] = c.extra["run"]
+            e["window"] = c.extra["window"]
+            e["outcome"] = c.extra["outcome"]
+            e["message"] = summarize(decode(c.frames))
         else:
             if c.kind == "accept":
                 e["equivalent"] = _file(by_name[c.equivalent])
-            msg = decode(c.frames, secret=VECTOR_SECRET if c.secret else None)
+            msg = decode(c.frames, secret=vector_key(c.secret))
             e["message"] = summarize(msg)
         e["description"] = c.description
         entries.append(e)
@@ -136,6 +211,7 @@ def build_manifest(cases: list[Case]) -> dict[str, Any]:
         "check": f"python -m {COMMAND} --check protocol/vectors/v1",
         "container": f"each {SUFFIX} file is a msgpack array of bin: the message's frames in order",
         "secret_hex": VECTOR_SECRET.hex(),
+        "keys": keys_block(),
         "vectors": entries,
     }
 
@@ -206,7 +282,14 @@ def check_entry(root: Path, entry: dict[str, Any]) -> None:
         outcome = codebook_outcome(msg, entry["receiver"])
         if outcome != entry["outcome"]:
             raise AssertionError(f"{name}: codebook receiver says {outcome}, expected {entry['outcome']}")
-    if kind in ("valid", "codebook"):
+    if kind == "content":
+        try:
+            outcome = content_outcome(frames, entry["run"], entry["window"])
+        except WireError as e:
+            raise AssertionError(f"{name}: rejected with {e.code} under the run's limits: {e}") from e
+        if outcome != entry["outcome"]:
+            raise AssertionError(f"{name}: content checks say {outcome}, expected {entry['outcome']}")
+    if kind in ("valid", "codebook", "content"):
         target = frames
     elif kind == "accept":
         target = unpack_container((root / entry["equivalent"]).read_bytes())
@@ -229,6 +312,7 @@ def check_vectors(root: Path) -> list[str]:
         stored = json.loads((root / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         return [f"cannot read {root / MANIFEST}: {e}"]
+    problems += check_keys(stored.get("keys", {}))
     for entry in stored.get("vectors", []):
         try:
             check_entry(root, entry)

@@ -1,0 +1,255 @@
+"""What a peer lets in: who may say what, sessions and sequence numbers, bounded decoding, content.
+
+Every received message passes these checks, in the order of SPEC §6.1, before anything of it
+reaches the schedule, the stage runtime, its optimizer or its codebooks (issue 12). The first that
+fails drops the message with a stable code (:class:`~.session.Rejected`, or the wire's
+``ContentError`` / ``WireError``), counted by code in the peer's result (``rejects``) and logged
+(:class:`RejectCounter`); the peer keeps serving.
+
+1. **sender**: the routing id is ``stage<k>.<8 hex>`` of a neighbour (:func:`~.link.stage_of`),
+   else ``not_allowed``, unread;
+2. **header**, on the event loop, before any tensor frame is looked at: size, msgpack, version,
+   fields, type and authentication with the key of the sender's session (the run's auth key for
+   the handshake; the wire's codes, ``auth_failed`` for anything from a connection without a session);
+3. **handshake**: a HELLO opens a session (:meth:`Admission.check_hello`; a refusal is a REJECT to
+   the HELLO's own connection, :class:`~.session.HelloRefused`, never to the bound neighbour);
+   WELCOME and REJECT count only as the answer to this peer's pending HELLO, echoing its nonce;
+   all three only with ``seq`` 0;
+4. **who may say what** (``not_allowed``): run, ``dst``, ``src`` equal to the routing id's stage,
+   the type's direction (``wire.content.check_sender``, SPEC §9.4);
+5. **session**: only from the routing id bound at the handshake (``wrong_session``), with a
+   sequence number above the last accepted (``replay``; a gap is logged as lost messages);
+6. **window** and **sizes** on the header (``out_of_window``, ``stale_projector``,
+   ``size_mismatch``: ``wire.content.check_header`` / ``check_declared`` against the run's
+   :class:`~mapl_swarm.wire.RunShapes` and the link's :class:`~mapl_swarm.wire.Window`);
+7. **tensors** decoded and inflated off the event loop (the decode thread) within the run's limits,
+   then their **content** (shapes, dtypes, id and code ranges, finite values:
+   ``wire.content.check_content``), also off the loop;
+8. the mailbox's per-neighbour bound (``queue_full``, :class:`~.mailbox.Mailbox`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from mapl_swarm.compress.catalog import codec_info
+from mapl_swarm.peer.link import stage_of
+from mapl_swarm.peer.session import HelloRefused, Rejected, RxSession
+from mapl_swarm.wire import (ContentError, DecodeLimits, Message, MessageType, RunShapes, VersionMismatch, Window,
+                             WireError, check_content, check_declared, check_header, check_sender, decode_header,
+                             decode_tensors)
+from mapl_swarm.wire.spec import HANDSHAKE_TYPES
+
+if TYPE_CHECKING:
+    from mapl_swarm.config import TrainConfig
+    from mapl_swarm.peer.compute import WorkerThread
+    from mapl_swarm.peer.link import LinkSettings, Links, PeerLink
+    from mapl_swarm.wire.header import Header
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Rejected", "HelloRefused", "RejectCounter", "RxSession", "Arrival", "Admitted", "Admission",
+           "run_shapes", "mailbox_bound"]
+
+MT = MessageType
+
+
+def run_shapes(cfg: TrainConfig, stage: int) -> RunShapes:
+    """The run as stage ``stage`` sees it (:class:`~mapl_swarm.wire.RunShapes`): what every tensor it
+    receives must look like, from the config alone."""
+    m, c, p = cfg.model, cfg.compression, cfg.pipeline
+    info = codec_info(c.codec)
+    vq = c.vq if info.quantized else None
+    return RunShapes(micro_batch_size=p.micro_batch_size, context_length=m.context_length, hidden_size=m.hidden_size,
+                     width=c.rank if info.projected else m.hidden_size, vocab_size=m.vocab_size,
+                     wire_dtype=c.wire_dtype, id_dtype="uint16" if m.vocab_size <= 1 << 16 else "uint32",
+                     vq_rounds=vq.rounds if vq else 0, vq_group_size=vq.group_size if vq else 0,
+                     vq_codebook_size=vq.codebook_size if vq else 0, num_micro_batches=p.num_micro_batches,
+                     eval_batches=cfg.eval.batches, num_stages=p.num_stages, stage=stage,
+                     trainable_projector=info.trainable_projector)
+
+
+def mailbox_bound(cfg: TrainConfig) -> int:
+    """Pipeline messages queued per neighbour at most: a step's ACTs (or GRADs) and their codebook
+    slices, or a validation's eval ACTs, plus a few (PROJ, PROJ_GRAD, BYE, a retransmission)."""
+    return 2 * max(cfg.pipeline.num_micro_batches, cfg.eval.batches) + 8
+
+
+class RejectCounter:
+    """Counts dropped messages by code into ``counts`` (the peer result's ``rejects``) and logs them:
+    every one of the first ``log_first`` of a code, then at powers of two (a flood stays readable)."""
+
+    def __init__(self, name: str, counts: dict[str, int], *, log_first: int = 20) -> None:
+        self.name = name
+        self.counts = counts
+        self.log_first = log_first
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def __call__(self, code: str, sender: str, text: str) -> None:
+        n = self.counts[code] = self.counts.get(code, 0) + 1
+        if n <= self.log_first or n & (n - 1) == 0:
+            log.warning("%s: dropped a message from %r: %s (%s, %d so far)", self.name, sender, text, code, n)
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """A received message, before admission."""
+
+    sender: str
+    """The routing id it came from on this peer's ROUTER, or the link name for a reply."""
+    frames: Sequence[Any]
+    reply_link: str | None = None
+    """Set when it came in on this peer's own connection to that neighbour: an answer to what this
+    peer sent there (WELCOME or REJECT to its HELLO)."""
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A message that passed every check, and the link of the neighbour it came from."""
+
+    msg: Message
+    link: PeerLink
+    sender: str
+
+
+class Admission:
+    """The checks of the module docstring for one peer (see there). ``shapes`` is the run as this
+    stage sees it (:func:`run_shapes`); ``window(link)`` the link's current window (the schedule's,
+    :meth:`~.schedule.PipelineSchedule.window`), read on the loop when a message arrives."""
+
+    def __init__(self, settings: LinkSettings, links: Links, *, shapes: RunShapes, window: Callable[[PeerLink], Window],
+                 rejects: RejectCounter, decoder: WorkerThread, timeout_s: float, clock: Callable[[], float],
+                 replies_on_link: bool) -> None:
+        self.s = settings
+        self.links = links
+        self.shapes = shapes
+        self.window = window
+        self.rejects = rejects
+        self.limits: DecodeLimits = shapes.decode_limits()
+        """Per tensor name the largest size the run allows, checked before any inflate (SPEC §8)."""
+        self.decoder = decoder
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self.replies_on_link = replies_on_link
+        """WELCOME/REJECT come back on this peer's own connection (``Arrival.reply_link``); False
+        with a transport that cannot receive there (they then come on the neighbour's connection,
+        recognised by the HELLO nonce they echo)."""
+
+    # ------------------------------------------------------------------ the way in
+    async def admit(self, arrival: Arrival) -> Admitted | None:
+        """The admitted message, or None when dropped (counted and logged). A refused HELLO raises
+        :class:`HelloRefused` (the caller answers with REJECT), a version mismatch re-raises
+        :class:`~mapl_swarm.wire.VersionMismatch` (likewise)."""
+        sender = arrival.sender
+        try:
+            link = self._link_of(arrival)
+            header = self._header(arrival, link)
+            if header.type in HANDSHAKE_TYPES and header.seq != 0:
+                raise Rejected("not_allowed", f"{header.type.name} with seq {header.seq} (the handshake's is 0)")
+            if header.type is MT.HELLO:
+                if arrival.reply_link is not None:
+                    raise Rejected("not_allowed", "HELLO on this peer's own connection")
+                self.check_hello(header, link, sender)
+                return Admitted(decode_tensors(header, arrival.frames, self.limits), link, sender)
+            self._check_message(header, link, arrival)
+            msg = await self._tensors(header, arrival.frames, link)
+        except (HelloRefused, VersionMismatch):
+            raise
+        except (Rejected, ContentError) as exc:
+            self.rejects(exc.code, sender, exc.text)
+            return None
+        except WireError as exc:
+            self.rejects(exc.code, sender, f"{type(exc).__name__}: {exc}")
+            return None
+        return Admitted(msg, link, sender)
+
+    def _link_of(self, arrival: Arrival) -> PeerLink:
+        if arrival.reply_link is not None:
+            link = self.links.named(arrival.reply_link)
+        else:
+            stage = stage_of(arrival.sender)
+            link = None if stage is None else self.links.by_stage(stage)
+        if link is None:
+            raise Rejected("not_allowed", f"{arrival.sender!r} is not a neighbour of stage {self.s.stage}")
+        return link
+
+    def _header(self, arrival: Arrival, link: PeerLink) -> Header:
+        """Phase 1 on the loop: nothing is unpacked; the key is the session's (the run's for the handshake)."""
+        session = link.rx if link.rx is not None and link.rx.routing_id == arrival.sender else None
+        header, _ = decode_header(arrival.frames, self.limits, secret=link.rx_secret(session))
+        return header
+
+    # ------------------------------------------------------------------ handshake and session
+    def check_hello(self, h: Header, link: PeerLink, sender: str) -> None:
+        """SPEC §9.2 step 2 in order (version and authentication are the decoder's): run, stages,
+        configuration, then the stage's live session (a HELLO from the bound connection itself is
+        a reconnection that replaces it)."""
+        s, nonce = self.s, h.meta.get("nonce")
+        if h.run != s.run_id:
+            raise HelloRefused("run_mismatch", f"run mismatch: peer {h.run!r}, this peer {s.run_id!r}", nonce)
+        if h.dst != s.stage or h.src != link.stage:
+            raise HelloRefused("stage_mismatch", f"stage mismatch: HELLO from stage {h.src} for stage {h.dst} on "
+                                                 f"a connection of stage {link.stage}; this peer is stage {s.stage}",
+                               nonce)
+        refused = s.mismatch(h.meta)
+        if refused is not None:
+            raise HelloRefused(*refused, nonce)
+        bound = link.rx
+        if bound is not None and bound.routing_id != sender and bound.alive(self.clock(), self.timeout_s):
+            raise HelloRefused("stage_taken", f"stage {link.stage} is taken: its session is alive "
+                                              f"(heard {self.clock() - bound.heard_at:.0f} s ago)", nonce)
+
+    def _check_message(self, h: Header, link: PeerLink, arrival: Arrival) -> None:
+        """SPEC §6.1 rules 1-6 on the authenticated header of anything but HELLO."""
+        s = self.s
+        if h.run != s.run_id:
+            raise Rejected("not_allowed", f"run {h.run!r}, this peer's is {s.run_id!r}")
+        if h.src != link.stage:
+            raise Rejected("not_allowed", f"src {h.src} on a connection of stage {link.stage}")
+        if h.type in (MT.WELCOME, MT.REJECT):
+            check_sender(h, self.shapes)
+            self._check_answer(h, link, arrival)
+            return
+        if arrival.reply_link is not None:
+            raise Rejected("not_allowed", f"{h.type.name} on this peer's own connection (only WELCOME/REJECT)")
+        check_sender(h, self.shapes)  # dst, the type's direction, the codec's types
+        session = link.rx
+        if session is None or session.routing_id != arrival.sender:
+            raise Rejected("wrong_session", f"{h.type.name} from {arrival.sender!r}; stage {link.stage}'s "
+                                            f"session is {session.routing_id if session else None!r}")
+        gap = session.accept(h.seq, self.clock())
+        if gap:
+            log.warning("%s: %d message(s) from stage %d lost before seq %d (%d lost on the session)", s.name, gap,
+                        link.stage, h.seq, session.lost)
+        check_header(h, self.shapes, self.window(link))  # step window, projector version
+        check_declared(h, self.shapes)  # declared sizes, before anything is inflated
+
+    def _check_answer(self, h: Header, link: PeerLink, arrival: Arrival) -> None:
+        """WELCOME/REJECT count only as the answer to this peer's pending HELLO (SPEC §9.2 step 3)."""
+        if self.replies_on_link and arrival.reply_link is None:
+            raise Rejected("not_allowed", f"{h.type.name} not on this peer's connection to stage {link.stage}")
+        if not link.awaiting_answer:
+            raise Rejected("not_allowed", f"{h.type.name} but no HELLO to stage {link.stage} awaits an answer")
+        if not link.answers_hello(h.type, h.meta):
+            raise Rejected("not_allowed", f"{h.type.name} for another HELLO (hello_nonce)")
+
+    # ------------------------------------------------------------------ tensors and content
+    async def _tensors(self, header: Header, frames: Sequence[Any], link: PeerLink) -> Message:
+        if header.type in (MT.WELCOME, MT.REJECT):
+            return decode_tensors(header, frames, self.limits)
+        window = self.window(link)  # a snapshot, taken on the loop
+        if not header.tensors:  # nothing to inflate: the content rules (a REPORT's numbers) on the loop
+            return self._decode(header, frames, window)
+        return await self.decoder.run(self._decode, header, frames, window)
+
+    def _decode(self, header: Header, frames: Sequence[Any], window: Window) -> Message:
+        """Descriptors within limits, CRC, inflate, then the content rules (the decode thread for tensors)."""
+        msg = decode_tensors(header, frames, self.limits)
+        check_content(msg, self.shapes, window)
+        return msg

@@ -1,0 +1,53 @@
+"""A received message's fate and a neighbour's inbound session (:mod:`.admission` uses both)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Rejected", "HelloRefused", "RxSession"]
+
+
+class Rejected(Exception):
+    """A received message dropped with a stable ``code`` (SPEC §6 and §6.1 content errors)."""
+
+    def __init__(self, code: str, text: str) -> None:
+        super().__init__(f"{code}: {text}")
+        self.code = code
+        self.text = text
+
+
+class HelloRefused(Rejected):
+    """A HELLO refused: answered with REJECT ``code`` (reason ``text``, ``hello_nonce`` the HELLO's
+    when it was readable) on the HELLO's own connection."""
+
+    def __init__(self, code: str, text: str, hello_nonce: object = None) -> None:
+        super().__init__(code, text)
+        self.hello_nonce = hello_nonce
+
+
+@dataclass
+class RxSession:
+    """What this peer received from a neighbour's connection, bound at the handshake that opened it."""
+
+    routing_id: str
+    """The connection's routing id: messages of that stage from any other are ``wrong_session``."""
+    heard_at: float
+    """Event-loop time of the last message accepted on it."""
+    last_seq: int = 0
+    """``seq`` of the last message accepted (the HELLO's is 0)."""
+    key: bytes | None = None
+    """The session's authentication key (None: the run has no key)."""
+    lost: int = 0
+    """Messages missing from the sequence (gaps)."""
+
+    def accept(self, seq: int, now: float) -> int:
+        """Take ``seq``; returns how many messages are missing before it. ``replay`` if not above the last."""
+        if seq <= self.last_seq:
+            raise Rejected("replay", f"seq {seq} is not above {self.last_seq}, the last accepted on the session")
+        gap = seq - self.last_seq - 1
+        self.last_seq, self.heard_at = seq, now
+        self.lost += gap
+        return gap
+
+    def alive(self, now: float, timeout_s: float) -> bool:
+        return now - self.heard_at < timeout_s

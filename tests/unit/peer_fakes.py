@@ -1,0 +1,160 @@
+"""An in-memory network for peers (no sockets): fake transports, a tap on every delivery, attackers.
+
+:class:`FakeNet` holds one :class:`FakeTransport` per peer, with the transport API a peer uses
+(``start``, ``connect``, ``send`` on a link, ``recv`` on its ROUTER, ``reply`` on the connection a
+message came from, ``recv_reply`` for answers on its own connections, ``flush``, ``counters``,
+``shaper``). Every delivery passes :attr:`FakeNet.tap` (``tap(src_routing_id, dst_name, frames,
+reply)``), which tests use to record traffic and to inject messages at a precise point, without
+sleeping. Replies to a routing id no transport holds (an attacker's) are kept in
+:attr:`FakeNet.orphan_replies`. :func:`fake_swarm` builds a real swarm of P stages on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections import defaultdict
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import msgpack
+import torch
+
+from mapl_swarm.net.counters import TrafficCounters
+from mapl_swarm.peer.runtime import Peer
+from mapl_swarm.pipeline.stage import StageRuntime
+from mapl_swarm.wire import decode
+
+from conftest import micro_config
+
+
+def peek(frames: list):
+    """The message ``frames`` carry, its tag (if any) not checked; None for garbage."""
+    try:
+        header = msgpack.unpackb(bytes(frames[0]))
+        header.pop("auth", None)
+        return decode([msgpack.packb(header), *frames[1:]])
+    except Exception:  # noqa: BLE001 - garbage
+        return None
+
+
+class FakeNet:
+    def __init__(self) -> None:
+        self.transports: dict[str, FakeTransport] = {}
+        self.tap: Callable[[str, str, list, bool], None] = lambda src, dst, frames, reply: None
+        self.orphan_replies: dict[str, list[list]] = defaultdict(list)
+        self.log: list[tuple[str, str, Any, bool]] = []
+        """(src routing id, dst name, decoded message or None, is_reply) of every delivery."""
+
+    def transport(self, name: str) -> "FakeTransport":
+        t = self.transports[name] = FakeTransport(self, name)
+        return t
+
+    def by_routing_id(self, routing_id: str) -> "FakeTransport | None":
+        return next((t for t in self.transports.values() if t.routing_id == routing_id), None)
+
+    def inject(self, dst: str, routing_id: str, frames: list) -> None:
+        """Deliver ``frames`` to ``dst``'s ROUTER as if from a connection with ``routing_id``."""
+        self.transports[dst].inbox.put_nowait((routing_id, [bytes(f) for f in frames]))
+
+    def _record(self, src: str, dst: str, frames: list, reply: bool) -> None:
+        msg = peek(frames)
+        self.log.append((src, dst, msg, reply))
+        self.tap(src, dst, frames, reply)
+
+    def messages(self, src_name: str, dst_name: str) -> list:
+        """Decoded messages delivered from ``src_name`` to ``dst_name`` (replies included), in order."""
+        return [m for s, d, m, _ in self.log if s.split(".")[0] == src_name and d == dst_name and m is not None]
+
+
+class FakeTransport:
+    def __init__(self, net: FakeNet, name: str) -> None:
+        self.net = net
+        self.name = name
+        self.routing_id = f"{name}.{secrets.token_hex(4)}"
+        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.replies: asyncio.Queue = asyncio.Queue()
+        self.counters = TrafficCounters()
+        self._links: dict[str, str] = {}
+
+    def start(self) -> str:
+        return f"mem://{self.name}"
+
+    def connect(self, link: str, endpoint: str, config: Any = None) -> None:
+        self._links[link] = endpoint.removeprefix("mem://")
+
+    def links(self) -> list[str]:
+        return list(self._links)
+
+    async def send(self, link: str, frames: list, *, kind: str = "control", timeout_s: float | None = None) -> None:
+        frames = [bytes(f) for f in frames]
+        dst = self._links[link]
+        self.counters.add(link, "tx", kind, frames)
+        self.net._record(self.routing_id, dst, frames, False)
+        self.net.transports[dst].inbox.put_nowait((self.routing_id, frames))
+
+    async def reply(self, routing_id: str, frames: list, *, kind: str = "control",
+                    timeout_s: float | None = None) -> None:
+        frames = [bytes(f) for f in frames]
+        target = self.net.by_routing_id(routing_id)
+        if target is None:  # an attacker's connection (or a gone one)
+            self.net.orphan_replies[routing_id].append(frames)
+            return
+        self.counters.add(routing_id.split(".")[0], "tx", kind, frames)
+        self.net._record(self.routing_id, target.name, frames, True)
+        target.replies.put_nowait((self.name, frames))
+
+    async def recv(self, timeout_s: float) -> tuple[str, list]:
+        return await self.inbox.get()
+
+    async def recv_reply(self, timeout_s: float) -> tuple[str, list]:
+        return await self.replies.get()
+
+    async def flush(self, timeout_s: float) -> None:
+        return None
+
+    def shaper(self, link: str) -> Any:
+        return SimpleNamespace(stats=lambda: SimpleNamespace(bytes_sent=0, busy_s=0.0, messages_sent=0))
+
+
+def swarm_config(**sections):
+    base = {"pipeline": {"num_stages": 2, "micro_batch_size": 2, "num_micro_batches": 2},
+            "run": {"steps": 3, "run_id": "mem"}, "eval": {"interval_steps": 0, "batches": 1},
+            "net": {"timeout_s": 30.0, "heartbeat_interval_s": 0.02}}
+    for name, values in sections.items():
+        base.setdefault(name, {}).update(values)
+    return micro_config(**base)
+
+
+def sampler(cfg, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    B, T = cfg.pipeline.micro_batch_size, cfg.model.context_length
+    while True:
+        yield torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=gen)
+
+
+def fake_swarm(cfg=None, *, fingerprint: str = "fp", secret: bytes | None = None,
+                    net: FakeNet | None = None) -> tuple[FakeNet, list[Peer], list[FakeTransport]]:
+    """Stages 0 .. P-1 of ``cfg`` (default :func:`swarm_config`, 2 stages) on a :class:`FakeNet`,
+    with the run's auth key ``secret`` (None: insecure); run them with :func:`run_swarm`. Call
+    inside a running event loop."""
+    cfg = cfg or swarm_config()
+    net = net or FakeNet()
+    P = cfg.pipeline.num_stages
+    transports = [net.transport(f"stage{s}") for s in range(P)]
+
+    async def resolve(stage: int, timeout_s: float) -> str:
+        return f"mem://stage{stage}"
+
+    async def announce(endpoint: str) -> None:
+        return None
+
+    val = [next(sampler(cfg, 99)) for _ in range(cfg.eval.batches)] if cfg.eval.interval_steps else []
+    peers = [Peer(cfg, s, StageRuntime(cfg, s), fingerprint=fingerprint, resolve=resolve, announce=announce,
+                  sampler=sampler(cfg) if s == 0 else None, val_batches=val if s == 0 else None, secret=secret)
+             for s in range(P)]
+    return net, peers, transports
+
+
+async def run_swarm(peers: list[Peer], transports: list[FakeTransport], timeout_s: float = 120.0) -> list:
+    return await asyncio.wait_for(asyncio.gather(*(p.serve(t) for p, t in zip(peers, transports))), timeout_s)

@@ -1,0 +1,291 @@
+"""Per-check tests of what a peer lets in: one middle peer (stage 1 of 3) fed messages directly
+through :meth:`Peer.receive` on an in-memory transport (issue 12, items 2-4)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+import mapl_swarm.peer.admission as admission
+from mapl_swarm.peer.admission import Arrival, mailbox_bound
+from mapl_swarm.peer.link import stage_of
+from mapl_swarm.peer.mailbox import Mailbox
+from mapl_swarm.peer.runtime import Peer
+from mapl_swarm.peer.session import Rejected
+from mapl_swarm.pipeline.stage import StageRuntime
+from mapl_swarm.wire import Message, MessageType, WireTensor, decode, encode
+
+from peer_fakes import FakeNet, swarm_config
+
+MT = MessageType
+UP, DOWN = "stage0.000000a0", "stage2.000000b0"
+HELLO = {"fingerprint": "fp", "num_stages": 3, "capabilities": ["1f1b"], "nonce": b"n" * 16,
+         "num_micro_batches": 2, "micro_batch_size": 2, "eval_batches": 1}
+
+
+def _cfg():
+    return swarm_config(pipeline={"num_stages": 3}, run={"run_id": "mem"})
+
+
+class Middle:
+    """Stage 1 of 3 with a fake transport; ``feed(sender, frames)`` runs one message through it."""
+
+    def __init__(self) -> None:
+        self.net = FakeNet()
+        self.transport = self.net.transport("stage1")
+        for s in (0, 2):  # the neighbours' own connections (for answers to this peer's HELLOs)
+            self.net.transport(f"stage{s}")
+        cfg = _cfg()
+
+        async def resolve(stage, timeout_s):
+            return f"mem://stage{stage}"
+
+        async def announce(endpoint):
+            return None
+
+        self.peer = Peer(cfg, 1, StageRuntime(cfg, 1), fingerprint="fp", resolve=resolve, announce=announce)
+        self.peer.admission.replies_on_link = True
+        for link in self.peer.links:
+            link.connect(self.transport, f"mem://stage{link.stage}", None)
+
+    async def feed(self, sender: str, frames, *, reply_link: str | None = None) -> None:
+        await self.peer.receive(Arrival(sender, [bytes(f) for f in frames], reply_link=reply_link), self.transport)
+
+    async def handshake(self, up: str = UP, down: str = DOWN) -> None:
+        await self.feed(up, msg(MT.HELLO, src=0, meta=HELLO))
+        await self.feed(down, msg(MT.HELLO, src=2, meta=HELLO))
+
+    @property
+    def rejects(self) -> dict[str, int]:
+        return self.peer.result.rejects
+
+    def answers(self, routing_id: str) -> list[tuple[str, int, str | None]]:
+        return [(m.type.name, m.seq, m.meta.get("code")) for m in map(decode, self.net.orphan_replies[routing_id])]
+
+    def welcome(self, stage: int, seq: int = 0, **meta) -> list:
+        """The neighbour's WELCOME to this peer's pending HELLO."""
+        nonce = self.peer.links.by_stage(stage)._hello_nonce
+        return msg(MT.WELCOME, src=stage, seq=seq, meta={**HELLO, "nonce": b"w" * 16, "hello_nonce": nonce, **meta})
+
+
+def msg(mtype, *, src, dst=1, run="mem", **kw) -> list:
+    return encode(Message(type=mtype, run_id=run, src=src, dst=dst, **kw))
+
+
+def act(seq: int, micro: int = 0, step: int = 0) -> list:
+    cfg = _cfg()
+    B, T, r = cfg.pipeline.micro_batch_size, cfg.model.context_length, cfg.compression.rank
+    return msg(MT.ACT, src=0, seq=seq, step=step, micro=micro, meta={"mode": "train"},
+               tensors={"z": WireTensor("bf16", np.zeros((B, T, r), np.uint16)),
+                        "ids": np.zeros((B, T + 1), np.uint16)})
+
+
+def run(coro_fn):
+    async def main():
+        m = Middle()
+        await coro_fn(m)
+        m.peer.decoder.close()
+        return m
+    return asyncio.run(main())
+
+
+# ---------------------------------------------------------------------- the handshake
+@pytest.mark.parametrize("case, code", [
+    (dict(run="other"), "run_mismatch"),
+    (dict(dst=2), "stage_mismatch"),
+    (dict(src=2), "stage_mismatch"),  # a stage-0 connection claiming stage 2
+    (dict(meta={**HELLO, "num_stages": 4}), "stage_mismatch"),
+    (dict(meta={**HELLO, "fingerprint": "other"}), "fingerprint_mismatch"),
+    (dict(meta={**HELLO, "num_micro_batches": 3}), "fingerprint_mismatch"),
+    (dict(meta={**HELLO, "micro_batch_size": 1}), "fingerprint_mismatch"),
+    (dict(meta={**HELLO, "eval_batches": 4}), "fingerprint_mismatch"),
+])
+def test_a_refused_hello_gets_reject_with_the_spec_code_on_its_own_connection(case, code):
+    async def scenario(m):
+        await m.feed(UP, msg(MT.HELLO, **{"src": 0, "meta": HELLO, **case}))
+    m = run(scenario)
+    assert m.answers(UP) == [("REJECT", 0, code)]
+    assert decode(m.net.orphan_replies[UP][0]).meta["hello_nonce"] == HELLO["nonce"]
+    assert m.rejects == {code: 1} and m.peer.links.upstream.rx is None
+
+
+def test_other_major_version_gets_one_reject_per_connection():
+    async def scenario(m):
+        frames = msg(MT.HELLO, src=0, meta=HELLO)
+        import msgpack
+        header = msgpack.unpackb(bytes(frames[0]))
+        header["v"] = [2, 0]
+        for _ in range(3):
+            await m.feed(UP, [msgpack.packb(header)])
+    m = run(scenario)
+    assert [a[::2] for a in m.answers(UP)] == [("REJECT", "version_mismatch")]
+    assert m.rejects == {"version_mismatch": 3}
+
+
+def test_welcome_binds_the_session_and_a_second_connection_for_the_stage_is_refused():
+    async def scenario(m):
+        await m.handshake()
+        await m.feed(UP, msg(MT.HEARTBEAT, src=0, seq=1))
+        await m.feed("stage0.0badc0de", msg(MT.HELLO, src=0, meta=HELLO))  # stage 0 is alive: taken
+        await m.feed(UP, msg(MT.HELLO, src=0, meta=HELLO))  # the bound connection again: it reconnects
+        await m.feed(UP, msg(MT.HEARTBEAT, src=0, seq=1))  # the new session's seq starts again
+    m = run(scenario)
+    assert m.peer.links.upstream.rx.routing_id == UP and m.peer.links.downstream.rx.routing_id == DOWN
+    assert m.answers(UP) == [("WELCOME", 0, None)] * 2 and m.answers(DOWN) == [("WELCOME", 0, None)]
+    welcome = decode(m.net.orphan_replies[DOWN][0]).meta
+    assert welcome["hello_nonce"] == HELLO["nonce"] and len(welcome["nonce"]) == 16
+    assert welcome["num_micro_batches"] == 2 and welcome["micro_batch_size"] == 2 and welcome["eval_batches"] == 1
+    assert m.answers("stage0.0badc0de") == [("REJECT", 0, "stage_taken")]
+    assert m.rejects == {"stage_taken": 1} and m.peer.links.upstream.rx.last_seq == 1
+
+
+def test_a_dead_session_may_be_replaced_by_a_new_connection():
+    async def scenario(m):
+        await m.handshake()
+        m.peer.links.upstream.rx.heard_at -= m.peer.cfg.net.timeout_s + 1  # silent for longer than the timeout
+        await m.feed("stage0.0000000c", msg(MT.HELLO, src=0, meta=HELLO))
+        await m.feed(UP, act(seq=1))  # the old connection is no longer the session
+    m = run(scenario)
+    assert m.peer.links.upstream.rx.routing_id == "stage0.0000000c"
+    assert m.answers("stage0.0000000c") == [("WELCOME", 0, None)] and m.rejects == {"wrong_session": 1}
+
+
+def test_welcome_and_reject_count_only_as_the_answer_to_this_peers_hello():
+    async def scenario(m):
+        reject = msg(MT.REJECT, src=0, meta={"code": "fingerprint_mismatch", "reason": "forged"})
+        await m.feed("stage0", msg(MT.WELCOME, src=0, meta={**HELLO, "hello_nonce": b"x" * 16}),
+                     reply_link="stage0")  # no HELLO sent yet
+        await m.peer.links.upstream.send_hello()
+        welcome = m.welcome(0)
+        await m.feed(UP, reject)  # on the neighbour's connection, not this peer's own one
+        await m.feed("stage0.0badc0de", welcome)
+        await m.feed("stage0", msg(MT.REJECT, src=0, meta={"code": "x", "reason": "for another HELLO",
+                                                         "hello_nonce": b"x" * 16}), reply_link="stage0")
+        await m.feed("stage0", m.welcome(0, seq=3), reply_link="stage0")  # the handshake's seq is 0
+        assert m.peer.mailbox.error is None and not m.peer.links.upstream.welcomed
+        await m.feed("stage0", welcome, reply_link="stage0")  # the answer, on this peer's connection
+        await m.feed("stage0", reject, reply_link="stage0")  # a second answer
+    m = run(scenario)
+    assert m.peer.links.upstream.welcomed and m.peer.mailbox.error is None
+    assert m.rejects == {"not_allowed": 6}
+
+
+def test_a_welcome_of_another_configuration_stops_the_peer():
+    async def scenario(m):
+        await m.peer.links.upstream.send_hello()
+        await m.feed("stage0", m.welcome(0, num_micro_batches=4), reply_link="stage0")
+    m = run(scenario)
+    assert "num_micro_batches mismatch: peer 4, this peer 2" in str(m.peer.mailbox.error)
+
+
+def test_hello_seq_0_then_every_message_takes_the_next_seq_and_heartbeats_wait_for_welcome():
+    async def scenario(m):
+        link = m.peer.links.downstream
+        await link.send_heartbeat()  # not welcomed: nothing goes out
+        await link.send_hello()
+        await m.feed("stage2", m.welcome(2), reply_link="stage2")
+        await link.send_heartbeat()
+        await link.send_heartbeat()
+    m = run(scenario)
+    sent = m.net.messages("stage1", "stage2")
+    assert [(x.type, x.seq) for x in sent] == [(MT.HELLO, 0), (MT.HEARTBEAT, 1), (MT.HEARTBEAT, 2)]
+
+
+# ---------------------------------------------------------------------- sessions and who may say what
+def test_after_the_handshake_only_the_bound_connection_in_sequence_and_direction_gets_in():
+    async def scenario(m):
+        await m.feed(UP, msg(MT.HEARTBEAT, src=0, seq=1))  # before any handshake
+        await m.handshake()
+        await m.feed(UP, msg(MT.HEARTBEAT, src=0, seq=1))
+        await m.feed(UP, msg(MT.HEARTBEAT, src=0, seq=1))  # duplicate
+        await m.feed(UP, msg(MT.HEARTBEAT, src=0, seq=4))  # a gap: 2 and 3 lost, accepted
+        await m.feed(UP, msg(MT.HEARTBEAT, src=0, seq=3))  # older
+        await m.feed("stage0.0badc0de", msg(MT.BYE, src=0, seq=9))  # another connection of stage 0
+        await m.feed(UP, msg(MT.BYE, src=2, seq=10))  # stage 0's connection claiming stage 2
+        await m.feed(DOWN, msg(MT.ERROR, src=2, seq=1, meta={"code": "internal", "message": "x"}))
+        await m.feed(DOWN, msg(MT.BYE, src=2, seq=2, meta={"reason": "going"}))
+        await m.feed(UP, msg(MT.ERROR, src=0, seq=11, run="other", meta={"code": "internal", "message": "x"}))
+        await m.feed("intruder", msg(MT.BYE, src=0, seq=12))
+    m = run(scenario)
+    assert m.rejects == {"not_allowed": 3, "replay": 2, "wrong_session": 2}
+    assert m.peer.links.upstream.rx.lost == 2 and m.peer.links.upstream.rx.last_seq == 4  # refused: not consumed
+    assert m.peer.result.errors == {"internal": 1}  # ERROR is informational
+    assert "stage 2 left before the end" in str(m.peer.mailbox.error)  # BYE from downstream: it left
+
+
+@pytest.mark.parametrize("mtype, meta, sender, allowed", [
+    (MT.ACT, {"mode": "train"}, UP, True),
+    (MT.ACT, {"mode": "train"}, DOWN, False),
+    (MT.PROJ, {}, UP, True),
+    (MT.PROJ, {}, DOWN, False),
+    (MT.GRAD, {}, DOWN, True),
+    (MT.GRAD, {}, UP, False),
+    (MT.PROJ_GRAD, {}, UP, False),
+    (MT.REPORT, {"loss": 1.0, "tokens": 1}, UP, False),
+    (MT.CHECKPOINT, {"phase": "saved", "step": 1}, UP, False),
+    (MT.CHECKPOINT, {"phase": "complete", "step": 1}, DOWN, False),
+    (MT.CODEBOOK_SLICE, {"stream": "act"}, UP, False),  # this run has no codebooks
+    (MT.RESYNC, {"stream": "act"}, DOWN, False),
+    (MT.HEARTBEAT, {}, UP, True),
+    (MT.HEARTBEAT, {}, DOWN, True),
+])
+def test_who_may_say_what(mtype, meta, sender, allowed):
+    async def scenario(m):
+        await m.handshake()
+        await m.feed(sender, msg(mtype, src=stage_of(sender), seq=1, meta=meta))
+    m = run(scenario)
+    assert ("not_allowed" not in m.rejects) is allowed, m.rejects
+
+
+# ---------------------------------------------------------------------- bounded resources
+def test_tensors_are_decoded_off_the_loop_and_never_for_a_stranger(monkeypatch):
+    decoded: list[str] = []
+    real = admission.decode_tensors
+
+    def spy(header, frames, limits):
+        if header.tensors:
+            decoded.append(threading.current_thread().name)
+        return real(header, frames, limits)
+
+    monkeypatch.setattr(admission, "decode_tensors", spy)
+
+    async def scenario(m):
+        await m.feed("intruder", act(seq=1))
+        await m.feed(UP, act(seq=1))  # before the handshake
+        await m.handshake()
+        await m.feed("stage0.0badc0de", act(seq=1))
+        await m.feed(UP, act(seq=1, step=0))
+    m = run(scenario)
+    assert decoded == ["stage1-decode_0"] and m.peer.mailbox.queued(0) == 1
+    assert m.rejects == {"not_allowed": 1, "wrong_session": 2}
+
+
+def test_each_neighbour_may_queue_a_bounded_number_of_messages():
+    bound = mailbox_bound(_cfg())
+    assert bound == 2 * max(_cfg().pipeline.num_micro_batches, _cfg().eval.batches) + 8
+
+    async def scenario(m):
+        await m.handshake()
+        for seq in range(1, bound + 3):
+            await m.feed(UP, msg(MT.PROJ, src=0, seq=seq,
+                                 tensors={"proj": np.zeros((64, 16), np.float32)}))
+        await m.feed(DOWN, msg(MT.PROJ_GRAD, src=2, seq=1, tensors={"grad": np.zeros((64, 16), np.float32)}))
+    m = run(scenario)
+    assert m.peer.mailbox.queued(0) == bound and m.peer.mailbox.queued(2) == 1
+    assert m.rejects == {"queue_full": 2}
+
+
+def test_mailbox_frees_room_as_messages_are_taken():
+    async def scenario():
+        box = Mailbox("x", max_per_sender=2)
+        for micro in range(2):
+            box.put(Message(type=MT.ACT, run_id="r", src=0, dst=1, micro=micro, meta={"mode": "train"}))
+        with pytest.raises(Rejected, match="queue_full"):
+            box.put(Message(type=MT.ACT, run_id="r", src=0, dst=1, micro=2, meta={"mode": "train"}))
+        box.put(Message(type=MT.GRAD, run_id="r", src=2, dst=1))  # another neighbour has its own room
+        assert (await box.get([MT.ACT], 1.0)).micro == 0
+        box.put(Message(type=MT.ACT, run_id="r", src=0, dst=1, micro=2, meta={"mode": "train"}))
+    asyncio.run(scenario())

@@ -1,0 +1,70 @@
+"""protocol/ and the code say the same: one version everywhere, every code and capability listed."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import mapl_swarm.wire as wire
+from mapl_swarm.wire import spec
+from mapl_swarm.wire.codebook import CODEBOOK_ERRORS_BY_CODE, INDEXED_SLICES_CAPABILITY, RETRANSMIT_CAPABILITY, \
+    VQ_CAPABILITY
+from mapl_swarm.wire.content import CONTENT_CODES
+from mapl_swarm.wire.errors import ERRORS_BY_CODE
+from mapl_swarm.wire.message import META_SCHEMA
+
+PROTOCOL = Path(__file__).resolve().parents[2] / "protocol"
+SPEC = (PROTOCOL / "SPEC.md").read_text(encoding="utf-8")
+VERSION = f"{spec.PROTOCOL_VERSION[0]}.{spec.PROTOCOL_VERSION[1]}"
+
+
+def section(start: str, end: str) -> str:
+    return SPEC[SPEC.index(start):SPEC.index(end)]
+
+
+def test_one_version_everywhere():
+    assert re.search(r"^# mapl_swarm wire protocol — version (\d+\.\d+)$", SPEC, re.M).group(1) == VERSION
+    assert f"`[{spec.PROTOCOL_VERSION[0]}, {spec.PROTOCOL_VERSION[1]}]` for this text" in SPEC
+    readme = (PROTOCOL / "README.md").read_text(encoding="utf-8")
+    assert re.findall(r"version (\d+\.\d+)", readme) == [VERSION]
+    changelog = (PROTOCOL / "CHANGELOG.md").read_text(encoding="utf-8")
+    assert re.search(r"^## (\d+\.\d+) ", changelog, re.M).group(1) == VERSION
+    manifest = json.loads((PROTOCOL / "vectors" / "v1" / "manifest.json").read_text(encoding="utf-8"))
+    assert manifest["protocol"] == VERSION
+    assert wire.__doc__.startswith(f"Wire protocol {VERSION}:")
+    assert spec.__doc__.startswith(f"Constants of wire protocol {VERSION}:")
+
+
+def test_every_wire_error_is_in_section_6():
+    table = section("## 6. Errors", "### 6.1")
+    assert set(re.findall(r"^\| `\w+` \| `(\w+)` \|", table, re.M)) == set(ERRORS_BY_CODE)
+
+
+def test_every_content_code_is_in_section_6_1():
+    table = section("### 6.1", "### 6.2")
+    codes = set(re.findall(r"^\| \d+ \| `(\w+)` \|", table, re.M))
+    assert codes | {"stage_taken"} == set(CONTENT_CODES)
+    assert "`stage_taken`" in table
+
+
+def test_error_codes_section_6_2_names_every_family():
+    text = section("### 6.2", "## 7.")
+    assert "§6, §6.1 or §5.1" in text and "`retransmit_unavailable`" in text and "`internal`" in text
+    codebook = section("### 5.1", "### 5.2")
+    assert all(f"`{code}`" in codebook for code in CODEBOOK_ERRORS_BY_CODE)
+
+
+def test_reject_codes_and_capabilities_are_listed():
+    m = re.search(r"`REJECT\.code` is one of ((?:`\w+`,?\s*(?:or\s*)?)+)", SPEC)
+    assert tuple(re.findall(r"`(\w+)`", m.group(1))) == spec.REJECT_CODES
+    caps = set(re.findall(r"^\| `(\w+)` \| 1\.\d \|", section("### 5.3", "## 6."), re.M))
+    assert caps == {spec.PIPELINE_CAPABILITY, VQ_CAPABILITY, RETRANSMIT_CAPABILITY, INDEXED_SLICES_CAPABILITY,
+                    spec.CHECKPOINT_CAPABILITY}
+
+
+def test_every_meta_field_is_in_the_type_table():
+    table = section("## 5. Message types", "- **HELLO / WELCOME / REJECT**")
+    for required, optional in META_SCHEMA.values():
+        for key in (*required, *optional):
+            assert f"`{key}`" in table, key
