@@ -178,7 +178,7 @@ else
   GPU_ARGS=(--gpus 0,0,0,0)  # one GPU shared by the 4 peers
   SLICE_STEPS=5
   SLICE_ARGS=(--set optim.warmup_steps=2 --set data.max_corpus_bytes=8000000)
-  SWEEP_ONLY="P4"  # every run of the grid's P=4 group: all six codecs
+  SWEEP_ONLY="P4"  # every run of the grid's P=4 group: all seven codecs
 fi
 SWARM_ARGS+=(--set optim.warmup_steps=1 --set eval.interval_steps=0 --set checkpoint.interval_steps=0
              --set "data.cache_dir=\"$WORK/cache\"" --set "run.out_dir=\"$WORK/swarm\"" --set 'run.run_id="gpu-check"'
