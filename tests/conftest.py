@@ -22,6 +22,23 @@ def micro_config(**sections) -> TrainConfig:
     return config_from_dict(raw, "micro_config")
 
 
+def stdlib_run_config(cache, out, steps: int, **checkpoint) -> TrainConfig:
+    """A 2-stage d=32 mapl run on a 200 kB stdlib corpus cached under ``cache``, writing to ``out``
+    (checkpoint settings: every 20 steps unless ``checkpoint`` says otherwise): resume tests."""
+    return config_from_dict({
+        "model": {"vocab_size": 512, "hidden_size": 32, "num_layers": 2, "num_heads": 2,
+                  "ffn_hidden_size": 64, "context_length": 16},
+        "compression": {"codec": "mapl", "rank": 8, "anchor_rank": 8},
+        "optim": {"warmup_steps": 2},
+        "data": {"source": "stdlib", "vocab_size": 512, "max_corpus_bytes": 200_000, "val_fraction": 0.2,
+                 "cache_dir": str(cache)},
+        "run": {"steps": steps, "out_dir": str(out)},
+        "pipeline": {"num_stages": 2, "micro_batch_size": 2, "num_micro_batches": 1},
+        "eval": {"interval_steps": 0, "batches": 1},
+        "checkpoint": {"interval_steps": 20, **checkpoint},
+    }, "stdlib_run_config")
+
+
 @pytest.fixture
 def make_config():
     return micro_config

@@ -14,30 +14,19 @@ from pathlib import Path
 
 import pytest
 
-from mapl_swarm.config import config_from_dict
 from mapl_swarm.errors import CheckpointError
 from mapl_swarm.pipeline import checkpoint
 from mapl_swarm.pipeline.run_policy import StageCheckpoints
 from mapl_swarm.pipeline.trainer import train
 
 from checkpoint_damage import flip_tensor_byte, truncate
+from conftest import stdlib_run_config
 
 STEPS, EVERY = 4, 2  # checkpoints at 2 and 4; a resume from 2 trains steps 3 and 4
 
 
 def _cfg(cache: Path, out: Path):
-    return config_from_dict({
-        "model": {"vocab_size": 512, "hidden_size": 32, "num_layers": 2, "num_heads": 2,
-                  "ffn_hidden_size": 64, "context_length": 16},
-        "compression": {"codec": "mapl", "rank": 8, "anchor_rank": 8},
-        "optim": {"warmup_steps": 2},
-        "data": {"source": "stdlib", "vocab_size": 512, "max_corpus_bytes": 200_000, "val_fraction": 0.2,
-                 "cache_dir": str(cache)},
-        "run": {"steps": STEPS, "out_dir": str(out)},
-        "pipeline": {"num_stages": 2, "micro_batch_size": 2, "num_micro_batches": 1},
-        "eval": {"interval_steps": 0, "batches": 1},
-        "checkpoint": {"interval_steps": EVERY, "keep": 2},
-    })
+    return stdlib_run_config(cache, out, STEPS, interval_steps=EVERY, keep=2)
 
 
 def _losses(out: Path) -> dict[int, float]:

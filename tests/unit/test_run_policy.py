@@ -6,11 +6,12 @@ import json
 import pytest
 import torch
 
-from mapl_swarm.config import config_from_dict
 from mapl_swarm.errors import CheckpointError
 from mapl_swarm.pipeline import checkpoint
 from mapl_swarm.pipeline.run_policy import (MetricsLog, StageCheckpoints, choose_resume_step, start_fresh)
 from mapl_swarm.pipeline.trainer import train
+
+from conftest import stdlib_run_config
 
 
 @pytest.mark.parametrize("local, complete, keep, doomed", [
@@ -94,19 +95,7 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
 
 
-def _cfg(cache, out, steps, **checkpoint):
-    return config_from_dict({
-        "model": {"vocab_size": 512, "hidden_size": 32, "num_layers": 2, "num_heads": 2,
-                  "ffn_hidden_size": 64, "context_length": 16},
-        "compression": {"codec": "mapl", "rank": 8, "anchor_rank": 8},
-        "optim": {"warmup_steps": 2},
-        "data": {"source": "stdlib", "vocab_size": 512, "max_corpus_bytes": 200_000, "val_fraction": 0.2,
-                 "cache_dir": str(cache)},
-        "run": {"steps": steps, "out_dir": str(out)},
-        "pipeline": {"num_stages": 2, "micro_batch_size": 2, "num_micro_batches": 1},
-        "eval": {"interval_steps": 0, "batches": 1},
-        "checkpoint": {"interval_steps": 20, **checkpoint},
-    })
+_cfg = stdlib_run_config
 
 
 def test_new_user_resume_sequence(tmp_path, cache):
