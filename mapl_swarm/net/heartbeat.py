@@ -11,7 +11,9 @@ neighbour that never comes up is also reported.
 runs on a worker thread), so a neighbour in a 30 s step still heartbeats. Each heartbeat is sent
 by a task of its own: a send that waits (a full send buffer, a neighbour that stopped reading)
 delays neither the silence checks nor the heartbeats to other peers, and at most one heartbeat per
-peer is pending at a time. A monitor whose own loop did not run for a while (the process was
+peer is pending at a time. A heartbeat keeps its place in its link's order (a session's sequence
+numbers are strict, SPEC §9.3), so on a busy link it waits behind the messages sent before it —
+which then arrive, and count as signs of life, meanwhile. A monitor whose own loop did not run for a while (the process was
 stopped, or the loop blocked) moves every silence clock on by that gap: what it did not hear while
 it was not listening is not the neighbours' silence.
 
@@ -172,7 +174,7 @@ class Silence:
 class _Peer:
     """What the monitor tracks of one watched peer."""
 
-    __slots__ = ("heard", "sent", "sending", "rtt", "echo", "silent")
+    __slots__ = ("heard", "sent", "sending", "rtt", "echo", "echoed", "answer", "silent")
 
 
     def __init__(self, now: float) -> None:
@@ -181,6 +183,8 @@ class _Peer:
         self.sending: asyncio.Task[None] | None = None
         self.rtt = RttEstimator()
         self.echo: tuple[int, int] | None = None  # (its sent_ns, our monotonic_ns when heard)
+        self.echoed = False  # a heartbeat with an echo went out
+        self.answer = False  # one should, as soon as the heartbeat on its way is sent
         self.silent = False
 
 
@@ -214,6 +218,7 @@ class HeartbeatMonitor:
         if peer not in self._peers:
             state = self._peers[peer] = _Peer(self._clock())
             state.echo = self._early.pop(peer, None)  # its heartbeat came before it welcomed us
+            state.answer = state.echo is not None
             if self._task is not None:
                 self._start_heartbeat(peer, state)
 
@@ -241,14 +246,17 @@ class HeartbeatMonitor:
                 self._early[peer] = (sent, now_ns)
             return
         if type(sent) is int and sent >= 0:
-            first = state.echo is None
             state.echo = (sent, now_ns)
-            if first:  # answer the first one at once: both sides know the round trip right after the handshake
+            if not state.echoed:  # answer at once: both sides know the round trip right after the handshake
+                state.answer = True
                 self._start_heartbeat(peer, state)
         if "echo_ns" in meta:
             sample = rtt_sample_s(now_ns, meta.get("echo_ns"), meta.get("held_ns", 0))
             if sample is not None and sample <= self.config.timeout_s:
                 state.rtt.add(sample)
+                if state.rtt.samples == 1:
+                    logger.info("peer %r: round trip %.1f ms, liveness deadline %.1f s", peer, sample * 1e3,
+                                liveness_deadline(state.rtt.estimate, self.config))
 
     def heartbeat_meta(self, peer: str) -> dict[str, int]:
         """The timestamps of the next heartbeat to ``peer``: ``sent_ns`` and, once it sent one,
@@ -258,6 +266,7 @@ class HeartbeatMonitor:
         state = self._peers.get(peer)
         if state is not None and state.echo is not None:
             meta["echo_ns"], meta["held_ns"] = state.echo[0], max(0, now_ns - state.echo[1])
+            state.echoed, state.answer = True, False
         return meta
 
     # ------------------------------------------------------------------ what it knows
@@ -342,13 +351,20 @@ class HeartbeatMonitor:
 
     async def _heartbeat(self, peer: str) -> None:
         try:
-            await asyncio.wait_for(self._send(peer), max(self.config.interval_s, self.config.floor))
+            await asyncio.wait_for(self._send(peer), self.config.timeout_s)  # behind a full link: it waits its turn
         except (NetError, asyncio.TimeoutError) as exc:
             logger.warning("heartbeat to %r failed: %s", peer, exc or "timeout")
+        state = self._peers.get(peer)
+        if state is not None and state.answer:  # an echo arrived while this one was on its way
+            state.answer = False
+            asyncio.get_running_loop().call_soon(self._start_heartbeat, peer, state)
 
     async def _run(self) -> None:
         while True:
-            self.check()
+            try:
+                self.check()
+            except Exception:  # noqa: BLE001 - the monitor must outlive a failing callback
+                logger.exception("heartbeat check failed")
             await asyncio.sleep(self.tick_s)
 
 
