@@ -8,6 +8,7 @@ process's own compute, :class:`~mapl_swarm.errors.NonFiniteError`), never as a t
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import signal
 import sys
@@ -123,6 +124,12 @@ def _cmd_peer(args: argparse.Namespace) -> int:
         peers += read_peers_file(args.initial_peers_file, cfg.net.timeout_s)
     result = run_peer(cfg, args.stage, run_key=run_key, initial_peers=peers, resume=args.resume,
                       progress=not args.quiet)
+    if result.end != "finished":  # drained or stopped: one line (under launch, the launcher's line)
+        if args.launched:
+            log.info("%s", result.end_note)
+        else:
+            print(f"mapl-swarm: {result.end_note}")
+        return 0
     if args.stage == 0 and result.train_losses:
         print(f"stage 0 done: {len(result.train_losses)} steps, last loss {result.train_losses[-1]:.4f}, "
               f"{result.tokens / max(result.wall_s, 1e-9):.0f} tokens/s, {result.bad_frames} bad frames dropped")
@@ -158,6 +165,9 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
     gpus = parse_gpus(args.gpus) if args.gpus else None
     s = launch(cfg, _config_args(args) + (["--resume"] if args.resume else []), progress=not args.quiet, gpus=gpus)
+    if s.end_note:  # drained (SIGINT/SIGTERM): one line
+        print(f"mapl-swarm: {s.end_note}")
+        return 0
     val = f", val loss {s.val_history[-1][1]:.4f}" if s.val_history else ""
     last = f"{s.train_losses[-1]:.4f}" if s.train_losses else "n/a"
     print(f"swarm {cfg.compression.codec} P={cfg.pipeline.num_stages}: {len(s.train_losses)} steps, train loss "
@@ -399,9 +409,14 @@ def _setup_logging(args: argparse.Namespace) -> None:
     logging.getLogger("hivemind").setLevel(max(level, logging.getLogger("hivemind").level))
 
 
+class _Terminated(BaseException):
+    """SIGTERM outside a serving peer (while it starts, in other commands)."""
+
+
 def _terminate(signum: int, frame: object) -> None:
-    """SIGTERM unwinds like Ctrl-C, so DHT children and sockets are closed by finally blocks."""
-    raise SystemExit(128 + signum)
+    """SIGTERM unwinds like Ctrl-C, so DHT children and sockets are closed by finally blocks. (A
+    serving peer and ``launch`` handle SIGINT/SIGTERM themselves: a graceful drain.)"""
+    raise _Terminated()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -412,11 +427,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except MaplError as exc:
-        print(f"mapl-swarm: error: {exc}", file=sys.stderr)
-        return exc.exit_code  # 2; 3 for a NaN/Inf in this process's own compute (NonFiniteError)
+        print(f"mapl-swarm: {exc.label}: {exc}", file=sys.stderr)
+        return exc.exit_code  # 2; 3 for a NaN/Inf in this process's own compute (NonFiniteError); 130 stopped
     except KeyboardInterrupt:
         print("mapl-swarm: interrupted", file=sys.stderr)
         return 130
+    except _Terminated:
+        print("mapl-swarm: stopped by SIGTERM", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    finally:
+        if argv is None:  # the program's own run, whose work is closed: skip the collection of torch's
+            gc.freeze()  # and hivemind's objects at interpreter exit (seconds on a busy machine)
 
 
 if __name__ == "__main__":

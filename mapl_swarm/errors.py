@@ -13,6 +13,8 @@ class MaplError(Exception):
 
     exit_code = 2
     """The CLI's exit status for this error."""
+    label = "error"
+    """The CLI's word before the message (``mapl-swarm: error: ...``)."""
 
 
 class ConfigError(MaplError):

@@ -162,7 +162,17 @@ class NetConfig:
     timeout_s: float = 120.0
     """Longest wait for any expected message (neighbour discovery, handshake, activations)."""
     heartbeat_interval_s: float = 2.0
-    """Heartbeat period on idle links."""
+    """Seconds between two heartbeats to each neighbour (sent by the event loop, which a long compute
+    does not block)."""
+    liveness_floor_s: float = 10.0
+    """Shortest silence after which a neighbour is declared lost, whatever its measured round trip:
+    a dead neighbour on a fast link is reported after about this long, and a stall shorter than it
+    (a GC pause, a few seconds of SIGSTOP) is survived. Capped at the ceiling; must exceed
+    ``heartbeat_interval_s``. Deadlines between floor and ceiling follow the link's round trip
+    (SPEC §9.5: ``clamp(4 x rtt estimate + 2 x heartbeat_interval_s, floor, ceiling)``)."""
+    liveness_ceiling_s: float = 0.0
+    """Longest silence a neighbour is allowed (a stopped process, a link that carries nothing), and
+    the deadline before its round trip is measured; 0: ``timeout_s``."""
     compress_ids: bool = True
     """lz4-compress token-id frames (activations are never compressed: lz4 gains nothing on them)."""
     max_frame_bytes: int = 256 * 1024 * 1024
@@ -189,6 +199,22 @@ class NetConfig:
                f"net.max_message_bytes must be 0 (derived from the run) or >= 4096, got {self.max_message_bytes}")
         _check(math.isfinite(self.zmq_heartbeat_s) and self.zmq_heartbeat_s >= 0,
                f"net.zmq_heartbeat_s must be >= 0 (0: off), got {self.zmq_heartbeat_s}")
+        _check(math.isfinite(self.liveness_floor_s) and self.liveness_floor_s > self.heartbeat_interval_s,
+               f"net.liveness_floor_s ({self.liveness_floor_s}) must be greater than net.heartbeat_interval_s "
+               f"({self.heartbeat_interval_s})")
+        _check(self.liveness_ceiling_s == 0 or self.liveness_ceiling_s >= self.liveness_floor_s,
+               f"net.liveness_ceiling_s must be 0 (net.timeout_s) or at least net.liveness_floor_s "
+               f"({self.liveness_floor_s}), got {self.liveness_ceiling_s}")
+
+    @property
+    def liveness_ceiling(self) -> float:
+        """The ceiling in effect: ``liveness_ceiling_s``, or ``timeout_s`` when that is 0."""
+        return self.liveness_ceiling_s or self.timeout_s
+
+    @property
+    def liveness_floor(self) -> float:
+        """The floor in effect: ``liveness_floor_s``, at most the ceiling (a short ``timeout_s``)."""
+        return min(self.liveness_floor_s, self.liveness_ceiling)
 
 
 @dataclass(frozen=True, kw_only=True)

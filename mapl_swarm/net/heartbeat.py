@@ -1,11 +1,37 @@
-"""Heartbeats and silent-peer detection, agnostic of the wire format.
+"""Heartbeats, round-trip times and silent-peer detection, agnostic of the wire format.
 
 A :class:`HeartbeatMonitor` calls an async ``send(peer)`` callback for every watched peer every
-``interval_s`` (the caller builds the HEARTBEAT message and sends it), and declares a peer
-*silent* when nothing was heard from it for ``timeout_s``: it then calls ``on_silent(peer,
-silence_s)`` once and wakes :meth:`HeartbeatMonitor.wait_silent`. Hearing from the peer again
-(any message, via :meth:`HeartbeatMonitor.heard`) clears the state. Watching a peer starts its
-silence clock, so a neighbour that never comes up is also reported after ``timeout_s``.
+``interval_s`` and declares a peer *silent* when nothing was heard from it for longer than that
+peer's **deadline**: it then calls ``on_silent(Silence)`` once and wakes
+:meth:`HeartbeatMonitor.wait_silent`. Hearing from the peer again (any message, via
+:meth:`HeartbeatMonitor.heard`) clears the state. Watching a peer starts its silence clock, so a
+neighbour that never comes up is also reported.
+
+**Nothing blocks it.** The monitor runs on the event loop, which never computes (a peer's compute
+runs on a worker thread), so a neighbour in a 30 s step still heartbeats. Each heartbeat is sent
+by a task of its own: a send that waits (a full send buffer, a neighbour that stopped reading)
+delays neither the silence checks nor the heartbeats to other peers, and at most one heartbeat per
+peer is pending at a time. A heartbeat keeps its place in its link's order (a session's sequence
+numbers are strict, SPEC §9.3), so on a busy link it waits behind the messages sent before it —
+which then arrive, and count as signs of life, meanwhile. A monitor whose own loop did not run for a while (the process was
+stopped, or the loop blocked) moves every silence clock on by that gap: what it did not hear while
+it was not listening is not the neighbours' silence.
+
+**Deadlines from round trips** (SPEC §9.5). Heartbeats carry timestamps (:meth:`heartbeat_meta`):
+``sent_ns``, this side's monotonic clock; ``echo_ns``, the ``sent_ns`` of the newest heartbeat
+heard from that peer; ``held_ns``, how long ago that was. The first heartbeat heard from a peer is
+answered at once, so both sides have a sample right after the handshake. The peer receiving an echo of its own
+``sent_ns`` has one round-trip sample, ``now - echo_ns - held_ns``, measured on its own clock only
+(the other side contributes a duration): it includes the time both heartbeats queued behind other
+messages, so a busy or slow link gets a longer deadline by itself. :class:`RttEstimator` smooths the
+samples as TCP does (RFC 6298: ``srtt``, ``rttvar``, estimate ``srtt + 4 rttvar``) and
+:func:`liveness_deadline` turns the estimate into the deadline::
+
+    deadline = clamp(rtt_factor x estimate + 2 x interval_s, floor_s, timeout_s)
+
+Before the first sample (or from a peer that does not echo) the deadline is ``timeout_s``, the
+ceiling. The floor keeps a fast link from declaring a neighbour dead over a short stall (a GC
+pause, a 3 s SIGSTOP); the ceiling bounds how long a stopped neighbour is waited for.
 
 :func:`attach_heartbeat` wires a monitor to a :class:`~mapl_swarm.net.transport.Transport`:
 heartbeats go out on the transport's links and every received message counts as heard from its
@@ -19,8 +45,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Awaitable, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Mapping, Sequence
 
 from mapl_swarm.errors import ConfigError
 from mapl_swarm.net.counters import Frame
@@ -29,9 +56,16 @@ from mapl_swarm.net.errors import NetError, NetTimeoutError
 if TYPE_CHECKING:
     from mapl_swarm.net.transport import Transport
 
-__all__ = ["HeartbeatConfig", "HeartbeatMonitor", "attach_heartbeat"]
+__all__ = ["HeartbeatConfig", "HeartbeatMonitor", "RttEstimator", "Silence", "attach_heartbeat",
+           "liveness_deadline", "rtt_sample_s", "RTT_FACTOR"]
 
 logger = logging.getLogger(__name__)
+
+RTT_FACTOR = 4.0
+"""Default ``k`` of the deadline: a link may be this many round-trip estimates slower than measured."""
+
+_STALL_S = 1.0
+"""A check that runs this much later than planned means this process did not run (stopped or blocked)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,7 +75,13 @@ class HeartbeatConfig:
     interval_s: float = 5.0
     """Seconds between two heartbeats sent to the same peer."""
     timeout_s: float = 30.0
-    """A peer heard nothing from for this long is declared silent; must exceed ``interval_s``."""
+    """The ceiling: a peer heard nothing from for this long is silent whatever its round trip; also
+    the deadline before a round trip is measured. Must exceed ``interval_s``."""
+    floor_s: float | None = None
+    """The shortest deadline a measured round trip can give; None: ``timeout_s`` (a fixed deadline,
+    round trips are measured but not used). Above it, deadlines follow :func:`liveness_deadline`."""
+    rtt_factor: float = RTT_FACTOR
+    """``k``: the deadline allows this many round-trip estimates, plus two heartbeat intervals."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.interval_s) and self.interval_s > 0):
@@ -49,54 +89,220 @@ class HeartbeatConfig:
         if not (math.isfinite(self.timeout_s) and self.timeout_s > self.interval_s):
             raise ConfigError(f"heartbeat.timeout_s ({self.timeout_s}) must be finite and greater "
                               f"than interval_s ({self.interval_s})")
+        if self.floor_s is not None and not (self.interval_s < self.floor_s <= self.timeout_s):
+            raise ConfigError(f"heartbeat.floor_s ({self.floor_s}) must be above interval_s ({self.interval_s}) "
+                              f"and at most timeout_s ({self.timeout_s})")
+        if not (math.isfinite(self.rtt_factor) and self.rtt_factor >= 1):
+            raise ConfigError(f"heartbeat.rtt_factor must be >= 1, got {self.rtt_factor}")
+
+    @property
+    def floor(self) -> float:
+        return self.timeout_s if self.floor_s is None else self.floor_s
+
+
+def liveness_deadline(estimate_s: float | None, config: HeartbeatConfig) -> float:
+    """Seconds of silence after which a peer is declared silent, given its round-trip estimate
+    (None: none measured yet, the ceiling): ``clamp(k x estimate + 2 x interval, floor, ceiling)``."""
+    if estimate_s is None:
+        return config.timeout_s
+    raw = config.rtt_factor * estimate_s + 2 * config.interval_s
+    return min(max(raw, config.floor), config.timeout_s)
+
+
+def rtt_sample_s(now_ns: int, echo_ns: Any, held_ns: Any) -> float | None:
+    """One round trip from an echoed heartbeat: ``now - echo_ns - held_ns`` in seconds, or None when
+    the echo is not a plausible one (not integers, from the future)."""
+    if type(echo_ns) is not int or type(held_ns) is not int or echo_ns < 0 or held_ns < 0:
+        return None
+    sample = now_ns - echo_ns - held_ns
+    return sample / 1e9 if sample >= 0 else None
+
+
+class RttEstimator:
+    """Smoothed round-trip time and its variation (RFC 6298 with alpha 1/8, beta 1/4)."""
+
+    ALPHA = 1 / 8
+    BETA = 1 / 4
+
+    def __init__(self) -> None:
+        self.srtt: float | None = None
+        """Smoothed round trip (s); None before the first sample."""
+        self.rttvar = 0.0
+        """Smoothed mean deviation (s)."""
+        self.samples = 0
+        self.last: float | None = None
+        """The newest sample (s)."""
+
+    def add(self, sample_s: float) -> None:
+        if not (math.isfinite(sample_s) and sample_s >= 0):
+            return
+        self.samples += 1
+        self.last = sample_s
+        if self.srtt is None:
+            self.srtt, self.rttvar = sample_s, sample_s / 2
+            return
+        self.rttvar = (1 - self.BETA) * self.rttvar + self.BETA * abs(self.srtt - sample_s)
+        self.srtt = (1 - self.ALPHA) * self.srtt + self.ALPHA * sample_s
+
+    @property
+    def estimate(self) -> float | None:
+        """``srtt + 4 rttvar`` (TCP's retransmission timeout without its 1 s minimum); None before a sample."""
+        return None if self.srtt is None else self.srtt + 4 * self.rttvar
+
+
+@dataclass(frozen=True)
+class Silence:
+    """A peer declared silent: what the monitor knew of it at that moment."""
+
+    peer: str
+    silence_s: float
+    """Seconds since anything was heard from it."""
+    last_seen: float
+    """Wall-clock time (``time.time()``) it was last heard from (or watched, if never)."""
+    deadline_s: float
+    """Its deadline when declared."""
+    rtt_s: float | None
+    """Its smoothed round trip (None: never measured)."""
+
+    def describe(self) -> str:
+        """``silent since 12:03:04 (10.4 s; deadline 10.0 s, round trip 0.4 ms)``."""
+        since = time.strftime("%H:%M:%S", time.localtime(self.last_seen))
+        rtt = "no round trip measured" if self.rtt_s is None else f"round trip {self.rtt_s * 1e3:.1f} ms"
+        return f"silent since {since} ({self.silence_s:.1f} s; deadline {self.deadline_s:.1f} s, {rtt})"
+
+
+class _Peer:
+    """What the monitor tracks of one watched peer."""
+
+    __slots__ = ("heard", "sent", "sending", "rtt", "echo", "echoed", "answer", "silent")
+
+
+    def __init__(self, now: float) -> None:
+        self.heard = now
+        self.sent = -math.inf
+        self.sending: asyncio.Task[None] | None = None
+        self.rtt = RttEstimator()
+        self.echo: tuple[int, int] | None = None  # (its sent_ns, our monotonic_ns when heard)
+        self.echoed = False  # a heartbeat with an echo went out
+        self.answer = False  # one should, as soon as the heartbeat on its way is sent
+        self.silent = False
 
 
 class HeartbeatMonitor:
-    """Sends heartbeats to watched peers and detects silent ones (see module docstring)."""
+    """Sends heartbeats to watched peers, measures their round trips and detects silent ones (see
+    the module docstring). ``clock`` (seconds) and ``clock_ns`` are monotonic clocks; tests may
+    replace them and drive :meth:`check` themselves."""
 
     def __init__(self, config: HeartbeatConfig, *, send: Callable[[str], Awaitable[None]],
-                 on_silent: Callable[[str, float], None] | None = None) -> None:
+                 on_silent: Callable[[Silence], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 clock_ns: Callable[[], int] = time.monotonic_ns) -> None:
         self.config = config
         self._send = send
         self._on_silent = on_silent
-        self._loop = asyncio.get_running_loop()
-        self._heard: dict[str, float] = {}
-        self._sent: dict[str, float] = {}
-        self._silent: set[str] = set()
+        self._clock = clock
+        self._clock_ns = clock_ns
+        self._peers: dict[str, _Peer] = {}
+        self._early: dict[str, tuple[int, int]] = {}
+        """Heartbeats heard from peers not watched yet (sent_ns, when): echoed once watched."""
         self._silent_event = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._last_check: float | None = None
+        self.tick_s = min(config.interval_s, config.floor / 10, 1.0)
+        """Seconds between two rounds of checks."""
 
+    # ------------------------------------------------------------------ what the owner tells it
     def watch(self, peer: str) -> None:
-        """Start sending heartbeats to ``peer`` and start its silence clock."""
-        now = self._loop.time()
-        self._heard.setdefault(peer, now)
-        self._sent.setdefault(peer, -math.inf)
+        """Start sending heartbeats to ``peer`` (the first one now, when running) and start its
+        silence clock."""
+        if peer not in self._peers:
+            state = self._peers[peer] = _Peer(self._clock())
+            state.echo = self._early.pop(peer, None)  # its heartbeat came before it welcomed us
+            state.answer = state.echo is not None
+            if self._task is not None:
+                self._start_heartbeat(peer, state)
+
+    def forget(self, peer: str) -> None:
+        """Stop watching ``peer`` (it left, or was declared silent and is no longer waited for)."""
+        state = self._peers.pop(peer, None)
+        if state is not None and state.sending is not None:
+            state.sending.cancel()
 
     def heard(self, peer: str) -> None:
         """Record that something arrived from ``peer`` (unwatched peers are ignored)."""
-        if peer in self._heard:
-            self._heard[peer] = self._loop.time()
-            self._silent.discard(peer)
+        state = self._peers.get(peer)
+        if state is not None:
+            state.heard = self._clock()
+            state.silent = False
 
+    def on_heartbeat(self, peer: str, meta: Mapping[str, Any]) -> None:
+        """A heartbeat's timestamps (SPEC §9.5): remember its ``sent_ns`` to echo, and take a round
+        trip sample from its ``echo_ns`` / ``held_ns``. Call :meth:`heard` too (any message is life)."""
+        state = self._peers.get(peer)
+        now_ns = self._clock_ns()
+        sent = meta.get("sent_ns")
+        if state is None:
+            if type(sent) is int and sent >= 0 and (peer in self._early or len(self._early) < 64):
+                self._early[peer] = (sent, now_ns)
+            return
+        if type(sent) is int and sent >= 0:
+            state.echo = (sent, now_ns)
+            if not state.echoed:  # answer at once: both sides know the round trip right after the handshake
+                state.answer = True
+                self._start_heartbeat(peer, state)
+        if "echo_ns" in meta:
+            sample = rtt_sample_s(now_ns, meta.get("echo_ns"), meta.get("held_ns", 0))
+            if sample is not None and sample <= self.config.timeout_s:
+                state.rtt.add(sample)
+                if state.rtt.samples == 1:
+                    logger.info("peer %r: round trip %.1f ms, liveness deadline %.1f s", peer, sample * 1e3,
+                                liveness_deadline(state.rtt.estimate, self.config))
+
+    def heartbeat_meta(self, peer: str) -> dict[str, int]:
+        """The timestamps of the next heartbeat to ``peer``: ``sent_ns`` and, once it sent one,
+        ``echo_ns`` / ``held_ns``."""
+        now_ns = self._clock_ns()
+        meta = {"sent_ns": now_ns}
+        state = self._peers.get(peer)
+        if state is not None and state.echo is not None:
+            meta["echo_ns"], meta["held_ns"] = state.echo[0], max(0, now_ns - state.echo[1])
+            state.echoed, state.answer = True, False
+        return meta
+
+    # ------------------------------------------------------------------ what it knows
     def silent(self) -> set[str]:
         """Peers currently declared silent."""
-        return set(self._silent)
+        return {p for p, s in self._peers.items() if s.silent}
 
+    def rtt(self, peer: str) -> RttEstimator | None:
+        state = self._peers.get(peer)
+        return None if state is None else state.rtt
+
+    def deadline_s(self, peer: str) -> float:
+        """``peer``'s current deadline (:func:`liveness_deadline` of its round-trip estimate)."""
+        state = self._peers.get(peer)
+        return liveness_deadline(None if state is None else state.rtt.estimate, self.config)
+
+    def silence_s(self, peer: str) -> float:
+        """Seconds since ``peer`` was last heard from."""
+        return self._clock() - self._peers[peer].heard
+
+    # ------------------------------------------------------------------ running
     def start(self) -> "HeartbeatMonitor":
         """Start the background task (idempotent); returns self."""
         if self._task is None:
-            self._task = self._loop.create_task(self._run(), name="heartbeat")
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="heartbeat")
         return self
 
     async def aclose(self) -> None:
-        """Stop the background task."""
+        """Stop the background task and any heartbeat still being sent."""
+        tasks = [s.sending for s in self._peers.values() if s.sending is not None]
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            tasks.append(self._task)
             self._task = None
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def wait_silent(self, timeout_s: float) -> str:
         """Wait until some watched peer is silent and return its name."""
@@ -105,33 +311,67 @@ class HeartbeatMonitor:
         except asyncio.TimeoutError:
             raise NetTimeoutError(f"no peer went silent within {timeout_s:g} s") from None
         self._silent_event.clear()
-        return sorted(self._silent)[0] if self._silent else ""
+        silent = self.silent()
+        return sorted(silent)[0] if silent else ""
+
+    def check(self) -> list[Silence]:
+        """One round: start the heartbeats that are due, declare the peers past their deadline
+        silent (``on_silent`` once each). Returns the new silences."""
+        now = self._clock()
+        if self._last_check is not None:
+            late = now - self._last_check - self.tick_s
+            if late > _STALL_S:  # this process was not running: nobody was heard meanwhile
+                logger.info("heartbeat checks ran %.1f s late (this process was stopped or blocked); "
+                            "silence clocks move on by as much", late)
+                for state in self._peers.values():
+                    state.heard = min(now, state.heard + late)
+        self._last_check = now
+        found: list[Silence] = []
+        for peer, state in list(self._peers.items()):
+            if now - state.sent >= self.config.interval_s:
+                self._start_heartbeat(peer, state)
+            silence = now - state.heard
+            deadline = liveness_deadline(state.rtt.estimate, self.config)
+            if silence > deadline and not state.silent:
+                state.silent = True
+                found.append(Silence(peer, silence, time.time() - silence, deadline, state.rtt.srtt))
+        for s in found:
+            logger.warning("peer %r %s", s.peer, s.describe())
+            if self._on_silent is not None:
+                self._on_silent(s)
+            self._silent_event.set()
+        return found
+
+    def _start_heartbeat(self, peer: str, state: _Peer) -> None:
+        """Send a heartbeat to ``peer`` now, on a task of its own, unless one is still on its way."""
+        if state.sending is not None and not state.sending.done():
+            return
+        state.sent = self._clock()
+        state.sending = asyncio.get_running_loop().create_task(self._heartbeat(peer), name=f"heartbeat->{peer}")
+
+    async def _heartbeat(self, peer: str) -> None:
+        try:
+            await asyncio.wait_for(self._send(peer), self.config.timeout_s)  # behind a full link: it waits its turn
+        except (NetError, asyncio.TimeoutError) as exc:
+            logger.warning("heartbeat to %r failed: %s", peer, exc or "timeout")
+        state = self._peers.get(peer)
+        if state is not None and state.answer:  # an echo arrived while this one was on its way
+            state.answer = False
+            asyncio.get_running_loop().call_soon(self._start_heartbeat, peer, state)
 
     async def _run(self) -> None:
-        tick = min(self.config.interval_s, self.config.timeout_s / 4)
         while True:
-            now = self._loop.time()
-            for peer in list(self._heard):
-                if now - self._sent.get(peer, -math.inf) >= self.config.interval_s:
-                    self._sent[peer] = now
-                    try:
-                        await asyncio.wait_for(self._send(peer), self.config.interval_s)
-                    except (NetError, asyncio.TimeoutError) as exc:
-                        logger.warning("heartbeat to %r failed: %s", peer, exc or "timeout")
-                silence = self._loop.time() - self._heard.get(peer, math.inf)
-                if silence >= self.config.timeout_s and peer in self._heard and peer not in self._silent:
-                    self._silent.add(peer)
-                    logger.warning("peer %r silent for %.1f s", peer, silence)
-                    if self._on_silent is not None:
-                        self._on_silent(peer, silence)
-                    self._silent_event.set()
-            await asyncio.sleep(tick)
+            try:
+                self.check()
+            except Exception:  # noqa: BLE001 - the monitor must outlive a failing callback
+                logger.exception("heartbeat check failed")
+            await asyncio.sleep(self.tick_s)
 
 
 def attach_heartbeat(transport: "Transport", config: HeartbeatConfig,
                      make_heartbeat: Callable[[str], Sequence[Frame]], *,
                      peers: Iterable[str] | None = None, kind: str = "HEARTBEAT",
-                     on_silent: Callable[[str, float], None] | None = None) -> HeartbeatMonitor:
+                     on_silent: Callable[[Silence], None] | None = None) -> HeartbeatMonitor:
     """Start a monitor that sends ``make_heartbeat(peer)`` on each link (counted under ``kind``)
     and treats every message received from a peer as a sign of life.
 

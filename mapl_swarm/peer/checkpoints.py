@@ -183,7 +183,8 @@ class PeerRunPolicy:
     ``capabilities`` (HELLO) -> ``on_message`` (every CHECKPOINT) -> ``begin`` (after the handshake:
     the start step, agreed with the other stages on resume, its state loaded on the compute thread)
     -> per step ``step_end`` (metrics record; checkpoint saved on the compute thread, then its
-    agreement), ``train_loss`` / ``val_loss`` (stage 0) -> ``finish`` (stage 0, before BYE) -> ``close``.
+    agreement), ``train_loss`` / ``val_loss`` (stage 0), ``drain_at`` (a drain: that step is saved)
+    -> ``finish`` (stage 0, before BYE) -> ``close``.
     It is the schedule's :class:`~.schedule.RunHooks`."""
 
     def __init__(self, cfg: TrainConfig, stage: int, data: "PreparedData", fingerprint: str, *, resume: bool,
@@ -198,6 +199,13 @@ class PeerRunPolicy:
         self.records: StepRecords | None = None
         self._unsaved: set[int] = set()
         """Steps this stage could not save (a full disk): never complete."""
+        self._saving: set[int] = set()
+        """Steps this stage saves or saved in this run (never twice)."""
+        self._start = 0
+        self._ended = 0
+        """The steps done at this stage's latest step end (the start step before any)."""
+        self.drain_step: int | None = None
+        """The swarm's drain step (:mod:`~.drain`), once decided: saved even when not due."""
         self.capabilities = [CHECKPOINT_CAPABILITY]
 
     async def on_message(self, msg: Message) -> None:
@@ -220,6 +228,7 @@ class PeerRunPolicy:
             self.store.resumed(start)
             await self.compute.run(self._load, start)
             log.info("stage %d resumed from step %d (agreed by every stage)", self.stage, start)
+        self._start = self._ended = start
         run_policy.write_manifest(self.cfg, self.data, driver="swarm", fingerprint=self.fingerprint,
                                   resumed_from=start, stage=self.stage)
         path = run_policy.metrics_path(self.cfg.run.out_dir, self.stage)
@@ -245,12 +254,43 @@ class PeerRunPolicy:
     def checkpoint_due(self, step: int) -> bool:
         return run_policy.checkpoint_due(self.cfg, step)
 
+    @property
+    def checkpoints_on(self) -> bool:
+        """Checkpoints are saved at all (``checkpoint.interval_steps`` > 0)."""
+        return self.cfg.checkpoint.interval_steps > 0
+
+    def _claim_save(self, step: int) -> bool:
+        """Whether to save ``step`` now: due, or the drain step (with checkpoints on), and not saved
+        yet. Claims it (no await between the check and the claim, so never twice)."""
+        if step in self._saving or not (self.checkpoint_due(step) or
+                                        (step == self.drain_step and self.checkpoints_on)):
+            return False
+        self._saving.add(step)
+        return True
+
+    async def _save_and_agree(self, step: int) -> None:
+        if await self.compute.run(self._save, step):
+            await self.agreement.on_saved(step)
+
     async def step_end(self, step: int, metrics: dict[str, float]) -> None:
-        """After optimizer step ``step``: its metrics record; a checkpoint when due, then its agreement."""
+        """After optimizer step ``step``: its metrics record; a checkpoint when due (or the drain
+        step), then its agreement."""
         if self.records is not None:
             self.records.stage_step(step, metrics)
-        if self.checkpoint_due(step) and await self.compute.run(self._save, step):
-            await self.agreement.on_saved(step)
+        self._ended = step
+        if self._claim_save(step):
+            await self._save_and_agree(step)
+
+    async def drain_at(self, step: int) -> None:
+        """The swarm drains at ``step`` (:mod:`~.drain`): saved at this stage's step end ``step``,
+        or now when that has passed (the stage waits, idle, for a step that will not come)."""
+        self.drain_step = step
+        if self._ended == step > self._start and self._claim_save(step):
+            await self._save_and_agree(step)
+
+    def saved(self, step: int) -> bool:
+        """This stage saved ``step`` in this run (claimed and written)."""
+        return step in self._saving and step not in self._unsaved
 
     def train_loss(self, step: int, loss: float, tokens: int) -> None:
         if self.records is not None:
@@ -260,10 +300,11 @@ class PeerRunPolicy:
         if self.records is not None:
             self.records.val_loss(step, loss)
 
-    async def finish(self, failed: Callable[[], BaseException | None]) -> None:
-        """Stage 0 at the end: until the final checkpoint is complete, so every stage hears it before BYE."""
-        final = self.cfg.run.steps
-        if self.checkpoint_due(final) and self.agreement.enabled and final not in self._unsaved:
+    async def finish(self, failed: Callable[[], BaseException | None], step: int | None = None) -> None:
+        """Stage 0 at the end (``step``: the drain step; None: the run's last): until its checkpoint is
+        complete, so every stage hears it before BYE."""
+        final = self.cfg.run.steps if step is None else step
+        if self.saved(final) and self.agreement.enabled:
             await self.agreement.wait_complete(final, self.cfg.net.timeout_s, failed)
 
     def close(self) -> None:

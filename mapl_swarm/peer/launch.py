@@ -2,8 +2,15 @@
 
 The launcher starts a DHT node (the bootstrap), then one ``mapl-swarm peer`` process per stage
 with the machine's cores split between their torch threads, waits for them, and stops all of
-them cleanly (SIGTERM, then SIGKILL after a grace period) on Ctrl-C or as soon as any one fails.
-At the end it prints the swarm's loss, tokens/s and measured bytes/token per link.
+them as soon as any one fails (:func:`stop_all`: SIGTERM twice, which stops a peer at once, then
+SIGKILL after a grace period). At the end it prints the swarm's loss, tokens/s and measured
+bytes/token per link.
+
+Ctrl-C / SIGTERM: each peer runs in a process group of its own, so a terminal's Ctrl-C reaches the
+launcher only, and the launcher forwards every SIGINT/SIGTERM it gets to each peer, once: the
+first one drains the swarm (every stage stops after the same step and checkpoints it,
+:mod:`~.drain`), a second stops the peers at once. When every peer drained, the launcher returns a
+summary whose ``end_note`` is the one line to print, and exits 0.
 
 GPUs: each peer is given one GPU through its own ``CUDA_VISIBLE_DEVICES`` (:func:`gpu_plan`):
 round-robin over the launcher's visible GPUs, or over ``--gpus 0,1,2,3``; several peers may share
@@ -26,6 +33,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,15 +45,18 @@ from mapl_swarm.errors import ConfigError, MaplError
 from mapl_swarm.net.dht_node import check_listen_address
 from mapl_swarm.net.discovery import Discovery, DiscoveryConfig
 from mapl_swarm.net.runkey import run_dir_key
+from mapl_swarm.peer.drain import Interrupted
 from mapl_swarm.procs import die_with_parent
 from mapl_swarm.pipeline.payload import BACKWARD_KINDS, FORWARD_KINDS, kind_bytes
 
 log = logging.getLogger(__name__)
 
 __all__ = ["launch", "SwarmSummary", "summarize", "stop_all", "parse_gpus", "visible_gpus", "gpu_plan",
-           "PeerProcess", "peer_processes"]
+           "PeerProcess", "peer_processes", "drain_note"]
 
 _GRACE_S = 20.0
+_ABORT_GAP_S = 0.5
+"""Between the two SIGTERMs of :func:`stop_all` (two signals at once may arrive as one)."""
 
 
 @dataclass
@@ -58,6 +69,10 @@ class SwarmSummary:
     wall_s: float
     links: list[dict[str, float]]
     """Per boundary: payload and wire bytes per token forward and backward, by kind."""
+    end_note: str = ""
+    """Set when the swarm drained or stopped on a signal: the one line to print (else empty)."""
+    drained_at: int | None = None
+    """The step every stage stopped after, when it drained."""
 
 
 def summarize(out_dir: str | Path, num_stages: int) -> SwarmSummary:
@@ -88,9 +103,15 @@ def summarize(out_dir: str | Path, num_stages: int) -> SwarmSummary:
 
 
 def stop_all(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
+    """Stop every peer still running at once: SIGTERM (a peer drains on it), and after
+    ``_ABORT_GAP_S`` a second SIGTERM (a peer stops at once on it); SIGKILL after ``_GRACE_S``."""
+    for _ in range(2):
+        alive = [p for p in procs if p.poll() is None]
+        for p in alive:
             p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + _ABORT_GAP_S
+        while alive and time.monotonic() < deadline and any(p.poll() is None for p in alive):
+            time.sleep(0.05)  # supervising child processes, not synchronising tests
     deadline = time.monotonic() + _GRACE_S
     for p in procs:
         try:
@@ -254,26 +275,103 @@ def launch(cfg: TrainConfig, config_args: list[str], *, progress: bool = True,
         out = Path(cfg.run.out_dir)
         log.info("metrics: %s (one per stage, appended every step); checkpoints: %s; manifest: %s",
                  out / f"metrics_stage{{0..{P - 1}}}.jsonl", out / "checkpoints", out / "manifest.json")
-        for peer in peer_processes(P, config_args, maddr=maddr, threads=threads, progress=progress, gpus=plan,
-                                   environ=os.environ, key_file=run_key.path, net_port=cfg.net.port,
-                                   dht_port=cfg.net.dht_port):
-            # a launcher killed even by SIGKILL takes its peers (and with them their DHT nodes) along
-            procs.append(subprocess.Popen(peer.cmd, env=peer.env, preexec_fn=die_with_parent()))
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [(s, c) for s, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                s, c = failed[0]
-                raise MaplError(f"stage {s} peer exited with status {c}; stopped the swarm")
-            if all(c == 0 for c in codes):
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                raise MaplError(f"swarm did not finish within {timeout_s:g} s; stopped it")
-            time.sleep(0.2)  # supervising child processes, not synchronising tests
+        with _Forwarded() as signals:
+            for peer in peer_processes(P, config_args, maddr=maddr, threads=threads, progress=progress, gpus=plan,
+                                       environ=os.environ, key_file=run_key.path, net_port=cfg.net.port,
+                                       dht_port=cfg.net.dht_port):
+                # a launcher killed even by SIGKILL takes its peers (and with them their DHT nodes) along;
+                # a process group of its own: Ctrl-C reaches the launcher, which forwards it once
+                procs.append(subprocess.Popen(peer.cmd, env=peer.env, preexec_fn=die_with_parent(),
+                                              process_group=0))
+            _supervise(procs, signals, timeout_s, drain_timeout_s=cfg.net.timeout_s + 60.0)
     except KeyboardInterrupt:
         raise MaplError("interrupted; stopped every peer") from None
     finally:
         stop_all(procs)
         bootstrap.close()
+    if signals.received:
+        note, step = drain_note(cfg, signals.received[0])
+        if note:
+            return SwarmSummary([], [], [], 0, 0.0, [], end_note=note, drained_at=step)
     return summarize(cfg.run.out_dir, P)
+
+
+class _Forwarded:
+    """While open (on the main thread), SIGINT and SIGTERM are recorded for :func:`_supervise` to
+    forward instead of interrupting the launcher."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received: list[str] = []
+        self._pending: list[int] = []
+        self._previous: dict[int, object] = {}
+
+    def _record(self, signum: int, frame: object) -> None:
+        self.received.append(signal.Signals(signum).name)
+        self._pending.append(signum)
+
+    def take(self) -> list[int]:
+        """Signals received since the last call, in order."""
+        out, self._pending = self._pending, []
+        return out
+
+    def __enter__(self) -> "_Forwarded":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._record)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+
+
+def _supervise(procs: list[subprocess.Popen], signals: _Forwarded, timeout_s: float | None, *,
+               drain_timeout_s: float) -> None:
+    """Until every peer exited 0; forwards each signal to every peer still running. Raises
+    MaplError naming the first peer that failed (or, after a signal, that did not drain)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        for sig in signals.take():
+            log.info("%s: forwarded to every peer (%s)", signal.Signals(sig).name,
+                     "they drain: finish the current step, checkpoint it, exit" if len(signals.received) == 1
+                     else "they stop at once")
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(sig)
+            if len(signals.received) == 1:
+                deadline = time.monotonic() + drain_timeout_s
+        codes = [p.poll() for p in procs]
+        failed = [(s, c) for s, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            s, c = failed[0]
+            if signals.received and c in (130, 128 + signal.SIGINT, 128 + signal.SIGTERM):
+                raise Interrupted(f"stage {s} peer stopped at once (status {c}); stopped the swarm")
+            raise MaplError(f"stage {s} peer exited with status {c}; stopped the swarm")
+        if all(c == 0 for c in codes):
+            return
+        if deadline is not None and time.monotonic() > deadline:
+            what = "drain" if signals.received else "finish"
+            raise MaplError(f"swarm did not {what} within {drain_timeout_s if signals.received else timeout_s:g} s; "
+                            f"stopped it")
+        time.sleep(0.2)  # supervising child processes, not synchronising tests
+
+
+def drain_note(cfg: TrainConfig, signal_name: str) -> tuple[str, int | None]:
+    """The launcher's one line after its peers drained on ``signal_name`` (from their result files), and
+    the step; ``""`` when every peer had finished the run anyway."""
+    results = []
+    for s in range(cfg.pipeline.num_stages):
+        path = Path(cfg.run.out_dir) / f"peer_stage{s}.json"
+        results.append(json.loads(path.read_text()) if path.exists() else {})
+    ends = [r.get("end", "missing") for r in results]
+    if all(end == "finished" for end in ends):
+        return "", None  # the signal came as the run ended: the usual summary
+    steps = {r.get("drained_at") for r in results}
+    if any(end != "drained" for end in ends) or len(steps) != 1:
+        stopped = ", ".join(f"stage {s} {end}" for s, end in enumerate(ends))
+        return f"swarm stopped ({signal_name}): {stopped}", None
+    step = steps.pop()
+    note = results[0].get("checkpoint_note", "").replace("--resume", "`mapl-swarm launch --resume`")
+    return f"swarm drained at step {step} ({signal_name}): {note}", step

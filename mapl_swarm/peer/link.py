@@ -22,6 +22,7 @@ what a link is without touching the schedule.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
@@ -167,6 +168,7 @@ class PeerLink:
         self._hello_nonce: bytes | None = None
         self._on_bad_frame = on_bad_frame
         self._seq = 0
+        self._send_lock = asyncio.Lock()
         self._transport: Transport | None = None
 
     @property
@@ -205,28 +207,37 @@ class PeerLink:
         return self.frames(Message(type=mtype, run_id=self.settings.run_id, src=self.settings.stage,
                                    dst=self.stage, seq=0, meta=meta))
 
-    async def send_heartbeat(self) -> None:
-        """HEARTBEAT with the next ``seq``; only once the neighbour welcomed this peer (SPEC §9.3)."""
+    async def send_heartbeat(self, meta: Callable[[], dict] | None = None) -> None:
+        """HEARTBEAT with the next ``seq``; only once the neighbour welcomed this peer (SPEC §9.3).
+        ``meta()`` gives its timestamps (SPEC §9.5), read when its turn to be framed comes."""
         if self.welcomed:
-            await self.send(MT.HEARTBEAT)
+            await self.send(MT.HEARTBEAT, meta=meta)
 
-    async def send(self, mtype: MessageType, *, step: int = 0, micro: int = 0, meta: dict | None = None,
+    async def send(self, mtype: MessageType, *, step: int = 0, micro: int = 0,
+                   meta: dict | Callable[[], dict] | None = None,
                    tensors: Mapping[str, torch.Tensor] | None = None, kinds: Mapping[str, LinkKind] | None = None,
                    pver: int = 0, cver: int = 0) -> None:
         """Send one message to the neighbour: next sequence number, torch -> wire tensors, payload
         bytes counted under ``kinds[name]`` per tensor (``kinds`` is required with ``tensors``).
         ``tensors`` are host tensors, contiguous: what :class:`~.host.HostRuntime` returns (the
-        frames view their memory until sent, see :func:`~.tensors.to_wire`)."""
+        frames view their memory until sent, see :func:`~.tensors.to_wire`). ``meta`` may be a
+        callable, called when the message is framed.
+
+        Sends on one link are serialised (a FIFO lock from the sequence number to the transport's
+        queue), so the neighbour gets them in ``seq`` order even when several tasks send at once
+        (the schedule, relayed REPORTs, heartbeats) and the link's send buffer is full."""
         if self._transport is None:
             raise RuntimeError(f"{self.local_name}: link to {self.name} used before connect()")
-        seq, self._seq = self._seq, self._seq + 1
-        wire_tensors = {str(k): to_wire(v) for k, v in (tensors or {}).items()}
-        msg = Message(type=mtype, run_id=self.settings.run_id, src=self.settings.stage, dst=self.stage, step=step,
-                      micro=micro, seq=seq, pver=pver, cver=cver, meta=meta or {}, tensors=wire_tensors)
-        frames = self.frames(msg)
-        for name, t in (tensors or {}).items():
-            self.counter.add(kinds[name], t)  # every tensor sent is counted under its kind
-        await self._transport.send(self.name, frames, kind=mtype.name)
+        async with self._send_lock:
+            seq, self._seq = self._seq, self._seq + 1
+            wire_tensors = {str(k): to_wire(v) for k, v in (tensors or {}).items()}
+            msg = Message(type=mtype, run_id=self.settings.run_id, src=self.settings.stage, dst=self.stage,
+                          step=step, micro=micro, seq=seq, pver=pver, cver=cver,
+                          meta=(meta() if callable(meta) else meta) or {}, tensors=wire_tensors)
+            frames = self.frames(msg)
+            for name, t in (tensors or {}).items():
+                self.counter.add(kinds[name], t)  # every tensor sent is counted under its kind
+            await self._transport.send(self.name, frames, kind=mtype.name)
 
     # ------------------------------------------------------------------ handshake
     async def send_hello(self) -> None:
@@ -331,8 +342,9 @@ class PeerLink:
     async def send_report(self, step: int, meta: dict) -> None:
         await self.send(MT.REPORT, step=step, meta=meta)
 
-    async def send_bye(self, meta: dict) -> None:
-        await self.send(MT.BYE, meta=meta)
+    async def send_bye(self, meta: dict, *, step: int = 0) -> None:
+        """BYE: this peer sends nothing more on the link (``step``: the steps it completed)."""
+        await self.send(MT.BYE, step=step, meta=meta)
 
     # ------------------------------------------------------------------ payloads in
     # Received tensors stay in wire form here (read-only views of the frames): the compute thread

@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["build_peer", "run_peer", "read_peers_file", "InsecureWarning", "INSECURE_WARNING_INTERVAL_S"]
+__all__ = ["build_peer", "run_peer", "serve_until_signalled", "read_peers_file", "InsecureWarning",
+           "INSECURE_WARNING_INTERVAL_S"]
 
 INSECURE_WARNING_INTERVAL_S = 60.0
 """How often an insecure peer repeats its warning."""
@@ -114,10 +115,20 @@ def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool 
                 secret=run_key.auth_key if run_key is not None else None, run_key=run_key)
 
 
+async def serve_until_signalled(peer):
+    """``peer.run()`` with SIGINT/SIGTERM handled on its event loop (:class:`~.drain.DrainSignals`):
+    the first drains the swarm (:meth:`~.runtime.Peer.request_drain`), a second stops at once."""
+    from mapl_swarm.peer.drain import DrainSignals
+
+    with DrainSignals(asyncio.get_running_loop(), drain=peer.request_drain, abort=peer.abort):
+        return await peer.run()
+
+
 def run_peer(cfg: TrainConfig, stage: int, *, run_key: RunKey | None, initial_peers: Sequence[str] = (),
              resume: bool = False, progress: bool = True,
              insecure_warning_interval_s: float = INSECURE_WARNING_INTERVAL_S):
-    """Run stage ``stage`` of ``cfg`` until the swarm finishes; returns its PeerResult. ``run_key``
+    """Run stage ``stage`` of ``cfg`` until the swarm finishes or drains (``result.end``); returns its
+    PeerResult. SIGINT/SIGTERM drain the swarm once the peer serves (:mod:`~.drain`). ``run_key``
     None runs insecure, warning every ``insecure_warning_interval_s``."""
     if not 0 <= stage < cfg.pipeline.num_stages:
         raise ConfigError(f"--stage {stage} is outside 0..{cfg.pipeline.num_stages - 1} (pipeline.num_stages)")
@@ -138,7 +149,7 @@ def run_peer(cfg: TrainConfig, stage: int, *, run_key: RunKey | None, initial_pe
         with InsecureWarning(stage, insecure_warning_interval_s) if run_key is None else contextlib.nullcontext():
             peer = build_peer(cfg, stage, resolve=discovery.lookup_async, announce=announce, resume=resume,
                               progress=progress, run_key=run_key)
-            result = run(peer.run())
+            result = run(serve_until_signalled(peer))
         write_result(result, cfg.run.out_dir)
         return result
     finally:

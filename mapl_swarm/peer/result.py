@@ -38,6 +38,16 @@ class PeerResult:
     """Per outbound link: shaped bytes sent and seconds the emulated link spent transmitting."""
     codebooks: dict[str, Any] = field(default_factory=dict)
     """mapl_vq: slices applied/ignored/rejected (by error code), RESYNCs, versions and digests."""
+    end: str = "finished"
+    """How the peer ended (exit status 0 each): ``finished`` (the run's last step), ``drained`` (a
+    graceful drain: every stage stopped after ``drained_at``), ``stopped`` (a signal before training
+    started, or a neighbour's planned departure)."""
+    end_note: str = ""
+    """For an end other than ``finished``: the one line to print."""
+    drained_at: int | None = None
+    """``drained``: the step every stage stopped after (and checkpointed, with checkpoints on)."""
+    checkpoint_note: str = ""
+    """``drained``: what became of that step's checkpoint (saved by every stage, not saved...)."""
 
 
 def write_result(result: PeerResult, out_dir: str | Path) -> Path:

@@ -11,10 +11,20 @@ A peer is assembled from parts, each owning one concern:
   bounded per neighbour;
 - :class:`~.compute.ComputeThread`: the stage's compute off the event loop, and the encode lock;
 - :class:`~.schedule.PipelineSchedule`: the 1F1B schedule, given all of the above and a step-end hook;
-- :class:`~.waiting.WaitingLog`: "waiting for stage K at ADDR (n s)" lines during long waits.
+- :class:`~.waiting.WaitingLog`: "waiting for stage K at ADDR (n s)" lines during long waits;
+- :class:`~mapl_swarm.net.heartbeat.HeartbeatMonitor` (``monitor``): heartbeats to each neighbour,
+  their round trips and liveness deadlines (SPEC §9.5);
+- :class:`~.departures.Departures`: neighbours that went silent or left, as events, and the policy
+  that decides what a departure does (today: this peer ends);
+- :class:`~.drain.Drain`: the graceful drain on SIGINT/SIGTERM (every stage saves the same step).
 
-The peer itself owns the lifecycle (transport, discovery, heartbeats, handshake, result) and the
-receive loop, whose :meth:`Peer._dispatch` routes each admitted message type through one table.
+The peer itself owns the lifecycle (transport, discovery, handshake, result), the receive loops
+and the dispatcher. Receiving never waits on handling: the receive loops admit each message and
+note the sign of life (heartbeats are handled right there), then queue it for the dispatcher, whose
+:meth:`Peer._dispatch` routes it through one table; a handler that waits (a relay to a neighbour
+whose send buffer is full) therefore never makes another neighbour look silent. The work (lookup,
+handshake, resume agreement, the schedule) runs as one task that a departure or a second signal
+cancels wherever it waits.
 
 The peer drives the same :class:`~mapl_swarm.pipeline.stage.StageRuntime` as the single-process
 pipeline. Messages that cannot be used (garbage, wrong version, run or sender, a type the sender may
@@ -26,6 +36,11 @@ go to a neighbour once it welcomed this peer. ERROR is informational (logged, co
 stops this peer (the neighbour left). A NaN/Inf in this peer's own compute
 (:class:`~mapl_swarm.errors.NonFiniteError`) ends the peer (exit status 3) after a BYE naming it
 upstream; downstream it is a lost neighbour (SPEC §9.5).
+
+Ends (``result.end``): ``finished`` (the last step), ``drained`` (a graceful drain, or a BYE
+``"drain"`` from upstream), ``stopped`` (a signal before training started, or a neighbour's planned
+departure) — all exit status 0, with ``result.end_note`` as the one line to print; an unplanned
+departure raises :class:`~.departures.NeighbourLost`, a second signal :class:`~.drain.Interrupted`.
 """
 
 from __future__ import annotations
@@ -42,14 +57,16 @@ from mapl_swarm.config import TrainConfig
 from mapl_swarm.errors import MaplError, NonFiniteError
 from mapl_swarm.net.emulator import LinkConfig
 from mapl_swarm.net.errors import NetError
-from mapl_swarm.net.heartbeat import HeartbeatConfig, HeartbeatMonitor
+from mapl_swarm.net.heartbeat import HeartbeatConfig, HeartbeatMonitor, Silence
 from mapl_swarm.net.transport import Transport, TransportConfig
-from mapl_swarm.peer.admission import Admission, Arrival, RejectCounter, mailbox_bound, run_shapes
+from mapl_swarm.peer.admission import Admission, Admitted, Arrival, RejectCounter, mailbox_bound, run_shapes
 from mapl_swarm.peer.compute import BackgroundTasks, ComputeThread, WorkerThread
+from mapl_swarm.peer.departures import Departure, Departures, NeighbourLost
+from mapl_swarm.peer.drain import DRAIN_CAPABILITY, DRAIN_PHASES, DRAIN_REASON, Drain, Interrupted
 from mapl_swarm.peer.link import LinkSettings, Links, PeerLink, Reply, stage_name, stage_of
 from mapl_swarm.peer.mailbox import Mailbox
 from mapl_swarm.peer.result import PeerResult, write_result
-from mapl_swarm.peer.schedule import NoRunHooks, PipelineSchedule, ScheduleSettings
+from mapl_swarm.peer.schedule import BYE_DRAIN, NoRunHooks, PipelineSchedule, ScheduleSettings
 from mapl_swarm.peer.session import HelloRefused, Rejected
 from mapl_swarm.peer.vq_link import codebook_summary
 from mapl_swarm.peer.waiting import WAIT_LOG_INTERVAL_S, WaitingLog
@@ -63,13 +80,24 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Peer", "PeerResult", "PeerRejected", "stage_name", "write_result"]
+__all__ = ["Peer", "PeerResult", "PeerRejected", "NeighbourLost", "Interrupted", "stage_name", "write_result"]
 
 MT = MessageType
+
+Then = Callable[[], Awaitable[None]]
+"""What the dispatcher does with one received message, after its admission."""
 
 
 class PeerRejected(MaplError):
     """A neighbour refused the handshake (version or config fingerprint mismatch)."""
+
+
+class _CleanStop(Exception):
+    """A planned end before the last step (exit status 0): ``end`` and the line to print."""
+
+    def __init__(self, end: str, note: str) -> None:
+        super().__init__(note)
+        self.end, self.note = end, note
 
 
 class Peer:
@@ -103,7 +131,7 @@ class Peer:
         settings = LinkSettings(
             run_id=cfg.run.run_id, stage=stage, num_stages=P, fingerprint=fingerprint,
             capabilities=("1f1b", *((VQ_CAPABILITY, RETRANSMIT_CAPABILITY, INDEXED_SLICES_CAPABILITY) if vq else ()),
-                          *(run_policy.capabilities if run_policy is not None else ())),
+                          *(run_policy.capabilities if run_policy is not None else ()), DRAIN_CAPABILITY),
             num_micro_batches=cfg.pipeline.num_micro_batches, micro_batch_size=cfg.pipeline.micro_batch_size,
             eval_batches=cfg.eval.batches, secret=secret, compress_ids=cfg.net.compress_ids,
             max_frame_bytes=cfg.net.max_frame_bytes)
@@ -113,17 +141,32 @@ class Peer:
         if vq:
             for link in self.links:
                 link.use_codebooks(runtime, self.compute, spawn=self.tasks.spawn)
+        self.drain = Drain(stage, P, send=self._send_checkpoint, can_send=self._takes_drain,
+                           on_decided=run_policy.drain_at if run_policy is not None else None)
+        """The graceful drain (:meth:`request_drain`: a signal)."""
         self.schedule = PipelineSchedule(
             runtime, self.links, self.mailbox, self.compute, name=self.name,
             settings=ScheduleSettings.from_config(cfg, start_step=start_step, progress=progress),
             result=self.result, waits=self.waits, hooks=run_policy or NoRunHooks(),
-            sampler=sampler, val_batches=val_batches or [], reject=self.rejects)
+            sampler=sampler, val_batches=val_batches or [], reject=self.rejects, drain=self.drain)
         self.run_policy = run_policy
         self.admission = Admission(
             settings, self.links, shapes=run_shapes(cfg, stage), window=self.schedule.window, rejects=self.rejects,
             decoder=self.decoder, timeout_s=cfg.net.timeout_s, clock=time.monotonic, replies_on_link=False)
-        self.monitor: HeartbeatMonitor | None = None
-        """Heartbeats to, and silence of, each neighbour once it welcomed this peer (set in :meth:`serve`)."""
+        net = cfg.net
+        self.monitor = HeartbeatMonitor(
+            HeartbeatConfig(interval_s=net.heartbeat_interval_s, timeout_s=net.liveness_ceiling,
+                            floor_s=net.liveness_floor),
+            send=self._heartbeat, on_silent=self._on_silent)
+        """Heartbeats to, round trips and silence of, each neighbour once it welcomed this peer
+        (running while :meth:`serve` does)."""
+        self.departures = Departures(self._on_departure)
+        """Neighbours that went silent or left (:mod:`~.departures`)."""
+        self._inbox: asyncio.Queue[Then] = asyncio.Queue()
+        self._inbox_bound = 4 * mailbox_bound(cfg) + 64
+        self._stop_event = asyncio.Event()
+        self._stop_reason: BaseException | None = None
+        self._training = False
         self._refused_versions: set[str] = set()
         self._welcome_event = asyncio.Event()
         self._handlers: dict[MessageType, Callable[[Message, PeerLink], Awaitable[None]]] = {
@@ -145,48 +188,79 @@ class Peer:
 
     # ------------------------------------------------------------------ receiving
     async def _receive_loop(self, transport: Transport) -> None:
-        """Messages on this peer's ROUTER, from every connection, one at a time (in order)."""
+        """Messages on this peer's ROUTER, from every connection, one at a time (in order), admitted
+        and queued for the dispatcher."""
         while True:
             sender, frames = await transport.recv(timeout_s=3600.0)
-            await self.receive(Arrival(sender, frames), transport)
+            self._queue(await self._admit(Arrival(sender, frames), transport), sender)
 
     async def _reply_loop(self, transport: Any) -> None:
         """Answers (WELCOME/REJECT) on this peer's own connections to its neighbours."""
         while True:
             link, frames = await transport.recv_reply(timeout_s=3600.0)
-            await self.receive(Arrival(link, frames, reply_link=link), transport)
+            self._queue(await self._admit(Arrival(link, frames, reply_link=link), transport), link)
+
+    def _queue(self, then: Then | None, sender: str) -> None:
+        if then is None:
+            return
+        if self._inbox.qsize() >= self._inbox_bound:
+            self.rejects("queue_full", sender, f"{self._inbox_bound} received messages wait for the dispatcher "
+                                               f"already")
+            return
+        self._inbox.put_nowait(then)
+
+    async def _dispatch_loop(self) -> None:
+        """Handles the admitted messages (and answers refused HELLOs) in arrival order: handlers may
+        wait, receiving goes on."""
+        while True:
+            then = await self._inbox.get()
+            await then()
 
     async def receive(self, arrival: Arrival, transport: Any) -> None:
-        """Admit one received message (:class:`~.admission.Admission`) and dispatch it; answer a
-        refused HELLO with REJECT on its own connection."""
+        """Admit one received message (:class:`~.admission.Admission`) and handle it at once; answer a
+        refused HELLO with REJECT on its own connection. (The receive loops admit and queue instead.)"""
+        then = await self._admit(arrival, transport)
+        if then is not None:
+            await then()
+
+    async def _admit(self, arrival: Arrival, transport: Any) -> Then | None:
+        """Admission, the sign of life, heartbeats and what later admissions depend on (a PROJ's
+        version), on the receive loop; returns what remains to do (handle the message, answer a
+        refused HELLO), or None."""
         try:
             got = await self.admission.admit(arrival)
         except HelloRefused as exc:
             self.rejects(exc.code, arrival.sender, exc.text)
             link = self._link_of(arrival)
-            if link is not None:
-                await self._answer(link.refuse(exc.code, exc.text, self._reply(transport, arrival, link),
-                                               hello_nonce=exc.hello_nonce))
-            return
+            if link is None:
+                return None
+            reply, code, text, nonce = self._reply(transport, arrival, link), exc.code, exc.text, exc.hello_nonce
+            return lambda: self._answer(link.refuse(code, text, reply, hello_nonce=nonce))
         except VersionMismatch as exc:
             self.rejects(exc.code, arrival.sender, str(exc))
             link = self._link_of(arrival)
-            if link is not None and arrival.sender not in self._refused_versions:  # once per connection
-                if len(self._refused_versions) >= 1024:
-                    self._refused_versions.clear()  # bounded memory; a connection may get a second answer
-                self._refused_versions.add(arrival.sender)
-                await self._answer(link.refuse(exc.code, str(exc), self._reply(transport, arrival, link)))
-            return
+            if link is None or arrival.sender in self._refused_versions:  # once per connection
+                return None
+            if len(self._refused_versions) >= 1024:
+                self._refused_versions.clear()  # bounded memory; a connection may get a second answer
+            self._refused_versions.add(arrival.sender)
+            reply, code, text = self._reply(transport, arrival, link), exc.code, str(exc)
+            return lambda: self._answer(link.refuse(code, text, reply))
         if got is None:
-            return
-        if self.monitor is not None:
-            self.monitor.heard(got.link.name)
+            return None
+        self.monitor.heard(got.link.name)
+        if got.msg.type is MT.HEARTBEAT:
+            self.monitor.on_heartbeat(got.link.name, got.msg.meta)  # its round-trip timestamps
+            return None
+        if got.msg.type is MT.PROJ:
+            got.link.pver = got.msg.pver  # the link's projector version moves on (SPEC §9.6)
+        return lambda: self._handle(got, arrival, transport)
+
+    async def _handle(self, got: Admitted, arrival: Arrival, transport: Any) -> None:
         if got.msg.type is MT.HELLO:
             reply = self._reply(transport, arrival, got.link)
             await self._answer(got.link.on_hello(got.msg, arrival.sender, reply, now=self.admission.clock()))
             return
-        if got.msg.type is MT.PROJ:
-            got.link.pver = got.msg.pver  # the link's projector version moves on (SPEC §9.6)
         try:
             await self._dispatch(got.msg, got.link)
         except Rejected as exc:  # queue_full
@@ -226,8 +300,7 @@ class Peer:
             self._welcome_event.set()
             return
         link.on_welcome(msg)
-        if self.monitor is not None:
-            self.monitor.watch(link.name)  # heartbeats to it from now on
+        self.monitor.watch(link.name)  # heartbeats to it from now on
         if self.links.all_welcomed:
             self._welcome_event.set()
 
@@ -246,15 +319,17 @@ class Peer:
             self.mailbox.fail(MaplError(f"stage {msg.src} failed: {msg.meta.get('message')}"))
 
     async def _on_bye(self, msg: Message, link: PeerLink) -> None:
-        """BYE from upstream ends the run (the schedule's); from downstream the neighbour left before
-        the end, and this peer cannot finish (SPEC §9.5)."""
-        if link.is_upstream:
+        """BYE from upstream ends the run (the schedule's; before training, a BYE ``"drain"`` is a
+        planned departure); from downstream the neighbour leaves: a planned departure with ``reason``
+        ``"drain"``, else it left before the end (SPEC §9.5)."""
+        reason = str(msg.meta.get("reason", ""))
+        if link.is_upstream and (self._training or reason != DRAIN_REASON):
             self.mailbox.put(msg)
-        else:
-            self.mailbox.fail(MaplError(f"stage {msg.src} left before the end: {msg.meta.get('reason')}"))
+            return
+        self._depart(link, "drain" if reason == DRAIN_REASON else "left", reason)
 
     async def _on_heartbeat(self, msg: Message, link: PeerLink) -> None:
-        pass  # any message is a sign of life (the transport's receive listener saw it)
+        self.monitor.on_heartbeat(link.name, msg.meta)  # (the receive loops handle heartbeats themselves)
 
     async def _on_resync(self, msg: Message, link: PeerLink) -> None:
         link.on_resync(msg)
@@ -263,6 +338,9 @@ class Peer:
         await self.schedule.on_report(msg)
 
     async def _on_checkpoint(self, msg: Message, link: PeerLink) -> None:
+        if msg.meta["phase"] in DRAIN_PHASES:
+            await self.drain.on_message(msg)
+            return
         if self.run_policy is None:
             self.bad_frame(link.name, "CHECKPOINT but this peer keeps no checkpoints")
             return
@@ -275,46 +353,175 @@ class Peer:
             return await self.serve(transport)
 
     async def serve(self, transport: Any) -> PeerResult:
-        """Announce, find the neighbours, shake hands, train until the end, collect the counters.
-        ``transport`` is a started :class:`~mapl_swarm.net.transport.Transport` (tests: a fake)."""
-        net = self.cfg.net
-        shaping = LinkConfig(bandwidth_mbps=net.bandwidth_mbps, latency_ms=net.latency_ms)
+        """Announce, find the neighbours, shake hands, train until the end (or a drain), collect the
+        counters. ``transport`` is a started :class:`~mapl_swarm.net.transport.Transport` (tests: a
+        fake). A departure or a second signal stops the work wherever it waits (see the module
+        docstring for the ends)."""
         self.admission.replies_on_link = hasattr(transport, "reply") and hasattr(transport, "recv_reply")
         endpoint = transport.start()
-        await self.announce(endpoint)
-        for link in self.links:
-            ep = await self.waits.wait(self.resolve(link.stage, net.timeout_s), lambda link=link: [link])
-            link.connect(transport, ep, shaping)
-            log.info("%s: link to stage %d at %s", self.name, link.stage, ep)
-        receivers = [asyncio.create_task(self._receive_loop(transport))]
-        if self.admission.replies_on_link:
-            receivers.append(asyncio.create_task(self._reply_loop(transport)))
-        self.monitor = HeartbeatMonitor(
-            HeartbeatConfig(interval_s=net.heartbeat_interval_s, timeout_s=net.timeout_s),
-            send=lambda name: self.links.named(name).send_heartbeat(),
-            on_silent=lambda peer, s: self.mailbox.fail(MaplError(f"{self.name}: {peer} silent for {s:.0f} s")))
-        self.monitor.start()
+        self._background: list[asyncio.Task] = []
+        work = asyncio.create_task(self._work(transport, endpoint), name=f"{self.name} work")
+        stopping = asyncio.create_task(self._stop_event.wait())
+        codebooks = None
         try:
             try:
-                await self._handshake()
-                start = await self._agree_start(transport)
-                await self.schedule.run(start)
-                await transport.flush(net.timeout_s)
-                codebooks = await self.compute.run(self._codebook_summary)  # digests read device memory
+                await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                finished = work.done() and not work.cancelled() and work.exception() is None
+                if not finished and self._stop_reason is not None:
+                    work.cancel()
+                    await asyncio.gather(work, return_exceptions=True)
+                    await self._stopped(transport)
+                else:
+                    codebooks = await work
             except NonFiniteError as exc:
                 await self._tell_neighbours(transport, exc)
                 raise
         finally:
+            for task in (work, stopping):
+                task.cancel()
+            await asyncio.gather(work, stopping, return_exceptions=True)
             await self.tasks.aclose()
             await self.monitor.aclose()
-            for task in receivers:
+            for task in self._background:
                 task.cancel()
-            await asyncio.gather(*receivers, return_exceptions=True)
+            await asyncio.gather(*self._background, return_exceptions=True)
             self.compute.close()
             self.decoder.close()
             self.schedule.close()
         self._collect(transport, codebooks)
         return self.result
+
+    async def _work(self, transport: Any, endpoint: str) -> dict[str, Any] | None:
+        """Everything :meth:`serve` does until the end, as one cancellable task."""
+        net = self.cfg.net
+        shaping = LinkConfig(bandwidth_mbps=net.bandwidth_mbps, latency_ms=net.latency_ms)
+        await self.announce(endpoint)
+        for link in self.links:
+            ep = await self.waits.wait(self.resolve(link.stage, net.timeout_s), lambda link=link: [link])
+            link.connect(transport, ep, shaping)
+            log.info("%s: link to stage %d at %s", self.name, link.stage, ep)
+        self._background.append(asyncio.create_task(self._receive_loop(transport)))
+        if self.admission.replies_on_link:
+            self._background.append(asyncio.create_task(self._reply_loop(transport)))
+        self._background.append(asyncio.create_task(self._dispatch_loop()))
+        self.monitor.start()
+        await self._handshake()
+        start = await self._agree_start(transport)
+        self._training = True
+        await self.schedule.run(start)
+        self._ended()
+        await transport.flush(net.timeout_s)
+        return await self.compute.run(self._codebook_summary)  # digests read device memory
+
+    # ------------------------------------------------------------------ liveness and departures
+    async def _heartbeat(self, name: str) -> None:
+        """One HEARTBEAT to neighbour ``name``, with its round-trip timestamps (SPEC §9.5)."""
+        link = self.links.named(name)
+        if link is not None:
+            await link.send_heartbeat(lambda: self.monitor.heartbeat_meta(name))
+
+    def _on_silent(self, silence: Silence) -> None:
+        link = self.links.named(silence.peer)
+        if link is not None:
+            self.departures.report(Departure(stage=link.stage, endpoint=link.endpoint, kind="silent",
+                                             last_seen=silence.last_seen, detail=silence.describe()))
+
+    def _depart(self, link: PeerLink, kind: str, detail: str) -> None:
+        self.departures.report(Departure(stage=link.stage, endpoint=link.endpoint, kind=kind,  # type: ignore[arg-type]
+                                         last_seen=time.time(), detail=detail))
+
+    def _on_departure(self, departure: Departure) -> None:
+        """Today's policy: a planned departure ends this peer cleanly (its other neighbour is told
+        with BYE ``"drain"``), any other one ends it with :class:`NeighbourLost`. (Live rejoin will
+        wait for a replacement of the stage here instead.)"""
+        self.monitor.forget(stage_name(departure.stage))
+        if departure.planned:
+            self._stop(_CleanStop("stopped", f"stage {self.stage} stopped: {departure.describe()}"))
+            return
+        error = NeighbourLost(self.name, departure)
+        self.mailbox.fail(error)
+        self._stop(error)
+
+    def _stop(self, reason: BaseException) -> None:
+        """End the work now with ``reason`` (raised, or a :class:`_CleanStop`); the first one counts."""
+        if self._stop_reason is None:
+            self._stop_reason = reason
+        self._stop_event.set()
+
+    async def _stopped(self, transport: Any) -> None:
+        """The work was stopped: a clean stop tells the neighbours still here (BYE ``"drain"``) and
+        becomes the result's end; anything else is raised."""
+        reason = self._stop_reason
+        if not isinstance(reason, _CleanStop):
+            raise reason
+        for link in self.links:
+            if link.welcomed and self.departures.gone(link.stage) is None:
+                try:
+                    await asyncio.wait_for(link.send_bye({"reason": DRAIN_REASON}, step=self.schedule.step), 5.0)
+                except (NetError, asyncio.TimeoutError) as err:
+                    log.warning("%s: could not tell stage %d: %s", self.name, link.stage, err)
+        try:
+            await transport.flush(5.0)
+        except (NetError, asyncio.TimeoutError):
+            pass
+        self.result.end, self.result.end_note = reason.end, reason.note
+
+    # ------------------------------------------------------------------ drain
+    def request_drain(self, signal_name: str) -> None:
+        """A first SIGINT/SIGTERM (:class:`~.drain.DrainSignals`): drain the swarm at the next step
+        boundary; before training started, stop at once."""
+        reason = f"{signal_name} at stage {self.stage}"
+        if not self._training:
+            self._stop(_CleanStop("stopped", f"stage {self.stage} stopped before training started ({signal_name})"))
+            return
+        log.info("%s: %s: draining (finishing the current step, then a checkpoint; again to stop at once)",
+                 self.name, signal_name)
+
+        async def ask() -> None:
+            try:
+                await self.drain.request(reason)
+            except MaplError as exc:
+                self._stop(Interrupted(f"{exc}; stopped at once"))
+
+        self.tasks.spawn(ask())
+
+    def abort(self, signal_name: str) -> None:
+        """A second SIGINT/SIGTERM: stop at once (the step in flight is lost)."""
+        self._stop(Interrupted(f"stage {self.stage} stopped at once by a second {signal_name}: the step in "
+                               f"flight is lost; the newest complete checkpoint is kept"))
+
+    def _send_checkpoint(self, dst: int, meta: dict) -> Awaitable[None]:
+        return self.links.by_stage(dst).send(MT.CHECKPOINT, step=meta.get("step") or 0, meta=meta)
+
+    def _takes_drain(self, stage: int) -> bool:
+        link = self.links.by_stage(stage)
+        return link is not None and link.welcomed and DRAIN_CAPABILITY in link.capabilities
+
+    def _ended(self) -> None:
+        """The schedule ended: after a drain (decided here, or a BYE ``"drain"``), say so."""
+        bye = self.schedule.bye
+        drained = self.drain.step is not None or (bye is not None and bye.meta.get("reason") == BYE_DRAIN)
+        if not drained:
+            return
+        step = self.drain.step if self.drain.step is not None else (bye.step if bye is not None else self.schedule.step)
+        why = self.drain.reason or self.drain.requested or "asked by another stage"
+        self.result.end, self.result.drained_at = "drained", step
+        self.result.checkpoint_note = self._checkpoint_note(step)
+        self.result.end_note = f"stage {self.stage} drained at step {step} ({why}): {self.result.checkpoint_note}"
+
+    def _checkpoint_note(self, step: int) -> str:
+        policy = self.run_policy
+        if policy is None:
+            return "this peer keeps no checkpoints"
+        if not policy.checkpoints_on:
+            return "no checkpoint saved (checkpoint.interval_steps = 0)"
+        if step <= self.schedule.s.start_step:
+            return f"nothing trained since step {step}, where this run started"
+        if step in policy.agreement.declared:
+            return f"checkpoint of step {step} saved by every stage; continue with --resume"
+        if policy.saved(step):
+            return f"checkpoint of step {step} saved here (not confirmed by every stage)"
+        return f"no checkpoint of step {step} here"
 
     async def _tell_neighbours(self, transport: Any, exc: NonFiniteError) -> None:
         """Best effort, before this peer exits: BYE with the reason upstream, where it stops the

@@ -65,11 +65,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PipelineSchedule", "ScheduleSettings", "RunHooks", "NoRunHooks", "NeighbourLink", "NeighbourLinks",
-]
+__all__ = ["PipelineSchedule", "ScheduleSettings", "RunHooks", "NoRunHooks", "DrainHooks", "NeighbourLink",
+           "NeighbourLinks", "BYE_FINISHED", "BYE_DRAIN"]
 
 MT = MessageType
 T = TypeVar("T")
+
+BYE_FINISHED = "training finished"
+"""Stage 1's BYE ``reason`` after the last step."""
+BYE_DRAIN = "drain"
+"""Stage 1's BYE ``reason`` after a graceful drain (SPEC §9.5)."""
 
 
 class NeighbourLink(Protocol):
@@ -94,7 +99,7 @@ class NeighbourLink(Protocol):
 
     async def send_report(self, step: int, meta: dict) -> None: ...
 
-    async def send_bye(self, meta: dict) -> None: ...
+    async def send_bye(self, meta: dict, *, step: int = 0) -> None: ...
 
     def act_wire(self, msg: Message) -> dict[str, WireTensor]: ...
 
@@ -132,8 +137,23 @@ class RunHooks(Protocol):
     def val_loss(self, step: int, loss: float) -> None:
         """Stage 1: the validation loss after ``step``."""
 
-    async def finish(self, failed: Callable[[], BaseException | None]) -> None:
-        """Stage 1, before BYE: until every stage has heard the final checkpoint is complete."""
+    async def finish(self, failed: Callable[[], BaseException | None], step: int | None = None) -> None:
+        """Stage 1, before BYE: until every stage has heard the final checkpoint (``step``: of a
+        drain) is complete."""
+
+
+class DrainHooks(Protocol):
+    """What stage 1's driver asks of a graceful drain (:class:`~.drain.Drain` is one)."""
+
+    @property
+    def active(self) -> bool:
+        """Asked to drain, or a drain step is decided (no validation then)."""
+
+    def should_stop(self) -> bool:
+        """At a step boundary: stop here."""
+
+    async def decide(self, step: int) -> None:
+        """The swarm drains at ``step`` (the steps completed): tell every stage."""
 
 
 class NoRunHooks:
@@ -148,7 +168,7 @@ class NoRunHooks:
     def val_loss(self, step: int, loss: float) -> None:
         return None
 
-    async def finish(self, failed: Callable[[], BaseException | None]) -> None:
+    async def finish(self, failed: Callable[[], BaseException | None], step: int | None = None) -> None:
         return None
 
 
@@ -191,7 +211,7 @@ class PipelineSchedule:
                  name: str, settings: ScheduleSettings, result: PeerResult, waits: WaitingLog,
                  hooks: RunHooks, sampler: Iterator[torch.Tensor] | None = None,
                  val_batches: Sequence[torch.Tensor] = (),
-                 reject: Callable[[str, str, str], None] | None = None) -> None:
+                 reject: Callable[[str, str, str], None] | None = None, drain: DrainHooks | None = None) -> None:
         self.rt = runtime
         """Read on the loop only for versions and flags; tensor work goes through ``self.host``."""
         self.host = HostRuntime(runtime)
@@ -204,6 +224,10 @@ class PipelineSchedule:
         self.result = result
         self.waits = waits
         self.hooks = hooks
+        self.drain = drain
+        """Stage 1: asked at every step boundary whether the swarm drains (None: never)."""
+        self.bye: Message | None = None
+        """Stages 2..P: the BYE that ended the run (its ``reason``: finished, or a drain)."""
         self.sampler = sampler
         self.val_batches = list(val_batches)
         self.M = settings.num_micro_batches
@@ -338,7 +362,12 @@ class PipelineSchedule:
         if s.progress:
             self._bar = tqdm(total=s.steps, initial=s.start_step, unit="step", dynamic_ncols=True,
                              desc=s.progress_desc)
+        drained = False
         for step in range(s.start_step, s.steps):
+            if self.drain is not None and self.drain.should_stop():
+                drained = True  # the swarm stops here: every stage has finished step - 1
+                await self.drain.decide(step)
+                break
             batches = [next(self.sampler) for _ in range(self.M)]
             sent = done = 0
             while done < self.M:
@@ -357,12 +386,12 @@ class PipelineSchedule:
                 done += 1
             await self._flush(step)
             done_steps = step + 1
-            if due(s.val_interval_steps, done_steps, s.steps):
+            if due(s.val_interval_steps, done_steps, s.steps) and not (self.drain is not None and self.drain.active):
                 await self._validate(done_steps)
-        await self._wait_report("train", s.steps - s.start_step)
-        await self.hooks.finish(lambda: self.mailbox.error)
+        await self._wait_report("train", self.step - s.start_step)
+        await self.hooks.finish(lambda: self.mailbox.error, self.step if drained else None)
         if down is not None:
-            await down.send_bye({"reason": "training finished"})
+            await down.send_bye({"reason": BYE_DRAIN if drained else BYE_FINISHED}, step=self.step)
 
     async def _validate(self, step: int) -> None:
         down = self.links.downstream
@@ -487,8 +516,9 @@ class PipelineSchedule:
         while True:
             msg = await self._next([MT.ACT, MT.GRAD, MT.PROJ, MT.BYE], "(pipeline) ")
             if msg.type == MT.BYE:
+                self.bye = msg
                 if down is not None:
-                    await down.send_bye(dict(msg.meta))
+                    await down.send_bye(dict(msg.meta), step=msg.step)
                 return
             taken = None
             try:

@@ -59,3 +59,5 @@ class WaitingLog:
         finally:
             if not task.done():
                 task.cancel()
+            elif not task.cancelled():
+                task.exception()  # retrieved: a failure seen by no one (this wait was cancelled) is not logged

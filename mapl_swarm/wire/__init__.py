@@ -42,10 +42,10 @@ DecompressionFailed, AuthFailed, InvalidMessage — all subclasses of :class:`Wi
 ``components`` map, ``peer`` str. REJECT ``code``, ``reason`` str; ``local``, ``remote``,
 ``hello_nonce`` (1.4). ACT ``mode`` "train"|"eval". PROJ_GRAD —; ``micro_batches`` uint.
 REPORT ``loss`` float, ``tokens`` uint; ``mode``, ``metrics`` {str: number}. HEARTBEAT —;
-``sent_ns`` uint. BYE —; ``reason`` str. ERROR ``code``, ``message`` str; ``ref_seq`` uint.
+``sent_ns``, ``echo_ns``, ``held_ns`` uint (round trips, SPEC §9.5). BYE —; ``reason`` str. ERROR ``code``, ``message`` str; ``ref_seq`` uint.
 CODEBOOK_SLICE —; ``stream`` "act"|"grad", ``start`` uint, ``full`` bool. RESYNC —; ``stream``,
 ``have`` uint, ``reason`` str, ``retransmit`` bool, ``mode`` (1.2). CHECKPOINT (1.3) ``phase``
-"saved"|"complete"|"offer"|"resume"; ``step`` uint|nil, ``steps`` [uint], ``have`` {str: [uint]},
+"saved"|"complete"|"offer"|"resume"|"drain_request"|"drain"; ``step`` uint|nil, ``steps`` [uint], ``have`` {str: [uint]},
 ``reason`` str (per-phase rules of SPEC §5.2). GRAD, PROJ: none. PROJ, PROJ_GRAD and
 CODEBOOK_SLICE tensors must be fp32 (BadDtype; a CODEBOOK_SLICE ``index`` is uint8/uint16, 1.2);
 HELLO, WELCOME, REJECT, REPORT, RESYNC, HEARTBEAT, BYE, ERROR, CHECKPOINT carry none.

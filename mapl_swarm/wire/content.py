@@ -247,7 +247,7 @@ class Window:
 # ---------------------------------------------------------------------------- who may say what
 _FROM_UPSTREAM = frozenset({MT.ACT, MT.PROJ})
 _FROM_DOWNSTREAM = frozenset({MT.GRAD, MT.PROJ_GRAD, MT.REPORT})
-_CHECKPOINT_UP = ("saved", "offer")
+_CHECKPOINT_UP = ("saved", "offer", "drain_request")
 """CHECKPOINT phases that travel upstream (sent by the downstream neighbour)."""
 
 

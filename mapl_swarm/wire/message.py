@@ -169,7 +169,7 @@ META_SCHEMA: dict[MessageType, tuple[dict[str, str], dict[str, str]]] = {
     MessageType.CODEBOOK_SLICE: ({}, {"stream": "stream", "start": "uint", "full": "bool"}),
     MessageType.RESYNC: ({}, {"stream": "stream", "have": "uint", "reason": "str", "retransmit": "bool",
                               "mode": "mode"}),
-    MessageType.HEARTBEAT: ({}, {"sent_ns": "uint"}),
+    MessageType.HEARTBEAT: ({}, {"sent_ns": "uint", "echo_ns": "uint", "held_ns": "uint"}),
     MessageType.BYE: ({}, {"reason": "str"}),
     MessageType.ERROR: ({"code": "str", "message": "str"}, {"ref_seq": "uint"}),
     MessageType.CHECKPOINT: ({"phase": "phase"}, {"step": "uint_or_nil", "steps": "uints", "have": "have",
@@ -241,7 +241,7 @@ _KIND_TEXT = {
     "strs": "an array of strings",
     "map": "a map",
     "metrics": "a map of numbers",
-    "phase": "'saved', 'complete', 'offer' or 'resume'",
+    "phase": "'saved', 'complete', 'offer', 'resume', 'drain_request' or 'drain'",
     "uint_or_nil": "a non-negative integer or nil",
     "uints": "an array of non-negative integers",
     "have": "a map of arrays of non-negative integers",
@@ -286,7 +286,7 @@ def check_type_rules(
 def _check_checkpoint(meta: Mapping[str, Any]) -> None:
     """CHECKPOINT fields by phase (SPEC §5.2); the field types are already checked."""
     phase = meta["phase"]
-    if phase in ("saved", "complete") and meta.get("step") is None:
+    if phase in ("saved", "complete", "drain") and meta.get("step") is None:
         raise InvalidMessage(f"CHECKPOINT {phase} needs a step")
     if phase == "offer":
         steps = meta.get("steps")

@@ -16,6 +16,8 @@ __all__ = [
     "RESERVED_TYPE_CODES",
     "CHECKPOINT_PHASES",
     "CHECKPOINT_CAPABILITY",
+    "DRAIN_PHASES",
+    "DRAIN_CAPABILITY",
     "PIPELINE_CAPABILITY",
     "HANDSHAKE_TYPES",
     "NONCE_BYTES",
@@ -80,8 +82,15 @@ HANDSHAKE_TYPES: frozenset[MessageType] = frozenset({MessageType.HELLO, MessageT
 RESERVED_TYPE_CODES: frozenset[int] = frozenset({15})
 """Reserved (14 was, until 1.3 made it CHECKPOINT); a decoder rejects them as unknown."""
 
-CHECKPOINT_PHASES: tuple[str, ...] = ("saved", "complete", "offer", "resume")
+DRAIN_PHASES: tuple[str, ...] = ("drain_request", "drain")
+"""CHECKPOINT phases of a graceful drain (SPEC §5.2; sent only to neighbours advertising
+:data:`DRAIN_CAPABILITY`)."""
+
+CHECKPOINT_PHASES: tuple[str, ...] = ("saved", "complete", "offer", "resume", *DRAIN_PHASES)
 """Values of a CHECKPOINT's ``meta["phase"]`` (SPEC §5.2)."""
+
+DRAIN_CAPABILITY = "drain"
+"""HELLO/WELCOME capability of peers that take part in a graceful drain (SPEC §5.2, §5.3)."""
 
 CHECKPOINT_CAPABILITY = "checkpoint_agreement"
 """HELLO/WELCOME capability of peers that take part in checkpoint agreement (SPEC §5.2, 1.3)."""

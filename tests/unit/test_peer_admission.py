@@ -273,7 +273,7 @@ def test_non_finite_values_in_a_stages_own_compute_stop_it_and_its_neighbour_hea
 
     net, (r0, r1) = asyncio.run(main())
     assert isinstance(r1, NonFiniteError) and r1.step == 1 and r1.exit_code == 3, r1
-    assert isinstance(r0, MaplError) and "stage 1 left before the end" in str(r0) and "non-finite" in str(r0), r0
+    assert isinstance(r0, MaplError) and "stage 1 at mem://stage1 left before the end" in str(r0) and "non-finite" in str(r0), r0
     byes = [m.meta["reason"] for m in net.messages("stage1", "stage0") if m.type == MT.BYE]
     assert len(byes) == 1 and "non-finite values (NaN/Inf)" in byes[0]
     assert not any(m.type == MT.GRAD and m.step == 1 for m in net.messages("stage1", "stage0"))  # none sent

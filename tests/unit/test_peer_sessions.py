@@ -213,7 +213,7 @@ def test_after_the_handshake_only_the_bound_connection_in_sequence_and_direction
     assert m.rejects == {"not_allowed": 3, "replay": 2, "wrong_session": 2}
     assert m.peer.links.upstream.rx.lost == 2 and m.peer.links.upstream.rx.last_seq == 4  # refused: not consumed
     assert m.peer.result.errors == {"internal": 1}  # ERROR is informational
-    assert "stage 2 left before the end" in str(m.peer.mailbox.error)  # BYE from downstream: it left
+    assert "stage 2 at mem://stage2 left before the end: going" in str(m.peer.mailbox.error)  # BYE from downstream: it left
 
 
 @pytest.mark.parametrize("mtype, meta, sender, allowed", [

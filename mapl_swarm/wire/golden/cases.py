@@ -170,6 +170,11 @@ def _valid(v: dict[str, list[bytes]]) -> list[Case]:
         "act_session": "1.4 ACT tagged with the session key of the manifest's handshake, seq 1",
         "heartbeat_session": "1.4 HEARTBEAT tagged with the session key, seq 2",
         "meta_depth_8": "1.4 meta nested 8 deep (meta map + 7 arrays; the scalar is no level)",
+        "heartbeat_rtt": "1.4 HEARTBEAT with round-trip timestamps: sent_ns, and the echo of the neighbour's "
+                         "sent_ns held 1.25 s",
+        "checkpoint_drain_request": "1.4 CHECKPOINT drain_request from the last stage (capability drain)",
+        "checkpoint_drain": "1.4 CHECKPOINT drain: every stage stops after step 42 and saves it",
+        "bye_drain": "1.4 BYE reason drain after 42 steps: a planned departure",
     }
 
     def key(n: str) -> bool | str:
@@ -360,6 +365,14 @@ def _invalid(v: dict[str, list[bytes]]) -> list[Case]:
          "CHECKPOINT resume with step nil and no reason (1.3)"),
         ("checkpoint_with_tensor", _edit([*v["checkpoint_saved"], b"\x07"], hb_tensor), IM,
          "CHECKPOINT carrying a tensor (1.3)"),
+        ("checkpoint_drain_no_step", _edit(v["checkpoint_drain"], _meta(step=_DROP)), IM,
+         "CHECKPOINT drain without a step (1.4)"),
+        ("checkpoint_drain_nil_step", _edit(v["checkpoint_drain"], _meta(step=None)), IM,
+         "CHECKPOINT drain with step nil (1.4)"),
+        ("heartbeat_echo_negative", _edit(v["heartbeat_rtt"], _meta(echo_ns=-5)), IM,
+         "HEARTBEAT echo_ns negative (1.4)"),
+        ("heartbeat_held_float", _edit(v["heartbeat_rtt"], _meta(held_ns=1.25)), IM,
+         "HEARTBEAT held_ns is a float (1.4)"),
     ]
     out = [Case(n, "invalid", f, d, error=e) for n, f, e, d in cases]
     tag_flip = [_flip(act_auth[0], len(act_auth[0]) - 1), *act_auth[1:]]

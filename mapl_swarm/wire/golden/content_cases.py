@@ -112,6 +112,11 @@ def _slice(*, n: int = 4, index: np.ndarray | None = None, poison: bool = False)
     return _frames(msg)
 
 
+def _checkpoint(*, src: int, meta: dict) -> list[bytes]:
+    return _frames(Message(type=MT.CHECKPOINT, run_id=RUN_ID, src=src, dst=1, step=meta.get("step") or 0, seq=30,
+                           version=V14, meta=meta))
+
+
 def _bf16_with(value: int) -> WireTensor:
     z = _z(45).data.copy()
     z[1, 2, 3] = value
@@ -141,6 +146,10 @@ def content_cases() -> list[tuple[str, list[bytes], str, RunShapes, Window, str]
         ("slice_indexed_fits", _slice(n=3, index=index_ok), "indexed act slice, indices below K", VQ_RUN, W, OK),
         ("heartbeat_fits", _frames(Message(type=MT.HEARTBEAT, run_id=RUN_ID, src=2, dst=1, seq=9, version=V14)),
          "HEARTBEAT from downstream: no content rules", RUN, W, OK),
+        ("drain_request_fits", _checkpoint(src=2, meta={"phase": "drain_request", "reason": "SIGINT at stage 3"}),
+         "CHECKPOINT drain_request from downstream", RUN, W, OK),
+        ("drain_fits", _checkpoint(src=0, meta={"phase": "drain", "step": 12}),
+         "CHECKPOINT drain (step 12) from upstream", RUN, W, OK),
         # not_allowed: who may say what
         ("act_from_downstream", _act(src=2), "ACT from stage 2 to stage 1", RUN, W, "not_allowed"),
         ("act_for_another_stage", _act(dst=2), "ACT addressed to stage 2 reaching stage 1", RUN, W, "not_allowed"),
@@ -150,6 +159,11 @@ def content_cases() -> list[tuple[str, list[bytes], str, RunShapes, Window, str]
         ("proj_fixed_projector", _proj(), "PROJ in a run whose projector does not learn", FIXED_RUN, W,
          "not_allowed"),
         ("slice_without_vq", _slice(), "CODEBOOK_SLICE in a run without VQ", RUN, W, "not_allowed"),
+        ("drain_request_from_upstream", _checkpoint(src=0, meta={"phase": "drain_request", "reason": "x"}),
+         "CHECKPOINT drain_request from upstream (it travels upstream only)", RUN, W, "not_allowed"),
+        ("drain_from_downstream", _checkpoint(src=2, meta={"phase": "drain", "step": 12}),
+         "CHECKPOINT drain from downstream (stage 0's decision travels downstream only)", RUN, W,
+         "not_allowed"),
         # out_of_window
         ("act_old_step", _act(step=11), "ACT of step 11, window 12..13", RUN, W, "out_of_window"),
         ("act_future_step", _act(step=14), "ACT of step 14, window 12..13", RUN, W, "out_of_window"),

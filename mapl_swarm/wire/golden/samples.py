@@ -353,6 +353,27 @@ def _session_samples(b: int, t: int) -> dict[str, Message]:
         "act_session": act,
         "heartbeat_session": heartbeat,
         "meta_depth_8": depth8,
+        **_drain_samples(),
+    }
+
+
+def _drain_samples() -> dict[str, Message]:
+    """Protocol 1.4 round-trip timestamps (SPEC §9.5) and a graceful drain (§5.2, capability ``drain``),
+    in a 3-stage swarm."""
+    v14 = (1, 4)
+    checkpoint = dict(type=MessageType.CHECKPOINT, run_id=RUN_ID, version=v14)
+    return {
+        "heartbeat_rtt": Message(type=MessageType.HEARTBEAT, run_id=RUN_ID, src=2, dst=1, seq=57, version=v14,
+                                 meta={"sent_ns": 88_000_123_456_789, "echo_ns": 1_234_567_890_999,
+                                       "held_ns": 1_250_000_000}),
+        "checkpoint_drain_request": Message(src=2, dst=1, seq=58, meta={"phase": "drain_request",
+                                                                        "reason": "SIGTERM at stage 2"},
+                                            **checkpoint),
+        "checkpoint_drain": Message(src=0, dst=1, step=42, seq=410, meta={"phase": "drain", "step": 42,
+                                                                          "reason": "SIGTERM at stage 2"},
+                                    **checkpoint),
+        "bye_drain": Message(type=MessageType.BYE, run_id=RUN_ID, src=0, dst=1, step=42, seq=412, version=v14,
+                             meta={"reason": "drain"}),
     }
 
 

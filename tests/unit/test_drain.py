@@ -1,0 +1,224 @@
+"""Graceful drain and departures (issue 13 items 2 and 4), in memory: real peers on a FakeNet."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from mapl_swarm.peer.checkpoints import PeerRunPolicy
+from mapl_swarm.peer.compute import ComputeThread
+from mapl_swarm.peer.departures import NeighbourLost
+from mapl_swarm.peer.drain import Drain, Interrupted
+from mapl_swarm.peer.runtime import Peer
+from mapl_swarm.pipeline import checkpoint
+from mapl_swarm.pipeline.stage import StageRuntime
+from mapl_swarm.wire import Message, MessageType, decode, encode
+
+from peer_fakes import FakeNet, sampler, swarm_config
+
+MT = MessageType
+
+
+# ---------------------------------------------------------------------- the protocol alone
+def _drains(P: int = 4, can_send=lambda src, dst: True):
+    """P Drain objects whose CHECKPOINTs go through the wire codec into one FIFO."""
+    queue: list[tuple[int, Message]] = []
+    decided: dict[int, list[int]] = {s: [] for s in range(P)}
+    drains = []
+    for s in range(P):
+        async def send(dst, meta, src=s):
+            msg = Message(type=MT.CHECKPOINT, run_id="t", src=src, dst=dst, step=meta.get("step") or 0, meta=meta)
+            queue.append((dst, decode(encode(msg))))
+
+        async def on_decided(step, s=s):
+            decided[s].append(step)
+
+        drains.append(Drain(s, P, send=send, can_send=lambda dst, s=s: can_send(s, dst), on_decided=on_decided))
+    return drains, queue, decided
+
+
+async def _pump(drains, queue):
+    while queue:
+        dst, msg = queue.pop(0)
+        await drains[dst].on_message(msg)
+
+
+def test_a_request_from_any_stage_reaches_stage_0_once_and_its_decision_every_stage():
+    async def main():
+        drains, queue, decided = _drains()
+        await drains[3].request("SIGTERM at stage 3")
+        await drains[2].request("SIGINT at stage 2")  # a second request on the way: relayed at most once
+        await _pump(drains, queue)
+        assert drains[0].should_stop() and drains[0].requested in ("SIGTERM at stage 3", "SIGINT at stage 2")
+        phases = []
+        await drains[0].decide(7)
+        while queue:
+            dst, msg = queue.pop(0)
+            phases.append((msg.src, dst, msg.meta["phase"], msg.step))
+            await drains[dst].on_message(msg)
+        assert phases == [(0, 1, "drain", 7), (1, 2, "drain", 7), (2, 3, "drain", 7)]
+        assert decided == {0: [7], 1: [7], 2: [7], 3: [7]}
+        assert all(d.step == 7 and d.reason == drains[0].requested for d in drains)
+        await drains[3].request("again")  # decided: nothing more goes out
+        await drains[0].decide(9)
+        assert queue == [] and decided[0] == [7]
+
+    asyncio.run(main())
+
+
+def test_a_drain_message_from_the_wrong_side_is_ignored():
+    async def main():
+        drains, queue, decided = _drains(3)
+        await drains[1].on_message(Message(type=MT.CHECKPOINT, run_id="t", src=2, dst=1, meta={"phase": "drain",
+                                                                                           "step": 3}))
+        await drains[1].on_message(Message(type=MT.CHECKPOINT, run_id="t", src=0, dst=1,
+                                           meta={"phase": "drain_request"}))
+        assert drains[1].step is None and not drains[1].active and queue == [] and decided[1] == []
+
+    asyncio.run(main())
+
+
+def test_a_neighbour_without_the_capability_cannot_be_asked():
+    async def main():
+        drains, queue, _ = _drains(2, can_send=lambda src, dst: False)
+        with pytest.raises(Exception, match="stage 0 does not take part in drains"):
+            await drains[1].request("SIGTERM at stage 1")
+        assert queue == []
+
+    asyncio.run(main())
+
+
+# ---------------------------------------------------------------------- real peers in memory
+def _swarm(tmp_path, *, stages: int = 3, interval: int = 1000, **net):
+    """Peers of ``stages`` stages with run policies (checkpoints every ``interval`` steps, i.e. only
+    when drained) on a FakeNet; ``losses`` is set once stage 0 recorded 3 losses."""
+    cfg = swarm_config(pipeline={"num_stages": stages}, run={"steps": 10_000, "run_id": "mem", "out_dir": str(tmp_path)},
+                       checkpoint={"interval_steps": interval}, net=net)
+    net_ = FakeNet()
+    transports = [net_.transport(f"stage{s}") for s in range(stages)]
+    data = SimpleNamespace(meta={}, tokenizer=SimpleNamespace(file_hash="h"))
+    losses = asyncio.Event()
+    peers = []
+    for s in range(stages):
+        rt = StageRuntime(cfg, s)
+        compute = ComputeThread(f"stage{s}")
+        policy = PeerRunPolicy(cfg, s, data, "f" * 32, resume=False, runtime=rt, compute=compute)
+        if s == 0:
+            record = policy.train_loss
+
+            def train_loss(step, loss, tokens, record=record, policy=policy):
+                record(step, loss, tokens)
+                if step >= 3:
+                    losses.set()
+
+            policy.train_loss = train_loss
+
+        async def resolve(stage, timeout_s):
+            return f"mem://stage{stage}"
+
+        async def announce(endpoint):
+            return None
+
+        peers.append(Peer(cfg, s, rt, fingerprint="f" * 32, resolve=resolve, announce=announce,
+                          sampler=sampler(cfg) if s == 0 else None, compute=compute, run_policy=policy))
+    return peers, transports, losses
+
+
+async def _serve(peers, transports, timeout_s=120.0):
+    try:
+        return await asyncio.wait_for(asyncio.gather(*(p.serve(t) for p, t in zip(peers, transports)),
+                                                     return_exceptions=True), timeout_s)
+    finally:
+        for p in peers:
+            if p.run_policy is not None:
+                p.run_policy.close()
+
+
+def test_a_signal_at_the_last_stage_drains_every_stage_at_one_checkpointed_step(tmp_path):
+    """SIGTERM reaches stage 2 only: it asks stage 0, which stops at its next step boundary; every
+    stage saves that step (the interval is not due) and ends cleanly, and it is complete everywhere."""
+    async def main():
+        peers, transports, losses = _swarm(tmp_path)
+
+        async def signal_later():
+            await losses.wait()
+            peers[2].request_drain("SIGTERM")
+
+        asyncio.get_running_loop().create_task(signal_later())
+        return peers, await _serve(peers, transports)
+
+    peers, results = asyncio.run(main())
+    assert all(not isinstance(r, BaseException) for r in results), results
+    steps = {r.drained_at for r in results}
+    assert len(steps) == 1 and [r.end for r in results] == ["drained"] * 3, [(r.end, r.end_note) for r in results]
+    step = steps.pop()
+    assert step >= 3 and len(results[0].train_losses) == step  # every completed step reported
+    for s, (p, r) in enumerate(zip(peers, results)):
+        assert checkpoint.stage_steps(tmp_path, s) == [step]  # the drain step, and nothing newer
+        assert step in p.run_policy.agreement.declared
+        assert p.schedule.step == step
+        assert re.fullmatch(rf"stage {s} drained at step {step} \(SIGTERM at stage 2\): checkpoint of step {step} "
+                            rf"saved by every stage; continue with --resume", r.end_note), r.end_note
+
+
+def test_a_second_signal_stops_at_once_and_the_neighbours_name_the_silent_stage(tmp_path):
+    """Stage 1 is stopped at once (a second signal, the drain not finished): it leaves no BYE, so its
+    neighbours find it silent after the floor and name it, its address and when it was last heard."""
+    async def main():
+        peers, transports, losses = _swarm(tmp_path, heartbeat_interval_s=0.05, liveness_floor_s=0.6)
+        peers[0].drain.should_stop = lambda: False  # stage 0 would drain; here nothing ends the run
+
+        async def signals():
+            await losses.wait()
+            peers[1].request_drain("SIGINT")
+            peers[1].abort("SIGINT")
+
+        asyncio.get_running_loop().create_task(signals())
+        return await _serve(peers, transports, timeout_s=60)
+
+    r0, r1, r2 = asyncio.run(main())
+    assert isinstance(r1, Interrupted) and r1.exit_code == 130 and "stopped at once by a second SIGINT" in str(r1)
+    for r, me in ((r0, 0), (r2, 2)):
+        assert isinstance(r, NeighbourLost) and r.exit_code == 2, r
+        assert re.match(rf"stage{me}: stage 1 at mem://stage1 silent since \d\d:\d\d:\d\d \(\d+\.\d s; "
+                        rf"deadline 0\.6 s, round trip \d+\.\d ms\)", str(r)), r
+        assert r.departure.stage == 1 and r.departure.kind == "silent"
+
+
+def test_a_signal_before_training_stops_the_peer_at_once_and_cleanly(tmp_path):
+    async def main():
+        peers, transports, _ = _swarm(tmp_path, stages=2)
+        peers[1].request_drain("SIGINT")  # its neighbour never comes: it would wait in the handshake
+        return await _serve(peers[1:], transports[1:], timeout_s=30)
+
+    (r1,) = asyncio.run(main())
+    assert r1.end == "stopped" and r1.end_note == "stage 1 stopped before training started (SIGINT)", r1
+
+
+def test_bye_drain_from_downstream_is_a_planned_departure_passed_upstream(tmp_path):
+    """Stage 2 leaves with BYE "drain" on its own: stage 1 ends cleanly and tells stage 0, which
+    ends cleanly too (live rejoin will wait for a replacement here instead)."""
+    async def main():
+        peers, transports, losses = _swarm(tmp_path)
+        peers[0].drain.should_stop = lambda: False
+
+        async def leave():
+            await losses.wait()
+            peers[2]._stop(_clean(peers[2]))  # as after a signal before training: BYE "drain" to its neighbour
+
+        asyncio.get_running_loop().create_task(leave())
+        return await _serve(peers, transports, timeout_s=60)
+
+    r0, r1, r2 = asyncio.run(main())
+    assert [r.end for r in (r0, r1, r2)] == ["stopped"] * 3, (r0, r1, r2)
+    assert r1.end_note.startswith("stage 1 stopped: stage 2 at mem://stage2 left the swarm (drain)")
+    assert r0.end_note.startswith("stage 0 stopped: stage 1 at mem://stage1 left the swarm (drain)")
+
+
+def _clean(peer):
+    from mapl_swarm.peer.runtime import _CleanStop
+
+    return _CleanStop("stopped", f"stage {peer.stage} leaves")
