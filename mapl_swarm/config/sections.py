@@ -101,8 +101,8 @@ class VQConfig:
     slice_fraction: float = 0.0625
     """Stream sync: fraction of each codebook's codes sent per training micro-batch (a
     CODEBOOK_SLICE of n = ceil(fraction x K) codes of every codebook, chosen by ``slice_order``).
-    Its bytes per micro-batch are :attr:`slice_bytes_per_micro`; the default's cost in bytes and loss:
-    BENCHMARKS.md, "Quality: codecs at equal token budget"."""
+    Its bytes per micro-batch are :attr:`slice_bytes_per_micro`. Default from BENCHMARKS.md, "Honest
+    baselines", "MAPL+VQ codebook refresh" (the paper's Table 8 uses 1/5; ``peers/*-mapl-vq.toml`` do)."""
     slice_order: VQSliceOrder = "priority"
     """Stream sync: which codes a slice carries: priority (per codebook the codes with the largest
     usage share x squared drift since the receiver's copy, as an indexed slice: +1 byte per code and

@@ -75,3 +75,10 @@ def test_ssn_uses_its_own_adamw_ratio_and_the_others_keep_theirs():
     rt = StageRuntime(_cfg("ssn"), 0, torch.device("cpu"))
     adamw = rt.optimizers[1]
     assert [g["lr"] for g in adamw.param_groups if g["params"]] == pytest.approx([0.02 * 0.1] * 2)
+
+
+def test_vq_refresh_default_is_one_sixteenth_in_priority_order():
+    """Kept after measuring 1/5 (the paper's Table 8) against it: BENCHMARKS.md, "Honest baselines"."""
+    vq = _cfg("mapl_vq").compression.vq
+    assert (vq.slice_fraction, vq.slice_order, vq.sync) == (0.0625, "priority", "stream")
+    assert vq.slice_codes == 16  # of K = 256 per codebook and micro-batch
