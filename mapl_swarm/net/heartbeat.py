@@ -176,7 +176,6 @@ class _Peer:
 
     __slots__ = ("heard", "sent", "sending", "rtt", "echo", "echoed", "answer", "silent")
 
-
     def __init__(self, now: float) -> None:
         self.heard = now
         self.sent = -math.inf

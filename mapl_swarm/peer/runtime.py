@@ -84,6 +84,9 @@ __all__ = ["Peer", "PeerResult", "PeerRejected", "NeighbourLost", "Interrupted",
 
 MT = MessageType
 
+_LAST_WORDS_S = 1.0
+"""After a clean end, how long ZeroMQ may take to send what it still queues (a BYE)."""
+
 Then = Callable[[], Awaitable[None]]
 """What the dispatcher does with one received message, after its admission."""
 
@@ -350,7 +353,10 @@ class Peer:
     async def run(self) -> PeerResult:
         tcfg = TransportConfig.for_run(self.cfg, self.run_key)
         async with Transport(self.name, tcfg) as transport:
-            return await self.serve(transport)
+            result = await self.serve(transport)
+            # a clean end: what is still queued (the last BYE) gets up to a second to leave
+            await transport.aclose(linger_s=_LAST_WORDS_S)
+            return result
 
     async def serve(self, transport: Any) -> PeerResult:
         """Announce, find the neighbours, shake hands, train until the end (or a drain), collect the
