@@ -152,3 +152,34 @@ def test_sigint_to_a_launch_process_group_drains_every_stage_to_one_checkpointed
     newest = [checkpoint.stage_steps(out, s)[-1] for s in range(3)]
     assert newest == [step] * 3, newest
     assert not list(out.rglob("*.tmp")), list(out.rglob("*.tmp"))
+
+
+@pytest.mark.slow
+def test_a_drained_swarm_resumes_to_the_losses_of_an_uninterrupted_run(tmp_path, cache):
+    """SIGINT to the launcher mid-run, then `launch --resume`: the losses of all 12 steps (the first
+    run's up to the drain step, the resumed run's after it) equal one uninterrupted in-process run."""
+    out = tmp_path / "swarm"
+    path = write_config(tmp_path / "resume.toml", stages=3, steps=12, cache=cache, out=out, run_id="dres",
+                        timeout=60)
+    path.write_text(path.read_text() + "\n[checkpoint]\ninterval_steps = 5\n")
+    launcher = subprocess.Popen([sys.executable, "-m", "mapl_swarm", "launch", "--config", str(path), "--quiet"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_steps(out, 3, [launcher], 240)
+        os.killpg(launcher.pid, signal.SIGINT)
+        stdout, stderr = launcher.communicate(timeout=30)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.communicate()
+    assert launcher.returncode == 0, stderr[-6000:]
+    step = int(re.search(r"swarm drained at step (\d+)", stdout).group(1))
+    assert 3 <= step < 12, stdout
+    resumed = subprocess.run([sys.executable, "-m", "mapl_swarm", "launch", "--config", str(path), "--resume",
+                              "--quiet"], capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-6000:]
+    records = [json.loads(line) for line in (out / "metrics_stage0.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    train(load_config(path, {"run": {"out_dir": str(tmp_path / "ref")}, "checkpoint": {"interval_steps": 0}}),
+          progress=False)
+    assert losses == pytest.approx(train_losses(tmp_path / "ref"), rel=1e-3)
