@@ -95,7 +95,8 @@ def test_a_neighbour_without_the_capability_cannot_be_asked():
 def _swarm(tmp_path, *, stages: int = 3, interval: int = 1000, **net):
     """Peers of ``stages`` stages with run policies (checkpoints every ``interval`` steps, i.e. only
     when drained) on a FakeNet; ``losses`` is set once stage 0 recorded 3 losses."""
-    cfg = swarm_config(pipeline={"num_stages": stages}, run={"steps": 10_000, "run_id": "mem", "out_dir": str(tmp_path)},
+    cfg = swarm_config(pipeline={"num_stages": stages},
+                       run={"steps": 10_000, "run_id": "mem", "out_dir": str(tmp_path)},
                        checkpoint={"interval_steps": interval}, net=net)
     net_ = FakeNet()
     transports = [net_.transport(f"stage{s}") for s in range(stages)]
