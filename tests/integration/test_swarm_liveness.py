@@ -78,7 +78,8 @@ def test_a_killed_middle_peer_is_named_by_both_neighbours_within_seconds(tmp_pat
             m = re.fullmatch(rf"mapl-swarm: error: stage{s}: stage 1 at {re.escape(endpoint)} silent since "
                              rf"\d\d:\d\d:\d\d \((\d+\.\d) s; deadline (\d+\.\d) s, round trip \d+\.\d ms\)", errors[0])
             assert m, errors[0]
-            assert 10.0 <= float(m.group(1)) < 15.0 and float(m.group(2)) == 10.0, errors[0]
+            silence, deadline = float(m.group(1)), float(m.group(2))
+            assert 10.0 <= deadline < 14.0 and deadline <= silence < deadline + 2.0, errors[0]  # the floor, ~
             assert took < 16.0, f"stage {s} exited {took:.1f} s after the kill"
             assert not any(bad in peers[s].output for bad in BAD_OUTPUT), peers[s].output
     finally:

@@ -169,7 +169,7 @@ def test_a_second_signal_stops_at_once_and_the_neighbours_name_the_silent_stage(
     """Stage 1 is stopped at once (a second signal, the drain not finished): it leaves no BYE, so its
     neighbours find it silent after the floor and name it, its address and when it was last heard."""
     async def main():
-        peers, transports, losses = _swarm(tmp_path, heartbeat_interval_s=0.05, liveness_floor_s=0.6)
+        peers, transports, losses = _swarm(tmp_path, heartbeat_interval_s=0.1, liveness_floor_s=2.0)
         peers[0].drain.should_stop = lambda: False  # stage 0 would drain; here nothing ends the run
 
         async def signals():
@@ -185,7 +185,7 @@ def test_a_second_signal_stops_at_once_and_the_neighbours_name_the_silent_stage(
     for r, me in ((r0, 0), (r2, 2)):
         assert isinstance(r, NeighbourLost) and r.exit_code == 2, r
         assert re.match(rf"stage{me}: stage 1 at mem://stage1 silent since \d\d:\d\d:\d\d \(\d+\.\d s; "
-                        rf"deadline 0\.6 s, round trip \d+\.\d ms\)", str(r)), r
+                        rf"deadline \d+\.\d s, round trip \d+\.\d ms\)", str(r)), r
         assert r.departure.stage == 1 and r.departure.kind == "silent"
 
 
