@@ -115,6 +115,8 @@ def _cmd_keys(args: argparse.Namespace) -> int:
 
 
 def _cmd_peer(args: argparse.Namespace) -> int:
+    if args.launched:  # launch gives each peer a process group of its own: a background group may
+        signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # still write to the terminal (with `stty tostop`)
     cfg = _load(args)
     run_key = _run_key(args)
     from mapl_swarm.peer.main import read_peers_file, run_peer

@@ -13,15 +13,15 @@ by a task of its own: a send that waits (a full send buffer, a neighbour that st
 delays neither the silence checks nor the heartbeats to other peers, and at most one heartbeat per
 peer is pending at a time. A heartbeat keeps its place in its link's order (a session's sequence
 numbers are strict, SPEC §9.3), so on a busy link it waits behind the messages sent before it —
-which then arrive, and count as signs of life, meanwhile. A monitor whose own loop did not run for a while (the process was
-stopped, or the loop blocked) moves every silence clock on by that gap: what it did not hear while
-it was not listening is not the neighbours' silence.
+which then arrive, and count as signs of life, meanwhile. A monitor whose own loop did not run for
+a while (the process was stopped, or the loop blocked) moves every silence clock on by that gap:
+what it did not hear while it was not listening is not the neighbours' silence.
 
 **Deadlines from round trips** (SPEC §9.5). Heartbeats carry timestamps (:meth:`heartbeat_meta`):
 ``sent_ns``, this side's monotonic clock; ``echo_ns``, the ``sent_ns`` of the newest heartbeat
 heard from that peer; ``held_ns``, how long ago that was. The first heartbeat heard from a peer is
-answered at once, so both sides have a sample right after the handshake. The peer receiving an echo of its own
-``sent_ns`` has one round-trip sample, ``now - echo_ns - held_ns``, measured on its own clock only
+answered at once, so both sides have a sample right after the handshake. The peer receiving an echo
+of its own ``sent_ns`` has one round-trip sample, ``now - echo_ns - held_ns``, measured on its own clock only
 (the other side contributes a duration): it includes the time both heartbeats queued behind other
 messages, so a busy or slow link gets a longer deadline by itself. :class:`RttEstimator` smooths the
 samples as TCP does (RFC 6298: ``srtt``, ``rttvar``, estimate ``srtt + 4 rttvar``) and
@@ -175,7 +175,6 @@ class _Peer:
     """What the monitor tracks of one watched peer."""
 
     __slots__ = ("heard", "sent", "sending", "rtt", "echo", "echoed", "answer", "silent")
-
 
     def __init__(self, now: float) -> None:
         self.heard = now

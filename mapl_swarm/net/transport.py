@@ -324,8 +324,10 @@ class Transport:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def aclose(self, *, drain_timeout_s: float = 0.0) -> None:
-        """Close every socket with linger 0; with ``drain_timeout_s`` > 0, flush links first."""
+    async def aclose(self, *, drain_timeout_s: float = 0.0, linger_s: float = 0.0) -> None:
+        """Close every socket; with ``drain_timeout_s`` > 0, flush links first. ``linger_s`` > 0
+        gives ZeroMQ up to that long to put what it still queues on the wire (e.g. a last BYE; the
+        close then blocks at most that long); 0 drops it."""
         if self._closed:
             return
         if drain_timeout_s > 0:
@@ -335,7 +337,7 @@ class Transport:
                 logger.warning("%s: closing with undelivered messages: %s", self.name, exc)
         self._closed = True
         for link in list(self._shapers):
-            await self.disconnect(link)
+            await self.disconnect(link, linger_s=linger_s)
         if self._router is not None:
             self._router.close(linger=0)
         self._stop_authenticator()  # after the ROUTER: never a moment without the ZAP handler
@@ -408,8 +410,9 @@ class Transport:
                                                                      name=f"{self.name}<-{link} replies")
         logger.debug("%s: link %r -> %s (%s)", self.name, link, endpoint, config.describe())
 
-    async def disconnect(self, link: str) -> None:
-        """Close an outbound link; undelivered messages are dropped (``flush`` first to keep them)."""
+    async def disconnect(self, link: str, *, linger_s: float = 0.0) -> None:
+        """Close an outbound link; undelivered messages are dropped (``flush`` first to keep them),
+        except what ZeroMQ can send within ``linger_s``."""
         shaper = self._shapers.pop(link, None)
         dealer = self._dealers.pop(link, None)
         reader = self._readers.pop(link, None)
@@ -419,7 +422,7 @@ class Transport:
         if shaper is not None:
             await shaper.aclose()
         if dealer is not None:
-            dealer.close(linger=0)
+            dealer.close(linger=max(0, round(linger_s * 1000)))
 
     def links(self) -> list[str]:
         """Names of the connected outbound links."""

@@ -33,15 +33,19 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mapl_swarm.errors import MaplError
 from mapl_swarm.wire import Message
 from mapl_swarm.wire.spec import DRAIN_CAPABILITY, DRAIN_PHASES
 
+if TYPE_CHECKING:
+    from mapl_swarm.peer.checkpoints import PeerRunPolicy
+
 log = logging.getLogger(__name__)
 
-__all__ = ["Drain", "DrainSignals", "Interrupted", "DRAIN_CAPABILITY", "DRAIN_PHASES", "DRAIN_REASON"]
+__all__ = ["Drain", "DrainSignals", "Interrupted", "drained_at", "checkpoint_note", "DRAIN_CAPABILITY", "DRAIN_PHASES",
+           "DRAIN_REASON"]
 
 DRAIN_REASON = "drain"
 """BYE ``reason`` of a planned departure (SPEC §9.5)."""
@@ -146,6 +150,31 @@ class Drain:
             await self.send(self.down, {"phase": "drain", "step": step, **({"reason": reason} if reason else {})})
         if self.on_decided is not None:
             await self.on_decided(step)
+
+
+def drained_at(drain: Drain, bye: Message | None) -> int | None:
+    """The step this stage drained at, once its schedule ended: the decided one, or the step of a BYE
+    ``"drain"`` from upstream; None when the run was not drained."""
+    if drain.step is not None:
+        return drain.step
+    if bye is not None and bye.meta.get("reason") == DRAIN_REASON:
+        return bye.step
+    return None
+
+
+def checkpoint_note(policy: PeerRunPolicy | None, step: int, start_step: int) -> str:
+    """What became of a drain step's checkpoint at this stage, in words."""
+    if policy is None:
+        return "this peer keeps no checkpoints"
+    if not policy.checkpoints_on:
+        return "no checkpoint saved (checkpoint.interval_steps = 0)"
+    if step <= start_step:
+        return f"nothing trained since step {step}, where this run started"
+    if step in policy.agreement.declared:
+        return f"checkpoint of step {step} saved by every stage; continue with --resume"
+    if policy.saved(step):
+        return f"checkpoint of step {step} saved here (not confirmed by every stage)"
+    return f"no checkpoint of step {step} here"
 
 
 class DrainSignals:

@@ -62,11 +62,12 @@ from mapl_swarm.net.transport import Transport, TransportConfig
 from mapl_swarm.peer.admission import Admission, Admitted, Arrival, RejectCounter, mailbox_bound, run_shapes
 from mapl_swarm.peer.compute import BackgroundTasks, ComputeThread, WorkerThread
 from mapl_swarm.peer.departures import Departure, Departures, NeighbourLost
-from mapl_swarm.peer.drain import DRAIN_CAPABILITY, DRAIN_PHASES, DRAIN_REASON, Drain, Interrupted
+from mapl_swarm.peer.drain import (DRAIN_CAPABILITY, DRAIN_PHASES, DRAIN_REASON, Drain, Interrupted, checkpoint_note,
+                                   drained_at)
 from mapl_swarm.peer.link import LinkSettings, Links, PeerLink, Reply, stage_name, stage_of
 from mapl_swarm.peer.mailbox import Mailbox
 from mapl_swarm.peer.result import PeerResult, write_result
-from mapl_swarm.peer.schedule import BYE_DRAIN, NoRunHooks, PipelineSchedule, ScheduleSettings
+from mapl_swarm.peer.schedule import NoRunHooks, PipelineSchedule, ScheduleSettings
 from mapl_swarm.peer.session import HelloRefused, Rejected
 from mapl_swarm.peer.vq_link import codebook_summary
 from mapl_swarm.peer.waiting import WAIT_LOG_INTERVAL_S, WaitingLog
@@ -83,6 +84,9 @@ log = logging.getLogger(__name__)
 __all__ = ["Peer", "PeerResult", "PeerRejected", "NeighbourLost", "Interrupted", "stage_name", "write_result"]
 
 MT = MessageType
+
+_LAST_WORDS_S = 1.0
+"""After a clean end, how long ZeroMQ may take to send what it still queues (a BYE)."""
 
 Then = Callable[[], Awaitable[None]]
 """What the dispatcher does with one received message, after its admission."""
@@ -350,7 +354,10 @@ class Peer:
     async def run(self) -> PeerResult:
         tcfg = TransportConfig.for_run(self.cfg, self.run_key)
         async with Transport(self.name, tcfg) as transport:
-            return await self.serve(transport)
+            result = await self.serve(transport)
+            # a clean end: what is still queued (the last BYE) gets up to a second to leave
+            await transport.aclose(linger_s=_LAST_WORDS_S)
+            return result
 
     async def serve(self, transport: Any) -> PeerResult:
         """Announce, find the neighbours, shake hands, train until the end (or a drain), collect the
@@ -499,29 +506,13 @@ class Peer:
 
     def _ended(self) -> None:
         """The schedule ended: after a drain (decided here, or a BYE ``"drain"``), say so."""
-        bye = self.schedule.bye
-        drained = self.drain.step is not None or (bye is not None and bye.meta.get("reason") == BYE_DRAIN)
-        if not drained:
+        step = drained_at(self.drain, self.schedule.bye)
+        if step is None:
             return
-        step = self.drain.step if self.drain.step is not None else (bye.step if bye is not None else self.schedule.step)
         why = self.drain.reason or self.drain.requested or "asked by another stage"
-        self.result.end, self.result.drained_at = "drained", step
-        self.result.checkpoint_note = self._checkpoint_note(step)
-        self.result.end_note = f"stage {self.stage} drained at step {step} ({why}): {self.result.checkpoint_note}"
-
-    def _checkpoint_note(self, step: int) -> str:
-        policy = self.run_policy
-        if policy is None:
-            return "this peer keeps no checkpoints"
-        if not policy.checkpoints_on:
-            return "no checkpoint saved (checkpoint.interval_steps = 0)"
-        if step <= self.schedule.s.start_step:
-            return f"nothing trained since step {step}, where this run started"
-        if step in policy.agreement.declared:
-            return f"checkpoint of step {step} saved by every stage; continue with --resume"
-        if policy.saved(step):
-            return f"checkpoint of step {step} saved here (not confirmed by every stage)"
-        return f"no checkpoint of step {step} here"
+        note = checkpoint_note(self.run_policy, step, self.schedule.s.start_step)
+        self.result.end, self.result.drained_at, self.result.checkpoint_note = "drained", step, note
+        self.result.end_note = f"stage {self.stage} drained at step {step} ({why}): {note}"
 
     async def _tell_neighbours(self, transport: Any, exc: NonFiniteError) -> None:
         """Best effort, before this peer exits: BYE with the reason upstream, where it stops the

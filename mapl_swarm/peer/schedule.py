@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 from tqdm import tqdm
 
 from mapl_swarm.errors import MaplError
+from mapl_swarm.peer.drain import DRAIN_REASON
 from mapl_swarm.peer.host import HostRuntime
 from mapl_swarm.peer.vq_link import Retransmitting
 from mapl_swarm.pipeline.run_policy import due
@@ -73,7 +74,7 @@ T = TypeVar("T")
 
 BYE_FINISHED = "training finished"
 """Stage 1's BYE ``reason`` after the last step."""
-BYE_DRAIN = "drain"
+BYE_DRAIN = DRAIN_REASON
 """Stage 1's BYE ``reason`` after a graceful drain (SPEC §9.5)."""
 
 

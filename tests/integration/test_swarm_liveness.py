@@ -78,7 +78,8 @@ def test_a_killed_middle_peer_is_named_by_both_neighbours_within_seconds(tmp_pat
             m = re.fullmatch(rf"mapl-swarm: error: stage{s}: stage 1 at {re.escape(endpoint)} silent since "
                              rf"\d\d:\d\d:\d\d \((\d+\.\d) s; deadline (\d+\.\d) s, round trip \d+\.\d ms\)", errors[0])
             assert m, errors[0]
-            assert 10.0 <= float(m.group(1)) < 15.0 and float(m.group(2)) == 10.0, errors[0]
+            silence, deadline = float(m.group(1)), float(m.group(2))
+            assert 10.0 <= deadline < 14.0 and deadline <= silence < deadline + 2.0, errors[0]  # the floor, ~
             assert took < 16.0, f"stage {s} exited {took:.1f} s after the kill"
             assert not any(bad in peers[s].output for bad in BAD_OUTPUT), peers[s].output
     finally:
@@ -152,3 +153,34 @@ def test_sigint_to_a_launch_process_group_drains_every_stage_to_one_checkpointed
     newest = [checkpoint.stage_steps(out, s)[-1] for s in range(3)]
     assert newest == [step] * 3, newest
     assert not list(out.rglob("*.tmp")), list(out.rglob("*.tmp"))
+
+
+@pytest.mark.slow
+def test_a_drained_swarm_resumes_to_the_losses_of_an_uninterrupted_run(tmp_path, cache):
+    """SIGINT to the launcher mid-run, then `launch --resume`: the losses of all 12 steps (the first
+    run's up to the drain step, the resumed run's after it) equal one uninterrupted in-process run."""
+    out = tmp_path / "swarm"
+    path = write_config(tmp_path / "resume.toml", stages=3, steps=12, cache=cache, out=out, run_id="dres",
+                        timeout=60)
+    path.write_text(path.read_text() + "\n[checkpoint]\ninterval_steps = 5\n")
+    launcher = subprocess.Popen([sys.executable, "-m", "mapl_swarm", "launch", "--config", str(path), "--quiet"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_steps(out, 3, [launcher], 240)
+        os.killpg(launcher.pid, signal.SIGINT)
+        stdout, stderr = launcher.communicate(timeout=30)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.communicate()
+    assert launcher.returncode == 0, stderr[-6000:]
+    step = int(re.search(r"swarm drained at step (\d+)", stdout).group(1))
+    assert 3 <= step < 12, stdout
+    resumed = subprocess.run([sys.executable, "-m", "mapl_swarm", "launch", "--config", str(path), "--resume",
+                              "--quiet"], capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-6000:]
+    records = [json.loads(line) for line in (out / "metrics_stage0.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    train(load_config(path, {"run": {"out_dir": str(tmp_path / "ref")}, "checkpoint": {"interval_steps": 0}}),
+          progress=False)
+    assert losses == pytest.approx(train_losses(tmp_path / "ref"), rel=1e-3)
