@@ -7,7 +7,8 @@ The swarm of ``bench/throughput.py`` (4 peer processes with 1 torch thread each 
 on this machine, tiny preset, T=128, 8 micro-batches of 2 per step, ``mapl`` rank 64), started
 peer by peer (``mapl-swarm peer`` / ``mapl-swarm dht``, each with ``--key-file`` or each with
 ``--insecure``: ``launch`` always makes a key), once with every outbound link shaped to
-``--bandwidth-mbps`` and once unshaped, keyed and insecure runs alternating. Measures steady-state
+``--bandwidth-mbps`` and once unshaped, keyed and insecure runs alternating (keyed first in even
+repeats, insecure first in odd ones). Measures steady-state
 tokens/s (steps 2..N, from when stage 0 received each REPORT) and wire bytes per token (what the
 peers handed ZeroMQ: headers with their tags, not CURVE's own framing).
 
@@ -200,7 +201,7 @@ def main() -> int:
         profiles = [p for p in args.profiles.split(",") if p in ("unshaped", "shaped")]
         for bw in [0.0 if p == "unshaped" else args.bandwidth_mbps for p in profiles]:
             for i in range(args.repeats):
-                for keyed in (True, False):
+                for keyed in ((True, False) if i % 2 == 0 else (False, True)):  # either order first
                     row = run_case(keyed, bw, args.steps, ROOT / ".mapl_cache", Path(tmp), i)
                     print(json.dumps({k: row[k] for k in ("keyed", "bandwidth_mbps", "tokens_per_s",
                                                            "wire_bytes_per_token")}), flush=True)
