@@ -44,11 +44,12 @@ import pytest
 import zmq
 
 from mapl_swarm.net.runkey import RunKey, load_run_key
+from mapl_swarm.procs import die_with_parent
 from mapl_swarm.wire import MessageType, decode
 
 from attacker import (Intruder, Listener, TcpRelay, big_header, forge, free_port, lz4_zeros_block, lying_lz4,
                       nan_bf16, repack)
-from swarm_helpers import Watched, shared_key_file, start_dht, write_config
+from swarm_helpers import Watched, cli, shared_key_file, write_config
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -60,12 +61,13 @@ RECONNECTS = 50
 
 
 # ------------------------------------------------------------------------------------------ swarms
-class Fed(Watched):
-    """A watched process whose stdin the test writes to."""
+class Child(Watched):
+    """A watched process that dies with the test process (SIGKILL on its death, even a timeout's),
+    whose stdin the test may write to."""
 
-    def __init__(self, cmd: list[str]) -> None:  # noqa: D107 - Watched's, with a stdin pipe
+    def __init__(self, cmd: list[str]) -> None:  # noqa: D107 - Watched's, with stdin and a death signal
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True)
+                                     text=True, preexec_fn=die_with_parent())
         self.lines: list[str] = []
         self._cond = threading.Condition()
         self._threads = [threading.Thread(target=self._pump, args=(s,), daemon=True)
@@ -77,6 +79,11 @@ class Fed(Watched):
         self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
 
+    def hang_up(self) -> None:
+        """Close its stdin (``attacker.py dht`` then withdraws and exits)."""
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+
 
 class Swarm:
     """A keyed 2-stage swarm of hooked peers (see the module docstring), with its DHT bootstrap."""
@@ -86,7 +93,8 @@ class Swarm:
         self.config = write_config(tmp / f"{name}.toml", stages=2, steps=STEPS, cache=cache, out=self.out,
                                    run_id=name, timeout=timeout_s)
         self.config.write_text(self.config.read_text() + "[runtime]\nthreads = 1\n")
-        self.dht, self.maddr = start_dht()
+        self.dht = Child(cli("dht", "--host", "127.0.0.1"))
+        self.maddr = self.dht.wait_for(r"--initial-peer (\S+)", 60).group(1)
         self.peers: dict[int, Watched] = {}
         self.procs: list[Watched] = [self.dht]
         self.endpoint: dict[int, str] = {}
@@ -97,7 +105,7 @@ class Swarm:
                "--initial-peer", self.maddr, "--quiet", "--key-file", shared_key_file()]
         for item in sets:
             cmd += ["--set", item]
-        self.peers[stage] = p = Watched(cmd)
+        self.peers[stage] = p = Child(cmd)
         self.procs.append(p)
         return p
 
@@ -236,7 +244,7 @@ def outsider(tmp_path_factory, cache):
     try:
         t0 = time.monotonic()
         swarm.start(1, sets=(f"net.port={port}", "net.advertise_host=127.0.0.2"))
-        poison = Fed([sys.executable, ATTACKER, "dht", "--initial-peer", swarm.maddr, "--run", swarm.name,
+        poison = Child([sys.executable, ATTACKER, "dht", "--initial-peer", swarm.maddr, "--run", swarm.name,
                       "--stage", "1", "--endpoint", trap.endpoint])
         swarm.procs.append(poison)
         poison.wait_for(r"^READY", 120)
@@ -285,8 +293,8 @@ def outsider(tmp_path_factory, cache):
         seen["fingerprint"] = fp
         return seen
     finally:
-        if poison is not None and poison.proc.poll() is None:
-            poison.proc.stdin.close()
+        if poison is not None:
+            poison.hang_up()
         ctx.destroy(linger=0)
         relay.close()
         trap.close()
@@ -352,7 +360,7 @@ def insider(tmp_path_factory, cache):
         t0 = time.monotonic()
         swarm.start(1, "--insider-at", str(INSIDER_AT))
         swarm.start(0, "--insider-at", str(INSIDER_AT), "--hold-at", str(HOLD_AT))
-        poison = Fed([sys.executable, ATTACKER, "dht", "--initial-peer", swarm.maddr, "--run", swarm.name,
+        poison = Child([sys.executable, ATTACKER, "dht", "--initial-peer", swarm.maddr, "--run", swarm.name,
                       "--stage", "1", "--endpoint", trap.endpoint, "--key-file", shared_key_file()])
         swarm.procs.append(poison)
         swarm.bound(0)
@@ -400,8 +408,8 @@ def insider(tmp_path_factory, cache):
         seen["endpoint"] = dict(swarm.endpoint)
         return seen
     finally:
-        if poison is not None and poison.proc.poll() is None:
-            poison.proc.stdin.close()
+        if poison is not None:
+            poison.hang_up()
         ctx.destroy(linger=0)
         trap.close()
         swarm.close()
@@ -464,7 +472,7 @@ def test_a_signed_record_planted_before_the_lookup_costs_one_failed_handshake(tm
     trap = Listener()
     poison = None
     try:
-        poison = Fed([sys.executable, ATTACKER, "dht", "--initial-peer", swarm.maddr, "--run", swarm.name,
+        poison = Child([sys.executable, ATTACKER, "dht", "--initial-peer", swarm.maddr, "--run", swarm.name,
                       "--stage", "1", "--endpoint", trap.endpoint, "--key-file", shared_key_file()])
         swarm.procs.append(poison)
         swarm.start(1)
@@ -476,7 +484,7 @@ def test_a_signed_record_planted_before_the_lookup_costs_one_failed_handshake(tm
         results = swarm.finish(timeout_s=180)
         assert len(results[0]["train_losses"]) == STEPS
     finally:
-        if poison is not None and poison.proc.poll() is None:
-            poison.proc.stdin.close()
+        if poison is not None:
+            poison.hang_up()
         trap.close()
         swarm.close()
