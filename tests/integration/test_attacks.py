@@ -146,7 +146,12 @@ class Swarm:
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
+    """The swarms' token cache, prepared before any peer starts: no peer's peak RSS includes
+    training the tokenizer (the first peer to need it would otherwise do it)."""
+    path = tmp_path_factory.mktemp("cache")
+    config = write_config(path / "prepare.toml", stages=2, steps=STEPS, cache=path, out=path / "out")
+    subprocess.run(cli("prepare", "--config", str(config), "--quiet"), check=True, capture_output=True, timeout=300)
+    return path
 
 
 @pytest.fixture(scope="module")
