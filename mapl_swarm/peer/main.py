@@ -141,6 +141,7 @@ def run_peer(cfg: TrainConfig, stage: int, *, run_key: RunKey | None, initial_pe
     discovery.start()  # forks the DHT process: before the event loop, ZeroMQ, torch work and threads
     try:
         from mapl_swarm.net.transport import run
+        from mapl_swarm.peer.result import peak_rss_mb
         from mapl_swarm.peer.runtime import write_result
 
         async def announce(endpoint: str) -> None:
@@ -150,6 +151,7 @@ def run_peer(cfg: TrainConfig, stage: int, *, run_key: RunKey | None, initial_pe
             peer = build_peer(cfg, stage, resolve=discovery.lookup_async, announce=announce, resume=resume,
                               progress=progress, run_key=run_key)
             result = run(serve_until_signalled(peer))
+        result.peak_rss_mb = peak_rss_mb()
         write_result(result, cfg.run.out_dir)
         return result
     finally:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PeerResult", "write_result"]
+__all__ = ["PeerResult", "write_result", "peak_rss_mb"]
 
 
 @dataclass
@@ -48,6 +48,22 @@ class PeerResult:
     """``drained``: the step every stage stopped after (and checkpointed, with checkpoints on)."""
     checkpoint_note: str = ""
     """``drained``: what became of that step's checkpoint (saved by every stage, not saved...)."""
+    peak_rss_mb: float = 0.0
+    """The peer process's peak resident set size (``VmHWM``) in MiB, read when it finished (0: not
+    measured, e.g. a peer driven in-process)."""
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set size so far (``VmHWM`` of ``/proc/self/status``), in MiB;
+    0.0 where that file does not exist."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return 0.0
 
 
 def write_result(result: PeerResult, out_dir: str | Path) -> Path:
