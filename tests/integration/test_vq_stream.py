@@ -19,11 +19,12 @@ from mapl_swarm.net.transport import Transport, TransportConfig
 from mapl_swarm.peer.tensors import from_wire
 from mapl_swarm.wire import Message, MessageType, decode, encode
 from mapl_swarm.wire.codebook import CodebookVersionMismatch, resync_message
+from mapl_swarm.wire.session import new_nonce
 
 from swarm_helpers import Watched
 
 sys.path.insert(0, str(Path(__file__).parent))
-from vq_stream_sender import RUN, SETTINGS  # noqa: E402
+from vq_stream_sender import HANDSHAKE_META, RUN, SETTINGS  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 PHASE1, PRE, PHASE2 = 250, 6, 150
@@ -59,7 +60,7 @@ async def _connect(sender_ep: str) -> Transport:
     ep = t.start()
     t.connect("tx", sender_ep)
     hello = Message(type=MessageType.HELLO, run_id=RUN, src=1, dst=0,
-                    meta={"fingerprint": "f", "num_stages": 2, "capabilities": ["vq_stream"], "endpoint": ep})
+                    meta={**HANDSHAKE_META, "nonce": new_nonce(), "endpoint": ep})
     await t.send("tx", encode(hello))
     return t
 

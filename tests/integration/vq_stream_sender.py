@@ -25,8 +25,12 @@ from mapl_swarm.compress.vq import decode_codes
 from mapl_swarm.config import CompressionConfig, VQConfig
 from mapl_swarm.net.transport import Transport, TransportConfig, run
 from mapl_swarm.wire import Message, MessageType, WireTensor, decode, encode
+from mapl_swarm.wire.session import new_nonce
 
 RUN = "vq-stream-test"
+HANDSHAKE_META = {"fingerprint": "f", "num_stages": 2, "num_micro_batches": 1, "micro_batch_size": 1,
+                  "eval_batches": 1, "capabilities": ["vq_stream"]}
+"""HELLO/WELCOME meta of this two-party test (the nonces are added per message, SPEC §9.2)."""
 SETTINGS = CompressionConfig(codec="mapl_vq", rank=16,
                              vq=VQConfig(codebook_size=64, slice_fraction=0.125, kmeans_iters=3)).vq
 TIMEOUT_S = 60.0
@@ -74,7 +78,7 @@ class Sender:
             self.t.connect("rx", msg.meta["endpoint"])
             self.seq = 0
             await self.send(Message(type=MessageType.WELCOME, run_id=RUN, src=0, dst=1,
-                                    meta={"fingerprint": "f", "num_stages": 2, "capabilities": ["vq_stream"]}))
+                                    meta={**HANDSHAKE_META, "nonce": new_nonce(), "hello_nonce": msg.meta["nonce"]}))
         elif msg.type == MessageType.RESYNC:
             self.tx.request_resync()
         return msg
