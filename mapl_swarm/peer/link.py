@@ -166,6 +166,8 @@ class PeerLink:
         """The link's projector version (SPEC §9.6): of the last PROJ admitted from upstream, or sent
         downstream; None before any."""
         self._hello_nonce: bytes | None = None
+        self.refused_hello: str | None = None
+        """Why this peer last refused a HELLO of this neighbour (code: reason), if it did."""
         self._on_bad_frame = on_bad_frame
         self._seq = 0
         self._send_lock = asyncio.Lock()

@@ -238,6 +238,7 @@ class Peer:
             link = self._link_of(arrival)
             if link is None:
                 return None
+            link.refused_hello = f"{exc.code}: {exc.text}"  # named if our own handshake then times out
             reply, code, text, nonce = self._reply(transport, arrival, link), exc.code, exc.text, exc.hello_nonce
             return lambda: self._answer(link.refuse(code, text, reply, hello_nonce=nonce))
         except VersionMismatch as exc:
@@ -537,8 +538,12 @@ class Peer:
             await self.waits.wait(asyncio.wait_for(self._welcome_event.wait(), timeout),
                                   lambda: [link for link in self.links if not link.welcomed])
         except asyncio.TimeoutError:
+            # a neighbour that refused our config may have left before answering our own HELLO: say
+            # what its HELLO was refused for, which names both configurations
+            refused = "; ".join(f"stage {link.stage}'s HELLO was refused ({link.refused_hello})"
+                                for link in self.links if not link.welcomed and link.refused_hello)
             raise MaplError(f"{self.name}: handshake with stages {self.links.stages} not completed within "
-                            f"{timeout:g} s") from None
+                            f"{timeout:g} s" + (f"; {refused}" if refused else "")) from None
         if self.mailbox.error is not None:
             raise self.mailbox.error
         for link in self.links:

@@ -152,7 +152,7 @@ def test_sigint_to_the_process_group_closes_the_dht_quietly() -> None:
         shm = sorted(Path("/dev/shm").glob(f"torch_{peer.pid}_*"))
 
         os.killpg(peer.pid, signal.SIGINT)  # Ctrl-C: the whole foreground process group
-        out, err = peer.communicate(timeout=30)
+        out, err = peer.communicate(timeout=75)  # a loaded machine: closing two DHT nodes can take tens of s
         assert (peer.returncode, out.split()[-1:]) == (0, ["CLOSED"]), err[-4000:]
         for bad in ("Traceback", "ERROR", "grace period", "hard way", "did not stop", "terminate called"):
             assert bad not in err, f"{bad!r} in the peer's stderr:\n{err[-4000:]}"
