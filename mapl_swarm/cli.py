@@ -166,7 +166,8 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     from mapl_swarm.peer.launch import launch, parse_gpus
 
     gpus = parse_gpus(args.gpus) if args.gpus else None
-    s = launch(cfg, _config_args(args) + (["--resume"] if args.resume else []), progress=not args.quiet, gpus=gpus)
+    s = launch(cfg, _config_args(args) + (["--resume"] if args.resume else []), progress=not args.quiet, gpus=gpus,
+               max_restarts=args.max_restarts)
     if s.end_note:  # drained (SIGINT/SIGTERM): one line
         print(f"mapl-swarm: {s.end_note}")
         return 0
@@ -182,6 +183,8 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     out = Path(cfg.run.out_dir)
     print(f"metrics: {out}/metrics_stage{{0..{cfg.pipeline.num_stages - 1}}}.jsonl; checkpoints: {out}/checkpoints; "
           f"manifest: {out}/manifest.json")
+    if s.restarts:
+        print("restarted peers: " + ", ".join(f"stage {st} x{n}" for st, n in s.restarts.items()))
     return 0
 
 
@@ -380,6 +383,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPUs to give the peers, round-robin, one per peer through its CUDA_VISIBLE_DEVICES, "
                         "e.g. --gpus 0,1,2,3 (a repeated id shares a GPU; needs runtime.device auto or cuda) "
                         "(default: the visible GPUs, round-robin; none: the peers' environment is unchanged)")
+    p.add_argument("--max-restarts", type=int, default=3, metavar="N",
+                   help="per stage: how many times a peer that dies (non-zero status or a signal, not after "
+                        "Ctrl-C) is started again with --resume while the others wait; one more death stops the "
+                        "swarm; 0: any death stops it (default: 3)")
     p.set_defaults(func=_cmd_launch)
     return parser
 

@@ -1,16 +1,23 @@
 """``mapl-swarm launch``: a DHT plus P stage peer processes on this machine.
 
 The launcher starts a DHT node (the bootstrap), then one ``mapl-swarm peer`` process per stage
-with the machine's cores split between their torch threads, waits for them, and stops all of
-them as soon as any one fails (:func:`stop_all`: SIGTERM twice, which stops a peer at once, then
-SIGKILL after a grace period). At the end it prints the swarm's loss, tokens/s and measured
-bytes/token per link.
+with the machine's cores split between their torch threads, waits for them, restarts one that
+dies (below), and stops all of them as soon as one fails for good (:func:`stop_all`: SIGTERM twice,
+which stops a peer at once, then SIGKILL after a grace period). At the end it prints the swarm's
+loss, tokens/s and measured bytes/token per link.
 
 Ctrl-C / SIGTERM: each peer runs in a process group of its own, so a terminal's Ctrl-C reaches the
 launcher only, and the launcher forwards every SIGINT/SIGTERM it gets to each peer, once: the
 first one drains the swarm (every stage stops after the same step and checkpoints it,
 :mod:`~.drain`), a second stops the peers at once. When every peer drained, the launcher returns a
 summary whose ``end_note`` is the one line to print, and exits 0.
+
+Restarts (``--max-restarts N``, default 3, per stage): a peer that dies (a non-zero status, 3 for a
+NaN/Inf included, or a signal) while no signal was forwarded is started again, the same command plus
+``--resume``, and joins the waiting swarm (which rolls back to the newest common checkpoint); the
+other peers are left alone. :class:`RestartPolicy` decides (pure), :class:`Supervisor` runs the
+processes. A stage that died once more than N restarts allow stops the swarm as before (exit 2,
+naming the stage); the summary counts the restarts per stage.
 
 GPUs: each peer is given one GPU through its own ``CUDA_VISIBLE_DEVICES`` (:func:`gpu_plan`):
 round-robin over the launcher's visible GPUs, or over ``--gpus 0,1,2,3``; several peers may share
@@ -36,8 +43,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Literal
 
 from mapl_swarm.config import TrainConfig
 from mapl_swarm.data import prepare_data
@@ -52,7 +60,7 @@ from mapl_swarm.pipeline.payload import BACKWARD_KINDS, FORWARD_KINDS, kind_byte
 log = logging.getLogger(__name__)
 
 __all__ = ["launch", "SwarmSummary", "summarize", "stop_all", "parse_gpus", "visible_gpus", "gpu_plan",
-           "PeerProcess", "peer_processes", "drain_note"]
+           "PeerProcess", "peer_processes", "drain_note", "RestartPolicy", "Supervisor", "resumed", "exit_text"]
 
 _GRACE_S = 20.0
 _ABORT_GAP_S = 0.5
@@ -73,6 +81,8 @@ class SwarmSummary:
     """Set when the swarm drained or stopped on a signal: the one line to print (else empty)."""
     drained_at: int | None = None
     """The step every stage stopped after, when it drained."""
+    restarts: dict[str, int] = field(default_factory=dict)
+    """Per stage (as a string, JSON-style) that was restarted: how many times, e.g. ``{"1": 2}``."""
 
 
 def summarize(out_dir: str | Path, num_stages: int) -> SwarmSummary:
@@ -246,12 +256,16 @@ def peer_processes(num_stages: int, config_args: Sequence[str], *, maddr: str, t
 
 
 def launch(cfg: TrainConfig, config_args: list[str], *, progress: bool = True,
-           timeout_s: float | None = None, gpus: Sequence[str] | None = None) -> SwarmSummary:
+           timeout_s: float | None = None, gpus: Sequence[str] | None = None,
+           max_restarts: int = 3) -> SwarmSummary:
     """Run the whole swarm locally (each peer gets ``config_args``, the options that produced
     ``cfg`` and the log level); raises MaplError naming the failed stage. The launcher prepares the
     data and runs the DHT bootstrap, and logs those once; its peers log them at DEBUG. ``gpus``
-    (``--gpus``) are handed out round-robin, else the visible ones (:func:`gpu_plan`)."""
+    (``--gpus``) are handed out round-robin, else the visible ones (:func:`gpu_plan`). A peer that
+    dies is restarted with ``--resume``, at most ``max_restarts`` times per stage
+    (:class:`RestartPolicy`)."""
     P = cfg.pipeline.num_stages
+    swarm = Supervisor(RestartPolicy(max_restarts))  # before any work: a bad --max-restarts answers at once
     threads = cfg.runtime.threads or max(1, (os.cpu_count() or 1) // P)
     plan = gpu_plan(cfg.runtime.device, P, gpus=gpus)  # before any work: a bad --gpus answers at once
     if any(g is not None for g in plan):
@@ -268,7 +282,6 @@ def launch(cfg: TrainConfig, config_args: list[str], *, progress: bool = True,
     bootstrap = Discovery(cfg.run.run_id, DiscoveryConfig(host=cfg.net.dht_host, port=cfg.net.dht_port),
                           run_key=run_key)
     bootstrap.start()
-    procs: list[subprocess.Popen] = []
     try:
         maddr = bootstrap.visible_maddrs()[0]
         log.info("DHT bootstrap at %s; starting %d peers with %d torch threads each", maddr, P, threads)
@@ -276,28 +289,29 @@ def launch(cfg: TrainConfig, config_args: list[str], *, progress: bool = True,
         log.info("metrics: %s (one per stage, appended every step); checkpoints: %s; manifest: %s",
                  out / f"metrics_stage{{0..{P - 1}}}.jsonl", out / "checkpoints", out / "manifest.json")
         with _Forwarded() as signals:
-            for peer in peer_processes(P, config_args, maddr=maddr, threads=threads, progress=progress, gpus=plan,
+            swarm.start(peer_processes(P, config_args, maddr=maddr, threads=threads, progress=progress, gpus=plan,
                                        environ=os.environ, key_file=run_key.path, net_port=cfg.net.port,
-                                       dht_port=cfg.net.dht_port):
-                # a launcher killed even by SIGKILL takes its peers (and with them their DHT nodes) along;
-                # a process group of its own: Ctrl-C reaches the launcher, which forwards it once
-                procs.append(subprocess.Popen(peer.cmd, env=peer.env, preexec_fn=die_with_parent(),
-                                              process_group=0))
-            _supervise(procs, signals, timeout_s, drain_timeout_s=cfg.net.timeout_s + 60.0)
+                                       dht_port=cfg.net.dht_port))
+            swarm.run(signals, timeout_s, drain_timeout_s=cfg.net.timeout_s + 60.0)
     except KeyboardInterrupt:
         raise MaplError("interrupted; stopped every peer") from None
     finally:
-        stop_all(procs)
+        swarm.stop()
         bootstrap.close()
+    restarts = swarm.policy.counts()
+    if restarts:
+        log.info("restarts per stage: %s (--max-restarts %d each)", json.dumps(restarts), max_restarts)
     if signals.received:
         note, step = drain_note(cfg, signals.received[0])
         if note:
-            return SwarmSummary([], [], [], 0, 0.0, [], end_note=note, drained_at=step)
-    return summarize(cfg.run.out_dir, P)
+            return SwarmSummary([], [], [], 0, 0.0, [], end_note=note, drained_at=step, restarts=restarts)
+    summary = summarize(cfg.run.out_dir, P)
+    summary.restarts = restarts
+    return summary
 
 
 class _Forwarded:
-    """While open (on the main thread), SIGINT and SIGTERM are recorded for :func:`_supervise` to
+    """While open (on the main thread), SIGINT and SIGTERM are recorded for :meth:`Supervisor.run` to
     forward instead of interrupting the launcher."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -327,35 +341,156 @@ class _Forwarded:
             signal.signal(sig, previous)
 
 
-def _supervise(procs: list[subprocess.Popen], signals: _Forwarded, timeout_s: float | None, *,
-               drain_timeout_s: float) -> None:
-    """Until every peer exited 0; forwards each signal to every peer still running. Raises
-    MaplError naming the first peer that failed (or, after a signal, that did not drain)."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while True:
-        for sig in signals.take():
-            log.info("%s: forwarded to every peer (%s)", signal.Signals(sig).name,
-                     "they drain: finish the current step, checkpoint it, exit" if len(signals.received) == 1
-                     else "they stop at once")
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(sig)
-            if len(signals.received) == 1:
-                deadline = time.monotonic() + drain_timeout_s
-        codes = [p.poll() for p in procs]
-        failed = [(s, c) for s, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
-            s, c = failed[0]
-            if signals.received and c in (130, 128 + signal.SIGINT, 128 + signal.SIGTERM):
-                raise Interrupted(f"stage {s} peer stopped at once (status {c}); stopped the swarm")
-            raise MaplError(f"stage {s} peer exited with status {c}; stopped the swarm")
-        if all(c == 0 for c in codes):
-            return
-        if deadline is not None and time.monotonic() > deadline:
-            what = "drain" if signals.received else "finish"
-            raise MaplError(f"swarm did not {what} within {drain_timeout_s if signals.received else timeout_s:g} s; "
-                            f"stopped it")
-        time.sleep(0.2)  # supervising child processes, not synchronising tests
+# ---------------------------------------------------------------- supervising the peers: restarts
+Action = Literal["done", "restart", "stop"]
+
+_STOPPED_AT_ONCE = (130, 128 + signal.SIGINT, 128 + signal.SIGTERM, -signal.SIGINT, -signal.SIGTERM)
+"""A peer's status after a forwarded signal stopped it at once (or killed it before its handlers were in)."""
+
+
+def exit_text(status: int) -> str:
+    """A child's ``Popen.returncode`` for people: ``status 3``, or the signal that killed it (``SIGKILL``)."""
+    if status >= 0:
+        return f"status {status}"
+    try:
+        return signal.Signals(-status).name
+    except ValueError:
+        return f"signal {-status}"
+
+
+class RestartPolicy:
+    """Whether a stage peer that exited is restarted (pure: no processes, no clock).
+
+    ``max_restarts`` is per stage over the whole run; :meth:`counts` holds the restarts made."""
+
+    def __init__(self, max_restarts: int) -> None:
+        if max_restarts < 0:
+            raise ConfigError(f"--max-restarts {max_restarts}: expected 0 or more (0: a dead peer stops the swarm)")
+        self.max_restarts = max_restarts
+        self._restarts: dict[int, int] = {}
+
+    def decide(self, stage: int, status: int, *, stopping: bool) -> Action:
+        """For ``stage``'s peer that exited with ``status`` (``Popen.returncode``: negative when a
+        signal killed it): ``"done"`` for 0 (its run ended); ``"stop"`` (the swarm) while
+        ``stopping`` (a signal was forwarded: the swarm drains or stops, nothing restarts) or once
+        the stage used its ``max_restarts``; else ``"restart"``, counted against the stage."""
+        if status == 0:
+            return "done"
+        used = self._restarts.get(stage, 0)
+        if stopping or used >= self.max_restarts:
+            return "stop"
+        self._restarts[stage] = used + 1
+        return "restart"
+
+    def used(self, stage: int) -> int:
+        """Restarts ``stage`` had so far."""
+        return self._restarts.get(stage, 0)
+
+    def counts(self) -> dict[str, int]:
+        """The restarts per stage that had any, keyed by the stage as a string (JSON-style)."""
+        return {str(s): n for s, n in sorted(self._restarts.items())}
+
+
+def resumed(peer: PeerProcess) -> PeerProcess:
+    """``peer`` started again: the same command (key file, ports, threads), environment and GPU, plus
+    ``--resume`` when it is not there already."""
+    return peer if "--resume" in peer.cmd else replace(peer, cmd=[*peer.cmd, "--resume"])
+
+
+def _start(peer: PeerProcess) -> subprocess.Popen:
+    """Start one peer: a launcher killed even by SIGKILL takes it (and with it its DHT node) along;
+    a process group of its own, so a terminal's Ctrl-C reaches the launcher, which forwards it once."""
+    return subprocess.Popen(peer.cmd, env=peer.env, preexec_fn=die_with_parent(), process_group=0)
+
+
+def _exit_status(proc: subprocess.Popen) -> int | None:
+    """``proc``'s status once it exited, else None. A non-zero exit is seen before the child is
+    reaped (``WNOWAIT``), so what is left of its process group (its DHT node, p2pd: they die with it
+    anyway) is SIGKILLed while the group id cannot have been reused, then it is reaped."""
+    if proc.returncode is None and hasattr(os, "waitid"):
+        try:
+            info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            info = None
+        if info is not None and not (info.si_code == os.CLD_EXITED and info.si_status == 0):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    return proc.poll()
+
+
+class Supervisor:
+    """The stage peers' processes: starts them (:func:`_start`), waits for them, forwards the
+    launcher's signals, restarts a dead one with ``--resume`` as its :class:`RestartPolicy` says
+    and leaves the others alone, and stops them all (:func:`stop_all`)."""
+
+    def __init__(self, policy: RestartPolicy) -> None:
+        self.policy = policy
+        self.peers: list[PeerProcess] = []
+        """How each stage's peer is (re)started, by stage."""
+        self.procs: list[subprocess.Popen] = []
+        """Each stage's current process, by stage."""
+
+    def start(self, peers: Sequence[PeerProcess]) -> None:
+        """Start ``peers`` (one per stage, in stage order)."""
+        for peer in peers:
+            self.peers.append(peer)
+            self.procs.append(_start(peer))
+
+    def stop(self) -> None:
+        """Stop every peer still running (:func:`stop_all`); no restarts."""
+        stop_all(self.procs)
+
+    def run(self, signals: _Forwarded, timeout_s: float | None, *, drain_timeout_s: float) -> None:
+        """Until every peer exited 0; forwards each signal to every peer still running. Raises
+        MaplError naming the first peer that failed and is not restarted (or, after a signal, that
+        did not drain)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            for sig in signals.take():
+                log.info("%s: forwarded to every peer (%s)", signal.Signals(sig).name,
+                         "they drain: finish the current step, checkpoint it, exit" if len(signals.received) == 1
+                         else "they stop at once")
+                for p in self.procs:
+                    if p.poll() is None:
+                        p.send_signal(sig)
+                if len(signals.received) == 1:
+                    deadline = time.monotonic() + drain_timeout_s
+            done = 0
+            for stage, proc in enumerate(self.procs):
+                status = _exit_status(proc)
+                if status is not None:
+                    done += self._exited(stage, status, stopping=bool(signals.received))
+            if done == len(self.procs):
+                return
+            if deadline is not None and time.monotonic() > deadline:
+                what = "drain" if signals.received else "finish"
+                raise MaplError(f"swarm did not {what} within "
+                                f"{drain_timeout_s if signals.received else timeout_s:g} s; stopped it")
+            time.sleep(0.2)  # supervising child processes, not synchronising tests
+
+    def _exited(self, stage: int, status: int, *, stopping: bool) -> bool:
+        """Handle ``stage``'s exit: True when its run ended (0); False when it was restarted; raises
+        when the swarm stops."""
+        pid, n = self.procs[stage].pid, self.policy.max_restarts
+        action = self.policy.decide(stage, status, stopping=stopping)
+        if action == "done":
+            return True
+        if action == "restart":
+            used = self.policy.used(stage)
+            log.warning("stage %d (pid %d) died (%s); restarting it with --resume (restart %d of %d)",
+                        stage, pid, exit_text(status), used, n)
+            self.peers[stage] = resumed(self.peers[stage])
+            self.procs[stage] = _start(self.peers[stage])
+            return False
+        what = f"status {status}" + (f" ({exit_text(status)})" if status < 0 else "")
+        if stopping:
+            if status in _STOPPED_AT_ONCE:
+                raise Interrupted(f"stage {stage} peer stopped at once ({what}); stopped the swarm")
+            raise MaplError(f"stage {stage} peer exited with {what}; stopped the swarm")
+        spent = "no restarts allowed" if n == 0 else f"restarted {n} time{'s' if n > 1 else ''} already"
+        raise MaplError(f"stage {stage} peer exited with {what}; {spent} (--max-restarts {n}); stopped the swarm")
 
 
 def drain_note(cfg: TrainConfig, signal_name: str) -> tuple[str, int | None]:

@@ -39,7 +39,7 @@ def test_killed_peer_then_resume_continues_exactly(tmp_path):
                         run_id="resume")
     text = path.read_text().replace("[net]", "[net]\nheartbeat_interval_s = 1.0\nbandwidth_mbps = 0.25")
     path.write_text(text.replace("[eval]\n", "[checkpoint]\ninterval_steps = 2\n\n[eval]\n"))
-    swarm = Watched(cli("launch", "--config", str(path), "--quiet"))
+    swarm = Watched(cli("launch", "--config", str(path), "--quiet", "--max-restarts", "0"))
     step = int(swarm.wait_for(r"checkpoint step (\d+) saved by every stage", 300).group(1))
     _crash_host(f"peer --config {path} --stage 2")
     assert swarm.wait(120) == 2, swarm.output
