@@ -1,13 +1,14 @@
-"""Wire protocol 1.4: messages <-> ZeroMQ multipart frames (normative text: protocol/SPEC.md).
+"""Wire protocol 1.5: messages <-> ZeroMQ multipart frames (normative text: protocol/SPEC.md).
 
 Imports no torch; tensors are numpy arrays (bf16 as its raw ``uint16`` bit patterns).
 
 API
 ---
-``Message(*, type, run_id, src, dst, step=0, micro=0, seq=0, pver=0, cver=0, meta={}, tensors={},
-version=(1, 4))``
+``Message(*, type, run_id, src, dst, step=0, micro=0, seq=0, pver=0, cver=0, epoch=0, meta={},
+tensors={}, version=(1, 5))``
     One message. ``type`` is a :class:`MessageType`; ``tensors`` maps names (frame order) to
-    :class:`WireTensor` (a plain numpy array is wrapped with its inferred tag).
+    :class:`WireTensor` (a plain numpy array is wrapped with its inferred tag). ``epoch`` (1.5) is the
+    sender's run epoch, header key ``epoch``, written only when not 0 (SPEC §9.6 rejoin).
 ``WireTensor(dtype, data)`` / ``WireTensor.from_array(array, dtype=None)``
     Dtype tag (``bf16 fp16 fp32 fp64 uint8 uint16 uint32 int32 int64``) plus numpy elements.
 ``encode(msg, *, secret=None, compress=None, max_header_bytes=64 KiB, max_frame_bytes=256 MiB)
@@ -31,7 +32,7 @@ exactly ``rawbytes``). ``secret``: bytes, None, or a callable picking the key fr
 ``default_codec(dtype) -> str``; ``MessageType``; ``PROTOCOL_VERSION``; ``META_SCHEMA``.
 
 Errors (``.code``): MalformedHeader, UnknownMessageType, VersionMismatch (``peer speaks 2.0,
-this peer speaks 1.4``; ``.peer_version``, ``.local_version``), FrameCountMismatch,
+this peer speaks 1.5``; ``.peer_version``, ``.local_version``), FrameCountMismatch,
 LengthMismatch, ChecksumMismatch, FrameTooLarge, BadDtype, BadShape, BadCodec,
 DecompressionFailed, AuthFailed, InvalidMessage — all subclasses of :class:`WireError`
 (itself a ``mapl_swarm.errors.MaplError``); ``ERRORS_BY_CODE`` maps codes to classes.
@@ -42,17 +43,22 @@ DecompressionFailed, AuthFailed, InvalidMessage — all subclasses of :class:`Wi
 ``components`` map, ``peer`` str. REJECT ``code``, ``reason`` str; ``local``, ``remote``,
 ``hello_nonce`` (1.4). ACT ``mode`` "train"|"eval". PROJ_GRAD —; ``micro_batches`` uint.
 REPORT ``loss`` float, ``tokens`` uint; ``mode``, ``metrics`` {str: number}. HEARTBEAT —;
-``sent_ns``, ``echo_ns``, ``held_ns`` uint (round trips, SPEC §9.5). BYE —; ``reason`` str. ERROR ``code``, ``message`` str; ``ref_seq`` uint.
+``sent_ns``, ``echo_ns``, ``held_ns`` uint (round trips, SPEC §9.5). BYE —; ``reason`` str,
+``lost`` uint (1.5). ERROR ``code``, ``message`` str; ``ref_seq`` uint.
 CODEBOOK_SLICE —; ``stream`` "act"|"grad", ``start`` uint, ``full`` bool. RESYNC —; ``stream``,
 ``have`` uint, ``reason`` str, ``retransmit`` bool, ``mode`` (1.2). CHECKPOINT (1.3) ``phase``
-"saved"|"complete"|"offer"|"resume"|"drain_request"|"drain"; ``step`` uint|nil, ``steps`` [uint], ``have`` {str: [uint]},
-``reason`` str (per-phase rules of SPEC §5.2). GRAD, PROJ: none. PROJ, PROJ_GRAD and
-CODEBOOK_SLICE tensors must be fp32 (BadDtype; a CODEBOOK_SLICE ``index`` is uint8/uint16, 1.2);
-HELLO, WELCOME, REJECT, REPORT, RESYNC, HEARTBEAT, BYE, ERROR, CHECKPOINT carry none.
+"saved"|"complete"|"offer"|"resume"|"drain_request"|"drain"; ``step`` uint|nil, ``steps`` [uint],
+``have`` {str: [uint]}, ``reason`` str, ``epoch`` uint (1.5: offer, resume) (per-phase rules of
+SPEC §5.2). GRAD, PROJ: none. PROJ, PROJ_GRAD and CODEBOOK_SLICE tensors must be fp32 (BadDtype;
+a CODEBOOK_SLICE ``index`` is uint8/uint16, 1.2); HELLO, WELCOME, REJECT, REPORT, RESYNC,
+HEARTBEAT, BYE, ERROR, CHECKPOINT carry none.
 
 Content checks (SPEC §6.1, 1.4): :mod:`mapl_swarm.wire.content` — ``RunShapes``, ``Window``,
-``ContentError(code, text)``, ``check_sender``, ``check_header``, ``check_declared``, ``check_content``,
-``CONTENT_CODES``.
+``ContentError(code, text)``, ``check_sender``, ``check_epoch`` (1.5: ``stale_epoch`` against the
+receiver's run epoch), ``check_header``, ``check_declared``, ``check_content``, ``CONTENT_CODES``.
+
+Rejoin (SPEC §9.6, 1.5): ``REJOIN_CAPABILITY`` (HELLO/WELCOME capability ``"rejoin"``) and
+``REJOIN_REASON`` (BYE ``reason`` ``"rejoin"``, with ``lost`` the departed stage).
 
 Codebook streaming (SPEC §5.1): slice/RESYNC messages in :mod:`mapl_swarm.wire.codebook`, the
 receiver's checks in :mod:`mapl_swarm.wire.codebook_rules` (pure Python, shared with the torch codec
@@ -81,10 +87,11 @@ _EXPORTS = {
     "Header": "mapl_swarm.wire.header",
     **{name: "mapl_swarm.wire.session" for name in ("session_key", "new_nonce", "handshake_secret")},
     **{name: "mapl_swarm.wire.content" for name in ("CONTENT_CODES", "ContentError", "RunShapes", "Window",
-                                                    "check_sender", "check_header", "check_declared",
-                                                    "check_content")},
+                                                    "check_sender", "check_epoch", "check_header",
+                                                    "check_declared", "check_content")},
     **{name: "mapl_swarm.wire.message" for name in ("META_SCHEMA", "Message", "WireTensor")},
-    **{name: "mapl_swarm.wire.spec" for name in ("DTYPES", "PROTOCOL_VERSION", "MessageType")},
+    **{name: "mapl_swarm.wire.spec" for name in ("DTYPES", "PROTOCOL_VERSION", "MessageType", "REJOIN_CAPABILITY",
+                                                 "REJOIN_REASON")},
 }
 
 __all__ = [
@@ -92,6 +99,8 @@ __all__ = [
     "WireTensor",
     "MessageType",
     "PROTOCOL_VERSION",
+    "REJOIN_CAPABILITY",
+    "REJOIN_REASON",
     "DTYPES",
     "META_SCHEMA",
     "encode",
@@ -109,6 +118,7 @@ __all__ = [
     "RunShapes",
     "Window",
     "check_sender",
+    "check_epoch",
     "check_header",
     "check_declared",
     "check_content",

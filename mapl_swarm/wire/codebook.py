@@ -179,25 +179,25 @@ _SLICE_WIRE = {
 def slice_message(*, run_id: str, src: int, dst: int, stream: str, version: int, start: int,
                   full: bool, codes: np.ndarray, step: int = 0, micro: int = 0, seq: int = 0,
                   pver: int = 0, index: np.ndarray | None = None,
-                  version_tuple: tuple[int, int] = spec.PROTOCOL_VERSION) -> Message:
+                  version_tuple: tuple[int, int] = spec.PROTOCOL_VERSION, epoch: int = 0) -> Message:
     """A CODEBOOK_SLICE message from :func:`slice_parts` (``codes``: float32 array (R, r/G, n, G);
     ``index``: an indexed slice's uint8/uint16 array (R, r/G, n), 1.2)."""
     p = slice_parts(stream=stream, version=version, start=start, full=full, codes=codes, index=index)
     tensors = {name: _SLICE_WIRE[name](a) for name, a in p.tensors.items()}
     return Message(type=MessageType.CODEBOOK_SLICE, run_id=run_id, src=src, dst=dst, step=step,
-                   micro=micro, seq=seq, pver=pver, cver=p.cver, meta=p.meta, tensors=tensors,
+                   micro=micro, seq=seq, pver=pver, cver=p.cver, epoch=epoch, meta=p.meta, tensors=tensors,
                    version=version_tuple)
 
 
 def resync_message(*, run_id: str, src: int, dst: int, stream: str, have: int, reason: str = "",
                    retransmit: tuple[int, int, str] | None = None,
-                   version_tuple: tuple[int, int] = spec.PROTOCOL_VERSION) -> Message:
+                   version_tuple: tuple[int, int] = spec.PROTOCOL_VERSION, epoch: int = 0) -> Message:
     """A RESYNC message asking the ``stream`` sender ``dst`` for a full slice; with ``retransmit``
     = (step, micro, mode) also for that ACT/GRAD re-encoded against the new mirror (1.2)."""
     meta: dict[str, Any] = resync_meta(stream, have, reason, retransmit)
     step, micro = retransmit[:2] if retransmit is not None else (0, 0)
     return Message(type=MessageType.RESYNC, run_id=run_id, src=src, dst=dst, step=step, micro=micro,
-                   meta=meta, version=version_tuple)
+                   epoch=epoch, meta=meta, version=version_tuple)
 
 
 def resync_meta(stream: str, have: int, reason: str = "",

@@ -10,6 +10,7 @@ the decoded host arrays, no torch, so a peer runs them before anything reaches t
 Use, per received message (the order of SPEC §6.1)::
 
     header, _ = decode_header(frames, limits, secret=...)    # run, session, seq: the peer's state
+    check_epoch(header, epoch)                               # 1.5: the peer's run epoch, before seq
     check_header(header, shapes, window)                     # sender, step window, projector version
     check_declared(header, shapes)                           # declared sizes, nothing inflated yet
     msg = decode_tensors(header, frames, shapes.decode_limits())
@@ -43,6 +44,7 @@ __all__ = [
     "Window",
     "TENSOR_NAMES",
     "check_sender",
+    "check_epoch",
     "check_header",
     "check_declared",
     "check_content",
@@ -64,10 +66,12 @@ CONTENT_CODES: tuple[str, ...] = (
     "stage_taken",
     "queue_full",
     "size_mismatch",
+    "stale_epoch",
 )
 """Stable codes of SPEC §6.1. :func:`check_content` / :func:`check_sender` / :func:`check_declared`
-raise the first nine and ``size_mismatch``; ``replay``, ``wrong_session``, ``stage_taken`` and
-``queue_full`` need the link's state and are the peer's (same error class)."""
+raise the first nine and ``size_mismatch``; :func:`check_epoch` raises ``stale_epoch`` (1.5) given
+the receiver's epoch; ``replay``, ``wrong_session``, ``stage_taken`` and ``queue_full`` need the
+link's state and are the peer's (same error class)."""
 
 TENSOR_NAMES: Mapping[MessageType, tuple[str, ...]] = {
     MT.ACT: ("ids", "z", "codes"),
@@ -216,7 +220,7 @@ class RunShapes:
 
 @dataclass(frozen=True, kw_only=True)
 class Window:
-    """What a receiver accepts on one link right now (SPEC §6.1 rules 4-5, §9.6)."""
+    """What a receiver accepts on one link right now (SPEC §6.1 rules 5-6, §9.7)."""
 
     low: int
     """Oldest step accepted."""
@@ -284,6 +288,16 @@ def check_sender(msg: Message | Header, shapes: RunShapes) -> None:
         raise ContentError("not_allowed", f"{mtype.name} but this run's boundary has no trainable projector")
     if mtype in (MT.CODEBOOK_SLICE, MT.RESYNC) and not shapes.vq:
         raise ContentError("not_allowed", f"{mtype.name} but this run's codec has no codebooks")
+
+
+def check_epoch(msg: Message | Header, epoch: int) -> None:
+    """``stale_epoch`` (SPEC §6.1 rule 3, §9.6; 1.5) when ``msg`` is not HELLO, WELCOME or REJECT and
+    its header ``epoch`` is below ``epoch``, the receiver's current run epoch: a message sent before
+    the swarm last re-formed. Dropped, counted, never answered. Works on a header from
+    ``decode_header`` or on a decoded message."""
+    if msg.type not in spec.HANDSHAKE_TYPES and msg.epoch < epoch:
+        raise ContentError("stale_epoch", f"{msg.type.name} of epoch {msg.epoch} from stage {msg.src}, this "
+                                          f"peer is at epoch {epoch}")
 
 
 def check_declared(header: Header, shapes: RunShapes) -> None:

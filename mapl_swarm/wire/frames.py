@@ -163,7 +163,7 @@ def encode(
     check_uint(msg.dst, "dst", spec.UINT16_MAX)
     for what, maximum in (("step", spec.UINT64_MAX), ("micro", spec.UINT32_MAX)):
         check_uint(getattr(msg, what), what, maximum)
-    for what in ("seq", "pver", "cver"):
+    for what in ("seq", "pver", "cver", "epoch"):
         check_uint(getattr(msg, what), what, spec.UINT64_MAX)
     if not isinstance(msg.meta, dict):
         raise MalformedHeader(f"meta must be a dict, got {type(msg.meta).__name__}")
@@ -225,6 +225,7 @@ def encode(
         meta=meta,
         tensors=tuple(descriptors),
         auth=_ZERO_TAG if secret is not None else None,
+        epoch=msg.epoch,
     )
     head = pack_header(header)
     if len(head) > max_header_bytes:
@@ -337,6 +338,7 @@ def decode_tensors(header: Header, frames: Iterable[Any], limits: DecodeLimits |
         seq=h.seq,
         pver=h.pver,
         cver=h.cver,
+        epoch=h.epoch,
         meta=h.meta,
         tensors=tensors,
         version=h.version,

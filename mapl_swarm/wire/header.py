@@ -1,9 +1,10 @@
 """Canonical msgpack header (SPEC §2–§4): packing, strict parsing and field checks.
 
-:func:`pack_header` writes a :class:`Header` canonically (fixed key order, sorted ``meta`` keys,
-smallest integer widths, float64); :func:`parse_header` reads any well-formed header, checks the
-version and every required field, and leaves the tensor descriptors raw so that the caller can
-authenticate the message before looking at them (:func:`parse_descriptors`).
+:func:`pack_header` writes a :class:`Header` canonically (fixed key order, ``epoch`` only when not
+0, sorted ``meta`` keys, smallest integer widths, float64); :func:`parse_header` reads any
+well-formed header, checks the version and every required field (and ``epoch`` when present), and
+leaves the tensor descriptors raw so that the caller can authenticate the message before looking
+at them (:func:`parse_descriptors`).
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ class Header:
     tensors: tuple[Any, ...]
     auth: bytes | None = None
     """Tag: None when absent, ``b""`` when present but not a last-key 32-byte bin (parse only)."""
+    epoch: int = 0
+    """The sender's run epoch (header ``epoch``, 1.5; SPEC §9.6): 0 when the key is absent."""
 
 
 def check_uint(value: Any, what: str, maximum: int, exc: type[Exception] = MalformedHeader) -> int:
@@ -151,6 +154,10 @@ def pack_header(h: Header) -> bytes:
         "seq": h.seq,
         "pver": h.pver,
         "cver": h.cver,
+    }
+    if h.epoch:  # optional (1.5): written only when not 0, right after cver
+        m[spec.EPOCH_KEY] = h.epoch
+    m |= {
         "meta": canonical_meta(h.meta),
         "tensors": [d.to_map() for d in h.tensors],
     }
@@ -213,6 +220,7 @@ def parse_header(buf: Any, *, max_header_bytes: int = spec.DEFAULT_MAX_HEADER_BY
     seq = check_uint(m["seq"], "seq", spec.UINT64_MAX)
     pver = check_uint(m["pver"], "pver", spec.UINT64_MAX)
     cver = check_uint(m["cver"], "cver", spec.UINT64_MAX)
+    epoch = check_uint(m.get(spec.EPOCH_KEY, 0), spec.EPOCH_KEY, spec.UINT64_MAX)
     meta = m["meta"]
     if not isinstance(meta, dict):
         raise MalformedHeader(f"header key 'meta' must be a map, got {type(meta).__name__}")
@@ -247,6 +255,7 @@ def parse_header(buf: Any, *, max_header_bytes: int = spec.DEFAULT_MAX_HEADER_BY
         meta=meta,
         tensors=tuple(tensors),
         auth=auth,
+        epoch=epoch,
     )
 
 

@@ -131,6 +131,9 @@ class Message:
     """Projector version."""
     cver: int = 0
     """Codebook version."""
+    epoch: int = 0
+    """The sender's run epoch (header ``epoch``, 1.5; SPEC §9.6): 0 until the swarm first re-forms
+    after a departure; messages of a lower epoch than the receiver's are dropped (``stale_epoch``)."""
     meta: dict[str, Any] = field(default_factory=dict)
     """Typed fields of the message type (META_SCHEMA) plus free fields."""
     tensors: dict[str, WireTensor] = field(default_factory=dict)
@@ -170,10 +173,10 @@ META_SCHEMA: dict[MessageType, tuple[dict[str, str], dict[str, str]]] = {
     MessageType.RESYNC: ({}, {"stream": "stream", "have": "uint", "reason": "str", "retransmit": "bool",
                               "mode": "mode"}),
     MessageType.HEARTBEAT: ({}, {"sent_ns": "uint", "echo_ns": "uint", "held_ns": "uint"}),
-    MessageType.BYE: ({}, {"reason": "str"}),
+    MessageType.BYE: ({}, {"reason": "str", "lost": "uint"}),
     MessageType.ERROR: ({"code": "str", "message": "str"}, {"ref_seq": "uint"}),
     MessageType.CHECKPOINT: ({"phase": "phase"}, {"step": "uint_or_nil", "steps": "uints", "have": "have",
-                                                  "reason": "str"}),
+                                                  "reason": "str", "epoch": "uint"}),
 }
 """(required, optional) typed ``meta`` fields per message type; other types have none. Some optional
 fields are required from a version on (:data:`REQUIRED_SINCE`)."""

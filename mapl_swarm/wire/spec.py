@@ -1,4 +1,4 @@
-"""Constants of wire protocol 1.4: version, message types, dtypes, codecs, limits, key order.
+"""Constants of wire protocol 1.5: version, message types, dtypes, codecs, limits, key order.
 
 Everything here mirrors a table of ``protocol/SPEC.md``; change the spec first, then this file.
 """
@@ -19,6 +19,8 @@ __all__ = [
     "DRAIN_PHASES",
     "DRAIN_CAPABILITY",
     "PIPELINE_CAPABILITY",
+    "REJOIN_CAPABILITY",
+    "REJOIN_REASON",
     "HANDSHAKE_TYPES",
     "NONCE_BYTES",
     "SESSION_DOMAIN",
@@ -35,6 +37,8 @@ __all__ = [
     "STREAMS",
     "REJECT_CODES",
     "HEADER_KEYS",
+    "EPOCH_KEY",
+    "OPTIONAL_HEADER_KEYS",
     "DESCRIPTOR_KEYS",
     "AUTH_KEY",
     "AUTH_TAG_BYTES",
@@ -52,8 +56,9 @@ __all__ = [
     "INT64_MIN",
 ]
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 4)
-"""(major, minor) spoken by this implementation."""
+PROTOCOL_VERSION: tuple[int, int] = (1, 5)
+"""(major, minor) spoken by this implementation. Peers of one major talk whatever their minors
+(SPEC §10): a 1.5 peer and a 1.4 peer interoperate, without the 1.5 rejoin."""
 
 
 class MessageType(enum.IntEnum):
@@ -96,8 +101,14 @@ CHECKPOINT_CAPABILITY = "checkpoint_agreement"
 """HELLO/WELCOME capability of peers that take part in checkpoint agreement (SPEC §5.2, 1.3)."""
 
 PIPELINE_CAPABILITY = "1f1b"
-"""HELLO/WELCOME capability of peers that run the 1F1B schedule of SPEC §9.6 (SPEC §5.3; every
+"""HELLO/WELCOME capability of peers that run the 1F1B schedule of SPEC §9.7 (SPEC §5.3; every
 reference peer advertises it)."""
+
+REJOIN_CAPABILITY = "rejoin"
+"""HELLO/WELCOME capability of peers that take part in rejoin after a departure (SPEC §9.6, 1.5)."""
+
+REJOIN_REASON = "rejoin"
+"""BYE ``meta["reason"]`` of a peer that ends its sessions to re-form the swarm (SPEC §9.6, 1.5)."""
 
 NONCE_BYTES = 16
 """Length of the handshake nonces ``meta.nonce`` / ``meta.hello_nonce`` (SPEC §5, §7; 1.4)."""
@@ -106,7 +117,8 @@ SESSION_DOMAIN = b"mapl-session-v1"
 """Prefix of the session key derivation (SPEC §7.2)."""
 
 SESSION_VERSION: tuple[int, int] = (1, 4)
-"""First version whose HELLO/WELCOME must carry nonces and the pipeline fields (SPEC §5)."""
+"""First version whose HELLO/WELCOME must carry nonces and the pipeline fields (SPEC §5); 1.5
+requires nothing new, so it stays 1.4."""
 
 
 @dataclass(frozen=True)
@@ -199,7 +211,15 @@ HEADER_KEYS: tuple[str, ...] = (
     "meta",
     "tensors",
 )
-"""Required header keys in canonical order; ``auth`` follows when present."""
+"""Required header keys in canonical order; ``epoch`` (:data:`OPTIONAL_HEADER_KEYS`) sits right after
+``cver`` when present, and ``auth`` comes last when present."""
+
+EPOCH_KEY = "epoch"
+"""Header key of the sender's run epoch (SPEC §2, §9.6; 1.5): uint64, absent means 0, and a
+canonical encoder writes it only when it is not 0."""
+
+OPTIONAL_HEADER_KEYS: tuple[str, ...] = (EPOCH_KEY,)
+"""Optional header keys a decoder of this version reads (SPEC §2); unknown keys are ignored."""
 
 DESCRIPTOR_KEYS: tuple[str, ...] = ("name", "dtype", "shape", "codec", "nbytes", "rawbytes", "crc")
 """Tensor descriptor keys in canonical order."""

@@ -16,6 +16,7 @@ from mapl_swarm.wire import (
     MalformedHeader,
     Message,
     MessageType,
+    PROTOCOL_VERSION,
     VersionMismatch,
     WireError,
     WireTensor,
@@ -136,19 +137,20 @@ def test_version_mismatch_names_both_versions():
     head["v"] = [2, 0]
     with pytest.raises(VersionMismatch) as exc:
         decode([msgpack.packb(head)])
-    assert str(exc.value) == "peer speaks 2.0, this peer speaks 1.4"
-    assert exc.value.peer_version == (2, 0) and exc.value.local_version == (1, 4)
+    major, minor = PROTOCOL_VERSION
+    assert str(exc.value) == f"peer speaks 2.0, this peer speaks {major}.{minor}"
+    assert exc.value.peer_version == (2, 0) and exc.value.local_version == PROTOCOL_VERSION
     assert exc.value.code == "version_mismatch" and isinstance(exc.value, MaplError)
 
 
 def test_unknown_keys_of_same_major_are_ignored():
     frames = encode(samples()["act_train"])
     head = msgpack.unpackb(frames[0])
-    head["v"] = [1, 4]
+    head["v"] = list(PROTOCOL_VERSION)
     head["future"] = {"x": [1, 2]}
     head["tensors"][0]["future_desc"] = True
     back = decode([msgpack.packb(head), *frames[1:]])
-    assert back.version == (1, 4)
+    assert back.version == PROTOCOL_VERSION
     back.version = (1, 0)
     assert back == samples()["act_train"]
     assert same_frames(encode(back), frames)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from mapl_swarm.wire import Message, MessageType, WireError, WireTensor, decode, encode
 from mapl_swarm.wire.frames import compute_tag
-from mapl_swarm.wire.spec import DTYPES, HEADER_KEYS
+from mapl_swarm.wire.spec import DTYPES, HEADER_KEYS, OPTIONAL_HEADER_KEYS
 from mapl_swarm.wire.golden.samples import vector_key
 from mapl_swarm.wire.golden.vectors import unpack_container
 
@@ -70,7 +70,7 @@ def test_valid_headers_with_random_field_values(good, data):
     for _ in range(data.draw(st.integers(1, 3))):
         where = data.draw(st.sampled_from(["header", "meta", "descriptor"]))
         if where == "header":
-            head[data.draw(st.sampled_from([*HEADER_KEYS, "x"]))] = data.draw(field_values)
+            head[data.draw(st.sampled_from([*HEADER_KEYS, *OPTIONAL_HEADER_KEYS, "x"]))] = data.draw(field_values)
         elif where == "meta" and isinstance(head.get("meta"), dict):
             keys = ["mode", "loss", "tokens", "fingerprint", "num_stages", "capabilities", "code"]
             head["meta"][data.draw(st.sampled_from(keys))] = data.draw(field_values)

@@ -60,7 +60,7 @@ def test_reject_codes_and_capabilities_are_listed():
     assert tuple(re.findall(r"`(\w+)`", m.group(1))) == spec.REJECT_CODES
     caps = set(re.findall(r"^\| `(\w+)` \| 1\.\d \|", section("### 5.3", "## 6."), re.M))
     assert caps == {spec.PIPELINE_CAPABILITY, VQ_CAPABILITY, RETRANSMIT_CAPABILITY, INDEXED_SLICES_CAPABILITY,
-                    spec.CHECKPOINT_CAPABILITY, spec.DRAIN_CAPABILITY}
+                    spec.CHECKPOINT_CAPABILITY, spec.DRAIN_CAPABILITY, spec.REJOIN_CAPABILITY}
 
 
 def test_every_checkpoint_phase_is_in_section_5_2():
@@ -73,3 +73,18 @@ def test_every_meta_field_is_in_the_type_table():
     for required, optional in META_SCHEMA.values():
         for key in (*required, *optional):
             assert f"`{key}`" in table, key
+
+
+def test_header_table_lists_every_key_in_canonical_order():
+    table = section("## 2. Header", "## 3.")
+    keys = re.findall(r"^\| \d+ \| `(\w+)` \|", table, re.M)
+    assert keys == [*spec.HEADER_KEYS[:10], *spec.OPTIONAL_HEADER_KEYS, *spec.HEADER_KEYS[10:], spec.AUTH_KEY]
+
+
+def test_sections_cited_exist():
+    """Every ``§N`` / ``§N.M`` the spec cites is one of its headings."""
+    headings = set(re.findall(r"^#{2,3} (\d+(?:\.\d+)?)\.? ", SPEC, re.M))
+    cited = set(re.findall(r"§(\d+(?:\.\d+)?)", SPEC))
+    assert cited <= headings, sorted(cited - headings)
+    assert "### 9.6 Rejoin after a departure (1.5, capability `rejoin`)" in SPEC
+    assert "`stale_epoch`" in section("### 9.6", "### 9.7")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mapl_swarm.wire import ERRORS_BY_CODE, MessageType
+from mapl_swarm.wire import ERRORS_BY_CODE, PROTOCOL_VERSION, MessageType
 from mapl_swarm.wire.codebook import CODEBOOK_ERRORS_BY_CODE
 from mapl_swarm.wire.content import CONTENT_CODES
 from mapl_swarm.wire.golden.vectors import check_entry, check_vectors, main
@@ -64,7 +64,22 @@ def test_vectors_cover_every_error_and_message_type():
 
 def test_existing_vectors_keep_version_1_0_and_new_ones_are_1_1():
     """A minor version adds vectors and never changes existing ones (SPEC §10)."""
-    assert MANIFEST["protocol"] == "1.4"
+    assert MANIFEST["protocol"] == f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}"
     by_file = {e["file"]: e for e in ENTRIES if "message" in e}
     assert by_file["valid/act_train.mwv"]["message"]["version"] == [1, 0]
     assert by_file["valid/codebook_slice_stream.mwv"]["message"]["version"] == [1, 1]
+
+
+def test_epoch_vectors_1_5():
+    """1.5: the header epoch in valid, accept, invalid and content vectors (SPEC §2, §6.1, §9.6)."""
+    by_file = {e["file"]: e for e in ENTRIES}
+    assert by_file["valid/act_epoch.mwv"]["message"]["epoch"] == 3
+    assert by_file["valid/act_epoch.mwv"]["secret"] == "session_key"
+    assert by_file["valid/epoch_max.mwv"]["message"]["epoch"] == 2**64 - 1
+    assert "rejoin" in by_file["valid/hello_rejoin.mwv"]["message"]["meta"]["capabilities"]
+    assert by_file["valid/bye_rejoin.mwv"]["message"]["meta"] == {"lost": 1, "reason": "rejoin"}
+    assert "epoch" not in by_file["valid/act_train.mwv"]["message"]  # 0: left out, as on the wire
+    for name in ("epoch_negative", "epoch_string", "epoch_too_large"):
+        assert by_file[f"invalid/{name}.mwv"]["error"] == "malformed_header"
+    stale = [e for e in ENTRIES if e["expect"] == "content" and e["outcome"] == "stale_epoch"]
+    assert stale and all(e["epoch"] > e["message"].get("epoch", 0) for e in stale)

@@ -24,7 +24,7 @@ from mapl_swarm.wire.frames import compute_tag, encode
 from mapl_swarm.wire.message import Message, WireTensor
 from mapl_swarm.wire.spec import MessageType
 
-from .content_cases import content_cases
+from .content_cases import content_cases, epoch_cases
 from .samples import (
     AUTH_KEY,
     OTHER_SESSION_KEY,
@@ -61,7 +61,8 @@ class Case:
     ``session_key``; 1.4) or without one (False)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Codebook cases: ``receiver`` (state) and ``outcome`` (``apply``, ``ignore`` or an error code);
-    content cases: ``run``, ``window`` and ``outcome`` (``accept`` or a content error code)."""
+    content cases: ``run``, ``window``, optionally ``epoch`` (the receiver's run epoch, 1.5) and ``outcome``
+    (``accept`` or a content error code)."""
 
 
 def _hdr(frames: list[bytes]) -> dict[str, Any]:
@@ -175,6 +176,12 @@ def _valid(v: dict[str, list[bytes]]) -> list[Case]:
         "checkpoint_drain_request": "1.4 CHECKPOINT drain_request from the last stage (capability drain)",
         "checkpoint_drain": "1.4 CHECKPOINT drain: every stage stops after step 42 and saves it",
         "bye_drain": "1.4 BYE reason drain after 42 steps: a planned departure",
+        "hello_rejoin": "1.5 HELLO of a re-formed peer at epoch 2 advertising rejoin, tagged with auth_key",
+        "act_epoch": "1.5 ACT at epoch 3 tagged with the session key: epoch after cver, auth still last",
+        "bye_rejoin": "1.5 BYE reason rejoin, lost 1, at epoch 1: stage 2 re-forms after stage 1 departed",
+        "checkpoint_offer_epoch": "1.5 CHECKPOINT offer carrying the largest epoch of the stages it covers",
+        "checkpoint_resume_epoch": "1.5 CHECKPOINT resume from step 30 at epoch 2 (every stage takes it)",
+        "epoch_max": "1.5 HEARTBEAT at the largest epoch, 2^64-1 (uint64)",
     }
 
     def key(n: str) -> bool | str:
@@ -201,6 +208,15 @@ def _accept(v: dict[str, list[bytes]]) -> list[Case]:
         h["v"] = [1, 2]
         h["trace"] = "abc"
 
+    def epoch_zero(h: dict[str, Any]) -> None:
+        items = list(h.items())
+        h.clear()
+        for k, x in items:
+            h[k] = x
+            if k == "cver":
+                h["epoch"] = 0
+        h["v"] = [1, 5]
+
     rep = v["report"][0]
     wide = rep.replace(b"\xa4step\x0c", b"\xa4step\xcf" + struct.pack(">Q", 12))
     wide = wide.replace(b"\xa6tokens\xcd\x10\x00", b"\xa6tokens\xce\x00\x00\x10\x00")
@@ -224,6 +240,8 @@ def _accept(v: dict[str, list[bytes]]) -> list[Case]:
         Case("auth_unknown_key", A, _edit(v["act_auth"], auth_unknown, sign=True),
              "authenticated 1.2 header with an unknown key before auth", equivalent="act_auth",
              secret=True),
+        Case("epoch_zero_written", A, _edit(v["heartbeat"], epoch_zero),
+             "1.5 header writing epoch 0, which a canonical encoder leaves out", equivalent="heartbeat"),
     ]
 
 
@@ -388,7 +406,7 @@ def _invalid(v: dict[str, list[bytes]]) -> list[Case]:
          "tag made with another secret"),
     ]
     out += [Case(n, "invalid", f, d, error=AU, secret=s) for n, f, s, d in auth_cases]
-    return out + _invalid_14(v)
+    return out + _invalid_14(v) + _invalid_15(v)
 
 
 def _invalid_14(v: dict[str, list[bytes]]) -> list[Case]:
@@ -433,6 +451,24 @@ def _invalid_14(v: dict[str, list[bytes]]) -> list[Case]:
          "1.4 HELLO tagged with another key than the run key's auth_key"),
     ]
     return [Case(n, "invalid", f, d, error=e, secret=k) for n, f, e, k, d in cases]
+
+
+def _invalid_15(v: dict[str, list[bytes]]) -> list[Case]:
+    """Protocol 1.5: the header's run epoch (uint64) and the rejoin fields of BYE and CHECKPOINT."""
+    base = v["epoch_max"]
+    M, IM = "malformed_header", "invalid_message"
+    cases: list[tuple[str, list[bytes], str, str]] = [
+        ("epoch_negative", _edit(base, _set("epoch", -1)), M, "1.5 header epoch -1"),
+        ("epoch_string", _edit(base, _set("epoch", "2")), M, "1.5 header epoch is a string"),
+        ("epoch_too_large", _edit(base, _set("epoch", float(2**64))), M,
+         "1.5 header epoch 2^64: above uint64, so msgpack can only carry it as a float"),
+        ("bye_lost_string", _edit(v["bye_rejoin"], _meta(lost="1")), IM, "1.5 BYE lost is a string"),
+        ("checkpoint_offer_epoch_negative", _edit(v["checkpoint_offer_epoch"], _meta(epoch=-2)), IM,
+         "1.5 CHECKPOINT offer epoch -2"),
+        ("checkpoint_resume_epoch_float", _edit(v["checkpoint_resume_epoch"], _meta(epoch=2.0)), IM,
+         "1.5 CHECKPOINT resume epoch is a float"),
+    ]
+    return [Case(n, "invalid", f, d, error=e) for n, f, e, d in cases]
 
 
 def _receiver(version: int = 5, awaiting: bool = False, stream: str = "act") -> dict[str, Any]:
@@ -541,11 +577,13 @@ def _codebook(v: dict[str, list[bytes]]) -> list[Case]:
 
 
 def build_cases() -> list[Case]:
-    """Every golden vector: valid, accept, invalid, codebook (1.1), then content (1.4)."""
+    """Every golden vector: valid, accept, invalid, codebook (1.1), then content (1.4; receiver epochs 1.5)."""
     v = {
         name: [bytes(f) for f in encode(m, secret=vector_key(SAMPLE_KEYS.get(name, name.endswith("_auth"))))]
         for name, m in samples().items()
     }
     content = [Case(n, "content", f, d, extra={"run": r.to_dict(), "window": w.to_dict(), "outcome": o})
                for n, f, d, r, w, o in content_cases()]
+    content += [Case(n, "content", f, d, extra={"run": r.to_dict(), "window": w.to_dict(), "epoch": e, "outcome": o})
+                for n, f, d, r, w, e, o in epoch_cases()]
     return _valid(v) + _accept(v) + _invalid(v) + _codebook(v) + content

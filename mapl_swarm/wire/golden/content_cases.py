@@ -23,10 +23,11 @@ from mapl_swarm.wire.spec import MessageType
 
 from .samples import RUN_ID, sample_codebook, sample_floats, sample_ids
 
-__all__ = ["RUN", "VQ_RUN", "FIXED_RUN", "WINDOW", "content_cases"]
+__all__ = ["RUN", "VQ_RUN", "FIXED_RUN", "WINDOW", "RECEIVER_EPOCH", "content_cases", "epoch_cases"]
 
 MT = MessageType
 V14 = (1, 4)
+V15 = (1, 5)
 B, T, D, R_ = 2, 4, 8, 4
 
 RUN = RunShapes(micro_batch_size=B, context_length=T, hidden_size=D, width=R_, vocab_size=32000,
@@ -38,6 +39,8 @@ FIXED_RUN = replace(RUN, trainable_projector=False)
 """The same run with a fixed projector (no PROJ / PROJ_GRAD)."""
 WINDOW = Window(low=12, high=13, pver=12)
 """Steps 12 and 13 accepted; the link's projector is at version 12."""
+RECEIVER_EPOCH = 2
+"""The receiving peer's run epoch in :func:`epoch_cases` (1.5, SPEC §9.6)."""
 
 BF16_NAN, BF16_INF = 0x7FC0, 0x7F80
 
@@ -59,11 +62,14 @@ def _frames(msg: Message) -> list[bytes]:
 
 
 def _act(*, src: int = 0, dst: int = 1, step: int = 12, micro: int = 3, pver: int = 12, mode: str = "train",
-         tensors: dict[str, Any] | None = None, cver: int = 0) -> list[bytes]:
+         tensors: dict[str, Any] | None = None, cver: int = 0, epoch: int | None = None) -> list[bytes]:
+    """A 1.4 ACT; with ``epoch`` a 1.5 one at that run epoch."""
     if tensors is None:
         tensors = {"ids": WireTensor("uint16", _ids()), "z": _z(40)}
+    version = V14 if epoch is None else V15
     return _frames(Message(type=MT.ACT, run_id=RUN_ID, src=src, dst=dst, step=step, micro=micro, seq=20,
-                           pver=pver, cver=cver, meta={"mode": mode}, tensors=tensors, version=V14))
+                           pver=pver, cver=cver, epoch=epoch or 0, meta={"mode": mode}, tensors=tensors,
+                           version=version))
 
 
 def _grad(*, src: int = 2, dst: int = 1, step: int = 12, micro: int = 3, pver: int = 12,
@@ -235,3 +241,34 @@ def content_cases() -> list[tuple[str, list[bytes], str, RunShapes, Window, str]
         ("slice_nan", _slice(poison=True), "act slice with a NaN code", VQ_RUN, W, "non_finite"),
     ]
     return cases
+
+
+def epoch_cases() -> list[tuple[str, list[bytes], str, RunShapes, Window, int, str]]:
+    """(name, frames, description, run, window, receiver epoch, outcome) of the 1.5 vectors of
+    ``stale_epoch`` (SPEC §6.1 rule 3, §9.6): the receiver is at :data:`RECEIVER_EPOCH`."""
+    E, W, OK = RECEIVER_EPOCH, WINDOW, "accept"
+    hello = Message(type=MT.HELLO, run_id=RUN_ID, src=0, dst=1, version=V15,
+                    meta={"fingerprint": "0" * 32, "num_stages": 4, "capabilities": ["rejoin"],
+                          "nonce": bytes(range(16)), "num_micro_batches": 4, "micro_batch_size": B,
+                          "eval_batches": 2})
+    bye = Message(type=MT.BYE, run_id=RUN_ID, src=2, dst=1, seq=31, epoch=E - 1, version=V15,
+                  meta={"reason": "rejoin", "lost": 3})
+    return [
+        ("act_current_epoch", _act(epoch=E), "ACT at the receiver's epoch 2", RUN, W, E, OK),
+        ("act_newer_epoch", _act(epoch=E + 1), "ACT at epoch 3, above the receiver's 2: not stale", RUN, W, E, OK),
+        ("act_stale_epoch", _act(epoch=E - 1), "ACT at epoch 1, sent before the swarm re-formed", RUN, W, E,
+         "stale_epoch"),
+        ("act_stale_epoch_old_step", _act(epoch=E - 1, step=40),
+         "ACT at epoch 1 of step 40: stale_epoch (rule 3) comes before out_of_window (rule 5)", RUN, W, E,
+         "stale_epoch"),
+        ("act_stale_epoch_from_downstream", _act(epoch=E - 1, src=2),
+         "ACT at epoch 1 from downstream: not_allowed (rule 1) comes before stale_epoch", RUN, W, E,
+         "not_allowed"),
+        ("heartbeat_epoch_zero", _frames(Message(type=MT.HEARTBEAT, run_id=RUN_ID, src=2, dst=1, seq=9,
+                                                 version=V15)),
+         "HEARTBEAT without epoch (0) at a receiver at epoch 2", RUN, W, E, "stale_epoch"),
+        ("bye_rejoin_stale_epoch", _frames(bye), "BYE rejoin sent at epoch 1, the receiver already at 2",
+         RUN, W, E, "stale_epoch"),
+        ("hello_epoch_zero", _frames(hello), "HELLO at epoch 0 (a replacement process): accepted at any epoch",
+         RUN, W, E, OK),
+    ]

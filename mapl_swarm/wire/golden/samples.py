@@ -45,8 +45,10 @@ SAMPLE_KEYS: dict[str, str] = {
     "reject_stage_taken": "auth_key",
     "act_session": "session_key",
     "heartbeat_session": "session_key",
+    "hello_rejoin": "auth_key",
+    "act_epoch": "session_key",
 }
-"""1.4 samples encoded with a named key (the others: untagged, or VECTOR_SECRET for ``*_auth``)."""
+"""1.4+ samples encoded with a named key (the others: untagged, or VECTOR_SECRET for ``*_auth``)."""
 
 
 def vector_key(which: bool | str) -> bytes | None:
@@ -316,6 +318,7 @@ def samples() -> dict[str, Message]:
     out.update(_vq_samples(b, t))
     out.update(_checkpoint_samples())
     out.update(_session_samples(b, t))
+    out.update(_rejoin_samples(b, t))
     return out
 
 
@@ -393,4 +396,32 @@ def _checkpoint_samples() -> dict[str, Message]:
                                        "reason": "no checkpoint step every stage has: stage 0 has [10], "
                                                  "stage 1 has [20, 30], stage 2 has [20, 30, 40]"},
             **common),
+    }
+
+
+def _rejoin_samples(b: int, t: int) -> dict[str, Message]:
+    """Protocol 1.5: the run epoch in the header and the messages of a rejoin (SPEC §9.6), in the
+    4-stage swarm of the 1.4 samples after stage 1 departed and was replaced."""
+    v15 = (1, 5)
+    hello = _stage_hello(MessageType.HELLO)
+    hello.meta.update(capabilities=["1f1b", "checkpoint_agreement", "drain", "rejoin"], nonce=HELLO_NONCE,
+                      num_micro_batches=4, micro_batch_size=b, eval_batches=2)
+    hello.version, hello.epoch = v15, 2
+    z = _bf16(sample_floats(b * t * 4, 61)).reshape(b, t, 4)
+    checkpoint = dict(type=MessageType.CHECKPOINT, run_id=RUN_ID, version=v15)
+    return {
+        "hello_rejoin": hello,
+        "act_epoch": Message(type=MessageType.ACT, run_id=RUN_ID, src=1, dst=2, step=30, micro=0, seq=1, pver=30,
+                             epoch=3, version=v15, meta={"mode": "train"},
+                             tensors={"ids": WireTensor("uint16", sample_ids(b, t + 1, "<u2")),
+                                      "z": WireTensor("bf16", z)}),
+        "bye_rejoin": Message(type=MessageType.BYE, run_id=RUN_ID, src=2, dst=3, step=35, seq=880, epoch=1,
+                              version=v15, meta={"reason": "rejoin", "lost": 1}),
+        "checkpoint_offer_epoch": Message(src=2, dst=1, seq=2, epoch=2,
+                                          meta={"phase": "offer", "steps": [20, 30], "epoch": 2,
+                                                "have": {"2": [20, 30], "3": [20, 30, 40]}}, **checkpoint),
+        "checkpoint_resume_epoch": Message(src=0, dst=1, step=30, seq=3, epoch=2,
+                                           meta={"phase": "resume", "step": 30, "epoch": 2}, **checkpoint),
+        "epoch_max": Message(type=MessageType.HEARTBEAT, run_id=RUN_ID, src=0, dst=1, seq=4, epoch=2**64 - 1,
+                             version=v15, meta={"sent_ns": 1234567891000}),
     }

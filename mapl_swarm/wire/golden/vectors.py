@@ -26,7 +26,8 @@ from typing import Any
 import msgpack
 
 from mapl_swarm.wire.codebook import CODEBOOK_ERRORS_BY_CODE, CodebookError, CodebookLayout, receiver_outcome
-from mapl_swarm.wire.content import ContentError, RunShapes, Window, check_content, check_declared, check_header
+from mapl_swarm.wire.content import (ContentError, RunShapes, Window, check_content, check_declared, check_epoch,
+                                     check_header, check_sender)
 from mapl_swarm.wire.errors import ERRORS_BY_CODE, WireError
 from mapl_swarm.wire.frames import decode, decode_header, decode_tensors, encode
 from mapl_swarm.wire.message import Message
@@ -93,7 +94,8 @@ def _json(v: Any) -> Any:
 
 
 def summarize(msg: Message) -> dict[str, Any]:
-    """JSON summary of a decoded message (bin values as ``{"bin": hex}``, tensors by SHA-256)."""
+    """JSON summary of a decoded message (bin values as ``{"bin": hex}``, tensors by SHA-256;
+    ``epoch`` only when not 0)."""
     return {
         "version": list(msg.version),
         "type": msg.type.name,
@@ -105,6 +107,7 @@ def summarize(msg: Message) -> dict[str, Any]:
         "seq": msg.seq,
         "pver": msg.pver,
         "cver": msg.cver,
+        **({"epoch": msg.epoch} if msg.epoch else {}),  # 1.5; absent means 0, as on the wire
         "meta": _json(msg.meta),
         "tensors": [
             {
@@ -162,13 +165,16 @@ def check_keys(keys: dict[str, Any]) -> list[str]:
     return problems
 
 
-def content_outcome(frames: list[bytes], run: dict[str, Any], window: dict[str, Any]) -> str:
-    """``accept`` or the content error code a receiver of ``run`` with ``window`` gives (SPEC §6.1
-    order: the header's rules and declared sizes, decoding with the run's limits, then the tensors).
-    A wire error propagates: content vectors are valid frames."""
+def content_outcome(frames: list[bytes], run: dict[str, Any], window: dict[str, Any], epoch: int = 0) -> str:
+    """``accept`` or the content error code a receiver of ``run`` with ``window`` at run epoch ``epoch``
+    gives (SPEC §6.1 order: the sender, the epoch (1.5), the header's other rules and declared sizes,
+    decoding with the run's limits, then the tensors). A wire error propagates: content vectors are
+    valid frames."""
     shapes, win = RunShapes.from_dict(run), Window.from_dict(window)
     header, _ = decode_header(frames)
     try:
+        check_sender(header, shapes)
+        check_epoch(header, epoch)
         check_header(header, shapes, win)
         check_declared(header, shapes)
         msg = decode_tensors(header, frames, shapes.decode_limits())
@@ -196,6 +202,8 @@ def build_manifest(cases: list[Case]) -> dict[str, Any]:
         elif c.kind == "content":
             e["run"] = c.extra["run"]
             e["window"] = c.extra["window"]
+            if "epoch" in c.extra:
+                e["epoch"] = c.extra["epoch"]
             e["outcome"] = c.extra["outcome"]
             e["message"] = summarize(decode(c.frames))
         else:
@@ -284,7 +292,7 @@ def check_entry(root: Path, entry: dict[str, Any]) -> None:
             raise AssertionError(f"{name}: codebook receiver says {outcome}, expected {entry['outcome']}")
     if kind == "content":
         try:
-            outcome = content_outcome(frames, entry["run"], entry["window"])
+            outcome = content_outcome(frames, entry["run"], entry["window"], entry.get("epoch", 0))
         except WireError as e:
             raise AssertionError(f"{name}: rejected with {e.code} under the run's limits: {e}") from e
         if outcome != entry["outcome"]:
