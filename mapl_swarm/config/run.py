@@ -83,8 +83,10 @@ class CheckpointConfig:
 
     SECTION: ClassVar[str] = "checkpoint"
 
-    interval_steps: int = 0
-    """Save per-stage checkpoints every this many steps (and at the end); 0 disables."""
+    interval_steps: int = 50
+    """Save per-stage checkpoints every this many steps (and at the end); 0 disables, and with it a
+    swarm's live rejoin (a departed stage can only come back to a step every stage saved). 50 steps
+    bounds the compute a departure costs while keeping the writes rare (issue 13, item 3)."""
     keep: int = 2
     """Newest complete checkpoints kept on disk."""
 
@@ -173,6 +175,13 @@ class NetConfig:
     liveness_ceiling_s: float = 0.0
     """Longest silence a neighbour is allowed (a stopped process, a link that carries nothing), and
     the deadline before its round trip is measured; 0: ``timeout_s``."""
+    rejoin_timeout_s: float = 300.0
+    """How long the peers wait for a replacement of a departed stage (SPEC "Rejoin": they pause, a new
+    peer of that stage joins, every stage rolls back to the newest step all have saved); then the
+    peer ends naming the stage. 0 turns live rejoin off: a departure ends the peer."""
+    hello_retry_s: float = 5.0
+    """During a handshake, HELLO is sent again (to the next DHT record of the stage) when the newest
+    one is not answered within this many seconds (SPEC "Rejoin")."""
     compress_ids: bool = True
     """lz4-compress token-id frames (activations are never compressed: lz4 gains nothing on them)."""
     max_frame_bytes: int = 256 * 1024 * 1024
@@ -193,7 +202,9 @@ class NetConfig:
         _check(0 <= self.port < 65536 and 0 <= self.dht_port < 65536, "net.port and net.dht_port must be in [0, 65535]")
         for name in ("bandwidth_mbps", "latency_ms", "max_in_flight"):
             _check(getattr(self, name) >= 0, f"net.{name} must be >= 0")
-        for name in ("timeout_s", "heartbeat_interval_s", "max_frame_bytes"):
+        _check(math.isfinite(self.rejoin_timeout_s) and self.rejoin_timeout_s >= 0,
+               f"net.rejoin_timeout_s must be >= 0 (0: no live rejoin), got {self.rejoin_timeout_s}")
+        for name in ("timeout_s", "heartbeat_interval_s", "max_frame_bytes", "hello_retry_s"):
             _check(getattr(self, name) > 0, f"net.{name} must be positive")
         _check(self.max_message_bytes == 0 or self.max_message_bytes >= 4096,  # the handshake counts too
                f"net.max_message_bytes must be 0 (derived from the run) or >= 4096, got {self.max_message_bytes}")

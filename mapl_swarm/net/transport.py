@@ -244,6 +244,7 @@ class Transport:
         self._router: zmq.asyncio.Socket | None = None
         self._auth: ThreadAuthenticator | None = None
         self._dealers: dict[str, zmq.asyncio.Socket] = {}
+        self._endpoints: dict[str, str] = {}
         self._shapers: dict[str, LinkShaper] = {}
         self._listeners: list[Callable[[str], None]] = []
         self._readers: dict[str, asyncio.Task[None]] = {}
@@ -405,16 +406,22 @@ class Transport:
             await dealer.send_multipart(frames, copy=False)
 
         self._dealers[link] = dealer
+        self._endpoints[link] = endpoint
         self._shapers[link] = LinkShaper(config, deliver, name=f"{self.name}->{link}")
         self._readers[link] = asyncio.get_running_loop().create_task(self._read_replies(link, dealer),
                                                                      name=f"{self.name}<-{link} replies")
         logger.debug("%s: link %r -> %s (%s)", self.name, link, endpoint, config.describe())
+
+    def endpoint_of(self, link: str) -> str | None:
+        """Where the outbound link ``link`` goes (None: not connected)."""
+        return self._endpoints.get(link)
 
     async def disconnect(self, link: str, *, linger_s: float = 0.0) -> None:
         """Close an outbound link; undelivered messages are dropped (``flush`` first to keep them),
         except what ZeroMQ can send within ``linger_s``."""
         shaper = self._shapers.pop(link, None)
         dealer = self._dealers.pop(link, None)
+        self._endpoints.pop(link, None)
         reader = self._readers.pop(link, None)
         if reader is not None:
             reader.cancel()

@@ -17,8 +17,9 @@ fails drops the message with a stable code (:class:`~.session.Rejected`, or the 
    all three only with ``seq`` 0;
 4. **who may say what** (``not_allowed``): run, ``dst``, ``src`` equal to the routing id's stage,
    the type's direction (``wire.content.check_sender``, SPEC §9.4);
-5. **session**: only from the routing id bound at the handshake (``wrong_session``), with a
-   sequence number above the last accepted (``replay``; a gap is logged as lost messages);
+5. **session**: only from the routing id bound at the handshake (``wrong_session``), of the swarm's
+   run epoch or later once training runs (``stale_epoch``, SPEC "Rejoin"), with a sequence number
+   above the last accepted (``replay``; a gap is logged as lost messages);
 6. **window** and **sizes** on the header (``out_of_window``, ``stale_projector``,
    ``size_mismatch``: ``wire.content.check_header`` / ``check_declared`` against the run's
    :class:`~mapl_swarm.wire.RunShapes` and the link's :class:`~mapl_swarm.wire.Window`);
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from mapl_swarm.compress.catalog import codec_info
 from mapl_swarm.peer.link import stage_of
 from mapl_swarm.peer.session import HelloRefused, Rejected, RxSession
-from mapl_swarm.wire import (ContentError, DecodeLimits, Message, MessageType, RunShapes, VersionMismatch, Window,
+from mapl_swarm.wire import (ContentError, check_epoch, DecodeLimits, Message, MessageType, RunShapes, VersionMismatch, Window,
                              WireError, check_content, check_declared, check_header, check_sender, decode_header,
                              decode_tensors)
 from mapl_swarm.wire.spec import HANDSHAKE_TYPES
@@ -125,7 +126,7 @@ class Admission:
 
     def __init__(self, settings: LinkSettings, links: Links, *, shapes: RunShapes, window: Callable[[PeerLink], Window],
                  rejects: RejectCounter, decoder: WorkerThread, timeout_s: float, clock: Callable[[], float],
-                 replies_on_link: bool) -> None:
+                 replies_on_link: bool, epoch: Callable[[], int] = lambda: 0) -> None:
         self.s = settings
         self.links = links
         self.shapes = shapes
@@ -137,6 +138,8 @@ class Admission:
         self.timeout_s = timeout_s
         self.clock = clock
         self.replies_on_link = replies_on_link
+        self.epoch = epoch
+        """The lowest run epoch a message may carry (SPEC "Rejoin"): the swarm's once training runs."""
         """WELCOME/REJECT come back on this peer's own connection (``Arrival.reply_link``); False
         with a transport that cannot receive there (they then come on the neighbour's connection,
         recognised by the HELLO nonce they echo)."""
@@ -223,6 +226,7 @@ class Admission:
         if session is None or session.routing_id != arrival.sender:
             raise Rejected("wrong_session", f"{h.type.name} from {arrival.sender!r}; stage {link.stage}'s "
                                             f"session is {session.routing_id if session else None!r}")
+        check_epoch(h, self.epoch())  # before the sequence: a stale message does not move it
         gap = session.accept(h.seq, self.clock())
         if gap:
             log.warning("%s: %d message(s) from stage %d lost before seq %d (%d lost on the session)", s.name, gap,

@@ -142,19 +142,24 @@ class CheckpointAgreement:
             return [], str(exc)
 
     async def agree_resume(self, run_steps: int, timeout_s: float,
-                           failed: Callable[[], BaseException | None] = lambda: None) -> int:
-        """The step every stage resumes from (all stages get the same answer or the same error)."""
+                           failed: Callable[[], BaseException | None] = lambda: None, *, epoch: int = 0,
+                           rejoin: bool = False) -> tuple[int, int]:
+        """The step every stage resumes from and the swarm's run epoch (all stages get the same
+        answer or the same error). ``epoch`` is this stage's; the swarm's is the largest of all
+        (SPEC "Rejoin"). ``rejoin``: the swarm re-forms after a departure, so no common step means
+        step 0 (every stage rebuilt its initial state) rather than a refusal."""
         mine, reason = self._usable()
         if self.down is None:
-            offer: dict[str, Any] = {"steps": mine, "have": {}}
+            offer: dict[str, Any] = {"steps": mine, "have": {}, "epoch": epoch}
         else:
             await self._until(lambda: "offer" in self._inbox, timeout_s, "checkpoint offer from downstream", failed)
             offer = self._inbox.pop("offer")
         have = {**offer.get("have", {}), str(self.stage): mine}
         common = sorted(set(offer["steps"]) & set(mine))
         reasons = "; ".join(r for r in (offer.get("reason"), reason) if r)
+        swarm_epoch = max(epoch, int(offer.get("epoch", 0)))
         if self.up is not None:
-            await self.send(self.up, {"phase": "offer", "steps": common, "have": have,
+            await self.send(self.up, {"phase": "offer", "steps": common, "have": have, "epoch": swarm_epoch,
                                       **({"reason": reasons} if reasons else {})})
             await self._until(lambda: "resume" in self._inbox, timeout_s, "resume decision from upstream", failed)
             decision = self._inbox.pop("resume")
@@ -162,19 +167,24 @@ class CheckpointAgreement:
                 await self.send(self.down, decision)
             if decision["step"] is None:
                 raise CheckpointError(decision.get("reason") or "resume refused")
-            return int(decision["step"])
+            return int(decision["step"]), int(decision.get("epoch", 0))
         try:  # stage 0 decides
             if reasons:
                 raise CheckpointError(reasons)
-            step = run_policy.choose_resume_step({int(k): v for k, v in have.items()}, run_steps,
-                                                 "each stage's run.out_dir")
+            stages = {int(k): v for k, v in have.items()}
+            if rejoin and not set.intersection(*(set(v) for v in stages.values())):
+                step = 0
+                log.warning("re-forming the swarm with no checkpoint step every stage has (%s): every stage "
+                            "starts again from step 0", ", ".join(f"stage {k}: {v}" for k, v in sorted(stages.items())))
+            else:
+                step = run_policy.choose_resume_step(stages, run_steps, "each stage's run.out_dir")
         except CheckpointError as exc:
             if self.down is not None:
                 await self.send(self.down, {"phase": "resume", "step": None, "reason": str(exc)})
             raise
         if self.down is not None:
-            await self.send(self.down, {"phase": "resume", "step": step})
-        return step
+            await self.send(self.down, {"phase": "resume", "step": step, "epoch": swarm_epoch})
+        return step, swarm_epoch
 
 
 class PeerRunPolicy:
@@ -207,13 +217,18 @@ class PeerRunPolicy:
         self.drain_step: int | None = None
         """The swarm's drain step (:mod:`~.drain`), once decided: saved even when not due."""
         self.capabilities = [CHECKPOINT_CAPABILITY]
+        self.epoch = 0
+        """The swarm's run epoch, once :meth:`begin` agreed it (SPEC "Rejoin")."""
 
     async def on_message(self, msg: Message) -> None:
         await self.agreement.on_message(msg)
 
     async def begin(self, send: Send, neighbour_caps: dict[int, set[str]],
-                    failed: Callable[[], BaseException | None]) -> int:
-        """After the handshake: the step to start from; opens the metrics stream, writes the manifest."""
+                    failed: Callable[[], BaseException | None], *, epoch: int = 0, rejoin: bool = False) -> int:
+        """After the handshake: the step to start from; opens the metrics stream, writes the manifest.
+        ``epoch``: this stage's run epoch; the swarm's, agreed on resume, is then :attr:`epoch`.
+        ``rejoin``: the swarm re-forms after a departure (SPEC "Rejoin"): every stage rolls back to
+        the newest step all have (step 0 when there is none), within ``net.rejoin_timeout_s``."""
         self.agreement.send = send
         lacking = [s for s, caps in neighbour_caps.items() if CHECKPOINT_CAPABILITY not in caps]
         if lacking:  # an older peer (protocol < 1.3): no CHECKPOINT to it, so no agreement at all
@@ -223,11 +238,16 @@ class PeerRunPolicy:
             log.warning("stage %d: %s: checkpoints are saved but never pruned", self.stage, why)
             self.agreement.enabled = False
         start = 0
+        self.epoch = epoch
         if self.resume:
-            start = await self.agreement.agree_resume(self.cfg.run.steps, self.cfg.net.timeout_s, failed)
+            timeout = self.cfg.net.rejoin_timeout_s if rejoin else self.cfg.net.timeout_s
+            start, self.epoch = await self.agreement.agree_resume(self.cfg.run.steps, timeout, failed, epoch=epoch,
+                                                                  rejoin=rejoin)
             self.store.resumed(start)
-            await self.compute.run(self._load, start)
-            log.info("stage %d resumed from step %d (agreed by every stage)", self.stage, start)
+            if start > 0:
+                await self.compute.run(self._load, start)
+            log.info("stage %d %s from step %d (agreed by every stage; run epoch %d)", self.stage,
+                     "rolled back" if rejoin else "resumed", start, self.epoch)
         self._start = self._ended = start
         run_policy.write_manifest(self.cfg, self.data, driver="swarm", fingerprint=self.fingerprint,
                                   resumed_from=start, stage=self.stage)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -165,6 +166,13 @@ class PeerLink:
         self.pver: int | None = None
         """The link's projector version (SPEC §9.6): of the last PROJ admitted from upstream, or sent
         downstream; None before any."""
+        self.epoch = 0
+        """The run epoch this peer's messages on the link carry (SPEC "Rejoin"; :meth:`Links.set_epoch`)."""
+        self.hello_at: float | None = None
+        """When (``time.monotonic()``) the newest HELLO went out (None: none yet)."""
+        self.retry = False
+        """The neighbour refused the newest HELLO with ``stage_taken``: its old session may not have
+        timed out yet, so HELLO is sent again (SPEC "Rejoin")."""
         self._hello_nonce: bytes | None = None
         self.refused_hello: str | None = None
         """Why this peer last refused a HELLO of this neighbour (code: reason), if it did."""
@@ -188,8 +196,11 @@ class PeerLink:
 
     # ------------------------------------------------------------------ transport
     def connect(self, transport: Transport, endpoint: str, config: LinkConfig) -> None:
-        """Open the outbound link to the neighbour at ``endpoint`` (shaped by ``config``)."""
-        transport.connect(self.name, endpoint, config)
+        """Open the outbound link to the neighbour at ``endpoint`` (shaped by ``config``); the
+        transport's connection to the stage is kept when it already goes there (an earlier session
+        of this process). A connection elsewhere must be closed first (:meth:`Peer._connect`)."""
+        if transport.endpoint_of(self.name) != endpoint:
+            transport.connect(self.name, endpoint, config)
         self._transport = transport
         self.endpoint = endpoint
 
@@ -207,7 +218,7 @@ class PeerLink:
     def _answer(self, mtype: MessageType, meta: dict) -> list:
         """WELCOME/REJECT frames: ``seq`` 0, outside the link's outbound sequence (SPEC §9.2)."""
         return self.frames(Message(type=mtype, run_id=self.settings.run_id, src=self.settings.stage,
-                                   dst=self.stage, seq=0, meta=meta))
+                                   dst=self.stage, seq=0, epoch=self.epoch, meta=meta))
 
     async def send_heartbeat(self, meta: Callable[[], dict] | None = None) -> None:
         """HEARTBEAT with the next ``seq``; only once the neighbour welcomed this peer (SPEC §9.3).
@@ -234,7 +245,7 @@ class PeerLink:
             seq, self._seq = self._seq, self._seq + 1
             wire_tensors = {str(k): to_wire(v) for k, v in (tensors or {}).items()}
             msg = Message(type=mtype, run_id=self.settings.run_id, src=self.settings.stage, dst=self.stage,
-                          step=step, micro=micro, seq=seq, pver=pver, cver=cver,
+                          step=step, micro=micro, seq=seq, pver=pver, cver=cver, epoch=self.epoch,
                           meta=(meta() if callable(meta) else meta) or {}, tensors=wire_tensors)
             frames = self.frames(msg)
             for name, t in (tensors or {}).items():
@@ -245,7 +256,8 @@ class PeerLink:
     async def send_hello(self) -> None:
         """HELLO with ``seq`` 0 and a fresh nonce, opening the link's outbound session."""
         self._hello_nonce = new_nonce()
-        self.hello_sent, self.welcomed, self.rejected, self.tx_key = True, False, False, None
+        self.hello_sent, self.welcomed, self.rejected, self.tx_key, self.retry = True, False, False, None, False
+        self.hello_at = time.monotonic()
         self._seq = 0
         await self.send(MT.HELLO, meta={**self.settings.hello_meta(), "nonce": self._hello_nonce})
 
@@ -297,7 +309,9 @@ class PeerLink:
         self.tx_key = None if s.secret is None else session_key(s.secret, self._hello_nonce, msg.meta["nonce"])
 
     def on_reject(self, msg: Message) -> None:
+        """REJECT of this peer's newest HELLO; ``stage_taken`` is retried (:attr:`retry`)."""
         self.rejected = True
+        self.retry = msg.meta.get("code") == "stage_taken"
 
     def check_capabilities(self) -> None:
         """After the handshake: raise if the neighbour cannot take what this link will send."""
@@ -415,3 +429,8 @@ class Links:
     @property
     def all_welcomed(self) -> bool:
         return all(link.welcomed for link in self)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Every later message of this peer carries run epoch ``epoch`` (SPEC "Rejoin")."""
+        for link in self:
+            link.epoch = epoch

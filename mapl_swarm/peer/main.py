@@ -15,7 +15,8 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
 
 from mapl_swarm.config import TrainConfig
 from mapl_swarm.errors import ConfigError
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["build_peer", "run_peer", "serve_until_signalled", "read_peers_file", "InsecureWarning",
+__all__ = ["build_peer", "peer_assets", "PeerAssets", "run_peer", "serve_until_signalled", "read_peers_file", "InsecureWarning",
            "INSECURE_WARNING_INTERVAL_S"]
 
 INSECURE_WARNING_INTERVAL_S = 60.0
@@ -77,22 +78,23 @@ def read_peers_file(path: str, timeout_s: float) -> list[str]:
     return peers
 
 
-def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool = False, progress: bool = True,
-               run_key: RunKey | None = None):
-    """The :class:`~mapl_swarm.peer.runtime.Peer` of stage ``stage``: its data (stage 1), its
-    StageRuntime and run policy. With ``resume`` the peer resumes, after the handshake, from the
-    newest step every stage has (agreed by messages, SPEC §5.2). ``resolve(stage, timeout_s)`` and
-    ``announce(endpoint)`` are awaitables (the DHT's, or any other directory). ``run_key``: the
-    run's membership (members-only CURVE links, the HMAC tag from its ``auth_key``); None: insecure."""
+@dataclass(frozen=True)
+class PeerAssets:
+    """What every session of a peer process shares (:func:`peer_assets`): the prepared data, the
+    config fingerprint and the device."""
+
+    data: Any
+    fingerprint: str
+    device: Any
+
+
+def peer_assets(cfg: TrainConfig) -> PeerAssets:
+    """Prepare the data, fingerprint the config and bind the device (once per process)."""
     import torch
 
     from mapl_swarm.config import model_fingerprint
-    from mapl_swarm.data import BatchSampler, prepare_data, validation_batches
-    from mapl_swarm.peer.checkpoints import PeerRunPolicy
-    from mapl_swarm.peer.compute import ComputeThread
-    from mapl_swarm.peer.runtime import Peer
+    from mapl_swarm.data import prepare_data
     from mapl_swarm.pipeline.run_policy import bind_device, check_vocab, resolve_device
-    from mapl_swarm.pipeline.stage import StageRuntime
 
     if cfg.runtime.threads:
         torch.set_num_threads(cfg.runtime.threads)
@@ -100,7 +102,30 @@ def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool 
     check_vocab(cfg, data)
     fingerprint = model_fingerprint(cfg, data.tokenizer.file_hash, data.tokenizer.vocab_size)
     device = resolve_device(cfg.runtime.device)
-    bind_device(device)  # this (event-loop) thread; the compute thread binds it itself, below
+    bind_device(device)  # this (event-loop) thread; the compute thread binds it itself (build_peer)
+    return PeerAssets(data, fingerprint, device)
+
+
+def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool = False, progress: bool = True,
+               run_key: RunKey | None = None, assets: PeerAssets | None = None, epoch: int = 0,
+               rejoining: bool = False):
+    """The :class:`~mapl_swarm.peer.runtime.Peer` of stage ``stage``: its data (stage 1), its
+    StageRuntime (built from the config's seed) and run policy. With ``resume`` the peer resumes,
+    after the handshake, from the newest step every stage has (agreed by messages, SPEC §5.2).
+    ``resolve(stage, timeout_s)`` (an endpoint, or every endpoint freshest first) and
+    ``announce(endpoint)`` are awaitables (the DHT's, or any other directory). ``run_key``: the
+    run's membership (members-only CURVE links, the HMAC tag from its ``auth_key``); None: insecure.
+    ``assets``: from :func:`peer_assets` (made here when None). ``epoch`` and ``rejoining``: a
+    session that re-forms the swarm after a departure (:mod:`~.sessions`)."""
+    from mapl_swarm.data import BatchSampler, validation_batches
+    from mapl_swarm.peer.checkpoints import PeerRunPolicy
+    from mapl_swarm.peer.compute import ComputeThread
+    from mapl_swarm.peer.runtime import Peer
+    from mapl_swarm.pipeline.run_policy import bind_device
+    from mapl_swarm.pipeline.stage import StageRuntime
+
+    assets = assets or peer_assets(cfg)
+    data, fingerprint, device = assets.data, assets.fingerprint, assets.device
     rt = StageRuntime(cfg, stage, device)
     rt.codec.warm_up(cfg.pipeline.micro_batch_size * cfg.model.context_length)  # before the handshake
     sampler = val = None
@@ -112,16 +137,18 @@ def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool 
                            sampler=sampler)  # resume: agreed after the handshake
     return Peer(cfg, stage, rt, fingerprint=fingerprint, resolve=resolve, announce=announce, sampler=sampler,
                 val_batches=val, progress=progress and stage == 0, compute=compute, run_policy=policy,
-                secret=run_key.auth_key if run_key is not None else None, run_key=run_key)
+                secret=run_key.auth_key if run_key is not None else None, run_key=run_key, epoch=epoch,
+                rejoining=rejoining)
 
 
-async def serve_until_signalled(peer):
-    """``peer.run()`` with SIGINT/SIGTERM handled on its event loop (:class:`~.drain.DrainSignals`):
-    the first drains the swarm (:meth:`~.runtime.Peer.request_drain`), a second stops at once."""
+async def serve_until_signalled(peer, transport=None):
+    """``peer.run(transport)`` with SIGINT/SIGTERM handled on its event loop
+    (:class:`~.drain.DrainSignals`): the first drains the swarm (:meth:`~.runtime.Peer.request_drain`),
+    a second stops at once."""
     from mapl_swarm.peer.drain import DrainSignals
 
     with DrainSignals(asyncio.get_running_loop(), drain=peer.request_drain, abort=peer.abort):
-        return await peer.run()
+        return await peer.run(transport)
 
 
 def run_peer(cfg: TrainConfig, stage: int, *, run_key: RunKey | None, initial_peers: Sequence[str] = (),
@@ -143,14 +170,19 @@ def run_peer(cfg: TrainConfig, stage: int, *, run_key: RunKey | None, initial_pe
         from mapl_swarm.net.transport import run
         from mapl_swarm.peer.result import peak_rss_mb
         from mapl_swarm.peer.runtime import write_result
+        from mapl_swarm.peer.sessions import serve_sessions
 
         async def announce(endpoint: str) -> None:
             await asyncio.get_running_loop().run_in_executor(None, discovery.announce, stage, endpoint)
 
         with InsecureWarning(stage, insecure_warning_interval_s) if run_key is None else contextlib.nullcontext():
-            peer = build_peer(cfg, stage, resolve=discovery.lookup_async, announce=announce, resume=resume,
-                              progress=progress, run_key=run_key)
-            result = run(serve_until_signalled(peer))
+            assets = peer_assets(cfg)
+
+            def session(*, resume: bool, epoch: int, rejoining: bool):
+                return build_peer(cfg, stage, resolve=discovery.lookup_all_async, announce=announce, resume=resume,
+                                  progress=progress, run_key=run_key, assets=assets, epoch=epoch, rejoining=rejoining)
+
+            result = run(serve_sessions(session, cfg, stage, run_key=run_key, resume=resume))
         result.peak_rss_mb = peak_rss_mb()
         write_result(result, cfg.run.out_dir)
         return result

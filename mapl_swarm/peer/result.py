@@ -41,13 +41,20 @@ class PeerResult:
     end: str = "finished"
     """How the peer ended (exit status 0 each): ``finished`` (the run's last step), ``drained`` (a
     graceful drain: every stage stopped after ``drained_at``), ``stopped`` (a signal before training
-    started, or a neighbour's planned departure)."""
+    started, or a neighbour's planned departure); ``rejoin`` only between two sessions of one
+    process (:mod:`~.sessions`), never in a result file."""
     end_note: str = ""
     """For an end other than ``finished``: the one line to print."""
     drained_at: int | None = None
     """``drained``: the step every stage stopped after (and checkpointed, with checkpoints on)."""
     checkpoint_note: str = ""
     """``drained``: what became of that step's checkpoint (saved by every stage, not saved...)."""
+    start_step: int = 0
+    """The step this peer's (last) session started from: 0, a resume's, or a rollback's."""
+    epoch: int = 0
+    """The swarm's run epoch at the end: how many times it re-formed after a departure (SPEC "Rejoin")."""
+    rejoins: list[str] = field(default_factory=list)
+    """One line per time this peer paused and the swarm re-formed (why, and the step it rolled back to)."""
     peak_rss_mb: float = 0.0
     """The peer process's peak resident set size (``VmHWM``) in MiB, read when it finished (0: not
     measured, e.g. a peer driven in-process)."""

@@ -74,6 +74,7 @@ from mapl_swarm.peer.waiting import WAIT_LOG_INTERVAL_S, WaitingLog
 from mapl_swarm.pipeline.stage import StageRuntime
 from mapl_swarm.wire import Message, MessageType, VersionMismatch
 from mapl_swarm.wire.codebook import INDEXED_SLICES_CAPABILITY, RETRANSMIT_CAPABILITY, VQ_CAPABILITY
+from mapl_swarm.wire.spec import REJOIN_CAPABILITY, REJOIN_REASON
 
 if TYPE_CHECKING:
     from mapl_swarm.net.runkey import RunKey
@@ -104,6 +105,15 @@ class _CleanStop(Exception):
         self.end, self.note = end, note
 
 
+class _Rejoin(_CleanStop):
+    """This session ends so that the swarm re-forms at run epoch ``epoch`` (SPEC "Rejoin"): stage
+    ``lost`` departed (None: told by ``told_by``, a neighbour that re-forms)."""
+
+    def __init__(self, note: str, *, epoch: int, lost: int | None, told_by: int | None = None) -> None:
+        super().__init__("rejoin", note)
+        self.epoch, self.lost, self.told_by = epoch, lost, told_by
+
+
 class Peer:
     """Stage ``stage`` of ``cfg``; ``resolve(stage, timeout_s) -> endpoint`` finds neighbours (the
     DHT), ``announce(endpoint)`` publishes this peer's. ``run_policy`` (:class:`~.checkpoints.PeerRunPolicy`)
@@ -115,8 +125,14 @@ class Peer:
                  sampler=None, val_batches: list[torch.Tensor] | None = None, progress: bool = False,
                  start_step: int = 0, secret: bytes | None = None, compute: ComputeThread | None = None,
                  run_policy: PeerRunPolicy | None = None,
-                 wait_log_interval_s: float = WAIT_LOG_INTERVAL_S, run_key: RunKey | None = None) -> None:
+                 wait_log_interval_s: float = WAIT_LOG_INTERVAL_S, run_key: RunKey | None = None,
+                 epoch: int = 0, rejoining: bool = False) -> None:
         self.cfg, self.stage, self.rt = cfg, stage, runtime
+        self.epoch = epoch
+        """This peer's run epoch (SPEC "Rejoin"): the swarm's once the start step is agreed."""
+        self.rejoining = rejoining
+        """This session re-forms the swarm after a departure: it waits up to ``net.rejoin_timeout_s``
+        for a replacement and rolls back to the newest step every stage has."""
         P = cfg.pipeline.num_stages
         self.name = stage_name(stage)
         self.resolve, self.announce = resolve, announce
@@ -134,7 +150,8 @@ class Peer:
         vq = runtime.vq is not None
         settings = LinkSettings(
             run_id=cfg.run.run_id, stage=stage, num_stages=P, fingerprint=fingerprint,
-            capabilities=("1f1b", *((VQ_CAPABILITY, RETRANSMIT_CAPABILITY, INDEXED_SLICES_CAPABILITY) if vq else ()),
+            capabilities=("1f1b", *((REJOIN_CAPABILITY,) if self._rejoin_configured(cfg, run_policy) else ()),
+                          *((VQ_CAPABILITY, RETRANSMIT_CAPABILITY, INDEXED_SLICES_CAPABILITY) if vq else ()),
                           *(run_policy.capabilities if run_policy is not None else ()), DRAIN_CAPABILITY),
             num_micro_batches=cfg.pipeline.num_micro_batches, micro_batch_size=cfg.pipeline.micro_batch_size,
             eval_batches=cfg.eval.batches, secret=secret, compress_ids=cfg.net.compress_ids,
@@ -142,6 +159,10 @@ class Peer:
         self.links = Links(
             upstream=PeerLink(settings, stage - 1, on_bad_frame=self.bad_frame) if stage > 0 else None,
             downstream=PeerLink(settings, stage + 1, on_bad_frame=self.bad_frame) if stage < P - 1 else None)
+        self.links.set_epoch(epoch)
+        if run_policy is not None and not run_policy.checkpoints_on and cfg.net.rejoin_timeout_s > 0:
+            log.warning("%s: checkpoint.interval_steps = 0: live rejoin is impossible (a departed stage comes back "
+                        "to a step every stage saved); a departure ends every peer", self.name)
         if vq:
             for link in self.links:
                 link.use_codebooks(runtime, self.compute, spawn=self.tasks.spawn)
@@ -156,7 +177,8 @@ class Peer:
         self.run_policy = run_policy
         self.admission = Admission(
             settings, self.links, shapes=run_shapes(cfg, stage), window=self.schedule.window, rejects=self.rejects,
-            decoder=self.decoder, timeout_s=cfg.net.timeout_s, clock=time.monotonic, replies_on_link=False)
+            decoder=self.decoder, timeout_s=cfg.net.timeout_s, clock=time.monotonic, replies_on_link=False,
+            epoch=lambda: self.epoch if self._training else 0)
         net = cfg.net
         self.monitor = HeartbeatMonitor(
             HeartbeatConfig(interval_s=net.heartbeat_interval_s, timeout_s=net.liveness_ceiling,
@@ -262,6 +284,12 @@ class Peer:
         return lambda: self._handle(got, arrival, transport)
 
     async def _handle(self, got: Admitted, arrival: Arrival, transport: Any) -> None:
+        if got.msg.type is MT.HELLO and self._training and got.msg.epoch > self.epoch:
+            # a neighbour re-forms the swarm (it lost its other neighbour); not answered: it repeats
+            # its HELLO to this peer's next session
+            self._pause(f"stage {got.msg.src} re-forms the swarm (its HELLO of run epoch {got.msg.epoch})",
+                        epoch=got.msg.epoch, lost=None, told_by=got.msg.src)
+            return
         if got.msg.type is MT.HELLO:
             reply = self._reply(transport, arrival, got.link)
             await self._answer(got.link.on_hello(got.msg, arrival.sender, reply, now=self.admission.clock()))
@@ -311,6 +339,10 @@ class Peer:
 
     async def _on_reject(self, msg: Message, link: PeerLink) -> None:
         link.on_reject(msg)
+        if link.retry:  # its old session has not timed out yet: HELLO again (SPEC "Rejoin")
+            log.info("%s: stage %d still holds a session of stage %d; HELLO again in %g s", self.name, msg.src,
+                     self.stage, self.cfg.net.hello_retry_s)
+            return
         self.mailbox.fail(PeerRejected(f"stage {msg.src} refused stage {self.stage}: {msg.meta.get('reason')}"))
         self._welcome_event.set()
 
@@ -328,6 +360,11 @@ class Peer:
         planned departure); from downstream the neighbour leaves: a planned departure with ``reason``
         ``"drain"``, else it left before the end (SPEC §9.5)."""
         reason = str(msg.meta.get("reason", ""))
+        if reason == REJOIN_REASON:
+            lost = msg.meta.get("lost")
+            self._pause(f"stage {msg.src} re-forms the swarm" + (f" (stage {lost} departed)" if lost is not None else ""),
+                        epoch=max(self.epoch + 1, msg.epoch), lost=lost, told_by=msg.src)
+            return
         if link.is_upstream and (self._training or reason != DRAIN_REASON):
             self.mailbox.put(msg)
             return
@@ -352,12 +389,15 @@ class Peer:
         await self.run_policy.on_message(msg)
 
     # ------------------------------------------------------------------ lifecycle
-    async def run(self) -> PeerResult:
-        tcfg = TransportConfig.for_run(self.cfg, self.run_key)
-        async with Transport(self.name, tcfg) as transport:
-            result = await self.serve(transport)
+    async def run(self, transport: Transport | None = None) -> PeerResult:
+        """:meth:`serve` on ``transport`` (a started one, kept open: the next session of this process
+        uses it, :mod:`~.sessions`), or on a transport of its own, closed at the end."""
+        if transport is not None:
+            return await self.serve(transport)
+        async with Transport(self.name, TransportConfig.for_run(self.cfg, self.run_key)) as own:
+            result = await self.serve(own)
             # a clean end: what is still queued (the last BYE) gets up to a second to leave
-            await transport.aclose(linger_s=_LAST_WORDS_S)
+            await own.aclose(linger_s=_LAST_WORDS_S)
             return result
 
     async def serve(self, transport: Any) -> PeerResult:
@@ -405,15 +445,15 @@ class Peer:
         shaping = LinkConfig(bandwidth_mbps=net.bandwidth_mbps, latency_ms=net.latency_ms)
         await self.announce(endpoint)
         for link in self.links:
-            ep = await self.waits.wait(self.resolve(link.stage, net.timeout_s), lambda link=link: [link])
-            link.connect(transport, ep, shaping)
-            log.info("%s: link to stage %d at %s", self.name, link.stage, ep)
+            candidates = await self.waits.wait(self._candidates(link.stage, net.timeout_s), lambda link=link: [link])
+            await self._connect(link, transport, candidates[0], shaping)
+            log.info("%s: link to stage %d at %s", self.name, link.stage, candidates[0])
         self._background.append(asyncio.create_task(self._receive_loop(transport)))
         if self.admission.replies_on_link:
             self._background.append(asyncio.create_task(self._reply_loop(transport)))
         self._background.append(asyncio.create_task(self._dispatch_loop()))
         self.monitor.start()
-        await self._handshake()
+        await self._handshake(transport, shaping)
         start = await self._agree_start(transport)
         self._training = True
         await self.schedule.run(start)
@@ -439,16 +479,41 @@ class Peer:
                                          last_seen=time.time(), detail=detail))
 
     def _on_departure(self, departure: Departure) -> None:
-        """Today's policy: a planned departure ends this peer cleanly (its other neighbour is told
-        with BYE ``"drain"``), any other one ends it with :class:`NeighbourLost`. (Live rejoin will
-        wait for a replacement of the stage here instead.)"""
+        """A departure during training while this peer is not draining pauses it: the swarm re-forms
+        and waits for a replacement of the stage (SPEC "Rejoin"; with ``net.rejoin_timeout_s`` and
+        checkpoints on). Otherwise a planned departure ends this peer cleanly (its other neighbour
+        is told with BYE ``"drain"``), any other one ends it with :class:`NeighbourLost`."""
         self.monitor.forget(stage_name(departure.stage))
+        if self._training and self._can_rejoin and not self.drain.active:
+            self._pause(departure.describe(), epoch=self.epoch + 1, lost=departure.stage)
+            return
         if departure.planned:
             self._stop(_CleanStop("stopped", f"stage {self.stage} stopped: {departure.describe()}"))
             return
         error = NeighbourLost(self.name, departure)
         self.mailbox.fail(error)
         self._stop(error)
+
+    @staticmethod
+    def _rejoin_configured(cfg: TrainConfig, run_policy: PeerRunPolicy | None) -> bool:
+        """This peer takes part in rejoin (advertises it): ``net.rejoin_timeout_s`` > 0 and checkpoints
+        on, agreed with the other stages (SPEC "Rejoin": a departed stage comes back to a saved step)."""
+        return cfg.net.rejoin_timeout_s > 0 and run_policy is not None and run_policy.checkpoints_on
+
+    @property
+    def _can_rejoin(self) -> bool:
+        """A departure can be survived: this peer and every neighbour take part in rejoin."""
+        return (self._rejoin_configured(self.cfg, self.run_policy)
+                and all(REJOIN_CAPABILITY in link.capabilities for link in self.links))
+
+    def _pause(self, why: str, *, epoch: int, lost: int | None, told_by: int | None = None) -> None:
+        """End this session so that the swarm re-forms at run epoch ``epoch`` (SPEC "Rejoin")."""
+        if self._stop_reason is None:
+            log.warning("%s: %s; pausing: the swarm re-forms (run epoch %d) and rolls back to the newest step "
+                        "every stage saved", self.name, why, epoch)
+        self.mailbox.fail(MaplError(f"{self.name}: paused: {why}"))
+        self._stop(_Rejoin(f"stage {self.stage} paused at step {self.schedule.step}: {why}", epoch=epoch, lost=lost,
+                           told_by=told_by))
 
     def _stop(self, reason: BaseException) -> None:
         """End the work now with ``reason`` (raised, or a :class:`_CleanStop`); the first one counts."""
@@ -462,10 +527,16 @@ class Peer:
         reason = self._stop_reason
         if not isinstance(reason, _CleanStop):
             raise reason
+        if isinstance(reason, _Rejoin):  # the other neighbours re-form too
+            bye = {"reason": REJOIN_REASON, **({"lost": reason.lost} if reason.lost is not None else {})}
+            self.result.epoch = reason.epoch
+            self.result.rejoins.append(reason.note)
+        else:
+            bye = {"reason": DRAIN_REASON}
         for link in self.links:
-            if link.welcomed and self.departures.gone(link.stage) is None:
+            if link.welcomed and self.departures.gone(link.stage) is None and link.stage != getattr(reason, "told_by", None):
                 try:
-                    await asyncio.wait_for(link.send_bye({"reason": DRAIN_REASON}, step=self.schedule.step), 5.0)
+                    await asyncio.wait_for(link.send_bye(bye, step=self.schedule.step), 5.0)
                 except (NetError, asyncio.TimeoutError) as err:
                     log.warning("%s: could not tell stage %d: %s", self.name, link.stage, err)
         try:
@@ -530,18 +601,71 @@ class Peer:
         except (NetError, asyncio.TimeoutError):
             pass
 
-    async def _handshake(self) -> None:
+    @staticmethod
+    async def _connect(link: PeerLink, transport: Any, endpoint: str, shaping: LinkConfig) -> None:
+        """``link`` to ``endpoint``: the transport's connection to that stage is kept when it goes
+        there already (an earlier session of this process), replaced when it goes elsewhere."""
+        if transport.endpoint_of(link.name) not in (None, endpoint):
+            await transport.disconnect(link.name)
+        link.connect(transport, endpoint, shaping)
+
+    async def _candidates(self, stage: int, timeout_s: float) -> list[str]:
+        """Every endpoint the directory holds for ``stage``, freshest first (``resolve`` may give one)."""
+        found = await self.resolve(stage, timeout_s)
+        return [found] if isinstance(found, str) else list(found)
+
+    async def _handshake(self, transport: Any, shaping: LinkConfig) -> None:
+        """HELLO to every neighbour until each welcomed this peer (SPEC §9.2, "Rejoin"): a HELLO not
+        answered within ``net.hello_retry_s`` (or refused with ``stage_taken``) goes again, with a
+        fresh nonce, to the stage's next DHT record (freshest first, looked up again each time), so a
+        stale or planted record costs one retry. Within ``net.timeout_s``; a session that re-forms
+        the swarm waits ``net.rejoin_timeout_s`` for the departed stage's replacement."""
+        net = self.cfg.net
+        timeout = net.rejoin_timeout_s if self.rejoining else net.timeout_s
+        tries = dict.fromkeys(self.links.stages, 0)
         for link in self.links:
             await link.send_hello()
-        timeout = self.cfg.net.timeout_s
+
+        async def until_welcomed() -> None:
+            while not self.links.all_welcomed:
+                if self.mailbox.error is not None:
+                    raise self.mailbox.error
+                now = time.monotonic()
+                due = [link for link in self.links
+                       if not link.welcomed and now - (link.hello_at or 0.0) >= net.hello_retry_s]
+                for link in due:
+                    tries[link.stage] += 1
+                    candidates = await self._candidates(link.stage, timeout)
+                    endpoint = candidates[tries[link.stage] % len(candidates)]
+                    if endpoint != link.endpoint:
+                        log.info("%s: HELLO to stage %d at %s (another of its %d DHT record(s))", self.name,
+                                 link.stage, endpoint, len(candidates))
+                    await self._connect(link, transport, endpoint, shaping)
+                    await link.send_hello()
+                self._welcome_event.clear()
+                if self.links.all_welcomed:
+                    return
+                sent = [link.hello_at or 0.0 for link in self.links if not link.welcomed]
+                next_due = min(sent, default=time.monotonic()) + net.hello_retry_s - time.monotonic()
+                try:
+                    await asyncio.wait_for(self._welcome_event.wait(), max(0.05, next_due))
+                except asyncio.TimeoutError:
+                    pass
+
         try:
-            await self.waits.wait(asyncio.wait_for(self._welcome_event.wait(), timeout),
-                                  lambda: [link for link in self.links if not link.welcomed])
+            await self.waits.wait(asyncio.wait_for(until_welcomed(), timeout),
+                                  lambda: [link for link in self.links if not link.welcomed],
+                                  rejoin_timeout_s=timeout if self.rejoining else None)
         except asyncio.TimeoutError:
+            missing = [link for link in self.links if not link.welcomed]
+            if self.rejoining:
+                raise MaplError(f"{self.name}: no stage {', '.join(str(link.stage) for link in missing)} peer "
+                                f"rejoined within {timeout:g} s (net.rejoin_timeout_s); start one with --resume "
+                                f"on a host with its checkpoints") from None
             # a neighbour that refused our config may have left before answering our own HELLO: say
             # what its HELLO was refused for, which names both configurations
             refused = "; ".join(f"stage {link.stage}'s HELLO was refused ({link.refused_hello})"
-                                for link in self.links if not link.welcomed and link.refused_hello)
+                                for link in missing if link.refused_hello)
             raise MaplError(f"{self.name}: handshake with stages {self.links.stages} not completed within "
                             f"{timeout:g} s" + (f"; {refused}" if refused else "")) from None
         if self.mailbox.error is not None:
@@ -560,11 +684,15 @@ class Peer:
             await links[dst].send(MT.CHECKPOINT, step=meta.get("step") or 0, meta=meta)
 
         try:
-            return await self.run_policy.begin(send, {s: set(link.capabilities) for s, link in links.items()},
-                                               lambda: self.mailbox.error)
+            start = await self.run_policy.begin(send, {s: set(link.capabilities) for s, link in links.items()},
+                                                lambda: self.mailbox.error, epoch=self.epoch, rejoin=self.rejoining)
         except MaplError:
             await transport.flush(self.cfg.net.timeout_s)  # a refusal reaches the other stages first
             raise
+        self.epoch = self.run_policy.epoch
+        self.links.set_epoch(self.epoch)
+        self.result.start_step, self.result.epoch = start, self.epoch
+        return start
 
     def _codebook_summary(self) -> dict[str, Any] | None:
         """mapl_vq: the links' codebook counters, versions and digests (on the compute thread)."""

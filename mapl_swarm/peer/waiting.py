@@ -42,8 +42,11 @@ class WaitingLog:
         self.name = name
         self.interval_s = interval_s
 
-    async def wait(self, aw: Awaitable[T], waiting_for: Callable[[], Iterable[Awaited]]) -> T:
-        """The result of ``aw``; every ``interval_s`` until then, one line per ``waiting_for()``."""
+    async def wait(self, aw: Awaitable[T], waiting_for: Callable[[], Iterable[Awaited]], *,
+                   rejoin_timeout_s: float | None = None) -> T:
+        """The result of ``aw``; every ``interval_s`` until then, one line per ``waiting_for()``.
+        ``rejoin_timeout_s``: the wait is for a replacement of a departed stage (SPEC "Rejoin"):
+        ``waiting for a stage K peer (n s of T s)``."""
         task = asyncio.ensure_future(aw)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
@@ -54,6 +57,10 @@ class WaitingLog:
                     return task.result()
                 elapsed = loop.time() - t0
                 for n in waiting_for():
+                    if rejoin_timeout_s is not None:
+                        log.warning("%s: waiting for a stage %d peer (%.0f s of %g s; newest record %s)", self.name,
+                                    n.stage, elapsed, rejoin_timeout_s, n.endpoint or "none")
+                        continue
                     where = f"at {n.endpoint}" if n.endpoint else "in the DHT"
                     log.info("%s: waiting for stage %d %s (%.0f s)", self.name, n.stage, where, elapsed)
         finally:

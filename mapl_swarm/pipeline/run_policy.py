@@ -250,13 +250,14 @@ class StageCheckpoints:
         return doomed
 
     def resumed(self, step: int) -> None:
-        """Resuming from ``step``: it is complete, and later files (of the interrupted run) are stale."""
+        """Resuming from ``step``: it is complete, and later files (of the interrupted run) are stale
+        (step 0: a swarm re-forming without a common checkpoint starts again, every file is stale)."""
         stale = [s for s in self.local_steps() if s > step]
         checkpoint.delete_stage_steps(self.root, self.stage, stale)
         if stale:
             log.info("stage %d: removed checkpoint steps %s of the interrupted run (resuming from %d)",
                      self.stage, stale, step)
-        self.complete = sorted({*(s for s in self.complete if s < step), step})
+        self.complete = sorted({*(s for s in self.complete if s < step), *((step,) if step > 0 else ())})
         self._record_complete()
 
 

@@ -83,6 +83,12 @@ class FakeTransport:
     def connect(self, link: str, endpoint: str, config: Any = None) -> None:
         self._links[link] = endpoint.removeprefix("mem://")
 
+    def endpoint_of(self, link: str) -> str | None:
+        return f"mem://{self._links[link]}" if link in self._links else None
+
+    async def disconnect(self, link: str, *, linger_s: float = 0.0) -> None:
+        self._links.pop(link, None)
+
     def links(self) -> list[str]:
         return list(self._links)
 

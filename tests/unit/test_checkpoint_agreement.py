@@ -93,7 +93,8 @@ def test_prune_waits_for_the_slowest_stage(tmp_path):
     asyncio.run(run())
 
 
-def _resume_all(peers, queues, run_steps):
+def _resume_all(peers, queues, run_steps, *, epochs=None, rejoin=False):
+    """Every stage's ``agree_resume``: (step, epoch) each, or the error each raised."""
     async def pump():
         while True:
             await queues.event.wait()
@@ -107,7 +108,8 @@ def _resume_all(peers, queues, run_steps):
         queues.event.set()  # deliver whatever is already queued
         pumper = asyncio.create_task(pump())
         try:
-            return await asyncio.gather(*(p.agree_resume(run_steps, 10.0) for p in peers), return_exceptions=True)
+            return await asyncio.gather(*(p.agree_resume(run_steps, 10.0, epoch=(epochs or {}).get(s, 0), rejoin=rejoin)
+                                          for s, p in enumerate(peers)), return_exceptions=True)
         finally:
             pumper.cancel()
 
@@ -120,7 +122,26 @@ def test_resume_agrees_on_the_newest_common_step(tmp_path):
     for s, steps in have.items():
         for step in steps:
             peers[s].store.save(step, {"x": torch.zeros(1)})
-    assert _resume_all(peers, queues, 10) == [4, 4, 4]
+    assert _resume_all(peers, queues, 10) == [(4, 0)] * 3
+
+
+def test_a_rejoin_agrees_on_the_largest_run_epoch_of_any_stage(tmp_path):
+    """SPEC "Rejoin": the survivors re-formed (epochs 2 and 1), the replacement starts at 0; every
+    stage ends with step 4 and epoch 2."""
+    peers, queues = _swarm(tmp_path, keep=5)
+    for s in range(3):
+        for step in (2, 4):
+            peers[s].store.save(step, {"x": torch.zeros(1)})
+    assert _resume_all(peers, queues, 10, epochs={0: 1, 1: 0, 2: 2}, rejoin=True) == [(4, 2)] * 3
+
+
+def test_a_rejoin_without_a_common_step_starts_again_from_step_0_where_a_resume_is_refused(tmp_path):
+    peers, queues = _swarm(tmp_path, keep=5)
+    peers[0].store.save(2, {"x": torch.zeros(1)})  # the departure came before the others saved step 2
+    assert _resume_all(peers, queues, 10, epochs={0: 1, 1: 1, 2: 1}, rejoin=True) == [(0, 1)] * 3
+    peers, queues = _swarm(tmp_path / "b", keep=5)
+    peers[0].store.save(2, {"x": torch.zeros(1)})
+    assert all(isinstance(r, CheckpointError) for r in _resume_all(peers, queues, 10))
 
 
 def test_resume_refusal_reaches_every_stage_with_what_each_had(tmp_path):
@@ -199,7 +220,7 @@ def test_only_verified_steps_are_offered_so_every_stage_can_load_the_agreed_one(
     else:
         pt.with_name("stage_1.manifest.json").unlink()
     assert [p.store.usable_steps() for p in peers] == [[2, 4], [2], [2, 4]]
-    assert _resume_all(peers, queues, 10) == [2, 2, 2]
+    assert _resume_all(peers, queues, 10) == [(2, 0)] * 3
     for p in peers:
         assert p.store.load(2)["stage"] == p.stage
 

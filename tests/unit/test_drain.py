@@ -170,7 +170,8 @@ def test_a_second_signal_stops_at_once_and_the_neighbours_name_the_silent_stage(
     """Stage 1 is stopped at once (a second signal, the drain not finished): it leaves no BYE, so its
     neighbours find it silent after the floor and name it, its address and when it was last heard."""
     async def main():
-        peers, transports, losses = _swarm(tmp_path, heartbeat_interval_s=0.1, liveness_floor_s=2.0)
+        peers, transports, losses = _swarm(tmp_path, heartbeat_interval_s=0.1, liveness_floor_s=2.0,
+                                           rejoin_timeout_s=0.0)  # no live rejoin: the departure ends them
         peers[0].drain.should_stop = lambda: False  # stage 0 would drain; here nothing ends the run
 
         async def signals():
@@ -225,11 +226,10 @@ def test_a_signal_before_training_stops_the_peer_at_once_and_cleanly(tmp_path):
     assert r1.end == "stopped" and r1.end_note == "stage 1 stopped before training started (SIGINT)", r1
 
 
-def test_bye_drain_from_downstream_is_a_planned_departure_passed_upstream(tmp_path):
-    """Stage 2 leaves with BYE "drain" on its own: stage 1 ends cleanly and tells stage 0, which
-    ends cleanly too (live rejoin will wait for a replacement here instead)."""
+def _leave_with_bye_drain(tmp_path, **net):
+    """Stage 2 leaves with BYE "drain" on its own once stage 0 recorded 3 losses."""
     async def main():
-        peers, transports, losses = _swarm(tmp_path)
+        peers, transports, losses = _swarm(tmp_path, **net)
         peers[0].drain.should_stop = lambda: False
 
         async def leave():
@@ -237,9 +237,28 @@ def test_bye_drain_from_downstream_is_a_planned_departure_passed_upstream(tmp_pa
             peers[2]._stop(_clean(peers[2]))  # as after a signal before training: BYE "drain" to its neighbour
 
         asyncio.get_running_loop().create_task(leave())
-        return await _serve(peers, transports, timeout_s=60)
+        return await _serve(peers, transports, timeout_s=60), transports
 
-    r0, r1, r2 = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_bye_drain_from_downstream_pauses_the_swarm_for_a_replacement(tmp_path):
+    """With live rejoin (the default): stage 1, not draining itself, pauses; it tells stage 0 with BYE
+    "rejoin" naming stage 2, and both end the session to re-form at run epoch 1 (SPEC "Rejoin")."""
+    (r0, r1, r2), transports = _leave_with_bye_drain(tmp_path)
+    assert [r.end for r in (r0, r1, r2)] == ["rejoin", "rejoin", "stopped"], (r0, r1, r2)
+    assert r0.epoch == r1.epoch == 1
+    assert r1.rejoins[0].startswith("stage 1 paused at step ") and "stage 2 at mem://stage2 left the swarm" \
+        in r1.rejoins[0], r1.rejoins
+    assert "stage 1 re-forms the swarm (stage 2 departed)" in r0.rejoins[0], r0.rejoins
+    byes = [m for m in transports[0].net.messages("stage1", "stage0") if m.type.name == "BYE"]
+    assert [(m.meta["reason"], m.meta["lost"]) for m in byes] == [("rejoin", 2)]
+
+
+def test_bye_drain_from_downstream_is_a_planned_departure_passed_upstream(tmp_path):
+    """Without live rejoin: stage 2 leaves with BYE "drain" on its own, stage 1 ends cleanly and
+    tells stage 0, which ends cleanly too."""
+    (r0, r1, r2), _ = _leave_with_bye_drain(tmp_path, rejoin_timeout_s=0.0)
     assert [r.end for r in (r0, r1, r2)] == ["stopped"] * 3, (r0, r1, r2)
     assert r1.end_note.startswith("stage 1 stopped: stage 2 at mem://stage2 left the swarm (drain)")
     assert r0.end_note.startswith("stage 0 stopped: stage 1 at mem://stage1 left the swarm (drain)")

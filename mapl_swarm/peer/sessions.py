@@ -1,0 +1,99 @@
+"""A peer process across sessions: live rejoin without restarting the surviving peers.
+
+A *session* is one :class:`~.runtime.Peer`: discovery, handshake, start-step agreement, training.
+When a neighbour departs during training (or a neighbour says the swarm re-forms), the session
+ends with ``result.end == "rejoin"`` (SPEC "Rejoin"); :func:`serve_sessions` then starts the next
+one in the same process, on the same transport (its ROUTER, endpoint and routing id stay, so the
+DHT record and the connections to the neighbours that stayed remain valid):
+
+- the stage is built afresh from the config (its initial state from the run's seed), so the
+  rollback is exactly a resume: the newest step every stage has complete is agreed by messages
+  and loaded (data cursor included), or step 0 when no step is common;
+- ``epoch`` is the run epoch the session re-forms at; the agreement makes it the swarm's;
+- it waits up to ``net.rejoin_timeout_s`` for a replacement of the departed stage (``mapl-swarm
+  peer --stage K --resume`` on any host with that stage's checkpoints and the run key), logging
+  ``waiting for a stage K peer``.
+
+The result returned is the whole process's (:func:`merge`): the losses of the steps kept after
+each rollback, counters summed over the sessions, and one line per rejoin.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from mapl_swarm.config import TrainConfig
+from mapl_swarm.net.transport import Transport, TransportConfig
+from mapl_swarm.peer.link import stage_name
+from mapl_swarm.peer.result import PeerResult
+
+if TYPE_CHECKING:
+    from mapl_swarm.net.runkey import RunKey
+    from mapl_swarm.peer.runtime import Peer
+
+log = logging.getLogger(__name__)
+
+__all__ = ["serve_sessions", "merge", "REJOIN_END"]
+
+REJOIN_END = "rejoin"
+"""``PeerResult.end`` of a session that ended so that the swarm re-forms."""
+
+_LAST_WORDS_S = 1.0
+"""After the last session, how long ZeroMQ may take to send what it still queues (a BYE)."""
+
+def _sum_counts(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Counters by key, summed (nested dicts by key too)."""
+    out = dict(a)
+    for key, value in b.items():
+        if isinstance(value, dict):
+            out[key] = _sum_counts(out.get(key, {}), value)
+        else:
+            out[key] = out.get(key, 0) + value
+    return out
+
+
+def merge(before: PeerResult | None, after: PeerResult) -> PeerResult:
+    """The process's result so far: ``before`` (the earlier sessions) then ``after`` (the next one,
+    which started at ``after.start_step``). Losses after that step were rolled back (trained
+    again in ``after``), so they are dropped; counters add up; the end is ``after``'s."""
+    if before is None:
+        return after
+    keep = max(0, after.start_step - before.start_step)
+    merged = PeerResult(after.stage)
+    merged.__dict__.update(after.__dict__)
+    merged.start_step = before.start_step
+    merged.train_losses = before.train_losses[:keep] + after.train_losses
+    merged.report_times_s = before.report_times_s[:keep] + after.report_times_s
+    merged.val_history = [v for v in before.val_history if v[0] <= after.start_step] + after.val_history
+    merged.tokens, merged.wall_s = before.tokens + after.tokens, before.wall_s + after.wall_s
+    merged.bad_frames = before.bad_frames + after.bad_frames
+    merged.rejects = _sum_counts(before.rejects, after.rejects)
+    merged.errors = _sum_counts(before.errors, after.errors)
+    merged.payload_tx = _sum_counts(before.payload_tx, after.payload_tx)
+    merged.rejoins = before.rejoins + after.rejoins
+    return merged  # wire_tx and shaper: the transport's counters, already over every session
+
+
+async def serve_sessions(new_session: Callable[..., Peer], cfg: TrainConfig, stage: int, *,
+                         run_key: RunKey | None, resume: bool) -> PeerResult:
+    """Run sessions of stage ``stage`` on one transport until one ends otherwise than by a rejoin
+    (see the module docstring); ``new_session(resume=, epoch=, rejoining=)`` builds each one's peer.
+    SIGINT/SIGTERM drain the swarm as in a single session."""
+    from mapl_swarm.peer.main import serve_until_signalled
+
+    result: PeerResult | None = None
+    epoch, rejoining = 0, False
+    async with Transport(stage_name(stage), TransportConfig.for_run(cfg, run_key)) as transport:
+        while True:
+            peer = new_session(resume=resume or rejoining, epoch=epoch, rejoining=rejoining)
+            result = merge(result, await serve_until_signalled(peer, transport))
+            if result.end != REJOIN_END:
+                break
+            epoch, rejoining = result.epoch, True
+            log.warning("stage %d: %s; re-forming the swarm (run epoch %d, waiting up to %g s for the other stages)",
+                        stage, result.rejoins[-1], epoch, cfg.net.rejoin_timeout_s)
+        # a clean end: what is still queued (the last BYE) gets up to a second to leave
+        await transport.aclose(linger_s=_LAST_WORDS_S)
+    return result

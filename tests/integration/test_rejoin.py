@@ -1,0 +1,81 @@
+"""Live rejoin (issue 13 item 3, SPEC "Rejoin"): peers started by hand, the middle one killed twice.
+
+Each time, stage 1's neighbours notice within the liveness floor, pause and re-form; a replacement
+started with ``--resume`` on the same checkpoint folder joins; every stage rolls back in place to the
+newest step all of them saved, and training goes on. The surviving peers are never restarted (same
+processes from start to end), and the losses of the whole run equal one uninterrupted in-process run
+of the same seed. Every wait polls output or files against a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pytest
+
+from mapl_swarm.config import load_config
+from mapl_swarm.pipeline.trainer import train
+
+from swarm_helpers import Watched, cli, start_dht, train_losses, write_config
+from test_swarm_liveness import BAD_OUTPUT, steps_done
+
+pytestmark = pytest.mark.timeout(420)
+
+
+def _peer(path, maddr: str, stage: int, *extra: str) -> Watched:
+    return Watched(cli("peer", "--config", str(path), "--stage", str(stage), "--initial-peer", maddr, *extra))
+
+
+def _wait_steps(out, n: int, peers: list[Watched], timeout_s: float) -> None:
+    """Until stage 0's metrics stream holds ``n`` losses (a rollback truncates it); fails if a peer exits."""
+    deadline = time.monotonic() + timeout_s
+    while steps_done(out) < n:
+        for p in peers:
+            assert p.proc.poll() is None, f"a peer exited early ({p.proc.poll()}):\n{p.output[-6000:]}"
+        assert time.monotonic() < deadline, f"only {steps_done(out)} of {n} steps within {timeout_s:g} s"
+        time.sleep(0.1)  # polling a file against a deadline
+
+
+def test_a_middle_peer_killed_twice_is_replaced_and_the_swarm_rolls_back_in_place(tmp_path):
+    out = tmp_path / "swarm"
+    steps = 16
+    path = write_config(tmp_path / "rejoin.toml", stages=3, steps=steps, cache=tmp_path / "cache", out=out,
+                        run_id="rejoin", timeout=60)
+    path.write_text(path.read_text().replace("[net]\n", "[net]\nrejoin_timeout_s = 120\nhello_retry_s = 2\n")
+                    + "\n[checkpoint]\ninterval_steps = 3\n")
+    dht, maddr = start_dht()
+    first = [_peer(path, maddr, s) for s in range(3)]
+    survivors = [first[0], first[2]]
+    pids = [p.proc.pid for p in survivors]
+    middle = first[1]
+    replacements: list[Watched] = []
+    try:
+        for round_, at in enumerate((5, 11), start=1):
+            _wait_steps(out, at, [*survivors, middle], 240)
+            middle.proc.kill()
+            middle.wait(10)
+            middle = _peer(path, maddr, 1, "--resume")
+            replacements.append(middle)
+            for p in survivors:  # both neighbours pause and name the departed stage
+                p.wait_for(rf"stage 1 at tcp://\S+ silent since .*pausing: the swarm re-forms \(run epoch {round_}\)",
+                           60)
+        for p in [*survivors, middle]:
+            assert p.wait(240) == 0, p.output[-6000:]
+        assert [p.proc.pid for p in survivors] == pids  # never restarted
+        for p in [*survivors, *replacements]:
+            assert not any(bad in p.output for bad in BAD_OUTPUT), p.output[-6000:]
+    finally:
+        for p in [*first, *replacements]:
+            p.stop(signal.SIGKILL)
+        dht.stop(sig=signal.SIGINT)
+    result = json.loads((out / "peer_stage0.json").read_text())
+    assert result["epoch"] == 2 and len(result["rejoins"]) == 2, result["rejoins"]
+    records = [json.loads(line) for line in (out / "metrics_stage0.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, steps + 1))
+    assert result["train_losses"] == pytest.approx(losses, abs=1e-6)  # the result keeps the rolled-back history
+    train(load_config(path, {"run": {"out_dir": str(tmp_path / "ref")}, "checkpoint": {"interval_steps": 0}}),
+          progress=False)
+    assert losses == pytest.approx(train_losses(tmp_path / "ref"), abs=1e-3)
