@@ -112,7 +112,10 @@ def _run_one(spec: RunSpec, grid: Grid, out: Path, data, progress: bool) -> dict
         "hidden_size": cfg.model.hidden_size,
         "uncompressed_act_bytes": cfg.model.hidden_size * wire_item,
         "steps": summary.steps,
-        "tokens": summary.tokens,
+        # every step's tokens, the resumed attempt's and the earlier ones' (``summary.tokens``: this attempt's)
+        "tokens": summary.steps * cfg.pipeline.num_micro_batches * cfg.pipeline.micro_batch_size
+        * cfg.model.context_length,
+        "tokens_this_attempt": summary.tokens,
         "val_loss": summary.final_val_loss,
         "initial_val_loss": val_history[0][1] if val_history and val_history[0][0] == 0 else None,
         "train_loss": summary.final_train_loss,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import platform
 import subprocess
 import time
@@ -12,22 +13,53 @@ from typing import Any
 
 __all__ = ["JsonlWriter", "run_manifest"]
 
+log = logging.getLogger(__name__)
+
 
 class JsonlWriter:
-    """One JSON object per line, flushed per record so a crash loses nothing written."""
+    """One JSON object per line, flushed per record so a crash loses nothing written.
+
+    A record that cannot be written (a full disk, an I/O error) is dropped with one warning naming
+    the file and the error, and training goes on (its state is in the checkpoints); the next
+    record that gets written says how many were lost (``dropped``)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fh = self.path.open("a", encoding="utf-8")
+        self.dropped = 0
+        """Records lost to write errors so far."""
+        self._failing = False
 
     def write(self, record: dict[str, Any]) -> None:
         record = {"time": round(time.time(), 3), **record}
-        self._fh.write(json.dumps(record, sort_keys=False) + "\n")
-        self._fh.flush()
+        line = json.dumps(record, sort_keys=False) + "\n"
+        try:
+            if self._failing:  # start over on a clean line: a failed write may have left part of one
+                self._fh = self.path.open("a", encoding="utf-8")
+                self._fh.write("\n")
+            self._fh.write(line)
+            self._fh.flush()
+        except OSError as exc:
+            self.dropped += 1
+            if not self._failing:
+                log.warning("metrics record not written to %s (%s); training goes on, records are dropped until "
+                            "it can be written again", self.path, exc.strerror or exc)
+            self._failing = True
+            try:
+                self._fh.close()  # what the buffer still holds is part of the lost record(s)
+            except OSError:
+                pass
+            return
+        if self._failing:
+            log.warning("metrics written to %s again (%d record(s) lost)", self.path, self.dropped)
+            self._failing = False
 
     def close(self) -> None:
-        self._fh.close()
+        try:
+            self._fh.close()
+        except OSError as exc:
+            log.warning("metrics file %s not closed cleanly: %s", self.path, exc.strerror or exc)
 
     def __enter__(self) -> "JsonlWriter":
         return self
