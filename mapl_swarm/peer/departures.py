@@ -6,16 +6,14 @@ than the ceiling), it **left** before the end with a BYE from downstream (e.g. a
 compute), or it **drained**: BYE with ``reason`` ``"drain"``, a planned departure.
 
 The peer reports each one to :class:`Departures` as a :class:`Departure`. What a departure does is
-its ``policy``'s business: today the peer ends (an unplanned departure with
-:class:`NeighbourLost`, exit status 2, naming the stage, its address and when it was last heard
-from; a planned one cleanly, exit 0). Live rejoin (issue 13, item 3) replaces that policy with one
-that pauses and waits for a replacement of the stage, using :meth:`Departures.next` to wait on the
-events and :meth:`Departures.resolve` once the stage is back.
+its ``policy``'s business (:meth:`~.runtime.Peer._on_departure`): during training, with live
+rejoin, the peer pauses and the swarm re-forms around a replacement of the stage (SPEC §9.6);
+without it the peer ends (an unplanned departure with :class:`NeighbourLost`, exit status 2,
+naming the stage, its address and when it was last heard from; a planned one cleanly, exit 0).
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -67,15 +65,14 @@ class NeighbourLost(MaplError):
 
 
 class Departures:
-    """Departures in the order noticed; ``policy(departure)`` runs for each (once per stage until
-    :meth:`resolve`)."""
+    """Departures in the order noticed; ``policy(departure)`` runs once per stage (a session's
+    departures: the next session of the process has its own)."""
 
     def __init__(self, policy: Callable[[Departure], None]) -> None:
         self.policy = policy
         self.events: list[Departure] = []
         """Every departure reported, oldest first."""
         self._open: dict[int, Departure] = {}
-        self._queue: asyncio.Queue[Departure] = asyncio.Queue()
 
     def report(self, departure: Departure) -> bool:
         """Record ``departure`` and apply the policy; False (nothing done) when that stage's earlier
@@ -84,18 +81,9 @@ class Departures:
             return False
         self._open[departure.stage] = departure
         self.events.append(departure)
-        self._queue.put_nowait(departure)
         self.policy(departure)
         return True
 
     def gone(self, stage: int) -> Departure | None:
         """The open departure of ``stage`` (None: it is here)."""
         return self._open.get(stage)
-
-    def resolve(self, stage: int) -> None:
-        """``stage`` is back (a replacement joined): its next departure is reported again."""
-        self._open.pop(stage, None)
-
-    async def next(self) -> Departure:
-        """Wait for the next departure reported."""
-        return await self._queue.get()

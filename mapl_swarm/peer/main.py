@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["build_peer", "peer_assets", "PeerAssets", "run_peer", "serve_until_signalled", "read_peers_file", "InsecureWarning",
+__all__ = ["build_peer", "peer_assets", "PeerAssets", "run_peer", "read_peers_file", "InsecureWarning",
            "INSECURE_WARNING_INTERVAL_S"]
 
 INSECURE_WARNING_INTERVAL_S = 60.0
@@ -139,16 +139,6 @@ def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool 
                 val_batches=val, progress=progress and stage == 0, compute=compute, run_policy=policy,
                 secret=run_key.auth_key if run_key is not None else None, run_key=run_key, epoch=epoch,
                 rejoining=rejoining)
-
-
-async def serve_until_signalled(peer, transport=None):
-    """``peer.run(transport)`` with SIGINT/SIGTERM handled on its event loop
-    (:class:`~.drain.DrainSignals`): the first drains the swarm (:meth:`~.runtime.Peer.request_drain`),
-    a second stops at once."""
-    from mapl_swarm.peer.drain import DrainSignals
-
-    with DrainSignals(asyncio.get_running_loop(), drain=peer.request_drain, abort=peer.abort):
-        return await peer.run(transport)
 
 
 def run_peer(cfg: TrainConfig, stage: int, *, run_key: RunKey | None, initial_peers: Sequence[str] = (),

@@ -14,8 +14,11 @@ A peer is assembled from parts, each owning one concern:
 - :class:`~.waiting.WaitingLog`: "waiting for stage K at ADDR (n s)" lines during long waits;
 - :class:`~mapl_swarm.net.heartbeat.HeartbeatMonitor` (``monitor``): heartbeats to each neighbour,
   their round trips and liveness deadlines (SPEC §9.5);
+- :class:`~.handshake.Handshake`: HELLO to each neighbour until it welcomed this peer, trying every
+  DHT record of its stage;
 - :class:`~.departures.Departures`: neighbours that went silent or left, as events, and the policy
-  that decides what a departure does (today: this peer ends);
+  that decides what a departure does: during training this peer pauses and the session ends so
+  that the swarm re-forms (:mod:`~.sessions`, SPEC §9.6), or, without live rejoin, it ends;
 - :class:`~.drain.Drain`: the graceful drain on SIGINT/SIGTERM (every stage saves the same step).
 
 The peer itself owns the lifecycle (transport, discovery, handshake, result), the receive loops
@@ -32,15 +35,17 @@ not send, another session, a replay, bad content, a full queue) are dropped, cou
 result (``rejects``) and logged; the peer keeps serving. A HELLO is answered on its own connection
 (WELCOME, or REJECT with the code), so a forged HELLO never reaches the real neighbour. Heartbeats
 go to a neighbour once it welcomed this peer. ERROR is informational (logged, counted in
-``errors``) except ``retransmit_unavailable``; BYE from upstream ends the run, from downstream it
-stops this peer (the neighbour left). A NaN/Inf in this peer's own compute
+``errors``) except ``retransmit_unavailable``; BYE ``"rejoin"`` pauses this peer (the swarm
+re-forms); any other BYE from upstream ends the run, from downstream it is a departure. A NaN/Inf in this peer's own compute
 (:class:`~mapl_swarm.errors.NonFiniteError`) ends the peer (exit status 3) after a BYE naming it
 upstream; downstream it is a lost neighbour (SPEC §9.5).
 
 Ends (``result.end``): ``finished`` (the last step), ``drained`` (a graceful drain, or a BYE
 ``"drain"`` from upstream), ``stopped`` (a signal before training started, or a neighbour's planned
-departure) — all exit status 0, with ``result.end_note`` as the one line to print; an unplanned
-departure raises :class:`~.departures.NeighbourLost`, a second signal :class:`~.drain.Interrupted`.
+departure without live rejoin) — all exit status 0, with ``result.end_note`` as the one line to
+print; ``rejoin`` (the session ended so that the swarm re-forms: the process goes on with its next
+session, :mod:`~.sessions`); without live rejoin an unplanned departure raises
+:class:`~.departures.NeighbourLost`, a second signal :class:`~.drain.Interrupted`.
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ from mapl_swarm.peer.compute import BackgroundTasks, ComputeThread, WorkerThread
 from mapl_swarm.peer.departures import Departure, Departures, NeighbourLost
 from mapl_swarm.peer.drain import (DRAIN_CAPABILITY, DRAIN_PHASES, DRAIN_REASON, Drain, Interrupted, checkpoint_note,
                                    drained_at)
+from mapl_swarm.peer.handshake import Handshake, candidates_of, connect
 from mapl_swarm.peer.link import LinkSettings, Links, PeerLink, Reply, stage_name, stage_of
 from mapl_swarm.peer.mailbox import Mailbox
 from mapl_swarm.peer.result import PeerResult, write_result
@@ -445,8 +451,9 @@ class Peer:
         shaping = LinkConfig(bandwidth_mbps=net.bandwidth_mbps, latency_ms=net.latency_ms)
         await self.announce(endpoint)
         for link in self.links:
-            candidates = await self.waits.wait(self._candidates(link.stage, net.timeout_s), lambda link=link: [link])
-            await self._connect(link, transport, candidates[0], shaping)
+            candidates = await self.waits.wait(candidates_of(self.resolve, link.stage, net.timeout_s),
+                                               lambda link=link: [link])
+            await connect(link, transport, candidates[0], shaping)
             log.info("%s: link to stage %d at %s", self.name, link.stage, candidates[0])
         self._background.append(asyncio.create_task(self._receive_loop(transport)))
         if self.admission.replies_on_link:
@@ -479,12 +486,12 @@ class Peer:
                                          last_seen=time.time(), detail=detail))
 
     def _on_departure(self, departure: Departure) -> None:
-        """A departure during training while this peer is not draining pauses it: the swarm re-forms
-        and waits for a replacement of the stage (SPEC "Rejoin"; with ``net.rejoin_timeout_s`` and
+        """A departure during training (or while the swarm re-forms) while this peer is not draining
+        pauses it: the swarm re-forms and waits for a replacement of the stage (SPEC "Rejoin"; with ``net.rejoin_timeout_s`` and
         checkpoints on). Otherwise a planned departure ends this peer cleanly (its other neighbour
         is told with BYE ``"drain"``), any other one ends it with :class:`NeighbourLost`."""
         self.monitor.forget(stage_name(departure.stage))
-        if self._training and self._can_rejoin and not self.drain.active:
+        if (self._training or self.rejoining) and self._can_rejoin and not self.drain.active:
             self._pause(departure.describe(), epoch=self.epoch + 1, lost=departure.stage)
             return
         if departure.planned:
@@ -601,78 +608,12 @@ class Peer:
         except (NetError, asyncio.TimeoutError):
             pass
 
-    @staticmethod
-    async def _connect(link: PeerLink, transport: Any, endpoint: str, shaping: LinkConfig) -> None:
-        """``link`` to ``endpoint``: the transport's connection to that stage is kept when it goes
-        there already (an earlier session of this process), replaced when it goes elsewhere."""
-        if transport.endpoint_of(link.name) not in (None, endpoint):
-            await transport.disconnect(link.name)
-        link.connect(transport, endpoint, shaping)
-
-    async def _candidates(self, stage: int, timeout_s: float) -> list[str]:
-        """Every endpoint the directory holds for ``stage``, freshest first (``resolve`` may give one)."""
-        found = await self.resolve(stage, timeout_s)
-        return [found] if isinstance(found, str) else list(found)
-
     async def _handshake(self, transport: Any, shaping: LinkConfig) -> None:
-        """HELLO to every neighbour until each welcomed this peer (SPEC §9.2, "Rejoin"): a HELLO not
-        answered within ``net.hello_retry_s`` (or refused with ``stage_taken``) goes again, with a
-        fresh nonce, to the stage's next DHT record (freshest first, looked up again each time), so a
-        stale or planted record costs one retry. Within ``net.timeout_s``; a session that re-forms
-        the swarm waits ``net.rejoin_timeout_s`` for the departed stage's replacement."""
         net = self.cfg.net
-        timeout = net.rejoin_timeout_s if self.rejoining else net.timeout_s
-        tries = dict.fromkeys(self.links.stages, 0)
-        for link in self.links:
-            await link.send_hello()
-
-        async def until_welcomed() -> None:
-            while not self.links.all_welcomed:
-                if self.mailbox.error is not None:
-                    raise self.mailbox.error
-                now = time.monotonic()
-                due = [link for link in self.links
-                       if not link.welcomed and now - (link.hello_at or 0.0) >= net.hello_retry_s]
-                for link in due:
-                    tries[link.stage] += 1
-                    candidates = await self._candidates(link.stage, timeout)
-                    endpoint = candidates[tries[link.stage] % len(candidates)]
-                    if endpoint != link.endpoint:
-                        log.info("%s: HELLO to stage %d at %s (another of its %d DHT record(s))", self.name,
-                                 link.stage, endpoint, len(candidates))
-                    await self._connect(link, transport, endpoint, shaping)
-                    await link.send_hello()
-                self._welcome_event.clear()
-                if self.links.all_welcomed:
-                    return
-                sent = [link.hello_at or 0.0 for link in self.links if not link.welcomed]
-                next_due = min(sent, default=time.monotonic()) + net.hello_retry_s - time.monotonic()
-                try:
-                    await asyncio.wait_for(self._welcome_event.wait(), max(0.05, next_due))
-                except asyncio.TimeoutError:
-                    pass
-
-        try:
-            await self.waits.wait(asyncio.wait_for(until_welcomed(), timeout),
-                                  lambda: [link for link in self.links if not link.welcomed],
-                                  rejoin_timeout_s=timeout if self.rejoining else None)
-        except asyncio.TimeoutError:
-            missing = [link for link in self.links if not link.welcomed]
-            if self.rejoining:
-                raise MaplError(f"{self.name}: no stage {', '.join(str(link.stage) for link in missing)} peer "
-                                f"rejoined within {timeout:g} s (net.rejoin_timeout_s); start one with --resume "
-                                f"on a host with its checkpoints") from None
-            # a neighbour that refused our config may have left before answering our own HELLO: say
-            # what its HELLO was refused for, which names both configurations
-            refused = "; ".join(f"stage {link.stage}'s HELLO was refused ({link.refused_hello})"
-                                for link in missing if link.refused_hello)
-            raise MaplError(f"{self.name}: handshake with stages {self.links.stages} not completed within "
-                            f"{timeout:g} s" + (f"; {refused}" if refused else "")) from None
-        if self.mailbox.error is not None:
-            raise self.mailbox.error
-        for link in self.links:
-            link.check_capabilities()
-        log.info("%s: handshake done with stages %s", self.name, self.links.stages)
+        await Handshake(self.name, self.links, resolve=self.resolve, retry_s=net.hello_retry_s, waits=self.waits,
+                        welcomed=self._welcome_event, failed=lambda: self.mailbox.error).run(
+            transport, shaping, timeout_s=net.rejoin_timeout_s if self.rejoining else net.timeout_s,
+            rejoining=self.rejoining)
 
     async def _agree_start(self, transport: Transport) -> int | None:
         """The step to start from, agreed by every stage on resume (SPEC §5.2), its state loaded."""

@@ -20,6 +20,7 @@ each rollback, counters summed over the sessions, and one line per rejoin.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["serve_sessions", "merge", "REJOIN_END"]
+__all__ = ["serve_sessions", "serve_until_signalled", "merge", "REJOIN_END"]
 
 REJOIN_END = "rejoin"
 """``PeerResult.end`` of a session that ended so that the swarm re-forms."""
@@ -76,13 +77,21 @@ def merge(before: PeerResult | None, after: PeerResult) -> PeerResult:
     return merged  # wire_tx and shaper: the transport's counters, already over every session
 
 
+async def serve_until_signalled(peer: Peer, transport: Transport | None = None) -> PeerResult:
+    """``peer.run(transport)`` with SIGINT/SIGTERM handled on its event loop
+    (:class:`~.drain.DrainSignals`): the first drains the swarm (:meth:`~.runtime.Peer.request_drain`),
+    a second stops at once."""
+    from mapl_swarm.peer.drain import DrainSignals
+
+    with DrainSignals(asyncio.get_running_loop(), drain=peer.request_drain, abort=peer.abort):
+        return await peer.run(transport)
+
+
 async def serve_sessions(new_session: Callable[..., Peer], cfg: TrainConfig, stage: int, *,
                          run_key: RunKey | None, resume: bool) -> PeerResult:
     """Run sessions of stage ``stage`` on one transport until one ends otherwise than by a rejoin
     (see the module docstring); ``new_session(resume=, epoch=, rejoining=)`` builds each one's peer.
     SIGINT/SIGTERM drain the swarm as in a single session."""
-    from mapl_swarm.peer.main import serve_until_signalled
-
     result: PeerResult | None = None
     epoch, rejoining = 0, False
     async with Transport(stage_name(stage), TransportConfig.for_run(cfg, run_key)) as transport:

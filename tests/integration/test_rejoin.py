@@ -10,7 +10,9 @@ of the same seed. Every wait polls output or files against a deadline.
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
 import time
 
 import pytest
@@ -22,6 +24,10 @@ from swarm_helpers import Watched, cli, start_dht, train_losses, write_config
 from test_swarm_liveness import BAD_OUTPUT, steps_done
 
 pytestmark = pytest.mark.timeout(420)
+
+
+def _pids(*pgrep_args: str) -> list[int]:
+    return [int(p) for p in subprocess.run(["pgrep", *pgrep_args], capture_output=True, text=True).stdout.split()]
 
 
 def _peer(path, maddr: str, stage: int, *extra: str) -> Watched:
@@ -76,6 +82,40 @@ def test_a_middle_peer_killed_twice_is_replaced_and_the_swarm_rolls_back_in_plac
     losses = [r["loss"] for r in records if "loss" in r]
     assert [r["step"] for r in records if "loss" in r] == list(range(1, steps + 1))
     assert result["train_losses"] == pytest.approx(losses, abs=1e-6)  # the result keeps the rolled-back history
+    train(load_config(path, {"run": {"out_dir": str(tmp_path / "ref")}, "checkpoint": {"interval_steps": 0}}),
+          progress=False)
+    assert losses == pytest.approx(train_losses(tmp_path / "ref"), abs=1e-3)
+
+
+def test_launch_restarts_a_killed_peer_and_the_swarm_finishes_with_unchanged_losses(tmp_path):
+    """`launch` (default --max-restarts 3): SIGKILL of stage 1's peer mid-run; the launcher starts it
+    again with --resume, its neighbours (never restarted) pause and roll back with it, and the run
+    ends with exit 0 and the losses of one uninterrupted in-process run."""
+    out = tmp_path / "swarm"
+    steps = 12
+    path = write_config(tmp_path / "launch.toml", stages=3, steps=steps, cache=tmp_path / "cache", out=out,
+                        run_id="relaunch", timeout=60)
+    path.write_text(path.read_text().replace("[net]\n", "[net]\nrejoin_timeout_s = 120\nhello_retry_s = 2\n")
+                    + "\n[checkpoint]\ninterval_steps = 3\n")
+    swarm = Watched(cli("launch", "--config", str(path)))
+    try:
+        _wait_steps(out, 5, [swarm], 240)
+        pattern = f"peer --config {path} --stage"
+        survivors = {s: _pids("-f", f"{pattern} {s}") for s in (0, 2)}
+        killed = _pids("-f", f"{pattern} 1")
+        assert killed and all(survivors.values()), (killed, survivors)
+        for pid in killed:  # the peer and its forked DHT child, as a host crash
+            os.kill(pid, signal.SIGKILL)
+        swarm.wait_for(r"stage 1 \(pid \d+\) died \(SIGKILL\); restarting it with --resume \(restart 1 of 3\)", 30)
+        assert swarm.wait(300) == 0, swarm.output[-6000:]
+        assert "restarted peers: stage 1 x1" in swarm.output
+        assert not any(bad in swarm.output for bad in BAD_OUTPUT), swarm.output[-6000:]
+    finally:
+        swarm.stop(signal.SIGKILL)
+    for s in (0, 2):  # never restarted: the same processes wrote their results
+        assert json.loads((out / f"peer_stage{s}.json").read_text())["rejoins"], s
+    records = [json.loads(line) for line in (out / "metrics_stage0.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
     train(load_config(path, {"run": {"out_dir": str(tmp_path / "ref")}, "checkpoint": {"interval_steps": 0}}),
           progress=False)
     assert losses == pytest.approx(train_losses(tmp_path / "ref"), abs=1e-3)
