@@ -55,7 +55,8 @@ HEARTBEAT, BYE, ERROR, CHECKPOINT carry none.
 
 Content checks (SPEC §6.1, 1.4): :mod:`mapl_swarm.wire.content` — ``RunShapes``, ``Window``,
 ``ContentError(code, text)``, ``check_sender``, ``check_epoch`` (1.5: ``stale_epoch`` against the
-receiver's run epoch), ``check_header``, ``check_declared``, ``check_content``, ``CONTENT_CODES``.
+receiver's run epoch), ``check_header``, ``check_declared``, ``check_content`` (1.5: a PROJ more than
+``spec.PROJ_ORTHONORMAL_TOL`` off orthonormal is ``not_orthonormal``), ``CONTENT_CODES``.
 
 Rejoin (SPEC §9.6, 1.5): ``REJOIN_CAPABILITY`` (HELLO/WELCOME capability ``"rejoin"``) and
 ``REJOIN_REASON`` (BYE ``reason`` ``"rejoin"``, with ``lost`` the departed stage).

@@ -3,9 +3,10 @@
 The frame decoder proves a message is well formed; these checks prove it can be used: it comes
 from the neighbour allowed to send its type, belongs to the current step window, and its tensors
 have the run's names, dtypes and shapes, ids below the vocabulary, VQ codes below K, finite
-floats and the projector version the link is at. A message that fails is dropped with the
-:class:`ContentError` ``code`` (counted by code, logged); the peer keeps training. Pure numpy on
-the decoded host arrays, no torch, so a peer runs them before anything reaches the model.
+floats, the projector version the link is at and (1.5) a projector that is orthonormal. A message
+that fails is dropped with the :class:`ContentError` ``code`` (counted by code, logged); the peer
+keeps training. Pure numpy on the decoded host arrays, no torch, so a peer runs them before
+anything reaches the model.
 
 Use, per received message (the order of SPEC §6.1)::
 
@@ -48,6 +49,7 @@ __all__ = [
     "check_header",
     "check_declared",
     "check_content",
+    "orthonormal_error",
 ]
 
 MT = MessageType
@@ -67,11 +69,12 @@ CONTENT_CODES: tuple[str, ...] = (
     "queue_full",
     "size_mismatch",
     "stale_epoch",
+    "not_orthonormal",
 )
 """Stable codes of SPEC §6.1. :func:`check_content` / :func:`check_sender` / :func:`check_declared`
-raise the first nine and ``size_mismatch``; :func:`check_epoch` raises ``stale_epoch`` (1.5) given
-the receiver's epoch; ``replay``, ``wrong_session``, ``stage_taken`` and ``queue_full`` need the
-link's state and are the peer's (same error class)."""
+raise the first nine, ``size_mismatch`` and ``not_orthonormal`` (1.5); :func:`check_epoch` raises
+``stale_epoch`` (1.5) given the receiver's epoch; ``replay``, ``wrong_session``, ``stage_taken`` and
+``queue_full`` need the link's state and are the peer's (same error class)."""
 
 TENSOR_NAMES: Mapping[MessageType, tuple[str, ...]] = {
     MT.ACT: ("ids", "z", "codes"),
@@ -137,6 +140,10 @@ class RunShapes:
     """The receiving stage."""
     trainable_projector: bool = True
     """The boundary's projector learns and travels (PROJ, PROJ_GRAD); False: those are not allowed."""
+    orthonormal_projector: bool = True
+    """(1.5) The projector stays on St(d, r) (SPEL: ``mapl``, ``mapl_vq``): a PROJ whose ``proj`` is
+    more than :data:`~mapl_swarm.wire.spec.PROJ_ORTHONORMAL_TOL` off orthonormal is dropped
+    (``not_orthonormal``). False for a projector learned without the constraint (``naive``)."""
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "context_length", "hidden_size", "width", "vocab_size",
@@ -150,8 +157,9 @@ class RunShapes:
             raise ValueError(f"RunShapes.wire_dtype must be a float tag, got {self.wire_dtype!r}")
         if self.id_dtype not in spec.INTEGER_DTYPES:
             raise ValueError(f"RunShapes.id_dtype must be an integer tag, got {self.id_dtype!r}")
-        if type(self.trainable_projector) is not bool:
-            raise ValueError("RunShapes.trainable_projector must be a bool")
+        for name in ("trainable_projector", "orthonormal_projector"):
+            if type(getattr(self, name)) is not bool:
+                raise ValueError(f"RunShapes.{name} must be a bool")
         if self.vq_rounds:
             if not self.vq_group_size or self.width % self.vq_group_size:
                 raise ValueError(f"RunShapes.width {self.width} must be divisible by vq_group_size "
@@ -400,6 +408,27 @@ def _values(msg: Message, shapes: RunShapes) -> None:
             raise ContentError("non_finite", f"{msg.type.name} tensor {name!r} holds NaN or Inf")
 
 
+def orthonormal_error(a: np.ndarray) -> float:
+    """``‖AᵀA − I_r‖_F`` of a ``(d, r)`` array, computed in fp64 (the Gram matrix is r × r: cheap for
+    the ranks that travel, r ≤ a few hundred)."""
+    a64 = np.asarray(a, dtype=np.float64)  # (d, r)
+    gram = a64.T @ a64  # (r, r)
+    gram[np.diag_indices_from(gram)] -= 1.0
+    return float(np.linalg.norm(gram))
+
+
+def _orthonormal(msg: Message, shapes: RunShapes) -> None:
+    """``not_orthonormal`` (1.5): a PROJ of a run whose projector stays on St(d, r) must carry one.
+    Runs after the dtype, shape and finiteness rules, so ``proj`` is a finite fp32 (d, r) array."""
+    if msg.type is not MT.PROJ or not shapes.orthonormal_projector:
+        return
+    err = orthonormal_error(msg.tensors["proj"].data)
+    tol = spec.PROJ_ORTHONORMAL_TOL
+    if not err <= tol:  # fp32 inputs cannot overflow the fp64 Gram matrix; NaN-safe all the same
+        raise ContentError("not_orthonormal", f"PROJ version {msg.pver} is {err:.3g} off orthonormal "
+                                              f"(||A^T A - I||_F in fp64), the tolerance is {tol:g}")
+
+
 def check_header(msg: Message | Header, shapes: RunShapes, window: Window) -> None:
     """The rules of SPEC §6.1 a header decides: sender (``not_allowed``), step and micro window
     (``out_of_window``), projector version (``stale_projector``). Works on a header from
@@ -414,7 +443,8 @@ def check_content(msg: Message, shapes: RunShapes, window: Window) -> None:
     sender (``not_allowed``), step and micro window (``out_of_window``), projector version
     (``stale_projector``), tensor names (``wrong_shape``), dtypes (``wrong_dtype``), shapes
     (``wrong_shape``), then values: ids (``id_out_of_range``), codes and slice indices
-    (``code_out_of_range``), floats (``non_finite``), and a REPORT's numbers (``non_finite``).
+    (``code_out_of_range``), floats (``non_finite``), a REPORT's numbers (``non_finite``), and
+    (1.5) a PROJ's columns (``not_orthonormal``, unless the run's projector learns unconstrained).
     Types without content rules (HEARTBEAT, BYE, ...) pass after the sender check.
     """
     check_header(msg, shapes, window)
@@ -447,3 +477,4 @@ def check_content(msg: Message, shapes: RunShapes, window: Window) -> None:
             raise ContentError("wrong_shape", f"CODEBOOK_SLICE of {n} codes, the codebooks hold "
                                               f"{shapes.vq_codebook_size}")
     _values(msg, shapes)
+    _orthonormal(msg, shapes)

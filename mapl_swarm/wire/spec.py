@@ -32,6 +32,7 @@ __all__ = [
     "CODECS",
     "FP32_ONLY_TYPES",
     "CODE_DTYPES",
+    "PROJ_ORTHONORMAL_TOL",
     "TENSOR_TYPES",
     "MODES",
     "STREAMS",
@@ -169,6 +170,19 @@ FP32_ONLY_TYPES: frozenset[MessageType] = frozenset(
 
 CODE_DTYPES: tuple[str, ...] = ("uint8", "uint16")
 """Dtypes of VQ codes and of a CODEBOOK_SLICE's ``index`` tensor (SPEC §5.1)."""
+
+PROJ_ORTHONORMAL_TOL = 1e-3
+"""Largest ``‖AᵀA − I_r‖_F`` (computed in fp64) of a PROJ's ``proj`` in a run whose projector stays on
+St(d, r); above it the PROJ is dropped as ``not_orthonormal`` (SPEC §6.1 rule 14, 1.5).
+
+A PROJ is always fp32 (:data:`FP32_ONLY_TYPES`: any other dtype is ``BadDtype`` before the content
+rules), and SPEL retracts in fp32, so a legitimate projector sits at the fp32 floor: measured with
+``mapl_swarm.optim.spel`` (8 retraction steps, CPU), ~2·sqrt(r)·eps_fp32 after SPEL steps —
+3.5e-7 (64×16), 3.7e-6 (1024×256), 7.0e-6 (4096×1024) — and 0.8–6e-7 for a fresh fp32 QR. The
+tolerance leaves over 100× margin at r = 1024 (~250× at the paper's r = 256), while a bf16 copy of
+an orthonormal matrix is already 5e-3 (64×16) to 3.8e-2 (4096×1024) off, and any scaling, rank loss
+or tampering worth the name is far above it. A constant rather than a function of r: the fp32 floor
+reaches 1e-3 only near r ~ 10^7."""
 
 TENSOR_TYPES: frozenset[MessageType] = frozenset(
     {

@@ -328,6 +328,64 @@ def test_well_formed_messages_that_do_not_fit_the_run_are_dropped_before_compute
     assert results[0].rejects == {"non_finite": 2, "wrong_shape": 1}
 
 
+def test_a_proj_that_is_not_orthonormal_is_dropped_and_the_old_projector_kept(clean):
+    """A key holder upstream sends, through its real session, its projector scaled by 2 as a re-send
+    of the current version and one with a column repeated as the next version (SPEC §6.1 rule 14,
+    1.5): both are dropped as ``not_orthonormal`` on the decode thread, stage 1 installs only the
+    real (orthonormal) projectors, and training is unchanged."""
+    from mapl_swarm.wire.content import orthonormal_error
+
+    installed: list[tuple[int, torch.Tensor]] = []
+
+    def setup(net, peers):
+        down = peers[0].links.downstream
+        send_act, send_projector = down.send_act, down.send_projector
+        rt = peers[1].rt
+        load = rt.load_inbound_projector
+        last: dict[str, torch.Tensor] = {}
+        done = set()
+
+        async def projector(step, value, pver):
+            last["proj"] = value.clone()
+            await send_projector(step, value, pver)
+
+        async def act(step, micro, payload, *, eval_mode, pver):
+            if step == 1 and "proj" not in done:
+                done.add("proj")
+                real = last["proj"]
+                repeated = real.clone()
+                repeated[:, 1] = repeated[:, 0]
+                for value, version in ((real * 2, pver), (repeated, pver + 1)):
+                    await down.send(MT.PROJ, step=step, pver=version, tensors={"proj": value}, kinds={"proj": "proj"})
+            await send_act(step, micro, payload, eval_mode=eval_mode, pver=pver)
+
+        def record(value, version):
+            installed.append((version, value.detach().clone()))
+            return load(value, version)
+
+        down.send_projector, down.send_act, rt.load_inbound_projector = projector, act, record
+
+    net, peers, results = _run(setup=setup)
+    steps = swarm_config().run.steps
+    assert results[0].train_losses == clean[2][0].train_losses
+    assert results[1].rejects == {"not_orthonormal": 2} and results[0].rejects == {}
+    sent = [m for m in net.messages("stage0", "stage1") if m.type == MT.PROJ]
+    assert len(sent) == steps + 3  # the real ones and the two forged
+    assert [v for v, _ in installed] == list(range(steps + 1))  # only the real ones, in order
+    assert all(orthonormal_error(a.numpy()) < 1e-5 for _, a in installed)
+    inbound, outbound = peers[1].rt.inbound.projector.detach(), peers[0].rt.outbound.projector.detach()
+    assert torch.equal(inbound, outbound) and peers[1].rt.inbound.version == steps
+
+
+@pytest.mark.xfail(strict=True, reason="mapl_swarm.peer.admission.run_shapes does not yet pass "
+                   "orthonormal_projector=False for the naive codec, whose projector learns off the manifold: "
+                   "its receivers drop every PROJ as not_orthonormal (SPEC §6.1 rule 14, 1.5)")
+def test_run_shapes_require_an_orthonormal_projector_only_where_spel_keeps_one():
+    from mapl_swarm.peer.admission import run_shapes
+    assert run_shapes(swarm_config(), 1).orthonormal_projector  # mapl
+    assert not run_shapes(swarm_config(compression={"codec": "naive"}), 1).orthonormal_projector
+
+
 @pytest.mark.parametrize("codec", ["none", "fixed", "ssn", "mapl_vq"])
 def test_every_codec_passes_the_content_checks_its_run_shapes_derive(codec):
     """What each codec's peers send fits :func:`run_shapes` of its config (nothing dropped; with

@@ -23,7 +23,7 @@ from mapl_swarm.wire.content import (
     check_declared,
     check_header,
 )
-from mapl_swarm.wire.golden.content_cases import RUN, VQ_RUN, WINDOW
+from mapl_swarm.wire.golden.content_cases import RUN, STIEFEL, VQ_RUN, WINDOW
 
 MT = MessageType
 PROPS = settings(max_examples=50, deadline=None, database=None,
@@ -165,9 +165,7 @@ def test_check_content_raises_only_content_errors(msg, shapes, low, span, pver):
 
 
 def test_projector_rules():
-    rng = np.random.default_rng(0)
-    proj = Message(type=MT.PROJ, run_id="r", src=0, dst=1, step=13, pver=13,
-                   tensors={"proj": rng.standard_normal((8, 4)).astype("<f4")})
+    proj = Message(type=MT.PROJ, run_id="r", src=0, dst=1, step=13, pver=13, tensors={"proj": STIEFEL})
     for pver, code in ((12, "accept"), (13, "accept"), (11, "stale_projector"), (14, "stale_projector")):
         assert code_of(check_content, replace_msg(proj, pver=pver), RUN, WINDOW if pver != 13 else
                        Window(low=12, high=13, pver=12)) == code
@@ -231,6 +229,8 @@ def test_run_shapes_and_window_validate():
         replace(RUN, wire_dtype="uint8")
     with pytest.raises(ValueError, match="need vq_rounds"):
         replace(RUN, vq_codebook_size=16)
+    with pytest.raises(ValueError, match="orthonormal_projector must be a bool"):
+        replace(RUN, orthonormal_projector=1)
     with pytest.raises(ValueError, match="low"):
         Window(low=3, high=2)
     assert RunShapes.from_dict(VQ_RUN.to_dict()) == VQ_RUN and Window.from_dict(WINDOW.to_dict()) == WINDOW

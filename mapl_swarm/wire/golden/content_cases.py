@@ -1,7 +1,8 @@
 """Content vectors (protocol 1.4, SPEC §6.1): valid frames, a run description and a step window.
 
 Each case is a message that decodes, a :class:`~mapl_swarm.wire.content.RunShapes` (stage 1 of a
-4-stage run with B=2, T=4, d=8, r=4, V=32000; or its VQ / fixed-projector variants) and a
+4-stage run with B=2, T=4, d=8, r=4, V=32000; or its VQ / fixed-projector / unconstrained-projector
+variants) and a
 :class:`~mapl_swarm.wire.content.Window` (steps 12..13, projector version 12). The expected outcome
 is ``accept`` or the content error code the receiver drops it with, checked in the order of SPEC
 §6.1: :func:`~mapl_swarm.wire.content.check_declared` on the header, decoding with the run's
@@ -23,7 +24,8 @@ from mapl_swarm.wire.spec import MessageType
 
 from .samples import RUN_ID, sample_codebook, sample_floats, sample_ids
 
-__all__ = ["RUN", "VQ_RUN", "FIXED_RUN", "WINDOW", "RECEIVER_EPOCH", "content_cases", "epoch_cases"]
+__all__ = ["RUN", "VQ_RUN", "FIXED_RUN", "UNCONSTRAINED_RUN", "WINDOW", "RECEIVER_EPOCH", "STIEFEL",
+           "content_cases", "epoch_cases"]
 
 MT = MessageType
 V14 = (1, 4)
@@ -37,6 +39,8 @@ VQ_RUN = replace(RUN, vq_rounds=2, vq_group_size=2, vq_codebook_size=16)
 """The same run with MAPL+VQ (R=2, G=2, K=16: codes (B, T, 2, 2) uint8)."""
 FIXED_RUN = replace(RUN, trainable_projector=False)
 """The same run with a fixed projector (no PROJ / PROJ_GRAD)."""
+UNCONSTRAINED_RUN = replace(RUN, orthonormal_projector=False)
+"""The same run with a projector learned off the manifold (``naive``): PROJ need not be orthonormal (1.5)."""
 WINDOW = Window(low=12, high=13, pver=12)
 """Steps 12 and 13 accepted; the link's projector is at version 12."""
 RECEIVER_EPOCH = 2
@@ -86,9 +90,31 @@ def _fp32(salt: int, shape: tuple[int, ...] = (D, R_), poison: float | None = No
     return WireTensor("fp32", a)
 
 
-def _proj(*, src: int = 0, step: int = 13, pver: int = 13, tensor: WireTensor | None = None) -> list[bytes]:
+def _stiefel() -> np.ndarray:
+    """An exactly orthonormal, dense (d, r) = (8, 4) fp32 matrix from integer arithmetic: the first r
+    columns of a product of three Householder reflections ``I - 2 v vᵀ`` with unit vectors
+    ``v = w / 4``, w integer with ``w·w = 16``. ``8 (I - 2 v vᵀ) = 8 I - w wᵀ``, so the product is an
+    integer matrix / 512: every entry is exact in fp32 and ``AᵀA = I`` holds exactly in fp64."""
+    out = np.eye(D, dtype=np.int64)
+    for w in ((3, 1, -1, 1, 1, -1, 1, 1), (0, 1, -1, 2, 1, -2, 2, -1), (1, 2, -2, 0, 1, 1, -2, 1)):
+        w = np.array(w, dtype=np.int64)
+        out = out @ (8 * np.eye(D, dtype=np.int64) - np.outer(w, w))  # (8, 8), integer
+    return (out[:, :R_] / 512).astype("<f4")  # (d, r)
+
+
+STIEFEL = _stiefel()
+"""The content vectors' orthonormal projector (d, r) = (8, 4), fp32."""
+
+
+def _proj(*, src: int = 0, step: int = 13, pver: int = 13, tensor: WireTensor | None = None,
+          version: tuple[int, int] = V14) -> list[bytes]:
     return _frames(Message(type=MT.PROJ, run_id=RUN_ID, src=src, dst=1, step=step, seq=22, pver=pver,
-                           tensors={"proj": tensor or _fp32(42)}, version=V14))
+                           tensors={"proj": tensor or _fp32(42)}, version=version))
+
+
+def _stiefel_proj(a: np.ndarray | None = None, **kw: Any) -> list[bytes]:
+    """A PROJ carrying ``a`` (default :data:`STIEFEL`): version 13 for step 13."""
+    return _proj(tensor=WireTensor("fp32", STIEFEL if a is None else a), **kw)
 
 
 def _proj_grad(*, pver: int = 12, tensor: WireTensor | None = None) -> list[bytes]:
@@ -143,8 +169,8 @@ def content_cases() -> list[tuple[str, list[bytes], str, RunShapes, Window, str]
         ("act_eval_fits", _act(mode="eval", micro=1), "eval ACT micro 1 of 2", RUN, W, OK),
         ("act_next_step_fits", _act(step=13, micro=0), "ACT of step 13 (the window's newest)", RUN, W, OK),
         ("grad_fits", _grad(), "GRAD from downstream with the ACT's projector version", RUN, W, OK),
-        ("proj_next_fits", _proj(), "PROJ version 13 (the next) for step 13", RUN, W, OK),
-        ("proj_resend_fits", _proj(pver=12, step=12), "PROJ version 12 again (a re-send)", RUN, W, OK),
+        ("proj_next_fits", _stiefel_proj(), "PROJ version 13 (the next) for step 13", RUN, W, OK),
+        ("proj_resend_fits", _stiefel_proj(pver=12, step=12), "PROJ version 12 again (a re-send)", RUN, W, OK),
         ("proj_grad_fits", _proj_grad(), "PROJ_GRAD of step 12 at version 12", RUN, W, OK),
         ("report_fits", _report(), "REPORT of step 12 from downstream", RUN, W, OK),
         ("act_vq_fits", _act(tensors=fits, cver=6), "VQ ACT: uint8 codes (B, T, R, r/G) below K", VQ_RUN, W, OK),
@@ -239,6 +265,19 @@ def content_cases() -> list[tuple[str, list[bytes], str, RunShapes, Window, str]
         ("slice_index_equal_k", _slice(n=3, index=index_k), "indexed slice with index 16, K = 16", VQ_RUN, W,
          "code_out_of_range"),
         ("slice_nan", _slice(poison=True), "act slice with a NaN code", VQ_RUN, W, "non_finite"),
+    ]
+    dup = STIEFEL.copy()
+    dup[:, 1] = dup[:, 0]  # rank 3: ‖AᵀA − I‖_F = sqrt(2)
+    cases += [  # 1.5: rule 14, PROJ_ORTHONORMAL_TOL = 1e-3
+        ("proj_orthonormal_fits", _stiefel_proj(version=V15),
+         "PROJ of an exactly orthonormal (8, 4) projector: ||A^T A - I||_F = 0", RUN, W, OK),
+        ("proj_scaled_by_2", _stiefel_proj(STIEFEL * 2, version=V15),
+         "PROJ of 2x an orthonormal projector: ||A^T A - I||_F = 6", RUN, W, "not_orthonormal"),
+        ("proj_duplicate_column", _stiefel_proj(dup, version=V15),
+         "PROJ whose column 1 repeats column 0 (rank 3): ||A^T A - I||_F = sqrt(2)", RUN, W, "not_orthonormal"),
+        ("proj_unconstrained_fits", _stiefel_proj(STIEFEL * 2, version=V15),
+         "PROJ of 2x an orthonormal projector in a run whose projector learns off the manifold (naive)",
+         UNCONSTRAINED_RUN, W, OK),
     ]
     return cases
 
