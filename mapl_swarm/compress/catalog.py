@@ -36,6 +36,9 @@ class CodecInfo:
     """Later stages use the token anchor ``compression.anchor``."""
     trainable_projector: bool = False
     """The projector learns (its gradient crosses the link once per step)."""
+    unconstrained_projector: bool = False
+    """The learnt projector may leave the Stiefel manifold (no SPEL), so a receiver does not check
+    its PROJ for orthonormality (SPEC §6.1 ``not_orthonormal``)."""
     quantized: bool = False
     """Z and dL/dZ travel as VQ codes (codebooks streamed)."""
     frozen_offsets: bool = False
@@ -78,7 +81,7 @@ CODEC_INFO: dict[str, CodecInfo] = {i.name: i for i in (
               baseline=True, anchored=True, projector_label="Fixed orthogonal (no updates)", color="tab:gray",
               paper_projector_delta_pct=1.19),
     CodecInfo(name="naive", display_name="Naive learned (Muon, unconstrained)", family="projected", order=4,
-              baseline=True, anchored=True, trainable_projector=True,
+              baseline=True, anchored=True, trainable_projector=True, unconstrained_projector=True,
               projector_label="Learnable, unconstrained (Muon)", color="tab:orange", paper_projector_delta_pct=2.56),
     CodecInfo(name="mapl", display_name="MAPL", family="projected", order=5, anchored=True,
               trainable_projector=True, projector_label="Learnable + SPEL updates (MAPL)", color="tab:green",

@@ -70,7 +70,8 @@ def run_shapes(cfg: TrainConfig, stage: int) -> RunShapes:
                      vq_rounds=vq.rounds if vq else 0, vq_group_size=vq.group_size if vq else 0,
                      vq_codebook_size=vq.codebook_size if vq else 0, num_micro_batches=p.num_micro_batches,
                      eval_batches=cfg.eval.batches, num_stages=p.num_stages, stage=stage,
-                     trainable_projector=info.trainable_projector)
+                     trainable_projector=info.trainable_projector,
+                     orthonormal_projector=not info.unconstrained_projector)
 
 
 def mailbox_bound(cfg: TrainConfig) -> int:

@@ -377,16 +377,13 @@ def test_a_proj_that_is_not_orthonormal_is_dropped_and_the_old_projector_kept(cl
     assert torch.equal(inbound, outbound) and peers[1].rt.inbound.version == steps
 
 
-@pytest.mark.xfail(strict=True, reason="mapl_swarm.peer.admission.run_shapes does not yet pass "
-                   "orthonormal_projector=False for the naive codec, whose projector learns off the manifold: "
-                   "its receivers drop every PROJ as not_orthonormal (SPEC §6.1 rule 14, 1.5)")
 def test_run_shapes_require_an_orthonormal_projector_only_where_spel_keeps_one():
     from mapl_swarm.peer.admission import run_shapes
     assert run_shapes(swarm_config(), 1).orthonormal_projector  # mapl
     assert not run_shapes(swarm_config(compression={"codec": "naive"}), 1).orthonormal_projector
 
 
-@pytest.mark.parametrize("codec", ["none", "fixed", "ssn", "mapl_vq"])
+@pytest.mark.parametrize("codec", ["none", "fixed", "ssn", "naive", "mapl_vq"])
 def test_every_codec_passes_the_content_checks_its_run_shapes_derive(codec):
     """What each codec's peers send fits :func:`run_shapes` of its config (nothing dropped; with
     validation, so eval ACTs and REPORTs too) and trains as one process does."""

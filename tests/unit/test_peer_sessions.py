@@ -271,8 +271,8 @@ def test_each_neighbour_may_queue_a_bounded_number_of_messages():
         await m.handshake()
         for seq in range(1, bound + 3):
             await m.feed(UP, msg(MT.PROJ, src=0, seq=seq,
-                                 tensors={"proj": np.zeros((64, 16), np.float32)}))
-        await m.feed(DOWN, msg(MT.PROJ_GRAD, src=2, seq=1, tensors={"grad": np.zeros((64, 16), np.float32)}))
+                                 tensors={"proj": np.eye(64, 16, dtype=np.float32)}))
+        await m.feed(DOWN, msg(MT.PROJ_GRAD, src=2, seq=1, tensors={"grad": np.eye(64, 16, dtype=np.float32)}))
     m = run(scenario)
     assert m.peer.mailbox.queued(0) == bound and m.peer.mailbox.queued(2) == 1
     assert m.rejects == {"queue_full": 2}
