@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 CONFIG = """
@@ -126,6 +127,33 @@ def shared_key_file() -> str:
     from mapl_swarm.net.runkey import create_run_key
 
     return create_run_key(Path(tempfile.mkdtemp(prefix="mapl-test-key-")) / "run.key").path
+
+
+def steps_done(out: Path) -> int:
+    """Train losses stage 0 has recorded in its metrics stream so far (a rollback truncates it)."""
+    path = out / "metrics_stage0.jsonl"
+    if not path.exists():
+        return 0
+    return sum(1 for line in path.read_text().splitlines() if '"loss"' in line)
+
+
+def wait_steps(out: Path, n: int, procs: list, timeout_s: float) -> int:
+    """Until stage 0 recorded ``n`` steps; fails, with the output of a :class:`Watched` one, if one
+    of ``procs`` (Popen or Watched) exits, or when time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while (done := steps_done(out)) < n:
+        for p in procs:
+            proc = getattr(p, "proc", p)
+            assert proc.poll() is None, (f"a process exited early ({proc.poll()})"
+                                         + (f":\n{p.output[-6000:]}" if isinstance(p, Watched) else ""))
+        assert time.monotonic() < deadline, f"only {done} of {n} steps within {timeout_s:g} s"
+        time.sleep(0.1)  # polling a file against a deadline
+    return done
+
+
+def pids(*pgrep_args: str) -> list[int]:
+    """The pids ``pgrep`` finds with these arguments (e.g. ``"-f", pattern``)."""
+    return [int(p) for p in subprocess.run(["pgrep", *pgrep_args], capture_output=True, text=True).stdout.split()]
 
 
 def cli(*args: str) -> list[str]:

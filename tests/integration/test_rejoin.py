@@ -12,36 +12,20 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import time
 
 import pytest
 
 from mapl_swarm.config import load_config
 from mapl_swarm.pipeline.trainer import train
 
-from swarm_helpers import Watched, cli, start_dht, train_losses, write_config
-from test_swarm_liveness import BAD_OUTPUT, steps_done
+from swarm_helpers import Watched, cli, pids, start_dht, train_losses, wait_steps, write_config
+from test_swarm_liveness import BAD_OUTPUT
 
 pytestmark = pytest.mark.timeout(420)
 
 
-def _pids(*pgrep_args: str) -> list[int]:
-    return [int(p) for p in subprocess.run(["pgrep", *pgrep_args], capture_output=True, text=True).stdout.split()]
-
-
 def _peer(path, maddr: str, stage: int, *extra: str) -> Watched:
     return Watched(cli("peer", "--config", str(path), "--stage", str(stage), "--initial-peer", maddr, *extra))
-
-
-def _wait_steps(out, n: int, peers: list[Watched], timeout_s: float) -> None:
-    """Until stage 0's metrics stream holds ``n`` losses (a rollback truncates it); fails if a peer exits."""
-    deadline = time.monotonic() + timeout_s
-    while steps_done(out) < n:
-        for p in peers:
-            assert p.proc.poll() is None, f"a peer exited early ({p.proc.poll()}):\n{p.output[-6000:]}"
-        assert time.monotonic() < deadline, f"only {steps_done(out)} of {n} steps within {timeout_s:g} s"
-        time.sleep(0.1)  # polling a file against a deadline
 
 
 def test_a_middle_peer_killed_twice_is_replaced_and_the_swarm_rolls_back_in_place(tmp_path):
@@ -59,7 +43,7 @@ def test_a_middle_peer_killed_twice_is_replaced_and_the_swarm_rolls_back_in_plac
     replacements: list[Watched] = []
     try:
         for round_, at in enumerate((5, 11), start=1):
-            _wait_steps(out, at, [*survivors, middle], 240)
+            wait_steps(out, at, [*survivors, middle], 240)
             middle.proc.kill()
             middle.wait(10)
             middle = _peer(path, maddr, 1, "--resume")
@@ -99,10 +83,10 @@ def test_launch_restarts_a_killed_peer_and_the_swarm_finishes_with_unchanged_los
                     + "\n[checkpoint]\ninterval_steps = 3\n")
     swarm = Watched(cli("launch", "--config", str(path)))
     try:
-        _wait_steps(out, 5, [swarm], 240)
+        wait_steps(out, 5, [swarm], 240)
         pattern = f"peer --config {path} --stage"
-        survivors = {s: _pids("-f", f"{pattern} {s}") for s in (0, 2)}
-        killed = _pids("-f", f"{pattern} 1")
+        survivors = {s: pids("-f", f"{pattern} {s}") for s in (0, 2)}
+        killed = pids("-f", f"{pattern} 1")
         assert killed and all(survivors.values()), (killed, survivors)
         for pid in killed:  # the peer and its forked DHT child, as a host crash
             os.kill(pid, signal.SIGKILL)

@@ -21,7 +21,7 @@ from mapl_swarm.config import load_config
 from mapl_swarm.pipeline import checkpoint
 from mapl_swarm.pipeline.trainer import train
 
-from swarm_helpers import Watched, cli, start_dht, train_losses, write_config
+from swarm_helpers import Watched, cli, start_dht, steps_done, train_losses, wait_steps, write_config
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,36 +33,19 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
 
 
-def steps_done(out: Path) -> int:
-    """Train losses stage 0 has recorded in its metrics stream so far."""
-    path = out / "metrics_stage0.jsonl"
-    if not path.exists():
-        return 0
-    return sum(1 for line in path.read_text().splitlines() if '"loss"' in line)
-
-
-def wait_steps(out: Path, n: int, procs: list[subprocess.Popen], timeout_s: float) -> int:
-    """Until stage 0 recorded ``n`` steps; fails if one of ``procs`` exits or time runs out."""
-    deadline = time.monotonic() + timeout_s
-    while (done := steps_done(out)) < n:
-        assert all(p.poll() is None for p in procs), f"a process exited early: {[p.poll() for p in procs]}"
-        assert time.monotonic() < deadline, f"only {done} of {n} steps within {timeout_s:g} s"
-        time.sleep(0.1)  # polling a file against a deadline
-    return done
-
-
 def start_peers(config: Path, maddr: str, stages: int) -> list[Watched]:
     return [Watched(cli("peer", "--config", str(config), "--stage", str(s), "--initial-peer", maddr, "--quiet"))
             for s in range(stages)]
 
 
 def test_a_killed_middle_peer_is_named_by_both_neighbours_within_seconds(tmp_path, cache):
-    """Peers started by hand (no launcher to notice): SIGKILL of stage 1. Its neighbours exit within
-    15 s (net.timeout_s is 60 s: the fixed deadline of before would take a minute), each with one
+    """Peers started by hand (no launcher to notice), live rejoin off: SIGKILL of stage 1. Its
+    neighbours exit within 15 s (net.timeout_s is 60 s: the fixed deadline of before would take a minute), each with one
     line naming stage 1, the address they dialled and when they last heard from it."""
     out = tmp_path / "swarm"
     path = write_config(tmp_path / "kill.toml", stages=3, steps=100_000, cache=cache, out=out, run_id="kill",
                         timeout=60)
+    path.write_text(path.read_text().replace("[net]\n", "[net]\nrejoin_timeout_s = 0\n"))  # no live rejoin
     dht, maddr = start_dht()
     peers = start_peers(path, maddr, 3)
     try:

@@ -3,7 +3,6 @@
 import json
 import os
 import signal
-import subprocess
 
 import pytest
 
@@ -11,21 +10,17 @@ from mapl_swarm.config import load_config
 from mapl_swarm.pipeline import checkpoint
 from mapl_swarm.pipeline.trainer import train
 
-from swarm_helpers import Watched, cli, train_losses, write_config
+from swarm_helpers import Watched, cli, pids, train_losses, write_config
 
 pytestmark = pytest.mark.timeout(600)
-
-
-def _pids(*pgrep_args: str) -> list[int]:
-    return [int(p) for p in subprocess.run(["pgrep", *pgrep_args], capture_output=True, text=True).stdout.split()]
 
 
 def _crash_host(pattern: str) -> None:
     """SIGKILL a peer the way a host crash does: the peer, its forked DHT child (same command line)
     and the DHT's p2pd daemon, so nothing of it outlives the test."""
-    peer = _pids("-f", pattern)
+    peer = pids("-f", pattern)
     assert peer, f"no process matches {pattern!r}"
-    for pid in {*peer, *(c for p in peer for c in _pids("-P", str(p)))}:
+    for pid in {*peer, *(c for p in peer for c in pids("-P", str(p)))}:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
