@@ -28,13 +28,19 @@ def _peer(path, maddr: str, stage: int, *extra: str) -> Watched:
     return Watched(cli("peer", "--config", str(path), "--stage", str(stage), "--initial-peer", maddr, *extra))
 
 
-def test_a_middle_peer_killed_twice_is_replaced_and_the_swarm_rolls_back_in_place(tmp_path):
+def _rejoin_config(tmp_path, name: str, steps: int):
+    """A 3-stage config that checkpoints every 3 steps and retries HELLO every 2 s; (path, out)."""
     out = tmp_path / "swarm"
-    steps = 16
-    path = write_config(tmp_path / "rejoin.toml", stages=3, steps=steps, cache=tmp_path / "cache", out=out,
-                        run_id="rejoin", timeout=60)
+    path = write_config(tmp_path / f"{name}.toml", stages=3, steps=steps, cache=tmp_path / "cache", out=out,
+                        run_id=name, timeout=60)
     path.write_text(path.read_text().replace("[net]\n", "[net]\nrejoin_timeout_s = 120\nhello_retry_s = 2\n")
                     + "\n[checkpoint]\ninterval_steps = 3\n")
+    return path, out
+
+
+def test_a_middle_peer_killed_twice_is_replaced_and_the_swarm_rolls_back_in_place(tmp_path):
+    steps = 16
+    path, out = _rejoin_config(tmp_path, "rejoin", steps)
     dht, maddr = start_dht()
     first = [_peer(path, maddr, s) for s in range(3)]
     survivors = [first[0], first[2]]
@@ -75,12 +81,7 @@ def test_launch_restarts_a_killed_peer_and_the_swarm_finishes_with_unchanged_los
     """`launch` (default --max-restarts 3): SIGKILL of stage 1's peer mid-run; the launcher starts it
     again with --resume, its neighbours (never restarted) pause and roll back with it, and the run
     ends with exit 0 and the losses of one uninterrupted in-process run."""
-    out = tmp_path / "swarm"
-    steps = 12
-    path = write_config(tmp_path / "launch.toml", stages=3, steps=steps, cache=tmp_path / "cache", out=out,
-                        run_id="relaunch", timeout=60)
-    path.write_text(path.read_text().replace("[net]\n", "[net]\nrejoin_timeout_s = 120\nhello_retry_s = 2\n")
-                    + "\n[checkpoint]\ninterval_steps = 3\n")
+    path, out = _rejoin_config(tmp_path, "relaunch", 12)
     swarm = Watched(cli("launch", "--config", str(path)))
     try:
         wait_steps(out, 5, [swarm], 240)

@@ -75,7 +75,9 @@ def test_an_interrupted_run_resumes_from_its_checkpoint_and_matches_an_uninterru
     from mapl_swarm.experiments import run_sweep
     from mapl_swarm.pipeline.checkpoint import CHECKPOINTS
 
-    grid_file = _micro_grid_file(tmp_path, "\n[base.checkpoint]\ninterval_steps = 2\n")
+    grid_file = _micro_grid_file(tmp_path)
+    grid_file.write_text(grid_file.read_text().replace("[base.checkpoint]\ninterval_steps = 0",
+                                                       "[base.checkpoint]\ninterval_steps = 2"))
     grid_file.write_text(grid_file.read_text().replace('codecs = ["none", "mapl"]', 'codecs = ["mapl"]'))
     grid = load_grid(grid_file)
     [spec] = grid.expand()
