@@ -268,9 +268,9 @@ def _key_args(p: argparse.ArgumentParser, what: str) -> None:
                             "(logged as a warning)")
 
 
-def _resume_arg(p: argparse.ArgumentParser, who: str) -> None:
+def _resume_arg(p: argparse.ArgumentParser, who: str, more: str = "") -> None:
     p.add_argument("--resume", action="store_true",
-                   help=f"{who} from the newest checkpoint under run.out_dir (default: start at step 0)")
+                   help=f"{who} from the newest checkpoint under run.out_dir (default: start at step 0){more}")
 
 
 _EPILOG = """\
@@ -318,7 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="multiaddr of a running DHT node, as printed by `mapl-swarm dht` (repeatable)")
     p.add_argument("--initial-peers-file", metavar="PATH",
                    help="file of DHT multiaddrs written by `mapl-swarm dht --maddr-file` (waited for)")
-    _resume_arg(p, "continue")
+    _resume_arg(p, "continue", "; also how a departed peer of this stage is replaced in a running swarm, which "
+                               "then rolls back to the newest step every stage saved")
     _key_args(p, "only holders of the same key can connect, links are encrypted, DHT records signed")
     p.add_argument("--launched", action="store_true", help=argparse.SUPPRESS)  # started by `launch`
     p.set_defaults(func=_cmd_peer)
