@@ -7,6 +7,11 @@ only when the peers say so with CHECKPOINT messages:
   forwards it once it has also saved N (whichever comes last); stage 0, once it has both, declares
   N complete and sends ``complete N`` downstream, relayed to the last stage. Every stage records
   the complete steps and prunes its own files (:func:`mapl_swarm.pipeline.checkpoint.prune_plan`).
+- a step a stage cannot save (a full disk; 1.5, capability ``checkpoint_unsaved``): that stage sends
+  ``unsaved N`` upstream with a reason naming it and why, relayed unchanged (or a middle stage's
+  own, once per step); stage 0, on it or on its own failed save, records N as never complete
+  (:attr:`CheckpointAgreement.unsaved`), so nothing waits for N: the newest complete step stays the
+  one before.
 - resume: the last stage offers its usable steps (those whose files verify against their
   manifests, so every stage can load the agreed step) upstream, each stage intersects and forwards,
   stage 0 picks the newest common step (or refuses, with a reason every stage stops with) and
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from mapl_swarm.config import TrainConfig
@@ -29,7 +35,7 @@ from mapl_swarm.errors import CheckpointError, MaplError
 from mapl_swarm.pipeline import run_policy
 from mapl_swarm.pipeline.run_policy import MetricsLog, StageCheckpoints, StepRecords
 from mapl_swarm.wire import Message
-from mapl_swarm.wire.spec import CHECKPOINT_CAPABILITY
+from mapl_swarm.wire.spec import CHECKPOINT_CAPABILITY, CHECKPOINT_UNSAVED_CAPABILITY, CHECKPOINT_UPSTREAM_PHASES
 
 if TYPE_CHECKING:
     from mapl_swarm.data import PreparedData
@@ -38,7 +44,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CheckpointAgreement", "PeerRunPolicy", "CHECKPOINT_CAPABILITY"]
+__all__ = ["CheckpointAgreement", "PeerRunPolicy", "CHECKPOINT_CAPABILITY", "CHECKPOINT_UNSAVED_CAPABILITY"]
 
 Send = Callable[[int, dict[str, Any]], Awaitable[None]]
 
@@ -54,6 +60,9 @@ class CheckpointAgreement:
         """``send(dst, meta)``: a CHECKPOINT to a neighbour (set by the peer once its links are up)."""
         self.declared: set[int] = set()
         """Steps this stage learnt are complete across the swarm."""
+        self.unsaved: dict[int, str] = {}
+        """Steps that will never be complete, and why: this stage could not save them, or (SPEC §5.2
+        ``unsaved``) a stage downstream could not; at stage 0, any stage."""
         self._saved: set[int] = set()
         self._downstream_saved: set[int] = set()
         self._passed: set[int] = set()
@@ -61,6 +70,9 @@ class CheckpointAgreement:
         self._changed = asyncio.Event()
         self.enabled = True
         """False when a neighbour does not take part (an older peer): nothing is sent or pruned."""
+        self.upstream_takes_unsaved = True
+        """False when the upstream neighbour did not advertise ``checkpoint_unsaved`` (a 1.4 peer): no
+        ``unsaved`` to it, so stage 0 waits for such a step as before (until its timeout)."""
 
     # ------------------------------------------------------------ training
     async def on_saved(self, step: int) -> None:
@@ -72,10 +84,16 @@ class CheckpointAgreement:
             self._downstream_saved.add(step)  # nothing below the last stage
         await self._advance(step)
 
+    async def on_unsaved(self, step: int, reason: str) -> None:
+        """This stage could not save ``step`` (``reason``: the stage and why; its save warned already):
+        the step never completes."""
+        if self.enabled:
+            await self._never_complete(step, {"phase": "unsaved", "step": step, "reason": reason}, heard=False)
+
     async def on_message(self, msg: Message) -> None:
         """A CHECKPOINT from a neighbour (already checked by the frame decoder)."""
         meta, phase = msg.meta, msg.meta["phase"]
-        expected = self.down if phase in ("saved", "offer") else self.up
+        expected = self.down if phase in CHECKPOINT_UPSTREAM_PHASES else self.up
         if msg.src != expected:
             log.warning("stage %d: ignored CHECKPOINT %s from stage %s (expected from stage %s)", self.stage,
                         phase, msg.src, expected)
@@ -83,6 +101,8 @@ class CheckpointAgreement:
         if phase == "saved":
             self._downstream_saved.add(meta["step"])
             await self._advance(meta["step"])
+        elif phase == "unsaved":
+            await self._never_complete(meta["step"], dict(meta), heard=True)
         elif phase == "complete":
             self._complete(meta["step"])
             if self.down is not None:
@@ -91,8 +111,23 @@ class CheckpointAgreement:
             self._inbox[phase] = dict(meta)
             self._notify()
 
+    async def _never_complete(self, step: int, meta: dict[str, Any], *, heard: bool) -> None:
+        """Record ``step`` as never complete, once, and pass ``meta`` upstream: this stage's own
+        ``unsaved`` or, ``heard``, the one from downstream, unchanged. Stage 0 warns of a heard one."""
+        if step in self.unsaved or step in self.declared:
+            return
+        self.unsaved[step] = reason = str(meta["reason"])
+        if self.up is not None:
+            if self.upstream_takes_unsaved:
+                await self.send(self.up, meta)
+        elif heard:
+            newest = max(self.store.complete, default=None)
+            log.warning("checkpoint step %d will never be complete (%s); the newest complete checkpoint stays %s",
+                        step, reason, "none" if newest is None else f"step {newest}")
+        self._notify()
+
     async def _advance(self, step: int) -> None:
-        if step in self._passed or step not in self._saved or step not in self._downstream_saved:
+        if step in self._passed or step in self.unsaved or not (step in self._saved and step in self._downstream_saved):
             return
         self._passed.add(step)
         if self.up is not None:
@@ -130,9 +165,12 @@ class CheckpointAgreement:
                 pass
 
     async def wait_complete(self, step: int, timeout_s: float,
-                            failed: Callable[[], BaseException | None] = lambda: None) -> None:
-        """Until ``step`` is complete across the swarm (stage 0, before its BYE)."""
-        await self._until(lambda: step in self.declared, timeout_s, f"checkpoint agreement on step {step}", failed)
+                            failed: Callable[[], BaseException | None] = lambda: None) -> bool:
+        """Until ``step`` is complete across the swarm (stage 0, before its BYE): True; False as soon
+        as it is known never to be (:attr:`unsaved`, its reason logged once when it was heard)."""
+        await self._until(lambda: step in self.declared or step in self.unsaved, timeout_s,
+                          f"checkpoint agreement on step {step}", failed)
+        return step in self.declared
 
     # ------------------------------------------------------------ resume
     def _usable(self) -> tuple[list[int], str | None]:
@@ -207,8 +245,8 @@ class PeerRunPolicy:
                                       keep=cfg.checkpoint.keep)
         self.agreement = CheckpointAgreement(self.store, stage, cfg.pipeline.num_stages)
         self.records: StepRecords | None = None
-        self._unsaved: set[int] = set()
-        """Steps this stage could not save (a full disk): never complete."""
+        self._unsaved: dict[int, str] = {}
+        """Steps this stage could not save (a full disk), and why: never complete."""
         self._saving: set[int] = set()
         """Steps this stage saves or saved in this run (never twice)."""
         self._start = 0
@@ -216,7 +254,7 @@ class PeerRunPolicy:
         """The steps done at this stage's latest step end (the start step before any)."""
         self.drain_step: int | None = None
         """The swarm's drain step (:mod:`~.drain`), once decided: saved even when not due."""
-        self.capabilities = [CHECKPOINT_CAPABILITY]
+        self.capabilities = [CHECKPOINT_CAPABILITY, CHECKPOINT_UNSAVED_CAPABILITY]
         self.epoch = 0
         """The swarm's run epoch, once :meth:`begin` agreed it (SPEC "Rejoin")."""
 
@@ -237,6 +275,9 @@ class PeerRunPolicy:
                 raise MaplError(f"stage {self.stage}: cannot agree on a resume step: {why}; upgrade every peer")
             log.warning("stage %d: %s: checkpoints are saved but never pruned", self.stage, why)
             self.agreement.enabled = False
+        if self.stage > 0:  # a 1.4 peer upstream rejects CHECKPOINT unsaved
+            up_caps = neighbour_caps.get(self.stage - 1, set())
+            self.agreement.upstream_takes_unsaved = CHECKPOINT_UNSAVED_CAPABILITY in up_caps
         start = 0
         self.epoch = epoch
         if self.resume:
@@ -268,8 +309,19 @@ class PeerRunPolicy:
             state["data"] = self.sampler.state_dict()
         saved = self.store.save(step, state)  # False: a full disk (warned); the step never completes
         if not saved:
-            self._unsaved.add(step)
+            self._unsaved[step] = self._why_unsaved(step)
         return saved
+
+    def _why_unsaved(self, step: int) -> str:
+        """The ``reason`` of CHECKPOINT ``unsaved``: this stage, the step, where, and the space left
+        there (this stage's log has the save's own warning)."""
+        root = self.store.root
+        try:
+            usage = shutil.disk_usage(root)
+            space = f" ({_size(usage.free)} free of {_size(usage.total)} there)"
+        except OSError:
+            space = ""
+        return f"stage {self.stage}: checkpoint step {step} not saved under {root}{space}"
 
     def checkpoint_due(self, step: int) -> bool:
         return run_policy.checkpoint_due(self.cfg, step)
@@ -291,6 +343,8 @@ class PeerRunPolicy:
     async def _save_and_agree(self, step: int) -> None:
         if await self.compute.run(self._save, step):
             await self.agreement.on_saved(step)
+        else:
+            await self.agreement.on_unsaved(step, self._unsaved[step])
 
     async def step_end(self, step: int, metrics: dict[str, float]) -> None:
         """After optimizer step ``step``: its metrics record; a checkpoint when due (or the drain
@@ -312,6 +366,18 @@ class PeerRunPolicy:
         """This stage saved ``step`` in this run (claimed and written)."""
         return step in self._saving and step not in self._unsaved
 
+    def unsaved_reason(self, step: int) -> str | None:
+        """Why ``step`` will never be complete, as far as this stage knows: its own failed save or,
+        from downstream, CHECKPOINT ``unsaved`` (at stage 0: any stage's), e.g. ``"stage 2:
+        checkpoint step 40 not saved under /data/run (1.2 MB free of 20.0 GB there)"``; None when
+        nothing says so (the step may be complete, pending, or not a checkpoint step)."""
+        return self.agreement.unsaved.get(step) or self._unsaved.get(step)
+
+    @property
+    def newest_complete(self) -> int | None:
+        """The newest step complete across the swarm that this stage keeps (None: none yet)."""
+        return max(self.store.complete, default=None)
+
     def train_loss(self, step: int, loss: float, tokens: int) -> None:
         if self.records is not None:
             self.records.train_loss(step, loss, tokens)
@@ -322,7 +388,8 @@ class PeerRunPolicy:
 
     async def finish(self, failed: Callable[[], BaseException | None], step: int | None = None) -> None:
         """Stage 0 at the end (``step``: the drain step; None: the run's last): until its checkpoint is
-        complete, so every stage hears it before BYE."""
+        complete, so every stage hears it before BYE, or known never to be (:meth:`unsaved_reason`:
+        a stage could not save it; the newest complete checkpoint stays the one before)."""
         final = self.cfg.run.steps if step is None else step
         if self.saved(final) and self.agreement.enabled:
             await self.agreement.wait_complete(final, self.cfg.net.timeout_s, failed)
@@ -331,3 +398,10 @@ class PeerRunPolicy:
         if self.records is not None:
             self.records.close()
             self.records = None
+
+
+def _size(n: int) -> str:
+    for unit, size in (("GB", 1 << 30), ("MB", 1 << 20), ("kB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} bytes"

@@ -47,11 +47,11 @@ REPORT ``loss`` float, ``tokens`` uint; ``mode``, ``metrics`` {str: number}. HEA
 ``lost`` uint (1.5). ERROR ``code``, ``message`` str; ``ref_seq`` uint.
 CODEBOOK_SLICE —; ``stream`` "act"|"grad", ``start`` uint, ``full`` bool. RESYNC —; ``stream``,
 ``have`` uint, ``reason`` str, ``retransmit`` bool, ``mode`` (1.2). CHECKPOINT (1.3) ``phase``
-"saved"|"complete"|"offer"|"resume"|"drain_request"|"drain"; ``step`` uint|nil, ``steps`` [uint],
-``have`` {str: [uint]}, ``reason`` str, ``epoch`` uint (1.5: offer, resume) (per-phase rules of
-SPEC §5.2). GRAD, PROJ: none. PROJ, PROJ_GRAD and CODEBOOK_SLICE tensors must be fp32 (BadDtype;
-a CODEBOOK_SLICE ``index`` is uint8/uint16, 1.2); HELLO, WELCOME, REJECT, REPORT, RESYNC,
-HEARTBEAT, BYE, ERROR, CHECKPOINT carry none.
+"saved"|"complete"|"offer"|"resume"|"drain_request"|"drain"|"unsaved" (1.5: step and reason
+required); ``step`` uint|nil, ``steps`` [uint], ``have`` {str: [uint]}, ``reason`` str, ``epoch``
+uint (1.5: offer, resume) (per-phase rules of SPEC §5.2). GRAD, PROJ: none. PROJ, PROJ_GRAD and
+CODEBOOK_SLICE tensors must be fp32 (BadDtype; a CODEBOOK_SLICE ``index`` is uint8/uint16, 1.2);
+HELLO, WELCOME, REJECT, REPORT, RESYNC, HEARTBEAT, BYE, ERROR, CHECKPOINT carry none.
 
 Content checks (SPEC §6.1, 1.4): :mod:`mapl_swarm.wire.content` — ``RunShapes``, ``Window``,
 ``ContentError(code, text)``, ``check_sender``, ``check_epoch`` (1.5: ``stale_epoch`` against the

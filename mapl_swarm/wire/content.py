@@ -259,8 +259,6 @@ class Window:
 # ---------------------------------------------------------------------------- who may say what
 _FROM_UPSTREAM = frozenset({MT.ACT, MT.PROJ})
 _FROM_DOWNSTREAM = frozenset({MT.GRAD, MT.PROJ_GRAD, MT.REPORT})
-_CHECKPOINT_UP = ("saved", "offer", "drain_request")
-"""CHECKPOINT phases that travel upstream (sent by the downstream neighbour)."""
 
 
 def _direction(mtype: MessageType, meta: Mapping[str, Any]) -> str:
@@ -275,7 +273,7 @@ def _direction(mtype: MessageType, meta: Mapping[str, Any]) -> str:
     if mtype is MT.RESYNC and stream in spec.STREAMS:  # the stream's receiver asks
         return "down" if stream == "act" else "up"
     if mtype is MT.CHECKPOINT and meta.get("phase") in spec.CHECKPOINT_PHASES:
-        return "down" if meta["phase"] in _CHECKPOINT_UP else "up"
+        return "down" if meta["phase"] in spec.CHECKPOINT_UPSTREAM_PHASES else "up"
     return "any"
 
 

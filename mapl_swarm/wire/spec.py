@@ -16,6 +16,8 @@ __all__ = [
     "RESERVED_TYPE_CODES",
     "CHECKPOINT_PHASES",
     "CHECKPOINT_CAPABILITY",
+    "CHECKPOINT_UNSAVED_CAPABILITY",
+    "CHECKPOINT_UPSTREAM_PHASES",
     "DRAIN_PHASES",
     "DRAIN_CAPABILITY",
     "PIPELINE_CAPABILITY",
@@ -92,14 +94,23 @@ DRAIN_PHASES: tuple[str, ...] = ("drain_request", "drain")
 """CHECKPOINT phases of a graceful drain (SPEC §5.2; sent only to neighbours advertising
 :data:`DRAIN_CAPABILITY`)."""
 
-CHECKPOINT_PHASES: tuple[str, ...] = ("saved", "complete", "offer", "resume", *DRAIN_PHASES)
-"""Values of a CHECKPOINT's ``meta["phase"]`` (SPEC §5.2)."""
+CHECKPOINT_PHASES: tuple[str, ...] = ("saved", "complete", "offer", "resume", *DRAIN_PHASES, "unsaved")
+"""Values of a CHECKPOINT's ``meta["phase"]`` (SPEC §5.2; ``unsaved`` since 1.5, sent only to
+neighbours advertising :data:`CHECKPOINT_UNSAVED_CAPABILITY`)."""
+
+CHECKPOINT_UPSTREAM_PHASES: tuple[str, ...] = ("saved", "unsaved", "offer", "drain_request")
+"""CHECKPOINT phases that travel upstream, from stage s + 1 to s (SPEC §9.4); the others travel
+downstream."""
 
 DRAIN_CAPABILITY = "drain"
 """HELLO/WELCOME capability of peers that take part in a graceful drain (SPEC §5.2, §5.3)."""
 
 CHECKPOINT_CAPABILITY = "checkpoint_agreement"
 """HELLO/WELCOME capability of peers that take part in checkpoint agreement (SPEC §5.2, 1.3)."""
+
+CHECKPOINT_UNSAVED_CAPABILITY = "checkpoint_unsaved"
+"""HELLO/WELCOME capability of peers that take CHECKPOINT ``unsaved``, a step a stage could not save
+(SPEC §5.2, §5.3, 1.5)."""
 
 PIPELINE_CAPABILITY = "1f1b"
 """HELLO/WELCOME capability of peers that run the 1F1B schedule of SPEC §9.7 (SPEC §5.3; every

@@ -18,9 +18,14 @@ P = 3
 
 
 class _Queues(dict):
-    """Per-link FIFO queues of messages ((src, dst) -> list) that wake a waiting pump on arrival."""
+    """Per-link FIFO queues of messages ((src, dst) -> list) that wake a waiting pump on arrival;
+    ``sent`` keeps every message sent, (src, dst, meta), in order."""
 
     event: asyncio.Event | None = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[tuple[int, int, dict]] = []
 
     def arrived(self) -> None:
         if self.event is not None:
@@ -38,6 +43,7 @@ def _swarm(root, keep=2, driver="swarm"):
             msg = Message(type=MessageType.CHECKPOINT, run_id="t", src=src, dst=dst, step=meta.get("step") or 0,
                           meta=meta)
             queues.setdefault((src, dst), []).append(decode(encode(msg)))  # a valid frame every time
+            queues.sent.append((src, dst, dict(meta)))
             queues.arrived()
 
         async def asend(dst, meta, src=s):
@@ -93,20 +99,22 @@ def test_prune_waits_for_the_slowest_stage(tmp_path):
     asyncio.run(run())
 
 
+async def _pump(peers, queues):
+    """Deliver every queued message, in each link's order, whenever one arrives (until cancelled)."""
+    while True:
+        await queues.event.wait()
+        queues.event.clear()
+        for (src, dst), q in list(queues.items()):
+            while q:
+                await peers[dst].on_message(q.pop(0))
+
+
 def _resume_all(peers, queues, run_steps, *, epochs=None, rejoin=False):
     """Every stage's ``agree_resume``: (step, epoch) each, or the error each raised."""
-    async def pump():
-        while True:
-            await queues.event.wait()
-            queues.event.clear()
-            for (src, dst), q in queues.items():
-                while q:
-                    await peers[dst].on_message(q.pop(0))
-
     async def run():
         queues.event = asyncio.Event()
         queues.event.set()  # deliver whatever is already queued
-        pumper = asyncio.create_task(pump())
+        pumper = asyncio.create_task(_pump(peers, queues))
         try:
             return await asyncio.gather(*(p.agree_resume(run_steps, 10.0, epoch=(epochs or {}).get(s, 0), rejoin=rejoin)
                                           for s, p in enumerate(peers)), return_exceptions=True)
@@ -262,6 +270,7 @@ def test_a_peer_that_cannot_save_a_step_does_not_offer_it_and_does_not_wait_for_
             await policy.agreement.on_message(Message(type=MessageType.CHECKPOINT, run_id="t", src=1, dst=0, step=2,
                                                       meta={"phase": "saved", "step": 2}))
             await asyncio.wait_for(policy.finish(lambda: None), 1.0)
+            assert policy.unsaved_reason(2).startswith(f"stage 0: checkpoint step 2 not saved under {tmp_path} (")
         finally:
             policy.close()
             compute.close()
@@ -272,3 +281,203 @@ def test_a_peer_that_cannot_save_a_step_does_not_offer_it_and_does_not_wait_for_
     assert checkpoint.stage_steps(tmp_path, 0) == [1]
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= 30]
     assert len(warnings) == 1 and warnings[0].startswith("checkpoint step 2 of stage 0 not saved: no space left")
+
+
+# ---------------------------------------------------------------- a step a stage cannot save (1.5)
+def _unsaved(queues, src, dst):
+    return [meta for s, d, meta in queues.sent if (s, d) == (src, dst) and meta["phase"] == "unsaved"]
+
+
+async def _save_all(peers, step, failing=()):
+    """Every stage saves ``step`` (last stage first), but those in ``failing``, which cannot."""
+    for p in reversed(peers):
+        if p.stage in failing:
+            await p.on_unsaved(step, f"stage {p.stage}: no space left on device at /disk{p.stage}")
+        else:
+            p.store.save(step, {"x": torch.full((1,), float(step))})
+            await p.on_saved(step)
+
+
+@pytest.mark.parametrize("bad", [1, 2])
+def test_a_final_step_a_stage_cannot_save_ends_stage_0s_wait_at_once(tmp_path, caplog, bad):
+    """Stage ``bad`` (middle or last) cannot save the final step 4: stage 0, already waiting for it,
+    returns well within its timeout with one warning naming that stage; step 4 is complete nowhere,
+    step 2 stays the newest complete step everywhere."""
+    peers, queues = _swarm(tmp_path, keep=5)
+
+    async def run():
+        queues.event = asyncio.Event()
+        pumper = asyncio.create_task(_pump(peers, queues))
+        try:
+            await _save_all(peers, 2)
+            assert await asyncio.wait_for(peers[0].wait_complete(2, 60.0), 5.0) is True
+            waiting = asyncio.create_task(peers[0].wait_complete(4, 60.0))
+            await asyncio.sleep(0)  # stage 0 is waiting before any stage saves step 4
+            assert not waiting.done()
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            await _save_all(peers, 4, failing={bad})
+            assert await asyncio.wait_for(waiting, 5.0) is False
+            return loop.time() - t0
+        finally:
+            pumper.cancel()
+
+    with caplog.at_level("WARNING", logger="mapl_swarm.peer.checkpoints"):
+        elapsed = asyncio.run(run())
+    assert elapsed < 2.0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= 30]
+    assert warnings == [f"checkpoint step 4 will never be complete (stage {bad}: no space left on device at "
+                        f"/disk{bad}); the newest complete checkpoint stays step 2"]
+    reason = f"stage {bad}: no space left on device at /disk{bad}"
+    assert _unsaved(queues, 1, 0) == [{"phase": "unsaved", "step": 4, "reason": reason}]  # relayed unchanged
+    assert _unsaved(queues, 2, 1) == ([{"phase": "unsaved", "step": 4, "reason": reason}] if bad == 2 else [])
+    assert not any(meta == {"phase": "saved", "step": 4} for s, d, meta in queues.sent if s == 1)
+    assert not any(meta["phase"] == "complete" and meta["step"] == 4 for _, _, meta in queues.sent)
+    for p in peers:
+        assert p.declared == {2} and p.store.complete == [2]
+        assert p.unsaved == ({4: reason} if p.stage <= bad else {})
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_unsaved_steps_in_any_order_are_complete_nowhere_and_said_once_per_link(tmp_path, seed):
+    """Saves, failed saves and messages interleaved at random; stage 1 fails step 4, stage 2 fails
+    step 4 too and step 8: one ``unsaved`` per link and step, those steps complete nowhere, the others
+    everywhere."""
+    rng = random.Random(seed)
+    peers, queues = _swarm(tmp_path, keep=10)
+    steps = [2, 4, 6, 8]
+    fails = {1: {4}, 2: {4, 8}}
+    todo = {s: list(steps) for s in range(P)}
+
+    async def run():
+        while any(todo.values()) or any(queues.values()):
+            choices = [("save", s) for s in range(P) if todo[s]] + [("msg", k) for k, q in queues.items() if q]
+            kind, who = rng.choice(choices)
+            if kind == "save":
+                step = todo[who].pop(0)
+                if step in fails.get(who, ()):
+                    await peers[who].on_unsaved(step, f"stage {who}: disk full")
+                else:
+                    peers[who].store.save(step, {"x": torch.zeros(1)})
+                    await peers[who].on_saved(step)
+            else:
+                await peers[who[1]].on_message(queues[who].pop(0))
+
+    asyncio.run(run())
+    for p in peers:
+        assert p.declared == {2, 6}
+    assert set(peers[0].unsaved) == {4, 8} and peers[0].unsaved[8] == "stage 2: disk full"
+    assert peers[0].unsaved[4] in ("stage 1: disk full", "stage 2: disk full")  # whichever came first
+    assert [m["step"] for m in _unsaved(queues, 2, 1)] == [4, 8]
+    assert sorted(m["step"] for m in _unsaved(queues, 1, 0)) == [4, 8]
+
+
+def test_unsaved_from_the_wrong_side_is_ignored_and_not_sent_to_an_older_neighbour(tmp_path, caplog):
+    peers, queues = _swarm(tmp_path)
+
+    async def run():
+        await peers[1].on_message(Message(type=MessageType.CHECKPOINT, run_id="t", src=0, dst=1, step=4,
+                                          meta={"phase": "unsaved", "step": 4, "reason": "stage 0: x"}))
+        assert peers[1].unsaved == {} and queues.sent == []
+        peers[2].upstream_takes_unsaved = False  # stage 1 did not advertise checkpoint_unsaved (1.4)
+        await peers[2].on_unsaved(4, "stage 2: disk full")
+        assert peers[2].unsaved == {4: "stage 2: disk full"} and queues.sent == []
+
+    with caplog.at_level("WARNING"):
+        asyncio.run(run())
+    assert "ignored CHECKPOINT unsaved from stage 0 (expected from stage 2)" in caplog.text
+
+
+def _policy_run(tmp_path, make_config, stage, caps, body, *, num_stages=2, timeout_s=60.0):
+    """``body(policy, sent)`` on stage ``stage``'s :class:`PeerRunPolicy` (checkpoint every step),
+    begun with neighbour capabilities ``caps``; returns what it sent, (dst, meta) each."""
+    from types import SimpleNamespace
+
+    from mapl_swarm.peer.checkpoints import PeerRunPolicy
+    from mapl_swarm.peer.compute import ComputeThread
+
+    cfg = make_config(run={"out_dir": str(tmp_path), "steps": 2}, pipeline={"num_stages": num_stages},
+                      checkpoint={"interval_steps": 1}, net={"timeout_s": timeout_s})
+    data = SimpleNamespace(meta={}, tokenizer=SimpleNamespace(file_hash="h"))
+    runtime = SimpleNamespace(state_dict=lambda: {"x": torch.zeros(1)})
+    sent = []
+
+    async def send(dst, meta):
+        sent.append((dst, dict(meta)))
+
+    async def run():
+        compute = ComputeThread(f"stage{stage}")
+        policy = PeerRunPolicy(cfg, stage, data, "f" * 32, resume=False, runtime=runtime, compute=compute)
+        try:
+            assert await policy.begin(send, caps, lambda: None) == 0
+            await body(policy, sent)
+        finally:
+            policy.close()
+            compute.close()
+
+    asyncio.run(run())
+    return sent
+
+
+def _full_disk(obj, f):
+    import errno
+
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("takes_unsaved", [True, False])
+def test_a_stage_whose_disk_is_full_says_so_upstream(tmp_path, make_config, monkeypatch, takes_unsaved):
+    """The last stage saves step 1, then its disk is full at step 2: ``saved 1``, then ``unsaved 2``
+    with a reason naming the stage, the step and where — only to an upstream neighbour advertising
+    ``checkpoint_unsaved`` (a 1.4 one would reject the phase)."""
+    from mapl_swarm.peer.checkpoints import CHECKPOINT_CAPABILITY, CHECKPOINT_UNSAVED_CAPABILITY
+
+    caps = {CHECKPOINT_CAPABILITY, *((CHECKPOINT_UNSAVED_CAPABILITY,) if takes_unsaved else ())}
+    seen = {}
+
+    async def body(policy, sent):
+        assert CHECKPOINT_UNSAVED_CAPABILITY in policy.capabilities
+        await policy.step_end(1, {})
+        monkeypatch.setattr(checkpoint.torch, "save", _full_disk)
+        await policy.step_end(2, {})
+        seen.update(saved=policy.saved(2), reason=policy.unsaved_reason(2), other=policy.unsaved_reason(1))
+
+    sent = _policy_run(tmp_path, make_config, 1, {0: caps}, body)
+    reason = seen["reason"]
+    assert reason.startswith(f"stage 1: checkpoint step 2 not saved under {tmp_path} (") and " free of " in reason
+    assert seen["saved"] is False and seen["other"] is None
+    assert sent == [(0, {"phase": "saved", "step": 1}),
+                    *([(0, {"phase": "unsaved", "step": 2, "reason": reason})] if takes_unsaved else [])]
+    assert checkpoint.stage_steps(tmp_path, 1) == [1]
+
+
+def test_stage_0_finishes_at_once_when_a_stage_could_not_save_the_final_step(tmp_path, make_config, caplog):
+    """Stage 0 saved the final step 2 but stage 1 could not: ``finish`` ends at once (not after
+    ``net.timeout_s``), the run's newest complete checkpoint stays step 1, and the policy says why."""
+    seen = {}
+
+    def msg(meta):
+        return Message(type=MessageType.CHECKPOINT, run_id="t", src=1, dst=0, step=meta["step"], meta=meta)
+
+    async def body(policy, sent):
+        await policy.step_end(1, {})
+        await policy.on_message(msg({"phase": "saved", "step": 1}))
+        await policy.step_end(2, {})
+        finishing = asyncio.create_task(policy.finish(lambda: None))
+        await asyncio.sleep(0)
+        assert not finishing.done()  # waiting for step 2's agreement
+        await policy.on_message(msg({"phase": "unsaved", "step": 2, "reason": "stage 1: disk full at /d1"}))
+        await asyncio.wait_for(finishing, 2.0)
+        seen.update(reason=policy.unsaved_reason(2), newest=policy.newest_complete, saved=policy.saved(2))
+
+    from mapl_swarm.peer.checkpoints import CHECKPOINT_CAPABILITY, CHECKPOINT_UNSAVED_CAPABILITY
+
+    with caplog.at_level("WARNING"):
+        sent = _policy_run(tmp_path, make_config, 0, {1: {CHECKPOINT_CAPABILITY, CHECKPOINT_UNSAVED_CAPABILITY}},
+                           body, timeout_s=120.0)
+    assert sent == [(1, {"phase": "complete", "step": 1})]
+    assert seen == {"reason": "stage 1: disk full at /d1", "newest": 1, "saved": True}
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= 30]
+    assert warnings == ["checkpoint step 2 will never be complete (stage 1: disk full at /d1); the newest "
+                        "complete checkpoint stays step 1"]
+    assert checkpoint.stage_steps(tmp_path, 0) == [1, 2]  # its own file of step 2 is kept (pruned later)

@@ -60,12 +60,15 @@ def test_reject_codes_and_capabilities_are_listed():
     assert tuple(re.findall(r"`(\w+)`", m.group(1))) == spec.REJECT_CODES
     caps = set(re.findall(r"^\| `(\w+)` \| 1\.\d \|", section("### 5.3", "## 6."), re.M))
     assert caps == {spec.PIPELINE_CAPABILITY, VQ_CAPABILITY, RETRANSMIT_CAPABILITY, INDEXED_SLICES_CAPABILITY,
-                    spec.CHECKPOINT_CAPABILITY, spec.DRAIN_CAPABILITY, spec.REJOIN_CAPABILITY}
+                    spec.CHECKPOINT_CAPABILITY, spec.DRAIN_CAPABILITY, spec.REJOIN_CAPABILITY,
+                    spec.CHECKPOINT_UNSAVED_CAPABILITY}
 
 
 def test_every_checkpoint_phase_is_in_section_5_2():
     table = section("### 5.2", "### 5.3")
-    assert set(re.findall(r"^\| `\"(\w+)\"` \| (?:up|down)stream \|", table, re.M)) == set(spec.CHECKPOINT_PHASES)
+    rows = dict(re.findall(r"^\| `\"(\w+)\"`(?: \(1\.\d\))? \| ((?:up|down)stream) \|", table, re.M))
+    assert set(rows) == set(spec.CHECKPOINT_PHASES)
+    assert {p for p, way in rows.items() if way == "upstream"} == set(spec.CHECKPOINT_UPSTREAM_PHASES)
 
 
 def test_every_meta_field_is_in_the_type_table():

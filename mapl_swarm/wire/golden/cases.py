@@ -182,6 +182,8 @@ def _valid(v: dict[str, list[bytes]]) -> list[Case]:
         "checkpoint_offer_epoch": "1.5 CHECKPOINT offer carrying the largest epoch of the stages it covers",
         "checkpoint_resume_epoch": "1.5 CHECKPOINT resume from step 30 at epoch 2 (every stage takes it)",
         "epoch_max": "1.5 HEARTBEAT at the largest epoch, 2^64-1 (uint64)",
+        "checkpoint_unsaved": "1.5 CHECKPOINT unsaved: stage 2 could not save step 40, and why (capability "
+                              "checkpoint_unsaved)",
     }
 
     def key(n: str) -> bool | str:
@@ -454,7 +456,8 @@ def _invalid_14(v: dict[str, list[bytes]]) -> list[Case]:
 
 
 def _invalid_15(v: dict[str, list[bytes]]) -> list[Case]:
-    """Protocol 1.5: the header's run epoch (uint64) and the rejoin fields of BYE and CHECKPOINT."""
+    """Protocol 1.5: the header's run epoch (uint64), the rejoin fields of BYE and CHECKPOINT, and
+    CHECKPOINT ``unsaved`` without its step or reason."""
     base = v["epoch_max"]
     M, IM = "malformed_header", "invalid_message"
     cases: list[tuple[str, list[bytes], str, str]] = [
@@ -467,6 +470,10 @@ def _invalid_15(v: dict[str, list[bytes]]) -> list[Case]:
          "1.5 CHECKPOINT offer epoch -2"),
         ("checkpoint_resume_epoch_float", _edit(v["checkpoint_resume_epoch"], _meta(epoch=2.0)), IM,
          "1.5 CHECKPOINT resume epoch is a float"),
+        ("checkpoint_unsaved_no_step", _edit(v["checkpoint_unsaved"], _meta(step=_DROP)), IM,
+         "1.5 CHECKPOINT unsaved without a step"),
+        ("checkpoint_unsaved_no_reason", _edit(v["checkpoint_unsaved"], _meta(reason=_DROP)), IM,
+         "1.5 CHECKPOINT unsaved without a reason"),
     ]
     return [Case(n, "invalid", f, d, error=e) for n, f, e, d in cases]
 

@@ -43,6 +43,8 @@ UNCONSTRAINED_RUN = replace(RUN, orthonormal_projector=False)
 """The same run with a projector learned off the manifold (``naive``): PROJ need not be orthonormal (1.5)."""
 WINDOW = Window(low=12, high=13, pver=12)
 """Steps 12 and 13 accepted; the link's projector is at version 12."""
+UNSAVED = {"phase": "unsaved", "step": 12, "reason": "stage 2: checkpoint step 12 not saved under /data/run"}
+"""CHECKPOINT ``unsaved`` meta (1.5): stage 2 could not save step 12."""
 RECEIVER_EPOCH = 2
 """The receiving peer's run epoch in :func:`epoch_cases` (1.5, SPEC §9.6)."""
 
@@ -144,9 +146,9 @@ def _slice(*, n: int = 4, index: np.ndarray | None = None, poison: bool = False)
     return _frames(msg)
 
 
-def _checkpoint(*, src: int, meta: dict) -> list[bytes]:
+def _checkpoint(*, src: int, meta: dict, version: tuple[int, int] = V14) -> list[bytes]:
     return _frames(Message(type=MT.CHECKPOINT, run_id=RUN_ID, src=src, dst=1, step=meta.get("step") or 0, seq=30,
-                           version=V14, meta=meta))
+                           version=version, meta=meta))
 
 
 def _bf16_with(value: int) -> WireTensor:
@@ -182,6 +184,8 @@ def content_cases() -> list[tuple[str, list[bytes], str, RunShapes, Window, str]
          "CHECKPOINT drain_request from downstream", RUN, W, OK),
         ("drain_fits", _checkpoint(src=0, meta={"phase": "drain", "step": 12}),
          "CHECKPOINT drain (step 12) from upstream", RUN, W, OK),
+        ("unsaved_fits", _checkpoint(src=2, meta=UNSAVED, version=V15),
+         "1.5 CHECKPOINT unsaved (step 12) from downstream", RUN, W, OK),
         # not_allowed: who may say what
         ("act_from_downstream", _act(src=2), "ACT from stage 2 to stage 1", RUN, W, "not_allowed"),
         ("act_for_another_stage", _act(dst=2), "ACT addressed to stage 2 reaching stage 1", RUN, W, "not_allowed"),
@@ -196,6 +200,8 @@ def content_cases() -> list[tuple[str, list[bytes], str, RunShapes, Window, str]
         ("drain_from_downstream", _checkpoint(src=2, meta={"phase": "drain", "step": 12}),
          "CHECKPOINT drain from downstream (stage 0's decision travels downstream only)", RUN, W,
          "not_allowed"),
+        ("unsaved_from_upstream", _checkpoint(src=0, meta=UNSAVED, version=V15),
+         "1.5 CHECKPOINT unsaved from upstream (it travels upstream only, like saved)", RUN, W, "not_allowed"),
         # out_of_window
         ("act_old_step", _act(step=11), "ACT of step 11, window 12..13", RUN, W, "out_of_window"),
         ("act_future_step", _act(step=14), "ACT of step 14, window 12..13", RUN, W, "out_of_window"),

@@ -319,6 +319,7 @@ def samples() -> dict[str, Message]:
     out.update(_checkpoint_samples())
     out.update(_session_samples(b, t))
     out.update(_rejoin_samples(b, t))
+    out.update(_unsaved_samples())
     return out
 
 
@@ -396,6 +397,17 @@ def _checkpoint_samples() -> dict[str, Message]:
                                        "reason": "no checkpoint step every stage has: stage 0 has [10], "
                                                  "stage 1 has [20, 30], stage 2 has [20, 30, 40]"},
             **common),
+    }
+
+
+def _unsaved_samples() -> dict[str, Message]:
+    """Protocol 1.5 CHECKPOINT ``unsaved`` (SPEC §5.2, capability ``checkpoint_unsaved``): stage 2 of
+    a 3-stage swarm could not save step 40."""
+    return {
+        "checkpoint_unsaved": Message(
+            type=MessageType.CHECKPOINT, run_id=RUN_ID, src=2, dst=1, step=40, seq=302, version=(1, 5),
+            meta={"phase": "unsaved", "step": 40,
+                  "reason": "stage 2: checkpoint step 40 not saved under /data/run (1.2 MB free of 20.0 GB there)"}),
     }
 
 
