@@ -163,7 +163,7 @@ def drained_at(drain: Drain, bye: Message | None) -> int | None:
 
 
 def checkpoint_note(policy: PeerRunPolicy | None, step: int, start_step: int) -> str:
-    """What became of a drain step's checkpoint at this stage, in words."""
+    """What became of a drain step's (or the last step's) checkpoint at this stage, in words."""
     if policy is None:
         return "this peer keeps no checkpoints"
     if not policy.checkpoints_on:
@@ -172,6 +172,10 @@ def checkpoint_note(policy: PeerRunPolicy | None, step: int, start_step: int) ->
         return f"nothing trained since step {step}, where this run started"
     if step in policy.agreement.declared:
         return f"checkpoint of step {step} saved by every stage; continue with --resume"
+    reason = policy.unsaved_reason(step)
+    if reason is not None:
+        return (f"checkpoint of step {step} is not complete ({reason}); the newest complete checkpoint is step "
+                f"{policy.newest_complete}")
     if policy.saved(step):
         return f"checkpoint of step {step} saved here (not confirmed by every stage)"
     return f"no checkpoint of step {step} here"

@@ -48,7 +48,9 @@ class PeerResult:
     drained_at: int | None = None
     """``drained``: the step every stage stopped after (and checkpointed, with checkpoints on)."""
     checkpoint_note: str = ""
-    """``drained``: what became of that step's checkpoint (saved by every stage, not saved...)."""
+    """``drained``: what became of that step's checkpoint (saved by every stage, not saved...);
+    ``finished``: set only when the last step's checkpoint will never be complete (a stage could not
+    save it: SPEC §5.2 ``unsaved``)."""
     start_step: int = 0
     """The step this peer's (last) session started from: 0, a resume's, or a rollback's."""
     epoch: int = 0

@@ -584,9 +584,14 @@ class Peer:
         return link is not None and link.welcomed and DRAIN_CAPABILITY in link.capabilities
 
     def _ended(self) -> None:
-        """The schedule ended: after a drain (decided here, or a BYE ``"drain"``), say so."""
+        """The schedule ended: after a drain (decided here, or a BYE ``"drain"``), say so; after the
+        last step, say so only when its checkpoint will never be complete (a stage could not save it)."""
         step = drained_at(self.drain, self.schedule.bye)
         if step is None:
+            last = self.cfg.run.steps
+            if self.run_policy is not None and self.run_policy.unsaved_reason(last) is not None:
+                self.result.checkpoint_note = checkpoint_note(self.run_policy, last, self.schedule.s.start_step)
+                log.warning("%s: %s", self.name, self.result.checkpoint_note)
             return
         why = self.drain.reason or self.drain.requested or "asked by another stage"
         note = checkpoint_note(self.run_policy, step, self.schedule.s.start_step)
