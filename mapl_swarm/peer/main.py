@@ -14,8 +14,8 @@ import functools
 import logging
 import threading
 import time
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from mapl_swarm.config import TrainConfig
