@@ -77,6 +77,7 @@ def test_a_middle_peer_killed_twice_is_replaced_and_the_swarm_rolls_back_in_plac
     assert losses == pytest.approx(train_losses(tmp_path / "ref"), abs=1e-3)
 
 
+@pytest.mark.slow  # ~90 s; the restart itself is in the default run (test_launch_restart_processes.py)
 def test_launch_restarts_a_killed_peer_and_the_swarm_finishes_with_unchanged_losses(tmp_path):
     """`launch` (default --max-restarts 3): SIGKILL of stage 1's peer mid-run; the launcher starts it
     again with --resume, its neighbours (never restarted) pause and roll back with it, and the run
