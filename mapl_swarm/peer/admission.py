@@ -39,9 +39,9 @@ from typing import TYPE_CHECKING, Any
 from mapl_swarm.compress.catalog import codec_info
 from mapl_swarm.peer.link import stage_of
 from mapl_swarm.peer.session import HelloRefused, Rejected, RxSession
-from mapl_swarm.wire import (ContentError, check_epoch, DecodeLimits, Message, MessageType, RunShapes, VersionMismatch, Window,
-                             WireError, check_content, check_declared, check_header, check_sender, decode_header,
-                             decode_tensors)
+from mapl_swarm.wire import (ContentError, DecodeLimits, Message, MessageType, RunShapes, VersionMismatch, Window,
+                             WireError, check_content, check_declared, check_epoch, check_header, check_sender,
+                             decode_header, decode_tensors)
 from mapl_swarm.wire.spec import HANDSHAKE_TYPES
 
 if TYPE_CHECKING:

@@ -88,7 +88,8 @@ class Handshake:
             if error is not None:
                 raise error
             now = time.monotonic()
-            for link in [link for link in self.links if not link.welcomed and now - (link.hello_at or 0.0) >= self.retry_s]:
+            due = [link for link in self.links if not link.welcomed and now - (link.hello_at or 0.0) >= self.retry_s]
+            for link in due:
                 await self._again(link, transport, shaping, timeout_s)
             self.welcomed.clear()
             if self.links.all_welcomed:

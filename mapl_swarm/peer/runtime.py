@@ -36,9 +36,9 @@ result (``rejects``) and logged; the peer keeps serving. A HELLO is answered on 
 (WELCOME, or REJECT with the code), so a forged HELLO never reaches the real neighbour. Heartbeats
 go to a neighbour once it welcomed this peer. ERROR is informational (logged, counted in
 ``errors``) except ``retransmit_unavailable``; BYE ``"rejoin"`` pauses this peer (the swarm
-re-forms); any other BYE from upstream ends the run, from downstream it is a departure. A NaN/Inf in this peer's own compute
-(:class:`~mapl_swarm.errors.NonFiniteError`) ends the peer (exit status 3) after a BYE naming it
-upstream; downstream it is a lost neighbour (SPEC §9.5).
+re-forms); any other BYE from upstream ends the run, from downstream it is a departure. A NaN/Inf
+in this peer's own compute (:class:`~mapl_swarm.errors.NonFiniteError`) ends the peer (exit
+status 3) after a BYE naming it upstream; downstream it is a lost neighbour (SPEC §9.5).
 
 Ends (``result.end``): ``finished`` (the last step), ``drained`` (a graceful drain, or a BYE
 ``"drain"`` from upstream), ``stopped`` (a signal before training started, or a neighbour's planned
@@ -199,6 +199,8 @@ class Peer:
         self._stop_event = asyncio.Event()
         self._stop_reason: BaseException | None = None
         self._training = False
+        self._schedule_ended = False
+        """The schedule ran to its end (the last step, or a drain): a neighbour leaving now is no departure."""
         self._refused_versions: set[str] = set()
         self._welcome_event = asyncio.Event()
         self._handlers: dict[MessageType, Callable[[Message, PeerLink], Awaitable[None]]] = {
@@ -368,8 +370,9 @@ class Peer:
         reason = str(msg.meta.get("reason", ""))
         if reason == REJOIN_REASON:
             lost = msg.meta.get("lost")
-            self._pause(f"stage {msg.src} re-forms the swarm" + (f" (stage {lost} departed)" if lost is not None else ""),
-                        epoch=max(self.epoch + 1, msg.epoch), lost=lost, told_by=msg.src)
+            departed = f" (stage {lost} departed)" if lost is not None else ""
+            self._pause(f"stage {msg.src} re-forms the swarm{departed}", epoch=max(self.epoch + 1, msg.epoch),
+                        lost=lost, told_by=msg.src)
             return
         if link.is_upstream and (self._training or reason != DRAIN_REASON):
             self.mailbox.put(msg)
@@ -464,6 +467,7 @@ class Peer:
         start = await self._agree_start(transport)
         self._training = True
         await self.schedule.run(start)
+        self._schedule_ended = True
         self._ended()
         await transport.flush(net.timeout_s)
         return await self.compute.run(self._codebook_summary)  # digests read device memory
@@ -487,10 +491,14 @@ class Peer:
 
     def _on_departure(self, departure: Departure) -> None:
         """A departure during training (or while the swarm re-forms) while this peer is not draining
-        pauses it: the swarm re-forms and waits for a replacement of the stage (SPEC "Rejoin"; with ``net.rejoin_timeout_s`` and
-        checkpoints on). Otherwise a planned departure ends this peer cleanly (its other neighbour
-        is told with BYE ``"drain"``), any other one ends it with :class:`NeighbourLost`."""
+        pauses it: the swarm re-forms and waits for a replacement of the stage (SPEC "Rejoin"; with
+        ``net.rejoin_timeout_s`` and checkpoints on). Otherwise a planned departure ends this peer
+        cleanly (its other neighbour is told with BYE ``"drain"``), any other one ends it with
+        :class:`NeighbourLost`. After the schedule's end neighbours leave as they finish: logged only."""
         self.monitor.forget(stage_name(departure.stage))
+        if self._schedule_ended:
+            log.info("%s: %s after the end of the run", self.name, departure.describe())
+            return
         if (self._training or self.rejoining) and self._can_rejoin and not self.drain.active:
             self._pause(departure.describe(), epoch=self.epoch + 1, lost=departure.stage)
             return
@@ -540,8 +548,9 @@ class Peer:
             self.result.rejoins.append(reason.note)
         else:
             bye = {"reason": DRAIN_REASON}
+        told_by = getattr(reason, "told_by", None)  # a neighbour that re-forms already: not told again
         for link in self.links:
-            if link.welcomed and self.departures.gone(link.stage) is None and link.stage != getattr(reason, "told_by", None):
+            if link.welcomed and self.departures.gone(link.stage) is None and link.stage != told_by:
                 try:
                     await asyncio.wait_for(link.send_bye(bye, step=self.schedule.step), 5.0)
                 except (NetError, asyncio.TimeoutError) as err:

@@ -66,3 +66,24 @@ def test_a_silent_middle_peer_pauses_both_neighbours_at_the_next_run_epoch(tmp_p
         assert r.end == "rejoin" and r.epoch == 1, r
         assert len(r.rejoins) == 1 and r.rejoins[0].startswith(f"stage {me} paused at step ")
         assert "stage 1 at mem://stage1 silent since" in r.rejoins[0], r.rejoins
+
+
+def test_a_neighbour_leaving_after_the_end_of_the_run_is_no_departure(tmp_path):
+    """Neighbours exit as they finish: once this peer's schedule ended, one going silent neither
+    pauses nor ends it."""
+    import time
+
+    from mapl_swarm.peer.departures import Departure
+
+    peers, _, _ = _swarm(tmp_path, stages=2)
+    peer = peers[0]
+    peer._training = peer._schedule_ended = True
+    peer.departures.report(Departure(stage=1, endpoint="mem://stage1", kind="silent", last_seen=time.time(),
+                                     detail="silent since 12:00:00 (10.0 s; deadline 10.0 s, round trip 1.0 ms)"))
+    assert peer._stop_reason is None and not peer._stop_event.is_set()
+    peer._training, peer._schedule_ended = True, False
+    peer.links.downstream.capabilities = frozenset({REJOIN_CAPABILITY})  # as its WELCOME said
+    peer.departures = type(peer.departures)(peer._on_departure)
+    peer.departures.report(Departure(stage=1, endpoint="mem://stage1", kind="silent", last_seen=time.time(),
+                                     detail="silent"))
+    assert peer._stop_reason is not None and peer._stop_reason.end == "rejoin"  # during training: a pause
