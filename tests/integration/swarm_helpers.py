@@ -66,8 +66,9 @@ def write_config(path: Path, *, codec="mapl", rank=16, stages=4, steps=5, cache:
 class Watched:
     """A subprocess whose stdout/stderr lines are collected by threads; wait for patterns."""
 
-    def __init__(self, cmd: list[str]) -> None:
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    def __init__(self, cmd: list[str], **popen) -> None:
+        """``popen``: more ``subprocess.Popen`` arguments (stdin, preexec_fn...)."""
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
         self.lines: list[str] = []
         self._cond = threading.Condition()
         self._threads = [threading.Thread(target=self._pump, args=(s,), daemon=True)

@@ -35,7 +35,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -66,14 +65,7 @@ class Child(Watched):
     whose stdin the test may write to."""
 
     def __init__(self, cmd: list[str]) -> None:  # noqa: D107 - Watched's, with stdin and a death signal
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, preexec_fn=die_with_parent())
-        self.lines: list[str] = []
-        self._cond = threading.Condition()
-        self._threads = [threading.Thread(target=self._pump, args=(s,), daemon=True)
-                         for s in (self.proc.stdout, self.proc.stderr)]
-        for t in self._threads:
-            t.start()
+        super().__init__(cmd, stdin=subprocess.PIPE, preexec_fn=die_with_parent())
 
     def tell(self, line: str) -> None:
         self.proc.stdin.write(line + "\n")
