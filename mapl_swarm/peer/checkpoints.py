@@ -73,6 +73,10 @@ class CheckpointAgreement:
         self.upstream_takes_unsaved = True
         """False when the upstream neighbour did not advertise ``checkpoint_unsaved`` (a 1.4 peer): no
         ``unsaved`` to it, so stage 0 waits for such a step as before (until its timeout)."""
+        self.without_loss: Callable[[set[int]], set[int]] = lambda steps: set()
+        """Stage 0: of the given steps, those whose losses the run's metrics history lacks (a
+        departure came between stage 0's save of the step and the last stage's REPORT of it); the
+        resume decision rolls back past them when it can (:meth:`_prefer_recorded`)."""
 
     # ------------------------------------------------------------ training
     async def on_saved(self, step: int) -> None:
@@ -215,6 +219,7 @@ class CheckpointAgreement:
                 log.warning("re-forming the swarm with no checkpoint step every stage has (%s): every stage "
                             "starts again from step 0", ", ".join(f"stage {k}: {v}" for k, v in sorted(stages.items())))
             else:
+                stages[self.stage] = self._prefer_recorded(stages)
                 step = run_policy.choose_resume_step(stages, run_steps, "each stage's run.out_dir")
         except CheckpointError as exc:
             if self.down is not None:
@@ -223,6 +228,26 @@ class CheckpointAgreement:
         if self.down is not None:
             await self.send(self.down, {"phase": "resume", "step": step, "epoch": swarm_epoch})
         return step, swarm_epoch
+
+    def _prefer_recorded(self, stages: dict[int, list[int]]) -> list[int]:
+        """Stage 0's usable steps less those whose losses the history lacks (:attr:`without_loss`),
+        so that a resume from the newest remaining common step leaves no hole in the loss history;
+        all of them when every common step lacks its losses (the run goes on, the hole is logged)."""
+        mine = stages[self.stage]
+        common = set.intersection(*(set(v) for v in stages.values()))
+        lacking = self.without_loss(common) if common else set()
+        if not lacking:
+            return mine
+        newest = max(common)
+        if lacking == common:
+            log.warning("the metrics history has no train loss of checkpoint step(s) %s; resuming from step %d "
+                        "anyway (its loss stays missing from the history)", sorted(lacking), newest)
+            return mine
+        if newest in lacking:
+            log.warning("checkpoint step %d is complete but its train loss never reached stage 0 (a departure "
+                        "before the last stage's REPORT): resuming from step %d instead, so no loss is missing",
+                        newest, max(common - lacking))
+        return [s for s in mine if s not in lacking]
 
 
 class PeerRunPolicy:
@@ -244,6 +269,9 @@ class PeerRunPolicy:
         self.store = StageCheckpoints(cfg.run.out_dir, stage, driver="swarm", fingerprint=fingerprint,
                                       keep=cfg.checkpoint.keep)
         self.agreement = CheckpointAgreement(self.store, stage, cfg.pipeline.num_stages)
+        if stage == 0 and cfg.pipeline.num_stages > 1:  # its losses come from the last stage (REPORT)
+            path = run_policy.metrics_path(cfg.run.out_dir, stage)
+            self.agreement.without_loss = lambda steps: run_policy.steps_without_loss(cfg, path, steps)
         self.records: StepRecords | None = None
         self._unsaved: dict[int, str] = {}
         """Steps this stage could not save (a full disk), and why: never complete."""

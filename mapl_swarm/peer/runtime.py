@@ -445,6 +445,8 @@ class Peer:
             self.compute.close()
             self.decoder.close()
             self.schedule.close()
+            if self.run_policy is not None:  # its metrics stream: pending records written, file closed
+                self.run_policy.close()
         self._collect(transport, codebooks)
         return self.result
 

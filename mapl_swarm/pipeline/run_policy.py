@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["DRIVERS", "resolve_device", "bind_device", "check_vocab", "due", "checkpoint_due", "validation_due", "metrics_path",
            "manifest_path", "write_manifest", "start_fresh", "StageCheckpoints", "save_step", "choose_resume_step",
-           "check_resume_step", "MetricsLog", "StepRecords"]
+           "check_resume_step", "MetricsLog", "StepRecords", "steps_without_loss"]
 
 DRIVERS = ("train", "swarm")
 """Who wrote a checkpoint: the in-process trainer or swarm peers."""
@@ -344,7 +344,9 @@ class StepRecords:
     """A swarm stage's per-step records to ``metrics_stage{S}.jsonl``: the stage's own figures at its
     step flush (step time, lr multiplier, health, optimizer metrics); stage 0's record also waits
     for the swarm's train loss (REPORT) and, on validation steps, the val loss. Each record is
-    written as soon as it is whole."""
+    written as soon as it is whole, every ``metrics.log_interval_steps``, on validation steps and
+    on checkpoint steps (so a resume can tell whether a checkpoint step's loss is in the history:
+    :func:`steps_without_loss`)."""
 
     def __init__(self, cfg: TrainConfig, stage: int, log_: MetricsLog, start_step: int) -> None:
         self.cfg, self.stage, self.log = cfg, stage, log_
@@ -354,7 +356,8 @@ class StepRecords:
         self.start_step = start_step
 
     def _due(self, step: int) -> bool:
-        return step % self.cfg.metrics.log_interval_steps == 0 or validation_due(self.cfg, step)
+        return (step % self.cfg.metrics.log_interval_steps == 0 or validation_due(self.cfg, step)
+                or checkpoint_due(self.cfg, step))
 
     def stage_step(self, step: int, metrics: dict[str, float]) -> None:
         """The stage finished ``step`` (after its optimizer step) with ``metrics``."""
@@ -378,7 +381,7 @@ class StepRecords:
         rec = self._pending[step]
         if "stage" not in rec:
             return
-        if self._needs_loss and ("loss" not in rec or (validation_due(self.cfg, step) and "val_loss" not in rec)):
+        if self._needs_loss and not _has_losses(self.cfg, rec):
             return
         del self._pending[step]
         if self._due(step) or any(k.startswith("health/") for k in rec):
@@ -391,3 +394,30 @@ class StepRecords:
                 self.log.write(self._pending[step])
         self._pending.clear()
         self.log.close()
+
+
+def _has_losses(cfg: TrainConfig, rec: dict[str, Any]) -> bool:
+    """Stage 0's record ``rec`` holds the swarm's train loss and, on a validation step, the val loss."""
+    return "loss" in rec and ("val_loss" in rec or not validation_due(cfg, int(rec["step"])))
+
+
+def steps_without_loss(cfg: TrainConfig, path: str | Path, steps: Iterable[int]) -> set[int]:
+    """Of ``steps`` (checkpoint steps), those whose losses the swarm's stage-0 metrics file ``path``
+    lacks: its record is missing or was written without them, because the last stage's REPORT of
+    the step never reached stage 0 (a departure after stage 0 saved the step). All of them when
+    the file cannot be read."""
+    steps = set(steps)
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        log.warning("cannot read the metrics history %s: %s", path, getattr(exc, "strerror", None) or exc)
+        return steps
+    recorded = set()
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a crash
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int) and _has_losses(cfg, rec):
+            recorded.add(rec["step"])
+    return steps - recorded

@@ -1,6 +1,7 @@
 """CheckpointAgreement (SPEC §5.2) driven without sockets: saves and messages in any order."""
 
 import asyncio
+import json
 import random
 
 import pytest
@@ -143,6 +144,25 @@ def test_a_rejoin_agrees_on_the_largest_run_epoch_of_any_stage(tmp_path):
     assert _resume_all(peers, queues, 10, epochs={0: 1, 1: 0, 2: 2}, rejoin=True) == [(4, 2)] * 3
 
 
+def test_stage_0_rolls_back_past_a_complete_step_whose_loss_never_reached_it(tmp_path, caplog):
+    """Every stage saved steps 2, 4 and 6, but the departure came between stage 0's save of step 6
+    and the last stage's REPORT of it: the swarm resumes from step 4, so the loss history has no
+    hole. When no common step has its loss, the newest is used anyway, and the gap is logged."""
+    peers, queues = _swarm(tmp_path, keep=5)
+    for p in peers:
+        for step in (2, 4, 6):
+            p.store.save(step, {"x": torch.zeros(1)})
+    peers[0].without_loss = lambda steps: steps & {6}
+    with caplog.at_level("WARNING"):
+        assert _resume_all(peers, queues, 10, epochs={0: 1, 1: 1, 2: 1}, rejoin=True) == [(4, 1)] * 3
+    assert "checkpoint step 6 is complete but its train loss never reached stage 0" in caplog.text
+    assert "resuming from step 4 instead" in caplog.text
+    peers, queues = _swarm(tmp_path, keep=5)  # the same folders; no history at all (the metrics file is gone)
+    peers[0].without_loss = lambda steps: set(steps)
+    assert _resume_all(peers, queues, 10) == [(6, 0)] * 3
+    assert "no train loss of checkpoint step(s) [2, 4, 6]; resuming from step 6 anyway" in caplog.text
+
+
 def test_a_rejoin_without_a_common_step_starts_again_from_step_0_where_a_resume_is_refused(tmp_path):
     peers, queues = _swarm(tmp_path, keep=5)
     peers[0].store.save(2, {"x": torch.zeros(1)})  # the departure came before the others saved step 2
@@ -210,6 +230,62 @@ def test_older_neighbour_without_the_capability(tmp_path, make_config):
     assert sent == [] and checkpoint.stage_steps(tmp_path, 1) == [1]
     with pytest.raises(MaplError, match=r"cannot agree on a resume step: neighbour stage\(s\) \[0\] do not take part"):
         asyncio.run(run(True))
+
+
+def test_a_rejoin_after_stage_0_saved_a_step_before_its_report_resumes_from_the_one_before(tmp_path,
+                                                                                           make_config):
+    """Regression (issue 13): stage 0 saves step 2 at its step end, the swarm declares it complete,
+    then stage 1 departs before its REPORT of step 2 arrives. The next session's resume skips step 2,
+    so the metrics history (read from stage 0's own file) keeps every loss and no step is lost."""
+    from types import SimpleNamespace
+
+    from mapl_swarm.peer.checkpoints import CHECKPOINT_CAPABILITY, PeerRunPolicy
+    from mapl_swarm.peer.compute import ComputeThread
+
+    cfg = make_config(run={"out_dir": str(tmp_path), "steps": 6}, pipeline={"num_stages": 2},
+                      checkpoint={"interval_steps": 1})
+    data = SimpleNamespace(meta={}, tokenizer=SimpleNamespace(file_hash="h"))
+    sent, loaded = [], []
+    weights = {"x": torch.zeros(1)}
+
+    async def send(dst, meta):
+        sent.append(meta)
+
+    def from_stage_1(meta):
+        return Message(type=MessageType.CHECKPOINT, run_id="t", src=1, dst=0, step=meta.get("step") or 0, meta=meta)
+
+    runtime = SimpleNamespace(state_dict=lambda: {k: v.clone() for k, v in weights.items()},
+                              load_state_dict=loaded.append)
+
+    async def session(resume, body):
+        compute = ComputeThread("stage0")
+        policy = PeerRunPolicy(cfg, 0, data, "f" * 32, resume=resume, runtime=runtime, compute=compute)
+        try:
+            return await body(policy)
+        finally:
+            policy.close()  # as the peer does at the end of every session
+            compute.close()
+
+    async def first(policy):
+        assert await policy.begin(send, {1: {CHECKPOINT_CAPABILITY}}, lambda: None) == 0
+        for step in (1, 2):
+            weights["x"].fill_(step)
+            await policy.step_end(step, {"lr_mult": 1.0})
+            await policy.on_message(from_stage_1({"phase": "saved", "step": step}))
+            if step == 1:
+                policy.train_loss(1, 4.25, 64)
+        assert policy.newest_complete == 2  # complete, but stage 1 left before its REPORT of step 2
+
+    async def rejoin(policy):
+        await policy.on_message(from_stage_1({"phase": "offer", "steps": [1, 2], "have": {"1": [1, 2]}, "epoch": 1}))
+        return await policy.begin(send, {1: {CHECKPOINT_CAPABILITY}}, lambda: None, epoch=1, rejoin=True)
+
+    asyncio.run(session(False, first))
+    assert asyncio.run(session(True, rejoin)) == 1
+    assert sent[-1] == {"phase": "resume", "step": 1, "epoch": 1}
+    assert [state["x"].item() for state in loaded] == [1.0]
+    records = [json.loads(x) for x in (tmp_path / "metrics_stage0.jsonl").read_text().splitlines()]
+    assert [(r["step"], r.get("loss")) for r in records] == [(1, 4.25)]
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "no_manifest"])

@@ -148,3 +148,30 @@ def test_train_resume_refuses_swarm_checkpoint(tmp_path, cache):
         checkpoint.save_stage(out, 4, s, checkpoint.load_stage(out, 4, s), meta={**meta, "driver": "swarm"})
     with pytest.raises(CheckpointError, match="driver swarm vs train"):
         train(cfg, resume=True, progress=False)
+
+
+def test_stage_0_records_checkpoint_steps_and_whole_ones_only_count_as_having_their_loss(tmp_path, make_config):
+    """Stage 0's record of a step waits for the last stage's REPORT; a record written without it
+    (the stream closed by a departure), a missing one, or a validation step without its val loss is
+    a step whose loss the history lacks (:func:`steps_without_loss`)."""
+    from mapl_swarm.pipeline.run_policy import StepRecords, metrics_path, steps_without_loss
+
+    cfg = make_config(run={"out_dir": str(tmp_path), "steps": 12}, pipeline={"num_stages": 3},
+                      metrics={"log_interval_steps": 5}, checkpoint={"interval_steps": 3}, eval={"interval_steps": 6})
+    path = metrics_path(tmp_path, 0)
+    records = StepRecords(cfg, 0, MetricsLog(path, resume_from=None), 0)
+    for step in range(1, 10):
+        records.stage_step(step, {"lr_mult": 1.0})
+        if step not in (7, 9):  # the REPORTs of steps 7 and 9 never came
+            records.train_loss(step, 5.0 - step / 10, 64)
+        if step == 6:
+            assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [3, 5]  # 6 waits for val
+            records.val_loss(6, 4.5)
+    records.close()  # a departure: the pending records of steps 7 and 9 are written without a loss
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [(r["step"], "loss" in r) for r in lines] == [(3, True), (5, True), (6, True), (7, False), (9, False)]
+    assert steps_without_loss(cfg, path, [3, 6, 9]) == {9}
+    assert steps_without_loss(cfg, path, [3, 6, 9, 12]) == {9, 12}  # 12: no record at all
+    path.write_text(path.read_text().replace('"val_loss": 4.5', '"other": 1') + '{"step": 3, "lo')  # cut short
+    assert steps_without_loss(cfg, path, [3, 6]) == {6}  # a validation step without its val loss
+    assert steps_without_loss(cfg, tmp_path / "missing.jsonl", [3, 6]) == {3, 6}
