@@ -74,8 +74,7 @@ def test_fingerprint_mismatch_refused_with_both_values(tmp_path, cache):
             err = [l for l in p.lines if l.startswith("mapl-swarm: error:")]
             assert len(err) == 1 and "fingerprint mismatch" in err[0], p.output
             assert "Traceback" not in p.output
-            fps = [tok.strip(",") for tok in err[0].split() if len(tok.strip(",")) == 32]
-            assert len(set(fps)) == 2, err[0]  # both fingerprints named
+            assert len(set(re.findall(r"\b[0-9a-f]{32}\b", err[0]))) == 2, err[0]  # both fingerprints named
     finally:
         dht.stop(sig=2)
 
