@@ -11,8 +11,9 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
+
+from deadlines import wait_until
 
 CONFIG = """
 preset = "tiny"
@@ -141,15 +142,15 @@ def steps_done(out: Path) -> int:
 def wait_steps(out: Path, n: int, procs: list, timeout_s: float) -> int:
     """Until stage 0 recorded ``n`` steps; fails, with the output of a :class:`Watched` one, if one
     of ``procs`` (Popen or Watched) exits, or when time runs out."""
-    deadline = time.monotonic() + timeout_s
-    while (done := steps_done(out)) < n:
+    def reached() -> bool:
         for p in procs:
             proc = getattr(p, "proc", p)
             assert proc.poll() is None, (f"a process exited early ({proc.poll()})"
                                          + (f":\n{p.output[-6000:]}" if isinstance(p, Watched) else ""))
-        assert time.monotonic() < deadline, f"only {done} of {n} steps within {timeout_s:g} s"
-        time.sleep(0.1)  # polling a file against a deadline
-    return done
+        return steps_done(out) >= n
+
+    wait_until(reached, timeout_s, lambda: f"{n} steps recorded (only {steps_done(out)})")
+    return steps_done(out)
 
 
 def pids(*pgrep_args: str) -> list[int]:

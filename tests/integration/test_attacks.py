@@ -48,6 +48,7 @@ from mapl_swarm.wire import MessageType, decode
 
 from attacker import (Intruder, Listener, TcpRelay, big_header, forge, free_port, lz4_zeros_block, lying_lz4,
                       nan_bf16, repack)
+from deadlines import wait_until
 from swarm_helpers import Watched, cli, shared_key_file, write_config
 
 pytestmark = pytest.mark.timeout(600)
@@ -110,16 +111,17 @@ class Swarm:
     def wait_step(self, step: int, timeout_s: float = 180) -> None:
         """Poll stage 0's metrics until they record ``step`` (or fail at the deadline)."""
         path = self.out / "metrics_stage0.jsonl"
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if path.exists() and any(json.loads(l).get("step", -1) >= step for l in path.read_text().splitlines()
-                                     if l.strip()):
-                return
-            if any(p.proc.poll() not in (None, 0) for p in self.peers.values()):
-                break
-            time.sleep(0.1)  # polling a file with a deadline, not synchronising
-        raise AssertionError(f"{self.name}: step {step} not recorded within {timeout_s} s:\n"
-                             + "\n".join(l for p in self.peers.values() for l in p.lines[-20:]))
+
+        def recorded() -> bool:
+            assert all(p.proc.poll() in (None, 0) for p in self.peers.values()), tail()
+            return path.exists() and any(json.loads(l).get("step", -1) >= step
+                                         for l in path.read_text().splitlines() if l.strip())
+
+        def tail() -> str:
+            return f"{self.name}: step {step} not recorded:\n" + "\n".join(
+                l for p in self.peers.values() for l in p.lines[-20:])
+
+        wait_until(recorded, timeout_s, tail)
 
     def release(self) -> None:
         """Stage 0 may go on (it holds after HOLD_AT steps until told, if it got there)."""

@@ -16,13 +16,15 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import pytest
 
 from mapl_swarm.errors import ConfigError
 from mapl_swarm.net.discovery import Discovery, DiscoveryConfig, run_bootstrap_node, start_dht
 from mapl_swarm.net.errors import DiscoveryError, DiscoveryTimeoutError
+
+from deadlines import wait_until
 
 # hivemind imports torch, whose jit module warns on import; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
@@ -39,14 +41,6 @@ def bootstrap() -> Iterator[list[str]]:
 
 def peer_config(bootstrap: list[str], **kwargs: float) -> DiscoveryConfig:
     return DiscoveryConfig(initial_peers=tuple(bootstrap), host="127.0.0.1", **kwargs)
-
-
-def wait_until(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.mark.timeout(60)

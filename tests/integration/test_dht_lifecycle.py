@@ -21,11 +21,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import pytest
 
 from mapl_swarm.procs import parent_death_signal_supported
+
+from deadlines import wait_until
 
 SCRIPT = Path(__file__).with_name("dht_peer_process.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,15 +69,6 @@ def descendants(root: int) -> list[Proc]:
 def gone(proc: Proc) -> bool:
     info = read_proc(proc.pid)
     return info is None or info[1] in "ZX" or info[2] != proc.start
-
-
-def wait_for(cond: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)  # polling process state against a deadline
-    return True
 
 
 def start_peer(mode: str) -> subprocess.Popen:
@@ -132,10 +125,10 @@ def test_sigkill_of_the_peer_leaves_no_process_socket_or_shm_segment() -> None:
         peer.kill()
         peer.wait(timeout=10)
         t0 = time.monotonic()
-        assert wait_for(lambda: all(gone(p) for p in tree), 5.0), \
-            f"still alive 5 s after SIGKILL of the peer: {[p for p in tree if not gone(p)]}"
-        assert wait_for(lambda: not any(p.exists() for p in [*sockets, *shm]), 5.0 - (time.monotonic() - t0)), \
-            f"left behind: {[str(p) for p in [*sockets, *shm] if p.exists()]}"
+        wait_until(lambda: all(gone(p) for p in tree), 5.0,
+                   lambda: f"the peer's tree gone after its SIGKILL (alive: {[p for p in tree if not gone(p)]})")
+        wait_until(lambda: not any(p.exists() for p in [*sockets, *shm]), 5.0 - (time.monotonic() - t0),
+                   lambda: f"nothing left behind (left: {[str(p) for p in [*sockets, *shm] if p.exists()]})")
     finally:
         reap(peer, tree)
 
@@ -157,8 +150,9 @@ def test_sigint_to_the_process_group_closes_the_dht_quietly() -> None:
         assert (peer.returncode, out.split()[-1:]) == (0, ["CLOSED"]), err[-4000:]
         for bad in ("Traceback", "ERROR", "grace period", "hard way", "did not stop", "terminate called"):
             assert bad not in err, f"{bad!r} in the peer's stderr:\n{err[-4000:]}"
-        assert wait_for(lambda: all(gone(p) for p in tree), 5.0), [p for p in tree if not gone(p)]
-        assert wait_for(lambda: not any(p.exists() for p in [*sockets, *shm]), 5.0), \
-            f"left behind: {[str(p) for p in [*sockets, *shm] if p.exists()]}"
+        wait_until(lambda: all(gone(p) for p in tree), 5.0,
+                   lambda: f"the peer's tree gone (alive: {[p for p in tree if not gone(p)]})")
+        wait_until(lambda: not any(p.exists() for p in [*sockets, *shm]), 5.0,
+                   lambda: f"nothing left behind (left: {[str(p) for p in [*sockets, *shm] if p.exists()]})")
     finally:
         reap(peer, tree)

@@ -3,13 +3,13 @@ per-step metrics streamed while the run goes, and multi-host resume from the new
 stage has (each stage with its own run.out_dir, agreement by CHECKPOINT messages, SPEC §5.2)."""
 
 import json
-import time
 from pathlib import Path
 
 import pytest
 
 from mapl_swarm.pipeline import checkpoint
 
+from deadlines import wait_until
 from swarm_helpers import Watched, cli, start_dht, write_config
 
 pytestmark = pytest.mark.timeout(600)
@@ -37,11 +37,11 @@ def test_swarm_prunes_writes_manifest_and_streams_metrics(tmp_path):
     swarm = Watched(cli("launch", "--config", str(path), "--quiet"))
     try:
         metrics0 = tmp_path / "run" / "metrics_stage0.jsonl"
-        deadline = time.monotonic() + 300
-        while len(_records(metrics0)) < 2:  # streamed per step: readable while the swarm still runs
+        def two_records() -> bool:  # streamed per step: readable while the swarm still runs
             assert swarm.proc.poll() is None, swarm.output
-            assert time.monotonic() < deadline, "no metrics records while the swarm ran"
-            time.sleep(0.1)  # watching another process's file, with a deadline
+            return len(_records(metrics0)) >= 2
+
+        wait_until(two_records, 300, "two metrics records while the swarm ran")
         assert swarm.proc.poll() is None, "the run ended before its records were read"
         assert swarm.wait(300) == 0, swarm.output
     finally:

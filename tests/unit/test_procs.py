@@ -10,12 +10,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from mapl_swarm.procs import parent_death_signal_supported
+
+from deadlines import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -65,10 +66,7 @@ def kill_parent_and_check_child(parent_code: str) -> None:
         assert alive(child)
         parent.kill()
         parent.wait(timeout=10)
-        deadline = time.monotonic() + 5.0
-        while alive(child) and time.monotonic() < deadline:
-            time.sleep(0.02)  # polling process state against a deadline
-        assert not alive(child), "child still alive 5 s after its parent was SIGKILLed"
+        wait_until(lambda: not alive(child), 5.0, "the child's death after its parent was SIGKILLed")
     finally:
         parent.kill()
         if child and alive(child):  # first: it holds the parent's stdout open
