@@ -157,7 +157,10 @@ def _cmd_dht(args: argparse.Namespace) -> int:
             print(f"  --initial-peer {m}")
         sys.stdout.flush()
 
-    run_bootstrap_node(args.host, args.port, announce_host=args.announce_host, ready=ready, run_key=run_key)
+    try:
+        run_bootstrap_node(args.host, args.port, announce_host=args.announce_host, ready=ready, run_key=run_key)
+    except (KeyboardInterrupt, _Terminated) as stop:  # a bootstrap node's normal end (docker stop, Ctrl-C)
+        log.info("DHT bootstrap node stopped (%s)", "SIGTERM" if isinstance(stop, _Terminated) else "SIGINT")
     return 0
 
 
@@ -183,9 +186,14 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     out = Path(cfg.run.out_dir)
     print(f"metrics: {out}/metrics_stage{{0..{cfg.pipeline.num_stages - 1}}}.jsonl; checkpoints: {out}/checkpoints; "
           f"manifest: {out}/manifest.json")
+    _print_restarts(s)
+    return 0
+
+
+def _print_restarts(s: Any) -> None:
+    """The restarts line of a ``launch`` / ``lab`` :class:`~mapl_swarm.peer.launch.SwarmSummary`."""
     if s.restarts:
         print("restarted peers: " + ", ".join(f"stage {st} x{n}" for st, n in s.restarts.items()))
-    return 0
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
@@ -219,10 +227,15 @@ def _cmd_lab(args: argparse.Namespace) -> int:
     cfg = _load(args)
     from mapl_swarm.lab.swarm import run_lab_swarm
 
-    s = run_lab_swarm(cfg, _config_args(args), rate_mbit=args.rate_mbit, subnet=args.subnet)
+    s = run_lab_swarm(cfg, _config_args(args) + (["--resume"] if args.resume else []), rate_mbit=args.rate_mbit,
+                      subnet=args.subnet, max_restarts=args.max_restarts)
+    if s.end_note:  # drained (SIGINT/SIGTERM): one line
+        print(f"mapl-swarm: {s.end_note}")
+        return 0
     print(f"lab swarm {cfg.compression.codec} P={cfg.pipeline.num_stages} over {args.rate_mbit:g} Mbit/s tbf links: "
           f"{len(s.train_losses)} steps, train loss {s.train_losses[-1]:.4f}, "
           f"{s.tokens / max(s.wall_s, 1e-9):.0f} tokens/s")
+    _print_restarts(s)
     return 0
 
 
@@ -266,6 +279,13 @@ def _key_args(p: argparse.ArgumentParser, what: str) -> None:
     group.add_argument("--insecure", action="store_true",
                        help="run without a run key: plain TCP, unsigned records, anyone may read and join "
                             "(logged as a warning)")
+
+
+def _max_restarts_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-restarts", type=int, default=3, metavar="N",
+                   help="per stage: how many times a peer that dies (non-zero status or a signal, not after "
+                        "Ctrl-C) is started again with --resume while the others wait; one more death stops the "
+                        "swarm; 0: any death stops it (default: 3)")
 
 
 def _resume_arg(p: argparse.ArgumentParser, who: str, more: str = "") -> None:
@@ -372,6 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rate-mbit", type=float, default=20.0, metavar="MBIT",
                    help="tbf rate of every link in Mbit/s; 0 leaves links unshaped (default: 20)")
     p.add_argument("--subnet", type=int, default=77, metavar="N", help="lab addresses are 10.N.0.x (default: 77)")
+    _resume_arg(p, "every peer continues")
+    _max_restarts_arg(p)
     p.set_defaults(func=_cmd_lab)
 
     p = add("launch", "start a DHT and every stage peer on this machine",
@@ -384,10 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPUs to give the peers, round-robin, one per peer through its CUDA_VISIBLE_DEVICES, "
                         "e.g. --gpus 0,1,2,3 (a repeated id shares a GPU; needs runtime.device auto or cuda) "
                         "(default: the visible GPUs, round-robin; none: the peers' environment is unchanged)")
-    p.add_argument("--max-restarts", type=int, default=3, metavar="N",
-                   help="per stage: how many times a peer that dies (non-zero status or a signal, not after "
-                        "Ctrl-C) is started again with --resume while the others wait; one more death stops the "
-                        "swarm; 0: any death stops it (default: 3)")
+    _max_restarts_arg(p)
     p.set_defaults(func=_cmd_launch)
     return parser
 

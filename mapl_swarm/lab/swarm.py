@@ -3,44 +3,47 @@
 Every peer runs the same ``mapl-swarm dht`` / ``mapl-swarm peer`` commands as ``compose.yaml``,
 bound to its namespace's address, with every link shaped by the kernel's tbf. The DHT node and
 every peer read the run key ``run.out_dir/run.key`` (created with mode 0600 when missing), by path.
+The data is prepared once, first. The peers are supervised as ``launch`` supervises its own (:func:`~mapl_swarm.peer.launch.supervise`):
+Ctrl-C drains them, and one that dies is started again with ``--resume`` in its namespace (at most
+``max_restarts`` times per stage) while the others wait for it; the DHT node exiting stops the run.
 """
 
 from __future__ import annotations
 
-import logging
-import subprocess
+import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from mapl_swarm.config import TrainConfig
-from mapl_swarm.errors import MaplError
+from mapl_swarm.data import prepare_data
 from mapl_swarm.lab.netns import NetnsLab
 from mapl_swarm.net.runkey import run_dir_key
-from mapl_swarm.peer.launch import SwarmSummary, stop_all, summarize
-
-log = logging.getLogger(__name__)
+from mapl_swarm.peer.launch import PeerProcess, RestartPolicy, Supervisor, SwarmSummary, stop_all, supervise
+from mapl_swarm.procs import die_with_parent
 
 __all__ = ["run_lab_swarm"]
 
 
 def run_lab_swarm(cfg: TrainConfig, config_args: list[str], *, rate_mbit: float, subnet: int = 77,
-                  timeout_s: float = 3600.0, threads: int = 1) -> SwarmSummary:
-    """Train ``cfg`` with the DHT and each stage in its own namespace; returns the swarm summary.
-    ``config_args`` (the options that produced ``cfg``, with ``--log-level``) go to every peer; the
-    DHT child gets the log level."""
+                  timeout_s: float = 3600.0, threads: int = 1, max_restarts: int = 3) -> SwarmSummary:
+    """Train ``cfg`` with the DHT and each stage in its own namespace; returns the swarm summary
+    (or, after Ctrl-C, the drained one with its ``end_note``). ``config_args`` (the options that
+    produced ``cfg``, with ``--log-level``) go to every peer; the DHT child gets the log level."""
+    policy = RestartPolicy(max_restarts)  # before any work: a bad --max-restarts answers at once
     P = cfg.pipeline.num_stages
     hosts = ["dht"] + [f"stage{k}" for k in range(P)]
     key_args = ["--key-file", run_dir_key(cfg.run.out_dir).path]
-    procs: list[subprocess.Popen] = []
+    for k in range(P):  # results of an earlier run must not be mistaken for this one's
+        (Path(cfg.run.out_dir) / f"peer_stage{k}.json").unlink(missing_ok=True)
+    prepare_data(cfg.data, progress=False)  # once, here, rather than raced by every peer
     with tempfile.TemporaryDirectory() as tmp, NetnsLab(hosts, rate_mbit=rate_mbit, subnet=subnet) as lab:
         maddr_file = str(Path(tmp) / "dht.maddrs")
         base = [sys.executable, "-m", "mapl_swarm"]
         log_args = config_args[config_args.index("--log-level"):][:2] if "--log-level" in config_args else []
+        # a process group of its own, as every peer's: a terminal's Ctrl-C reaches the lab, which drains the peers
         dht = lab.popen("dht", base + ["dht", "--host", lab.address("dht"), "--maddr-file", maddr_file, *key_args,
-                                       *log_args])
-        procs.append(dht)
+                                       *log_args], preexec_fn=die_with_parent(), process_group=0)
         try:
             peers = []
             for k in range(P):
@@ -48,22 +51,8 @@ def run_lab_swarm(cfg: TrainConfig, config_args: list[str], *, rate_mbit: float,
                 cmd = base + ["peer", *config_args, "--stage", str(k), "--initial-peers-file", maddr_file,
                               "--set", 'net.bind_host="0.0.0.0"', "--set", f'net.advertise_host="{addr}"',
                               "--set", f'net.dht_host="{addr}"', "--set", f"runtime.threads={threads}", "--quiet",
-                              *key_args]
-                peers.append(lab.popen(f"stage{k}", cmd))
-            procs.extend(peers)
-            deadline = time.monotonic() + timeout_s
-            while True:
-                codes = [p.poll() for p in peers]
-                bad = [(k, c) for k, c in enumerate(codes) if c not in (None, 0)]
-                if bad:
-                    raise MaplError(f"lab stage {bad[0][0]} exited with status {bad[0][1]}")
-                if dht.poll() is not None:
-                    raise MaplError(f"lab DHT exited with status {dht.returncode}")
-                if all(c == 0 for c in codes):
-                    break
-                if time.monotonic() > deadline:
-                    raise MaplError(f"lab swarm did not finish within {timeout_s:g} s")
-                time.sleep(0.2)  # supervising child processes
+                              "--launched", *key_args]
+                peers.append(PeerProcess(k, lab.command(f"stage{k}", cmd), dict(os.environ), None))
+            return supervise(cfg, Supervisor(policy, {"the lab's DHT node": dht}), peers, timeout_s, command="lab")
         finally:
-            stop_all(procs)
-    return summarize(cfg.run.out_dir, P)
+            stop_all([dht])

@@ -60,7 +60,8 @@ from mapl_swarm.pipeline.payload import BACKWARD_KINDS, FORWARD_KINDS, kind_byte
 log = logging.getLogger(__name__)
 
 __all__ = ["launch", "SwarmSummary", "summarize", "stop_all", "parse_gpus", "visible_gpus", "gpu_plan",
-           "PeerProcess", "peer_processes", "drain_note", "RestartPolicy", "Supervisor", "resumed", "exit_text"]
+           "PeerProcess", "peer_processes", "drain_note", "RestartPolicy", "Supervisor", "supervise", "resumed",
+           "exit_text"]
 
 _GRACE_S = 20.0
 _ABORT_GAP_S = 0.5
@@ -288,24 +289,36 @@ def launch(cfg: TrainConfig, config_args: list[str], *, progress: bool = True,
         out = Path(cfg.run.out_dir)
         log.info("metrics: %s (one per stage, appended every step); checkpoints: %s; manifest: %s",
                  out / f"metrics_stage{{0..{P - 1}}}.jsonl", out / "checkpoints", out / "manifest.json")
+        return supervise(cfg, swarm, peer_processes(P, config_args, maddr=maddr, threads=threads,
+                                                    progress=progress, gpus=plan, environ=os.environ,
+                                                    key_file=run_key.path, net_port=cfg.net.port,
+                                                    dht_port=cfg.net.dht_port), timeout_s)
+    finally:
+        bootstrap.close()
+
+
+def supervise(cfg: TrainConfig, swarm: "Supervisor", peers: Sequence[PeerProcess], timeout_s: float | None, *,
+              command: str = "launch") -> SwarmSummary:
+    """Run ``peers`` (one per stage of ``cfg``) under ``swarm`` until they all ended (module
+    docstring: signals forwarded, dead peers restarted), stopping every one still running on the
+    way out; the swarm's summary, or after a drain one with its ``end_note`` (which tells to
+    continue with ``mapl-swarm COMMAND --resume``)."""
+    try:
         with _Forwarded() as signals:
-            swarm.start(peer_processes(P, config_args, maddr=maddr, threads=threads, progress=progress, gpus=plan,
-                                       environ=os.environ, key_file=run_key.path, net_port=cfg.net.port,
-                                       dht_port=cfg.net.dht_port))
+            swarm.start(peers)
             swarm.run(signals, timeout_s, drain_timeout_s=cfg.net.timeout_s + 60.0)
     except KeyboardInterrupt:
         raise MaplError("interrupted; stopped every peer") from None
     finally:
         swarm.stop()
-        bootstrap.close()
     restarts = swarm.policy.counts()
     if restarts:
-        log.info("restarts per stage: %s (--max-restarts %d each)", json.dumps(restarts), max_restarts)
+        log.info("restarts per stage: %s (--max-restarts %d each)", json.dumps(restarts), swarm.policy.max_restarts)
     if signals.received:
-        note, step = drain_note(cfg, signals.received[0])
+        note, step = drain_note(cfg, signals.received[0], command)
         if note:
             return SwarmSummary([], [], [], 0, 0.0, [], end_note=note, drained_at=step, restarts=restarts)
-    summary = summarize(cfg.run.out_dir, P)
+    summary = summarize(cfg.run.out_dir, cfg.pipeline.num_stages)
     summary.restarts = restarts
     return summary
 
@@ -425,8 +438,10 @@ class Supervisor:
     launcher's signals, restarts a dead one with ``--resume`` as its :class:`RestartPolicy` says
     and leaves the others alone, and stops them all (:func:`stop_all`)."""
 
-    def __init__(self, policy: RestartPolicy) -> None:
+    def __init__(self, policy: RestartPolicy, companions: Mapping[str, subprocess.Popen] | None = None) -> None:
         self.policy = policy
+        self.companions = dict(companions or {})
+        """Processes the peers need, by name (the lab's DHT node): one that exits stops the swarm."""
         self.peers: list[PeerProcess] = []
         """How each stage's peer is (re)started, by stage."""
         self.procs: list[subprocess.Popen] = []
@@ -457,6 +472,9 @@ class Supervisor:
                         p.send_signal(sig)
                 if len(signals.received) == 1:
                     deadline = time.monotonic() + drain_timeout_s
+            for name, proc in self.companions.items():
+                if proc.poll() is not None:
+                    raise MaplError(f"{name} exited with {exit_text(proc.returncode)}; stopped the swarm")
             done = 0
             for stage, proc in enumerate(self.procs):
                 status = _exit_status(proc)
@@ -493,9 +511,9 @@ class Supervisor:
         raise MaplError(f"stage {stage} peer exited with {what}; {spent} (--max-restarts {n}); stopped the swarm")
 
 
-def drain_note(cfg: TrainConfig, signal_name: str) -> tuple[str, int | None]:
-    """The launcher's one line after its peers drained on ``signal_name`` (from their result files), and
-    the step; ``""`` when every peer had finished the run anyway."""
+def drain_note(cfg: TrainConfig, signal_name: str, command: str = "launch") -> tuple[str, int | None]:
+    """The launcher's (``mapl-swarm COMMAND``'s) one line after its peers drained on ``signal_name``
+    (from their result files), and the step; ``""`` when every peer had finished the run anyway."""
     results = []
     for s in range(cfg.pipeline.num_stages):
         path = Path(cfg.run.out_dir) / f"peer_stage{s}.json"
@@ -508,5 +526,5 @@ def drain_note(cfg: TrainConfig, signal_name: str) -> tuple[str, int | None]:
         stopped = ", ".join(f"stage {s} {end}" for s, end in enumerate(ends))
         return f"swarm stopped ({signal_name}): {stopped}", None
     step = steps.pop()
-    note = results[0].get("checkpoint_note", "").replace("--resume", "`mapl-swarm launch --resume`")
+    note = results[0].get("checkpoint_note", "").replace("--resume", f"`mapl-swarm {command} --resume`")
     return f"swarm drained at step {step} ({signal_name}): {note}", step

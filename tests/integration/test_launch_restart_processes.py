@@ -11,6 +11,7 @@ import logging
 import os
 import select
 import signal
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -141,6 +142,22 @@ def test_a_dead_stage_restarts_with_resume_and_the_others_are_left_alone(tmp_pat
     if not gone:
         os.kill(helper, signal.SIGKILL)
     assert gone, "the dead peer's process group outlived it"
+
+
+def test_a_companion_that_exits_stops_the_swarm_naming_it(tmp_path):
+    """The lab's DHT node is a companion: its exit stops every peer, with one line naming it."""
+    peers, _, _ = _peers(tmp_path, ["wait", "wait"], gpus=[None] * 2)
+    dht = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(4)"])
+    swarm = Supervisor(RestartPolicy(3), {"the lab's DHT node": dht})
+    try:
+        swarm.start(peers)
+        with pytest.raises(MaplError) as err:
+            swarm.run(_Forwarded(), 60, drain_timeout_s=10)
+    finally:
+        swarm.stop()
+    assert str(err.value) == "the lab's DHT node exited with status 4; stopped the swarm"
+    assert all(p.returncode is not None for p in swarm.procs)  # every peer stopped and reaped
+    assert swarm.policy.counts() == {}  # nothing restarted
 
 
 @pytest.mark.parametrize("max_restarts", [0, 2])

@@ -1,17 +1,24 @@
 """Kernel-shaped links in network namespaces (root + iproute2; skipped elsewhere)."""
 
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from mapl_swarm.config import load_config
 from mapl_swarm.lab.netns import NetnsLab, netns_available
+from mapl_swarm.pipeline import checkpoint
+from mapl_swarm.pipeline.trainer import train
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from swarm_helpers import write_config  # noqa: E402
+from swarm_helpers import Watched, cli, pids, train_losses, wait_steps, write_config  # noqa: E402
+from test_swarm_liveness import BAD_OUTPUT  # noqa: E402
 
 ok, why = netns_available()
 pytestmark = [pytest.mark.netns, pytest.mark.skipif(not ok, reason=f"network namespaces unavailable: {why}"),
@@ -49,6 +56,35 @@ def test_tbf_link_shapes_throughput_within_10_percent():
         assert 18.0 <= mbit <= 21.0, mbit  # payload rate; TCP/IP headers take a few percent
 
 
+def test_sigint_drains_the_lab_swarm_to_one_checkpointed_step(tmp_path):
+    """Ctrl-C in a terminal: SIGINT to the lab's process group. The lab forwards it to each peer (each
+    in a process group of its own, in its namespace); every stage saves the same step, the DHT node
+    stops quietly, and the lab exits 0 within 10 s, its last line naming `lab --resume`."""
+    out = tmp_path / "run"
+    path = write_config(tmp_path / "lab.toml", stages=3, steps=100_000, cache=tmp_path / "cache", out=out,
+                        run_id="labint", timeout=60)
+    path.write_text(path.read_text() + "\n[checkpoint]\ninterval_steps = 5\n")
+    lab = subprocess.Popen(cli("lab", "--config", str(path), "--rate-mbit", "0", "--subnet", "83"),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_steps(out, 3, [lab], 300)
+        interrupted = time.monotonic()
+        os.killpg(lab.pid, signal.SIGINT)
+        stdout, stderr = lab.communicate(timeout=10)
+        took = time.monotonic() - interrupted
+    finally:
+        if lab.poll() is None:
+            lab.send_signal(signal.SIGTERM)  # a stop at once, which still takes the namespaces down
+            lab.communicate(timeout=60)
+    assert lab.returncode == 0 and took < 10.0, stderr[-6000:]
+    assert not any(bad in stderr for bad in BAD_OUTPUT + ("stopped by",)), stderr[-6000:]
+    assert "DHT bootstrap node stopped (SIGTERM)" in stderr
+    m = re.fullmatch(r"mapl-swarm: swarm drained at step (\d+) \(SIGINT\): checkpoint of step \1 saved by every "
+                     r"stage; continue with `mapl-swarm lab --resume`", stdout.splitlines()[-1])
+    assert m, stdout
+    assert [checkpoint.stage_steps(out, s)[-1] for s in range(3)] == [int(m.group(1))] * 3
+
+
 def test_lab_swarm_trains_over_kernel_shaped_links(tmp_path):
     from mapl_swarm.lab.swarm import run_lab_swarm
 
@@ -61,3 +97,32 @@ def test_lab_swarm_trains_over_kernel_shaped_links(tmp_path):
     res = json.loads((tmp_path / "run" / "peer_stage1.json").read_text())
     assert res["bad_frames"] == 0
     assert summary.links[0]["forward_payload"] > 0
+
+
+@pytest.mark.slow  # ~1 min; the restart logic itself is in the default run (test_launch_restart_processes.py)
+def test_lab_restarts_a_killed_peer_in_its_namespace_and_the_losses_are_unchanged(tmp_path):
+    """`lab` supervises its peers as `launch` does: SIGKILL of stage 1's peer (and its DHT child) mid-run;
+    it is started again with --resume in its namespace, and the run ends with exit 0 and the losses of
+    one uninterrupted in-process run."""
+    out = tmp_path / "run"
+    path = write_config(tmp_path / "lab.toml", stages=3, steps=12, cache=tmp_path / "cache", out=out, run_id="labre",
+                        timeout=60)
+    path.write_text(path.read_text().replace("[net]\n", "[net]\nrejoin_timeout_s = 120\nhello_retry_s = 2\n")
+                    + "\n[checkpoint]\ninterval_steps = 3\n")
+    lab = Watched(cli("lab", "--config", str(path), "--rate-mbit", "0", "--subnet", "81"))
+    try:
+        wait_steps(out, 5, [lab], 300)
+        killed = pids("-f", f"peer --config {path} --stage 1 ")
+        assert killed, "no stage 1 peer found"
+        for pid in killed:  # the peer and its forked DHT child, as a host crash
+            os.kill(pid, signal.SIGKILL)
+        lab.wait_for(r"stage 1 \(pid \d+\) died \(SIGKILL\); restarting it with --resume \(restart 1 of 3\)", 30)
+        assert lab.wait(300) == 0, lab.output[-6000:]
+        assert "restarted peers: stage 1 x1" in lab.output and "Traceback" not in lab.output
+    finally:
+        lab.stop()  # SIGTERM: the lab drains and takes its namespaces down
+    records = [json.loads(line) for line in (out / "metrics_stage0.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    train(load_config(path, {"run": {"out_dir": str(tmp_path / "ref")}, "checkpoint": {"interval_steps": 0}}),
+          progress=False)
+    assert losses == pytest.approx(train_losses(tmp_path / "ref"), abs=1e-3)
