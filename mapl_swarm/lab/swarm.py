@@ -3,14 +3,17 @@
 Every peer runs the same ``mapl-swarm dht`` / ``mapl-swarm peer`` commands as ``compose.yaml``,
 bound to its namespace's address, with every link shaped by the kernel's tbf. The DHT node and
 every peer read the run key ``run.out_dir/run.key`` (created with mode 0600 when missing), by path.
-The data is prepared once, first. The peers are supervised as ``launch`` supervises its own (:func:`~mapl_swarm.peer.launch.supervise`):
-Ctrl-C drains them, and one that dies is started again with ``--resume`` in its namespace (at most
-``max_restarts`` times per stage) while the others wait for it; the DHT node exiting stops the run.
+The data is prepared once, first. The peers are supervised as ``launch`` supervises its own
+(:func:`~mapl_swarm.peer.launch.supervise`): Ctrl-C drains them, and one that dies is started again
+with ``--resume`` in its namespace (at most ``max_restarts`` times per stage) while the others wait
+for it; the DHT node exiting stops the run.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -19,10 +22,14 @@ from mapl_swarm.config import TrainConfig
 from mapl_swarm.data import prepare_data
 from mapl_swarm.lab.netns import NetnsLab
 from mapl_swarm.net.runkey import run_dir_key
-from mapl_swarm.peer.launch import PeerProcess, RestartPolicy, Supervisor, SwarmSummary, stop_all, supervise
+from mapl_swarm.peer.launch import PeerProcess, RestartPolicy, Supervisor, SwarmSummary, supervise
 from mapl_swarm.procs import die_with_parent
 
+log = logging.getLogger(__name__)
+
 __all__ = ["run_lab_swarm"]
+
+_DHT_GRACE_S = 30.0
 
 
 def run_lab_swarm(cfg: TrainConfig, config_args: list[str], *, rate_mbit: float, subnet: int = 77,
@@ -55,4 +62,10 @@ def run_lab_swarm(cfg: TrainConfig, config_args: list[str], *, rate_mbit: float,
                 peers.append(PeerProcess(k, lab.command(f"stage{k}", cmd), dict(os.environ), None))
             return supervise(cfg, Supervisor(policy, {"the lab's DHT node": dht}), peers, timeout_s, command="lab")
         finally:
-            stop_all([dht])
+            dht.terminate()  # once: its normal end (a second SIGTERM, as stop_all sends, cuts its close short)
+            try:
+                dht.wait(_DHT_GRACE_S)
+            except subprocess.TimeoutExpired:
+                log.warning("the lab's DHT node did not stop within %.0f s; killing it", _DHT_GRACE_S)
+                dht.kill()
+                dht.wait()
