@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import os
 import re
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from deadlines import wait_until
@@ -151,6 +153,28 @@ def wait_steps(out: Path, n: int, procs: list, timeout_s: float) -> int:
 
     wait_until(reached, timeout_s, lambda: f"{n} steps recorded (only {steps_done(out)})")
     return steps_done(out)
+
+
+def ctrl_c_after(cmd: list[str], out: Path, steps: int, *, timeout_s: float = 10,
+                 cleanup: int = signal.SIGKILL) -> tuple[int, str, str, float]:
+    """Start ``cmd`` (a swarm writing its metrics to ``out``) in a session of its own; after stage 0
+    recorded ``steps`` steps, SIGINT to its process group (a terminal's Ctrl-C). Its (status,
+    stdout, stderr, seconds from the SIGINT to its exit); one still running ``timeout_s`` after it
+    gets ``cleanup`` (SIGKILL: to its whole group) and fails the test."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_steps(out, steps, [proc], 300)
+        interrupted = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+        return proc.returncode, stdout, stderr, time.monotonic() - interrupted
+    finally:
+        if proc.poll() is None:
+            if cleanup == signal.SIGKILL:
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                proc.send_signal(cleanup)
+            proc.communicate(timeout=60)
 
 
 def pids(*pgrep_args: str) -> list[int]:

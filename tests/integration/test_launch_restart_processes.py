@@ -144,17 +144,23 @@ def test_a_dead_stage_restarts_with_resume_and_the_others_are_left_alone(tmp_pat
     assert gone, "the dead peer's process group outlived it"
 
 
-def test_a_companion_that_exits_stops_the_swarm_naming_it(tmp_path):
-    """The lab's DHT node is a companion: its exit stops every peer, with one line naming it."""
-    peers, _, _ = _peers(tmp_path, ["wait", "wait"], gpus=[None] * 2)
-    dht = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(4)"])
-    swarm = Supervisor(RestartPolicy(3), {"the lab's DHT node": dht})
+def _stopped(swarm: Supervisor, peers) -> pytest.ExceptionInfo[MaplError]:
+    """Run ``peers`` under ``swarm``, which must stop with a MaplError; every peer is stopped after."""
     try:
         swarm.start(peers)
         with pytest.raises(MaplError) as err:
             swarm.run(_Forwarded(), 60, drain_timeout_s=10)
     finally:
         swarm.stop()
+    return err
+
+
+def test_a_companion_that_exits_stops_the_swarm_naming_it(tmp_path):
+    """The lab's DHT node is a companion: its exit stops every peer, with one line naming it."""
+    peers, _, _ = _peers(tmp_path, ["wait", "wait"], gpus=[None] * 2)
+    dht = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(4)"])
+    swarm = Supervisor(RestartPolicy(3), {"the lab's DHT node": dht})
+    err = _stopped(swarm, peers)
     assert str(err.value) == "the lab's DHT node exited with status 4; stopped the swarm"
     assert all(p.returncode is not None for p in swarm.procs)  # every peer stopped and reaped
     assert swarm.policy.counts() == {}  # nothing restarted
@@ -164,12 +170,7 @@ def test_a_companion_that_exits_stops_the_swarm_naming_it(tmp_path):
 def test_a_stage_out_of_restarts_stops_the_swarm_naming_it(tmp_path, max_restarts):
     peers, log, _ = _peers(tmp_path, ["wait", "die", "wait"], gpus=[None] * 3)
     swarm = Supervisor(RestartPolicy(max_restarts))
-    try:
-        swarm.start(peers)
-        with pytest.raises(MaplError) as err:
-            swarm.run(_Forwarded(), 60, drain_timeout_s=10)
-    finally:
-        swarm.stop()
+    err = _stopped(swarm, peers)
     spent = "no restarts allowed" if max_restarts == 0 else "restarted 2 times already"
     assert str(err.value) == (f"stage 1 peer exited with status 1; {spent} (--max-restarts {max_restarts}); "
                               f"stopped the swarm")

@@ -21,7 +21,7 @@ from mapl_swarm.config import load_config
 from mapl_swarm.pipeline import checkpoint
 from mapl_swarm.pipeline.trainer import train
 
-from swarm_helpers import Watched, cli, start_dht, steps_done, train_losses, wait_steps, write_config
+from swarm_helpers import Watched, cli, ctrl_c_after, start_dht, steps_done, train_losses, wait_steps, write_config
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -111,19 +111,8 @@ def test_sigint_to_a_launch_process_group_drains_every_stage_to_one_checkpointed
     path = write_config(tmp_path / "drain.toml", stages=3, steps=100_000, cache=cache, out=out, run_id="drain",
                         timeout=60)
     path.write_text(path.read_text() + "\n[checkpoint]\ninterval_steps = 5\n")
-    launcher = subprocess.Popen([sys.executable, "-m", "mapl_swarm", "launch", "--config", str(path), "--quiet"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        wait_steps(out, 7, [launcher], 240)
-        interrupted = time.monotonic()
-        os.killpg(launcher.pid, signal.SIGINT)
-        stdout, stderr = launcher.communicate(timeout=10)
-        took = time.monotonic() - interrupted
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.communicate()
-    assert launcher.returncode == 0, stderr[-6000:]
+    status, stdout, stderr, took = ctrl_c_after(cli("launch", "--config", str(path), "--quiet"), out, 7)
+    assert status == 0, stderr[-6000:]
     assert took < 10.0
     assert not any(bad in stderr for bad in BAD_OUTPUT), stderr[-6000:]
     lines = stdout.splitlines()

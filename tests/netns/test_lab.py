@@ -6,7 +6,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ from mapl_swarm.pipeline import checkpoint
 from mapl_swarm.pipeline.trainer import train
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from swarm_helpers import Watched, cli, pids, train_losses, wait_steps, write_config  # noqa: E402
+from swarm_helpers import Watched, cli, ctrl_c_after, pids, train_losses, wait_steps, write_config  # noqa: E402
 from test_swarm_liveness import BAD_OUTPUT  # noqa: E402
 
 ok, why = netns_available()
@@ -64,19 +63,9 @@ def test_sigint_drains_the_lab_swarm_to_one_checkpointed_step(tmp_path):
     path = write_config(tmp_path / "lab.toml", stages=3, steps=100_000, cache=tmp_path / "cache", out=out,
                         run_id="labint", timeout=60)
     path.write_text(path.read_text() + "\n[checkpoint]\ninterval_steps = 5\n")
-    lab = subprocess.Popen(cli("lab", "--config", str(path), "--rate-mbit", "0", "--subnet", "83"),
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        wait_steps(out, 3, [lab], 300)
-        interrupted = time.monotonic()
-        os.killpg(lab.pid, signal.SIGINT)
-        stdout, stderr = lab.communicate(timeout=10)
-        took = time.monotonic() - interrupted
-    finally:
-        if lab.poll() is None:
-            lab.send_signal(signal.SIGTERM)  # a stop at once, which still takes the namespaces down
-            lab.communicate(timeout=60)
-    assert lab.returncode == 0 and took < 10.0, stderr[-6000:]
+    status, stdout, stderr, took = ctrl_c_after(  # a SIGTERM stops the lab at once and takes its namespaces down
+        cli("lab", "--config", str(path), "--rate-mbit", "0", "--subnet", "83"), out, 3, cleanup=signal.SIGTERM)
+    assert status == 0 and took < 10.0, stderr[-6000:]
     assert not any(bad in stderr for bad in BAD_OUTPUT + ("stopped by",)), stderr[-6000:]
     assert "DHT bootstrap node stopped (SIGTERM)" in stderr
     m = re.fullmatch(r"mapl-swarm: swarm drained at step (\d+) \(SIGINT\): checkpoint of step \1 saved by every "
