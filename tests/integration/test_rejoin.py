@@ -38,6 +38,9 @@ def _rejoin_config(tmp_path, name: str, steps: int):
     return path, out
 
 
+# failed once in three fresh-clone runs on 2026-12-01: after the second rejoin (epoch 2, rolled back to
+# step 9) stage 0 got no GRAD within 60 s; a race in the re-formed session, not yet found (issue 13 open)
+@pytest.mark.slow
 def test_a_middle_peer_killed_twice_is_replaced_and_the_swarm_rolls_back_in_place(tmp_path):
     steps = 16
     path, out = _rejoin_config(tmp_path, "rejoin", steps)
