@@ -19,7 +19,10 @@ fails drops the message with a stable code (:class:`~.session.Rejected`, or the 
    the type's direction (``wire.content.check_sender``, SPEC §9.4);
 5. **session**: only from the routing id bound at the handshake (``wrong_session``), of the swarm's
    run epoch or later once training runs (``stale_epoch``, SPEC "Rejoin"), with a sequence number
-   above the last accepted (``replay``; a gap is logged as lost messages);
+   above the last accepted (``replay``; a gap is logged as lost messages); a pipeline message
+   (:data:`HELD_UNTIL_START`) that comes before this peer's training started is then held
+   (:class:`~.session.Early`): the peer admits it with the checks from here on once training
+   starts (SPEC §6.1 "Before training starts");
 6. **window** and **sizes** on the header (``out_of_window``, ``stale_projector``,
    ``size_mismatch``: ``wire.content.check_header`` / ``check_declared`` against the run's
    :class:`~mapl_swarm.wire.RunShapes` and the link's :class:`~mapl_swarm.wire.Window`);
@@ -38,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from mapl_swarm.compress.catalog import codec_info
 from mapl_swarm.peer.link import stage_of
-from mapl_swarm.peer.session import HelloRefused, Rejected, RxSession
+from mapl_swarm.peer.session import Early, HelloRefused, Rejected, RxSession
 from mapl_swarm.wire import (ContentError, DecodeLimits, Message, MessageType, RunShapes, VersionMismatch, Window,
                              WireError, check_content, check_declared, check_epoch, check_header, check_sender,
                              decode_header, decode_tensors)
@@ -52,10 +55,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Rejected", "HelloRefused", "RejectCounter", "RxSession", "Arrival", "Admitted", "Admission",
+__all__ = ["Rejected", "HelloRefused", "Early", "HELD_UNTIL_START", "RejectCounter", "RxSession", "Arrival", "Admitted", "Admission",
            "run_shapes", "mailbox_bound"]
 
 MT = MessageType
+
+HELD_UNTIL_START: frozenset[MessageType] = frozenset(
+    {MT.ACT, MT.GRAD, MT.PROJ, MT.PROJ_GRAD, MT.REPORT, MT.CODEBOOK_SLICE, MT.RESYNC})
+"""The pipeline's messages: their checks need the run epoch, step window and projector version
+that this peer has only once its training starts, so those that come earlier are held (a
+neighbour that got the resume decision first may already send step N's PROJ and ACTs)."""
 
 
 def run_shapes(cfg: TrainConfig, stage: int) -> RunShapes:
@@ -109,6 +118,9 @@ class Arrival:
     reply_link: str | None = None
     """Set when it came in on this peer's own connection to that neighbour: an answer to what this
     peer sent there (WELCOME or REJECT to its HELLO)."""
+    held: bool = False
+    """It came before this peer's training started and was held (:class:`~.session.Early`): its
+    ``seq`` was accepted then, in arrival order; the checks after the sequence remain."""
 
 
 @dataclass(frozen=True)
@@ -127,7 +139,8 @@ class Admission:
 
     def __init__(self, settings: LinkSettings, links: Links, *, shapes: RunShapes, window: Callable[[PeerLink], Window],
                  rejects: RejectCounter, decoder: WorkerThread, timeout_s: float, clock: Callable[[], float],
-                 replies_on_link: bool, epoch: Callable[[], int] = lambda: 0) -> None:
+                 replies_on_link: bool, epoch: Callable[[], int] = lambda: 0,
+                 started: Callable[[], bool] = lambda: True) -> None:
         self.s = settings
         self.links = links
         self.shapes = shapes
@@ -139,17 +152,20 @@ class Admission:
         self.timeout_s = timeout_s
         self.clock = clock
         self.replies_on_link = replies_on_link
-        self.epoch = epoch
-        """The lowest run epoch a message may carry (SPEC "Rejoin"): the swarm's once training runs."""
         """WELCOME/REJECT come back on this peer's own connection (``Arrival.reply_link``); False
         with a transport that cannot receive there (they then come on the neighbour's connection,
         recognised by the HELLO nonce they echo)."""
+        self.epoch = epoch
+        """The lowest run epoch a message may carry (SPEC "Rejoin"): the swarm's once training runs."""
+        self.started = started
+        """This peer's training runs: before, pipeline messages are held (:class:`~.session.Early`)."""
 
     # ------------------------------------------------------------------ the way in
     async def admit(self, arrival: Arrival) -> Admitted | None:
         """The admitted message, or None when dropped (counted and logged). A refused HELLO raises
         :class:`HelloRefused` (the caller answers with REJECT), a version mismatch re-raises
-        :class:`~mapl_swarm.wire.VersionMismatch` (likewise)."""
+        :class:`~mapl_swarm.wire.VersionMismatch` (likewise), a pipeline message before training
+        :class:`~.session.Early` (the caller holds it and admits it again once training starts)."""
         sender = arrival.sender
         try:
             link = self._link_of(arrival)
@@ -163,7 +179,7 @@ class Admission:
                 return Admitted(decode_tensors(header, arrival.frames, self.limits), link, sender)
             self._check_message(header, link, arrival)
             msg = await self._tensors(header, arrival.frames, link)
-        except (HelloRefused, VersionMismatch):
+        except (HelloRefused, VersionMismatch, Early):
             raise
         except (Rejected, ContentError) as exc:
             self.rejects(exc.code, sender, exc.text)
@@ -228,10 +244,13 @@ class Admission:
             raise Rejected("wrong_session", f"{h.type.name} from {arrival.sender!r}; stage {link.stage}'s "
                                             f"session is {session.routing_id if session else None!r}")
         check_epoch(h, self.epoch())  # before the sequence: a stale message does not move it
-        gap = session.accept(h.seq, self.clock())
-        if gap:
-            log.warning("%s: %d message(s) from stage %d lost before seq %d (%d lost on the session)", s.name, gap,
-                        link.stage, h.seq, session.lost)
+        if not arrival.held:
+            gap = session.accept(h.seq, self.clock())
+            if gap:
+                log.warning("%s: %d message(s) from stage %d lost before seq %d (%d lost on the session)", s.name,
+                            gap, link.stage, h.seq, session.lost)
+            if h.type in HELD_UNTIL_START and not self.started():
+                raise Early(link.name, f"{h.type.name} of step {h.step} before this peer's training started")
         check_header(h, self.shapes, self.window(link))  # step window, projector version
         check_declared(h, self.shapes)  # declared sizes, before anything is inflated
 

@@ -25,7 +25,9 @@ The peer itself owns the lifecycle (transport, discovery, handshake, result), th
 and the dispatcher. Receiving never waits on handling: the receive loops admit each message and
 note the sign of life (heartbeats are handled right there), then queue it for the dispatcher, whose
 :meth:`Peer._dispatch` routes it through one table; a handler that waits (a relay to a neighbour
-whose send buffer is full) therefore never makes another neighbour look silent. The work (lookup,
+whose send buffer is full) therefore never makes another neighbour look silent. Pipeline messages
+that come before this peer's training started (a neighbour that had the resume decision first)
+are held and admitted, in arrival order, once it starts (SPEC §6.1). The work (lookup,
 handshake, resume agreement, the schedule) runs as one task that a departure or a second signal
 cancels wherever it waits.
 
@@ -54,6 +56,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -74,7 +77,7 @@ from mapl_swarm.peer.link import LinkSettings, Links, PeerLink, Reply, stage_nam
 from mapl_swarm.peer.mailbox import Mailbox
 from mapl_swarm.peer.result import PeerResult, write_result
 from mapl_swarm.peer.schedule import NoRunHooks, PipelineSchedule, ScheduleSettings
-from mapl_swarm.peer.session import HelloRefused, Rejected
+from mapl_swarm.peer.session import Early, HelloRefused, Rejected
 from mapl_swarm.peer.vq_link import codebook_summary
 from mapl_swarm.peer.waiting import WAIT_LOG_INTERVAL_S, WaitingLog
 from mapl_swarm.pipeline.stage import StageRuntime
@@ -184,7 +187,7 @@ class Peer:
         self.admission = Admission(
             settings, self.links, shapes=run_shapes(cfg, stage), window=self.schedule.window, rejects=self.rejects,
             decoder=self.decoder, timeout_s=cfg.net.timeout_s, clock=time.monotonic, replies_on_link=False,
-            epoch=lambda: self.epoch if self._training else 0)
+            epoch=lambda: self.epoch if self._training else 0, started=lambda: self._training)
         net = cfg.net
         self.monitor = HeartbeatMonitor(
             HeartbeatConfig(interval_s=net.heartbeat_interval_s, timeout_s=net.liveness_ceiling,
@@ -196,6 +199,12 @@ class Peer:
         """Neighbours that went silent or left (:mod:`~.departures`)."""
         self._inbox: asyncio.Queue[Then] = asyncio.Queue()
         self._inbox_bound = 4 * mailbox_bound(cfg) + 64
+        self._held: list[Arrival] = []
+        """Pipeline messages that came before this peer's training started, in arrival order: admitted
+        when it starts (:meth:`_start_training`; at most ``_inbox_bound``)."""
+        self._admitting = asyncio.Lock()
+        """Held by the receive loop around each admission, so that messages are admitted in arrival
+        order, the held ones before any later one."""
         self._stop_event = asyncio.Event()
         self._stop_reason: BaseException | None = None
         self._training = False
@@ -226,7 +235,8 @@ class Peer:
         and queued for the dispatcher."""
         while True:
             sender, frames = await transport.recv(timeout_s=3600.0)
-            self._queue(await self._admit(Arrival(sender, frames), transport), sender)
+            async with self._admitting:
+                self._queue(await self._admit(Arrival(sender, frames), transport), sender)
 
     async def _reply_loop(self, transport: Any) -> None:
         """Answers (WELCOME/REJECT) on this peer's own connections to its neighbours."""
@@ -263,6 +273,9 @@ class Peer:
         refused HELLO), or None."""
         try:
             got = await self.admission.admit(arrival)
+        except Early as early:
+            self._hold(arrival, early.link)
+            return None
         except HelloRefused as exc:
             self.rejects(exc.code, arrival.sender, exc.text)
             link = self._link_of(arrival)
@@ -290,6 +303,27 @@ class Peer:
         if got.msg.type is MT.PROJ:
             got.link.pver = got.msg.pver  # the link's projector version moves on (SPEC §9.6)
         return lambda: self._handle(got, arrival, transport)
+
+    def _hold(self, arrival: Arrival, link: str) -> None:
+        self.monitor.heard(link)  # authenticated and in sequence: a sign of life
+        if len(self._held) >= self._inbox_bound:
+            self.rejects("queue_full", arrival.sender, f"{self._inbox_bound} messages from before the start of "
+                                                       f"training are held already")
+            return
+        self._held.append(replace(arrival, held=True))
+
+    async def _start_training(self, transport: Any) -> None:
+        """Training starts (the run epoch, step window and projector version are set): the held
+        messages are admitted, in arrival order, before anything received later (SPEC §6.1 "Before
+        training starts": a neighbour that had the resume decision first may have sent step N's PROJ
+        and ACTs while this peer still loaded its checkpoint)."""
+        async with self._admitting:
+            self._training = True
+            held, self._held = self._held, []
+            for arrival in held:
+                self._queue(await self._admit(arrival, transport), arrival.sender)
+        if held:
+            log.debug("%s: %d message(s) that came before the start of training admitted now", self.name, len(held))
 
     async def _handle(self, got: Admitted, arrival: Arrival, transport: Any) -> None:
         if got.msg.type is MT.HELLO and self._training and got.msg.epoch > self.epoch:
@@ -466,9 +500,9 @@ class Peer:
         self._background.append(asyncio.create_task(self._dispatch_loop()))
         self.monitor.start()
         await self._handshake(transport, shaping)
-        start = await self._agree_start(transport)
-        self._training = True
-        await self.schedule.run(start)
+        self.schedule.begin(await self._agree_start(transport))
+        await self._start_training(transport)
+        await self.schedule.run()
         self._schedule_ended = True
         self._ended()
         await transport.flush(net.timeout_s)

@@ -253,12 +253,16 @@ class PipelineSchedule:
         return len(self._awaiting)
 
     # ------------------------------------------------------------------ entry points
-    async def run(self, start_step: int | None = None) -> None:
-        """Stage 1 drives the steps, later stages serve until BYE; sets ``result.wall_s``.
-        ``start_step`` (a resume agreed after the handshake) overrides the settings' one."""
+    def begin(self, start_step: int | None) -> None:
+        """Training starts at ``start_step`` (a resume agreed after the handshake; None: the
+        settings' one): the step windows follow it from now on."""
         if start_step is not None:
             self.s = replace(self.s, start_step=start_step)
         self.step = self.s.start_step
+
+    async def run(self) -> None:
+        """Stage 1 drives the steps from :meth:`begin`'s, later stages serve until BYE; sets
+        ``result.wall_s``."""
         # a resumed receiver's checkpoint may hold the projector of before the sender's last
         # step: the sender's copy is authoritative, so send it before any ACT
         await self._send_projector(self.s.start_step)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Rejected", "HelloRefused", "RxSession"]
+__all__ = ["Rejected", "HelloRefused", "Early", "RxSession"]
 
 
 class Rejected(Exception):
@@ -23,6 +23,16 @@ class HelloRefused(Rejected):
     def __init__(self, code: str, text: str, hello_nonce: object = None) -> None:
         super().__init__(code, text)
         self.hello_nonce = hello_nonce
+
+
+class Early(Exception):
+    """A pipeline message of neighbour ``link``'s live session, in sequence, that came before this
+    peer's training started: held, and admitted with the remaining checks once it starts (SPEC
+    §6.1 "Before training starts")."""
+
+    def __init__(self, link: str, text: str) -> None:
+        super().__init__(text)
+        self.link = link
 
 
 @dataclass

@@ -28,6 +28,12 @@ def _peer(path, maddr: str, stage: int, *extra: str) -> Watched:
     return Watched(cli("peer", "--config", str(path), "--stage", str(stage), "--initial-peer", maddr, *extra))
 
 
+def _outputs(*groups: list[Watched]) -> str:
+    """Every peer's output, labelled by its command line, for a failure message."""
+    return "\n\n".join(f"=== {' '.join(p.proc.args[-6:])} (exit {p.proc.poll()}) ===\n{p.output[-8000:]}"
+                         for group in groups for p in group)
+
+
 def _rejoin_config(tmp_path, name: str, steps: int):
     """A 3-stage config that checkpoints every 3 steps and retries HELLO every 2 s; (path, out)."""
     out = tmp_path / "swarm"
@@ -38,9 +44,6 @@ def _rejoin_config(tmp_path, name: str, steps: int):
     return path, out
 
 
-# failed once in three fresh-clone runs on 2026-12-01: after the second rejoin (epoch 2, rolled back to
-# step 9) stage 0 got no GRAD within 60 s; a race in the re-formed session, not yet found (issue 13 open)
-@pytest.mark.slow
 def test_a_middle_peer_killed_twice_is_replaced_and_the_swarm_rolls_back_in_place(tmp_path):
     steps = 16
     path, out = _rejoin_config(tmp_path, "rejoin", steps)
@@ -61,7 +64,7 @@ def test_a_middle_peer_killed_twice_is_replaced_and_the_swarm_rolls_back_in_plac
                 p.wait_for(rf"stage 1 at tcp://\S+ silent since .*pausing: the swarm re-forms \(run epoch {round_}\)",
                            60)
         for p in [*survivors, middle]:
-            assert p.wait(240) == 0, p.output[-6000:]
+            assert p.wait(240) == 0, _outputs(first, replacements)
         assert [p.proc.pid for p in survivors] == pids  # never restarted
         for p in [*survivors, *replacements]:
             assert not any(bad in p.output for bad in BAD_OUTPUT), p.output[-6000:]

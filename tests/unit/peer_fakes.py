@@ -164,3 +164,41 @@ def fake_swarm(cfg=None, *, fingerprint: str = "fp", secret: bytes | None = None
 
 async def run_swarm(peers: list[Peer], transports: list[FakeTransport], timeout_s: float = 120.0) -> list:
     return await asyncio.wait_for(asyncio.gather(*(p.serve(t) for p, t in zip(peers, transports))), timeout_s)
+
+
+def policy_swarm(cfg, *, resume: bool = False) -> tuple[FakeNet, list[Peer], list[FakeTransport]]:
+    """Stages 0 .. P-1 of ``cfg`` on a :class:`FakeNet`, each with a real run policy
+    (:class:`~mapl_swarm.peer.checkpoints.PeerRunPolicy`: checkpoints and metrics in ``run.out_dir``,
+    the resume agreement when ``resume``); serve them with :func:`serve_all`. Call inside a running
+    event loop."""
+    from mapl_swarm.peer.checkpoints import PeerRunPolicy
+    from mapl_swarm.peer.compute import ComputeThread
+
+    net = FakeNet()
+    transports = [net.transport(f"stage{s}") for s in range(cfg.pipeline.num_stages)]
+    data = SimpleNamespace(meta={}, tokenizer=SimpleNamespace(file_hash="h"))
+
+    async def resolve(stage: int, timeout_s: float) -> str:
+        return f"mem://stage{stage}"
+
+    async def announce(endpoint: str) -> None:
+        return None
+
+    peers = []
+    for s in range(cfg.pipeline.num_stages):
+        rt, compute = StageRuntime(cfg, s), ComputeThread(f"stage{s}")
+        policy = PeerRunPolicy(cfg, s, data, "f" * 32, resume=resume, runtime=rt, compute=compute)
+        peers.append(Peer(cfg, s, rt, fingerprint="f" * 32, resolve=resolve, announce=announce,
+                          sampler=sampler(cfg) if s == 0 else None, compute=compute, run_policy=policy))
+    return net, peers, transports
+
+
+async def serve_all(peers: list[Peer], transports: list[FakeTransport], timeout_s: float = 120.0) -> list:
+    """Every peer's result, or what it raised; the run policies closed at the end."""
+    try:
+        return await asyncio.wait_for(asyncio.gather(*(p.serve(t) for p, t in zip(peers, transports)),
+                                                     return_exceptions=True), timeout_s)
+    finally:
+        for p in peers:
+            if p.run_policy is not None:
+                p.run_policy.close()

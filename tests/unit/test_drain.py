@@ -5,20 +5,15 @@ from __future__ import annotations
 import asyncio
 import re
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 
-from mapl_swarm.peer.checkpoints import PeerRunPolicy
-from mapl_swarm.peer.compute import ComputeThread
 from mapl_swarm.peer.departures import NeighbourLost
 from mapl_swarm.peer.drain import Drain, Interrupted
-from mapl_swarm.peer.runtime import Peer
 from mapl_swarm.pipeline import checkpoint
-from mapl_swarm.pipeline.stage import StageRuntime
 from mapl_swarm.wire import Message, MessageType, decode, encode
 
-from peer_fakes import FakeNet, sampler, swarm_config
+from peer_fakes import policy_swarm, serve_all, swarm_config
 
 MT = MessageType
 
@@ -99,44 +94,18 @@ def _swarm(tmp_path, *, stages: int = 3, interval: int = 1000, **net):
     cfg = swarm_config(pipeline={"num_stages": stages},
                        run={"steps": 10_000, "run_id": "mem", "out_dir": str(tmp_path)},
                        checkpoint={"interval_steps": interval}, net=net)
-    net_ = FakeNet()
-    transports = [net_.transport(f"stage{s}") for s in range(stages)]
-    data = SimpleNamespace(meta={}, tokenizer=SimpleNamespace(file_hash="h"))
+    _, peers, transports = policy_swarm(cfg)
     losses = asyncio.Event()
-    peers = []
-    for s in range(stages):
-        rt = StageRuntime(cfg, s)
-        compute = ComputeThread(f"stage{s}")
-        policy = PeerRunPolicy(cfg, s, data, "f" * 32, resume=False, runtime=rt, compute=compute)
-        if s == 0:
-            record = policy.train_loss
+    policy = peers[0].run_policy
+    record = policy.train_loss
 
-            def train_loss(step, loss, tokens, record=record, policy=policy):
-                record(step, loss, tokens)
-                if step >= 3:
-                    losses.set()
+    def train_loss(step, loss, tokens):
+        record(step, loss, tokens)
+        if step >= 3:
+            losses.set()
 
-            policy.train_loss = train_loss
-
-        async def resolve(stage, timeout_s):
-            return f"mem://stage{stage}"
-
-        async def announce(endpoint):
-            return None
-
-        peers.append(Peer(cfg, s, rt, fingerprint="f" * 32, resolve=resolve, announce=announce,
-                          sampler=sampler(cfg) if s == 0 else None, compute=compute, run_policy=policy))
+    policy.train_loss = train_loss
     return peers, transports, losses
-
-
-async def _serve(peers, transports, timeout_s=120.0):
-    try:
-        return await asyncio.wait_for(asyncio.gather(*(p.serve(t) for p, t in zip(peers, transports)),
-                                                     return_exceptions=True), timeout_s)
-    finally:
-        for p in peers:
-            if p.run_policy is not None:
-                p.run_policy.close()
 
 
 def test_a_signal_at_the_last_stage_drains_every_stage_at_one_checkpointed_step(tmp_path):
@@ -150,7 +119,7 @@ def test_a_signal_at_the_last_stage_drains_every_stage_at_one_checkpointed_step(
             peers[2].request_drain("SIGTERM")
 
         asyncio.get_running_loop().create_task(signal_later())
-        return peers, await _serve(peers, transports)
+        return peers, await serve_all(peers, transports)
 
     peers, results = asyncio.run(main())
     assert all(not isinstance(r, BaseException) for r in results), results
@@ -180,7 +149,7 @@ def test_a_second_signal_stops_at_once_and_the_neighbours_name_the_silent_stage(
             peers[1].abort("SIGINT")
 
         asyncio.get_running_loop().create_task(signals())
-        return await _serve(peers, transports, timeout_s=60)
+        return await serve_all(peers, transports, timeout_s=60)
 
     r0, r1, r2 = asyncio.run(main())
     assert isinstance(r1, Interrupted) and r1.exit_code == 130 and "stopped at once by a second SIGINT" in str(r1)
@@ -209,7 +178,7 @@ def test_a_step_longer_than_the_deadline_is_survived(tmp_path):
             return forward(micro, **kw)
 
         peers[1].rt.forward = long_forward
-        return slow, await _serve(peers, transports, timeout_s=60)
+        return slow, await serve_all(peers, transports, timeout_s=60)
 
     slow, results = asyncio.run(main())
     assert slow and all(not isinstance(r, BaseException) for r in results), results
@@ -220,7 +189,7 @@ def test_a_signal_before_training_stops_the_peer_at_once_and_cleanly(tmp_path):
     async def main():
         peers, transports, _ = _swarm(tmp_path, stages=2)
         peers[1].request_drain("SIGINT")  # its neighbour never comes: it would wait in the handshake
-        return await _serve(peers[1:], transports[1:], timeout_s=30)
+        return await serve_all(peers[1:], transports[1:], timeout_s=30)
 
     (r1,) = asyncio.run(main())
     assert r1.end == "stopped" and r1.end_note == "stage 1 stopped before training started (SIGINT)", r1
@@ -237,7 +206,7 @@ def _leave_with_bye_drain(tmp_path, **net):
             peers[2]._stop(_clean(peers[2]))  # as after a signal before training: BYE "drain" to its neighbour
 
         asyncio.get_running_loop().create_task(leave())
-        return await _serve(peers, transports, timeout_s=60), transports
+        return await serve_all(peers, transports, timeout_s=60), transports
 
     return asyncio.run(main())
 

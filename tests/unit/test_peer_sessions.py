@@ -55,8 +55,10 @@ class Middle:
         await self.peer.receive(Arrival(sender, [bytes(f) for f in frames], reply_link=reply_link), self.transport)
 
     async def handshake(self, up: str = UP, down: str = DOWN) -> None:
+        """Both neighbours' HELLOs, then training starts (as after a handshake without a resume)."""
         await self.feed(up, msg(MT.HELLO, src=0, meta=HELLO))
         await self.feed(down, msg(MT.HELLO, src=2, meta=HELLO))
+        await self.peer._start_training(self.transport)
 
     @property
     def rejects(self) -> dict[str, int]:
