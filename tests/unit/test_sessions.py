@@ -9,7 +9,8 @@ from mapl_swarm.peer.result import PeerResult
 from mapl_swarm.peer.sessions import merge
 from mapl_swarm.wire import REJOIN_CAPABILITY
 
-from test_drain import _serve, _swarm
+from peer_fakes import serve_all
+from test_drain import _swarm
 
 
 def test_merge_keeps_the_losses_before_the_rollback_and_adds_up_the_counters():
@@ -59,7 +60,7 @@ def test_a_silent_middle_peer_pauses_both_neighbours_at_the_next_run_epoch(tmp_p
             peers[1].abort("SIGKILL")  # gone at once, without a BYE (and no drain asked of the others)
 
         asyncio.get_running_loop().create_task(kill())
-        return await _serve(peers, transports, timeout_s=60)
+        return await serve_all(peers, transports, timeout_s=60)
 
     r0, _, r2 = asyncio.run(main())
     for r, me in ((r0, 0), (r2, 2)):
