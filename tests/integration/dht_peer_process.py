@@ -6,11 +6,13 @@
                                         # Ctrl-C (KeyboardInterrupt) closes both, prints CLOSED
 
 The JSON holds this process's pid and the pids of its DHT node processes. Logging goes to stderr
-at INFO, so any warning of the DHT shutdown path shows up there.
+at INFO, so any warning of the DHT shutdown path shows up there; SIGUSR1 dumps every thread's
+stack there (a test that timed out shows where the process hangs).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -23,6 +25,7 @@ from mapl_swarm.net.discovery import Discovery, DiscoveryConfig
 
 def main(mode: str) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that times out asks where it hangs
     config = DiscoveryConfig(host="127.0.0.1")
     nodes = [Discovery("run-lifecycle", config).start()]
     joined = DiscoveryConfig(host="127.0.0.1", initial_peers=tuple(nodes[0].visible_maddrs()))
@@ -43,6 +46,7 @@ def main(mode: str) -> int:
             while True:
                 signal.pause()
     except KeyboardInterrupt:
+        print("closing", file=sys.stderr, flush=True)
         for node in reversed(nodes):
             node.close()
         print("CLOSED", flush=True)
