@@ -11,6 +11,8 @@ on another thread, :func:`watch_parent` waits on a pidfd of the parent instead.
   (``Popen(cmd, preexec_fn=die_with_parent())``), from the main thread.
 - :func:`set_parent_death_signal` — the same, called in a forked child itself.
 - :func:`watch_parent` — a daemon thread calling back when a given process has exited.
+- :func:`wait_for_signal` — the main thread of a process that only waits for its end (a DHT
+  bootstrap node) blocks so that signal handlers still run on it.
 
 Where prctl is missing (not Linux) these return False / None and do nothing: the caller keeps
 its previous behaviour. Standard library only.
@@ -27,9 +29,13 @@ import sys
 import threading
 from typing import Any, Callable
 
-__all__ = ["parent_death_signal_supported", "set_parent_death_signal", "die_with_parent", "watch_parent"]
+__all__ = ["parent_death_signal_supported", "set_parent_death_signal", "die_with_parent", "watch_parent",
+           "wait_for_signal"]
 
 _PR_SET_PDEATHSIG = 1
+
+SIGNAL_SLICE_S = 0.5
+"""How late, at most, :func:`wait_for_signal` lets a signal's handler run."""
 
 
 @functools.cache
@@ -101,3 +107,17 @@ def watch_parent(parent_pid: int, on_death: Callable[[], None]) -> threading.Thr
     thread = threading.Thread(target=wait, name="mapl-parent-watch", daemon=True)
     thread.start()
     return thread
+
+
+def wait_for_signal(event: threading.Event | None = None) -> None:
+    """Block the main thread until ``event`` is set (None: never), or until a signal handler raises
+    (Ctrl-C's KeyboardInterrupt, a SIGTERM handler's exception), which propagates.
+
+    An untimed wait is not enough: the kernel may deliver a signal sent to the process to any
+    thread that does not block it (hivemind and torch start several), and Python then runs the
+    handler on the main thread only when that thread next runs bytecode, which a thread blocked
+    in an untimed lock wait or ``signal.pause()`` never does. Waiting in slices of
+    :data:`SIGNAL_SLICE_S` bounds how late the handler runs."""
+    event = event or threading.Event()
+    while not event.wait(SIGNAL_SLICE_S):
+        pass

@@ -50,6 +50,7 @@ from typing import Any, Callable, Protocol, Sequence
 from mapl_swarm.errors import ConfigError
 from mapl_swarm.net.dht_node import host_maddr, start_dht
 from mapl_swarm.net.errors import DiscoveryError, DiscoveryTimeoutError
+from mapl_swarm.procs import wait_for_signal
 
 __all__ = ["DiscoveryConfig", "Discovery", "start_dht", "run_bootstrap_node", "host_maddr", "stage_key",
            "dht_validators", "HasDhtKey", "MAX_STAGES", "MAX_TTL_S"]
@@ -109,7 +110,7 @@ def run_bootstrap_node(host: str = "0.0.0.0", port: int = 0, *, announce_host: s
                     "signed" if run_key is not None else "unsigned", " ".join(maddrs))
         if ready is not None:
             ready(maddrs)
-        (stop or threading.Event()).wait()
+        wait_for_signal(stop)  # the signals' handlers (Ctrl-C, the CLI's SIGTERM) still run
         return maddrs
     finally:
         dht.shutdown()

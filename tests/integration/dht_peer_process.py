@@ -21,6 +21,7 @@ import sys
 import threading
 
 from mapl_swarm.net.discovery import Discovery, DiscoveryConfig
+from mapl_swarm.procs import wait_for_signal
 
 
 def main(mode: str) -> int:
@@ -43,8 +44,7 @@ def main(mode: str) -> int:
         if mode == "hold":
             sys.stdin.read()  # until the test kills this process
         else:
-            while True:
-                signal.pause()
+            wait_for_signal()  # Ctrl-C raises KeyboardInterrupt here, whichever thread the kernel gave it to
     except KeyboardInterrupt:
         print("closing", file=sys.stderr, flush=True)
         for node in reversed(nodes):

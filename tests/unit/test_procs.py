@@ -92,3 +92,35 @@ def test_a_parent_already_gone_sends_the_signal_at_once() -> None:
             "set_parent_death_signal(signal.SIGTERM, parent_pid=-1)\nprint('survived')")
     done = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=30)
     assert (done.returncode, done.stdout) == (-signal.SIGTERM, "")
+
+
+SIGNAL_ON_A_HELPER_THREAD = """
+import signal, sys, threading
+from mapl_swarm.procs import wait_for_signal
+
+def poke():  # the kernel may hand a signal sent to the process to any thread: here a helper's
+    signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+
+threading.Timer(0.2, poke).start()
+try:
+    wait_for_signal() if sys.argv[1] == "wait_for_signal" else threading.Event().wait()
+except KeyboardInterrupt:
+    print("KeyboardInterrupt")
+"""
+
+
+@pytest.mark.parametrize("wait, ends", [("wait_for_signal", True), ("untimed", False)])
+def test_a_signal_taken_by_a_helper_thread_still_interrupts_wait_for_signal(wait: str, ends: bool) -> None:
+    """Ctrl-C handled on one of hivemind's threads: ``wait_for_signal`` raises KeyboardInterrupt on
+    the main thread within its slice, where an untimed wait (the DHT bootstrap node's before) never
+    returns."""
+    proc = subprocess.Popen([sys.executable, "-c", SIGNAL_ON_A_HELPER_THREAD, wait], env=ENV, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        out, _ = proc.communicate(timeout=10 if ends else 3)
+        assert ends and out.split() == ["KeyboardInterrupt"], out
+    except subprocess.TimeoutExpired:
+        assert not ends, f"{wait}: no KeyboardInterrupt within 10 s"
+    finally:
+        proc.kill()
+        proc.wait()
