@@ -55,8 +55,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Rejected", "HelloRefused", "Early", "HELD_UNTIL_START", "RejectCounter", "RxSession", "Arrival", "Admitted", "Admission",
-           "run_shapes", "mailbox_bound"]
+__all__ = ["Rejected", "HelloRefused", "Early", "HELD_UNTIL_START", "RejectCounter", "RxSession", "Arrival",
+           "Admitted", "Admission", "run_shapes", "mailbox_bound"]
 
 MT = MessageType
 
