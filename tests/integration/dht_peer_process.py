@@ -27,6 +27,9 @@ from mapl_swarm.procs import wait_for_signal
 def main(mode: str) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that times out asks where it hangs
+    # Ctrl-C raises KeyboardInterrupt even when the tests run as a background job of a shell without
+    # job control, whose children start with SIGINT ignored (Python then keeps ignoring it)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     config = DiscoveryConfig(host="127.0.0.1")
     nodes = [Discovery("run-lifecycle", config).start()]
     joined = DiscoveryConfig(host="127.0.0.1", initial_peers=tuple(nodes[0].visible_maddrs()))

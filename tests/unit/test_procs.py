@@ -98,6 +98,8 @@ SIGNAL_ON_A_HELPER_THREAD = """
 import signal, sys, threading
 from mapl_swarm.procs import wait_for_signal
 
+signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started with SIGINT ignored
+
 def poke():  # the kernel may hand a signal sent to the process to any thread: here a helper's
     signal.pthread_kill(threading.get_ident(), signal.SIGINT)
 
