@@ -45,7 +45,7 @@ from mapl_swarm.peer.session import Early, HelloRefused, Rejected, RxSession
 from mapl_swarm.wire import (ContentError, DecodeLimits, Message, MessageType, RunShapes, VersionMismatch, Window,
                              WireError, check_content, check_declared, check_epoch, check_header, check_sender,
                              decode_header, decode_tensors)
-from mapl_swarm.wire.spec import HANDSHAKE_TYPES
+from mapl_swarm.wire.spec import HANDSHAKE_TYPES, WINDOW_TYPES
 
 if TYPE_CHECKING:
     from mapl_swarm.config import TrainConfig
@@ -60,8 +60,7 @@ __all__ = ["Rejected", "HelloRefused", "Early", "HELD_UNTIL_START", "RejectCount
 
 MT = MessageType
 
-HELD_UNTIL_START: frozenset[MessageType] = frozenset(
-    {MT.ACT, MT.GRAD, MT.PROJ, MT.PROJ_GRAD, MT.REPORT, MT.CODEBOOK_SLICE, MT.RESYNC})
+HELD_UNTIL_START: frozenset[MessageType] = WINDOW_TYPES | {MT.RESYNC}
 """The pipeline's messages: their checks need the run epoch, step window and projector version
 that this peer has only once its training starts, so those that come earlier are held (a
 neighbour that got the resume decision first may already send step N's PROJ and ACTs)."""

@@ -327,7 +327,7 @@ def check_declared(header: Header, shapes: RunShapes) -> None:
 
 # ---------------------------------------------------------------------------- the checks
 def _window(msg: Message | Header, shapes: RunShapes, window: Window) -> None:
-    if msg.type not in (MT.ACT, MT.GRAD, MT.PROJ, MT.PROJ_GRAD, MT.REPORT, MT.CODEBOOK_SLICE):
+    if msg.type not in spec.WINDOW_TYPES:
         return
     if not window.low <= msg.step <= window.high:
         raise ContentError("out_of_window", f"{msg.type.name} of step {msg.step}, this link accepts steps "

@@ -24,6 +24,7 @@ __all__ = [
     "REJOIN_CAPABILITY",
     "REJOIN_REASON",
     "HANDSHAKE_TYPES",
+    "WINDOW_TYPES",
     "NONCE_BYTES",
     "SESSION_DOMAIN",
     "SESSION_VERSION",
@@ -86,6 +87,11 @@ class MessageType(enum.IntEnum):
 
 HANDSHAKE_TYPES: frozenset[MessageType] = frozenset({MessageType.HELLO, MessageType.WELCOME, MessageType.REJECT})
 """The handshake (SPEC §9): tagged with the run's auth key; every later message with the session key (§7)."""
+
+WINDOW_TYPES: frozenset[MessageType] = frozenset(
+    {MessageType.ACT, MessageType.GRAD, MessageType.PROJ, MessageType.PROJ_GRAD, MessageType.REPORT,
+     MessageType.CODEBOOK_SLICE})
+"""Checked against the receiver's step window (SPEC §6.1 rule 5, §9.7)."""
 
 RESERVED_TYPE_CODES: frozenset[int] = frozenset({15})
 """Reserved (14 was, until 1.3 made it CHECKPOINT); a decoder rejects them as unknown."""
