@@ -9,6 +9,12 @@ the lab tears itself down on exit, even after a failure.
 
 Addresses: ``10.<subnet>.0.1`` is the bridge, host i is ``10.<subnet>.0.(10 + i)``; these are the
 lab's own hosts, inside namespaces this process created.
+
+Beside a Docker engine: dockerd sets the iptables FORWARD policy to DROP and turns on
+``bridge-nf-call-iptables``, so frames crossing any bridge it does not own are dropped, and that
+kernel state outlives dockerd. The lab therefore inserts one FORWARD accept rule for traffic within
+its own bridge (tagged with a comment naming the bridge) and deletes it again on teardown; it touches
+no other rule, policy or sysctl.
 """
 
 from __future__ import annotations
@@ -53,6 +59,15 @@ def _run(cmd: list[str]) -> str:
     return proc.stdout
 
 
+def _forward_policy() -> str:
+    """The iptables FORWARD chain's policy (``ACCEPT``, ``DROP``), or ``unknown``."""
+    proc = subprocess.run(["iptables", "-w", "5", "-S", "FORWARD"], capture_output=True, text=True, timeout=30)
+    for line in proc.stdout.splitlines():
+        if line.startswith("-P FORWARD "):
+            return line.split()[2]
+    return "unknown"
+
+
 @dataclass(frozen=True)
 class LabHost:
     name: str
@@ -78,6 +93,7 @@ class NetnsLab:
             for i, name in enumerate(hosts)
         }
         self._up = False
+        self._forward_rule: list[str] | None = None
 
     def up(self) -> "NetnsLab":
         try:
@@ -85,6 +101,7 @@ class NetnsLab:
             _run(["ip", "addr", "add", f"{self.gateway}/24", "dev", self.bridge])
             _run(["ip", "link", "set", self.bridge, "up"])
             self._up = True
+            self._allow_forwarding()
             for h in self.hosts.values():
                 _run(["ip", "netns", "add", h.namespace])
                 _run(["ip", "link", "add", h.veth_root, "type", "veth", "peer", "name", h.veth_ns])
@@ -109,7 +126,24 @@ class NetnsLab:
         _run(tc + ["qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{self.rate_mbit}mbit",
                    "burst", str(burst_bytes), "latency", "400ms"])
 
+    def _allow_forwarding(self) -> None:
+        """Accept forwarding within the lab's bridge in iptables' FORWARD chain (see the module note)."""
+        if shutil.which("iptables") is None:
+            log.debug("no iptables here: the lab's bridge needs no FORWARD rule")
+            return
+        rule = ["FORWARD", "-i", self.bridge, "-o", self.bridge,
+                "-m", "comment", "--comment", f"mapl_swarm lab {self.bridge}", "-j", "ACCEPT"]
+        _run(["iptables", "-w", "5", "-I", *rule])
+        self._forward_rule = rule
+        policy = _forward_policy()
+        if policy != "ACCEPT":
+            log.info("iptables FORWARD policy is %s (as a Docker engine sets it): the lab accepts forwarding within "
+                     "its bridge %s by one rule, removed at exit", policy, self.bridge)
+
     def down(self) -> None:
+        if self._forward_rule is not None:
+            subprocess.run(["iptables", "-w", "5", "-D", *self._forward_rule], capture_output=True, timeout=30)
+            self._forward_rule = None
         for h in self.hosts.values():
             subprocess.run(["ip", "netns", "del", h.namespace], capture_output=True, timeout=30)
             subprocess.run(["ip", "link", "del", h.veth_root], capture_output=True, timeout=30)

@@ -42,7 +42,44 @@ s.close(); ctx.term()
 """
 
 
-def test_tbf_link_shapes_throughput_within_10_percent():
+BRIDGE_NF = Path("/proc/sys/net/bridge/bridge-nf-call-iptables")
+
+
+def _iptables(*args: str) -> str:
+    return subprocess.run(["iptables", "-w", "5", *args], capture_output=True, text=True, check=True,
+                          timeout=30).stdout
+
+
+def _rules(listing: str) -> list[str]:
+    return [line for line in listing.splitlines() if not line.startswith("-P ")]
+
+
+@pytest.fixture(params=["open", "docker"])
+def firewall(request):
+    """``docker``: the kernel state a Docker engine leaves (running or stopped): iptables FORWARD policy
+    DROP and bridge-nf-call-iptables on; restored after the test. Yields the FORWARD rules before."""
+    if request.param == "open":
+        yield None
+        return
+    if subprocess.run(["which", "iptables"], capture_output=True).returncode != 0:
+        pytest.skip("iptables not installed: no FORWARD chain to drop the lab's traffic")
+    before = _iptables("-S", "FORWARD")
+    policy = next(l.split()[2] for l in before.splitlines() if l.startswith("-P FORWARD "))
+    nf = BRIDGE_NF.read_text().strip() if BRIDGE_NF.exists() else None
+    _iptables("-P", "FORWARD", "DROP")
+    if nf is not None:
+        BRIDGE_NF.write_text("1")
+    try:
+        yield before
+    finally:
+        _iptables("-P", "FORWARD", policy)
+        if nf is not None:
+            BRIDGE_NF.write_text(nf)
+
+
+def test_tbf_link_shapes_throughput_within_10_percent(firewall):
+    """Also beside Docker's firewall (FORWARD DROP): the lab accepts its own bridge's traffic by one rule,
+    which is gone again after the lab is down."""
     with NetnsLab(["a", "b"], rate_mbit=20, subnet=78) as lab:
         endpoint = f"tcp://{lab.address('a')}:5599"
         recv = lab.popen("a", [sys.executable, "-c", RECEIVER, endpoint, "80"], stdout=subprocess.PIPE, text=True)
@@ -53,6 +90,8 @@ def test_tbf_link_shapes_throughput_within_10_percent():
         nbytes, seconds = out.split()
         mbit = int(nbytes) * 8 / float(seconds) / 1e6
         assert 18.0 <= mbit <= 21.0, mbit  # payload rate; TCP/IP headers take a few percent
+    if firewall is not None:
+        assert _rules(_iptables("-S", "FORWARD")) == _rules(firewall)
 
 
 def test_sigint_drains_the_lab_swarm_to_one_checkpointed_step(tmp_path):

@@ -1,7 +1,15 @@
 """Golden losses: the first 5 training losses of every codec on the micro config, in-process, fp32.
 
-Recorded before the codec/run-policy refactor (issue 9) and compared exactly: a structural change
-must not move a single bit of the numbers. Regenerate only for an intended numerical change:
+Recorded before the codec/run-policy refactor (issue 9). Another CPU or BLAS build computes the same
+arithmetic with other kernels (other vector widths and summation orders), so the recorded numbers
+hold to a tolerance, not to the bit: the first loss (the initial weights' forward) to 1e-5 relative,
+later ones to 5e-4 (optimizer steps amplify rounding; a VQ code flipping at a tie moves the loss by
+~2e-4). Measured on the recording machine with ``ATEN_CPU_CAPABILITY=default`` / ``avx2`` or
+``MKL_CBWR=COMPATIBLE`` (other kernels, as another CPU): at most 2.3e-4 relative, step 1 at most 1e-7.
+What it still catches (measured): another warmup moves them by 2.5e-3, a 5% larger Muon lr by 5.7e-4;
+a structural mistake (a wrong anchor, a dropped gradient, another init) by far more.
+Bit-exactness is asserted where it is real: the same computation twice in one process.
+Regenerate only for an intended numerical change:
 ``python tests/unit/test_golden_losses.py --write``. The one intended change so far: SSN's offsets and
 AdamW ratio (issue 11); ``ssn_unscaled`` (offsets N(0, 1), AdamW ratio 0.5) keeps SSN's numbers from
 before it, bit for bit.
@@ -10,6 +18,8 @@ before it, bit for bit.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -31,6 +41,7 @@ CASES: dict[str, dict] = {
 }
 """Golden name -> ``[compression]`` settings."""
 STEPS = 5
+FIRST_REL, LATER_REL = 1e-5, 5e-4
 
 
 def first_losses(case: str) -> list[float]:
@@ -51,12 +62,36 @@ def first_losses(case: str) -> list[float]:
         torch.set_num_threads(threads)
 
 
+def check_against_golden(case: str, losses: list[float]) -> None:
+    expected = json.loads(GOLDEN.read_text())[case]
+    assert losses[0] == pytest.approx(expected[0], rel=FIRST_REL)
+    assert losses[1:] == pytest.approx(expected[1:], rel=LATER_REL)
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_golden_losses_unchanged(case):
-    expected = json.loads(GOLDEN.read_text())[case]
-    assert first_losses(case) == expected
+    check_against_golden(case, first_losses(case))
+
+
+def test_same_process_twice_is_bit_identical():
+    """MAPL+VQ, the most rounding-sensitive codec (code assignments): deterministic to the bit."""
+    assert first_losses("mapl_vq") == first_losses("mapl_vq")
+
+
+def test_golden_losses_hold_with_other_cpu_kernels():
+    """As on another CPU: torch's portable kernels instead of this CPU's vectorised ones, and MKL's
+    conditional-numerical-reproducibility mode, in a fresh process."""
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default", MKL_CBWR="COMPATIBLE")
+    proc = subprocess.run([sys.executable, __file__, "--print"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert got.keys() == CASES.keys()
+    for case, losses in got.items():
+        check_against_golden(case, losses)
 
 
 if __name__ == "__main__" and "--write" in sys.argv:
     GOLDEN.write_text(json.dumps({c: first_losses(c) for c in CASES}, indent=1) + "\n")
     print(f"wrote {GOLDEN}")
+elif __name__ == "__main__" and "--print" in sys.argv:
+    print(json.dumps({c: first_losses(c) for c in CASES}))
