@@ -6,7 +6,12 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test bench-quality sweep-cpu clean
+# Docker: a local Debian base (no image registry needed) and the image; GPU users: compose.gpu.yaml.
+DOCKER_BASE ?= mapl-swarm-base:bookworm
+IMAGE ?= mapl-swarm:latest
+COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
+
+.PHONY: setup demo test bench-quality sweep-cpu clean docker-base docker-wheels docker-image compose-demo
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +32,19 @@ bench-quality: $(VENV)/.installed
 
 sweep-cpu: $(VENV)/.installed   # ~1 h on 2 cores; resumable (re-run to continue)
 	$(BIN)/mapl-swarm sweep --grid bench/grids/cpu.toml --publish bench/results/sweep-cpu --benchmarks BENCHMARKS.md
+
+docker-base:   # the local base image, unless it exists (root, debootstrap, a running Docker engine)
+	docker image inspect $(DOCKER_BASE) >/dev/null 2>&1 || docker/build-base.sh $(DOCKER_BASE)
+
+docker-wheels: $(VENV)/.installed   # the torch this machine's pip resolves, into the build context
+	$(BIN)/pip download -q --no-deps -d docker/wheels "$(TORCH_SPEC)"
+
+docker-image: docker-base docker-wheels
+	docker build -f docker/Dockerfile --build-arg BASE=$(DOCKER_BASE) --build-arg TORCH_SPEC="$(TORCH_SPEC)" \
+		--build-arg TORCH_INDEX= -t $(IMAGE) .
+
+compose-demo: docker-image   # the compose swarm to its end; `$(COMPOSE) up -d` again resumes a stopped one
+	docker/compose-demo.sh $(COMPOSE)
 
 clean:
 	rm -rf $(VENV)

@@ -114,6 +114,21 @@ def _cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def _auto_resume(cfg: Any, stage: int) -> bool | None:
+    """``peer --auto-resume``: whether stage ``stage`` resumes (its folder holds a checkpoint of it),
+    or None when its newest checkpoint is already at ``run.steps`` (the run is over: nothing to do)."""
+    from mapl_swarm.pipeline.checkpoint import stage_steps
+
+    steps = stage_steps(cfg.run.out_dir, stage)
+    if steps and steps[-1] >= cfg.run.steps:
+        print(f"mapl-swarm: stage {stage}: the run is over (checkpoint of step {steps[-1]}, run.steps "
+              f"{cfg.run.steps}); nothing to do")
+        return None
+    log.info("stage %d: %s", stage, f"resuming (checkpoint steps {steps} under {cfg.run.out_dir})" if steps
+             else f"starting fresh (no checkpoint of this stage under {cfg.run.out_dir})")
+    return bool(steps)
+
+
 def _cmd_peer(args: argparse.Namespace) -> int:
     if args.launched:  # launch gives each peer a process group of its own: a background group may
         signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # still write to the terminal (with `stty tostop`)
@@ -121,10 +136,15 @@ def _cmd_peer(args: argparse.Namespace) -> int:
     run_key = _run_key(args)
     from mapl_swarm.peer.main import read_peers_file, run_peer
 
+    resume = args.resume
+    if args.auto_resume:
+        resume = _auto_resume(cfg, args.stage)
+        if resume is None:
+            return 0
     peers = list(args.initial_peer or [])
     if args.initial_peers_file:
         peers += read_peers_file(args.initial_peers_file, cfg.net.timeout_s)
-    result = run_peer(cfg, args.stage, run_key=run_key, initial_peers=peers, resume=args.resume,
+    result = run_peer(cfg, args.stage, run_key=run_key, initial_peers=peers, resume=resume,
                       progress=not args.quiet)
     if result.end != "finished":  # drained or stopped: one line (under launch, the launcher's line)
         if args.launched:
@@ -146,6 +166,9 @@ def _cmd_dht(args: argparse.Namespace) -> int:
         log.warning("INSECURE: DHT bootstrap node without a run key (--insecure): it accepts unsigned records, "
                     "so anyone can announce a stage")
 
+    if args.maddr_file:  # never hand out an earlier node's addresses while this one starts
+        Path(args.maddr_file).unlink(missing_ok=True)
+
     def ready(maddrs: list[str]) -> None:
         if args.maddr_file:
             Path(args.maddr_file).parent.mkdir(parents=True, exist_ok=True)
@@ -158,7 +181,8 @@ def _cmd_dht(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     try:
-        run_bootstrap_node(args.host, args.port, announce_host=args.announce_host, ready=ready, run_key=run_key)
+        run_bootstrap_node(args.host, args.port, announce_host=args.announce_host, identity_path=args.identity,
+                           ready=ready, run_key=run_key)
     except (KeyboardInterrupt, _Terminated) as stop:  # a bootstrap node's normal end (docker stop, Ctrl-C)
         log.info("DHT bootstrap node stopped (%s)", "SIGTERM" if isinstance(stop, _Terminated) else "SIGINT")
     return 0
@@ -338,8 +362,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="multiaddr of a running DHT node, as printed by `mapl-swarm dht` (repeatable)")
     p.add_argument("--initial-peers-file", metavar="PATH",
                    help="file of DHT multiaddrs written by `mapl-swarm dht --maddr-file` (waited for)")
-    _resume_arg(p, "continue", "; also how a departed peer of this stage is replaced in a running swarm, which "
-                               "then rolls back to the newest step every stage saved")
+    how = p.add_mutually_exclusive_group()
+    _resume_arg(how, "continue", "; also how a departed peer of this stage is replaced in a running swarm, which "
+                                 "then rolls back to the newest step every stage saved")
+    how.add_argument("--auto-resume", action="store_true",
+                     help="--resume when run.out_dir holds a checkpoint of this stage, else start fresh; exit 0 at "
+                          "once when that checkpoint is already at run.steps (for restart policies: compose, "
+                          "systemd)")
     _key_args(p, "only holders of the same key can connect, links are encrypted, DHT records signed")
     p.add_argument("--launched", action="store_true", help=argparse.SUPPRESS)  # started by `launch`
     p.set_defaults(func=_cmd_peer)
@@ -352,7 +381,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--announce-host", default=None, metavar="HOST",
                    help="address other hosts dial, in the printed multiaddrs (needs --port; default: the "
                         "listening addresses)")
-    p.add_argument("--maddr-file", metavar="PATH", help="also write the multiaddrs to this file (default: none)")
+    p.add_argument("--maddr-file", metavar="PATH",
+                   help="also write the multiaddrs to this file, atomically once the node is up; an earlier "
+                        "file there is removed at start (default: none)")
+    p.add_argument("--identity", metavar="PATH",
+                   help="private-key file that keeps this node's peer id, hence its multiaddrs, the same across "
+                        "restarts (created when missing; default: a new peer id each start)")
     _key_args(p, "the node keeps only records signed with it")
     _add_common_args(p, quiet=False)
     p.set_defaults(func=_cmd_dht)

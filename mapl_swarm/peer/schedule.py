@@ -43,9 +43,9 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
-from tqdm import tqdm
 
 from mapl_swarm.errors import MaplError
+from mapl_swarm.metrics.progress import StepProgress
 from mapl_swarm.peer.drain import DRAIN_REASON
 from mapl_swarm.peer.host import HostRuntime
 from mapl_swarm.peer.vq_link import Retransmitting
@@ -234,7 +234,7 @@ class PipelineSchedule:
         self.M = settings.num_micro_batches
         self._reports: list[Message] = []
         self._report_event = asyncio.Event()
-        self._bar: tqdm | None = None
+        self._progress: StepProgress | None = None
         self._t0 = 0.0
         self._last_train_loss: list[torch.Tensor] = []  # last stage: losses of the current step (on device)
         self._backwards = 0  # middle stages: backwards done in the current step
@@ -299,10 +299,9 @@ class PipelineSchedule:
             self.result.report_times_s.append(time.perf_counter() - self._t0)
             self.result.tokens += int(msg.meta["tokens"])
             self.hooks.train_loss(done, float(msg.meta["loss"]), int(msg.meta["tokens"]))
-            if self._bar is not None:
+            if self._progress is not None:
                 elapsed = max(time.perf_counter() - self._t0, 1e-9)
-                self._bar.set_postfix(loss=f"{msg.meta['loss']:.3f}", tok_s=f"{self.result.tokens / elapsed:.0f}")
-                self._bar.update(1)
+                self._progress.step(loss=f"{msg.meta['loss']:.3f}", tok_s=f"{self.result.tokens / elapsed:.0f}")
 
     def window(self, link: NeighbourLink) -> Window:
         """What the receive path accepts from ``link`` now (SPEC §9.6 step window, §6.1 rules 4-5):
@@ -317,8 +316,8 @@ class PipelineSchedule:
         return Window(low=low, high=self.step + 1, pver=pver)
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
+        if self._progress is not None:
+            self._progress.close()
 
     # ------------------------------------------------------------------ waiting
     def _upstream(self) -> list[NeighbourLink]:
@@ -365,8 +364,7 @@ class PipelineSchedule:
         s = self.s
         down = self.links.downstream
         if s.progress:
-            self._bar = tqdm(total=s.steps, initial=s.start_step, unit="step", dynamic_ncols=True,
-                             desc=s.progress_desc)
+            self._progress = StepProgress(s.steps, initial=s.start_step, desc=s.progress_desc)
         drained = False
         for step in range(s.start_step, s.steps):
             if self.drain is not None and self.drain.should_stop():

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from mapl_swarm.compress import config_boundary_bytes
 from mapl_swarm.config import TrainConfig, model_fingerprint
 from mapl_swarm.data import BatchSampler, PreparedData, prepare_data, validation_batches
+from mapl_swarm.metrics.progress import StepProgress
 from mapl_swarm.pipeline.inprocess import InProcessPipeline
 from mapl_swarm.pipeline.payload import BACKWARD_KINDS, FORWARD_KINDS, kind_bytes
 from mapl_swarm.pipeline.run_policy import (MetricsLog, StageCheckpoints, bind_device, check_vocab,
@@ -106,8 +106,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
     with MetricsLog(metrics_path(out), resume_from=start if resume else None) as metrics:
         if initial_val is not None:
             metrics.write({"step": 0, "val_loss": initial_val})
-        bar = tqdm(total=run.steps, initial=start, disable=not progress, desc=f"train {cfg.compression.codec}",
-                   unit="step", dynamic_ncols=True)
+        bar = StepProgress(run.steps, initial=start, enabled=progress, desc=f"train {cfg.compression.codec}")
         for step in range(start, run.steps):
             batches = [next(sampler) for _ in range(cfg.pipeline.num_micro_batches)]
             before = [link.total() for link in pipe.links]
@@ -132,9 +131,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
                 metrics.write(record)
             if checkpoint_due(cfg, done):
                 _save_checkpoint(pipe, stores, sampler, done)
-            bar.set_postfix({"loss": f"{loss:.3f}", "val": f"{val_loss:.3f}", "tok_s": f"{res.tokens / dt:.0f}",
-                             "payload_B/tok": f"{(sum(per_link) / len(per_link)) if per_link else 0:.0f}"})
-            bar.update(1)
+            bar.step(**{"loss": f"{loss:.3f}", "val": f"{val_loss:.3f}", "tok_s": f"{res.tokens / dt:.0f}",
+                        "payload_B/tok": f"{(sum(per_link) / len(per_link)) if per_link else 0:.0f}"})
         bar.close()
     if not val_history or val_history[-1][0] != run.steps:
         val_loss = pipe.evaluate(val)

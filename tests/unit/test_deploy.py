@@ -1,14 +1,23 @@
-"""compose.yaml and the Dockerfile cannot run here (no Docker engine): validate them statically."""
+"""compose.yaml, compose.gpu.yaml and the Dockerfile, validated statically (the default run has no
+Docker engine; tests/docker runs them for real)."""
 
 import shlex
 from pathlib import Path
 
 import yaml
 
-from mapl_swarm.cli import build_parser
+from mapl_swarm.cli import build_parser, parse_overrides
 from mapl_swarm.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+ONE_SHOT = ("keys", "prepare")
+"""compose.yaml's services that run once before the swarm."""
+
+
+def _compose(name: str = "compose.yaml") -> dict:
+    return yaml.safe_load((ROOT / name).read_text())
 
 
 def _mounts(svc: dict) -> dict[str, tuple[str, str]]:
@@ -30,7 +39,7 @@ def test_compose_runs_dht_and_one_peer_per_stage():
     maddr_file = dht.maddr_file
     stages = {}
     for name, svc in services.items():
-        if name in ("dht", "keys"):
+        if name in ONE_SHOT + ("dht",):
             continue
         args = parser.parse_args(svc["command"])  # every command parses with the real CLI
         assert args.command == "peer"
@@ -39,7 +48,7 @@ def test_compose_runs_dht_and_one_peer_per_stage():
         cfg = load_config(ROOT / args.config)
         stages[args.stage] = (name, cfg)
         assert svc["build"]["dockerfile"] == "docker/Dockerfile"
-        assert "dht" in svc.get("depends_on", [])
+        assert svc["depends_on"]["dht"] == {"condition": "service_healthy"}
     num = {cfg.pipeline.num_stages for _, cfg in stages.values()}
     assert len(num) == 1 and sorted(stages) == list(range(num.pop()))
     for stage, (name, cfg) in stages.items():
@@ -60,8 +69,9 @@ def test_compose_shares_one_run_key_read_only():
     volume, mode = _mounts(services["keys"])[key_dir]
     assert mode == "rw" and volume in compose["volumes"]
     assert services["keys"].get("depends_on") in ({}, [], None)
+    assert key_dir not in _mounts(services["prepare"])  # data preparation needs no key
     for name, svc in services.items():
-        if name == "keys":
+        if name in ONE_SHOT:
             continue
         args = parser.parse_args(svc["command"])
         assert args.key_file == keys.out and not args.insecure, name
@@ -70,18 +80,88 @@ def test_compose_shares_one_run_key_read_only():
         assert not any("KEY" in str(k).upper() for k in svc.get("environment", {})), name
 
 
-def test_dockerfile_installs_pinned_torch_then_package():
+def test_dockerfile_takes_its_base_and_torch_as_arguments_then_installs_the_package():
     text = (ROOT / "docker" / "Dockerfile").read_text()
     lines = [l for l in text.splitlines() if l and not l.startswith("#")]
-    assert lines[0].startswith("FROM python:3.11")
-    assert 'ARG TORCH_SPEC="torch==2.13.0"' in text
+    assert lines[0] == "ARG BASE=python:3.11-slim"  # users with a registry; docker/build-base.sh here
+    assert [l for l in lines if l.startswith("FROM")] == ["FROM ${BASE} AS venv", "FROM ${BASE}"]
+    assert 'ARG TORCH_SPEC="torch==2.13.0"' in text and 'ARG TORCH_INDEX=' in text
     torch_at = next(i for i, l in enumerate(lines) if "${TORCH_SPEC}" in l)
-    pkg_at = next(i for i, l in enumerate(lines) if l.strip() == "RUN pip install .")
+    assert "--find-links /wheels" in lines[torch_at]  # local wheels (docker/wheels) before any index
+    assert "${TORCH_INDEX:+" in lines[torch_at]  # an empty TORCH_INDEX asks PyPI only
+    pkg_at = next(i for i, l in enumerate(lines) if "pip install --no-deps --force-reinstall ." in l)
     assert torch_at < pkg_at
     for line in lines:
-        if line.startswith("COPY"):
+        if line.startswith("COPY") and "--from=" not in line:
             src = shlex.split(line)[1:-1]
             for s in src:
                 assert (ROOT / s).exists(), s
     entry = (ROOT / "docker" / "entrypoint.sh").read_text()
     assert 'exec mapl-swarm "$@"' in entry
+
+
+def test_dockerignore_keeps_the_venv_runs_caches_and_git_out():
+    ignored = {l.strip() for l in (ROOT / ".dockerignore").read_text().splitlines() if l and not l.startswith("#")}
+    assert {".git", ".venv", "runs", ".mapl_cache", "**/__pycache__"} <= ignored
+    gitignore = (ROOT / ".gitignore").read_text().splitlines()
+    assert "docker/wheels/*" in gitignore and (ROOT / "docker" / "wheels" / "README.md").exists()
+
+
+def test_compose_survives_restarts():
+    """The DHT node keeps its peer id (an identity file on a volume) and announces its service name,
+    so the address it writes can never go stale; its healthcheck gates the peers; one-shot services
+    prepare keys and data; peers restart on failure and resume when their folder has a checkpoint."""
+    compose, parser = _compose(), build_parser()
+    services = compose["services"]
+    dht_svc = services["dht"]
+    dht = parser.parse_args(dht_svc["command"])
+    assert dht.announce_host == "dht" and dht.port > 0
+    identity_dir = str(Path(dht.identity).parent)
+    assert _mounts(dht_svc)[identity_dir][1] == "rw" and _mounts(dht_svc)[identity_dir][0] in compose["volumes"]
+    maddr_dir = str(Path(dht.maddr_file).parent)
+    assert dht.maddr_file in " ".join(dht_svc["healthcheck"]["test"])
+    assert dht_svc["restart"].startswith("on-failure")
+    prepare = parser.parse_args(services["prepare"]["command"])
+    assert prepare.command == "prepare" and services["prepare"]["restart"] == "no"
+    prepared = load_config(ROOT / prepare.config).data
+    for name, svc in services.items():
+        if name in ONE_SHOT + ("dht",):
+            continue
+        args = parser.parse_args(svc["command"])
+        assert args.auto_resume and not args.resume, name
+        assert svc["restart"].startswith("on-failure"), name
+        assert svc["depends_on"]["prepare"] == {"condition": "service_completed_successfully"}, name
+        cfg = load_config(ROOT / args.config)
+        assert cfg.data == prepared, name  # the shards the prepare service built
+        assert _mounts(svc)[maddr_dir] == _mounts(dht_svc)[maddr_dir], name
+        assert cfg.data.cache_dir.startswith(maddr_dir + "/") and cfg.run.out_dir.startswith(maddr_dir + "/")
+        assert f"'127.0.0.1', {cfg.net.port}" in " ".join(svc["healthcheck"]["test"]), name
+
+
+def _merged(base: dict, override: dict) -> dict:
+    """Compose's merge of an override file: mappings merge key by key, everything else is replaced."""
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = _merged(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+    return out
+
+
+def test_gpu_override_reserves_one_gpu_per_stage_and_builds_cuda_torch():
+    compose = _merged(_compose(), _compose("compose.gpu.yaml"))
+    parser, gpus = build_parser(), []
+    for name, svc in compose["services"].items():
+        assert svc["image"] == "mapl-swarm:cuda", name
+        assert "cu" in svc["build"]["args"]["TORCH_INDEX"] and svc["build"]["args"]["TORCH_SPEC"].startswith("torch")
+        if name in ONE_SHOT + ("dht",):
+            continue
+        args = parser.parse_args(svc["command"])
+        overrides = parse_overrides(args.set)
+        cfg = load_config(ROOT / args.config, overrides)
+        assert cfg.runtime.device == "cuda" and cfg.model.hidden_size == 1024, name  # the 150M recipe
+        assert args.auto_resume, name
+        (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert device["capabilities"] == ["gpu"] and device["driver"] == "nvidia"
+        gpus += device["device_ids"]
+    assert sorted(gpus) == ["0", "1", "2", "3"]
+    prepare = parser.parse_args(compose["services"]["prepare"]["command"])
+    assert load_config(ROOT / prepare.config, parse_overrides(prepare.set)).data == cfg.data
