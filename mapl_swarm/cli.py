@@ -263,6 +263,78 @@ def _cmd_lab(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from mapl_swarm.hf.export import export_run
+
+    r = export_run(args.run_dir, args.out, stage_dirs=args.stage_dir or [], tokenizer_path=args.tokenizer,
+                   force=args.force)
+    for step, why in r.skipped.items():
+        print(f"skipped step {step}: {why}")
+    print(f"exported step {r.step} of {args.run_dir} to {r.out} ({r.model_type}) in {r.seconds:.1f} s; max |logit "
+          f"difference| vs the in-process pipeline {r.max_logit_diff:.2e}")
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    if sum(bool(x) for x in (args.text, args.config, args.tasks)) != 1:
+        raise ConfigError("eval needs exactly one of --text PATH, --config FILE or --tasks NAMES")
+    if args.tasks:
+        from mapl_swarm.hf.evaluate import eval_tasks
+        from mapl_swarm.hf.loading import load_model
+
+        load_model(args.model, device="cpu", dtype=args.dtype)  # the MODEL checks, before lm-eval starts
+        tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+        print(eval_tasks(args.model, tasks, tasks_dir=args.tasks_dir, num_fewshot=args.num_fewshot,
+                         batch_size=args.batch_size, device=args.device if args.device != "auto" else "cpu",
+                         dtype=args.dtype, limit=args.limit))
+        return 0
+    run_cfg = None
+    if args.config:
+        from mapl_swarm.config import load_config
+
+        run_cfg = load_config(args.config, parse_overrides(args.set or []))
+    from mapl_swarm.hf.evaluate import eval_text, eval_validation
+    from mapl_swarm.hf.loading import load_model
+
+    lm = load_model(args.model, device=args.device, dtype=args.dtype)
+    if run_cfg is not None:
+        r = eval_validation(lm, run_cfg, progress=not args.quiet)
+        print(f"{args.model} on the validation split of {args.config}: {r.tokens} tokens, loss {r.loss:.4f}, "
+              f"perplexity {r.perplexity:.2f}")
+        return 0
+    r = eval_text(lm, args.text, batch_size=args.batch_size, progress=not args.quiet)
+    print(f"{args.model} on {args.text}: {r.tokens} tokens, loss {r.loss:.4f}, perplexity {r.perplexity:.2f}")
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    if bool(args.prompt) == bool(args.prompt_file):
+        raise ConfigError("generate needs one of --prompt TEXT or --prompt-file PATH")
+    if args.prompt_file:
+        try:
+            prompt = Path(args.prompt_file).read_text()
+        except OSError as exc:
+            raise ConfigError(f"--prompt-file {args.prompt_file}: {exc.strerror or exc}") from None
+    else:
+        prompt = args.prompt
+    from mapl_swarm.hf.generate import generate
+    from mapl_swarm.hf.loading import load_model
+
+    lm = load_model(args.model, device=args.device, dtype=args.dtype)
+
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    write(prompt)
+    g = generate(lm, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                 seed=args.seed, use_cache=not args.no_cache, write=write)
+    write("\n")
+    log.info("%d new tokens in %.2f s (%.1f tokens/s%s)", len(g.new_ids), g.seconds, g.tokens_per_s,
+             ", no KV cache" if args.no_cache else "")
+    return 0
+
+
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
@@ -442,6 +514,56 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: the visible GPUs, round-robin; none: the peers' environment is unchanged)")
     _max_restarts_arg(p)
     p.set_defaults(func=_cmd_launch)
+
+    p = add("export", "write a run's trained model as a Hugging Face model folder",
+            "Write the newest checkpoint step that every stage holds verified as a Hugging Face model folder "
+            "(config.json, model.safetensors, tokenizer, model card): codec none as a plain Llama, every other "
+            "codec as mapl_llama (its stage boundaries included). The folder is written aside and renamed when "
+            "complete.")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (run.out_dir; a swarm: stage 0's)")
+    p.add_argument("out", metavar="OUT", help="the model folder to write")
+    p.add_argument("--stage-dir", action="append", metavar="K=PATH",
+                   help="stage K's run folder, when it is not RUN_DIR (a multi-host swarm: the folder copied "
+                        "from that host); repeatable")
+    p.add_argument("--tokenizer", metavar="FILE",
+                   help="the run's tokenizer.json (default: from the run's prepared data, prepared again when "
+                        "this host lacks it)")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    _add_common_args(p, quiet=False)
+    p.set_defaults(func=_cmd_export)
+
+    def model_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("model", metavar="MODEL", help="a model folder written by `mapl-swarm export`")
+        p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+        p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="weights' dtype (default: fp32)")
+
+    p = add("eval", "loss and perplexity of an exported model; lm-eval tasks",
+            "Evaluate an exported model: on text (--text), on a run's validation split (--config, the batches "
+            "its val_loss used), or on lm-evaluation-harness tasks (--tasks; needs the `eval` extra).")
+    model_args(p)
+    p.add_argument("--text", metavar="PATH", help="a text file or a folder of them (.py, .txt, .md, .rst)")
+    p.add_argument("--config", metavar="FILE", help="the run's config: evaluate its validation split")
+    p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="with --config: override a value")
+    p.add_argument("--tasks", metavar="NAMES", help="comma-separated lm-eval tasks, e.g. hellaswag,piqa,arc_easy")
+    p.add_argument("--tasks-dir", metavar="DIR", help="with --tasks: a folder of local lm-eval task YAMLs")
+    p.add_argument("--num-fewshot", type=int, default=0, metavar="N", help="with --tasks: shots (default: 0)")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="with --tasks: at most N items per task")
+    p.add_argument("--batch-size", type=int, default=8, metavar="N", help="sequences per forward (default: 8)")
+    _add_common_args(p)
+    p.set_defaults(func=_cmd_eval)
+
+    p = add("generate", "sample text from an exported model",
+            "Continue a prompt with an exported model, streaming the text as it comes. Temperature 0 is greedy.")
+    model_args(p)
+    p.add_argument("--prompt", metavar="TEXT", help="the prompt")
+    p.add_argument("--prompt-file", metavar="PATH", help="read the prompt from a file")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to add (default: 64)")
+    p.add_argument("--temperature", type=float, default=0.8, metavar="T", help="0: greedy (default: 0.8)")
+    p.add_argument("--top-p", type=float, default=0.95, metavar="P", help="nucleus sampling mass (default: 0.95)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step (no KV cache)")
+    _add_common_args(p, quiet=False)
+    p.set_defaults(func=_cmd_generate)
     return parser
 
 

@@ -70,6 +70,12 @@ class StageCodec:
 
     names: ClassVar[tuple[str, ...]] = ("none",)
     """Catalog names this class implements."""
+    boundary_offsets: ClassVar[str] = "zero"
+    """What :meth:`offset` is, in the exported model's terms (:mod:`mapl_swarm.hf.modeling`): ``zero``,
+    ``anchors`` (stage 1's token embedding, then each later stage's anchor) or ``t_fixed`` (the frozen
+    token offsets)."""
+    input_offsets: ClassVar[bool] = False
+    """Whether :meth:`first_stage_input` adds the frozen token offsets ``self.offsets`` (T_fixed)."""
 
     def __init__(self, name: str, cfg: "TrainConfig", stage: int, device: torch.device) -> None:
         self.info: CodecInfo = codec_info(name)
@@ -197,6 +203,7 @@ class ProjectedCodec(StageCodec):
     (``mapl``), frozen (``fixed``) or learned by plain Muon without the manifold (``naive``)."""
 
     names = ("mapl", "fixed", "naive")
+    boundary_offsets = "anchors"
 
     def _build_anchor(self) -> StageAnchor | None:
         if self.is_first:
@@ -239,6 +246,7 @@ class OffsetsCodec(StageCodec):
     offset table from its compression."""
 
     names = ("none_offsets",)
+    input_offsets = True
 
     def __init__(self, name: str, cfg: "TrainConfig", stage: int, device: torch.device) -> None:
         self.offsets = frozen_offsets(cfg, device) if stage == 0 else None
@@ -254,6 +262,8 @@ class SSNCodec(StageCodec):
     every step; U may take a Grassmann step every ``ssn_refresh_interval_steps`` (in-process only)."""
 
     names = ("ssn",)
+    boundary_offsets = "t_fixed"
+    input_offsets = True
 
     def __init__(self, name: str, cfg: "TrainConfig", stage: int, device: torch.device) -> None:
         c, m = cfg.compression, cfg.model

@@ -17,7 +17,7 @@ import torch
 
 from mapl_swarm.config import TrainConfig
 from mapl_swarm.pipeline.payload import LinkCounter, LinkKind, PayloadKey, Stream, WireName
-from mapl_swarm.pipeline.stage import StageRuntime, loss_values, mean_loss
+from mapl_swarm.pipeline.stage import ForwardResult, StageRuntime, loss_values, mean_loss
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +54,13 @@ class InProcessPipeline:
             self.stages[dst].apply_slice(sl)
         return self.stages[src].codebook_version(stream)
 
-    def _forward(self, micro: int, ids: torch.Tensor, train: bool) -> tuple[torch.Tensor, int]:
+    def _forward(self, micro: int, ids: torch.Tensor, train: bool, keep_logits: bool = False) -> ForwardResult:
         payload = None
         result = None
         cver = None
         for s, stage in enumerate(self.stages):
-            result = stage.forward(micro, ids=ids if s == 0 else None, payload=payload, train=train, cver=cver)
+            result = stage.forward(micro, ids=ids if s == 0 else None, payload=payload, train=train, cver=cver,
+                                   keep_logits=keep_logits)
             payload = result.payload
             if payload is not None:
                 cver = self._deliver_slices(s, s + 1, Stream.ACT, train)
@@ -68,15 +69,15 @@ class InProcessPipeline:
                 self.links[s].add(LinkKind.ACT, payload[act])
                 self.links[s].add(LinkKind.IDS, payload[PayloadKey.IDS])
         assert result is not None and result.loss is not None
-        return result.loss, result.tokens
+        return result
 
     def accumulate(self, micro_batches: list[torch.Tensor]) -> tuple[list[float], int]:
         """Forward+backward every micro-batch (B, T+1); gradients accumulate, nothing steps."""
         losses, tokens = [], 0
         for micro, ids in enumerate(micro_batches):
-            loss, n = self._forward(micro, ids, train=True)
-            losses.append(loss)
-            tokens += n
+            result = self._forward(micro, ids, train=True)
+            losses.append(result.loss)
+            tokens += result.tokens
             grad = None
             cver = None
             for s in range(len(self.stages) - 1, -1, -1):
@@ -100,12 +101,19 @@ class InProcessPipeline:
         for stage in self.stages:
             for k, v in stage.step().items():
                 metrics[f"stage{stage.stage}/{k}"] = v
+        self.sync_projectors(count=True)
+        return metrics
+
+    def sync_projectors(self, *, count: bool = False) -> None:
+        """Every receiver installs its sender's current projector, as a swarm's PROJ does before the
+        receiver's next decode. Stage states saved by separate peers can hold a receiver copy one
+        version behind (saved before that PROJ arrived): call this after loading them."""
         for b, link in enumerate(self.links):
             proj = self.stages[b].outbound_projector()
             if proj is not None:
-                link.add(LinkKind.PROJ, proj[0])
+                if count:
+                    link.add(LinkKind.PROJ, proj[0])
                 self.stages[b + 1].load_inbound_projector(*proj)
-        return metrics
 
     def train_step(self, micro_batches: list[torch.Tensor]) -> StepResult:
         """One optimizer step over ``micro_batches``."""
@@ -116,7 +124,15 @@ class InProcessPipeline:
     @torch.no_grad()
     def evaluate(self, batches: list[torch.Tensor]) -> float:
         """Mean loss over held-out micro-batches, forward only."""
-        return mean_loss([self._forward(-1 - i, ids, train=False)[0] for i, ids in enumerate(batches)])
+        return mean_loss([self._forward(-1 - i, ids, train=False).loss for i, ids in enumerate(batches)])
+
+    @torch.no_grad()
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """(B, T, V) fp32 logits of a (B, T+1) micro-batch (the last id of a row is only its last
+        label), forward only, as :meth:`evaluate` computes them."""
+        result = self._forward(-1, ids, train=False, keep_logits=True)
+        assert result.logits is not None
+        return result.logits
 
     def state_dicts(self) -> list[dict]:
         return [s.state_dict() for s in self.stages]

@@ -68,6 +68,8 @@ class ForwardResult:
     :func:`mean_loss`."""
     tokens: int
     """Tokens in the micro-batch (B * T)."""
+    logits: torch.Tensor | None = None
+    """Last stage, when asked (``keep_logits``): the (B, T, V) fp32 logits, detached."""
 
 
 def loss_values(losses: list[torch.Tensor]) -> list[float]:
@@ -143,10 +145,11 @@ class StageRuntime:
 
     def forward(self, micro: int, *, ids: torch.Tensor | None = None,
                 payload: dict[str, torch.Tensor] | None = None, train: bool = True,
-                cver: int | None = None) -> ForwardResult:
+                cver: int | None = None, keep_logits: bool = False) -> ForwardResult:
         """Run micro-batch ``micro``. Stage 1 takes ``ids`` (B, T+1); later stages take the ACT
         payload of the previous stage (mapl_vq: encoded at codebook version ``cver``; None skips
-        the check). With ``train`` the graph is kept for :meth:`backward`."""
+        the check). With ``train`` the graph is kept for :meth:`backward`; with ``keep_logits`` the
+        last stage also returns its logits (the exported model is checked against them)."""
         if self.is_first:
             if ids is None:
                 raise ValueError("the first stage needs token ids")
@@ -179,7 +182,7 @@ class StageRuntime:
                 if train:
                     self._saved[micro] = (loss * self.loss_scale, z_in)
                     self._step_losses.append(loss.detach())
-                return ForwardResult(None, loss.detach(), tokens_in.numel())
+                return ForwardResult(None, loss.detach(), tokens_in.numel(), logits.detach() if keep_logits else None)
             offset = self.codec.offset(tokens_in, embedded, anchor)
             self.probe.on_send(probe_due, x, offset, tokens_in)
             z = self.outbound.encode(x, offset).float()
