@@ -67,7 +67,14 @@ if mode == "die-twice":
     with open(fifo, "w") as f:
         f.write("resumed\n")
     sys.exit(0)
-if mode == "die":
+if mode == "die":  # once every stage has started (else the swarm could stop one before its start record)
+    import time
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with open(log) as f:
+            if len({{r["stage"] for r in map(json.loads, f) if r["event"] == "start"}}) == len(modes.split(",")):
+                break
+        time.sleep(0.01)  # polls the other processes' records: they have no event to wait on
     sys.exit(1)
 if mode == "serve":
     serve()
