@@ -325,3 +325,17 @@ def test_eval_tasks_names_the_hub_dataset_it_cannot_reach(mapl_export, capsys):
     _fails(capsys, ["eval", str(out), "--tasks", "arc_easy"],
            r"the datasets of arc_easy \(allenai/ai2_arc\) are on the Hugging Face hub, which is unreachable from here "
            r"\(.*\): download them .* \(--tasks-dir DIR\)")
+
+
+def test_loads_in_bf16_with_fp32_boundaries(mapl_export):
+    from transformers import AutoModelForCausalLM
+
+    cfg, out, _ = mapl_export
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).eval()
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+    assert {b.dtype for name, b in model.named_buffers() if "boundaries" in name} == {torch.float32}
+    assert {p.dtype for name, p in model.named_parameters() if "anchors" in name} == {torch.float32}
+    ids = val_batch(cfg)
+    with torch.no_grad():
+        got = model(input_ids=ids[:, :-1]).logits
+    assert got.dtype == torch.float32 and torch.allclose(got, hf_logits(out, ids), atol=0.05, rtol=0)
