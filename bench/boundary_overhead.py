@@ -3,7 +3,7 @@
     python bench/boundary_overhead.py [--preset 150M] [--rank 256] [--batch 4 --seq 2048]
                                       [--autocast bf16] [--device cuda] [--codecs all] --out FILE
 
-For every codec of the catalog (``mapl_swarm.compress.catalog.CODEC_NAMES``) it builds the stages
+For every codec of the catalog (``mapl_swarm.config.catalog.CODEC_NAMES``) it builds the stages
 of a ``--stages``-stage pipeline at the preset's shape, runs one micro-batch through all of them
 (forward, then backward, delivering codebook slices as the in-process pipeline does) to obtain the
 ACT payload a middle stage receives and the GRAD payload it gets back, then times that middle
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from mapl_swarm.cli import parse_overrides
-from mapl_swarm.compress.catalog import CODEC_NAMES, codec_info, uncompressed_codec
+from mapl_swarm.config.catalog import CODEC_NAMES, codec_info, uncompressed_codec
 from mapl_swarm.files import atomic_write_text
 from mapl_swarm.config import config_from_dict
 from mapl_swarm.pipeline.payload import PayloadKey, Stream

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mapl_swarm.cli import parse_overrides  # noqa: E402  (torch-free)
-from mapl_swarm.compress.catalog import uncompressed_codec  # noqa: E402
+from mapl_swarm.config.catalog import uncompressed_codec  # noqa: E402
 
 PARTS = (  # (part, file, title) in the order the script runs them
     ("vq_speed", "vq_speed.json", "VQ encoder speed (eager, compiled) and share of a middle stage"),

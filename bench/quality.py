@@ -17,7 +17,7 @@ import re
 import time
 from pathlib import Path
 
-from mapl_swarm.compress.catalog import CODEC_INFO, codecs_by_order, uncompressed_codec
+from mapl_swarm.config.catalog import CODEC_INFO, codecs_by_order, uncompressed_codec
 from mapl_swarm.config import config_from_dict, config_to_dict
 from mapl_swarm.data import prepare_data
 from mapl_swarm.metrics import run_manifest

@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from mapl_swarm.compress.catalog import codec_info
+from mapl_swarm.config.catalog import codec_info
 from mapl_swarm.config import load_config
 from mapl_swarm.metrics import run_manifest
 from mapl_swarm.peer.launch import launch

@@ -1,6 +1,6 @@
 """Lazy package exports (PEP 562): a package names what it re-exports and from which submodule,
 and a submodule is imported only when one of its names is first used. This keeps light imports
-light, e.g. the torch-free codec catalog under :mod:`mapl_swarm.compress`, or the codebook rules
+light, e.g. the parts of :mod:`mapl_swarm.compress` that need torch, or the codebook rules
 under :mod:`mapl_swarm.wire` without msgpack."""
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Boundary compression: codecs (none, mapl, fixed, naive, ssn, mapl_vq), anchors, byte accounting.
 
-The package imports lazily so that :mod:`mapl_swarm.compress.catalog` (torch-free codec facts used
-by configs and reports) does not pull in torch.
+The package imports lazily, so that naming one of its parts does not pull in torch before it is
+needed. The codecs' static facts (names, families, report roles) are the torch-free
+:mod:`mapl_swarm.config.catalog`, beside the configs that choose a codec.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ ssn            ssn                           Z = (X - T_fixed[ids]) U  (k channe
 projected_vq   mapl_vq                       residual VQ codes of mapl's Z (codebooks streamed)
 =============  ============================  ==============================================
 
-This module and :mod:`.catalog` are the only places that spell codec names.
+This module and :mod:`mapl_swarm.config.catalog` are the only places that spell codec names.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from torch import nn
 from mapl_swarm.compress import ssn
 from mapl_swarm.compress.anchors import StageAnchor
 from mapl_swarm.compress.boundary import WIRE_TORCH_DTYPES, Boundary, BoundaryBytes, BoundaryShape, id_wire_dtype
-from mapl_swarm.compress.catalog import CodecInfo, codec_info
+from mapl_swarm.config.catalog import CodecInfo, codec_info
 from mapl_swarm.config import VQConfig
 from mapl_swarm.compress.vq_stage import StageVQ
 from mapl_swarm.optim.param_table import ParamRow, adamw_rows

@@ -7,7 +7,7 @@ import re
 from dataclasses import fields
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
-from mapl_swarm.compress.catalog import CODEC_NAMES
+from mapl_swarm.config.catalog import CODEC_NAMES
 from mapl_swarm.errors import ConfigError
 
 
@@ -29,7 +29,7 @@ __all__ = [
 
 
 Codec = Literal["none", "none_offsets", "ssn", "fixed", "naive", "mapl", "mapl_vq"]
-"""Boundary codec names; equal to :data:`mapl_swarm.compress.catalog.CODEC_NAMES` (a test checks)."""
+"""Boundary codec names; equal to :data:`mapl_swarm.config.catalog.CODEC_NAMES` (a test checks)."""
 Anchor = Literal["factorized", "full", "static", "none"]
 WireDtype = Literal["bf16", "fp16", "fp32"]
 Schedule = Literal["cosine", "wsd", "constant"]

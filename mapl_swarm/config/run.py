@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import ClassVar, get_type_hints
 
-from mapl_swarm.compress.catalog import codec_info
+from mapl_swarm.config.catalog import codec_info
 from mapl_swarm.config.base import Autocast, Device, _check, _check_choices, _check_ints
 from mapl_swarm.config.sections import CompressionConfig, DataConfig, MODEL_PRESETS, ModelConfig, OptimConfig
 

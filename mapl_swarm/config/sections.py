@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 from mapl_swarm.wire.codebook_rules import CodebookLayout, code_dtype
-from mapl_swarm.compress.catalog import codec_info
+from mapl_swarm.config.catalog import codec_info
 from mapl_swarm.config.base import Anchor, Codec, Schedule, VQSliceOrder, VQSync, WireDtype, _check, _check_choices
 
 __all__ = [
@@ -204,7 +204,7 @@ class CompressionConfig:
 
     codec: Codec = "mapl"
     """Boundary codec: none | none_offsets | mapl | fixed | naive | ssn | mapl_vq (mapl + residual VQ of
-    Z and dL/dZ, set up in ``[compression.vq]``); see :mod:`mapl_swarm.compress.catalog`."""
+    Z and dL/dZ, set up in ``[compression.vq]``); see :mod:`mapl_swarm.config.catalog`."""
     rank: int = 64
     """Projection rank r (ssn: subspace rank k). Ignored by `none`."""
     anchor: Anchor = "factorized"

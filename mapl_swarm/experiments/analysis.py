@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from mapl_swarm.compress.catalog import codec_info
+from mapl_swarm.config.catalog import codec_info
 from mapl_swarm.metrics import health
 from mapl_swarm.compress.stiefel import random_stiefel
 from mapl_swarm.rng import generator

@@ -24,7 +24,7 @@ A grid file (see ``bench/grids/``)::
 
 Runs that several groups produce are run once. The anchor only matters for codecs with a token
 anchor and the rank only for projected codecs (not ``none``), so those runs collapse to one (both
-facts come from :mod:`mapl_swarm.compress.catalog`). Unknown keys and codecs
+facts come from :mod:`mapl_swarm.config.catalog`). Unknown keys and codecs
 are errors naming the key and the file.
 """
 
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from mapl_swarm import config as config_mod
-from mapl_swarm.compress.catalog import CODEC_INFO, CODEC_NAMES, codec_info
+from mapl_swarm.config.catalog import CODEC_INFO, CODEC_NAMES, codec_info
 from mapl_swarm.config import (TrainConfig, config_from_dict, config_to_dict, legacy_layout, read_toml,
                                upgrade_legacy_keys)
 from mapl_swarm.errors import ConfigError

@@ -11,7 +11,7 @@
 
 Each function takes the run result dicts written by :mod:`.sweep` and returns the file it wrote,
 or None when the results hold nothing to plot. Legend names, colours and which codecs a figure shows
-come from the codec catalog (:mod:`mapl_swarm.compress.catalog`).
+come from the codec catalog (:mod:`mapl_swarm.config.catalog`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import numpy as np
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from mapl_swarm.compress.catalog import codec_info, codecs_by_order, headline_codec, uncompressed_codec  # noqa: E402
+from mapl_swarm.config.catalog import codec_info, codecs_by_order, headline_codec, uncompressed_codec  # noqa: E402
 from mapl_swarm.experiments.tables import aggregate, gap_by_step, long_budget_pairs  # noqa: E402
 
 __all__ = ["make_all", "pareto", "loss_curves", "spectra", "projector_angles", "energy_captured", "cosine_pairs",

@@ -13,7 +13,7 @@ Bytes per token follow the paper: the forward activation payload per token per b
 projector exchange, both directions) is reported alongside.
 
 Which codecs make up each table, their row names and order, and the paper's reference figures per
-codec come from the codec catalog (:mod:`mapl_swarm.compress.catalog`).
+codec come from the codec catalog (:mod:`mapl_swarm.config.catalog`).
 
 The long-budget section (:func:`long_budget_pairs`) appears when a P and rank have both a fixed
 projector and the headline (learned) one validated at two or more steps: it sets the SPEL movement
@@ -30,7 +30,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
-from mapl_swarm.compress.catalog import codec_info, codecs_by_order, headline_codec
+from mapl_swarm.config.catalog import codec_info, codecs_by_order, headline_codec
 from mapl_swarm.optim.schedule import lr_multiplier
 
 __all__ = ["Aggregate", "aggregate", "summary_markdown", "movement_budget", "long_budget_pairs", "gap_by_step",

@@ -34,6 +34,7 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
+from mapl_swarm.compress.anchors import StageAnchor
 from mapl_swarm.compress.ops import project, reconstruct
 from mapl_swarm.compress.vq import decode_codes, quantize, to_groups
 
@@ -91,13 +92,14 @@ class MaplConfig(LlamaConfig):
         return len(self.mapl_stage_starts or [0])
 
 
-class ExportedAnchor(nn.Module):
-    """A later stage's token anchor (:class:`~mapl_swarm.compress.anchors.StageAnchor`, same state
-    names), without its random initialisation: the values come from the checkpoint."""
+class ExportedAnchor(StageAnchor):
+    """A later stage's token anchor (its forward and state names are :class:`StageAnchor`'s), without
+    the random initialisation: the values come from the checkpoint."""
 
     def __init__(self, kind: str, vocab_size: int, hidden_size: int, rank: int) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.kind = kind
+        self.table = None
         if kind == "factorized":
             self.table = nn.Parameter(torch.zeros(vocab_size, rank))
             self.register_buffer("basis", torch.zeros(rank, hidden_size))
@@ -105,15 +107,6 @@ class ExportedAnchor(nn.Module):
             self.table = nn.Parameter(torch.zeros(vocab_size, hidden_size))
         elif kind == "static":
             self.register_buffer("frozen", torch.zeros(vocab_size, hidden_size))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor | None:
-        if self.kind == "factorized":
-            return self.table[ids] @ self.basis  # (B,T,r_a) @ (r_a,d) -> (B,T,d)
-        if self.kind == "full":
-            return self.table[ids]
-        if self.kind == "static":
-            return self.frozen[ids]
-        return None
 
 
 class ExportedBoundary(nn.Module):

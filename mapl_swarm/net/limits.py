@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from mapl_swarm.compress.catalog import codec_info
+from mapl_swarm.config.catalog import codec_info
 from mapl_swarm.wire.spec import DEFAULT_MAX_HEADER_BYTES
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mapl_swarm.compress.catalog import CODEC_NAMES
+from mapl_swarm.config.catalog import CODEC_NAMES
 
 ROOT = Path(__file__).resolve().parents[2]
 PARTS = {"vq_speed.json": "VQ encoder speed", "boundary_overhead.json": "Boundary overhead",

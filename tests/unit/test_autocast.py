@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from mapl_swarm.compress.catalog import CODEC_NAMES
+from mapl_swarm.config.catalog import CODEC_NAMES
 from mapl_swarm.compress.ops import project, reconstruct
 from mapl_swarm.errors import ConfigError
 from mapl_swarm.pipeline.inprocess import InProcessPipeline

@@ -7,7 +7,7 @@ Its heuristic, exactly:
 - a comparison is an ``ast.Compare`` operand pair joined by ``==``, ``!=``, ``in`` or ``not in``
   (chained comparisons are split into pairs), or a ``match`` statement with its ``case`` patterns;
 - one operand is a *codec-name literal*: a ``str`` constant equal to a name in
-  :data:`~mapl_swarm.compress.catalog.CODEC_NAMES`; a tuple / list / set display with such a
+  :data:`~mapl_swarm.config.catalog.CODEC_NAMES`; a tuple / list / set display with such a
   constant among its elements (also wrapped in ``tuple()``, ``list()``, ``set()`` or ``frozenset()``);
   or a bare name that the same file assigns such a collection to (``ANCHORED = ("mapl", ...)`` then
   ``codec in ANCHORED``). In a ``case`` pattern: a value pattern with such a constant, alone or
@@ -34,12 +34,12 @@ from pathlib import Path
 
 import pytest
 
-from mapl_swarm.compress.catalog import CODEC_INFO, CODEC_NAMES, codec_info, uncompressed_codec
+from mapl_swarm.config.catalog import CODEC_INFO, CODEC_NAMES, codec_info, uncompressed_codec
 
 ROOT = Path(__file__).resolve().parents[2]
 SCANNED = ("mapl_swarm", "bench")
 """Folders whose Python files are checked."""
-REGISTRY = {"mapl_swarm/compress/catalog.py", "mapl_swarm/compress/codecs.py"}
+REGISTRY = {"mapl_swarm/config/catalog.py", "mapl_swarm/compress/codecs.py"}
 """The only files allowed to compare against codec names."""
 _OPS = (ast.Eq, ast.NotEq, ast.In, ast.NotIn)
 
@@ -134,7 +134,7 @@ def test_no_codec_name_comparison_outside_registry(path):
     hits = codec_comparisons((ROOT / path).read_text(), path)
     assert not hits, (
         f"{len(hits)} codec-name comparison(s) outside the codec registry ({', '.join(sorted(REGISTRY))}); "
-        "ask mapl_swarm.compress.catalog.codec_info(name) (or the codec object) instead:\n"
+        "ask mapl_swarm.config.catalog.codec_info(name) (or the codec object) instead:\n"
         + "\n".join(f"  {path}:{line}: {code}" for line, code in hits))
 
 
@@ -192,7 +192,7 @@ for anchor in ("static", "full"):
 
 
 def test_scan_covers_the_package_and_bench():
-    assert (ROOT / "mapl_swarm/compress/catalog.py").exists()
+    assert (ROOT / "mapl_swarm/config/catalog.py").exists()
     scanned = set(_scanned_files())
     assert "mapl_swarm/experiments/tables.py" in scanned and "bench/quality.py" in scanned
 

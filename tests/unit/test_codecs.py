@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mapl_swarm.compress.catalog import CODEC_INFO, CODEC_NAMES, codec_info
+from mapl_swarm.config.catalog import CODEC_INFO, CODEC_NAMES, codec_info
 from mapl_swarm.compress.codecs import CODEC_CLASSES, build_codec, codec_class, config_boundary_bytes
 from mapl_swarm.pipeline.stage import StageRuntime
 

@@ -8,7 +8,7 @@ from typing import get_args
 
 import pytest
 
-from mapl_swarm.compress.catalog import CODEC_NAMES
+from mapl_swarm.config.catalog import CODEC_NAMES
 from mapl_swarm.config import (LEGACY_KEYS, Codec, CompressionConfig, OptimConfig, RuntimeConfig, TrainConfig,
                                VQConfig, config_from_dict, config_to_dict, load_config, model_fingerprint)
 from mapl_swarm.errors import ConfigError

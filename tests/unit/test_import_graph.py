@@ -230,6 +230,57 @@ def _fail_with_chains(title: str, starts: list[str], goal: Callable[[str], bool]
         pytest.fail(title + ":\n" + "\n".join(path_text(REACH, c) for c in chains), pytrace=False)
 
 
+def package_of(module: str) -> str:
+    """The first-level package (or top-level module) of ``module``: ``mapl_swarm.peer`` for
+    ``mapl_swarm.peer.link``; ``mapl_swarm`` itself for the package root."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_edges(graph: ImportGraph) -> Edges:
+    """The *packages* view: an edge between two first-level packages wherever a module of one
+    imports a module of the other (the root package ``mapl_swarm`` and its ``__init__`` aside)."""
+    out: Edges = {}
+    for m, targets in graph.imports.items():
+        src = package_of(m)
+        out.setdefault(src, {})
+        for t, line in targets.items():
+            dst = package_of(t)
+            if dst != src and PACKAGE not in (src, dst):
+                out[src].setdefault(dst, line)
+    for targets in list(out.values()):
+        for t in targets:
+            out.setdefault(t, {})
+    return out
+
+
+def test_no_import_cycles_between_packages():
+    """The folders are layers: no two first-level packages import each other, however indirectly."""
+    edges = package_edges(GRAPH)
+    cycles = find_cycles(edges)
+    if cycles:
+        pytest.fail("import cycles between mapl_swarm's packages:\n" + "\n".join(
+            f"{' -> '.join(cycle)}   [group: {', '.join(group)}]" for cycle, group in cycles), pytrace=False)
+
+
+def test_config_and_wire_are_the_bottom_layer():
+    """``config`` and ``wire`` import no other package of mapl_swarm but each other's bottom layer
+    (and the package root's errors and helpers)."""
+    edges = package_edges(GRAPH)
+    bottom = {f"{PACKAGE}.config", f"{PACKAGE}.wire", f"{PACKAGE}.errors", f"{PACKAGE}.lazy", f"{PACKAGE}.files"}
+    above = {pkg: sorted(t for t in edges[pkg] if t not in bottom) for pkg in (f"{PACKAGE}.config", f"{PACKAGE}.wire")}
+    assert above == {f"{PACKAGE}.config": [], f"{PACKAGE}.wire": []}
+
+
+def test_package_cycles_are_found_on_a_small_package(tmp_path):
+    files = {"__init__.py": "", "a/__init__.py": "", "a/x.py": "from pkg.b import y\n",
+             "b/__init__.py": "", "b/y.py": "from pkg.a import x\n", "c.py": "import pkg.a.x\n"}
+    for name, text in files.items():
+        (tmp_path / "pkg" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "pkg" / name).write_text(text)
+    edges = package_edges(build_graph(tmp_path / "pkg", "pkg"))
+    assert [group for _, group in find_cycles(edges)] == [["pkg.a", "pkg.b"]]
+
+
 def test_no_import_cycles():
     edges = GRAPH.cycle_edges()
     cycles = find_cycles(edges)

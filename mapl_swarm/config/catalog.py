@@ -1,7 +1,8 @@
 """What each boundary codec *is*, torch-free: names, display names, families and report roles.
 
 The codec objects themselves (:mod:`mapl_swarm.compress.codecs`) carry the behaviour; this
-catalog is the part that configs, grids, reports and plots need without torch. It is the only place
+catalog is the part that configs, grids, reports and plots need without torch. It lives with the
+configs (the bottom layer, which chooses a codec by name), so nothing below the codecs imports them. It is the only place
 where codec names are spelled out: everything else asks :func:`codec_info` (or iterates
 :data:`CODEC_INFO`) instead of comparing codec-name strings.
 """
