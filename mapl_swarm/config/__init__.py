@@ -8,9 +8,8 @@ picks a model preset whose fields the ``[model]`` table may then override. Unkno
 that name the key and the file.
 
 Choice fields are typed ``Literal[...]`` and checked in one place (:func:`_check_choices`, called by
-every section's ``__post_init__``). Keys of the older layout (``run.num_stages``,
-``compression.vq_rounds``...) still load: :data:`LEGACY_KEYS` maps each to its new place and a
-warning names the new key.
+every section's ``__post_init__``). A key of the older layout (``run.num_stages``,
+``compression.vq_rounds``...) is an error naming its new place (:data:`LEGACY_KEYS`).
 """
 
 from mapl_swarm.config import base, loading, run, sections

@@ -23,10 +23,10 @@ __all__ = [
     "LEGACY_KEYS",
     "load_config",
     "read_toml",
-    "upgrade_legacy_keys",
+    "reject_renamed_keys",
     "config_from_dict",
     "config_to_dict",
-    "legacy_layout",
+    "digest_layout",
     "model_fingerprint",
 ]
 
@@ -48,8 +48,9 @@ LEGACY_KEYS: dict[str, str] = {
         "codebook_size", "rounds", "group_size", "slice_fraction", "slice_order", "sync", "ema_decay",
         "kmeans_init_batches", "kmeans_iters", "dead_code_ratio", "max_distance_mib", "compile")},
 }
-"""Keys of the older config layout -> their place now (dotted paths). They still load, with a
-warning naming the new key; a config that sets both is an error."""
+"""Keys of the older config layout -> their place now (dotted paths). A config that sets one is
+refused with the new name (:func:`reject_renamed_keys`); config digests are still taken in the older
+layout (:func:`digest_layout`), so fingerprints and sweep hashes stay what they were."""
 
 
 def _lookup(raw: dict[str, Any], path: list[str]) -> tuple[dict[str, Any] | None, bool]:
@@ -63,27 +64,12 @@ def _lookup(raw: dict[str, Any], path: list[str]) -> tuple[dict[str, Any] | None
     return node, path[-1] in node
 
 
-def upgrade_legacy_keys(raw: dict[str, Any], source: str = "<dict>") -> dict[str, Any]:
-    """A copy of the nested config dict ``raw`` with every :data:`LEGACY_KEYS` key moved to its new
-    place, logging one warning per moved key; setting a key under both names is a ConfigError."""
-    raw = copy.deepcopy(raw)
-    for old, new in LEGACY_KEYS.items():
-        old_path, new_path = old.split("."), new.split(".")
-        table, present = _lookup(raw, old_path)
-        if not present:
-            continue
-        _, clash = _lookup(raw, new_path)
-        if clash:
-            raise ConfigError(f"{source}: both {old} (old name) and {new} are set; keep only {new}")
-        value = table.pop(old_path[-1])
-        node = raw
-        for part in new_path[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"{source}: {part} must be a table")
-        node[new_path[-1]] = value
-        log.warning("%s: %s is now %s; please rename it", source, old, new)
-    return raw
+def reject_renamed_keys(raw: dict[str, Any], source: str = "<dict>") -> None:
+    """ConfigError naming every :data:`LEGACY_KEYS` key that ``raw`` sets, with its new name."""
+    found = [(old, new) for old, new in LEGACY_KEYS.items() if _lookup(raw, old.split("."))[1]]
+    if found:
+        renames = "; ".join(f"{old} is now {new}" for old, new in found)
+        raise ConfigError(f"{source}: renamed key{'s' if len(found) > 1 else ''}: {renames}")
 
 
 def _coerce(cls: type, name: str, value: Any, where: str) -> Any:
@@ -153,13 +139,14 @@ def _derive_vocab(raw: dict[str, Any], preset: ModelConfig, source: str) -> None
 def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> TrainConfig:
     """Build a TrainConfig from nested plain data; unknown keys raise ConfigError naming them.
 
-    Legacy keys are moved first (:func:`upgrade_legacy_keys`). Then, when the tokenizer is trained
+    A key of the older layout is an error naming its new name (:func:`reject_renamed_keys`). When the tokenizer is trained
     here (``data.tokenizer`` empty), the two vocabulary sizes are made to agree: a value set in the
     data wins over the preset's; only ``data.vocab_size`` set -> ``model.vocab_size`` follows it, only
     ``model.vocab_size`` set -> ``data.vocab_size`` follows it, neither -> both are the preset's
     ``model.vocab_size`` (``tiny``: 8192, ``150M``: 32000); both set and different -> ConfigError
     naming both (:func:`_derive_vocab`)."""
-    raw = upgrade_legacy_keys(raw, source)
+    reject_renamed_keys(raw, source)
+    raw = copy.deepcopy(raw)
     preset = raw.pop("preset", "tiny")
     if preset not in MODEL_PRESETS:
         raise ConfigError(f"{source}: unknown preset {preset!r} (known: {', '.join(MODEL_PRESETS)})")
@@ -196,11 +183,13 @@ def _merge(into: dict[str, Any], over: dict[str, Any], where: str) -> None:
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> TrainConfig:
-    """Load a TOML config strictly; ``overrides`` is a nested dict merged over the file (legacy keys
-    of either are moved to their new place first, so an old-name override replaces a new-name key)."""
+    """Load a TOML config strictly; ``overrides`` is a nested dict merged over the file (a renamed
+    key in either is an error naming its new name)."""
     path = Path(path)
-    raw = upgrade_legacy_keys(read_toml(path, "config"), str(path))
-    _merge(raw, upgrade_legacy_keys(overrides or {}, "--set"), str(path))
+    raw = read_toml(path, "config")
+    reject_renamed_keys(raw, str(path))
+    reject_renamed_keys(overrides or {}, "--set")
+    _merge(raw, overrides or {}, str(path))
     return config_from_dict(raw, str(path))
 
 
@@ -223,9 +212,10 @@ def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
     return _plain(cfg)
 
 
-def legacy_layout(d: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a :func:`config_to_dict` dict in the older layout (every :data:`LEGACY_KEYS` key back
-    at its old place): digests of configs (fingerprint, sweep hashes) stay what they were."""
+def digest_layout(d: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a :func:`config_to_dict` dict in the layout config digests are taken in (the older
+    one: every :data:`LEGACY_KEYS` key at its old place), so fingerprints and sweep hashes stay
+    what they were when first made. Only for digests: configs themselves never load this layout."""
     d = copy.deepcopy(d)
     for old, new in LEGACY_KEYS.items():
         table, present = _lookup(d, new.split("."))
@@ -248,7 +238,7 @@ def model_fingerprint(cfg: TrainConfig, tokenizer_hash: str, vocab_size: int) ->
     (the compression section in the older flat layout). The VQ encoder's host-local performance
     knobs (``compression.vq.max_distance_mib``, ``compression.vq.compile``) are left out: hosts with
     different memory or compilers must still join the same run."""
-    compression = legacy_layout({"compression": config_to_dict(cfg)["compression"]})["compression"]
+    compression = digest_layout({"compression": config_to_dict(cfg)["compression"]})["compression"]
     for local in ("vq_max_distance_mib", "vq_compile"):
         compression.pop(local, None)
     payload = {

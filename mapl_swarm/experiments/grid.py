@@ -39,8 +39,8 @@ from typing import Any
 
 from mapl_swarm import config as config_mod
 from mapl_swarm.config.catalog import CODEC_INFO, CODEC_NAMES, codec_info
-from mapl_swarm.config import (TrainConfig, config_from_dict, config_to_dict, legacy_layout, read_toml,
-                               upgrade_legacy_keys)
+from mapl_swarm.config import (TrainConfig, config_from_dict, config_to_dict, digest_layout, read_toml,
+                               reject_renamed_keys)
 from mapl_swarm.errors import ConfigError
 
 __all__ = ["Grid", "GridGroup", "RunSpec", "load_grid", "grid_from_dict", "ANCHORED_CODECS"]
@@ -95,7 +95,7 @@ class RunSpec:
 
 def config_hash(cfg: TrainConfig) -> str:
     """Digest of everything that shapes a run's numbers (the output folder excluded)."""
-    d = legacy_layout(config_to_dict(cfg))  # the layout hashes were first made in: finished runs still count
+    d = digest_layout(config_to_dict(cfg))  # the layout hashes were first made in: finished runs still count
     d["run"].pop("out_dir", None)
     d.pop("net", None)
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
@@ -201,7 +201,7 @@ def grid_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Grid:
     base = raw["base"]
     if not isinstance(base, dict):
         raise ConfigError(f"{source}: base must be a table")
-    base = upgrade_legacy_keys(base, f"{source} [base]")  # once here, not once per run
+    reject_renamed_keys(base, f"{source} [base]")
     if "steps" in base.get("run", {}):
         raise ConfigError(f"{source}: [base.run] steps is derived from tokens_per_run; remove it")
     base_cfg = config_from_dict(copy.deepcopy(base), f"{source} [base]")  # strict: unknown keys raise
@@ -248,13 +248,18 @@ def grid_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Grid:
             anchors=anchors,
             seeds=_typed_list(g.get("seeds", [r.seed]), int, "seeds", where),
             variant=variant,
-            settings=upgrade_legacy_keys(copy.deepcopy(settings), where),
+            settings=_checked_settings(settings, where),
         ))
     grid = Grid(name=name, description=desc, tokens_per_run=tokens, out_dir=out_dir, base=base,
                 groups=tuple(groups), source=source)
     for spec in grid.expand():  # every run must form a valid config (unknown keys in a set raise)
         spec.config("/tmp/x")
     return grid
+
+
+def _checked_settings(settings: dict, where: str) -> dict:
+    reject_renamed_keys(settings, where)
+    return copy.deepcopy(settings)
 
 
 def load_grid(path: str | Path) -> Grid:

@@ -45,7 +45,7 @@ def record_threads(obj, name: str, calls: dict) -> None:
 def test_stage_tensor_work_runs_on_the_compute_thread(tmp_path):
     path = write_config(tmp_path / "vq.toml", codec="mapl_vq", stages=3, steps=2, cache=tmp_path / "cache",
                         out=tmp_path / "swarm", run_id="threads", timeout=60)
-    cfg = load_config(path, {"run": {"threads": 1, "checkpoint_interval_steps": 2}})
+    cfg = load_config(path, {"runtime": {"threads": 1}, "checkpoint": {"interval_steps": 2}})
     directory = Directory()
     peers = [build_peer(cfg, s, resolve=directory.resolve, announce=directory.announcer(s), progress=False)
              for s in range(3)]

@@ -1,6 +1,7 @@
-"""Config layout: legacy keys, Literal choices checked in one place, vocab sizes, round trips."""
+"""Config layout: renamed keys refused, Literal choices checked in one place, vocab sizes, round trips."""
 
 import logging
+import re
 import subprocess
 import sys
 from dataclasses import fields
@@ -18,55 +19,30 @@ def test_codec_literal_is_the_catalog():
     assert get_args(Codec) == CODEC_NAMES
 
 
-def test_legacy_keys_move_with_one_warning_each(caplog, tmp_path):
+def test_renamed_keys_are_errors_naming_the_new_key(tmp_path):
     p = tmp_path / "old.toml"
-    p.write_text("[run]\nnum_stages = 2\nval_batches = 3\nthreads = 1\nsteps = 5\n"
+    p.write_text("[run]\nnum_stages = 2\nval_batches = 3\nsteps = 5\n"
                  "[compression]\ncodec = \"mapl_vq\"\nrank = 16\nanchor_rank = 16\nvq_rounds = 3\n")
-    with caplog.at_level(logging.WARNING, logger="mapl_swarm.config"):
-        cfg = load_config(p)
-    assert (cfg.pipeline.num_stages, cfg.eval.batches, cfg.runtime.threads, cfg.run.steps) == (2, 3, 1, 5)
-    assert cfg.compression.vq.rounds == 3
-    warnings = [r.getMessage() for r in caplog.records]
-    for old in ("run.num_stages", "run.val_batches", "run.threads", "compression.vq_rounds"):
-        hits = [w for w in warnings if f" {old} is now {LEGACY_KEYS[old]}" in w]
-        assert len(hits) == 1, warnings
-    assert len(warnings) == 4
-
-
-def test_every_legacy_key_lands_where_the_mapping_says():
-    values = {"run.device": "cpu", "compression.vq_sync": "full", "compression.vq_slice_order": "round_robin",
-              "compression.vq_compile": True, "compression.vq_slice_fraction": 0.5,
-              "compression.vq_ema_decay": 0.5, "compression.vq_dead_code_ratio": 0.5,
-              "compression.vq_max_distance_mib": 2.0}
-    raw: dict = {}
-    expected = {}
-    for i, old in enumerate(LEGACY_KEYS):
-        section, key = old.split(".")
-        value = values.get(old, 2 + (i % 2))
-        raw.setdefault(section, {})[key] = value
-        expected[LEGACY_KEYS[old]] = value
-    raw["compression"]["rank"] = 16
-    cfg = config_from_dict(raw)
-    for new, value in expected.items():
-        obj = cfg
-        for part in new.split("."):
-            obj = getattr(obj, part)
-        assert obj == value, new
-
-
-def test_old_and_new_name_together_is_an_error(tmp_path):
-    p = tmp_path / "both.toml"
-    p.write_text("[run]\nnum_stages = 2\n[pipeline]\nnum_stages = 2\n")
-    with pytest.raises(ConfigError, match=r"both\.toml: both run\.num_stages .* and pipeline\.num_stages"):
+    with pytest.raises(ConfigError) as err:
         load_config(p)
-    with pytest.raises(ConfigError, match=r"compression\.vq_sync .* compression\.vq\.sync"):
-        config_from_dict({"compression": {"vq_sync": "full", "vq": {"sync": "full"}}})
+    assert str(err.value) == (f"{p}: renamed keys: run.num_stages is now pipeline.num_stages; run.val_batches is "
+                              f"now eval.batches; compression.vq_rounds is now compression.vq.rounds")
+    new = tmp_path / "new.toml"
+    new.write_text("[pipeline]\nnum_stages = 2\n")
+    with pytest.raises(ConfigError, match=r"^--set: renamed key: run\.threads is now runtime\.threads$"):
+        load_config(new, {"run": {"threads": 1}})
 
 
-def test_set_with_an_old_name_overrides_the_file(tmp_path):
+def test_every_renamed_key_is_refused_by_name():
+    for old, new in LEGACY_KEYS.items():
+        section, key = old.split(".")
+        with pytest.raises(ConfigError, match=rf"renamed key: {re.escape(old)} is now {re.escape(new)}$"):
+            config_from_dict({section: {key: 1}})
+
+
+def test_set_overrides_the_file(tmp_path):
     p = tmp_path / "new.toml"
     p.write_text("[pipeline]\nnum_stages = 4\n")
-    assert load_config(p, {"run": {"num_stages": 2}}).pipeline.num_stages == 2
     assert load_config(p, {"pipeline": {"num_stages": 3}}).pipeline.num_stages == 3
 
 
@@ -129,8 +105,6 @@ def test_fingerprint_unchanged_by_the_new_layout():
     fingerprint, and when SSN's offset std and AdamW ratio joined [compression].)"""
     cfg = config_from_dict({"pipeline": {"num_stages": 2}, "runtime": {"threads": 1}, "eval": {"batches": 3}})
     assert model_fingerprint(cfg, "abc", 8192) == "60e1ec85170a84b92223cdaa4ac0bd16"
-    legacy = config_from_dict({"run": {"num_stages": 2, "threads": 1, "val_batches": 3}})
-    assert model_fingerprint(legacy, "abc", 8192) == model_fingerprint(cfg, "abc", 8192)
     local = config_from_dict({"pipeline": {"num_stages": 2}, "compression": {"vq": {"max_distance_mib": 4.0,
                                                                                      "compile": True}}})
     assert model_fingerprint(local, "abc", 8192) == model_fingerprint(cfg, "abc", 8192)

@@ -119,7 +119,7 @@ def test_warm_up_compiles_on_real_shapes_and_changes_nothing(monkeypatch):
 
 
 def test_codec_warm_up_hook(make_config):
-    pipe = InProcessPipeline(make_config(compression={"codec": "mapl_vq", "vq_codebook_size": 16}))
+    pipe = InProcessPipeline(make_config(compression={"codec": "mapl_vq", "vq": {"codebook_size": 16}}))
     assert set(pipe.stages[1].codec.warm_up(32)) == {"act", "grad"}
     assert InProcessPipeline(make_config(compression={"codec": "mapl"})).stages[1].codec.warm_up(32) == {}
 
