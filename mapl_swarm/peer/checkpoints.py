@@ -214,6 +214,7 @@ class CheckpointAgreement:
             if reasons:
                 raise CheckpointError(reasons)
             stages = {int(k): v for k, v in have.items()}
+            self._refuse_stages_without_files(stages)
             if rejoin and not set.intersection(*(set(v) for v in stages.values())):
                 step = 0
                 log.warning("re-forming the swarm with no checkpoint step every stage has (%s): every stage "
@@ -228,6 +229,23 @@ class CheckpointAgreement:
         if self.down is not None:
             await self.send(self.down, {"phase": "resume", "step": step, "epoch": swarm_epoch})
         return step, swarm_epoch
+
+    def _refuse_stages_without_files(self, stages: dict[int, list[int]]) -> None:
+        """Stage 0: a stage that offers no step at all while stage 0 knows a step every stage saved
+        (complete, and stage 0 can load it) lost its files (a replacement on a fresh host): refused,
+        naming the step and the files to copy, rather than rolling every stage back to step 0, which
+        would discard the others' checkpoints."""
+        complete = sorted(set(self.store.complete) & set(stages[self.stage]))
+        empty = sorted(k for k, v in stages.items() if not v)
+        if not complete or not empty:
+            return
+        n = max(complete)
+        files = " and ".join(f"checkpoints/step_{n:08d}/stage_{k}.pt, stage_{k}.manifest.json" for k in empty)
+        which = f"stage{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty))}"
+        raise CheckpointError(f"{which} has no checkpoint of this run, but every stage saved step {n}: copy {files} "
+                              f"from the run.out_dir of the host that ran {which} to the run.out_dir of its peer, "
+                              f"then start the peers again with --resume (no stage rolled back or deleted a "
+                              f"checkpoint)")
 
     def _prefer_recorded(self, stages: dict[int, list[int]]) -> list[int]:
         """Stage 0's usable steps less those whose losses the history lacks (:attr:`without_loss`),
@@ -264,10 +282,7 @@ class PeerRunPolicy:
                  runtime: "StageRuntime", compute: "ComputeThread", sampler: Any = None) -> None:
         self.cfg, self.stage, self.data, self.fingerprint, self.resume = cfg, stage, data, fingerprint, resume
         self.rt, self.compute, self.sampler = runtime, compute, sampler
-        if not resume:  # a fresh run owns its folder (before its first save, i.e. before the handshake)
-            run_policy.start_fresh(cfg.run.out_dir, [stage])
-        self.store = StageCheckpoints(cfg.run.out_dir, stage, driver="swarm", fingerprint=fingerprint,
-                                      keep=cfg.checkpoint.keep)
+        self.store = self._new_store()
         self.agreement = CheckpointAgreement(self.store, stage, cfg.pipeline.num_stages)
         if stage == 0 and cfg.pipeline.num_stages > 1:  # its losses come from the last stage (REPORT)
             path = run_policy.metrics_path(cfg.run.out_dir, stage)
@@ -286,6 +301,10 @@ class PeerRunPolicy:
         self.epoch = 0
         """The swarm's run epoch, once :meth:`begin` agreed it (SPEC "Rejoin")."""
 
+    def _new_store(self) -> StageCheckpoints:
+        return StageCheckpoints(self.cfg.run.out_dir, self.stage, driver="swarm", fingerprint=self.fingerprint,
+                                keep=self.cfg.checkpoint.keep)
+
     async def on_message(self, msg: Message) -> None:
         await self.agreement.on_message(msg)
 
@@ -296,6 +315,9 @@ class PeerRunPolicy:
         ``rejoin``: the swarm re-forms after a departure (SPEC "Rejoin"): every stage rolls back to
         the newest step all have (step 0 when there is none), within ``net.rejoin_timeout_s``."""
         self.agreement.send = send
+        if not self.resume:  # a fresh run owns its folder: only now that the swarm took this peer in
+            run_policy.start_fresh(self.cfg.run.out_dir, [self.stage])
+            self.store = self.agreement.store = self._new_store()
         lacking = [s for s, caps in neighbour_caps.items() if CHECKPOINT_CAPABILITY not in caps]
         if lacking:  # an older peer (protocol < 1.3): no CHECKPOINT to it, so no agreement at all
             why = f"neighbour stage(s) {lacking} do not take part in checkpoint agreement (protocol < 1.3)"

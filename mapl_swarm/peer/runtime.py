@@ -332,6 +332,8 @@ class Peer:
             self._pause(f"stage {got.msg.src} re-forms the swarm (its HELLO of run epoch {got.msg.epoch})",
                         epoch=got.msg.epoch, lost=None, told_by=got.msg.src)
             return
+        if got.msg.type is MT.HELLO and self._must_resume(got.msg):
+            return
         if got.msg.type is MT.HELLO:
             reply = self._reply(transport, arrival, got.link)
             await self._answer(got.link.on_hello(got.msg, arrival.sender, reply, now=self.admission.clock()))
@@ -366,7 +368,23 @@ class Peer:
         else:
             await handler(msg, link)
 
+    def _must_resume(self, msg: Message) -> bool:
+        """A HELLO or WELCOME from a swarm that re-forms after a departure (run epoch > 0) while this
+        peer starts fresh: it can only take the departed stage's place from that stage's checkpoints,
+        so it stops at once saying how (rather than waiting for pipeline messages that never come)."""
+        resuming = self.run_policy is not None and self.run_policy.resume
+        if self._training or resuming or msg.epoch == 0:
+            return False
+        self.mailbox.fail(PeerRejected(
+            f"stage {msg.src} belongs to a swarm that re-forms after a departure (run epoch {msg.epoch}): stage "
+            f"{self.stage} must take the departed peer's place from its checkpoints, so start it again with --resume "
+            f"on a host holding stage {self.stage}'s checkpoint folder ({self.cfg.run.out_dir}/checkpoints)"))
+        self._welcome_event.set()
+        return True
+
     async def _on_welcome(self, msg: Message, link: PeerLink) -> None:
+        if self._must_resume(msg):
+            return
         refused = link.settings.mismatch(msg.meta)
         if refused is not None:  # the neighbour runs another configuration (SPEC §9.2 step 3)
             link.on_reject(msg)

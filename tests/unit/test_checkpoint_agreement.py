@@ -557,3 +557,21 @@ def test_stage_0_finishes_at_once_when_a_stage_could_not_save_the_final_step(tmp
     assert warnings == ["checkpoint step 2 will never be complete (stage 1: disk full at /d1); the newest "
                         "complete checkpoint stays step 1"]
     assert checkpoint.stage_steps(tmp_path, 0) == [1, 2]  # its own file of step 2 is kept (pruned later)
+
+
+def test_a_stage_without_files_is_refused_when_a_complete_step_exists(tmp_path):
+    """A replacement on a fresh host (no checkpoint at all) while every stage had saved step 4:
+    every stage stops with a message naming step 4 and the files to copy; no stage rolls back to
+    step 0 (which would delete the others' checkpoints), none deletes anything."""
+    peers, queues = _swarm(tmp_path, keep=5)
+    for s in (0, 2):
+        for step in (2, 4):
+            peers[s].store.save(step, {"x": torch.zeros(1)})
+    for step in (2, 4):
+        peers[0].store.mark_complete(step)
+    results = _resume_all(peers, queues, 10, epochs={0: 1, 1: 0, 2: 1}, rejoin=True)
+    assert all(isinstance(r, CheckpointError) for r in results), results
+    assert str(results[1]) == str(results[0]) == str(results[2])
+    assert str(results[1]).startswith("stage 1 has no checkpoint of this run, but every stage saved step 4: copy "
+                                      "checkpoints/step_00000004/stage_1.pt, stage_1.manifest.json from the run.out_dir")
+    assert [p.store.local_steps() for p in peers] == [[2, 4], [], [2, 4]]
