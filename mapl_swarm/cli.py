@@ -155,6 +155,11 @@ def _cmd_peer(args: argparse.Namespace) -> int:
     if args.stage == 0 and result.train_losses:
         print(f"stage 0 done: {len(result.train_losses)} steps, last loss {result.train_losses[-1]:.4f}, "
               f"{result.tokens / max(result.wall_s, 1e-9):.0f} tokens/s, {result.bad_frames} bad frames dropped")
+    elif args.stage > 0:
+        sent = sum(sum(kinds.values()) for kinds in result.wire_tx.values())
+        rejoined = f", {len(result.rejoins)} rejoin(s)" if result.rejoins else ""
+        print(f"stage {args.stage} done: steps {result.start_step}..{cfg.run.steps} in {result.wall_s:.1f} s, "
+              f"{sent / 1e6:.1f} MB sent, {result.bad_frames} bad frames dropped{rejoined}")
     return 0
 
 
@@ -202,16 +207,21 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     last = f"{s.train_losses[-1]:.4f}" if s.train_losses else "n/a"
     print(f"swarm {cfg.compression.codec} P={cfg.pipeline.num_stages}: {len(s.train_losses)} steps, train loss "
           f"{last}{val}, {s.tokens / max(s.wall_s, 1e-9):.0f} tokens/s")
-    print("  bytes/token per link, forward / backward: payload = tensor bytes; "
-          "on the wire = ZeroMQ frames with headers")
-    for b, link in enumerate(s.links):
-        print(f"  link {b}->{b + 1}: payload {link['forward_payload']:.1f} / {link['backward_payload']:.1f} B/token, "
-              f"on the wire {link['forward_wire']:.1f} / {link['backward_wire']:.1f} B/token")
+    _print_links(s)
     out = Path(cfg.run.out_dir)
     print(f"metrics: {out}/metrics_stage{{0..{cfg.pipeline.num_stages - 1}}}.jsonl; checkpoints: {out}/checkpoints; "
           f"manifest: {out}/manifest.json")
     _print_restarts(s)
     return 0
+
+
+def _print_links(s: Any) -> None:
+    """The bytes/token lines of a ``launch`` / ``lab`` :class:`~mapl_swarm.peer.launch.SwarmSummary`."""
+    print("  bytes/token per link, forward / backward: payload = tensor bytes; "
+          "on the wire = ZeroMQ frames with headers")
+    for b, link in enumerate(s.links):
+        print(f"  link {b}->{b + 1}: payload {link['forward_payload']:.1f} / {link['backward_payload']:.1f} B/token, "
+              f"on the wire {link['forward_wire']:.1f} / {link['backward_wire']:.1f} B/token")
 
 
 def _print_restarts(s: Any) -> None:
@@ -259,6 +269,7 @@ def _cmd_lab(args: argparse.Namespace) -> int:
     print(f"lab swarm {cfg.compression.codec} P={cfg.pipeline.num_stages} over {args.rate_mbit:g} Mbit/s tbf links: "
           f"{len(s.train_losses)} steps, train loss {s.train_losses[-1]:.4f}, "
           f"{s.tokens / max(s.wall_s, 1e-9):.0f} tokens/s")
+    _print_links(s)
     _print_restarts(s)
     return 0
 

@@ -24,7 +24,7 @@ of :mod:`mapl_swarm.wire.codebook_rules` (shared with the golden vectors) before
 codebooks, so a rejected slice never corrupts them. The in-process pipeline and the peers deliver the same slices in the
 same order, so both decode the same numbers.
 
-No host syncs per micro-batch (issue 10): the sender's statistics (quantization error, dead codes
+No host syncs per micro-batch: the sender's statistics (quantization error, dead codes
 replaced, usage) stay on its device and :meth:`VQSender.metrics` reads them once per step; its
 random draws use a generator on its device seeded with the keyed seed (:func:`stream_generator`).
 The receiver validates what came off the wire on the host (:func:`host_codes_check`,

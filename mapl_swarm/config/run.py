@@ -86,7 +86,7 @@ class CheckpointConfig:
     interval_steps: int = 50
     """Save per-stage checkpoints every this many steps (and at the end); 0 disables, and with it a
     swarm's live rejoin (a departed stage can only come back to a step every stage saved). 50 steps
-    bounds the compute a departure costs while keeping the writes rare (issue 13, item 3)."""
+    bounds the compute a departure costs while keeping the writes rare."""
     keep: int = 2
     """Newest complete checkpoints kept on disk."""
 

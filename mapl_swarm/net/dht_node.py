@@ -15,8 +15,8 @@ are retried until the deadline, since peers may start before the bootstrap node.
 
 **Nothing left behind.** The node process (1) leaves its parent's process group, so Ctrl-C in
 a terminal or a signal to the group reaches only the peer, which then stops the node through
-:meth:`shutdown` (p2pd used to get the SIGINT, die, and turn the shutdown into hivemind's
-hard-kill path with go-libp2p errors and tracebacks); (2) receives SIGTERM when its parent dies,
+:meth:`shutdown` (a p2pd that got the SIGINT itself would die and turn the shutdown into
+hivemind's hard-kill path, with go-libp2p errors and tracebacks); (2) receives SIGTERM when its parent dies,
 even by SIGKILL (:mod:`mapl_swarm.procs`: ``PR_SET_PDEATHSIG``, or a pidfd watcher thread when
 started off the main thread); its SIGTERM handler kills p2pd, removes p2pd's two unix sockets
 and exits at once; (3) spawns p2pd with ``PR_SET_PDEATHSIG=SIGKILL``, so p2pd dies with it

@@ -1,7 +1,7 @@
 """What a peer lets in: who may say what, sessions and sequence numbers, bounded decoding, content.
 
 Every received message passes these checks, in the order of SPEC §6.1, before anything of it
-reaches the schedule, the stage runtime, its optimizer or its codebooks (issue 12). The first that
+reaches the schedule, the stage runtime, its optimizer or its codebooks. The first that
 fails drops the message with a stable code (:class:`~.session.Rejected`, or the wire's
 ``ContentError`` / ``WireError``), counted by code in the peer's result (``rejects``) and logged
 (:class:`RejectCounter`); the peer keeps serving.

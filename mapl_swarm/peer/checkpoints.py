@@ -337,8 +337,8 @@ class PeerRunPolicy:
             self.store.resumed(start)
             if start > 0:
                 await self.compute.run(self._load, start)
-            log.info("stage %d %s from step %d (agreed by every stage; run epoch %d)", self.stage,
-                     "rolled back" if rejoin else "resumed", start, self.epoch)
+            log.info("stage %d %s step %d (agreed by every stage; run epoch %d)", self.stage,
+                     "rolled back to" if rejoin else "resumed from", start, self.epoch)
         self._start = self._ended = start
         run_policy.write_manifest(self.cfg, self.data, driver="swarm", fingerprint=self.fingerprint,
                                   resumed_from=start, stage=self.stage)

@@ -23,8 +23,8 @@ is lost, the newest complete checkpoint stays. :class:`DrainSignals` installs th
 peer's event loop, so a signal never raises inside it.
 
 A BYE ``"drain"`` is a *planned* departure: a peer that receives one ends cleanly (exit 0) even if
-it was not asked to drain itself. From downstream (a neighbour that left on its own) it ends this
-peer too for now; live rejoin (issue 13, item 3) will wait for a replacement there instead.
+it was not asked to drain itself. From downstream (a neighbour that left on its own) it is a departure
+(:mod:`~.departures`): with live rejoin the swarm re-forms around a replacement, without it this peer ends.
 """
 
 from __future__ import annotations

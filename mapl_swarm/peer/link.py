@@ -7,7 +7,7 @@ outbound sequence numbers, how stage payloads map to wire tensors and back (name
 link only wraps host memory), the payload byte counter, the send through the transport and,
 with mapl_vq, the link's side of the codebook streams (:class:`~.vq_link.CodebookLink`).
 
-Sessions (issue 12, SPEC §9): the link's outbound direction is open once the neighbour answered
+Sessions (SPEC §9): the link's outbound direction is open once the neighbour answered
 this peer's HELLO with WELCOME (``welcomed``); nothing but HELLO goes out before (heartbeats
 included). Its inbound direction is the neighbour's connection bound when this peer welcomed the
 neighbour's HELLO (``rx``, an :class:`~.admission.RxSession`: routing id, sequence, key). WELCOME

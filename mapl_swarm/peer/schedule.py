@@ -17,7 +17,7 @@ happen under the compute thread's ``encode_lock`` (a retransmission takes it too
 message whose codes cannot be decoded raises :class:`~.vq_link.Retransmitting` and is dropped,
 its copy follows.
 
-Window (issue 12): the schedule knows which messages can come next: the current ``step``, the
+Window: the schedule knows which messages can come next: the current ``step``, the
 micro-batches of it already taken, the train ACTs whose GRAD is due, the projector versions. A
 pipeline message outside it (a second ACT for a micro-batch, a GRAD nobody asked for, an ACT made
 with another projector, a PROJ_GRAD of another step, a REPORT twice) is dropped with a code
@@ -267,11 +267,15 @@ class PipelineSchedule:
         # step: the sender's copy is authoritative, so send it before any ACT
         await self._send_projector(self.s.start_step)
         self._t0 = time.perf_counter()
-        if self.links.upstream is None:
-            await self._drive()
-        else:
-            await self._serve()
-        self.result.wall_s = time.perf_counter() - self._t0
+        if self.links.upstream is not None and self.s.progress:  # stage 1's comes with the REPORTs
+            self._progress = StepProgress(self.s.steps, initial=self.s.start_step, desc=self.name)
+        try:
+            if self.links.upstream is None:
+                await self._drive()
+            else:
+                await self._serve()
+        finally:  # a session that pauses (rejoin) trained too: its time counts with its tokens
+            self.result.wall_s = time.perf_counter() - self._t0
 
     async def on_report(self, msg: Message) -> None:
         """A REPORT from downstream: stage 1 records it, other stages relay it upstream. A train
@@ -456,6 +460,11 @@ class PipelineSchedule:
             return self._drop("stale_projector", msg, f"projector v{msg.pver}, this stage holds v{self._inbound_pver()}")
         return True
 
+    def _step_seconds(self) -> float:
+        """Mean seconds per step since training started in this session."""
+        done = self.step - self.s.start_step
+        return (time.perf_counter() - self._t0) / max(done, 1)
+
     def _advance(self) -> None:
         """The step is flushed: the window moves on."""
         self.step += 1
@@ -498,6 +507,8 @@ class PipelineSchedule:
         self._advance()
         await self._send_projector(step + 1)
         await self.hooks.step_end(step + 1, step_metrics)
+        if up is not None and self._progress is not None:
+            self._progress.step(step_s=f"{self._step_seconds():.2f}")
 
     async def _projector_grad(self, step: int) -> Message:
         """The downstream stage's PROJ_GRAD of ``step``, at this projector's version, over M micro-batches."""

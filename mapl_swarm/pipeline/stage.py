@@ -17,7 +17,7 @@ same numbers. Payloads are dicts of tensors already cast to their wire dtype:
   :meth:`apply_slice` *before* the payload, and passes :meth:`codebook_version` along as the
   payload's ``cver`` (see :mod:`mapl_swarm.compress.vq_stage`).
 
-Own non-finite values (issue 12): :meth:`StageRuntime.step` checks the step's training losses
+Own non-finite values: :meth:`StageRuntime.step` checks the step's training losses
 (last stage) and the gradients' total norm with one host sync before any optimizer update, and
 :func:`check_finite` checks a host payload before it is sent; either raises
 :class:`~mapl_swarm.errors.NonFiniteError` naming the step and the tensor, so a NaN/Inf is never

@@ -12,6 +12,7 @@ import torch
 
 from mapl_swarm.compress import config_boundary_bytes
 from mapl_swarm.config import TrainConfig, model_fingerprint
+from mapl_swarm.config.catalog import codec_info
 from mapl_swarm.data import BatchSampler, PreparedData, prepare_data, validation_batches
 from mapl_swarm.metrics.progress import StepProgress
 from mapl_swarm.pipeline.inprocess import InProcessPipeline
@@ -93,11 +94,15 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
     start = _resume(pipe, cfg, stores, sampler) if resume else 0
     write_manifest(cfg, data, driver="train", fingerprint=fingerprint, resumed_from=start)
     expected = config_boundary_bytes(cfg)
-    slices = (f" (+ {expected.codebook_bytes:.2f} B/token codebook slices each way)"
-              if expected.codebook_bytes else "")
-    log.info("codec %s: expected payload per boundary %.1f B/token forward, %.1f B/token backward "
-             "(activations, ids and gradients; projector exchange not included)%s", cfg.compression.codec,
-             expected.forward_bytes, expected.backward_bytes, slices)
+    extra = []
+    if expected.codebook_bytes:
+        extra.append(f"{expected.codebook_bytes:.2f} B/token of codebook slices")
+    if codec_info(cfg.compression.codec).trainable_projector:  # a d x r fp32 matrix each way once per step
+        extra.append(f"{cfg.model.hidden_size * cfg.compression.rank * 4 / cfg.tokens_per_step:.2f} B/token of "
+                     f"projector exchange")
+    log.info("codec %s: expected payload per boundary %.1f B/token forward, %.1f B/token backward (activations, "
+             "ids and gradients)%s", cfg.compression.codec, expected.forward_bytes, expected.backward_bytes,
+             f", + {' and '.join(extra)} each way" if extra else "")
 
     initial_val = pipe.evaluate(val) if start == 0 else None
     val_history: list[tuple[int, float]] = [] if initial_val is None else [(0, initial_val)]

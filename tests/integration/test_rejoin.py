@@ -78,6 +78,8 @@ def test_a_middle_peer_killed_twice_is_replaced_and_the_swarm_rolls_back_in_plac
     losses = [r["loss"] for r in records if "loss" in r]
     assert [r["step"] for r in records if "loss" in r] == list(range(1, steps + 1))
     assert result["train_losses"] == pytest.approx(losses, abs=1e-6)  # the result keeps the rolled-back history
+    # its training time covers every session (the paused ones too), so tokens/s is not inflated
+    assert sum(r["step_s"] for r in records if "step_s" in r) <= result["wall_s"] + 1.0
     train(load_config(path, {"run": {"out_dir": str(tmp_path / "ref")}, "checkpoint": {"interval_steps": 0}}),
           progress=False)
     assert losses == pytest.approx(train_losses(tmp_path / "ref"), abs=1e-3)
