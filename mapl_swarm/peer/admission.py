@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from mapl_swarm.config.catalog import codec_info
 from mapl_swarm.peer.link import stage_of
-from mapl_swarm.peer.session import Early, HelloRefused, Rejected, RxSession
+from mapl_swarm.peer.session import Early, HelloRefused, Rejected, RxSession, Superseded
 from mapl_swarm.wire import (ContentError, DecodeLimits, Message, MessageType, RunShapes, VersionMismatch, Window,
                              WireError, check_content, check_declared, check_epoch, check_header, check_sender,
                              decode_header, decode_tensors)
@@ -180,6 +180,9 @@ class Admission:
             msg = await self._tensors(header, arrival.frames, link)
         except (HelloRefused, VersionMismatch, Early):
             raise
+        except Superseded as exc:
+            log.debug("stage %d: a message from %r not used: %s", self.s.stage, sender, exc.text)
+            return None
         except (Rejected, ContentError) as exc:
             self.rejects(exc.code, sender, exc.text)
             return None
@@ -260,6 +263,8 @@ class Admission:
         if not link.awaiting_answer:
             raise Rejected("not_allowed", f"{h.type.name} but no HELLO to stage {link.stage} awaits an answer")
         if not link.answers_hello(h.type, h.meta):
+            if link.answers_older_hello(h.meta):
+                raise Superseded("not_allowed", f"{h.type.name} to an earlier HELLO, which a newer one replaced")
             raise Rejected("not_allowed", f"{h.type.name} for another HELLO (hello_nonce)")
 
     # ------------------------------------------------------------------ tensors and content

@@ -26,6 +26,7 @@ import asyncio
 import logging
 import re
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -174,6 +175,8 @@ class PeerLink:
         """The neighbour refused the newest HELLO with ``stage_taken``: its old session may not have
         timed out yet, so HELLO is sent again (SPEC "Rejoin")."""
         self._hello_nonce: bytes | None = None
+        self._older_nonces: deque[bytes] = deque(maxlen=8)
+        """The nonces of this link's last HELLOs before the current one (their answers are superseded)."""
         self.refused_hello: str | None = None
         """Why this peer last refused a HELLO of this neighbour (code: reason), if it did."""
         self._on_bad_frame = on_bad_frame
@@ -255,6 +258,8 @@ class PeerLink:
     # ------------------------------------------------------------------ handshake
     async def send_hello(self) -> None:
         """HELLO with ``seq`` 0 and a fresh nonce, opening the link's outbound session."""
+        if self._hello_nonce is not None:
+            self._older_nonces.append(self._hello_nonce)
         self._hello_nonce = new_nonce()
         self.hello_sent, self.welcomed, self.rejected, self.tx_key, self.retry = True, False, False, None, False
         self.hello_at = time.monotonic()
@@ -272,6 +277,10 @@ class PeerLink:
         if echo is None and mtype is MT.REJECT:
             return True
         return echo == self._hello_nonce
+
+    def answers_older_hello(self, meta: Mapping[str, Any]) -> bool:
+        """The answer echoes the nonce of one of this link's earlier HELLOs (a newer one replaced it)."""
+        return meta.get("hello_nonce") in self._older_nonces
 
     def rx_secret(self, session: RxSession | None):
         """The key a message on ``session`` (None: no bound session) is authenticated with: the

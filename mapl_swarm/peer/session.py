@@ -16,6 +16,11 @@ class Rejected(Exception):
         self.text = text
 
 
+class Superseded(Rejected):
+    """An authentic answer to one of this peer's earlier HELLOs, which a newer HELLO replaced (it
+    resends HELLO until one is answered): not used, and not a bad message (logged at debug)."""
+
+
 class HelloRefused(Rejected):
     """A HELLO refused: answered with REJECT ``code`` (reason ``text``, ``hello_nonce`` the HELLO's
     when it was readable) on the HELLO's own connection."""

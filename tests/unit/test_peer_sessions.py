@@ -175,6 +175,32 @@ def test_welcome_and_reject_count_only_as_the_answer_to_this_peers_hello():
     assert m.rejects == {"not_allowed": 6}
 
 
+def test_the_answer_to_an_earlier_hello_is_not_a_bad_message():
+    """HELLO is resent until answered; a WELCOME to an earlier one (a newer HELLO replaced it) is
+    not used and not counted, the WELCOME to the newest one completes the handshake."""
+    async def scenario(m):
+        await m.peer.links.upstream.send_hello()
+        earlier = m.welcome(0)
+        await m.peer.links.upstream.send_hello()
+        await m.feed("stage0", earlier, reply_link="stage0")
+        assert not m.peer.links.upstream.welcomed
+        await m.feed("stage0", m.welcome(0), reply_link="stage0")
+    m = run(scenario)
+    assert m.peer.links.upstream.welcomed and m.rejects == {}
+
+
+def test_a_fresh_peer_welcomed_by_a_re_forming_swarm_stops_saying_it_must_resume():
+    async def scenario(m):
+        await m.peer.links.upstream.send_hello()
+        frames = encode(Message(type=MT.WELCOME, run_id="mem", src=0, dst=1, epoch=2, meta={
+            **HELLO, "nonce": b"w" * 16, "hello_nonce": m.peer.links.upstream._hello_nonce}))
+        await m.feed("stage0", frames, reply_link="stage0")
+    m = run(scenario)
+    assert "belongs to a swarm that re-forms after a departure (run epoch 2): stage 1 must take the departed " \
+           "peer's place from its checkpoints, so start it again with --resume" in str(m.peer.mailbox.error)
+    assert not m.peer.links.upstream.welcomed
+
+
 def test_a_welcome_of_another_configuration_stops_the_peer():
     async def scenario(m):
         await m.peer.links.upstream.send_hello()
