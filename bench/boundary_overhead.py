@@ -35,7 +35,7 @@ from mapl_swarm.config.catalog import CODEC_NAMES, codec_info, uncompressed_code
 from mapl_swarm.files import atomic_write_text
 from mapl_swarm.config import config_from_dict
 from mapl_swarm.pipeline.payload import PayloadKey, Stream
-from mapl_swarm.pipeline.run_policy import bind_device, resolve_device
+from mapl_swarm.pipeline.device import bind_device, resolve_device
 from mapl_swarm.pipeline.stage import StageRuntime
 
 ROOT = Path(__file__).resolve().parents[1]

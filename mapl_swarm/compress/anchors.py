@@ -1,6 +1,6 @@
 """Per-stage token anchors added on receive and subtracted on send (MAPL §3.2).
 
-Stage 1 uses its real token embedding as the anchor (owned by the model). Every later stage owns
+Stage 0 uses its real token embedding as the anchor (owned by the model). Every later stage owns
 one of these, chosen by ``CompressionConfig.anchor``:
 
 - ``factorized``: ``E_small[ids] @ P`` with trainable ``E_small`` (V x r_a, N(0, std^2)) and frozen
@@ -22,7 +22,7 @@ __all__ = ["StageAnchor"]
 
 
 class StageAnchor(nn.Module):
-    """Token anchor of one stage (stages 2..P); ``forward(ids) -> (B, T, d)`` or None."""
+    """Token anchor of one stage (stages 1..P-1); ``forward(ids) -> (B, T, d)`` or None."""
 
     def __init__(self, kind: str, vocab_size: int, hidden_size: int, rank: int, init_std: float,
                  seed: int, stage: int) -> None:

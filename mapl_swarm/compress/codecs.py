@@ -72,7 +72,7 @@ class StageCodec:
     """Catalog names this class implements."""
     boundary_offsets: ClassVar[str] = "zero"
     """What :meth:`offset` is, in the exported model's terms (:mod:`mapl_swarm.hf.modeling`): ``zero``,
-    ``anchors`` (stage 1's token embedding, then each later stage's anchor) or ``t_fixed`` (the frozen
+    ``anchors`` (stage 0's token embedding, then each later stage's anchor) or ``t_fixed`` (the frozen
     token offsets)."""
     input_offsets: ClassVar[bool] = False
     """Whether :meth:`first_stage_input` adds the frozen token offsets ``self.offsets`` (T_fixed)."""
@@ -131,7 +131,7 @@ class StageCodec:
         return self.anchor(tokens) if self.anchor is not None else None
 
     def first_stage_input(self, embedded: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """Stage 1: what enters the first layer given the token embedding."""
+        """Stage 0: what enters the first layer given the token embedding."""
         return embedded
 
     def offset(self, tokens: torch.Tensor, embedded: torch.Tensor | None,
@@ -207,7 +207,7 @@ class ProjectedCodec(StageCodec):
 
     def _build_anchor(self) -> StageAnchor | None:
         if self.is_first:
-            return None  # stage 1's anchor is its own token embedding
+            return None  # stage 0's anchor is its own token embedding
         c, m = self.cfg.compression, self.cfg.model
         return StageAnchor(c.anchor, m.vocab_size, m.hidden_size, c.anchor_rank, c.anchor_init_std,
                            self.cfg.run.seed, self.stage)
@@ -241,7 +241,7 @@ def frozen_offsets(cfg: "TrainConfig", device: torch.device) -> torch.Tensor:
 
 
 class OffsetsCodec(StageCodec):
-    """``none_offsets``: the uncompressed boundary with SSN's frozen token offsets added to stage 1's
+    """``none_offsets``: the uncompressed boundary with SSN's frozen token offsets added to stage 0's
     embedding output (no projection, the model's AdamW ratio): the reference that separates SSN's
     offset table from its compression."""
 
@@ -258,7 +258,7 @@ class OffsetsCodec(StageCodec):
 
 class SSNCodec(StageCodec):
     """Subspace Networks (:mod:`.ssn`): one global basis U for every boundary, frozen token offsets
-    T_fixed added to stage 1's embedding output, residual writers projected onto span(U) after
+    T_fixed added to stage 0's embedding output, residual writers projected onto span(U) after
     every step; U may take a Grassmann step every ``ssn_refresh_interval_steps`` (in-process only)."""
 
     names = ("ssn",)

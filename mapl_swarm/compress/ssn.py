@@ -2,7 +2,7 @@
 
 Every stage holds the same frozen ``T_fixed`` (V x d, N(0, s^2) with s = ``compression.ssn_offset_std``,
 by default the model's embedding init std) token offsets and the same
-``U`` (d x k, orthonormal columns), both seeded by the run seed alone. Stage 1 adds
+``U`` (d x k, orthonormal columns), both seeded by the run seed alone. Stage 0 adds
 ``T_fixed[ids]`` to its embedding output; each boundary sends ``(X - T_fixed[ids]) @ U`` and
 the receiver adds ``T_fixed[ids]`` back. After every optimizer step the residual-stream writers
 of every layer before the last boundary are projected onto span(U) — ``W <- U U^T W`` for the

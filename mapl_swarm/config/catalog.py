@@ -43,7 +43,7 @@ class CodecInfo:
     quantized: bool = False
     """Z and dL/dZ travel as VQ codes (codebooks streamed)."""
     frozen_offsets: bool = False
-    """Stage 1 adds the frozen token offsets T_fixed (``compression.ssn_offset_std``) to its embedding."""
+    """Stage 0 adds the frozen token offsets T_fixed (``compression.ssn_offset_std``) to its embedding."""
     offsets_reference: bool = False
     """The uncompressed run with the same frozen offsets: the second reference of every codec with
     ``frozen_offsets`` (so an offset table's own effect is not counted as the codec's)."""

@@ -122,7 +122,7 @@ class RuntimeConfig:
         "pattern": r"cuda:[0-9]+", "pattern_name": "'cuda:N' (N: a CUDA device index, 0, 1, ...)"})
     """auto (CUDA when present, else the CPU) | cpu | cuda (the first visible CUDA device) | cuda:N
     (visible CUDA device N; more than the visible count is an error when the device is resolved,
-    :func:`mapl_swarm.pipeline.run_policy.resolve_device`). Honoured by every thread that computes
+    :func:`mapl_swarm.pipeline.device.resolve_device`). Honoured by every thread that computes
     (``bind_device``). Under ``mapl-swarm launch`` each peer sees only the GPU it is given through
     ``CUDA_VISIBLE_DEVICES`` (``--gpus``), so ``cuda`` / ``auto`` is the setting to use there."""
     threads: int = 0
@@ -160,7 +160,7 @@ class NetConfig:
     latency_ms: float = 0.0
     """Emulated one-way latency of every outbound link."""
     max_in_flight: int = 0
-    """Micro-batches stage 1 keeps in flight (1F1B warm-up depth); 0 means num_stages."""
+    """Micro-batches stage 0 keeps in flight (1F1B warm-up depth); 0 means num_stages."""
     timeout_s: float = 120.0
     """Longest wait for any expected message (neighbour discovery, handshake, activations)."""
     heartbeat_interval_s: float = 2.0

@@ -4,7 +4,7 @@
 then per boundary b computes, on the residual the projector sees (``R = X − anchor_send``):
 
 - the cumulative singular-value energy of R (Fig. 3) and the ranks holding 90 / 99 % of it; for the
-  uncompressed codec (no anchor on later stages) the paper's centring ``X − E[ids]`` with stage 1's
+  uncompressed codec (no anchor on later stages) the paper's centring ``X − E[ids]`` with stage 0's
   token embedding is used instead, and ``residual`` says which;
 - the energy a projector captures, ``‖R A‖² / ‖R‖²``, and its orthonormality error;
 - token-pair cosine similarity before vs after projection and its Pearson r (Fig. 4c);

@@ -57,7 +57,7 @@ def _train(cfg, train_dir: Path, **kwargs):
     """Train ``cfg`` into ``train_dir``, resuming an interrupted attempt from its newest checkpoint
     when the grid checkpoints; returns (summary, step resumed from)."""
     from mapl_swarm.errors import CheckpointError
-    from mapl_swarm.pipeline.run_policy import manifest_path
+    from mapl_swarm.pipeline.run_records import manifest_path
     from mapl_swarm.pipeline.trainer import train
 
     if train_dir.exists() and cfg.checkpoint.interval_steps > 0:

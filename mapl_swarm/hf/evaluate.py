@@ -143,12 +143,12 @@ def _hub_problem() -> str | None:
 
 
 def _dataset_of(task_manager: Any, task: str) -> str:
+    import yaml
+
     entry = task_manager.task_index.get(task)
     cfg = getattr(entry, "cfg", None) or {}
     if not cfg and getattr(entry, "yaml_path", None):
-        try:
-            import yaml
-
+        try:  # lm-eval's own tags (!function) are not plain YAML; only dataset_path is read
             cfg = yaml.safe_load(Path(entry.yaml_path).read_text().replace("!function", "")) or {}
         except (OSError, ValueError, yaml.YAMLError):
             cfg = {}

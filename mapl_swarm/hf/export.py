@@ -29,7 +29,7 @@ import torch
 from mapl_swarm.config import TrainConfig, config_from_dict, model_fingerprint
 from mapl_swarm.errors import CheckpointError, ConfigError, DataError, MaplError
 from mapl_swarm.pipeline import checkpoint
-from mapl_swarm.pipeline.run_policy import manifest_path, metrics_path
+from mapl_swarm.pipeline.run_records import manifest_path, metrics_path
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ of the next. A boundary computes what the wire did (:mod:`mapl_swarm.pipeline.st
                                                against the receiver's codebooks)
     X_hat = Z @ A.T + recv_offset[ids]        (no projector: X_hat = Z)
 
-with the offsets of the run's codec (``MaplConfig.mapl_boundary_offsets``): ``anchors`` (stage 1's
+with the offsets of the run's codec (``MaplConfig.mapl_boundary_offsets``): ``anchors`` (stage 0's
 token embedding on boundary 0, then each stage's anchor table), ``t_fixed`` (SSN's frozen token
 offsets on both sides) or ``zero``. Every boundary op works token by token, so the KV
 cache of :class:`~transformers.DynamicCache` makes generation incremental exactly as for Llama.
@@ -64,9 +64,9 @@ class MaplConfig(LlamaConfig):
     mapl_boundary_offsets: str = "zero"
     """zero | anchors | t_fixed: what a boundary subtracts before sending and adds after receiving."""
     mapl_input_offsets: bool = False
-    """Stage 1 adds the frozen token offsets T_fixed to its embedding output (ssn, none_offsets)."""
+    """Stage 0 adds the frozen token offsets T_fixed to its embedding output (ssn, none_offsets)."""
     mapl_anchor: str = "none"
-    """Anchor kind of stages 2..P with ``anchors`` offsets: factorized | full | static | none."""
+    """Anchor kind of stages 1..P-1 with ``anchors`` offsets: factorized | full | static | none."""
     mapl_anchor_rank: int = 0
     """Rank r_a of factorized anchors."""
     mapl_vq: dict | None = None

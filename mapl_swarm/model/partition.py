@@ -9,7 +9,7 @@ __all__ = ["partition_layers"]
 
 def partition_layers(num_layers: int, num_stages: int) -> list[range]:
     """Split ``range(num_layers)`` into ``num_stages`` contiguous ranges whose sizes differ by at
-    most one; earlier stages take the extra layers (stage 1 also embeds, stage P also runs the head,
+    most one; earlier stages take the extra layers (stage 0 also embeds, stage P-1 also runs the head,
     so neither end is systematically lighter)."""
     if num_stages < 1:
         raise ConfigError(f"number of stages must be >= 1, got {num_stages}")

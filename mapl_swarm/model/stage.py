@@ -1,7 +1,7 @@
 """One pipeline stage of a LLaMA-style decoder, built from transformers' Llama components.
 
-Stage 1 owns the token embedding, every stage owns a contiguous slice of ``LlamaDecoderLayer``s
-(with their global layer indices) and a rotary embedding, and stage P owns the final RMSNorm and
+Stage 0 owns the token embedding, every stage owns a contiguous slice of ``LlamaDecoderLayer``s
+(with their global layer indices) and a rotary embedding, and the last stage owns the final RMSNorm and
 the lm_head. Weights are initialised from generators keyed by the *global* layer index, so the
 same seed gives the same model whatever the partition (P=1 equals P=4 weight for weight).
 

@@ -19,7 +19,7 @@ only when the peers say so with CHECKPOINT messages:
 
 :class:`CheckpointAgreement` is that message logic alone (no sockets: ``send(dst, meta)`` is
 injected), so it can be driven by a test in any message order. :class:`PeerRunPolicy` bundles it
-with the stage's :class:`~mapl_swarm.pipeline.run_policy.StageCheckpoints` and metrics records;
+with the stage's :class:`~mapl_swarm.pipeline.stage_checkpoints.StageCheckpoints` and metrics records;
 the :class:`~.runtime.Peer` calls its few entry points.
 """
 
@@ -32,8 +32,9 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from mapl_swarm.config import TrainConfig
 from mapl_swarm.errors import CheckpointError, MaplError
-from mapl_swarm.pipeline import run_policy
-from mapl_swarm.pipeline.run_policy import MetricsLog, StageCheckpoints, StepRecords
+from mapl_swarm.pipeline import run_policy, run_records, stage_checkpoints
+from mapl_swarm.pipeline.run_records import MetricsLog, StepRecords
+from mapl_swarm.pipeline.stage_checkpoints import StageCheckpoints
 from mapl_swarm.wire import Message
 from mapl_swarm.wire.spec import CHECKPOINT_CAPABILITY, CHECKPOINT_UNSAVED_CAPABILITY, CHECKPOINT_UPSTREAM_PHASES
 
@@ -221,7 +222,7 @@ class CheckpointAgreement:
                             "starts again from step 0", ", ".join(f"stage {k}: {v}" for k, v in sorted(stages.items())))
             else:
                 stages[self.stage] = self._prefer_recorded(stages)
-                step = run_policy.choose_resume_step(stages, run_steps, "each stage's run.out_dir")
+                step = stage_checkpoints.choose_resume_step(stages, run_steps, "each stage's run.out_dir")
         except CheckpointError as exc:
             if self.down is not None:
                 await self.send(self.down, {"phase": "resume", "step": None, "reason": str(exc)})
@@ -285,8 +286,8 @@ class PeerRunPolicy:
         self.store = self._new_store()
         self.agreement = CheckpointAgreement(self.store, stage, cfg.pipeline.num_stages)
         if stage == 0 and cfg.pipeline.num_stages > 1:  # its losses come from the last stage (REPORT)
-            path = run_policy.metrics_path(cfg.run.out_dir, stage)
-            self.agreement.without_loss = lambda steps: run_policy.steps_without_loss(cfg, path, steps)
+            path = run_records.metrics_path(cfg.run.out_dir, stage)
+            self.agreement.without_loss = lambda steps: run_records.steps_without_loss(cfg, path, steps)
         self.records: StepRecords | None = None
         self._unsaved: dict[int, str] = {}
         """Steps this stage could not save (a full disk), and why: never complete."""
@@ -316,7 +317,7 @@ class PeerRunPolicy:
         the newest step all have (step 0 when there is none), within ``net.rejoin_timeout_s``."""
         self.agreement.send = send
         if not self.resume:  # a fresh run owns its folder: only now that the swarm took this peer in
-            run_policy.start_fresh(self.cfg.run.out_dir, [self.stage])
+            stage_checkpoints.start_fresh(self.cfg.run.out_dir, [self.stage])
             self.store = self.agreement.store = self._new_store()
         lacking = [s for s, caps in neighbour_caps.items() if CHECKPOINT_CAPABILITY not in caps]
         if lacking:  # an older peer (protocol < 1.3): no CHECKPOINT to it, so no agreement at all
@@ -340,9 +341,9 @@ class PeerRunPolicy:
             log.info("stage %d %s step %d (agreed by every stage; run epoch %d)", self.stage,
                      "rolled back to" if rejoin else "resumed from", start, self.epoch)
         self._start = self._ended = start
-        run_policy.write_manifest(self.cfg, self.data, driver="swarm", fingerprint=self.fingerprint,
+        run_records.write_manifest(self.cfg, self.data, driver="swarm", fingerprint=self.fingerprint,
                                   resumed_from=start, stage=self.stage)
-        path = run_policy.metrics_path(self.cfg.run.out_dir, self.stage)
+        path = run_records.metrics_path(self.cfg.run.out_dir, self.stage)
         self.records = StepRecords(self.cfg, self.stage, MetricsLog(path, resume_from=start if self.resume else None),
                                    start)
         return start

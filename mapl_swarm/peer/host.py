@@ -119,7 +119,7 @@ class HostRuntime:
     def forward(self, micro: int, *, ids: torch.Tensor | None = None,
                 wire: Mapping[str, WireTensor] | None = None, train: bool = True,
                 cver: int | None = None) -> ForwardResult:
-        """:meth:`StageRuntime.forward` of stage 1's ``ids`` or of a received ACT payload (``wire``,
+        """:meth:`StageRuntime.forward` of stage 0's ``ids`` or of a received ACT payload (``wire``,
         by payload key); the ACT payload it returns is in host memory (the loss stays on the device)."""
         payload = None if wire is None else self.received(wire)
         res = self.rt.forward(micro, ids=ids, payload=payload, train=train, cver=cver)

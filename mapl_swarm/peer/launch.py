@@ -72,7 +72,7 @@ _ABORT_GAP_S = 0.5
 class SwarmSummary:
     train_losses: list[float]
     report_times_s: list[float]
-    """When each step's loss reached stage 1 (seconds since the handshake)."""
+    """When each step's loss reached stage 0 (seconds since the handshake)."""
     val_history: list[list[float]]
     tokens: int
     wall_s: float

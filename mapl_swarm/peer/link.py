@@ -410,7 +410,7 @@ class PeerLink:
 
 
 class Links:
-    """A peer's links: ``upstream`` (None on stage 1) and ``downstream`` (None on the last stage)."""
+    """A peer's links: ``upstream`` (None on stage 0) and ``downstream`` (None on the last stage)."""
 
     def __init__(self, upstream: PeerLink | None, downstream: PeerLink | None) -> None:
         self.upstream = upstream

@@ -94,7 +94,8 @@ def peer_assets(cfg: TrainConfig) -> PeerAssets:
 
     from mapl_swarm.config import model_fingerprint
     from mapl_swarm.data import prepare_data
-    from mapl_swarm.pipeline.run_policy import bind_device, check_vocab, resolve_device
+    from mapl_swarm.pipeline.device import bind_device, resolve_device
+    from mapl_swarm.pipeline.run_policy import check_vocab
 
     if cfg.runtime.threads:
         torch.set_num_threads(cfg.runtime.threads)
@@ -121,7 +122,7 @@ def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool 
     from mapl_swarm.peer.checkpoints import PeerRunPolicy
     from mapl_swarm.peer.compute import ComputeThread
     from mapl_swarm.peer.runtime import Peer
-    from mapl_swarm.pipeline.run_policy import bind_device
+    from mapl_swarm.pipeline.device import bind_device
     from mapl_swarm.pipeline.stage import StageRuntime
 
     assets = assets or peer_assets(cfg)

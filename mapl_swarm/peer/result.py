@@ -12,12 +12,12 @@ __all__ = ["PeerResult", "write_result", "peak_rss_mb"]
 
 @dataclass
 class PeerResult:
-    """What a peer measured; stage 1 also holds the swarm's losses."""
+    """What a peer measured; stage 0 also holds the swarm's losses."""
 
     stage: int
     train_losses: list[float] = field(default_factory=list)
     report_times_s: list[float] = field(default_factory=list)
-    """Seconds since the handshake at which each step's REPORT reached stage 1."""
+    """Seconds since the handshake at which each step's REPORT reached stage 0."""
     val_history: list[tuple[int, float]] = field(default_factory=list)
     tokens: int = 0
     wall_s: float = 0.0

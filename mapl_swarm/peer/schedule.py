@@ -1,13 +1,13 @@
 """The 1F1B pipeline schedule of a stage peer, given its runtime, links, mailbox and compute thread.
 
-Stage 1 (index 0) reads the data and keeps up to ``max_in_flight`` micro-batches in flight: after
+Stage 0 reads the data and keeps up to ``max_in_flight`` micro-batches in flight: after
 the warm-up forwards it sends one new forward per returned gradient (1F1B). Later stages react:
 ACT -> forward (the last stage also runs the backward at once), GRAD -> backward. After a step's M
 backwards every stage flushes: receiver sends PROJ_GRAD upstream, sender adds it, steps, and sends
 the new PROJ (with its version) downstream before the next step's first ACT; then the step-end hook
 (health record, checkpoint: the run policy's business) runs. The last stage reports each step's
-loss upstream (REPORT, relayed stage by stage) so stage 1 shows one progress bar for the whole
-swarm. Validation: stage 1 sends eval ACTs; the last stage reports the mean loss. The end: stage 1
+loss upstream (REPORT, relayed stage by stage) so stage 0 shows one progress bar for the whole
+swarm. Validation: stage 0 sends eval ACTs; the last stage reports the mean loss. The end: stage 0
 sends BYE down the pipeline once the last report arrived.
 
 The schedule sends and receives only through ``links.upstream`` / ``links.downstream``
@@ -73,9 +73,9 @@ MT = MessageType
 T = TypeVar("T")
 
 BYE_FINISHED = "training finished"
-"""Stage 1's BYE ``reason`` after the last step."""
+"""Stage 0's BYE ``reason`` after the last step."""
 BYE_DRAIN = DRAIN_REASON
-"""Stage 1's BYE ``reason`` after a graceful drain (SPEC §9.5)."""
+"""Stage 0's BYE ``reason`` after a graceful drain (SPEC §9.5)."""
 
 
 class NeighbourLink(Protocol):
@@ -119,7 +119,7 @@ class NeighbourLinks(Protocol):
     """A peer's links as the schedule sees them (:class:`~.link.Links` is one)."""
 
     upstream: NeighbourLink | None
-    """None on stage 1."""
+    """None on stage 0."""
     downstream: NeighbourLink | None
     """None on the last stage."""
 
@@ -133,18 +133,18 @@ class RunHooks(Protocol):
         """After each optimizer step and its PROJ send: metrics record, checkpoint and its agreement."""
 
     def train_loss(self, step: int, loss: float, tokens: int) -> None:
-        """Stage 1: the swarm's training loss of ``step`` (from the last stage's REPORT)."""
+        """Stage 0: the swarm's training loss of ``step`` (from the last stage's REPORT)."""
 
     def val_loss(self, step: int, loss: float) -> None:
-        """Stage 1: the validation loss after ``step``."""
+        """Stage 0: the validation loss after ``step``."""
 
     async def finish(self, failed: Callable[[], BaseException | None], step: int | None = None) -> None:
-        """Stage 1, before BYE: until every stage has heard the final checkpoint (``step``: of a
+        """Stage 0, before BYE: until every stage has heard the final checkpoint (``step``: of a
         drain) is complete."""
 
 
 class DrainHooks(Protocol):
-    """What stage 1's driver asks of a graceful drain (:class:`~.drain.Drain` is one)."""
+    """What stage 0's driver asks of a graceful drain (:class:`~.drain.Drain` is one)."""
 
     @property
     def active(self) -> bool:
@@ -184,7 +184,7 @@ class ScheduleSettings:
     start_step: int = 0
     """First step to run (resumed runs)."""
     max_in_flight: int
-    """Micro-batches stage 1 keeps in flight."""
+    """Micro-batches stage 0 keeps in flight."""
     val_interval_steps: int = 0
     """Validate every this many steps (and after the last); 0 never."""
     val_batches: int = 0
@@ -192,7 +192,7 @@ class ScheduleSettings:
     timeout_s: float
     """Longest wait for any one message."""
     progress: bool = False
-    """Stage 1: show the swarm's progress bar."""
+    """Stage 0: show the swarm's progress bar."""
     progress_desc: str = ""
     """Its label."""
 
@@ -206,7 +206,7 @@ class ScheduleSettings:
 
 
 class PipelineSchedule:
-    """Stage 1's driver, every stage's serving loop, the step flush and the loss reports."""
+    """Stage 0's driver, every stage's serving loop, the step flush and the loss reports."""
 
     def __init__(self, runtime: StageRuntime, links: NeighbourLinks, mailbox: Mailbox, compute: ComputeThread, *,
                  name: str, settings: ScheduleSettings, result: PeerResult, waits: WaitingLog,
@@ -226,9 +226,9 @@ class PipelineSchedule:
         self.waits = waits
         self.hooks = hooks
         self.drain = drain
-        """Stage 1: asked at every step boundary whether the swarm drains (None: never)."""
+        """Stage 0: asked at every step boundary whether the swarm drains (None: never)."""
         self.bye: Message | None = None
-        """Stages 2..P: the BYE that ended the run (its ``reason``: finished, or a drain)."""
+        """Stages 1..P-1: the BYE that ended the run (its ``reason``: finished, or a drain)."""
         self.sampler = sampler
         self.val_batches = list(val_batches)
         self.M = settings.num_micro_batches
@@ -261,13 +261,13 @@ class PipelineSchedule:
         self.step = self.s.start_step
 
     async def run(self) -> None:
-        """Stage 1 drives the steps from :meth:`begin`'s, later stages serve until BYE; sets
+        """Stage 0 drives the steps from :meth:`begin`'s, later stages serve until BYE; sets
         ``result.wall_s``."""
         # a resumed receiver's checkpoint may hold the projector of before the sender's last
         # step: the sender's copy is authoritative, so send it before any ACT
         await self._send_projector(self.s.start_step)
         self._t0 = time.perf_counter()
-        if self.links.upstream is not None and self.s.progress:  # stage 1's comes with the REPORTs
+        if self.links.upstream is not None and self.s.progress:  # stage 0's comes with the REPORTs
             self._progress = StepProgress(self.s.steps, initial=self.s.start_step, desc=self.name)
         try:
             if self.links.upstream is None:
@@ -278,7 +278,7 @@ class PipelineSchedule:
             self.result.wall_s = time.perf_counter() - self._t0
 
     async def on_report(self, msg: Message) -> None:
-        """A REPORT from downstream: stage 1 records it, other stages relay it upstream. A train
+        """A REPORT from downstream: stage 0 records it, other stages relay it upstream. A train
         REPORT of a step this stage has not reached, or one already seen, is dropped; so is an
         eval REPORT of a validation this stage did not take part in."""
         mode = msg.meta.get("mode", "train")
@@ -363,7 +363,7 @@ class PipelineSchedule:
             except asyncio.TimeoutError:
                 pass
 
-    # ------------------------------------------------------------------ stage 1
+    # ------------------------------------------------------------------ stage 0
     async def _drive(self) -> None:
         s = self.s
         down = self.links.downstream
@@ -471,7 +471,7 @@ class PipelineSchedule:
         self._taken.clear()
 
     async def _forward_and_send(self, step: int, micro: int, *, ids=None, msg: Message | None = None) -> None:
-        """Forward of a micro-batch (stage 1: ``ids``; later: the ACT ``msg``) and its ACT."""
+        """Forward of a micro-batch (stage 0: ``ids``; later: the ACT ``msg``) and its ACT."""
         up, down = self.links.upstream, self.links.downstream
         async with self.compute.encode_lock:
             wire = None if msg is None else up.act_wire(msg)
@@ -525,7 +525,7 @@ class PipelineSchedule:
                 return msg
 
     async def _serve(self) -> None:
-        """Stages 2..P: react to ACT / GRAD / PROJ until BYE."""
+        """Stages 1..P-1: react to ACT / GRAD / PROJ until BYE."""
         up, down = self.links.upstream, self.links.downstream
         while True:
             msg = await self._next([MT.ACT, MT.GRAD, MT.PROJ, MT.BYE], "(pipeline) ")

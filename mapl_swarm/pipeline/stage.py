@@ -146,7 +146,7 @@ class StageRuntime:
     def forward(self, micro: int, *, ids: torch.Tensor | None = None,
                 payload: dict[str, torch.Tensor] | None = None, train: bool = True,
                 cver: int | None = None, keep_logits: bool = False) -> ForwardResult:
-        """Run micro-batch ``micro``. Stage 1 takes ``ids`` (B, T+1); later stages take the ACT
+        """Run micro-batch ``micro``. Stage 0 takes ``ids`` (B, T+1); later stages take the ACT
         payload of the previous stage (mapl_vq: encoded at codebook version ``cver``; None skips
         the check). With ``train`` the graph is kept for :meth:`backward`; with ``keep_logits`` the
         last stage also returns its logits (the exported model is checked against them)."""

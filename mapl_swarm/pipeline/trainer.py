@@ -15,11 +15,12 @@ from mapl_swarm.config import TrainConfig, model_fingerprint
 from mapl_swarm.config.catalog import codec_info
 from mapl_swarm.data import BatchSampler, PreparedData, prepare_data, validation_batches
 from mapl_swarm.metrics.progress import StepProgress
+from mapl_swarm.pipeline.device import bind_device, resolve_device
 from mapl_swarm.pipeline.inprocess import InProcessPipeline
 from mapl_swarm.pipeline.payload import BACKWARD_KINDS, FORWARD_KINDS, kind_bytes
-from mapl_swarm.pipeline.run_policy import (MetricsLog, StageCheckpoints, bind_device, check_vocab,
-                                            checkpoint_due, choose_resume_step, metrics_path, resolve_device,
-                                            save_step, start_fresh, validation_due, write_manifest)
+from mapl_swarm.pipeline.run_policy import check_vocab, checkpoint_due, validation_due
+from mapl_swarm.pipeline.run_records import MetricsLog, metrics_path, write_manifest
+from mapl_swarm.pipeline.stage_checkpoints import StageCheckpoints, choose_resume_step, save_step, start_fresh
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import torch
 from mapl_swarm.errors import CheckpointError
 from mapl_swarm.peer.checkpoints import CheckpointAgreement
 from mapl_swarm.pipeline import checkpoint
-from mapl_swarm.pipeline.run_policy import StageCheckpoints
+from mapl_swarm.pipeline.stage_checkpoints import StageCheckpoints
 from mapl_swarm.wire import Message, MessageType, decode, encode
 
 from checkpoint_damage import flip_tensor_byte, truncate

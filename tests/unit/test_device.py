@@ -13,7 +13,7 @@ from mapl_swarm.config import RuntimeConfig, config_from_dict
 from mapl_swarm.errors import ConfigError
 from mapl_swarm.peer.compute import ComputeThread
 from mapl_swarm.peer.launch import gpu_plan, parse_gpus, peer_processes, visible_gpus
-from mapl_swarm.pipeline.run_policy import bind_device, resolve_device
+from mapl_swarm.pipeline.device import bind_device, resolve_device
 
 
 # ---------------------------------------------------------------- runtime.device values
@@ -101,12 +101,12 @@ def test_build_peer_binds_the_device_in_its_thread_and_in_the_compute_thread(mon
     import mapl_swarm.peer.runtime
     import mapl_swarm.pipeline.stage
     from mapl_swarm.peer import main
-    from mapl_swarm.pipeline import run_policy
+    from mapl_swarm.pipeline import device, run_policy
 
     binds: list[tuple[str, int]] = []
     built = {}
-    monkeypatch.setattr(run_policy, "resolve_device", lambda name: torch.device("cpu"))
-    monkeypatch.setattr(run_policy, "bind_device", lambda d: binds.append((str(d), threading.get_ident())))
+    monkeypatch.setattr(device, "resolve_device", lambda name: torch.device("cpu"))
+    monkeypatch.setattr(device, "bind_device", lambda d: binds.append((str(d), threading.get_ident())))
     monkeypatch.setattr(run_policy, "check_vocab", lambda cfg, data: None)
     monkeypatch.setattr(mapl_swarm.data, "prepare_data", lambda *a, **k: types.SimpleNamespace(
         tokenizer=types.SimpleNamespace(file_hash="h", vocab_size=8192)))

@@ -8,7 +8,8 @@ import torch
 
 from mapl_swarm.errors import CheckpointError
 from mapl_swarm.pipeline import checkpoint
-from mapl_swarm.pipeline.run_policy import (MetricsLog, StageCheckpoints, choose_resume_step, start_fresh)
+from mapl_swarm.pipeline.run_records import MetricsLog
+from mapl_swarm.pipeline.stage_checkpoints import StageCheckpoints, choose_resume_step, start_fresh
 from mapl_swarm.pipeline.trainer import train
 
 from conftest import stdlib_run_config
@@ -154,7 +155,7 @@ def test_stage_0_records_checkpoint_steps_and_whole_ones_only_count_as_having_th
     """Stage 0's record of a step waits for the last stage's REPORT; a record written without it
     (the stream closed by a departure), a missing one, or a validation step without its val loss is
     a step whose loss the history lacks (:func:`steps_without_loss`)."""
-    from mapl_swarm.pipeline.run_policy import StepRecords, metrics_path, steps_without_loss
+    from mapl_swarm.pipeline.run_records import StepRecords, metrics_path, steps_without_loss
 
     cfg = make_config(run={"out_dir": str(tmp_path), "steps": 12}, pipeline={"num_stages": 3},
                       metrics={"log_interval_steps": 5}, checkpoint={"interval_steps": 3}, eval={"interval_steps": 6})
