@@ -134,6 +134,7 @@ def _cmd_peer(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # still write to the terminal (with `stty tostop`)
     cfg = _load(args)
     run_key = _run_key(args)
+    from mapl_swarm.net.dht_node import precheck_initial_peers
     from mapl_swarm.peer.main import read_peers_file, run_peer
 
     resume = args.resume
@@ -144,6 +145,7 @@ def _cmd_peer(args: argparse.Namespace) -> int:
     peers = list(args.initial_peer or [])
     if args.initial_peers_file:
         peers += read_peers_file(args.initial_peers_file, cfg.net.timeout_s)
+    precheck_initial_peers(peers or cfg.net.initial_peers)  # a mistyped address, before torch loads
     result = run_peer(cfg, args.stage, run_key=run_key, initial_peers=peers, resume=resume,
                       progress=not args.quiet)
     if result.end != "finished":  # drained or stopped: one line (under launch, the launcher's line)

@@ -78,6 +78,27 @@ def host_maddr(host: str, port: int) -> str:
     return f"/{proto}/{host}/tcp/{port}"
 
 
+def precheck_initial_peers(initial_peers: Sequence[str]) -> None:
+    """What :func:`check_initial_peers` refuses for certain, without hivemind (so without torch):
+    a ConfigError at once for a multiaddr that does not start with ``/ip4``, ``/ip6`` or ``/dns*``,
+    carries no ``/p2p/`` peer id, or whose IP literal is not one. The full parse comes later."""
+    for text in map(str, initial_peers):
+        parts = text.split("/")
+        if len(parts) < 3 or parts[0] != "" or parts[1] not in ("ip4", "ip6", *_DNS_PROTOCOLS):
+            raise ConfigError(f"initial peer {text!r} must start with /ip4/, /ip6/ or /dns/ HOST")
+        if parts[1] in ("ip4", "ip6"):
+            try:
+                address = ipaddress.ip_address(parts[2])
+            except ValueError:
+                address = None
+            if address is None or address.version != int(parts[1][-1]):
+                raise ConfigError(f"initial peer {text!r} is not a valid multiaddr: {parts[2]!r} is not an "
+                                  f"IPv{parts[1][-1]} address")
+        if "p2p" not in parts[3:-1]:
+            raise ConfigError(f"initial peer {text!r} has no peer id: expected .../tcp/PORT/p2p/PEER_ID, "
+                              "as printed by `mapl-swarm dht`")
+
+
 def check_initial_peers(initial_peers: Sequence[str]) -> list[str]:
     """The initial peers as strings, each checked: a multiaddr (ConfigError naming it and what
     is wrong) starting with ``/ip4``, ``/ip6`` or ``/dns*``, ending in ``/p2p/<peer id>``, whose
