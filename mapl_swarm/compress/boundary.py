@@ -49,6 +49,10 @@ class BoundaryBytes:
     """mapl_vq: steady-state CODEBOOK_SLICE bytes per token, each way (amortised over the
     micro-batch; not in forward/backward_bytes; 0 when the micro-batch size is not given). The
     k-means initialisation's full slices (once per run) come on top."""
+    projector_bytes: float = 0.0
+    """A trainable projector's exchange per token, each way: one d x r fp32 PROJ downstream and one
+    PROJ_GRAD upstream per optimizer step, amortised over the step's tokens (not in
+    forward/backward_bytes; 0 when the tokens per step are not given)."""
 
     @property
     def forward_bytes(self) -> float:
@@ -73,6 +77,8 @@ class BoundaryShape:
     """Codebook settings of a quantized codec."""
     tokens_per_micro: int | None = None
     """Tokens per micro-batch, to amortise per-micro-batch traffic (codebook slices)."""
+    tokens_per_step: int | None = None
+    """Tokens per optimizer step, to amortise per-step traffic (the projector exchange)."""
 
     @property
     def ids_bytes_per_token(self) -> float:

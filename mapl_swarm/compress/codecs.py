@@ -28,6 +28,7 @@ This module and :mod:`mapl_swarm.config.catalog` are the only places that spell 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -404,20 +405,26 @@ def build_codec(cfg: "TrainConfig", stage: int, device: torch.device) -> StageCo
 
 
 def boundary_bytes(codec: str, hidden_size: int, rank: int, wire_dtype: str, vocab_size: int, seq_len: int,
-                   *, vq: VQConfig | None = None, tokens_per_micro: int | None = None) -> BoundaryBytes:
+                   *, vq: VQConfig | None = None, tokens_per_micro: int | None = None,
+                   tokens_per_step: int | None = None) -> BoundaryBytes:
     """Exact payload bytes per token of one boundary of ``codec`` (``mapl_vq`` needs ``vq``; with
-    ``tokens_per_micro`` its amortised codebook slices are in ``codebook_bytes``)."""
+    ``tokens_per_micro`` its amortised codebook slices are in ``codebook_bytes``, with
+    ``tokens_per_step`` a trainable projector's exchange in ``projector_bytes``)."""
     shape = BoundaryShape(hidden_size=hidden_size, rank=rank, wire_dtype=wire_dtype, vocab_size=vocab_size,
-                          seq_len=seq_len, vq=vq, tokens_per_micro=tokens_per_micro)
-    return codec_class(codec).payload_bytes(shape)
+                          seq_len=seq_len, vq=vq, tokens_per_micro=tokens_per_micro, tokens_per_step=tokens_per_step)
+    out = codec_class(codec).payload_bytes(shape)
+    if codec_info(codec).trainable_projector and tokens_per_step:
+        out = replace(out, projector_bytes=hidden_size * rank * 4 / tokens_per_step)  # fp32 d x r, once per step
+    return out
 
 
 def config_boundary_bytes(cfg: "TrainConfig") -> BoundaryBytes:
-    """:func:`boundary_bytes` of a run config (micro-batch of B x T tokens)."""
+    """:func:`boundary_bytes` of a run config (micro-batch of B x T tokens, M micro-batches a step)."""
     c, m = cfg.compression, cfg.model
     vq = c.vq if codec_info(c.codec).quantized else None
     return boundary_bytes(c.codec, m.hidden_size, c.rank, c.wire_dtype, m.vocab_size, m.context_length, vq=vq,
-                          tokens_per_micro=cfg.pipeline.micro_batch_size * m.context_length)
+                          tokens_per_micro=cfg.pipeline.micro_batch_size * m.context_length,
+                          tokens_per_step=cfg.tokens_per_step)
 
 
 def boundary_projector(hidden_size: int, rank: int, seed: int, index: int) -> torch.Tensor:

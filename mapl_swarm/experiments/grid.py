@@ -201,7 +201,6 @@ def grid_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Grid:
     base = raw["base"]
     if not isinstance(base, dict):
         raise ConfigError(f"{source}: base must be a table")
-    reject_renamed_keys(base, f"{source} [base]")
     if "steps" in base.get("run", {}):
         raise ConfigError(f"{source}: [base.run] steps is derived from tokens_per_run; remove it")
     base_cfg = config_from_dict(copy.deepcopy(base), f"{source} [base]")  # strict: unknown keys raise

@@ -12,7 +12,6 @@ import torch
 
 from mapl_swarm.compress import config_boundary_bytes
 from mapl_swarm.config import TrainConfig, model_fingerprint
-from mapl_swarm.config.catalog import codec_info
 from mapl_swarm.data import BatchSampler, PreparedData, prepare_data, validation_batches
 from mapl_swarm.metrics.progress import StepProgress
 from mapl_swarm.pipeline.device import bind_device, resolve_device
@@ -95,12 +94,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
     start = _resume(pipe, cfg, stores, sampler) if resume else 0
     write_manifest(cfg, data, driver="train", fingerprint=fingerprint, resumed_from=start)
     expected = config_boundary_bytes(cfg)
-    extra = []
-    if expected.codebook_bytes:
-        extra.append(f"{expected.codebook_bytes:.2f} B/token of codebook slices")
-    if codec_info(cfg.compression.codec).trainable_projector:  # a d x r fp32 matrix each way once per step
-        extra.append(f"{cfg.model.hidden_size * cfg.compression.rank * 4 / cfg.tokens_per_step:.2f} B/token of "
-                     f"projector exchange")
+    extra = [f"{n:.2f} B/token of {what}" for n, what in ((expected.codebook_bytes, "codebook slices"),
+                                                          (expected.projector_bytes, "projector exchange")) if n]
     log.info("codec %s: expected payload per boundary %.1f B/token forward, %.1f B/token backward (activations, "
              "ids and gradients)%s", cfg.compression.codec, expected.forward_bytes, expected.backward_bytes,
              f", + {' and '.join(extra)} each way" if extra else "")

@@ -76,6 +76,10 @@ def test_bytes_accounting_formula():
     n = boundary_bytes("none", 256, 64, "bf16", 8192, seq_len=256)
     assert n.forward_act_bytes == 512 and n.backward_bytes == 512
     assert boundary_bytes("none", 256, 64, "fp32", 70000, seq_len=4).forward_ids_bytes == 4 * 5 / 4
+    # a trainable projector's exchange, amortised over the step: d x r fp32 each way
+    assert b.projector_bytes == 0.0  # no tokens per step given
+    assert boundary_bytes("mapl", 256, 64, "bf16", 8192, seq_len=256, tokens_per_step=4096).projector_bytes == 16.0
+    assert boundary_bytes("fixed", 256, 64, "bf16", 8192, seq_len=256, tokens_per_step=4096).projector_bytes == 0.0
 
 
 @pytest.mark.parametrize("codec,wire", [("mapl", "bf16"), ("none", "bf16"), ("ssn", "fp32"), ("fixed", "fp16")])
