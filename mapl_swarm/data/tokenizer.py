@@ -109,6 +109,19 @@ class TextTokenizer:
             return self._backend.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         return self._backend.decode(ids, skip_special_tokens=False)
 
+    def save_pretrained(self, folder: str | Path, *, model_max_length: int) -> None:
+        """Write it as a transformers tokenizer folder (``tokenizer.json``, ``tokenizer_config.json``,
+        special tokens) that ``AutoTokenizer.from_pretrained(folder)`` loads; the end-of-text token
+        is its EOS and padding token."""
+        if self._is_transformers:
+            self._backend.save_pretrained(folder)
+            return
+        from transformers import PreTrainedTokenizerFast
+
+        eos = self._backend.id_to_token(self.eos_id)
+        PreTrainedTokenizerFast(tokenizer_object=self._backend, eos_token=eos, pad_token=eos,
+                                model_max_length=model_max_length).save_pretrained(folder)
+
     def __repr__(self) -> str:
         return (f"TextTokenizer(name={self.name!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id}, "
                 f"file_hash={self.file_hash[:12]}...)")

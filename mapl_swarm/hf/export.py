@@ -183,21 +183,6 @@ def _model_card(cfg: TrainConfig, *, step: int, driver: str, model_type: str, lo
             f"Evaluate: `mapl-swarm eval PATH --text FILE`; sample: `mapl-swarm generate PATH --prompt TEXT`.\n")
 
 
-def _save_tokenizer(tokenizer: Any, context_length: int, out: Path) -> None:
-    from transformers import PreTrainedTokenizerFast
-
-    from mapl_swarm.data.tokenizer import EOS_TOKEN
-
-    backend = tokenizer._backend
-    if getattr(tokenizer, "_is_transformers", False):
-        backend.save_pretrained(out)
-        return
-    eos = EOS_TOKEN if backend.token_to_id(EOS_TOKEN) is not None else None
-    fast = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=eos, pad_token=eos,
-                                   model_max_length=context_length)
-    fast.save_pretrained(out)
-
-
 def _prepare_out(out: Path, force: bool) -> Path:
     if out.exists() and not force:
         raise ConfigError(f"{out} exists: choose another OUT or pass --force to replace it")
@@ -268,8 +253,8 @@ def export_run(run_dir: str | Path, out: str | Path, *, stage_dirs: list[str] = 
         model.generation_config.pad_token_id = tokenizer.eos_id
         hf_logging.disable_progress_bar()
         model.save_pretrained(tmp)
-        _save_tokenizer(tokenizer, cfg.model.context_length, tmp)
-        tokens = step * cfg.pipeline.num_micro_batches * cfg.pipeline.micro_batch_size * cfg.model.context_length
+        tokenizer.save_pretrained(tmp, model_max_length=cfg.model.context_length)
+        tokens = step * cfg.tokens_per_step
         model_type = model.config.model_type
         (tmp / "README.md").write_text(_model_card(cfg, step=step, driver=driver, model_type=model_type,
                                                    losses=_losses(run_dir, cfg, driver, step), diff=diff,
