@@ -293,13 +293,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         raise ConfigError("eval needs exactly one of --text PATH, --config FILE or --tasks NAMES")
     if args.tasks:
         from mapl_swarm.hf.evaluate import eval_tasks
-        from mapl_swarm.hf.loading import load_model
+        from mapl_swarm.hf.loading import check_model_folder, resolve_device
 
-        load_model(args.model, device="cpu", dtype=args.dtype)  # the MODEL checks, before lm-eval starts
+        check_model_folder(args.model)  # before lm-eval starts
         tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
         print(eval_tasks(args.model, tasks, tasks_dir=args.tasks_dir, num_fewshot=args.num_fewshot,
-                         batch_size=args.batch_size, device=args.device if args.device != "auto" else "cpu",
-                         dtype=args.dtype, limit=args.limit))
+                         batch_size=args.batch_size, device=str(resolve_device(args.device)), dtype=args.dtype,
+                         limit=args.limit))
         return 0
     run_cfg = None
     if args.config:

@@ -94,6 +94,7 @@ def eval_text(lm: LoadedModel, path: str | Path, *, batch_size: int = 8, progres
 def eval_validation(lm: LoadedModel, cfg: TrainConfig, *, progress: bool = True) -> EvalResult:
     """The run's validation loss: its ``val_loss`` batches, averaged as the run averages them."""
     from mapl_swarm.data import prepare_data, validation_batches
+    from mapl_swarm.pipeline.stage import mean_loss
 
     if lm.context_length != cfg.model.context_length or lm.model.config.vocab_size != cfg.model.vocab_size:
         raise ConfigError(f"--config: the model (context {lm.context_length}, vocab {lm.model.config.vocab_size}) "
@@ -105,8 +106,7 @@ def eval_validation(lm: LoadedModel, cfg: TrainConfig, *, progress: bool = True)
         ids = ids.to(lm.device)  # (B, T+1)
         logits = lm.model(input_ids=ids[:, :-1], use_cache=False).logits.float()  # (B, T, V)
         losses.append(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)))
-    values = torch.stack(losses).double().cpu().tolist()  # as the run's mean_loss
-    return EvalResult(tokens=sum(b[:, 1:].numel() for b in batches), loss=sum(values) / len(values))
+    return EvalResult(tokens=sum(b[:, 1:].numel() for b in batches), loss=mean_loss(losses))  # as the run averages
 
 
 _LM_EVAL_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}

@@ -19,7 +19,7 @@ from mapl_swarm.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LoadedModel", "load_model", "resolve_device", "MODEL_TYPES", "DTYPES"]
+__all__ = ["LoadedModel", "check_model_folder", "load_model", "resolve_device", "MODEL_TYPES", "DTYPES"]
 
 MODEL_TYPES = ("mapl_llama", "llama")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -52,8 +52,9 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def load_model(path: str | Path, *, device: str = "auto", dtype: str = "fp32") -> LoadedModel:
-    """The model (eval mode, on ``device`` in ``dtype``) and tokenizer of an exported folder."""
+def check_model_folder(path: str | Path) -> str:
+    """The model type of an exported folder, or a DataError saying why it is not one (no folder, no
+    or an unreadable config.json, another model type); reads config.json only."""
     path = Path(path)
     if not path.is_dir():
         raise DataError(f"MODEL {path}: no such folder (a folder written by `mapl-swarm export`)")
@@ -67,6 +68,13 @@ def load_model(path: str | Path, *, device: str = "auto", dtype: str = "fp32") -
     if model_type not in MODEL_TYPES:
         raise DataError(f"MODEL {path} is a {model_type or 'untyped'} model; eval and generate take a "
                         f"{' or '.join(MODEL_TYPES)} model (written by `mapl-swarm export`)")
+    return model_type
+
+
+def load_model(path: str | Path, *, device: str = "auto", dtype: str = "fp32") -> LoadedModel:
+    """The model (eval mode, on ``device`` in ``dtype``) and tokenizer of an exported folder."""
+    path = Path(path)
+    check_model_folder(path)
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     dev = resolve_device(device)
