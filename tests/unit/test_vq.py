@@ -196,7 +196,7 @@ def test_pipeline_codes_and_bytes_match_accounting(make_config, order):
     exp = config_boundary_bytes(cfg)
     assert exp.forward_act_bytes == exp.backward_bytes == 2 * 8 == s.code_bytes_per_token  # r=16: 16 B/token
     assert exp == dataclasses.replace(boundary_bytes("mapl_vq", 64, 16, "bf16", 256, 16, vq=s,
-                                                     tokens_per_micro=32))
+                                                     tokens_per_micro=32, tokens_per_step=cfg.tokens_per_step))
     partial = s.slice_bytes(8, indexed=order == "priority")  # 8 codes of 32, + 1-byte index if priority
     assert exp.codebook_bytes == partial / 32  # per token of a 32-token micro-batch
     slice_bytes = s.slice_bytes(32) + (n_micro - 1) * partial  # the k-means init slice is full
