@@ -28,6 +28,7 @@ __all__ = [
     "config_to_dict",
     "digest_layout",
     "model_fingerprint",
+    "config_summary",
 ]
 
 log = logging.getLogger(__name__)
@@ -233,15 +234,17 @@ def digest_layout(d: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
-def model_fingerprint(cfg: TrainConfig, tokenizer_hash: str, vocab_size: int) -> str:
-    """Hex digest that two peers must share: model, codec, seed, tokenizer hash and vocab size
-    (the compression section in the older flat layout). The VQ encoder's host-local performance
-    knobs (``compression.vq.max_distance_mib``, ``compression.vq.compile``) are left out: hosts with
-    different memory or compilers must still join the same run."""
+_HOST_LOCAL = ("compression.vq.max_distance_mib", "compression.vq.compile")
+"""The VQ encoder's host-local performance knobs: hosts with different memory or compilers must
+still join the same run, so they are in neither the fingerprint nor the summary."""
+
+
+def _fingerprint_payload(cfg: TrainConfig, tokenizer_hash: str, vocab_size: int) -> dict[str, Any]:
+    """What :func:`model_fingerprint` digests (SPEC §9.8)."""
     compression = digest_layout({"compression": config_to_dict(cfg)["compression"]})["compression"]
-    for local in ("vq_max_distance_mib", "vq_compile"):
-        compression.pop(local, None)
-    payload = {
+    for local in _HOST_LOCAL:
+        compression.pop(local.replace("compression.vq.", "vq_"), None)
+    return {
         "model": dataclasses.asdict(cfg.model),
         "compression": compression,
         "seed": cfg.run.seed,
@@ -250,5 +253,36 @@ def model_fingerprint(cfg: TrainConfig, tokenizer_hash: str, vocab_size: int) ->
         "tokenizer_hash": tokenizer_hash,
         "vocab_size": vocab_size,
     }
-    blob = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
+
+
+def model_fingerprint(cfg: TrainConfig, tokenizer_hash: str, vocab_size: int) -> str:
+    """Hex digest that two peers must share: model, codec, seed, tokenizer hash and vocab size
+    (the compression section in the older flat layout), without the host-local knobs."""
+    blob = json.dumps(_fingerprint_payload(cfg, tokenizer_hash, vocab_size), sort_keys=True,
+                      separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:32]
+
+
+def config_summary(cfg: TrainConfig, tokenizer_hash: str = "", vocab_size: int = 0) -> dict[str, Any]:
+    """Every setting two peers must share, as ``{dotted name: scalar}``: the fingerprinted ones
+    (``model.hidden_size``, ``compression.vq_rounds``, ``seed``...) and the pipeline shape checked
+    at the handshake (``pipeline.num_micro_batches``, ``pipeline.micro_batch_size``,
+    ``eval.batches``), named as in the TOML. Sent in HELLO/WELCOME (SPEC §9.2, 1.6) so that a refusal names the settings
+    that differ instead of two digests."""
+    d = config_to_dict(cfg)
+    flat: dict[str, Any] = {}
+
+    def add(prefix: str, table: dict[str, Any]) -> None:
+        for key, value in table.items():
+            if isinstance(value, dict):
+                add(f"{prefix}{key}.", value)
+            elif f"{prefix}{key}" not in _HOST_LOCAL:
+                flat[f"{prefix}{key}"] = value
+
+    add("model.", d["model"])
+    add("compression.", d["compression"])
+    flat.update({"run.seed": cfg.run.seed, "pipeline.num_stages": cfg.pipeline.num_stages,
+                 "pipeline.num_micro_batches": cfg.pipeline.num_micro_batches,
+                 "pipeline.micro_batch_size": cfg.pipeline.micro_batch_size, "eval.batches": cfg.eval.batches,
+                 "tokenizer_hash": tokenizer_hash, "vocab_size": vocab_size})
+    return flat

@@ -219,7 +219,7 @@ class Admission:
             raise HelloRefused("stage_mismatch", f"stage mismatch: HELLO from stage {h.src} for stage {h.dst} on "
                                                  f"a connection of stage {link.stage}; this peer is stage {s.stage}",
                                nonce)
-        refused = s.mismatch(h.meta)
+        refused = s.mismatch(h.meta, link.stage)
         if refused is not None:
             raise HelloRefused(*refused, nonce)
         bound = link.rx

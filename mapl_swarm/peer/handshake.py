@@ -5,8 +5,9 @@ signed record), so one unanswered HELLO must not end the peer: :class:`Handshake
 again, with a fresh nonce, every ``net.hello_retry_s`` until WELCOME answers the newest one, each
 time to the stage's next record (freshest first, looked up again every round), and retries a
 REJECT ``stage_taken`` (the neighbour still holds the session of a departed peer of this stage
-until that times out). Any other REJECT, or a WELCOME of another configuration, ends it (the
-peer's handlers fail the mailbox: ``failed()``).
+until that times out) and a configuration refusal by a neighbour that is not anchored (SPEC
+§9.2: it cannot tell which of the two is misconfigured). Any other REJECT, or a WELCOME of another
+configuration, ends it (the peer's handlers fail the mailbox: ``failed()``).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class Handshake:
         """Until every neighbour welcomed this peer, within ``timeout_s``; ``rejoining``: the wait is
         for the replacement of a departed stage (``net.rejoin_timeout_s``), said so in the log."""
         for link in self.links:
-            await link.send_hello()
+            await link.send_hello(anchored=self.links.anchored)
         try:
             await self.waits.wait(asyncio.wait_for(self._until_welcomed(transport, shaping, timeout_s), timeout_s),
                                   lambda: [link for link in self.links if not link.welcomed],
@@ -109,4 +110,4 @@ class Handshake:
             log.info("%s: HELLO to stage %d at %s (another of its %d DHT record(s))", self.name, link.stage,
                      endpoint, len(candidates))
         await connect(link, transport, endpoint, shaping)
-        await link.send_hello()
+        await link.send_hello(anchored=self.links.anchored)

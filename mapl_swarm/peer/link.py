@@ -28,7 +28,7 @@ import re
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from mapl_swarm.net.emulator import LinkConfig
@@ -56,13 +56,22 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LinkSettings", "PeerLink", "Links", "Reply", "stage_name", "stage_of"]
+__all__ = ["LinkSettings", "PeerLink", "Links", "Reply", "stage_name", "stage_of", "config_differences"]
 
 MT = MessageType
 T = TypeVar("T")
 
 Reply = Callable[[Sequence[Any], str], Awaitable[None]]
 """Sends ``(frames, kind)`` back on the connection a received message came in on."""
+
+CONFIG_REFUSALS = frozenset({"fingerprint_mismatch", "stage_mismatch"})
+"""REJECT codes that say the two peers' configurations differ (SPEC §9.2 step 2.3-2.4)."""
+
+
+def _anchor(anchored: bool) -> dict[str, bool]:
+    """The ``anchored`` field of HELLO/WELCOME/REJECT/HEARTBEAT (1.6): written only when true."""
+    return {"anchored": True} if anchored else {}
+
 
 _ROUTING_ID = re.compile(r"stage(0|[1-9][0-9]{0,4})\.[0-9a-f]{8}")
 
@@ -105,6 +114,9 @@ class LinkSettings:
     """lz4 on integer tensors (ids, codes) when it helps; False sends every tensor raw."""
     max_frame_bytes: int
     """Largest tensor frame accepted or sent."""
+    config: Mapping[str, Any] = field(default_factory=dict)
+    """Every setting the neighbours must share, by TOML name (``config.config_summary``): sent in
+    HELLO/WELCOME (1.6) so that a refusal names what differs."""
 
     @property
     def name(self) -> str:
@@ -115,20 +127,57 @@ class LinkSettings:
         capabilities, transport name."""
         return {"fingerprint": self.fingerprint, "num_stages": self.num_stages,
                 "num_micro_batches": self.num_micro_batches, "micro_batch_size": self.micro_batch_size,
-                "eval_batches": self.eval_batches, "capabilities": list(self.capabilities), "peer": self.name}
+                "eval_batches": self.eval_batches, "capabilities": list(self.capabilities), "peer": self.name,
+                **({"config": dict(self.config)} if self.config else {})}
 
-    def mismatch(self, meta: Mapping[str, Any]) -> tuple[str, str] | None:
-        """(REJECT code, reason naming both values) when a HELLO/WELCOME's ``meta`` is of another
-        run configuration (SPEC §9.2 steps 3-4, after run and stages); None when it fits."""
+    def mismatch(self, meta: Mapping[str, Any], peer: int) -> tuple[str, str] | None:
+        """(REJECT code, reason naming the values of both stages) when a HELLO/WELCOME's ``meta``
+        from stage ``peer`` is of another run configuration (SPEC §9.2 steps 3-4, after run and
+        stages); None when it fits. With the neighbour's ``config`` (1.6) the reason names every
+        setting that differs, else the field or the two fingerprints."""
+        pipeline = ("num_micro_batches", "micro_batch_size", "eval_batches")
         if meta.get("num_stages") != self.num_stages:
-            return "stage_mismatch", f"num_stages mismatch: peer {meta.get('num_stages')}, this peer {self.num_stages}"
-        if meta.get("fingerprint") != self.fingerprint:
-            return "fingerprint_mismatch", (f"config fingerprint mismatch: peer {meta.get('fingerprint')}, "
-                                            f"this peer {self.fingerprint}")
-        for key in ("num_micro_batches", "micro_batch_size", "eval_batches"):
+            code = "stage_mismatch"
+        elif meta.get("fingerprint") != self.fingerprint or any(meta.get(k) != getattr(self, k) for k in pipeline):
+            code = "fingerprint_mismatch"
+        else:
+            return None
+        theirs = meta.get("config")
+        differ = config_differences(self.config, theirs, peer, self.stage) if isinstance(theirs, dict) else []
+        if differ:
+            return code, "config differs: " + ", ".join(differ)
+        for key in ("num_stages", *pipeline):
             if meta.get(key) != getattr(self, key):
-                return "fingerprint_mismatch", f"{key} mismatch: peer {meta.get(key)}, this peer {getattr(self, key)}"
-        return None
+                return code, f"{key} mismatch: stage {peer} has {_shown(meta.get(key))}, stage {self.stage} " \
+                             f"{getattr(self, key)}"
+        return code, (f"config fingerprint mismatch: stage {peer} has {_shown(meta.get('fingerprint'))}, stage "
+                      f"{self.stage} {self.fingerprint}")
+
+
+_SHOWN_DIFFERENCES = 6
+
+
+def _shown(value: Any) -> str:
+    """A setting received from the network, as a log line may show it (bounded, scalars only)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        text = repr(value)
+        return text if len(text) <= 40 else text[:37] + "..."
+    return f"<{type(value).__name__}>"
+
+
+def config_differences(mine: Mapping[str, Any], theirs: Mapping[Any, Any], peer: int, stage: int) -> list[str]:
+    """``"name (stage P has X, stage S Y)"`` for each setting of ``mine`` (stage ``stage``'s) that
+    ``theirs`` (stage ``peer``'s HELLO/WELCOME ``config``) holds otherwise or lacks: sorted, at most
+    a few, then a count."""
+    differ = sorted(k for k in mine if theirs.get(k, _MISSING) != mine[k])
+    shown = [f"{k} (stage {peer} has {_shown(theirs[k]) if k in theirs else 'none'}, stage {stage} {_shown(mine[k])})"
+             for k in differ[:_SHOWN_DIFFERENCES]]
+    if len(differ) > _SHOWN_DIFFERENCES:
+        shown.append(f"and {len(differ) - _SHOWN_DIFFERENCES} more")
+    return shown
+
+
+_MISSING = object()
 
 
 class PeerLink:
@@ -172,13 +221,18 @@ class PeerLink:
         self.hello_at: float | None = None
         """When (``time.monotonic()``) the newest HELLO went out (None: none yet)."""
         self.retry = False
-        """The neighbour refused the newest HELLO with ``stage_taken``: its old session may not have
-        timed out yet, so HELLO is sent again (SPEC "Rejoin")."""
+        """The neighbour refused the newest HELLO in a way that may pass: ``stage_taken`` (its old
+        session may not have timed out yet, SPEC "Rejoin"), or a configuration refusal by a peer
+        that is not anchored (either side may be the misconfigured one, SPEC §9.2): HELLO again."""
+        self.peer_anchored = False
+        """The neighbour said it is anchored (SPEC §9.2, 1.6): it holds stage 0's configuration."""
         self._hello_nonce: bytes | None = None
         self._older_nonces: deque[bytes] = deque(maxlen=8)
         """The nonces of this link's last HELLOs before the current one (their answers are superseded)."""
         self.refused_hello: str | None = None
         """Why this peer last refused a HELLO of this neighbour (code: reason), if it did."""
+        self.refused_by: str | None = None
+        """The reason of the neighbour's last configuration refusal that is retried (logged once)."""
         self._on_bad_frame = on_bad_frame
         self._seq = 0
         self._send_lock = asyncio.Lock()
@@ -256,15 +310,17 @@ class PeerLink:
             await self._transport.send(self.name, frames, kind=mtype.name)
 
     # ------------------------------------------------------------------ handshake
-    async def send_hello(self) -> None:
-        """HELLO with ``seq`` 0 and a fresh nonce, opening the link's outbound session."""
+    async def send_hello(self, *, anchored: bool = False) -> None:
+        """HELLO with ``seq`` 0 and a fresh nonce, opening the link's outbound session; ``anchored``:
+        this peer holds stage 0's configuration (:attr:`Links.anchored`)."""
         if self._hello_nonce is not None:
             self._older_nonces.append(self._hello_nonce)
         self._hello_nonce = new_nonce()
         self.hello_sent, self.welcomed, self.rejected, self.tx_key, self.retry = True, False, False, None, False
         self.hello_at = time.monotonic()
         self._seq = 0
-        await self.send(MT.HELLO, meta={**self.settings.hello_meta(), "nonce": self._hello_nonce})
+        await self.send(MT.HELLO, meta={**self.settings.hello_meta(), "nonce": self._hello_nonce,
+                                        **_anchor(anchored)})
 
     @property
     def awaiting_answer(self) -> bool:
@@ -287,25 +343,28 @@ class PeerLink:
         auth key for the handshake, the session's key after it (``wire.session.handshake_secret``)."""
         return handshake_secret(self.settings.secret, None if session is None else session.key)
 
-    async def on_hello(self, msg: Message, sender: str, reply: Reply, *, now: float) -> None:
+    async def on_hello(self, msg: Message, sender: str, reply: Reply, *, now: float, anchored: bool = False) -> None:
         """Welcome the neighbour's HELLO (already checked, :meth:`~.admission.Admission.check_hello`):
         bind its connection ``sender`` as the link's inbound session, with the session key of both
         nonces, and answer WELCOME on it. A later HELLO is a reconnection (mapl_vq: ask for a
         codebook resync)."""
         s = self.settings
         self.capabilities = frozenset(msg.meta.get("capabilities", []))
+        self.peer_anchored = self.peer_anchored or msg.meta.get("anchored") is True
         nonce = new_nonce()
         key = None if s.secret is None else session_key(s.secret, msg.meta["nonce"], nonce)
         self.rx = RxSession(routing_id=sender, heard_at=now, last_seq=msg.seq, key=key)
-        await reply(self._answer(MT.WELCOME, {**s.hello_meta(), "nonce": nonce, "hello_nonce": msg.meta["nonce"]}),
-                    MT.WELCOME.name)
+        await reply(self._answer(MT.WELCOME, {**s.hello_meta(), "nonce": nonce, "hello_nonce": msg.meta["nonce"],
+                                              **_anchor(anchored)}), MT.WELCOME.name)
         if self.codebooks is not None:
             await self.codebooks.on_handshake()
 
-    async def refuse(self, code: str, reason: str, reply: Reply, *, hello_nonce: Any = None) -> None:
+    async def refuse(self, code: str, reason: str, reply: Reply, *, hello_nonce: Any = None,
+                     anchored: bool = False) -> None:
         """REJECT a HELLO on its own connection (``reply``), never on the bound session; with the
-        HELLO's nonce when it was readable."""
-        meta = {"code": code, "reason": reason}
+        HELLO's nonce when it was readable, and whether this peer is anchored (1.6: a configuration
+        refusal by an anchored peer is final, SPEC §9.2)."""
+        meta = {"code": code, "reason": reason, "anchored": anchored}  # always: absent is a 1.5 refusal
         if isinstance(hello_nonce, bytes) and len(hello_nonce) == NONCE_BYTES:
             meta["hello_nonce"] = hello_nonce
         await reply(self._answer(MT.REJECT, meta), MT.REJECT.name)
@@ -315,12 +374,15 @@ class PeerLink:
         s = self.settings
         self.welcomed = True
         self.capabilities = frozenset(msg.meta.get("capabilities", []))
+        self.peer_anchored = self.peer_anchored or msg.meta.get("anchored") is True
         self.tx_key = None if s.secret is None else session_key(s.secret, self._hello_nonce, msg.meta["nonce"])
 
     def on_reject(self, msg: Message) -> None:
-        """REJECT of this peer's newest HELLO; ``stage_taken`` is retried (:attr:`retry`)."""
+        """REJECT of this peer's newest HELLO; ``stage_taken`` and a configuration refusal of a peer
+        that is not anchored are retried (:attr:`retry`)."""
         self.rejected = True
-        self.retry = msg.meta.get("code") == "stage_taken"
+        code = msg.meta.get("code")
+        self.retry = code == "stage_taken" or (code in CONFIG_REFUSALS and msg.meta.get("anchored") is False)
 
     def check_capabilities(self) -> None:
         """After the handshake: raise if the neighbour cannot take what this link will send."""
@@ -438,6 +500,14 @@ class Links:
     @property
     def all_welcomed(self) -> bool:
         return all(link.welcomed for link in self)
+
+    @property
+    def anchored(self) -> bool:
+        """This peer holds the run's configuration for sure (SPEC §9.2, 1.6): it is stage 0, whose
+        configuration is the run's, or its upstream neighbour is anchored and welcomed this peer
+        (so their configurations match)."""
+        up = self.upstream
+        return up is None or (up.welcomed and up.peer_anchored)
 
     def set_epoch(self, epoch: int) -> None:
         """Every later message of this peer carries run epoch ``epoch`` (SPEC "Rejoin")."""

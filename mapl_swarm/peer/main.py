@@ -86,13 +86,15 @@ class PeerAssets:
     data: Any
     fingerprint: str
     device: Any
+    config: dict[str, Any]
+    """The settings neighbours must share (``config.config_summary``), sent in the handshake."""
 
 
 def peer_assets(cfg: TrainConfig) -> PeerAssets:
     """Prepare the data, fingerprint the config and bind the device (once per process)."""
     import torch
 
-    from mapl_swarm.config import model_fingerprint
+    from mapl_swarm.config import config_summary, model_fingerprint
     from mapl_swarm.data import prepare_data
     from mapl_swarm.pipeline.device import bind_device, resolve_device
     from mapl_swarm.pipeline.run_policy import check_vocab
@@ -101,10 +103,10 @@ def peer_assets(cfg: TrainConfig) -> PeerAssets:
         torch.set_num_threads(cfg.runtime.threads)
     data = prepare_data(cfg.data, progress=False)
     check_vocab(cfg, data)
-    fingerprint = model_fingerprint(cfg, data.tokenizer.file_hash, data.tokenizer.vocab_size)
+    tokenizer = (data.tokenizer.file_hash, data.tokenizer.vocab_size)
     device = resolve_device(cfg.runtime.device)
     bind_device(device)  # this (event-loop) thread; the compute thread binds it itself (build_peer)
-    return PeerAssets(data, fingerprint, device)
+    return PeerAssets(data, model_fingerprint(cfg, *tokenizer), device, config_summary(cfg, *tokenizer))
 
 
 def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool = False, progress: bool = True,
@@ -136,7 +138,7 @@ def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool 
     compute = ComputeThread(f"stage{stage}", initializer=functools.partial(bind_device, device))
     policy = PeerRunPolicy(cfg, stage, data, fingerprint, resume=resume, runtime=rt, compute=compute,
                            sampler=sampler)  # resume: agreed after the handshake
-    return Peer(cfg, stage, rt, fingerprint=fingerprint, resolve=resolve, announce=announce, sampler=sampler,
+    return Peer(cfg, stage, rt, fingerprint=fingerprint, config=assets.config, resolve=resolve, announce=announce, sampler=sampler,
                 val_batches=val, progress=progress and stage == 0, compute=compute, run_policy=policy,
                 secret=run_key.auth_key if run_key is not None else None, run_key=run_key, epoch=epoch,
                 rejoining=rejoining)

@@ -55,13 +55,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mapl_swarm.config import TrainConfig
+from mapl_swarm.config import TrainConfig, config_summary
 from mapl_swarm.errors import MaplError, NonFiniteError
 from mapl_swarm.net.emulator import LinkConfig
 from mapl_swarm.net.errors import NetError
@@ -127,9 +127,12 @@ class Peer:
     """Stage ``stage`` of ``cfg``; ``resolve(stage, timeout_s) -> endpoint`` finds neighbours (the
     DHT), ``announce(endpoint)`` publishes this peer's. ``run_policy`` (:class:`~.checkpoints.PeerRunPolicy`)
     agrees the start step after the handshake (resume), records metrics and saves checkpoints after every
-    optimizer step; ``compute`` is the thread it shares with it. Without one nothing is recorded."""
+    optimizer step; ``compute`` is the thread it shares with it. Without one nothing is recorded.
+    ``config``: the settings neighbours must share (``config.config_summary``; default: from ``cfg``
+    without the tokenizer's)."""
 
     def __init__(self, cfg: TrainConfig, stage: int, runtime: StageRuntime, *, fingerprint: str,
+                 config: Mapping[str, Any] | None = None,
                  resolve: Callable[[int, float], Awaitable[str]], announce: Callable[[str], Awaitable[Any]],
                  sampler=None, val_batches: list[torch.Tensor] | None = None, progress: bool = False,
                  start_step: int = 0, secret: bytes | None = None, compute: ComputeThread | None = None,
@@ -159,6 +162,7 @@ class Peer:
         vq = runtime.vq is not None
         settings = LinkSettings(
             run_id=cfg.run.run_id, stage=stage, num_stages=P, fingerprint=fingerprint,
+            config=config if config is not None else config_summary(cfg),
             capabilities=("1f1b", *((REJOIN_CAPABILITY,) if self._rejoin_configured(cfg, run_policy) else ()),
                           *((VQ_CAPABILITY, RETRANSMIT_CAPABILITY, INDEXED_SLICES_CAPABILITY) if vq else ()),
                           *(run_policy.capabilities if run_policy is not None else ()), DRAIN_CAPABILITY),
@@ -283,7 +287,8 @@ class Peer:
                 return None
             link.refused_hello = f"{exc.code}: {exc.text}"  # named if our own handshake then times out
             reply, code, text, nonce = self._reply(transport, arrival, link), exc.code, exc.text, exc.hello_nonce
-            return lambda: self._answer(link.refuse(code, text, reply, hello_nonce=nonce))
+            return lambda: self._answer(link.refuse(code, text, reply, hello_nonce=nonce,
+                                                    anchored=self.links.anchored))
         except VersionMismatch as exc:
             self.rejects(exc.code, arrival.sender, str(exc))
             link = self._link_of(arrival)
@@ -299,6 +304,7 @@ class Peer:
         self.monitor.heard(got.link.name)
         if got.msg.type is MT.HEARTBEAT:
             self.monitor.on_heartbeat(got.link.name, got.msg.meta)  # its round-trip timestamps
+            got.link.peer_anchored = got.link.peer_anchored or got.msg.meta.get("anchored") is True
             return None
         if got.msg.type is MT.PROJ:
             got.link.pver = got.msg.pver  # the link's projector version moves on (SPEC §9.6)
@@ -336,7 +342,8 @@ class Peer:
             return
         if got.msg.type is MT.HELLO:
             reply = self._reply(transport, arrival, got.link)
-            await self._answer(got.link.on_hello(got.msg, arrival.sender, reply, now=self.admission.clock()))
+            await self._answer(got.link.on_hello(got.msg, arrival.sender, reply, now=self.admission.clock(),
+                                                 anchored=self.links.anchored))
             return
         try:
             await self._dispatch(got.msg, got.link)
@@ -385,7 +392,7 @@ class Peer:
     async def _on_welcome(self, msg: Message, link: PeerLink) -> None:
         if self._must_resume(msg):
             return
-        refused = link.settings.mismatch(msg.meta)
+        refused = link.settings.mismatch(msg.meta, msg.src)
         if refused is not None:  # the neighbour runs another configuration (SPEC §9.2 step 3)
             link.on_reject(msg)
             self.mailbox.fail(PeerRejected(f"stage {msg.src} welcomed stage {self.stage} with another "
@@ -399,11 +406,21 @@ class Peer:
 
     async def _on_reject(self, msg: Message, link: PeerLink) -> None:
         link.on_reject(msg)
-        if link.retry:  # its old session has not timed out yet: HELLO again (SPEC "Rejoin")
+        reason, retry_s = msg.meta.get("reason"), self.cfg.net.hello_retry_s
+        if link.retry and msg.meta.get("code") == "stage_taken":  # its old session has not timed out yet
             log.info("%s: stage %d still holds a session of stage %d; HELLO again in %g s", self.name, msg.src,
-                     self.stage, self.cfg.net.hello_retry_s)
+                     self.stage, retry_s)
             return
-        self.mailbox.fail(PeerRejected(f"stage {msg.src} refused stage {self.stage}: {msg.meta.get('reason')}"))
+        if link.retry:  # a configuration refusal by a peer that is not anchored: which one is wrong is open
+            if link.refused_by != reason:
+                link.refused_by = reason
+                log.warning("%s: stage %d at %s refused this peer: %s; neither is known to hold stage 0's "
+                            "configuration yet, so this peer waits for one that does (HELLO again every %g s)",
+                            self.name, msg.src, link.endpoint, reason, retry_s)
+            return
+        anchored = (f"; stage {msg.src} holds the run's configuration (stage 0's), so fix this peer's"
+                    if msg.meta.get("anchored") is True else "")
+        self.mailbox.fail(PeerRejected(f"stage {msg.src} refused stage {self.stage}: {reason}{anchored}"))
         self._welcome_event.set()
 
     async def _on_error(self, msg: Message, link: PeerLink) -> None:
@@ -531,7 +548,8 @@ class Peer:
         """One HEARTBEAT to neighbour ``name``, with its round-trip timestamps (SPEC §9.5)."""
         link = self.links.named(name)
         if link is not None:
-            await link.send_heartbeat(lambda: self.monitor.heartbeat_meta(name))
+            await link.send_heartbeat(lambda: {**self.monitor.heartbeat_meta(name),
+                                               **({"anchored": True} if self.links.anchored else {})})
 
     def _on_silent(self, silence: Silence) -> None:
         link = self.links.named(silence.peer)

@@ -1,4 +1,4 @@
-"""Wire protocol 1.5: messages <-> ZeroMQ multipart frames (normative text: protocol/SPEC.md).
+"""Wire protocol 1.6: messages <-> ZeroMQ multipart frames (normative text: protocol/SPEC.md).
 
 Imports no torch; tensors are numpy arrays (bf16 as its raw ``uint16`` bit patterns).
 
@@ -40,10 +40,10 @@ DecompressionFailed, AuthFailed, InvalidMessage — all subclasses of :class:`Wi
 ``meta`` per type (required; optional): HELLO/WELCOME ``fingerprint`` str, ``num_stages`` uint,
 ``capabilities`` [str], since 1.4 also ``nonce`` (16-byte bin), ``num_micro_batches``,
 ``micro_batch_size`` (uint >= 1), ``eval_batches`` (uint) and for WELCOME ``hello_nonce``;
-``components`` map, ``peer`` str. REJECT ``code``, ``reason`` str; ``local``, ``remote``,
-``hello_nonce`` (1.4). ACT ``mode`` "train"|"eval". PROJ_GRAD —; ``micro_batches`` uint.
+``components`` map, ``peer`` str, since 1.6 ``config`` map, ``anchored`` bool. REJECT ``code``,
+``reason`` str; ``local``, ``remote``, ``hello_nonce`` (1.4), ``anchored`` bool (1.6). ACT ``mode`` "train"|"eval". PROJ_GRAD —; ``micro_batches`` uint.
 REPORT ``loss`` float, ``tokens`` uint; ``mode``, ``metrics`` {str: number}. HEARTBEAT —;
-``sent_ns``, ``echo_ns``, ``held_ns`` uint (round trips, SPEC §9.5). BYE —; ``reason`` str,
+``sent_ns``, ``echo_ns``, ``held_ns`` uint (round trips, SPEC §9.5), ``anchored`` bool (1.6). BYE —; ``reason`` str,
 ``lost`` uint (1.5). ERROR ``code``, ``message`` str; ``ref_seq`` uint.
 CODEBOOK_SLICE —; ``stream`` "act"|"grad", ``start`` uint, ``full`` bool. RESYNC —; ``stream``,
 ``have`` uint, ``reason`` str, ``retransmit`` bool, ``mode`` (1.2). CHECKPOINT (1.3) ``phase``

@@ -155,7 +155,7 @@ class Message:
 
 
 _HELLO_OPTIONAL = {"components": "map", "peer": "str", "nonce": "nonce", "num_micro_batches": "count",
-                   "micro_batch_size": "count", "eval_batches": "uint"}
+                   "micro_batch_size": "count", "eval_batches": "uint", "config": "map", "anchored": "bool"}
 META_SCHEMA: dict[MessageType, tuple[dict[str, str], dict[str, str]]] = {
     MessageType.HELLO: (
         {"fingerprint": "str", "num_stages": "uint", "capabilities": "strs"},
@@ -165,14 +165,16 @@ META_SCHEMA: dict[MessageType, tuple[dict[str, str], dict[str, str]]] = {
         {"fingerprint": "str", "num_stages": "uint", "capabilities": "strs"},
         {**_HELLO_OPTIONAL, "hello_nonce": "nonce"},
     ),
-    MessageType.REJECT: ({"code": "str", "reason": "str"}, {"local": "any", "remote": "any", "hello_nonce": "nonce"}),
+    MessageType.REJECT: ({"code": "str", "reason": "str"}, {"local": "any", "remote": "any", "hello_nonce": "nonce",
+                                                             "anchored": "bool"}),
     MessageType.ACT: ({"mode": "mode"}, {}),
     MessageType.PROJ_GRAD: ({}, {"micro_batches": "uint"}),
     MessageType.REPORT: ({"loss": "float", "tokens": "uint"}, {"mode": "mode", "metrics": "metrics"}),
     MessageType.CODEBOOK_SLICE: ({}, {"stream": "stream", "start": "uint", "full": "bool"}),
     MessageType.RESYNC: ({}, {"stream": "stream", "have": "uint", "reason": "str", "retransmit": "bool",
                               "mode": "mode"}),
-    MessageType.HEARTBEAT: ({}, {"sent_ns": "uint", "echo_ns": "uint", "held_ns": "uint"}),
+    MessageType.HEARTBEAT: ({}, {"sent_ns": "uint", "echo_ns": "uint", "held_ns": "uint",
+                                      "anchored": "bool"}),
     MessageType.BYE: ({}, {"reason": "str", "lost": "uint"}),
     MessageType.ERROR: ({"code": "str", "message": "str"}, {"ref_seq": "uint"}),
     MessageType.CHECKPOINT: ({"phase": "phase"}, {"step": "uint_or_nil", "steps": "uints", "have": "have",

@@ -206,7 +206,7 @@ def test_a_welcome_of_another_configuration_stops_the_peer():
         await m.peer.links.upstream.send_hello()
         await m.feed("stage0", m.welcome(0, num_micro_batches=4), reply_link="stage0")
     m = run(scenario)
-    assert "num_micro_batches mismatch: peer 4, this peer 2" in str(m.peer.mailbox.error)
+    assert "num_micro_batches mismatch: stage 0 has 4, stage 1 2" in str(m.peer.mailbox.error)
 
 
 def test_hello_seq_0_then_every_message_takes_the_next_seq_and_heartbeats_wait_for_welcome():

@@ -184,6 +184,11 @@ def _valid(v: dict[str, list[bytes]]) -> list[Case]:
         "epoch_max": "1.5 HEARTBEAT at the largest epoch, 2^64-1 (uint64)",
         "checkpoint_unsaved": "1.5 CHECKPOINT unsaved: stage 2 could not save step 40, and why (capability "
                               "checkpoint_unsaved)",
+        "hello_config": "1.6 HELLO with the sender's config (settings by TOML name) and anchored, tagged with "
+                        "auth_key",
+        "reject_config_unanchored": "1.6 REJECT fingerprint_mismatch naming the setting, anchored false: the "
+                                    "dialer retries",
+        "heartbeat_anchored": "1.6 HEARTBEAT from stage 0 saying it is anchored, tagged with the session key",
     }
 
     def key(n: str) -> bool | str:
@@ -408,7 +413,7 @@ def _invalid(v: dict[str, list[bytes]]) -> list[Case]:
          "tag made with another secret"),
     ]
     out += [Case(n, "invalid", f, d, error=AU, secret=s) for n, f, s, d in auth_cases]
-    return out + _invalid_14(v) + _invalid_15(v)
+    return out + _invalid_14(v) + _invalid_15(v) + _invalid_16(v)
 
 
 def _invalid_14(v: dict[str, list[bytes]]) -> list[Case]:
@@ -451,6 +456,20 @@ def _invalid_14(v: dict[str, list[bytes]]) -> list[Case]:
         ("hello_wrong_run_key", _edit(v["hello_run_key"], lambda h: None, sign=True, key=SESSION_KEY), AU,
          "auth_key",
          "1.4 HELLO tagged with another key than the run key's auth_key"),
+    ]
+    return [Case(n, "invalid", f, d, error=e, secret=k) for n, f, e, k, d in cases]
+
+
+def _invalid_16(v: dict[str, list[bytes]]) -> list[Case]:
+    """Protocol 1.6: ``config`` is a map, ``anchored`` a bool."""
+    IM = "invalid_message"
+    cases: list[tuple[str, list[bytes], str, str | bool, str]] = [
+        ("hello_config_list", _edit(v["hello_config"], _meta(config=["compression.rank", 4]), sign=True,
+                                    key=AUTH_KEY), IM, "auth_key", "1.6 HELLO config is an array, not a map"),
+        ("reject_anchored_int", _edit(v["reject_config_unanchored"], _meta(anchored=0), sign=True, key=AUTH_KEY), IM,
+         "auth_key", "1.6 REJECT anchored is 0, not false"),
+        ("heartbeat_anchored_string", _edit(v["heartbeat_anchored"], _meta(anchored="yes"), sign=True,
+                                            key=SESSION_KEY), IM, "session_key", "1.6 HEARTBEAT anchored is a string"),
     ]
     return [Case(n, "invalid", f, d, error=e, secret=k) for n, f, e, k, d in cases]
 

@@ -47,6 +47,9 @@ SAMPLE_KEYS: dict[str, str] = {
     "heartbeat_session": "session_key",
     "hello_rejoin": "auth_key",
     "act_epoch": "session_key",
+    "hello_config": "auth_key",
+    "reject_config_unanchored": "auth_key",
+    "heartbeat_anchored": "session_key",
 }
 """1.4+ samples encoded with a named key (the others: untagged, or VECTOR_SECRET for ``*_auth``)."""
 
@@ -320,6 +323,7 @@ def samples() -> dict[str, Message]:
     out.update(_session_samples(b, t))
     out.update(_rejoin_samples(b, t))
     out.update(_unsaved_samples())
+    out.update(_anchored_samples(b))
     return out
 
 
@@ -408,6 +412,27 @@ def _unsaved_samples() -> dict[str, Message]:
             type=MessageType.CHECKPOINT, run_id=RUN_ID, src=2, dst=1, step=40, seq=302, version=(1, 5),
             meta={"phase": "unsaved", "step": 40,
                   "reason": "stage 2: checkpoint step 40 not saved under /data/run (1.2 MB free of 20.0 GB there)"}),
+    }
+
+
+def _anchored_samples(b: int) -> dict[str, Message]:
+    """Protocol 1.6 (SPEC §9.2): HELLO with the sender's ``config`` and ``anchored``, a configuration
+    REJECT that is not anchored (to be retried) and a HEARTBEAT saying its sender is anchored."""
+    v16 = (1, 6)
+    hello = _stage_hello(MessageType.HELLO)
+    hello.meta.update(capabilities=["1f1b", "checkpoint_agreement", "drain", "rejoin"], nonce=HELLO_NONCE,
+                      num_micro_batches=4, micro_batch_size=b, eval_batches=2, anchored=True,
+                      config={"compression.codec": "mapl", "compression.rank": 4, "model.hidden_size": 8,
+                              "model.rms_norm_eps": 1e-05, "pipeline.num_stages": 4, "run.seed": 0})
+    hello.version = v16
+    return {
+        "hello_config": hello,
+        "reject_config_unanchored": Message(
+            type=MessageType.REJECT, run_id=RUN_ID, src=2, dst=1, version=v16,
+            meta={"code": "fingerprint_mismatch", "hello_nonce": HELLO_NONCE, "anchored": False,
+                  "reason": "config differs: compression.rank (stage 1 has 4, stage 2 8)"}),
+        "heartbeat_anchored": Message(type=MessageType.HEARTBEAT, run_id=RUN_ID, src=0, dst=1, seq=5, version=v16,
+                                      meta={"sent_ns": 1234567892000, "anchored": True}),
     }
 
 
