@@ -11,7 +11,10 @@ only when the peers say so with CHECKPOINT messages:
   ``unsaved N`` upstream with a reason naming it and why, relayed unchanged (or a middle stage's
   own, once per step); stage 0, on it or on its own failed save, records N as never complete
   (:attr:`CheckpointAgreement.unsaved`), so nothing waits for N: the newest complete step stays the
-  one before.
+  one before. Stage 0 then sends ``abandoned N`` downstream (1.6, capability
+  ``checkpoint_abandoned``), relayed to the last stage, and every stage deletes its own files of N
+  once they are durable: no stage can ever need them (a resume takes a step every stage holds),
+  so a stage whose disk is full does not make the others keep every later step.
 - resume: the last stage offers its usable steps (those whose files verify against their
   manifests, so every stage can load the agreed step) upstream, each stage intersects and forwards,
   stage 0 picks the newest common step (or refuses, with a reason every stage stops with) and
@@ -36,7 +39,8 @@ from mapl_swarm.pipeline import run_policy, run_records, stage_checkpoints
 from mapl_swarm.pipeline.run_records import MetricsLog, StepRecords
 from mapl_swarm.pipeline.stage_checkpoints import StageCheckpoints
 from mapl_swarm.wire import Message
-from mapl_swarm.wire.spec import CHECKPOINT_CAPABILITY, CHECKPOINT_UNSAVED_CAPABILITY, CHECKPOINT_UPSTREAM_PHASES
+from mapl_swarm.wire.spec import (CHECKPOINT_ABANDONED_CAPABILITY, CHECKPOINT_CAPABILITY, CHECKPOINT_UNSAVED_CAPABILITY,
+                                  CHECKPOINT_UPSTREAM_PHASES)
 
 if TYPE_CHECKING:
     from mapl_swarm.data import PreparedData
@@ -74,6 +78,11 @@ class CheckpointAgreement:
         self.upstream_takes_unsaved = True
         """False when the upstream neighbour did not advertise ``checkpoint_unsaved`` (a 1.4 peer): no
         ``unsaved`` to it, so stage 0 waits for such a step as before (until its timeout)."""
+        self.downstream_takes_abandoned = True
+        """False when the downstream neighbour did not advertise ``checkpoint_abandoned`` (a 1.5 peer):
+        no ``abandoned`` to it (it keeps its files of such steps, as in 1.5)."""
+        self.abandoned: set[int] = set()
+        """Steps stage 0 gave up (never complete): this stage's files of them are deleted once durable."""
         self.without_loss: Callable[[set[int]], set[int]] = lambda steps: set()
         """Stage 0: of the given steps, those whose losses the run's metrics history lacks (a
         departure came between stage 0's save of the step and the last stage's REPORT of it); the
@@ -85,6 +94,9 @@ class CheckpointAgreement:
         if not self.enabled:
             return
         self._saved.add(step)
+        if step in self.abandoned:  # given up while this stage was still saving it
+            self._delete(step)
+            return
         if self.down is None:
             self._downstream_saved.add(step)  # nothing below the last stage
         await self._advance(step)
@@ -108,6 +120,10 @@ class CheckpointAgreement:
             await self._advance(meta["step"])
         elif phase == "unsaved":
             await self._never_complete(meta["step"], dict(meta), heard=True)
+        elif phase == "abandoned":
+            self.unsaved.setdefault(meta["step"], str(meta["reason"]))
+            await self._abandon(meta["step"], dict(meta))
+            self._notify()
         elif phase == "complete":
             self._complete(meta["step"])
             if self.down is not None:
@@ -125,11 +141,28 @@ class CheckpointAgreement:
         if self.up is not None:
             if self.upstream_takes_unsaved:
                 await self.send(self.up, meta)
-        elif heard:
-            newest = max(self.store.complete, default=None)
-            log.warning("checkpoint step %d will never be complete (%s); the newest complete checkpoint stays %s",
-                        step, reason, "none" if newest is None else f"step {newest}")
+        else:
+            if heard:
+                newest = max(self.store.complete, default=None)
+                log.warning("checkpoint step %d will never be complete (%s); the newest complete checkpoint stays "
+                            "%s", step, reason, "none" if newest is None else f"step {newest}")
+            await self._abandon(step, {"phase": "abandoned", "step": step, "reason": reason})
         self._notify()
+
+    async def _abandon(self, step: int, meta: dict[str, Any]) -> None:
+        """Stage 0 gave ``step`` up: delete this stage's files of it (now if durable, else once its
+        save ends) and pass ``meta`` downstream, once."""
+        if step in self.abandoned or step in self.declared:
+            return
+        self.abandoned.add(step)
+        if step in self._saved:
+            self._delete(step)
+        if self.down is not None and self.downstream_takes_abandoned:
+            await self.send(self.down, meta)
+
+    def _delete(self, step: int) -> None:
+        if self.store.abandon(step):
+            log.info("stage %d: deleted checkpoint step %d, which will never be complete", self.stage, step)
 
     async def _advance(self, step: int) -> None:
         if step in self._passed or step in self.unsaved or not (step in self._saved and step in self._downstream_saved):
@@ -298,7 +331,7 @@ class PeerRunPolicy:
         """The steps done at this stage's latest step end (the start step before any)."""
         self.drain_step: int | None = None
         """The swarm's drain step (:mod:`~.drain`), once decided: saved even when not due."""
-        self.capabilities = [CHECKPOINT_CAPABILITY, CHECKPOINT_UNSAVED_CAPABILITY]
+        self.capabilities = [CHECKPOINT_CAPABILITY, CHECKPOINT_UNSAVED_CAPABILITY, CHECKPOINT_ABANDONED_CAPABILITY]
         self.epoch = 0
         """The swarm's run epoch, once :meth:`begin` agreed it (SPEC "Rejoin")."""
 
@@ -329,6 +362,9 @@ class PeerRunPolicy:
         if self.stage > 0:  # a 1.4 peer upstream rejects CHECKPOINT unsaved
             up_caps = neighbour_caps.get(self.stage - 1, set())
             self.agreement.upstream_takes_unsaved = CHECKPOINT_UNSAVED_CAPABILITY in up_caps
+        if self.stage < self.cfg.pipeline.num_stages - 1:  # a 1.5 peer downstream rejects CHECKPOINT abandoned
+            down_caps = neighbour_caps.get(self.stage + 1, set())
+            self.agreement.downstream_takes_abandoned = CHECKPOINT_ABANDONED_CAPABILITY in down_caps
         start = 0
         self.epoch = epoch
         if self.resume:

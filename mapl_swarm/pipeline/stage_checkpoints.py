@@ -123,6 +123,14 @@ class StageCheckpoints:
         checkpoint.delete_stage_steps(self.root, self.stage, doomed)
         return doomed
 
+    def abandon(self, step: int) -> bool:
+        """Delete this stage's files of ``step``, which will never be complete (stage 0 gave it up);
+        a complete step is never deleted here. True when there were files."""
+        if step in self.complete or step not in self.local_steps():
+            return False
+        self.discard(step)
+        return True
+
     def resumed(self, step: int) -> None:
         """Resuming from ``step``: it is complete, and later files (of the interrupted run) are stale
         (step 0: a swarm re-forming without a common checkpoint starts again, every file is stale)."""

@@ -48,7 +48,7 @@ REPORT ``loss`` float, ``tokens`` uint; ``mode``, ``metrics`` {str: number}. HEA
 CODEBOOK_SLICE —; ``stream`` "act"|"grad", ``start`` uint, ``full`` bool. RESYNC —; ``stream``,
 ``have`` uint, ``reason`` str, ``retransmit`` bool, ``mode`` (1.2). CHECKPOINT (1.3) ``phase``
 "saved"|"complete"|"offer"|"resume"|"drain_request"|"drain"|"unsaved" (1.5: step and reason
-required); ``step`` uint|nil, ``steps`` [uint], ``have`` {str: [uint]}, ``reason`` str, ``epoch``
+required)|"abandoned" (1.6: step and reason required); ``step`` uint|nil, ``steps`` [uint], ``have`` {str: [uint]}, ``reason`` str, ``epoch``
 uint (1.5: offer, resume) (per-phase rules of SPEC §5.2). GRAD, PROJ: none. PROJ, PROJ_GRAD and
 CODEBOOK_SLICE tensors must be fp32 (BadDtype; a CODEBOOK_SLICE ``index`` is uint8/uint16, 1.2);
 HELLO, WELCOME, REJECT, REPORT, RESYNC, HEARTBEAT, BYE, ERROR, CHECKPOINT carry none.

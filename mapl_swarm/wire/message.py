@@ -246,7 +246,7 @@ _KIND_TEXT = {
     "strs": "an array of strings",
     "map": "a map",
     "metrics": "a map of numbers",
-    "phase": "'saved', 'complete', 'offer', 'resume', 'drain_request', 'drain' or 'unsaved'",
+    "phase": "'saved', 'complete', 'offer', 'resume', 'drain_request', 'drain', 'unsaved' or 'abandoned'",
     "uint_or_nil": "a non-negative integer or nil",
     "uints": "an array of non-negative integers",
     "have": "a map of arrays of non-negative integers",
@@ -291,10 +291,10 @@ def check_type_rules(
 def _check_checkpoint(meta: Mapping[str, Any]) -> None:
     """CHECKPOINT fields by phase (SPEC §5.2); the field types are already checked."""
     phase = meta["phase"]
-    if phase in ("saved", "unsaved", "complete", "drain") and meta.get("step") is None:
+    if phase in ("saved", "unsaved", "abandoned", "complete", "drain") and meta.get("step") is None:
         raise InvalidMessage(f"CHECKPOINT {phase} needs a step")
-    if phase == "unsaved" and "reason" not in meta:
-        raise InvalidMessage("CHECKPOINT unsaved needs a reason")
+    if phase in ("unsaved", "abandoned") and "reason" not in meta:
+        raise InvalidMessage(f"CHECKPOINT {phase} needs a reason")
     if phase == "offer":
         steps = meta.get("steps")
         if steps is None:

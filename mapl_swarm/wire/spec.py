@@ -17,6 +17,7 @@ __all__ = [
     "CHECKPOINT_PHASES",
     "CHECKPOINT_CAPABILITY",
     "CHECKPOINT_UNSAVED_CAPABILITY",
+    "CHECKPOINT_ABANDONED_CAPABILITY",
     "CHECKPOINT_UPSTREAM_PHASES",
     "DRAIN_PHASES",
     "DRAIN_CAPABILITY",
@@ -101,9 +102,11 @@ DRAIN_PHASES: tuple[str, ...] = ("drain_request", "drain")
 """CHECKPOINT phases of a graceful drain (SPEC §5.2; sent only to neighbours advertising
 :data:`DRAIN_CAPABILITY`)."""
 
-CHECKPOINT_PHASES: tuple[str, ...] = ("saved", "complete", "offer", "resume", *DRAIN_PHASES, "unsaved")
+CHECKPOINT_PHASES: tuple[str, ...] = ("saved", "complete", "offer", "resume", *DRAIN_PHASES, "unsaved",
+                                      "abandoned")
 """Values of a CHECKPOINT's ``meta["phase"]`` (SPEC §5.2; ``unsaved`` since 1.5, sent only to
-neighbours advertising :data:`CHECKPOINT_UNSAVED_CAPABILITY`)."""
+neighbours advertising :data:`CHECKPOINT_UNSAVED_CAPABILITY`; ``abandoned`` since 1.6, only to
+those advertising :data:`CHECKPOINT_ABANDONED_CAPABILITY`)."""
 
 CHECKPOINT_UPSTREAM_PHASES: tuple[str, ...] = ("saved", "unsaved", "offer", "drain_request")
 """CHECKPOINT phases that travel upstream, from stage s + 1 to s (SPEC §9.4); the others travel
@@ -118,6 +121,10 @@ CHECKPOINT_CAPABILITY = "checkpoint_agreement"
 CHECKPOINT_UNSAVED_CAPABILITY = "checkpoint_unsaved"
 """HELLO/WELCOME capability of peers that take CHECKPOINT ``unsaved``, a step a stage could not save
 (SPEC §5.2, §5.3, 1.5)."""
+
+CHECKPOINT_ABANDONED_CAPABILITY = "checkpoint_abandoned"
+"""HELLO/WELCOME capability of peers that take CHECKPOINT ``abandoned``: stage 0's word that a step
+will never be complete, so every stage deletes its files of it (SPEC §5.2, §5.3, 1.6)."""
 
 PIPELINE_CAPABILITY = "1f1b"
 """HELLO/WELCOME capability of peers that run the 1F1B schedule of SPEC §9.7 (SPEC §5.3; every

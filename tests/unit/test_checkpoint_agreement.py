@@ -377,8 +377,8 @@ async def _save_all(peers, step, failing=()):
 @pytest.mark.parametrize("bad", [1, 2])
 def test_a_final_step_a_stage_cannot_save_ends_stage_0s_wait_at_once(tmp_path, caplog, bad):
     """Stage ``bad`` (middle or last) cannot save the final step 4: stage 0, already waiting for it,
-    returns well within its timeout with one warning naming that stage; step 4 is complete nowhere,
-    step 2 stays the newest complete step everywhere."""
+    returns well within its timeout with one warning naming that stage; step 4 is complete nowhere
+    and kept nowhere, step 2 stays the newest complete step everywhere."""
     peers, queues = _swarm(tmp_path, keep=5)
 
     async def run():
@@ -409,9 +409,9 @@ def test_a_final_step_a_stage_cannot_save_ends_stage_0s_wait_at_once(tmp_path, c
     assert _unsaved(queues, 2, 1) == ([{"phase": "unsaved", "step": 4, "reason": reason}] if bad == 2 else [])
     assert not any(meta == {"phase": "saved", "step": 4} for s, d, meta in queues.sent if s == 1)
     assert not any(meta["phase"] == "complete" and meta["step"] == 4 for _, _, meta in queues.sent)
-    for p in peers:
+    for p in peers:  # every stage heard stage 0 give step 4 up (abandoned), and deleted its files of it
         assert p.declared == {2} and p.store.complete == [2]
-        assert p.unsaved == ({4: reason} if p.stage <= bad else {})
+        assert p.unsaved == {4: reason} and p.store.local_steps() == [2]
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -446,6 +446,11 @@ def test_unsaved_steps_in_any_order_are_complete_nowhere_and_said_once_per_link(
     assert peers[0].unsaved[4] in ("stage 1: disk full", "stage 2: disk full")  # whichever came first
     assert [m["step"] for m in _unsaved(queues, 2, 1)] == [4, 8]
     assert sorted(m["step"] for m in _unsaved(queues, 1, 0)) == [4, 8]
+    # stage 0 gave them up: said once per link downstream, and no stage keeps a file of them
+    for link in ((0, 1), (1, 2)):
+        assert sorted(m["step"] for s, d, m in queues.sent if (s, d) == link and m["phase"] == "abandoned") == [4, 8]
+    for p in peers:
+        assert p.store.local_steps() == [2, 6] and set(p.unsaved) == {4, 8}
 
 
 def test_unsaved_from_the_wrong_side_is_ignored_and_not_sent_to_an_older_neighbour(tmp_path, caplog):
@@ -458,10 +463,17 @@ def test_unsaved_from_the_wrong_side_is_ignored_and_not_sent_to_an_older_neighbo
         peers[2].upstream_takes_unsaved = False  # stage 1 did not advertise checkpoint_unsaved (1.4)
         await peers[2].on_unsaved(4, "stage 2: disk full")
         assert peers[2].unsaved == {4: "stage 2: disk full"} and queues.sent == []
+        peers[0].downstream_takes_abandoned = False  # stage 1 did not advertise checkpoint_abandoned (1.5)
+        await peers[0].on_unsaved(6, "stage 0: disk full")
+        assert peers[0].abandoned == {6} and queues.sent == []
+        await peers[1].on_message(Message(type=MessageType.CHECKPOINT, run_id="t", src=2, dst=1, step=8,
+                                          meta={"phase": "abandoned", "step": 8, "reason": "stage 0: x"}))
+        assert peers[1].abandoned == set() and queues.sent == []
 
     with caplog.at_level("WARNING"):
         asyncio.run(run())
     assert "ignored CHECKPOINT unsaved from stage 0 (expected from stage 2)" in caplog.text
+    assert "ignored CHECKPOINT abandoned from stage 2 (expected from stage 0)" in caplog.text
 
 
 def _policy_run(tmp_path, make_config, stage, caps, body, *, num_stages=2, timeout_s=60.0):
@@ -556,7 +568,7 @@ def test_stage_0_finishes_at_once_when_a_stage_could_not_save_the_final_step(tmp
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= 30]
     assert warnings == ["checkpoint step 2 will never be complete (stage 1: disk full at /d1); the newest "
                         "complete checkpoint stays step 1"]
-    assert checkpoint.stage_steps(tmp_path, 0) == [1, 2]  # its own file of step 2 is kept (pruned later)
+    assert checkpoint.stage_steps(tmp_path, 0) == [1]  # its own file of step 2 is deleted: it was given up
 
 
 def test_a_stage_without_files_is_refused_when_a_complete_step_exists(tmp_path):
@@ -575,3 +587,33 @@ def test_a_stage_without_files_is_refused_when_a_complete_step_exists(tmp_path):
     assert str(results[1]).startswith("stage 1 has no checkpoint of this run, but every stage saved step 4: copy "
                                       "checkpoints/step_00000004/stage_1.pt, stage_1.manifest.json from the run.out_dir")
     assert [p.store.local_steps() for p in peers] == [[2, 4], [], [2, 4]]
+
+
+def test_a_stage_whose_disk_stays_full_is_named_everywhere_and_the_others_keep_only_what_can_complete(
+        tmp_path, monkeypatch):
+    """A 3-stage in-memory swarm checkpointing every step (keep 2) whose stage 1 cannot save any step
+    from 3 on: every stage ends naming stage 1, the newest complete step stays 2, and no stage keeps
+    a file of a later step (stage 0 gave each up: CHECKPOINT ``abandoned``)."""
+    from peer_fakes import policy_swarm, serve_all, swarm_config
+
+    real_save = StageCheckpoints.save
+
+    def save(self, step, state):
+        if self.stage == 1 and step >= 3:  # what StageCheckpoints.save does on a full disk
+            return False
+        return real_save(self, step, state)
+
+    monkeypatch.setattr(StageCheckpoints, "save", save)
+    cfg = swarm_config(pipeline={"num_stages": 3}, run={"steps": 7, "out_dir": str(tmp_path)},
+                       checkpoint={"interval_steps": 1, "keep": 2})
+
+    async def main():
+        net, peers, transports = policy_swarm(cfg)
+        return await serve_all(peers, transports)
+
+    results = asyncio.run(main())
+    assert [r.end for r in results] == ["finished"] * 3, results
+    for s, r in enumerate(results):
+        assert checkpoint.stage_steps(tmp_path, s) == [1, 2], s
+        assert r.checkpoint_note.startswith("checkpoint of step 7 is not complete (stage 1: ") and \
+            "the newest complete checkpoint is step 2" in r.checkpoint_note, r.checkpoint_note

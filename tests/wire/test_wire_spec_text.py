@@ -61,7 +61,7 @@ def test_reject_codes_and_capabilities_are_listed():
     caps = set(re.findall(r"^\| `(\w+)` \| 1\.\d \|", section("### 5.3", "## 6."), re.M))
     assert caps == {spec.PIPELINE_CAPABILITY, VQ_CAPABILITY, RETRANSMIT_CAPABILITY, INDEXED_SLICES_CAPABILITY,
                     spec.CHECKPOINT_CAPABILITY, spec.DRAIN_CAPABILITY, spec.REJOIN_CAPABILITY,
-                    spec.CHECKPOINT_UNSAVED_CAPABILITY}
+                    spec.CHECKPOINT_UNSAVED_CAPABILITY, spec.CHECKPOINT_ABANDONED_CAPABILITY}
 
 
 def test_every_checkpoint_phase_is_in_section_5_2():

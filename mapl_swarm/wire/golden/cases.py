@@ -189,6 +189,8 @@ def _valid(v: dict[str, list[bytes]]) -> list[Case]:
         "reject_config_unanchored": "1.6 REJECT fingerprint_mismatch naming the setting, anchored false: the "
                                     "dialer retries",
         "heartbeat_anchored": "1.6 HEARTBEAT from stage 0 saying it is anchored, tagged with the session key",
+        "checkpoint_abandoned": "1.6 CHECKPOINT abandoned: stage 0 gave step 40 up (stage 2 could not save it), "
+                                "every stage deletes its files of it (capability checkpoint_abandoned)",
     }
 
     def key(n: str) -> bool | str:
@@ -470,6 +472,8 @@ def _invalid_16(v: dict[str, list[bytes]]) -> list[Case]:
          "auth_key", "1.6 REJECT anchored is 0, not false"),
         ("heartbeat_anchored_string", _edit(v["heartbeat_anchored"], _meta(anchored="yes"), sign=True,
                                             key=SESSION_KEY), IM, "session_key", "1.6 HEARTBEAT anchored is a string"),
+        ("checkpoint_abandoned_no_reason", _edit(v["checkpoint_abandoned"], _meta(reason=_DROP)), IM, False,
+         "1.6 CHECKPOINT abandoned without a reason"),
     ]
     return [Case(n, "invalid", f, d, error=e, secret=k) for n, f, e, k, d in cases]
 

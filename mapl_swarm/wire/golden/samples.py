@@ -431,6 +431,10 @@ def _anchored_samples(b: int) -> dict[str, Message]:
             type=MessageType.REJECT, run_id=RUN_ID, src=2, dst=1, version=v16,
             meta={"code": "fingerprint_mismatch", "hello_nonce": HELLO_NONCE, "anchored": False,
                   "reason": "config differs: compression.rank (stage 1 has 4, stage 2 8)"}),
+        "checkpoint_abandoned": Message(
+            type=MessageType.CHECKPOINT, run_id=RUN_ID, src=0, dst=1, step=40, seq=303, version=v16,
+            meta={"phase": "abandoned", "step": 40,
+                  "reason": "stage 2: checkpoint step 40 not saved under /data/run (1.2 MB free of 20.0 GB there)"}),
         "heartbeat_anchored": Message(type=MessageType.HEARTBEAT, run_id=RUN_ID, src=0, dst=1, seq=5, version=v16,
                                       meta={"sent_ns": 1234567892000, "anchored": True}),
     }
