@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from mapl_swarm.config import TrainConfig
     from mapl_swarm.peer.compute import WorkerThread
     from mapl_swarm.peer.link import LinkSettings, Links, PeerLink
+    from mapl_swarm.peer.window import StepWindow
     from mapl_swarm.wire.header import Header
 
 log = logging.getLogger(__name__)
@@ -133,13 +134,12 @@ class Admitted:
 
 class Admission:
     """The checks of the module docstring for one peer (see there). ``shapes`` is the run as this
-    stage sees it (:func:`run_shapes`); ``window(link)`` the link's current window (the schedule's,
-    :meth:`~.schedule.PipelineSchedule.window`), read on the loop when a message arrives."""
+    stage sees it (:func:`run_shapes`); ``window`` the schedule's :class:`~.window.StepWindow`, asked
+    on the loop when a message arrives (the link's window, the lowest run epoch)."""
 
-    def __init__(self, settings: LinkSettings, links: Links, *, shapes: RunShapes, window: Callable[[PeerLink], Window],
+    def __init__(self, settings: LinkSettings, links: Links, *, shapes: RunShapes, window: StepWindow,
                  rejects: RejectCounter, decoder: WorkerThread, timeout_s: float, clock: Callable[[], float],
-                 replies_on_link: bool, epoch: Callable[[], int] = lambda: 0,
-                 started: Callable[[], bool] = lambda: True) -> None:
+                 replies_on_link: bool, started: Callable[[], bool] = lambda: True) -> None:
         self.s = settings
         self.links = links
         self.shapes = shapes
@@ -154,8 +154,6 @@ class Admission:
         """WELCOME/REJECT come back on this peer's own connection (``Arrival.reply_link``); False
         with a transport that cannot receive there (they then come on the neighbour's connection,
         recognised by the HELLO nonce they echo)."""
-        self.epoch = epoch
-        """The lowest run epoch a message may carry (SPEC "Rejoin"): the swarm's once training runs."""
         self.started = started
         """This peer's training runs: before, pipeline messages are held (:class:`~.session.Early`)."""
 
@@ -245,7 +243,7 @@ class Admission:
         if session is None or session.routing_id != arrival.sender:
             raise Rejected("wrong_session", f"{h.type.name} from {arrival.sender!r}; stage {link.stage}'s "
                                             f"session is {session.routing_id if session else None!r}")
-        check_epoch(h, self.epoch())  # before the sequence: a stale message does not move it
+        check_epoch(h, self.window.epoch)  # before the sequence: a stale message does not move it
         if not arrival.held:
             gap = session.accept(h.seq, self.clock())
             if gap:
@@ -253,7 +251,7 @@ class Admission:
                             gap, link.stage, h.seq, session.lost)
             if h.type in HELD_UNTIL_START and not self.started():
                 raise Early(link.name, f"{h.type.name} of step {h.step} before this peer's training started")
-        check_header(h, self.shapes, self.window(link))  # step window, projector version
+        check_header(h, self.shapes, self.window.of(link.stage))  # step window, projector version
         check_declared(h, self.shapes)  # declared sizes, before anything is inflated
 
     def _check_answer(self, h: Header, link: PeerLink, arrival: Arrival) -> None:
@@ -271,7 +269,7 @@ class Admission:
     async def _tensors(self, header: Header, frames: Sequence[Any], link: PeerLink) -> Message:
         if header.type in (MT.WELCOME, MT.REJECT):
             return decode_tensors(header, frames, self.limits)
-        window = self.window(link)  # a snapshot, taken on the loop
+        window = self.window.of(link.stage)  # a snapshot, taken on the loop
         if not header.tensors:  # nothing to inflate: the content rules (a REPORT's numbers) on the loop
             return self._decode(header, frames, window)
         return await self.decoder.run(self._decode, header, frames, window)

@@ -213,9 +213,6 @@ class PeerLink:
         """The neighbour answered this peer's HELLO with REJECT."""
         self.tx_key: bytes | None = None
         """The outbound session's key (from this peer's HELLO and the neighbour's WELCOME nonces)."""
-        self.pver: int | None = None
-        """The link's projector version (SPEC §9.6): of the last PROJ admitted from upstream, or sent
-        downstream; None before any."""
         self.epoch = 0
         """The run epoch this peer's messages on the link carry (SPEC "Rejoin"; :meth:`Links.set_epoch`)."""
         self.hello_at: float | None = None
@@ -416,8 +413,7 @@ class PeerLink:
         return self.codebooks.tx_version() if self.codebooks is not None else 0
 
     async def send_projector(self, step: int, projector: torch.Tensor, pver: int) -> None:
-        """PROJ of ``step`` (the step whose ACTs it precedes) downstream; the link is at ``pver`` after it."""
-        self.pver = pver
+        """PROJ of ``step`` (the step whose ACTs it precedes) downstream, at projector version ``pver``."""
         await self.send(MT.PROJ, step=step, pver=pver, tensors={WireName.PROJ: projector},
                         kinds={WireName.PROJ: LinkKind.PROJ})
 

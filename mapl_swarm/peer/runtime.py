@@ -191,7 +191,7 @@ class Peer:
         self.admission = Admission(
             settings, self.links, shapes=run_shapes(cfg, stage), window=self.schedule.window, rejects=self.rejects,
             decoder=self.decoder, timeout_s=cfg.net.timeout_s, clock=time.monotonic, replies_on_link=False,
-            epoch=lambda: self.epoch if self._training else 0, started=lambda: self._training)
+            started=lambda: self._training)
         net = cfg.net
         self.monitor = HeartbeatMonitor(
             HeartbeatConfig(interval_s=net.heartbeat_interval_s, timeout_s=net.liveness_ceiling,
@@ -307,7 +307,7 @@ class Peer:
             got.link.peer_anchored = got.link.peer_anchored or got.msg.meta.get("anchored") is True
             return None
         if got.msg.type is MT.PROJ:
-            got.link.pver = got.msg.pver  # the link's projector version moves on (SPEC §9.6)
+            self.schedule.window.projector(got.link.stage, got.msg.pver)  # the link's version moves on (SPEC §9.6)
         return lambda: self._handle(got, arrival, transport)
 
     def _hold(self, arrival: Arrival, link: str) -> None:
@@ -535,7 +535,7 @@ class Peer:
         self._background.append(asyncio.create_task(self._dispatch_loop()))
         self.monitor.start()
         await self._handshake(transport, shaping)
-        self.schedule.begin(await self._agree_start(transport))
+        self.schedule.begin(await self._agree_start(transport), self.epoch)
         await self._start_training(transport)
         await self.schedule.run()
         self._schedule_ended = True

@@ -17,15 +17,12 @@ happen under the compute thread's ``encode_lock`` (a retransmission takes it too
 message whose codes cannot be decoded raises :class:`~.vq_link.Retransmitting` and is dropped,
 its copy follows.
 
-Window: the schedule knows which messages can come next: the current ``step``, the
-micro-batches of it already taken, the train ACTs whose GRAD is due, the projector versions. A
-pipeline message outside it (a second ACT for a micro-batch, a GRAD nobody asked for, an ACT made
-with another projector, a PROJ_GRAD of another step, a REPORT twice) is dropped with a code
-(``out_of_window``, ``stale_projector``), counted through ``reject``, and the schedule waits on; it
-never reaches the runtime. :meth:`PipelineSchedule.window` is the coarse version the receive path
-checks first (``wire.Window``, before tensors are decoded). GRAD and PROJ_GRAD carry the projector version their
-ACTs were made with; the last stage's REPORT of step ``s`` says ``s`` (eval REPORTs: the step of
-their eval ACTs).
+Window: the schedule's :class:`~.window.StepWindow` (``self.window``) knows which messages can
+come next; one outside it (a second ACT for a micro-batch, a GRAD nobody asked for, an ACT made
+with another projector, a PROJ_GRAD of another step, a REPORT twice) is dropped there, naming the
+rule, and the schedule waits on. The receive path asks the same window first, on the header.
+GRAD and PROJ_GRAD carry the projector version their ACTs were made with; the last stage's REPORT
+of step ``s`` says ``s`` (eval REPORTs: the step of their eval ACTs).
 
 Threads: every runtime call that touches tensors runs on the compute thread through
 :class:`~.host.HostRuntime` (``self.host``): it takes the received messages' wire tensors and
@@ -49,9 +46,10 @@ from mapl_swarm.metrics.progress import StepProgress
 from mapl_swarm.peer.drain import DRAIN_REASON
 from mapl_swarm.peer.host import HostRuntime
 from mapl_swarm.peer.vq_link import Retransmitting
+from mapl_swarm.peer.window import StepWindow
 from mapl_swarm.pipeline.run_policy import due
 from mapl_swarm.pipeline.stage import mean_loss
-from mapl_swarm.wire import Message, MessageType, Window
+from mapl_swarm.wire import Message, MessageType
 
 if TYPE_CHECKING:
     import torch
@@ -85,8 +83,6 @@ class NeighbourLink(Protocol):
     """The neighbour's stage (waiting lines only)."""
     endpoint: str | None
     """Where it is, once known (waiting lines only)."""
-    pver: int | None
-    """The link's projector version (SPEC §9.6), None before any PROJ (the window's)."""
 
     async def send_act(self, step: int, micro: int, payload: Mapping[str, torch.Tensor], *, eval_mode: bool,
                        pver: int) -> None: ...
@@ -241,24 +237,23 @@ class PipelineSchedule:
         self._eval_losses: list[torch.Tensor] = []
         self._reject = reject or (lambda code, sender, text: log.warning("%s: dropped a message from %s: %s (%s)",
                                                                          name, sender, text, code))
-        self.step = settings.start_step
-        """The step this stage works on: the next one to flush."""
-        self._awaiting: set[int] = set()  # micro-batches of train ACTs sent downstream whose GRAD is due
-        self._taken: set[tuple[str, int]] = set()  # (mode, micro) of the ACTs of ``step`` taken
-        self._reported: set[tuple[str, int]] = set()  # (mode, step) of the REPORTs recorded or relayed
-        self._eval_steps: set[int] = set()  # steps of the eval ACTs this stage sent or served
+        stage = 0 if links.upstream is None else links.upstream.stage + 1
+        self.window = StepWindow(runtime, stage=stage, M=self.M, val_batches=settings.val_batches,
+                                 steps=settings.steps, start_step=settings.start_step, reject=self._reject)
+        """What can come next, and what the receive path lets in (:mod:`~.window`)."""
 
     @property
-    def _awaiting_grads(self) -> int:
-        return len(self._awaiting)
+    def step(self) -> int:
+        """The step this stage works on: the next one to flush."""
+        return self.window.step
 
     # ------------------------------------------------------------------ entry points
-    def begin(self, start_step: int | None) -> None:
+    def begin(self, start_step: int | None, epoch: int = 0) -> None:
         """Training starts at ``start_step`` (a resume agreed after the handshake; None: the
-        settings' one): the step windows follow it from now on."""
+        settings' one) in run epoch ``epoch``: the step window follows them from now on."""
         if start_step is not None:
             self.s = replace(self.s, start_step=start_step)
-        self.step = self.s.start_step
+        self.window.begin(self.s.start_step, epoch)
 
     async def run(self) -> None:
         """Stage 0 drives the steps from :meth:`begin`'s, later stages serve until BYE; sets
@@ -281,17 +276,9 @@ class PipelineSchedule:
         """A REPORT from downstream: stage 0 records it, other stages relay it upstream. A train
         REPORT of a step this stage has not reached, or one already seen, is dropped; so is an
         eval REPORT of a validation this stage did not take part in."""
+        if not self.window.report_due(msg):
+            return
         mode = msg.meta.get("mode", "train")
-        key = (mode, msg.step)
-        if key in self._reported:
-            self._reject("out_of_window", f"stage{msg.src}", f"a second {mode} REPORT of step {msg.step}")
-            return
-        if (mode == "train" and not self.s.start_step <= msg.step <= min(self.step, self.s.steps - 1)) or \
-                (mode == "eval" and msg.step not in self._eval_steps):
-            self._reject("out_of_window", f"stage{msg.src}", f"{mode} REPORT of step {msg.step} (this stage is at "
-                                                             f"step {self.step})")
-            return
-        self._reported.add(key)
         if self.links.upstream is not None:
             await self.links.upstream.send_report(msg.step, dict(msg.meta))
             return
@@ -307,18 +294,6 @@ class PipelineSchedule:
                 elapsed = max(time.perf_counter() - self._t0, 1e-9)
                 self._progress.step(loss=f"{msg.meta['loss']:.3f}", tok_s=f"{self.result.tokens / elapsed:.0f}")
 
-    def window(self, link: NeighbourLink) -> Window:
-        """What the receive path accepts from ``link`` now (SPEC §9.6 step window, §6.1 rules 4-5):
-        the current step and the next; from downstream also the previous one (its REPORT may come
-        after this stage moved on). ``pver``: the link's projector version (None: no trainable one)."""
-        upstream = link is self.links.upstream
-        boundary = self.rt.inbound if upstream else self.rt.outbound
-        pver = None
-        if boundary is not None and boundary.trainable:
-            pver = link.pver if link.pver is not None else boundary.version
-        low = self.step if upstream else max(self.s.start_step, self.step - 1)
-        return Window(low=low, high=self.step + 1, pver=pver)
-
     def close(self) -> None:
         if self._progress is not None:
             self._progress.close()
@@ -332,7 +307,7 @@ class PipelineSchedule:
 
     def _expected(self) -> list[NeighbourLink]:
         """Who the next pipeline message should come from: downstream while gradients are due."""
-        if self.links.upstream is None or (self._awaiting_grads and self.links.downstream is not None):
+        if self.links.upstream is None or (self.window.awaiting and self.links.downstream is not None):
             return self._downstream()
         return self._upstream()
 
@@ -382,14 +357,14 @@ class PipelineSchedule:
                     await self._forward_and_send(step, sent, ids=batches[sent])
                     sent += 1
                 msg = await self._next([MT.GRAD], "(gradient) ")
-                if not self._grad_due(msg):
+                if not self.window.grad_due(msg):
                     continue
                 try:
                     await down.decoded(self.compute.run(self.host.backward, msg.micro, down.grad_wire(msg),
                                                         cver=msg.cver), msg)
                 except Retransmitting:
                     continue
-                self._awaiting.discard(msg.micro)
+                self.window.awaiting.discard(msg.micro)
                 done += 1
             await self._flush(step)
             done_steps = step + 1
@@ -405,70 +380,21 @@ class PipelineSchedule:
         if down is None:
             return
         before = sum(1 for r in self._reports if r.meta.get("mode") == "eval")
-        self._eval_steps.add(step)
+        self.window.eval_steps.add(step)
         for i, ids in enumerate(self.val_batches):
             async with self.compute.encode_lock:
                 res = await self.compute.run(self.host.forward, -1 - i, ids=ids, train=False)
-                await down.send_act(step, i, res.payload, eval_mode=True, pver=self._pver())
+                await down.send_act(step, i, res.payload, eval_mode=True, pver=self.window.outbound_pver)
         await self._wait_report("eval", before + 1)
         report = [r for r in self._reports if r.meta.get("mode") == "eval"][-1]
         self.result.val_history.append((step, float(report.meta["loss"])))
         self.hooks.val_loss(step, float(report.meta["loss"]))
         log.info("step %d: val loss %.4f", step, report.meta["loss"])
 
-    # ------------------------------------------------------------------ every stage
-    def _pver(self) -> int:
-        """The outbound projector's version: what this stage's ACTs are made with."""
-        return self.rt.outbound.version if self.rt.outbound is not None else 0
-
-    def _inbound_pver(self) -> int:
-        """The inbound projector's version: what the ACTs this stage takes must be made with."""
-        return self.rt.inbound.version if self.rt.inbound is not None else 0
-
-    # ------------------------------------------------------------------ the window
-    def _drop(self, code: str, msg: Message, text: str) -> bool:
-        self._reject(code, f"stage{msg.src}", f"{msg.type.name} step {msg.step} micro-batch {msg.micro}: {text}")
-        return False
-
-    def _grad_due(self, msg: Message) -> bool:
-        """A GRAD answers a train ACT of this step whose GRAD is still due, made with this projector."""
-        if msg.step != self.step or msg.micro not in self._awaiting:
-            return self._drop("out_of_window", msg, f"no GRAD due for it (step {self.step}, due "
-                                                    f"{sorted(self._awaiting)})")
-        if msg.pver != self._pver():
-            return self._drop("stale_projector", msg, f"made with projector v{msg.pver}, this stage holds "
-                                                      f"v{self._pver()}")
-        return True
-
-    def _act_due(self, msg: Message) -> bool:
-        """An ACT of this step for a micro-batch not taken yet, made with the inbound projector."""
-        mode = msg.meta.get("mode", "train")
-        count = self.M if mode == "train" else self.s.val_batches
-        if msg.step != self.step or not 0 <= msg.micro < count or (mode, msg.micro) in self._taken:
-            return self._drop("out_of_window", msg, f"{mode} ACT outside step {self.step}'s {count} micro-batches "
-                                                    f"or taken already")
-        if msg.pver != self._inbound_pver():
-            return self._drop("stale_projector", msg, f"made with projector v{msg.pver}, this stage holds "
-                                                      f"v{self._inbound_pver()}")
-        return True
-
-    def _proj_due(self, msg: Message) -> bool:
-        """The projector after the upstream stage's last step (at the start: its current one)."""
-        if msg.step != self.step or ("proj", msg.step) in self._taken:
-            return self._drop("out_of_window", msg, f"PROJ for step {msg.step} at step {self.step} (or a second one)")
-        if msg.pver < self._inbound_pver():
-            return self._drop("stale_projector", msg, f"projector v{msg.pver}, this stage holds v{self._inbound_pver()}")
-        return True
-
     def _step_seconds(self) -> float:
         """Mean seconds per step since training started in this session."""
         done = self.step - self.s.start_step
         return (time.perf_counter() - self._t0) / max(done, 1)
-
-    def _advance(self) -> None:
-        """The step is flushed: the window moves on."""
-        self.step += 1
-        self._taken.clear()
 
     async def _forward_and_send(self, step: int, micro: int, *, ids=None, msg: Message | None = None) -> None:
         """Forward of a micro-batch (stage 0: ``ids``; later: the ACT ``msg``) and its ACT."""
@@ -478,8 +404,8 @@ class PipelineSchedule:
             work = self.compute.run(self.host.forward, micro, ids=ids, wire=wire, train=True,
                                     cver=None if msg is None else msg.cver)
             res = await (work if msg is None else up.decoded(work, msg))
-            await down.send_act(step, micro, res.payload, eval_mode=False, pver=self._pver())
-        self._awaiting.add(micro)
+            await down.send_act(step, micro, res.payload, eval_mode=False, pver=self.window.outbound_pver)
+        self.window.awaiting.add(micro)
 
     def _owns_projector(self) -> bool:
         """This stage steps and sends a trainable outbound projector (reads flags only)."""
@@ -490,13 +416,14 @@ class PipelineSchedule:
             return
         proj = await self.compute.run(self.host.outbound_projector)
         if proj is not None:
+            self.window.projector(self.links.downstream.stage, proj[1])  # before its send: what comes back is at it
             await self.links.downstream.send_projector(step, proj[0], proj[1])
 
     async def _flush(self, step: int) -> None:
         """End of step: projector gradient up, optimizer step, projector down, step-end hook."""
         up, down = self.links.upstream, self.links.downstream
         if up is not None:
-            pver = self._inbound_pver()  # before the next PROJ is loaded
+            pver = self.window.inbound_pver  # before the next PROJ is loaded
             g = await self.compute.run(self.host.take_inbound_projector_grad)
             if g is not None:
                 await up.send_projector_grad(step, g, micro_batches=self.M, pver=pver)
@@ -504,7 +431,7 @@ class PipelineSchedule:
             msg = await self._projector_grad(step)
             await self.compute.run(self.host.add_outbound_projector_grad, down.projector_grad_wire(msg))
         step_metrics = await self.compute.run(self.rt.step)
-        self._advance()
+        self.window.advance()
         await self._send_projector(step + 1)
         await self.hooks.step_end(step + 1, step_metrics)
         if up is not None and self._progress is not None:
@@ -515,13 +442,7 @@ class PipelineSchedule:
         while True:
             msg = await self.waits.wait(
                 self.mailbox.get([MT.PROJ_GRAD], self.s.timeout_s, "(projector gradient) "), self._downstream)
-            if msg.step != step or msg.meta.get("micro_batches", self.M) != self.M:
-                self._drop("out_of_window", msg, f"PROJ_GRAD of {msg.meta.get('micro_batches')} micro-batches "
-                                                 f"while finishing step {step} of {self.M}")
-            elif msg.pver != self._pver():
-                self._drop("stale_projector", msg, f"computed at projector v{msg.pver}, this stage holds "
-                                                    f"v{self._pver()}")
-            else:
+            if self.window.proj_grad_due(msg, step):
                 return msg
 
     async def _serve(self) -> None:
@@ -537,20 +458,20 @@ class PipelineSchedule:
             taken = None
             try:
                 if msg.type == MT.PROJ:
-                    if self._proj_due(msg):
+                    if self.window.proj_due(msg):
                         await self.compute.run(self.host.load_inbound_projector, up.projector_wire(msg), msg.pver)
-                        self._taken.add(("proj", msg.step))
+                        self.window.taken.add(("proj", msg.step))
                 elif msg.type == MT.GRAD:
-                    if self._grad_due(msg):
+                    if self.window.grad_due(msg):
                         await self._on_grad(msg)
-                elif self._act_due(msg):
+                elif self.window.act_due(msg):
                     mode = msg.meta.get("mode", "train")
                     taken = (mode, msg.micro)
-                    self._taken.add(taken)  # before the compute: the step may flush within it
+                    self.window.taken.add(taken)  # before the compute: the step may flush within it
                     await (self._eval_forward(msg) if mode == "eval" else self._on_act(msg))
             except Retransmitting:
                 if taken is not None:
-                    self._taken.discard(taken)  # its copy follows
+                    self.window.taken.discard(taken)  # its copy follows
                 continue  # undecodable VQ codes: dropped, their retransmission follows
 
     async def _on_grad(self, msg: Message) -> None:
@@ -559,8 +480,8 @@ class PipelineSchedule:
         async with self.compute.encode_lock:
             grad = await down.decoded(self.compute.run(self.host.backward, msg.micro, down.grad_wire(msg),
                                                        cver=msg.cver), msg)
-            await up.send_grad(msg.step, msg.micro, grad, pver=self._inbound_pver())
-        self._awaiting.discard(msg.micro)
+            await up.send_grad(msg.step, msg.micro, grad, pver=self.window.inbound_pver)
+        self.window.awaiting.discard(msg.micro)
         self._backwards += 1
         if self._backwards == self.M:
             self._backwards = 0
@@ -587,12 +508,12 @@ class PipelineSchedule:
 
     async def _eval_forward(self, msg: Message) -> None:
         up, down = self.links.upstream, self.links.downstream
-        self._eval_steps.add(msg.step)
+        self.window.eval_steps.add(msg.step)
         async with self.compute.encode_lock:
             res = await up.decoded(self.compute.run(self.host.forward, -1 - msg.micro, wire=up.act_wire(msg),
                                                     train=False, cver=msg.cver), msg)
             if down is not None:
-                await down.send_act(msg.step, msg.micro, res.payload, eval_mode=True, pver=self._pver())
+                await down.send_act(msg.step, msg.micro, res.payload, eval_mode=True, pver=self.window.outbound_pver)
                 return
         self._eval_losses.append(res.loss)
         if len(self._eval_losses) == self.s.val_batches:
