@@ -1,7 +1,7 @@
-"""A typed inbox for decoded messages: wait for the next message of some types, in arrival order.
+"""An inbox for decoded messages: wait for the oldest one a predicate accepts, in arrival order.
 
-Messages of other types stay queued for whoever asks for them later (e.g. an ACT of the next step
-that arrives while the stage still waits for a PROJ_GRAD). A fatal error (a REJECT, a silent
+Messages it does not accept stay queued for whoever asks for them later (e.g. an ACT of the next
+step that arrives while the stage still waits for a PROJ_GRAD). A fatal error (a REJECT, a silent
 neighbour) wakes every waiter and is raised from :meth:`Mailbox.get`.
 """
 
@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Callable
 
 from mapl_swarm.errors import MaplError
 from mapl_swarm.peer.session import Rejected
-from mapl_swarm.wire import Message, MessageType
+from mapl_swarm.wire import Message
 
 __all__ = ["Mailbox"]
 
@@ -50,31 +50,29 @@ class Mailbox:
     def error(self) -> BaseException | None:
         return self._error
 
-    def take(self, types: Iterable[MessageType]) -> Message | None:
-        """The oldest queued message of one of ``types``, or None; never waits."""
-        wanted = set(types)
+    def take(self, wanted: Callable[[Message], bool]) -> Message | None:
+        """The oldest queued message ``wanted`` accepts, or None; never waits."""
         for i, msg in enumerate(self._items):
-            if msg.type in wanted:
+            if wanted(msg):
                 del self._items[i]
                 self._queued[msg.src] -= 1
                 return msg
         return None
 
-    async def get(self, types: Iterable[MessageType], timeout_s: float, what: str = "") -> Message:
-        """Wait for the oldest message of one of ``types``; raise on a fatal error or timeout."""
-        types = tuple(types)
+    async def get(self, wanted: Callable[[Message], bool], timeout_s: float, what: str) -> Message:
+        """Wait for the oldest message ``wanted`` accepts; raise on a fatal error, or on a timeout
+        naming ``what`` was awaited."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
             if self._error is not None:
                 raise self._error
-            msg = self.take(types)
+            msg = self.take(wanted)
             if msg is not None:
                 return msg
             remaining = deadline - loop.time()
             if remaining <= 0:
-                names = "/".join(t.name for t in types)
-                raise MaplError(f"{self.name}: no {names} message {what}within {timeout_s:g} s")
+                raise MaplError(f"{self.name}: no {what} within {timeout_s:g} s")
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), remaining)

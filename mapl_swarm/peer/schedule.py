@@ -1,14 +1,18 @@
-"""The 1F1B pipeline schedule of a stage peer, given its runtime, links, mailbox and compute thread.
+"""The pipeline schedule of a stage peer, given its runtime, links, mailbox and compute thread.
 
-Stage 0 reads the data and keeps up to ``max_in_flight`` micro-batches in flight: after
-the warm-up forwards it sends one new forward per returned gradient (1F1B). Later stages react:
-ACT -> forward (the last stage also runs the backward at once), GRAD -> backward. After a step's M
-backwards every stage flushes: receiver sends PROJ_GRAD upstream, sender adds it, steps, and sends
-the new PROJ (with its version) downstream before the next step's first ACT; then the step-end hook
-(health record, checkpoint: the run policy's business) runs. The last stage reports each step's
-loss upstream (REPORT, relayed stage by stage) so stage 0 shows one progress bar for the whole
-swarm. Validation: stage 0 sends eval ACTs; the last stage reports the mean loss. The end: stage 0
-sends BYE down the pipeline once the last report arrived.
+Every stage runs its list of actions of each step (:func:`~mapl_swarm.pipeline.actions.stage_actions`:
+1F1B, the in-process driver's list too): ``F m`` takes the ACT of micro-batch m from upstream (stage
+0: reads the data), computes and sends the ACT downstream (the last stage keeps the loss); ``B m``
+takes the GRAD of m from downstream (the last stage: from its own loss), computes and sends the
+GRAD upstream. A due ACT or GRAD that comes before its action's turn (after a retransmission)
+waits for it. Stage 0 keeps ``max_in_flight`` micro-batches in flight this way; the later stages
+follow what comes. After a step's actions every stage flushes: receiver sends PROJ_GRAD upstream,
+sender adds it, steps, and sends the new PROJ (with its version) downstream before the next
+step's first ACT; then the step-end hook (health record, checkpoint: the run policy's business)
+runs. The last stage reports each step's loss upstream (REPORT, relayed stage by stage) so stage 0
+shows one progress bar for the whole swarm. Validation: stage 0 sends eval ACTs between steps; the
+last stage reports the mean loss. The end: stage 0 sends BYE down the pipeline once the last report
+arrived.
 
 The schedule sends and receives only through ``links.upstream`` / ``links.downstream``
 (:class:`NeighbourLink`, e.g. :class:`~.link.PeerLink`), in payload terms: never stage numbers,
@@ -47,6 +51,7 @@ from mapl_swarm.peer.drain import DRAIN_REASON
 from mapl_swarm.peer.host import HostRuntime
 from mapl_swarm.peer.vq_link import Retransmitting
 from mapl_swarm.peer.window import StepWindow
+from mapl_swarm.pipeline.actions import Op, stage_actions
 from mapl_swarm.pipeline.run_policy import due
 from mapl_swarm.pipeline.stage import mean_loss
 from mapl_swarm.wire import Message, MessageType
@@ -173,6 +178,8 @@ class NoRunHooks:
 class ScheduleSettings:
     """What the schedule needs of the run's configuration."""
 
+    num_stages: int = 1
+    """P: stages of the pipeline."""
     num_micro_batches: int
     """M: micro-batches per optimizer step."""
     steps: int
@@ -195,7 +202,7 @@ class ScheduleSettings:
     @classmethod
     def from_config(cls, cfg: TrainConfig, *, start_step: int = 0, progress: bool = False) -> "ScheduleSettings":
         pipe = cfg.pipeline
-        return cls(num_micro_batches=pipe.num_micro_batches, steps=cfg.run.steps, start_step=start_step,
+        return cls(num_stages=pipe.num_stages, num_micro_batches=pipe.num_micro_batches, steps=cfg.run.steps, start_step=start_step,
                    max_in_flight=cfg.net.max_in_flight or pipe.num_stages, val_interval_steps=cfg.eval.interval_steps,
                    val_batches=cfg.eval.batches, timeout_s=cfg.net.timeout_s, progress=progress,
                    progress_desc=f"swarm {cfg.compression.codec} P={pipe.num_stages}")
@@ -232,15 +239,19 @@ class PipelineSchedule:
         self._report_event = asyncio.Event()
         self._progress: StepProgress | None = None
         self._t0 = 0.0
-        self._last_train_loss: list[torch.Tensor] = []  # last stage: losses of the current step (on device)
-        self._backwards = 0  # middle stages: backwards done in the current step
+        self._losses: list[torch.Tensor] = []  # last stage: losses of the current step (on device)
+        self._tokens = 0  # last stage: tokens of the current step
         self._eval_losses: list[torch.Tensor] = []
+        self._early: dict[tuple[MessageType, int], Message] = {}
+        """Due ACTs / GRADs of the current step that came before their action's turn."""
         self._reject = reject or (lambda code, sender, text: log.warning("%s: dropped a message from %s: %s (%s)",
                                                                          name, sender, text, code))
         stage = 0 if links.upstream is None else links.upstream.stage + 1
         self.window = StepWindow(runtime, stage=stage, M=self.M, val_batches=settings.val_batches,
                                  steps=settings.steps, start_step=settings.start_step, reject=self._reject)
         """What can come next, and what the receive path lets in (:mod:`~.window`)."""
+        self.actions = stage_actions(stage, settings.num_stages, self.M, in_flight=settings.max_in_flight)
+        """This stage's actions of every training step, the in-process driver's too."""
 
     @property
     def step(self) -> int:
@@ -299,26 +310,26 @@ class PipelineSchedule:
             self._progress.close()
 
     # ------------------------------------------------------------------ waiting
-    def _upstream(self) -> list[NeighbourLink]:
-        return [self.links.upstream] if self.links.upstream is not None else []
-
     def _downstream(self) -> list[NeighbourLink]:
         return [self.links.downstream] if self.links.downstream is not None else []
 
-    def _expected(self) -> list[NeighbourLink]:
-        """Who the next pipeline message should come from: downstream while gradients are due."""
-        if self.links.upstream is None or (self.window.awaiting and self.links.downstream is not None):
-            return self._downstream()
-        return self._upstream()
+    async def _next(self, link: NeighbourLink, types: tuple[MessageType, ...], what: str) -> Message:
+        """The next message of ``types`` from ``link``'s neighbour, or a BYE from upstream, applying
+        that neighbour's codebook slices that come before it (the other neighbour's wait their turn,
+        in order with its payloads)."""
+        up = self.links.upstream
 
-    async def _next(self, types: list[MessageType], what: str) -> Message:
-        """The next message of ``types``, applying the codebook slices that arrive before it."""
+        def wanted(msg: Message) -> bool:
+            if msg.type is MT.BYE:
+                return up is not None and msg.src == up.stage
+            return msg.src == link.stage and (msg.type in types or msg.type is MT.CODEBOOK_SLICE)
+
         while True:
-            msg = await self.waits.wait(self.mailbox.get([*types, MT.CODEBOOK_SLICE], self.s.timeout_s, what),
-                                        self._expected)
-            if msg.type != MT.CODEBOOK_SLICE:
+            msg = await self.waits.wait(self.mailbox.get(wanted, self.s.timeout_s, f"{what} from stage {link.stage}"),
+                                        lambda: [link])
+            if msg.type is not MT.CODEBOOK_SLICE:
                 return msg
-            await self.links.sender(msg).on_codebook_slice(msg)
+            await link.on_codebook_slice(msg)
 
     async def _wait_report(self, mode: str, count: int) -> None:
         await self.waits.wait(self._reports_in(mode, count, self.s.timeout_s), self._downstream)
@@ -350,22 +361,7 @@ class PipelineSchedule:
                 drained = True  # the swarm stops here: every stage has finished step - 1
                 await self.drain.decide(step)
                 break
-            batches = [next(self.sampler) for _ in range(self.M)]
-            sent = done = 0
-            while done < self.M:
-                while sent < self.M and sent - done < s.max_in_flight:
-                    await self._forward_and_send(step, sent, ids=batches[sent])
-                    sent += 1
-                msg = await self._next([MT.GRAD], "(gradient) ")
-                if not self.window.grad_due(msg):
-                    continue
-                try:
-                    await down.decoded(self.compute.run(self.host.backward, msg.micro, down.grad_wire(msg),
-                                                        cver=msg.cver), msg)
-                except Retransmitting:
-                    continue
-                self.window.awaiting.discard(msg.micro)
-                done += 1
+            await self._step(step, [next(self.sampler) for _ in range(self.M)])
             await self._flush(step)
             done_steps = step + 1
             if due(s.val_interval_steps, done_steps, s.steps) and not (self.drain is not None and self.drain.active):
@@ -395,17 +391,6 @@ class PipelineSchedule:
         """Mean seconds per step since training started in this session."""
         done = self.step - self.s.start_step
         return (time.perf_counter() - self._t0) / max(done, 1)
-
-    async def _forward_and_send(self, step: int, micro: int, *, ids=None, msg: Message | None = None) -> None:
-        """Forward of a micro-batch (stage 0: ``ids``; later: the ACT ``msg``) and its ACT."""
-        up, down = self.links.upstream, self.links.downstream
-        async with self.compute.encode_lock:
-            wire = None if msg is None else up.act_wire(msg)
-            work = self.compute.run(self.host.forward, micro, ids=ids, wire=wire, train=True,
-                                    cver=None if msg is None else msg.cver)
-            res = await (work if msg is None else up.decoded(work, msg))
-            await down.send_act(step, micro, res.payload, eval_mode=False, pver=self.window.outbound_pver)
-        self.window.awaiting.add(micro)
 
     def _owns_projector(self) -> bool:
         """This stage steps and sends a trainable outbound projector (reads flags only)."""
@@ -440,71 +425,110 @@ class PipelineSchedule:
     async def _projector_grad(self, step: int) -> Message:
         """The downstream stage's PROJ_GRAD of ``step``, at this projector's version, over M micro-batches."""
         while True:
-            msg = await self.waits.wait(
-                self.mailbox.get([MT.PROJ_GRAD], self.s.timeout_s, "(projector gradient) "), self._downstream)
-            if self.window.proj_grad_due(msg, step):
+            msg = await self._next(self.links.downstream, (MT.PROJ_GRAD,), f"PROJ_GRAD of step {step}")
+            if msg.type is not MT.BYE and self.window.proj_grad_due(msg, step):
                 return msg
 
+    # ------------------------------------------------------------------ the actions of a step
+    async def _step(self, step: int, batches: list[torch.Tensor] | None = None) -> bool:
+        """This stage's actions of ``step`` (:func:`~mapl_swarm.pipeline.actions.stage_actions`,
+        stage 0 on ``batches``); False when upstream said BYE instead (the run is over)."""
+        for action in self.actions:
+            forward = action.op is Op.FORWARD
+            link = self.links.upstream if forward else self.links.downstream
+            while True:
+                msg = None if link is None else await self._take(MT.ACT if forward else MT.GRAD, action.micro)
+                if link is not None and msg is None:
+                    return False
+                try:
+                    if forward:
+                        await self._forward(step, action.micro, batches[action.micro] if batches else None, msg)
+                    else:
+                        await self._backward(step, action.micro, msg)
+                    break
+                except Retransmitting:  # undecodable VQ codes: dropped, their copy follows
+                    if forward:
+                        self.window.taken.discard(("train", action.micro))
+        return True
+
+    async def _take(self, mtype: MessageType, micro: int) -> Message | None:
+        """The train ``mtype`` (ACT from upstream, GRAD from downstream) of micro-batch ``micro`` of
+        this step; due ones of later micro-batches that come first wait their turn. Meanwhile, from
+        upstream: the step's PROJ and a validation's eval ACTs. None: BYE from upstream."""
+        early = self._early.pop((mtype, micro), None)
+        if early is not None:
+            return early
+        act = mtype is MT.ACT
+        link = self.links.upstream if act else self.links.downstream
+        what = f"{mtype.name} of step {self.step} micro-batch {micro}"
+        while True:
+            msg = await self._next(link, (MT.ACT, MT.PROJ) if act else (MT.GRAD,), what)
+            if msg.type is MT.BYE:
+                self.bye = msg
+                return None
+            if msg.type is MT.PROJ:
+                if self.window.proj_due(msg):
+                    await self.compute.run(self.host.load_inbound_projector, link.projector_wire(msg), msg.pver)
+                    self.window.taken.add(("proj", msg.step))
+                continue
+            if not (self.window.act_due(msg) if act else self.window.grad_due(msg)):
+                continue
+            mode = msg.meta.get("mode", "train")
+            if act:
+                self.window.taken.add((mode, msg.micro))
+            if mode == "eval":
+                try:
+                    await self._eval_forward(msg)
+                except Retransmitting:
+                    self.window.taken.discard((mode, msg.micro))
+            elif msg.micro == micro:
+                return msg
+            else:
+                self._early.setdefault((mtype, msg.micro), msg)
+
+    async def _forward(self, step: int, micro: int, ids: torch.Tensor | None, msg: Message | None) -> None:
+        """Forward of a micro-batch (stage 0: ``ids``; later: the ACT ``msg``), then its ACT
+        downstream (the last stage keeps its loss)."""
+        up, down = self.links.upstream, self.links.downstream
+        async with self.compute.encode_lock:
+            work = self.compute.run(self.host.forward, micro, ids=ids, wire=None if msg is None else up.act_wire(msg),
+                                    train=True, cver=None if msg is None else msg.cver)
+            res = await (work if msg is None else up.decoded(work, msg))
+            if down is not None:
+                await down.send_act(step, micro, res.payload, eval_mode=False, pver=self.window.outbound_pver)
+        if down is not None:
+            self.window.awaiting.add(micro)
+        else:
+            self._losses.append(res.loss)
+            self._tokens += res.tokens
+
+    async def _backward(self, step: int, micro: int, msg: Message | None) -> None:
+        """Backward of a micro-batch (the last stage: from its loss; earlier: the GRAD ``msg``), then
+        its GRAD upstream (stage 0 sends none)."""
+        up, down = self.links.upstream, self.links.downstream
+        async with self.compute.encode_lock:
+            work = self.compute.run(self.host.backward, micro, None if msg is None else down.grad_wire(msg),
+                                    cver=None if msg is None else msg.cver)
+            grad = await (work if msg is None else down.decoded(work, msg))
+            if up is not None:
+                await up.send_grad(step, micro, grad, pver=self.window.inbound_pver)
+        self.window.awaiting.discard(micro)
+
     async def _serve(self) -> None:
-        """Stages 1..P-1: react to ACT / GRAD / PROJ until BYE."""
+        """Stages 1..P-1: each step's actions and flush until BYE (passed on downstream); the last
+        stage reports each step's loss upstream."""
         up, down = self.links.upstream, self.links.downstream
         while True:
-            msg = await self._next([MT.ACT, MT.GRAD, MT.PROJ, MT.BYE], "(pipeline) ")
-            if msg.type == MT.BYE:
-                self.bye = msg
+            step = self.step
+            if not await self._step(step):
                 if down is not None:
-                    await down.send_bye(dict(msg.meta), step=msg.step)
+                    await down.send_bye(dict(self.bye.meta), step=self.bye.step)
                 return
-            taken = None
-            try:
-                if msg.type == MT.PROJ:
-                    if self.window.proj_due(msg):
-                        await self.compute.run(self.host.load_inbound_projector, up.projector_wire(msg), msg.pver)
-                        self.window.taken.add(("proj", msg.step))
-                elif msg.type == MT.GRAD:
-                    if self.window.grad_due(msg):
-                        await self._on_grad(msg)
-                elif self.window.act_due(msg):
-                    mode = msg.meta.get("mode", "train")
-                    taken = (mode, msg.micro)
-                    self.window.taken.add(taken)  # before the compute: the step may flush within it
-                    await (self._eval_forward(msg) if mode == "eval" else self._on_act(msg))
-            except Retransmitting:
-                if taken is not None:
-                    self.window.taken.discard(taken)  # its copy follows
-                continue  # undecodable VQ codes: dropped, their retransmission follows
-
-    async def _on_grad(self, msg: Message) -> None:
-        """Middle stage: backward, GRAD upstream; the step's last one flushes."""
-        up, down = self.links.upstream, self.links.downstream
-        async with self.compute.encode_lock:
-            grad = await down.decoded(self.compute.run(self.host.backward, msg.micro, down.grad_wire(msg),
-                                                       cver=msg.cver), msg)
-            await up.send_grad(msg.step, msg.micro, grad, pver=self.window.inbound_pver)
-        self.window.awaiting.discard(msg.micro)
-        self._backwards += 1
-        if self._backwards == self.M:
-            self._backwards = 0
-            await self._flush(msg.step)
-
-    async def _on_act(self, msg: Message) -> None:
-        """Train ACT: forward and ACT downstream; the last stage also runs the backward at once
-        (1F1B's tail), and after the step's last one flushes and reports the loss."""
-        up = self.links.upstream
-        if self.links.downstream is not None:
-            await self._forward_and_send(msg.step, msg.micro, msg=msg)
-            return
-        async with self.compute.encode_lock:
-            res = await up.decoded(self.compute.run(self.host.forward, msg.micro, wire=up.act_wire(msg),
-                                                    train=True, cver=msg.cver), msg)
-            grad = await self.compute.run(self.host.backward, msg.micro, None)
-            await up.send_grad(msg.step, msg.micro, grad, pver=msg.pver)
-        self._last_train_loss.append(res.loss)
-        if len(self._last_train_loss) == self.M:
-            losses, self._last_train_loss = self._last_train_loss, []
-            await self._flush(msg.step)  # checks the step's losses before its optimizer step (NonFiniteError)
-            loss = await self.compute.run(mean_loss, losses)  # one host sync per step, in the worker
-            await up.send_report(msg.step, {"mode": "train", "loss": loss, "tokens": res.tokens * len(losses)})
+            losses, tokens, self._losses, self._tokens = self._losses, self._tokens, [], 0
+            await self._flush(step)  # checks the step's losses before its optimizer step (NonFiniteError)
+            if down is None:
+                loss = await self.compute.run(mean_loss, losses)  # one host sync per step, in the worker
+                await up.send_report(step, {"mode": "train", "loss": loss, "tokens": tokens})
 
     async def _eval_forward(self, msg: Message) -> None:
         up, down = self.links.upstream, self.links.downstream

@@ -314,6 +314,6 @@ def test_mailbox_frees_room_as_messages_are_taken():
         with pytest.raises(Rejected, match="queue_full"):
             box.put(Message(type=MT.ACT, run_id="r", src=0, dst=1, micro=2, meta={"mode": "train"}))
         box.put(Message(type=MT.GRAD, run_id="r", src=2, dst=1))  # another neighbour has its own room
-        assert (await box.get([MT.ACT], 1.0)).micro == 0
+        assert (await box.get(lambda m: m.type is MT.ACT, 1.0, "an ACT")).micro == 0
         box.put(Message(type=MT.ACT, run_id="r", src=0, dst=1, micro=2, meta={"mode": "train"}))
     asyncio.run(scenario())
