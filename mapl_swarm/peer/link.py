@@ -107,6 +107,9 @@ class LinkSettings:
     """B, sequences per micro-batch (checked at the handshake)."""
     eval_batches: int = 0
     """E, eval micro-batches per validation (checked at the handshake)."""
+    max_in_flight: int = 0
+    """Micro-batches stage 0 keeps in flight, from which every stage's 1F1B warm-up follows, so all
+    must share it (checked at the handshake when both send it, 1.6); 0: not sent."""
     secret: bytes | None = None
     """The run key's auth key (None: insecure, no tags): HELLO/WELCOME/REJECT are tagged with it,
     every later message with its session's key (SPEC §7.2)."""
@@ -128,14 +131,16 @@ class LinkSettings:
         return {"fingerprint": self.fingerprint, "num_stages": self.num_stages,
                 "num_micro_batches": self.num_micro_batches, "micro_batch_size": self.micro_batch_size,
                 "eval_batches": self.eval_batches, "capabilities": list(self.capabilities), "peer": self.name,
-                **({"config": dict(self.config)} if self.config else {})}
+                **({"config": dict(self.config)} if self.config else {}),
+                **({"max_in_flight": self.max_in_flight} if self.max_in_flight else {})}
 
     def mismatch(self, meta: Mapping[str, Any], peer: int) -> tuple[str, str] | None:
         """(REJECT code, reason naming the values of both stages) when a HELLO/WELCOME's ``meta``
         from stage ``peer`` is of another run configuration (SPEC §9.2 steps 3-4, after run and
         stages); None when it fits. With the neighbour's ``config`` (1.6) the reason names every
         setting that differs, else the field or the two fingerprints."""
-        pipeline = ("num_micro_batches", "micro_batch_size", "eval_batches")
+        pipeline = ("num_micro_batches", "micro_batch_size", "eval_batches",
+                    *(("max_in_flight",) if self.max_in_flight and "max_in_flight" in meta else ()))
         if meta.get("num_stages") != self.num_stages:
             code = "stage_mismatch"
         elif meta.get("fingerprint") != self.fingerprint or any(meta.get(k) != getattr(self, k) for k in pipeline):

@@ -167,7 +167,8 @@ class Peer:
                           *((VQ_CAPABILITY, RETRANSMIT_CAPABILITY, INDEXED_SLICES_CAPABILITY) if vq else ()),
                           *(run_policy.capabilities if run_policy is not None else ()), DRAIN_CAPABILITY),
             num_micro_batches=cfg.pipeline.num_micro_batches, micro_batch_size=cfg.pipeline.micro_batch_size,
-            eval_batches=cfg.eval.batches, secret=secret, compress_ids=cfg.net.compress_ids,
+            eval_batches=cfg.eval.batches, max_in_flight=cfg.net.max_in_flight or P, secret=secret,
+            compress_ids=cfg.net.compress_ids,
             max_frame_bytes=cfg.net.max_frame_bytes)
         self.links = Links(
             upstream=PeerLink(settings, stage - 1, on_bad_frame=self.bad_frame) if stage > 0 else None,

@@ -155,7 +155,8 @@ class Message:
 
 
 _HELLO_OPTIONAL = {"components": "map", "peer": "str", "nonce": "nonce", "num_micro_batches": "count",
-                   "micro_batch_size": "count", "eval_batches": "uint", "config": "map", "anchored": "bool"}
+                   "micro_batch_size": "count", "eval_batches": "uint", "config": "map", "anchored": "bool",
+                   "max_in_flight": "count"}
 META_SCHEMA: dict[MessageType, tuple[dict[str, str], dict[str, str]]] = {
     MessageType.HELLO: (
         {"fingerprint": "str", "num_stages": "uint", "capabilities": "strs"},

@@ -91,3 +91,11 @@ def test_the_differences_name_each_setting_and_bound_what_a_neighbour_sends():
     assert settings.mismatch(meta, 0) == ("fingerprint_mismatch",
                                           "config differs: model.hidden_size (stage 0 has 32, stage 1 64)")
     assert settings.mismatch(settings.hello_meta(), 0) is None
+    # every stage's 1F1B order follows from stage 0's in-flight count: it must be the same everywhere
+    flight = LinkSettings(run_id="r", stage=1, num_stages=3, fingerprint="a", capabilities=(), max_frame_bytes=1,
+                          max_in_flight=3)
+    assert flight.mismatch({**flight.hello_meta(), "max_in_flight": 5}, 0) == (
+        "fingerprint_mismatch", "max_in_flight mismatch: stage 0 has 5, stage 1 3")
+    older = flight.hello_meta()
+    del older["max_in_flight"]  # a 1.5 peer does not send it: it runs its own (reactive) order
+    assert flight.mismatch(older, 0) is None

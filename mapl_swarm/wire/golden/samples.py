@@ -421,7 +421,7 @@ def _anchored_samples(b: int) -> dict[str, Message]:
     v16 = (1, 6)
     hello = _stage_hello(MessageType.HELLO)
     hello.meta.update(capabilities=["1f1b", "checkpoint_agreement", "drain", "rejoin"], nonce=HELLO_NONCE,
-                      num_micro_batches=4, micro_batch_size=b, eval_batches=2, anchored=True,
+                      num_micro_batches=4, micro_batch_size=b, eval_batches=2, anchored=True, max_in_flight=4,
                       config={"compression.codec": "mapl", "compression.rank": 4, "model.hidden_size": 8,
                               "model.rms_norm_eps": 1e-05, "pipeline.num_stages": 4, "run.seed": 0})
     hello.version = v16
