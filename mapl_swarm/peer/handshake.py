@@ -7,7 +7,8 @@ time to the stage's next record (freshest first, looked up again every round), a
 REJECT ``stage_taken`` (the neighbour still holds the session of a departed peer of this stage
 until that times out) and a configuration refusal by a neighbour that is not anchored (SPEC
 §9.2: it cannot tell which of the two is misconfigured). Any other REJECT, or a WELCOME of another
-configuration, ends it (the peer's handlers fail the mailbox: ``failed()``).
+configuration, ends it (the peer's :class:`~.control.Control` stops the session, which cancels
+the handshake).
 """
 
 from __future__ import annotations
@@ -47,12 +48,12 @@ async def connect(link: PeerLink, transport: Any, endpoint: str, shaping: LinkCo
 
 class Handshake:
     """Peer ``name``'s handshake over ``links`` (see the module docstring). ``welcomed`` is set by the
-    peer's WELCOME/REJECT handlers, ``failed()`` is the error that ends the handshake (or None)."""
+    peer's WELCOME handler once every neighbour welcomed it."""
 
     def __init__(self, name: str, links: Links, *, resolve: Resolve, retry_s: float, waits: WaitingLog,
-                 welcomed: asyncio.Event, failed: Callable[[], BaseException | None]) -> None:
+                 welcomed: asyncio.Event) -> None:
         self.name, self.links, self.resolve, self.retry_s = name, links, resolve, retry_s
-        self.waits, self.welcomed, self.failed = waits, welcomed, failed
+        self.waits, self.welcomed = waits, welcomed
         self._tries = dict.fromkeys(links.stages, 0)
 
     async def run(self, transport: Any, shaping: LinkConfig, *, timeout_s: float, rejoining: bool) -> None:
@@ -76,18 +77,11 @@ class Handshake:
                                 for link in missing if link.refused_hello)
             raise MaplError(f"{self.name}: handshake with stages {self.links.stages} not completed within "
                             f"{timeout_s:g} s" + (f"; {refused}" if refused else "")) from None
-        error = self.failed()
-        if error is not None:
-            raise error
         for link in self.links:
             link.check_capabilities()
-        log.info("%s: handshake done with stages %s", self.name, self.links.stages)
 
     async def _until_welcomed(self, transport: Any, shaping: LinkConfig, timeout_s: float) -> None:
         while not self.links.all_welcomed:
-            error = self.failed()
-            if error is not None:
-                raise error
             now = time.monotonic()
             due = [link for link in self.links if not link.welcomed and now - (link.hello_at or 0.0) >= self.retry_s]
             for link in due:

@@ -465,11 +465,6 @@ class PeerLink:
         else:
             await self.codebooks.on_slice(msg)
 
-    def on_resync(self, msg: Message) -> None:
-        if self.codebooks is None:
-            self._on_bad_frame(self.name, "RESYNC but the codec has no codebooks")
-        else:
-            self.codebooks.on_resync(msg)
 
 
 class Links:

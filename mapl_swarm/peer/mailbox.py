@@ -1,8 +1,8 @@
 """An inbox for decoded messages: wait for the oldest one a predicate accepts, in arrival order.
 
 Messages it does not accept stay queued for whoever asks for them later (e.g. an ACT of the next
-step that arrives while the stage still waits for a PROJ_GRAD). A fatal error (a REJECT, a silent
-neighbour) wakes every waiter and is raised from :meth:`Mailbox.get`.
+step that arrives while the stage still waits for a PROJ_GRAD). A failure elsewhere in the peer
+stops its session, which cancels the waiter.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ class Mailbox:
         self._items: deque[Message] = deque()
         self._queued: Counter[int] = Counter()
         self._changed = asyncio.Event()
-        self._error: BaseException | None = None
 
     def put(self, msg: Message) -> None:
         """Queue ``msg``; :class:`~.session.Rejected` ``queue_full`` when its sender has
@@ -40,16 +39,6 @@ class Mailbox:
         """Messages of stage ``src`` waiting."""
         return self._queued[src]
 
-    def fail(self, error: BaseException) -> None:
-        """Make every current and future :meth:`get` raise ``error`` (first error wins)."""
-        if self._error is None:
-            self._error = error
-        self._changed.set()
-
-    @property
-    def error(self) -> BaseException | None:
-        return self._error
-
     def take(self, wanted: Callable[[Message], bool]) -> Message | None:
         """The oldest queued message ``wanted`` accepts, or None; never waits."""
         for i, msg in enumerate(self._items):
@@ -60,13 +49,10 @@ class Mailbox:
         return None
 
     async def get(self, wanted: Callable[[Message], bool], timeout_s: float, what: str) -> Message:
-        """Wait for the oldest message ``wanted`` accepts; raise on a fatal error, or on a timeout
-        naming ``what`` was awaited."""
+        """Wait for the oldest message ``wanted`` accepts; raise on a timeout, naming ``what`` was awaited."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
-            if self._error is not None:
-                raise self._error
             msg = self.take(wanted)
             if msg is not None:
                 return msg

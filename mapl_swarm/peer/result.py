@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["PeerResult", "write_result", "peak_rss_mb"]
+__all__ = ["PeerResult", "collect", "write_result", "peak_rss_mb"]
 
 
 @dataclass
@@ -60,6 +61,21 @@ class PeerResult:
     peak_rss_mb: float = 0.0
     """The peer process's peak resident set size (``VmHWM``) in MiB, read when it finished (0: not
     measured, e.g. a peer driven in-process)."""
+
+
+def collect(result: PeerResult, transport: Any, links: Iterable[Any], rejects: Any,
+            codebooks: dict[str, Any] | None) -> None:
+    """The links' and transport's counters (and mapl_vq's codebook summary) into ``result``."""
+    result.bad_frames = rejects.total
+    rows = transport.counters.rows()
+    for link in links:
+        result.payload_tx[link.name] = {str(k): v for k, v in link.counter.bytes.items()}
+        result.wire_tx[link.name] = {r["kind"]: r["wire_bytes"] for r in rows
+                                     if r["link"] == link.name and r["direction"] == "tx"}
+        st = transport.shaper(link.name).stats()
+        result.shaper[link.name] = {"bytes_sent": st.bytes_sent, "busy_s": st.busy_s, "messages": st.messages_sent}
+    if codebooks is not None:
+        result.codebooks = codebooks
 
 
 def peak_rss_mb() -> float:

@@ -338,8 +338,6 @@ class PipelineSchedule:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while sum(1 for r in self._reports if r.meta.get("mode") == mode) < count:
-            if self.mailbox.error is not None:
-                raise self.mailbox.error
             self._report_event.clear()
             remaining = deadline - loop.time()
             if remaining <= 0:
@@ -367,7 +365,7 @@ class PipelineSchedule:
             if due(s.val_interval_steps, done_steps, s.steps) and not (self.drain is not None and self.drain.active):
                 await self._validate(done_steps)
         await self._wait_report("train", self.step - s.start_step)
-        await self.hooks.finish(lambda: self.mailbox.error, self.step if drained else None)
+        await self.hooks.finish(lambda: None, self.step if drained else None)
         if down is not None:
             await down.send_bye({"reason": BYE_DRAIN if drained else BYE_FINISHED}, step=self.step)
 

@@ -203,7 +203,7 @@ def _leave_with_bye_drain(tmp_path, **net):
 
         async def leave():
             await losses.wait()
-            peers[2]._stop(_clean(peers[2]))  # as after a signal before training: BYE "drain" to its neighbour
+            peers[2].stop(_clean(peers[2]))  # as after a signal before training: BYE "drain" to its neighbour
 
         asyncio.get_running_loop().create_task(leave())
         return await serve_all(peers, transports, timeout_s=60), transports

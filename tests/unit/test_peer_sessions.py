@@ -13,7 +13,7 @@ import mapl_swarm.peer.admission as admission
 from mapl_swarm.peer.admission import Arrival, mailbox_bound
 from mapl_swarm.peer.link import stage_of
 from mapl_swarm.peer.mailbox import Mailbox
-from mapl_swarm.peer.runtime import Peer
+from mapl_swarm.peer.runtime import Peer, PeerState
 from mapl_swarm.peer.session import Rejected
 from mapl_swarm.pipeline.stage import StageRuntime
 from mapl_swarm.wire import Message, MessageType, WireTensor, decode, encode
@@ -58,7 +58,8 @@ class Middle:
         """Both neighbours' HELLOs, then training starts (as after a handshake without a resume)."""
         await self.feed(up, msg(MT.HELLO, src=0, meta=HELLO))
         await self.feed(down, msg(MT.HELLO, src=2, meta=HELLO))
-        await self.peer._start_training(self.transport)
+        self.peer.state = PeerState.TRAINING
+        await self.peer.inbound.start(self.transport)
 
     @property
     def rejects(self) -> dict[str, int]:
@@ -167,11 +168,11 @@ def test_welcome_and_reject_count_only_as_the_answer_to_this_peers_hello():
         await m.feed("stage0", msg(MT.REJECT, src=0, meta={"code": "x", "reason": "for another HELLO",
                                                          "hello_nonce": b"x" * 16}), reply_link="stage0")
         await m.feed("stage0", m.welcome(0, seq=3), reply_link="stage0")  # the handshake's seq is 0
-        assert m.peer.mailbox.error is None and not m.peer.links.upstream.welcomed
+        assert m.peer.stop_reason is None and not m.peer.links.upstream.welcomed
         await m.feed("stage0", welcome, reply_link="stage0")  # the answer, on this peer's connection
         await m.feed("stage0", reject, reply_link="stage0")  # a second answer
     m = run(scenario)
-    assert m.peer.links.upstream.welcomed and m.peer.mailbox.error is None
+    assert m.peer.links.upstream.welcomed and m.peer.stop_reason is None
     assert m.rejects == {"not_allowed": 6}
 
 
@@ -197,7 +198,7 @@ def test_a_fresh_peer_welcomed_by_a_re_forming_swarm_stops_saying_it_must_resume
         await m.feed("stage0", frames, reply_link="stage0")
     m = run(scenario)
     assert "belongs to a swarm that re-forms after a departure (run epoch 2): stage 1 must take the departed " \
-           "peer's place from its checkpoints, so start it again with --resume" in str(m.peer.mailbox.error)
+           "peer's place from its checkpoints, so start it again with --resume" in str(m.peer.stop_reason)
     assert not m.peer.links.upstream.welcomed
 
 
@@ -206,7 +207,7 @@ def test_a_welcome_of_another_configuration_stops_the_peer():
         await m.peer.links.upstream.send_hello()
         await m.feed("stage0", m.welcome(0, num_micro_batches=4), reply_link="stage0")
     m = run(scenario)
-    assert "num_micro_batches mismatch: stage 0 has 4, stage 1 2" in str(m.peer.mailbox.error)
+    assert "num_micro_batches mismatch: stage 0 has 4, stage 1 2" in str(m.peer.stop_reason)
 
 
 def test_hello_seq_0_then_every_message_takes_the_next_seq_and_heartbeats_wait_for_welcome():
@@ -241,7 +242,7 @@ def test_after_the_handshake_only_the_bound_connection_in_sequence_and_direction
     assert m.rejects == {"not_allowed": 3, "replay": 2, "wrong_session": 2}
     assert m.peer.links.upstream.rx.lost == 2 and m.peer.links.upstream.rx.last_seq == 4  # refused: not consumed
     assert m.peer.result.errors == {"internal": 1}  # ERROR is informational
-    assert "stage 2 at mem://stage2 left before the end: going" in str(m.peer.mailbox.error)  # BYE from downstream: it left
+    assert "stage 2 at mem://stage2 left before the end: going" in str(m.peer.stop_reason)  # BYE from downstream: it left
 
 
 @pytest.mark.parametrize("mtype, meta, sender, allowed", [

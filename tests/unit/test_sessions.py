@@ -75,16 +75,17 @@ def test_a_neighbour_leaving_after_the_end_of_the_run_is_no_departure(tmp_path):
     import time
 
     from mapl_swarm.peer.departures import Departure
+    from mapl_swarm.peer.runtime import PeerState
 
     peers, _, _ = _swarm(tmp_path, stages=2)
     peer = peers[0]
-    peer._training = peer._schedule_ended = True
+    peer.state = PeerState.ENDED  # as after its schedule's end
     peer.departures.report(Departure(stage=1, endpoint="mem://stage1", kind="silent", last_seen=time.time(),
                                      detail="silent since 12:00:00 (10.0 s; deadline 10.0 s, round trip 1.0 ms)"))
-    assert peer._stop_reason is None and not peer._stop_event.is_set()
-    peer._training, peer._schedule_ended = True, False
+    assert peer.stop_reason is None and not peer._stop_event.is_set()
+    peer.state = PeerState.TRAINING
     peer.links.downstream.capabilities = frozenset({REJOIN_CAPABILITY})  # as its WELCOME said
     peer.departures = type(peer.departures)(peer._on_departure)
     peer.departures.report(Departure(stage=1, endpoint="mem://stage1", kind="silent", last_seen=time.time(),
                                      detail="silent"))
-    assert peer._stop_reason is not None and peer._stop_reason.end == "rejoin"  # during training: a pause
+    assert peer.stop_reason is not None and peer.stop_reason.end == "rejoin"  # during training: a pause

@@ -89,7 +89,7 @@ def test_slices_applied_rejections_counted_and_gaps_trigger_resync():
         await up.on_codebook_slice(no_meta)  # malformed
         await up.on_codebook_slice(_wire(slices[3]))  # slice 2 was lost: future -> RESYNC
         await up.on_codebook_slice(_wire(slices[4]))  # awaiting the resync: ignored
-        down.on_resync(Message(type=MessageType.RESYNC, run_id="r", src=2, dst=1,
+        down.codebooks.on_resync(Message(type=MessageType.RESYNC, run_id="r", src=2, dst=1,
                                meta={"stream": "act", "have": 0}))
         hello = Message(type=MessageType.HELLO, run_id="r", src=2, dst=1,
                         meta={**SETTINGS.hello_meta(), "nonce": bytes(16)})
@@ -167,7 +167,7 @@ def test_retransmission_sends_a_full_slice_then_the_same_values_reencoded():
         peer.sent.clear()
         learned = vq.tx["act"].learner.state_dict()
         for micro, mode, step in ((2, "train", 4), (0, "eval", 4), (1, "train", 3)):
-            link.on_resync(Message(type=MessageType.RESYNC, run_id="r", src=2, dst=1, step=step, micro=micro,
+            link.codebooks.on_resync(Message(type=MessageType.RESYNC, run_id="r", src=2, dst=1, step=step, micro=micro,
                                    meta={"stream": "act", "have": 2, "retransmit": True, "mode": mode}))
             await asyncio.gather(*peer.tasks)
         return learned

@@ -1,0 +1,212 @@
+"""What an admitted message does at a peer: one handler per control type, the rest to the schedule.
+
+A HELLO is welcomed (or, from a neighbour re-forming the swarm while this peer trains, pauses it;
+SPEC §9.6). WELCOME and REJECT answer this peer's HELLOs (SPEC §9.2: a configuration refusal by a
+peer that is not anchored is retried, any other ends the session). ERROR is informational (logged,
+counted in ``errors``) except ``retransmit_unavailable``; BYE ``"rejoin"`` pauses the peer (the
+swarm re-forms); any other BYE from upstream ends the run (the schedule's), from downstream it is
+a departure (SPEC §9.5). RESYNC goes to the link's codebooks, REPORT to the schedule, CHECKPOINT to
+the drain or the run policy. ACT, GRAD, PROJ, PROJ_GRAD, CODEBOOK_SLICE and an upstream BYE go into
+the schedule's mailbox. A fresh peer that meets a swarm re-forming after a departure stops at once,
+saying that it must resume.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from mapl_swarm.errors import MaplError
+from mapl_swarm.peer.drain import DRAIN_PHASES, DRAIN_REASON
+from mapl_swarm.peer.session import Rejected
+from mapl_swarm.wire import Message, MessageType
+from mapl_swarm.wire.spec import REJOIN_REASON
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from mapl_swarm.config import TrainConfig
+    from mapl_swarm.net.heartbeat import HeartbeatMonitor
+    from mapl_swarm.peer.admission import Admission, Admitted, Arrival, RejectCounter
+    from mapl_swarm.peer.checkpoints import PeerRunPolicy
+    from mapl_swarm.peer.drain import Drain
+    from mapl_swarm.peer.inbound import Inbound
+    from mapl_swarm.peer.link import Links, PeerLink
+    from mapl_swarm.peer.mailbox import Mailbox
+    from mapl_swarm.peer.result import PeerResult
+    from mapl_swarm.peer.schedule import PipelineSchedule
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Control", "PeerRejected"]
+
+MT = MessageType
+
+
+class PeerRejected(MaplError):
+    """A neighbour refused the handshake (version or configuration mismatch)."""
+
+
+class Session(Protocol):
+    """What :class:`Control` uses of its peer (:class:`~.runtime.Peer` is one)."""
+
+    cfg: TrainConfig
+    stage: int
+    name: str
+    epoch: int
+    links: Links
+    mailbox: Mailbox
+    monitor: HeartbeatMonitor
+    schedule: PipelineSchedule
+    drain: Drain
+    run_policy: PeerRunPolicy | None
+    result: PeerResult
+    rejects: RejectCounter
+    admission: Admission
+    inbound: Inbound
+    welcomed: asyncio.Event
+
+    @property
+    def started(self) -> bool:
+        """Training started (:attr:`~.runtime.PeerState.started`)."""
+
+    def stop(self, reason: BaseException) -> None: ...
+
+    def pause(self, why: str, *, epoch: int, lost: int | None, told_by: int | None = None) -> None: ...
+
+    def depart(self, link: PeerLink, kind: str, detail: str) -> None: ...
+
+    def bad_frame(self, sender: str, why: str) -> None: ...
+
+
+class Control:
+    """The handlers of ``peer``'s admitted messages (see the module docstring)."""
+
+    def __init__(self, peer: Session) -> None:
+        self.peer = peer
+        self._handlers: dict[MessageType, Callable[[Message, PeerLink], Awaitable[None]]] = {
+            MT.WELCOME: self._on_welcome, MT.REJECT: self._on_reject, MT.ERROR: self._on_error, MT.BYE: self._on_bye,
+            MT.RESYNC: self._on_resync, MT.REPORT: self._on_report, MT.CHECKPOINT: self._on_checkpoint,
+        }
+
+    async def handle(self, got: Admitted, arrival: Arrival, transport: Any) -> None:
+        peer, msg = self.peer, got.msg
+        if msg.type is MT.HELLO:
+            await self._on_hello(got, arrival, transport)
+            return
+        handler = self._handlers.get(msg.type)
+        if handler is not None:
+            await handler(msg, got.link)
+            return
+        try:
+            peer.mailbox.put(msg)  # ACT, GRAD, PROJ, PROJ_GRAD, CODEBOOK_SLICE: the schedule's
+        except Rejected as exc:  # queue_full
+            peer.rejects(exc.code, arrival.sender, exc.text)
+
+    async def _on_hello(self, got: Admitted, arrival: Arrival, transport: Any) -> None:
+        peer, msg = self.peer, got.msg
+        if peer.started and msg.epoch > peer.epoch:
+            # a neighbour re-forms the swarm (it lost its other neighbour); not answered: it repeats
+            # its HELLO to this peer's next session
+            peer.pause(f"stage {msg.src} re-forms the swarm (its HELLO of run epoch {msg.epoch})",
+                       epoch=msg.epoch, lost=None, told_by=msg.src)
+            return
+        if self._must_resume(msg):
+            return
+        reply = peer.inbound.reply(transport, arrival, got.link)
+        await peer.inbound.answer(got.link.on_hello(msg, arrival.sender, reply, now=peer.admission.clock(),
+                                                    anchored=peer.links.anchored))
+
+    def _must_resume(self, msg: Message) -> bool:
+        """A HELLO or WELCOME from a swarm that re-forms after a departure (run epoch > 0) while this
+        peer starts fresh: it can only take the departed stage's place from that stage's checkpoints,
+        so it stops at once saying how (rather than waiting for pipeline messages that never come)."""
+        peer = self.peer
+        resuming = peer.run_policy is not None and peer.run_policy.resume
+        if peer.started or resuming or msg.epoch == 0:
+            return False
+        peer.stop(PeerRejected(
+            f"stage {msg.src} belongs to a swarm that re-forms after a departure (run epoch {msg.epoch}): stage "
+            f"{peer.stage} must take the departed peer's place from its checkpoints, so start it again with --resume "
+            f"on a host holding stage {peer.stage}'s checkpoint folder ({peer.cfg.run.out_dir}/checkpoints)"))
+        return True
+
+    async def _on_welcome(self, msg: Message, link: PeerLink) -> None:
+        peer = self.peer
+        if self._must_resume(msg):
+            return
+        refused = link.settings.mismatch(msg.meta, msg.src)
+        if refused is not None:  # the neighbour runs another configuration (SPEC §9.2 step 3)
+            link.on_reject(msg)
+            peer.stop(PeerRejected(f"stage {msg.src} welcomed stage {peer.stage} with another configuration: "
+                                   f"{refused[1]}"))
+            return
+        link.on_welcome(msg)
+        peer.monitor.watch(link.name)  # heartbeats to it from now on
+        if peer.links.all_welcomed:
+            peer.welcomed.set()
+
+    async def _on_reject(self, msg: Message, link: PeerLink) -> None:
+        peer = self.peer
+        link.on_reject(msg)
+        reason, retry_s = msg.meta.get("reason"), peer.cfg.net.hello_retry_s
+        if link.retry and msg.meta.get("code") == "stage_taken":  # its old session has not timed out yet
+            log.info("%s: stage %d still holds a session of stage %d; HELLO again in %g s", peer.name, msg.src,
+                     peer.stage, retry_s)
+            return
+        if link.retry:  # a configuration refusal by a peer that is not anchored: which one is wrong is open
+            if link.refused_by != reason:
+                link.refused_by = reason
+                log.warning("%s: stage %d at %s refused this peer: %s; neither is known to hold stage 0's "
+                            "configuration yet, so this peer waits for one that does (HELLO again every %g s)",
+                            peer.name, msg.src, link.endpoint, reason, retry_s)
+            return
+        anchored = (f"; stage {msg.src} holds the run's configuration (stage 0's), so fix this peer's"
+                    if msg.meta.get("anchored") is True else "")
+        peer.stop(PeerRejected(f"stage {msg.src} refused stage {peer.stage}: {reason}{anchored}"))
+
+    async def _on_error(self, msg: Message, link: PeerLink) -> None:
+        """ERROR is informational (SPEC §9.5): logged and counted; ``retransmit_unavailable`` (a
+        micro-batch this peer waits for is lost) stops the peer."""
+        peer = self.peer
+        code = str(msg.meta.get("code"))
+        peer.result.errors[code] = peer.result.errors.get(code, 0) + 1
+        log.warning("%s: stage %d reports an error: %s: %s", peer.name, msg.src, code, msg.meta.get("message"))
+        if code == "retransmit_unavailable":
+            peer.stop(MaplError(f"stage {msg.src} failed: {msg.meta.get('message')}"))
+
+    async def _on_bye(self, msg: Message, link: PeerLink) -> None:
+        """BYE from upstream ends the run (the schedule's; before training, a BYE ``"drain"`` is a
+        planned departure); from downstream the neighbour leaves: a planned departure with ``reason``
+        ``"drain"``, else it left before the end (SPEC §9.5)."""
+        peer = self.peer
+        reason = str(msg.meta.get("reason", ""))
+        if reason == REJOIN_REASON:
+            lost = msg.meta.get("lost")
+            departed = f" (stage {lost} departed)" if lost is not None else ""
+            peer.pause(f"stage {msg.src} re-forms the swarm{departed}", epoch=max(peer.epoch + 1, msg.epoch),
+                       lost=lost, told_by=msg.src)
+            return
+        if link.is_upstream and (peer.started or reason != DRAIN_REASON):
+            peer.mailbox.put(msg)
+            return
+        peer.depart(link, "drain" if reason == DRAIN_REASON else "left", reason)
+
+    async def _on_resync(self, msg: Message, link: PeerLink) -> None:
+        if link.codebooks is None:
+            self.peer.bad_frame(link.name, "RESYNC but the codec has no codebooks")
+        else:
+            link.codebooks.on_resync(msg)
+
+    async def _on_report(self, msg: Message, link: PeerLink) -> None:
+        await self.peer.schedule.on_report(msg)
+
+    async def _on_checkpoint(self, msg: Message, link: PeerLink) -> None:
+        peer = self.peer
+        if msg.meta["phase"] in DRAIN_PHASES:
+            await peer.drain.on_message(msg)
+        elif peer.run_policy is None:
+            peer.bad_frame(link.name, "CHECKPOINT but this peer keeps no checkpoints")
+        else:
+            await peer.run_policy.on_message(msg)
