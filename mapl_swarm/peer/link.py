@@ -14,10 +14,10 @@ neighbour's HELLO (``rx``, an :class:`~.admission.RxSession`: routing id, sequen
 and REJECT carry ``seq`` 0 and go back on the HELLO's own connection (``reply``); every other
 message takes the next ``seq`` of the link's outbound connection (HELLO has 0).
 
-The schedule talks to ``links.upstream`` / ``links.downstream`` (:class:`Links`) in payload terms
-(``send_act``, ``send_grad``, ``act_wire``, ``decoded``...), never to stage numbers or the
-transport, so per-link session keys, several replicas of a neighbour stage or re-routing can change
-what a link is without touching the schedule.
+The schedule talks to ``links.upstream`` / ``links.downstream`` (:class:`Links`: a set of links
+per neighbour stage and the route to one) in payload terms (``send_act``, ``send_grad``,
+``decoded``...), never to the transport, so per-link session keys, several peers of a neighbour
+stage or re-routing can change what a link is without touching the schedule.
 """
 
 from __future__ import annotations
@@ -235,18 +235,12 @@ class PeerLink:
         """Why this peer last refused a HELLO of this neighbour (code: reason), if it did."""
         self.refused_by: str | None = None
         """The reason of the neighbour's last configuration refusal that is retried (logged once)."""
+        self.local_name, self.local_stage = settings.name, settings.stage
+        """This peer's transport name and stage."""
         self._on_bad_frame = on_bad_frame
         self._seq = 0
         self._send_lock = asyncio.Lock()
         self._transport: Transport | None = None
-
-    @property
-    def local_name(self) -> str:
-        return self.settings.name
-
-    @property
-    def local_stage(self) -> int:
-        return self.settings.stage
 
     def use_codebooks(self, runtime: StageRuntime, compute: ComputeThread, *,
                       spawn: Callable[[Awaitable[Any]], None]) -> None:
@@ -396,26 +390,27 @@ class PeerLink:
                        pver: int) -> None:
         """ACT (a forward payload) downstream, after the codebook slices it needs (mapl_vq)."""
         mode = "eval" if eval_mode else "train"
+        cver = 0
         if self.codebooks is not None:
             await self.codebooks.send_slices(step, micro)
             self.codebooks.remember(mode, step, micro, payload, pver)
+            cver = self.codebooks.tx_version()
         tensors = {ACT_WIRE[k]: v for k, v in payload.items()}
         kinds = {ACT_WIRE[k]: act_kind(k, eval_mode=eval_mode) for k in payload}
         await self.send(MT.ACT, step=step, micro=micro, pver=pver, meta={"mode": mode}, tensors=tensors,
-                        kinds=kinds, cver=self._tx_cver())
+                        kinds=kinds, cver=cver)
 
     async def send_grad(self, step: int, micro: int, payload: Mapping[str, torch.Tensor], *, pver: int) -> None:
         """GRAD (a backward payload) upstream, after the codebook slices it needs (mapl_vq); ``pver``
         is the projector version its ACT was made with."""
+        cver = 0
         if self.codebooks is not None:
             await self.codebooks.send_slices(step, micro)
             self.codebooks.remember("train", step, micro, payload, pver)
+            cver = self.codebooks.tx_version()
         tensors = {GRAD_WIRE[k]: v for k, v in payload.items()}
         await self.send(MT.GRAD, step=step, micro=micro, pver=pver, tensors=tensors,
-                        kinds={name: LinkKind.GRAD for name in tensors}, cver=self._tx_cver())
-
-    def _tx_cver(self) -> int:
-        return self.codebooks.tx_version() if self.codebooks is not None else 0
+                        kinds={name: LinkKind.GRAD for name in tensors}, cver=cver)
 
     async def send_projector(self, step: int, projector: torch.Tensor, pver: int) -> None:
         """PROJ of ``step`` (the step whose ACTs it precedes) downstream, at projector version ``pver``."""
@@ -435,22 +430,6 @@ class PeerLink:
         await self.send(MT.BYE, step=step, meta=meta)
 
     # ------------------------------------------------------------------ payloads in
-    # Received tensors stay in wire form here (read-only views of the frames): the compute thread
-    # turns them into torch tensors (:class:`~.host.HostRuntime`), so the loop copies nothing.
-    def act_wire(self, msg: Message) -> dict[str, WireTensor]:
-        """A received ACT's wire tensors by payload key (``act`` or ``codes``, and ``ids``)."""
-        return {k: msg.tensors[w] for k, w in ACT_WIRE.items() if w in msg.tensors}
-
-    def grad_wire(self, msg: Message) -> dict[str, WireTensor]:
-        """A received GRAD's wire tensors by payload key (``grad`` or ``codes``)."""
-        return {k: msg.tensors[w] for k, w in GRAD_WIRE.items() if w in msg.tensors}
-
-    def projector_wire(self, msg: Message) -> WireTensor:
-        return msg.tensors[WireName.PROJ]
-
-    def projector_grad_wire(self, msg: Message) -> WireTensor:
-        return msg.tensors[WireName.PROJ_GRAD]
-
     async def decoded(self, work: Awaitable[T], msg: Message) -> T:
         """Await ``work`` (a compute that decodes ``msg`` from this neighbour). mapl_vq: codes at
         another codebook version ask for a RESYNC and a retransmission, raising
@@ -468,14 +447,35 @@ class PeerLink:
 
 
 class Links:
-    """A peer's links: ``upstream`` (None on stage 0) and ``downstream`` (None on the last stage)."""
+    """A peer's links, by neighbour stage. A neighbour stage is a set of links, one per peer that
+    serves it (one today); the schedule addresses a stage (``upstream``, ``downstream``) and
+    :meth:`route` picks the link of that stage a message goes on: the seam where several peers per
+    stage plug in."""
 
     def __init__(self, upstream: PeerLink | None, downstream: PeerLink | None) -> None:
-        self.upstream = upstream
-        self.downstream = downstream
+        self.up = None if upstream is None else upstream.stage
+        """The upstream neighbour stage (None on stage 0)."""
+        self.down = None if downstream is None else downstream.stage
+        """The downstream neighbour stage (None on the last stage)."""
+        self.by_stage_links: dict[int, list[PeerLink]] = {link.stage: [link] for link in (upstream, downstream)
+                                                          if link is not None}
+
+    def route(self, stage: int | None) -> PeerLink | None:
+        """The link a message to neighbour ``stage`` goes on (None: no such neighbour): of its links,
+        the first that is welcomed, else the first."""
+        links = self.by_stage_links.get(stage, []) if stage is not None else []
+        return next((link for link in links if link.welcomed), links[0] if links else None)
+
+    @property
+    def upstream(self) -> PeerLink | None:
+        return self.route(self.up)
+
+    @property
+    def downstream(self) -> PeerLink | None:
+        return self.route(self.down)
 
     def __iter__(self) -> Iterator[PeerLink]:
-        return iter([link for link in (self.upstream, self.downstream) if link is not None])
+        return iter([link for links in self.by_stage_links.values() for link in links])
 
     def sender(self, msg: Message) -> PeerLink | None:
         """The link ``msg`` came in on (None: not from a neighbour)."""
@@ -483,7 +483,7 @@ class Links:
 
     def by_stage(self, stage: int) -> PeerLink | None:
         """The link to neighbour ``stage`` (None: not a neighbour)."""
-        return next((link for link in self if link.stage == stage), None)
+        return self.route(stage)
 
     def named(self, name: str) -> PeerLink | None:
         """The link to the neighbour with transport name ``name``."""

@@ -126,6 +126,12 @@ _NEXT: dict[PeerState, frozenset[PeerState]] = {
 """The transitions besides ``stopped``, which any state but ``ended`` may take."""
 
 
+def _rejoin_configured(cfg: TrainConfig, run_policy: PeerRunPolicy | None) -> bool:
+    """A peer takes part in rejoin (advertises it): ``net.rejoin_timeout_s`` > 0 and checkpoints on,
+    agreed with the other stages (SPEC "Rejoin": a departed stage comes back to a saved step)."""
+    return cfg.net.rejoin_timeout_s > 0 and run_policy is not None and run_policy.checkpoints_on
+
+
 class _CleanStop(Exception):
     """A planned end before the last step (exit status 0): ``end`` and the line to print."""
 
@@ -184,7 +190,7 @@ class Peer:
         settings = LinkSettings(
             run_id=cfg.run.run_id, stage=stage, num_stages=P, fingerprint=fingerprint,
             config=config if config is not None else config_summary(cfg),
-            capabilities=("1f1b", *((REJOIN_CAPABILITY,) if self._rejoin_configured(cfg, run_policy) else ()),
+            capabilities=("1f1b", *((REJOIN_CAPABILITY,) if _rejoin_configured(cfg, run_policy) else ()),
                           *((VQ_CAPABILITY, RETRANSMIT_CAPABILITY, INDEXED_SLICES_CAPABILITY) if vq else ()),
                           *(run_policy.capabilities if run_policy is not None else ()), DRAIN_CAPABILITY),
             num_micro_batches=cfg.pipeline.num_micro_batches, micro_batch_size=cfg.pipeline.micro_batch_size,
@@ -326,7 +332,10 @@ class Peer:
         self._enter(PeerState.ENDED, f"at step {self.schedule.step}")
         self._ended()
         await transport.flush(net.timeout_s)
-        return await self.compute.run(self._codebook_summary)  # digests read device memory
+        if self.rt.vq is None:
+            return None
+        return await self.compute.run(codebook_summary, self.rt.vq,  # digests read device memory
+                                      [link.codebooks for link in self.links])
 
     async def _agree_start(self, transport: Transport) -> int | None:
         """The step to start from, agreed by every stage on resume (SPEC §5.2), its state loaded."""
@@ -385,16 +394,10 @@ class Peer:
         else:
             self.stop(NeighbourLost(self.name, departure))
 
-    @staticmethod
-    def _rejoin_configured(cfg: TrainConfig, run_policy: PeerRunPolicy | None) -> bool:
-        """This peer takes part in rejoin (advertises it): ``net.rejoin_timeout_s`` > 0 and checkpoints
-        on, agreed with the other stages (SPEC "Rejoin": a departed stage comes back to a saved step)."""
-        return cfg.net.rejoin_timeout_s > 0 and run_policy is not None and run_policy.checkpoints_on
-
     @property
     def _can_rejoin(self) -> bool:
         """A departure can be survived: this peer and every neighbour take part in rejoin."""
-        return (self._rejoin_configured(self.cfg, self.run_policy)
+        return (_rejoin_configured(self.cfg, self.run_policy)
                 and all(REJOIN_CAPABILITY in link.capabilities for link in self.links))
 
     def pause(self, why: str, *, epoch: int, lost: int | None, told_by: int | None = None) -> None:
@@ -503,9 +506,3 @@ class Peer:
         note = checkpoint_note(self.run_policy, step, self.schedule.s.start_step)
         self.result.end, self.result.drained_at, self.result.checkpoint_note = "drained", step, note
         self.result.end_note = f"stage {self.stage} drained at step {step} ({why}): {note}"
-
-    def _codebook_summary(self) -> dict[str, Any] | None:
-        """mapl_vq: the links' codebook counters, versions and digests (on the compute thread)."""
-        if self.rt.vq is None:
-            return None
-        return codebook_summary(self.rt.vq, [link.codebooks for link in self.links])

@@ -52,6 +52,7 @@ from mapl_swarm.peer.host import HostRuntime
 from mapl_swarm.peer.vq_link import Retransmitting
 from mapl_swarm.peer.window import StepWindow
 from mapl_swarm.pipeline.actions import Op, stage_actions
+from mapl_swarm.pipeline.payload import ACT_WIRE, GRAD_WIRE, WireName
 from mapl_swarm.pipeline.run_policy import due
 from mapl_swarm.pipeline.stage import mean_loss
 from mapl_swarm.wire import Message, MessageType
@@ -81,6 +82,12 @@ BYE_DRAIN = DRAIN_REASON
 """Stage 0's BYE ``reason`` after a graceful drain (SPEC §9.5)."""
 
 
+def _payload(msg: Message, names: Mapping[str, str]) -> dict[str, WireTensor]:
+    """A received ACT's or GRAD's wire tensors by payload key (``names``: ``ACT_WIRE``, ``GRAD_WIRE``).
+    They stay in wire form (read-only views of the frames): the compute thread makes torch tensors."""
+    return {key: msg.tensors[name] for key, name in names.items() if name in msg.tensors}
+
+
 class NeighbourLink(Protocol):
     """What the schedule uses of a link to a neighbour (:class:`~.link.PeerLink` is one)."""
 
@@ -102,14 +109,6 @@ class NeighbourLink(Protocol):
     async def send_report(self, step: int, meta: dict) -> None: ...
 
     async def send_bye(self, meta: dict, *, step: int = 0) -> None: ...
-
-    def act_wire(self, msg: Message) -> dict[str, WireTensor]: ...
-
-    def grad_wire(self, msg: Message) -> dict[str, WireTensor]: ...
-
-    def projector_wire(self, msg: Message) -> WireTensor: ...
-
-    def projector_grad_wire(self, msg: Message) -> WireTensor: ...
 
     async def decoded(self, work: Awaitable[T], msg: Message) -> T: ...
 
@@ -412,7 +411,7 @@ class PipelineSchedule:
                 await up.send_projector_grad(step, g, micro_batches=self.M, pver=pver)
         if self._owns_projector():
             msg = await self._projector_grad(step)
-            await self.compute.run(self.host.add_outbound_projector_grad, down.projector_grad_wire(msg))
+            await self.compute.run(self.host.add_outbound_projector_grad, msg.tensors[WireName.PROJ_GRAD])
         step_metrics = await self.compute.run(self.rt.step)
         self.window.advance()
         await self._send_projector(step + 1)
@@ -466,7 +465,7 @@ class PipelineSchedule:
                 return None
             if msg.type is MT.PROJ:
                 if self.window.proj_due(msg):
-                    await self.compute.run(self.host.load_inbound_projector, link.projector_wire(msg), msg.pver)
+                    await self.compute.run(self.host.load_inbound_projector, msg.tensors[WireName.PROJ], msg.pver)
                     self.window.taken.add(("proj", msg.step))
                 continue
             if not (self.window.act_due(msg) if act else self.window.grad_due(msg)):
@@ -489,7 +488,7 @@ class PipelineSchedule:
         downstream (the last stage keeps its loss)."""
         up, down = self.links.upstream, self.links.downstream
         async with self.compute.encode_lock:
-            work = self.compute.run(self.host.forward, micro, ids=ids, wire=None if msg is None else up.act_wire(msg),
+            work = self.compute.run(self.host.forward, micro, ids=ids, wire=None if msg is None else _payload(msg, ACT_WIRE),
                                     train=True, cver=None if msg is None else msg.cver)
             res = await (work if msg is None else up.decoded(work, msg))
             if down is not None:
@@ -505,7 +504,7 @@ class PipelineSchedule:
         its GRAD upstream (stage 0 sends none)."""
         up, down = self.links.upstream, self.links.downstream
         async with self.compute.encode_lock:
-            work = self.compute.run(self.host.backward, micro, None if msg is None else down.grad_wire(msg),
+            work = self.compute.run(self.host.backward, micro, None if msg is None else _payload(msg, GRAD_WIRE),
                                     cver=None if msg is None else msg.cver)
             grad = await (work if msg is None else down.decoded(work, msg))
             if up is not None:
@@ -532,7 +531,7 @@ class PipelineSchedule:
         up, down = self.links.upstream, self.links.downstream
         self.window.eval_steps.add(msg.step)
         async with self.compute.encode_lock:
-            res = await up.decoded(self.compute.run(self.host.forward, -1 - msg.micro, wire=up.act_wire(msg),
+            res = await up.decoded(self.compute.run(self.host.forward, -1 - msg.micro, wire=_payload(msg, ACT_WIRE),
                                                     train=False, cver=msg.cver), msg)
             if down is not None:
                 await down.send_act(msg.step, msg.micro, res.payload, eval_mode=True, pver=self.window.outbound_pver)
