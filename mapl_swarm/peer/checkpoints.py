@@ -310,7 +310,7 @@ class PeerRunPolicy:
     -> per step ``step_end`` (metrics record; checkpoint saved on the compute thread, then its
     agreement), ``train_loss`` / ``val_loss`` (stage 0), ``drain_at`` (a drain: that step is saved)
     -> ``finish`` (stage 0, before BYE) -> ``close``.
-    It is the schedule's :class:`~.schedule.RunHooks`."""
+    It reports what the schedule's :class:`~.schedule.NoRunHooks` describe."""
 
     def __init__(self, cfg: TrainConfig, stage: int, data: "PreparedData", fingerprint: str, *, resume: bool,
                  runtime: "StageRuntime", compute: "ComputeThread", sampler: Any = None) -> None:

@@ -44,7 +44,7 @@ from mapl_swarm.pipeline.payload import (
     WireName,
     act_kind,
 )
-from mapl_swarm.wire import Message, MessageType, WireTensor, encode, handshake_secret, new_nonce, session_key
+from mapl_swarm.wire import Message, MessageType, encode, handshake_secret, new_nonce, session_key
 from mapl_swarm.wire.spec import HANDSHAKE_TYPES, NONCE_BYTES
 
 if TYPE_CHECKING:

@@ -64,7 +64,7 @@ from mapl_swarm.net.emulator import LinkConfig
 from mapl_swarm.net.errors import NetError
 from mapl_swarm.net.heartbeat import HeartbeatConfig, HeartbeatMonitor, Silence
 from mapl_swarm.net.transport import Transport, TransportConfig
-from mapl_swarm.peer.admission import Admission, Arrival, RejectCounter, mailbox_bound, run_shapes
+from mapl_swarm.peer.admission import Admission, RejectCounter, mailbox_bound, run_shapes
 from mapl_swarm.peer.compute import BackgroundTasks, ComputeThread, WorkerThread
 from mapl_swarm.peer.control import Control, PeerRejected
 from mapl_swarm.peer.departures import Departure, Departures, NeighbourLost

@@ -15,7 +15,7 @@ last stage reports the mean loss. The end: stage 0 sends BYE down the pipeline o
 arrived.
 
 The schedule sends and receives only through ``links.upstream`` / ``links.downstream``
-(:class:`NeighbourLink`, e.g. :class:`~.link.PeerLink`), in payload terms: never stage numbers,
+(:class:`PeerLink`, e.g. :class:`~.link.PeerLink`), in payload terms: never stage numbers,
 the transport or message framing. MAPL+VQ: a compute that encodes and the send of its payload
 happen under the compute thread's ``encode_lock`` (a retransmission takes it too); a received
 message whose codes cannot be decoded raises :class:`~.vq_link.Retransmitting` and is dropped,
@@ -40,9 +40,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING
 
 
 from mapl_swarm.errors import MaplError
@@ -61,7 +61,10 @@ if TYPE_CHECKING:
     import torch
 
     from mapl_swarm.config import TrainConfig
+    from mapl_swarm.peer.checkpoints import PeerRunPolicy
     from mapl_swarm.peer.compute import ComputeThread
+    from mapl_swarm.peer.drain import Drain
+    from mapl_swarm.peer.link import Links, PeerLink
     from mapl_swarm.peer.mailbox import Mailbox
     from mapl_swarm.peer.result import PeerResult
     from mapl_swarm.peer.waiting import WaitingLog
@@ -70,11 +73,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PipelineSchedule", "ScheduleSettings", "RunHooks", "NoRunHooks", "DrainHooks", "NeighbourLink",
-           "NeighbourLinks", "BYE_FINISHED", "BYE_DRAIN"]
+__all__ = ["PipelineSchedule", "ScheduleSettings", "NoRunHooks", "BYE_FINISHED", "BYE_DRAIN"]
 
 MT = MessageType
-T = TypeVar("T")
 
 BYE_FINISHED = "training finished"
 """Stage 0's BYE ``reason`` after the last step."""
@@ -88,46 +89,9 @@ def _payload(msg: Message, names: Mapping[str, str]) -> dict[str, WireTensor]:
     return {key: msg.tensors[name] for key, name in names.items() if name in msg.tensors}
 
 
-class NeighbourLink(Protocol):
-    """What the schedule uses of a link to a neighbour (:class:`~.link.PeerLink` is one)."""
-
-    stage: int
-    """The neighbour's stage (waiting lines only)."""
-    endpoint: str | None
-    """Where it is, once known (waiting lines only)."""
-
-    async def send_act(self, step: int, micro: int, payload: Mapping[str, torch.Tensor], *, eval_mode: bool,
-                       pver: int) -> None: ...
-
-    async def send_grad(self, step: int, micro: int, payload: Mapping[str, torch.Tensor], *, pver: int) -> None: ...
-
-    async def send_projector(self, step: int, projector: torch.Tensor, pver: int) -> None: ...
-
-    async def send_projector_grad(self, step: int, grad: torch.Tensor, *, micro_batches: int,
-                                  pver: int) -> None: ...
-
-    async def send_report(self, step: int, meta: dict) -> None: ...
-
-    async def send_bye(self, meta: dict, *, step: int = 0) -> None: ...
-
-    async def decoded(self, work: Awaitable[T], msg: Message) -> T: ...
-
-    async def on_codebook_slice(self, msg: Message) -> None: ...
-
-
-class NeighbourLinks(Protocol):
-    """A peer's links as the schedule sees them (:class:`~.link.Links` is one)."""
-
-    upstream: NeighbourLink | None
-    """None on stage 0."""
-    downstream: NeighbourLink | None
-    """None on the last stage."""
-
-    def sender(self, msg: Message) -> NeighbourLink | None: ...
-
-class RunHooks(Protocol):
-    """What the schedule reports to the run policy (:class:`~.checkpoints.PeerRunPolicy` is one;
-    :class:`NoRunHooks` records nothing)."""
+class NoRunHooks:
+    """What the schedule reports to the run policy (:class:`~.checkpoints.PeerRunPolicy` does the
+    same); these record nothing (peers built without a run policy, e.g. in tests)."""
 
     async def step_end(self, steps_done: int, step_metrics: dict) -> None:
         """After each optimizer step and its PROJ send: metrics record, checkpoint and its agreement."""
@@ -141,36 +105,6 @@ class RunHooks(Protocol):
     async def finish(self, failed: Callable[[], BaseException | None], step: int | None = None) -> None:
         """Stage 0, before BYE: until every stage has heard the final checkpoint (``step``: of a
         drain) is complete."""
-
-
-class DrainHooks(Protocol):
-    """What stage 0's driver asks of a graceful drain (:class:`~.drain.Drain` is one)."""
-
-    @property
-    def active(self) -> bool:
-        """Asked to drain, or a drain step is decided (no validation then)."""
-
-    def should_stop(self) -> bool:
-        """At a step boundary: stop here."""
-
-    async def decide(self, step: int) -> None:
-        """The swarm drains at ``step`` (the steps completed): tell every stage."""
-
-
-class NoRunHooks:
-    """Run hooks that record nothing (peers built without a run policy, e.g. in tests)."""
-
-    async def step_end(self, steps_done: int, step_metrics: dict) -> None:
-        return None
-
-    def train_loss(self, step: int, loss: float, tokens: int) -> None:
-        return None
-
-    def val_loss(self, step: int, loss: float) -> None:
-        return None
-
-    async def finish(self, failed: Callable[[], BaseException | None], step: int | None = None) -> None:
-        return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -210,11 +144,11 @@ class ScheduleSettings:
 class PipelineSchedule:
     """Stage 0's driver, every stage's serving loop, the step flush and the loss reports."""
 
-    def __init__(self, runtime: StageRuntime, links: NeighbourLinks, mailbox: Mailbox, compute: ComputeThread, *,
+    def __init__(self, runtime: StageRuntime, links: Links, mailbox: Mailbox, compute: ComputeThread, *,
                  name: str, settings: ScheduleSettings, result: PeerResult, waits: WaitingLog,
-                 hooks: RunHooks, sampler: Iterator[torch.Tensor] | None = None,
+                 hooks: PeerRunPolicy | NoRunHooks, sampler: Iterator[torch.Tensor] | None = None,
                  val_batches: Sequence[torch.Tensor] = (),
-                 reject: Callable[[str, str, str], None] | None = None, drain: DrainHooks | None = None) -> None:
+                 reject: Callable[[str, str, str], None] | None = None, drain: Drain | None = None) -> None:
         self.rt = runtime
         """Read on the loop only for versions and flags; tensor work goes through ``self.host``."""
         self.host = HostRuntime(runtime)
@@ -309,10 +243,10 @@ class PipelineSchedule:
             self._progress.close()
 
     # ------------------------------------------------------------------ waiting
-    def _downstream(self) -> list[NeighbourLink]:
+    def _downstream(self) -> list[PeerLink]:
         return [self.links.downstream] if self.links.downstream is not None else []
 
-    async def _next(self, link: NeighbourLink, types: tuple[MessageType, ...], what: str) -> Message:
+    async def _next(self, link: PeerLink, types: tuple[MessageType, ...], what: str) -> Message:
         """The next message of ``types`` from ``link``'s neighbour, or a BYE from upstream, applying
         that neighbour's codebook slices that come before it (the other neighbour's wait their turn,
         in order with its payloads)."""
@@ -403,7 +337,7 @@ class PipelineSchedule:
 
     async def _flush(self, step: int) -> None:
         """End of step: projector gradient up, optimizer step, projector down, step-end hook."""
-        up, down = self.links.upstream, self.links.downstream
+        up = self.links.upstream
         if up is not None:
             pver = self.window.inbound_pver  # before the next PROJ is loaded
             g = await self.compute.run(self.host.take_inbound_projector_grad)
