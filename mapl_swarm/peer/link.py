@@ -68,6 +68,11 @@ CONFIG_REFUSALS = frozenset({"fingerprint_mismatch", "stage_mismatch"})
 """REJECT codes that say the two peers' configurations differ (SPEC §9.2 step 2.3-2.4)."""
 
 
+_OLDER_HELLOS = 256
+"""HELLOs of a link remembered as superseded: a neighbour that was stalled answers every HELLO it
+missed at once (one per ``net.hello_retry_s`` of a rejoin wait), and those answers are no fault."""
+
+
 def _anchor(anchored: bool) -> dict[str, bool]:
     """The ``anchored`` field of HELLO/WELCOME/REJECT/HEARTBEAT (1.6): written only when true."""
     return {"anchored": True} if anchored else {}
@@ -229,7 +234,7 @@ class PeerLink:
         self.peer_anchored = False
         """The neighbour said it is anchored (SPEC §9.2, 1.6): it holds stage 0's configuration."""
         self._hello_nonce: bytes | None = None
-        self._older_nonces: deque[bytes] = deque(maxlen=8)
+        self._older_nonces: deque[bytes] = deque(maxlen=_OLDER_HELLOS)
         """The nonces of this link's last HELLOs before the current one (their answers are superseded)."""
         self.refused_hello: str | None = None
         """Why this peer last refused a HELLO of this neighbour (code: reason), if it did."""

@@ -182,7 +182,8 @@ def test_the_answer_to_an_earlier_hello_is_not_a_bad_message():
     async def scenario(m):
         await m.peer.links.upstream.send_hello()
         earlier = m.welcome(0)
-        await m.peer.links.upstream.send_hello()
+        for _ in range(60):  # a neighbour stalled for a rejoin wait answers every HELLO it missed
+            await m.peer.links.upstream.send_hello()
         await m.feed("stage0", earlier, reply_link="stage0")
         assert not m.peer.links.upstream.welcomed
         await m.feed("stage0", m.welcome(0), reply_link="stage0")
