@@ -96,12 +96,12 @@ class Control:
             await self._on_hello(got, arrival, transport)
             return
         handler = self._handlers.get(msg.type)
-        if handler is not None:
-            await handler(msg, got.link)
-            return
         try:
-            peer.mailbox.put(msg)  # ACT, GRAD, PROJ, PROJ_GRAD, CODEBOOK_SLICE: the schedule's
-        except Rejected as exc:  # queue_full
+            if handler is not None:
+                await handler(msg, got.link)
+            else:
+                peer.mailbox.put(msg)  # ACT, GRAD, PROJ, PROJ_GRAD, CODEBOOK_SLICE: the schedule's
+        except Rejected as exc:  # queue_full (an upstream BYE goes into the mailbox too)
             peer.rejects(exc.code, arrival.sender, exc.text)
 
     async def _on_hello(self, got: Admitted, arrival: Arrival, transport: Any) -> None:
