@@ -278,11 +278,12 @@ class PeerLink:
         return self.frames(Message(type=mtype, run_id=self.settings.run_id, src=self.settings.stage,
                                    dst=self.stage, seq=0, epoch=self.epoch, meta=meta))
 
-    async def send_heartbeat(self, meta: Callable[[], dict] | None = None) -> None:
+    async def send_heartbeat(self, meta: Callable[[], dict] | None = None, *, anchored: bool = False) -> None:
         """HEARTBEAT with the next ``seq``; only once the neighbour welcomed this peer (SPEC §9.3).
-        ``meta()`` gives its timestamps (SPEC §9.5), read when its turn to be framed comes."""
+        ``meta()`` gives its timestamps (SPEC §9.5), read when its turn to be framed comes;
+        ``anchored``: this peer holds stage 0's configuration (SPEC §9.2)."""
         if self.welcomed:
-            await self.send(MT.HEARTBEAT, meta=meta)
+            await self.send(MT.HEARTBEAT, meta=lambda: {**(meta() if meta is not None else {}), **_anchor(anchored)})
 
     async def send(self, mtype: MessageType, *, step: int = 0, micro: int = 0,
                    meta: dict | Callable[[], dict] | None = None,

@@ -363,8 +363,7 @@ class Peer:
         this peer is anchored, saying so (SPEC §9.2)."""
         link = self.links.named(name)
         if link is not None:
-            await link.send_heartbeat(lambda: {**self.monitor.heartbeat_meta(name),
-                                               **({"anchored": True} if self.links.anchored else {})})
+            await link.send_heartbeat(lambda: self.monitor.heartbeat_meta(name), anchored=self.links.anchored)
 
     def _on_silent(self, silence: Silence) -> None:
         link = self.links.named(silence.peer)
