@@ -35,7 +35,7 @@ from throughput import CONFIG, M, P  # noqa: E402 - the same swarm as the throug
 
 from mapl_swarm.metrics import run_manifest  # noqa: E402
 from mapl_swarm.net.runkey import create_run_key  # noqa: E402
-from mapl_swarm.peer.launch import summarize  # noqa: E402
+from mapl_swarm.launch import summarize  # noqa: E402
 
 CODEC, RANK = "mapl", 64
 CURVE_FRAME_OVERHEAD = 33

@@ -120,7 +120,7 @@ def _steady(tokens: int, report_times_s: list[float]) -> float | None:
 
 
 def cmd_swarm_result(args: argparse.Namespace) -> None:
-    from mapl_swarm.peer.launch import summarize
+    from mapl_swarm.launch import summarize
 
     s = summarize(args.run_dir, args.stages)
     wall = max(s.wall_s, 1e-9)

@@ -33,7 +33,7 @@ from pathlib import Path
 from mapl_swarm.config.catalog import codec_info
 from mapl_swarm.config import load_config
 from mapl_swarm.metrics import run_manifest
-from mapl_swarm.peer.launch import launch
+from mapl_swarm.launch import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- throughput:begin -->", "<!-- throughput:end -->"

@@ -197,7 +197,7 @@ def _cmd_dht(args: argparse.Namespace) -> int:
 
 def _cmd_launch(args: argparse.Namespace) -> int:
     cfg = _load(args)
-    from mapl_swarm.peer.launch import launch, parse_gpus
+    from mapl_swarm.launch import launch, parse_gpus
 
     gpus = parse_gpus(args.gpus) if args.gpus else None
     s = launch(cfg, _config_args(args) + (["--resume"] if args.resume else []), progress=not args.quiet, gpus=gpus,
@@ -218,7 +218,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
 
 def _print_links(s: Any) -> None:
-    """The bytes/token lines of a ``launch`` / ``lab`` :class:`~mapl_swarm.peer.launch.SwarmSummary`."""
+    """The bytes/token lines of a ``launch`` / ``lab`` :class:`~mapl_swarm.launch.SwarmSummary`."""
     print("  bytes/token per link, forward / backward: payload = tensor bytes; "
           "on the wire = ZeroMQ frames with headers")
     for b, link in enumerate(s.links):
@@ -227,7 +227,7 @@ def _print_links(s: Any) -> None:
 
 
 def _print_restarts(s: Any) -> None:
-    """The restarts line of a ``launch`` / ``lab`` :class:`~mapl_swarm.peer.launch.SwarmSummary`."""
+    """The restarts line of a ``launch`` / ``lab`` :class:`~mapl_swarm.launch.SwarmSummary`."""
     if s.restarts:
         print("restarted peers: " + ", ".join(f"stage {st} x{n}" for st, n in s.restarts.items()))
 

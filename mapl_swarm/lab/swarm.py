@@ -4,7 +4,7 @@ Every peer runs the same ``mapl-swarm dht`` / ``mapl-swarm peer`` commands as ``
 bound to its namespace's address, with every link shaped by the kernel's tbf. The DHT node and
 every peer read the run key ``run.out_dir/run.key`` (created with mode 0600 when missing), by path.
 The data is prepared once, first. The peers are supervised as ``launch`` supervises its own
-(:func:`~mapl_swarm.peer.launch.supervise`): Ctrl-C drains them, and one that dies is started again
+(:func:`~mapl_swarm.launch.supervise`): Ctrl-C drains them, and one that dies is started again
 with ``--resume`` in its namespace (at most ``max_restarts`` times per stage) while the others wait
 for it; the DHT node exiting stops the run.
 """
@@ -22,7 +22,7 @@ from mapl_swarm.config import TrainConfig
 from mapl_swarm.data import prepare_data
 from mapl_swarm.lab.netns import NetnsLab
 from mapl_swarm.net.runkey import run_dir_key
-from mapl_swarm.peer.launch import PeerProcess, RestartPolicy, Supervisor, SwarmSummary, supervise
+from mapl_swarm.launch import PeerProcess, RestartPolicy, Supervisor, SwarmSummary, supervise
 from mapl_swarm.procs import die_with_parent
 
 log = logging.getLogger(__name__)

@@ -32,6 +32,7 @@ import math
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Sequence
 
+from mapl_swarm.aio import within
 from mapl_swarm.errors import ConfigError
 from mapl_swarm.net.counters import Frame, zmtp_wire_bytes
 from mapl_swarm.net.errors import LinkClosedError, NetError, NetTimeoutError
@@ -187,7 +188,7 @@ class LinkShaper:
     async def flush(self, timeout_s: float) -> None:
         """Wait until every accepted message has been delivered downstream."""
         try:
-            await asyncio.wait_for(self._drained.wait(), timeout_s)
+            await within(self._drained.wait(), timeout_s)
         except asyncio.TimeoutError:
             raise NetTimeoutError(
                 f"link {self.name!r}: {len(self._line)} message(s) still undelivered after "

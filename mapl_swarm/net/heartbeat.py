@@ -49,6 +49,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Mapping, Sequence
 
+from mapl_swarm.aio import within
 from mapl_swarm.errors import ConfigError
 from mapl_swarm.net.counters import Frame
 from mapl_swarm.net.errors import NetError, NetTimeoutError
@@ -306,7 +307,7 @@ class HeartbeatMonitor:
     async def wait_silent(self, timeout_s: float) -> str:
         """Wait until some watched peer is silent and return its name."""
         try:
-            await asyncio.wait_for(self._silent_event.wait(), timeout_s)
+            await within(self._silent_event.wait(), timeout_s)
         except asyncio.TimeoutError:
             raise NetTimeoutError(f"no peer went silent within {timeout_s:g} s") from None
         self._silent_event.clear()
@@ -350,7 +351,7 @@ class HeartbeatMonitor:
 
     async def _heartbeat(self, peer: str) -> None:
         try:
-            await asyncio.wait_for(self._send(peer), self.config.timeout_s)  # behind a full link: it waits its turn
+            await within(self._send(peer), self.config.timeout_s)  # behind a full link: it waits its turn
         except (NetError, asyncio.TimeoutError) as exc:
             logger.warning("heartbeat to %r failed: %s", peer, exc or "timeout")
         state = self._peers.get(peer)

@@ -55,6 +55,7 @@ import zmq
 import zmq.asyncio
 from zmq.auth.thread import ThreadAuthenticator
 
+from mapl_swarm.aio import within
 from mapl_swarm.errors import ConfigError
 from mapl_swarm.net.counters import Frame, TrafficCounters
 from mapl_swarm.net.emulator import LinkConfig, LinkShaper
@@ -412,6 +413,13 @@ class Transport:
                                                                      name=f"{self.name}<-{link} replies")
         logger.debug("%s: link %r -> %s (%s)", self.name, link, endpoint, config.describe())
 
+    def new_routing_id(self) -> str:
+        """A fresh routing id for the DEALERs connected from now on (a session that re-forms the swarm:
+        its neighbours' ROUTERs may still hold the connections of the old id, ZeroMQ would not serve a
+        second one until they drop them, and a DEALER would reconnect only after that)."""
+        self.routing_id = f"{self.name}.{secrets.token_hex(4)}"
+        return self.routing_id
+
     def endpoint_of(self, link: str) -> str | None:
         """Where the outbound link ``link`` goes (None: not connected)."""
         return self._endpoints.get(link)
@@ -450,7 +458,7 @@ class Transport:
         frames = list(frames)
         timeout_s = self.config.send_timeout_s if timeout_s is None else timeout_s
         try:
-            await asyncio.wait_for(shaper.send(frames), timeout_s)
+            await within(shaper.send(frames), timeout_s)
         except asyncio.TimeoutError:
             raise NetTimeoutError(f"{self.name}: send of a {kind} message on link {link!r} "
                                   f"not accepted within {timeout_s:g} s (send buffer full)") from None
@@ -458,7 +466,7 @@ class Transport:
 
     async def flush(self, timeout_s: float) -> None:
         """Wait until every outbound link has handed all its messages to ZeroMQ."""
-        await asyncio.wait_for(asyncio.gather(*(s.flush(timeout_s) for s in self._shapers.values())),
+        await within(asyncio.gather(*(s.flush(timeout_s) for s in self._shapers.values())),
                                timeout_s + 1.0)
 
     async def reply(self, routing_id: str, frames: Sequence[Frame], *, kind: str = "control",
@@ -476,7 +484,7 @@ class Transport:
         frames = list(frames)
         timeout_s = self.config.send_timeout_s if timeout_s is None else timeout_s
         try:
-            await asyncio.wait_for(router.send_multipart([routing_id.encode(), *frames], copy=False), timeout_s)
+            await within(router.send_multipart([routing_id.encode(), *frames], copy=False), timeout_s)
         except asyncio.TimeoutError:
             raise NetTimeoutError(f"{self.name}: reply ({kind}) to {routing_id!r} not accepted within "
                                   f"{timeout_s:g} s") from None
@@ -504,7 +512,7 @@ class Transport:
         if router is None:
             raise NetError(f"{self.name}: recv before start()")
         try:
-            parts = await asyncio.wait_for(router.recv_multipart(copy=False), timeout_s)
+            parts = await within(router.recv_multipart(copy=False), timeout_s)
         except asyncio.TimeoutError:
             raise NetTimeoutError(f"{self.name}: no message received on {self._endpoint} within "
                                   f"{timeout_s:g} s") from None
@@ -523,7 +531,7 @@ class Transport:
         arrives within ``timeout_s``."""
         self._check_open()
         try:
-            return await asyncio.wait_for(self._replies.get(), timeout_s)
+            return await within(self._replies.get(), timeout_s)
         except asyncio.TimeoutError:
             raise NetTimeoutError(f"{self.name}: no reply received within {timeout_s:g} s") from None
 

@@ -1,13 +1,15 @@
 """Stage peers: one process per pipeline stage, talking the wire protocol over ZeroMQ.
 
 Parts (each module one concern; none imports the in-process pipeline or the trainer's loop):
-``runtime`` (:class:`Peer`: lifecycle, receive loop, dispatch table) builds ``link``
-(:class:`PeerLink` per neighbour) with ``vq_link`` (its codebook stream side), ``mailbox``,
-``compute`` (compute thread, encode lock, background tasks), ``host`` (the runtime's calls on
-the compute thread: wire tensors in, host tensors out; ``tensors`` wraps them for the wire),
-``waiting`` (waiting lines) and ``schedule`` (the 1F1B :class:`PipelineSchedule`, given all of
-them and the run hooks of ``checkpoints``: metrics, checkpoints and their agreement across the
-swarm); ``result`` is what a peer reports, ``main`` starts one, ``launch`` starts a swarm.
+``runtime`` (:class:`Peer`: the lifecycle) builds ``link`` (:class:`PeerLink` per neighbour)
+with ``vq_link`` (its codebook stream side), ``inbound`` (the receive path, with ``admission``
+and ``control``) into ``mailbox`` (the one inbound queue), ``compute`` (compute thread, encode
+lock, background tasks), ``host`` (the runtime's calls on the compute thread: wire tensors in,
+host tensors out; ``tensors`` wraps them for the wire), ``waiting`` (waiting lines) and
+``schedule`` (the 1F1B :class:`PipelineSchedule`, given all of them and the run hooks of
+``checkpoints``: metrics, checkpoints, every CHECKPOINT phase with the drain); ``result`` is
+what a peer reports, ``main`` starts one (``signals``: its SIGINT/SIGTERM). A swarm of peer
+processes on one machine is :mod:`mapl_swarm.launch`'s, the layer above.
 
 Import the submodules directly (``mapl_swarm.peer.main`` starts the DHT before importing torch).
 """

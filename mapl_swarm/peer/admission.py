@@ -41,11 +41,11 @@ from typing import TYPE_CHECKING, Any
 
 from mapl_swarm.config.catalog import codec_info
 from mapl_swarm.peer.link import stage_of
-from mapl_swarm.peer.session import Early, HelloRefused, Rejected, RxSession, Superseded
+from mapl_swarm.peer.session import Early, HelloRefused, Rejected, RxSession, Superseded, Unkeyed
 from mapl_swarm.wire import (ContentError, DecodeLimits, Message, MessageType, RunShapes, VersionMismatch, Window,
                              WireError, check_content, check_declared, check_epoch, check_header, check_sender,
                              decode_header, decode_tensors)
-from mapl_swarm.wire.spec import HANDSHAKE_TYPES, WINDOW_TYPES
+from mapl_swarm.wire.spec import HANDSHAKE_TYPES, REJOIN_CAPABILITY, WINDOW_TYPES
 
 if TYPE_CHECKING:
     from mapl_swarm.config import TrainConfig
@@ -102,9 +102,12 @@ class RejectCounter:
     def total(self) -> int:
         return sum(self.counts.values())
 
-    def __call__(self, code: str, sender: str, text: str) -> None:
+    def __call__(self, code: str, sender: str, text: str, *, quiet: bool = False) -> None:
+        """Count one drop; ``quiet``: an expected one (logged at debug)."""
         n = self.counts[code] = self.counts.get(code, 0) + 1
-        if n <= self.log_first or n & (n - 1) == 0:
+        if quiet:
+            log.debug("%s: dropped a message from %r: %s (%s, %d so far)", self.name, sender, text, code, n)
+        elif n <= self.log_first or n & (n - 1) == 0:
             log.warning("%s: dropped a message from %r: %s (%s, %d so far)", self.name, sender, text, code, n)
 
 
@@ -181,6 +184,9 @@ class Admission:
         except Superseded as exc:
             log.debug("stage %d: a message from %r not used: %s", self.s.stage, sender, exc.text)
             return None
+        except Unkeyed as exc:
+            self.rejects(exc.code, sender, exc.text, quiet=True)
+            return None
         except (Rejected, ContentError) as exc:
             self.rejects(exc.code, sender, exc.text)
             return None
@@ -202,7 +208,14 @@ class Admission:
     def _header(self, arrival: Arrival, link: PeerLink) -> Header:
         """Phase 1 on the loop: nothing is unpacked; the key is the session's (the run's for the handshake)."""
         session = link.rx if link.rx is not None and link.rx.routing_id == arrival.sender else None
-        header, _ = decode_header(arrival.frames, self.limits, secret=link.rx_secret(session))
+        key = link.rx_secret(session)
+
+        def secret(h: Header) -> bytes | None:
+            if session is None and h.type is MT.HEARTBEAT and self.s.secret is not None:
+                raise Unkeyed("auth_failed", "HEARTBEAT before the handshake: no session key to check it with")
+            return key(h)
+
+        header, _ = decode_header(arrival.frames, self.limits, secret=secret)
         return header
 
     # ------------------------------------------------------------------ handshake and session
@@ -221,7 +234,10 @@ class Admission:
         if refused is not None:
             raise HelloRefused(*refused, nonce)
         bound = link.rx
-        if bound is not None and bound.routing_id != sender and bound.alive(self.clock(), self.timeout_s):
+        reforms = (self.started() and h.epoch > self.window.epoch and REJOIN_CAPABILITY in s.capabilities
+                   and REJOIN_CAPABILITY in h.meta.get("capabilities", ()))
+        if bound is not None and bound.routing_id != sender and bound.alive(self.clock(), self.timeout_s) \
+                and not reforms:  # a neighbour re-forming the swarm comes on a new connection (SPEC §9.6)
             raise HelloRefused("stage_taken", f"stage {link.stage} is taken: its session is alive "
                                               f"(heard {self.clock() - bound.heard_at:.0f} s ago)", nonce)
 

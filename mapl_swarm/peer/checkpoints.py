@@ -1,29 +1,42 @@
-"""A peer's side of the run policy: checkpoint agreement (SPEC §5.2), checkpoints, metrics, manifest.
+"""A peer's side of the run policy: the CHECKPOINT protocol (SPEC §5.2), checkpoints, metrics, manifest.
 
 Each stage's checkpoint folder may be on its own host, so a step is *complete* (every stage has it)
-only when the peers say so with CHECKPOINT messages:
+only when the peers say so. :class:`CheckpointAgreement` is every phase of CHECKPOINT, in one
+place:
 
 - training: after stage s saved step N, the last stage sends ``saved N`` upstream; a middle stage
   forwards it once it has also saved N (whichever comes last); stage 0, once it has both, declares
   N complete and sends ``complete N`` downstream, relayed to the last stage. Every stage records
   the complete steps and prunes its own files (:func:`mapl_swarm.pipeline.checkpoint.prune_plan`).
-- a step a stage cannot save (a full disk; 1.5, capability ``checkpoint_unsaved``): that stage sends
+- a step a stage cannot save (a full disk; capability ``checkpoint_unsaved``): that stage sends
   ``unsaved N`` upstream with a reason naming it and why, relayed unchanged (or a middle stage's
   own, once per step); stage 0, on it or on its own failed save, records N as never complete
   (:attr:`CheckpointAgreement.unsaved`), so nothing waits for N: the newest complete step stays the
-  one before. Stage 0 then sends ``abandoned N`` downstream (1.6, capability
-  ``checkpoint_abandoned``), relayed to the last stage, and every stage deletes its own files of N
-  once they are durable: no stage can ever need them (a resume takes a step every stage holds),
-  so a stage whose disk is full does not make the others keep every later step.
+  one before. Stage 0 then sends ``abandoned N`` downstream (capability ``checkpoint_abandoned``),
+  relayed to the last stage, and every stage deletes its own files of N once they are durable: no
+  stage can ever need them (a resume takes a step every stage holds), so a stage whose disk is
+  full does not make the others keep every later step.
 - resume: the last stage offers its usable steps (those whose files verify against their
   manifests, so every stage can load the agreed step) upstream, each stage intersects and forwards,
   stage 0 picks the newest common step (or refuses, with a reason every stage stops with) and
   sends ``resume`` downstream, relayed.
+- drain (SIGINT/SIGTERM; capability ``drain``): every stage stops after the same step ``D`` and
+  saves it (even when the checkpoint interval is not due), so a ``--resume`` continues from there
+  with nothing lost but the step in flight when stage 0 decided. A stage asked to drain
+  (:meth:`~CheckpointAgreement.request`) that is not stage 0 sends ``drain_request`` upstream (a
+  middle stage relays the first one it hears, or sends its own); stage 0 decides at its next step
+  boundary: ``D`` = the steps it has completed (the step in flight is finished, never abandoned
+  half-way), and sends ``drain D`` downstream, relayed. Every stage then saves ``D`` (at its step
+  end ``D``, or at once if it passed it: ``on_drain``) and the agreement runs as for every save;
+  stage 0 waits until ``D`` is complete and sends BYE ``"drain"``, relayed, and every stage ends
+  with exit status 0. A BYE ``"drain"`` is a *planned* departure: a peer that receives one ends
+  cleanly even if it was not asked to drain itself.
 
-:class:`CheckpointAgreement` is that message logic alone (no sockets: ``send(dst, meta)`` is
-injected), so it can be driven by a test in any message order. :class:`PeerRunPolicy` bundles it
-with the stage's :class:`~mapl_swarm.pipeline.stage_checkpoints.StageCheckpoints` and metrics records;
-the :class:`~.runtime.Peer` calls its few entry points.
+The agreement is message logic alone (no sockets: ``send(dst, meta)`` is injected), so a test can
+drive it in any message order. A neighbour that did not advertise a phase's capability (an older
+peer) is never sent it (:meth:`~CheckpointAgreement.takes`). :class:`PeerRunPolicy` bundles the
+agreement with the stage's :class:`~mapl_swarm.pipeline.checkpoint.StageCheckpoints` and metrics
+records; the :class:`~.runtime.Peer` calls its few entry points.
 """
 
 from __future__ import annotations
@@ -31,16 +44,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
+from mapl_swarm.aio import until
 from mapl_swarm.config import TrainConfig
 from mapl_swarm.errors import CheckpointError, MaplError
-from mapl_swarm.pipeline import run_policy, run_records, stage_checkpoints
+from mapl_swarm.pipeline import checkpoint, run_policy, run_records
+from mapl_swarm.pipeline.checkpoint import StageCheckpoints
 from mapl_swarm.pipeline.run_records import MetricsLog, StepRecords
-from mapl_swarm.pipeline.stage_checkpoints import StageCheckpoints
 from mapl_swarm.wire import Message
 from mapl_swarm.wire.spec import (CHECKPOINT_ABANDONED_CAPABILITY, CHECKPOINT_CAPABILITY, CHECKPOINT_UNSAVED_CAPABILITY,
-                                  CHECKPOINT_UPSTREAM_PHASES)
+                                  CHECKPOINT_UPSTREAM_PHASES, DRAIN_CAPABILITY, DRAIN_REASON)
 
 if TYPE_CHECKING:
     from mapl_swarm.data import PreparedData
@@ -49,44 +64,112 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CheckpointAgreement", "PeerRunPolicy", "CHECKPOINT_CAPABILITY", "CHECKPOINT_UNSAVED_CAPABILITY"]
+__all__ = ["CheckpointAgreement", "PeerRunPolicy", "checkpoint_note", "CHECKPOINT_CAPABILITY",
+           "CHECKPOINT_UNSAVED_CAPABILITY"]
 
 Send = Callable[[int, dict[str, Any]], Awaitable[None]]
 
+_PHASE_CAPABILITY = {"unsaved": CHECKPOINT_UNSAVED_CAPABILITY, "abandoned": CHECKPOINT_ABANDONED_CAPABILITY,
+                     "drain": DRAIN_CAPABILITY, "drain_request": DRAIN_CAPABILITY}
+"""The capability a neighbour advertises to take a phase; every other phase: ``checkpoint_agreement``."""
+
 
 class CheckpointAgreement:
-    """SPEC §5.2 for stage ``stage`` of ``num_stages``; ``store`` holds this stage's files."""
+    """SPEC §5.2 for stage ``stage`` of ``num_stages``; ``store`` holds this stage's files (None:
+    this peer keeps none, so only the drain takes part). ``on_drain(step)`` runs once the swarm's
+    drain step is known here (the run policy saves it)."""
 
-    def __init__(self, store: StageCheckpoints, stage: int, num_stages: int, send: Send | None = None) -> None:
+    def __init__(self, store: StageCheckpoints | None, stage: int, num_stages: int, send: Send | None = None, *,
+                 on_drain: Callable[[int], Awaitable[None]] | None = None) -> None:
         self.store, self.stage = store, stage
         self.up = stage - 1 if stage > 0 else None
         self.down = stage + 1 if stage < num_stages - 1 else None
         self.send = send
-        """``send(dst, meta)``: a CHECKPOINT to a neighbour (set by the peer once its links are up)."""
+        """``send(dst, meta)``: a CHECKPOINT to a neighbour (set by the peer)."""
+        self.on_drain = on_drain
+        self.caps: dict[int, frozenset[str]] | None = None
+        """Each neighbour's capabilities, once its handshake is done (None: not known, all assumed)."""
+        self.capabilities = [*((CHECKPOINT_CAPABILITY, CHECKPOINT_UNSAVED_CAPABILITY, CHECKPOINT_ABANDONED_CAPABILITY)
+                               if store is not None else ()), DRAIN_CAPABILITY]
+        """What this stage advertises in its HELLO."""
         self.declared: set[int] = set()
         """Steps this stage learnt are complete across the swarm."""
         self.unsaved: dict[int, str] = {}
         """Steps that will never be complete, and why: this stage could not save them, or (SPEC §5.2
         ``unsaved``) a stage downstream could not; at stage 0, any stage."""
-        self._saved: set[int] = set()
-        self._downstream_saved: set[int] = set()
-        self._passed: set[int] = set()
-        self._inbox: dict[str, dict[str, Any]] = {}
-        self._changed = asyncio.Event()
-        self.enabled = True
-        """False when a neighbour does not take part (an older peer): nothing is sent or pruned."""
-        self.upstream_takes_unsaved = True
-        """False when the upstream neighbour did not advertise ``checkpoint_unsaved`` (a 1.4 peer): no
-        ``unsaved`` to it, so stage 0 waits for such a step as before (until its timeout)."""
-        self.downstream_takes_abandoned = True
-        """False when the downstream neighbour did not advertise ``checkpoint_abandoned`` (a 1.5 peer):
-        no ``abandoned`` to it (it keeps its files of such steps, as in 1.5)."""
         self.abandoned: set[int] = set()
         """Steps stage 0 gave up (never complete): this stage's files of them are deleted once durable."""
         self.without_loss: Callable[[set[int]], set[int]] = lambda steps: set()
         """Stage 0: of the given steps, those whose losses the run's metrics history lacks (a
         departure came between stage 0's save of the step and the last stage's REPORT of it); the
         resume decision rolls back past them when it can (:meth:`_prefer_recorded`)."""
+        self.requested: str | None = None
+        """Why this stage was asked to drain (``"SIGINT at stage 2"``); None: not asked."""
+        self.drain_step: int | None = None
+        """The swarm's drain step, once stage 0 decided it."""
+        self.drain_reason: str | None = None
+        """The reason stage 0 announced with it."""
+        self._asked_upstream = False
+        self._saved: set[int] = set()
+        self._downstream_saved: set[int] = set()
+        self._passed: set[int] = set()
+        self._inbox: dict[str, dict[str, Any]] = {}
+        self._changed = asyncio.Event()
+
+    def neighbours(self, caps: Mapping[int, Iterable[str]]) -> None:
+        """The neighbours' advertised capabilities (after the handshake)."""
+        self.caps = {stage: frozenset(c) for stage, c in caps.items()}
+
+    def takes(self, dst: int | None, phase: str) -> bool:
+        """Neighbour ``dst`` takes CHECKPOINT ``phase`` (advertised its capability)."""
+        if dst is None or self.send is None:
+            return False
+        return self.caps is None or _PHASE_CAPABILITY.get(phase, CHECKPOINT_CAPABILITY) in self.caps.get(dst, ())
+
+    @property
+    def enabled(self) -> bool:
+        """This stage keeps checkpoints and every neighbour takes part in the agreement (else
+        nothing is sent or pruned)."""
+        return self.store is not None and all(self.takes(n, "saved") for n in (self.up, self.down) if n is not None)
+
+    async def _tell(self, dst: int | None, meta: dict[str, Any]) -> None:
+        if self.takes(dst, meta["phase"]):
+            await self.send(dst, meta)
+
+    async def on_message(self, msg: Message) -> None:
+        """A CHECKPOINT from a neighbour (already checked by the frame decoder)."""
+        meta, phase = msg.meta, msg.meta["phase"]
+        expected = self.down if phase in CHECKPOINT_UPSTREAM_PHASES else self.up
+        if msg.src != expected:
+            log.warning("stage %d: ignored CHECKPOINT %s from stage %s (expected from stage %s)", self.stage,
+                        phase, msg.src, expected)
+            return
+        if phase == "drain_request":
+            reason = str(meta.get("reason") or f"asked by stage {msg.src}")
+            if self.up is None and not self.draining:
+                log.info("stage 0: drain requested (%s): stopping at the next step boundary", reason)
+            if self.drain_step is None:  # else decided already
+                try:
+                    await self.request(reason)
+                except MaplError as exc:  # the upstream neighbour does not take part in drains
+                    log.warning("%s", exc)
+        elif phase == "drain":
+            await self.decide(int(meta["step"]), str(meta.get("reason") or ""))
+        elif phase == "saved":
+            self._downstream_saved.add(meta["step"])
+            await self._advance(meta["step"])
+        elif phase == "unsaved":
+            await self._never_complete(meta["step"], dict(meta), heard=True)
+        elif phase == "abandoned":
+            self.unsaved.setdefault(meta["step"], str(meta["reason"]))
+            await self._abandon(meta["step"], dict(meta))
+            self._changed.set()
+        elif phase == "complete":
+            self._complete(meta["step"])
+            await self._tell(self.down, {"phase": "complete", "step": meta["step"]})
+        else:  # offer / resume: awaited by agree_resume
+            self._inbox[phase] = dict(meta)
+            self._changed.set()
 
     # ------------------------------------------------------------ training
     async def on_saved(self, step: int) -> None:
@@ -107,31 +190,6 @@ class CheckpointAgreement:
         if self.enabled:
             await self._never_complete(step, {"phase": "unsaved", "step": step, "reason": reason}, heard=False)
 
-    async def on_message(self, msg: Message) -> None:
-        """A CHECKPOINT from a neighbour (already checked by the frame decoder)."""
-        meta, phase = msg.meta, msg.meta["phase"]
-        expected = self.down if phase in CHECKPOINT_UPSTREAM_PHASES else self.up
-        if msg.src != expected:
-            log.warning("stage %d: ignored CHECKPOINT %s from stage %s (expected from stage %s)", self.stage,
-                        phase, msg.src, expected)
-            return
-        if phase == "saved":
-            self._downstream_saved.add(meta["step"])
-            await self._advance(meta["step"])
-        elif phase == "unsaved":
-            await self._never_complete(meta["step"], dict(meta), heard=True)
-        elif phase == "abandoned":
-            self.unsaved.setdefault(meta["step"], str(meta["reason"]))
-            await self._abandon(meta["step"], dict(meta))
-            self._notify()
-        elif phase == "complete":
-            self._complete(meta["step"])
-            if self.down is not None:
-                await self.send(self.down, {"phase": "complete", "step": meta["step"]})
-        else:  # offer / resume: awaited by agree_resume
-            self._inbox[phase] = dict(meta)
-            self._notify()
-
     async def _never_complete(self, step: int, meta: dict[str, Any], *, heard: bool) -> None:
         """Record ``step`` as never complete, once, and pass ``meta`` upstream: this stage's own
         ``unsaved`` or, ``heard``, the one from downstream, unchanged. Stage 0 warns of a heard one."""
@@ -139,15 +197,14 @@ class CheckpointAgreement:
             return
         self.unsaved[step] = reason = str(meta["reason"])
         if self.up is not None:
-            if self.upstream_takes_unsaved:
-                await self.send(self.up, meta)
+            await self._tell(self.up, meta)
         else:
             if heard:
                 newest = max(self.store.complete, default=None)
                 log.warning("checkpoint step %d will never be complete (%s); the newest complete checkpoint stays "
                             "%s", step, reason, "none" if newest is None else f"step {newest}")
             await self._abandon(step, {"phase": "abandoned", "step": step, "reason": reason})
-        self._notify()
+        self._changed.set()
 
     async def _abandon(self, step: int, meta: dict[str, Any]) -> None:
         """Stage 0 gave ``step`` up: delete this stage's files of it (now if durable, else once its
@@ -157,58 +214,85 @@ class CheckpointAgreement:
         self.abandoned.add(step)
         if step in self._saved:
             self._delete(step)
-        if self.down is not None and self.downstream_takes_abandoned:
-            await self.send(self.down, meta)
+        await self._tell(self.down, meta)
 
     def _delete(self, step: int) -> None:
         if self.store.abandon(step):
             log.info("stage %d: deleted checkpoint step %d, which will never be complete", self.stage, step)
+
+    async def _until(self, ready: Callable[[], bool], timeout_s: float, what: str) -> None:
+        if not await until(ready, self._changed, timeout_s):
+            raise MaplError(f"stage {self.stage}: no {what} within {timeout_s:g} s")
 
     async def _advance(self, step: int) -> None:
         if step in self._passed or step in self.unsaved or not (step in self._saved and step in self._downstream_saved):
             return
         self._passed.add(step)
         if self.up is not None:
-            await self.send(self.up, {"phase": "saved", "step": step})
+            await self._tell(self.up, {"phase": "saved", "step": step})
             return
         log.info("checkpoint step %d saved by every stage", step)  # stage 0 decides: once per swarm
         self._complete(step)
-        if self.down is not None:
-            await self.send(self.down, {"phase": "complete", "step": step})
+        await self._tell(self.down, {"phase": "complete", "step": step})
 
     def _complete(self, step: int) -> None:
         self.declared.add(step)
         pruned = self.store.mark_complete(step)
         log.debug("stage %d: step %d complete across the swarm; pruned %s", self.stage, step, pruned)
-        self._notify()
-
-    def _notify(self) -> None:
         self._changed.set()
 
-    async def _until(self, ready: Callable[[], bool], timeout_s: float, what: str,
-                     failed: Callable[[], BaseException | None]) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while not ready():
-            error = failed()
-            if error is not None:
-                raise error
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise MaplError(f"stage {self.stage}: no {what} within {timeout_s:g} s")
-            self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), min(remaining, 1.0))
-            except asyncio.TimeoutError:
-                pass
-
-    async def wait_complete(self, step: int, timeout_s: float,
-                            failed: Callable[[], BaseException | None] = lambda: None) -> bool:
+    async def wait_complete(self, step: int, timeout_s: float) -> bool:
         """Until ``step`` is complete across the swarm (stage 0, before its BYE): True; False as soon
         as it is known never to be (:attr:`unsaved`, its reason logged once when it was heard)."""
         await self._until(lambda: step in self.declared or step in self.unsaved, timeout_s,
-                          f"checkpoint agreement on step {step}", failed)
+                          f"checkpoint agreement on step {step}")
         return step in self.declared
+
+    # ------------------------------------------------------------ drain
+    @property
+    def draining(self) -> bool:
+        """Asked to drain, or a drain step is decided."""
+        return self.requested is not None or self.drain_step is not None
+
+    async def request(self, reason: str) -> None:
+        """Drain this stage (a signal): stage 0 stops at its next step boundary; any other stage asks
+        stage 0 through its upstream neighbour. Raises :class:`MaplError` when that neighbour does
+        not take part in drains (an older peer)."""
+        if self.requested is None:
+            self.requested = reason
+        if self.up is None or self.drain_step is not None or self._asked_upstream:
+            return
+        if not self.takes(self.up, "drain_request"):
+            raise MaplError(f"stage {self.stage}: cannot drain: stage {self.up} does not take part in drains "
+                            f"(capability {DRAIN_CAPABILITY!r})")
+        self._asked_upstream = True
+        log.info("stage %d: asking stage 0 to drain the swarm (%s)", self.stage, reason)
+        await self.send(self.up, {"phase": "drain_request", "reason": reason})
+
+    def should_stop(self) -> bool:
+        """Stage 0, at a step boundary: whether to stop here."""
+        return self.requested is not None
+
+    async def decide(self, step: int, reason: str | None = None) -> None:
+        """The swarm drains at ``step`` (stage 0: the steps completed, for the reason it was asked;
+        another stage: told by upstream), once; tell the stages downstream."""
+        if self.drain_step is not None:
+            return
+        reason = (self.requested or "") if reason is None else reason
+        self.drain_step, self.drain_reason = step, reason
+        log.info("stage %d: the swarm drains at step %d (%s)", self.stage, step, reason or "no reason given")
+        await self._tell(self.down, {"phase": "drain", "step": step, **({"reason": reason} if reason else {})})
+        if self.on_drain is not None:
+            await self.on_drain(step)
+
+    def drained_at(self, bye: Message | None) -> int | None:
+        """The step this stage drained at, once its schedule ended: the decided one, or the step of a
+        BYE ``"drain"`` from upstream; None when the run was not drained."""
+        if self.drain_step is not None:
+            return self.drain_step
+        if bye is not None and bye.meta.get("reason") == DRAIN_REASON:
+            return bye.step
+        return None
 
     # ------------------------------------------------------------ resume
     def _usable(self) -> tuple[list[int], str | None]:
@@ -217,8 +301,7 @@ class CheckpointAgreement:
         except CheckpointError as exc:
             return [], str(exc)
 
-    async def agree_resume(self, run_steps: int, timeout_s: float,
-                           failed: Callable[[], BaseException | None] = lambda: None, *, epoch: int = 0,
+    async def agree_resume(self, run_steps: int, timeout_s: float, *, epoch: int = 0,
                            rejoin: bool = False) -> tuple[int, int]:
         """The step every stage resumes from and the swarm's run epoch (all stages get the same
         answer or the same error). ``epoch`` is this stage's; the swarm's is the largest of all
@@ -228,7 +311,7 @@ class CheckpointAgreement:
         if self.down is None:
             offer: dict[str, Any] = {"steps": mine, "have": {}, "epoch": epoch}
         else:
-            await self._until(lambda: "offer" in self._inbox, timeout_s, "checkpoint offer from downstream", failed)
+            await self._until(lambda: "offer" in self._inbox, timeout_s, "checkpoint offer from downstream")
             offer = self._inbox.pop("offer")
         have = {**offer.get("have", {}), str(self.stage): mine}
         common = sorted(set(offer["steps"]) & set(mine))
@@ -237,7 +320,7 @@ class CheckpointAgreement:
         if self.up is not None:
             await self.send(self.up, {"phase": "offer", "steps": common, "have": have, "epoch": swarm_epoch,
                                       **({"reason": reasons} if reasons else {})})
-            await self._until(lambda: "resume" in self._inbox, timeout_s, "resume decision from upstream", failed)
+            await self._until(lambda: "resume" in self._inbox, timeout_s, "resume decision from upstream")
             decision = self._inbox.pop("resume")
             if self.down is not None:
                 await self.send(self.down, decision)
@@ -255,7 +338,7 @@ class CheckpointAgreement:
                             "starts again from step 0", ", ".join(f"stage {k}: {v}" for k, v in sorted(stages.items())))
             else:
                 stages[self.stage] = self._prefer_recorded(stages)
-                step = stage_checkpoints.choose_resume_step(stages, run_steps, "each stage's run.out_dir")
+                step = checkpoint.choose_resume_step(stages, run_steps, "each stage's run.out_dir")
         except CheckpointError as exc:
             if self.down is not None:
                 await self.send(self.down, {"phase": "resume", "step": None, "reason": str(exc)})
@@ -305,11 +388,11 @@ class CheckpointAgreement:
 class PeerRunPolicy:
     """What a stage peer asks of the run policy, in the order it asks:
 
-    ``capabilities`` (HELLO) -> ``on_message`` (every CHECKPOINT) -> ``begin`` (after the handshake:
-    the start step, agreed with the other stages on resume, its state loaded on the compute thread)
-    -> per step ``step_end`` (metrics record; checkpoint saved on the compute thread, then its
-    agreement), ``train_loss`` / ``val_loss`` (stage 0), ``drain_at`` (a drain: that step is saved)
-    -> ``finish`` (stage 0, before BYE) -> ``close``.
+    ``begin`` (after the handshake, once the peer gave :attr:`agreement` its ``send`` and the
+    neighbours' capabilities: the start step, agreed with the other stages on resume, its state
+    loaded on the compute thread) -> per step ``step_end`` (metrics record; checkpoint saved on the
+    compute thread, then its agreement), ``train_loss`` / ``val_loss`` (stage 0), ``drain_at`` (a
+    drain: that step is saved) -> ``finish`` (stage 0, before BYE) -> ``close``.
     It reports what the schedule's :class:`~.schedule.NoRunHooks` describe."""
 
     def __init__(self, cfg: TrainConfig, stage: int, data: "PreparedData", fingerprint: str, *, resume: bool,
@@ -329,9 +412,6 @@ class PeerRunPolicy:
         self._start = 0
         self._ended = 0
         """The steps done at this stage's latest step end (the start step before any)."""
-        self.drain_step: int | None = None
-        """The swarm's drain step (:mod:`~.drain`), once decided: saved even when not due."""
-        self.capabilities = [CHECKPOINT_CAPABILITY, CHECKPOINT_UNSAVED_CAPABILITY, CHECKPOINT_ABANDONED_CAPABILITY]
         self.epoch = 0
         """The swarm's run epoch, once :meth:`begin` agreed it (SPEC "Rejoin")."""
 
@@ -339,37 +419,26 @@ class PeerRunPolicy:
         return StageCheckpoints(self.cfg.run.out_dir, self.stage, driver="swarm", fingerprint=self.fingerprint,
                                 keep=self.cfg.checkpoint.keep)
 
-    async def on_message(self, msg: Message) -> None:
-        await self.agreement.on_message(msg)
-
-    async def begin(self, send: Send, neighbour_caps: dict[int, set[str]],
-                    failed: Callable[[], BaseException | None], *, epoch: int = 0, rejoin: bool = False) -> int:
+    async def begin(self, *, epoch: int = 0, rejoin: bool = False) -> int:
         """After the handshake: the step to start from; opens the metrics stream, writes the manifest.
         ``epoch``: this stage's run epoch; the swarm's, agreed on resume, is then :attr:`epoch`.
         ``rejoin``: the swarm re-forms after a departure (SPEC "Rejoin"): every stage rolls back to
         the newest step all have (step 0 when there is none), within ``net.rejoin_timeout_s``."""
-        self.agreement.send = send
         if not self.resume:  # a fresh run owns its folder: only now that the swarm took this peer in
-            stage_checkpoints.start_fresh(self.cfg.run.out_dir, [self.stage])
+            checkpoint.start_fresh(self.cfg.run.out_dir, [self.stage])
             self.store = self.agreement.store = self._new_store()
-        lacking = [s for s, caps in neighbour_caps.items() if CHECKPOINT_CAPABILITY not in caps]
+        lacking = [s for s in (self.agreement.up, self.agreement.down) if s is not None
+                   and not self.agreement.takes(s, "saved")]
         if lacking:  # an older peer (protocol < 1.3): no CHECKPOINT to it, so no agreement at all
             why = f"neighbour stage(s) {lacking} do not take part in checkpoint agreement (protocol < 1.3)"
             if self.resume:
                 raise MaplError(f"stage {self.stage}: cannot agree on a resume step: {why}; upgrade every peer")
             log.warning("stage %d: %s: checkpoints are saved but never pruned", self.stage, why)
-            self.agreement.enabled = False
-        if self.stage > 0:  # a 1.4 peer upstream rejects CHECKPOINT unsaved
-            up_caps = neighbour_caps.get(self.stage - 1, set())
-            self.agreement.upstream_takes_unsaved = CHECKPOINT_UNSAVED_CAPABILITY in up_caps
-        if self.stage < self.cfg.pipeline.num_stages - 1:  # a 1.5 peer downstream rejects CHECKPOINT abandoned
-            down_caps = neighbour_caps.get(self.stage + 1, set())
-            self.agreement.downstream_takes_abandoned = CHECKPOINT_ABANDONED_CAPABILITY in down_caps
         start = 0
         self.epoch = epoch
         if self.resume:
             timeout = self.cfg.net.rejoin_timeout_s if rejoin else self.cfg.net.timeout_s
-            start, self.epoch = await self.agreement.agree_resume(self.cfg.run.steps, timeout, failed, epoch=epoch,
+            start, self.epoch = await self.agreement.agree_resume(self.cfg.run.steps, timeout, epoch=epoch,
                                                                   rejoin=rejoin)
             self.store.resumed(start)
             if start > 0:
@@ -422,7 +491,7 @@ class PeerRunPolicy:
         """Whether to save ``step`` now: due, or the drain step (with checkpoints on), and not saved
         yet. Claims it (no await between the check and the claim, so never twice)."""
         if step in self._saving or not (self.checkpoint_due(step) or
-                                        (step == self.drain_step and self.checkpoints_on)):
+                                        (step == self.agreement.drain_step and self.checkpoints_on)):
             return False
         self._saving.add(step)
         return True
@@ -443,9 +512,9 @@ class PeerRunPolicy:
             await self._save_and_agree(step)
 
     async def drain_at(self, step: int) -> None:
-        """The swarm drains at ``step`` (:mod:`~.drain`): saved at this stage's step end ``step``,
-        or now when that has passed (the stage waits, idle, for a step that will not come)."""
-        self.drain_step = step
+        """The swarm drains at ``step`` (:attr:`CheckpointAgreement.drain_step`): saved at this
+        stage's step end ``step``, or now when that has passed (the stage waits, idle, for a step
+        that will not come)."""
         if self._ended == step > self._start and self._claim_save(step):
             await self._save_and_agree(step)
 
@@ -473,18 +542,37 @@ class PeerRunPolicy:
         if self.records is not None:
             self.records.val_loss(step, loss)
 
-    async def finish(self, failed: Callable[[], BaseException | None], step: int | None = None) -> None:
+    async def finish(self, step: int | None = None) -> None:
         """Stage 0 at the end (``step``: the drain step; None: the run's last): until its checkpoint is
         complete, so every stage hears it before BYE, or known never to be (:meth:`unsaved_reason`:
         a stage could not save it; the newest complete checkpoint stays the one before)."""
         final = self.cfg.run.steps if step is None else step
         if self.saved(final) and self.agreement.enabled:
-            await self.agreement.wait_complete(final, self.cfg.net.timeout_s, failed)
+            await self.agreement.wait_complete(final, self.cfg.net.timeout_s)
 
     def close(self) -> None:
         if self.records is not None:
             self.records.close()
             self.records = None
+
+
+def checkpoint_note(policy: PeerRunPolicy | None, step: int, start_step: int) -> str:
+    """What became of a drain step's (or the last step's) checkpoint at this stage, in words."""
+    if policy is None:
+        return "this peer keeps no checkpoints"
+    if not policy.checkpoints_on:
+        return "no checkpoint saved (checkpoint.interval_steps = 0)"
+    if step <= start_step:
+        return f"nothing trained since step {step}, where this run started"
+    if step in policy.agreement.declared:
+        return f"checkpoint of step {step} saved by every stage; continue with --resume"
+    reason = policy.unsaved_reason(step)
+    if reason is not None:
+        return (f"checkpoint of step {step} is not complete ({reason}); the newest complete checkpoint is step "
+                f"{policy.newest_complete}")
+    if policy.saved(step):
+        return f"checkpoint of step {step} saved here (not confirmed by every stage)"
+    return f"no checkpoint of step {step} here"
 
 
 def _size(n: int) -> str:

@@ -6,8 +6,8 @@ peer that is not anchored is retried, any other ends the session). ERROR is info
 counted in ``errors``) except ``retransmit_unavailable``; BYE ``"rejoin"`` pauses the peer (the
 swarm re-forms); any other BYE from upstream ends the run (the schedule's), from downstream it is
 a departure (SPEC §9.5). RESYNC goes to the link's codebooks, REPORT to the schedule, CHECKPOINT to
-the drain or the run policy. ACT, GRAD, PROJ, PROJ_GRAD, CODEBOOK_SLICE and an upstream BYE go into
-the schedule's mailbox. A fresh peer that meets a swarm re-forming after a departure stops at once,
+the checkpoint agreement (ACT, GRAD, PROJ, PROJ_GRAD, CODEBOOK_SLICE and the upstream BYE that ends
+the run never come here: the schedule takes them from the inbound queue). A fresh peer that meets a swarm re-forming after a departure stops at once,
 saying that it must resume.
 """
 
@@ -18,10 +18,8 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from mapl_swarm.errors import MaplError
-from mapl_swarm.peer.drain import DRAIN_PHASES, DRAIN_REASON
-from mapl_swarm.peer.session import Rejected
 from mapl_swarm.wire import Message, MessageType
-from mapl_swarm.wire.spec import REJOIN_REASON
+from mapl_swarm.wire.spec import DRAIN_PHASES, DRAIN_REASON, REJOIN_REASON
 
 if TYPE_CHECKING:
     import asyncio
@@ -29,11 +27,9 @@ if TYPE_CHECKING:
     from mapl_swarm.config import TrainConfig
     from mapl_swarm.net.heartbeat import HeartbeatMonitor
     from mapl_swarm.peer.admission import Admission, Admitted, Arrival, RejectCounter
-    from mapl_swarm.peer.checkpoints import PeerRunPolicy
-    from mapl_swarm.peer.drain import Drain
+    from mapl_swarm.peer.checkpoints import CheckpointAgreement, PeerRunPolicy
     from mapl_swarm.peer.inbound import Inbound
     from mapl_swarm.peer.link import Links, PeerLink
-    from mapl_swarm.peer.mailbox import Mailbox
     from mapl_swarm.peer.result import PeerResult
     from mapl_swarm.peer.schedule import PipelineSchedule
 
@@ -56,10 +52,9 @@ class Session(Protocol):
     name: str
     epoch: int
     links: Links
-    mailbox: Mailbox
     monitor: HeartbeatMonitor
     schedule: PipelineSchedule
-    drain: Drain
+    agreement: CheckpointAgreement
     run_policy: PeerRunPolicy | None
     result: PeerResult
     rejects: RejectCounter
@@ -91,18 +86,11 @@ class Control:
         }
 
     async def handle(self, got: Admitted, arrival: Arrival, transport: Any) -> None:
-        peer, msg = self.peer, got.msg
+        msg = got.msg
         if msg.type is MT.HELLO:
             await self._on_hello(got, arrival, transport)
             return
-        handler = self._handlers.get(msg.type)
-        try:
-            if handler is not None:
-                await handler(msg, got.link)
-            else:
-                peer.mailbox.put(msg)  # ACT, GRAD, PROJ, PROJ_GRAD, CODEBOOK_SLICE: the schedule's
-        except Rejected as exc:  # queue_full (an upstream BYE goes into the mailbox too)
-            peer.rejects(exc.code, arrival.sender, exc.text)
+        await self._handlers[msg.type](msg, got.link)
 
     async def _on_hello(self, got: Admitted, arrival: Arrival, transport: Any) -> None:
         peer, msg = self.peer, got.msg
@@ -177,9 +165,10 @@ class Control:
             peer.stop(MaplError(f"stage {msg.src} failed: {msg.meta.get('message')}"))
 
     async def _on_bye(self, msg: Message, link: PeerLink) -> None:
-        """BYE from upstream ends the run (the schedule's; before training, a BYE ``"drain"`` is a
-        planned departure); from downstream the neighbour leaves: a planned departure with ``reason``
-        ``"drain"``, else it left before the end (SPEC §9.5)."""
+        """BYE ``"rejoin"``: the swarm re-forms. Otherwise the neighbour leaves (the BYE from upstream
+        that ends the run is the schedule's, :meth:`~.inbound.Inbound.for_schedule`; this is one
+        before training, or from downstream): a planned departure with ``reason`` ``"drain"``, else
+        it left before the end (SPEC §9.5)."""
         peer = self.peer
         reason = str(msg.meta.get("reason", ""))
         if reason == REJOIN_REASON:
@@ -187,9 +176,6 @@ class Control:
             departed = f" (stage {lost} departed)" if lost is not None else ""
             peer.pause(f"stage {msg.src} re-forms the swarm{departed}", epoch=max(peer.epoch + 1, msg.epoch),
                        lost=lost, told_by=msg.src)
-            return
-        if link.is_upstream and (peer.started or reason != DRAIN_REASON):
-            peer.mailbox.put(msg)
             return
         peer.depart(link, "drain" if reason == DRAIN_REASON else "left", reason)
 
@@ -203,10 +189,8 @@ class Control:
         await self.peer.schedule.on_report(msg)
 
     async def _on_checkpoint(self, msg: Message, link: PeerLink) -> None:
-        peer = self.peer
-        if msg.meta["phase"] in DRAIN_PHASES:
-            await peer.drain.on_message(msg)
-        elif peer.run_policy is None:
-            peer.bad_frame(link.name, "CHECKPOINT but this peer keeps no checkpoints")
+        agreement = self.peer.agreement
+        if agreement.store is None and msg.meta["phase"] not in DRAIN_PHASES:
+            self.peer.bad_frame(link.name, "CHECKPOINT but this peer keeps no checkpoints")
         else:
-            await peer.run_policy.on_message(msg)
+            await agreement.on_message(msg)

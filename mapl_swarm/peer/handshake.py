@@ -19,6 +19,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from mapl_swarm.aio import within
 from mapl_swarm.errors import MaplError
 from mapl_swarm.net.emulator import LinkConfig
 from mapl_swarm.peer.link import Links, PeerLink
@@ -38,11 +39,14 @@ async def candidates_of(resolve: Resolve, stage: int, timeout_s: float) -> list[
     return [found] if isinstance(found, str) else list(found)
 
 
-async def connect(link: PeerLink, transport: Any, endpoint: str, shaping: LinkConfig) -> None:
+async def connect(link: PeerLink, transport: Any, endpoint: str, shaping: LinkConfig, *, fresh: bool = False) -> None:
     """``link`` to ``endpoint``: the transport's connection to that stage is kept when it goes there
-    already (an earlier session of this process), replaced when it goes elsewhere."""
-    if transport.endpoint_of(link.name) not in (None, endpoint):
-        await transport.disconnect(link.name)
+    already, replaced when it goes elsewhere or when ``fresh`` (the first connection of a session
+    that re-forms the swarm, under the transport's new routing id; what the old one still queues
+    gets a second to leave)."""
+    current = transport.endpoint_of(link.name)
+    if current is not None and (fresh or current != endpoint):
+        await transport.disconnect(link.name, linger_s=1.0 if fresh else 0.0)
     link.connect(transport, endpoint, shaping)
 
 
@@ -62,7 +66,7 @@ class Handshake:
         for link in self.links:
             await link.send_hello(anchored=self.links.anchored)
         try:
-            await self.waits.wait(asyncio.wait_for(self._until_welcomed(transport, shaping, timeout_s), timeout_s),
+            await self.waits.wait(within(self._until_welcomed(transport, shaping, timeout_s), timeout_s),
                                   lambda: [link for link in self.links if not link.welcomed],
                                   rejoin_timeout_s=timeout_s if rejoining else None)
         except asyncio.TimeoutError:
@@ -91,7 +95,7 @@ class Handshake:
                 return
             sent = min((link.hello_at or 0.0 for link in self.links if not link.welcomed), default=now)
             try:
-                await asyncio.wait_for(self.welcomed.wait(), max(0.05, sent + self.retry_s - time.monotonic()))
+                await within(self.welcomed.wait(), max(0.05, sent + self.retry_s - time.monotonic()))
             except asyncio.TimeoutError:
                 pass
 

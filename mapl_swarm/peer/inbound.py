@@ -1,17 +1,18 @@
-"""What a peer receives, on one path: receive -> admit -> held or queued -> handled.
+"""What a peer receives, on one path: receive -> admit -> the one queue -> schedule or dispatcher.
 
 Both receive loops (this peer's ROUTER, where every connection to it arrives, and its own
 connections to its neighbours, where the answers to its HELLOs come back) pass each message to one
 admission, one at a time in arrival order (:class:`~.admission.Admission`), then note the sign of
-life; heartbeats are handled right there. Until this peer's training starts, a pipeline message
-(from a neighbour that had the resume decision first) is *held*: once training starts
-(:meth:`Inbound.start`) the held ones are admitted with the checks that remain, in arrival order,
-before anything received later (SPEC §6.1 "Before training starts"). Every other admitted message
-is queued for the dispatcher, which hands it to ``handle`` (the peer's
-:class:`~.control.Control`: control messages by type, pipeline messages into the schedule's
-mailbox). Receiving never waits on handling, so a handler that waits (a relay to a neighbour whose
-send buffer is full) never makes another neighbour look silent. A refused HELLO is answered with
-REJECT on its own connection, a version mismatch once per connection.
+life; heartbeats are handled right there. What is admitted goes into the peer's one inbound queue
+(:class:`~.mailbox.Mailbox`): a pipeline message for the schedule, a control message for the
+dispatcher, which hands it to ``handle`` (the peer's :class:`~.control.Control`). Until this peer's
+training starts, a pipeline message (from a neighbour that had the resume decision first) is
+*held* in that queue: once training starts (:meth:`Inbound.start`) the held ones are admitted with
+the checks that remain, in arrival order, before anything received later (SPEC §6.1 "Before
+training starts"). Receiving never waits on handling, so a handler that waits (a relay to a
+neighbour whose send buffer is full) never makes another neighbour look silent. A refused HELLO is
+answered with REJECT on its own connection, a version mismatch once per connection, each answer on
+a task of its own.
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ import asyncio
 from mapl_swarm.net.errors import NetError
 from mapl_swarm.peer.admission import Admission, Admitted, Arrival, RejectCounter
 from mapl_swarm.peer.link import Links, PeerLink, Reply, stage_of
-from mapl_swarm.peer.session import Early, HelloRefused
-from mapl_swarm.wire import MessageType, VersionMismatch
+from mapl_swarm.peer.session import Early, HelloRefused, Rejected
+from mapl_swarm.wire import Message, MessageType, VersionMismatch
+from mapl_swarm.wire.spec import DRAIN_REASON, REJOIN_REASON
 
 if TYPE_CHECKING:
     from mapl_swarm.net.heartbeat import HeartbeatMonitor
+    from mapl_swarm.peer.mailbox import Mailbox
     from mapl_swarm.peer.window import StepWindow
 
 log = logging.getLogger(__name__)
@@ -39,24 +42,30 @@ __all__ = ["Inbound", "Handle"]
 
 MT = MessageType
 
-Then = Callable[[], Awaitable[None]]
-"""What the dispatcher does with one received message, after its admission."""
+SCHEDULE_TYPES = frozenset({MT.ACT, MT.GRAD, MT.PROJ, MT.PROJ_GRAD, MT.CODEBOOK_SLICE})
+"""Pipeline messages: the schedule takes them from the queue (and so the BYE that ends the run)."""
+
+Answer = Callable[[], Awaitable[None]]
+"""The answer to a refused HELLO or a version mismatch, sent on a task of its own."""
+MAX_ANSWERS = 64
+"""Answers on their way at once at most; a flood of refused HELLOs beyond is dropped as ``queue_full``."""
 Handle = Callable[[Admitted, Arrival, Any], Awaitable[None]]
 """``handle(admitted, arrival, transport)``: what an admitted message does (:class:`~.control.Control`)."""
 
 
 class Inbound:
-    """Peer ``name``'s receive path over ``links`` (see the module docstring); at most ``bound``
-    messages wait for the dispatcher, and as many are held before training starts."""
+    """Peer ``name``'s receive path over ``links`` into ``mailbox`` (see the module docstring);
+    ``spawn(coroutine)`` runs the answers to refused HELLOs."""
 
     def __init__(self, name: str, links: Links, admission: Admission, monitor: HeartbeatMonitor,
-                 rejects: RejectCounter, window: StepWindow, *, bound: int, handle: Handle) -> None:
+                 rejects: RejectCounter, window: StepWindow, mailbox: Mailbox, *, handle: Handle,
+                 spawn: Callable[[Awaitable[None]], Any]) -> None:
         self.name, self.links, self.admission, self.monitor = name, links, admission, monitor
-        self.rejects, self.window, self.bound, self.handle = rejects, window, bound, handle
+        self.rejects, self.window, self.mailbox, self.handle, self.spawn = rejects, window, mailbox, handle, spawn
         self.started = False
         """This peer's training started: pipeline messages are no longer held."""
-        self._queue: asyncio.Queue[Then] = asyncio.Queue()
-        self._held: list[Arrival] = []
+        self._answering = 0
+        """Answers on their way (:data:`MAX_ANSWERS` at most)."""
         self._admitting = asyncio.Lock()
         """Held around each admission, so that messages are admitted in arrival order, the held
         ones before any later one."""
@@ -68,50 +77,68 @@ class Inbound:
         while True:
             sender, frames = await transport.recv(timeout_s=3600.0)
             async with self._admitting:
-                self._enqueue(await self._admit(Arrival(sender, frames), transport), sender)
+                self._answer(await self._admit(Arrival(sender, frames), transport), sender)
 
     async def reply_loop(self, transport: Any) -> None:
         """Answers (WELCOME/REJECT) on this peer's own connections to its neighbours."""
         while True:
             link, frames = await transport.recv_reply(timeout_s=3600.0)
-            self._enqueue(await self._admit(Arrival(link, frames, reply_link=link), transport), link)
+            self._answer(await self._admit(Arrival(link, frames, reply_link=link), transport), link)
 
-    async def dispatch_loop(self) -> None:
-        """Handles the admitted messages (and answers refused HELLOs) in arrival order."""
+    async def dispatch_loop(self, transport: Any) -> None:
+        """Handles the admitted control messages in arrival order."""
         while True:
-            then = await self._queue.get()
-            await then()
+            got, arrival = await self.mailbox.next_control()
+            await self.handle(got, arrival, transport)
 
     async def receive(self, arrival: Arrival, transport: Any) -> None:
-        """Admit one message and handle it at once (what the loops do, without their queue)."""
-        then = await self._admit(arrival, transport)
-        if then is not None:
-            await then()
+        """Admit one message and handle it at once (what the loops and the dispatcher do, without
+        waiting their turn)."""
+        answer = await self._admit(arrival, transport, dispatch=False)
+        if answer is not None:
+            await answer()
 
     async def start(self, transport: Any) -> None:
         """Training starts (the run epoch, step window and projector version are set): the held
         messages are admitted, in arrival order, before anything received later."""
         async with self._admitting:
             self.started = True
-            held, self._held = self._held, []
+            held = self.mailbox.release_held()
             for arrival in held:
-                self._enqueue(await self._admit(arrival, transport), arrival.sender)
+                self._answer(await self._admit(replace(arrival, held=True), transport), arrival.sender)
         if held:
             log.debug("%s: %d message(s) that came before the start of training admitted now", self.name, len(held))
 
     # ------------------------------------------------------------------ one message
-    def _enqueue(self, then: Then | None, sender: str) -> None:
-        if then is None:
+    def _answer(self, answer: Answer | None, sender: str) -> None:
+        if answer is None:
             return
-        if self._queue.qsize() >= self.bound:
-            self.rejects("queue_full", sender, f"{self.bound} received messages wait for the dispatcher already")
+        if self._answering >= MAX_ANSWERS:
+            self.rejects("queue_full", sender, f"{MAX_ANSWERS} answers to refused HELLOs are on their way already")
             return
-        self._queue.put_nowait(then)
+        self._answering += 1
 
-    async def _admit(self, arrival: Arrival, transport: Any) -> Then | None:
+        async def send() -> None:
+            try:
+                await answer()
+            finally:
+                self._answering -= 1
+
+        self.spawn(send())
+
+    def for_schedule(self, msg: Message, link: PeerLink) -> bool:
+        """A pipeline message, or the BYE from upstream that ends the run (before training, a BYE
+        ``"drain"`` is a departure; BYE ``"rejoin"`` is a re-form): the schedule's to take."""
+        if msg.type in SCHEDULE_TYPES:
+            return True
+        reason = msg.meta.get("reason")
+        return (msg.type is MT.BYE and link.is_upstream and reason != REJOIN_REASON
+                and (self.started or reason != DRAIN_REASON))
+
+    async def _admit(self, arrival: Arrival, transport: Any, *, dispatch: bool = True) -> Answer | None:
         """Admission, the sign of life, heartbeats and what later admissions depend on (a PROJ's
-        version), on the receive loop; returns what remains to do (handle the message, answer a
-        refused HELLO), or None."""
+        version), on the receive loop, then into the queue (``dispatch`` False: a control message is
+        handled at once); returns the answer to a refused HELLO, or None."""
         try:
             got = await self.admission.admit(arrival)
         except Early as early:
@@ -144,15 +171,23 @@ class Inbound:
             return None
         if got.msg.type is MT.PROJ:
             self.window.projector(got.link.stage, got.msg.pver)  # the link's version moves on (SPEC §9.6)
-        return lambda: self.handle(got, arrival, transport)
+        try:
+            if self.for_schedule(got.msg, got.link):
+                self.mailbox.put(got.msg)
+            elif dispatch:
+                self.mailbox.put_control(got, arrival)
+            else:
+                await self.handle(got, arrival, transport)
+        except Rejected as exc:  # queue_full
+            self.rejects(exc.code, arrival.sender, exc.text)
+        return None
 
     def _hold(self, arrival: Arrival, link: str) -> None:
         self.monitor.heard(link)  # authenticated and in sequence: a sign of life
-        if len(self._held) >= self.bound:
-            self.rejects("queue_full", arrival.sender, f"{self.bound} messages from before the start of training "
-                                                       f"are held already")
-            return
-        self._held.append(replace(arrival, held=True))
+        try:
+            self.mailbox.hold(arrival)
+        except Rejected as exc:
+            self.rejects(exc.code, arrival.sender, exc.text)
 
     def _link_of(self, arrival: Arrival) -> PeerLink | None:
         if arrival.reply_link is not None:

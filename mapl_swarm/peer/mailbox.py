@@ -1,8 +1,17 @@
-"""An inbox for decoded messages: wait for the oldest one a predicate accepts, in arrival order.
+"""A peer's one inbound queue: every admitted message, in arrival order, until its consumer takes it.
 
-Messages it does not accept stay queued for whoever asks for them later (e.g. an ACT of the next
-step that arrives while the stage still waits for a PROJ_GRAD). A failure elsewhere in the peer
-stops its session, which cancels the waiter.
+Both receive loops put what they admitted here (:mod:`~.inbound`), and two consumers take from it:
+the schedule takes pipeline messages (ACT, GRAD, PROJ, PROJ_GRAD, CODEBOOK_SLICE, the BYE that ends
+the run) with a predicate, the oldest one it accepts (:meth:`Mailbox.get`: e.g. an ACT of the next
+step that arrives while the stage still waits for a PROJ_GRAD stays for later); the dispatcher
+takes control messages in order (:meth:`Mailbox.next_control`). Before this peer's training
+starts, a pipeline message is *held* here, not yet admitted (it needs the agreed step window and
+run epoch): :meth:`Mailbox.release_held` hands the held ones back, in arrival order, for their
+admission once training starts.
+
+Bounds: each neighbour may have ``max_per_sender`` pipeline messages waiting; control messages and
+held ones together at most ``bound``. Beyond, :class:`~.session.Rejected` ``queue_full``. A
+failure elsewhere in the peer stops its session, which cancels the waiters.
 """
 
 from __future__ import annotations
@@ -10,57 +19,113 @@ from __future__ import annotations
 import asyncio
 from collections import Counter, deque
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from mapl_swarm.aio import until
 from mapl_swarm.errors import MaplError
 from mapl_swarm.peer.session import Rejected
 from mapl_swarm.wire import Message
 
+if TYPE_CHECKING:
+    from mapl_swarm.peer.admission import Admitted, Arrival
+
 __all__ = ["Mailbox"]
 
 
+@dataclass(frozen=True, eq=False)
+class _Item:
+    msg: Message | None = None
+    """A pipeline message for the schedule."""
+    control: Admitted | None = None
+    """A control message for the dispatcher."""
+    arrival: Arrival | None = None
+    """How it arrived (a control message); alone: held until training starts."""
+
+
 class Mailbox:
-    def __init__(self, name: str, *, max_per_sender: int = 1 << 30) -> None:
+    def __init__(self, name: str, *, max_per_sender: int = 1 << 30, bound: int = 1 << 30) -> None:
         self.name = name
-        self.max_per_sender = max_per_sender
-        self._items: deque[Message] = deque()
+        self.max_per_sender, self.bound = max_per_sender, bound
+        self._items: deque[_Item] = deque()
         self._queued: Counter[int] = Counter()
+        self._others = 0
         self._changed = asyncio.Event()
 
+    def _append(self, item: _Item) -> None:
+        self._items.append(item)
+        self._changed.set()
+
+    def _room(self, what: str) -> None:
+        if self._others >= self.bound:
+            raise Rejected("queue_full", f"{self.bound} {what} wait already")
+        self._others += 1
+
     def put(self, msg: Message) -> None:
-        """Queue ``msg``; :class:`~.session.Rejected` ``queue_full`` when its sender has
+        """Queue a pipeline message for the schedule; ``queue_full`` when its sender has
         ``max_per_sender`` messages waiting."""
         if self._queued[msg.src] >= self.max_per_sender:
             raise Rejected("queue_full", f"{self.max_per_sender} messages of stage {msg.src} already wait")
         self._queued[msg.src] += 1
-        self._items.append(msg)
-        self._changed.set()
+        self._append(_Item(msg=msg))
+
+    def put_control(self, got: Admitted, arrival: Arrival) -> None:
+        """Queue a control message for the dispatcher."""
+        self._room("control messages and held ones")
+        self._append(_Item(control=got, arrival=arrival))
+
+    def hold(self, arrival: Arrival) -> None:
+        """Keep a pipeline message that came before training started, for :meth:`release_held`."""
+        self._room("control messages and messages from before the start of training")
+        self._append(_Item(arrival=arrival))
+
+    def release_held(self) -> list[Arrival]:
+        """The held messages, in arrival order, no longer here."""
+        held = [item.arrival for item in self._items if item.msg is None and item.control is None]
+        self._items = deque(item for item in self._items if item.msg is not None or item.control is not None)
+        self._others -= len(held)
+        return held
 
     def queued(self, src: int) -> int:
-        """Messages of stage ``src`` waiting."""
+        """Pipeline messages of stage ``src`` waiting."""
         return self._queued[src]
 
     def take(self, wanted: Callable[[Message], bool]) -> Message | None:
-        """The oldest queued message ``wanted`` accepts, or None; never waits."""
-        for i, msg in enumerate(self._items):
-            if wanted(msg):
+        """The oldest pipeline message ``wanted`` accepts, or None; never waits."""
+        for i, item in enumerate(self._items):
+            if item.msg is not None and wanted(item.msg):
                 del self._items[i]
-                self._queued[msg.src] -= 1
-                return msg
+                self._queued[item.msg.src] -= 1
+                return item.msg
         return None
 
     async def get(self, wanted: Callable[[Message], bool], timeout_s: float, what: str) -> Message:
-        """Wait for the oldest message ``wanted`` accepts; raise on a timeout, naming ``what`` was awaited."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while True:
+        """Wait for the oldest pipeline message ``wanted`` accepts; raise on a timeout, naming ``what``
+        was awaited."""
+        got: list[Message] = []
+
+        def arrived() -> bool:
             msg = self.take(wanted)
             if msg is not None:
-                return msg
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise MaplError(f"{self.name}: no {what} within {timeout_s:g} s")
-            self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), remaining)
-            except asyncio.TimeoutError:
-                continue
+                got.append(msg)
+            return bool(got)
+
+        if not await until(arrived, self._changed, timeout_s):
+            raise MaplError(f"{self.name}: no {what} within {timeout_s:g} s")
+        return got[0]
+
+    async def next_control(self) -> tuple[Admitted, Arrival]:
+        """Wait for the oldest control message (and how it arrived)."""
+        found: list[_Item] = []
+
+        def arrived() -> bool:
+            for i, item in enumerate(self._items):
+                if item.control is not None:
+                    del self._items[i]
+                    self._others -= 1
+                    found.append(item)
+                    return True
+            return False
+
+        await until(arrived, self._changed, None)
+        return found[0].control, found[0].arrival

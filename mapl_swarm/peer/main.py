@@ -148,7 +148,7 @@ def run_peer(cfg: TrainConfig, stage: int, *, run_key: RunKey | None, initial_pe
              resume: bool = False, progress: bool = True,
              insecure_warning_interval_s: float = INSECURE_WARNING_INTERVAL_S):
     """Run stage ``stage`` of ``cfg`` until the swarm finishes or drains (``result.end``); returns its
-    PeerResult. SIGINT/SIGTERM drain the swarm once the peer serves (:mod:`~.drain`). ``run_key``
+    PeerResult. SIGINT/SIGTERM drain the swarm once the peer serves (:mod:`~.signals`). ``run_key``
     None runs insecure, warning every ``insecure_warning_interval_s``."""
     if not 0 <= stage < cfg.pipeline.num_stages:
         raise ConfigError(f"--stage {stage} is outside 0..{cfg.pipeline.num_stages - 1} (pipeline.num_stages)")

@@ -5,16 +5,17 @@ Each part owns one concern:
 - :class:`~.link.PeerLink` per neighbour (``links.upstream`` / ``links.downstream``): handshake
   state, sequence numbers, torch <-> wire payloads, byte counters, the send, and with mapl_vq the
   link's codebook stream (:class:`~.vq_link.CodebookLink`);
-- :class:`~.inbound.Inbound`: the one receive path (receive -> admit -> held or queued ->
-  handled), with :class:`~.admission.Admission` (what gets in, every drop counted by code) and
-  :class:`~.control.Control` (what each admitted control message does; pipeline messages go to
-  the :class:`~.mailbox.Mailbox` the schedule takes them from);
+- :class:`~.inbound.Inbound`: the one receive path (receive -> admit -> the one inbound queue,
+  :class:`~.mailbox.Mailbox` -> the schedule or the dispatcher), with
+  :class:`~.admission.Admission` (what gets in, every drop counted by code) and
+  :class:`~.control.Control` (what each admitted control message does);
 - :class:`~.schedule.PipelineSchedule`: the step's actions (1F1B) and its
   :class:`~.window.StepWindow`; :class:`~.compute.ComputeThread`: the stage's compute off the loop;
 - :class:`~mapl_swarm.net.heartbeat.HeartbeatMonitor` (``monitor``): heartbeats, round trips and
   liveness deadlines (SPEC §9.5); :class:`~.departures.Departures`: neighbours that went silent or
   left; :class:`~.handshake.Handshake`: HELLO until every neighbour welcomed this peer;
-- :class:`~.drain.Drain`: the graceful drain on SIGINT/SIGTERM (every stage saves the same step).
+- :class:`~.checkpoints.CheckpointAgreement` (``agreement``): every CHECKPOINT phase, the graceful
+  drain on SIGINT/SIGTERM (every stage saves the same step) among them.
 
 The lifecycle of one session (SPEC §9.9), each transition logged once:
 
@@ -44,7 +45,7 @@ Ends (``result.end``): ``finished`` (the last step), ``drained`` (a graceful dra
 departure without live rejoin) — all exit status 0, with ``result.end_note`` as the one line to
 print; ``rejoin`` (the session ended so that the swarm re-forms: the process goes on with its next
 session, :mod:`~.sessions`); without live rejoin an unplanned departure raises
-:class:`~.departures.NeighbourLost`, a second signal :class:`~.drain.Interrupted`.
+:class:`~.departures.NeighbourLost`, a second signal :class:`~.signals.Interrupted`.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mapl_swarm.aio import within
 from mapl_swarm.config import TrainConfig, config_summary
 from mapl_swarm.errors import MaplError, NonFiniteError
 from mapl_swarm.net.emulator import LinkConfig
@@ -65,22 +67,23 @@ from mapl_swarm.net.errors import NetError
 from mapl_swarm.net.heartbeat import HeartbeatConfig, HeartbeatMonitor, Silence
 from mapl_swarm.net.transport import Transport, TransportConfig
 from mapl_swarm.peer.admission import Admission, RejectCounter, mailbox_bound, run_shapes
+from mapl_swarm.peer.checkpoints import CheckpointAgreement, checkpoint_note
 from mapl_swarm.peer.compute import BackgroundTasks, ComputeThread, WorkerThread
 from mapl_swarm.peer.control import Control, PeerRejected
 from mapl_swarm.peer.departures import Departure, Departures, NeighbourLost
-from mapl_swarm.peer.drain import DRAIN_CAPABILITY, DRAIN_REASON, Drain, Interrupted, checkpoint_note, drained_at
 from mapl_swarm.peer.handshake import Handshake, candidates_of, connect
 from mapl_swarm.peer.inbound import Inbound
 from mapl_swarm.peer.link import LinkSettings, Links, PeerLink, stage_name
 from mapl_swarm.peer.mailbox import Mailbox
 from mapl_swarm.peer.result import PeerResult, collect, write_result
 from mapl_swarm.peer.schedule import NoRunHooks, PipelineSchedule, ScheduleSettings
+from mapl_swarm.peer.signals import Interrupted
 from mapl_swarm.peer.vq_link import codebook_summary
 from mapl_swarm.peer.waiting import WAIT_LOG_INTERVAL_S, WaitingLog
 from mapl_swarm.pipeline.stage import StageRuntime
 from mapl_swarm.wire import MessageType
 from mapl_swarm.wire.codebook import INDEXED_SLICES_CAPABILITY, RETRANSMIT_CAPABILITY, VQ_CAPABILITY
-from mapl_swarm.wire.spec import REJOIN_CAPABILITY, REJOIN_REASON
+from mapl_swarm.wire.spec import DRAIN_REASON, REJOIN_CAPABILITY, REJOIN_REASON
 
 if TYPE_CHECKING:
     from mapl_swarm.net.runkey import RunKey
@@ -179,7 +182,9 @@ class Peer:
         self.result = PeerResult(stage)
         self.rejects = RejectCounter(self.name, self.result.rejects)
         """Counts and logs every dropped message by code (into ``result.rejects``)."""
-        self.mailbox = Mailbox(self.name, max_per_sender=mailbox_bound(cfg))
+        self.mailbox = Mailbox(self.name, max_per_sender=mailbox_bound(cfg), bound=4 * mailbox_bound(cfg) + 64)
+        """The one inbound queue: admitted messages for the schedule and the dispatcher, and the
+        pipeline messages held until training starts."""
         self.compute = compute or ComputeThread(self.name)
         self.decoder = WorkerThread(f"{self.name}-decode")
         """Decodes and inflates received tensors and checks their content, off the event loop."""
@@ -187,12 +192,15 @@ class Peer:
         """The receive loops, the dispatcher and other tasks beside the work: a failure stops the peer."""
         self.waits = WaitingLog(self.name, wait_log_interval_s)
         vq = runtime.vq is not None
+        self.agreement = run_policy.agreement if run_policy is not None else CheckpointAgreement(None, stage, P)
+        """Every CHECKPOINT phase: checkpoint agreement and the drain (:meth:`request_drain`: a signal)."""
+        self.agreement.send, self.agreement.on_drain = self._send_checkpoint, self._drain_decided
         settings = LinkSettings(
             run_id=cfg.run.run_id, stage=stage, num_stages=P, fingerprint=fingerprint,
             config=config if config is not None else config_summary(cfg),
             capabilities=("1f1b", *((REJOIN_CAPABILITY,) if _rejoin_configured(cfg, run_policy) else ()),
                           *((VQ_CAPABILITY, RETRANSMIT_CAPABILITY, INDEXED_SLICES_CAPABILITY) if vq else ()),
-                          *(run_policy.capabilities if run_policy is not None else ()), DRAIN_CAPABILITY),
+                          *self.agreement.capabilities),
             num_micro_batches=cfg.pipeline.num_micro_batches, micro_batch_size=cfg.pipeline.micro_batch_size,
             eval_batches=cfg.eval.batches, max_in_flight=net.max_in_flight or P, secret=secret,
             compress_ids=net.compress_ids, max_frame_bytes=net.max_frame_bytes)
@@ -206,14 +214,11 @@ class Peer:
         if vq:
             for link in self.links:
                 link.use_codebooks(runtime, self.compute, spawn=self.tasks.spawn)
-        self.drain = Drain(stage, P, send=self._send_checkpoint, can_send=self._takes_drain,
-                           on_decided=self._drain_decided)
-        """The graceful drain (:meth:`request_drain`: a signal)."""
         self.schedule = PipelineSchedule(
             runtime, self.links, self.mailbox, self.compute, name=self.name,
             settings=ScheduleSettings.from_config(cfg, start_step=start_step, progress=progress),
             result=self.result, waits=self.waits, hooks=run_policy or NoRunHooks(),
-            sampler=sampler, val_batches=val_batches or [], reject=self.rejects, drain=self.drain)
+            sampler=sampler, val_batches=val_batches or [], reject=self.rejects, drain=self.agreement)
         self.admission = Admission(
             settings, self.links, shapes=run_shapes(cfg, stage), window=self.schedule.window, rejects=self.rejects,
             decoder=self.decoder, timeout_s=net.timeout_s, clock=time.monotonic, replies_on_link=False,
@@ -228,7 +233,7 @@ class Peer:
         """Neighbours that went silent or left (:mod:`~.departures`)."""
         self.control = Control(self)
         self.inbound = Inbound(self.name, self.links, self.admission, self.monitor, self.rejects,
-                               self.schedule.window, bound=4 * mailbox_bound(cfg) + 64, handle=self.control.handle)
+                               self.schedule.window, self.mailbox, handle=self.control.handle, spawn=self.tasks.spawn)
         self.receive = self.inbound.receive
         """Admit one received message and handle it at once (tests; the receive loops queue instead)."""
         self.welcomed = asyncio.Event()
@@ -308,15 +313,17 @@ class Peer:
         net = self.cfg.net
         shaping = LinkConfig(bandwidth_mbps=net.bandwidth_mbps, latency_ms=net.latency_ms)
         await self.announce(endpoint)
+        if self.rejoining:  # new connections at once, not after the old ones time out (SPEC §9.6)
+            transport.new_routing_id()
         for link in self.links:
             candidates = await self.waits.wait(candidates_of(self.resolve, link.stage, net.timeout_s),
                                                lambda link=link: [link])
-            await connect(link, transport, candidates[0], shaping)
+            await connect(link, transport, candidates[0], shaping, fresh=self.rejoining)
             log.info("%s: link to stage %d at %s", self.name, link.stage, candidates[0])
         self.tasks.spawn(self.inbound.receive_loop(transport))
         if self.admission.replies_on_link:
             self.tasks.spawn(self.inbound.reply_loop(transport))
-        self.tasks.spawn(self.inbound.dispatch_loop())
+        self.tasks.spawn(self.inbound.dispatch_loop(transport))
         self.monitor.start()
         self._enter(PeerState.HANDSHAKING, f"HELLO to stage(s) {self.links.stages}")
         await Handshake(self.name, self.links, resolve=self.resolve, retry_s=net.hello_retry_s, waits=self.waits,
@@ -339,16 +346,11 @@ class Peer:
 
     async def _agree_start(self, transport: Transport) -> int | None:
         """The step to start from, agreed by every stage on resume (SPEC §5.2), its state loaded."""
+        self.agreement.neighbours({link.stage: link.capabilities for link in self.links})
         if self.run_policy is None:
             return None
-        links = {link.stage: link for link in self.links}
-
-        async def send(dst: int, meta: dict) -> None:
-            await links[dst].send(MT.CHECKPOINT, step=meta.get("step") or 0, meta=meta)
-
         try:
-            start = await self.run_policy.begin(send, {s: set(link.capabilities) for s, link in links.items()},
-                                                lambda: self.stop_reason, epoch=self.epoch, rejoin=self.rejoining)
+            start = await self.run_policy.begin(epoch=self.epoch, rejoin=self.rejoining)
         except MaplError:
             await transport.flush(self.cfg.net.timeout_s)  # a refusal reaches the other stages first
             raise
@@ -386,7 +388,7 @@ class Peer:
         if self.state is PeerState.ENDED:
             log.info("%s: %s after the end of the run", self.name, departure.describe())
             return
-        if (self.state.started or self.rejoining) and self._can_rejoin and not self.drain.active:
+        if (self.state.started or self.rejoining) and self._can_rejoin and not self.agreement.draining:
             self.pause(departure.describe(), epoch=self.epoch + 1, lost=departure.stage)
         elif departure.planned:
             self.stop(_CleanStop("stopped", f"stage {self.stage} stopped: {departure.describe()}"))
@@ -436,7 +438,7 @@ class Peer:
         """Best effort: BYE ``meta`` on ``links`` (5 s each), then what is queued flushed."""
         for link in links:
             try:
-                await asyncio.wait_for(link.send_bye(meta, step=self.schedule.step), 5.0)
+                await within(link.send_bye(meta, step=self.schedule.step), 5.0)
             except (NetError, asyncio.TimeoutError) as err:
                 log.warning("%s: could not tell stage %d: %s", self.name, link.stage, err)
         try:
@@ -453,7 +455,7 @@ class Peer:
 
     # ------------------------------------------------------------------ drain
     def request_drain(self, signal_name: str) -> None:
-        """A first SIGINT/SIGTERM (:class:`~.drain.DrainSignals`): drain the swarm at the next step
+        """A first SIGINT/SIGTERM (:class:`~.signals.DrainSignals`): drain the swarm at the next step
         boundary; before training started, stop at once."""
         reason = f"{signal_name} at stage {self.stage}"
         if not self.state.started:
@@ -466,7 +468,7 @@ class Peer:
 
         async def ask() -> None:
             try:
-                await self.drain.request(reason)
+                await self.agreement.request(reason)
             except MaplError as exc:
                 self.stop(Interrupted(f"{exc}; stopped at once"))
 
@@ -487,21 +489,17 @@ class Peer:
     def _send_checkpoint(self, dst: int, meta: dict) -> Awaitable[None]:
         return self.links.by_stage(dst).send(MT.CHECKPOINT, step=meta.get("step") or 0, meta=meta)
 
-    def _takes_drain(self, stage: int) -> bool:
-        link = self.links.by_stage(stage)
-        return link is not None and link.welcomed and DRAIN_CAPABILITY in link.capabilities
-
     def _ended(self) -> None:
         """The schedule ended: after a drain (decided here, or a BYE ``"drain"``), say so; after the
         last step, say so only when its checkpoint will never be complete (a stage could not save it)."""
-        step = drained_at(self.drain, self.schedule.bye)
+        step = self.agreement.drained_at(self.schedule.bye)
         if step is None:
             last = self.cfg.run.steps
             if self.run_policy is not None and self.run_policy.unsaved_reason(last) is not None:
                 self.result.checkpoint_note = checkpoint_note(self.run_policy, last, self.schedule.s.start_step)
                 log.warning("%s: %s", self.name, self.result.checkpoint_note)
             return
-        why = self.drain.reason or self.drain.requested or "asked by another stage"
+        why = self.agreement.drain_reason or self.agreement.requested or "asked by another stage"
         note = checkpoint_note(self.run_policy, step, self.schedule.s.start_step)
         self.result.end, self.result.drained_at, self.result.checkpoint_note = "drained", step, note
         self.result.end_note = f"stage {self.stage} drained at step {step} ({why}): {note}"

@@ -44,10 +44,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-
+from mapl_swarm.aio import until
 from mapl_swarm.errors import MaplError
 from mapl_swarm.metrics.progress import StepProgress
-from mapl_swarm.peer.drain import DRAIN_REASON
 from mapl_swarm.peer.host import HostRuntime
 from mapl_swarm.peer.vq_link import Retransmitting
 from mapl_swarm.peer.window import StepWindow
@@ -56,14 +55,14 @@ from mapl_swarm.pipeline.payload import ACT_WIRE, GRAD_WIRE, WireName
 from mapl_swarm.pipeline.run_policy import due
 from mapl_swarm.pipeline.stage import mean_loss
 from mapl_swarm.wire import Message, MessageType
+from mapl_swarm.wire.spec import DRAIN_REASON
 
 if TYPE_CHECKING:
     import torch
 
     from mapl_swarm.config import TrainConfig
-    from mapl_swarm.peer.checkpoints import PeerRunPolicy
+    from mapl_swarm.peer.checkpoints import CheckpointAgreement, PeerRunPolicy
     from mapl_swarm.peer.compute import ComputeThread
-    from mapl_swarm.peer.drain import Drain
     from mapl_swarm.peer.link import Links, PeerLink
     from mapl_swarm.peer.mailbox import Mailbox
     from mapl_swarm.peer.result import PeerResult
@@ -73,14 +72,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PipelineSchedule", "ScheduleSettings", "NoRunHooks", "BYE_FINISHED", "BYE_DRAIN"]
+__all__ = ["PipelineSchedule", "ScheduleSettings", "NoRunHooks", "BYE_FINISHED"]
 
 MT = MessageType
 
 BYE_FINISHED = "training finished"
 """Stage 0's BYE ``reason`` after the last step."""
-BYE_DRAIN = DRAIN_REASON
-"""Stage 0's BYE ``reason`` after a graceful drain (SPEC §9.5)."""
 
 
 def _payload(msg: Message, names: Mapping[str, str]) -> dict[str, WireTensor]:
@@ -102,7 +99,7 @@ class NoRunHooks:
     def val_loss(self, step: int, loss: float) -> None:
         """Stage 0: the validation loss after ``step``."""
 
-    async def finish(self, failed: Callable[[], BaseException | None], step: int | None = None) -> None:
+    async def finish(self, step: int | None = None) -> None:
         """Stage 0, before BYE: until every stage has heard the final checkpoint (``step``: of a
         drain) is complete."""
 
@@ -148,7 +145,8 @@ class PipelineSchedule:
                  name: str, settings: ScheduleSettings, result: PeerResult, waits: WaitingLog,
                  hooks: PeerRunPolicy | NoRunHooks, sampler: Iterator[torch.Tensor] | None = None,
                  val_batches: Sequence[torch.Tensor] = (),
-                 reject: Callable[[str, str, str], None] | None = None, drain: Drain | None = None) -> None:
+                 reject: Callable[[str, str, str], None] | None = None,
+                 drain: CheckpointAgreement | None = None) -> None:
         self.rt = runtime
         """Read on the loop only for versions and flags; tensor work goes through ``self.host``."""
         self.host = HostRuntime(runtime)
@@ -268,17 +266,9 @@ class PipelineSchedule:
         await self.waits.wait(self._reports_in(mode, count, self.s.timeout_s), self._downstream)
 
     async def _reports_in(self, mode: str, count: int, timeout_s: float) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while sum(1 for r in self._reports if r.meta.get("mode") == mode) < count:
-            self._report_event.clear()
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise MaplError(f"{self.name}: no {mode} REPORT from the last stage within {timeout_s:g} s")
-            try:
-                await asyncio.wait_for(self._report_event.wait(), min(remaining, 1.0))
-            except asyncio.TimeoutError:
-                pass
+        if not await until(lambda: sum(1 for r in self._reports if r.meta.get("mode") == mode) >= count,
+                           self._report_event, timeout_s):
+            raise MaplError(f"{self.name}: no {mode} REPORT from the last stage within {timeout_s:g} s")
 
     # ------------------------------------------------------------------ stage 0
     async def _drive(self) -> None:
@@ -295,12 +285,12 @@ class PipelineSchedule:
             await self._step(step, [next(self.sampler) for _ in range(self.M)])
             await self._flush(step)
             done_steps = step + 1
-            if due(s.val_interval_steps, done_steps, s.steps) and not (self.drain is not None and self.drain.active):
+            if due(s.val_interval_steps, done_steps, s.steps) and not (self.drain is not None and self.drain.draining):
                 await self._validate(done_steps)
         await self._wait_report("train", self.step - s.start_step)
-        await self.hooks.finish(lambda: None, self.step if drained else None)
+        await self.hooks.finish(self.step if drained else None)
         if down is not None:
-            await down.send_bye({"reason": BYE_DRAIN if drained else BYE_FINISHED}, step=self.step)
+            await down.send_bye({"reason": DRAIN_REASON if drained else BYE_FINISHED}, step=self.step)
 
     async def _validate(self, step: int) -> None:
         down = self.links.downstream

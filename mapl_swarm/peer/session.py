@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Rejected", "HelloRefused", "Early", "RxSession"]
+__all__ = ["Unkeyed", "Rejected", "HelloRefused", "Early", "RxSession"]
 
 
 class Rejected(Exception):
@@ -19,6 +19,12 @@ class Rejected(Exception):
 class Superseded(Rejected):
     """An authentic answer to one of this peer's earlier HELLOs, which a newer HELLO replaced (it
     resends HELLO until one is answered): not used, and not a bad message (logged at debug)."""
+
+
+class Unkeyed(Rejected):
+    """A HEARTBEAT on a connection without a session: it cannot be authenticated (``auth_failed``),
+    and after a stall or a re-form it is what a neighbour queued for the session this peer ended,
+    one per heartbeat interval: counted, logged at debug."""
 
 
 class HelloRefused(Rejected):

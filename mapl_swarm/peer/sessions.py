@@ -79,9 +79,9 @@ def merge(before: PeerResult | None, after: PeerResult) -> PeerResult:
 
 async def serve_until_signalled(peer: Peer, transport: Transport | None = None) -> PeerResult:
     """``peer.run(transport)`` with SIGINT/SIGTERM handled on its event loop
-    (:class:`~.drain.DrainSignals`): the first drains the swarm (:meth:`~.runtime.Peer.request_drain`),
+    (:class:`~.signals.DrainSignals`): the first drains the swarm (:meth:`~.runtime.Peer.request_drain`),
     a second stops at once."""
-    from mapl_swarm.peer.drain import DrainSignals
+    from mapl_swarm.peer.signals import DrainSignals
 
     with DrainSignals(asyncio.get_running_loop(), drain=peer.request_drain, abort=peer.abort):
         return await peer.run(transport)

@@ -2,7 +2,7 @@
 
 One policy, in one module per concern: the cadence of checkpoints and validation and the
 vocabulary check (here), the device (:mod:`.device`), one stage's checkpoints — fresh start versus
-resume, save, verification, pruning (:mod:`.stage_checkpoints`) — and the run manifest and the
+resume, save, verification, pruning (:mod:`.checkpoint`) — and the run manifest and the
 per-step JSONL metrics (:mod:`.run_records`). The two drivers differ only in how a step becomes
 *complete*: ``train`` sees every stage's file in its one folder; swarm peers agree by messages
 (:mod:`mapl_swarm.peer.checkpoints`), because each stage's folder may be on another host.

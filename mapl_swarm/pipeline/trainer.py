@@ -19,7 +19,7 @@ from mapl_swarm.pipeline.inprocess import InProcessPipeline
 from mapl_swarm.pipeline.payload import BACKWARD_KINDS, FORWARD_KINDS, kind_bytes
 from mapl_swarm.pipeline.run_policy import check_vocab, checkpoint_due, validation_due
 from mapl_swarm.pipeline.run_records import MetricsLog, metrics_path, write_manifest
-from mapl_swarm.pipeline.stage_checkpoints import StageCheckpoints, choose_resume_step, save_step, start_fresh
+from mapl_swarm.pipeline.checkpoint import StageCheckpoints, choose_resume_step, save_step, start_fresh
 
 log = logging.getLogger(__name__)
 

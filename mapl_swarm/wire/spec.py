@@ -24,6 +24,7 @@ __all__ = [
     "PIPELINE_CAPABILITY",
     "REJOIN_CAPABILITY",
     "REJOIN_REASON",
+    "DRAIN_REASON",
     "HANDSHAKE_TYPES",
     "WINDOW_TYPES",
     "NONCE_BYTES",
@@ -135,6 +136,9 @@ REJOIN_CAPABILITY = "rejoin"
 
 REJOIN_REASON = "rejoin"
 """BYE ``meta["reason"]`` of a peer that ends its sessions to re-form the swarm (SPEC §9.6, 1.5)."""
+
+DRAIN_REASON = "drain"
+"""BYE ``meta["reason"]`` of a planned departure: a graceful drain, or a stage leaving (SPEC §9.5)."""
 
 NONCE_BYTES = 16
 """Length of the handshake nonces ``meta.nonce`` / ``meta.hello_nonce`` (SPEC §5, §7; 1.4)."""

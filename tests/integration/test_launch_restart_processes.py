@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from mapl_swarm.errors import MaplError
-from mapl_swarm.peer.launch import RestartPolicy, Supervisor, _Forwarded, peer_processes
+from mapl_swarm.launch import RestartPolicy, Supervisor, _Forwarded, peer_processes
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -120,7 +120,7 @@ def _wait_gone(pid: int, timeout_s: float) -> bool:
 
 
 def test_a_dead_stage_restarts_with_resume_and_the_others_are_left_alone(tmp_path, caplog):
-    caplog.set_level(logging.WARNING, logger="mapl_swarm.peer.launch")
+    caplog.set_level(logging.WARNING, logger="mapl_swarm.launch")
     peers, log, _ = _peers(tmp_path, ["wait", "die-twice"], gpus=[None, "7"])
     swarm = Supervisor(RestartPolicy(3))
     try:

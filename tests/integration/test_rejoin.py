@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 
 import pytest
@@ -83,6 +84,47 @@ def test_a_middle_peer_killed_twice_is_replaced_and_the_swarm_rolls_back_in_plac
     train(load_config(path, {"run": {"out_dir": str(tmp_path / "ref")}, "checkpoint": {"interval_steps": 0}}),
           progress=False)
     assert losses == pytest.approx(train_losses(tmp_path / "ref"), abs=1e-3)
+
+
+@pytest.mark.slow  # ~70 s
+def test_a_stalled_stage_rejoins_within_one_handshake_of_waking_up(tmp_path):
+    """Stage 1 is stopped (SIGSTOP) for longer than ZeroMQ's heartbeat timeout, so every connection
+    to and from it drops; its neighbours find it silent, pause and re-form. Once it goes on (SIGCONT)
+    it hears their HELLO of the next run epoch, pauses too and re-forms on new connections: training
+    goes on within one handshake, not after ZeroMQ's reconnect interval (5 x ``net.zmq_heartbeat_s``
+    = 20 s here), and each stage logs the event once (no flood of drops)."""
+    import time
+
+    steps = 24
+    path, out = _rejoin_config(tmp_path, "stall", steps)
+    path.write_text(path.read_text().replace("[net]\n", "[net]\nzmq_heartbeat_s = 4\nheartbeat_interval_s = 0.5\n"
+                                                           "liveness_floor_s = 3\n").replace("hello_retry_s = 2",
+                                                                                              "hello_retry_s = 1"))
+    dht, maddr = start_dht()
+    peers = [_peer(path, maddr, s) for s in range(3)]
+    try:
+        wait_steps(out, 4, peers, 240)
+        os.kill(peers[1].proc.pid, signal.SIGSTOP)
+        for p in (peers[0], peers[2]):
+            p.wait_for(r"stage 1 at tcp://\S+ silent since .*pausing: the swarm re-forms \(run epoch 1\)", 60)
+        time.sleep(14)  # the stall itself: past ZeroMQ's heartbeat timeout (3 x 4 s), connections drop
+        woke = time.monotonic()
+        os.kill(peers[1].proc.pid, signal.SIGCONT)
+        peers[0].wait_for(r"agreeing -> training: from step \d+ \(run epoch 1\)", 60)
+        resumed_s = time.monotonic() - woke
+        for p in peers:
+            assert p.wait(240) == 0, _outputs(peers)
+    finally:
+        for p in peers:
+            p.stop(signal.SIGKILL)
+        dht.stop(sig=signal.SIGINT)
+    assert resumed_s < 8.0, f"training went on {resumed_s:.1f} s after stage 1 woke up\n" + _outputs(peers)
+    for p in peers:
+        assert not any(bad in p.output for bad in BAD_OUTPUT), p.output[-6000:]
+        assert len(re.findall(r"pausing: the swarm re-forms", p.output)) == 1, p.output[-6000:]
+        assert "dropped a message" not in p.output, p.output[-6000:]
+    records = [json.loads(line) for line in (out / "metrics_stage0.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, steps + 1))
 
 
 @pytest.mark.slow  # ~90 s; the restart itself is in the default run (test_launch_restart_processes.py)

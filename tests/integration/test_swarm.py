@@ -10,7 +10,7 @@ import zmq
 
 from mapl_swarm.compress import boundary_bytes
 from mapl_swarm.config import load_config
-from mapl_swarm.peer.launch import launch
+from mapl_swarm.launch import launch
 from mapl_swarm.pipeline.trainer import train
 
 from swarm_helpers import Watched, cli, shared_key_file, start_dht, train_losses, write_config

@@ -6,7 +6,7 @@ import pytest
 
 from mapl_swarm.compress import config_boundary_bytes
 from mapl_swarm.config import load_config
-from mapl_swarm.peer.launch import launch
+from mapl_swarm.launch import launch
 from mapl_swarm.pipeline.trainer import train
 
 from swarm_helpers import train_losses, write_config

@@ -80,6 +80,10 @@ class FakeTransport:
     def start(self) -> str:
         return f"mem://{self.name}"
 
+    def new_routing_id(self) -> str:
+        self.routing_id = f"{self.name}.{secrets.token_hex(4)}"
+        return self.routing_id
+
     def connect(self, link: str, endpoint: str, config: Any = None) -> None:
         self._links[link] = endpoint.removeprefix("mem://")
 

@@ -10,7 +10,7 @@ import torch
 from mapl_swarm.errors import CheckpointError
 from mapl_swarm.peer.checkpoints import CheckpointAgreement
 from mapl_swarm.pipeline import checkpoint
-from mapl_swarm.pipeline.stage_checkpoints import StageCheckpoints
+from mapl_swarm.pipeline.checkpoint import StageCheckpoints
 from mapl_swarm.wire import Message, MessageType, decode, encode
 
 from checkpoint_damage import flip_tensor_byte, truncate
@@ -31,6 +31,14 @@ class _Queues(dict):
     def arrived(self) -> None:
         if self.event is not None:
             self.event.set()
+
+
+async def _begin(policy, send, caps, **kw):
+    """What the peer does after the handshake: the agreement's ``send`` and the neighbours'
+    capabilities, then the run policy's ``begin``."""
+    policy.agreement.send = send
+    policy.agreement.neighbours(caps)
+    return await policy.begin(**kw)
 
 
 def _swarm(root, keep=2, driver="swarm"):
@@ -220,7 +228,7 @@ def test_older_neighbour_without_the_capability(tmp_path, make_config):
         compute = ComputeThread("stage1")
         policy = PeerRunPolicy(cfg, 1, data, "f" * 32, resume=resume, runtime=runtime, compute=compute)
         try:
-            assert await policy.begin(send, {0: {"1f1b"}}, lambda: None) == 0
+            assert await _begin(policy, send, {0: {"1f1b"}}) == 0
             await policy.step_end(1, {})
         finally:
             policy.close()
@@ -267,18 +275,18 @@ def test_a_rejoin_after_stage_0_saved_a_step_before_its_report_resumes_from_the_
             compute.close()
 
     async def first(policy):
-        assert await policy.begin(send, {1: {CHECKPOINT_CAPABILITY}}, lambda: None) == 0
+        assert await _begin(policy, send, {1: {CHECKPOINT_CAPABILITY}}) == 0
         for step in (1, 2):
             weights["x"].fill_(step)
             await policy.step_end(step, {"lr_mult": 1.0})
-            await policy.on_message(from_stage_1({"phase": "saved", "step": step}))
+            await policy.agreement.on_message(from_stage_1({"phase": "saved", "step": step}))
             if step == 1:
                 policy.train_loss(1, 4.25, 64)
         assert policy.newest_complete == 2  # complete, but stage 1 left before its REPORT of step 2
 
     async def rejoin(policy):
-        await policy.on_message(from_stage_1({"phase": "offer", "steps": [1, 2], "have": {"1": [1, 2]}, "epoch": 1}))
-        return await policy.begin(send, {1: {CHECKPOINT_CAPABILITY}}, lambda: None, epoch=1, rejoin=True)
+        await policy.agreement.on_message(from_stage_1({"phase": "offer", "steps": [1, 2], "have": {"1": [1, 2]}, "epoch": 1}))
+        return await _begin(policy, send, {1: {CHECKPOINT_CAPABILITY}}, epoch=1, rejoin=True)
 
     asyncio.run(session(False, first))
     assert asyncio.run(session(True, rejoin)) == 1
@@ -336,7 +344,7 @@ def test_a_peer_that_cannot_save_a_step_does_not_offer_it_and_does_not_wait_for_
         compute = ComputeThread("stage0")
         policy = PeerRunPolicy(cfg, 0, data, "f" * 32, resume=False, runtime=runtime, compute=compute)
         try:
-            assert await policy.begin(send, {1: {CHECKPOINT_CAPABILITY}}, lambda: None) == 0
+            assert await _begin(policy, send, {1: {CHECKPOINT_CAPABILITY}}) == 0
             await policy.step_end(1, {})
             await policy.agreement.on_message(Message(type=MessageType.CHECKPOINT, run_id="t", src=1, dst=0, step=1,
                                                       meta={"phase": "saved", "step": 1}))
@@ -345,7 +353,7 @@ def test_a_peer_that_cannot_save_a_step_does_not_offer_it_and_does_not_wait_for_
             await policy.step_end(2, {})
             await policy.agreement.on_message(Message(type=MessageType.CHECKPOINT, run_id="t", src=1, dst=0, step=2,
                                                       meta={"phase": "saved", "step": 2}))
-            await asyncio.wait_for(policy.finish(lambda: None), 1.0)
+            await asyncio.wait_for(policy.finish(), 1.0)
             assert policy.unsaved_reason(2).startswith(f"stage 0: checkpoint step 2 not saved under {tmp_path} (")
         finally:
             policy.close()
@@ -454,16 +462,18 @@ def test_unsaved_steps_in_any_order_are_complete_nowhere_and_said_once_per_link(
 
 
 def test_unsaved_from_the_wrong_side_is_ignored_and_not_sent_to_an_older_neighbour(tmp_path, caplog):
+    from mapl_swarm.peer.checkpoints import CHECKPOINT_CAPABILITY, CHECKPOINT_UNSAVED_CAPABILITY
+
     peers, queues = _swarm(tmp_path)
 
     async def run():
         await peers[1].on_message(Message(type=MessageType.CHECKPOINT, run_id="t", src=0, dst=1, step=4,
                                           meta={"phase": "unsaved", "step": 4, "reason": "stage 0: x"}))
         assert peers[1].unsaved == {} and queues.sent == []
-        peers[2].upstream_takes_unsaved = False  # stage 1 did not advertise checkpoint_unsaved (1.4)
+        peers[2].neighbours({1: {CHECKPOINT_CAPABILITY}})  # stage 1 did not advertise checkpoint_unsaved (1.4)
         await peers[2].on_unsaved(4, "stage 2: disk full")
         assert peers[2].unsaved == {4: "stage 2: disk full"} and queues.sent == []
-        peers[0].downstream_takes_abandoned = False  # stage 1 did not advertise checkpoint_abandoned (1.5)
+        peers[0].neighbours({1: {CHECKPOINT_CAPABILITY, CHECKPOINT_UNSAVED_CAPABILITY}})  # no checkpoint_abandoned (1.5)
         await peers[0].on_unsaved(6, "stage 0: disk full")
         assert peers[0].abandoned == {6} and queues.sent == []
         await peers[1].on_message(Message(type=MessageType.CHECKPOINT, run_id="t", src=2, dst=1, step=8,
@@ -497,7 +507,7 @@ def _policy_run(tmp_path, make_config, stage, caps, body, *, num_stages=2, timeo
         compute = ComputeThread(f"stage{stage}")
         policy = PeerRunPolicy(cfg, stage, data, "f" * 32, resume=False, runtime=runtime, compute=compute)
         try:
-            assert await policy.begin(send, caps, lambda: None) == 0
+            assert await _begin(policy, send, caps) == 0
             await body(policy, sent)
         finally:
             policy.close()
@@ -524,7 +534,7 @@ def test_a_stage_whose_disk_is_full_says_so_upstream(tmp_path, make_config, monk
     seen = {}
 
     async def body(policy, sent):
-        assert CHECKPOINT_UNSAVED_CAPABILITY in policy.capabilities
+        assert CHECKPOINT_UNSAVED_CAPABILITY in policy.agreement.capabilities
         await policy.step_end(1, {})
         monkeypatch.setattr(checkpoint.torch, "save", _full_disk)
         await policy.step_end(2, {})
@@ -549,12 +559,12 @@ def test_stage_0_finishes_at_once_when_a_stage_could_not_save_the_final_step(tmp
 
     async def body(policy, sent):
         await policy.step_end(1, {})
-        await policy.on_message(msg({"phase": "saved", "step": 1}))
+        await policy.agreement.on_message(msg({"phase": "saved", "step": 1}))
         await policy.step_end(2, {})
-        finishing = asyncio.create_task(policy.finish(lambda: None))
+        finishing = asyncio.create_task(policy.finish())
         await asyncio.sleep(0)
         assert not finishing.done()  # waiting for step 2's agreement
-        await policy.on_message(msg({"phase": "unsaved", "step": 2, "reason": "stage 1: disk full at /d1"}))
+        await policy.agreement.on_message(msg({"phase": "unsaved", "step": 2, "reason": "stage 1: disk full at /d1"}))
         await asyncio.wait_for(finishing, 2.0)
         seen.update(reason=policy.unsaved_reason(2), newest=policy.newest_complete, saved=policy.saved(2))
 

@@ -16,7 +16,7 @@ import torch
 from mapl_swarm.errors import CheckpointError
 from mapl_swarm.files import atomic_write_bytes, atomic_write_text, atomic_writer
 from mapl_swarm.pipeline import checkpoint
-from mapl_swarm.pipeline.stage_checkpoints import StageCheckpoints, choose_resume_step, save_step
+from mapl_swarm.pipeline.checkpoint import StageCheckpoints, choose_resume_step, save_step
 
 from checkpoint_damage import flip_tensor_byte, truncate
 

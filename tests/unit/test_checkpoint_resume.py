@@ -16,7 +16,7 @@ import pytest
 
 from mapl_swarm.errors import CheckpointError
 from mapl_swarm.pipeline import checkpoint
-from mapl_swarm.pipeline.stage_checkpoints import StageCheckpoints
+from mapl_swarm.pipeline.checkpoint import StageCheckpoints
 from mapl_swarm.pipeline.trainer import train
 
 from checkpoint_damage import flip_tensor_byte, truncate

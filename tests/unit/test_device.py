@@ -12,7 +12,7 @@ import torch
 from mapl_swarm.config import RuntimeConfig, config_from_dict
 from mapl_swarm.errors import ConfigError
 from mapl_swarm.peer.compute import ComputeThread
-from mapl_swarm.peer.launch import gpu_plan, parse_gpus, peer_processes, visible_gpus
+from mapl_swarm.launch import gpu_plan, parse_gpus, peer_processes, visible_gpus
 from mapl_swarm.pipeline.device import bind_device, resolve_device
 
 
@@ -202,7 +202,7 @@ def test_peer_processes_environment_per_child():
 def test_launch_cli_option_reaches_launch(monkeypatch, tmp_path):
     """``mapl-swarm launch --gpus 2,3`` hands ['2', '3'] to launch(); a bad list is a one-line error."""
     from mapl_swarm import cli
-    from mapl_swarm.peer import launch as launch_mod
+    from mapl_swarm import launch as launch_mod
 
     got = {}
 

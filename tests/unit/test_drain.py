@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 
 from mapl_swarm.peer.departures import NeighbourLost
-from mapl_swarm.peer.drain import Drain, Interrupted
+from mapl_swarm.peer.checkpoints import CheckpointAgreement
+from mapl_swarm.peer.signals import Interrupted
 from mapl_swarm.pipeline import checkpoint
 from mapl_swarm.wire import Message, MessageType, decode, encode
 
@@ -19,8 +20,9 @@ MT = MessageType
 
 
 # ---------------------------------------------------------------------- the protocol alone
-def _drains(P: int = 4, can_send=lambda src, dst: True):
-    """P Drain objects whose CHECKPOINTs go through the wire codec into one FIFO."""
+def _drains(P: int = 4, caps=None):
+    """P agreements of peers keeping no checkpoints (the drain alone), whose CHECKPOINTs go through
+    the wire codec into one FIFO; ``caps``: every neighbour's capabilities (None: all)."""
     queue: list[tuple[int, Message]] = []
     decided: dict[int, list[int]] = {s: [] for s in range(P)}
     drains = []
@@ -32,7 +34,9 @@ def _drains(P: int = 4, can_send=lambda src, dst: True):
         async def on_decided(step, s=s):
             decided[s].append(step)
 
-        drains.append(Drain(s, P, send=send, can_send=lambda dst, s=s: can_send(s, dst), on_decided=on_decided))
+        drains.append(CheckpointAgreement(None, s, P, send, on_drain=on_decided))
+        if caps is not None:
+            drains[-1].neighbours({n: caps for n in (s - 1, s + 1) if 0 <= n < P})
     return drains, queue, decided
 
 
@@ -57,7 +61,7 @@ def test_a_request_from_any_stage_reaches_stage_0_once_and_its_decision_every_st
             await drains[dst].on_message(msg)
         assert phases == [(0, 1, "drain", 7), (1, 2, "drain", 7), (2, 3, "drain", 7)]
         assert decided == {0: [7], 1: [7], 2: [7], 3: [7]}
-        assert all(d.step == 7 and d.reason == drains[0].requested for d in drains)
+        assert all(d.drain_step == 7 and d.drain_reason == drains[0].requested for d in drains)
         await drains[3].request("again")  # decided: nothing more goes out
         await drains[0].decide(9)
         assert queue == [] and decided[0] == [7]
@@ -72,14 +76,14 @@ def test_a_drain_message_from_the_wrong_side_is_ignored():
                                                                                            "step": 3}))
         await drains[1].on_message(Message(type=MT.CHECKPOINT, run_id="t", src=0, dst=1,
                                            meta={"phase": "drain_request"}))
-        assert drains[1].step is None and not drains[1].active and queue == [] and decided[1] == []
+        assert drains[1].drain_step is None and not drains[1].draining and queue == [] and decided[1] == []
 
     asyncio.run(main())
 
 
 def test_a_neighbour_without_the_capability_cannot_be_asked():
     async def main():
-        drains, queue, _ = _drains(2, can_send=lambda src, dst: False)
+        drains, queue, _ = _drains(2, caps={"1f1b"})
         with pytest.raises(Exception, match="stage 0 does not take part in drains"):
             await drains[1].request("SIGTERM at stage 1")
         assert queue == []
@@ -141,7 +145,7 @@ def test_a_second_signal_stops_at_once_and_the_neighbours_name_the_silent_stage(
     async def main():
         peers, transports, losses = _swarm(tmp_path, heartbeat_interval_s=0.1, liveness_floor_s=2.0,
                                            rejoin_timeout_s=0.0)  # no live rejoin: the departure ends them
-        peers[0].drain.should_stop = lambda: False  # stage 0 would drain; here nothing ends the run
+        peers[0].agreement.should_stop = lambda: False  # stage 0 would drain; here nothing ends the run
 
         async def signals():
             await losses.wait()
@@ -199,7 +203,7 @@ def _leave_with_bye_drain(tmp_path, **net):
     """Stage 2 leaves with BYE "drain" on its own once stage 0 recorded 3 losses."""
     async def main():
         peers, transports, losses = _swarm(tmp_path, **net)
-        peers[0].drain.should_stop = lambda: False
+        peers[0].agreement.should_stop = lambda: False
 
         async def leave():
             await losses.wait()

@@ -8,7 +8,7 @@ import pytest
 
 from mapl_swarm.config import config_from_dict
 from mapl_swarm.errors import ConfigError, MaplError
-from mapl_swarm.peer.launch import check_ports, peer_ports, peer_processes
+from mapl_swarm.launch import check_ports, peer_ports, peer_processes
 
 
 def _cfg(**net):

@@ -7,7 +7,7 @@ import signal
 import pytest
 
 from mapl_swarm.errors import ConfigError
-from mapl_swarm.peer.launch import PeerProcess, RestartPolicy, exit_text, resumed
+from mapl_swarm.launch import PeerProcess, RestartPolicy, exit_text, resumed
 
 
 def test_each_stage_gets_its_own_restarts_then_stops_the_swarm():
@@ -71,7 +71,7 @@ def test_a_restarted_peer_is_the_same_peer_with_resume_once():
 
 def test_cli_flag_is_per_stage_defaults_to_3_and_reaches_launch(monkeypatch):
     from mapl_swarm import cli
-    from mapl_swarm.peer import launch as launch_mod
+    from mapl_swarm import launch as launch_mod
 
     parser = cli.build_parser()
     assert parser.parse_args(["launch"]).max_restarts == 3

@@ -210,6 +210,27 @@ def test_with_a_run_key_each_session_has_its_own_key_and_strangers_get_no_answer
     assert not net.orphan_replies  # failed authentication is never answered
 
 
+
+def test_heartbeats_without_a_session_are_counted_but_not_warned_of(caplog):
+    """A neighbour's HEARTBEATs queued for a session this peer ended (a stall, a re-form) come before
+    the new handshake: they cannot be authenticated, so they are dropped as ``auth_failed``, one
+    warning-free debug line each, while an ACT without a session is warned of as before."""
+    heartbeat = _msg(MT.HEARTBEAT, seq=1, meta={"t_send": 0.0})
+
+    def stale(net, peers):
+        def attack(_):
+            for _ in range(3):
+                net.inject("stage1", EVIL, heartbeat)
+            net.inject("stage1", EVIL, _act(seq=9))
+        _on_first(net, "stage0", MT.ACT, attack)
+
+    with caplog.at_level("DEBUG", logger="mapl_swarm.peer.admission"):
+        _, _, results = _run(setup=stale, secret=KEY)
+    assert results[1].rejects == {"auth_failed": 4}
+    drops = [r for r in caplog.records if "dropped a message from 'stage0.0badc0de'" in r.getMessage()]
+    assert [(r.levelno, "HEARTBEAT" in r.getMessage()) for r in drops] == [(10, True)] * 3 + [(30, False)]  # DEBUG, WARNING
+
+
 # ---------------------------------------------------------------------- insiders: a buggy neighbour
 def test_a_neighbour_sending_what_it_may_not_or_outside_the_window_cannot_derail_training(clean):
     """Stage 1 (a key holder) also sends an ACT upstream, a GRAD for a micro-batch never sent, the

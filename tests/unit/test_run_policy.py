@@ -9,7 +9,7 @@ import torch
 from mapl_swarm.errors import CheckpointError
 from mapl_swarm.pipeline import checkpoint
 from mapl_swarm.pipeline.run_records import MetricsLog
-from mapl_swarm.pipeline.stage_checkpoints import StageCheckpoints, choose_resume_step, start_fresh
+from mapl_swarm.pipeline.checkpoint import StageCheckpoints, choose_resume_step, start_fresh
 from mapl_swarm.pipeline.trainer import train
 
 from conftest import stdlib_run_config

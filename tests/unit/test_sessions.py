@@ -53,7 +53,7 @@ def test_a_silent_middle_peer_pauses_both_neighbours_at_the_next_run_epoch(tmp_p
     re-form at run epoch 1, each naming stage 1 (their processes go on: peer/sessions.py)."""
     async def main():
         peers, transports, losses = _swarm(tmp_path, heartbeat_interval_s=0.1, liveness_floor_s=2.0)
-        peers[0].drain.should_stop = lambda: False
+        peers[0].agreement.should_stop = lambda: False
 
         async def kill():
             await losses.wait()

@@ -9,7 +9,7 @@ loss, tokens/s and measured bytes/token per link.
 Ctrl-C / SIGTERM: each peer runs in a process group of its own, so a terminal's Ctrl-C reaches the
 launcher only, and the launcher forwards every SIGINT/SIGTERM it gets to each peer, once: the
 first one drains the swarm (every stage stops after the same step and checkpoints it,
-:mod:`~.drain`), a second stops the peers at once. When every peer drained, the launcher returns a
+:mod:`~mapl_swarm.peer.signals`), a second stops the peers at once. When every peer drained, the launcher returns a
 summary whose ``end_note`` is the one line to print, and exits 0.
 
 Restarts (``--max-restarts N``, default 3, per stage): a peer that dies (a non-zero status, 3 for a
@@ -53,7 +53,7 @@ from mapl_swarm.errors import ConfigError, MaplError
 from mapl_swarm.net.dht_node import check_listen_address
 from mapl_swarm.net.discovery import Discovery, DiscoveryConfig
 from mapl_swarm.net.runkey import run_dir_key
-from mapl_swarm.peer.drain import Interrupted
+from mapl_swarm.peer.signals import Interrupted
 from mapl_swarm.procs import die_with_parent
 from mapl_swarm.pipeline.payload import BACKWARD_KINDS, FORWARD_KINDS, kind_bytes
 
