@@ -156,9 +156,14 @@ class Control:
 
     async def _on_error(self, msg: Message, link: PeerLink) -> None:
         """ERROR is informational (SPEC §9.5): logged and counted; ``retransmit_unavailable`` (a
-        micro-batch this peer waits for is lost) stops the peer."""
+        micro-batch this peer waits for is lost) stops the peer, and is ``implausible`` (dropped)
+        while this peer awaits no retransmission from that neighbour (1.7)."""
         peer = self.peer
         code = str(msg.meta.get("code"))
+        if code == "retransmit_unavailable" and not (link.codebooks is not None and link.codebooks.awaiting):
+            peer.rejects("implausible", link.name, f"ERROR {code} but this peer awaits no retransmission from "
+                                                   f"stage {msg.src}")
+            return
         peer.result.errors[code] = peer.result.errors.get(code, 0) + 1
         log.warning("%s: stage %d reports an error: %s: %s", peer.name, msg.src, code, msg.meta.get("message"))
         if code == "retransmit_unavailable":
@@ -182,8 +187,8 @@ class Control:
     async def _on_resync(self, msg: Message, link: PeerLink) -> None:
         if link.codebooks is None:
             self.peer.bad_frame(link.name, "RESYNC but the codec has no codebooks")
-        else:
-            link.codebooks.on_resync(msg)
+        elif (why := link.codebooks.on_resync(msg)) is not None:
+            self.peer.rejects("implausible", link.name, why)
 
     async def _on_report(self, msg: Message, link: PeerLink) -> None:
         await self.peer.schedule.on_report(msg)

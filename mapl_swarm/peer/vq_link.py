@@ -56,6 +56,10 @@ __all__ = ["CodebookLink", "Retransmitting", "LinkEnd", "codebook_summary"]
 MT = MessageType
 
 
+RESYNC_SLACK = 2
+"""RESYNCs a step may bring beyond one per payload sent: a reconnection's and a lost slice's."""
+
+
 class Retransmitting(Exception):
     """The codes of a received ACT/GRAD could not be decoded; its retransmission was requested."""
 
@@ -110,6 +114,12 @@ class CodebookLink:
         self._handshakes = 0
         self._sent: dict[tuple[str, int], _Sent] = {}
         """(mode, micro) -> the last ACT/GRAD sent on the link, for retransmission."""
+        self.awaiting: set[tuple[int, int, str]] = set()
+        """(step, micro, mode) of the messages this peer asked the neighbour to retransmit and did
+        not get yet: an ERROR ``retransmit_unavailable`` is plausible only while one is pending."""
+        self._resyncs: tuple[int, int] = (-1, 0)
+        """(step of the newest payload sent, RESYNCs received since): at most one per payload of
+        that step, plus :data:`RESYNC_SLACK`."""
 
     @property
     def tx(self) -> Stream:
@@ -161,17 +171,25 @@ class CodebookLink:
         await self.link.send(MT.RESYNC, step=step, micro=micro,
                              meta=resync_meta(stream.value, have, reason, retransmit))
 
-    def on_resync(self, msg: Message) -> None:
+    def on_resync(self, msg: Message) -> str | None:
         """The neighbour asked for a full slice of the stream this link sends (and maybe for a
-        message again): handled on a background task, serialised with the peer's encodes."""
+        message again): handled on a background task, serialised with the peer's encodes. Returns
+        why it is implausible (more RESYNCs in a step than it had payloads to fail on), or None."""
         stream = msg.meta.get("stream")
         if stream not in self.rt.vq.tx or stream != self.tx:
             self._on_bad_frame(f"stage{msg.src}", f"RESYNC for stream {stream!r} this peer does not send it")
-            return
+            return None
+        step = max((sent.step for sent in self._sent.values()), default=0)
+        count = self._resyncs[1] + 1 if self._resyncs[0] == step else 1
+        most = sum(sent.step == step for sent in self._sent.values()) + RESYNC_SLACK
+        if count > most:
+            return f"RESYNC number {count} since this peer sent step {step}'s payloads (at most {most})"
+        self._resyncs = (step, count)
         self.stats["resyncs_received"] += 1
         log.info("%s: stage %d asked for a codebook resync of %s (it has v%s)%s", self.link.local_name, msg.src,
                  stream, msg.meta.get("have"), " and a retransmission" if msg.meta.get("retransmit") else "")
         self._spawn(self._answer_resync(msg))
+        return None
 
     async def _answer_resync(self, msg: Message) -> None:
         stream = self.tx
@@ -222,14 +240,18 @@ class CodebookLink:
         also for the message, and raise :class:`Retransmitting` (drop it, its copy follows), else
         re-raise."""
         try:
-            return await work
+            result = await work
         except CodebookVersionMismatch as exc:
             retransmit = message if RETRANSMIT_CAPABILITY in self.link.capabilities else None
+            if retransmit is not None:
+                self.awaiting.add(retransmit)  # before the request: its answer may come at once
             await self.request_resync(exc.code, retransmit)
             if retransmit is None:
                 raise
             self.stats["retransmits_requested"] += 1
             raise Retransmitting(str(exc)) from None
+        self.awaiting.discard(message)  # decoded: a retransmission asked for it has come
+        return result
 
 
 def codebook_summary(vq: Any, links: Iterable[CodebookLink]) -> dict[str, Any]:

@@ -70,9 +70,11 @@ CONTENT_CODES: tuple[str, ...] = (
     "size_mismatch",
     "stale_epoch",
     "not_orthonormal",
+    "implausible",
 )
 """Stable codes of SPEC §6.1. :func:`check_content` / :func:`check_sender` / :func:`check_declared`
-raise the first nine, ``size_mismatch`` and ``not_orthonormal`` (1.5); :func:`check_epoch` raises
+raise the first nine, ``size_mismatch``, ``not_orthonormal`` (1.5) and ``implausible`` (1.7: a
+REPORT's numbers; the peer raises it too, for control messages out of place); :func:`check_epoch` raises
 ``stale_epoch`` (1.5) given the receiver's epoch; ``replay``, ``wrong_session``, ``stage_taken`` and
 ``queue_full`` need the link's state and are the peer's (same error class)."""
 
@@ -436,13 +438,28 @@ def check_header(msg: Message | Header, shapes: RunShapes, window: Window) -> No
     _projector(msg, shapes, window)
 
 
+def _plausible_report(msg: Message, shapes: RunShapes) -> None:
+    """(1.7) A REPORT's loss is a mean cross-entropy of this run (0 .. ``REPORT_LOSS_BOUND`` x ln V)
+    over at most the tokens of one step's micro-batches (train: M, eval: E)."""
+    loss, tokens = msg.meta["loss"], msg.meta["tokens"]
+    bound = spec.REPORT_LOSS_BOUND * math.log(shapes.vocab_size)
+    if not 0.0 <= loss <= bound:
+        raise ContentError("implausible", f"REPORT loss {loss:g} outside 0 .. {bound:.1f} "
+                                          f"({spec.REPORT_LOSS_BOUND:g} x ln V, V = {shapes.vocab_size})")
+    batches = shapes.eval_batches if msg.meta.get("mode") == "eval" else shapes.num_micro_batches
+    most = batches * shapes.micro_batch_size * shapes.context_length
+    if tokens > most:
+        raise ContentError("implausible", f"REPORT of {tokens} tokens, more than a step's {most}")
+
+
 def check_content(msg: Message, shapes: RunShapes, window: Window) -> None:
     """Raise :class:`ContentError` for the first rule of SPEC §6.1 that ``msg`` breaks, in order:
     sender (``not_allowed``), step and micro window (``out_of_window``), projector version
     (``stale_projector``), tensor names (``wrong_shape``), dtypes (``wrong_dtype``), shapes
     (``wrong_shape``), then values: ids (``id_out_of_range``), codes and slice indices
-    (``code_out_of_range``), floats (``non_finite``), a REPORT's numbers (``non_finite``), and
-    (1.5) a PROJ's columns (``not_orthonormal``, unless the run's projector learns unconstrained).
+    (``code_out_of_range``), floats (``non_finite``), a REPORT's numbers (``non_finite``, then 1.7
+    ``implausible``), and (1.5) a PROJ's columns (``not_orthonormal``, unless the run's projector
+    learns unconstrained).
     Types without content rules (HEARTBEAT, BYE, ...) pass after the sender check.
     """
     check_header(msg, shapes, window)
@@ -452,6 +469,7 @@ def check_content(msg: Message, shapes: RunShapes, window: Window) -> None:
         for what, v in numbers:
             if isinstance(v, float) and not math.isfinite(v):
                 raise ContentError("non_finite", f"REPORT {what} is {v}")
+        _plausible_report(msg, shapes)
         return
     if msg.type not in TENSOR_NAMES:
         return

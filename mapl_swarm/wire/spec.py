@@ -1,4 +1,4 @@
-"""Constants of wire protocol 1.6: version, message types, dtypes, codecs, limits, key order.
+"""Constants of wire protocol 1.7: version, message types, dtypes, codecs, limits, key order.
 
 Everything here mirrors a table of ``protocol/SPEC.md``; change the spec first, then this file.
 """
@@ -38,6 +38,7 @@ __all__ = [
     "FP32_ONLY_TYPES",
     "CODE_DTYPES",
     "PROJ_ORTHONORMAL_TOL",
+    "REPORT_LOSS_BOUND",
     "TENSOR_TYPES",
     "MODES",
     "STREAMS",
@@ -62,7 +63,7 @@ __all__ = [
     "INT64_MIN",
 ]
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 6)
+PROTOCOL_VERSION: tuple[int, int] = (1, 7)
 """(major, minor) spoken by this implementation. Peers of one major talk whatever their minors
 (SPEC §10): a 1.5 peer and a 1.4 peer interoperate, without the 1.5 rejoin; a 1.6 peer names the
 settings that differ and keeps serving next to a misconfigured neighbour, a 1.5 one does not."""
@@ -212,6 +213,11 @@ tolerance leaves over 100× margin at r = 1024 (~250× at the paper's r = 256), 
 an orthonormal matrix is already 5e-3 (64×16) to 3.8e-2 (4096×1024) off, and any scaling, rank loss
 or tampering worth the name is far above it. A constant rather than a function of r: the fp32 floor
 reaches 1e-3 only near r ~ 10^7."""
+
+REPORT_LOSS_BOUND = 10.0
+"""(1.7, SPEC §6.1 rule 15) A REPORT's ``loss`` is a mean cross-entropy in nats: at least 0 and at
+most this many times ln V, the loss of a uniform guess over the vocabulary (a freshly initialised
+model reports about 1 x ln V): a larger or negative one is ``implausible``."""
 
 TENSOR_TYPES: frozenset[MessageType] = frozenset(
     {

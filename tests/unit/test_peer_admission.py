@@ -273,6 +273,62 @@ def test_a_neighbour_sending_what_it_may_not_or_outside_the_window_cannot_derail
     assert results[1].rejects == {"stale_projector": 1, "out_of_window": 1, "not_allowed": 1}
 
 
+def test_what_a_neighbour_says_out_of_place_is_dropped_as_implausible(clean):
+    """Stage 1 (a key holder) reports step losses of 1e308 and -1 and more tokens than a step has,
+    and says ``retransmit_unavailable`` although stage 0 asked for no retransmission (no VQ here):
+    each is dropped as ``implausible`` (SPEC 1.7), stage 0 keeps the real losses and trains on."""
+
+    def setup(net, peers):
+        up = peers[1].links.upstream
+        send_report = up.send_report
+        done = set()
+
+        async def report(step, meta):
+            if "report" not in done:
+                done.add("report")
+                await send_report(step, {**meta, "loss": 1e308})  # finite, absurd
+                await send_report(step, {**meta, "loss": -1.0})
+                await send_report(step, {**meta, "tokens": 10 ** 6})
+                await up.send(MT.ERROR, meta={"code": "retransmit_unavailable", "message": "forged"})
+            await send_report(step, meta)
+
+        up.send_report = report
+
+    _, _, results = _run(setup=setup)
+    assert results[0].train_losses == clean[2][0].train_losses and len(results[0].train_losses) == 3
+    assert results[0].rejects == {"implausible": 4} and results[0].errors == {}
+
+
+def test_resyncs_beyond_a_steps_payloads_are_implausible_and_an_answer_to_a_forged_one_stops_nobody():
+    """With MAPL+VQ, stage 1 (a key holder) asks stage 0 twelve times in one step for a resync and a
+    retransmission of a micro-batch of step 0 that stage 0 no longer holds: stage 0 answers the
+    first ones it may (its M payloads of the step plus 2) with ERROR ``retransmit_unavailable``, which
+    stage 1, awaiting no retransmission, drops as ``implausible``; the others are ``implausible`` at
+    stage 0. Nobody stops and the losses are those of one process."""
+    cfg = swarm_config(compression={"codec": "mapl_vq", "vq": {"codebook_size": 16, "kmeans_iters": 2}})
+    M = cfg.pipeline.num_micro_batches
+
+    def setup(net, peers):
+        up = peers[1].links.upstream
+        send_grad, done = up.send_grad, set()
+
+        async def grad(step, micro, payload, *, pver):
+            await send_grad(step, micro, payload, pver=pver)
+            if step == 2 and "resync" not in done:
+                done.add("resync")
+                for _ in range(12):
+                    await up.send(MT.RESYNC, step=0, micro=0, meta={"stream": "act", "have": 0, "reason": "forged",
+                                                                   "retransmit": True, "mode": "train"})
+
+        up.send_grad = grad
+
+    _, _, results = _run(cfg, setup=setup)
+    answered = M + 2
+    assert results[0].rejects == {"implausible": 12 - answered}
+    assert results[1].rejects == {"implausible": answered} and results[1].errors == {}
+    assert results[0].train_losses == pytest.approx(_reference_losses(cfg), rel=1e-4)
+
+
 def test_non_finite_values_in_a_stages_own_compute_stop_it_and_its_neighbour_hears(clean):
     def setup(net, peers):
         rt = peers[1].rt

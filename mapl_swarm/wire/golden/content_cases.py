@@ -124,9 +124,9 @@ def _proj_grad(*, pver: int = 12, tensor: WireTensor | None = None) -> list[byte
                            meta={"micro_batches": 4}, tensors={"grad": tensor or _fp32(43)}, version=V14))
 
 
-def _report(*, src: int = 2, loss: float = 3.25, step: int = 12) -> list[bytes]:
+def _report(*, src: int = 2, loss: float = 3.25, step: int = 12, tokens: int = B * T * 4) -> list[bytes]:
     return _frames(Message(type=MT.REPORT, run_id=RUN_ID, src=src, dst=1, step=step, seq=24, version=V14,
-                           meta={"mode": "train", "loss": loss, "tokens": B * T * 4}))
+                           meta={"mode": "train", "loss": loss, "tokens": tokens}))
 
 
 def _codes(top: int | None = None, shape: tuple[int, ...] = (B, T, 2, 2), dtype: str = "u1") -> WireTensor:
@@ -266,6 +266,12 @@ def content_cases() -> list[tuple[str, list[bytes], str, RunShapes, Window, str]
         ("proj_grad_inf", _proj_grad(tensor=_fp32(59, poison=float("-inf"))), "PROJ_GRAD with -Inf", RUN, W,
          "non_finite"),
         ("report_loss_nan", _report(loss=float("nan")), "REPORT loss NaN", RUN, W, "non_finite"),
+        ("report_loss_absurd", _report(loss=1e308), "REPORT loss 1e308: finite, above 10 ln V (1.7)", RUN, W,
+         "implausible"),
+        ("report_loss_negative", _report(loss=-0.5), "REPORT loss -0.5: a cross-entropy is >= 0 (1.7)", RUN, W,
+         "implausible"),
+        ("report_tokens_too_many", _report(tokens=B * T * 4 + 1), "REPORT of more tokens than the step's "
+         "M x B x T = 32 (1.7)", RUN, W, "implausible"),
         ("act_vq_code_equal_k", _act(tensors={"ids": WireTensor("uint16", _ids()), "codes": _codes(top=16)},
                                      cver=6), "VQ code 16 with K = 16", VQ_RUN, W, "code_out_of_range"),
         ("slice_index_equal_k", _slice(n=3, index=index_k), "indexed slice with index 16, K = 16", VQ_RUN, W,
