@@ -146,3 +146,23 @@ def test_config_and_vq_sizes_need_no_torch():
             "print(c.code_bytes_per_token, c.slice_bytes_per_micro, c.layout.shape, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.split()[-1] == "False"
+
+
+def test_spec_lists_every_fingerprinted_field_with_its_default():
+    """SPEC §9.8's table of fields and defaults is what an empty config fingerprints, no more, no less."""
+    import json
+    import re
+    from pathlib import Path
+
+    from mapl_swarm.config.loading import _fingerprint_payload
+
+    spec = (Path(__file__).resolve().parents[2] / "protocol" / "SPEC.md").read_text(encoding="utf-8")
+    section = spec[spec.index("### 9.8 Config fingerprint"):spec.index("### 9.9")]
+    listed = dict(re.findall(r"^\| `([a-z_.]+)` \| `(.+)` \|$", section, re.M))
+    payload = _fingerprint_payload(config_from_dict({}), "h", 0)
+    expected = {f"{name}.{key}": json.dumps(value) for name in ("model", "compression")
+                for key, value in payload[name].items()}
+    expected |= {key: json.dumps(payload[key]) for key in ("seed", "num_stages", "context_length")}
+    assert listed == expected
+    assert set(payload) == {"model", "compression", "seed", "num_stages", "context_length", "tokenizer_hash",
+                            "vocab_size"}
