@@ -1,42 +1,29 @@
 """A peer's side of the run policy: the CHECKPOINT protocol (SPEC §5.2), checkpoints, metrics, manifest.
 
 Each stage's checkpoint folder may be on its own host, so a step is *complete* (every stage has it)
-only when the peers say so. :class:`CheckpointAgreement` is every phase of CHECKPOINT, in one
-place:
+only when the peers say so. :class:`CheckpointAgreement` is every phase of CHECKPOINT, in one place:
 
-- training: after stage s saved step N, the last stage sends ``saved N`` upstream; a middle stage
-  forwards it once it has also saved N (whichever comes last); stage 0, once it has both, declares
-  N complete and sends ``complete N`` downstream, relayed to the last stage. Every stage records
-  the complete steps and prunes its own files (:func:`mapl_swarm.pipeline.checkpoint.prune_plan`).
-- a step a stage cannot save (a full disk; capability ``checkpoint_unsaved``): that stage sends
-  ``unsaved N`` upstream with a reason naming it and why, relayed unchanged (or a middle stage's
-  own, once per step); stage 0, on it or on its own failed save, records N as never complete
-  (:attr:`CheckpointAgreement.unsaved`), so nothing waits for N: the newest complete step stays the
-  one before. Stage 0 then sends ``abandoned N`` downstream (capability ``checkpoint_abandoned``),
-  relayed to the last stage, and every stage deletes its own files of N once they are durable: no
-  stage can ever need them (a resume takes a step every stage holds), so a stage whose disk is
-  full does not make the others keep every later step.
-- resume: the last stage offers its usable steps (those whose files verify against their
-  manifests, so every stage can load the agreed step) upstream, each stage intersects and forwards,
-  stage 0 picks the newest common step (or refuses, with a reason every stage stops with) and
-  sends ``resume`` downstream, relayed.
-- drain (SIGINT/SIGTERM; capability ``drain``): every stage stops after the same step ``D`` and
-  saves it (even when the checkpoint interval is not due), so a ``--resume`` continues from there
-  with nothing lost but the step in flight when stage 0 decided. A stage asked to drain
-  (:meth:`~CheckpointAgreement.request`) that is not stage 0 sends ``drain_request`` upstream (a
-  middle stage relays the first one it hears, or sends its own); stage 0 decides at its next step
-  boundary: ``D`` = the steps it has completed (the step in flight is finished, never abandoned
-  half-way), and sends ``drain D`` downstream, relayed. Every stage then saves ``D`` (at its step
-  end ``D``, or at once if it passed it: ``on_drain``) and the agreement runs as for every save;
-  stage 0 waits until ``D`` is complete and sends BYE ``"drain"``, relayed, and every stage ends
-  with exit status 0. A BYE ``"drain"`` is a *planned* departure: a peer that receives one ends
-  cleanly even if it was not asked to drain itself.
+- training: ``saved N`` travels upstream once every stage below saved N; stage 0 declares N
+  complete and ``complete N`` travels down. Every stage records the complete steps and prunes its
+  own files (:func:`mapl_swarm.pipeline.checkpoint.prune_plan`).
+- a step a stage cannot save (a full disk): ``unsaved N`` with a reason naming it travels up;
+  stage 0 records N as never complete (:attr:`CheckpointAgreement.unsaved`) and ``abandoned N``
+  travels down, so every stage deletes its files of N: no resume can need them, and a full disk on
+  one stage does not make the others keep every later step.
+- resume: the stages' usable steps (files that verify against their manifests) are intersected on
+  the way up (``offer``); stage 0 picks the newest common step, or refuses with a reason every
+  stage stops with (``resume``, relayed down).
+- drain (SIGINT/SIGTERM): a stage asked to drain (:meth:`~CheckpointAgreement.request`) sends
+  ``drain_request`` up; stage 0 stops at its next step boundary ``D`` (the step in flight is
+  finished, never abandoned half-way) and ``drain D`` travels down. Every stage saves ``D`` even
+  when no checkpoint is due (``on_drain``), the agreement runs as for every save, and stage 0 sends
+  BYE ``"drain"`` once ``D`` is complete: every stage ends with exit status 0, and a ``--resume``
+  loses nothing but the step in flight when stage 0 decided.
 
-The agreement is message logic alone (no sockets: ``send(dst, meta)`` is injected), so a test can
-drive it in any message order. A neighbour that did not advertise a phase's capability (an older
-peer) is never sent it (:meth:`~CheckpointAgreement.takes`). :class:`PeerRunPolicy` bundles the
-agreement with the stage's :class:`~mapl_swarm.pipeline.checkpoint.StageCheckpoints` and metrics
-records; the :class:`~.runtime.Peer` calls its few entry points.
+The agreement is message logic alone (``send(dst, meta)`` is injected), so a test can drive it in
+any message order; a neighbour that did not advertise a phase's capability (an older peer) is never
+sent it (:meth:`~CheckpointAgreement.takes`). :class:`PeerRunPolicy` bundles it with the stage's
+:class:`~mapl_swarm.pipeline.checkpoint.StageCheckpoints` and metrics records.
 """
 
 from __future__ import annotations

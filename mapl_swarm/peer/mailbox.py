@@ -1,17 +1,14 @@
 """A peer's one inbound queue: every admitted message, in arrival order, until its consumer takes it.
 
-Both receive loops put what they admitted here (:mod:`~.inbound`), and two consumers take from it:
-the schedule takes pipeline messages (ACT, GRAD, PROJ, PROJ_GRAD, CODEBOOK_SLICE, the BYE that ends
-the run) with a predicate, the oldest one it accepts (:meth:`Mailbox.get`: e.g. an ACT of the next
-step that arrives while the stage still waits for a PROJ_GRAD stays for later); the dispatcher
-takes control messages in order (:meth:`Mailbox.next_control`). Before this peer's training
-starts, a pipeline message is *held* here, not yet admitted (it needs the agreed step window and
-run epoch): :meth:`Mailbox.release_held` hands the held ones back, in arrival order, for their
-admission once training starts.
-
-Bounds: each neighbour may have ``max_per_sender`` pipeline messages waiting; control messages and
-held ones together at most ``bound``. Beyond, :class:`~.session.Rejected` ``queue_full``. A
-failure elsewhere in the peer stops its session, which cancels the waiters.
+Both receive loops put what they admitted here (:mod:`~.inbound`). The schedule takes pipeline
+messages (ACT, GRAD, PROJ, PROJ_GRAD, CODEBOOK_SLICE, the BYE that ends the run): the oldest one a
+predicate accepts (:meth:`Mailbox.get`), so an ACT of the next step that comes while the stage
+waits for a PROJ_GRAD stays for later. The dispatcher takes control messages in order
+(:meth:`Mailbox.next_control`). Before training starts a pipeline message is *held* here, not yet
+admitted (it needs the agreed step window and run epoch); :meth:`Mailbox.release_held` hands the
+held ones back, in arrival order, once training starts. Bounds: ``max_per_sender`` pipeline
+messages per neighbour; control and held messages together ``bound``; beyond,
+:class:`~.session.Rejected` ``queue_full``. A stop of the session cancels the waiters.
 """
 
 from __future__ import annotations

@@ -115,11 +115,9 @@ class CodebookLink:
         self._sent: dict[tuple[str, int], _Sent] = {}
         """(mode, micro) -> the last ACT/GRAD sent on the link, for retransmission."""
         self.awaiting: set[tuple[int, int, str]] = set()
-        """(step, micro, mode) of the messages this peer asked the neighbour to retransmit and did
-        not get yet: an ERROR ``retransmit_unavailable`` is plausible only while one is pending."""
+        """(step, micro, mode) asked to be retransmitted, not yet decoded (SPEC §9.5, 1.7)."""
         self._resyncs: tuple[int, int] = (-1, 0)
-        """(step of the newest payload sent, RESYNCs received since): at most one per payload of
-        that step, plus :data:`RESYNC_SLACK`."""
+        """(step of the newest payload sent, RESYNCs received since; SPEC §5.1, 1.7)."""
 
     @property
     def tx(self) -> Stream:
