@@ -2,7 +2,8 @@
 
 Topology: every peer binds one ROUTER socket for everything it receives and connects one
 DEALER per neighbour for what it sends. Each transport picks a routing id
-``<name>.<8 hex digits>`` (:attr:`Transport.routing_id`, new per instance) that all its DEALERs
+``<name>.<8 hex digits>`` (:attr:`Transport.routing_id`, new per instance and on
+:meth:`Transport.new_routing_id`, for a session that re-forms the swarm) that all its DEALERs
 carry, so the ROUTER tells who sent each message (:meth:`Transport.recv` returns it, and
 :meth:`Transport.name_of` its name part); :meth:`Transport.reply` answers on the ROUTER, on the
 very connection a message came in on, and the dialer reads that answer on its DEALER
@@ -466,8 +467,7 @@ class Transport:
 
     async def flush(self, timeout_s: float) -> None:
         """Wait until every outbound link has handed all its messages to ZeroMQ."""
-        await within(asyncio.gather(*(s.flush(timeout_s) for s in self._shapers.values())),
-                               timeout_s + 1.0)
+        await within(asyncio.gather(*(s.flush(timeout_s) for s in self._shapers.values())), timeout_s + 1.0)
 
     async def reply(self, routing_id: str, frames: Sequence[Frame], *, kind: str = "control",
                     timeout_s: float | None = None) -> None:
