@@ -135,6 +135,17 @@ class Admitted:
     sender: str
 
 
+def _unkeyed_heartbeats(key: Callable[[Header], bytes | None]) -> Callable[[Header], bytes | None]:
+    """``key`` of a connection without a session, which fails every non-handshake message
+    (``auth_failed``), but a HEARTBEAT as :class:`~.session.Unkeyed` (counted, logged at debug)."""
+    def secret(h: Header) -> bytes | None:
+        if h.type is MT.HEARTBEAT:
+            raise Unkeyed("auth_failed", "HEARTBEAT before the handshake: no session key to check it with")
+        return key(h)
+
+    return secret
+
+
 class Admission:
     """The checks of the module docstring for one peer (see there). ``shapes`` is the run as this
     stage sees it (:func:`run_shapes`); ``window`` the schedule's :class:`~.window.StepWindow`, asked
@@ -209,13 +220,9 @@ class Admission:
         """Phase 1 on the loop: nothing is unpacked; the key is the session's (the run's for the handshake)."""
         session = link.rx if link.rx is not None and link.rx.routing_id == arrival.sender else None
         key = link.rx_secret(session)
-
-        def secret(h: Header) -> bytes | None:
-            if session is None and h.type is MT.HEARTBEAT and self.s.secret is not None:
-                raise Unkeyed("auth_failed", "HEARTBEAT before the handshake: no session key to check it with")
-            return key(h)
-
-        header, _ = decode_header(arrival.frames, self.limits, secret=secret)
+        if session is None and self.s.secret is not None:  # only before a session: no cost per message after
+            key = _unkeyed_heartbeats(key)
+        header, _ = decode_header(arrival.frames, self.limits, secret=key)
         return header
 
     # ------------------------------------------------------------------ handshake and session

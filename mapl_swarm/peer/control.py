@@ -7,8 +7,8 @@ counted in ``errors``) except ``retransmit_unavailable``; BYE ``"rejoin"`` pause
 swarm re-forms); any other BYE from upstream ends the run (the schedule's), from downstream it is
 a departure (SPEC §9.5). RESYNC goes to the link's codebooks, REPORT to the schedule, CHECKPOINT to
 the checkpoint agreement (ACT, GRAD, PROJ, PROJ_GRAD, CODEBOOK_SLICE and the upstream BYE that ends
-the run never come here: the schedule takes them from the inbound queue). A fresh peer that meets a swarm re-forming after a departure stops at once,
-saying that it must resume.
+the run never come here: the schedule takes them from the inbound queue). A fresh peer that meets
+a swarm re-forming after a departure stops at once, saying that it must resume.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Unkeyed", "Rejected", "HelloRefused", "Early", "RxSession"]
+__all__ = ["Rejected", "HelloRefused", "Early", "RxSession", "Unkeyed"]
 
 
 class Rejected(Exception):
