@@ -152,7 +152,8 @@ class Admission:
     on the loop when a message arrives (the link's window, the lowest run epoch)."""
 
     def __init__(self, settings: LinkSettings, links: Links, *, shapes: RunShapes, window: StepWindow,
-                 rejects: RejectCounter, decoder: WorkerThread, timeout_s: float, clock: Callable[[], float],
+                 rejects: RejectCounter, decoder: WorkerThread, deadline: Callable[[str], float],
+                 clock: Callable[[], float],
                  replies_on_link: bool, started: Callable[[], bool] = lambda: True) -> None:
         self.s = settings
         self.links = links
@@ -162,7 +163,8 @@ class Admission:
         self.limits: DecodeLimits = shapes.decode_limits()
         """Per tensor name the largest size the run allows, checked before any inflate (SPEC §8)."""
         self.decoder = decoder
-        self.timeout_s = timeout_s
+        self.deadline = deadline
+        """``deadline(link name)``: how long that neighbour's bound session stays live unheard."""
         self.clock = clock
         self.replies_on_link = replies_on_link
         """WELCOME/REJECT come back on this peer's own connection (``Arrival.reply_link``); False
@@ -243,7 +245,7 @@ class Admission:
         bound = link.rx
         reforms = (self.started() and h.epoch > self.window.epoch and REJOIN_CAPABILITY in s.capabilities
                    and REJOIN_CAPABILITY in h.meta.get("capabilities", ()))
-        if bound is not None and bound.routing_id != sender and bound.alive(self.clock(), self.timeout_s) \
+        if bound is not None and bound.routing_id != sender and bound.alive(self.clock(), self.deadline(link.name)) \
                 and not reforms:  # a neighbour re-forming the swarm comes on a new connection (SPEC §9.6)
             raise HelloRefused("stage_taken", f"stage {link.stage} is taken: its session is alive "
                                               f"(heard {self.clock() - bound.heard_at:.0f} s ago)", nonce)

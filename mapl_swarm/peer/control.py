@@ -4,8 +4,9 @@ A HELLO is welcomed (or, from a neighbour re-forming the swarm while this peer t
 SPEC §9.6). WELCOME and REJECT answer this peer's HELLOs (SPEC §9.2: a configuration refusal by a
 peer that is not anchored is retried, any other ends the session). ERROR is informational (logged,
 counted in ``errors``) except ``retransmit_unavailable``; BYE ``"rejoin"`` pauses the peer (the
-swarm re-forms); any other BYE from upstream ends the run (the schedule's), from downstream it is
-a departure (SPEC §9.5). RESYNC goes to the link's codebooks, REPORT to the schedule, CHECKPOINT to
+swarm re-forms); during the handshake any other BYE frees the neighbour's stage for another peer;
+after it, one from upstream ends the run (the schedule's), from downstream it is a departure (SPEC
+§9.5). RESYNC goes to the link's codebooks, REPORT to the schedule, CHECKPOINT to
 the checkpoint agreement (ACT, GRAD, PROJ, PROJ_GRAD, CODEBOOK_SLICE and the upstream BYE that ends
 the run never come here: the schedule takes them from the inbound queue). A fresh peer that meets
 a swarm re-forming after a departure stops at once, saying that it must resume.
@@ -66,6 +67,10 @@ class Session(Protocol):
     def started(self) -> bool:
         """Training started (:attr:`~.runtime.PeerState.started`)."""
 
+    @property
+    def handshaking(self) -> bool:
+        """The handshake runs (:attr:`~.runtime.PeerState.HANDSHAKING`)."""
+
     def stop(self, reason: BaseException) -> None: ...
 
     def pause(self, why: str, *, epoch: int, lost: int | None, told_by: int | None = None) -> None: ...
@@ -123,10 +128,11 @@ class Control:
     async def _on_welcome(self, msg: Message, link: PeerLink) -> None:
         peer = self.peer
         if self._must_resume(msg):
+            link.on_welcome(msg)  # the neighbour holds this peer's session: the BYE on stopping ends it
             return
         refused = link.settings.mismatch(msg.meta, msg.src)
         if refused is not None:  # the neighbour runs another configuration (SPEC §9.2 step 3)
-            link.on_reject(msg)
+            link.on_welcome(msg)  # its session of this peer is open: the BYE on stopping ends it
             peer.stop(PeerRejected(f"stage {msg.src} welcomed stage {peer.stage} with another configuration: "
                                    f"{refused[1]}"))
             return
@@ -176,6 +182,14 @@ class Control:
         it left before the end (SPEC §9.5)."""
         peer = self.peer
         reason = str(msg.meta.get("reason", ""))
+        if peer.handshaking and reason not in (REJOIN_REASON, DRAIN_REASON):
+            # a peer that stopped before training (a refused handshake, a replacement that must
+            # resume): its stage is free for another peer, this peer keeps waiting for one
+            link.end_sessions()
+            peer.monitor.forget(link.name)
+            log.warning("%s: stage %d left before training (%s); waiting for another stage %d peer", peer.name,
+                        msg.src, reason, msg.src)
+            return
         if reason == REJOIN_REASON:
             lost = msg.meta.get("lost")
             departed = f" (stage {lost} departed)" if lost is not None else ""

@@ -29,7 +29,7 @@ from mapl_swarm.peer.admission import Admission, Admitted, Arrival, RejectCounte
 from mapl_swarm.peer.link import Links, PeerLink, Reply, stage_of
 from mapl_swarm.peer.session import Early, HelloRefused, Rejected
 from mapl_swarm.wire import Message, MessageType, VersionMismatch
-from mapl_swarm.wire.spec import DRAIN_REASON, REJOIN_REASON
+from mapl_swarm.wire.spec import REJOIN_REASON
 
 if TYPE_CHECKING:
     from mapl_swarm.net.heartbeat import HeartbeatMonitor
@@ -127,13 +127,11 @@ class Inbound:
         self.spawn(send())
 
     def for_schedule(self, msg: Message, link: PeerLink) -> bool:
-        """A pipeline message, or the BYE from upstream that ends the run (before training, a BYE
-        ``"drain"`` is a departure; BYE ``"rejoin"`` is a re-form): the schedule's to take."""
+        """A pipeline message, or the BYE from upstream that ends the run (before training any BYE is
+        the dispatcher's, SPEC §9.5; BYE ``"rejoin"`` is a re-form): the schedule's to take."""
         if msg.type in SCHEDULE_TYPES:
             return True
-        reason = msg.meta.get("reason")
-        return (msg.type is MT.BYE and link.is_upstream and reason != REJOIN_REASON
-                and (self.started or reason != DRAIN_REASON))
+        return msg.type is MT.BYE and link.is_upstream and self.started and msg.meta.get("reason") != REJOIN_REASON
 
     async def _admit(self, arrival: Arrival, transport: Any, *, dispatch: bool = True) -> Answer | None:
         """Admission, the sign of life, heartbeats and what later admissions depend on (a PROJ's

@@ -379,6 +379,11 @@ class PeerLink:
         self.peer_anchored = self.peer_anchored or msg.meta.get("anchored") is True
         self.tx_key = None if s.secret is None else session_key(s.secret, self._hello_nonce, msg.meta["nonce"])
 
+    def end_sessions(self) -> None:
+        """The neighbour left before training (SPEC §9.5): both sessions with it end, so its stage is
+        free for another peer at once and this peer's HELLO is sent again."""
+        self.rx, self.welcomed, self.tx_key = None, False, None
+
     def on_reject(self, msg: Message) -> None:
         """REJECT of this peer's newest HELLO; ``stage_taken`` and a configuration refusal of a peer
         that is not anchored are retried (:attr:`retry`)."""

@@ -53,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -221,7 +222,7 @@ class Peer:
             sampler=sampler, val_batches=val_batches or [], reject=self.rejects, drain=self.agreement)
         self.admission = Admission(
             settings, self.links, shapes=run_shapes(cfg, stage), window=self.schedule.window, rejects=self.rejects,
-            decoder=self.decoder, timeout_s=net.timeout_s, clock=time.monotonic, replies_on_link=False,
+            decoder=self.decoder, deadline=self._session_deadline, clock=time.monotonic, replies_on_link=False,
             started=lambda: self.inbound.started)
         self.monitor = HeartbeatMonitor(
             HeartbeatConfig(interval_s=net.heartbeat_interval_s, timeout_s=net.liveness_ceiling,
@@ -246,6 +247,11 @@ class Peer:
     def started(self) -> bool:
         """Training started: pipeline messages are no longer held, the run epoch is the swarm's."""
         return self.state.started
+
+    @property
+    def handshaking(self) -> bool:
+        """The handshake runs: a neighbour's BYE frees its stage instead of being a departure."""
+        return self.state is PeerState.HANDSHAKING
 
     def bad_frame(self, sender: str, why: str) -> None:
         """Count, log and drop a message the links cannot use (``not_allowed``)."""
@@ -367,6 +373,18 @@ class Peer:
         if link is not None:
             await link.send_heartbeat(lambda: self.monitor.heartbeat_meta(name), anchored=self.links.anchored)
 
+    def _session_deadline(self, name: str) -> float:
+        """How long neighbour ``name``'s bound session stays live unheard (SPEC §9.2 step 5): while
+        training, until this peer finds the neighbour lost (which re-forms the swarm); before, its
+        liveness deadline, the floor until a round trip is measured (a live neighbour heartbeats
+        every ``net.heartbeat_interval_s`` from the WELCOME on, so a dead one frees its stage soon)."""
+        if self.inbound.started:
+            return math.inf
+        rtt = self.monitor.rtt(name)
+        if rtt is None or rtt.estimate is None:
+            return self.cfg.net.liveness_floor
+        return self.monitor.deadline_s(name)
+
     def _on_silent(self, silence: Silence) -> None:
         link = self.links.named(silence.peer)
         if link is not None:
@@ -422,6 +440,9 @@ class Peer:
         becomes the result's end; anything else is raised."""
         reason = self.stop_reason
         if not isinstance(reason, _CleanStop):
+            if not self.inbound.started:  # before training: the neighbours that welcomed it free its stage
+                await self._say_bye(transport, [link for link in self.links if link.welcomed],
+                                    {"reason": f"stopped before training: {reason}"})
             raise reason
         if isinstance(reason, _Rejoin):  # the other neighbours re-form too
             bye = {"reason": REJOIN_REASON, **({"lost": reason.lost} if reason.lost is not None else {})}

@@ -145,6 +145,26 @@ def test_welcome_binds_the_session_and_a_second_connection_for_the_stage_is_refu
     assert m.rejects == {"stage_taken": 1} and m.peer.links.upstream.rx.last_seq == 1
 
 
+def test_a_bye_during_the_handshake_frees_the_stage_for_another_peer():
+    """A neighbour that stops before training (a refused handshake, a replacement that must
+    resume) says BYE: the handshaking peer ends both sessions with it, does not depart or stop,
+    and welcomes the next peer of that stage at once instead of refusing it as ``stage_taken``."""
+    async def scenario(m):
+        m.peer.state = PeerState.HANDSHAKING
+        link = m.peer.links.upstream
+        await link.send_hello()
+        await m.feed(UP, msg(MT.HELLO, src=0, meta=HELLO))
+        await m.feed("stage0", m.welcome(0), reply_link="stage0")
+        assert link.rx.routing_id == UP and link.welcomed
+        await m.feed(UP, msg(MT.BYE, src=0, seq=1, meta={"reason": "stopped before training: must resume"}))
+        assert link.rx is None and not link.welcomed
+        await m.feed("stage0.0badc0de", msg(MT.HELLO, src=0, meta=HELLO))
+    m = run(scenario)
+    assert m.answers("stage0.0badc0de") == [("WELCOME", 0, None)]
+    assert m.peer.links.upstream.rx.routing_id == "stage0.0badc0de"
+    assert m.peer.stop_reason is None and m.rejects == {} and not m.peer.departures.gone(0)
+
+
 def test_a_dead_session_may_be_replaced_by_a_new_connection():
     async def scenario(m):
         await m.handshake()
@@ -200,7 +220,7 @@ def test_a_fresh_peer_welcomed_by_a_re_forming_swarm_stops_saying_it_must_resume
     m = run(scenario)
     assert "belongs to a swarm that re-forms after a departure (run epoch 2): stage 1 must take the departed " \
            "peer's place from its checkpoints, so start it again with --resume" in str(m.peer.stop_reason)
-    assert not m.peer.links.upstream.welcomed
+    assert m.peer.links.upstream.welcomed  # the neighbour's session of this peer, ended by the BYE on stopping
 
 
 def test_a_welcome_of_another_configuration_stops_the_peer():
