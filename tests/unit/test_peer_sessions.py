@@ -165,15 +165,22 @@ def test_a_bye_during_the_handshake_frees_the_stage_for_another_peer():
     assert m.peer.stop_reason is None and m.rejects == {} and not m.peer.departures.gone(0)
 
 
-def test_a_dead_session_may_be_replaced_by_a_new_connection():
+def test_before_training_a_dead_session_may_be_replaced_by_a_new_connection():
+    """Before training a bound session unheard for the liveness floor frees its stage; while
+    training it stays bound until this peer finds the neighbour lost (which re-forms the swarm)."""
     async def scenario(m):
         await m.handshake()
-        m.peer.links.upstream.rx.heard_at -= m.peer.cfg.net.timeout_s + 1  # silent for longer than the timeout
+        m.peer.links.upstream.rx.heard_at -= m.peer.cfg.net.timeout_s + 1  # silent for longer than any deadline
+        await m.feed("stage0.0000000b", msg(MT.HELLO, src=0, meta=HELLO))  # training: still taken
+        m.peer.state = PeerState.HANDSHAKING
+        m.peer.inbound.started = False
         await m.feed("stage0.0000000c", msg(MT.HELLO, src=0, meta=HELLO))
-        await m.feed(UP, act(seq=1))  # the old connection is no longer the session
+        await m.feed(UP, msg(MT.HEARTBEAT, src=0, seq=1))  # the old connection is no longer the session
     m = run(scenario)
+    assert m.answers("stage0.0000000b") == [("REJECT", 0, "stage_taken")]
     assert m.peer.links.upstream.rx.routing_id == "stage0.0000000c"
-    assert m.answers("stage0.0000000c") == [("WELCOME", 0, None)] and m.rejects == {"wrong_session": 1}
+    assert m.answers("stage0.0000000c") == [("WELCOME", 0, None)]
+    assert m.rejects == {"stage_taken": 1, "wrong_session": 1}
 
 
 def test_welcome_and_reject_count_only_as_the_answer_to_this_peers_hello():
