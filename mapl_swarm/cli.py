@@ -104,6 +104,9 @@ def _run_key(args: argparse.Namespace):
 def _cmd_keys(args: argparse.Namespace) -> int:
     from mapl_swarm.net.runkey import create_run_key, load_run_key
 
+    if args.out is None:
+        raise ConfigError("keys: --out FILE (a run key) or a subcommand (authority, peer, request, issue, show)")
+
     if args.if_missing and Path(args.out).exists():
         key = load_run_key(args.out)  # a bad or world-readable file is still an error
         print(f"kept run key {args.out} (key id {key.key_id})")
@@ -111,6 +114,86 @@ def _cmd_keys(args: argparse.Namespace) -> int:
     key = create_run_key(args.out, force=args.force)
     print(f"wrote run key {args.out} (key id {key.key_id}, mode 0600); give every peer of the run a copy "
           f"(--key-file) over a trusted channel, and no one else")
+    return 0
+
+
+def _cmd_keys_authority(args: argparse.Namespace) -> int:
+    from mapl_swarm.net.identity import create_authority
+
+    authority = create_authority(args.out, force=args.force)
+    print(f"wrote run authority key {args.out} (key id {authority.key_id}, mode 0600); keep it with the operator: "
+          f"it issues every peer's certificate (`mapl-swarm keys issue`)")
+    return 0
+
+
+def _cmd_keys_peer(args: argparse.Namespace) -> int:
+    from mapl_swarm.net.identity import create_peer_key
+
+    key = create_peer_key(args.out, force=args.force)
+    print(f"wrote peer key {args.out} (key id {key.key_id}, mode 0600); it never leaves this host: send the "
+          f"operator a request (`mapl-swarm keys request`)")
+    return 0
+
+
+def _stage_list(text: str) -> list[int]:
+    """``--stages 1`` or ``--stages 0,2``."""
+    try:
+        stages = [int(s) for s in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected stage numbers separated by commas, got {text!r}") from None
+    if any(s < 0 for s in stages):
+        raise argparse.ArgumentTypeError(f"stages are 0-based, got {text!r}")
+    return stages
+
+
+def _cmd_keys_request(args: argparse.Namespace) -> int:
+    from mapl_swarm.net.identity import load_peer_key, make_request, write_signed
+
+    key = load_peer_key(args.key)
+    write_signed(args.out, make_request(key, args.name, args.stages), force=args.force)
+    print(f"wrote certificate request {args.out} for {args.name!r}, stage(s) {sorted(set(args.stages))} (peer key "
+          f"{key.key_id}); it holds public keys only: send it to the run's operator")
+    return 0
+
+
+def _cmd_keys_issue(args: argparse.Namespace) -> int:
+    from mapl_swarm.net.identity import CertificateBody, issue, load_authority, read_signed, write_signed
+
+    authority = load_authority(args.authority)
+    cert = issue(authority, read_signed(args.request, "request"), run_id=args.run_id, stages=args.stages,
+                 roles=args.role or [], valid_s=round(args.days * 86400))
+    write_signed(args.out, cert, force=args.force)
+    body = CertificateBody.decode(cert.body)
+    print(f"wrote certificate {args.out}: {body.name!r} may serve stage(s) {list(body.stages)} of run {body.run!r}"
+          f"{' and ' + ', '.join(body.roles) if body.roles else ''} for {args.days:g} day(s) (authority "
+          f"{authority.key_id}, serial {body.serial})")
+    return 0
+
+
+def _cmd_keys_show(args: argparse.Namespace) -> int:
+    import datetime
+
+    from mapl_swarm.net.identity import CERTIFICATE_HEADER, CertificateBody, RequestBody, key_id, read_signed
+
+    try:
+        head = Path(args.file).read_text(encoding="ascii", errors="replace").split("\n", 1)[0]
+    except OSError as exc:
+        raise ConfigError(f"{args.file}: cannot read it: {exc.strerror}") from None
+    kind = "certificate" if head == CERTIFICATE_HEADER else "request"
+    signed = read_signed(args.file, kind)
+    if kind == "request":
+        req = RequestBody.decode(signed.body)
+        print(f"certificate request of {req.name!r}: stage(s) {list(req.stages)}, peer key {key_id(req.sign_key)}")
+        return 0
+    body = CertificateBody.decode(signed.body)
+
+    def when(t: int) -> str:
+        return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+    print(f"certificate of {body.name!r}: run {body.run!r}, stage(s) {list(body.stages)}, roles {list(body.roles)}, "
+          f"valid {when(body.not_before)} to {when(body.not_after)}, serial {body.serial}, peer key "
+          f"{key_id(body.sign_key)}, authority {key_id(body.authority)} (signature not checked: a peer checks it "
+          f"against its run's authority)")
     return 0
 
 
@@ -480,13 +563,49 @@ def build_parser() -> argparse.ArgumentParser:
             "Create a run key: a file every peer of one run needs (--key-file) and no one else may have. "
             "It is written with mode 0600 and never printed; only its path and key id are shown. "
             "`launch`, `lab` and compose create one themselves.")
-    p.add_argument("--out", required=True, metavar="FILE", help="where to write the key (required)")
+    p.add_argument("--out", metavar="FILE", help="where to write the run key (required without a subcommand)")
     how = p.add_mutually_exclusive_group()
     how.add_argument("--force", action="store_true", help="replace an existing file (a new key: key rotation)")
     how.add_argument("--if-missing", action="store_true",
                      help="keep an existing valid key file instead of refusing (for scripts and compose)")
     _add_common_args(p, quiet=False)
     p.set_defaults(func=_cmd_keys)
+    identities = p.add_subparsers(title="per-peer identities under a run authority", metavar="SUBCOMMAND")
+
+    def key_command(name: str, summary: str, func, out_help: str) -> argparse.ArgumentParser:
+        q = identities.add_parser(name, help=summary, description=summary)
+        q.add_argument("--out", required=True, metavar="FILE", help=f"{out_help} (required)")
+        q.add_argument("--force", action="store_true", help="replace an existing file")
+        _add_common_args(q, quiet=False)
+        q.set_defaults(func=func)
+        return q
+
+    key_command("authority", "create a run authority key (mode 0600; it signs every peer's certificate)",
+                _cmd_keys_authority, "where to write the authority key")
+    key_command("peer", "create this host's peer key (mode 0600; it never leaves the host)", _cmd_keys_peer,
+                "where to write the peer key")
+    q = key_command("request", "write a certificate request (public keys only) for the operator", _cmd_keys_request,
+                    "where to write the request")
+    q.add_argument("--key", required=True, metavar="FILE", help="this host's peer key (required)")
+    q.add_argument("--name", required=True, help="this peer's name in logs and certificates, e.g. the host name "
+                                                 "(required)")
+    q.add_argument("--stages", required=True, type=_stage_list, metavar="K[,K...]",
+                   help="the stage(s) it asks to serve (required)")
+    q = key_command("issue", "sign a certificate for a request with the run authority key", _cmd_keys_issue,
+                    "where to write the certificate")
+    q.add_argument("--authority", required=True, metavar="FILE", help="the run authority key (required)")
+    q.add_argument("--request", required=True, metavar="FILE", help="the host's request (required)")
+    q.add_argument("--run-id", required=True, help="the run it is valid for: run.run_id (required)")
+    q.add_argument("--stages", type=_stage_list, metavar="K[,K...]",
+                   help="the stages it allows, of those requested (default: all requested)")
+    q.add_argument("--role", action="append", choices=["drain"],
+                   help="also allow this: drain (ask the whole swarm to drain); repeatable (default: none)")
+    q.add_argument("--days", type=float, default=30.0, help="how long it is valid (default: 30)")
+    q = identities.add_parser("show", help="print what a request or certificate says (no secret is read)",
+                              description="Print what a request or certificate file says.")
+    q.add_argument("file", metavar="FILE")
+    _add_common_args(q, quiet=False)
+    q.set_defaults(func=_cmd_keys_show)
 
     p = add("sweep", "run an experiment grid in-process; tables and plots",
             "Run every run of a grid file in this process at an equal token budget (finished runs are "

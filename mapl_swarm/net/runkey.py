@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import secrets
-import stat
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -39,17 +37,17 @@ import zmq
 from zmq.utils import z85
 
 from mapl_swarm.errors import ConfigError
+from mapl_swarm.net.keyfiles import KEY_BYTES, read_key_file, write_key_file
 
 __all__ = ["RunKey", "CurveKeys", "load_run_key", "create_run_key", "run_dir_key", "RUN_KEY_HEADER",
            "RUN_KEY_BYTES", "RUN_KEY_FILE"]
 
 RUN_KEY_HEADER = "mapl-run-key v1"
 """First line of a run key file."""
-RUN_KEY_BYTES = 32
+RUN_KEY_BYTES = KEY_BYTES
 """Random bytes in a run key."""
 RUN_KEY_FILE = "run.key"
 """Name of the run key that ``launch`` and ``lab`` keep in the run's folder (``run.out_dir``)."""
-_HEX_LINE = re.compile(r"[0-9a-f]{64}")
 
 
 def _derive(label: bytes, key: bytes) -> bytes:
@@ -134,58 +132,16 @@ class RunKey:
 def load_run_key(path: str | os.PathLike[str]) -> RunKey:
     """Read a run key file; a missing file, a mode with any group/other bit, or a bad format is a
     one-line :class:`ConfigError` naming the file (never showing its content)."""
-    p = Path(path)
-    try:
-        st = p.stat()
-    except FileNotFoundError:
-        raise ConfigError(f"run key file {p} does not exist (create one with `mapl-swarm keys --out {p}`)") from None
-    except OSError as exc:
-        raise ConfigError(f"run key file {p}: cannot read it: {exc.strerror}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise ConfigError(f"run key file {p} is not a regular file")
-    if st.st_mode & 0o077:
-        raise ConfigError(f"run key file {p} is readable by others (mode {stat.S_IMODE(st.st_mode):04o}); "
-                          f"run: chmod 600 {p}")
-    try:
-        text = p.read_text(encoding="ascii")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"run key file {p}: cannot read it as a run key: {type(exc).__name__}") from None
-    lines = text.split("\n")
-    if len(lines) != 3 or lines[0] != RUN_KEY_HEADER or not _HEX_LINE.fullmatch(lines[1]) or lines[2] != "":
-        raise ConfigError(f"run key file {p} is not a run key (expected the line {RUN_KEY_HEADER!r}, then "
-                          f"{2 * RUN_KEY_BYTES} lowercase hex digits; create one with `mapl-swarm keys --out FILE`)")
-    return RunKey(bytes.fromhex(lines[1]), str(p))
+    key = read_key_file(path, header=RUN_KEY_HEADER, what="run key", create=f"mapl-swarm keys --out {path}")
+    return RunKey(key, str(path))
 
 
 def create_run_key(path: str | os.PathLike[str], *, force: bool = False) -> RunKey:
     """Write a new random run key to ``path`` (mode 0600, atomically: a crash leaves either no file
-    or the whole key). An existing file is a ConfigError unless ``force`` replaces it."""
-    p = Path(path)
-    if p.is_dir():
-        raise ConfigError(f"run key file {p} is a directory")
-    if p.exists() and not force:
-        raise ConfigError(f"run key file {p} already exists (--force replaces it; every peer then needs the "
-                          f"new file)")
-    p.parent.mkdir(parents=True, exist_ok=True)
-    key = RunKey.generate(str(p))
-    tmp = p.with_name(f".{p.name}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        try:
-            os.fchmod(fd, 0o600)  # whatever the umask
-            os.write(fd, key.file_text().encode("ascii"))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        if force:
-            os.replace(tmp, p)
-        else:
-            try:
-                os.link(tmp, p)  # fails if the file appeared meanwhile: never overwrite without force
-            except FileExistsError:
-                raise ConfigError(f"run key file {p} already exists (--force replaces it)") from None
-    finally:
-        tmp.unlink(missing_ok=True)
+    or the whole key). An existing file is a ConfigError unless ``force`` replaces it (every peer
+    then needs the new file)."""
+    key = RunKey.generate(str(path))
+    write_key_file(path, key.secret, header=RUN_KEY_HEADER, what="run key", force=force)
     return key
 
 

@@ -1,0 +1,416 @@
+"""Per-peer identities under a run authority: key files, certificate requests and certificates.
+
+A run has one **authority** (an Ed25519 key that stays with its operator) and each peer its own
+**peer key**. A peer key is 32 random bytes from which two keys derive, each under its own label:
+
+- the Ed25519 **signing key** that signs the peer's requests and records;
+- the ZeroMQ **CURVE keypair** of the peer's links: its server key, its client key.
+
+A host makes its key locally and sends only a **request** (its public keys, the stages it asks
+for, signed by its own signing key: proof that it holds the key) to the operator, who **issues** a
+**certificate**: the run id, the peer's public keys, the stages it may serve, what it may ask of
+the whole swarm (``roles``), a validity interval and a serial, signed by the authority.
+
+Files (``mapl-swarm keys``): the authority key and a peer key are secret key files
+(:mod:`~.keyfiles`: mode 0600, read from files only, never shown); requests and certificates are
+public text files: a header line, then the base64 (RFC 4648, with padding) of a msgpack map
+``{"body": bytes, "sig": bytes}``, then a newline. ``body`` is itself msgpack (a map with string
+keys, see :class:`CertificateBody` and :class:`RequestBody`) and ``sig`` the Ed25519 signature of
+``SIGNING_CONTEXT[kind] + body``: a signature is checked over the exact bytes received, so no two
+encoders need to agree on how to encode a map, and one kind of signed thing never passes for
+another.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import os
+import re
+import secrets
+import time
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import msgpack
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from zmq.utils import z85
+
+from mapl_swarm.errors import ConfigError, MaplError
+from mapl_swarm.net.keyfiles import KEY_BYTES, read_key_file, write_key_file
+
+__all__ = [
+    "AUTHORITY_HEADER", "PEER_KEY_HEADER", "REQUEST_HEADER", "CERTIFICATE_HEADER", "ROLES", "MAX_VALIDITY_S",
+    "Authority", "PeerKey", "RequestBody", "CertificateBody", "Signed", "CertificateError",
+    "load_authority", "create_authority", "load_peer_key", "create_peer_key",
+    "make_request", "issue", "verify_certificate", "read_signed", "write_signed",
+]
+
+AUTHORITY_HEADER = "mapl-run-authority v1"
+PEER_KEY_HEADER = "mapl-peer-key v1"
+REQUEST_HEADER = "mapl-cert-request v1"
+CERTIFICATE_HEADER = "mapl-peer-cert v1"
+
+Kind = Literal["request", "certificate"]
+SIGNING_CONTEXT: dict[str, bytes] = {"request": b"mapl-cert-request v1\x00", "certificate": b"mapl-peer-cert v1\x00"}
+"""Prefixed to a body before it is signed: a request's signature never verifies as a certificate's."""
+_HEADERS: dict[str, str] = {"request": REQUEST_HEADER, "certificate": CERTIFICATE_HEADER}
+
+ROLES = frozenset({"drain"})
+"""What a certificate may allow beyond serving its stages: ``drain`` (ask the whole swarm to drain)."""
+MAX_VALIDITY_S = 366 * 86400
+"""The longest validity a certificate may have (a year and a day): an identity expires."""
+MAX_STAGES = 65536
+MAX_NAME = 64
+MAX_SIGNED_BYTES = 4096
+"""Largest request or certificate file body accepted (they are a few hundred bytes)."""
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+class CertificateError(MaplError):
+    """A request or certificate that cannot be used; ``code`` says why (for counters and drops)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _label(label: bytes, key: bytes) -> bytes:
+    return hashlib.sha256(label + key).digest()
+
+
+def _raw(public: Ed25519PublicKey) -> bytes:
+    return public.public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+
+def key_id(public: bytes) -> str:
+    """A short public name of a key for logs: hex of SHA-256(public)[:8]."""
+    return hashlib.sha256(public).digest()[:8].hex()
+
+
+# ---------------------------------------------------------------------- keys
+@dataclass(frozen=True, eq=False)
+class Authority:
+    """A run authority: the Ed25519 private key (its 32-byte seed) that signs certificates."""
+
+    seed: bytes = field(repr=False)
+    path: str = ""
+
+    @cached_property
+    def _private(self) -> Ed25519PrivateKey:
+        return Ed25519PrivateKey.from_private_bytes(self.seed)
+
+    @cached_property
+    def public(self) -> bytes:
+        """The authority's 32-byte Ed25519 public key: what every peer of the run trusts."""
+        return _raw(self._private.public_key())
+
+    @property
+    def key_id(self) -> str:
+        return key_id(self.public)
+
+    def sign(self, data: bytes) -> bytes:
+        return self._private.sign(data)
+
+    def __repr__(self) -> str:
+        return f"Authority(key_id={self.key_id!r}, path={self.path!r})"
+
+
+@dataclass(frozen=True, eq=False)
+class PeerKey:
+    """A peer's own key (32 secret bytes) and the two keys derived from it (module docstring)."""
+
+    secret: bytes = field(repr=False)
+    path: str = ""
+
+    @cached_property
+    def _signing(self) -> Ed25519PrivateKey:
+        return Ed25519PrivateKey.from_private_bytes(_label(b"mapl-peer-sign v1", self.secret))
+
+    @cached_property
+    def sign_public(self) -> bytes:
+        """The 32-byte Ed25519 public key of the peer's signing key."""
+        return _raw(self._signing.public_key())
+
+    def sign(self, data: bytes) -> bytes:
+        return self._signing.sign(data)
+
+    @cached_property
+    def curve_secret(self) -> bytes:
+        """The peer's CURVE secret key, z85 (40 bytes): z85(SHA-256(b"mapl-peer-curve v1" + key))."""
+        return z85.encode(_label(b"mapl-peer-curve v1", self.secret))
+
+    @cached_property
+    def curve_public(self) -> bytes:
+        """The peer's CURVE public key, raw (32 bytes): what its certificate names."""
+        import zmq  # pyzmq's libsodium derives it (X25519 of the secret)
+
+        return z85.decode(zmq.curve_public(self.curve_secret))
+
+    @property
+    def key_id(self) -> str:
+        return key_id(self.sign_public)
+
+    def __repr__(self) -> str:
+        return f"PeerKey(key_id={self.key_id!r}, path={self.path!r})"
+
+
+def load_authority(path: str | os.PathLike[str]) -> Authority:
+    return Authority(read_key_file(path, header=AUTHORITY_HEADER, what="run authority key",
+                                   create=f"mapl-swarm keys authority --out {path}"), str(path))
+
+
+def create_authority(path: str | os.PathLike[str], *, force: bool = False) -> Authority:
+    """A new authority key at ``path`` (mode 0600); an existing file only with ``force``."""
+    authority = Authority(secrets.token_bytes(KEY_BYTES), str(path))
+    write_key_file(path, authority.seed, header=AUTHORITY_HEADER, what="run authority key", force=force)
+    return authority
+
+
+def load_peer_key(path: str | os.PathLike[str]) -> PeerKey:
+    return PeerKey(read_key_file(path, header=PEER_KEY_HEADER, what="peer key",
+                                 create=f"mapl-swarm keys peer --out {path}"), str(path))
+
+
+def create_peer_key(path: str | os.PathLike[str], *, force: bool = False) -> PeerKey:
+    """A new peer key at ``path`` (mode 0600); an existing file only with ``force``."""
+    key = PeerKey(secrets.token_bytes(KEY_BYTES), str(path))
+    write_key_file(path, key.secret, header=PEER_KEY_HEADER, what="peer key", force=force)
+    return key
+
+
+# ---------------------------------------------------------------------- signed bodies
+@dataclass(frozen=True)
+class Signed:
+    """A signed body as it travels and is stored: the body's exact bytes and their signature."""
+
+    kind: Kind
+    body: bytes
+    sig: bytes
+
+    def encode(self) -> bytes:
+        """The msgpack map ``{"body", "sig"}`` (what a HELLO or a DHT record carries)."""
+        return msgpack.packb({"body": self.body, "sig": self.sig}, use_bin_type=True)
+
+    @classmethod
+    def decode(cls, kind: Kind, data: Any) -> Signed:
+        """From :meth:`encode`'s bytes (received: checked for shape only, not yet verified)."""
+        if not isinstance(data, bytes) or len(data) > MAX_SIGNED_BYTES:
+            raise CertificateError("malformed", f"a {kind} must be at most {MAX_SIGNED_BYTES} bytes")
+        try:
+            outer = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=MAX_SIGNED_BYTES,
+                                    max_array_len=0, max_map_len=2)
+        except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+            raise CertificateError("malformed", f"a {kind} that is not msgpack: {type(exc).__name__}") from None
+        if not isinstance(outer, dict) or set(outer) != {"body", "sig"} or not isinstance(outer["body"], bytes) \
+                or not isinstance(outer["sig"], bytes) or len(outer["sig"]) != 64:
+            raise CertificateError("malformed", f"a {kind} is a map of body (bytes) and sig (64 bytes)")
+        return cls(kind, outer["body"], outer["sig"])
+
+    def verify(self, public: bytes) -> None:
+        """The signature is ``public``'s over ``SIGNING_CONTEXT[kind] + body``, else ``bad_signature``."""
+        try:
+            Ed25519PublicKey.from_public_bytes(public).verify(self.sig, SIGNING_CONTEXT[self.kind] + self.body)
+        except (InvalidSignature, ValueError):
+            raise CertificateError("bad_signature", f"the {self.kind}'s signature does not verify") from None
+
+
+def _body_map(data: bytes, kind: str, fields: dict[str, type]) -> dict[str, Any]:
+    try:
+        body = msgpack.unpackb(data, raw=False, strict_map_key=True, max_map_len=len(fields), max_array_len=MAX_STAGES)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise CertificateError("malformed", f"a {kind} body that is not msgpack: {type(exc).__name__}") from None
+    if not isinstance(body, dict) or set(body) != set(fields):
+        raise CertificateError("malformed", f"a {kind} body has exactly the fields {sorted(fields)}")
+    for name, typ in fields.items():
+        value = body[name]
+        if type(value) is not typ:
+            raise CertificateError("malformed", f"{kind} field {name!r} must be {typ.__name__}")
+    return body
+
+
+def _check_keys(body: dict[str, Any], kind: str) -> None:
+    for name in ("sign_key", "curve_key"):
+        if len(body[name]) != 32:
+            raise CertificateError("malformed", f"{kind} field {name!r} must be 32 bytes")
+
+
+def _check_name(name: str, kind: str) -> None:
+    if not _NAME.fullmatch(name):
+        raise CertificateError("malformed", f"{kind} name {name!r}: 1-{MAX_NAME} letters, digits, '.', '_' or '-'")
+
+
+def _check_stages(stages: list[Any], kind: str) -> tuple[int, ...]:
+    if not stages or any(type(s) is not int or not 0 <= s < MAX_STAGES for s in stages) or stages != sorted(set(stages)):
+        raise CertificateError("malformed", f"{kind} stages must be distinct ascending ints in 0..{MAX_STAGES - 1}")
+    return tuple(stages)
+
+
+@dataclass(frozen=True)
+class RequestBody:
+    """What a host asks the authority for: its name, its public keys, the stages it would serve."""
+
+    name: str
+    sign_key: bytes
+    curve_key: bytes
+    stages: tuple[int, ...]
+
+    FIELDS = {"v": int, "name": str, "sign_key": bytes, "curve_key": bytes, "stages": list}
+
+    def encode(self) -> bytes:
+        return msgpack.packb({"v": 1, "name": self.name, "sign_key": self.sign_key, "curve_key": self.curve_key,
+                              "stages": list(self.stages)}, use_bin_type=True)
+
+    @classmethod
+    def decode(cls, data: bytes) -> RequestBody:
+        body = _body_map(data, "request", cls.FIELDS)
+        if body["v"] != 1:
+            raise CertificateError("malformed", f"request version {body['v']}, this peer reads 1")
+        _check_keys(body, "request")
+        _check_name(body["name"], "request")
+        return cls(body["name"], body["sign_key"], body["curve_key"], _check_stages(body["stages"], "request"))
+
+
+@dataclass(frozen=True)
+class CertificateBody:
+    """What the authority signed: who a peer is (its keys), in which run, what it may do, when."""
+
+    run: str
+    name: str
+    sign_key: bytes
+    curve_key: bytes
+    stages: tuple[int, ...]
+    roles: tuple[str, ...]
+    serial: int
+    not_before: int
+    not_after: int
+    authority: bytes
+
+    FIELDS = {"v": int, "run": str, "name": str, "sign_key": bytes, "curve_key": bytes, "stages": list,
+              "roles": list, "serial": int, "not_before": int, "not_after": int, "authority": bytes}
+
+    def encode(self) -> bytes:
+        return msgpack.packb({"v": 1, "run": self.run, "name": self.name, "sign_key": self.sign_key,
+                              "curve_key": self.curve_key, "stages": list(self.stages), "roles": list(self.roles),
+                              "serial": self.serial, "not_before": self.not_before, "not_after": self.not_after,
+                              "authority": self.authority}, use_bin_type=True)
+
+    @classmethod
+    def decode(cls, data: bytes) -> CertificateBody:
+        body = _body_map(data, "certificate", cls.FIELDS)
+        if body["v"] != 1:
+            raise CertificateError("malformed", f"certificate version {body['v']}, this peer reads 1")
+        _check_keys(body, "certificate")
+        _check_name(body["name"], "certificate")
+        roles = body["roles"]
+        if any(r not in ROLES for r in roles) or roles != sorted(set(roles)):
+            raise CertificateError("malformed", f"certificate roles must be distinct, ascending, of {sorted(ROLES)}")
+        if len(body["authority"]) != 32 or not body["run"] or body["serial"] < 0:
+            raise CertificateError("malformed", "certificate authority (32 bytes), run (not empty) or serial (>= 0)")
+        if not 0 <= body["not_before"] < body["not_after"] or body["not_after"] - body["not_before"] > MAX_VALIDITY_S:
+            raise CertificateError("malformed", f"certificate validity must be an interval of at most "
+                                                f"{MAX_VALIDITY_S // 86400} days")
+        return cls(body["run"], body["name"], body["sign_key"], body["curve_key"],
+                   _check_stages(body["stages"], "certificate"), tuple(roles), body["serial"], body["not_before"],
+                   body["not_after"], body["authority"])
+
+
+# ---------------------------------------------------------------------- making and checking
+def make_request(key: PeerKey, name: str, stages: list[int]) -> Signed:
+    """A request for ``stages`` under ``name``, signed by ``key`` (proof that the host holds it)."""
+    _check_name(name, "request")
+    body = RequestBody(name, key.sign_public, key.curve_public, _check_stages(sorted(set(stages)), "request"))
+    data = body.encode()
+    return Signed("request", data, key.sign(SIGNING_CONTEXT["request"] + data))
+
+
+def issue(authority: Authority, request: Signed, *, run_id: str, stages: list[int] | None = None,
+          roles: Sequence[str] = (), valid_s: int = 30 * 86400, serial: int | None = None,
+          now: float | None = None) -> Signed:
+    """A certificate for ``request`` (checked: its own signature, its fields) in run ``run_id``, for
+    ``stages`` (default: those requested; never one it did not ask for), with ``roles``, valid from
+    now for ``valid_s`` seconds, signed by ``authority``."""
+    body = RequestBody.decode(request.body)
+    request.verify(body.sign_key)
+    granted = body.stages if stages is None else _check_stages(sorted(set(stages)), "certificate")
+    if not set(granted) <= set(body.stages):
+        raise CertificateError("stage_not_allowed", f"stages {sorted(set(granted) - set(body.stages))} were not "
+                                                    f"requested (the request asks for {list(body.stages)})")
+    if not run_id:
+        raise ConfigError("a certificate needs a run id")
+    if not 0 < valid_s <= MAX_VALIDITY_S:
+        raise ConfigError(f"a certificate is valid for 1 s to {MAX_VALIDITY_S // 86400} days, not {valid_s} s")
+    unknown = sorted(set(roles) - ROLES)
+    if unknown:
+        raise ConfigError(f"unknown role(s) {unknown}; the roles are {sorted(ROLES)}")
+    start = int(time.time() if now is None else now)
+    cert = CertificateBody(run_id, body.name, body.sign_key, body.curve_key, tuple(granted), tuple(sorted(set(roles))),
+                           secrets.randbits(63) if serial is None else serial, start, start + valid_s,
+                           authority.public)
+    data = cert.encode()
+    return Signed("certificate", data, authority.sign(SIGNING_CONTEXT["certificate"] + data))
+
+
+def verify_certificate(cert: Signed, *, authority: bytes, run_id: str, stage: int | None = None,
+                       now: float | None = None) -> CertificateBody:
+    """The certificate's body, when ``authority`` signed it for run ``run_id``, it is valid at
+    ``now`` and (``stage`` given) allows that stage; else :class:`CertificateError` with its code:
+    ``malformed``, ``wrong_authority``, ``bad_signature``, ``wrong_run``, ``not_yet_valid``,
+    ``expired``, ``stage_not_allowed``."""
+    body = CertificateBody.decode(cert.body)
+    if body.authority != authority:
+        raise CertificateError("wrong_authority", f"certificate of {body.name!r} is signed by authority "
+                                                  f"{key_id(body.authority)}, this run's is {key_id(authority)}")
+    cert.verify(authority)
+    if body.run != run_id:
+        raise CertificateError("wrong_run", f"certificate of {body.name!r} is for run {body.run!r}, not {run_id!r}")
+    t = time.time() if now is None else now
+    if t < body.not_before:
+        raise CertificateError("not_yet_valid", f"certificate of {body.name!r} is valid from {body.not_before} "
+                                                f"(unix time), now is {int(t)}")
+    if t >= body.not_after:
+        raise CertificateError("expired", f"certificate of {body.name!r} expired at {body.not_after} (unix time)")
+    if stage is not None and stage not in body.stages:
+        raise CertificateError("stage_not_allowed", f"certificate of {body.name!r} allows stage(s) "
+                                                    f"{list(body.stages)}, not {stage}")
+    return body
+
+
+# ---------------------------------------------------------------------- files
+def write_signed(path: str | os.PathLike[str], signed: Signed, *, force: bool = False) -> None:
+    """A request or certificate file (public: mode 0644); an existing file only with ``force``."""
+    p = Path(path)
+    if p.exists() and not force:
+        raise ConfigError(f"{signed.kind} file {p} already exists (--force replaces it)")
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.{secrets.token_hex(4)}.tmp")
+    tmp.write_text(f"{_HEADERS[signed.kind]}\n{base64.b64encode(signed.encode()).decode('ascii')}\n", encoding="ascii")
+    os.replace(tmp, p)
+
+
+def read_signed(path: str | os.PathLike[str], kind: Kind) -> Signed:
+    """A request or certificate file (its shape checked; verify a certificate before using it)."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="ascii")
+    except FileNotFoundError:
+        raise ConfigError(f"{kind} file {p} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{kind} file {p}: cannot read it: {type(exc).__name__}") from None
+    lines = text.replace("\r\n", "\n").split("\n")
+    if len(lines) != 3 or lines[0] != _HEADERS[kind] or lines[2] != "":
+        raise ConfigError(f"{kind} file {p} is not a {kind} (expected the line {_HEADERS[kind]!r}, then base64)")
+    try:
+        data = base64.b64decode(lines[1], validate=True)
+    except (binascii.Error, ValueError):
+        raise ConfigError(f"{kind} file {p}: its second line is not base64") from None
+    try:
+        return Signed.decode(kind, data)
+    except CertificateError as exc:
+        raise ConfigError(f"{kind} file {p}: {exc}") from None
