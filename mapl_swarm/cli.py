@@ -105,7 +105,8 @@ def _cmd_keys(args: argparse.Namespace) -> int:
     from mapl_swarm.net.runkey import create_run_key, load_run_key
 
     if args.out is None:
-        raise ConfigError("keys: --out FILE (a run key) or a subcommand (authority, peer, request, issue, show)")
+        raise ConfigError("keys: --out FILE (a run key) or a subcommand (authority, peer, request, issue, revoke, "
+                          "show)")
 
     if args.if_missing and Path(args.out).exists():
         key = load_run_key(args.out)  # a bad or world-readable file is still an error
@@ -170,17 +171,42 @@ def _cmd_keys_issue(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_keys_revoke(args: argparse.Namespace) -> int:
+    from mapl_swarm.net.identity import RevocationsBody, load_authority, read_signed, revoke, write_signed
+
+    authority = load_authority(args.authority)
+    previous = read_signed(args.out, "revocations") if Path(args.out).exists() else None
+    signed = revoke(authority, args.serial, run_id=args.run_id, previous=previous)
+    write_signed(args.out, signed, force=True)
+    body = RevocationsBody.decode(signed.body)
+    print(f"wrote revocation list {args.out} of run {body.run!r}: serial(s) {list(body.serials)} revoked")
+    return 0
+
+
 def _cmd_keys_show(args: argparse.Namespace) -> int:
     import datetime
 
-    from mapl_swarm.net.identity import CERTIFICATE_HEADER, CertificateBody, RequestBody, key_id, read_signed
+    from mapl_swarm.net.identity import (
+        CERTIFICATE_HEADER,
+        REVOCATIONS_HEADER,
+        CertificateBody,
+        RequestBody,
+        RevocationsBody,
+        key_id,
+        read_signed,
+    )
 
     try:
         head = Path(args.file).read_text(encoding="ascii", errors="replace").split("\n", 1)[0]
     except OSError as exc:
         raise ConfigError(f"{args.file}: cannot read it: {exc.strerror}") from None
-    kind = "certificate" if head == CERTIFICATE_HEADER else "request"
-    signed = read_signed(args.file, kind)
+    kind = {CERTIFICATE_HEADER: "certificate", REVOCATIONS_HEADER: "revocations"}.get(head, "request")
+    signed = read_signed(args.file, kind)  # type: ignore[arg-type]
+    if kind == "revocations":
+        rev = RevocationsBody.decode(signed.body)
+        print(f"revocation list of run {rev.run!r}: serial(s) {list(rev.serials)}, issued {rev.issued} (unix time), "
+              f"authority {key_id(rev.authority)}")
+        return 0
     if kind == "request":
         req = RequestBody.decode(signed.body)
         print(f"certificate request of {req.name!r}: stage(s) {list(req.stages)}, peer key {key_id(req.sign_key)}")
@@ -601,8 +627,15 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--role", action="append", choices=["drain"],
                    help="also allow this: drain (ask the whole swarm to drain); repeatable (default: none)")
     q.add_argument("--days", type=float, default=30.0, help="how long it is valid (default: 30)")
-    q = identities.add_parser("show", help="print what a request or certificate says (no secret is read)",
-                              description="Print what a request or certificate file says.")
+    q = key_command("revoke", "add certificate serials to the run's revocation list (signed by the authority)",
+                    _cmd_keys_revoke, "the revocation list: updated when it exists, else created")
+    q.add_argument("--authority", required=True, metavar="FILE", help="the run authority key (required)")
+    q.add_argument("--run-id", required=True, help="the run: run.run_id (required)")
+    q.add_argument("--serial", required=True, type=int, action="append",
+                   help="a certificate's serial (`keys show CERT`); repeatable (required)")
+    q = identities.add_parser("show", help="print what a request, certificate or revocation list says",
+                              description="Print what a request, certificate or revocation list file says "
+                                          "(no secret is read).")
     q.add_argument("file", metavar="FILE")
     _add_common_args(q, quiet=False)
     q.set_defaults(func=_cmd_keys_show)

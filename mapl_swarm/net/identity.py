@@ -46,21 +46,24 @@ from mapl_swarm.errors import ConfigError, MaplError
 from mapl_swarm.net.keyfiles import KEY_BYTES, read_key_file, write_key_file
 
 __all__ = [
-    "AUTHORITY_HEADER", "PEER_KEY_HEADER", "REQUEST_HEADER", "CERTIFICATE_HEADER", "ROLES", "MAX_VALIDITY_S",
-    "Authority", "PeerKey", "RequestBody", "CertificateBody", "Signed", "CertificateError",
-    "load_authority", "create_authority", "load_peer_key", "create_peer_key",
-    "make_request", "issue", "verify_certificate", "read_signed", "write_signed",
+    "AUTHORITY_HEADER", "PEER_KEY_HEADER", "REQUEST_HEADER", "CERTIFICATE_HEADER", "REVOCATIONS_HEADER", "ROLES",
+    "MAX_VALIDITY_S", "MAX_REVOKED", "Authority", "PeerKey", "RequestBody", "CertificateBody", "RevocationsBody",
+    "Signed", "CertificateError", "load_authority", "create_authority", "load_peer_key", "create_peer_key",
+    "make_request", "issue", "revoke", "verify_certificate", "verify_revocations", "read_signed", "write_signed",
 ]
 
 AUTHORITY_HEADER = "mapl-run-authority v1"
 PEER_KEY_HEADER = "mapl-peer-key v1"
 REQUEST_HEADER = "mapl-cert-request v1"
 CERTIFICATE_HEADER = "mapl-peer-cert v1"
+REVOCATIONS_HEADER = "mapl-revocations v1"
 
-Kind = Literal["request", "certificate"]
-SIGNING_CONTEXT: dict[str, bytes] = {"request": b"mapl-cert-request v1\x00", "certificate": b"mapl-peer-cert v1\x00"}
+Kind = Literal["request", "certificate", "revocations"]
+SIGNING_CONTEXT: dict[str, bytes] = {"request": b"mapl-cert-request v1\x00", "certificate": b"mapl-peer-cert v1\x00",
+                                     "revocations": b"mapl-revocations v1\x00"}
 """Prefixed to a body before it is signed: a request's signature never verifies as a certificate's."""
-_HEADERS: dict[str, str] = {"request": REQUEST_HEADER, "certificate": CERTIFICATE_HEADER}
+_HEADERS: dict[str, str] = {"request": REQUEST_HEADER, "certificate": CERTIFICATE_HEADER,
+                            "revocations": REVOCATIONS_HEADER}
 
 ROLES = frozenset({"drain"})
 """What a certificate may allow beyond serving its stages: ``drain`` (ask the whole swarm to drain)."""
@@ -321,6 +324,38 @@ class CertificateBody:
                    body["not_after"], body["authority"])
 
 
+@dataclass(frozen=True)
+class RevocationsBody:
+    """The authority's list of revoked certificate serials of a run; a newer ``issued`` replaces
+    an older list (each list holds every serial revoked so far)."""
+
+    run: str
+    serials: tuple[int, ...]
+    issued: int
+    authority: bytes
+
+    FIELDS = {"v": int, "run": str, "serials": list, "issued": int, "authority": bytes}
+
+    def encode(self) -> bytes:
+        return msgpack.packb({"v": 1, "run": self.run, "serials": list(self.serials), "issued": self.issued,
+                              "authority": self.authority}, use_bin_type=True)
+
+    @classmethod
+    def decode(cls, data: bytes) -> RevocationsBody:
+        body = _body_map(data, "revocations", cls.FIELDS)
+        serials = body["serials"]
+        if body["v"] != 1 or len(body["authority"]) != 32 or not body["run"] or body["issued"] < 0:
+            raise CertificateError("malformed", "revocations: v 1, authority (32 bytes), run, issued (>= 0)")
+        if len(serials) > MAX_REVOKED or any(type(x) is not int or x < 0 for x in serials) \
+                or serials != sorted(set(serials)):
+            raise CertificateError("malformed", f"revocations: at most {MAX_REVOKED} distinct ascending serials")
+        return cls(body["run"], tuple(serials), body["issued"], body["authority"])
+
+
+MAX_REVOKED = 200
+"""Serials one revocation list may hold (it fits one signed body; re-key the run beyond that)."""
+
+
 # ---------------------------------------------------------------------- making and checking
 def make_request(key: PeerKey, name: str, stages: list[int]) -> Signed:
     """A request for ``stages`` under ``name``, signed by ``key`` (proof that the host holds it)."""
@@ -357,12 +392,44 @@ def issue(authority: Authority, request: Signed, *, run_id: str, stages: list[in
     return Signed("certificate", data, authority.sign(SIGNING_CONTEXT["certificate"] + data))
 
 
+def revoke(authority: Authority, serials: Sequence[int], *, run_id: str, previous: Signed | None = None,
+           now: float | None = None) -> Signed:
+    """A revocation list of run ``run_id``: ``serials`` and those of ``previous`` (an earlier list
+    of this authority and run), issued now (a later time than ``previous``)."""
+    if any(type(x) is not int or x < 0 for x in serials):
+        raise ConfigError("serials are ints >= 0")
+    before: tuple[int, ...] = ()
+    issued = int(time.time() if now is None else now)
+    if previous is not None:
+        old = verify_revocations(previous, authority=authority.public, run_id=run_id)
+        before, issued = old.serials, max(issued, old.issued + 1)
+    merged = tuple(sorted(set(before) | set(serials)))
+    if len(merged) > MAX_REVOKED:
+        raise ConfigError(f"a revocation list holds at most {MAX_REVOKED} serials: start the run under a new "
+                          f"authority instead")
+    data = RevocationsBody(run_id, merged, issued, authority.public).encode()
+    return Signed("revocations", data, authority.sign(SIGNING_CONTEXT["revocations"] + data))
+
+
+def verify_revocations(signed: Signed, *, authority: bytes, run_id: str) -> RevocationsBody:
+    """The list's body when ``authority`` signed it for ``run_id``; else :class:`CertificateError`."""
+    body = RevocationsBody.decode(signed.body)
+    if body.authority != authority:
+        raise CertificateError("wrong_authority", f"revocation list signed by authority {key_id(body.authority)}, "
+                                                  f"this run's is {key_id(authority)}")
+    signed.verify(authority)
+    if body.run != run_id:
+        raise CertificateError("wrong_run", f"revocation list of run {body.run!r}, not {run_id!r}")
+    return body
+
+
 def verify_certificate(cert: Signed, *, authority: bytes, run_id: str, stage: int | None = None,
-                       now: float | None = None) -> CertificateBody:
+                       now: float | None = None, revoked: frozenset[int] | set[int] = frozenset()) -> CertificateBody:
     """The certificate's body, when ``authority`` signed it for run ``run_id``, it is valid at
     ``now`` and (``stage`` given) allows that stage; else :class:`CertificateError` with its code:
     ``malformed``, ``wrong_authority``, ``bad_signature``, ``wrong_run``, ``not_yet_valid``,
-    ``expired``, ``stage_not_allowed``."""
+    ``expired``, ``revoked`` (its serial is in ``revoked``, from :func:`verify_revocations`),
+    ``stage_not_allowed``."""
     body = CertificateBody.decode(cert.body)
     if body.authority != authority:
         raise CertificateError("wrong_authority", f"certificate of {body.name!r} is signed by authority "
@@ -376,6 +443,8 @@ def verify_certificate(cert: Signed, *, authority: bytes, run_id: str, stage: in
                                                 f"(unix time), now is {int(t)}")
     if t >= body.not_after:
         raise CertificateError("expired", f"certificate of {body.name!r} expired at {body.not_after} (unix time)")
+    if body.serial in revoked:
+        raise CertificateError("revoked", f"certificate of {body.name!r} (serial {body.serial}) is revoked")
     if stage is not None and stage not in body.stages:
         raise CertificateError("stage_not_allowed", f"certificate of {body.name!r} allows stage(s) "
                                                     f"{list(body.stages)}, not {stage}")

@@ -169,3 +169,29 @@ def test_keys_subcommands_make_a_certificate_a_peer_accepts_and_print_no_secret(
                 tmp_path / "x.cert") == 2
     assert "stages [1] were not requested (the request asks for [0, 2])" in capsys.readouterr().err
     assert keys() == 2 and "--out FILE (a run key) or a subcommand" in capsys.readouterr().err
+
+
+def test_a_revocation_list_grows_supersedes_the_previous_one_and_revokes_by_serial(tmp_path, capsys):
+    authority = I.Authority(AUTH_SEED)
+    first = I.revoke(authority, [7], run_id="run1", now=T0)
+    second = I.revoke(authority, [3], run_id="run1", previous=first, now=T0)  # same second: still later
+    body = I.verify_revocations(second, authority=authority.public, run_id="run1")
+    assert body.serials == (3, 7) and body.issued == T0 + 1
+    with pytest.raises(I.CertificateError) as info:
+        _verify(_cert(), revoked=set(body.serials))  # the certificate's serial is 7
+    assert info.value.code == "revoked"
+    other = I.revoke(I.Authority(b"\x09" * 32), [1], run_id="run1")
+    for signed, run, code in [(other, "run1", "wrong_authority"), (second, "run2", "wrong_run")]:
+        with pytest.raises(I.CertificateError) as info:
+            I.verify_revocations(signed, authority=authority.public, run_id=run)
+        assert info.value.code == code
+    with pytest.raises(ConfigError, match="at most 200 serials"):
+        I.revoke(authority, list(range(I.MAX_REVOKED + 1)), run_id="run1")
+
+    I.create_authority(tmp_path / "a.key")
+    path = tmp_path / "revoked.list"
+    for serial in ("5", "2"):
+        assert main(["keys", "revoke", "--authority", str(tmp_path / "a.key"), "--run-id", "demo", "--serial", serial,
+                     "--out", str(path)]) == 0
+    assert main(["keys", "show", str(path)]) == 0
+    assert "revocation list of run 'demo': serial(s) [2, 5]" in capsys.readouterr().out
