@@ -52,6 +52,7 @@ from typing import Any, Sequence
 from mapl_swarm.errors import ConfigError
 from mapl_swarm.net.errors import DiscoveryError
 from mapl_swarm.procs import die_with_parent, set_parent_death_signal, watch_parent
+from mapl_swarm.startup import without_collections
 
 __all__ = ["start_dht", "host_maddr", "check_initial_peers", "check_listen_address", "SHUTDOWN_TIMEOUT_S"]
 
@@ -187,9 +188,10 @@ def start_dht(*, host: str = "0.0.0.0", port: int = 0, announce_host: str | None
     if announce_host and port == 0:
         raise ConfigError("discovery: announce_host needs an explicit DHT port (hivemind cannot "
                           "announce port 0)")
-    peers = check_initial_peers(initial_peers)
+    with without_collections():  # hivemind and torch load here: before the fork below
+        peers = check_initial_peers(initial_peers)
+        node_class = _node_class()
     check_listen_address(host, port)
-    node_class = _node_class()
     kwargs: dict[str, Any] = dict(host_maddrs=[host_maddr(host, port)], client_mode=client_mode,
                                   record_validators=list(record_validators))
     if announce_host:

@@ -11,18 +11,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import gc
 import logging
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Sequence
 
 from mapl_swarm.config import TrainConfig
 from mapl_swarm.errors import ConfigError
 from mapl_swarm.net.discovery import Discovery, DiscoveryConfig
+from mapl_swarm.startup import without_collections
 
 if TYPE_CHECKING:
     from mapl_swarm.net.runkey import RunKey
@@ -146,20 +145,6 @@ def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool 
                 rejoining=rejoining)
 
 
-@contextlib.contextmanager
-def _startup_without_collections() -> Iterator[None]:
-    """A peer's start (transformers' import, the model, the data) allocates about a million objects
-    that live as long as the process: no cyclic collection meanwhile (a fifth of the start's CPU),
-    then they are frozen, so no later collection scans them again. After the DHT's fork, whose
-    process must not inherit a disabled collector."""
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.freeze()
-        gc.enable()
-
-
 def run_peer(cfg: TrainConfig, stage: int, *, run_key: RunKey | None, initial_peers: Sequence[str] = (),
              resume: bool = False, progress: bool = True,
              insecure_warning_interval_s: float = INSECURE_WARNING_INTERVAL_S):
@@ -177,7 +162,7 @@ def run_peer(cfg: TrainConfig, stage: int, *, run_key: RunKey | None, initial_pe
     discovery.start()  # forks the DHT process: before the event loop, ZeroMQ, torch work and threads
     try:
         with InsecureWarning(stage, insecure_warning_interval_s) if run_key is None else contextlib.nullcontext():
-            with _startup_without_collections():
+            with without_collections():  # the imports and the data (after the DHT's fork)
                 from mapl_swarm.net.transport import run
                 from mapl_swarm.peer.result import peak_rss_mb
                 from mapl_swarm.peer.runtime import write_result
