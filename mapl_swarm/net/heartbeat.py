@@ -283,6 +283,15 @@ class HeartbeatMonitor:
         state = self._peers.get(peer)
         return liveness_deadline(None if state is None else state.rtt.estimate, self.config)
 
+    def session_deadline_s(self, peer: str) -> float:
+        """How long ``peer``'s session stays live unheard before training (SPEC §9.2 step 5): its
+        deadline, the floor until a round trip is measured (a live neighbour heartbeats every
+        interval from its WELCOME on, so a dead one frees its stage soon)."""
+        state = self._peers.get(peer)
+        if state is None or state.rtt.estimate is None:
+            return self.config.floor
+        return self.deadline_s(peer)
+
     def silence_s(self, peer: str) -> float:
         """Seconds since ``peer`` was last heard from."""
         return self._clock() - self._peers[peer].heard

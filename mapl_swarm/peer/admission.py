@@ -35,6 +35,7 @@ fails drops the message with a stable code (:class:`~.session.Rejected`, or the 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -153,8 +154,7 @@ class Admission:
 
     def __init__(self, settings: LinkSettings, links: Links, *, shapes: RunShapes, window: StepWindow,
                  rejects: RejectCounter, decoder: WorkerThread, deadline: Callable[[str], float],
-                 clock: Callable[[], float],
-                 replies_on_link: bool, started: Callable[[], bool] = lambda: True) -> None:
+                 clock: Callable[[], float], replies_on_link: bool, started: Callable[[], bool] = lambda: True) -> None:
         self.s = settings
         self.links = links
         self.shapes = shapes
@@ -164,7 +164,7 @@ class Admission:
         """Per tensor name the largest size the run allows, checked before any inflate (SPEC §8)."""
         self.decoder = decoder
         self.deadline = deadline
-        """``deadline(link name)``: how long that neighbour's bound session stays live unheard."""
+        """``deadline(link name)``: how long that neighbour's session stays live unheard before training."""
         self.clock = clock
         self.replies_on_link = replies_on_link
         """WELCOME/REJECT come back on this peer's own connection (``Arrival.reply_link``); False
@@ -213,7 +213,7 @@ class Admission:
             link = self.links.named(arrival.reply_link)
         else:
             stage = stage_of(arrival.sender)
-            link = None if stage is None else self.links.by_stage(stage)
+            link = None if stage is None else self.links.route(stage)
         if link is None:
             raise Rejected("not_allowed", f"{arrival.sender!r} is not a neighbour of stage {self.s.stage}")
         return link
@@ -245,7 +245,8 @@ class Admission:
         bound = link.rx
         reforms = (self.started() and h.epoch > self.window.epoch and REJOIN_CAPABILITY in s.capabilities
                    and REJOIN_CAPABILITY in h.meta.get("capabilities", ()))
-        if bound is not None and bound.routing_id != sender and bound.alive(self.clock(), self.deadline(link.name)) \
+        unheard = math.inf if self.started() else self.deadline(link.name)  # training: until found lost
+        if bound is not None and bound.routing_id != sender and bound.alive(self.clock(), unheard) \
                 and not reforms:  # a neighbour re-forming the swarm comes on a new connection (SPEC §9.6)
             raise HelloRefused("stage_taken", f"stage {link.stage} is taken: its session is alive "
                                               f"(heard {self.clock() - bound.heard_at:.0f} s ago)", nonce)

@@ -63,13 +63,8 @@ class Session(Protocol):
     inbound: Inbound
     welcomed: asyncio.Event
 
-    @property
-    def started(self) -> bool:
-        """Training started (:attr:`~.runtime.PeerState.started`)."""
-
-    @property
-    def handshaking(self) -> bool:
-        """The handshake runs (:attr:`~.runtime.PeerState.HANDSHAKING`)."""
+    started: bool  # training started
+    handshaking: bool  # the handshake runs
 
     def stop(self, reason: BaseException) -> None: ...
 

@@ -81,8 +81,9 @@ class Handshake:
                                 for link in missing if link.refused_hello)
             raise MaplError(f"{self.name}: handshake with stages {self.links.stages} not completed within "
                             f"{timeout_s:g} s" + (f"; {refused}" if refused else "")) from None
-        for link in self.links:
-            link.check_capabilities()
+        for link in self.links:  # raises if the neighbour cannot take the codebook slices this link sends
+            if link.codebooks is not None:
+                link.codebooks.check_capabilities()
 
     async def _until_welcomed(self, transport: Any, shaping: LinkConfig, timeout_s: float) -> None:
         while not self.links.all_welcomed:

@@ -191,7 +191,7 @@ class Inbound:
         if arrival.reply_link is not None:
             return None  # never answer an answer
         stage = stage_of(arrival.sender)
-        return None if stage is None else self.links.by_stage(stage)
+        return None if stage is None else self.links.route(stage)
 
     def reply(self, transport: Any, arrival: Arrival, link: PeerLink) -> Reply:
         """Sends back on ``arrival``'s own connection (a transport without ``reply``: on the link)."""

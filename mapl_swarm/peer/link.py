@@ -380,8 +380,7 @@ class PeerLink:
         self.tx_key = None if s.secret is None else session_key(s.secret, self._hello_nonce, msg.meta["nonce"])
 
     def end_sessions(self) -> None:
-        """The neighbour left before training (SPEC §9.5): both sessions with it end, so its stage is
-        free for another peer at once and this peer's HELLO is sent again."""
+        """The neighbour left before training (SPEC §9.5): its stage is free, this peer HELLOs again."""
         self.rx, self.welcomed, self.tx_key = None, False, None
 
     def on_reject(self, msg: Message) -> None:
@@ -390,11 +389,6 @@ class PeerLink:
         self.rejected = True
         code = msg.meta.get("code")
         self.retry = code == "stage_taken" or (code in CONFIG_REFUSALS and msg.meta.get("anchored") is False)
-
-    def check_capabilities(self) -> None:
-        """After the handshake: raise if the neighbour cannot take what this link will send."""
-        if self.codebooks is not None:
-            self.codebooks.check_capabilities()
 
     # ------------------------------------------------------------------ payloads out
     async def send_act(self, step: int, micro: int, payload: Mapping[str, torch.Tensor], *, eval_mode: bool,
@@ -456,7 +450,6 @@ class PeerLink:
             await self.codebooks.on_slice(msg)
 
 
-
 class Links:
     """A peer's links, by neighbour stage. A neighbour stage is a set of links, one per peer that
     serves it (one today); the schedule addresses a stage (``upstream``, ``downstream``) and
@@ -487,14 +480,6 @@ class Links:
 
     def __iter__(self) -> Iterator[PeerLink]:
         return iter([link for links in self.by_stage_links.values() for link in links])
-
-    def sender(self, msg: Message) -> PeerLink | None:
-        """The link ``msg`` came in on (None: not from a neighbour)."""
-        return self.by_stage(msg.src)
-
-    def by_stage(self, stage: int) -> PeerLink | None:
-        """The link to neighbour ``stage`` (None: not a neighbour)."""
-        return self.route(stage)
 
     def named(self, name: str) -> PeerLink | None:
         """The link to the neighbour with transport name ``name``."""

@@ -1,21 +1,6 @@
 """One stage peer: its lifecycle, as one state machine, and the parts it is assembled from.
 
-Each part owns one concern:
-
-- :class:`~.link.PeerLink` per neighbour (``links.upstream`` / ``links.downstream``): handshake
-  state, sequence numbers, torch <-> wire payloads, byte counters, the send, and with mapl_vq the
-  link's codebook stream (:class:`~.vq_link.CodebookLink`);
-- :class:`~.inbound.Inbound`: the one receive path (receive -> admit -> the one inbound queue,
-  :class:`~.mailbox.Mailbox` -> the schedule or the dispatcher), with
-  :class:`~.admission.Admission` (what gets in, every drop counted by code) and
-  :class:`~.control.Control` (what each admitted control message does);
-- :class:`~.schedule.PipelineSchedule`: the step's actions (1F1B) and its
-  :class:`~.window.StepWindow`; :class:`~.compute.ComputeThread`: the stage's compute off the loop;
-- :class:`~mapl_swarm.net.heartbeat.HeartbeatMonitor` (``monitor``): heartbeats, round trips and
-  liveness deadlines (SPEC §9.5); :class:`~.departures.Departures`: neighbours that went silent or
-  left; :class:`~.handshake.Handshake`: HELLO until every neighbour welcomed this peer;
-- :class:`~.checkpoints.CheckpointAgreement` (``agreement``): every CHECKPOINT phase, the graceful
-  drain on SIGINT/SIGTERM (every stage saves the same step) among them.
+The parts (one concern each) are listed in :mod:`mapl_swarm.peer`; :class:`Peer` builds and wires them.
 
 The lifecycle of one session (SPEC §9.9), each transition logged once:
 
@@ -53,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -220,16 +204,16 @@ class Peer:
             settings=ScheduleSettings.from_config(cfg, start_step=start_step, progress=progress),
             result=self.result, waits=self.waits, hooks=run_policy or NoRunHooks(),
             sampler=sampler, val_batches=val_batches or [], reject=self.rejects, drain=self.agreement)
-        self.admission = Admission(
-            settings, self.links, shapes=run_shapes(cfg, stage), window=self.schedule.window, rejects=self.rejects,
-            decoder=self.decoder, deadline=self._session_deadline, clock=time.monotonic, replies_on_link=False,
-            started=lambda: self.inbound.started)
         self.monitor = HeartbeatMonitor(
             HeartbeatConfig(interval_s=net.heartbeat_interval_s, timeout_s=net.liveness_ceiling,
                             floor_s=net.liveness_floor),
             send=self._heartbeat, on_silent=self._on_silent)
         """Heartbeats to, round trips and silence of, each neighbour once it welcomed this peer
         (running while :meth:`serve` does)."""
+        self.admission = Admission(
+            settings, self.links, shapes=run_shapes(cfg, stage), window=self.schedule.window, rejects=self.rejects,
+            decoder=self.decoder, deadline=self.monitor.session_deadline_s, clock=time.monotonic, replies_on_link=False,
+            started=lambda: self.inbound.started)
         self.departures = Departures(self._on_departure)
         """Neighbours that went silent or left (:mod:`~.departures`)."""
         self.control = Control(self)
@@ -297,8 +281,9 @@ class Peer:
                     await self._stopped(transport)
                 else:
                     codebooks = await work
-            except NonFiniteError as exc:
-                await self._tell_neighbours(transport, exc)
+            except NonFiniteError as exc:  # BYE upstream stops that neighbour at once (SPEC §9.5); downstream
+                up = self.links.upstream  # a BYE would end the run as finished: it finds this peer lost instead
+                await self._say_bye(transport, [up] if up is not None and up.welcomed else [], {"reason": str(exc)})
                 raise
         finally:
             for task in (work, stopping):
@@ -372,18 +357,6 @@ class Peer:
         link = self.links.named(name)
         if link is not None:
             await link.send_heartbeat(lambda: self.monitor.heartbeat_meta(name), anchored=self.links.anchored)
-
-    def _session_deadline(self, name: str) -> float:
-        """How long neighbour ``name``'s bound session stays live unheard (SPEC §9.2 step 5): while
-        training, until this peer finds the neighbour lost (which re-forms the swarm); before, its
-        liveness deadline, the floor until a round trip is measured (a live neighbour heartbeats
-        every ``net.heartbeat_interval_s`` from the WELCOME on, so a dead one frees its stage soon)."""
-        if self.inbound.started:
-            return math.inf
-        rtt = self.monitor.rtt(name)
-        if rtt is None or rtt.estimate is None:
-            return self.cfg.net.liveness_floor
-        return self.monitor.deadline_s(name)
 
     def _on_silent(self, silence: Silence) -> None:
         link = self.links.named(silence.peer)
@@ -467,13 +440,6 @@ class Peer:
         except (NetError, asyncio.TimeoutError):
             pass
 
-    async def _tell_neighbours(self, transport: Any, exc: NonFiniteError) -> None:
-        """Before this peer exits on a NaN/Inf: BYE with the reason upstream, where it stops the
-        neighbour at once (SPEC §9.5: a downstream neighbour left before the end). Downstream, a BYE
-        would end the run as finished; the neighbour there sees this peer lost instead."""
-        up = self.links.upstream
-        await self._say_bye(transport, [up] if up is not None and up.welcomed else [], {"reason": str(exc)})
-
     # ------------------------------------------------------------------ drain
     def request_drain(self, signal_name: str) -> None:
         """A first SIGINT/SIGTERM (:class:`~.signals.DrainSignals`): drain the swarm at the next step
@@ -508,7 +474,7 @@ class Peer:
             await self.run_policy.drain_at(step)
 
     def _send_checkpoint(self, dst: int, meta: dict) -> Awaitable[None]:
-        return self.links.by_stage(dst).send(MT.CHECKPOINT, step=meta.get("step") or 0, meta=meta)
+        return self.links.route(dst).send(MT.CHECKPOINT, step=meta.get("step") or 0, meta=meta)
 
     def _ended(self) -> None:
         """The schedule ended: after a drain (decided here, or a BYE ``"drain"``), say so; after the

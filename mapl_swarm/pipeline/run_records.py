@@ -53,7 +53,6 @@ def write_manifest(cfg: TrainConfig, data: "PreparedData", *, driver: str, finge
         raise MaplError(f"cannot write the run manifest {path}: {exc.strerror or exc}") from None
 
 
-
 class MetricsLog:
     """A JSONL metrics file, one record per line, flushed per record. Fresh (``resume_from=None``):
     started anew. Resume: records after ``resume_from`` (the interrupted run's) are dropped, then

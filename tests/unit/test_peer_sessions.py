@@ -70,7 +70,7 @@ class Middle:
 
     def welcome(self, stage: int, seq: int = 0, **meta) -> list:
         """The neighbour's WELCOME to this peer's pending HELLO."""
-        nonce = self.peer.links.by_stage(stage)._hello_nonce
+        nonce = self.peer.links.route(stage)._hello_nonce
         return msg(MT.WELCOME, src=stage, seq=seq, meta={**HELLO, "nonce": b"w" * 16, "hello_nonce": nonce, **meta})
 
 
@@ -170,7 +170,8 @@ def test_before_training_a_dead_session_may_be_replaced_by_a_new_connection():
     training it stays bound until this peer finds the neighbour lost (which re-forms the swarm)."""
     async def scenario(m):
         await m.handshake()
-        m.peer.links.upstream.rx.heard_at -= m.peer.cfg.net.timeout_s + 1  # silent for longer than any deadline
+        assert m.peer.cfg.net.liveness_floor + 1 < m.peer.cfg.net.timeout_s
+        m.peer.links.upstream.rx.heard_at -= m.peer.cfg.net.liveness_floor + 1  # past the floor, not the timeout
         await m.feed("stage0.0000000b", msg(MT.HELLO, src=0, meta=HELLO))  # training: still taken
         m.peer.state = PeerState.HANDSHAKING
         m.peer.inbound.started = False
