@@ -5,10 +5,12 @@ Parts (each module one concern; none imports the in-process pipeline or the trai
 with ``vq_link`` (its codebook stream side), ``inbound`` (the receive path, with ``admission``
 and ``control``) into ``mailbox`` (the one inbound queue), ``compute`` (compute thread, encode
 lock, background tasks), ``host`` (the runtime's calls on the compute thread: wire tensors in,
-host tensors out; ``tensors`` wraps them for the wire), ``waiting`` (waiting lines) and
-``schedule`` (the 1F1B :class:`PipelineSchedule`, given all of them and the run hooks of
-``checkpoints``: metrics, checkpoints, every CHECKPOINT phase with the drain); ``result`` is
-what a peer reports, ``main`` starts one (``signals``: its SIGINT/SIGTERM). A swarm of peer
+host tensors out; ``tensors`` wraps them for the wire), ``waiting`` (waiting lines),
+``handshake`` (HELLO until welcomed), ``session`` (a link's inbound session), ``departures``
+(neighbours gone silent or left) and ``schedule`` (the 1F1B :class:`PipelineSchedule` with its
+``window``, given all of them and the run hooks of ``checkpoints``: metrics, checkpoints, every
+CHECKPOINT phase with the drain); ``result`` is what a peer reports, ``main`` starts one
+(``signals``: its SIGINT/SIGTERM; ``sessions``: one session after another, across re-forms). A swarm of peer
 processes on one machine is :mod:`mapl_swarm.launch`'s, the layer above.
 
 Import the submodules directly (``mapl_swarm.peer.main`` starts the DHT before importing torch).
