@@ -2,7 +2,8 @@
 
 Importing torch, hivemind and transformers and building a peer's data allocates about a million
 objects that live as long as the process. The cyclic collector scans them again and again while
-they are made (a fifth of a peer's start-up CPU) and at every full collection afterwards.
+they are made (pausing it saves 4-8 % of a peer's start-up CPU, BENCHMARKS.md "Peer start") and at
+every full collection afterwards.
 :func:`without_collections` pauses it for such a phase and then freezes what exists
 (``gc.freeze``: never scanned again, and shared copy-on-write with a forked child).
 """
