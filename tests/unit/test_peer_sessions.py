@@ -11,6 +11,7 @@ import pytest
 
 import mapl_swarm.peer.admission as admission
 from mapl_swarm.peer.admission import Arrival, mailbox_bound
+from mapl_swarm.peer.control import PeerRejected
 from mapl_swarm.peer.link import stage_of
 from mapl_swarm.peer.mailbox import Mailbox
 from mapl_swarm.peer.runtime import Peer, PeerState
@@ -229,6 +230,22 @@ def test_a_fresh_peer_welcomed_by_a_re_forming_swarm_stops_saying_it_must_resume
     assert "belongs to a swarm that re-forms after a departure (run epoch 2): stage 1 must take the departed " \
            "peer's place from its checkpoints, so start it again with --resume" in str(m.peer.stop_reason)
     assert m.peer.links.upstream.welcomed  # the neighbour's session of this peer, ended by the BYE on stopping
+
+
+def test_a_peer_that_stops_before_training_says_bye_to_the_neighbour_that_welcomed_it():
+    """The WELCOME of a re-forming swarm stops a fresh peer; on stopping it ends the session that
+    neighbour opened for it (BYE with its reason), so the stage is free for the right peer at once."""
+    async def scenario(m):
+        await m.peer.links.upstream.send_hello()
+        await m.feed("stage0", msg(MT.WELCOME, src=0, epoch=1, meta={
+            **HELLO, "nonce": b"w" * 16, "hello_nonce": m.peer.links.upstream._hello_nonce}), reply_link="stage0")
+        with pytest.raises(PeerRejected, match="start it again with --resume"):
+            await m.peer._stopped(m.transport)
+    m = run(scenario)
+    sent = m.net.messages("stage1", "stage0")
+    assert [x.type for x in sent] == [MT.HELLO, MT.BYE]
+    assert sent[1].meta["reason"].startswith("stopped before training: stage 0 belongs to a swarm that re-forms")
+    assert m.net.messages("stage1", "stage2") == []  # stage 2 never welcomed it: nothing to end
 
 
 def test_a_welcome_of_another_configuration_stops_the_peer():
