@@ -288,9 +288,8 @@ class HeartbeatMonitor:
         deadline, the floor until a round trip is measured (a live neighbour heartbeats every
         interval from its WELCOME on, so a dead one frees its stage soon)."""
         state = self._peers.get(peer)
-        if state is None or state.rtt.estimate is None:
-            return self.config.floor
-        return self.deadline_s(peer)
+        estimate = None if state is None else state.rtt.estimate
+        return self.config.floor if estimate is None else liveness_deadline(estimate, self.config)
 
     def silence_s(self, peer: str) -> float:
         """Seconds since ``peer`` was last heard from."""

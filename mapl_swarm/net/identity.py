@@ -30,13 +30,14 @@ import os
 import re
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any, Literal
 
 import msgpack
+import zmq
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
@@ -151,9 +152,7 @@ class PeerKey:
 
     @cached_property
     def curve_public(self) -> bytes:
-        """The peer's CURVE public key, raw (32 bytes): what its certificate names."""
-        import zmq  # pyzmq's libsodium derives it (X25519 of the secret)
-
+        """The peer's CURVE public key, raw (32 bytes): what its certificate names (libsodium's X25519)."""
         return z85.decode(zmq.curve_public(self.curve_secret))
 
     @property
@@ -205,7 +204,7 @@ class Signed:
     def decode(cls, kind: Kind, data: Any) -> Signed:
         """From :meth:`encode`'s bytes (received: checked for shape only, not yet verified)."""
         if not isinstance(data, bytes) or len(data) > MAX_SIGNED_BYTES:
-            raise CertificateError("malformed", f"a {kind} must be at most {MAX_SIGNED_BYTES} bytes")
+            raise CertificateError("malformed", f"a {kind} is bytes, at most {MAX_SIGNED_BYTES} of them")
         try:
             outer = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=MAX_SIGNED_BYTES,
                                     max_array_len=0, max_map_len=2)
@@ -250,7 +249,8 @@ def _check_name(name: str, kind: str) -> None:
 
 
 def _check_stages(stages: list[Any], kind: str) -> tuple[int, ...]:
-    if not stages or any(type(s) is not int or not 0 <= s < MAX_STAGES for s in stages) or stages != sorted(set(stages)):
+    ints = all(type(s) is int and 0 <= s < MAX_STAGES for s in stages)
+    if not stages or not ints or stages != sorted(set(stages)):  # types first: sorted() needs ints
         raise CertificateError("malformed", f"{kind} stages must be distinct ascending ints in 0..{MAX_STAGES - 1}")
     return tuple(stages)
 

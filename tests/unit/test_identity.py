@@ -79,6 +79,7 @@ def test_a_changed_byte_or_a_request_passed_off_as_a_certificate_fails_the_signa
     lambda b: {**b, "stages": [2, 1]},
     lambda b: {**b, "stages": []},
     lambda b: {**b, "stages": [True]},
+    lambda b: {**b, "stages": ["a", 1]},
     lambda b: {**b, "serial": "7"},
     lambda b: {**b, "roles": ["admin"]},
     lambda b: {**b, "sign_key": b"short"},
