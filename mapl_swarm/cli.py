@@ -94,11 +94,31 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_key(args: argparse.Namespace):
-    """The run key of ``--key-file`` (None with ``--insecure``), read before any other work."""
-    from mapl_swarm.net.runkey import load_run_key
+def _membership(args: argparse.Namespace, cfg: Any, stage: int | None = None):
+    """What makes this process a member of run ``cfg``, read and checked before any other work: the
+    certified identity of ``--cert`` (with ``--peer-key``; for a bootstrap node only the run and
+    authority it names), the run key of ``--key-file``, or None with ``--insecure``."""
+    if getattr(args, "peer_key", None) and not args.cert:
+        raise ConfigError("--peer-key goes with --cert (a certified peer); a run key (--key-file) is the whole membership")
+    if args.insecure:
+        return None
+    if args.key_file:
+        from mapl_swarm.net.runkey import load_run_key
 
-    return None if args.insecure else load_run_key(args.key_file)
+        return load_run_key(args.key_file)
+    from mapl_swarm.net.identity import CertificateBody, CertificateError, load_identity, read_signed
+
+    if stage is None:  # a bootstrap node: it trusts the authority of the certificate it is given
+        from mapl_swarm.net.discovery import TrustedAuthority
+
+        try:
+            body = CertificateBody.decode(read_signed(args.cert, "certificate").body)
+        except CertificateError as exc:
+            raise ConfigError(f"certificate {args.cert}: {exc}") from None
+        return TrustedAuthority(body.run, body.authority)
+    if not args.peer_key:
+        raise ConfigError("--cert needs --peer-key FILE (this host's peer key, from `mapl-swarm keys peer`)")
+    return load_identity(args.peer_key, args.cert, run_id=cfg.run.run_id, stage=stage, revocations=args.revocations)
 
 
 def _cmd_keys(args: argparse.Namespace) -> int:
@@ -242,7 +262,7 @@ def _cmd_peer(args: argparse.Namespace) -> int:
     if args.launched:  # launch gives each peer a process group of its own: a background group may
         signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # still write to the terminal (with `stty tostop`)
     cfg = _load(args)
-    run_key = _run_key(args)
+    membership = _membership(args, cfg, args.stage)
     from mapl_swarm.net.dht_node import precheck_initial_peers
     from mapl_swarm.peer.main import read_peers_file, run_peer
 
@@ -255,7 +275,7 @@ def _cmd_peer(args: argparse.Namespace) -> int:
     if args.initial_peers_file:
         peers += read_peers_file(args.initial_peers_file, cfg.net.timeout_s)
     precheck_initial_peers(peers or cfg.net.initial_peers)  # a mistyped address, before torch loads
-    result = run_peer(cfg, args.stage, run_key=run_key, initial_peers=peers, resume=resume,
+    result = run_peer(cfg, args.stage, membership=membership, initial_peers=peers, resume=resume,
                       progress=not args.quiet)
     if result.end != "finished":  # drained or stopped: one line (under launch, the launcher's line)
         if args.launched:
@@ -275,10 +295,10 @@ def _cmd_peer(args: argparse.Namespace) -> int:
 
 
 def _cmd_dht(args: argparse.Namespace) -> int:
-    run_key = _run_key(args)
+    membership = _membership(args, None)
     from mapl_swarm.net.discovery import run_bootstrap_node
 
-    if run_key is None:
+    if membership is None:
         log.warning("INSECURE: DHT bootstrap node without a run key (--insecure): it accepts unsigned records, "
                     "so anyone can announce a stage")
 
@@ -298,7 +318,7 @@ def _cmd_dht(args: argparse.Namespace) -> int:
 
     try:
         run_bootstrap_node(args.host, args.port, announce_host=args.announce_host, identity_path=args.identity,
-                           ready=ready, run_key=run_key)
+                           ready=ready, membership=membership)
     except (KeyboardInterrupt, _Terminated) as stop:  # a bootstrap node's normal end (docker stop, Ctrl-C)
         log.info("DHT bootstrap node stopped (%s)", "SIGTERM" if isinstance(stop, _Terminated) else "SIGINT")
     return 0
@@ -488,9 +508,20 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     _add_common_args(p)
 
 
-def _key_args(p: argparse.ArgumentParser, what: str) -> None:
-    """``--key-file PATH`` or ``--insecure``, one of them required."""
+def _key_args(p: argparse.ArgumentParser, what: str, *, peer: bool = True) -> None:
+    """``--cert FILE`` (with ``--peer-key FILE``), ``--key-file PATH`` or ``--insecure``, one of them required."""
     group = p.add_mutually_exclusive_group(required=True)
+    if peer:
+        group.add_argument("--cert", metavar="FILE",
+                           help="this peer's certificate (from `mapl-swarm keys issue`), with --peer-key: links to "
+                                "named peers of the run's authority, DHT records signed with the peer's own key")
+        p.add_argument("--peer-key", metavar="FILE", help="with --cert: this host's peer key (mode 0600)")
+        p.add_argument("--revocations", metavar="FILE",
+                       help="with --cert: the authority's revocation list (`mapl-swarm keys revoke`)")
+    else:
+        group.add_argument("--cert", metavar="FILE",
+                           help="any certificate of the run: the node keeps only records certified by its "
+                                "authority for its run")
     group.add_argument("--key-file", metavar="PATH",
                        help=f"the run key file (mode 0600, from `mapl-swarm keys`): {what}; it also keys the "
                             f"HMAC tags (no separate secret)")
@@ -581,7 +612,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--identity", metavar="PATH",
                    help="private-key file that keeps this node's peer id, hence its multiaddrs, the same across "
                         "restarts (created when missing; default: a new peer id each start)")
-    _key_args(p, "the node keeps only records signed with it")
+    _key_args(p, "the node keeps only records signed with it", peer=False)
     _add_common_args(p, quiet=False)
     p.set_defaults(func=_cmd_dht)
 

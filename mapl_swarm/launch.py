@@ -26,9 +26,11 @@ reads its ``CUDA_VISIBLE_DEVICES``, else counts ``nvidia-smi -L``. With no GPU, 
 ``runtime.device = "cpu"`` or with an explicit ``cuda:N`` the children's environment is left as it
 is. The command and environment of every peer are built by the pure :func:`peer_processes`.
 
-Run key: the peers (and the launcher's DHT bootstrap) share ``run.out_dir/run.key``
-(:func:`~mapl_swarm.net.runkey.run_dir_key`), created with mode 0600 when missing and kept for a
-``--resume``; each peer gets its path (``--key-file``), never the key.
+Identities: the launcher is its swarm's authority (:func:`~mapl_swarm.net.identity.issue_local`
+under ``run.out_dir/identities``): each stage's peer gets its own key file and a certificate for
+that stage alone (``--peer-key``, ``--cert``; paths only, never a key), so no peer can serve or
+impersonate another's stage. What exists and still fits is kept for a ``--resume``; the
+certificates allow ``drain`` (Ctrl-C drains the local swarm through any of its peers).
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ from mapl_swarm.config import TrainConfig
 from mapl_swarm.data import prepare_data
 from mapl_swarm.errors import ConfigError, MaplError
 from mapl_swarm.net.dht_node import check_listen_address
-from mapl_swarm.net.discovery import Discovery, DiscoveryConfig
-from mapl_swarm.net.runkey import run_dir_key
+from mapl_swarm.net.discovery import Discovery, DiscoveryConfig, TrustedAuthority
+from mapl_swarm.net.identity import LocalIdentities, issue_local
 from mapl_swarm.peer.signals import Interrupted
 from mapl_swarm.procs import die_with_parent
 from mapl_swarm.pipeline.payload import BACKWARD_KINDS, FORWARD_KINDS, kind_bytes
@@ -229,12 +231,13 @@ def check_ports(cfg: TrainConfig) -> None:
 
 
 def peer_processes(num_stages: int, config_args: Sequence[str], *, maddr: str, threads: int, progress: bool,
-                   gpus: Sequence[str | None], environ: Mapping[str, str], key_file: str,
+                   gpus: Sequence[str | None], environ: Mapping[str, str], member_args: Sequence[Sequence[str]],
                    net_port: int = 0, dht_port: int = 0, python: str = sys.executable) -> list[PeerProcess]:
     """The command and environment of every stage peer (pure: nothing is started). ``gpus`` is
     :func:`gpu_plan`'s answer; a peer's environment is ``environ`` with its GPU as
-    ``CUDA_VISIBLE_DEVICES``, or ``environ`` unchanged when it has none. ``key_file``: the path of
-    the run key every peer reads (the key itself never appears in a command or environment). With
+    ``CUDA_VISIBLE_DEVICES``, or ``environ`` unchanged when it has none. ``member_args[s]``: the
+    options that make stage ``s``'s peer a member (``--peer-key``/``--cert`` or ``--key-file``:
+    paths only, a key never appears in a command or environment). With
     a base ``net_port`` / ``dht_port`` each peer gets its own (:func:`peer_ports`; the bootstrap
     keeps ``dht_port`` itself)."""
     base = [python, "-m", "mapl_swarm", "peer", *config_args]
@@ -242,7 +245,7 @@ def peer_processes(num_stages: int, config_args: Sequence[str], *, maddr: str, t
     out = []
     for s in range(num_stages):
         cmd = base + ["--stage", str(s), "--initial-peer", maddr, "--set", f"runtime.threads={threads}",
-                      "--launched", "--key-file", key_file]
+                      "--launched", *member_args[s]]
         if ports[s]:
             cmd += ["--set", f"net.port={ports[s]}"]
         if dht_ports[s]:
@@ -254,6 +257,19 @@ def peer_processes(num_stages: int, config_args: Sequence[str], *, maddr: str, t
             env["CUDA_VISIBLE_DEVICES"] = gpus[s]
         out.append(PeerProcess(s, cmd, env, gpus[s]))
     return out
+
+
+IDENTITIES_DIR = "identities"
+"""Folder under ``run.out_dir`` where a local swarm keeps its authority, peer keys and certificates."""
+
+
+def local_identities(cfg: TrainConfig) -> LocalIdentities:
+    """The local swarm's authority and per-stage identities (module docstring), issued or kept."""
+    local = issue_local(Path(cfg.run.out_dir) / IDENTITIES_DIR, run_id=cfg.run.run_id,
+                        num_stages=cfg.pipeline.num_stages)
+    log.info("identities: %s (authority %s; one key and certificate per stage)", local.folder,
+             local.authority.key_id)
+    return local
 
 
 def launch(cfg: TrainConfig, config_args: list[str], *, progress: bool = True,
@@ -276,12 +292,10 @@ def launch(cfg: TrainConfig, config_args: list[str], *, progress: bool = True,
     for s in range(P):  # results of an earlier run must not be mistaken for this one's
         (Path(cfg.run.out_dir) / f"peer_stage{s}.json").unlink(missing_ok=True)
     check_ports(cfg)  # a taken or clashing port answers at once, before data, DHT or peers
-    run_key = run_dir_key(cfg.run.out_dir)
-    log.info("run key %s: %s (every peer reads it; replace the file to rotate the key)", run_key.key_id,
-             run_key.path)
+    local = local_identities(cfg)
     prepare_data(cfg.data, progress=progress)  # once, here, rather than raced by every peer
     bootstrap = Discovery(cfg.run.run_id, DiscoveryConfig(host=cfg.net.dht_host, port=cfg.net.dht_port),
-                          run_key=run_key)
+                          membership=TrustedAuthority(cfg.run.run_id, local.authority.public))
     bootstrap.start()
     try:
         maddr = bootstrap.visible_maddrs()[0]
@@ -291,7 +305,8 @@ def launch(cfg: TrainConfig, config_args: list[str], *, progress: bool = True,
                  out / f"metrics_stage{{0..{P - 1}}}.jsonl", out / "checkpoints", out / "manifest.json")
         return supervise(cfg, swarm, peer_processes(P, config_args, maddr=maddr, threads=threads,
                                                     progress=progress, gpus=plan, environ=os.environ,
-                                                    key_file=run_key.path, net_port=cfg.net.port,
+                                                    member_args=[local.args(k) for k in range(P)],
+                                                    net_port=cfg.net.port,
                                                     dht_port=cfg.net.dht_port), timeout_s)
     finally:
         bootstrap.close()

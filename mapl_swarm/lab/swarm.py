@@ -1,8 +1,9 @@
 """Run the compose topology (a DHT host + one host per stage) inside a :class:`NetnsLab`.
 
 Every peer runs the same ``mapl-swarm dht`` / ``mapl-swarm peer`` commands as ``compose.yaml``,
-bound to its namespace's address, with every link shaped by the kernel's tbf. The DHT node and
-every peer read the run key ``run.out_dir/run.key`` (created with mode 0600 when missing), by path.
+bound to its namespace's address, with every link shaped by the kernel's tbf. The lab issues the
+identities as ``launch`` does (:func:`~mapl_swarm.launch.local_identities`): each peer gets its own
+key and a certificate for its stage, and the DHT node any certificate of the run (its authority).
 The data is prepared once, first. The peers are supervised as ``launch`` supervises its own
 (:func:`~mapl_swarm.launch.supervise`): Ctrl-C drains them, and one that dies is started again
 with ``--resume`` in its namespace (at most ``max_restarts`` times per stage) while the others wait
@@ -21,8 +22,7 @@ from pathlib import Path
 from mapl_swarm.config import TrainConfig
 from mapl_swarm.data import prepare_data
 from mapl_swarm.lab.netns import NetnsLab
-from mapl_swarm.net.runkey import run_dir_key
-from mapl_swarm.launch import PeerProcess, RestartPolicy, Supervisor, SwarmSummary, supervise
+from mapl_swarm.launch import PeerProcess, RestartPolicy, Supervisor, SwarmSummary, local_identities, supervise
 from mapl_swarm.procs import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ def run_lab_swarm(cfg: TrainConfig, config_args: list[str], *, rate_mbit: float,
     policy = RestartPolicy(max_restarts)  # before any work: a bad --max-restarts answers at once
     P = cfg.pipeline.num_stages
     hosts = ["dht"] + [f"stage{k}" for k in range(P)]
-    key_args = ["--key-file", run_dir_key(cfg.run.out_dir).path]
+    local = local_identities(cfg)
     for k in range(P):  # results of an earlier run must not be mistaken for this one's
         (Path(cfg.run.out_dir) / f"peer_stage{k}.json").unlink(missing_ok=True)
     prepare_data(cfg.data, progress=False)  # once, here, rather than raced by every peer
@@ -49,7 +49,8 @@ def run_lab_swarm(cfg: TrainConfig, config_args: list[str], *, rate_mbit: float,
         base = [sys.executable, "-m", "mapl_swarm"]
         log_args = config_args[config_args.index("--log-level"):][:2] if "--log-level" in config_args else []
         # a process group of its own, as every peer's: a terminal's Ctrl-C reaches the lab, which drains the peers
-        dht = lab.popen("dht", base + ["dht", "--host", lab.address("dht"), "--maddr-file", maddr_file, *key_args,
+        dht = lab.popen("dht", base + ["dht", "--host", lab.address("dht"), "--maddr-file", maddr_file,
+                                       "--cert", str(local.cert_file(0)),
                                        *log_args], preexec_fn=die_with_parent(), process_group=0)
         try:
             peers = []
@@ -58,7 +59,7 @@ def run_lab_swarm(cfg: TrainConfig, config_args: list[str], *, rate_mbit: float,
                 cmd = base + ["peer", *config_args, "--stage", str(k), "--initial-peers-file", maddr_file,
                               "--set", 'net.bind_host="0.0.0.0"', "--set", f'net.advertise_host="{addr}"',
                               "--set", f'net.dht_host="{addr}"', "--set", f"runtime.threads={threads}", "--quiet",
-                              "--launched", *key_args]
+                              "--launched", *local.args(k)]
                 peers.append(PeerProcess(k, lab.command(f"stage{k}", cmd), dict(os.environ), None))
             return supervise(cfg, Supervisor(policy, {"the lab's DHT node": dht}), peers, timeout_s, command="lab")
         finally:

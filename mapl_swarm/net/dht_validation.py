@@ -39,6 +39,21 @@ Replays: a captured record can be stored again only unchanged (same subkey, valu
 expiration). A node keeps, per subkey, the record that expires last, so a replay cannot displace
 its signer's later announcement or tombstone, and it disappears at its own expiration.
 
+**Certified records** (:class:`CertifiedRecordValidator`, a run of per-peer identities,
+:mod:`~mapl_swarm.net.identity`): no shared secret. The announcing peer signs each record with its
+own signing key and carries its certificate::
+
+    signed = b"mapl-dht-cert-v1" || message[len(b"mapl-dht-record-v1"):]   # the same fields
+    stored value = value || cert || u16be(len(cert)) || Ed25519(sign_key, signed)   # 64 bytes
+
+``cert`` is the certificate as :meth:`~mapl_swarm.net.identity.Signed.encode` writes it. A node
+accepts a record only when that certificate is the run's authority's, for this run, valid, not
+revoked and allows the stage of the record's key (``mapl/<run>/stage/<k>``); the signature is its
+key's; the value (an endpoint string) is a tombstone ``""`` or a contact whose CURVE key is the
+certificate's (so a dialer pins the key of the peer the certificate names); and the expiration
+lies at most :data:`CERTIFIED_MAX_TTL_S` ahead and before the certificate's end. A member can
+therefore announce only the stages its certificate allows, only its own key, and only briefly.
+
 This module imports hivemind (and with it torch): import it only where a DHT is started.
 """
 
@@ -49,12 +64,13 @@ import hmac
 import math
 import struct
 import time
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 
 __all__ = ["DOMAIN", "TAG_BYTES", "DHT_KEY_BYTES", "MAX_TTL_S", "NO_SUBKEY", "RunKeyValidator",
-           "dht_key_id", "record_message", "record_tag"]
+           "CERT_DOMAIN", "CERTIFIED_MAX_TTL_S", "CertifiedRecordValidator", "dht_key_id", "record_message",
+           "record_tag"]
 
 DOMAIN = b"mapl-dht-record-v1"
 """Domain label that starts every signed message (so the tag is never valid in another role)."""
@@ -76,9 +92,10 @@ def dht_key_id(key: str) -> bytes:
     return hashlib.sha1(msgpack.packb(key, use_bin_type=True)).digest()
 
 
-def record_message(key: bytes, subkey: bytes, value: bytes, expiration_time: float) -> bytes:
-    """The bytes the tag authenticates (layout in the module docstring)."""
-    parts = [DOMAIN]
+def record_message(key: bytes, subkey: bytes, value: bytes, expiration_time: float, *,
+                   domain: bytes = DOMAIN) -> bytes:
+    """The bytes the tag (or, with :data:`CERT_DOMAIN`, the signature) authenticates (module docstring)."""
+    parts = [domain]
     for field in (key, subkey, value):
         parts += [struct.pack(">I", len(field)), bytes(field)]
     parts.append(struct.pack(">d", expiration_time))
@@ -163,3 +180,98 @@ class RunKeyValidator(RecordValidatorBase):
         return (isinstance(other, RunKeyValidator) and hmac.compare_digest(other._dht_key, self._dht_key)
                 and other._allowed == self._allowed and other._plain_values == self._plain_values
                 and other._max_ttl_s == self._max_ttl_s)
+
+
+CERT_DOMAIN = b"mapl-dht-cert-v1"
+"""Prefix of what a certified record's signature covers."""
+CERTIFIED_MAX_TTL_S = 600.0
+"""How far ahead of the validating node's clock a certified record's expiration may lie: a member
+cannot keep a stale record ranked first for long (discovery's ``ttl_s`` must not exceed it)."""
+_SIG_BYTES = 64
+
+
+class CertifiedRecordValidator(RecordValidatorBase):
+    """Sign (with ``identity``) and verify certified records of run ``run_id`` under the authority
+    ``authority``; see the module docstring. A node without an identity (a bootstrap node) only
+    verifies. ``stage_keys``: the run's stage keys (e.g. ``"mapl/<run>/stage/1"``) and their stages;
+    a record under any other key is refused."""
+
+    def __init__(self, *, run_id: str, authority: bytes, stage_keys: Mapping[str, int], identity=None,
+                 revoked: frozenset[int] = frozenset(), max_ttl_s: float = CERTIFIED_MAX_TTL_S) -> None:
+        self._run_id, self._authority, self._identity = run_id, bytes(authority), identity
+        self._stage_of = {dht_key_id(key): s for key, s in stage_keys.items()}
+        self._revoked, self._max_ttl_s = frozenset(revoked), float(max_ttl_s)
+
+    def __repr__(self) -> str:
+        return f"CertifiedRecordValidator(run={self._run_id!r}, signs={self._identity is not None})"
+
+    def sign_value(self, record: DHTRecord) -> bytes:
+        if self._identity is None:
+            return record.value
+        cert = self._identity.encoded_cert
+        signed = record_message(record.key, record.subkey, record.value, record.expiration_time, domain=CERT_DOMAIN)
+        return record.value + cert + struct.pack(">H", len(cert)) + self._identity.key.sign(signed)
+
+    def _split(self, value: bytes) -> tuple[bytes, bytes, bytes] | None:
+        if len(value) < _SIG_BYTES + 2:
+            return None
+        (n,) = struct.unpack(">H", value[-_SIG_BYTES - 2:-_SIG_BYTES])
+        end = len(value) - _SIG_BYTES - 2
+        if n > end:
+            return None
+        return value[:end - n], value[end - n:end], value[-_SIG_BYTES:]
+
+    def validate(self, record: DHTRecord) -> bool:
+        from cryptography.exceptions import InvalidSignature
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+        from mapl_swarm.net.identity import CertificateError, Signed, verify_certificate
+
+        stage = self._stage_of.get(bytes(record.key))
+        parts = self._split(bytes(record.value))
+        now = time.time()
+        if stage is None or parts is None or record.subkey == NO_SUBKEY or not (
+                math.isfinite(record.expiration_time) and record.expiration_time <= now + self._max_ttl_s):
+            return False
+        value, cert, sig = parts
+        try:
+            body = verify_certificate(Signed.decode("certificate", cert), authority=self._authority,
+                                      run_id=self._run_id, stage=stage, now=now, revoked=self._revoked)
+            Ed25519PublicKey.from_public_bytes(body.sign_key).verify(
+                sig, record_message(record.key, record.subkey, value, record.expiration_time, domain=CERT_DOMAIN))
+        except (CertificateError, InvalidSignature, ValueError):
+            return False
+        return record.expiration_time <= body.not_after and _contact_of(value, body.curve_key)
+
+    def strip_value(self, record: DHTRecord) -> bytes:
+        parts = self._split(bytes(record.value))
+        return record.value if parts is None else parts[0]
+
+    @property
+    def priority(self) -> int:
+        return 100
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return (isinstance(other, CertifiedRecordValidator) and other._run_id == self._run_id
+                and other._authority == self._authority and other._identity is self._identity)
+
+
+def _contact_of(value: bytes, curve_key: bytes) -> bool:
+    """``value`` is msgpack of ``""`` (a tombstone) or of a contact naming ``curve_key``."""
+    import msgpack
+
+    from mapl_swarm.net.errors import NetError
+    from mapl_swarm.net.transport import split_contact
+
+    if not _one_plain_object(value):
+        return False
+    text = msgpack.unpackb(value, raw=False)
+    if text == "":
+        return True
+    if not isinstance(text, str):
+        return False
+    try:
+        _, key = split_contact(text)
+    except NetError:
+        return False
+    return key is not None and hmac.compare_digest(key, curve_key)

@@ -8,13 +8,17 @@ returns every claimed endpoint, freshest (latest expiring) first, so a peer can 
 one completes an authenticated handshake; :meth:`Discovery.lookup` returns the first. A withdrawn
 stage is overwritten by an empty-endpoint tombstone, which lookups skip.
 
-**Signed records.** With a run key (``run_key=``, anything with a 32-byte ``dht_key``), every
+**Signed records.** With a run key (``membership=``, anything with a 32-byte ``dht_key``), every
 DHT node of the run — each peer's and the bootstrap node's (:func:`run_bootstrap_node`) — runs a
 :class:`~mapl_swarm.net.dht_validation.RunKeyValidator`: it signs what it stores and stores,
 caches and returns only records whose HMAC tag verifies, so records of anyone without the key
 (unsigned, or signed with another key) are never seen. A peer's node also refuses keys other
 than its run's stage keys. Keyed and unkeyed nodes do not mix: without a key a node neither signs
-nor checks records (today's insecure behaviour), and cannot decode signed ones.
+nor checks records (today's insecure behaviour), and cannot decode signed ones. In a certified
+run (``membership=`` a :class:`~mapl_swarm.net.identity.PeerIdentity`; a bootstrap node a
+:class:`TrustedAuthority`) each record is signed by its announcer's own key and carries its
+certificate (:class:`~mapl_swarm.net.dht_validation.CertifiedRecordValidator`): a member can
+announce only the stages its certificate allows, at a contact of its own key.
 
 **Start order matters.** ``hivemind.DHT`` runs its node in a *forked* child process. Forking a
 process that already runs threads (ZeroMQ's I/O threads, torch's thread pools, an executor)
@@ -53,7 +57,7 @@ from mapl_swarm.net.errors import DiscoveryError, DiscoveryTimeoutError
 from mapl_swarm.procs import wait_for_signal
 
 __all__ = ["DiscoveryConfig", "Discovery", "start_dht", "run_bootstrap_node", "host_maddr", "stage_key",
-           "dht_validators", "HasDhtKey", "MAX_STAGES", "MAX_TTL_S"]
+           "dht_validators", "HasDhtKey", "TrustedAuthority", "MAX_STAGES", "MAX_TTL_S"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +66,8 @@ MAX_STAGES = 1024
 MAX_TTL_S = 86400.0
 """Longest announcement lifetime; equals ``dht_validation.MAX_TTL_S`` (not imported from there,
 which would import hivemind)."""
+CERTIFIED_MAX_TTL_S = 600.0
+"""Longest announcement lifetime in a certified run (``dht_validation.CERTIFIED_MAX_TTL_S``)."""
 
 
 class HasDhtKey(Protocol):
@@ -76,13 +82,23 @@ def stage_key(run_id: str, stage: int) -> str:
     return f"mapl/{run_id}/stage/{stage}"
 
 
-def dht_validators(run_key: HasDhtKey | None, run_id: str | None = None) -> list[Any]:
-    """Record validators for a DHT node of a run: none without a key (insecure), else one
-    :class:`~mapl_swarm.net.dht_validation.RunKeyValidator` — restricted to the run's stage keys
+def dht_validators(membership: Any, run_id: str | None = None) -> list[Any]:
+    """Record validators for a DHT node of a run: none without a membership (insecure); for a
+    certified peer (:class:`~mapl_swarm.net.identity.PeerIdentity`) a
+    :class:`~mapl_swarm.net.dht_validation.CertifiedRecordValidator` that signs with its key; for a
+    :class:`TrustedAuthority` (a certified run's bootstrap node) one that only verifies; for a run
+    key a :class:`~mapl_swarm.net.dht_validation.RunKeyValidator`, restricted to the run's stage keys
     when ``run_id`` is given. Imports hivemind (and torch) only when keyed."""
-    if run_key is None:
+    if membership is None:
         return []
-    dht_key = run_key.dht_key
+    if getattr(membership, "pinned", False) or isinstance(membership, TrustedAuthority):
+        from mapl_swarm.net.dht_validation import CertifiedRecordValidator  # deferred: imports hivemind
+
+        signer = membership if getattr(membership, "pinned", False) else None
+        keys = {stage_key(membership.run_id, s): s for s in range(MAX_STAGES)}
+        return [CertifiedRecordValidator(run_id=membership.run_id, authority=membership.authority, identity=signer,
+                                         stage_keys=keys, revoked=membership.revoked)]
+    dht_key = membership.dht_key
     if not isinstance(dht_key, bytes) or len(dht_key) != 32:
         raise ConfigError("run key: dht_key must be 32 bytes")
     from mapl_swarm.net.dht_validation import RunKeyValidator  # deferred: imports hivemind
@@ -91,23 +107,34 @@ def dht_validators(run_key: HasDhtKey | None, run_id: str | None = None) -> list
     return [RunKeyValidator(dht_key, allowed_keys=allowed)]
 
 
+@dataclass(frozen=True)
+class TrustedAuthority:
+    """What a certified run's DHT bootstrap node trusts: the run and its authority (it announces
+    nothing, so it holds no identity of its own); read from any certificate of the run."""
+
+    run_id: str
+    authority: bytes
+    revoked: frozenset[int] = frozenset()
+
+
 def run_bootstrap_node(host: str = "0.0.0.0", port: int = 0, *, announce_host: str | None = None,
                        initial_peers: Sequence[str] = (), identity_path: str | None = None,
                        ready: Callable[[list[str]], None] | None = None,
-                       stop: threading.Event | None = None, run_key: HasDhtKey | None = None,
+                       stop: threading.Event | None = None, membership: Any = None,
                        run_id: str | None = None) -> list[str]:
     """Run a DHT bootstrap node until ``stop`` is set (or forever / Ctrl-C when it is None).
 
     ``ready`` receives the node's visible multiaddrs once it is up (the CLI prints them; any one
     is enough for peers to join). Returns those multiaddrs after shutting the node down.
-    With ``run_key`` the node stores only records signed with it (and, given ``run_id``, only
-    that run's stage keys); without, it stores anything (insecure runs)."""
+    With a run key (``membership``) the node stores only records signed with it (and, given
+    ``run_id``, only that run's stage keys), with a :class:`TrustedAuthority` only certified records of its run;
+    without, it stores anything (insecure runs)."""
     dht = start_dht(host=host, port=port, announce_host=announce_host, initial_peers=initial_peers,
-                    identity_path=identity_path, record_validators=dht_validators(run_key, run_id))
+                    identity_path=identity_path, record_validators=dht_validators(membership, run_id))
     try:
         maddrs = [str(m) for m in dht.get_visible_maddrs()]
         logger.info("DHT bootstrap node up (%s records): %s",
-                    "signed" if run_key is not None else "unsigned", " ".join(maddrs))
+                    "signed" if membership is not None else "unsigned", " ".join(maddrs))
         if ready is not None:
             ready(maddrs)
         wait_for_signal(stop)  # the signals' handlers (Ctrl-C, the CLI's SIGTERM) still run
@@ -166,12 +193,15 @@ class Discovery:
     """Announce this peer's stages and look up neighbours in one run (see module docstring)."""
 
     def __init__(self, run_id: str, config: DiscoveryConfig = DiscoveryConfig(), *,
-                 run_key: HasDhtKey | None = None) -> None:
+                 membership: Any = None) -> None:
         if not run_id or "/" in run_id:
             raise ConfigError(f"run id must be non-empty and contain no '/', got {run_id!r}")
+        if getattr(membership, "pinned", False) and config.ttl_s > CERTIFIED_MAX_TTL_S:
+            raise ConfigError(f"discovery.ttl_s must be at most {CERTIFIED_MAX_TTL_S:g} in a certified run (its "
+                              f"DHT refuses records expiring later), got {config.ttl_s}")
         self.run_id = run_id
         self.config = config
-        self._run_key = run_key
+        self._membership = membership
         self._dht: Any = None
         self._peer_id = ""
         self._announced: dict[int, tuple[str, str]] = {}  # stage -> (subkey, endpoint)
@@ -189,7 +219,7 @@ class Discovery:
             self._dht = start_dht(host=c.host, port=c.port, announce_host=c.announce_host,
                                   initial_peers=c.initial_peers, identity_path=c.identity_path,
                                   client_mode=c.client_mode, timeout_s=c.start_timeout_s,
-                                  record_validators=dht_validators(self._run_key, self.run_id))
+                                  record_validators=dht_validators(self._membership, self.run_id))
             self._peer_id = str(self._dht.peer_id)
             logger.info("joined DHT as %s (%s records)", self._peer_id,
                         "signed" if self.signed else "unsigned")
@@ -209,7 +239,7 @@ class Discovery:
     @property
     def signed(self) -> bool:
         """Whether records are signed and checked with the run key."""
-        return self._run_key is not None
+        return self._membership is not None
 
     def visible_maddrs(self) -> list[str]:
         """Multiaddrs other nodes can use as ``initial_peers`` to join through this one."""

@@ -51,6 +51,7 @@ __all__ = [
     "MAX_VALIDITY_S", "MAX_REVOKED", "Authority", "PeerKey", "RequestBody", "CertificateBody", "RevocationsBody",
     "Signed", "CertificateError", "load_authority", "create_authority", "load_peer_key", "create_peer_key",
     "make_request", "issue", "revoke", "verify_certificate", "verify_revocations", "read_signed", "write_signed",
+    "PeerIdentity", "load_identity", "LocalIdentities", "issue_local",
 ]
 
 AUTHORITY_HEADER = "mapl-run-authority v1"
@@ -483,3 +484,138 @@ def read_signed(path: str | os.PathLike[str], kind: Kind) -> Signed:
         return Signed.decode(kind, data)
     except CertificateError as exc:
         raise ConfigError(f"{kind} file {p}: {exc}") from None
+
+
+# ---------------------------------------------------------------------- a peer's identity in a run
+@dataclass(frozen=True, eq=False)
+class PeerIdentity:
+    """What a peer proves and checks in a certified run: its own key, its certificate (verified when
+    loaded) and, from that certificate, the run and the authority it trusts. It is the peer's
+    membership (:mod:`~.transport`: CURVE links pinned to named peers; :mod:`~.discovery`: records
+    signed with its own key). Every peer trusts the authority that signed its own certificate."""
+
+    key: PeerKey
+    cert: Signed
+    body: CertificateBody
+    revoked: frozenset[int] = frozenset()
+    """Certificate serials of the run's revocation list, if the peer was given one."""
+
+    pinned = True
+    """Links go to named peers: the dialer pins the server's key from its DHT record."""
+    auth_key = None
+    """No shared secret: CURVE with per-peer keys authenticates every message (no wire tag)."""
+
+    @property
+    def run_id(self) -> str:
+        return self.body.run
+
+    @property
+    def authority(self) -> bytes:
+        return self.body.authority
+
+    @property
+    def key_id(self) -> str:
+        return self.key.key_id
+
+    @cached_property
+    def curve(self):
+        """The peer's CURVE keypair (z85) as the transport takes it."""
+        from mapl_swarm.net.runkey import CurveKeys
+
+        return CurveKeys(public=z85.encode(self.key.curve_public), secret=self.key.curve_secret)
+
+    @cached_property
+    def encoded_cert(self) -> bytes:
+        """The certificate as a HELLO and a DHT record carry it (:meth:`Signed.encode`)."""
+        return self.cert.encode()
+
+    def describe(self) -> str:
+        return (f"certified as {self.body.name!r} (peer key {self.key_id}, stage(s) {list(self.body.stages)}, "
+                f"authority {key_id(self.authority)})")
+
+    def verify_peer(self, data: Any, *, stage: int, curve_key: bytes | None, now: float | None = None) -> CertificateBody:
+        """The body of another peer's certificate ``data`` (as received) when this run's authority
+        signed it for ``stage`` and its CURVE key is ``curve_key`` (the key its connection proved);
+        else :class:`CertificateError` (``wrong_key`` for a certificate of another key)."""
+        body = verify_certificate(Signed.decode("certificate", data), authority=self.authority, run_id=self.run_id,
+                                  stage=stage, now=now, revoked=self.revoked)
+        if curve_key is None or not secrets.compare_digest(body.curve_key, curve_key):
+            raise CertificateError("wrong_key", f"certificate of {body.name!r} names another CURVE key than the "
+                                                f"one its connection proved")
+        return body
+
+    def __repr__(self) -> str:
+        return f"PeerIdentity({self.body.name!r}, key_id={self.key_id!r}, run={self.run_id!r})"
+
+
+def load_identity(key_path: str | os.PathLike[str], cert_path: str | os.PathLike[str], *, run_id: str,
+                  stage: int | None = None, revocations: str | os.PathLike[str] | None = None) -> PeerIdentity:
+    """A peer's identity from its key file and certificate file, checked before any other work: the
+    certificate is valid now for run ``run_id`` (and ``stage``), not revoked (``revocations``: the
+    authority's list file) and names this key; else a one-line :class:`ConfigError` naming the file."""
+    key = load_peer_key(key_path)
+    cert = read_signed(cert_path, "certificate")
+    try:
+        body = CertificateBody.decode(cert.body)
+        revoked: frozenset[int] = frozenset()
+        if revocations is not None:
+            revoked = frozenset(verify_revocations(read_signed(revocations, "revocations"), authority=body.authority,
+                                                   run_id=run_id).serials)
+        verify_certificate(cert, authority=body.authority, run_id=run_id, stage=stage, revoked=revoked)
+    except CertificateError as exc:
+        raise ConfigError(f"certificate {cert_path}: {exc} ({exc.code})") from None
+    if body.sign_key != key.sign_public or body.curve_key != key.curve_public:
+        raise ConfigError(f"certificate {cert_path} is for another peer key than {key_path} "
+                          f"(it names {key_id(body.sign_key)}, the key is {key.key_id})")
+    return PeerIdentity(key, cert, body, revoked)
+
+
+@dataclass(frozen=True)
+class LocalIdentities:
+    """The identities a local swarm (``launch``, ``lab``, compose) issues itself: one authority and,
+    per stage, a key file and a certificate file."""
+
+    folder: Path
+    authority: Authority
+
+    def key_file(self, stage: int) -> Path:
+        return self.folder / f"stage{stage}.key"
+
+    def cert_file(self, stage: int) -> Path:
+        return self.folder / f"stage{stage}.cert"
+
+    def args(self, stage: int) -> list[str]:
+        """The ``peer`` options that give stage ``stage`` its identity."""
+        return ["--peer-key", str(self.key_file(stage)), "--cert", str(self.cert_file(stage))]
+
+
+LOCAL_VALIDITY_S = 30 * 86400
+"""Validity of the certificates a local swarm issues (renewed when less than a day is left)."""
+
+
+def issue_local(folder: str | os.PathLike[str], *, run_id: str, num_stages: int,
+                roles: Sequence[str] = ("drain",)) -> LocalIdentities:
+    """An authority (``folder/authority.key``) and per stage a peer key and a certificate for that
+    stage alone, with ``roles`` (a local swarm lets each of its own peers drain it). What exists and
+    still fits (this authority, run and key, a day of validity left) is kept, so a resumed run keeps
+    its identities; anything else is issued anew."""
+    root = Path(folder)
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / "authority.key"
+    authority = load_authority(path) if path.exists() else create_authority(path)
+    local = LocalIdentities(root, authority)
+    for stage in range(num_stages):
+        key_path, cert_path = local.key_file(stage), local.cert_file(stage)
+        key = load_peer_key(key_path) if key_path.exists() else create_peer_key(key_path)
+        if cert_path.exists():
+            try:
+                body = verify_certificate(read_signed(cert_path, "certificate"), authority=authority.public,
+                                          run_id=run_id, stage=stage, now=time.time() + 86400)
+                if body.sign_key == key.sign_public and body.stages == (stage,) and body.roles == tuple(sorted(roles)):
+                    continue
+            except (CertificateError, ConfigError):
+                pass
+        cert = issue(authority, make_request(key, f"stage{stage}", [stage]), run_id=run_id, roles=roles,
+                     valid_s=LOCAL_VALIDITY_S)
+        write_signed(cert_path, cert, force=True)
+    return local

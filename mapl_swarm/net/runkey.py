@@ -83,8 +83,14 @@ class RunKey:
         if not isinstance(self.secret, bytes) or len(self.secret) != RUN_KEY_BYTES:
             raise ConfigError(f"a run key is {RUN_KEY_BYTES} bytes")
 
+    pinned = False
+    """Every member shares one CURVE keypair: the dialer's server key is that one (1.x membership)."""
+
     def __repr__(self) -> str:
         return f"RunKey(key_id={self.key_id!r}, path={self.path!r})"
+
+    def describe(self) -> str:
+        return f"run key {self.key_id} ({self.path})"
 
     __str__ = __repr__
 

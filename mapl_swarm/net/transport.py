@@ -19,6 +19,16 @@ public key; every DEALER is a CURVE client with that same keypair. Links are enc
 so none of its frames is delivered and it learns no plaintext. Without ``curve`` (``--insecure``)
 everything travels in the clear and anyone may connect.
 
+Named peers (``TransportConfig.pinned``, a certified peer: :class:`~mapl_swarm.net.identity.PeerIdentity`):
+``curve`` is this peer's own keypair. Its advertised endpoint is a **contact**
+``tcp://HOST:PORT#<64 hex digits of its CURVE public key>`` (:func:`contact`), and :meth:`Transport.connect`
+takes a contact and pins that server key, so a connection completes only with the holder of that
+key's secret (a relay or an impostor completes no handshake). The ZAP handler admits every CURVE
+client, and every received message is attributed to the key its connection proved
+(:meth:`Transport.peer_key`); who may speak is then the peer's decision (its HELLO carries a
+certificate for that key). A routing id is bound to the first key that used it: a message under
+that routing id from another key is dropped (``mismatched_keys``).
+
 No takeover: ``ROUTER_HANDOVER`` is off, so a second connection presenting a routing id that is in
 use cannot take it over (the first one keeps it, and ZeroMQ never serves the second); ZeroMQ
 heartbeats (``zmq_heartbeat_s``) drop a dead connection, freeing its routing id, and a DEALER
@@ -49,12 +59,14 @@ import logging
 import math
 import secrets
 import socket
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Coroutine, Sequence, TypeVar
 
 import zmq
 import zmq.asyncio
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
 
 from mapl_swarm.aio import within
 from mapl_swarm.errors import ConfigError
@@ -66,13 +78,18 @@ from mapl_swarm.net.runkey import CurveKeys
 
 if TYPE_CHECKING:
     from mapl_swarm.config import TrainConfig
+    from mapl_swarm.net.identity import PeerIdentity
     from mapl_swarm.net.runkey import RunKey
+
+    Membership = RunKey | PeerIdentity
 
 __all__ = [
     "CurveKeys",
     "TransportConfig",
     "Transport",
     "tcp_endpoint",
+    "contact",
+    "split_contact",
     "new_event_loop",
     "run",
 ]
@@ -114,6 +131,32 @@ def run(main: Coroutine[Any, Any, T]) -> T:
         return runner.run(main)
 
 
+KEYS_REMEMBERED = 4096
+"""Routing ids whose CURVE key a pinned transport remembers (the oldest is forgotten first)."""
+
+
+def contact(endpoint: str, curve_public: bytes) -> str:
+    """``endpoint#<hex>``: where a certified peer listens and the CURVE key (32 raw bytes) it proves there."""
+    if len(curve_public) != 32:
+        raise ConfigError("a contact's CURVE key is 32 bytes")
+    return f"{endpoint}#{curve_public.hex()}"
+
+
+def split_contact(text: str) -> tuple[str, bytes | None]:
+    """``(endpoint, CURVE key or None)`` of a contact or a bare endpoint; a malformed key is a
+    :class:`NetError` naming the contact."""
+    endpoint, hash_, key = text.partition("#")
+    if not hash_:
+        return text, None
+    try:
+        raw = bytes.fromhex(key)
+    except ValueError:
+        raw = b""
+    if len(raw) != 32 or key != key.lower():
+        raise NetError(f"contact {text!r}: the part after '#' must be 64 lowercase hex digits (a CURVE key)")
+    return endpoint, raw
+
+
 def tcp_endpoint(host: str, port: int) -> str:
     """``tcp://HOST:PORT``, with IPv6 literals bracketed."""
     try:
@@ -143,8 +186,12 @@ class TransportConfig:
     """Default deadline of :meth:`Transport.send` (waiting for room in the link's send buffer)."""
     curve: CurveKeys | None = None
     """The run's CURVE keypair (:attr:`RunKey.curve <mapl_swarm.net.runkey.RunKey.curve>`): links
-    are encrypted and only holders of the run key may connect. None: insecure (plain TCP, anyone
-    may connect and read)."""
+    are encrypted and only holders of the run key may connect; with ``pinned``, this peer's own.
+    None: insecure (plain TCP, anyone may connect and read)."""
+    pinned: bool = False
+    """Links to named peers (module docstring): ``curve`` is this peer's own keypair, ``connect``
+    pins the server key of a contact, any CURVE client may connect and each message is
+    attributed to its key. False: ``curve`` is the run's shared keypair (the only one admitted)."""
     max_message_bytes: int = 0
     """Largest frame the ROUTER accepts, in plaintext bytes (``ZMQ_MAXMSGSIZE``, which ZeroMQ
     applies to each frame); a connection sending a larger one is dropped. 0: unlimited."""
@@ -172,14 +219,18 @@ class TransportConfig:
             raise ConfigError(f"transport.zmq_heartbeat_s must be >= 0, got {self.zmq_heartbeat_s}")
         if self.curve is not None and not isinstance(self.curve, CurveKeys):
             raise ConfigError("transport.curve must be CurveKeys (from the run key) or None")
+        if self.pinned and self.curve is None:
+            raise ConfigError("transport.pinned needs this peer's own CURVE keypair (transport.curve)")
 
     @classmethod
-    def for_run(cls, cfg: TrainConfig, run_key: RunKey | None) -> "TransportConfig":
-        """A stage peer's transport: the run's ``[net]`` section, the run key's CURVE keypair (None:
-        insecure) and the run's message bound (:func:`~mapl_swarm.net.limits.max_message_bytes`)."""
+    def for_run(cls, cfg: TrainConfig, membership: Membership | None) -> "TransportConfig":
+        """A stage peer's transport: the run's ``[net]`` section, the membership's CURVE keypair (the
+        run key's shared one, or a certified peer's own, pinned; None: insecure) and the run's
+        message bound (:func:`~mapl_swarm.net.limits.max_message_bytes`)."""
         net = cfg.net
         return cls(bind_host=net.bind_host, bind_port=net.port, advertise_host=net.advertise_host or None,
-                   send_timeout_s=net.timeout_s, curve=run_key.curve if run_key is not None else None,
+                   send_timeout_s=net.timeout_s, curve=membership.curve if membership is not None else None,
+                   pinned=membership is not None and membership.pinned,
                    max_message_bytes=max_message_bytes(cfg), zmq_heartbeat_s=net.zmq_heartbeat_s)
 
     def heartbeat_options(self) -> dict[int, int]:
@@ -200,14 +251,15 @@ class TransportConfig:
 
 
 class _RunKeyOnly:
-    """ZAP credentials provider: admits exactly one CURVE client key (the run's public key)."""
+    """ZAP credentials provider: admits exactly one CURVE client key (the run's public key); with
+    ``public`` None (a pinned transport) every CURVE client, whose key CURVE has proved."""
 
-    def __init__(self, public: bytes, owner: "Transport") -> None:
+    def __init__(self, public: bytes | None, owner: "Transport") -> None:
         self._public = public
         self._owner = owner
 
     def callback(self, domain: str, client_key: bytes) -> bool:
-        ok = domain == ZAP_DOMAIN and secrets.compare_digest(client_key, self._public)
+        ok = domain == ZAP_DOMAIN and (self._public is None or secrets.compare_digest(client_key, self._public))
         if not ok:
             self._owner._refused()
         return ok
@@ -239,6 +291,9 @@ class Transport:
         """This instance's routing id, ``<name>.<8 hex>``, carried by every DEALER it connects."""
         self.refused_connections = 0
         """Connections the ZAP handler refused (CURVE clients without the run key)."""
+        self.mismatched_keys = 0
+        """Messages dropped (pinned): their routing id was bound to another CURVE key."""
+        self._keys: OrderedDict[str, bytes] = OrderedDict()
         self.counters = TrafficCounters()
         self._rx_kind = rx_kind
         self._own_context = context is None
@@ -288,8 +343,11 @@ class Transport:
         self._router = router
         self._bound_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._endpoint = tcp_endpoint(self._advertise_host(), self.port)
+        if cfg.pinned:
+            self._endpoint = contact(self._endpoint, z85.decode(cfg.curve.public))
         logger.info("%s: bound %s, advertising %s (%s, routing id %s)", self.name, self._bound_endpoint,
-                    self._endpoint, "CURVE, members only" if cfg.curve is not None else "INSECURE: plain TCP",
+                    self._endpoint, "INSECURE: plain TCP" if cfg.curve is None else
+                    "CURVE, certified peers" if cfg.pinned else "CURVE, members only",
                     self.routing_id)
         return self._endpoint
 
@@ -306,7 +364,8 @@ class Transport:
         except zmq.ZMQError as exc:
             raise NetError(f"{self.name}: cannot start the ZAP handler ({exc}): a CURVE transport needs a "
                            f"ZeroMQ context of its own") from exc
-        auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=_RunKeyOnly(curve.public, self))
+        admitted = None if self.config.pinned else curve.public
+        auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=_RunKeyOnly(admitted, self))
         self._auth = auth
 
     def _stop_authenticator(self) -> None:
@@ -355,7 +414,8 @@ class Transport:
 
     @property
     def endpoint(self) -> str:
-        """The endpoint to advertise to neighbours (``tcp://advertise_host:port``)."""
+        """The endpoint to advertise to neighbours (``tcp://advertise_host:port``; pinned: its
+        contact, ``tcp://advertise_host:port#<hex key>``)."""
         return self._endpoint
 
     @property
@@ -378,23 +438,28 @@ class Transport:
     # -- outbound --------------------------------------------------------------------------------
     def connect(self, link: str, endpoint: str, config: LinkConfig = LinkConfig()) -> None:
         """Open the outbound link ``link`` to ``endpoint`` (returns at once; ZeroMQ queues
-        messages until the neighbour is reachable). Must be called inside the event loop."""
+        messages until the neighbour is reachable); a pinned transport takes a contact and pins its
+        key. Must be called inside the event loop."""
         self._check_open()
         if link in self._dealers:
             raise NetError(f"{self.name}: link {link!r} is already connected")
         cfg = self.config
+        address, server_key = split_contact(endpoint)
+        if cfg.pinned and server_key is None:
+            raise NetError(f"{self.name}: link {link!r} to {endpoint!r}: a certified peer dials contacts only "
+                           f"(endpoint#<its CURVE key>, from its DHT record)")
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.SNDHWM, cfg.send_hwm)
         dealer.setsockopt(zmq.ROUTING_ID, self.routing_id.encode())
         for option, value in cfg.dealer_options().items():
             dealer.setsockopt(option, value)
-        if cfg.curve is not None:  # client of the run's server key, proving the run's keypair
-            dealer.setsockopt(zmq.CURVE_SERVERKEY, cfg.curve.public)
+        if cfg.curve is not None:  # client of the pinned (or the run's) server key, proving our keypair
+            dealer.setsockopt(zmq.CURVE_SERVERKEY, z85.encode(server_key) if cfg.pinned else cfg.curve.public)
             dealer.setsockopt(zmq.CURVE_PUBLICKEY, cfg.curve.public)
             dealer.setsockopt(zmq.CURVE_SECRETKEY, cfg.curve.secret)
         try:
-            dealer.connect(endpoint)
+            dealer.connect(address)
         except zmq.ZMQError as exc:
             dealer.close(linger=0)
             raise NetError(f"{self.name}: cannot connect link {link!r} to {endpoint!r}: {exc}") from exc
@@ -511,18 +576,44 @@ class Transport:
         router = self._router
         if router is None:
             raise NetError(f"{self.name}: recv before start()")
-        try:
-            parts = await within(router.recv_multipart(copy=False), timeout_s)
-        except asyncio.TimeoutError:
-            raise NetTimeoutError(f"{self.name}: no message received on {self._endpoint} within "
-                                  f"{timeout_s:g} s") from None
-        sender = parts[0].bytes.decode(errors="replace")
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            try:
+                parts = await within(router.recv_multipart(copy=False),
+                                     max(0.0, deadline - asyncio.get_running_loop().time()))
+            except asyncio.TimeoutError:
+                raise NetTimeoutError(f"{self.name}: no message received on {self._endpoint} within "
+                                      f"{timeout_s:g} s") from None
+            sender = parts[0].bytes.decode(errors="replace")
+            if not self.config.pinned or self._attribute(sender, parts[0]):
+                break
         frames: list[Frame] = [p.buffer if len(p) >= _ZERO_COPY_MIN_BYTES else p.bytes for p in parts[1:]]
         kind = self._rx_kind(frames) if self._rx_kind is not None else "rx"
         self.counters.add(self.name_of(sender), "rx", kind, frames)
         for listener in self._listeners:
             listener(sender)
         return sender, frames
+
+    def _attribute(self, sender: str, frame: zmq.Frame) -> bool:
+        """Bind ``sender`` to the CURVE key of the connection ``frame`` came on (pinned), or drop the
+        message when that routing id is bound to another key."""
+        key = z85.decode(frame.get("User-Id"))
+        bound = self._keys.get(sender)
+        if bound is not None and bound != key:
+            self.mismatched_keys += 1
+            logger.warning("%s: dropped a message under routing id %r from another CURVE key than the one that "
+                           "id is bound to (%d so far)", self.name, sender, self.mismatched_keys)
+            return False
+        self._keys[sender] = key
+        self._keys.move_to_end(sender)
+        if len(self._keys) > KEYS_REMEMBERED:
+            self._keys.popitem(last=False)
+        return True
+
+    def peer_key(self, routing_id: str) -> bytes | None:
+        """The CURVE public key (32 raw bytes) that the connection ``routing_id`` proved (pinned
+        transports; None when none is known)."""
+        return self._keys.get(routing_id)
 
     async def recv_reply(self, timeout_s: float) -> tuple[str, list[Frame]]:
         """Next message received on one of this transport's DEALERs, as ``(link name, frames)``: a

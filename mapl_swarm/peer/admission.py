@@ -11,7 +11,8 @@ fails drops the message with a stable code (:class:`~.session.Rejected`, or the 
 2. **header**, on the event loop, before any tensor frame is looked at: size, msgpack, version,
    fields, type and authentication with the key of the sender's session (the run's auth key for
    the handshake; the wire's codes, ``auth_failed`` for anything from a connection without a session);
-3. **handshake**: a HELLO opens a session (:meth:`Admission.check_hello`; a refusal is a REJECT to
+3. **handshake**: a HELLO opens a session (:meth:`Admission.check_hello`: of a certified peer only
+   with a certificate for the sender's stage and its connection's key; a refusal is a REJECT to
    the HELLO's own connection, :class:`~.session.HelloRefused`, never to the bound neighbour);
    WELCOME and REJECT count only as the answer to this peer's pending HELLO, echoing its nonce;
    all three only with ``seq`` 0;
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mapl_swarm.config.catalog import codec_info
+from mapl_swarm.net.identity import CertificateError
 from mapl_swarm.peer.link import stage_of
 from mapl_swarm.peer.session import Early, HelloRefused, Rejected, RxSession, Superseded, Unkeyed
 from mapl_swarm.wire import (ContentError, DecodeLimits, Message, MessageType, RunShapes, VersionMismatch, Window,
@@ -125,6 +127,8 @@ class Arrival:
     held: bool = False
     """It came before this peer's training started and was held (:class:`~.session.Early`): its
     ``seq`` was accepted then, in arrival order; the checks after the sequence remain."""
+    peer_key: bytes | None = None
+    """The CURVE key its connection proved (a certified peer's transport, ``Transport.peer_key``)."""
 
 
 @dataclass(frozen=True)
@@ -188,7 +192,7 @@ class Admission:
             if header.type is MT.HELLO:
                 if arrival.reply_link is not None:
                     raise Rejected("not_allowed", "HELLO on this peer's own connection")
-                self.check_hello(header, link, sender)
+                self.check_hello(header, link, sender, arrival.peer_key)
                 return Admitted(decode_tensors(header, arrival.frames, self.limits), link, sender)
             self._check_message(header, link, arrival)
             msg = await self._tensors(header, arrival.frames, link)
@@ -228,11 +232,18 @@ class Admission:
         return header
 
     # ------------------------------------------------------------------ handshake and session
-    def check_hello(self, h: Header, link: PeerLink, sender: str) -> None:
-        """SPEC §9.2 step 2 in order (version and authentication are the decoder's): run, stages,
-        configuration, then the stage's live session (a HELLO from the bound connection itself is
-        a reconnection that replaces it)."""
+    def check_hello(self, h: Header, link: PeerLink, sender: str, peer_key: bytes | None = None) -> None:
+        """SPEC §9.2 step 2 in order (version and authentication are the decoder's): a certified
+        peer's certificate for the sender's stage and the key its connection proved (``peer_key``),
+        run, stages, configuration, then the stage's live session (a HELLO from the bound
+        connection itself is a reconnection that replaces it)."""
         s, nonce = self.s, h.meta.get("nonce")
+        if s.identity is not None:
+            try:
+                s.identity.verify_peer(h.meta.get("cert"), stage=link.stage, curve_key=peer_key)
+            except CertificateError as exc:
+                raise HelloRefused("not_certified", f"HELLO of stage {link.stage} refused: {exc} ({exc.code})",
+                                   nonce) from None
         if h.run != s.run_id:
             raise HelloRefused("run_mismatch", f"run mismatch: peer {h.run!r}, this peer {s.run_id!r}", nonce)
         if h.dst != s.stage or h.src != link.stage:

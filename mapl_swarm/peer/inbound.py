@@ -76,8 +76,9 @@ class Inbound:
         """Messages on this peer's ROUTER, from every connection, admitted in order and queued."""
         while True:
             sender, frames = await transport.recv(timeout_s=3600.0)
+            key = transport.peer_key(sender) if self.admission.s.identity is not None else None
             async with self._admitting:
-                self._answer(await self._admit(Arrival(sender, frames), transport), sender)
+                self._answer(await self._admit(Arrival(sender, frames, peer_key=key), transport), sender)
 
     async def reply_loop(self, transport: Any) -> None:
         """Answers (WELCOME/REJECT) on this peer's own connections to its neighbours."""

@@ -50,6 +50,7 @@ from mapl_swarm.wire.spec import HANDSHAKE_TYPES, NONCE_BYTES
 if TYPE_CHECKING:
     import torch
 
+    from mapl_swarm.net.identity import PeerIdentity
     from mapl_swarm.net.transport import Transport
     from mapl_swarm.peer.compute import ComputeThread
     from mapl_swarm.pipeline.stage import StageRuntime
@@ -116,8 +117,12 @@ class LinkSettings:
     """Micro-batches stage 0 keeps in flight, from which every stage's 1F1B warm-up follows, so all
     must share it (checked at the handshake when both send it, 1.6); 0: not sent."""
     secret: bytes | None = None
-    """The run key's auth key (None: insecure, no tags): HELLO/WELCOME/REJECT are tagged with it,
-    every later message with its session's key (SPEC §7.2)."""
+    """The run key's auth key (None: insecure or certified, no tags): HELLO/WELCOME/REJECT are tagged
+    with it, every later message with its session's key (SPEC §7.2)."""
+    identity: PeerIdentity | None = None
+    """A certified peer's identity (SPEC §7.4): its HELLO carries its certificate, and a HELLO is
+    welcomed only with a certificate of this run's authority for the sender's stage and the CURVE
+    key its connection proved (:meth:`~.admission.Admission.check_hello`)."""
     compress_ids: bool = True
     """lz4 on integer tensors (ids, codes) when it helps; False sends every tensor raw."""
     max_frame_bytes: int
@@ -137,6 +142,7 @@ class LinkSettings:
                 "num_micro_batches": self.num_micro_batches, "micro_batch_size": self.micro_batch_size,
                 "eval_batches": self.eval_batches, "capabilities": list(self.capabilities), "peer": self.name,
                 **({"config": dict(self.config)} if self.config else {}),
+                **({"cert": self.identity.encoded_cert} if self.identity is not None else {}),
                 **({"max_in_flight": self.max_in_flight} if self.max_in_flight else {})}
 
     def mismatch(self, meta: Mapping[str, Any], peer: int) -> tuple[str, str] | None:

@@ -24,7 +24,7 @@ from mapl_swarm.net.discovery import Discovery, DiscoveryConfig
 from mapl_swarm.startup import without_collections
 
 if TYPE_CHECKING:
-    from mapl_swarm.net.runkey import RunKey
+    from mapl_swarm.net.transport import Membership
 
 log = logging.getLogger(__name__)
 
@@ -111,14 +111,15 @@ def peer_assets(cfg: TrainConfig) -> PeerAssets:
 
 
 def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool = False, progress: bool = True,
-               run_key: RunKey | None = None, assets: PeerAssets | None = None, epoch: int = 0,
+               membership: Membership | None = None, assets: PeerAssets | None = None, epoch: int = 0,
                rejoining: bool = False):
     """The :class:`~mapl_swarm.peer.runtime.Peer` of stage ``stage``: its data (stage 1), its
     StageRuntime (built from the config's seed) and run policy. With ``resume`` the peer resumes,
     after the handshake, from the newest step every stage has (agreed by messages, SPEC §5.2).
     ``resolve(stage, timeout_s)`` (an endpoint, or every endpoint freshest first) and
-    ``announce(endpoint)`` are awaitables (the DHT's, or any other directory). ``run_key``: the
-    run's membership (members-only CURVE links, the HMAC tag from its ``auth_key``); None: insecure.
+    ``announce(endpoint)`` are awaitables (the DHT's, or any other directory). ``membership``: a
+    run key (members-only CURVE links, the HMAC tag from its ``auth_key``) or a certified peer's
+    identity (CURVE links to named peers, its certificate in every HELLO); None: insecure.
     ``assets``: from :func:`peer_assets` (made here when None). ``epoch`` and ``rejoining``: a
     session that re-forms the swarm after a departure (:mod:`~.sessions`)."""
     from mapl_swarm.data import BatchSampler, validation_batches
@@ -141,27 +142,27 @@ def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool 
                            sampler=sampler)  # resume: agreed after the handshake
     return Peer(cfg, stage, rt, fingerprint=fingerprint, config=assets.config, resolve=resolve, announce=announce, sampler=sampler,
                 val_batches=val, progress=progress and stage == 0, compute=compute, run_policy=policy,
-                secret=run_key.auth_key if run_key is not None else None, run_key=run_key, epoch=epoch,
+                secret=membership.auth_key if membership is not None else None, membership=membership, epoch=epoch,
                 rejoining=rejoining)
 
 
-def run_peer(cfg: TrainConfig, stage: int, *, run_key: RunKey | None, initial_peers: Sequence[str] = (),
+def run_peer(cfg: TrainConfig, stage: int, *, membership: Membership | None, initial_peers: Sequence[str] = (),
              resume: bool = False, progress: bool = True,
              insecure_warning_interval_s: float = INSECURE_WARNING_INTERVAL_S):
     """Run stage ``stage`` of ``cfg`` until the swarm finishes or drains (``result.end``); returns its
-    PeerResult. SIGINT/SIGTERM drain the swarm once the peer serves (:mod:`~.signals`). ``run_key``
-    None runs insecure, warning every ``insecure_warning_interval_s``."""
+    PeerResult. SIGINT/SIGTERM drain the swarm once the peer serves (:mod:`~.signals`). ``membership``
+    (a run key or a certified identity) None runs insecure, warning every ``insecure_warning_interval_s``."""
     if not 0 <= stage < cfg.pipeline.num_stages:
         raise ConfigError(f"--stage {stage} is outside 0..{cfg.pipeline.num_stages - 1} (pipeline.num_stages)")
-    if run_key is not None:
-        log.info("stage %d: run key %s (%s): members-only encrypted links", stage, run_key.key_id, run_key.path)
+    if membership is not None:
+        log.info("stage %d: %s: members-only encrypted links", stage, membership.describe())
     net = cfg.net
     peers = tuple(initial_peers) or net.initial_peers
     discovery = Discovery(cfg.run.run_id, DiscoveryConfig(initial_peers=peers, host=net.dht_host,
-                                                          port=net.dht_port), run_key=run_key)
+                                                          port=net.dht_port), membership=membership)
     discovery.start()  # forks the DHT process: before the event loop, ZeroMQ, torch work and threads
     try:
-        with InsecureWarning(stage, insecure_warning_interval_s) if run_key is None else contextlib.nullcontext():
+        with InsecureWarning(stage, insecure_warning_interval_s) if membership is None else contextlib.nullcontext():
             with without_collections():  # the imports and the data (after the DHT's fork)
                 from mapl_swarm.net.transport import run
                 from mapl_swarm.peer.result import peak_rss_mb
@@ -175,9 +176,9 @@ def run_peer(cfg: TrainConfig, stage: int, *, run_key: RunKey | None, initial_pe
 
             def session(*, resume: bool, epoch: int, rejoining: bool):
                 return build_peer(cfg, stage, resolve=discovery.lookup_all_async, announce=announce, resume=resume,
-                                  progress=progress, run_key=run_key, assets=assets, epoch=epoch, rejoining=rejoining)
+                                  progress=progress, membership=membership, assets=assets, epoch=epoch, rejoining=rejoining)
 
-            result = run(serve_sessions(session, cfg, stage, run_key=run_key, resume=resume))
+            result = run(serve_sessions(session, cfg, stage, membership=membership, resume=resume))
         result.peak_rss_mb = peak_rss_mb()
         write_result(result, cfg.run.out_dir)
         return result

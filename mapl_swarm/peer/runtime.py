@@ -71,7 +71,7 @@ from mapl_swarm.wire.codebook import INDEXED_SLICES_CAPABILITY, RETRANSMIT_CAPAB
 from mapl_swarm.wire.spec import DRAIN_REASON, REJOIN_CAPABILITY, REJOIN_REASON
 
 if TYPE_CHECKING:
-    from mapl_swarm.net.runkey import RunKey
+    from mapl_swarm.net.transport import Membership
     from mapl_swarm.peer.checkpoints import PeerRunPolicy
 
 log = logging.getLogger(__name__)
@@ -153,7 +153,7 @@ class Peer:
                  sampler=None, val_batches: list[torch.Tensor] | None = None, progress: bool = False,
                  start_step: int = 0, secret: bytes | None = None, compute: ComputeThread | None = None,
                  run_policy: PeerRunPolicy | None = None,
-                 wait_log_interval_s: float = WAIT_LOG_INTERVAL_S, run_key: RunKey | None = None,
+                 wait_log_interval_s: float = WAIT_LOG_INTERVAL_S, membership: Membership | None = None,
                  epoch: int = 0, rejoining: bool = False) -> None:
         self.cfg, self.stage, self.rt, self.run_policy = cfg, stage, runtime, run_policy
         self.epoch = epoch
@@ -163,7 +163,7 @@ class Peer:
         P, net = cfg.pipeline.num_stages, cfg.net
         self.name = stage_name(stage)
         self.resolve, self.announce = resolve, announce
-        self.run_key = run_key  # members-only links (CURVE); None: insecure
+        self.membership = membership  # members-only links (CURVE: a run key or a certified identity); None: insecure
         self.result = PeerResult(stage)
         self.rejects = RejectCounter(self.name, self.result.rejects)
         """Counts and logs every dropped message by code (into ``result.rejects``)."""
@@ -188,6 +188,7 @@ class Peer:
                           *self.agreement.capabilities),
             num_micro_batches=cfg.pipeline.num_micro_batches, micro_batch_size=cfg.pipeline.micro_batch_size,
             eval_batches=cfg.eval.batches, max_in_flight=net.max_in_flight or P, secret=secret,
+            identity=membership if membership is not None and membership.pinned else None,
             compress_ids=net.compress_ids, max_frame_bytes=net.max_frame_bytes)
         self.links = Links(
             upstream=PeerLink(settings, stage - 1, on_bad_frame=self.bad_frame) if stage > 0 else None,
@@ -256,7 +257,7 @@ class Peer:
         uses it, :mod:`~.sessions`), or on a transport of its own, closed at the end."""
         if transport is not None:
             return await self.serve(transport)
-        async with Transport(self.name, TransportConfig.for_run(self.cfg, self.run_key)) as own:
+        async with Transport(self.name, TransportConfig.for_run(self.cfg, self.membership)) as own:
             result = await self.serve(own)
             # a clean end: what is still queued (the last BYE) gets up to a second to leave
             await own.aclose(linger_s=_LAST_WORDS_S)

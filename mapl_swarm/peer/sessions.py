@@ -31,7 +31,7 @@ from mapl_swarm.peer.link import stage_name
 from mapl_swarm.peer.result import PeerResult
 
 if TYPE_CHECKING:
-    from mapl_swarm.net.runkey import RunKey
+    from mapl_swarm.net.transport import Membership
     from mapl_swarm.peer.runtime import Peer
 
 log = logging.getLogger(__name__)
@@ -88,13 +88,13 @@ async def serve_until_signalled(peer: Peer, transport: Transport | None = None) 
 
 
 async def serve_sessions(new_session: Callable[..., Peer], cfg: TrainConfig, stage: int, *,
-                         run_key: RunKey | None, resume: bool) -> PeerResult:
+                         membership: Membership | None, resume: bool) -> PeerResult:
     """Run sessions of stage ``stage`` on one transport until one ends otherwise than by a rejoin
     (see the module docstring); ``new_session(resume=, epoch=, rejoining=)`` builds each one's peer.
     SIGINT/SIGTERM drain the swarm as in a single session."""
     result: PeerResult | None = None
     epoch, rejoining = 0, False
-    async with Transport(stage_name(stage), TransportConfig.for_run(cfg, run_key)) as transport:
+    async with Transport(stage_name(stage), TransportConfig.for_run(cfg, membership)) as transport:
         while True:
             peer = new_session(resume=resume or rejoining, epoch=epoch, rejoining=rejoining)
             result = merge(result, await serve_until_signalled(peer, transport))

@@ -156,7 +156,7 @@ class Message:
 
 _HELLO_OPTIONAL = {"components": "map", "peer": "str", "nonce": "nonce", "num_micro_batches": "count",
                    "micro_batch_size": "count", "eval_batches": "uint", "config": "map", "anchored": "bool",
-                   "max_in_flight": "count"}
+                   "max_in_flight": "count", "cert": "cert"}
 META_SCHEMA: dict[MessageType, tuple[dict[str, str], dict[str, str]]] = {
     MessageType.HELLO: (
         {"fingerprint": "str", "num_stages": "uint", "capabilities": "strs"},
@@ -210,6 +210,8 @@ def _kind_ok(kind: str, v: Any) -> bool:
         return _is_uint(v) and v >= 1
     if kind == "nonce":
         return isinstance(v, bytes) and len(v) == spec.NONCE_BYTES
+    if kind == "cert":
+        return isinstance(v, bytes) and 0 < len(v) <= spec.MAX_CERT_BYTES
     if kind == "float":
         return type(v) is float
     if kind == "mode":
@@ -240,6 +242,7 @@ _KIND_TEXT = {
     "uint": "a non-negative integer",
     "count": "a positive integer",
     "nonce": f"a bin of {spec.NONCE_BYTES} bytes",
+    "cert": f"a bin of 1 to {spec.MAX_CERT_BYTES} bytes",
     "float": "a float",
     "mode": "'train' or 'eval'",
     "stream": "'act' or 'grad'",

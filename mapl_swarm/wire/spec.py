@@ -1,4 +1,4 @@
-"""Constants of wire protocol 1.7: version, message types, dtypes, codecs, limits, key order.
+"""Constants of wire protocol 1.8: version, message types, dtypes, codecs, limits, key order.
 
 Everything here mirrors a table of ``protocol/SPEC.md``; change the spec first, then this file.
 """
@@ -63,7 +63,7 @@ __all__ = [
     "INT64_MIN",
 ]
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 7)
+PROTOCOL_VERSION: tuple[int, int] = (1, 8)
 """(major, minor) spoken by this implementation. Peers of one major talk whatever their minors
 (SPEC §10): a 1.5 peer and a 1.4 peer interoperate, without the 1.5 rejoin; a 1.6 peer names the
 settings that differ and keeps serving next to a misconfigured neighbour, a 1.5 one does not."""
@@ -143,6 +143,8 @@ DRAIN_REASON = "drain"
 
 NONCE_BYTES = 16
 """Length of the handshake nonces ``meta.nonce`` / ``meta.hello_nonce`` (SPEC §5, §7; 1.4)."""
+MAX_CERT_BYTES = 4096
+"""Largest ``meta.cert`` of a HELLO (a certified peer's certificate, SPEC §7.4; 1.8)."""
 
 SESSION_DOMAIN = b"mapl-session-v1"
 """Prefix of the session key derivation (SPEC §7.2)."""

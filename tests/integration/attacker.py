@@ -476,7 +476,7 @@ def dht_poison(argv: list[str]) -> int:
     key = load_run_key(args.key_file) if args.key_file else None
     config = DiscoveryConfig(initial_peers=(args.initial_peer,), host="127.0.0.1", ttl_s=600.0, refresh_s=300.0,
                              poll_s=0.1)
-    with Discovery(args.run, config, run_key=key) as node:
+    with Discovery(args.run, config, membership=key) as node:
         _say("READY")
         sys.stdin.readline()
         node.announce(args.stage, args.endpoint, subkey=f"stage{args.stage}.0badc0de")

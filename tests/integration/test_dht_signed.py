@@ -1,6 +1,6 @@
 """Signed discovery records on real hivemind DHT nodes (issue 12, item 6 "Trusted discovery").
 
-One keyed bootstrap node (``run_bootstrap_node(run_key=...)``, as ``mapl-swarm dht`` runs it),
+One keyed bootstrap node (``run_bootstrap_node(membership=...)``, as ``mapl-swarm dht`` runs it),
 two honest keyed peers claiming the same stage, a peer without the key and one with another
 key, both storing records for that stage that expire much later. Every check runs on this one
 set of nodes (a DHT start is slow). All nodes are started from the main thread (inside the
@@ -52,10 +52,10 @@ def config(maddrs: list[str], **kwargs: float) -> DiscoveryConfig:
 
 def scenario(bootstrap_dht: Any, maddrs: list[str]) -> None:
     late = dict(ttl_s=600.0, refresh_s=300.0)  # forged records outlive the honest ones (ttl 30 s)
-    with Discovery(RUN, config(maddrs), run_key=RUN_KEY) as a, \
-            Discovery(RUN, config(maddrs), run_key=RUN_KEY) as b, \
+    with Discovery(RUN, config(maddrs), membership=RUN_KEY) as a, \
+            Discovery(RUN, config(maddrs), membership=RUN_KEY) as b, \
             Discovery(RUN, config(maddrs, **late)) as outsider, \
-            Discovery(RUN, config(maddrs, **late), run_key=WRONG_KEY) as stranger:
+            Discovery(RUN, config(maddrs, **late), membership=WRONG_KEY) as stranger:
         assert a.signed and not outsider.signed
         a.announce(1, "tcp://10.0.0.1:5001", subkey="stage1.aaaa")
         b.announce(1, "tcp://10.0.0.2:5001", subkey="stage1.bbbb")  # stored later: fresher
@@ -105,5 +105,5 @@ def test_keyed_nodes_ignore_unsigned_and_wrongly_signed_records(monkeypatch: pyt
         finally:
             stop.set()
 
-    run_bootstrap_node("127.0.0.1", 0, run_key=RUN_KEY, ready=ready, stop=stop)
+    run_bootstrap_node("127.0.0.1", 0, membership=RUN_KEY, ready=ready, stop=stop)
     assert stop.is_set()

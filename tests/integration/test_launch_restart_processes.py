@@ -94,7 +94,8 @@ def _peers(tmp_path: Path, modes: list[str], gpus: list[str | None]):
     log.touch()
     os.mkfifo(fifo)
     peers = peer_processes(len(modes), [str(log), str(fifo), ",".join(modes)], maddr="/ip4/127.0.0.1/tcp/1/p2p/Q",
-                           threads=1, progress=False, gpus=gpus, environ=dict(os.environ), key_file="run.key",
+                           threads=1, progress=False, gpus=gpus, environ=dict(os.environ),
+                           member_args=[["--key-file", "run.key"]] * len(modes),
                            python=str(fake))
     return peers, log, fifo
 

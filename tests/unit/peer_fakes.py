@@ -45,6 +45,8 @@ class FakeNet:
         self.orphan_replies: dict[str, list[list]] = defaultdict(list)
         self.log: list[tuple[str, str, Any, bool]] = []
         """(src routing id, dst name, decoded message or None, is_reply) of every delivery."""
+        self.keys: dict[str, bytes] = {}
+        """The CURVE key each injected routing id proves (a certified transport's ``peer_key``)."""
 
     def transport(self, name: str) -> "FakeTransport":
         t = self.transports[name] = FakeTransport(self, name)
@@ -53,9 +55,16 @@ class FakeNet:
     def by_routing_id(self, routing_id: str) -> "FakeTransport | None":
         return next((t for t in self.transports.values() if t.routing_id == routing_id), None)
 
-    def inject(self, dst: str, routing_id: str, frames: list) -> None:
-        """Deliver ``frames`` to ``dst``'s ROUTER as if from a connection with ``routing_id``."""
+    def inject(self, dst: str, routing_id: str, frames: list, *, key: bytes | None = None) -> None:
+        """Deliver ``frames`` to ``dst``'s ROUTER as if from a connection with ``routing_id`` (that
+        proved the CURVE ``key``)."""
+        if key is not None:
+            self.keys[routing_id] = key
         self.transports[dst].inbox.put_nowait((routing_id, [bytes(f) for f in frames]))
+
+    def key_of(self, routing_id: str) -> bytes | None:
+        t = self.by_routing_id(routing_id)
+        return t.curve_key if t is not None else self.keys.get(routing_id)
 
     def _record(self, src: str, dst: str, frames: list, reply: bool) -> None:
         msg = peek(frames)
@@ -75,6 +84,8 @@ class FakeTransport:
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.replies: asyncio.Queue = asyncio.Queue()
         self.counters = TrafficCounters()
+        self.curve_key: bytes | None = None
+        """The CURVE key this transport's connections prove (a certified peer's)."""
         self._links: dict[str, str] = {}
 
     def start(self) -> str:
@@ -120,6 +131,9 @@ class FakeTransport:
     async def recv_reply(self, timeout_s: float) -> tuple[str, list]:
         return await self.replies.get()
 
+    def peer_key(self, routing_id: str) -> bytes | None:
+        return self.net.key_of(routing_id)
+
     async def flush(self, timeout_s: float) -> None:
         return None
 
@@ -144,14 +158,17 @@ def sampler(cfg, seed: int = 0):
 
 
 def fake_swarm(cfg=None, *, fingerprint: str = "fp", secret: bytes | None = None,
-                    net: FakeNet | None = None) -> tuple[FakeNet, list[Peer], list[FakeTransport]]:
+               net: FakeNet | None = None, identities: list | None = None) -> tuple[FakeNet, list[Peer], list[FakeTransport]]:
     """Stages 0 .. P-1 of ``cfg`` (default :func:`swarm_config`, 2 stages) on a :class:`FakeNet`,
-    with the run's auth key ``secret`` (None: insecure); run them with :func:`run_swarm`. Call
-    inside a running event loop."""
+    with the run's auth key ``secret`` (None: insecure) or each stage's certified identity
+    (``identities[s]``, a ``PeerIdentity``); run them with :func:`run_swarm`. Call inside a running
+    event loop."""
     cfg = cfg or swarm_config()
     net = net or FakeNet()
     P = cfg.pipeline.num_stages
     transports = [net.transport(f"stage{s}") for s in range(P)]
+    for s, t in enumerate(transports):
+        t.curve_key = identities[s].key.curve_public if identities else None
 
     async def resolve(stage: int, timeout_s: float) -> str:
         return f"mem://stage{stage}"
@@ -161,7 +178,8 @@ def fake_swarm(cfg=None, *, fingerprint: str = "fp", secret: bytes | None = None
 
     val = [next(sampler(cfg, 99)) for _ in range(cfg.eval.batches)] if cfg.eval.interval_steps else []
     peers = [Peer(cfg, s, StageRuntime(cfg, s), fingerprint=fingerprint, resolve=resolve, announce=announce,
-                  sampler=sampler(cfg) if s == 0 else None, val_batches=val if s == 0 else None, secret=secret)
+                  sampler=sampler(cfg) if s == 0 else None, val_batches=val if s == 0 else None, secret=secret,
+                  membership=identities[s] if identities else None)
              for s in range(P)]
     return net, peers, transports
 

@@ -55,13 +55,15 @@ def test_keys_if_missing_still_checks_the_existing_file(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("command", [["peer", "--stage", "0"], ["dht"]])
-def test_key_file_or_insecure_is_required(command, capsys):
+def test_a_certificate_a_key_file_or_insecure_is_required(command, capsys):
     parser = build_parser()
     with pytest.raises(SystemExit):
         parser.parse_args(command)
-    assert "one of the arguments --key-file --insecure is required" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        parser.parse_args([*command, "--key-file", "k", "--insecure"])
+    assert "one of the arguments --cert --key-file --insecure is required" in capsys.readouterr().err
+    for two in (["--key-file", "k", "--insecure"], ["--cert", "c", "--key-file", "k"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args([*command, *two])
+    assert parser.parse_args([*command, "--cert", "c"]).cert == "c"
     assert parser.parse_args([*command, "--insecure"]).insecure
     assert parser.parse_args([*command, "--key-file", "k"]).key_file == "k"
 

@@ -176,25 +176,26 @@ def test_peer_processes_environment_per_child():
     environ = {"PATH": "/usr/bin", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
     plan = _plan(4, gpus=parse_gpus("2,3"), environ=environ)
     procs = peer_processes(4, ["--config", "c.toml"], maddr="/ip4/1/tcp/2/p2p/X", threads=3, progress=True,
-                           gpus=plan, environ=environ, key_file="/runs/x/run.key", python="py")
+                           gpus=plan, environ=environ, member_args=[["--peer-key", f"/ids/stage{k}.key"] for k in range(4)],
+                           python="py")
     assert [p.env["CUDA_VISIBLE_DEVICES"] for p in procs] == ["2", "3", "2", "3"]
     assert all(p.env["PATH"] == "/usr/bin" for p in procs)
     assert environ["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"  # the launcher's own is not touched
     assert procs[0].cmd == ["py", "-m", "mapl_swarm", "peer", "--config", "c.toml", "--stage", "0",
                             "--initial-peer", "/ip4/1/tcp/2/p2p/X", "--set", "runtime.threads=3", "--launched",
-                            "--key-file", "/runs/x/run.key"]
-    assert procs[1].cmd[-1] == "--quiet" and procs[1].cmd[7] == "1"
+                            "--peer-key", "/ids/stage0.key"]
+    assert procs[1].cmd[-1] == "--quiet" and procs[1].cmd[7] == "1" and "/ids/stage1.key" in procs[1].cmd
 
     one = peer_processes(4, [], maddr="m", threads=1, progress=False, environ={}, gpus=_plan(4, count=1),
-                         key_file="k")
+                         member_args=[[]] * 4)
     assert [p.env for p in one] == [{"CUDA_VISIBLE_DEVICES": "0"}] * 4
     four = peer_processes(4, [], maddr="m", threads=1, progress=False, environ={}, gpus=_plan(4, count=4),
-                          key_file="k")
+                          member_args=[[]] * 4)
     assert [p.gpu for p in four] == ["0", "1", "2", "3"]
 
     untouched = {"PATH": "/bin", "HOME": "/h"}
     none = peer_processes(4, [], maddr="m", threads=1, progress=False, environ=untouched,
-                          gpus=_plan(4, environ=untouched, count=0), key_file="k")
+                          gpus=_plan(4, environ=untouched, count=0), member_args=[[]] * 4)
     assert all(p.env == untouched and p.gpu is None for p in none)
     assert all(p.cmd[-1] == "--quiet" for p in none)
 

@@ -26,13 +26,13 @@ def test_each_peer_gets_its_own_ports_from_a_base():
     assert peer_ports(7000, 3) == [7000, 7001, 7002]
     assert peer_ports(9000, 3, offset=1) == [9001, 9002, 9003]
     procs = peer_processes(3, ["--config", "x.toml", "--set", "net.port=7000"], maddr="/ip4/1/tcp/2/p2p/Q",
-                           threads=1, progress=False, gpus=[None] * 3, environ={}, key_file="k",
+                           threads=1, progress=False, gpus=[None] * 3, environ={}, member_args=[[]] * 3,
                            net_port=7000, dht_port=9000)
     for s, p in enumerate(procs):
         # the peer's own settings come after the shared ones, so they win
         assert p.cmd.index(f"net.port={7000 + s}") > p.cmd.index("net.port=7000") if s else True
         assert f"net.dht_port={9001 + s}" in p.cmd and p.cmd.count("--set") == 4
-    plain = peer_processes(2, [], maddr="m", threads=1, progress=False, gpus=[None] * 2, environ={}, key_file="k")
+    plain = peer_processes(2, [], maddr="m", threads=1, progress=False, gpus=[None] * 2, environ={}, member_args=[[]] * 2)
     assert not any("net.port=" in a or "net.dht_port=" in a for p in plain for a in p.cmd)
 
 

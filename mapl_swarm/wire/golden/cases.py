@@ -191,6 +191,8 @@ def _valid(v: dict[str, list[bytes]]) -> list[Case]:
         "heartbeat_anchored": "1.6 HEARTBEAT from stage 0 saying it is anchored, tagged with the session key",
         "checkpoint_abandoned": "1.6 CHECKPOINT abandoned: stage 0 gave step 40 up (stage 2 could not save it), "
                                 "every stage deletes its files of it (capability checkpoint_abandoned)",
+        "hello_cert": "1.8 HELLO of a certified peer: its certificate in cert (opaque to the decoder, checked by "
+                      "the peer), untagged: CURVE with per-peer keys authenticates it",
     }
 
     def key(n: str) -> bool | str:
@@ -474,6 +476,8 @@ def _invalid_16(v: dict[str, list[bytes]]) -> list[Case]:
                                             key=SESSION_KEY), IM, "session_key", "1.6 HEARTBEAT anchored is a string"),
         ("checkpoint_abandoned_no_reason", _edit(v["checkpoint_abandoned"], _meta(reason=_DROP)), IM, False,
          "1.6 CHECKPOINT abandoned without a reason"),
+        ("hello_cert_string", _edit(v["hello_cert"], _meta(cert="a certificate")), IM, False,
+         "1.8 HELLO cert is a string, not a bin"),
     ]
     return [Case(n, "invalid", f, d, error=e, secret=k) for n, f, e, k, d in cases]
 

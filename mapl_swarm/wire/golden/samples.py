@@ -324,7 +324,22 @@ def samples() -> dict[str, Message]:
     out.update(_rejoin_samples(b, t))
     out.update(_unsaved_samples())
     out.update(_anchored_samples(b))
+    out.update(_certified_samples(b))
     return out
+
+
+def _certified_samples(b: int) -> dict[str, Message]:
+    """Protocol 1.8 (SPEC §7.5): a certified peer's HELLO, its certificate in ``cert``, untagged. The
+    certificate is a well-formed ``{"body", "sig"}`` map whose bytes are opaque to the decoder (the
+    peer checks it, §7.5 item 3)."""
+    hello = _stage_hello(MessageType.HELLO)
+    body = hashlib.sha256(b"mapl-swarm golden certificate body").digest() * 6
+    sig = hashlib.sha512(b"mapl-swarm golden certificate sig").digest()
+    hello.meta.update(capabilities=["1f1b", "checkpoint_agreement", "drain", "rejoin"], nonce=HELLO_NONCE,
+                      num_micro_batches=4, micro_batch_size=b, eval_batches=2,
+                      cert=b"\x82\xa4body\xc4" + bytes([len(body)]) + body + b"\xa3sig\xc4\x40" + sig)
+    hello.version = (1, 8)
+    return {"hello_cert": hello}
 
 
 def _session_samples(b: int, t: int) -> dict[str, Message]:

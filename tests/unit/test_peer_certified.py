@@ -1,0 +1,153 @@
+"""Certified peers (SPEC §7.4, 1.8) on the in-memory network: each stage has its own identity, and a
+HELLO is welcomed only with a certificate of the run's authority for the sender's stage and the
+CURVE key its connection proved.
+
+Every forged HELLO below comes from a connection with its own key, as a member holding some other
+certificate (or none) would send it, while the real stages train; each is refused on its own
+connection as ``not_certified`` with the certificate's fault named, and the losses stay those of
+an uncertified run to the last bit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+import pytest
+
+from mapl_swarm.net.identity import (PeerKey, create_authority, issue, issue_local, load_identity, make_request)
+from mapl_swarm.wire import Message, MessageType, decode, encode
+
+from peer_fakes import fake_swarm, peek, run_swarm, swarm_config
+
+MT = MessageType
+HELLO = {"fingerprint": "fp", "num_stages": 2, "capabilities": ["1f1b"], "peer": "stage0", "nonce": b"n" * 16,
+         "num_micro_batches": 2, "micro_batch_size": 2, "eval_batches": 1}
+
+
+def _identities(folder, run_id="mem", stages=2):
+    local = issue_local(folder, run_id=run_id, num_stages=stages)
+    return local, [load_identity(local.key_file(s), local.cert_file(s), run_id=run_id, stage=s) for s in range(stages)]
+
+
+def _run(identities, setup=None):
+    async def main():
+        net, peers, transports = fake_swarm(swarm_config(), identities=identities)
+        if setup is not None:
+            setup(net)
+        return net, await run_swarm(peers, transports)
+
+    return asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def uncertified():
+    return _run(None)[1]
+
+
+def test_certified_stages_train_like_uncertified_ones_and_carry_their_certificates(tmp_path, uncertified):
+    _, ids = _identities(tmp_path)
+    headers = []
+
+    def setup(net):
+        net.tap = lambda sender, dst, frames, reply: headers.append(msgpack.unpackb(frames[0]))
+
+    net, results = _run(ids, setup)
+    assert results[0].train_losses == uncertified[0].train_losses
+    assert all(r.rejects == {} for r in results)
+    hellos = [m for _, _, m, _ in net.log if m is not None and m.type is MT.HELLO]
+    assert {m.src for m in hellos} == {0, 1}
+    assert all(m.meta["cert"] == ids[m.src].encoded_cert for m in hellos)
+    assert headers and not any("auth" in h for h in headers)  # no wire tag: CURVE covers what it covered
+
+
+def test_a_hello_without_the_right_certificate_is_refused_and_training_is_unchanged(tmp_path, uncertified):
+    local, ids = _identities(tmp_path / "run")
+    _, others = _identities(tmp_path / "other")  # another authority's swarm, same run id
+    intruder = PeerKey(bytes(range(32)))
+    stage0_for_intruder = issue(local.authority, make_request(intruder, "intruder", [0]), run_id="mem").encode()
+    forged = {  # routing id -> (the key its connection proves, the certificate its HELLO carries)
+        "stage0.00000001": (intruder.curve_public, None),
+        "stage0.00000002": (ids[1].key.curve_public, ids[1].encoded_cert),  # stage 1's own: not for stage 0
+        "stage0.00000003": (intruder.curve_public, ids[0].encoded_cert),  # stage 0's, on another key
+        "stage0.00000004": (others[0].key.curve_public, others[0].encoded_cert),  # another authority's
+        "stage0.00000005": (intruder.curve_public, stage0_for_intruder[:-1] + b"\x00"),  # a broken signature
+        "stage0.00000006": (intruder.curve_public, b"\x93garbage"),
+    }
+
+    def setup(net):
+        def tap(sender, dst, frames, reply):
+            msg = peek(frames)
+            if msg is not None and msg.type is MT.ACT and not forged.get("sent"):
+                forged["sent"] = True
+                for rid, (key, cert) in list(forged.items())[:6]:
+                    meta = {**HELLO, **({"cert": cert} if cert is not None else {})}
+                    net.inject("stage1", rid, encode(Message(type=MT.HELLO, run_id="mem", src=0, dst=1, meta=meta)),
+                               key=key)
+        net.tap = tap
+
+    net, results = _run(ids, setup)
+    assert results[0].train_losses == uncertified[0].train_losses
+    assert results[1].rejects == {"not_certified": 6}
+    reasons = {rid: decode(net.orphan_replies[rid][0]).meta for rid in forged if rid != "sent"}
+    assert all(r["code"] == "not_certified" for r in reasons.values())
+    faults = {rid: r["reason"].rsplit("(", 1)[1].rstrip(")") for rid, r in reasons.items()}
+    assert faults == {"stage0.00000001": "malformed", "stage0.00000002": "stage_not_allowed",
+                      "stage0.00000003": "wrong_key", "stage0.00000004": "wrong_authority",
+                      "stage0.00000005": "bad_signature", "stage0.00000006": "malformed"}
+    assert not any(m.type == MT.REJECT for m in net.messages("stage1", "stage0"))  # the real stage 0 heard none
+
+
+def test_a_certificate_of_the_right_stage_and_key_is_welcomed(tmp_path):
+    """The check accepts what it should: a second holder of a stage-0 certificate (say, a
+    replacement host) is refused only because the stage is taken, not for its certificate."""
+    local, ids = _identities(tmp_path)
+    spare = PeerKey(bytes(range(1, 33)))
+    cert = issue(local.authority, make_request(spare, "spare", [0]), run_id="mem").encode()
+    sent = {}
+
+    def setup(net):
+        def tap(sender, dst, frames, reply):
+            msg = peek(frames)
+            if msg is not None and msg.type is MT.ACT and not sent:
+                sent["hello"] = True
+                net.inject("stage1", "stage0.0000beef", encode(Message(type=MT.HELLO, run_id="mem", src=0, dst=1,
+                                                                       meta={**HELLO, "cert": cert})),
+                           key=spare.curve_public)
+        net.tap = tap
+
+    net, results = _run(ids, setup)
+    assert results[1].rejects == {"stage_taken": 1}
+    assert decode(net.orphan_replies["stage0.0000beef"][0]).meta["code"] == "stage_taken"
+
+
+def test_an_expired_authority_certificate_is_refused_when_the_peer_loads_it(tmp_path):
+    from mapl_swarm.errors import ConfigError
+    from mapl_swarm.net.identity import create_peer_key, write_signed
+
+    authority = create_authority(tmp_path / "authority.key")
+    key = create_peer_key(tmp_path / "p.key")
+    write_signed(tmp_path / "p.cert", issue(authority, make_request(key, "p", [1]), run_id="mem", valid_s=10, now=1000))
+    with pytest.raises(ConfigError, match=r"p\.cert: .*expired"):
+        load_identity(tmp_path / "p.key", tmp_path / "p.cert", run_id="mem", stage=1)
+    write_signed(tmp_path / "q.cert", issue(authority, make_request(key, "p", [1]), run_id="mem"))
+    with pytest.raises(ConfigError, match=r"q\.cert: .*not 0 \(stage_not_allowed\)"):
+        load_identity(tmp_path / "p.key", tmp_path / "q.cert", run_id="mem", stage=0)
+    with pytest.raises(ConfigError, match=r"q\.cert: .*not 'other' \(wrong_run\)"):
+        load_identity(tmp_path / "p.key", tmp_path / "q.cert", run_id="other", stage=1)
+    other = create_peer_key(tmp_path / "o.key")
+    with pytest.raises(ConfigError, match=r"q\.cert is for another peer key than .*o\.key"):
+        load_identity(tmp_path / "o.key", tmp_path / "q.cert", run_id="mem", stage=1)
+    assert load_identity(tmp_path / "p.key", tmp_path / "q.cert", run_id="mem", stage=1).body.stages == (1,)
+
+
+def test_local_identities_are_kept_while_they_fit_and_reissued_when_not(tmp_path):
+    first = issue_local(tmp_path, run_id="r", num_stages=2)
+    certs = [first.cert_file(s).read_bytes() for s in range(2)]
+    again = issue_local(tmp_path, run_id="r", num_stages=2)  # a resumed run keeps its identities
+    assert [again.cert_file(s).read_bytes() for s in range(2)] == certs
+    assert again.authority.public == first.authority.public
+    other = issue_local(tmp_path, run_id="r2", num_stages=3)  # another run id: new certificates, same keys
+    assert other.cert_file(0).read_bytes() != certs[0]
+    assert load_identity(other.key_file(2), other.cert_file(2), run_id="r2", stage=2).body.roles == ("drain",)
+    assert other.args(1) == ["--peer-key", str(tmp_path / "stage1.key"), "--cert", str(tmp_path / "stage1.cert")]
