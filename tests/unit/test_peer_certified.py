@@ -121,7 +121,7 @@ def test_a_certificate_of_the_right_stage_and_key_is_welcomed(tmp_path):
     assert decode(net.orphan_replies["stage0.0000beef"][0]).meta["code"] == "stage_taken"
 
 
-def test_an_expired_authority_certificate_is_refused_when_the_peer_loads_it(tmp_path):
+def test_a_certificate_that_does_not_fit_is_refused_when_the_peer_loads_it(tmp_path):
     from mapl_swarm.errors import ConfigError
     from mapl_swarm.net.identity import create_peer_key, write_signed
 
@@ -135,7 +135,7 @@ def test_an_expired_authority_certificate_is_refused_when_the_peer_loads_it(tmp_
         load_identity(tmp_path / "p.key", tmp_path / "q.cert", run_id="mem", stage=0)
     with pytest.raises(ConfigError, match=r"q\.cert: .*not 'other' \(wrong_run\)"):
         load_identity(tmp_path / "p.key", tmp_path / "q.cert", run_id="other", stage=1)
-    other = create_peer_key(tmp_path / "o.key")
+    create_peer_key(tmp_path / "o.key")
     with pytest.raises(ConfigError, match=r"q\.cert is for another peer key than .*o\.key"):
         load_identity(tmp_path / "o.key", tmp_path / "q.cert", run_id="mem", stage=1)
     assert load_identity(tmp_path / "p.key", tmp_path / "q.cert", run_id="mem", stage=1).body.stages == (1,)
