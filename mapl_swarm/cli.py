@@ -147,6 +147,18 @@ def _cmd_keys_authority(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_keys_local(args: argparse.Namespace) -> int:
+    from mapl_swarm.net.identity import issue_local
+
+    cfg = _load(args)
+    local = issue_local(args.out, run_id=cfg.run.run_id, num_stages=cfg.pipeline.num_stages,
+                        authority_file=args.authority)
+    print(f"identities of run {cfg.run.run_id!r} in {local.folder}: stage<k>.key and stage<k>.cert for "
+          f"k = 0..{cfg.pipeline.num_stages - 1} (authority {local.authority.key_id} at "
+          f"{args.authority or local.folder / 'authority.key'}); existing ones that still fit are kept")
+    return 0
+
+
 def _cmd_keys_peer(args: argparse.Namespace) -> int:
     from mapl_swarm.net.identity import create_peer_key
 
@@ -641,6 +653,16 @@ def build_parser() -> argparse.ArgumentParser:
                 _cmd_keys_authority, "where to write the authority key")
     key_command("peer", "create this host's peer key (mode 0600; it never leaves the host)", _cmd_keys_peer,
                 "where to write the peer key")
+    q = identities.add_parser("local", help="issue an authority and one identity per stage of a config, in one "
+                                            "folder (a local swarm or a demo; launch and lab do it themselves)",
+                              description="Create (or keep, while they fit) a run authority and, per stage of the "
+                                          "config, a peer key and a certificate for that stage: stage<k>.key and "
+                                          "stage<k>.cert in --out, for peer --peer-key/--cert and dht --cert.")
+    q.add_argument("--out", required=True, metavar="DIR", help="folder of the identities (required)")
+    q.add_argument("--authority", metavar="FILE",
+                   help="the authority key, kept or created (default: DIR/authority.key)")
+    _add_config_args(q)
+    q.set_defaults(func=_cmd_keys_local)
     q = key_command("request", "write a certificate request (public keys only) for the operator", _cmd_keys_request,
                     "where to write the request")
     q.add_argument("--key", required=True, metavar="FILE", help="this host's peer key (required)")

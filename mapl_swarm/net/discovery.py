@@ -371,12 +371,12 @@ class Discovery:
                         f"store stage {stage}")
         if not ok:
             # hivemind reports the answer of the replica that answered last, so one node that
-            # refuses (e.g. one without the run key, or an attacker's) makes this False although
+            # refuses (e.g. one of another membership, or an attacker's) makes this False although
             # other nodes (normally this one too) stored the record: log it, do not fail.
             log = logger.debug if stage in self._refusals_logged else logger.warning
             self._refusals_logged.add(stage)
-            log("a DHT node refused the announcement of run %r stage %d (a node without the run key, "
-                "or with another one?)", self.run_id, stage)
+            log("a DHT node refused the announcement of run %r stage %d (a node of another run key or "
+                "authority, or a record its certificate does not allow?)", self.run_id, stage)
 
     def _refresh_loop(self) -> None:
         while not self._stop.wait(self.config.refresh_s):

@@ -594,14 +594,15 @@ LOCAL_VALIDITY_S = 30 * 86400
 
 
 def issue_local(folder: str | os.PathLike[str], *, run_id: str, num_stages: int,
-                roles: Sequence[str] = ("drain",)) -> LocalIdentities:
-    """An authority (``folder/authority.key``) and per stage a peer key and a certificate for that
-    stage alone, with ``roles`` (a local swarm lets each of its own peers drain it). What exists and
-    still fits (this authority, run and key, a day of validity left) is kept, so a resumed run keeps
-    its identities; anything else is issued anew."""
+                roles: Sequence[str] = ("drain",), authority_file: str | os.PathLike[str] | None = None
+                ) -> LocalIdentities:
+    """An authority (``authority_file``, default ``folder/authority.key``) and per stage a peer key
+    and a certificate for that stage alone, with ``roles`` (a local swarm lets each of its own peers
+    drain it). What exists and still fits (this authority, run and key, a day of validity left) is
+    kept, so a resumed run keeps its identities; anything else is issued anew."""
     root = Path(folder)
     root.mkdir(parents=True, exist_ok=True)
-    path = root / "authority.key"
+    path = Path(authority_file) if authority_file is not None else root / "authority.key"
     authority = load_authority(path) if path.exists() else create_authority(path)
     local = LocalIdentities(root, authority)
     for stage in range(num_stages):

@@ -28,7 +28,7 @@ N = 2
 def run_swarm(cfg, run_key, *, resume: bool):
     directory = Directory()
     peers = [build_peer(cfg, s, resolve=directory.resolve, announce=directory.announcer(s), progress=False,
-                        resume=resume, run_key=run_key) for s in range(cfg.pipeline.num_stages)]
+                        resume=resume, membership=run_key) for s in range(cfg.pipeline.num_stages)]
 
     async def swarm():
         return await asyncio.wait_for(asyncio.gather(*(p.run() for p in peers)), 240)

@@ -108,7 +108,7 @@ def test_other_major_version_refused(tmp_path, cache):
         "from mapl_swarm.net.runkey import load_run_key\n"
         "from mapl_swarm.peer.main import run_peer\n"
         "try:\n"
-        f"    run_peer(load_config({str(path)!r}), 1, run_key=load_run_key({shared_key_file()!r}),\n"
+        f"    run_peer(load_config({str(path)!r}), 1, membership=load_run_key({shared_key_file()!r}),\n"
         f"             initial_peers=[{maddr!r}], progress=False)\n"
         "except MaplError as e:\n"
         "    print('mapl-swarm: error:', e, file=sys.stderr); sys.exit(2)\n"

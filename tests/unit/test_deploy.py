@@ -4,6 +4,7 @@ Docker engine; tests/docker runs them for real)."""
 import shlex
 from pathlib import Path
 
+import pytest
 import yaml
 
 from mapl_swarm.cli import build_parser, parse_overrides
@@ -58,26 +59,55 @@ def test_compose_runs_dht_and_one_peer_per_stage():
         assert f'net.advertise_host="{name}"' in cmd
 
 
-def test_compose_shares_one_run_key_read_only():
-    """A one-shot `keys` service writes the run key to a volume; the DHT node and every peer start
-    after it completed, mount that volume read-only and read the key by path (never inline)."""
+def test_compose_gives_each_stage_its_own_identity_read_only():
+    """A one-shot `keys` service issues the identities (`keys local`) into a volume, its authority
+    key in a volume of its own that no other service mounts; the DHT node and every peer start
+    after it completed, mount the identities read-only and read their own by path (never inline)."""
     compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
     services, parser = compose["services"], build_parser()
     keys = parser.parse_args(services["keys"]["command"])
-    assert keys.command == "keys" and keys.if_missing and not keys.force
-    key_dir = str(Path(keys.out).parent)
-    volume, mode = _mounts(services["keys"])[key_dir]
-    assert mode == "rw" and volume in compose["volumes"]
+    assert keys.command == "keys" and keys.func.__name__ == "_cmd_keys_local"
+    volume, mode = _mounts(services["keys"])[keys.out]
+    authority_dir = str(Path(keys.authority).parent)
+    authority_volume, _ = _mounts(services["keys"])[authority_dir]
+    assert mode == "rw" and volume in compose["volumes"] and authority_volume in compose["volumes"]
     assert services["keys"].get("depends_on") in ({}, [], None)
-    assert key_dir not in _mounts(services["prepare"])  # data preparation needs no key
+    assert keys.out not in _mounts(services["prepare"])  # data preparation needs no key
+    stages = []
     for name, svc in services.items():
         if name in ONE_SHOT:
             continue
         args = parser.parse_args(svc["command"])
-        assert args.key_file == keys.out and not args.insecure, name
-        assert _mounts(svc)[key_dir] == (volume, "ro"), name
+        assert args.cert.startswith(keys.out + "/") and not args.insecure and not args.key_file, name
+        if args.command == "peer":
+            assert args.peer_key == f"{keys.out}/stage{args.stage}.key", name
+            assert args.cert == f"{keys.out}/stage{args.stage}.cert", name
+            stages.append(args.stage)
+        assert _mounts(svc)[keys.out] == (volume, "ro"), name
+        assert authority_volume not in {v for v, _ in _mounts(svc).values()}, name
         assert svc["depends_on"]["keys"] == {"condition": "service_completed_successfully"}, name
         assert not any("KEY" in str(k).upper() for k in svc.get("environment", {})), name
+    assert sorted(stages) == [0, 1, 2, 3]
+
+
+def test_keys_local_issues_what_the_compose_peers_load(tmp_path):
+    """What the `keys` service writes is what each peer's --peer-key/--cert loads, for its stage only."""
+    from mapl_swarm.cli import main
+    from mapl_swarm.config import load_config
+    from mapl_swarm.errors import ConfigError
+    from mapl_swarm.net.identity import load_identity
+
+    cfg = load_config(ROOT / "peers" / "compose.toml")
+    assert main(["keys", "local", "--config", str(ROOT / "peers" / "compose.toml"), "--out", str(tmp_path / "keys"),
+                 "--authority", str(tmp_path / "authority" / "authority.key")]) == 0
+    assert not (tmp_path / "keys" / "authority.key").exists()
+    for k in range(cfg.pipeline.num_stages):
+        ident = load_identity(tmp_path / "keys" / f"stage{k}.key", tmp_path / "keys" / f"stage{k}.cert",
+                              run_id=cfg.run.run_id, stage=k)
+        assert ident.body.stages == (k,)
+    with pytest.raises(ConfigError, match="stage_not_allowed"):
+        load_identity(tmp_path / "keys" / "stage1.key", tmp_path / "keys" / "stage1.cert", run_id=cfg.run.run_id,
+                      stage=2)
 
 
 def test_dockerfile_takes_its_base_and_torch_as_arguments_then_installs_the_package():

@@ -1,0 +1,82 @@
+"""Certified discovery records on real hivemind DHT nodes (SPEC §7.5 item 5, issue 23 item 3).
+
+A bootstrap node that trusts the run's authority (``run_bootstrap_node(membership=TrustedAuthority)``,
+as ``mapl-swarm dht --cert`` runs it), an honest stage-1 peer, a member certified for stage 2 that
+also announces stage 1 (a relay's record: the far-expiry attack of the issue, within the bound a
+certified node allows) and an outsider's unsigned record for stage 1 that expires much later. A
+reader certified for stage 0 sees only the honest records. One set of nodes for every check (a DHT
+start is slow), all started from the main thread before any lookup thread or event loop exists.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any
+
+import pytest
+
+import mapl_swarm.net.discovery as discovery_module
+from mapl_swarm.net.discovery import Discovery, TrustedAuthority, run_bootstrap_node, stage_key
+from mapl_swarm.net.identity import issue_local, load_identity
+from mapl_swarm.net.transport import contact
+
+from test_dht_signed import config, stored_subkeys
+
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+
+RUN = "run-certified"
+
+
+def scenario(bootstrap_dht: Any, maddrs: list[str], ids: list) -> None:
+    late = dict(ttl_s=600.0, refresh_s=300.0)  # the longest a certified record may live
+    honest = contact("tcp://10.0.0.1:5001", ids[1].key.curve_public)
+    relay = contact("tcp://10.0.0.9:5001", ids[2].key.curve_public)
+    with Discovery(RUN, config(maddrs), membership=ids[1]) as stage1, \
+            Discovery(RUN, config(maddrs, **late), membership=ids[2]) as member, \
+            Discovery(RUN, config(maddrs, ttl_s=3000.0, refresh_s=300.0)) as outsider, \
+            Discovery(RUN, config(maddrs), membership=ids[0]) as reader:
+        stage1.announce(1, honest)
+        member.announce(2, contact("tcp://10.0.0.9:5002", ids[2].key.curve_public))
+        member.announce(1, relay, subkey="relay")
+        outsider.announce(1, "tcp://6.6.6.6:1", subkey="stage1.evil")
+        outsider.announce(0, "tcp://6.6.6.6:0", subkey="stage0.evil")
+        assert outsider.lookup_all(0, timeout_s=5) == ["tcp://6.6.6.6:0"]  # the forgeries exist on its node
+
+        assert reader.lookup_all(1, timeout_s=10) == [honest]
+        assert reader.lookup_all(2, timeout_s=10) == [contact("tcp://10.0.0.9:5002", ids[2].key.curve_public)]
+        assert member.lookup_all(1, timeout_s=5) == [honest]  # not even its own node keeps the relay record
+        held = bootstrap_dht.run_coroutine(functools.partial(stored_subkeys, stage_key(RUN, 1)))
+        assert set(held) == {stage1.peer_id}
+        with pytest.raises(discovery_module.DiscoveryTimeoutError, match="stage 0"):
+            reader.lookup_all(0, timeout_s=1)
+
+        stage1.withdraw(1)  # a tombstone of the certified owner hides its entry
+        with pytest.raises(discovery_module.DiscoveryTimeoutError, match="stage 1"):
+            reader.lookup_all(1, timeout_s=1)
+
+
+@pytest.mark.timeout(120)
+def test_certified_nodes_keep_only_records_of_a_peer_certified_for_the_stage(tmp_path, monkeypatch) -> None:
+    local = issue_local(tmp_path, run_id=RUN, num_stages=3)
+    ids = [load_identity(local.key_file(s), local.cert_file(s), run_id=RUN, stage=s) for s in range(3)]
+    started: list[Any] = []
+    start_dht = discovery_module.start_dht
+
+    def recording_start_dht(**kwargs: Any) -> Any:
+        dht = start_dht(**kwargs)
+        started.append(dht)
+        return dht
+
+    monkeypatch.setattr(discovery_module, "start_dht", recording_start_dht)
+    stop = threading.Event()
+
+    def ready(maddrs: list[str]) -> None:
+        try:
+            scenario(started[0], maddrs, ids)
+        finally:
+            stop.set()
+
+    run_bootstrap_node("127.0.0.1", 0, membership=TrustedAuthority(RUN, local.authority.public), ready=ready,
+                       stop=stop)
+    assert stop.is_set()
