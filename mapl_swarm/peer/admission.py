@@ -238,9 +238,10 @@ class Admission:
         run, stages, configuration, then the stage's live session (a HELLO from the bound
         connection itself is a reconnection that replaces it)."""
         s, nonce = self.s, h.meta.get("nonce")
+        certificate = None
         if s.identity is not None:
             try:
-                s.identity.verify_peer(h.meta.get("cert"), stage=link.stage, curve_key=peer_key)
+                certificate = s.identity.verify_peer(h.meta.get("cert"), stage=link.stage, curve_key=peer_key)
             except CertificateError as exc:
                 raise HelloRefused("not_certified", f"HELLO of stage {link.stage} refused: {exc} ({exc.code})",
                                    nonce) from None
@@ -261,6 +262,7 @@ class Admission:
                 and not reforms:  # a neighbour re-forming the swarm comes on a new connection (SPEC §9.6)
             raise HelloRefused("stage_taken", f"stage {link.stage} is taken: its session is alive "
                                               f"(heard {self.clock() - bound.heard_at:.0f} s ago)", nonce)
+        link.peer_certificate = certificate
 
     def _check_message(self, h: Header, link: PeerLink, arrival: Arrival) -> None:
         """SPEC §6.1 rules 1-6 on the authenticated header of anything but HELLO."""

@@ -204,7 +204,12 @@ class Control:
 
     async def _on_checkpoint(self, msg: Message, link: PeerLink) -> None:
         agreement = self.peer.agreement
-        if agreement.store is None and msg.meta["phase"] not in DRAIN_PHASES:
+        cert = link.peer_certificate
+        if msg.meta["phase"] == "drain_request" and link.settings.identity is not None \
+                and (cert is None or "drain" not in cert.roles):
+            self.peer.rejects("not_allowed", link.name, f"drain request from stage {link.stage}, whose certificate "
+                                                        f"does not allow it (role drain; SPEC §7.5)")
+        elif agreement.store is None and msg.meta["phase"] not in DRAIN_PHASES:
             self.peer.bad_frame(link.name, "CHECKPOINT but this peer keeps no checkpoints")
         else:
             await agreement.on_message(msg)

@@ -50,7 +50,7 @@ from mapl_swarm.wire.spec import HANDSHAKE_TYPES, NONCE_BYTES
 if TYPE_CHECKING:
     import torch
 
-    from mapl_swarm.net.identity import PeerIdentity
+    from mapl_swarm.net.identity import CertificateBody, PeerIdentity
     from mapl_swarm.net.transport import Transport
     from mapl_swarm.peer.compute import ComputeThread
     from mapl_swarm.pipeline.stage import StageRuntime
@@ -239,6 +239,9 @@ class PeerLink:
         that is not anchored (either side may be the misconfigured one, SPEC §9.2): HELLO again."""
         self.peer_anchored = False
         """The neighbour said it is anchored (SPEC §9.2, 1.6): it holds stage 0's configuration."""
+        self.peer_certificate: CertificateBody | None = None
+        """The certificate of the neighbour whose HELLO passed last (certified peers, SPEC §7.5): its
+        roles say whether it may ask the whole swarm to drain."""
         self._hello_nonce: bytes | None = None
         self._older_nonces: deque[bytes] = deque(maxlen=_OLDER_HELLOS)
         """The nonces of this link's last HELLOs before the current one (their answers are superseded)."""

@@ -444,10 +444,16 @@ class Peer:
     # ------------------------------------------------------------------ drain
     def request_drain(self, signal_name: str) -> None:
         """A first SIGINT/SIGTERM (:class:`~.signals.DrainSignals`): drain the swarm at the next step
-        boundary; before training started, stop at once."""
+        boundary; before training started, or at a certified stage > 0 whose certificate lacks the
+        ``drain`` role, stop at once (it leaves)."""
         reason = f"{signal_name} at stage {self.stage}"
         if not self.state.started:
             self.stop(_CleanStop("stopped", f"stage {self.stage} stopped before training started ({signal_name})"))
+            return
+        own = self.membership.body if self.membership is not None and self.membership.pinned else None
+        if self.stage > 0 and own is not None and "drain" not in own.roles:  # any stage may always leave
+            self.stop(Interrupted(f"stage {self.stage} left at once ({signal_name}): its certificate does not allow "
+                                  f"it to drain the whole swarm (role drain); the others wait for a replacement"))
             return
         log.info("%s: %s: draining (finishing the current step, then a checkpoint; again to stop at once)",
                  self.name, signal_name)

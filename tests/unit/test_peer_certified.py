@@ -151,3 +151,30 @@ def test_local_identities_are_kept_while_they_fit_and_reissued_when_not(tmp_path
     assert other.cert_file(0).read_bytes() != certs[0]
     assert load_identity(other.key_file(2), other.cert_file(2), run_id="r2", stage=2).body.roles == ("drain",)
     assert other.args(1) == ["--peer-key", str(tmp_path / "stage1.key"), "--cert", str(tmp_path / "stage1.cert")]
+
+
+def _drain_asked_by_stage1(identities):
+    """Stage 1 asks stage 0 to drain the swarm (as its SIGINT would) once stage 0's first ACT is out."""
+    async def main():
+        net, peers, transports = fake_swarm(swarm_config(run={"steps": 6, "run_id": "mem"}), identities=identities)
+
+        def tap(sender, dst, frames, reply):
+            msg = peek(frames)
+            if msg is not None and msg.type is MT.ACT and not getattr(tap, "done", False):
+                tap.done = True
+                asyncio.get_running_loop().create_task(peers[1].agreement.request("SIGINT at stage 1"))
+        net.tap = tap
+        return await run_swarm(peers, transports)
+
+    return asyncio.run(main())
+
+
+def test_a_drain_request_is_obeyed_only_from_a_certificate_with_the_drain_role(tmp_path):
+    local = issue_local(tmp_path / "no-role", run_id="mem", num_stages=2, roles=())
+    plain = [load_identity(local.key_file(s), local.cert_file(s), run_id="mem", stage=s) for s in range(2)]
+    refused = _drain_asked_by_stage1(plain)
+    assert refused[0].rejects == {"not_allowed": 1} and len(refused[0].train_losses) == 6
+    assert refused[0].end == "finished"
+    _, allowed = _identities(tmp_path / "drain")  # a local swarm's certificates allow drain
+    drained = _drain_asked_by_stage1(allowed)
+    assert drained[0].rejects == {} and drained[0].end != "finished" and len(drained[0].train_losses) < 6
