@@ -178,3 +178,42 @@ def test_a_drain_request_is_obeyed_only_from_a_certificate_with_the_drain_role(t
     _, allowed = _identities(tmp_path / "drain")  # a local swarm's certificates allow drain
     drained = _drain_asked_by_stage1(allowed)
     assert drained[0].rejects == {} and drained[0].end != "finished" and len(drained[0].train_losses) < 6
+
+
+def test_only_the_bound_neighbours_own_identity_can_re_form_a_training_swarm(tmp_path):
+    """A HELLO of a higher run epoch while training: from the bound stage-0 peer on a new
+    connection it re-forms; from another holder of a stage-0 certificate it is ``stage_taken``."""
+    import dataclasses
+
+    from mapl_swarm.peer.runtime import PeerState
+    from mapl_swarm.peer.session import HelloRefused
+    from mapl_swarm.wire import decode_header
+    from mapl_swarm.wire.spec import REJOIN_CAPABILITY
+
+    local, ids = _identities(tmp_path)
+    spare = PeerKey(bytes(range(2, 34)))
+    spare_cert = issue(local.authority, make_request(spare, "spare", [0]), run_id="mem").encode()
+
+    async def main():
+        net, peers, _ = fake_swarm(swarm_config(), identities=ids)
+        stage1 = peers[1]
+        admission = stage1.admission
+        admission.s = dataclasses.replace(admission.s, capabilities=(*admission.s.capabilities, REJOIN_CAPABILITY))
+        link = stage1.links.route(0)
+        meta = {**HELLO, "capabilities": ["1f1b", REJOIN_CAPABILITY]}
+
+        def hello(cert: bytes, epoch: int):
+            frames = encode(Message(type=MT.HELLO, run_id="mem", src=0, dst=1, epoch=epoch, meta={**meta, "cert": cert}))
+            return decode_header(frames)[0]
+
+        admission.check_hello(hello(ids[0].encoded_cert, 0), link, "stage0.00000001", ids[0].key.curve_public)
+        await link.on_hello(decode(encode(Message(type=MT.HELLO, run_id="mem", src=0, dst=1,
+                                                  meta={**meta, "cert": ids[0].encoded_cert}))),
+                            "stage0.00000001", lambda frames, kind: asyncio.sleep(0), now=admission.clock())
+        stage1.state, stage1.inbound.started = PeerState.TRAINING, True  # as once training started
+        with pytest.raises(HelloRefused) as refused:
+            admission.check_hello(hello(spare_cert, 5), link, "stage0.00000002", spare.curve_public)
+        assert refused.value.code == "stage_taken"
+        admission.check_hello(hello(ids[0].encoded_cert, 5), link, "stage0.00000003", ids[0].key.curve_public)
+
+    asyncio.run(main())
