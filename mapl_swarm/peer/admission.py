@@ -257,11 +257,8 @@ class Admission:
         bound = link.rx
         reforms = (self.started() and h.epoch > self.window.epoch and REJOIN_CAPABILITY in s.capabilities
                    and REJOIN_CAPABILITY in h.meta.get("capabilities", ()))
-        if reforms and certificate is not None and not (
-                link.peer_certificate is not None and link.peer_certificate.curve_key == certificate.curve_key):
-            # a re-forming neighbour is the bound one on a new connection (SPEC §7.5 item 7): another
-            # holder of a certificate for its stage cannot pause the swarm while that one lives
-            reforms = False
+        if certificate is not None and getattr(link.peer_certificate, "curve_key", None) != certificate.curve_key:
+            reforms = False  # only the bound neighbour re-forms, on a new connection (SPEC §7.5 item 7)
         unheard = math.inf if self.started() else self.deadline(link.name)  # training: until found lost
         if bound is not None and bound.routing_id != sender and bound.alive(self.clock(), unheard) \
                 and not reforms:  # a neighbour re-forming the swarm comes on a new connection (SPEC §9.6)

@@ -204,9 +204,8 @@ class Control:
 
     async def _on_checkpoint(self, msg: Message, link: PeerLink) -> None:
         agreement = self.peer.agreement
-        cert = link.peer_certificate
         if msg.meta["phase"] == "drain_request" and link.settings.identity is not None \
-                and (cert is None or "drain" not in cert.roles):
+                and "drain" not in getattr(link.peer_certificate, "roles", ()):
             self.peer.rejects("not_allowed", link.name, f"drain request from stage {link.stage}, whose certificate "
                                                         f"does not allow it (role drain; SPEC §7.5)")
         elif agreement.store is None and msg.meta["phase"] not in DRAIN_PHASES:

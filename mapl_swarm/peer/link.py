@@ -120,9 +120,7 @@ class LinkSettings:
     """The run key's auth key (None: insecure or certified, no tags): HELLO/WELCOME/REJECT are tagged
     with it, every later message with its session's key (SPEC §7.2)."""
     identity: PeerIdentity | None = None
-    """A certified peer's identity (SPEC §7.4): its HELLO carries its certificate, and a HELLO is
-    welcomed only with a certificate of this run's authority for the sender's stage and the CURVE
-    key its connection proved (:meth:`~.admission.Admission.check_hello`)."""
+    """A certified peer's identity (SPEC §7.5): its certificate goes in its HELLO, others' are checked."""
     compress_ids: bool = True
     """lz4 on integer tensors (ids, codes) when it helps; False sends every tensor raw."""
     max_frame_bytes: int
@@ -240,8 +238,7 @@ class PeerLink:
         self.peer_anchored = False
         """The neighbour said it is anchored (SPEC §9.2, 1.6): it holds stage 0's configuration."""
         self.peer_certificate: CertificateBody | None = None
-        """The certificate of the neighbour whose HELLO passed last (certified peers, SPEC §7.5): its
-        roles say whether it may ask the whole swarm to drain."""
+        """The certificate of the neighbour whose HELLO passed last (SPEC §7.5: its key and roles)."""
         self._hello_nonce: bytes | None = None
         self._older_nonces: deque[bytes] = deque(maxlen=_OLDER_HELLOS)
         """The nonces of this link's last HELLOs before the current one (their answers are superseded)."""

@@ -450,8 +450,8 @@ class Peer:
         if not self.state.started:
             self.stop(_CleanStop("stopped", f"stage {self.stage} stopped before training started ({signal_name})"))
             return
-        own = self.membership.body if self.membership is not None and self.membership.pinned else None
-        if self.stage > 0 and own is not None and "drain" not in own.roles:  # any stage may always leave
+        identity = self.admission.s.identity  # a certified stage > 0 without the drain role may always leave
+        if self.stage > 0 and identity is not None and "drain" not in identity.body.roles:
             self.stop(Interrupted(f"stage {self.stage} left at once ({signal_name}): its certificate does not allow "
                                   f"it to drain the whole swarm (role drain); the others wait for a replacement"))
             return
