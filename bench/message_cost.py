@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import statistics
 import sys
@@ -34,7 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 from mapl_swarm.net.identity import issue_local, load_identity  # noqa: E402
 from mapl_swarm.net.runkey import RunKey  # noqa: E402
 from mapl_swarm.net.transport import Transport, TransportConfig  # noqa: E402
-from mapl_swarm.wire import Message, MessageType, WireTensor, decode_header, encode, new_nonce, session_key  # noqa: E402
+from mapl_swarm.wire import (Message, MessageType, WireTensor, decode_header, encode, new_nonce,  # noqa: E402
+                             session_key)
 
 B, T, R = 2, 128, 64
 MT = MessageType
@@ -127,7 +129,7 @@ def main() -> int:
     for k, v in hs["connect_to_first_message_ms"].items():
         print(f"connect to first message ({k}): {v} ms (median of {args.handshakes})")
     result = {"command": " ".join(["python", "bench/message_cost.py", *sys.argv[1:]]),
-              "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores, Python {platform.python_version()}",
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
               "date": time.strftime("%Y-%m-%d"), "iterations": args.iterations, "messages": rows, "handshake": hs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -99,22 +99,25 @@ def _membership(args: argparse.Namespace, cfg: Any, stage: int | None = None):
     certified identity of ``--cert`` (with ``--peer-key``; for a bootstrap node only the run and
     authority it names), the run key of ``--key-file``, or None with ``--insecure``."""
     if getattr(args, "peer_key", None) and not args.cert:
-        raise ConfigError("--peer-key goes with --cert (a certified peer); a run key (--key-file) is the whole membership")
+        raise ConfigError("--peer-key goes with --cert (a certified peer); a run key (--key-file) needs none")
     if args.insecure:
         return None
     if args.key_file:
         from mapl_swarm.net.runkey import load_run_key
 
         return load_run_key(args.key_file)
-    from mapl_swarm.net.identity import CertificateBody, CertificateError, load_identity, read_signed
+    from mapl_swarm.net.identity import (CertificateBody, CertificateError, load_identity, read_signed,
+                                         verify_certificate)
 
     if stage is None:  # a bootstrap node: it trusts the authority of the certificate it is given
         from mapl_swarm.net.discovery import TrustedAuthority
 
+        cert = read_signed(args.cert, "certificate")
         try:
-            body = CertificateBody.decode(read_signed(args.cert, "certificate").body)
+            body = CertificateBody.decode(cert.body)
+            verify_certificate(cert, authority=body.authority, run_id=body.run)  # its signature, not expired
         except CertificateError as exc:
-            raise ConfigError(f"certificate {args.cert}: {exc}") from None
+            raise ConfigError(f"certificate {args.cert}: {exc} ({exc.code})") from None
         return TrustedAuthority(body.run, body.authority)
     if not args.peer_key:
         raise ConfigError("--cert needs --peer-key FILE (this host's peer key, from `mapl-swarm keys peer`)")

@@ -533,7 +533,8 @@ class PeerIdentity:
         return (f"certified as {self.body.name!r} (peer key {self.key_id}, stage(s) {list(self.body.stages)}, "
                 f"authority {key_id(self.authority)})")
 
-    def verify_peer(self, data: Any, *, stage: int, curve_key: bytes | None, now: float | None = None) -> CertificateBody:
+    def verify_peer(self, data: Any, *, stage: int, curve_key: bytes | None,
+                    now: float | None = None) -> CertificateBody:
         """The body of another peer's certificate ``data`` (as received) when this run's authority
         signed it for ``stage`` and its CURVE key is ``curve_key`` (the key its connection proved);
         else :class:`CertificateError` (``wrong_key`` for a certificate of another key)."""

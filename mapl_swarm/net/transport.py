@@ -302,6 +302,7 @@ class Transport:
         self._auth: ThreadAuthenticator | None = None
         self._dealers: dict[str, zmq.asyncio.Socket] = {}
         self._endpoints: dict[str, str] = {}
+        self._server_keys: dict[str, bytes | None] = {}
         self._shapers: dict[str, LinkShaper] = {}
         self._listeners: list[Callable[[str], None]] = []
         self._readers: dict[str, asyncio.Task[None]] = {}
@@ -474,6 +475,7 @@ class Transport:
 
         self._dealers[link] = dealer
         self._endpoints[link] = endpoint
+        self._server_keys[link] = server_key
         self._shapers[link] = LinkShaper(config, deliver, name=f"{self.name}->{link}")
         self._readers[link] = asyncio.get_running_loop().create_task(self._read_replies(link, dealer),
                                                                      name=f"{self.name}<-{link} replies")
@@ -496,6 +498,7 @@ class Transport:
         shaper = self._shapers.pop(link, None)
         dealer = self._dealers.pop(link, None)
         self._endpoints.pop(link, None)
+        self._server_keys.pop(link, None)
         reader = self._readers.pop(link, None)
         if reader is not None:
             reader.cancel()
@@ -609,6 +612,10 @@ class Transport:
         if len(self._keys) > KEYS_REMEMBERED:
             self._keys.popitem(last=False)
         return True
+
+    def server_key(self, link: str) -> bytes | None:
+        """The CURVE key (32 raw bytes) the outbound link ``link`` is pinned to (None: not pinned)."""
+        return self._server_keys.get(link)
 
     def peer_key(self, routing_id: str) -> bytes | None:
         """The CURVE public key (32 raw bytes) that the connection ``routing_id`` proved (pinned

@@ -305,6 +305,11 @@ class Admission:
             if link.answers_older_hello(h.meta):
                 raise Superseded("not_allowed", f"{h.type.name} to an earlier HELLO, which a newer one replaced")
             raise Rejected("not_allowed", f"{h.type.name} for another HELLO (hello_nonce)")
+        if h.type is MT.WELCOME and self.s.identity is not None:  # the pinned server's own certificate
+            try:
+                self.s.identity.verify_peer(h.meta.get("cert"), stage=link.stage, curve_key=link.server_key)
+            except CertificateError as exc:
+                raise Rejected("not_certified", f"WELCOME of stage {link.stage}: {exc} ({exc.code})") from None
 
     # ------------------------------------------------------------------ tensors and content
     async def _tensors(self, header: Header, frames: Sequence[Any], link: PeerLink) -> Message:

@@ -268,6 +268,11 @@ class PeerLink:
         self._transport = transport
         self.endpoint = endpoint
 
+    @property
+    def server_key(self) -> bytes | None:
+        """The CURVE key this peer's connection to the neighbour is pinned to (certified peers)."""
+        return None if self._transport is None else self._transport.server_key(self.name)
+
     def frames(self, msg: Message) -> list:
         """``msg`` encoded for this link: tagged with the run's auth key (handshake) or the session's
         key, its compression and frame limit."""

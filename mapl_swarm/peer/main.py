@@ -176,7 +176,8 @@ def run_peer(cfg: TrainConfig, stage: int, *, membership: Membership | None, ini
 
             def session(*, resume: bool, epoch: int, rejoining: bool):
                 return build_peer(cfg, stage, resolve=discovery.lookup_all_async, announce=announce, resume=resume,
-                                  progress=progress, membership=membership, assets=assets, epoch=epoch, rejoining=rejoining)
+                                  progress=progress, membership=membership, assets=assets, epoch=epoch,
+                                  rejoining=rejoining)
 
             result = run(serve_sessions(session, cfg, stage, membership=membership, resume=resume))
         result.peak_rss_mb = peak_rss_mb()

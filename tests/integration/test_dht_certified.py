@@ -11,17 +11,16 @@ start is slow), all started from the main thread before any lookup thread or eve
 from __future__ import annotations
 
 import functools
-import threading
 from typing import Any
 
 import pytest
 
 import mapl_swarm.net.discovery as discovery_module
-from mapl_swarm.net.discovery import Discovery, TrustedAuthority, run_bootstrap_node, stage_key
+from mapl_swarm.net.discovery import Discovery, TrustedAuthority, stage_key
 from mapl_swarm.net.identity import issue_local, load_identity
 from mapl_swarm.net.transport import contact
 
-from test_dht_signed import config, stored_subkeys
+from test_dht_signed import config, stored_subkeys, with_bootstrap
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 
@@ -60,23 +59,5 @@ def scenario(bootstrap_dht: Any, maddrs: list[str], ids: list) -> None:
 def test_certified_nodes_keep_only_records_of_a_peer_certified_for_the_stage(tmp_path, monkeypatch) -> None:
     local = issue_local(tmp_path, run_id=RUN, num_stages=3)
     ids = [load_identity(local.key_file(s), local.cert_file(s), run_id=RUN, stage=s) for s in range(3)]
-    started: list[Any] = []
-    start_dht = discovery_module.start_dht
-
-    def recording_start_dht(**kwargs: Any) -> Any:
-        dht = start_dht(**kwargs)
-        started.append(dht)
-        return dht
-
-    monkeypatch.setattr(discovery_module, "start_dht", recording_start_dht)
-    stop = threading.Event()
-
-    def ready(maddrs: list[str]) -> None:
-        try:
-            scenario(started[0], maddrs, ids)
-        finally:
-            stop.set()
-
-    run_bootstrap_node("127.0.0.1", 0, membership=TrustedAuthority(RUN, local.authority.public), ready=ready,
-                       stop=stop)
-    assert stop.is_set()
+    with_bootstrap(monkeypatch, TrustedAuthority(RUN, local.authority.public),
+                   functools.partial(scenario, ids=ids))

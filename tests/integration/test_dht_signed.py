@@ -86,8 +86,9 @@ def scenario(bootstrap_dht: Any, maddrs: list[str]) -> None:
         assert b.lookup(1, timeout_s=5) == "tcp://10.0.0.1:5001"
 
 
-@pytest.mark.timeout(120)
-def test_keyed_nodes_ignore_unsigned_and_wrongly_signed_records(monkeypatch: pytest.MonkeyPatch) -> None:
+def with_bootstrap(monkeypatch: pytest.MonkeyPatch, membership: Any, scenario: Any) -> None:
+    """Run ``scenario(bootstrap_dht, maddrs)`` inside a bootstrap node of ``membership`` (as
+    ``mapl-swarm dht`` runs it), started from the main thread."""
     started: list[Any] = []
     start_dht = discovery_module.start_dht
 
@@ -105,5 +106,10 @@ def test_keyed_nodes_ignore_unsigned_and_wrongly_signed_records(monkeypatch: pyt
         finally:
             stop.set()
 
-    run_bootstrap_node("127.0.0.1", 0, membership=RUN_KEY, ready=ready, stop=stop)
+    run_bootstrap_node("127.0.0.1", 0, membership=membership, ready=ready, stop=stop)
     assert stop.is_set()
+
+
+@pytest.mark.timeout(120)
+def test_keyed_nodes_ignore_unsigned_and_wrongly_signed_records(monkeypatch: pytest.MonkeyPatch) -> None:
+    with_bootstrap(monkeypatch, RUN_KEY, scenario)

@@ -134,6 +134,10 @@ class FakeTransport:
     def peer_key(self, routing_id: str) -> bytes | None:
         return self.net.key_of(routing_id)
 
+    def server_key(self, link: str) -> bytes | None:
+        dst = self.net.transports.get(self._links.get(link, ""))
+        return None if dst is None else dst.curve_key
+
     async def flush(self, timeout_s: float) -> None:
         return None
 
@@ -158,7 +162,8 @@ def sampler(cfg, seed: int = 0):
 
 
 def fake_swarm(cfg=None, *, fingerprint: str = "fp", secret: bytes | None = None,
-               net: FakeNet | None = None, identities: list | None = None) -> tuple[FakeNet, list[Peer], list[FakeTransport]]:
+               net: FakeNet | None = None,
+               identities: list | None = None) -> tuple[FakeNet, list[Peer], list[FakeTransport]]:
     """Stages 0 .. P-1 of ``cfg`` (default :func:`swarm_config`, 2 stages) on a :class:`FakeNet`,
     with the run's auth key ``secret`` (None: insecure) or each stage's certified identity
     (``identities[s]``, a ``PeerIdentity``); run them with :func:`run_swarm`. Call inside a running

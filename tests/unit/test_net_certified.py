@@ -51,14 +51,8 @@ def pinned(identity: PeerIdentity) -> TransportConfig:
 @pytest_asyncio.fixture
 async def pair(swarm) -> AsyncIterator[tuple[Transport, Transport]]:
     _, ids = swarm
-    a, b = Transport("stage0", pinned(ids[0])), Transport("stage1", pinned(ids[1]))
-    a.start()
-    b.start()
-    try:
+    async with Transport("stage0", pinned(ids[0])) as a, Transport("stage1", pinned(ids[1])) as b:
         yield a, b
-    finally:
-        await a.aclose()
-        await b.aclose()
 
 
 # ---------------------------------------------------------------------- contacts and the transport

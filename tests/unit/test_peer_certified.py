@@ -217,3 +217,22 @@ def test_only_the_bound_neighbours_own_identity_can_re_form_a_training_swarm(tmp
         admission.check_hello(hello(ids[0].encoded_cert, 5), link, "stage0.00000003", ids[0].key.curve_public)
 
     asyncio.run(main())
+
+
+def test_a_welcome_must_carry_the_certificate_of_the_pinned_server(tmp_path, uncertified):
+    """Stage 1's first WELCOME arrives with stage 0's certificate in it (a server answering with
+    another's): stage 0 drops it as ``not_certified``, says HELLO again and trains as ever."""
+    _, ids = _identities(tmp_path)
+
+    def setup(net):
+        def tap(sender, dst, frames, reply):
+            msg = peek(frames)
+            if reply and msg is not None and msg.type is MT.WELCOME and msg.src == 1 and not getattr(tap, "done", 0):
+                tap.done = 1
+                msg.meta["cert"] = ids[0].encoded_cert
+                frames[:] = encode(msg)
+        net.tap = tap
+
+    net, results = _run(ids, setup)
+    assert results[0].rejects == {"not_certified": 1}
+    assert results[0].train_losses == uncertified[0].train_losses
