@@ -26,6 +26,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import logging
 import os
 import re
 import secrets
@@ -46,12 +47,14 @@ from zmq.utils import z85
 from mapl_swarm.errors import ConfigError, MaplError
 from mapl_swarm.net.keyfiles import KEY_BYTES, read_key_file, write_key_file
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "AUTHORITY_HEADER", "PEER_KEY_HEADER", "REQUEST_HEADER", "CERTIFICATE_HEADER", "REVOCATIONS_HEADER", "ROLES",
     "MAX_VALIDITY_S", "MAX_REVOKED", "Authority", "PeerKey", "RequestBody", "CertificateBody", "RevocationsBody",
     "Signed", "CertificateError", "load_authority", "create_authority", "load_peer_key", "create_peer_key",
     "make_request", "issue", "revoke", "verify_certificate", "verify_revocations", "read_signed", "write_signed",
-    "PeerIdentity", "load_identity", "LocalIdentities", "issue_local",
+    "PeerIdentity", "load_identity", "LocalIdentities", "issue_local", "RevocationWatch", "REVOCATION_POLL_S",
 ]
 
 AUTHORITY_HEADER = "mapl-run-authority v1"
@@ -497,8 +500,11 @@ class PeerIdentity:
     key: PeerKey
     cert: Signed
     body: CertificateBody
-    revoked: frozenset[int] = frozenset()
-    """Certificate serials of the run's revocation list, if the peer was given one."""
+    revoked: set[int] = field(default_factory=set)
+    """Certificate serials of the run's revocation list, if the peer was given one (grows as
+    :attr:`watch` reads newer lists)."""
+    watch: RevocationWatch | None = None
+    """The revocation list file, read again when it changes (the peer polls it)."""
 
     pinned = True
     """Links go to named peers: the dialer pins the server's key from its DHT record."""
@@ -558,17 +564,59 @@ def load_identity(key_path: str | os.PathLike[str], cert_path: str | os.PathLike
     cert = read_signed(cert_path, "certificate")
     try:
         body = CertificateBody.decode(cert.body)
-        revoked: frozenset[int] = frozenset()
+        revoked: set[int] = set()
         if revocations is not None:
-            revoked = frozenset(verify_revocations(read_signed(revocations, "revocations"), authority=body.authority,
-                                                   run_id=run_id).serials)
+            revoked.update(verify_revocations(read_signed(revocations, "revocations"), authority=body.authority,
+                                              run_id=run_id).serials)
         verify_certificate(cert, authority=body.authority, run_id=run_id, stage=stage, revoked=revoked)
     except CertificateError as exc:
         raise ConfigError(f"certificate {cert_path}: {exc} ({exc.code})") from None
     if body.sign_key != key.sign_public or body.curve_key != key.curve_public:
         raise ConfigError(f"certificate {cert_path} is for another peer key than {key_path} "
                           f"(it names {key_id(body.sign_key)}, the key is {key.key_id})")
-    return PeerIdentity(key, cert, body, revoked)
+    identity = PeerIdentity(key, cert, body, revoked, RevocationWatch(revocations) if revocations else None)
+    if identity.watch is not None:
+        identity.watch.poll(identity)  # remembers the list just read
+    return identity
+
+
+REVOCATION_POLL_S = 2.0
+"""How often a certified peer given a revocation list looks whether the file changed."""
+
+
+class RevocationWatch:
+    """A certified peer's revocation list file (``peer --revocations``), read again when it changes:
+    the operator replaces it on every host (``mapl-swarm keys revoke``, then copy it) and running
+    peers cut the revoked ones off within :data:`REVOCATION_POLL_S` (SPEC §7.5 item 8)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._seen: tuple[int, int] | None = None
+        self._issued = -1
+
+    def poll(self, identity: PeerIdentity) -> bool:
+        """Read the file if it changed; a newer valid list adds its serials to ``identity.revoked``.
+        True when that revoked a serial not revoked before. A missing or bad file keeps what was
+        revoked (logged once per change of the file)."""
+        try:
+            st = self.path.stat()
+        except OSError:
+            return False
+        if (st.st_mtime_ns, st.st_size) == self._seen:
+            return False
+        self._seen = (st.st_mtime_ns, st.st_size)
+        try:
+            body = verify_revocations(read_signed(self.path, "revocations"), authority=identity.authority,
+                                      run_id=identity.run_id)
+        except (ConfigError, CertificateError) as exc:
+            log.warning("revocation list %s not used (what it revoked before stays revoked): %s", self.path, exc)
+            return False
+        if body.issued <= self._issued:
+            return False
+        self._issued = body.issued
+        new = set(body.serials) - identity.revoked
+        identity.revoked.update(new)
+        return bool(new)
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ from mapl_swarm.errors import MaplError, NonFiniteError
 from mapl_swarm.net.emulator import LinkConfig
 from mapl_swarm.net.errors import NetError
 from mapl_swarm.net.heartbeat import HeartbeatConfig, HeartbeatMonitor, Silence
+from mapl_swarm.net.identity import REVOCATION_POLL_S
 from mapl_swarm.net.transport import Transport, TransportConfig
 from mapl_swarm.peer.admission import Admission, RejectCounter, mailbox_bound, run_shapes
 from mapl_swarm.peer.checkpoints import CheckpointAgreement, checkpoint_note
@@ -71,6 +72,7 @@ from mapl_swarm.wire.codebook import INDEXED_SLICES_CAPABILITY, RETRANSMIT_CAPAB
 from mapl_swarm.wire.spec import DRAIN_REASON, REJOIN_CAPABILITY, REJOIN_REASON
 
 if TYPE_CHECKING:
+    from mapl_swarm.net.identity import PeerIdentity
     from mapl_swarm.net.transport import Membership
     from mapl_swarm.peer.checkpoints import PeerRunPolicy
 
@@ -317,6 +319,8 @@ class Peer:
             self.tasks.spawn(self.inbound.reply_loop(transport))
         self.tasks.spawn(self.inbound.dispatch_loop(transport))
         self.monitor.start()
+        if self.admission.s.identity is not None and self.admission.s.identity.watch is not None:
+            self.tasks.spawn(self._watch_revocations(self.admission.s.identity))
         self._enter(PeerState.HANDSHAKING, f"HELLO to stage(s) {self.links.stages}")
         await Handshake(self.name, self.links, resolve=self.resolve, retry_s=net.hello_retry_s, waits=self.waits,
                         welcomed=self.welcomed).run(
@@ -364,6 +368,23 @@ class Peer:
         if link is not None:
             self.departures.report(Departure(stage=link.stage, endpoint=link.endpoint, kind="silent",
                                              last_seen=silence.last_seen, detail=silence.describe()))
+
+    async def _watch_revocations(self, identity: PeerIdentity) -> None:
+        """A newer revocation list (SPEC §7.5 item 8) cuts off each neighbour it revokes, as a
+        departure (the swarm re-forms without it; its HELLO is refused), and ends this peer if it
+        revokes this peer's own certificate."""
+        while True:
+            await asyncio.sleep(REVOCATION_POLL_S)  # a file's change, polled
+            if not identity.watch.poll(identity):
+                continue
+            if identity.body.serial in identity.revoked:
+                self.stop(MaplError(f"{self.name}: this peer's certificate (serial {identity.body.serial}) is revoked"))
+                return
+            for link in self.links:
+                cert = link.peer_certificate
+                if cert is not None and cert.serial in identity.revoked and self.departures.gone(link.stage) is None:
+                    link.end_sessions()
+                    self.depart(link, "left", f"its certificate (serial {cert.serial}) is revoked")
 
     def depart(self, link: PeerLink, kind: str, detail: str) -> None:
         """Neighbour ``link`` left (``kind`` ``"drain"``: planned, ``"left"``: before the end)."""

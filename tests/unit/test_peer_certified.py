@@ -236,3 +236,34 @@ def test_a_welcome_must_carry_the_certificate_of_the_pinned_server(tmp_path, unc
     net, results = _run(ids, setup)
     assert results[0].rejects == {"not_certified": 1}
     assert results[0].train_losses == uncertified[0].train_losses
+
+
+def test_a_newer_revocation_list_cuts_a_neighbour_off_while_training(tmp_path):
+    """Stage 1 runs with a revocation list file; the operator revokes stage 0's certificate while
+    the swarm trains: stage 1 reads the new list within seconds and treats stage 0 as departed
+    (without rejoin, that ends it, naming why), long before the run's 400 steps."""
+    from mapl_swarm.net.identity import revoke, write_signed
+
+    local, ids = _identities(tmp_path)
+    lists = tmp_path / "revoked.list"
+    write_signed(lists, revoke(local.authority, [], run_id="mem", now=1000))
+    ids[1] = load_identity(local.key_file(1), local.cert_file(1), run_id="mem", stage=1, revocations=lists)
+    assert ids[1].watch is not None and ids[1].revoked == set()
+
+    async def main():
+        net, peers, transports = fake_swarm(swarm_config(run={"steps": 400, "run_id": "mem"}), identities=ids)
+
+        def tap(sender, dst, frames, reply):
+            msg = peek(frames)
+            if msg is not None and msg.type is MT.ACT and not getattr(tap, "done", False):
+                tap.done = True
+                write_signed(lists, revoke(local.authority, [ids[0].body.serial], run_id="mem", now=2000), force=True)
+        net.tap = tap
+        return await asyncio.gather(*(p.serve(t) for p, t in zip(peers, transports)), return_exceptions=True)
+
+    results = asyncio.run(asyncio.wait_for(main(), 60))
+    from mapl_swarm.peer.departures import NeighbourLost
+
+    assert ids[1].revoked == {ids[0].body.serial}
+    assert isinstance(results[1], NeighbourLost) and "stage 0 at mem://stage0 left before the end: its " \
+        f"certificate (serial {ids[0].body.serial}) is revoked" in str(results[1])
