@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from mapl_swarm.errors import MaplError
 from mapl_swarm.wire import Message, MessageType
 from mapl_swarm.wire.spec import DRAIN_PHASES, DRAIN_REASON, REJOIN_REASON
+from mapl_swarm.peer.link import CONFIG_REFUSALS
 
 if TYPE_CHECKING:
     import asyncio
@@ -152,7 +153,7 @@ class Control:
                             peer.name, msg.src, link.endpoint, reason, retry_s)
             return
         anchored = (f"; stage {msg.src} holds the run's configuration (stage 0's), so fix this peer's"
-                    if msg.meta.get("anchored") is True else "")
+                    if msg.meta.get("anchored") is True and msg.meta.get("code") in CONFIG_REFUSALS else "")
         peer.stop(PeerRejected(f"stage {msg.src} refused stage {peer.stage}: {reason}{anchored}"))
 
     async def _on_error(self, msg: Message, link: PeerLink) -> None:

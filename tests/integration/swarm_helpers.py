@@ -184,8 +184,8 @@ def pids(*pgrep_args: str) -> list[int]:
 
 def cli(*args: str) -> list[str]:
     """``mapl-swarm ARGS``; ``peer`` and ``dht`` get ``--key-file`` :func:`shared_key_file` unless
-    ARGS choose (``--key-file`` or ``--insecure``)."""
-    if args and args[0] in ("peer", "dht") and not {"--key-file", "--insecure"} & set(args):
+    ARGS choose (``--key-file``, ``--cert`` or ``--insecure``)."""
+    if args and args[0] in ("peer", "dht") and not {"--key-file", "--cert", "--insecure"} & set(args):
         args = (*args, "--key-file", shared_key_file())
     return [sys.executable, "-m", "mapl_swarm", *args]
 
