@@ -267,3 +267,27 @@ def test_a_newer_revocation_list_cuts_a_neighbour_off_while_training(tmp_path):
     assert ids[1].revoked == {ids[0].body.serial}
     assert isinstance(results[1], NeighbourLost) and "stage 0 at mem://stage0 left before the end: its " \
         f"certificate (serial {ids[0].body.serial}) is revoked" in str(results[1])
+
+
+def test_a_stage_without_the_drain_role_leaves_on_its_signal_instead_of_draining_the_swarm(tmp_path):
+    from mapl_swarm.peer.signals import Interrupted
+
+    local = issue_local(tmp_path, run_id="mem", num_stages=2, roles=())
+    ids = [load_identity(local.key_file(s), local.cert_file(s), run_id="mem", stage=s) for s in range(2)]
+
+    async def main():
+        net, peers, transports = fake_swarm(swarm_config(run={"steps": 400, "run_id": "mem"}), identities=ids)
+
+        def tap(sender, dst, frames, reply):
+            msg = peek(frames)
+            if msg is not None and msg.type is MT.GRAD and not getattr(tap, "done", False):
+                tap.done = True
+                peers[1].request_drain("SIGINT")
+        net.tap = tap
+        out = await asyncio.gather(*(p.serve(t) for p, t in zip(peers, transports)), return_exceptions=True)
+        return net, out
+
+    net, results = asyncio.run(asyncio.wait_for(main(), 60))
+    assert isinstance(results[1], Interrupted) and "its certificate does not allow it to drain the whole swarm " \
+        "(role drain)" in str(results[1])
+    assert not any(m.type is MT.CHECKPOINT for m in net.messages("stage1", "stage0"))  # no drain request
