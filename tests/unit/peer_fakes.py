@@ -38,6 +38,22 @@ def peek(frames: list):
         return None
 
 
+def on_first(net: "FakeNet", src: str, mtype, action: Callable[[list], None], *, nth: int = 1,
+             reply: bool = False) -> None:
+    """Call ``action(frames)`` when ``src`` sends its ``nth`` message of ``mtype`` (a ROUTER reply
+    with ``reply``), before it is delivered: ``action`` may inject messages or rewrite ``frames``."""
+    seen = {"n": 0}
+
+    def tap(sender, dst, frames, is_reply):
+        msg = peek(frames)
+        if sender.startswith(src + ".") and is_reply == reply and msg is not None and msg.type == mtype:
+            seen["n"] += 1
+            if seen["n"] == nth:
+                action(frames)
+
+    net.tap = tap
+
+
 class FakeNet:
     def __init__(self) -> None:
         self.transports: dict[str, FakeTransport] = {}

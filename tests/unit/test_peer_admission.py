@@ -19,7 +19,7 @@ from mapl_swarm.peer.result import write_result
 from mapl_swarm.pipeline.inprocess import InProcessPipeline
 from mapl_swarm.wire import Message, MessageType, WireTensor, decode, encode
 
-from peer_fakes import peek, run_swarm, sampler, swarm_config, fake_swarm
+from peer_fakes import fake_swarm, on_first, peek, run_swarm, sampler, swarm_config
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -66,19 +66,6 @@ def _act(step=0, micro=0, pver=0, **kw) -> list:
     ids = np.zeros((B, T + 1), dtype=np.uint16)
     return _msg(MT.ACT, step=step, micro=micro, pver=pver, meta={"mode": "train"},
                 tensors={"z": WireTensor("bf16", z), "ids": ids}, **kw)
-
-
-def _on_first(net, src: str, mtype: MessageType, action, nth: int = 1) -> None:
-    """Call ``action()`` when ``src`` sends its ``nth`` message of ``mtype`` (before it is delivered)."""
-    seen = {"n": 0}
-
-    def tap(sender, dst, frames, reply):
-        if sender.startswith(src + ".") and not reply and _type(frames) == mtype:
-            seen["n"] += 1
-            if seen["n"] == nth:
-                action(frames)
-
-    net.tap = tap
 
 
 def _type(frames) -> MessageType | None:
@@ -129,7 +116,7 @@ def test_forged_hello_is_refused_on_its_own_connection_never_to_the_real_neighbo
         def attack(_):
             net.inject("stage1", EVIL, _msg(MT.HELLO, meta=hello_meta))  # a second stage 0 while the first is alive
             net.inject("stage1", "stage0.0000bad2", _msg(MT.HELLO, meta={**hello_meta, "fingerprint": "bogus"}))
-        _on_first(net, "stage0", MT.ACT, attack)
+        on_first(net, "stage0", MT.ACT, attack)
 
     net, peers, results = _run(setup=setup)
     assert results[0].train_losses == clean[2][0].train_losses
@@ -152,7 +139,7 @@ def test_messages_from_strangers_and_other_sessions_are_dropped_and_training_con
                 net.inject("stage0", "stage1.0badc0de", report)
             net.inject("stage0", "stage1.0badc0de", _msg(MT.ERROR, src=1, dst=0, seq=53,
                                                          meta={"code": "internal", "message": "die"}))
-        _on_first(net, "stage0", MT.ACT, attack)
+        on_first(net, "stage0", MT.ACT, attack)
 
     net, peers, results = _run(setup=setup)
     assert results[0].train_losses == clean[2][0].train_losses and len(results[0].train_losses) == 3
@@ -202,7 +189,7 @@ def test_with_a_run_key_each_session_has_its_own_key_and_strangers_get_no_answer
             net.inject("stage1", EVIL, encode(Message(type=MT.HELLO, run_id="mem", src=0, dst=1, meta=HELLO),
                                               secret=b"not the run key"))
             net.inject("stage1", EVIL, _act(seq=9))  # no session: no key to check it with
-        _on_first(net, "stage0", MT.ACT, attack, nth=2)
+        on_first(net, "stage0", MT.ACT, attack, nth=2)
 
     net, _, results = _run(setup=replay, secret=KEY)
     assert results[0].train_losses == clean[2][0].train_losses
@@ -222,7 +209,7 @@ def test_heartbeats_without_a_session_are_counted_but_not_warned_of(caplog):
             for _ in range(3):
                 net.inject("stage1", EVIL, heartbeat)
             net.inject("stage1", EVIL, _act(seq=9))
-        _on_first(net, "stage0", MT.ACT, attack)
+        on_first(net, "stage0", MT.ACT, attack)
 
     with caplog.at_level("DEBUG", logger="mapl_swarm.peer.admission"):
         _, _, results = _run(setup=stale, secret=KEY)

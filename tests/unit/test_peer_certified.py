@@ -18,7 +18,7 @@ import pytest
 from mapl_swarm.net.identity import (PeerKey, create_authority, issue, issue_local, load_identity, make_request)
 from mapl_swarm.wire import Message, MessageType, decode, encode
 
-from peer_fakes import fake_swarm, peek, run_swarm, swarm_config
+from peer_fakes import fake_swarm, on_first, run_swarm, serve_all, swarm_config
 
 MT = MessageType
 HELLO = {"fingerprint": "fp", "num_stages": 2, "capabilities": ["1f1b"], "peer": "stage0", "nonce": b"n" * 16,
@@ -66,30 +66,28 @@ def test_a_hello_without_the_right_certificate_is_refused_and_training_is_unchan
     _, others = _identities(tmp_path / "other")  # another authority's swarm, same run id
     intruder = PeerKey(bytes(range(32)))
     stage0_for_intruder = issue(local.authority, make_request(intruder, "intruder", [0]), run_id="mem").encode()
+    broken = stage0_for_intruder[:-1] + bytes([stage0_for_intruder[-1] ^ 1])  # the signature's last byte
     forged = {  # routing id -> (the key its connection proves, the certificate its HELLO carries)
         "stage0.00000001": (intruder.curve_public, None),
         "stage0.00000002": (ids[1].key.curve_public, ids[1].encoded_cert),  # stage 1's own: not for stage 0
         "stage0.00000003": (intruder.curve_public, ids[0].encoded_cert),  # stage 0's, on another key
         "stage0.00000004": (others[0].key.curve_public, others[0].encoded_cert),  # another authority's
-        "stage0.00000005": (intruder.curve_public, stage0_for_intruder[:-1] + b"\x00"),  # a broken signature
+        "stage0.00000005": (intruder.curve_public, broken),  # a broken signature
         "stage0.00000006": (intruder.curve_public, b"\x93garbage"),
     }
 
     def setup(net):
-        def tap(sender, dst, frames, reply):
-            msg = peek(frames)
-            if msg is not None and msg.type is MT.ACT and not forged.get("sent"):
-                forged["sent"] = True
-                for rid, (key, cert) in list(forged.items())[:6]:
-                    meta = {**HELLO, **({"cert": cert} if cert is not None else {})}
-                    net.inject("stage1", rid, encode(Message(type=MT.HELLO, run_id="mem", src=0, dst=1, meta=meta)),
-                               key=key)
-        net.tap = tap
+        def attack(_):
+            for rid, (key, cert) in forged.items():
+                meta = {**HELLO, **({"cert": cert} if cert is not None else {})}
+                net.inject("stage1", rid, encode(Message(type=MT.HELLO, run_id="mem", src=0, dst=1, meta=meta)),
+                           key=key)
+        on_first(net, "stage0", MT.ACT, attack)
 
     net, results = _run(ids, setup)
     assert results[0].train_losses == uncertified[0].train_losses
     assert results[1].rejects == {"not_certified": 6}
-    reasons = {rid: decode(net.orphan_replies[rid][0]).meta for rid in forged if rid != "sent"}
+    reasons = {rid: decode(net.orphan_replies[rid][0]).meta for rid in forged}
     assert all(r["code"] == "not_certified" for r in reasons.values())
     faults = {rid: r["reason"].rsplit("(", 1)[1].rstrip(")") for rid, r in reasons.items()}
     assert faults == {"stage0.00000001": "malformed", "stage0.00000002": "stage_not_allowed",
@@ -104,17 +102,10 @@ def test_a_certificate_of_the_right_stage_and_key_is_welcomed(tmp_path):
     local, ids = _identities(tmp_path)
     spare = PeerKey(bytes(range(1, 33)))
     cert = issue(local.authority, make_request(spare, "spare", [0]), run_id="mem").encode()
-    sent = {}
+    hello = encode(Message(type=MT.HELLO, run_id="mem", src=0, dst=1, meta={**HELLO, "cert": cert}))
 
     def setup(net):
-        def tap(sender, dst, frames, reply):
-            msg = peek(frames)
-            if msg is not None and msg.type is MT.ACT and not sent:
-                sent["hello"] = True
-                net.inject("stage1", "stage0.0000beef", encode(Message(type=MT.HELLO, run_id="mem", src=0, dst=1,
-                                                                       meta={**HELLO, "cert": cert})),
-                           key=spare.curve_public)
-        net.tap = tap
+        on_first(net, "stage0", MT.ACT, lambda _: net.inject("stage1", "stage0.0000beef", hello, key=spare.curve_public))
 
     net, results = _run(ids, setup)
     assert results[1].rejects == {"stage_taken": 1}
@@ -158,12 +149,8 @@ def _drain_asked_by_stage1(identities):
     async def main():
         net, peers, transports = fake_swarm(swarm_config(run={"steps": 6, "run_id": "mem"}), identities=identities)
 
-        def tap(sender, dst, frames, reply):
-            msg = peek(frames)
-            if msg is not None and msg.type is MT.ACT and not getattr(tap, "done", False):
-                tap.done = True
-                asyncio.get_running_loop().create_task(peers[1].agreement.request("SIGINT at stage 1"))
-        net.tap = tap
+        on_first(net, "stage0", MT.ACT,
+                 lambda _: asyncio.get_running_loop().create_task(peers[1].agreement.request("SIGINT at stage 1")))
         return await run_swarm(peers, transports)
 
     return asyncio.run(main())
@@ -202,6 +189,9 @@ def test_only_the_bound_neighbours_own_identity_can_re_form_a_training_swarm(tmp
         link = stage1.links.route(0)
         meta = {**HELLO, "capabilities": ["1f1b", REJOIN_CAPABILITY]}
 
+        async def welcome_sent(frames, kind) -> None:
+            return None
+
         def hello(cert: bytes, epoch: int):
             frames = encode(Message(type=MT.HELLO, run_id="mem", src=0, dst=1, epoch=epoch, meta={**meta, "cert": cert}))
             return decode_header(frames)[0]
@@ -209,7 +199,7 @@ def test_only_the_bound_neighbours_own_identity_can_re_form_a_training_swarm(tmp
         admission.check_hello(hello(ids[0].encoded_cert, 0), link, "stage0.00000001", ids[0].key.curve_public)
         await link.on_hello(decode(encode(Message(type=MT.HELLO, run_id="mem", src=0, dst=1,
                                                   meta={**meta, "cert": ids[0].encoded_cert}))),
-                            "stage0.00000001", lambda frames, kind: asyncio.sleep(0), now=admission.clock())
+                            "stage0.00000001", welcome_sent, now=admission.clock())
         stage1.state, stage1.inbound.started = PeerState.TRAINING, True  # as once training started
         with pytest.raises(HelloRefused) as refused:
             admission.check_hello(hello(spare_cert, 5), link, "stage0.00000002", spare.curve_public)
@@ -224,14 +214,13 @@ def test_a_welcome_must_carry_the_certificate_of_the_pinned_server(tmp_path, unc
     another's): stage 0 drops it as ``not_certified``, says HELLO again and trains as ever."""
     _, ids = _identities(tmp_path)
 
+    def another_certificate(frames):
+        msg = decode(frames)
+        msg.meta["cert"] = ids[0].encoded_cert
+        frames[:] = encode(msg)
+
     def setup(net):
-        def tap(sender, dst, frames, reply):
-            msg = peek(frames)
-            if reply and msg is not None and msg.type is MT.WELCOME and msg.src == 1 and not getattr(tap, "done", 0):
-                tap.done = 1
-                msg.meta["cert"] = ids[0].encoded_cert
-                frames[:] = encode(msg)
-        net.tap = tap
+        on_first(net, "stage1", MT.WELCOME, another_certificate, reply=True)
 
     net, results = _run(ids, setup)
     assert results[0].rejects == {"not_certified": 1}
@@ -253,15 +242,11 @@ def test_a_newer_revocation_list_cuts_a_neighbour_off_while_training(tmp_path):
     async def main():
         net, peers, transports = fake_swarm(swarm_config(run={"steps": 400, "run_id": "mem"}), identities=ids)
 
-        def tap(sender, dst, frames, reply):
-            msg = peek(frames)
-            if msg is not None and msg.type is MT.ACT and not getattr(tap, "done", False):
-                tap.done = True
-                write_signed(lists, revoke(local.authority, [ids[0].body.serial], run_id="mem", now=2000), force=True)
-        net.tap = tap
-        return await asyncio.gather(*(p.serve(t) for p, t in zip(peers, transports)), return_exceptions=True)
+        revoked = revoke(local.authority, [ids[0].body.serial], run_id="mem", now=2000)
+        on_first(net, "stage0", MT.ACT, lambda _: write_signed(lists, revoked, force=True))
+        return await serve_all(peers, transports, timeout_s=60)
 
-    results = asyncio.run(asyncio.wait_for(main(), 60))
+    results = asyncio.run(main())
     from mapl_swarm.peer.departures import NeighbourLost
 
     assert ids[1].revoked == {ids[0].body.serial}
@@ -278,16 +263,10 @@ def test_a_stage_without_the_drain_role_leaves_on_its_signal_instead_of_draining
     async def main():
         net, peers, transports = fake_swarm(swarm_config(run={"steps": 400, "run_id": "mem"}), identities=ids)
 
-        def tap(sender, dst, frames, reply):
-            msg = peek(frames)
-            if msg is not None and msg.type is MT.GRAD and not getattr(tap, "done", False):
-                tap.done = True
-                peers[1].request_drain("SIGINT")
-        net.tap = tap
-        out = await asyncio.gather(*(p.serve(t) for p, t in zip(peers, transports)), return_exceptions=True)
-        return net, out
+        on_first(net, "stage1", MT.GRAD, lambda _: peers[1].request_drain("SIGINT"))
+        return net, await serve_all(peers, transports, timeout_s=60)
 
-    net, results = asyncio.run(asyncio.wait_for(main(), 60))
+    net, results = asyncio.run(main())
     assert isinstance(results[1], Interrupted) and "its certificate does not allow it to drain the whole swarm " \
         "(role drain)" in str(results[1])
     assert not any(m.type is MT.CHECKPOINT for m in net.messages("stage1", "stage0"))  # no drain request
