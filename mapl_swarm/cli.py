@@ -631,10 +631,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common_args(p, quiet=False)
     p.set_defaults(func=_cmd_dht)
 
-    p = add("keys", "create a run key file",
+    p = add("keys", "create a run key file, or per-peer identities (subcommands)",
             "Create a run key: a file every peer of one run needs (--key-file) and no one else may have. "
             "It is written with mode 0600 and never printed; only its path and key id are shown. "
-            "`launch`, `lab` and compose create one themselves.")
+            "`launch`, `lab` and compose issue per-peer identities instead (the subcommands, and `keys local`).")
     p.add_argument("--out", metavar="FILE", help="where to write the run key (required without a subcommand)")
     how = p.add_mutually_exclusive_group()
     how.add_argument("--force", action="store_true", help="replace an existing file (a new key: key rotation)")

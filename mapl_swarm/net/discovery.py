@@ -91,10 +91,10 @@ def dht_validators(membership: Any, run_id: str | None = None) -> list[Any]:
     when ``run_id`` is given. Imports hivemind (and torch) only when keyed."""
     if membership is None:
         return []
-    if getattr(membership, "pinned", False) or isinstance(membership, TrustedAuthority):
+    signer = membership if getattr(membership, "pinned", False) else None  # a certified peer signs
+    if signer is not None or isinstance(membership, TrustedAuthority):
         from mapl_swarm.net.dht_validation import CertifiedRecordValidator  # deferred: imports hivemind
 
-        signer = membership if getattr(membership, "pinned", False) else None
         keys = {stage_key(membership.run_id, s): s for s in range(MAX_STAGES)}
         return [CertifiedRecordValidator(run_id=membership.run_id, authority=membership.authority, identity=signer,
                                          stage_keys=keys, revoked=membership.revoked)]

@@ -1,7 +1,8 @@
 """The run key: one secret file that makes a peer a member of a run.
 
-Every member of a run holds the same key file (``mapl-swarm keys --out FILE`` creates one;
-``launch``, ``lab`` and the compose demo create and share one themselves). Everything a member
+Every member of a run holds the same key file (``mapl-swarm keys --out FILE`` creates one; ``peer``
+and ``dht`` take it with ``--key-file``). ``launch``, ``lab`` and compose use per-peer identities
+instead (:mod:`~.identity`, protocol 1.8), which keep members apart. Everything a member
 proves or protects is derived from it, each value under its own label, so no derived value reveals
 another or the key:
 
@@ -31,7 +32,6 @@ import os
 import secrets
 from dataclasses import dataclass, field
 from functools import cached_property
-from pathlib import Path
 
 import zmq
 from zmq.utils import z85
@@ -39,15 +39,12 @@ from zmq.utils import z85
 from mapl_swarm.errors import ConfigError
 from mapl_swarm.net.keyfiles import KEY_BYTES, read_key_file, write_key_file
 
-__all__ = ["RunKey", "CurveKeys", "load_run_key", "create_run_key", "run_dir_key", "RUN_KEY_HEADER",
-           "RUN_KEY_BYTES", "RUN_KEY_FILE"]
+__all__ = ["RunKey", "CurveKeys", "load_run_key", "create_run_key", "RUN_KEY_HEADER", "RUN_KEY_BYTES"]
 
 RUN_KEY_HEADER = "mapl-run-key v1"
 """First line of a run key file."""
 RUN_KEY_BYTES = KEY_BYTES
 """Random bytes in a run key."""
-RUN_KEY_FILE = "run.key"
-"""Name of the run key that ``launch`` and ``lab`` keep in the run's folder (``run.out_dir``)."""
 
 
 def _derive(label: bytes, key: bytes) -> bytes:
@@ -149,17 +146,3 @@ def create_run_key(path: str | os.PathLike[str], *, force: bool = False) -> RunK
     key = RunKey.generate(str(path))
     write_key_file(path, key.secret, header=RUN_KEY_HEADER, what="run key", force=force)
     return key
-
-
-def run_dir_key(out_dir: str | os.PathLike[str]) -> RunKey:
-    """The run key of a local run (``launch``, ``lab``): ``OUT_DIR/run.key``, created (mode 0600)
-    when missing, so a resumed run keeps its key; replace the file to rotate it."""
-    path = Path(out_dir) / RUN_KEY_FILE
-    if path.exists():
-        return load_run_key(path)
-    try:
-        return create_run_key(path)
-    except ConfigError:
-        if path.exists():  # another launcher created it meanwhile
-            return load_run_key(path)
-        raise

@@ -250,7 +250,7 @@ class TransportConfig:
         return options
 
 
-class _RunKeyOnly:
+class _CurveClients:
     """ZAP credentials provider: admits exactly one CURVE client key (the run's public key); with
     ``public`` None (a pinned transport) every CURVE client, whose key CURVE has proved."""
 
@@ -293,7 +293,8 @@ class Transport:
         """Connections the ZAP handler refused (CURVE clients without the run key)."""
         self.mismatched_keys = 0
         """Messages dropped (pinned): their routing id was bound to another CURVE key."""
-        self._keys: OrderedDict[str, bytes] = OrderedDict()
+        self._keys: OrderedDict[str, str] = OrderedDict()
+        """Routing id -> the Z85 CURVE key (ZeroMQ's ``User-Id``) it is bound to, most recent last."""
         self.counters = TrafficCounters()
         self._rx_kind = rx_kind
         self._own_context = context is None
@@ -366,7 +367,7 @@ class Transport:
             raise NetError(f"{self.name}: cannot start the ZAP handler ({exc}): a CURVE transport needs a "
                            f"ZeroMQ context of its own") from exc
         admitted = None if self.config.pinned else curve.public
-        auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=_RunKeyOnly(admitted, self))
+        auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=_CurveClients(admitted, self))
         self._auth = auth
 
     def _stop_authenticator(self) -> None:
@@ -599,8 +600,9 @@ class Transport:
 
     def _attribute(self, sender: str, frame: zmq.Frame) -> bool:
         """Bind ``sender`` to the CURVE key of the connection ``frame`` came on (pinned), or drop the
-        message when that routing id is bound to another key."""
-        key = z85.decode(frame.get("User-Id"))
+        message when that routing id is bound to another key (compared as Z85 text: nothing is
+        decoded per message)."""
+        key = frame.get("User-Id")
         bound = self._keys.get(sender)
         if bound is not None and bound != key:
             self.mismatched_keys += 1
@@ -620,7 +622,8 @@ class Transport:
     def peer_key(self, routing_id: str) -> bytes | None:
         """The CURVE public key (32 raw bytes) that the connection ``routing_id`` proved (pinned
         transports; None when none is known)."""
-        return self._keys.get(routing_id)
+        key = self._keys.get(routing_id)
+        return None if key is None else z85.decode(key)
 
     async def recv_reply(self, timeout_s: float) -> tuple[str, list[Frame]]:
         """Next message received on one of this transport's DEALERs, as ``(link name, frames)``: a
