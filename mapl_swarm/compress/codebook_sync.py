@@ -51,7 +51,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from mapl_swarm.wire.codebook_rules import IGNORE, CodebookError, SliceIndex, check_codes, check_slice
+from mapl_swarm.wire.codebook_rules import (IGNORE, SLICE_VALUE_BOUND, CodebookError, SliceIndex, check_codes,
+                                           check_slice)
 from mapl_swarm.compress.vq import (
     EmaKMeans,
     chunk_tokens,
@@ -98,12 +99,13 @@ def host_codes_check(codes: torch.Tensor, codebook_size: int) -> int | None:
 
 
 def host_slice_check(codes: torch.Tensor, index: torch.Tensor | None) -> tuple[bool, SliceIndex | None]:
-    """Value checks of a host (CPU) slice: are its fp32 codes finite, and the summary of its
-    ``index`` (as :meth:`SliceIndex.of` of its values). Reads host memory only."""
+    """Value checks of a host (CPU) slice: are its fp32 codes finite and within ±``SLICE_VALUE_BOUND``
+    (NaN fails the comparison), and the summary of its ``index`` (as :meth:`SliceIndex.of` of its
+    values). Reads host memory only."""
     for t in (codes, index):
         if t is not None and t.device.type != "cpu":
             raise ValueError(f"host_slice_check reads host tensors, got one on {t.device}")
-    finite = codes.dtype == torch.float32 and bool(torch.isfinite(codes).all())
+    finite = codes.dtype == torch.float32 and bool((codes.abs() <= SLICE_VALUE_BOUND).all())
     if index is None:
         return finite, None
     v = index.long()
@@ -406,8 +408,8 @@ class VQReceiver:
         return outcome
 
     def _reject(self, exc: CodebookError) -> None:
-        self.rejected[exc.code] += 1
-        log.warning("vq %s receiver (version %d): rejected: %s: %s (%d rejected so far)", self.stream,
+        self.rejected[exc.code] += 1  # logged by the caller, which knows the link (once per rejection)
+        log.debug("vq %s receiver (version %d): rejected: %s: %s (%d rejected so far)", self.stream,
                     self.version, type(exc).__name__, exc, sum(self.rejected.values()))
 
     @torch.no_grad()

@@ -64,7 +64,7 @@ import hmac
 import math
 import struct
 import time
-from typing import Iterable, Mapping
+from typing import AbstractSet, Iterable, Mapping
 
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 
@@ -197,10 +197,13 @@ class CertifiedRecordValidator(RecordValidatorBase):
     a record under any other key is refused."""
 
     def __init__(self, *, run_id: str, authority: bytes, stage_keys: Mapping[str, int], identity=None,
-                 revoked: frozenset[int] = frozenset(), max_ttl_s: float = CERTIFIED_MAX_TTL_S) -> None:
+                 revoked: AbstractSet[int] = frozenset(), max_ttl_s: float = CERTIFIED_MAX_TTL_S) -> None:
         self._run_id, self._authority, self._identity = run_id, bytes(authority), identity
         self._stage_of = {dht_key_id(key): s for key, s in stage_keys.items()}
-        self._revoked, self._max_ttl_s = frozenset(revoked), float(max_ttl_s)
+        self._revoked = revoked
+        """The serials revoked, read at every validation: the set a revocation watch updates (a live
+        peer's, a bootstrap node's), so a newly revoked peer's records are refused from then on."""
+        self._max_ttl_s = float(max_ttl_s)
 
     def __repr__(self) -> str:
         return f"CertifiedRecordValidator(run={self._run_id!r}, signs={self._identity is not None})"

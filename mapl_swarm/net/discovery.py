@@ -48,13 +48,16 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from mapl_swarm.errors import ConfigError
 from mapl_swarm.net.dht_node import host_maddr, start_dht
 from mapl_swarm.net.errors import DiscoveryError, DiscoveryTimeoutError
 from mapl_swarm.procs import wait_for_signal
+
+if TYPE_CHECKING:
+    from mapl_swarm.net.identity import RevocationWatch
 
 __all__ = ["DiscoveryConfig", "Discovery", "start_dht", "run_bootstrap_node", "host_maddr", "stage_key",
            "dht_validators", "HasDhtKey", "TrustedAuthority", "MAX_STAGES", "MAX_TTL_S"]
@@ -110,11 +113,14 @@ def dht_validators(membership: Any, run_id: str | None = None) -> list[Any]:
 @dataclass(frozen=True)
 class TrustedAuthority:
     """What a certified run's DHT bootstrap node trusts: the run and its authority (it announces
-    nothing, so it holds no identity of its own); read from any certificate of the run."""
+    nothing, so it holds no identity of its own); read from any certificate of the run. ``watch``
+    (``dht --revocations FILE``) adds the serials of each newer revocation list to ``revoked``, so
+    the node refuses a revoked peer's records from then on."""
 
     run_id: str
     authority: bytes
-    revoked: frozenset[int] = frozenset()
+    revoked: set[int] = field(default_factory=set)
+    watch: RevocationWatch | None = None
 
 
 def run_bootstrap_node(host: str = "0.0.0.0", port: int = 0, *, announce_host: str | None = None,
@@ -137,10 +143,18 @@ def run_bootstrap_node(host: str = "0.0.0.0", port: int = 0, *, announce_host: s
                     "signed" if membership is not None else "unsigned", " ".join(maddrs))
         if ready is not None:
             ready(maddrs)
-        wait_for_signal(stop)  # the signals' handlers (Ctrl-C, the CLI's SIGTERM) still run
+        watch = getattr(membership, "watch", None)
+        # the signals' handlers (Ctrl-C, the CLI's SIGTERM) still run; a revocation list is re-read
+        wait_for_signal(stop, tick=None if watch is None else lambda: _reread(watch, membership))
         return maddrs
     finally:
         dht.shutdown()
+
+
+def _reread(watch: RevocationWatch, membership: TrustedAuthority) -> None:
+    if watch.poll(membership):
+        logger.warning("revocation list %s: certificate serial(s) %s revoked; their records are refused from now on",
+                       watch.path, sorted(membership.revoked))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import msgpack
 import zmq
@@ -564,24 +564,52 @@ def load_identity(key_path: str | os.PathLike[str], cert_path: str | os.PathLike
     cert = read_signed(cert_path, "certificate")
     try:
         body = CertificateBody.decode(cert.body)
-        revoked: set[int] = set()
-        if revocations is not None:
-            revoked.update(verify_revocations(read_signed(revocations, "revocations"), authority=body.authority,
-                                              run_id=run_id).serials)
+    except CertificateError as exc:
+        raise ConfigError(f"certificate {cert_path}: {exc} ({exc.code})") from None
+    revoked: set[int] = set()
+    watch = None if revocations is None else watch_revocations(revocations, authority=body.authority,
+                                                                run_id=run_id, revoked=revoked)
+    try:
         verify_certificate(cert, authority=body.authority, run_id=run_id, stage=stage, revoked=revoked)
     except CertificateError as exc:
         raise ConfigError(f"certificate {cert_path}: {exc} ({exc.code})") from None
     if body.sign_key != key.sign_public or body.curve_key != key.curve_public:
         raise ConfigError(f"certificate {cert_path} is for another peer key than {key_path} "
                           f"(it names {key_id(body.sign_key)}, the key is {key.key_id})")
-    identity = PeerIdentity(key, cert, body, revoked, RevocationWatch(revocations) if revocations else None)
-    if identity.watch is not None:
-        identity.watch.poll(identity)  # remembers the list just read
-    return identity
+    return PeerIdentity(key, cert, body, revoked, watch)
+
+
+def watch_revocations(path: str | os.PathLike[str], *, authority: bytes, run_id: str,
+                      revoked: set[int]) -> RevocationWatch:
+    """Read the authority's revocation list at ``path`` into ``revoked`` (a bad file: a one-line
+    :class:`ConfigError` naming it) and return the watch that re-reads it when it changes."""
+    watch = RevocationWatch(path)
+    seen = watch.changed()
+    try:
+        body = verify_revocations(read_signed(path, "revocations"), authority=authority, run_id=run_id)
+    except CertificateError as exc:
+        raise ConfigError(f"revocation list {path}: {exc} ({exc.code})") from None
+    revoked.update(body.serials)
+    watch.remember(seen, body.issued)
+    return watch
 
 
 REVOCATION_POLL_S = 2.0
 """How often a certified peer given a revocation list looks whether the file changed."""
+
+
+class Trust(Protocol):
+    """What a revocation list is checked against and adds to: a :class:`PeerIdentity`, or a
+    bootstrap node's :class:`~mapl_swarm.net.discovery.TrustedAuthority`."""
+
+    @property
+    def authority(self) -> bytes: ...
+
+    @property
+    def run_id(self) -> str: ...
+
+    @property
+    def revoked(self) -> set[int]: ...
 
 
 class RevocationWatch:
@@ -594,17 +622,27 @@ class RevocationWatch:
         self._seen: tuple[int, int] | None = None
         self._issued = -1
 
-    def poll(self, identity: PeerIdentity) -> bool:
-        """Read the file if it changed; a newer valid list adds its serials to ``identity.revoked``.
-        True when that revoked a serial not revoked before. A missing or bad file keeps what was
-        revoked (logged once per change of the file)."""
+    def changed(self) -> tuple[int, int] | None:
+        """The file's (mtime, size) when it changed since last read (None: unchanged or missing)."""
         try:
             st = self.path.stat()
         except OSError:
+            return None
+        seen = (st.st_mtime_ns, st.st_size)
+        return None if seen == self._seen else seen
+
+    def remember(self, seen: tuple[int, int] | None, issued: int) -> None:
+        """The list of file state ``seen`` and issue time ``issued`` was read."""
+        self._seen, self._issued = seen, max(self._issued, issued)
+
+    def poll(self, identity: Trust) -> bool:
+        """Read the file if it changed; a newer valid list adds its serials to ``identity.revoked``.
+        True when that revoked a serial not revoked before. A missing or bad file keeps what was
+        revoked (logged once per change of the file)."""
+        seen = self.changed()
+        if seen is None:
             return False
-        if (st.st_mtime_ns, st.st_size) == self._seen:
-            return False
-        self._seen = (st.st_mtime_ns, st.st_size)
+        self._seen = seen
         try:
             body = verify_revocations(read_signed(self.path, "revocations"), authority=identity.authority,
                                       run_id=identity.run_id)
@@ -613,7 +651,7 @@ class RevocationWatch:
             return False
         if body.issued <= self._issued:
             return False
-        self._issued = body.issued
+        self.remember(seen, body.issued)
         new = set(body.serials) - identity.revoked
         identity.revoked.update(new)
         return bool(new)

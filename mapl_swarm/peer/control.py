@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from mapl_swarm.errors import MaplError
 from mapl_swarm.wire import Message, MessageType
 from mapl_swarm.wire.spec import DRAIN_PHASES, DRAIN_REASON, REJOIN_REASON
-from mapl_swarm.peer.link import CONFIG_REFUSALS
+from mapl_swarm.peer.link import CONFIG_REFUSALS, stage_name
 
 if TYPE_CHECKING:
     import asyncio
@@ -98,14 +98,35 @@ class Control:
         if peer.started and msg.epoch > peer.epoch:
             # a neighbour re-forms the swarm (it lost its other neighbour); not answered: it repeats
             # its HELLO to this peer's next session
-            peer.pause(f"stage {msg.src} re-forms the swarm (its HELLO of run epoch {msg.epoch})",
-                       epoch=msg.epoch, lost=None, told_by=msg.src)
+            if not self._implausible_reform(msg, epoch=msg.epoch, lost=None):
+                peer.pause(f"stage {msg.src} re-forms the swarm (its HELLO of run epoch {msg.epoch})",
+                           epoch=msg.epoch, lost=None, told_by=msg.src)
             return
         if self._must_resume(msg):
             return
         reply = peer.inbound.reply(transport, arrival, got.link)
         await peer.inbound.answer(got.link.on_hello(msg, arrival.sender, reply, now=peer.admission.clock(),
                                                     anchored=peer.links.anchored))
+
+    def _implausible_reform(self, msg: Message, *, epoch: int | None, lost: int | None) -> bool:
+        """Drop (``implausible``, SPEC §7.5 item 9) a neighbour's word that the swarm re-forms (a
+        HELLO of a higher run epoch while training, BYE ``"rejoin"``) unless it can be true: the
+        epoch is this swarm's next one, and the departed stage lies beyond the teller, away from
+        this peer (``lost``; unnamed: the teller has a neighbour there), since a stage sees only its
+        own neighbours leave and this peer is the teller's live neighbour. True when dropped."""
+        peer, src = self.peer, msg.src
+        away = src - peer.stage  # +1: the teller is downstream, -1: upstream
+        why = None
+        if epoch is not None and epoch != peer.epoch + 1:
+            why = f"run epoch {epoch}, but this swarm's next one is {peer.epoch + 1}"
+        elif lost is None and not 0 <= src + away < peer.cfg.pipeline.num_stages:
+            why = f"stage {src} has no other neighbour than this peer, which it is in session with"
+        elif lost is not None and not (isinstance(lost, int) and 0 <= lost < peer.cfg.pipeline.num_stages
+                                       and (lost - src) * away > 0):
+            why = f"stage {lost!r} is not beyond stage {src} from this peer, so stage {src} did not see it leave"
+        if why is not None:
+            peer.rejects("implausible", stage_name(src), f"{msg.type.name}: stage {src} re-forms the swarm: {why}")
+        return why is not None
 
     def _must_resume(self, msg: Message) -> bool:
         """A HELLO or WELCOME from a swarm that re-forms after a departure (run epoch > 0) while this
@@ -188,6 +209,8 @@ class Control:
             return
         if reason == REJOIN_REASON:
             lost = msg.meta.get("lost")
+            if self._implausible_reform(msg, epoch=None, lost=lost):
+                return
             departed = f" (stage {lost} departed)" if lost is not None else ""
             peer.pause(f"stage {msg.src} re-forms the swarm{departed}", epoch=max(peer.epoch + 1, msg.epoch),
                        lost=lost, told_by=msg.src)

@@ -36,10 +36,22 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["serve_sessions", "serve_until_signalled", "merge", "REJOIN_END"]
+__all__ = ["serve_sessions", "serve_until_signalled", "merge", "REJOIN_END", "REFORM_BACKOFF_S", "REFORM_BACKOFF_MAX_S",
+           "reform_wait_s"]
 
 REJOIN_END = "rejoin"
 """``PeerResult.end`` of a session that ended so that the swarm re-forms."""
+
+REFORM_BACKOFF_S = 1.0
+"""The wait before a session that re-forms the swarm when the session before it trained no step,
+doubling with each such re-form in a row up to :data:`REFORM_BACKOFF_MAX_S`: a neighbour that keeps
+re-forming (a fault, or a member's abuse) costs a bounded rate of rollbacks, not a busy loop."""
+REFORM_BACKOFF_MAX_S = 8.0
+
+
+def reform_wait_s(idle: int) -> float:
+    """The wait before the next session after ``idle`` re-forms in a row without a step trained."""
+    return 0.0 if idle <= 0 else min(REFORM_BACKOFF_S * 2 ** (idle - 1), REFORM_BACKOFF_MAX_S)
 
 _LAST_WORDS_S = 1.0
 """After the last session, how long ZeroMQ may take to send what it still queues (a BYE)."""
@@ -93,16 +105,22 @@ async def serve_sessions(new_session: Callable[..., Peer], cfg: TrainConfig, sta
     (see the module docstring); ``new_session(resume=, epoch=, rejoining=)`` builds each one's peer.
     SIGINT/SIGTERM drain the swarm as in a single session."""
     result: PeerResult | None = None
-    epoch, rejoining = 0, False
+    epoch, rejoining, idle = 0, False, 0
     async with Transport(stage_name(stage), TransportConfig.for_run(cfg, membership)) as transport:
         while True:
             peer = new_session(resume=resume or rejoining, epoch=epoch, rejoining=rejoining)
-            result = merge(result, await serve_until_signalled(peer, transport))
+            session = await serve_until_signalled(peer, transport)
+            result = merge(result, session)
             if result.end != REJOIN_END:
                 break
             epoch, rejoining = result.epoch, True
+            idle = 0 if peer.schedule.step > session.start_step else idle + 1
             log.warning("stage %d: %s; re-forming the swarm (run epoch %d, waiting up to %g s for the other stages)",
                         stage, result.rejoins[-1], epoch, cfg.net.rejoin_timeout_s)
+            if idle:  # re-forms without a step trained in between: rate-limited (SPEC §7.5 item 9)
+                log.warning("stage %d: %d re-form(s) in a row without a step trained; the next one starts in %g s",
+                            stage, idle, reform_wait_s(idle))
+                await asyncio.sleep(reform_wait_s(idle))
         # a clean end: what is still queued (the last BYE) gets up to a second to leave
         await transport.aclose(linger_s=_LAST_WORDS_S)
     return result

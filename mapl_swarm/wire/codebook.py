@@ -23,6 +23,7 @@ from .codebook_rules import (
     IGNORE,
     INDEXED_SLICES_CAPABILITY,
     RETRANSMIT_CAPABILITY,
+    SLICE_VALUE_BOUND,
     VQ_CAPABILITY,
     BadCodes,
     CodebookError,
@@ -153,7 +154,7 @@ def receiver_outcome(msg: Message, *, stream: str, layout: CodebookLayout, have:
     if msg.type is MessageType.CODEBOOK_SLICE:
         f = slice_fields(msg)
         shape = f.codes.shape
-        finite = bool(np.isfinite(f.codes).all())
+        finite = bool((np.abs(f.codes) <= SLICE_VALUE_BOUND).all())  # NaN fails the comparison
         index = None if f.index is None else SliceIndex.of(f.index_dtype, f.index.shape, f.index.ravel().tolist())
         return check_slice(stream=f.stream, version=f.version, start=f.start, full=f.full, shape=shape,
                            finite=finite, expect_stream=stream, layout=layout, have=have,

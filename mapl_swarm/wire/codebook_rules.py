@@ -58,6 +58,18 @@ INDEXED_SLICES_CAPABILITY = "vq_indexed_slices"
 """HELLO/WELCOME capability of peers that accept indexed CODEBOOK_SLICEs (SPEC §5.1, 1.2)."""
 
 
+SLICE_VALUE_BOUND = 65504.0
+"""(1.9) A slice's codes lie within ±this (the fp16 range): codebooks are centroids of projected
+activations or of their gradients, which no honest sender has beyond it, while a finite absurd
+value (1e30) would overflow every reconstruction it enters. Beyond it: ``SliceMalformed``."""
+
+MAX_SLICE_SKIP = 4096
+"""(1.9) How far a full slice's version may lie beyond the receiver's: a sender emits at most one
+slice per micro-batch it encodes and cannot run more than its step window ahead of the receiver,
+so an honest full slice (after lost ones, or answering a RESYNC) skips far fewer; one beyond it
+(version 10^6) is ``FutureSlice``, and the receiver asks for a RESYNC."""
+
+
 class CodebookError(MaplError):
     """A slice or a VQ code tensor the codebook receiver refuses; ``code`` names it."""
 
@@ -198,7 +210,10 @@ def check_slice(*, stream: str, version: int, start: int, full: bool, shape: tup
         if not index.increasing:
             raise SliceMalformed("slice index rows must be strictly increasing")
     if finite is False:
-        raise SliceMalformed("slice codes contain non-finite values")
+        raise SliceMalformed(f"slice codes contain non-finite values or values beyond ±{SLICE_VALUE_BOUND:g}")
+    if full and version > have + MAX_SLICE_SKIP:
+        raise FutureSlice(f"full slice version {version} lies more than {MAX_SLICE_SKIP} beyond the receiver's "
+                          f"{have}")
     if awaiting_resync:
         return APPLY if full else IGNORE
     if version <= have:

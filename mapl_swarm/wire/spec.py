@@ -1,4 +1,4 @@
-"""Constants of wire protocol 1.8: version, message types, dtypes, codecs, limits, key order.
+"""Constants of wire protocol 1.9: version, message types, dtypes, codecs, limits, key order.
 
 Everything here mirrors a table of ``protocol/SPEC.md``; change the spec first, then this file.
 """
@@ -63,7 +63,7 @@ __all__ = [
     "INT64_MIN",
 ]
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 8)
+PROTOCOL_VERSION: tuple[int, int] = (1, 9)
 """(major, minor) spoken by this implementation. Peers of one major talk whatever their minors
 (SPEC §10): a 1.5 peer and a 1.4 peer interoperate, without the 1.5 rejoin; a 1.6 peer names the
 settings that differ and keeps serving next to a misconfigured neighbour, a 1.5 one does not."""

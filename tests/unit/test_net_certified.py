@@ -210,3 +210,28 @@ def test_a_record_cannot_outlive_its_certificate(swarm):
     ok = signed_by(brief, record(0, contact("tcp://h:1", key.curve_public), expiration=time.time() + 10))
     late = signed_by(brief, record(0, contact("tcp://h:1", key.curve_public), expiration=time.time() + 60))
     assert checker(swarm).validate(ok) and not checker(swarm).validate(late)
+
+
+def test_a_bootstrap_node_watching_the_revocation_list_refuses_a_peer_from_its_revocation_on(swarm, tmp_path):
+    """``dht --cert C --revocations FILE``: the node's validator reads the live set the watch fills,
+    so a record valid before the list names its certificate is refused after it (SPEC §7.5 item 8)."""
+    import argparse
+
+    from mapl_swarm.cli import _membership
+    from mapl_swarm.errors import ConfigError
+    from mapl_swarm.net.identity import write_signed
+
+    local, ids = swarm
+    lists = tmp_path / "revoked.list"
+    write_signed(lists, revoke(local.authority, [], run_id=RUN, now=1000))
+    args = argparse.Namespace(insecure=False, key_file=None, cert=str(local.cert_file(0)), revocations=str(lists))
+    node = _membership(args, None)
+    (validator,) = dht_validators(node, RUN)
+    mine = signed_by(ids[1], record(1, contact("tcp://10.0.0.2:5000", ids[1].key.curve_public)))
+    assert validator.validate(mine) and not node.watch.poll(node)  # unchanged: nothing new
+    write_signed(lists, revoke(local.authority, [ids[1].body.serial], run_id=RUN, now=2000), force=True)
+    assert node.watch.poll(node) and not validator.validate(mine)
+    assert validator.validate(signed_by(ids[0], record(0, contact("tcp://10.0.0.1:5000", ids[0].key.curve_public))))
+    lists.write_bytes(b"not a list")
+    with pytest.raises(ConfigError, match=r"revocations file .*revoked.list is not a revocations"):
+        _membership(args, None)

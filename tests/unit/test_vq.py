@@ -12,6 +12,7 @@ from mapl_swarm.config import CompressionConfig, VQConfig
 from mapl_swarm.errors import ConfigError
 from mapl_swarm.pipeline.inprocess import InProcessPipeline
 from mapl_swarm.wire import decode, encode
+from mapl_swarm.wire.codebook_rules import MAX_SLICE_SKIP
 from mapl_swarm.wire.codebook import (
     BadCodes,
     CodebookVersionMismatch,
@@ -123,6 +124,9 @@ def test_bad_slices_are_rejected_by_name_and_never_corrupt_the_codebooks():
     ok = torch.randn(R, NG, 8, G, generator=gen)
     nan = ok.clone()
     nan[0, 1, 2, 0] = float("nan")
+    huge = ok.clone()
+    huge[1, 0, 3, 1] = -1e30  # finite, beyond ±SLICE_VALUE_BOUND
+    whole = torch.randn(R, NG, K, G, generator=gen)
     bad = [
         (CodebookSlice("act", v, 0, False, ok), StaleSlice),
         (CodebookSlice("act", v - 2, 0, False, ok), StaleSlice),
@@ -133,6 +137,8 @@ def test_bad_slices_are_rejected_by_name_and_never_corrupt_the_codebooks():
         (CodebookSlice("act", v + 1, 28, False, ok), SliceIndexOutOfRange),
         (CodebookSlice("act", v + 1, 32, False, ok[:, :, :1]), SliceIndexOutOfRange),
         (CodebookSlice("act", v + 1, 0, False, nan), SliceMalformed),
+        (CodebookSlice("act", v + 1, 0, False, huge), SliceMalformed),
+        (CodebookSlice("act", v + MAX_SLICE_SKIP + 1, 0, True, whole), FutureSlice),  # version 10^6 and the like
         (CodebookSlice("grad", v + 1, 0, False, ok), SliceMalformed),
     ]
     for sl, err in bad:

@@ -527,6 +527,10 @@ def _codebook(v: dict[str, list[bytes]]) -> list[Case]:
     R, NG, K, G = VQ_LAYOUT
     nan = sample_codebook(4, 4, 21)
     nan[1, 0, 2, 1] = float("nan")
+    huge = sample_codebook(4, 4, 26)
+    huge[0, 1, 1, 0] = 1e30  # finite, far beyond any honest codebook
+    huge_msg = slice_message(run_id=RUN_ID, src=0, dst=1, stream="act", version=6, start=4, full=False,
+                             codes=huge, step=12, micro=3, seq=50, version_tuple=(1, 9))
     nan_msg = slice_message(run_id=RUN_ID, src=0, dst=1, stream="act", version=6, start=4, full=False,
                             codes=nan, step=12, micro=3, version_tuple=(1, 1))
     two = slice_message(run_id=RUN_ID, src=0, dst=1, stream="act", version=6, start=4, full=False,
@@ -585,6 +589,14 @@ def _codebook(v: dict[str, list[bytes]]) -> list[Case]:
         ("slice_wrong_stream", _slice(6, 4, 4, stream="grad"), rx, SM, "grad slice to the act receiver"),
         ("slice_no_meta", v["codebook_slice"], rx, SM, "the 1.0 reserved layout: no stream/start"),
         ("slice_nan", [bytes(f) for f in encode(nan_msg)], rx, SM, "a NaN among the codes"),
+        ("slice_value_beyond_bound", [bytes(f) for f in encode(huge_msg)], rx, SM,
+         "1.9 a code value of 1e30, beyond ±65504"),
+        ("slice_full_far_future", _slice(5 + 4097, 0, K, full=True), rx, "future_slice",
+         "1.9 full slice 4097 versions beyond the receiver's 5 (at most 4096)"),
+        ("slice_full_far_while_awaiting", _slice(5 + 4097, 0, K, full=True), _receiver(awaiting=True),
+         "future_slice", "1.9 full slice 4097 versions beyond, while awaiting a resync"),
+        ("slice_full_skip_bound", _slice(5 + 4096, 0, K, full=True), rx, "apply",
+         "1.9 full slice exactly 4096 versions beyond: applied"),
         ("slice_two_tensors", [bytes(f) for f in encode(two)], rx, SM, "a second tensor"),
         ("slice_full_nonzero_start", [bytes(f) for f in encode(full_start)], rx, SM, "full slice at start 4"),
         ("slice_indexed_next_version", v["codebook_slice_indexed"], rx, "apply",

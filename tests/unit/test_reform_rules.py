@@ -1,0 +1,82 @@
+"""A neighbour's word that the swarm re-forms is believed only when it can be true (SPEC §7.5 item 9).
+
+Each case hands one BYE ``"rejoin"`` or HELLO of a greater epoch, from a live neighbour, to a
+training peer of a 3-stage swarm (stage 1 in the middle, stage 0 at an end): the implausible ones
+are dropped as ``implausible`` and leave the peer training; the plausible ones pause it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from mapl_swarm.peer.admission import Admitted
+from mapl_swarm.peer.runtime import PeerState
+from mapl_swarm.peer.sessions import reform_wait_s
+from mapl_swarm.wire import REJOIN_CAPABILITY, Message, MessageType
+
+from test_drain import _swarm
+
+MT = MessageType
+
+
+def _told(tmp_path, stage: int, mtype: MessageType, src: int, *, epoch: int = 0, lost=None, stages: int = 3):
+    """Stage ``stage`` (training at run epoch 0) handles ``mtype`` from neighbour ``src``: its
+    rejects and whether it paused (the run epoch it pauses at, or None)."""
+    peers, _, _ = _swarm(tmp_path, stages=stages)
+    peer = peers[stage]
+    peer.state = PeerState.TRAINING
+    for link in peer.links:
+        link.capabilities = frozenset({REJOIN_CAPABILITY})  # as its WELCOME said
+    link = next(link for link in peer.links if link.stage == src)
+    meta = {"reason": "rejoin", **({"lost": lost} if lost is not None else {})} if mtype is MT.BYE else {}
+    msg = Message(type=mtype, run_id="mem", src=src, dst=stage, epoch=epoch, meta=meta)
+
+    asyncio.run(peer.control.handle(Admitted(msg, link, link.name), None, None))
+    paused = peer.stop_reason.epoch if peer.stop_reason is not None else None
+    return dict(peer.result.rejects), paused
+
+
+@pytest.mark.parametrize("stage,src,lost,plausible", [
+    (0, 1, 2, True),  # stage 1 saw stage 2 leave: beyond it, away from stage 0
+    (2, 1, 0, True),
+    (1, 2, None, False),  # stage 2 (the last) has no neighbour but stage 1
+    (1, 0, None, False),  # nor has stage 0
+    (0, 1, None, True),  # stage 1 has stage 2 beyond it
+    (0, 1, 0, False),  # "stage 0 left", told to stage 0 itself
+    (2, 1, 2, False),
+    (0, 1, 1, False),  # the teller itself
+    (0, 1, 7, False),  # no such stage
+    (0, 1, "2", False),  # not a stage number
+])
+def test_a_bye_rejoin_is_believed_only_for_a_departure_beyond_the_teller(tmp_path, stage, src, lost, plausible):
+    rejects, paused = _told(tmp_path, stage, MT.BYE, src, lost=lost)
+    if plausible:
+        assert rejects == {} and paused == 1
+    else:
+        assert rejects == {"implausible": 1} and paused is None
+
+
+@pytest.mark.parametrize("stage,src,epoch,plausible", [
+    (0, 1, 1, True),  # the next run epoch, from a middle stage
+    (0, 1, 5, False),  # an epoch far ahead: the escalation of issue 23
+    (1, 2, 1, False),  # from the last stage, whose only neighbour is this one
+    (1, 0, 1, False),
+])
+def test_a_hello_of_a_greater_epoch_re_forms_only_at_the_next_epoch_from_a_stage_with_another_neighbour(
+        tmp_path, stage, src, epoch, plausible):
+    rejects, paused = _told(tmp_path, stage, MT.HELLO, src, epoch=epoch)
+    if plausible:
+        assert rejects == {} and paused == 1
+    else:
+        assert rejects == {"implausible": 1} and paused is None
+
+
+def test_in_a_two_stage_swarm_no_neighbour_can_tell_of_a_departure(tmp_path):
+    assert _told(tmp_path / "bye", 0, MT.BYE, 1, stages=2) == ({"implausible": 1}, None)
+    assert _told(tmp_path / "hello", 1, MT.HELLO, 0, epoch=1, stages=2) == ({"implausible": 1}, None)
+
+
+def test_re_forms_without_a_step_in_between_wait_longer_each_time_up_to_a_bound():
+    assert [reform_wait_s(n) for n in range(6)] == [0.0, 1.0, 2.0, 4.0, 8.0, 8.0]
