@@ -21,9 +21,11 @@ the peer turns into a buggy neighbour (a key holder with the neighbour's real se
 through that session, well-formed messages that do not fit the run (:class:`Insider`), printing
 ``FIRED <name>`` for each and ``INSIDER DONE`` when all are out. ::
 
-    python attacker.py dht --initial-peer MADDR --run RUN --stage S --endpoint EP [--key-file F]
+    python attacker.py dht --initial-peer MADDR --run RUN --stage S --endpoint EP
+                           [--key-file F | --peer-key K --cert C]
 
-Joins the run's DHT (with the run key: signing its record; without: an unsigned one), prints
+Joins the run's DHT (with the run key or a member's identity: signing its record; without: an
+unsigned one), prints
 ``READY``, waits for a line on stdin, stores a record for stage S pointing at EP that outlives
 the honest ones (TTL 600 s), and prints ``LOOKUP <json>``: the endpoints this node then reads
 for stage S, freshest first. It holds the record until stdin closes.
@@ -55,11 +57,11 @@ BF16_NAN = 0x7FC0
 
 # ------------------------------------------------------------------------------------------ frames
 def forge(mtype: MessageType, *, run: str, src: int, dst: int, secret: bytes | None = None, seq: int = 1,
-          step: int = 0, micro: int = 0, pver: int = 0, meta: dict | None = None,
+          step: int = 0, micro: int = 0, pver: int = 0, cver: int = 0, epoch: int = 0, meta: dict | None = None,
           tensors: dict[str, Any] | None = None, max_header_bytes: int = 64 * 1024) -> list[bytes]:
     """The frames of one message (``secret``: the key it is tagged with; None: no tag)."""
-    msg = Message(type=mtype, run_id=run, src=src, dst=dst, step=step, micro=micro, seq=seq, pver=pver,
-                  meta=meta or {}, tensors=tensors or {})
+    msg = Message(type=mtype, run_id=run, src=src, dst=dst, step=step, micro=micro, seq=seq, pver=pver, cver=cver,
+                  epoch=epoch, meta=meta or {}, tensors=tensors or {})
     return [bytes(f) for f in encode(msg, secret=secret, max_header_bytes=max_header_bytes)]
 
 
@@ -288,7 +290,9 @@ class Insider:
     connection (``fingerprint_mismatch``; the REJECT that comes back is ``not_allowed`` here) and
     an ERROR (informational). Stage P-1 (to stage P-2): a NaN GRAD before the next GRAD, that GRAD
     again after it (``replay``), three copies of its next train REPORT with loss 0.123 after it
-    (``out_of_window``), and an ERROR."""
+    (``out_of_window``), one with loss 1e308 before it (``implausible``), an ERROR, and an ERROR
+    ``retransmit_unavailable`` nothing asked for (``implausible``). Both: the implausible re-forms
+    of :meth:`_implausible_reforms`."""
 
     def __init__(self, peer: Any, cfg: Any, say: Callable[[str], None]) -> None:
         self.peer, self.cfg, self.say = peer, cfg, say
@@ -375,12 +379,28 @@ class Insider:
         self._fired("bogus_hello")
         await link.send(MT.ERROR, meta={"code": "internal", "message": f"stage {src} (an insider) says stop"})
         self._fired("error")
+        await self._implausible_reforms(link)
+
+    async def _implausible_reforms(self, link: Any) -> None:
+        """Through the session, words that the swarm re-forms that cannot be true in a 2-stage
+        swarm (the neighbour has no other neighbour to have lost): BYE ``"rejoin"`` and, from
+        stage 0, a HELLO of the next run epoch (SPEC §7.5 item 9)."""
+        s = link.settings
+        self.pending |= {"bye_rejoin"}
+        if s.stage == 0:
+            self.pending |= {"hello_next_epoch"}
+            await self.raw_send(link.name, forge(
+                MT.HELLO, run=s.run_id, src=s.stage, dst=link.stage, secret=s.secret, seq=0, epoch=1,
+                meta={**s.hello_meta(), "nonce": new_nonce()}), kind="HELLO")
+            self._fired("hello_next_epoch")
+        await link.send(MT.BYE, meta={"reason": "rejoin"})
+        self._fired("bye_rejoin")
 
     async def _arm_downstream_sender(self, link: Any) -> None:
         B, T, r, d = self._shapes()
         s = link.settings
         run, src, dst = s.run_id, s.stage, link.stage
-        self.pending |= {"nan_grad", "replay_grad", "dup_reports", "error"}
+        self.pending |= {"nan_grad", "replay_grad", "dup_reports", "absurd_report", "error", "retransmit_unavailable"}
         send_grad, send_report = link.send_grad, link.send_report
 
         async def grad(step: int, micro: int, payload: Any, *, pver: int) -> None:
@@ -396,6 +416,9 @@ class Insider:
                 self._fired("replay_grad")
 
         async def report(step: int, meta: dict) -> None:
+            if meta.get("mode", "train") == "train" and "absurd_report" in self.pending:
+                await send_report(step, {**meta, "loss": 1e308})  # finite, far above 10 ln V
+                self._fired("absurd_report")
             await send_report(step, meta)
             if meta.get("mode", "train") == "train" and "dup_reports" in self.pending:
                 for _ in range(3):
@@ -405,6 +428,9 @@ class Insider:
         link.send_grad, link.send_report = grad, report
         await link.send(MT.ERROR, meta={"code": "internal", "message": f"stage {src} (an insider) says stop"})
         self._fired("error")
+        await link.send(MT.ERROR, meta={"code": "retransmit_unavailable", "message": "nothing was asked for"})
+        self._fired("retransmit_unavailable")
+        await self._implausible_reforms(link)
 
 
 def _say(line: str) -> None:
@@ -469,11 +495,17 @@ def dht_poison(argv: list[str]) -> int:
     ap.add_argument("--stage", type=int, required=True)
     ap.add_argument("--endpoint", required=True)
     ap.add_argument("--key-file")
+    ap.add_argument("--peer-key")
+    ap.add_argument("--cert")
     args = ap.parse_args(argv)
     from mapl_swarm.net.discovery import Discovery, DiscoveryConfig
+    from mapl_swarm.net.identity import load_identity
     from mapl_swarm.net.runkey import load_run_key
 
-    key = load_run_key(args.key_file) if args.key_file else None
+    if args.cert:  # a certified member (for whichever stages its certificate allows)
+        key = load_identity(args.peer_key, args.cert, run_id=args.run)
+    else:
+        key = load_run_key(args.key_file) if args.key_file else None
     config = DiscoveryConfig(initial_peers=(args.initial_peer,), host="127.0.0.1", ttl_s=600.0, refresh_s=300.0,
                              poll_s=0.1)
     with Discovery(args.run, config, membership=key) as node:
