@@ -100,8 +100,6 @@ def _membership(args: argparse.Namespace, cfg: Any, stage: int | None = None):
     authority it names), the run key of ``--key-file``, or None with ``--insecure``."""
     if getattr(args, "peer_key", None) and not args.cert:
         raise ConfigError("--peer-key goes with --cert (a certified peer); a run key (--key-file) needs none")
-    if args.revocations and not args.cert:
-        raise ConfigError("--revocations goes with --cert (a certified run)")
     if args.insecure:
         return None
     if args.key_file:
@@ -109,7 +107,7 @@ def _membership(args: argparse.Namespace, cfg: Any, stage: int | None = None):
 
         return load_run_key(args.key_file)
     from mapl_swarm.net.identity import (CertificateBody, CertificateError, load_identity, read_signed,
-                                         verify_certificate, watch_revocations)
+                                         verify_certificate)
 
     if stage is None:  # a bootstrap node: it trusts the authority of the certificate it is given
         from mapl_swarm.net.discovery import TrustedAuthority
@@ -120,10 +118,7 @@ def _membership(args: argparse.Namespace, cfg: Any, stage: int | None = None):
             verify_certificate(cert, authority=body.authority, run_id=body.run)  # its signature, not expired
         except CertificateError as exc:
             raise ConfigError(f"certificate {args.cert}: {exc} ({exc.code})") from None
-        revoked: set[int] = set()
-        watch = None if not args.revocations else watch_revocations(args.revocations, authority=body.authority,
-                                                                    run_id=body.run, revoked=revoked)
-        return TrustedAuthority(body.run, body.authority, revoked, watch)
+        return TrustedAuthority(body.run, body.authority)
     if not args.peer_key:
         raise ConfigError("--cert needs --peer-key FILE (this host's peer key, from `mapl-swarm keys peer`)")
     return load_identity(args.peer_key, args.cert, run_id=cfg.run.run_id, stage=stage, revocations=args.revocations)
@@ -542,9 +537,6 @@ def _key_args(p: argparse.ArgumentParser, what: str, *, peer: bool = True) -> No
         group.add_argument("--cert", metavar="FILE",
                            help="any certificate of the run: the node keeps only records certified by its "
                                 "authority for its run")
-        p.add_argument("--revocations", metavar="FILE",
-                       help="with --cert: the authority's revocation list (`mapl-swarm keys revoke`), re-read "
-                            "when it changes; the node refuses the records of the peers it revokes")
     group.add_argument("--key-file", metavar="PATH",
                        help=f"the run key file (mode 0600, from `mapl-swarm keys`): {what}; it also keys the "
                             f"HMAC tags (no separate secret)")

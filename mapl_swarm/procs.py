@@ -109,7 +109,7 @@ def watch_parent(parent_pid: int, on_death: Callable[[], None]) -> threading.Thr
     return thread
 
 
-def wait_for_signal(event: threading.Event | None = None, *, tick: Callable[[], None] | None = None) -> None:
+def wait_for_signal(event: threading.Event | None = None) -> None:
     """Block the main thread until ``event`` is set (None: never), or until a signal handler raises
     (Ctrl-C's KeyboardInterrupt, a SIGTERM handler's exception), which propagates.
 
@@ -117,9 +117,7 @@ def wait_for_signal(event: threading.Event | None = None, *, tick: Callable[[], 
     thread that does not block it (hivemind and torch start several), and Python then runs the
     handler on the main thread only when that thread next runs bytecode, which a thread blocked
     in an untimed lock wait or ``signal.pause()`` never does. Waiting in slices of
-    :data:`SIGNAL_SLICE_S` bounds how late the handler runs. ``tick`` runs after every slice (e.g.
-    a file watch)."""
+    :data:`SIGNAL_SLICE_S` bounds how late the handler runs."""
     event = event or threading.Event()
     while not event.wait(SIGNAL_SLICE_S):
-        if tick is not None:
-            tick()
+        pass

@@ -47,12 +47,15 @@ own signing key and carries its certificate::
     stored value = value || cert || u16be(len(cert)) || Ed25519(sign_key, signed)   # 64 bytes
 
 ``cert`` is the certificate as :meth:`~mapl_swarm.net.identity.Signed.encode` writes it. A node
-accepts a record only when that certificate is the run's authority's, for this run, valid, not
-revoked and allows the stage of the record's key (``mapl/<run>/stage/<k>``); the signature is its
-key's; the value (an endpoint string) is a tombstone ``""`` or a contact whose CURVE key is the
+accepts a record only when that certificate is the run's authority's, for this run, valid and
+allows the stage of the record's key (``mapl/<run>/stage/<k>``); the signature is its key's; the
+value (an endpoint string) is a tombstone ``""`` or a contact whose CURVE key is the
 certificate's (so a dialer pins the key of the peer the certificate names); and the expiration
 lies at most :data:`CERTIFIED_MAX_TTL_S` ahead and before the certificate's end. A member can
 therefore announce only the stages its certificate allows, only its own key, and only briefly.
+A record whose certificate is revoked (the live set a revocation watch fills) reads as withdrawn:
+hivemind drops a node's whole answer for a key when one of its records fails validation, so a
+refused record would hide the stage's other peers too.
 
 This module imports hivemind (and with it torch): import it only where a DHT is started.
 """
@@ -61,7 +64,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import math
+import os
 import struct
 import time
 from typing import AbstractSet, Iterable, Mapping
@@ -82,6 +87,8 @@ MAX_TTL_S = 86400.0
 """Default bound on how far ahead of the validating node's clock an expiration may lie."""
 NO_SUBKEY = b"\xc0"
 """The subkey bytes hivemind uses for a record without a subkey (``msgpack(None)``)."""
+
+logger = logging.getLogger(__name__)
 
 
 def dht_key_id(key: str) -> bytes:
@@ -197,13 +204,37 @@ class CertifiedRecordValidator(RecordValidatorBase):
     a record under any other key is refused."""
 
     def __init__(self, *, run_id: str, authority: bytes, stage_keys: Mapping[str, int], identity=None,
-                 revoked: AbstractSet[int] = frozenset(), max_ttl_s: float = CERTIFIED_MAX_TTL_S) -> None:
+                 revoked: AbstractSet[int] = frozenset(), revocations: str | os.PathLike[str] | None = None,
+                 max_ttl_s: float = CERTIFIED_MAX_TTL_S) -> None:
+        from mapl_swarm.net.identity import RevocationWatch
+
         self._run_id, self._authority, self._identity = run_id, bytes(authority), identity
         self._stage_of = {dht_key_id(key): s for key, s in stage_keys.items()}
-        self._revoked = revoked
-        """The serials revoked, read at every validation: the set a revocation watch updates (a live
-        peer's, a bootstrap node's), so a newly revoked peer's records are refused from then on."""
+        self.revoked: set[int] = set(revoked)
+        self._watch = None if revocations is None else RevocationWatch(revocations)
+        """The authority's revocation list file, re-read (at most every ``REVOCATION_POLL_S``) when a
+        record is read: in the DHT's own process, which a set of the parent's would not reach."""
+        self._next_poll = 0.0
         self._max_ttl_s = float(max_ttl_s)
+
+    @property
+    def run_id(self) -> str:
+        return self._run_id
+
+    @property
+    def authority(self) -> bytes:
+        return self._authority
+
+    def _revoked_now(self) -> set[int]:
+        """The serials revoked, the list file re-read if it changed."""
+        from mapl_swarm.net.identity import REVOCATION_POLL_S
+
+        if self._watch is not None and time.monotonic() >= self._next_poll:
+            self._next_poll = time.monotonic() + REVOCATION_POLL_S
+            if self._watch.poll(self):
+                logger.warning("revocation list %s: the records of certificate serial(s) %s read as withdrawn",
+                               self._watch.path, sorted(self.revoked))
+        return self.revoked
 
     def __repr__(self) -> str:
         return f"CertifiedRecordValidator(run={self._run_id!r}, signs={self._identity is not None})"
@@ -238,8 +269,10 @@ class CertifiedRecordValidator(RecordValidatorBase):
             return False
         value, cert, sig = parts
         try:
+            # revocation is strip_value's: refusing a record here would make hivemind drop the whole
+            # stage dictionary a node returns, the stage's other peers' records with it
             body = verify_certificate(Signed.decode("certificate", cert), authority=self._authority,
-                                      run_id=self._run_id, stage=stage, now=now, revoked=self._revoked)
+                                      run_id=self._run_id, stage=stage, now=now)
             Ed25519PublicKey.from_public_bytes(body.sign_key).verify(
                 sig, record_message(record.key, record.subkey, value, record.expiration_time, domain=CERT_DOMAIN))
         except (CertificateError, InvalidSignature, ValueError):
@@ -247,8 +280,16 @@ class CertifiedRecordValidator(RecordValidatorBase):
         return record.expiration_time <= body.not_after and _contact_of(value, body.curve_key)
 
     def strip_value(self, record: DHTRecord) -> bytes:
+        """The announced value; a revoked certificate's record reads as withdrawn (a tombstone)."""
+        from mapl_swarm.net.identity import CertificateBody, Signed
+
         parts = self._split(bytes(record.value))
-        return record.value if parts is None else parts[0]
+        if parts is None:
+            return record.value
+        revoked = self._revoked_now()
+        if revoked and CertificateBody.decode(Signed.decode("certificate", parts[1]).body).serial in revoked:
+            return _TOMBSTONE
+        return parts[0]
 
     @property
     def priority(self) -> int:
@@ -257,6 +298,10 @@ class CertifiedRecordValidator(RecordValidatorBase):
     def merge_with(self, other: RecordValidatorBase) -> bool:
         return (isinstance(other, CertifiedRecordValidator) and other._run_id == self._run_id
                 and other._authority == self._authority and other._identity is self._identity)
+
+
+_TOMBSTONE = b"\xa0"
+"""msgpack of the empty string: a withdrawn entry (SPEC §9.1)."""
 
 
 def _contact_of(value: bytes, curve_key: bytes) -> bool:

@@ -48,16 +48,13 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, Sequence
 
 from mapl_swarm.errors import ConfigError
 from mapl_swarm.net.dht_node import host_maddr, start_dht
 from mapl_swarm.net.errors import DiscoveryError, DiscoveryTimeoutError
 from mapl_swarm.procs import wait_for_signal
-
-if TYPE_CHECKING:
-    from mapl_swarm.net.identity import RevocationWatch
 
 __all__ = ["DiscoveryConfig", "Discovery", "start_dht", "run_bootstrap_node", "host_maddr", "stage_key",
            "dht_validators", "HasDhtKey", "TrustedAuthority", "MAX_STAGES", "MAX_TTL_S"]
@@ -99,8 +96,10 @@ def dht_validators(membership: Any, run_id: str | None = None) -> list[Any]:
         from mapl_swarm.net.dht_validation import CertifiedRecordValidator  # deferred: imports hivemind
 
         keys = {stage_key(membership.run_id, s): s for s in range(MAX_STAGES)}
+        watch = getattr(membership, "watch", None)  # a peer's revocation list (a bootstrap node reads no records)
         return [CertifiedRecordValidator(run_id=membership.run_id, authority=membership.authority, identity=signer,
-                                         stage_keys=keys, revoked=membership.revoked)]
+                                         stage_keys=keys, revoked=membership.revoked,
+                                         revocations=None if watch is None else watch.path)]
     dht_key = membership.dht_key
     if not isinstance(dht_key, bytes) or len(dht_key) != 32:
         raise ConfigError("run key: dht_key must be 32 bytes")
@@ -113,14 +112,11 @@ def dht_validators(membership: Any, run_id: str | None = None) -> list[Any]:
 @dataclass(frozen=True)
 class TrustedAuthority:
     """What a certified run's DHT bootstrap node trusts: the run and its authority (it announces
-    nothing, so it holds no identity of its own); read from any certificate of the run. ``watch``
-    (``dht --revocations FILE``) adds the serials of each newer revocation list to ``revoked``, so
-    the node refuses a revoked peer's records from then on."""
+    nothing, so it holds no identity of its own); read from any certificate of the run."""
 
     run_id: str
     authority: bytes
-    revoked: set[int] = field(default_factory=set)
-    watch: RevocationWatch | None = None
+    revoked: frozenset[int] = frozenset()
 
 
 def run_bootstrap_node(host: str = "0.0.0.0", port: int = 0, *, announce_host: str | None = None,
@@ -143,18 +139,10 @@ def run_bootstrap_node(host: str = "0.0.0.0", port: int = 0, *, announce_host: s
                     "signed" if membership is not None else "unsigned", " ".join(maddrs))
         if ready is not None:
             ready(maddrs)
-        watch = getattr(membership, "watch", None)
-        # the signals' handlers (Ctrl-C, the CLI's SIGTERM) still run; a revocation list is re-read
-        wait_for_signal(stop, tick=None if watch is None else lambda: _reread(watch, membership))
+        wait_for_signal(stop)  # the signals' handlers (Ctrl-C, the CLI's SIGTERM) still run
         return maddrs
     finally:
         dht.shutdown()
-
-
-def _reread(watch: RevocationWatch, membership: TrustedAuthority) -> None:
-    if watch.poll(membership):
-        logger.warning("revocation list %s: certificate serial(s) %s revoked; their records are refused from now on",
-                       watch.path, sorted(membership.revoked))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -564,34 +564,20 @@ def load_identity(key_path: str | os.PathLike[str], cert_path: str | os.PathLike
     cert = read_signed(cert_path, "certificate")
     try:
         body = CertificateBody.decode(cert.body)
-    except CertificateError as exc:
-        raise ConfigError(f"certificate {cert_path}: {exc} ({exc.code})") from None
-    revoked: set[int] = set()
-    watch = None if revocations is None else watch_revocations(revocations, authority=body.authority,
-                                                                run_id=run_id, revoked=revoked)
-    try:
+        revoked: set[int] = set()
+        if revocations is not None:
+            revoked.update(verify_revocations(read_signed(revocations, "revocations"), authority=body.authority,
+                                              run_id=run_id).serials)
         verify_certificate(cert, authority=body.authority, run_id=run_id, stage=stage, revoked=revoked)
     except CertificateError as exc:
         raise ConfigError(f"certificate {cert_path}: {exc} ({exc.code})") from None
     if body.sign_key != key.sign_public or body.curve_key != key.curve_public:
         raise ConfigError(f"certificate {cert_path} is for another peer key than {key_path} "
                           f"(it names {key_id(body.sign_key)}, the key is {key.key_id})")
-    return PeerIdentity(key, cert, body, revoked, watch)
-
-
-def watch_revocations(path: str | os.PathLike[str], *, authority: bytes, run_id: str,
-                      revoked: set[int]) -> RevocationWatch:
-    """Read the authority's revocation list at ``path`` into ``revoked`` (a bad file: a one-line
-    :class:`ConfigError` naming it) and return the watch that re-reads it when it changes."""
-    watch = RevocationWatch(path)
-    seen = watch.changed()
-    try:
-        body = verify_revocations(read_signed(path, "revocations"), authority=authority, run_id=run_id)
-    except CertificateError as exc:
-        raise ConfigError(f"revocation list {path}: {exc} ({exc.code})") from None
-    revoked.update(body.serials)
-    watch.remember(seen, body.issued)
-    return watch
+    identity = PeerIdentity(key, cert, body, revoked, RevocationWatch(revocations) if revocations else None)
+    if identity.watch is not None:
+        identity.watch.poll(identity)  # remembers the list just read
+    return identity
 
 
 REVOCATION_POLL_S = 2.0
@@ -599,8 +585,8 @@ REVOCATION_POLL_S = 2.0
 
 
 class Trust(Protocol):
-    """What a revocation list is checked against and adds to: a :class:`PeerIdentity`, or a
-    bootstrap node's :class:`~mapl_swarm.net.discovery.TrustedAuthority`."""
+    """What a revocation list is checked against and adds to: a :class:`PeerIdentity`, or the
+    record validator of its DHT node (:class:`~mapl_swarm.net.dht_validation.CertifiedRecordValidator`)."""
 
     @property
     def authority(self) -> bytes: ...
@@ -614,35 +600,26 @@ class Trust(Protocol):
 
 class RevocationWatch:
     """A certified peer's revocation list file (``peer --revocations``), read again when it changes:
-    the operator replaces it on every host (``mapl-swarm keys revoke``, then copy it) and running
-    peers cut the revoked ones off within :data:`REVOCATION_POLL_S` (SPEC §7.5 item 8)."""
+    the operator replaces it on every host (``mapl-swarm keys revoke``, then copy it); running peers
+    cut the revoked ones off within :data:`REVOCATION_POLL_S`, and their DHT nodes read the revoked
+    ones' records as withdrawn (SPEC §7.5 item 8)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self._seen: tuple[int, int] | None = None
         self._issued = -1
 
-    def changed(self) -> tuple[int, int] | None:
-        """The file's (mtime, size) when it changed since last read (None: unchanged or missing)."""
-        try:
-            st = self.path.stat()
-        except OSError:
-            return None
-        seen = (st.st_mtime_ns, st.st_size)
-        return None if seen == self._seen else seen
-
-    def remember(self, seen: tuple[int, int] | None, issued: int) -> None:
-        """The list of file state ``seen`` and issue time ``issued`` was read."""
-        self._seen, self._issued = seen, max(self._issued, issued)
-
     def poll(self, identity: Trust) -> bool:
         """Read the file if it changed; a newer valid list adds its serials to ``identity.revoked``.
         True when that revoked a serial not revoked before. A missing or bad file keeps what was
         revoked (logged once per change of the file)."""
-        seen = self.changed()
-        if seen is None:
+        try:
+            st = self.path.stat()
+        except OSError:
             return False
-        self._seen = seen
+        if (st.st_mtime_ns, st.st_size) == self._seen:
+            return False
+        self._seen = (st.st_mtime_ns, st.st_size)
         try:
             body = verify_revocations(read_signed(self.path, "revocations"), authority=identity.authority,
                                       run_id=identity.run_id)
@@ -651,7 +628,7 @@ class RevocationWatch:
             return False
         if body.issued <= self._issued:
             return False
-        self.remember(seen, body.issued)
+        self._issued = body.issued
         new = set(body.serials) - identity.revoked
         identity.revoked.update(new)
         return bool(new)

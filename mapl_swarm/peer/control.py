@@ -109,21 +109,21 @@ class Control:
                                                     anchored=peer.links.anchored))
 
     def _implausible_reform(self, msg: Message, *, epoch: int | None, lost: int | None) -> bool:
-        """Drop (``implausible``, SPEC §7.5 item 9) a neighbour's word that the swarm re-forms (a
-        HELLO of a higher run epoch while training, BYE ``"rejoin"``) unless it can be true: the
-        epoch is this swarm's next one, and the departed stage lies beyond the teller, away from
-        this peer (``lost``; unnamed: the teller has a neighbour there), since a stage sees only its
-        own neighbours leave and this peer is the teller's live neighbour. True when dropped."""
+        """Drop (``implausible``, SPEC §7.5 item 9) a neighbour's word that the swarm re-forms unless
+        it can be true. A HELLO of a greater run epoch while training: that epoch is this swarm's
+        next one. BYE ``"rejoin"``: a stage sees only its own neighbours leave, so the departed stage
+        (``lost``) is this peer (the teller lost it, one-sided) or lies beyond the teller, away from
+        this peer; unnamed, the teller has a neighbour there. True when dropped."""
         peer, src = self.peer, msg.src
         away = src - peer.stage  # +1: the teller is downstream, -1: upstream
         why = None
         if epoch is not None and epoch != peer.epoch + 1:
             why = f"run epoch {epoch}, but this swarm's next one is {peer.epoch + 1}"
-        elif lost is None and not 0 <= src + away < peer.cfg.pipeline.num_stages:
+        elif epoch is None and lost is None and not 0 <= src + away < peer.cfg.pipeline.num_stages:
             why = f"stage {src} has no other neighbour than this peer, which it is in session with"
         elif lost is not None and not (isinstance(lost, int) and 0 <= lost < peer.cfg.pipeline.num_stages
-                                       and (lost - src) * away > 0):
-            why = f"stage {lost!r} is not beyond stage {src} from this peer, so stage {src} did not see it leave"
+                                       and (lost == peer.stage or (lost - src) * away > 0)):
+            why = f"stage {lost!r} is neither this peer nor beyond stage {src}, so stage {src} did not see it leave"
         if why is not None:
             peer.rejects("implausible", stage_name(src), f"{msg.type.name}: stage {src} re-forms the swarm: {why}")
         return why is not None

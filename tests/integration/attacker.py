@@ -382,17 +382,17 @@ class Insider:
         await self._implausible_reforms(link)
 
     async def _implausible_reforms(self, link: Any) -> None:
-        """Through the session, words that the swarm re-forms that cannot be true in a 2-stage
-        swarm (the neighbour has no other neighbour to have lost): BYE ``"rejoin"`` and, from
-        stage 0, a HELLO of the next run epoch (SPEC §7.5 item 9)."""
+        """Through the session, words that the swarm re-forms that cannot be true (SPEC §7.5 item
+        9): BYE ``"rejoin"`` naming no departed stage (in a 2-stage swarm the neighbour has no other
+        neighbour to have lost) and, from stage 0, a HELLO of run epoch 5 (the swarm's next is 1)."""
         s = link.settings
         self.pending |= {"bye_rejoin"}
         if s.stage == 0:
-            self.pending |= {"hello_next_epoch"}
+            self.pending |= {"hello_epoch_escalation"}
             await self.raw_send(link.name, forge(
-                MT.HELLO, run=s.run_id, src=s.stage, dst=link.stage, secret=s.secret, seq=0, epoch=1,
+                MT.HELLO, run=s.run_id, src=s.stage, dst=link.stage, secret=s.secret, seq=0, epoch=5,
                 meta={**s.hello_meta(), "nonce": new_nonce()}), kind="HELLO")
-            self._fired("hello_next_epoch")
+            self._fired("hello_epoch_escalation")
         await link.send(MT.BYE, meta={"reason": "rejoin"})
         self._fired("bye_rejoin")
 

@@ -477,8 +477,8 @@ def test_insiders_are_dropped_by_code_and_training_is_unchanged(insider, referen
     r0, r1 = insider["results"][0], insider["results"][1]
     assert all(r["epoch"] == 0 and r["rejoins"] == [] and r["end"] == "finished" for r in (r0, r1))
     # stage 1 (receives from stage 0): the buggy stage 0's NaN PROJ, two LZ4 bombs, a 70 KB header,
-    # a replayed ACT, its HELLO with a bogus fingerprint, its HELLO of the next epoch and BYE
-    # "rejoin" (implausible: stage 0 has no other neighbour); the member: its HELLO as stage 0
+    # a replayed ACT, its HELLO with a bogus fingerprint, its HELLO of epoch 5 and BYE "rejoin"
+    # naming no departure (implausible: stage 0 has no other neighbour); the member: its HELLO as stage 0
     # (not_certified: stage_not_allowed), BYE and drain (no session), a codebook slice (not a type
     # of this codec; a slice's own rules are the unit tests')
     assert r1["rejects"] == {"non_finite": 1, "size_mismatch": 1, "decompression_failed": 1, "frame_too_large": 1,
@@ -521,7 +521,7 @@ def test_attacks_landed_while_the_swarm_trained(outsider, insider):
     for seen in (outsider, insider):  # stage 0 could not pass step HOLD_AT before the attacks were over
         assert re.search(rf"^HELD {HOLD_AT}$", seen["logs"][0], re.M) and re.search(r"^RELEASED$", seen["logs"][0], re.M)
     for name in ("nan_proj", "bomb_declared", "bomb_lying", "big_header", "replay_act", "bogus_hello", "error",
-                 "hello_next_epoch", "bye_rejoin"):
+                 "hello_epoch_escalation", "bye_rejoin"):
         assert re.search(rf"^FIRED {name}$", insider["logs"][0], re.M), name
     for name in ("nan_grad", "replay_grad", "dup_reports", "absurd_report", "error", "retransmit_unavailable",
                  "bye_rejoin"):

@@ -4,7 +4,8 @@ A bootstrap node that trusts the run's authority (``run_bootstrap_node(membershi
 as ``mapl-swarm dht --cert`` runs it), an honest stage-1 peer, a member certified for stage 2 that
 also announces stage 1 (a relay's record: the far-expiry attack of the issue, within the bound a
 certified node allows) and an outsider's unsigned record for stage 1 that expires much later. A
-reader certified for stage 0 sees only the honest records. One set of nodes for every check (a DHT
+reader certified for stage 0 sees only the honest records; once the authority revokes the member,
+a reader holding the revocation list reads its records as withdrawn. One set of nodes for every check (a DHT
 start is slow), all started from the main thread before any lookup thread or event loop exists.
 """
 
@@ -17,9 +18,10 @@ import pytest
 
 import mapl_swarm.net.discovery as discovery_module
 from mapl_swarm.net.discovery import Discovery, TrustedAuthority, stage_key
-from mapl_swarm.net.identity import issue_local, load_identity
+from mapl_swarm.net.identity import issue_local, load_identity, revoke, write_signed
 from mapl_swarm.net.transport import contact
 
+from deadlines import wait_until
 from test_dht_signed import config, stored_subkeys, with_bootstrap
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
@@ -27,14 +29,15 @@ pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated
 RUN = "run-certified"
 
 
-def scenario(bootstrap_dht: Any, maddrs: list[str], ids: list) -> None:
+def scenario(bootstrap_dht: Any, maddrs: list[str], ids: list, local: Any, lists: Any) -> None:
+    """``ids[0]`` (the reader) was loaded with the revocation list ``lists``."""
     late = dict(ttl_s=600.0, refresh_s=300.0)  # the longest a certified record may live
     honest = contact("tcp://10.0.0.1:5001", ids[1].key.curve_public)
     relay = contact("tcp://10.0.0.9:5001", ids[2].key.curve_public)
     with Discovery(RUN, config(maddrs), membership=ids[1]) as stage1, \
             Discovery(RUN, config(maddrs, **late), membership=ids[2]) as member, \
             Discovery(RUN, config(maddrs, ttl_s=3000.0, refresh_s=300.0)) as outsider, \
-            Discovery(RUN, config(maddrs), membership=ids[0]) as reader:
+            Discovery(RUN, config(maddrs), membership=ids[0]) as reader:  # ids[0] holds the revocation list
         stage1.announce(1, honest)
         member.announce(2, contact("tcp://10.0.0.9:5002", ids[2].key.curve_public))
         member.announce(1, relay, subkey="relay")
@@ -50,6 +53,20 @@ def scenario(bootstrap_dht: Any, maddrs: list[str], ids: list) -> None:
         with pytest.raises(discovery_module.DiscoveryTimeoutError, match="stage 0"):
             reader.lookup_all(0, timeout_s=1)
 
+        # the authority revokes the member: the node of a peer holding the list re-reads it (in the
+        # DHT's own process) and reads the member's records as withdrawn; one without keeps them
+        member_at = [contact("tcp://10.0.0.9:5002", ids[2].key.curve_public)]
+        write_signed(lists, revoke(local.authority, [ids[2].body.serial], run_id=RUN), force=True)
+
+        def withdrawn() -> bool:
+            try:
+                return reader.lookup_all(2, timeout_s=0.5) == []
+            except discovery_module.DiscoveryTimeoutError:
+                return True
+
+        wait_until(withdrawn, 10, "the revoked member's record for stage 2 read as withdrawn")
+        assert stage1.lookup_all(2, timeout_s=10) == member_at and reader.lookup_all(1, timeout_s=10) == [honest]
+
         stage1.withdraw(1)  # a tombstone of the certified owner hides its entry
         with pytest.raises(discovery_module.DiscoveryTimeoutError, match="stage 1"):
             reader.lookup_all(1, timeout_s=1)
@@ -57,7 +74,10 @@ def scenario(bootstrap_dht: Any, maddrs: list[str], ids: list) -> None:
 
 @pytest.mark.timeout(120)
 def test_certified_nodes_keep_only_records_of_a_peer_certified_for_the_stage(tmp_path, monkeypatch) -> None:
-    local = issue_local(tmp_path, run_id=RUN, num_stages=3)
-    ids = [load_identity(local.key_file(s), local.cert_file(s), run_id=RUN, stage=s) for s in range(3)]
+    local = issue_local(tmp_path / "ids", run_id=RUN, num_stages=3)
+    lists = tmp_path / "revoked.list"
+    write_signed(lists, revoke(local.authority, [], run_id=RUN, now=1000))
+    ids = [load_identity(local.key_file(s), local.cert_file(s), run_id=RUN, stage=s,
+                         revocations=lists if s == 0 else None) for s in range(3)]
     with_bootstrap(monkeypatch, TrustedAuthority(RUN, local.authority.public),
-                   functools.partial(scenario, ids=ids))
+                   functools.partial(scenario, ids=ids, local=local, lists=lists))

@@ -2,7 +2,10 @@
 
 Each case hands one BYE ``"rejoin"`` or HELLO of a greater epoch, from a live neighbour, to a
 training peer of a 3-stage swarm (stage 1 in the middle, stage 0 at an end): the implausible ones
-are dropped as ``implausible`` and leave the peer training; the plausible ones pause it.
+are dropped as ``implausible`` and leave the peer training; the plausible ones pause it. A
+neighbour may always have lost this peer (one-sided: a revocation, a stall only it saw), as it may
+always leave; what it cannot know of is a departure on this peer's other side, or an epoch past
+the next.
 """
 
 from __future__ import annotations
@@ -44,8 +47,9 @@ def _told(tmp_path, stage: int, mtype: MessageType, src: int, *, epoch: int = 0,
     (1, 2, None, False),  # stage 2 (the last) has no neighbour but stage 1
     (1, 0, None, False),  # nor has stage 0
     (0, 1, None, True),  # stage 1 has stage 2 beyond it
-    (0, 1, 0, False),  # "stage 0 left", told to stage 0 itself
-    (2, 1, 2, False),
+    (0, 1, 0, True),  # stage 1 lost stage 0 (one-sided: stage 0 still hears it)
+    (2, 1, 2, True),
+    (1, 2, 0, False),  # stage 0 is stage 1's own other neighbour: stage 2 cannot see it leave
     (0, 1, 1, False),  # the teller itself
     (0, 1, 7, False),  # no such stage
     (0, 1, "2", False),  # not a stage number
@@ -59,12 +63,12 @@ def test_a_bye_rejoin_is_believed_only_for_a_departure_beyond_the_teller(tmp_pat
 
 
 @pytest.mark.parametrize("stage,src,epoch,plausible", [
-    (0, 1, 1, True),  # the next run epoch, from a middle stage
+    (0, 1, 1, True),  # the next run epoch
+    (1, 2, 1, True),  # from the last stage: it lost this peer (a re-form HELLO comes on a new connection)
     (0, 1, 5, False),  # an epoch far ahead: the escalation of issue 23
-    (1, 2, 1, False),  # from the last stage, whose only neighbour is this one
-    (1, 0, 1, False),
+    (1, 0, 2, False),
 ])
-def test_a_hello_of_a_greater_epoch_re_forms_only_at_the_next_epoch_from_a_stage_with_another_neighbour(
+def test_a_hello_of_a_greater_epoch_re_forms_only_at_the_next_epoch(
         tmp_path, stage, src, epoch, plausible):
     rejects, paused = _told(tmp_path, stage, MT.HELLO, src, epoch=epoch)
     if plausible:
@@ -73,9 +77,10 @@ def test_a_hello_of_a_greater_epoch_re_forms_only_at_the_next_epoch_from_a_stage
         assert rejects == {"implausible": 1} and paused is None
 
 
-def test_in_a_two_stage_swarm_no_neighbour_can_tell_of_a_departure(tmp_path):
+def test_in_a_two_stage_swarm_a_neighbour_can_tell_only_of_this_peers_departure(tmp_path):
     assert _told(tmp_path / "bye", 0, MT.BYE, 1, stages=2) == ({"implausible": 1}, None)
-    assert _told(tmp_path / "hello", 1, MT.HELLO, 0, epoch=1, stages=2) == ({"implausible": 1}, None)
+    assert _told(tmp_path / "bye_lost", 0, MT.BYE, 1, lost=0, stages=2) == ({}, 1)
+    assert _told(tmp_path / "hello", 1, MT.HELLO, 0, epoch=1, stages=2) == ({}, 1)
 
 
 def test_re_forms_without_a_step_in_between_wait_longer_each_time_up_to_a_bound():
