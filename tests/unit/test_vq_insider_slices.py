@@ -1,0 +1,56 @@
+"""A buggy neighbour's codebook slices, through its real session (SPEC §5.1, 1.9): a full slice of
+version 10^6 and a slice with a finite absurd value (1e30) are rejected by their codes and leave
+the receiver's codebooks untouched; the far version asks for a RESYNC, which heals like a lost
+slice. Training matches an unattacked MAPL+VQ run within 1e-3 (measured: 6.6e-4 relative at
+most; the RESYNC sends the sender's learned codebooks early, so later codes differ slightly)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from mapl_swarm.wire import MessageType
+from mapl_swarm.wire.codebook import slice_parts
+
+from peer_fakes import fake_swarm, run_swarm, swarm_config
+
+MT = MessageType
+
+
+def _run(attack: bool):
+    async def main():
+        cfg = swarm_config(compression={"codec": "mapl_vq"}, run={"steps": 4})
+        _, peers, transports = fake_swarm(cfg)
+        if attack:
+            link = peers[0].links.downstream
+            send_slices, fired = link.codebooks.send_slices, []
+
+            async def with_bad_slices(step: int, micro: int) -> None:
+                await send_slices(step, micro)
+                if step == 1 and not fired:  # after the first step's real slice: the receiver is at v >= 1
+                    fired.append(step)
+                    R, NG, K, G = peers[1].rt.vq.rx["act"].s.layout.shape
+                    have = peers[1].rt.vq.rx["act"].version
+                    huge = torch.zeros(R, NG, 1, G)
+                    huge[0, 0, 0, 0] = 1e30
+                    for version, start, full, codes in ((10 ** 6, 0, True, torch.zeros(R, NG, K, G)),
+                                                        (have + 1, 0, False, huge)):
+                        p = slice_parts(stream="act", version=version, start=start, full=full, codes=codes)
+                        await link.send(MT.CODEBOOK_SLICE, step=step, micro=micro, meta=p.meta, cver=p.cver,
+                                        tensors=p.tensors, kinds={n: "codebook" for n in p.tensors})
+
+            link.codebooks.send_slices = with_bad_slices
+        return await run_swarm(peers, transports)
+
+    return asyncio.run(main())
+
+
+def test_a_neighbours_far_version_and_absurd_slices_are_rejected_and_training_is_unchanged():
+    clean, attacked = _run(False), _run(True)
+    rejected = attacked[1].codebooks["rejected"]
+    assert rejected == {"future_slice": 1, "slice_malformed": 1}, attacked[1].codebooks
+    assert attacked[1].codebooks["resyncs_sent"] > clean[1].codebooks["resyncs_sent"]  # the far version heals
+    assert attacked[0].train_losses == pytest.approx(clean[0].train_losses, rel=1e-3, abs=1e-3)
+    assert attacked[1].codebooks["digests"]["rx_act"] == attacked[0].codebooks["digests"]["tx_act"]  # in sync
