@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from mapl_swarm.errors import ConfigError, MaplError
+from mapl_swarm.procs import raise_open_file_limit
 
 log = logging.getLogger("mapl_swarm")
 
@@ -274,6 +275,7 @@ def _auto_resume(cfg: Any, stage: int) -> bool | None:
 
 
 def _cmd_peer(args: argparse.Namespace) -> int:
+    raise_open_file_limit()
     if args.launched:  # launch gives each peer a process group of its own: a background group may
         signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # still write to the terminal (with `stty tostop`)
     cfg = _load(args)
@@ -310,6 +312,7 @@ def _cmd_peer(args: argparse.Namespace) -> int:
 
 
 def _cmd_dht(args: argparse.Namespace) -> int:
+    raise_open_file_limit()
     membership = _membership(args, None)
     from mapl_swarm.net.discovery import run_bootstrap_node
 

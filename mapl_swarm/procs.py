@@ -121,3 +121,20 @@ def wait_for_signal(event: threading.Event | None = None) -> None:
     event = event or threading.Event()
     while not event.wait(SIGNAL_SLICE_S):
         pass
+
+
+def raise_open_file_limit() -> int:
+    """Raise this process's soft limit on open files to its hard limit and return it: every TCP
+    connection to a serving peer costs a descriptor until its handshake fails or completes, so the
+    common default of 1024 lets a stranger's held connections starve a peer of descriptors (its
+    checkpoint files included)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (OSError, ValueError):
+            pass  # keep the soft limit (a container may forbid raising it)
+    return soft

@@ -133,6 +133,9 @@ def run(main: Coroutine[Any, Any, T]) -> T:
 
 KEYS_REMEMBERED = 4096
 """Routing ids whose CURVE key a pinned transport remembers (the oldest is forgotten first)."""
+HANDSHAKE_TIMEOUT_MS = 10_000
+"""How long an inbound connection may take to complete its ZMTP (and CURVE) handshake
+(``ZMQ_HANDSHAKE_IVL``; libzmq's default is 30 s). A CURVE handshake is 2 round trips."""
 
 
 def contact(endpoint: str, curve_public: bytes) -> str:
@@ -329,6 +332,9 @@ class Transport:
         router.setsockopt(zmq.ROUTER_HANDOVER, 0)  # a second connection cannot take a routing id over
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # replies to a gone connection fail loudly
         router.setsockopt(zmq.MAXMSGSIZE, self._max_msg_size())
+        # a connection that has not completed its ZMTP/CURVE handshake (a stranger holding sockets
+        # open) is closed after this, so held connections cost descriptors only briefly
+        router.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_TIMEOUT_MS)
         for option, value in cfg.heartbeat_options().items():
             router.setsockopt(option, value)
         if cfg.curve is not None:

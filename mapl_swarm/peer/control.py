@@ -173,8 +173,16 @@ class Control:
                             "configuration yet, so this peer waits for one that does (HELLO again every %g s)",
                             peer.name, msg.src, link.endpoint, reason, retry_s)
             return
+        link.refusals.setdefault(str(link.endpoint), str(reason))
+        untried = [c for c in link.candidates if c not in link.refusals]
+        if untried:  # a planted or stale record must not end this peer (SPEC §9.2): the others first
+            link.retry = True
+            log.warning("%s: stage %d at %s refused this peer: %s; trying the stage's other DHT record(s) (%d) before "
+                        "giving up", peer.name, msg.src, link.endpoint, reason, len(untried))
+            return
         anchored = (f"; stage {msg.src} holds the run's configuration (stage 0's), so fix this peer's"
-                    if msg.meta.get("anchored") is True and msg.meta.get("code") in CONFIG_REFUSALS else "")
+                    if msg.meta.get("anchored") is True and msg.meta.get("code") in CONFIG_REFUSALS
+                    and not peer.links.anchored else "")
         peer.stop(PeerRejected(f"stage {msg.src} refused stage {peer.stage}: {reason}{anchored}"))
 
     async def _on_error(self, msg: Message, link: PeerLink) -> None:

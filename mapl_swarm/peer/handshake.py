@@ -77,8 +77,10 @@ class Handshake:
                                 f"on a host with its checkpoints") from None
             # a neighbour that refused our config may have left before answering our own HELLO: say
             # what its HELLO was refused for, which names both configurations
-            refused = "; ".join(f"stage {link.stage}'s HELLO was refused ({link.refused_hello})"
-                                for link in missing if link.refused_hello)
+            refused = "; ".join([*(f"stage {link.stage}'s HELLO was refused ({link.refused_hello})"
+                                   for link in missing if link.refused_hello),
+                                 *(f"stage {link.stage} at {where} refused this peer: {why}"
+                                   for link in missing for where, why in link.refusals.items())])
             raise MaplError(f"{self.name}: handshake with stages {self.links.stages} not completed within "
                             f"{timeout_s:g} s" + (f"; {refused}" if refused else "")) from None
         for link in self.links:  # raises if the neighbour cannot take the codebook slices this link sends
@@ -103,7 +105,7 @@ class Handshake:
     async def _again(self, link: PeerLink, transport: Any, shaping: LinkConfig, timeout_s: float) -> None:
         """HELLO again to ``link``'s stage, at its next DHT record."""
         self._tries[link.stage] += 1
-        candidates = await candidates_of(self.resolve, link.stage, timeout_s)
+        candidates = link.candidates = await candidates_of(self.resolve, link.stage, timeout_s)
         endpoint = candidates[self._tries[link.stage] % len(candidates)]
         if endpoint != link.endpoint:
             log.info("%s: HELLO to stage %d at %s (another of its %d DHT record(s))", self.name, link.stage,

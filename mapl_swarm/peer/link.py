@@ -246,6 +246,10 @@ class PeerLink:
         """Why this peer last refused a HELLO of this neighbour (code: reason), if it did."""
         self.refused_by: str | None = None
         """The reason of the neighbour's last configuration refusal that is retried (logged once)."""
+        self.candidates: list[str] = []
+        """The stage's DHT records this peer HELLOs in turn (freshest first; the handshake's)."""
+        self.refusals: dict[str, str] = {}
+        """Endpoint -> why the peer there refused this peer with a final REJECT (this session)."""
         self.local_name, self.local_stage = settings.name, settings.stage
         """This peer's transport name and stage."""
         self._on_bad_frame = on_bad_frame

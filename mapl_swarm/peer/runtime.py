@@ -312,6 +312,7 @@ class Peer:
         for link in self.links:
             candidates = await self.waits.wait(candidates_of(self.resolve, link.stage, net.timeout_s),
                                                lambda link=link: [link])
+            link.candidates = candidates
             await connect(link, transport, candidates[0], shaping, fresh=self.rejoining)
             log.info("%s: link to stage %d at %s", self.name, link.stage, candidates[0])
         self.tasks.spawn(self.inbound.receive_loop(transport))

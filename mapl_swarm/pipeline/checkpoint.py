@@ -218,8 +218,15 @@ def _save_error(cause: OSError | None, exc: BaseException, where: str, path: Pat
 
 
 def _discard(d: Path, stage: int) -> None:
-    """Remove this stage's files of one step folder (and the folder when it is left empty)."""
-    for f in _stage_files(d, stage):
+    """Remove this stage's files of one step folder (and the folder when it is left empty); best
+    effort: what cannot even be listed (no file descriptor left) stays, an unusable step without
+    its manifest or with a stale one, which a load refuses."""
+    try:
+        files = _stage_files(d, stage)
+    except OSError as exc:
+        log.warning("cannot clean up %s: %s", d, exc.strerror or exc)
+        return
+    for f in files:
         try:
             f.unlink(missing_ok=True)
         except OSError as exc:

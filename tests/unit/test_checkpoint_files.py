@@ -244,3 +244,15 @@ def test_a_state_that_cannot_fit_is_refused_before_anything_is_written(tmp_path,
 def test_state_nbytes_counts_shared_storage_once():
     w = torch.zeros(100)
     assert checkpoint.state_nbytes({"a": w, "b": w[10:20], "c": [torch.zeros(3, dtype=torch.float64)]}) == 424
+
+
+def test_a_save_without_file_descriptors_left_is_a_failed_save_not_a_crash(tmp_path, monkeypatch):
+    """EMFILE (a stranger held the peer's descriptors): the save fails as any I/O error does, even
+    when the clean-up cannot list the step folder either (it leaves what it cannot see)."""
+    def emfile(*_):
+        raise OSError(errno.EMFILE, "Too many open files", str(tmp_path))
+
+    monkeypatch.setattr(checkpoint, "atomic_write_text", emfile)
+    monkeypatch.setattr(checkpoint, "_stage_files", emfile)
+    with pytest.raises(checkpoint.CheckpointSaveError, match=r"checkpoint step 2 of stage 0 not saved: "):
+        checkpoint.save_stage(tmp_path, 2, 0, _state(2))

@@ -126,3 +126,15 @@ def test_a_signal_taken_by_a_helper_thread_still_interrupts_wait_for_signal(wait
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_peer_raises_its_open_file_limit_to_the_hard_limit():
+    """A held connection costs a descriptor until its handshake times out: peers take all they may."""
+    code = ("import resource; from mapl_swarm.procs import raise_open_file_limit; "
+            "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE); "
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard)); "
+            "got = raise_open_file_limit(); "
+            "print(got == resource.getrlimit(resource.RLIMIT_NOFILE)[0], "
+            "got == hard or hard == resource.RLIM_INFINITY)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["True", "True"], out.stderr
