@@ -18,6 +18,7 @@ a task of its own.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -49,6 +50,38 @@ Answer = Callable[[], Awaitable[None]]
 """The answer to a refused HELLO or a version mismatch, sent on a task of its own."""
 MAX_ANSWERS = 64
 """Answers on their way at once at most; a flood of refused HELLOs beyond is dropped as ``queue_full``."""
+STRANGER_BURST = 64
+"""Messages a connection without a session (no neighbour's bound session) may send at once..."""
+STRANGER_RATE_PER_S = 16.0
+"""...and then per second: far more than a neighbour's HELLOs before its session (one per
+``net.hello_retry_s``), far fewer than a flood that would keep this peer from serving; beyond it a
+message is dropped before it is decoded (``queue_full``)."""
+STRANGERS_REMEMBERED = 4096
+"""Connections without a session whose budget is remembered (the oldest is forgotten first)."""
+YIELD_EVERY = 64
+"""The receive loop lets the peer's other tasks (heartbeats, the schedule) run after this many
+messages in a row, so a flood of well-formed messages cannot make this peer look silent."""
+
+
+class StrangerBudget:
+    """A token bucket per connection without a session (:data:`STRANGER_BURST`, then
+    :data:`STRANGER_RATE_PER_S`), keyed by routing id; ``clock`` is monotonic seconds."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
+
+    def allow(self, sender: str) -> bool:
+        now = self.clock()
+        tokens, at = self._buckets.pop(sender, (float(STRANGER_BURST), now))
+        tokens = min(float(STRANGER_BURST), tokens + (now - at) * STRANGER_RATE_PER_S)
+        allowed = tokens >= 1.0
+        self._buckets[sender] = (tokens - 1.0 if allowed else tokens, now)
+        if len(self._buckets) > STRANGERS_REMEMBERED:
+            self._buckets.popitem(last=False)
+        return allowed
+
+
 Handle = Callable[[Admitted, Arrival, Any], Awaitable[None]]
 """``handle(admitted, arrival, transport)``: what an admitted message does (:class:`~.control.Control`)."""
 
@@ -70,15 +103,29 @@ class Inbound:
         """Held around each admission, so that messages are admitted in arrival order, the held
         ones before any later one."""
         self._refused_versions: set[str] = set()
+        self.strangers = StrangerBudget(admission.clock)
+        """What connections without a session may send (a flood is dropped before decoding)."""
 
     # ------------------------------------------------------------------ the loops
     async def receive_loop(self, transport: Any) -> None:
         """Messages on this peer's ROUTER, from every connection, admitted in order and queued."""
+        received = 0
         while True:
             sender, frames = await transport.recv(timeout_s=3600.0)
+            received += 1
+            if received % YIELD_EVERY == 0:
+                await asyncio.sleep(0)
+            if not self._in_session(sender) and not self.strangers.allow(sender):
+                self.rejects("queue_full", sender, f"a connection without a session sent more than {STRANGER_BURST} "
+                                                   f"messages, then {STRANGER_RATE_PER_S:g} a second")
+                continue
             key = transport.peer_key(sender) if self.admission.s.identity is not None else None
             async with self._admitting:
                 self._answer(await self._admit(Arrival(sender, frames, peer_key=key), transport), sender)
+
+    def _in_session(self, sender: str) -> bool:
+        """``sender`` is the routing id of a neighbour's bound inbound session."""
+        return any(link.rx is not None and link.rx.routing_id == sender for link in self.links)
 
     async def reply_loop(self, transport: Any) -> None:
         """Answers (WELCOME/REJECT) on this peer's own connections to its neighbours."""
