@@ -245,6 +245,10 @@ class Admission:
             except CertificateError as exc:
                 raise HelloRefused("not_certified", f"HELLO of stage {link.stage} refused: {exc} ({exc.code})",
                                    nonce) from None
+        pinned = link.server_key if certificate is not None else None
+        if pinned is not None and certificate.curve_key != pinned:  # both directions one identity (§7.5 item 7)
+            raise HelloRefused("stage_taken", f"stage {link.stage}'s HELLO comes from {certificate.name!r}, another "
+                                              f"identity than the one this peer dials at {link.endpoint}", nonce)
         if h.run != s.run_id:
             raise HelloRefused("run_mismatch", f"run mismatch: peer {h.run!r}, this peer {s.run_id!r}", nonce)
         if h.dst != s.stage or h.src != link.stage:

@@ -112,6 +112,27 @@ def test_a_certificate_of_the_right_stage_and_key_is_welcomed(tmp_path):
     assert decode(net.orphan_replies["stage0.0000beef"][0]).meta["code"] == "stage_taken"
 
 
+def test_a_spare_first_to_hello_is_refused_while_this_peer_dials_another_identity(tmp_path, uncertified):
+    """Both directions of a link are one identity (SPEC §7.5 item 7): a spare certified for stage 0
+    whose HELLO reaches stage 1 before the real stage 0's is refused (``stage_taken``), since stage 1
+    dials the real one; found by attacking a live swarm, where the spare bound stage 0's inbound
+    session while the real stage 1 held its outbound one."""
+    local, ids = _identities(tmp_path)
+    spare = PeerKey(bytes(range(1, 33)))
+    cert = issue(local.authority, make_request(spare, "spare", [0]), run_id="mem").encode()
+    hello = encode(Message(type=MT.HELLO, run_id="mem", src=0, dst=1, meta={**HELLO, "cert": cert}))
+
+    def setup(net):
+        on_first(net, "stage0", MT.HELLO, lambda _: net.inject("stage1", "stage0.0000beef", hello,
+                                                             key=spare.curve_public))
+
+    net, results = _run(ids, setup)
+    assert results[0].train_losses == uncertified[0].train_losses and results[1].rejects == {"stage_taken": 1}
+    refusal = decode(net.orphan_replies["stage0.0000beef"][0]).meta
+    assert refusal["code"] == "stage_taken" and "'spare', another identity than the one this peer dials" in \
+        refusal["reason"]
+
+
 def test_a_certificate_that_does_not_fit_is_refused_when_the_peer_loads_it(tmp_path):
     from mapl_swarm.errors import ConfigError
     from mapl_swarm.net.identity import create_peer_key, write_signed
