@@ -12,7 +12,10 @@ the checks that remain, in arrival order, before anything received later (SPEC Â
 training starts"). Receiving never waits on handling, so a handler that waits (a relay to a
 neighbour whose send buffer is full) never makes another neighbour look silent. A refused HELLO is
 answered with REJECT on its own connection, a version mismatch once per connection, each answer on
-a task of its own.
+a task of its own. A connection without a session (a stranger's, or a neighbour's before its
+HELLO is welcomed) has a budget (:class:`StrangerBudget`): what it sends beyond is dropped before
+it is decoded, and the ROUTER loop yields now and then, so a flood cannot make this peer look
+silent to its neighbours.
 """
 
 from __future__ import annotations
