@@ -98,15 +98,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _membership(args: argparse.Namespace, cfg: Any, stage: int | None = None):
     """What makes this process a member of run ``cfg``, read and checked before any other work: the
     certified identity of ``--cert`` (with ``--peer-key``; for a bootstrap node only the run and
-    authority it names), the run key of ``--key-file``, or None with ``--insecure``."""
+    authority it names), or None with ``--insecure``."""
+    if args.key_file:
+        raise ConfigError(f"--key-file {args.key_file}: protocol 2.0 has no shared run key; give each peer its own "
+                          f"identity: --peer-key FILE --cert FILE (`mapl-swarm keys local` issues one per stage, "
+                          f"`keys peer` / `keys request` / `keys issue` one per host)")
     if getattr(args, "peer_key", None) and not args.cert:
-        raise ConfigError("--peer-key goes with --cert (a certified peer); a run key (--key-file) needs none")
+        raise ConfigError("--peer-key goes with --cert (a certified peer)")
     if args.insecure:
         return None
-    if args.key_file:
-        from mapl_swarm.net.runkey import load_run_key
-
-        return load_run_key(args.key_file)
     from mapl_swarm.net.identity import (CertificateBody, CertificateError, load_identity, read_signed,
                                          verify_certificate)
 
@@ -126,20 +126,8 @@ def _membership(args: argparse.Namespace, cfg: Any, stage: int | None = None):
 
 
 def _cmd_keys(args: argparse.Namespace) -> int:
-    from mapl_swarm.net.runkey import create_run_key, load_run_key
-
-    if args.out is None:
-        raise ConfigError("keys: --out FILE (a run key) or a subcommand (authority, peer, request, issue, revoke, "
-                          "show)")
-
-    if args.if_missing and Path(args.out).exists():
-        key = load_run_key(args.out)  # a bad or world-readable file is still an error
-        print(f"kept run key {args.out} (key id {key.key_id})")
-        return 0
-    key = create_run_key(args.out, force=args.force)
-    print(f"wrote run key {args.out} (key id {key.key_id}, mode 0600); give every peer of the run a copy "
-          f"(--key-file) over a trusted channel, and no one else")
-    return 0
+    raise ConfigError("keys: a subcommand (authority, peer, request, issue, revoke, local, show); protocol 2.0 has "
+                      "no shared run key: every peer gets its own key and a certificate")
 
 
 def _cmd_keys_authority(args: argparse.Namespace) -> int:
@@ -317,7 +305,7 @@ def _cmd_dht(args: argparse.Namespace) -> int:
     from mapl_swarm.net.discovery import run_bootstrap_node
 
     if membership is None:
-        log.warning("INSECURE: DHT bootstrap node without a run key (--insecure): it accepts unsigned records, "
+        log.warning("INSECURE: DHT bootstrap node without a certificate (--insecure): it accepts unsigned records, "
                     "so anyone can announce a stage")
 
     if args.maddr_file:  # never hand out an earlier node's addresses while this one starts
@@ -527,7 +515,8 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def _key_args(p: argparse.ArgumentParser, what: str, *, peer: bool = True) -> None:
-    """``--cert FILE`` (with ``--peer-key FILE``), ``--key-file PATH`` or ``--insecure``, one of them required."""
+    """``--cert FILE`` (with ``--peer-key FILE``) or ``--insecure``, one of them required; ``--key-file`` (a
+    1.x run key) is refused with what to use instead."""
     group = p.add_mutually_exclusive_group(required=True)
     if peer:
         group.add_argument("--cert", metavar="FILE",
@@ -540,12 +529,10 @@ def _key_args(p: argparse.ArgumentParser, what: str, *, peer: bool = True) -> No
         group.add_argument("--cert", metavar="FILE",
                            help="any certificate of the run: the node keeps only records certified by its "
                                 "authority for its run")
-    group.add_argument("--key-file", metavar="PATH",
-                       help=f"the run key file (mode 0600, from `mapl-swarm keys`): {what}; it also keys the "
-                            f"HMAC tags (no separate secret)")
+    group.add_argument("--key-file", help=argparse.SUPPRESS)  # protocol 1.x's run key: refused with a hint
     group.add_argument("--insecure", action="store_true",
-                       help="run without a run key: plain TCP, unsigned records, anyone may read and join "
-                            "(logged as a warning)")
+                       help=f"run without a certificate: plain TCP, unsigned records, anyone may read and join "
+                            f"(logged as a warning); {what}")
 
 
 def _max_restarts_arg(p: argparse.ArgumentParser) -> None:
@@ -564,8 +551,9 @@ _EPILOG = """\
 examples:
   mapl-swarm train --config peers/demo.toml --set run.steps=20
   mapl-swarm launch --config peers/demo.toml --log-level WARNING
-  mapl-swarm keys --out run.key
-  mapl-swarm peer --config peers/150M-mapl.toml --stage 0 --key-file run.key --initial-peer /ip4/10.0.0.1/tcp/31337/p2p/...
+  mapl-swarm keys local --config peers/150M-mapl.toml --out ids
+  mapl-swarm peer --config peers/150M-mapl.toml --stage 0 --peer-key ids/stage0.key --cert ids/stage0.cert \
+      --initial-peer /ip4/10.0.0.1/tcp/31337/p2p/...
   mapl-swarm sweep --grid bench/grids/micro.toml
 
 Every subcommand has its own --help."""
@@ -612,7 +600,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="--resume when run.out_dir holds a checkpoint of this stage, else start fresh; exit 0 at "
                           "once when that checkpoint is already at run.steps (for restart policies: compose, "
                           "systemd)")
-    _key_args(p, "only holders of the same key can connect, links are encrypted, DHT records signed")
+    _key_args(p, "with --cert, links are encrypted and pinned to certified peers, DHT records signed")
     p.add_argument("--launched", action="store_true", help=argparse.SUPPRESS)  # started by `launch`
     p.set_defaults(func=_cmd_peer)
 
@@ -630,19 +618,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--identity", metavar="PATH",
                    help="private-key file that keeps this node's peer id, hence its multiaddrs, the same across "
                         "restarts (created when missing; default: a new peer id each start)")
-    _key_args(p, "the node keeps only records signed with it", peer=False)
+    _key_args(p, "with --cert, the node keeps only records its run's authority certified", peer=False)
     _add_common_args(p, quiet=False)
     p.set_defaults(func=_cmd_dht)
 
-    p = add("keys", "create a run key file, or per-peer identities (subcommands)",
-            "Create a run key: a file every peer of one run needs (--key-file) and no one else may have. "
-            "It is written with mode 0600 and never printed; only its path and key id are shown. "
-            "`launch`, `lab` and compose issue per-peer identities instead (the subcommands, and `keys local`).")
-    p.add_argument("--out", metavar="FILE", help="where to write the run key (required without a subcommand)")
-    how = p.add_mutually_exclusive_group()
-    how.add_argument("--force", action="store_true", help="replace an existing file (a new key: key rotation)")
-    how.add_argument("--if-missing", action="store_true",
-                     help="keep an existing valid key file instead of refusing (for scripts and compose)")
+    p = add("keys", "create a run authority, peer keys and certificates (subcommands)",
+            "Per-peer identities under a run authority: the operator's authority key signs each peer's "
+            "certificate; each host's peer key never leaves it (`keys peer`, `keys request`, `keys issue`). "
+            "Key files are written with mode 0600 and never printed. `launch`, `lab` and compose issue "
+            "identities themselves (as `keys local` does).")
     _add_common_args(p, quiet=False)
     p.set_defaults(func=_cmd_keys)
     identities = p.add_subparsers(title="per-peer identities under a run authority", metavar="SUBCOMMAND")
@@ -716,8 +700,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("lab", "run a swarm in network namespaces with shaped links (root)",
             "Run the DHT and every stage in its own Linux network namespace, joined by tbf-shaped veth "
-            "links (needs root): the compose topology on one machine. The peers share the run key "
-            "RUN_DIR/run.key (run.out_dir), created with mode 0600 when missing.")
+            "links (needs root): the compose topology on one machine. Each peer gets its own key and a "
+            "certificate for its stage under RUN_DIR/identities (run.out_dir), issued when missing.")
     _add_config_args(p)
     p.add_argument("--rate-mbit", type=float, default=20.0, metavar="MBIT",
                    help="tbf rate of every link in Mbit/s; 0 leaves links unshaped (default: 20)")
@@ -728,8 +712,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("launch", "start a DHT and every stage peer on this machine",
             "Start a DHT node and one peer process per stage on this machine, wait for them and print "
-            "the swarm's loss, tokens/s and bytes/token per link; Ctrl-C stops them all. The peers share "
-            "the run key RUN_DIR/run.key (run.out_dir), created with mode 0600 when missing.")
+            "the swarm's loss, tokens/s and bytes/token per link; Ctrl-C stops them all. Each peer gets its "
+            "own key and a certificate for its stage under RUN_DIR/identities (run.out_dir), issued when missing.")
     _add_config_args(p)
     _resume_arg(p, "every peer continues")
     p.add_argument("--gpus", metavar="LIST",

@@ -236,7 +236,7 @@ def peer_processes(num_stages: int, config_args: Sequence[str], *, maddr: str, t
     """The command and environment of every stage peer (pure: nothing is started). ``gpus`` is
     :func:`gpu_plan`'s answer; a peer's environment is ``environ`` with its GPU as
     ``CUDA_VISIBLE_DEVICES``, or ``environ`` unchanged when it has none. ``member_args[s]``: the
-    options that make stage ``s``'s peer a member (``--peer-key``/``--cert`` or ``--key-file``:
+    options that make stage ``s``'s peer a member (``--peer-key``/``--cert``:
     paths only, a key never appears in a command or environment). With
     a base ``net_port`` / ``dht_port`` each peer gets its own (:func:`peer_ports`; the bootstrap
     keeps ``dht_port`` itself)."""

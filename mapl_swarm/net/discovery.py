@@ -3,22 +3,19 @@
 Record layout: key ``mapl/{run_id}/stage/{stage}``, one subkey per announcing peer (its
 routing id; by default its DHT peer id), value = its advertised endpoint (``tcp://HOST:PORT``),
 expiring ``ttl_s`` after each store. The subkeys keep claimants of one stage (a restarted peer
-and its stale predecessor, or an impostor holding the run key) apart: :meth:`Discovery.lookup_all`
+and its stale predecessor, or an impostor) apart: :meth:`Discovery.lookup_all`
 returns every claimed endpoint, freshest (latest expiring) first, so a peer can try each until
 one completes an authenticated handshake; :meth:`Discovery.lookup` returns the first. A withdrawn
 stage is overwritten by an empty-endpoint tombstone, which lookups skip.
 
-**Signed records.** With a run key (``membership=``, anything with a 32-byte ``dht_key``), every
-DHT node of the run — each peer's and the bootstrap node's (:func:`run_bootstrap_node`) — runs a
-:class:`~mapl_swarm.net.dht_validation.RunKeyValidator`: it signs what it stores and stores,
-caches and returns only records whose HMAC tag verifies, so records of anyone without the key
-(unsigned, or signed with another key) are never seen. A peer's node also refuses keys other
-than its run's stage keys. Keyed and unkeyed nodes do not mix: without a key a node neither signs
-nor checks records (today's insecure behaviour), and cannot decode signed ones. In a certified
-run (``membership=`` a :class:`~mapl_swarm.net.identity.PeerIdentity`; a bootstrap node a
-:class:`TrustedAuthority`) each record is signed by its announcer's own key and carries its
-certificate (:class:`~mapl_swarm.net.dht_validation.CertifiedRecordValidator`): a member can
-announce only the stages its certificate allows, at a contact of its own key.
+**Certified records.** In a certified run (``membership=`` a
+:class:`~mapl_swarm.net.identity.PeerIdentity`; a bootstrap node a :class:`TrustedAuthority`)
+every DHT node runs a :class:`~mapl_swarm.net.dht_validation.CertifiedRecordValidator`: each
+record is signed by its announcer's own key and carries its certificate, and a node stores, caches
+and returns only records certified by the run's authority for one of the run's stage keys, so a
+member can announce only the stages its certificate allows, at a contact of its own key, and
+records of anyone else are never seen. Certified and insecure nodes do not mix: an insecure node
+(no membership) neither signs nor checks records and cannot decode certified ones.
 
 **Start order matters.** ``hivemind.DHT`` runs its node in a *forked* child process. Forking a
 process that already runs threads (ZeroMQ's I/O threads, torch's thread pools, an executor)
@@ -49,7 +46,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 from mapl_swarm.errors import ConfigError
 from mapl_swarm.net.dht_node import host_maddr, start_dht
@@ -57,24 +54,15 @@ from mapl_swarm.net.errors import DiscoveryError, DiscoveryTimeoutError
 from mapl_swarm.procs import wait_for_signal
 
 __all__ = ["DiscoveryConfig", "Discovery", "start_dht", "run_bootstrap_node", "host_maddr", "stage_key",
-           "dht_validators", "HasDhtKey", "TrustedAuthority", "MAX_STAGES", "MAX_TTL_S"]
+           "dht_validators", "TrustedAuthority", "MAX_STAGES", "MAX_TTL_S"]
 
 logger = logging.getLogger(__name__)
 
 MAX_STAGES = 1024
-"""A keyed peer's DHT node accepts records only under ``stage_key(run_id, s)`` for s below this."""
-MAX_TTL_S = 86400.0
-"""Longest announcement lifetime; equals ``dht_validation.MAX_TTL_S`` (not imported from there,
-which would import hivemind)."""
-CERTIFIED_MAX_TTL_S = 600.0
-"""Longest announcement lifetime in a certified run (``dht_validation.CERTIFIED_MAX_TTL_S``)."""
-
-
-class HasDhtKey(Protocol):
-    """What discovery needs of a run key (``mapl_swarm.net.runkey.RunKey``)."""
-
-    @property
-    def dht_key(self) -> bytes: ...
+"""A certified DHT node accepts records only under ``stage_key(run_id, s)`` for s below this."""
+MAX_TTL_S = 600.0
+"""Longest announcement lifetime: a certified node refuses records expiring later
+(``dht_validation.CERTIFIED_MAX_TTL_S``; not imported from there, which would import hivemind)."""
 
 
 def stage_key(run_id: str, stage: int) -> str:
@@ -82,31 +70,22 @@ def stage_key(run_id: str, stage: int) -> str:
     return f"mapl/{run_id}/stage/{stage}"
 
 
-def dht_validators(membership: Any, run_id: str | None = None) -> list[Any]:
+def dht_validators(membership: Any) -> list[Any]:
     """Record validators for a DHT node of a run: none without a membership (insecure); for a
     certified peer (:class:`~mapl_swarm.net.identity.PeerIdentity`) a
     :class:`~mapl_swarm.net.dht_validation.CertifiedRecordValidator` that signs with its key; for a
-    :class:`TrustedAuthority` (a certified run's bootstrap node) one that only verifies; for a run
-    key a :class:`~mapl_swarm.net.dht_validation.RunKeyValidator`, restricted to the run's stage keys
-    when ``run_id`` is given. Imports hivemind (and torch) only when keyed."""
+    :class:`TrustedAuthority` (a bootstrap node) one that only verifies. Imports hivemind (and
+    torch) only with a membership."""
     if membership is None:
         return []
-    signer = membership if getattr(membership, "pinned", False) else None  # a certified peer signs
-    if signer is not None or isinstance(membership, TrustedAuthority):
-        from mapl_swarm.net.dht_validation import CertifiedRecordValidator  # deferred: imports hivemind
+    from mapl_swarm.net.dht_validation import CertifiedRecordValidator  # deferred: imports hivemind
 
-        keys = {stage_key(membership.run_id, s): s for s in range(MAX_STAGES)}
-        watch = getattr(membership, "watch", None)  # a peer's revocation list (a bootstrap node reads no records)
-        return [CertifiedRecordValidator(run_id=membership.run_id, authority=membership.authority, identity=signer,
-                                         stage_keys=keys, revoked=membership.revoked,
-                                         revocations=None if watch is None else watch.path)]
-    dht_key = membership.dht_key
-    if not isinstance(dht_key, bytes) or len(dht_key) != 32:
-        raise ConfigError("run key: dht_key must be 32 bytes")
-    from mapl_swarm.net.dht_validation import RunKeyValidator  # deferred: imports hivemind
-
-    allowed = None if run_id is None else [stage_key(run_id, s) for s in range(MAX_STAGES)]
-    return [RunKeyValidator(dht_key, allowed_keys=allowed)]
+    signer = None if isinstance(membership, TrustedAuthority) else membership
+    keys = {stage_key(membership.run_id, s): s for s in range(MAX_STAGES)}
+    watch = getattr(membership, "watch", None)  # a peer's revocation list (a bootstrap node reads no records)
+    return [CertifiedRecordValidator(run_id=membership.run_id, authority=membership.authority, identity=signer,
+                                     stage_keys=keys, revoked=membership.revoked,
+                                     revocations=None if watch is None else watch.path)]
 
 
 @dataclass(frozen=True)
@@ -122,21 +101,19 @@ class TrustedAuthority:
 def run_bootstrap_node(host: str = "0.0.0.0", port: int = 0, *, announce_host: str | None = None,
                        initial_peers: Sequence[str] = (), identity_path: str | None = None,
                        ready: Callable[[list[str]], None] | None = None,
-                       stop: threading.Event | None = None, membership: Any = None,
-                       run_id: str | None = None) -> list[str]:
+                       stop: threading.Event | None = None, membership: Any = None) -> list[str]:
     """Run a DHT bootstrap node until ``stop`` is set (or forever / Ctrl-C when it is None).
 
     ``ready`` receives the node's visible multiaddrs once it is up (the CLI prints them; any one
     is enough for peers to join). Returns those multiaddrs after shutting the node down.
-    With a run key (``membership``) the node stores only records signed with it (and, given
-    ``run_id``, only that run's stage keys), with a :class:`TrustedAuthority` only certified records of its run;
-    without, it stores anything (insecure runs)."""
+    With a :class:`TrustedAuthority` (``membership``) the node stores only certified records of its
+    run; without, it stores anything (insecure runs)."""
     dht = start_dht(host=host, port=port, announce_host=announce_host, initial_peers=initial_peers,
-                    identity_path=identity_path, record_validators=dht_validators(membership, run_id))
+                    identity_path=identity_path, record_validators=dht_validators(membership))
     try:
         maddrs = [str(m) for m in dht.get_visible_maddrs()]
         logger.info("DHT bootstrap node up (%s records): %s",
-                    "signed" if membership is not None else "unsigned", " ".join(maddrs))
+                    "certified" if membership is not None else "unsigned", " ".join(maddrs))
         if ready is not None:
             ready(maddrs)
         wait_for_signal(stop)  # the signals' handlers (Ctrl-C, the CLI's SIGTERM) still run
@@ -185,7 +162,7 @@ class DiscoveryConfig:
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"discovery.{name} must be a finite number > 0, got {value}")
         if self.ttl_s > MAX_TTL_S:
-            raise ConfigError(f"discovery.ttl_s must be at most {MAX_TTL_S:g} (a keyed DHT refuses records "
+            raise ConfigError(f"discovery.ttl_s must be at most {MAX_TTL_S:g} (a certified DHT refuses records "
                               f"expiring later), got {self.ttl_s}")
         if self.refresh_s >= self.ttl_s:
             raise ConfigError(f"discovery.refresh_s ({self.refresh_s}) must be below ttl_s ({self.ttl_s})")
@@ -198,9 +175,6 @@ class Discovery:
                  membership: Any = None) -> None:
         if not run_id or "/" in run_id:
             raise ConfigError(f"run id must be non-empty and contain no '/', got {run_id!r}")
-        if getattr(membership, "pinned", False) and config.ttl_s > CERTIFIED_MAX_TTL_S:
-            raise ConfigError(f"discovery.ttl_s must be at most {CERTIFIED_MAX_TTL_S:g} in a certified run (its "
-                              f"DHT refuses records expiring later), got {config.ttl_s}")
         self.run_id = run_id
         self.config = config
         self._membership = membership
@@ -221,10 +195,10 @@ class Discovery:
             self._dht = start_dht(host=c.host, port=c.port, announce_host=c.announce_host,
                                   initial_peers=c.initial_peers, identity_path=c.identity_path,
                                   client_mode=c.client_mode, timeout_s=c.start_timeout_s,
-                                  record_validators=dht_validators(self._membership, self.run_id))
+                                  record_validators=dht_validators(self._membership))
             self._peer_id = str(self._dht.peer_id)
             logger.info("joined DHT as %s (%s records)", self._peer_id,
-                        "signed" if self.signed else "unsigned")
+                        "certified" if self.signed else "unsigned")
         return self
 
     def __enter__(self) -> "Discovery":
@@ -240,7 +214,7 @@ class Discovery:
 
     @property
     def signed(self) -> bool:
-        """Whether records are signed and checked with the run key."""
+        """Whether records are certified (signed by their announcer, checked against the authority)."""
         return self._membership is not None
 
     def visible_maddrs(self) -> list[str]:
@@ -278,7 +252,7 @@ class Discovery:
 
     def entries(self, stage: int) -> list[tuple[str, str, float]]:
         """Live announcements of ``stage`` as ``(subkey, endpoint, expiration)``, freshest first
-        (tombstones included, as endpoint ``""``; with a run key only validly signed ones)."""
+        (tombstones included, as endpoint ``""``; in a certified run only validly certified ones)."""
         result = self._call(lambda dht: dht.get(stage_key(self.run_id, stage), latest=True,
                                                 return_future=True), f"get stage {stage}")
         if result is None:
@@ -334,7 +308,7 @@ class Discovery:
 
     # -- internals -------------------------------------------------------------------------------
     def _timeout(self, stage: int, timeout_s: float) -> DiscoveryTimeoutError:
-        signed = "; only records signed with this run key count" if self.signed else ""
+        signed = "; only records certified by this run's authority count" if self.signed else ""
         return DiscoveryTimeoutError(f"no peer announced run {self.run_id!r} stage {stage} within "
                                      f"{timeout_s:g} s (DHT key {stage_key(self.run_id, stage)!r}{signed})")
 
@@ -360,8 +334,8 @@ class Discovery:
             return future.result(timeout=self.config.request_timeout_s)
         except Exception as exc:  # noqa: BLE001 - MPFuture timeouts and daemon errors
             hint = "" if self.signed or not what.startswith("get") else (
-                " (a node without the run key cannot read records signed with one: if this run has "
-                "a key, give it to this peer)")
+                " (an insecure node cannot read certified records: if this run is certified, give this "
+                "peer its --peer-key and --cert)")
             raise DiscoveryError(f"DHT {what} for run {self.run_id!r} failed: {exc!r}{hint}") from exc
 
     def _store(self, stage: int, subkey: str, endpoint: str) -> None:
@@ -377,7 +351,7 @@ class Discovery:
             # other nodes (normally this one too) stored the record: log it, do not fail.
             log = logger.debug if stage in self._refusals_logged else logger.warning
             self._refusals_logged.add(stage)
-            log("a DHT node refused the announcement of run %r stage %d (a node of another run key or "
+            log("a DHT node refused the announcement of run %r stage %d (a node of another "
                 "authority, or a record its certificate does not allow?)", self.run_id, stage)
 
     def _refresh_loop(self) -> None:

@@ -54,7 +54,7 @@ __all__ = [
     "MAX_VALIDITY_S", "MAX_REVOKED", "Authority", "PeerKey", "RequestBody", "CertificateBody", "RevocationsBody",
     "Signed", "CertificateError", "load_authority", "create_authority", "load_peer_key", "create_peer_key",
     "make_request", "issue", "revoke", "verify_certificate", "verify_revocations", "read_signed", "write_signed",
-    "PeerIdentity", "load_identity", "LocalIdentities", "issue_local", "RevocationWatch", "REVOCATION_POLL_S",
+    "CurveKeys", "PeerIdentity", "load_identity", "LocalIdentities", "issue_local", "RevocationWatch", "REVOCATION_POLL_S",
 ]
 
 AUTHORITY_HEADER = "mapl-run-authority v1"
@@ -490,6 +490,20 @@ def read_signed(path: str | os.PathLike[str], kind: Kind) -> Signed:
 
 
 # ---------------------------------------------------------------------- a peer's identity in a run
+@dataclass(frozen=True)
+class CurveKeys:
+    """A ZeroMQ CURVE keypair, z85-encoded (40 bytes each): a peer's server key and client key."""
+
+    public: bytes
+    """z85 public key (the server key clients dial)."""
+    secret: bytes = field(repr=False)
+    """z85 secret key."""
+
+    def __post_init__(self) -> None:
+        if len(self.public) != 40 or len(self.secret) != 40:
+            raise ConfigError("CURVE keys must be 40-byte z85 strings")
+
+
 @dataclass(frozen=True, eq=False)
 class PeerIdentity:
     """What a peer proves and checks in a certified run: its own key, its certificate (verified when
@@ -506,11 +520,6 @@ class PeerIdentity:
     watch: RevocationWatch | None = None
     """The revocation list file, read again when it changes (the peer polls it)."""
 
-    pinned = True
-    """Links go to named peers: the dialer pins the server's key from its DHT record."""
-    auth_key = None
-    """No shared secret: CURVE with per-peer keys authenticates every message (no wire tag)."""
-
     @property
     def run_id(self) -> str:
         return self.body.run
@@ -524,10 +533,8 @@ class PeerIdentity:
         return self.key.key_id
 
     @cached_property
-    def curve(self):
+    def curve(self) -> CurveKeys:
         """The peer's CURVE keypair (z85) as the transport takes it."""
-        from mapl_swarm.net.runkey import CurveKeys
-
         return CurveKeys(public=z85.encode(self.key.curve_public), secret=self.key.curve_secret)
 
     @cached_property

@@ -1,7 +1,6 @@
 """Secret key files: one header line, then 32 key bytes as 64 lowercase hex digits; mode 0600.
 
-The run key (:mod:`~.runkey`), a run authority's key and a peer's own key (:mod:`~.identity`) are
-all files of this shape, told apart by their header line. They are read from files only (never a
+A run authority's key and a peer's own key (:mod:`~.identity`) are both files of this shape, told apart by their header line. They are read from files only (never a
 command line or an environment variable), refused when any group or other permission bit is set,
 written atomically (a crash leaves no file or the whole key) and never shown: errors name the file
 and what is wrong with it, not its content.

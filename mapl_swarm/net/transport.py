@@ -12,22 +12,18 @@ very connection a message came in on, and the dialer reads that answer on its DE
 sender. ``connect`` never waits for the other side: ZeroMQ queues messages (up to the send
 high-water mark) until the neighbour is up, so peers may start in any order.
 
-Members only (``TransportConfig.curve``, from the run key, :mod:`mapl_swarm.net.runkey`): the
-ROUTER is a ZeroMQ CURVE server with the run's keypair and a ZAP handler on the transport's context
-(pyzmq's thread authenticator, started before the bind) admits only clients presenting the run's
-public key; every DEALER is a CURVE client with that same keypair. Links are encrypted and authenticated; a party without the key completes no handshake,
-so none of its frames is delivered and it learns no plaintext. Without ``curve`` (``--insecure``)
-everything travels in the clear and anyone may connect.
-
-Named peers (``TransportConfig.pinned``, a certified peer: :class:`~mapl_swarm.net.identity.PeerIdentity`):
-``curve`` is this peer's own keypair. Its advertised endpoint is a **contact**
-``tcp://HOST:PORT#<64 hex digits of its CURVE public key>`` (:func:`contact`), and :meth:`Transport.connect`
-takes a contact and pins that server key, so a connection completes only with the holder of that
-key's secret (a relay or an impostor completes no handshake). The ZAP handler admits every CURVE
-client, and every received message is attributed to the key its connection proved
-(:meth:`Transport.peer_key`); who may speak is then the peer's decision (its HELLO carries a
-certificate for that key). A routing id is bound to the first key that used it: a message under
-that routing id from another key is dropped (``mismatched_keys``).
+Members only (``TransportConfig.curve``, a certified peer's own keypair:
+:class:`~mapl_swarm.net.identity.PeerIdentity`): the ROUTER is a ZeroMQ CURVE server with it and
+every DEALER a CURVE client with it. Its advertised endpoint is a **contact**
+``tcp://HOST:PORT#<64 hex digits of its CURVE public key>`` (:func:`contact`), and
+:meth:`Transport.connect` takes a contact and pins that server key, so a connection completes only
+with the holder of that key's secret (a relay or an impostor completes no handshake) and learns no
+plaintext otherwise. A ZAP handler on the transport's context (pyzmq's thread authenticator,
+started before the bind) admits every CURVE client, and every received message is attributed to
+the key its connection proved (:meth:`Transport.peer_key`); who may speak is then the peer's
+decision (its HELLO carries a certificate for that key). A routing id is bound to the first key
+that used it: a message under that routing id from another key is dropped (``mismatched_keys``).
+Without ``curve`` (``--insecure``) everything travels in the clear and anyone may connect.
 
 No takeover: ``ROUTER_HANDOVER`` is off, so a second connection presenting a routing id that is in
 use cannot take it over (the first one keeps it, and ZeroMQ never serves the second); ZeroMQ
@@ -74,14 +70,11 @@ from mapl_swarm.net.counters import Frame, TrafficCounters
 from mapl_swarm.net.emulator import LinkConfig, LinkShaper
 from mapl_swarm.net.errors import LinkClosedError, NetError, NetTimeoutError
 from mapl_swarm.net.limits import max_message_bytes
-from mapl_swarm.net.runkey import CurveKeys
+from mapl_swarm.net.identity import CurveKeys
 
 if TYPE_CHECKING:
     from mapl_swarm.config import TrainConfig
-    from mapl_swarm.net.identity import PeerIdentity
-    from mapl_swarm.net.runkey import RunKey
-
-    Membership = RunKey | PeerIdentity
+    from mapl_swarm.net.identity import PeerIdentity as Membership
 
 __all__ = [
     "CurveKeys",
@@ -103,7 +96,7 @@ REPLY_QUEUE_MESSAGES = 64
 """Replies (messages received on the DEALERs) waiting for :meth:`Transport.recv_reply` at most; a
 neighbour's ROUTER answers a HELLO once, so more are dropped."""
 ZAP_DOMAIN = "mapl"
-"""ZAP domain of every CURVE ROUTER (the authenticator admits the run key in this domain only)."""
+"""ZAP domain of every CURVE ROUTER (the authenticator admits clients in this domain only)."""
 _HEARTBEAT_TIMEOUT_FACTOR = 3
 _RECONNECT_FACTOR = 5
 """A DEALER's reconnect interval in heartbeat intervals: longer than the ROUTER needs to drop the
@@ -188,13 +181,10 @@ class TransportConfig:
     send_timeout_s: float = 60.0
     """Default deadline of :meth:`Transport.send` (waiting for room in the link's send buffer)."""
     curve: CurveKeys | None = None
-    """The run's CURVE keypair (:attr:`RunKey.curve <mapl_swarm.net.runkey.RunKey.curve>`): links
-    are encrypted and only holders of the run key may connect; with ``pinned``, this peer's own.
+    """This peer's own CURVE keypair (:attr:`PeerIdentity.curve
+    <mapl_swarm.net.identity.PeerIdentity.curve>`): links to named peers (module docstring),
+    ``connect`` pins the server key of a contact and each message is attributed to its key.
     None: insecure (plain TCP, anyone may connect and read)."""
-    pinned: bool = False
-    """Links to named peers (module docstring): ``curve`` is this peer's own keypair, ``connect``
-    pins the server key of a contact, any CURVE client may connect and each message is
-    attributed to its key. False: ``curve`` is the run's shared keypair (the only one admitted)."""
     max_message_bytes: int = 0
     """Largest frame the ROUTER accepts, in plaintext bytes (``ZMQ_MAXMSGSIZE``, which ZeroMQ
     applies to each frame); a connection sending a larger one is dropped. 0: unlimited."""
@@ -221,19 +211,21 @@ class TransportConfig:
         if not (math.isfinite(self.zmq_heartbeat_s) and self.zmq_heartbeat_s >= 0):
             raise ConfigError(f"transport.zmq_heartbeat_s must be >= 0, got {self.zmq_heartbeat_s}")
         if self.curve is not None and not isinstance(self.curve, CurveKeys):
-            raise ConfigError("transport.curve must be CurveKeys (from the run key) or None")
-        if self.pinned and self.curve is None:
-            raise ConfigError("transport.pinned needs this peer's own CURVE keypair (transport.curve)")
+            raise ConfigError("transport.curve must be CurveKeys (a peer identity's) or None")
+
+    @property
+    def pinned(self) -> bool:
+        """Links go to named peers (with a CURVE keypair; insecure links are not)."""
+        return self.curve is not None
 
     @classmethod
     def for_run(cls, cfg: TrainConfig, membership: Membership | None) -> "TransportConfig":
-        """A stage peer's transport: the run's ``[net]`` section, the membership's CURVE keypair (the
-        run key's shared one, or a certified peer's own, pinned; None: insecure) and the run's
-        message bound (:func:`~mapl_swarm.net.limits.max_message_bytes`)."""
+        """A stage peer's transport: the run's ``[net]`` section, the certified peer's own CURVE
+        keypair (None: insecure) and the run's message bound
+        (:func:`~mapl_swarm.net.limits.max_message_bytes`)."""
         net = cfg.net
         return cls(bind_host=net.bind_host, bind_port=net.port, advertise_host=net.advertise_host or None,
                    send_timeout_s=net.timeout_s, curve=membership.curve if membership is not None else None,
-                   pinned=membership is not None and membership.pinned,
                    max_message_bytes=max_message_bytes(cfg), zmq_heartbeat_s=net.zmq_heartbeat_s)
 
     def heartbeat_options(self) -> dict[int, int]:
@@ -254,15 +246,14 @@ class TransportConfig:
 
 
 class _CurveClients:
-    """ZAP credentials provider: admits exactly one CURVE client key (the run's public key); with
-    ``public`` None (a pinned transport) every CURVE client, whose key CURVE has proved."""
+    """ZAP credentials provider: admits every CURVE client of :data:`ZAP_DOMAIN`, whose key CURVE
+    has proved (the peer then decides who may speak, by certificate)."""
 
-    def __init__(self, public: bytes | None, owner: "Transport") -> None:
-        self._public = public
+    def __init__(self, owner: "Transport") -> None:
         self._owner = owner
 
     def callback(self, domain: str, client_key: bytes) -> bool:
-        ok = domain == ZAP_DOMAIN and (self._public is None or secrets.compare_digest(client_key, self._public))
+        ok = domain == ZAP_DOMAIN
         if not ok:
             self._owner._refused()
         return ok
@@ -273,7 +264,7 @@ class Transport:
 
     Usage (inside the peer's event loop)::
 
-        config = TransportConfig(advertise_host="10.0.0.5", curve=run_key.curve)
+        config = TransportConfig(advertise_host="10.0.0.5", curve=identity.curve)
         async with Transport("stage1", config) as t:
             announce(t.endpoint)                     # e.g. tcp://10.0.0.5:41234
             t.connect("stage2", endpoint_of_stage2, LinkConfig(bandwidth_mbps=100))
@@ -293,7 +284,7 @@ class Transport:
         self.routing_id = f"{name}.{secrets.token_hex(4)}"
         """This instance's routing id, ``<name>.<8 hex>``, carried by every DEALER it connects."""
         self.refused_connections = 0
-        """Connections the ZAP handler refused (CURVE clients without the run key)."""
+        """Connections the ZAP handler refused (a CURVE client outside the ZAP domain)."""
         self.mismatched_keys = 0
         """Messages dropped (pinned): their routing id was bound to another CURVE key."""
         self._keys: OrderedDict[str, str] = OrderedDict()
@@ -354,8 +345,7 @@ class Transport:
         if cfg.pinned:
             self._endpoint = contact(self._endpoint, z85.decode(cfg.curve.public))
         logger.info("%s: bound %s, advertising %s (%s, routing id %s)", self.name, self._bound_endpoint,
-                    self._endpoint, "INSECURE: plain TCP" if cfg.curve is None else
-                    "CURVE, certified peers" if cfg.pinned else "CURVE, members only",
+                    self._endpoint, "INSECURE: plain TCP" if cfg.curve is None else "CURVE, certified peers",
                     self.routing_id)
         return self._endpoint
 
@@ -372,8 +362,7 @@ class Transport:
         except zmq.ZMQError as exc:
             raise NetError(f"{self.name}: cannot start the ZAP handler ({exc}): a CURVE transport needs a "
                            f"ZeroMQ context of its own") from exc
-        admitted = None if self.config.pinned else curve.public
-        auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=_CurveClients(admitted, self))
+        auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=_CurveClients(self))
         self._auth = auth
 
     def _stop_authenticator(self) -> None:
@@ -384,7 +373,7 @@ class Transport:
     def _refused(self) -> None:
         self.refused_connections += 1
         if self.refused_connections == 1 or math.log2(self.refused_connections).is_integer():
-            logger.warning("%s: refused a connection without the run key (%d so far)", self.name,
+            logger.warning("%s: refused a connection outside the ZAP domain (%d so far)", self.name,
                            self.refused_connections)
 
     async def __aenter__(self) -> "Transport":
@@ -462,8 +451,8 @@ class Transport:
         dealer.setsockopt(zmq.ROUTING_ID, self.routing_id.encode())
         for option, value in cfg.dealer_options().items():
             dealer.setsockopt(option, value)
-        if cfg.curve is not None:  # client of the pinned (or the run's) server key, proving our keypair
-            dealer.setsockopt(zmq.CURVE_SERVERKEY, z85.encode(server_key) if cfg.pinned else cfg.curve.public)
+        if cfg.curve is not None:  # client of the pinned server key, proving our keypair
+            dealer.setsockopt(zmq.CURVE_SERVERKEY, z85.encode(server_key))
             dealer.setsockopt(zmq.CURVE_PUBLICKEY, cfg.curve.public)
             dealer.setsockopt(zmq.CURVE_SECRETKEY, cfg.curve.secret)
         try:

@@ -9,8 +9,7 @@ fails drops the message with a stable code (:class:`~.session.Rejected`, or the 
 1. **sender**: the routing id is ``stage<k>.<8 hex>`` of a neighbour (:func:`~.link.stage_of`),
    else ``not_allowed``, unread;
 2. **header**, on the event loop, before any tensor frame is looked at: size, msgpack, version,
-   fields, type and authentication with the key of the sender's session (the run's auth key for
-   the handshake; the wire's codes, ``auth_failed`` for anything from a connection without a session);
+   fields and type (the wire's codes; a certified peer's connection has already proved its key);
 3. **handshake**: a HELLO opens a session (:meth:`Admission.check_hello`: of a certified peer only
    with a certificate for the sender's stage and its connection's key; a refusal is a REJECT to
    the HELLO's own connection, :class:`~.session.HelloRefused`, never to the bound neighbour);
@@ -44,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from mapl_swarm.config.catalog import codec_info
 from mapl_swarm.net.identity import CertificateError
 from mapl_swarm.peer.link import stage_of
-from mapl_swarm.peer.session import Early, HelloRefused, Rejected, RxSession, Superseded, Unkeyed
+from mapl_swarm.peer.session import Early, HelloRefused, Rejected, RxSession, Superseded, Unbound
 from mapl_swarm.wire import (ContentError, DecodeLimits, Message, MessageType, RunShapes, VersionMismatch, Window,
                              WireError, check_content, check_declared, check_epoch, check_header, check_sender,
                              decode_header, decode_tensors)
@@ -140,17 +139,6 @@ class Admitted:
     sender: str
 
 
-def _unkeyed_heartbeats(key: Callable[[Header], bytes | None]) -> Callable[[Header], bytes | None]:
-    """``key`` of a connection without a session, which fails every non-handshake message
-    (``auth_failed``), but a HEARTBEAT as :class:`~.session.Unkeyed` (counted, logged at debug)."""
-    def secret(h: Header) -> bytes | None:
-        if h.type is MT.HEARTBEAT:
-            raise Unkeyed("auth_failed", "HEARTBEAT before the handshake: no session key to check it with")
-        return key(h)
-
-    return secret
-
-
 class Admission:
     """The checks of the module docstring for one peer (see there). ``shapes`` is the run as this
     stage sees it (:func:`run_shapes`); ``window`` the schedule's :class:`~.window.StepWindow`, asked
@@ -201,7 +189,7 @@ class Admission:
         except Superseded as exc:
             log.debug("stage %d: a message from %r not used: %s", self.s.stage, sender, exc.text)
             return None
-        except Unkeyed as exc:
+        except Unbound as exc:
             self.rejects(exc.code, sender, exc.text, quiet=True)
             return None
         except (Rejected, ContentError) as exc:
@@ -223,12 +211,8 @@ class Admission:
         return link
 
     def _header(self, arrival: Arrival, link: PeerLink) -> Header:
-        """Phase 1 on the loop: nothing is unpacked; the key is the session's (the run's for the handshake)."""
-        session = link.rx if link.rx is not None and link.rx.routing_id == arrival.sender else None
-        key = link.rx_secret(session)
-        if session is None and self.s.secret is not None:  # only before a session: no cost per message after
-            key = _unkeyed_heartbeats(key)
-        header, _ = decode_header(arrival.frames, self.limits, secret=key)
+        """Phase 1 on the loop: the header only; no tensor frame is looked at."""
+        header, _ = decode_header(arrival.frames, self.limits)
         return header
 
     # ------------------------------------------------------------------ handshake and session
@@ -286,7 +270,8 @@ class Admission:
         check_sender(h, self.shapes)  # dst, the type's direction, the codec's types
         session = link.rx
         if session is None or session.routing_id != arrival.sender:
-            raise Rejected("wrong_session", f"{h.type.name} from {arrival.sender!r}; stage {link.stage}'s "
+            refused = Unbound if h.type is MT.HEARTBEAT else Rejected  # an ended session's queued heartbeats
+            raise refused("wrong_session", f"{h.type.name} from {arrival.sender!r}; stage {link.stage}'s "
                                             f"session is {session.routing_id if session else None!r}")
         check_epoch(h, self.window.epoch)  # before the sequence: a stale message does not move it
         if not arrival.held:

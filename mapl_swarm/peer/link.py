@@ -10,14 +10,13 @@ with mapl_vq, the link's side of the codebook streams (:class:`~.vq_link.Codeboo
 Sessions (SPEC §9): the link's outbound direction is open once the neighbour answered
 this peer's HELLO with WELCOME (``welcomed``); nothing but HELLO goes out before (heartbeats
 included). Its inbound direction is the neighbour's connection bound when this peer welcomed the
-neighbour's HELLO (``rx``, an :class:`~.admission.RxSession`: routing id, sequence, key). WELCOME
+neighbour's HELLO (``rx``, an :class:`~.admission.RxSession`: routing id, sequence). WELCOME
 and REJECT carry ``seq`` 0 and go back on the HELLO's own connection (``reply``); every other
 message takes the next ``seq`` of the link's outbound connection (HELLO has 0).
 
 The schedule talks to ``links.upstream`` / ``links.downstream`` (:class:`Links`: a set of links
 per neighbour stage and the route to one) in payload terms (``send_act``, ``send_grad``,
-``decoded``...), never to the transport, so per-link session keys, several peers of a neighbour
-stage or re-routing can change what a link is without touching the schedule.
+``decoded``...), never to the transport, so several peers of a neighbour stage or re-routing can change what a link is without touching the schedule.
 """
 
 from __future__ import annotations
@@ -44,8 +43,8 @@ from mapl_swarm.pipeline.payload import (
     WireName,
     act_kind,
 )
-from mapl_swarm.wire import Message, MessageType, encode, handshake_secret, new_nonce, session_key
-from mapl_swarm.wire.spec import HANDSHAKE_TYPES, NONCE_BYTES
+from mapl_swarm.wire import Message, MessageType, encode, new_nonce
+from mapl_swarm.wire.spec import NONCE_BYTES
 
 if TYPE_CHECKING:
     import torch
@@ -116,9 +115,6 @@ class LinkSettings:
     max_in_flight: int = 0
     """Micro-batches stage 0 keeps in flight, from which every stage's 1F1B warm-up follows, so all
     must share it (checked at the handshake when both send it, 1.6); 0: not sent."""
-    secret: bytes | None = None
-    """The run key's auth key (None: insecure or certified, no tags): HELLO/WELCOME/REJECT are tagged
-    with it, every later message with its session's key (SPEC §7.2)."""
     identity: PeerIdentity | None = None
     """A certified peer's identity (SPEC §7.5): its certificate goes in its HELLO, others' are checked."""
     compress_ids: bool = True
@@ -225,8 +221,6 @@ class PeerLink:
         """This peer sent HELLO on the link; until WELCOME or REJECT answers it, ``awaiting_answer``."""
         self.rejected = False
         """The neighbour answered this peer's HELLO with REJECT."""
-        self.tx_key: bytes | None = None
-        """The outbound session's key (from this peer's HELLO and the neighbour's WELCOME nonces)."""
         self.epoch = 0
         """The run epoch this peer's messages on the link carry (SPEC "Rejoin"; :meth:`Links.set_epoch`)."""
         self.hello_at: float | None = None
@@ -278,15 +272,9 @@ class PeerLink:
         return None if self._transport is None else self._transport.server_key(self.name)
 
     def frames(self, msg: Message) -> list:
-        """``msg`` encoded for this link: tagged with the run's auth key (handshake) or the session's
-        key, its compression and frame limit."""
+        """``msg`` encoded for this link: its compression and frame limit."""
         s = self.settings
-        key = s.secret
-        if s.secret is not None and msg.type not in HANDSHAKE_TYPES:
-            if self.tx_key is None:
-                raise RuntimeError(f"{self.local_name}: {msg.type.name} to {self.name} before its WELCOME")
-            key = self.tx_key
-        return encode(msg, secret=key, compress=None if s.compress_ids else "raw", max_frame_bytes=s.max_frame_bytes)
+        return encode(msg, compress=None if s.compress_ids else "raw", max_frame_bytes=s.max_frame_bytes)
 
     def _answer(self, mtype: MessageType, meta: dict) -> list:
         """WELCOME/REJECT frames: ``seq`` 0, outside the link's outbound sequence (SPEC §9.2)."""
@@ -333,7 +321,7 @@ class PeerLink:
         if self._hello_nonce is not None:
             self._older_nonces.append(self._hello_nonce)
         self._hello_nonce = new_nonce()
-        self.hello_sent, self.welcomed, self.rejected, self.tx_key, self.retry = True, False, False, None, False
+        self.hello_sent, self.welcomed, self.rejected, self.retry = True, False, False, False
         self.hello_at = time.monotonic()
         self._seq = 0
         await self.send(MT.HELLO, meta={**self.settings.hello_meta(), "nonce": self._hello_nonce,
@@ -355,23 +343,15 @@ class PeerLink:
         """The answer echoes the nonce of one of this link's earlier HELLOs (a newer one replaced it)."""
         return meta.get("hello_nonce") in self._older_nonces
 
-    def rx_secret(self, session: RxSession | None):
-        """The key a message on ``session`` (None: no bound session) is authenticated with: the
-        auth key for the handshake, the session's key after it (``wire.session.handshake_secret``)."""
-        return handshake_secret(self.settings.secret, None if session is None else session.key)
-
     async def on_hello(self, msg: Message, sender: str, reply: Reply, *, now: float, anchored: bool = False) -> None:
         """Welcome the neighbour's HELLO (already checked, :meth:`~.admission.Admission.check_hello`):
-        bind its connection ``sender`` as the link's inbound session, with the session key of both
-        nonces, and answer WELCOME on it. A later HELLO is a reconnection (mapl_vq: ask for a
+        bind its connection ``sender`` as the link's inbound session and answer WELCOME on it. A later HELLO is a reconnection (mapl_vq: ask for a
         codebook resync)."""
         s = self.settings
         self.capabilities = frozenset(msg.meta.get("capabilities", []))
         self.peer_anchored = self.peer_anchored or msg.meta.get("anchored") is True
-        nonce = new_nonce()
-        key = None if s.secret is None else session_key(s.secret, msg.meta["nonce"], nonce)
-        self.rx = RxSession(routing_id=sender, heard_at=now, last_seq=msg.seq, key=key)
-        await reply(self._answer(MT.WELCOME, {**s.hello_meta(), "nonce": nonce, "hello_nonce": msg.meta["nonce"],
+        self.rx = RxSession(routing_id=sender, heard_at=now, last_seq=msg.seq)
+        await reply(self._answer(MT.WELCOME, {**s.hello_meta(), "nonce": new_nonce(), "hello_nonce": msg.meta["nonce"],
                                               **_anchor(anchored)}), MT.WELCOME.name)
         if self.codebooks is not None:
             await self.codebooks.on_handshake()
@@ -387,16 +367,14 @@ class PeerLink:
         await reply(self._answer(MT.REJECT, meta), MT.REJECT.name)
 
     def on_welcome(self, msg: Message) -> None:
-        """The neighbour welcomed this peer's HELLO: the outbound session is open, with its key."""
-        s = self.settings
+        """The neighbour welcomed this peer's HELLO: the outbound session is open."""
         self.welcomed = True
         self.capabilities = frozenset(msg.meta.get("capabilities", []))
         self.peer_anchored = self.peer_anchored or msg.meta.get("anchored") is True
-        self.tx_key = None if s.secret is None else session_key(s.secret, self._hello_nonce, msg.meta["nonce"])
 
     def end_sessions(self) -> None:
         """The neighbour left before training (SPEC §9.5): its stage is free, this peer HELLOs again."""
-        self.rx, self.welcomed, self.tx_key = None, False, None
+        self.rx, self.welcomed = None, False
 
     def on_reject(self, msg: Message) -> None:
         """REJECT of this peer's newest HELLO; ``stage_taken`` and a configuration refusal of a peer

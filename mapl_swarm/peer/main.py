@@ -1,8 +1,9 @@
 """Start one stage peer: DHT first (it forks), then torch, data, the stage and the event loop.
 
-A peer is a member of its run through the run key (:mod:`mapl_swarm.net.runkey`): its links are
-members-only and encrypted (CURVE), its HELLO/WELCOME/REJECT carry the key's HMAC tag and its DHT
-records are signed. Without one (``--insecure``) everything is in the clear and anyone may join;
+A peer is a member of its run through its certified identity (:mod:`mapl_swarm.net.identity`): its
+links are encrypted (CURVE) and pinned to named peers, its HELLO carries its certificate and its
+DHT records are signed by its own key. Without one (``--insecure``) everything is in the clear and
+anyone may join;
 :class:`InsecureWarning` then says so in the log every minute while the peer runs.
 """
 
@@ -36,12 +37,12 @@ INSECURE_WARNING_INTERVAL_S = 60.0
 
 
 class InsecureWarning:
-    """While open, logs a warning that this peer runs without a run key, at once and then every
+    """While open, logs a warning that this peer runs without a certificate, at once and then every
     ``interval_s`` (a daemon thread: it keeps warning while the event loop or the compute is busy)."""
 
-    MESSAGE = ("INSECURE: stage %d runs without a run key (--insecure): links are unencrypted and "
+    MESSAGE = ("INSECURE: stage %d runs without a certificate (--insecure): links are unencrypted and "
                "unauthenticated, anyone who can reach this host can read the training data and join or "
-               "disrupt the run; use --key-file (create one with `mapl-swarm keys --out FILE`)")
+               "disrupt the run; use --peer-key and --cert (`mapl-swarm keys local` issues them)")
 
     def __init__(self, stage: int, interval_s: float = INSECURE_WARNING_INTERVAL_S) -> None:
         self.stage = stage
@@ -118,8 +119,8 @@ def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool 
     after the handshake, from the newest step every stage has (agreed by messages, SPEC §5.2).
     ``resolve(stage, timeout_s)`` (an endpoint, or every endpoint freshest first) and
     ``announce(endpoint)`` are awaitables (the DHT's, or any other directory). ``membership``: a
-    run key (members-only CURVE links, the HMAC tag from its ``auth_key``) or a certified peer's
-    identity (CURVE links to named peers, its certificate in every HELLO); None: insecure.
+    certified peer's identity (CURVE links to named peers, its certificate in every HELLO); None:
+    insecure.
     ``assets``: from :func:`peer_assets` (made here when None). ``epoch`` and ``rejoining``: a
     session that re-forms the swarm after a departure (:mod:`~.sessions`)."""
     from mapl_swarm.data import BatchSampler, validation_batches
@@ -142,7 +143,7 @@ def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool 
                            sampler=sampler)  # resume: agreed after the handshake
     return Peer(cfg, stage, rt, fingerprint=fingerprint, config=assets.config, resolve=resolve, announce=announce, sampler=sampler,
                 val_batches=val, progress=progress and stage == 0, compute=compute, run_policy=policy,
-                secret=membership.auth_key if membership is not None else None, membership=membership, epoch=epoch,
+                membership=membership, epoch=epoch,
                 rejoining=rejoining)
 
 
@@ -151,7 +152,7 @@ def run_peer(cfg: TrainConfig, stage: int, *, membership: Membership | None, ini
              insecure_warning_interval_s: float = INSECURE_WARNING_INTERVAL_S):
     """Run stage ``stage`` of ``cfg`` until the swarm finishes or drains (``result.end``); returns its
     PeerResult. SIGINT/SIGTERM drain the swarm once the peer serves (:mod:`~.signals`). ``membership``
-    (a run key or a certified identity) None runs insecure, warning every ``insecure_warning_interval_s``."""
+    (a certified identity) None runs insecure, warning every ``insecure_warning_interval_s``."""
     if not 0 <= stage < cfg.pipeline.num_stages:
         raise ConfigError(f"--stage {stage} is outside 0..{cfg.pipeline.num_stages - 1} (pipeline.num_stages)")
     if membership is not None:

@@ -25,7 +25,7 @@ class PeerResult:
     bad_frames: int = 0
     """Received messages dropped, whatever the reason (the sum of ``rejects``)."""
     rejects: dict[str, int] = field(default_factory=dict)
-    """Received messages dropped, by code: wire errors (``malformed_header``, ``auth_failed``...),
+    """Received messages dropped, by code: wire errors (``malformed_header``, ``version_mismatch``...),
     who-may-say-what and session rules (``not_allowed``, ``wrong_session``, ``replay``,
     ``stage_taken``...), content errors (``wrong_shape``, ``non_finite``, ``out_of_window``...) and
     ``queue_full`` (SPEC §6)."""

@@ -153,7 +153,7 @@ class Peer:
                  config: Mapping[str, Any] | None = None,
                  resolve: Callable[[int, float], Awaitable[str]], announce: Callable[[str], Awaitable[Any]],
                  sampler=None, val_batches: list[torch.Tensor] | None = None, progress: bool = False,
-                 start_step: int = 0, secret: bytes | None = None, compute: ComputeThread | None = None,
+                 start_step: int = 0, compute: ComputeThread | None = None,
                  run_policy: PeerRunPolicy | None = None,
                  wait_log_interval_s: float = WAIT_LOG_INTERVAL_S, membership: Membership | None = None,
                  epoch: int = 0, rejoining: bool = False) -> None:
@@ -165,7 +165,7 @@ class Peer:
         P, net = cfg.pipeline.num_stages, cfg.net
         self.name = stage_name(stage)
         self.resolve, self.announce = resolve, announce
-        self.membership = membership  # members-only links (CURVE: a run key or a certified identity); None: insecure
+        self.membership = membership  # a certified identity (CURVE links to named peers); None: insecure
         self.result = PeerResult(stage)
         self.rejects = RejectCounter(self.name, self.result.rejects)
         """Counts and logs every dropped message by code (into ``result.rejects``)."""
@@ -189,8 +189,7 @@ class Peer:
                           *((VQ_CAPABILITY, RETRANSMIT_CAPABILITY, INDEXED_SLICES_CAPABILITY) if vq else ()),
                           *self.agreement.capabilities),
             num_micro_batches=cfg.pipeline.num_micro_batches, micro_batch_size=cfg.pipeline.micro_batch_size,
-            eval_batches=cfg.eval.batches, max_in_flight=net.max_in_flight or P, secret=secret,
-            identity=membership if membership is not None and membership.pinned else None,
+            eval_batches=cfg.eval.batches, max_in_flight=net.max_in_flight or P, identity=membership,
             compress_ids=net.compress_ids, max_frame_bytes=net.max_frame_bytes)
         self.links = Links(
             upstream=PeerLink(settings, stage - 1, on_bad_frame=self.bad_frame) if stage > 0 else None,

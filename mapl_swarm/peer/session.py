@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Rejected", "HelloRefused", "Early", "RxSession", "Unkeyed"]
+__all__ = ["Rejected", "HelloRefused", "Early", "RxSession", "Unbound"]
 
 
 class Rejected(Exception):
@@ -21,10 +21,10 @@ class Superseded(Rejected):
     resends HELLO until one is answered): not used, and not a bad message (logged at debug)."""
 
 
-class Unkeyed(Rejected):
-    """A HEARTBEAT on a connection without a session: it cannot be authenticated (``auth_failed``),
-    and after a stall or a re-form it is what a neighbour queued for the session this peer ended,
-    one per heartbeat interval: counted, logged at debug."""
+class Unbound(Rejected):
+    """A HEARTBEAT on a connection that is not its stage's bound session (``wrong_session``): after a
+    stall or a re-form it is what a neighbour queued for the session this peer ended, one per
+    heartbeat interval: counted, logged at debug."""
 
 
 class HelloRefused(Rejected):
@@ -56,8 +56,6 @@ class RxSession:
     """Event-loop time of the last message accepted on it."""
     last_seq: int = 0
     """``seq`` of the last message accepted (the HELLO's is 0)."""
-    key: bytes | None = None
-    """The session's authentication key (None: the run has no key)."""
     lost: int = 0
     """Messages missing from the sequence (gaps)."""
 

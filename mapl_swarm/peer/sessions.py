@@ -11,7 +11,7 @@ DHT record and the connections to the neighbours that stayed remain valid):
   and loaded (data cursor included), or step 0 when no step is common;
 - ``epoch`` is the run epoch the session re-forms at; the agreement makes it the swarm's;
 - it waits up to ``net.rejoin_timeout_s`` for a replacement of the departed stage (``mapl-swarm
-  peer --stage K --resume`` on any host with that stage's checkpoints and the run key), logging
+  peer --stage K --resume`` on any host with that stage's checkpoints and a certificate for it), logging
   ``waiting for a stage K peer``.
 
 The result returned is the whole process's (:func:`merge`): the losses of the steps kept after

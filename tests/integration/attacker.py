@@ -2,12 +2,12 @@
 
 In the test process:
 
-- :func:`forge` / :func:`repack` build frames of any message, tagged with any key (or none), and
-  edit a header after encoding (descriptors that lie, a re-tag); :func:`lz4_zeros_block` an LZ4
+- :func:`forge` / :func:`repack` build frames of any message and edit a header after encoding
+  (descriptors that lie); :func:`lz4_zeros_block` an LZ4
   block that inflates to N zero bytes, built by hand (the issue's 1 MiB -> 255 MiB bomb costs 1 MiB);
 - :class:`Intruder`: one DEALER dialing a peer's ROUTER with a chosen routing id, as plain TCP, as a
-  CURVE client with a keypair that is not the run's (outsiders), or with the run's (an insider that
-  completes CURVE), and a socket monitor telling how its connection ended;
+  CURVE client with a keypair of its own dialing any server key (an outsider, or a member that
+  completes CURVE with the peer's key), and a socket monitor telling how its connection ended;
 - :class:`TcpRelay`: the network path between two peers, recording the bytes one side sends.
 
 As a script (started by the tests, each a process of its own)::
@@ -22,7 +22,7 @@ through that session, well-formed messages that do not fit the run (:class:`Insi
 ``FIRED <name>`` for each and ``INSIDER DONE`` when all are out. ::
 
     python attacker.py dht --initial-peer MADDR --run RUN --stage S --endpoint EP
-                           [--key-file F | --peer-key K --cert C]
+                           [--peer-key K --cert C]
 
 Joins the run's DHT (with the run key or a member's identity: signing its record; without: an
 unsigned one), prints
@@ -47,38 +47,31 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from mapl_swarm.wire import Message, MessageType, WireTensor, encode, new_nonce
-from mapl_swarm.wire.frames import compute_tag
+from mapl_swarm.wire.spec import PROTOCOL_VERSION
 
 MT = MessageType
-AUTH_TAG_BYTES = 32
 BF16_NAN = 0x7FC0
 """bf16 bit pattern of a quiet NaN."""
 
 
 # ------------------------------------------------------------------------------------------ frames
-def forge(mtype: MessageType, *, run: str, src: int, dst: int, secret: bytes | None = None, seq: int = 1,
+def forge(mtype: MessageType, *, run: str, src: int, dst: int, seq: int = 1,
           step: int = 0, micro: int = 0, pver: int = 0, cver: int = 0, epoch: int = 0, meta: dict | None = None,
           tensors: dict[str, Any] | None = None, max_header_bytes: int = 64 * 1024) -> list[bytes]:
-    """The frames of one message (``secret``: the key it is tagged with; None: no tag)."""
+    """The frames of one message."""
     msg = Message(type=mtype, run_id=run, src=src, dst=dst, step=step, micro=micro, seq=seq, pver=pver, cver=cver,
                   epoch=epoch, meta=meta or {}, tensors=tensors or {})
-    return [bytes(f) for f in encode(msg, secret=secret, max_header_bytes=max_header_bytes)]
+    return [bytes(f) for f in encode(msg, max_header_bytes=max_header_bytes)]
 
 
-def repack(frames: Sequence[bytes], secret: bytes | None, edit: Callable[[dict], None] = lambda h: None,
+def repack(frames: Sequence[bytes], edit: Callable[[dict], None] = lambda h: None,
            tensor_frames: Sequence[bytes] | None = None) -> list[bytes]:
-    """``frames`` with the header edited by ``edit(header dict)``, the tensor frames replaced by
-    ``tensor_frames`` when given, tagged anew with ``secret`` (None: untagged)."""
+    """``frames`` with the header edited by ``edit(header dict)`` and the tensor frames replaced by
+    ``tensor_frames`` when given."""
     header = msgpack.unpackb(frames[0], raw=False)
-    header.pop("auth", None)
     edit(header)
     body_frames = list(frames[1:] if tensor_frames is None else tensor_frames)
-    if secret is None:
-        return [msgpack.packb(header, use_bin_type=True), *body_frames]
-    header["auth"] = bytes(AUTH_TAG_BYTES)
-    head = msgpack.packb(header, use_bin_type=True)
-    body = head[:-AUTH_TAG_BYTES]
-    return [body + compute_tag(secret, body, body_frames), *body_frames]
+    return [msgpack.packb(header, use_bin_type=True), *body_frames]
 
 
 def lz4_zeros_block(n: int) -> bytes:
@@ -94,9 +87,9 @@ def lz4_zeros_block(n: int) -> bytes:
     return bytes(out)
 
 
-def lying_lz4(frames: Sequence[bytes], secret: bytes | None, name: str, block: bytes) -> list[bytes]:
+def lying_lz4(frames: Sequence[bytes], name: str, block: bytes) -> list[bytes]:
     """``frames`` with tensor ``name``'s frame replaced by the LZ4 ``block`` under its old
-    declaration (``rawbytes`` unchanged, so the block inflates past what it declares), re-tagged."""
+    declaration (``rawbytes`` unchanged, so the block inflates past what it declares)."""
     header = msgpack.unpackb(frames[0], raw=False)
     index = next(i for i, d in enumerate(header["tensors"]) if d["name"] == name)
     tensor_frames = list(frames[1:])
@@ -106,12 +99,12 @@ def lying_lz4(frames: Sequence[bytes], secret: bytes | None, name: str, block: b
         d = h["tensors"][index]
         d.update(codec="lz4", nbytes=len(block), crc=zlib.crc32(block))
 
-    return repack(frames, secret, edit, tensor_frames)
+    return repack(frames, edit, tensor_frames)
 
 
 def big_header(nbytes: int, *, run: str, src: int, dst: int) -> list[bytes]:
     """One frame: a msgpack header map of about ``nbytes`` bytes (a huge ``meta`` value)."""
-    return [msgpack.packb({"v": [1, 4], "type": int(MT.HEARTBEAT), "run": run, "src": src, "dst": dst,
+    return [msgpack.packb({"v": list(PROTOCOL_VERSION), "type": int(MT.HEARTBEAT), "run": run, "src": src, "dst": dst,
                            "step": 0, "micro": 0, "seq": 1, "pver": 0, "cver": 0,
                            "meta": {"pad": bytes(nbytes)}, "tensors": []}, use_bin_type=True)]
 
@@ -312,10 +305,10 @@ class Insider:
 
         transport.send = send
 
-    async def _session_send(self, link: Any, make: Callable[[int, bytes | None], list[bytes]], kind: str) -> None:
+    async def _session_send(self, link: Any, make: Callable[[int], list[bytes]], kind: str) -> None:
         seq = link._seq
         link._seq += 1
-        await self.raw_send(link.name, make(seq, link.tx_key), kind=kind)
+        await self.raw_send(link.name, make(seq), kind=kind)
 
     def _fired(self, name: str) -> None:
         self.pending.discard(name)
@@ -344,8 +337,8 @@ class Insider:
 
         async def projector(step: int, projector: Any, pver: int) -> None:
             if "nan_proj" in self.pending:
-                await self._session_send(link, lambda seq, key: forge(
-                    MT.PROJ, run=run, src=src, dst=dst, secret=key, seq=seq, step=step, pver=pver,
+                await self._session_send(link, lambda seq: forge(
+                    MT.PROJ, run=run, src=src, dst=dst, seq=seq, step=step, pver=pver,
                     tensors={"proj": np.full((d, r), np.nan, dtype=np.float32)}), "PROJ")
                 self._fired("nan_proj")
             await send_projector(step, projector, pver)
@@ -355,16 +348,16 @@ class Insider:
             if bombing:
                 z = WireTensor("bf16", np.zeros((B, T, r), dtype=np.uint16))
                 fields = dict(run=run, src=src, dst=dst, step=step, micro=micro, pver=pver, meta={"mode": "train"})
-                await self._session_send(link, lambda seq, key: forge(   # 8 MiB of ids in ~32 KiB
-                    MT.ACT, secret=key, seq=seq, tensors={"z": z, "ids": np.zeros((1, 4 << 20), np.uint16)},
+                await self._session_send(link, lambda seq: forge(   # 8 MiB of ids in ~32 KiB
+                    MT.ACT, seq=seq, tensors={"z": z, "ids": np.zeros((1, 4 << 20), np.uint16)},
                     **fields), "ACT")
                 self._fired("bomb_declared")
-                await self._session_send(link, lambda seq, key: lying_lz4(forge(
-                    MT.ACT, secret=key, seq=seq, tensors={"z": z, "ids": np.zeros((B, T + 1), np.uint16)},
-                    **fields), key, "ids", lz4_zeros_block(512 << 10)), "ACT")
+                await self._session_send(link, lambda seq: lying_lz4(forge(
+                    MT.ACT, seq=seq, tensors={"z": z, "ids": np.zeros((B, T + 1), np.uint16)},
+                    **fields), "ids", lz4_zeros_block(512 << 10)), "ACT")
                 self._fired("bomb_lying")
-                await self._session_send(link, lambda seq, key: forge(
-                    MT.ERROR, run=run, src=src, dst=dst, secret=key, seq=seq, max_header_bytes=1 << 20,
+                await self._session_send(link, lambda seq: forge(
+                    MT.ERROR, run=run, src=src, dst=dst, seq=seq, max_header_bytes=1 << 20,
                     meta={"code": "internal", "message": "x" * 70_000}), "ERROR")
                 self._fired("big_header")
             await send_act(step, micro, payload, eval_mode=eval_mode, pver=pver)
@@ -374,7 +367,7 @@ class Insider:
 
         link.send_projector, link.send_act = projector, act
         await self.raw_send(link.name, forge(
-            MT.HELLO, run=run, src=src, dst=dst, secret=s.secret, seq=0,
+            MT.HELLO, run=run, src=src, dst=dst, seq=0,
             meta={**s.hello_meta(), "fingerprint": "0" * 32, "nonce": new_nonce()}), kind="HELLO")
         self._fired("bogus_hello")
         await link.send(MT.ERROR, meta={"code": "internal", "message": f"stage {src} (an insider) says stop"})
@@ -390,7 +383,7 @@ class Insider:
         if s.stage == 0:
             self.pending |= {"hello_epoch_escalation"}
             await self.raw_send(link.name, forge(
-                MT.HELLO, run=s.run_id, src=s.stage, dst=link.stage, secret=s.secret, seq=0, epoch=5,
+                MT.HELLO, run=s.run_id, src=s.stage, dst=link.stage, seq=0, epoch=5,
                 meta={**s.hello_meta(), "nonce": new_nonce()}), kind="HELLO")
             self._fired("hello_epoch_escalation")
         await link.send(MT.BYE, meta={"reason": "rejoin"})
@@ -406,8 +399,8 @@ class Insider:
         async def grad(step: int, micro: int, payload: Any, *, pver: int) -> None:
             armed = "nan_grad" in self.pending
             if armed:
-                await self._session_send(link, lambda seq, key: forge(
-                    MT.GRAD, run=run, src=src, dst=dst, secret=key, seq=seq, step=step, micro=micro, pver=pver,
+                await self._session_send(link, lambda seq: forge(
+                    MT.GRAD, run=run, src=src, dst=dst, seq=seq, step=step, micro=micro, pver=pver,
                     tensors={"dz": nan_bf16((B, T, r))}), "GRAD")
                 self._fired("nan_grad")
             await send_grad(step, micro, payload, pver=pver)
@@ -494,18 +487,14 @@ def dht_poison(argv: list[str]) -> int:
     ap.add_argument("--run", required=True)
     ap.add_argument("--stage", type=int, required=True)
     ap.add_argument("--endpoint", required=True)
-    ap.add_argument("--key-file")
     ap.add_argument("--peer-key")
     ap.add_argument("--cert")
     args = ap.parse_args(argv)
     from mapl_swarm.net.discovery import Discovery, DiscoveryConfig
     from mapl_swarm.net.identity import load_identity
-    from mapl_swarm.net.runkey import load_run_key
 
-    if args.cert:  # a certified member (for whichever stages its certificate allows)
-        key = load_identity(args.peer_key, args.cert, run_id=args.run)
-    else:
-        key = load_run_key(args.key_file) if args.key_file else None
+    # a certified member (for whichever stages its certificate allows), or an insecure node
+    key = load_identity(args.peer_key, args.cert, run_id=args.run) if args.cert else None
     config = DiscoveryConfig(initial_peers=(args.initial_peer,), host="127.0.0.1", ttl_s=600.0, refresh_s=300.0,
                              poll_s=0.1)
     with Discovery(args.run, config, membership=key) as node:
@@ -514,7 +503,7 @@ def dht_poison(argv: list[str]) -> int:
         node.announce(args.stage, args.endpoint, subkey=f"stage{args.stage}.0badc0de")
         try:
             _say("LOOKUP " + json.dumps(node.lookup_all(args.stage, timeout_s=10)))
-        except Exception as exc:  # noqa: BLE001 - e.g. an unkeyed node reading signed records
+        except Exception as exc:  # noqa: BLE001 - e.g. an insecure node reading certified records
             _say("LOOKUP " + json.dumps([f"error: {exc!r}"]))
         sys.stdin.read()  # hold the record until the test is done
     return 0

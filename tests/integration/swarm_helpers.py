@@ -125,12 +125,27 @@ class Watched:
 
 
 @functools.cache
-def shared_key_file() -> str:
-    """The run key the swarm tests' peers and DHT nodes share (created once per test process, in a
-    temporary folder, mode 0600)."""
-    from mapl_swarm.net.runkey import create_run_key
+def _identities_root() -> Path:
+    """The folder of the identities the swarm tests issue (one per test process)."""
+    return Path(tempfile.mkdtemp(prefix="mapl-test-ids-"))
 
-    return create_run_key(Path(tempfile.mkdtemp(prefix="mapl-test-key-")) / "run.key").path
+
+def identity_args(run_id: str, num_stages: int, stage: int) -> list[str]:
+    """``--peer-key``/``--cert`` of stage ``stage`` of run ``run_id``: issued once per test process
+    by one authority per run (``issue_local``, as ``launch`` does: each stage its own key and a
+    certificate for it alone, with the drain role)."""
+    from mapl_swarm.net.identity import issue_local
+
+    return issue_local(_identities_root() / f"{run_id}-{num_stages}", run_id=run_id, num_stages=num_stages).args(stage)
+
+
+def _run_of(args: tuple[str, ...]) -> tuple[str, int, int]:
+    """(run id, stages, stage) of a ``peer`` command line, read with the CLI's own config loading."""
+    from mapl_swarm.cli import _load, build_parser
+
+    ns = build_parser().parse_args([*args, "--insecure"])
+    cfg = _load(ns)
+    return cfg.run.run_id, cfg.pipeline.num_stages, ns.stage
 
 
 def steps_done(out: Path) -> int:
@@ -183,16 +198,26 @@ def pids(*pgrep_args: str) -> list[int]:
 
 
 def cli(*args: str) -> list[str]:
-    """``mapl-swarm ARGS``; ``peer`` and ``dht`` get ``--key-file`` :func:`shared_key_file` unless
-    ARGS choose (``--key-file``, ``--cert`` or ``--insecure``)."""
-    if args and args[0] in ("peer", "dht") and not {"--key-file", "--cert", "--insecure"} & set(args):
-        args = (*args, "--key-file", shared_key_file())
+    """``mapl-swarm ARGS``; a ``peer`` gets its stage's identity (:func:`identity_args`, for the run
+    and stage its options name) unless ARGS choose (``--cert`` or ``--insecure``)."""
+    if args and args[0] == "peer" and not {"--cert", "--insecure"} & set(args):
+        args = (*args, *identity_args(*_run_of(args)))
     return [sys.executable, "-m", "mapl_swarm", *args]
 
 
-def start_dht(*args: str) -> tuple[Watched, str]:
-    """A DHT bootstrap node on 127.0.0.1 (``args``: more options, e.g. ``--insecure``) and its multiaddr."""
-    dht = Watched(cli("dht", "--host", "127.0.0.1", *args))
+def dht_cli(config: Path, *args: str, run_id: str | None = None) -> list[str]:
+    """``mapl-swarm dht`` for the run of ``config`` (or ``run_id``, with that config's stages): it
+    trusts that run's authority (``--cert`` of its stage 0, as :func:`identity_args` issues it)."""
+    config_run, stages, _ = _run_of(("peer", "--config", str(config), "--stage", "0"))
+    return cli("dht", *args, "--cert", identity_args(run_id or config_run, stages, 0)[-1])
+
+
+def start_dht(config: Path | None, *args: str, run_id: str | None = None) -> tuple[Watched, str]:
+    """A DHT bootstrap node on 127.0.0.1 for the run of ``config`` (or ``run_id``; config None:
+    with ``--insecure``; ``args``: more options) and its multiaddr."""
+    cmd = cli("dht", "--host", "127.0.0.1", "--insecure", *args) if config is None else \
+        dht_cli(config, "--host", "127.0.0.1", *args, run_id=run_id)
+    dht = Watched(cmd)
     maddr = dht.wait_for(r"--initial-peer (\S+)", 60).group(1)
     return dht, maddr
 

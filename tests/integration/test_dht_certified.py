@@ -1,9 +1,9 @@
-"""Certified discovery records on real hivemind DHT nodes (SPEC §7.5 item 5, issue 23 item 3).
+"""Certified discovery records on real hivemind DHT nodes (SPEC §7).
 
 A bootstrap node that trusts the run's authority (``run_bootstrap_node(membership=TrustedAuthority)``,
 as ``mapl-swarm dht --cert`` runs it), an honest stage-1 peer, a member certified for stage 2 that
 also announces stage 1 (a relay's record: the far-expiry attack of the issue, within the bound a
-certified node allows) and an outsider's unsigned record for stage 1 that expires much later. A
+certified node allows) and an outsider's unsigned record for stage 1 that expires later. A
 reader certified for stage 0 sees only the honest records; once the authority revokes the member,
 a reader holding the revocation list reads its records as withdrawn. One set of nodes for every check (a DHT
 start is slow), all started from the main thread before any lookup thread or event loop exists.
@@ -12,21 +12,60 @@ start is slow), all started from the main thread before any lookup thread or eve
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any
 
 import pytest
 
 import mapl_swarm.net.discovery as discovery_module
-from mapl_swarm.net.discovery import Discovery, TrustedAuthority, stage_key
+from mapl_swarm.net.discovery import Discovery, DiscoveryConfig, TrustedAuthority, run_bootstrap_node, stage_key
 from mapl_swarm.net.identity import issue_local, load_identity, revoke, write_signed
 from mapl_swarm.net.transport import contact
 
 from deadlines import wait_until
-from test_dht_signed import config, stored_subkeys, with_bootstrap
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 
 RUN = "run-certified"
+
+
+async def stored_subkeys(key: str, _dht: Any, node: Any) -> dict[str, bytes]:
+    """Runs inside a DHT process: the subkeys (and raw values) that node stores under ``key``."""
+    from hivemind.dht.routing import DHTID
+
+    item = node.protocol.storage.get(DHTID.generate(source=key))
+    if item is None:
+        return {}
+    return {str(sub): bytes(entry.value) for sub, entry in item.value.items()}
+
+
+def config(maddrs: list[str], **kwargs: float) -> DiscoveryConfig:
+    return DiscoveryConfig(initial_peers=tuple(maddrs), host="127.0.0.1", poll_s=0.1, **kwargs)
+
+
+def with_bootstrap(monkeypatch: pytest.MonkeyPatch, membership: Any, scenario: Any) -> None:
+    """Run ``scenario(bootstrap_dht, maddrs)`` inside a bootstrap node of ``membership`` (as
+    ``mapl-swarm dht`` runs it), started from the main thread."""
+    started: list[Any] = []
+    start_dht = discovery_module.start_dht
+
+    def recording_start_dht(**kwargs: Any) -> Any:
+        dht = start_dht(**kwargs)
+        started.append(dht)
+        return dht
+
+    monkeypatch.setattr(discovery_module, "start_dht", recording_start_dht)
+    stop = threading.Event()
+
+    def ready(maddrs: list[str]) -> None:
+        try:
+            scenario(started[0], maddrs)
+        finally:
+            stop.set()
+
+    run_bootstrap_node("127.0.0.1", 0, membership=membership, ready=ready, stop=stop)
+    assert stop.is_set()
+
 
 
 def scenario(bootstrap_dht: Any, maddrs: list[str], ids: list, local: Any, lists: Any) -> None:
@@ -36,7 +75,7 @@ def scenario(bootstrap_dht: Any, maddrs: list[str], ids: list, local: Any, lists
     relay = contact("tcp://10.0.0.9:5001", ids[2].key.curve_public)
     with Discovery(RUN, config(maddrs), membership=ids[1]) as stage1, \
             Discovery(RUN, config(maddrs, **late), membership=ids[2]) as member, \
-            Discovery(RUN, config(maddrs, ttl_s=3000.0, refresh_s=300.0)) as outsider, \
+            Discovery(RUN, config(maddrs, **late)) as outsider, \
             Discovery(RUN, config(maddrs), membership=ids[0]) as reader:  # ids[0] holds the revocation list
         stage1.announce(1, honest)
         member.announce(2, contact("tcp://10.0.0.9:5002", ids[2].key.curve_public))

@@ -6,13 +6,13 @@ from __future__ import annotations
 import re
 import signal
 
-from swarm_helpers import Watched, cli, shared_key_file
+from swarm_helpers import Watched, cli, identity_args
 
 
 def _run_node(identity, maddrs) -> str:
     """Start the node, wait for it to be up, stop it (SIGTERM: exit 0); its peer id."""
     node = Watched(cli("dht", "--port", "0", "--identity", str(identity), "--maddr-file", str(maddrs),
-                       "--key-file", shared_key_file()))
+                       "--cert", identity_args("dht-cli", 2, 0)[-1]))
     try:
         node.wait_for(r"DHT bootstrap node running", 60)
         written = maddrs.read_text().split()

@@ -149,7 +149,7 @@ def test_swarm_run_with_a_folder_per_stage(cache, tmp_path):
     path = tmp_path / "swarm.toml"
     path.write_text(_toml(cfg))
     dirs = {s: tmp_path / f"host{s}" for s in range(3)}
-    dht, maddr = start_dht()
+    dht, maddr = start_dht(path)
     peers = [Watched(cli("peer", "--config", str(path), "--stage", str(s), "--initial-peer", maddr, "--quiet",
                          "--set", f'run.out_dir="{dirs[s]}"')) for s in range(3)]
     try:

@@ -95,7 +95,7 @@ def _peers(tmp_path: Path, modes: list[str], gpus: list[str | None]):
     os.mkfifo(fifo)
     peers = peer_processes(len(modes), [str(log), str(fifo), ",".join(modes)], maddr="/ip4/127.0.0.1/tcp/1/p2p/Q",
                            threads=1, progress=False, gpus=gpus, environ=dict(os.environ),
-                           member_args=[["--key-file", "run.key"]] * len(modes),
+                           member_args=[["--peer-key", "k", "--cert", "c"]] * len(modes),
                            python=str(fake))
     return peers, log, fifo
 
@@ -138,7 +138,7 @@ def test_a_dead_stage_restarts_with_resume_and_the_others_are_left_alone(tmp_pat
     base = peers[1].cmd[4:]
     assert starts[0]["argv"] == base and starts[1]["argv"] == starts[2]["argv"] == base + ["--resume"]
     for s in starts:  # the same PeerProcess: its key file, GPU, process group of its own
-        assert s["gpu"] == "7" and s["pgid"] == s["pid"] and "run.key" in s["argv"]
+        assert s["gpu"] == "7" and s["pgid"] == s["pid"] and "--peer-key" in s["argv"]
     assert swarm.policy.counts() == {"1": 2}
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == [

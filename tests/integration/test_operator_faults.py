@@ -43,7 +43,7 @@ def test_a_replacement_started_wrongly_is_told_how_and_nothing_is_lost(tmp_path)
                         run_id="faults", timeout=60)
     path.write_text(path.read_text().replace("[net]\n", "[net]\nrejoin_timeout_s = 120\nhello_retry_s = 2\n")
                     + "\n[checkpoint]\ninterval_steps = 3\n")
-    dht, maddr = start_dht()
+    dht, maddr = start_dht(path)
     survivors = [_peer(path, maddr, 0, shared), _peer(path, maddr, 2, shared)]
     first = _peer(path, maddr, 1, host1)
     later: list[Watched] = []

@@ -48,7 +48,7 @@ def _rejoin_config(tmp_path, name: str, steps: int):
 def test_a_middle_peer_killed_twice_is_replaced_and_the_swarm_rolls_back_in_place(tmp_path):
     steps = 16
     path, out = _rejoin_config(tmp_path, "rejoin", steps)
-    dht, maddr = start_dht()
+    dht, maddr = start_dht(path)
     first = [_peer(path, maddr, s) for s in range(3)]
     survivors = [first[0], first[2]]
     pids = [p.proc.pid for p in survivors]
@@ -100,7 +100,7 @@ def test_a_stalled_stage_rejoins_within_one_handshake_of_waking_up(tmp_path):
     path.write_text(path.read_text().replace("[net]\n", "[net]\nzmq_heartbeat_s = 4\nheartbeat_interval_s = 0.5\n"
                                                            "liveness_floor_s = 3\n").replace("hello_retry_s = 2",
                                                                                               "hello_retry_s = 1"))
-    dht, maddr = start_dht()
+    dht, maddr = start_dht(path)
     peers = [_peer(path, maddr, s) for s in range(3)]
     try:
         wait_steps(out, 4, peers, 240)

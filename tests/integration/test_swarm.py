@@ -12,8 +12,9 @@ from mapl_swarm.compress import boundary_bytes
 from mapl_swarm.config import load_config
 from mapl_swarm.launch import launch
 from mapl_swarm.pipeline.trainer import train
+from mapl_swarm.wire.spec import PROTOCOL_VERSION
 
-from swarm_helpers import Watched, cli, shared_key_file, start_dht, train_losses, write_config
+from swarm_helpers import Watched, cli, identity_args, start_dht, train_losses, write_config
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -66,7 +67,7 @@ def test_a_misconfigured_peer_is_refused_naming_the_setting_and_its_neighbour_se
     a = write_config(tmp_path / "a.toml", stages=2, cache=cache, out=tmp_path / "a", run_id="fp", timeout=60)
     b = write_config(tmp_path / "b.toml", stages=2, rank=8, cache=cache, out=tmp_path / "b", run_id="fp",
                      timeout=60)
-    dht, maddr = start_dht()
+    dht, maddr = start_dht(a)
     procs = []
     try:
         p0 = Watched(cli("peer", "--config", str(a), "--stage", "0", "--initial-peer", maddr, "--quiet"))
@@ -89,26 +90,29 @@ def test_a_misconfigured_peer_is_refused_naming_the_setting_and_its_neighbour_se
         dht.stop(sig=2)
 
 
-def test_other_major_version_refused(tmp_path, cache):
+def test_a_peer_of_another_major_version_is_refused_naming_both_versions(tmp_path, cache):
     path = write_config(tmp_path / "c.toml", stages=2, cache=cache, out=tmp_path / "c", run_id="ver", timeout=40)
-    dht, maddr = start_dht()
-    script = (  # a stage-1 peer whose every header claims protocol 2.0
+    dht, maddr = start_dht(path)
+    _, key, _, cert = identity_args("ver", 2, 1)
+    other = f"{PROTOCOL_VERSION[0] + 1}.0"
+    script = (  # a certified stage-1 peer whose every header claims the next major version
         "import sys, msgpack\n"
         "import mapl_swarm.peer.link as rtm\n"
         "_encode = rtm.encode\n"
-        "def encode_v2(msg, **kw):\n"
+        "def encode_other(msg, **kw):\n"
         "    frames = _encode(msg, **kw)\n"
         "    header = msgpack.unpackb(bytes(frames[0]))\n"
-        "    header['v'] = [2, 0]\n"
+        f"    header['v'] = [{PROTOCOL_VERSION[0] + 1}, 0]\n"
         "    return [msgpack.packb(header)] + list(frames[1:])\n"
-        "rtm.encode = encode_v2\n"
+        "rtm.encode = encode_other\n"
         "import sys\n"
         "from mapl_swarm.config import load_config\n"
         "from mapl_swarm.errors import MaplError\n"
-        "from mapl_swarm.net.runkey import load_run_key\n"
+        "from mapl_swarm.net.identity import load_identity\n"
         "from mapl_swarm.peer.main import run_peer\n"
         "try:\n"
-        f"    run_peer(load_config({str(path)!r}), 1, membership=load_run_key({shared_key_file()!r}),\n"
+        f"    identity = load_identity({key!r}, {cert!r}, run_id='ver', stage=1)\n"
+        f"    run_peer(load_config({str(path)!r}), 1, membership=identity,\n"
         f"             initial_peers=[{maddr!r}], progress=False)\n"
         "except MaplError as e:\n"
         "    print('mapl-swarm: error:', e, file=sys.stderr); sys.exit(2)\n"
@@ -119,9 +123,11 @@ def test_other_major_version_refused(tmp_path, cache):
         p1 = Watched([os.sys.executable, "-c", script])
         procs += [p0, p1]
         assert p1.wait(180) == 2, p1.output
-        assert re.search(r"refused stage 1: peer speaks 2\.0, this peer speaks 1\.\d+", p1.output), p1.output
+        mine = re.escape(f"{PROTOCOL_VERSION[0]}.")
+        assert re.search(rf"refused stage 1: peer speaks {re.escape(other)}, this peer speaks {mine}\d+", p1.output), \
+            p1.output
         assert p0.proc.poll() is None  # the refusing peer keeps serving
-        p0.wait_for(r"dropped a message from .stage1\.[0-9a-f]{8}.: peer speaks 2\.0", 10)
+        p0.wait_for(rf"dropped a message from .stage1\.[0-9a-f]{{8}}.: peer speaks {re.escape(other)}", 10)
     finally:
         for p in procs:
             p.stop()
@@ -129,10 +135,10 @@ def test_other_major_version_refused(tmp_path, cache):
 
 
 def test_garbage_frames_dropped_while_training_continues(tmp_path, cache):
-    """An insecure run (with a run key a stranger's frames are never delivered at all: the decoder
-    sees only what members send)."""
+    """An insecure run (in a certified run a stranger's frames are never delivered at all: the
+    decoder sees only what members send)."""
     path = write_config(tmp_path / "g.toml", stages=2, steps=6, cache=cache, out=tmp_path / "g", run_id="junk")
-    dht, maddr = start_dht("--insecure")
+    dht, maddr = start_dht(None)
     ctx = zmq.Context()
     try:
         p1 = Watched(cli("peer", "--config", str(path), "--stage", "1", "--initial-peer", maddr, "--quiet",

@@ -46,7 +46,7 @@ def test_a_killed_middle_peer_is_named_by_both_neighbours_within_seconds(tmp_pat
     path = write_config(tmp_path / "kill.toml", stages=3, steps=100_000, cache=cache, out=out, run_id="kill",
                         timeout=60)
     path.write_text(path.read_text().replace("[net]\n", "[net]\nrejoin_timeout_s = 0\n"))  # no live rejoin
-    dht, maddr = start_dht()
+    dht, maddr = start_dht(path)
     peers = start_peers(path, maddr, 3)
     try:
         endpoint = peers[1].wait_for(r"advertising (tcp://\S+) \(", 180).group(1)
@@ -79,7 +79,7 @@ def test_a_stall_shorter_than_the_floor_is_survived_with_unchanged_losses(tmp_pa
     steps = 12
     path = write_config(tmp_path / "stall.toml", stages=3, steps=steps, cache=cache, out=out, run_id="stall",
                         timeout=60)
-    dht, maddr = start_dht()
+    dht, maddr = start_dht(path)
     peers = start_peers(path, maddr, 3)
     try:
         wait_steps(out, 3, [p.proc for p in peers], 180)

@@ -74,15 +74,22 @@ def test_multi_host_resume_from_newest_step_every_stage_has(tmp_path):
 
     runs = iter(range(10))
 
+    dhts: list[Watched] = []
+
     def swarm(*extra: str) -> list[Watched]:
-        """The 3 peers, each with its own run.out_dir (host), under a new run id (the DHT still
-        holds the previous swarm's announcements)."""
+        """The 3 peers, each with its own run.out_dir (host), under a new run id and its own DHT
+        (a DHT would still hold the previous swarm's announcements)."""
+        nonlocal maddr
         run_id = f"multihost{next(runs)}"
+        if dhts:
+            dhts[-1].stop(sig=2)
+        dht, maddr = start_dht(path, run_id=run_id)
+        dhts.append(dht)
         return [Watched(cli("peer", "--config", str(path), "--stage", str(s), "--initial-peer", maddr, "--quiet",
                             "--set", f"run.out_dir=\"{tmp_path / f'host{s}'}\"", "--set", f"run.run_id=\"{run_id}\"",
                             *extra)) for s in range(3)]
 
-    dht, maddr = start_dht()
+    maddr = ""
     peers: list[Watched] = []
     try:
         peers = swarm("--resume")  # nothing to resume: every peer says so and exits non-zero
@@ -112,4 +119,5 @@ def test_multi_host_resume_from_newest_step_every_stage_has(tmp_path):
     finally:
         for p in peers:
             p.stop()
-        dht.stop(sig=2)
+        for dht in dhts:
+            dht.stop(sig=2)

@@ -177,12 +177,10 @@ def sampler(cfg, seed: int = 0):
         yield torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=gen)
 
 
-def fake_swarm(cfg=None, *, fingerprint: str = "fp", secret: bytes | None = None,
-               net: FakeNet | None = None,
+def fake_swarm(cfg=None, *, fingerprint: str = "fp", net: FakeNet | None = None,
                identities: list | None = None) -> tuple[FakeNet, list[Peer], list[FakeTransport]]:
     """Stages 0 .. P-1 of ``cfg`` (default :func:`swarm_config`, 2 stages) on a :class:`FakeNet`,
-    with the run's auth key ``secret`` (None: insecure) or each stage's certified identity
-    (``identities[s]``, a ``PeerIdentity``); run them with :func:`run_swarm`. Call inside a running
+    insecure or with each stage's certified identity (``identities[s]``, a ``PeerIdentity``); run them with :func:`run_swarm`. Call inside a running
     event loop."""
     cfg = cfg or swarm_config()
     net = net or FakeNet()
@@ -199,7 +197,7 @@ def fake_swarm(cfg=None, *, fingerprint: str = "fp", secret: bytes | None = None
 
     val = [next(sampler(cfg, 99)) for _ in range(cfg.eval.batches)] if cfg.eval.interval_steps else []
     peers = [Peer(cfg, s, StageRuntime(cfg, s), fingerprint=fingerprint, resolve=resolve, announce=announce,
-                  sampler=sampler(cfg) if s == 0 else None, val_batches=val if s == 0 else None, secret=secret,
+                  sampler=sampler(cfg) if s == 0 else None, val_batches=val if s == 0 else None,
                   membership=identities[s] if identities else None)
              for s in range(P)]
     return net, peers, transports

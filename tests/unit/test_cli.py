@@ -89,9 +89,10 @@ sys.exit(rc)
     ["train", "--set", "model.bogus=1"],
     ["prepare", "--set", "model.bogus=1"],
     ["launch", "--set", "model.bogus=1", "--log-level", "WARNING"],
-    ["peer", "--stage", "0", "--key-file", "run.key", "--set", "model.bogus=1"],
-    ["peer", "--stage", "0", "--key-file", "missing.key"],  # the key is read before torch too
-    ["dht", "--key-file", "missing.key"],
+    ["peer", "--stage", "0", "--insecure", "--set", "model.bogus=1"],
+    ["peer", "--stage", "0", "--peer-key", "missing.key", "--cert", "missing.cert"],  # read before torch too
+    ["peer", "--stage", "0", "--key-file", "run.key"],  # a 1.x run key: refused with what to use
+    ["dht", "--cert", "missing.cert"],
     ["lab", "--set", "model.bogus=1"],
     ["train", "--set", "compression.codec=mpal"],
     ["sweep", "--grid", "no_such_grid.toml"],

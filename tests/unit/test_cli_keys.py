@@ -1,10 +1,9 @@
-"""`mapl-swarm keys` and the key options of `peer` / `dht` (issue 12 item 1): keys come from files,
-are never printed, and a peer runs without one only when told to, warning while it runs."""
+"""`mapl-swarm keys` and the membership options of `peer` / `dht`: a peer runs without a certificate
+only when told to, warning while it runs; a protocol 1.x run key is refused naming what replaces it."""
 
 from __future__ import annotations
 
 import logging
-import stat
 import subprocess
 import sys
 import threading
@@ -12,7 +11,6 @@ import threading
 import pytest
 
 from mapl_swarm.cli import build_parser, main
-from mapl_swarm.net.runkey import load_run_key
 from mapl_swarm.peer.main import InsecureWarning
 
 
@@ -21,60 +19,40 @@ def keys(*args: str) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
-def test_keys_writes_a_0600_file_and_never_prints_the_key(tmp_path):
-    path = tmp_path / "run.key"
-    proc = keys("--out", str(path))
-    assert proc.returncode == 0, proc.stderr
-    key = load_run_key(path)
-    out = proc.stdout + proc.stderr
-    assert str(path) in proc.stdout and key.key_id in proc.stdout
-    for secret in (key.secret.hex(), key.curve_secret.decode(), key.auth_key.hex(), key.dht_key.hex()):
-        assert secret not in out and secret[:16] not in out
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600
-
-    again = keys("--out", str(path))  # refuses to overwrite: a one-line error
-    assert again.returncode == 2 and again.stderr.count("mapl-swarm: error:") == 1
-    assert "already exists (--force replaces it" in again.stderr
-    assert load_run_key(path).secret == key.secret
-
-    kept = keys("--out", str(path), "--if-missing")
-    assert kept.returncode == 0 and key.key_id in kept.stdout and load_run_key(path).secret == key.secret
-
-    rotated = keys("--out", str(path), "--force")
-    new = load_run_key(path)
-    assert rotated.returncode == 0 and new.key_id in rotated.stdout and new.secret != key.secret
-    assert new.secret.hex() not in rotated.stdout + rotated.stderr
-
-
-def test_keys_if_missing_still_checks_the_existing_file(tmp_path, capsys):
-    path = tmp_path / "run.key"
-    path.write_text("not a key\n")
-    path.chmod(0o644)
-    assert main(["keys", "--out", str(path), "--if-missing"]) == 2
-    assert "chmod 600" in capsys.readouterr().err
+def test_keys_without_a_subcommand_names_them_and_a_run_key_is_refused_naming_what_replaces_it(tmp_path, capsys):
+    proc = keys("--out", str(tmp_path / "run.key"))  # protocol 1.x's run key: no such thing in 2.0
+    assert proc.returncode == 2 and not (tmp_path / "run.key").exists()
+    assert "choose from 'authority', 'peer', 'local'" in proc.stderr
+    assert main(["keys"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("mapl-swarm: error:") == 1 and "a subcommand (authority, peer, request, issue" in err
+    (tmp_path / "run.key").write_text("mapl-run-key v1\n" + "00" * 32 + "\n")
+    for command in (["peer", "--stage", "0"], ["dht"]):
+        assert main([*command, "--key-file", str(tmp_path / "run.key")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("mapl-swarm: error:") == 1 and "protocol 2.0 has no shared run key" in err, err
+        assert "--peer-key FILE --cert FILE" in err and "keys local" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("command", [["peer", "--stage", "0"], ["dht"]])
-def test_a_certificate_a_key_file_or_insecure_is_required(command, capsys):
+def test_a_certificate_or_insecure_is_required(command, capsys):
     parser = build_parser()
     with pytest.raises(SystemExit):
         parser.parse_args(command)
-    assert "one of the arguments --cert --key-file --insecure is required" in capsys.readouterr().err
-    for two in (["--key-file", "k", "--insecure"], ["--cert", "c", "--key-file", "k"]):
-        with pytest.raises(SystemExit):
-            parser.parse_args([*command, *two])
+    assert "one of the arguments --cert --insecure is required" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser.parse_args([*command, "--cert", "c", "--insecure"])
     assert parser.parse_args([*command, "--cert", "c"]).cert == "c"
     assert parser.parse_args([*command, "--insecure"]).insecure
-    assert parser.parse_args([*command, "--key-file", "k"]).key_file == "k"
 
 
-def test_secret_file_is_gone(capsys):
+def test_secret_file_and_key_file_are_not_offered(capsys):
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["peer", "--stage", "0", "--key-file", "k", "--secret-file", "s"])
+        build_parser().parse_args(["peer", "--stage", "0", "--insecure", "--secret-file", "s"])
     assert "unrecognized arguments: --secret-file" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         build_parser().parse_args(["peer", "--help"])
-    assert "no separate secret" in " ".join(capsys.readouterr().out.split())
+    assert "--key-file" not in capsys.readouterr().out
 
 
 def test_insecure_peer_warns_at_once_and_then_periodically():
@@ -96,5 +74,5 @@ def test_insecure_peer_warns_at_once_and_then_periodically():
         n = len(warnings)
     finally:
         logger.removeHandler(handler)
-    assert all(w.startswith("INSECURE: stage 2 runs without a run key") and "--key-file" in w for w in warnings)
+    assert all(w.startswith("INSECURE: stage 2 runs without a certificate") and "--cert" in w for w in warnings)
     assert len(warnings) == n  # the thread stopped with the block

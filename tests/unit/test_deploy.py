@@ -78,7 +78,7 @@ def test_compose_gives_each_stage_its_own_identity_read_only():
         if name in ONE_SHOT:
             continue
         args = parser.parse_args(svc["command"])
-        assert args.cert.startswith(keys.out + "/") and not args.insecure and not args.key_file, name
+        assert args.cert.startswith(keys.out + "/") and not args.insecure, name
         if args.command == "peer":
             assert args.peer_key == f"{keys.out}/stage{args.stage}.key", name
             assert args.cert == f"{keys.out}/stage{args.stage}.cert", name
@@ -189,9 +189,12 @@ def test_gpu_override_reserves_one_gpu_per_stage_and_builds_cuda_torch():
         cfg = load_config(ROOT / args.config, overrides)
         assert cfg.runtime.device == "cuda" and cfg.model.hidden_size == 1024, name  # the 150M recipe
         assert args.auto_resume, name
+        assert (args.peer_key, args.cert) == (f"/keys/stage{args.stage}.key", f"/keys/stage{args.stage}.cert"), name
         (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
         assert device["capabilities"] == ["gpu"] and device["driver"] == "nvidia"
         gpus += device["device_ids"]
     assert sorted(gpus) == ["0", "1", "2", "3"]
     prepare = parser.parse_args(compose["services"]["prepare"]["command"])
     assert load_config(ROOT / prepare.config, parse_overrides(prepare.set)).data == cfg.data
+    keys = parser.parse_args(compose["services"]["keys"]["command"])  # identities for the run the peers train
+    assert keys.func.__name__ == "_cmd_keys_local" and load_config(ROOT / keys.config).run.run_id == cfg.run.run_id

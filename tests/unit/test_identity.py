@@ -169,7 +169,7 @@ def test_keys_subcommands_make_a_certificate_a_peer_accepts_and_print_no_secret(
     assert keys("issue", "--authority", a, "--request", req, "--run-id", "demo", "--stages", "1", "--out",
                 tmp_path / "x.cert") == 2
     assert "stages [1] were not requested (the request asks for [0, 2])" in capsys.readouterr().err
-    assert keys() == 2 and "--out FILE (a run key) or a subcommand" in capsys.readouterr().err
+    assert keys() == 2 and "keys: a subcommand (authority, peer" in capsys.readouterr().err
 
 
 def test_a_revocation_list_grows_supersedes_the_previous_one_and_revokes_by_serial(tmp_path, capsys):

@@ -60,7 +60,7 @@ def test_exit_text_names_the_signal_or_the_status():
 
 
 def test_a_restarted_peer_is_the_same_peer_with_resume_once():
-    peer = PeerProcess(1, ["py", "-m", "mapl_swarm", "peer", "--stage", "1", "--key-file", "k", "--quiet"],
+    peer = PeerProcess(1, ["py", "-m", "mapl_swarm", "peer", "--stage", "1", "--peer-key", "k", "--cert", "c", "--quiet"],
                        {"CUDA_VISIBLE_DEVICES": "3", "PATH": "/bin"}, "3")
     again = resumed(peer)
     assert again.cmd == peer.cmd + ["--resume"]

@@ -45,7 +45,7 @@ def swarm(tmp_path_factory):
 
 
 def pinned(identity: PeerIdentity) -> TransportConfig:
-    return TransportConfig(bind_host="127.0.0.1", curve=identity.curve, pinned=True, send_timeout_s=5)
+    return TransportConfig(bind_host="127.0.0.1", curve=identity.curve, send_timeout_s=5)
 
 
 @pytest_asyncio.fixture
@@ -142,13 +142,13 @@ def record(stage: int, value: object, *, expiration: float | None = None, subkey
 
 
 def signed_by(identity: PeerIdentity, r: DHTRecord) -> DHTRecord:
-    (validator,) = dht_validators(identity, RUN)
+    (validator,) = dht_validators(identity)
     return dataclasses.replace(r, value=validator.sign_value(r))
 
 
 def checker(swarm, **kw) -> CertifiedRecordValidator:
     local, _ = swarm
-    (validator,) = dht_validators(TrustedAuthority(RUN, local.authority.public, **kw), RUN)
+    (validator,) = dht_validators(TrustedAuthority(RUN, local.authority.public, **kw))
     return validator
 
 
@@ -227,7 +227,7 @@ def test_a_peers_dht_node_reads_the_records_of_a_certificate_revoked_while_it_ru
     lists = tmp_path / "revoked.list"
     write_signed(lists, revoke(local.authority, [], run_id=RUN, now=1000))
     me = load_identity(local.key_file(0), local.cert_file(0), run_id=RUN, stage=0, revocations=lists)
-    (validator,) = dht_validators(me, RUN)
+    (validator,) = dht_validators(me)
     monkeypatch.setattr("mapl_swarm.net.identity.REVOCATION_POLL_S", 0.0)
     theirs = signed_by(ids[1], record(1, contact("tcp://10.0.0.2:5000", ids[1].key.curve_public)))
     assert validator.validate(theirs) and validator.strip_value(theirs) != MSGPackSerializer.dumps("")
