@@ -1,16 +1,18 @@
-"""What encryption costs: the throughput benchmark's swarm with a run key (CURVE + session tags) and
-with ``--insecure``, on a link-bound and an unshaped swarm.
+"""What encryption costs: the throughput benchmark's swarm between certified peers (CURVE, links
+pinned to each peer's certified key) and with ``--insecure``, on a link-bound and an unshaped swarm.
 
     python bench/encryption_cost.py [--bandwidth-mbps 0.1] [--steps 4] [--repeats 1]
 
 The swarm of ``bench/throughput.py`` (4 peer processes with 1 torch thread each and a DHT bootstrap
 on this machine, tiny preset, T=128, 8 micro-batches of 2 per step, ``mapl`` rank 64), started
-peer by peer (``mapl-swarm peer`` / ``mapl-swarm dht``, each with ``--key-file`` or each with
-``--insecure``: ``launch`` always makes a key), once with every outbound link shaped to
-``--bandwidth-mbps`` and once unshaped, keyed and insecure runs alternating (keyed first in even
-repeats, insecure first in odd ones). Measures steady-state
+peer by peer (``mapl-swarm peer`` / ``mapl-swarm dht``), either certified (identities from
+``issue_local``: each peer with its own ``--peer-key`` and ``--cert``, the DHT node with stage 0's
+``--cert``) or each with ``--insecure`` (``launch`` always certifies its peers), once with every
+outbound link shaped to ``--bandwidth-mbps`` and once unshaped, certified and insecure runs
+alternating (certified first in even repeats, insecure first in odd ones). Measures steady-state
 tokens/s (steps 2..N, from when stage 0 received each REPORT) and wire bytes per token (what the
-peers handed ZeroMQ: headers with their tags, not CURVE's own framing).
+peers handed ZeroMQ, not CURVE's own framing). Then one DEALER -> ROUTER link of the peers'
+transport alone, certified (pinned) and insecure, over loopback.
 
 Writes bench/results/encryption_cost.json and .md (never throughput.json / throughput.md).
 """
@@ -33,11 +35,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from throughput import CONFIG, M, P  # noqa: E402 - the same swarm as the throughput table
 
-from mapl_swarm.metrics import run_manifest  # noqa: E402
-from mapl_swarm.net.runkey import create_run_key  # noqa: E402
 from mapl_swarm.launch import summarize  # noqa: E402
+from mapl_swarm.metrics import run_manifest  # noqa: E402
+from mapl_swarm.net.identity import issue_local, load_identity  # noqa: E402
 
 CODEC, RANK = "mapl", 64
+RUN_ID = f"tp-{CODEC}-{RANK}"
+"""The run id of ``throughput.CONFIG`` for this codec (the certificates name it)."""
 CURVE_FRAME_OVERHEAD = 33
 """Bytes libzmq's CURVE adds to every frame on the wire (the MESSAGE command), not counted in the
 wire bytes above; the app-level link emulator shapes the bytes handed to ZeroMQ, so a shaped run
@@ -58,19 +62,26 @@ def wait_line(path: Path, pattern: str, timeout_s: float, proc: subprocess.Popen
     raise RuntimeError(f"{pattern!r} not in {path} within {timeout_s} s:\n{path.read_text()[-3000:]}")
 
 
-def run_case(keyed: bool, bw: float, steps: int, cache: Path, tmp: Path, index: int) -> dict:
-    name = f"{'key' if keyed else 'insecure'}-{bw:g}-{index}"
+def run_case(certified: bool, bw: float, steps: int, cache: Path, tmp: Path, index: int) -> dict:
+    name = f"{'certified' if certified else 'insecure'}-{bw:g}-{index}"
     out = tmp / name
     out.mkdir(parents=True)
     path = tmp / f"{name}.toml"
     path.write_text(CONFIG.format(codec=CODEC, rank=RANK, cache=cache, P=P, M=M, steps=steps, out=out, bw=bw, lat=0.0))
-    key_args = ["--key-file", create_run_key(out / "run.key").path] if keyed else ["--insecure"]
+    local = issue_local(out / "identities", run_id=RUN_ID, num_stages=P) if certified else None
+
+    def membership(stage: int | None) -> list[str]:
+        """A peer's identity (``stage``) or the DHT node's certificate (None), or ``--insecure``."""
+        if local is None:
+            return ["--insecure"]
+        return local.args(stage) if stage is not None else ["--cert", str(local.cert_file(0))]
+
     py = [sys.executable, "-m", "mapl_swarm"]
     procs: list[subprocess.Popen] = []
     logs = []
     try:
         dht_log = out / "dht.log"
-        dht = subprocess.Popen([*py, "dht", "--host", "127.0.0.1", *key_args], stdout=dht_log.open("w"),
+        dht = subprocess.Popen([*py, "dht", "--host", "127.0.0.1", *membership(None)], stdout=dht_log.open("w"),
                                stderr=subprocess.STDOUT)
         procs.append(dht)
         maddr = wait_line(dht_log, r"--initial-peer (\S+)", 120, dht).group(1)
@@ -79,7 +90,7 @@ def run_case(keyed: bool, bw: float, steps: int, cache: Path, tmp: Path, index: 
             log = out / f"peer{s}.log"
             logs.append(log)
             procs.append(subprocess.Popen([*py, "peer", "--config", str(path), "--stage", str(s), "--initial-peer",
-                                           maddr, "--quiet", *key_args], stdout=log.open("w"),
+                                           maddr, "--quiet", *membership(s)], stdout=log.open("w"),
                                           stderr=subprocess.STDOUT))
         for s, proc in enumerate(procs[1:]):
             code = proc.wait(3600)
@@ -101,27 +112,32 @@ def run_case(keyed: bool, bw: float, steps: int, cache: Path, tmp: Path, index: 
     times = s.report_times_s
     wire = sum(link["forward_wire"] + link["backward_wire"] for link in s.links)
     messages = [json.loads((out / f"peer_stage{k}.json").read_text()) for k in range(P)]
-    return {"keyed": keyed, "bandwidth_mbps": bw, "steps": steps, "repeat": index,
+    return {"certified": certified, "bandwidth_mbps": bw, "steps": steps, "repeat": index,
             "tokens_per_s": tokens_per_step * (len(times) - 1) / (times[-1] - times[0]),
             "wire_bytes_per_token": wire, "tokens_per_step": tokens_per_step, "swarm_wall_s": s.wall_s,
             "launch_wall_s": wall, "final_loss": s.train_losses[-1],
             "peak_rss_mb": [m["peak_rss_mb"] for m in messages]}
 
 
-def transport_rate(keyed: bool, size: int, count: int) -> float:
+def transport_rate(certified: bool, size: int, count: int) -> float:
     """Messages per second one DEALER -> ROUTER link of the peers' transport carries over loopback
-    (``count`` messages of ``size`` bytes, sent and received in one event loop)."""
+    (``count`` messages of ``size`` bytes, sent and received in one event loop); certified: stage 0's
+    CURVE keys dialing stage 1's contact (pinned to its key)."""
     import asyncio
 
-    from mapl_swarm.net.runkey import RunKey
     from mapl_swarm.net.transport import Transport, TransportConfig, run
 
-    curve = RunKey.generate().curve if keyed else None
+    curves = [None, None]
+    if certified:
+        with tempfile.TemporaryDirectory(prefix="mapl-enc-ids-") as tmp:
+            local = issue_local(tmp, run_id=RUN_ID, num_stages=2)
+            curves = [load_identity(local.key_file(s), local.cert_file(s), run_id=RUN_ID, stage=s).curve
+                      for s in range(2)]
     payload = bytes(size)
 
     async def main() -> float:
-        cfg = TransportConfig(bind_host="127.0.0.1", curve=curve)
-        async with Transport("stage1", cfg) as rx, Transport("stage0", cfg) as tx:
+        server, client = (TransportConfig(bind_host="127.0.0.1", curve=c) for c in (curves[1], curves[0]))
+        async with Transport("stage1", server) as rx, Transport("stage0", client) as tx:
             tx.connect("stage1", rx.endpoint)
             await tx.send("stage1", [b"warm-up"])
             await rx.recv(30)
@@ -141,17 +157,17 @@ def transport_rate(keyed: bool, size: int, count: int) -> float:
 
 
 def transport_rows(repeats: int) -> list[dict]:
-    """Best of ``repeats`` alternating runs per (size, keyed): the machine is shared, the best run
-    is the least disturbed."""
+    """Best of ``repeats`` alternating runs per (size, certified): the machine is shared, the best
+    run is the least disturbed."""
     rows = []
     for size, count in ((33_280, 3000), (200, 30_000)):  # an ACT of the swarm above; a control message
         best = {True: 0.0, False: 0.0}
         for _ in range(repeats):
-            for keyed in (True, False):
-                best[keyed] = max(best[keyed], transport_rate(keyed, size, count))
-        for keyed in (True, False):
-            rows.append({"size": size, "count": count, "keyed": keyed, "messages_per_s": best[keyed],
-                         "mb_per_s": best[keyed] * size / 1e6})
+            for certified in (True, False):
+                best[certified] = max(best[certified], transport_rate(certified, size, count))
+        for certified in (True, False):
+            rows.append({"size": size, "count": count, "certified": certified, "messages_per_s": best[certified],
+                         "mb_per_s": best[certified] * size / 1e6})
     return rows
 
 
@@ -161,26 +177,29 @@ def to_markdown(rows: list[dict], command: str, manifest: dict) -> str:
         f"Machine: {platform.machine()}, 2 cores, no GPU, torch {manifest['versions'].get('torch', '?')}; shared with other "
         f"jobs (loaded); date {time.strftime('%Y-%m-%d')}; commit {manifest['commit'][:12]}  ",
         f"Setup: `bench/throughput.py`'s swarm ({P} peers, 1 torch thread each, tiny preset, T=128, {M} micro-batches of 2, "
-        f"`{CODEC}` rank {RANK}), peers started one by one with `--key-file` (CURVE + session tags) or `--insecure`; "
+        f"`{CODEC}` rank {RANK}), peers started one by one certified (`--peer-key` + `--cert`: CURVE, pinned) "
+        "or with `--insecure`; "
         "tokens/s over steps 2..N; wire bytes per token summed over the 3 links and both directions.",
         "",
-        "| links | run key | tokens/s | vs insecure | wire B/token | final loss |",
+        "| links | membership | tokens/s | vs insecure | wire B/token | final loss |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
-        same = [b["tokens_per_s"] for b in rows if not b["keyed"] and b["bandwidth_mbps"] == r["bandwidth_mbps"]]
+        same = [b["tokens_per_s"] for b in rows if not b["certified"] and b["bandwidth_mbps"] == r["bandwidth_mbps"]]
         base = sum(same) / len(same) if same else float("nan")
         link = f"{r['bandwidth_mbps']:g} Mbit/s" if r["bandwidth_mbps"] else "unshaped (loopback)"
-        lines.append(f"| {link} | {'yes (CURVE)' if r['keyed'] else 'no (--insecure)'} | {r['tokens_per_s']:.1f} | "
+        membership = "certified (CURVE)" if r["certified"] else "--insecure"
+        lines.append(f"| {link} | {membership} | {r['tokens_per_s']:.1f} | "
                      f"{r['tokens_per_s'] / base:.3f} | {r['wire_bytes_per_token']:.1f} | {r['final_loss']:.4f} |")
     transport = manifest.get("transport", [])
     if transport:
         lines += ["", "Transport alone (one DEALER -> ROUTER link of the peers' `Transport` over loopback, one event loop, "
                       "best of the alternating runs):", "",
-                  "| message | run key | messages/s | MB/s | vs insecure |", "|---|---|---|---|---|"]
+                  "| message | membership | messages/s | MB/s | vs insecure |", "|---|---|---|---|---|"]
         for r in transport:
-            base = next(b for b in transport if b["size"] == r["size"] and not b["keyed"])["messages_per_s"]
-            lines.append(f"| {r['size']:,} B | {'yes (CURVE)' if r['keyed'] else 'no'} | {r['messages_per_s']:,.0f} | "
+            base = next(b for b in transport if b["size"] == r["size"] and not b["certified"])["messages_per_s"]
+            lines.append(f"| {r['size']:,} B | {'certified (CURVE)' if r['certified'] else '--insecure'} | "
+                         f"{r['messages_per_s']:,.0f} | "
                          f"{r['mb_per_s']:.1f} | {r['messages_per_s'] / base:.2f} |")
     return "\n".join(lines) + "\n"
 
@@ -201,9 +220,9 @@ def main() -> int:
         profiles = [p for p in args.profiles.split(",") if p in ("unshaped", "shaped")]
         for bw in [0.0 if p == "unshaped" else args.bandwidth_mbps for p in profiles]:
             for i in range(args.repeats):
-                for keyed in ((True, False) if i % 2 == 0 else (False, True)):  # either order first
-                    row = run_case(keyed, bw, args.steps, ROOT / ".mapl_cache", Path(tmp), i)
-                    print(json.dumps({k: row[k] for k in ("keyed", "bandwidth_mbps", "tokens_per_s",
+                for certified in ((True, False) if i % 2 == 0 else (False, True)):  # either order first
+                    row = run_case(certified, bw, args.steps, ROOT / ".mapl_cache", Path(tmp), i)
+                    print(json.dumps({k: row[k] for k in ("certified", "bandwidth_mbps", "tokens_per_s",
                                                            "wire_bytes_per_token")}), flush=True)
                     rows.append(row)
     transport = transport_rows(args.transport_repeats) if args.transport_repeats else []

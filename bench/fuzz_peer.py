@@ -2,24 +2,26 @@
 
     python bench/fuzz_peer.py [--messages 100000] [--per-step 1000] [--seed 0]
 
-The fuzzer is stage 0 of a keyed 2-stage swarm whose stage 1 is a real ``mapl-swarm peer``
-process (1 torch thread). It is a member: it holds the run key, completes CURVE, runs the DHT
-bootstrap, shakes hands by SPEC §9.2 (so it owns stage 1's upstream session and its session key)
-and drives training itself: every ``--per-step`` fuzz messages it runs one valid step (PROJ and
+The fuzzer is stage 0 of a certified 2-stage swarm (``issue_local``: one authority, a key and a
+certificate per stage) whose stage 1 is a real ``mapl-swarm peer`` process (1 torch thread). It is
+a member: it holds stage 0's identity, runs the DHT bootstrap and announces a certified record,
+dials stage 1 as a CURVE client pinned to stage 1's key, shakes hands by SPEC §9.2 with its
+certificate in its HELLO and its WELCOME (so it owns stage 1's upstream session) and drives
+training itself: every ``--per-step`` fuzz messages it runs one valid step (PROJ and
 M train ACTs of random finite activations) and requires stage 1's M GRADs and REPORT, all finite,
 within 60 s — the peer must keep answering and training throughout.
 
 Fuzz messages are mutations of valid messages (ACT, PROJ, HEARTBEAT, ERROR, CHECKPOINT, and types
 stage 1 may not take from upstream: GRAD, PROJ_GRAD, REPORT, RESYNC) for the *next* step, so that
 they pass the header checks and reach the content checks but never the model (a fuzz message that
-stays valid is dropped by the schedule as ``out_of_window``). Most are re-tagged with the session
-key and take the session's next ``seq`` (so they get past authentication and reach every later
-check); the others are left with a broken or missing tag, or are not msgpack at all. Mutations:
+stays valid is dropped by the schedule as ``out_of_window``). Messages carry no tag (CURVE covers
+origin and integrity); all but the random-bytes ones take the session's next ``seq`` (so they reach
+every check after the sequence). Mutations:
 random bytes, bit flips in the header or a tensor frame, truncated/extended/extra/missing frames,
 header fields (type, version, run, src/dst, step, micro, seq, pver), meta (missing/mistyped
 fields, deep nesting, big strings), descriptors (name, dtype, shape, codec, nbytes, rawbytes — up
-to 2^40 —, crc), tensor values (NaN, Inf, ids >= V), LZ4 blocks inflating past their declaration,
-a missing, random or wrong-key tag. Never generated: a valid BYE (it ends the run by SPEC §9.5)
+to 2^40 —, crc), tensor values (NaN, Inf, ids >= V), LZ4 blocks inflating past their declaration.
+Never generated: a valid BYE (it ends the run by SPEC §9.5)
 and ERROR ``retransmit_unavailable`` (it stops a peer that asked for a retransmission).
 
 Reports crashes (stage 1 exited before the fuzzer's BYE, a traceback in its log, or a valid step
@@ -85,7 +87,6 @@ threads = 1
 [net]
 timeout_s = 600
 """
-TAG = 32
 DTYPES = ("bf16", "fp16", "fp32", "fp64", "uint8", "uint16", "uint32", "int32", "int64")
 
 
@@ -112,8 +113,8 @@ class Peer1:
 class Mutator:
     """Valid messages for the step after stage 1's current one, and mutations of them (see the module docstring)."""
 
-    def __init__(self, rng: random.Random, auth_key: bytes) -> None:
-        self.rng, self.auth_key = rng, auth_key
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
         self.np = np.random.default_rng(rng.getrandbits(32))
         self.ops: Counter[str] = Counter()
 
@@ -153,15 +154,15 @@ class Mutator:
         return (self.np.standard_normal(shape, np.float32).view(np.uint32) >> 16).astype(np.uint16)
 
     # -- mutations -----------------------------------------------------------------------------
-    def mutate(self, msg, key: bytes, seq: int, step: int, pver: int) -> tuple[list[bytes], int]:
+    def mutate(self, msg, seq: int, step: int, pver: int) -> tuple[list[bytes], int]:
         """Frames of one fuzz message (``seq`` its session sequence number; stage 1 at ``step`` >= 1, its
         link at projector ``pver``) and the session's next ``seq``. Mutated fields never take a value
         stage 1's schedule would act on (``step``; ``pver`` v or v + 1)."""
-        from mapl_swarm.wire import MessageType as MT, WireError, encode
+        from mapl_swarm.wire import PROTOCOL_VERSION, MessageType as MT, WireError, encode
 
-        rng = self.rng
+        rng, major = self.rng, PROTOCOL_VERSION[0]
         op = rng.choice(("bytes", "header_flips", "frame_flips", "frames", "field", "field", "field", "meta",
-                         "descriptor", "descriptor", "tensors", "tensors", "values", "values", "lz4", "tag", "none"))
+                         "descriptor", "descriptor", "tensors", "tensors", "values", "values", "lz4", "none"))
         self.ops[op] += 1
         if op == "tensors" and msg.tensors:
             msg = dataclasses.replace(msg, tensors=self._wrong_tensors(dict(msg.tensors)))
@@ -175,11 +176,10 @@ class Mutator:
         tensors = frames[1:]
         header["seq"] = seq
         next_seq = seq + 1
-        retag = True
         if op == "bytes":
             return [rng.randbytes(rng.randrange(0, 300)) for _ in range(rng.randrange(1, 4))], seq
         if op == "header_flips":
-            head = bytearray(self._pack(header, key, tensors)[0])
+            head = bytearray(self._pack(header, tensors)[0])
             for _ in range(rng.randrange(1, 9)):
                 i = rng.randrange(len(head))
                 head[i] ^= 1 << rng.randrange(8)
@@ -211,7 +211,8 @@ class Mutator:
             name = rng.choice(("type", "v", "run", "src", "dst", "step", "micro", "seq", "pver", "cver"))
             value = {
                 "type": lambda: rng.choice([t for t in range(0, 20) if t != 12] + [2 ** 16, -1]),
-                "v": lambda: rng.choice(([1, 99], [2, 0], [0, 9], [1], [1, 4, 0], "1.4", [-1, 4])),
+                "v": lambda: rng.choice(([major, 99], [major + 1, 0], [major - 1, 9], [major], [major, 0, 0],
+                                         f"{major}.0", [-1, 0])),
                 "run": lambda: rng.choice(("", "other", "x" * 200, RUN.upper(), 7)),
                 "src": lambda: rng.choice((1, 2, 65535, -1, 2 ** 16)),
                 "dst": lambda: rng.choice((0, 2, 65535, -1)),
@@ -286,22 +287,12 @@ class Mutator:
             block = lz4_zeros_block(rng.choice((d["rawbytes"] + 64, 1 << 16, 1 << 20)))
             tensors[i] = block
             d.update(codec="lz4", nbytes=len(block), crc=zlib.crc32(block))
-        elif op == "tag":
-            retag = False
-            choice = rng.randrange(3)
-            if choice == 0:
-                return [msgpack.packb(header, use_bin_type=True), *tensors], next_seq  # no tag
-            if choice == 1:
-                return self._pack(header, rng.randbytes(32), tensors), next_seq  # another key
-            head = bytearray(self._pack(header, key, tensors)[0])
-            head[-1 - rng.randrange(TAG)] ^= 1 << rng.randrange(8)  # one bit of the tag
-            return [bytes(head), *tensors], next_seq
         if header.get("type") == 12:  # never a BYE (it would end the run legitimately)
             header["type"] = 11
         meta = header.get("meta")
         if isinstance(meta, dict) and meta.get("code") == "retransmit_unavailable":
             meta["code"] = "internal"
-        return (self._pack(header, key, tensors) if retag else [msgpack.packb(header), *tensors]), next_seq
+        return self._pack(header, tensors), next_seq
 
     def _wrong_tensors(self, tensors: dict) -> dict:
         """Self-consistent tensors (frames match their descriptors) of a wrong name, shape or dtype."""
@@ -332,14 +323,8 @@ class Mutator:
         return tensors
 
     @staticmethod
-    def _pack(header: dict, key: bytes, tensors: list[bytes]) -> list[bytes]:
-        from mapl_swarm.wire.frames import compute_tag
-
-        header = {k: v for k, v in header.items() if k != "auth"}
-        header["auth"] = bytes(TAG)
-        head = msgpack.packb(header, use_bin_type=True)
-        body = head[:-TAG]
-        return [body + compute_tag(key, body, tensors), *tensors]
+    def _pack(header: dict, tensors: list[bytes]) -> list[bytes]:
+        return [msgpack.packb(header, use_bin_type=True), *tensors]
 
 
 def lz4_zeros_block(n: int) -> bytes:
@@ -354,51 +339,47 @@ def lz4_zeros_block(n: int) -> bytes:
 class Fuzzer:
     """Stage 0 of the swarm: handshakes, valid steps, fuzz (see the module docstring)."""
 
-    def __init__(self, key, fingerprint: str, peer: Peer1, discovery, args) -> None:
-        self.key, self.fingerprint, self.peer, self.discovery, self.args = key, fingerprint, peer, discovery, args
+    def __init__(self, identity, fingerprint: str, peer: Peer1, discovery, args) -> None:
+        self.identity, self.fingerprint, self.peer, self.discovery, self.args = (identity, fingerprint, peer,
+                                                                                 discovery, args)
         self.rng = random.Random(args.seed)
-        self.mut = Mutator(self.rng, key.auth_key)
+        self.mut = Mutator(self.rng)
         self.grads: dict[int, set[int]] = {}
         self.reports: dict[int, float] = {}
         self.bad_answers: list[str] = []
         self.got = asyncio.Event()
         self.seq = 0
-        self.tx_key = b""
-        self.rx_key: bytes | None = None
         self.welcomed = asyncio.Event()
         self.frames_sent = 0
         self.replies = 0
 
     def hello_meta(self) -> dict:
+        """HELLO/WELCOME meta without the nonces, with stage 0's certificate."""
         return {"fingerprint": self.fingerprint, "num_stages": 2, "num_micro_batches": M, "micro_batch_size": B,
-                "eval_batches": E, "capabilities": ["1f1b"], "peer": "fuzzer"}
+                "eval_batches": E, "capabilities": ["1f1b"], "peer": "fuzzer", "cert": self.identity.encoded_cert}
 
     async def run(self) -> dict:
         from mapl_swarm.net.transport import Transport, TransportConfig
-        from mapl_swarm.wire import Message, MessageType as MT, encode, new_nonce, session_key
+        from mapl_swarm.wire import Message, MessageType as MT, decode, encode, new_nonce
 
-        cfg = TransportConfig(bind_host="127.0.0.1", curve=self.key.curve, max_message_bytes=1 << 20,
+        cfg = TransportConfig(bind_host="127.0.0.1", curve=self.identity.curve, max_message_bytes=1 << 20,
                               send_timeout_s=120)
         async with Transport("stage0", cfg) as t:
             self.t = t
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, lambda: self.discovery.announce(0, t.endpoint, subkey=t.routing_id))
-            endpoint = await self.discovery.lookup_async(1, 120)
+            endpoint = await self.discovery.lookup_async(1, 120)  # a contact: stage 1's endpoint#<its CURVE key>
             t.connect("stage1", endpoint)
             receiver = asyncio.create_task(self._receive())
             drain = None
             nonce = new_nonce()
             await t.send("stage1", encode(Message(type=MT.HELLO, run_id=RUN, src=0, dst=1, seq=0,
-                                                  meta={**self.hello_meta(), "nonce": nonce}),
-                                          secret=self.key.auth_key), kind="HELLO")
-            while True:
-                link, frames = await t.recv_reply(120)
-                from mapl_swarm.wire import decode
-                msg = decode(frames, secret=self.key.auth_key)
-                if msg.type == MT.WELCOME and msg.meta.get("hello_nonce") == nonce:
-                    break
+                                                  meta={**self.hello_meta(), "nonce": nonce})), kind="HELLO")
+            _, frames = await t.recv_reply(120)
+            msg = decode(frames)
+            if msg.type != MT.WELCOME or msg.meta.get("hello_nonce") != nonce:
                 raise RuntimeError(f"handshake refused: {msg.meta}")
-            self.tx_key = session_key(self.key.auth_key, nonce, msg.meta["nonce"])
+            self.identity.verify_peer(msg.meta.get("cert"), stage=1, curve_key=t.server_key("stage1"))
             drain = asyncio.create_task(self._drain_replies())
             await asyncio.wait_for(self.welcomed.wait(), 120)  # stage 1's HELLO answered too
             rss_after_handshake = status_rss_mb(self.peer.proc.pid)
@@ -413,7 +394,7 @@ class Fuzzer:
                 t1 = time.perf_counter()
                 for _ in range(min(self.args.per_step, self.args.messages - sent)):
                     msg = self.mut.base(step + 1, step)  # stage 1 is at step + 1, its link at projector v = step
-                    frames, next_seq = self.mut.mutate(msg, self.tx_key, self.seq + 1, step + 1, step)
+                    frames, next_seq = self.mut.mutate(msg, self.seq + 1, step + 1, step)
                     self.seq = next_seq - 1  # the last seq used
                     await t.send("stage1", frames, kind="FUZZ")
                     self.frames_sent += len(frames)
@@ -450,8 +431,8 @@ class Fuzzer:
         from mapl_swarm.wire import Message, encode
 
         self.seq += 1
-        await self.t.send("stage1", encode(Message(type=mtype, run_id=RUN, src=0, dst=1, seq=self.seq, **kw),
-                                           secret=self.tx_key), kind=mtype.name)
+        await self.t.send("stage1", encode(Message(type=mtype, run_id=RUN, src=0, dst=1, seq=self.seq, **kw)),
+                          kind=mtype.name)
 
     async def _valid_step(self, step: int, proj: np.ndarray) -> bool:
         """PROJ and M train ACTs of ``step``; True once its M GRADs and its REPORT came back (60 s)."""
@@ -476,22 +457,22 @@ class Fuzzer:
 
     async def _receive(self) -> None:
         """Stage 1's messages on this ROUTER: its HELLO (answered WELCOME), GRADs, REPORTs."""
-        from mapl_swarm.wire import Message, MessageType as MT, decode, encode, handshake_secret, new_nonce, session_key
+        from mapl_swarm.wire import Message, MessageType as MT, decode, encode, new_nonce
 
         while True:
             sender, frames = await self.t.recv(3600)
             try:
-                msg = decode(frames, secret=handshake_secret(self.key.auth_key, self.rx_key))
+                msg = decode(frames)
+                if msg.type == MT.HELLO:  # its certificate names the key its connection proved
+                    self.identity.verify_peer(msg.meta.get("cert"), stage=1, curve_key=self.t.peer_key(sender))
             except Exception as exc:  # noqa: BLE001 - a bad answer is a finding, not a fuzzer crash
                 self.bad_answers.append(f"{type(exc).__name__}: {exc}")
                 continue
             if msg.type == MT.HELLO:
-                nonce = new_nonce()
-                self.rx_key = session_key(self.key.auth_key, msg.meta["nonce"], nonce)
                 await self.t.reply(sender, encode(Message(
                     type=MT.WELCOME, run_id=RUN, src=0, dst=1, seq=0,
-                    meta={**self.hello_meta(), "nonce": nonce, "hello_nonce": msg.meta["nonce"]}),
-                    secret=self.key.auth_key), kind="WELCOME")
+                    meta={**self.hello_meta(), "nonce": new_nonce(), "hello_nonce": msg.meta["nonce"]})),
+                    kind="WELCOME")
                 self.welcomed.set()
             elif msg.type == MT.GRAD:
                 dz = msg.tensors["dz"].data.view(np.uint16)
@@ -511,10 +492,10 @@ def to_markdown(row: dict, command: str, manifest: dict) -> str:
         f"Command: `{command}`  ",
         f"Machine: {platform.machine()}, 2 cores, no GPU, torch {manifest['versions'].get('torch', '?')}, shared with "
         f"other jobs (loaded); date {row['date']}; commit {manifest['commit'][:12]}  ",
-        "Setup: a keyed 2-stage swarm; stage 1 is a real `mapl-swarm peer` (1 torch thread, tiny test model "
-        f"d={D}, 4 layers, T={T}, rank {R}, B={B}, M={M}); stage 0 is the fuzzer, a member holding stage 1's upstream "
-        f"session, which sends {row['messages']:,} generated messages and a valid training step every "
-        f"{row['per_step']} of them.",
+        "Setup: a certified 2-stage swarm; stage 1 is a real `mapl-swarm peer` (1 torch thread, tiny test model "
+        f"d={D}, 4 layers, T={T}, rank {R}, B={B}, M={M}); stage 0 is the fuzzer, a member (stage 0's certificate) "
+        f"holding stage 1's upstream session, which sends {row['messages']:,} generated messages and a valid "
+        f"training step every {row['per_step']} of them.",
         "",
         "| fuzz messages | ZeroMQ frames | crashes | valid steps answered | fuzz messages/s (end to end) | "
         "stage 1 RSS after handshake | stage 1 peak RSS | dropped (all codes) | wall |",
@@ -548,12 +529,13 @@ def main() -> int:
     command = f"python bench/fuzz_peer.py --messages {args.messages} --per-step {args.per_step} --seed {args.seed}"
 
     from mapl_swarm.net.discovery import Discovery, DiscoveryConfig
-    from mapl_swarm.net.runkey import create_run_key
+    from mapl_swarm.net.identity import issue_local, load_identity
 
     with tempfile.TemporaryDirectory(prefix="mapl-fuzz-") as tmp:
         tmp_path = Path(tmp)
-        key = create_run_key(tmp_path / "run.key")
-        discovery = Discovery(RUN, DiscoveryConfig(host="127.0.0.1"), run_key=key)
+        local = issue_local(tmp_path / "identities", run_id=RUN, num_stages=2)
+        identity = load_identity(local.key_file(0), local.cert_file(0), run_id=RUN, stage=0)
+        discovery = Discovery(RUN, DiscoveryConfig(host="127.0.0.1"), membership=identity)
         discovery.start()  # forks the DHT: before ZeroMQ, threads and torch
         peer = None
         try:
@@ -568,8 +550,8 @@ def main() -> int:
             data = prepare_data(cfg.data, progress=False)
             fingerprint = model_fingerprint(cfg, data.tokenizer.file_hash, data.tokenizer.vocab_size)
             peer = Peer1([sys.executable, "-m", "mapl_swarm", "peer", "--config", str(config), "--stage", "1",
-                          "--initial-peer", discovery.visible_maddrs()[0], "--key-file", key.path, "--quiet"])
-            fuzzer = Fuzzer(key, fingerprint, peer, discovery, args)
+                          "--initial-peer", discovery.visible_maddrs()[0], *local.args(1), "--quiet"])
+            fuzzer = Fuzzer(identity, fingerprint, peer, discovery, args)
             row = run(fuzzer.run())
             code = peer.proc.wait(120)
         finally:

@@ -1,18 +1,17 @@
-"""What a message costs with a run key (HMAC session tags) and between certified peers (no tag),
-and what a certified handshake adds.
+"""What a message costs between certified peers, and what a certified handshake adds.
 
     python bench/message_cost.py [--iterations 20000] [--out bench/results/message_cost.json]
 
 Per message kind of the demo swarm (tiny preset: T=128, B=2, ``mapl`` rank 64 ACT and GRAD, a
 HEARTBEAT, a REPORT): bytes of its frames as handed to ZeroMQ, and CPU microseconds to encode it
-and to decode and authenticate its header (``wire.encode`` + ``wire.decode_header``, the work on a
-peer's event loop; tensors are not inflated), with the session key of a run-key link and without
-a tag (certified). CPU is ``time.process_time`` over ``--iterations`` rounds, best of 3.
+and to decode its header (``wire.encode`` + ``wire.decode_header``, the work on a peer's event
+loop; tensors are not inflated). Messages carry no tag: CURVE between certified peers covers
+origin, integrity and replay. CPU is ``time.process_time`` over ``--iterations`` rounds, best of 3.
 
 Handshake: the bytes a certificate adds to a HELLO, the CPU to verify it (``PeerIdentity.verify_peer``:
-one Ed25519 check and the body), and the wall time from ``connect`` to the first message
-received over loopback for a run-key transport and a pinned one (CURVE either way; median of
-``--handshakes`` fresh connections). Writes a JSON results file.
+one Ed25519 check and the body), and the wall time from ``connect`` to the first message received
+over loopback for a transport pinned to a certified peer's CURVE key (median of ``--handshakes``
+fresh connections). Prints one line per figure and writes a JSON results file.
 """
 
 from __future__ import annotations
@@ -33,10 +32,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 
 from mapl_swarm.net.identity import issue_local, load_identity  # noqa: E402
-from mapl_swarm.net.runkey import RunKey  # noqa: E402
 from mapl_swarm.net.transport import Transport, TransportConfig  # noqa: E402
-from mapl_swarm.wire import (Message, MessageType, WireTensor, decode_header, encode, new_nonce,  # noqa: E402
-                             session_key)
+from mapl_swarm.wire import Message, MessageType, PROTOCOL_VERSION, WireTensor, decode_header, encode  # noqa: E402
 
 B, T, R = 2, 128, 64
 MT = MessageType
@@ -69,21 +66,20 @@ def cpu_us(fn, iterations: int) -> float:
 
 
 def per_message(iterations: int) -> list[dict]:
-    key = session_key(RunKey(bytes(range(32))).auth_key, new_nonce(), new_nonce())
     rows = []
     for name, msg in messages().items():
-        for label, secret in (("run key (session tag)", key), ("certified (no tag)", None)):
-            frames = encode(msg, secret=secret, compress="raw")
+        frames = encode(msg, compress="raw")
 
-            def round_trip(msg=msg, secret=secret) -> None:
-                decode_header(encode(msg, secret=secret, compress="raw"), secret=secret)
+        def round_trip(msg=msg) -> None:
+            decode_header(encode(msg, compress="raw"))
 
-            rows.append({"message": name, "membership": label, "bytes": sum(len(f) for f in frames),
-                         "header_bytes": len(frames[0]), "cpu_us": round(cpu_us(round_trip, iterations), 2)})
+        rows.append({"message": name, "bytes": sum(len(f) for f in frames), "header_bytes": len(frames[0]),
+                     "cpu_us": round(cpu_us(round_trip, iterations), 2)})
     return rows
 
 
 async def connect_time(server: TransportConfig, client: TransportConfig, runs: int) -> float:
+    """Median milliseconds from ``connect`` (to the server's contact) to its first message received."""
     times = []
     async with Transport("stage1", server) as rx:
         for i in range(runs):
@@ -105,13 +101,10 @@ def handshake(runs: int, iterations: int) -> dict:
         ids = [load_identity(local.key_file(s), local.cert_file(s), run_id="demo", stage=s) for s in range(2)]
     cert = ids[0].encoded_cert
     verify = cpu_us(lambda: ids[1].verify_peer(cert, stage=0, curve_key=ids[0].key.curve_public), iterations // 10)
-    run_key = RunKey(bytes(range(32)))
-    keyed = TransportConfig(bind_host="127.0.0.1", curve=run_key.curve)
-    pinned = [TransportConfig(bind_host="127.0.0.1", curve=i.curve, pinned=True) for i in ids]
+    server, client = (TransportConfig(bind_host="127.0.0.1", curve=i.curve) for i in (ids[1], ids[0]))
     return {"cert_bytes_in_hello": len(cert), "verify_cpu_us": round(verify, 1),
-            "connect_to_first_message_ms": {
-                "run key": round(asyncio.run(connect_time(keyed, keyed, runs)), 2),
-                "certified (pinned)": round(asyncio.run(connect_time(pinned[1], pinned[0], runs)), 2)}}
+            "connect_to_first_message_ms": round(asyncio.run(connect_time(server, client, runs)), 2),
+            "handshakes": runs}
 
 
 def main() -> int:
@@ -122,15 +115,18 @@ def main() -> int:
     args = ap.parse_args()
     rows = per_message(args.iterations)
     hs = handshake(args.handshakes, args.iterations)
+    version = ".".join(map(str, PROTOCOL_VERSION))
+    print(f"protocol {version}, certified peers (no tag), {args.iterations} iterations, best of 3")
     for r in rows:
-        print(f"{r['message']:<16} {r['membership']:<22} {r['bytes']:>7} B (header {r['header_bytes']:>3} B) "
+        print(f"{r['message']:<16} {r['bytes']:>7} B (header {r['header_bytes']:>3} B) "
               f"{r['cpu_us']:>8.2f} us encode + decode_header")
     print(f"certificate in a HELLO: {hs['cert_bytes_in_hello']} B; verifying it: {hs['verify_cpu_us']} us CPU")
-    for k, v in hs["connect_to_first_message_ms"].items():
-        print(f"connect to first message ({k}): {v} ms (median of {args.handshakes})")
+    print(f"connect to first message (pinned to a certified key): {hs['connect_to_first_message_ms']} ms "
+          f"(median of {args.handshakes})")
     result = {"command": " ".join(["python", "bench/message_cost.py", *sys.argv[1:]]),
               "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-              "date": time.strftime("%Y-%m-%d"), "iterations": args.iterations, "messages": rows, "handshake": hs}
+              "date": time.strftime("%Y-%m-%d"), "protocol": version, "iterations": args.iterations,
+              "messages": rows, "handshake": hs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -4,11 +4,13 @@ socket, and the CPU its own process spent to get there.
     python bench/peer_start.py [--runs 5] [--out bench/results/peer_start.json]
 
 Starts a DHT bootstrap node on 127.0.0.1, then ``--runs`` times stage 0 of a 2-stage tiny config
-(the stall benchmark's model; the corpus and token shards are prepared once before, as on any
-host's second start), one after another on an otherwise idle machine. Per run: seconds from the
-spawn to the log line ``bound tcp://...`` and the peer process's user + system CPU seconds at that
-moment (``/proc/PID/stat``; its DHT child and p2pd not counted). Stage 1 never comes, so each run
-is stopped there (SIGKILL of its process group).
+(the stall benchmark's model; the corpus and token shards are prepared once before, as on any host's
+second start), one after another on an otherwise idle machine. The peer is certified:
+``issue_local`` issues the run's identities once (stage 0's ``--peer-key`` and ``--cert`` for the
+peer, its ``--cert`` for the DHT node), so each start includes loading and checking them. Per run:
+seconds from the spawn to the log line ``bound tcp://...`` and the peer process's user + system CPU
+seconds at that moment (``/proc/PID/stat``; its DHT child and p2pd not counted). Stage 1 never
+comes, so each run is stopped there (SIGKILL of its process group).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from stall import CONFIG, Process
+from stall import CONFIG, RUN_ID, Process
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,24 +41,24 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "peer_start.json")
     args = ap.parse_args()
-    from mapl_swarm.net.runkey import create_run_key
+    from mapl_swarm.net.identity import issue_local
 
     with tempfile.TemporaryDirectory(prefix="mapl-start-") as tmp:
-        key = str(create_run_key(Path(tmp) / "run.key").path)
+        local = issue_local(Path(tmp) / "identities", run_id=RUN_ID, num_stages=2)
         config = Path(tmp) / "start.toml"
         config.write_text(CONFIG.format(cache=Path(tmp) / "cache", out=Path(tmp) / "out")
                           .replace("num_stages = 3", "num_stages = 2"))
         prepared = Process("prepare", "--config", str(config))
         if prepared.proc.wait(600) != 0:
             raise RuntimeError("prepare failed:\n" + "\n".join(prepared.lines[-20:]))
-        dht = Process("dht", "--host", "127.0.0.1", "--key-file", key)
+        dht = Process("dht", "--host", "127.0.0.1", "--cert", str(local.cert_file(0)))
         runs = []
         try:
             maddr = dht.wait_for(r"--initial-peer (\S+)", 60).group(1)
             for i in range(args.runs):
                 started = time.monotonic()
                 peer = Process("peer", "--config", str(config), "--stage", "0", "--initial-peer", maddr,
-                               "--key-file", key, "--quiet")
+                               *local.args(0), "--quiet")
                 try:
                     peer.wait_for(r"bound tcp://", 120)
                     bound_s = time.monotonic() - started

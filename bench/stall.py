@@ -5,12 +5,14 @@ then goes on (SIGCONT); how long until the swarm trains again, and what each sta
 
 Each run starts a DHT bootstrap node and three ``mapl-swarm peer`` processes on 127.0.0.1 (a tiny
 model, live rejoin on, checkpoints every 2 steps, the default liveness and ZeroMQ heartbeat
-settings), waits for 6 training steps, stops stage 1 for the stall, and measures from its SIGCONT
-until stage 0 logs that training goes on at run epoch 1 (``agreeing -> training ... (run epoch
-1)``). A stall longer than ZeroMQ's heartbeat timeout (3 x ``net.zmq_heartbeat_s`` = 15 s) drops
-every connection of stage 1, so this is the time to re-form on new connections. Per stage it
-counts the WARN lines and the dropped-message lines. Writes every run to ``--out`` and prints a
-table; exit status 1 when a run did not finish with every peer at status 0.
+settings; certified: ``issue_local`` issues each stage its ``--peer-key`` and ``--cert`` once, the
+DHT node gets stage 0's ``--cert``), waits for 6 training steps, stops stage 1 for the stall, and
+measures from its SIGCONT until stage 0 logs that training goes on at run epoch 1 (``agreeing ->
+training ... (run epoch 1)``). A stall longer than ZeroMQ's heartbeat timeout (3 x
+``net.zmq_heartbeat_s`` = 15 s) drops every connection of stage 1, so this is the time to re-form on
+new connections. Per stage it counts the WARN lines and the dropped-message lines. Writes every run
+to ``--out`` and prints a table; exit status 1 when a run did not finish with every peer at status
+0.
 """
 
 from __future__ import annotations
@@ -27,10 +29,16 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mapl_swarm.net.identity import LocalIdentities
 
 ROOT = Path(__file__).resolve().parents[1]
+RUN_ID = "stall"
+"""The run id of :data:`CONFIG` (the certificates name it)."""
 
-CONFIG = """
+CONFIG = f"""
 preset = "tiny"
 [model]
 vocab_size = 512
@@ -43,11 +51,11 @@ context_length = 32
 vocab_size = 512
 max_corpus_bytes = 400000
 val_fraction = 0.2
-cache_dir = "{cache}"
+cache_dir = "{{cache}}"
 [run]
 steps = 40
-out_dir = "{out}"
-run_id = "stall"
+out_dir = "{{out}}"
+run_id = "{RUN_ID}"
 [pipeline]
 num_stages = 3
 micro_batch_size = 2
@@ -98,16 +106,16 @@ def steps_done(out: Path) -> int:
     return sum('"loss"' in line for line in path.read_text().splitlines()) if path.exists() else 0
 
 
-def one_run(work: Path, key: str, stall_s: float) -> dict:
+def one_run(work: Path, local: LocalIdentities, stall_s: float) -> dict:
     out = work / "out"
     config = work / "stall.toml"
     config.write_text(CONFIG.format(cache=work.parent / "cache", out=out))
-    dht = Process("dht", "--host", "127.0.0.1", "--key-file", key)
+    dht = Process("dht", "--host", "127.0.0.1", "--cert", str(local.cert_file(0)))
     peers: list[Process] = []
     try:
         maddr = dht.wait_for(r"--initial-peer (\S+)", 60).group(1)
-        peers = [Process("peer", "--config", str(config), "--stage", str(s), "--initial-peer", maddr, "--key-file",
-                         key, "--quiet") for s in range(3)]
+        peers = [Process("peer", "--config", str(config), "--stage", str(s), "--initial-peer", maddr,
+                         *local.args(s), "--quiet") for s in range(3)]
         deadline = time.monotonic() + 300
         while steps_done(out) < 6:
             if time.monotonic() > deadline or any(p.proc.poll() is not None for p in peers):
@@ -135,15 +143,15 @@ def main() -> int:
     ap.add_argument("--stall-s", type=float, default=30.0)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "stall.json")
     args = ap.parse_args()
-    from mapl_swarm.net.runkey import create_run_key
+    from mapl_swarm.net.identity import issue_local
 
     with tempfile.TemporaryDirectory(prefix="mapl-stall-") as tmp:
-        key = create_run_key(Path(tmp) / "run.key").path
+        local = issue_local(Path(tmp) / "identities", run_id=RUN_ID, num_stages=3)
         runs = []
         for i in range(args.runs):
             work = Path(tmp) / f"run{i}"
             work.mkdir()
-            runs.append(one_run(work, str(key), args.stall_s))
+            runs.append(one_run(work, local, args.stall_s))
             r = runs[-1]
             print(f"run {i + 1}: training went on {r['resumed_after_sigcont_s']:.1f} s after SIGCONT; exit "
                   f"{r['exit_codes']}; WARN lines per stage {r['warnings']}, dropped-message lines "
