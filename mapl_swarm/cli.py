@@ -100,7 +100,7 @@ def _membership(args: argparse.Namespace, cfg: Any, stage: int | None = None):
     certified identity of ``--cert`` (with ``--peer-key``; for a bootstrap node only the run and
     authority it names), or None with ``--insecure``."""
     if args.key_file:
-        raise ConfigError(f"--key-file {args.key_file}: protocol 2.0 has no shared run key; give each peer its own "
+        raise ConfigError(f"--key-file {args.key_file}: peers no longer share a run key; give each peer its own "
                           f"identity: --peer-key FILE --cert FILE (`mapl-swarm keys local` issues one per stage, "
                           f"`keys peer` / `keys request` / `keys issue` one per host)")
     if getattr(args, "peer_key", None) and not args.cert:
@@ -126,8 +126,8 @@ def _membership(args: argparse.Namespace, cfg: Any, stage: int | None = None):
 
 
 def _cmd_keys(args: argparse.Namespace) -> int:
-    raise ConfigError("keys: a subcommand (authority, peer, request, issue, revoke, local, show); protocol 2.0 has "
-                      "no shared run key: every peer gets its own key and a certificate")
+    raise ConfigError("keys: a subcommand (authority, peer, request, issue, revoke, local, show); peers no longer "
+                      "share a run key: every peer gets its own key and a certificate")
 
 
 def _cmd_keys_authority(args: argparse.Namespace) -> int:

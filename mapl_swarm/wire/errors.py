@@ -22,6 +22,7 @@ __all__ = [
     "BadShape",
     "BadCodec",
     "DecompressionFailed",
+    "AuthFailed",
     "InvalidMessage",
     "ERRORS_BY_CODE",
 ]
@@ -109,6 +110,12 @@ class DecompressionFailed(WireError):
     code = "decompression_failed"
 
 
+class AuthFailed(WireError):
+    """Authentication tag missing, misplaced, wrong, or present without a local secret."""
+
+    code = "auth_failed"
+
+
 class InvalidMessage(WireError):
     """Per-type rule broken: required meta field missing or mistyped, tensors on a control type."""
 
@@ -129,6 +136,7 @@ ERRORS_BY_CODE: dict[str, type[WireError]] = {
         BadShape,
         BadCodec,
         DecompressionFailed,
+        AuthFailed,
         InvalidMessage,
     )
 }

@@ -20,7 +20,7 @@ def keys(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_keys_without_a_subcommand_names_them_and_a_run_key_is_refused_naming_what_replaces_it(tmp_path, capsys):
-    proc = keys("--out", str(tmp_path / "run.key"))  # protocol 1.x's run key: no such thing in 2.0
+    proc = keys("--out", str(tmp_path / "run.key"))  # a run key: no such thing any more
     assert proc.returncode == 2 and not (tmp_path / "run.key").exists()
     assert "choose from 'authority', 'peer', 'local'" in proc.stderr
     assert main(["keys"]) == 2
@@ -30,7 +30,7 @@ def test_keys_without_a_subcommand_names_them_and_a_run_key_is_refused_naming_wh
     for command in (["peer", "--stage", "0"], ["dht"]):
         assert main([*command, "--key-file", str(tmp_path / "run.key")]) == 2
         err = capsys.readouterr().err
-        assert err.count("mapl-swarm: error:") == 1 and "protocol 2.0 has no shared run key" in err, err
+        assert err.count("mapl-swarm: error:") == 1 and "peers no longer share a run key" in err, err
         assert "--peer-key FILE --cert FILE" in err and "keys local" in err and "Traceback" not in err
 
 
