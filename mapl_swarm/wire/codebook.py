@@ -118,7 +118,7 @@ class SliceFields:
     codes: np.ndarray
     """fp32 array (R, r/G, n, G) (read-only view of the frame when decoded)."""
     index: np.ndarray | None = None
-    """Indexed slice (1.2): uint8/uint16 array (R, r/G, n) of the codes' positions."""
+    """Indexed slice: uint8/uint16 array (R, r/G, n) of the codes' positions."""
     index_dtype: str | None = None
 
 
@@ -182,7 +182,7 @@ def slice_message(*, run_id: str, src: int, dst: int, stream: str, version: int,
                   pver: int = 0, index: np.ndarray | None = None,
                   version_tuple: tuple[int, int] = spec.PROTOCOL_VERSION, epoch: int = 0) -> Message:
     """A CODEBOOK_SLICE message from :func:`slice_parts` (``codes``: float32 array (R, r/G, n, G);
-    ``index``: an indexed slice's uint8/uint16 array (R, r/G, n), 1.2)."""
+    ``index``: an indexed slice's uint8/uint16 array (R, r/G, n))."""
     p = slice_parts(stream=stream, version=version, start=start, full=full, codes=codes, index=index)
     tensors = {name: _SLICE_WIRE[name](a) for name, a in p.tensors.items()}
     return Message(type=MessageType.CODEBOOK_SLICE, run_id=run_id, src=src, dst=dst, step=step,
@@ -194,7 +194,7 @@ def resync_message(*, run_id: str, src: int, dst: int, stream: str, have: int, r
                    retransmit: tuple[int, int, str] | None = None,
                    version_tuple: tuple[int, int] = spec.PROTOCOL_VERSION, epoch: int = 0) -> Message:
     """A RESYNC message asking the ``stream`` sender ``dst`` for a full slice; with ``retransmit``
-    = (step, micro, mode) also for that ACT/GRAD re-encoded against the new mirror (1.2)."""
+    = (step, micro, mode) also for that ACT/GRAD re-encoded against the new mirror."""
     meta: dict[str, Any] = resync_meta(stream, have, reason, retransmit)
     step, micro = retransmit[:2] if retransmit is not None else (0, 0)
     return Message(type=MessageType.RESYNC, run_id=run_id, src=src, dst=dst, step=step, micro=micro,

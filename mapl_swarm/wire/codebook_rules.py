@@ -53,18 +53,18 @@ IGNORE = "ignore"
 VQ_CAPABILITY = "vq_stream"
 """HELLO/WELCOME capability of peers that follow SPEC §5.1."""
 RETRANSMIT_CAPABILITY = "vq_retransmit"
-"""HELLO/WELCOME capability of peers that answer RESYNC ``retransmit`` requests (SPEC §5.1, 1.2)."""
+"""HELLO/WELCOME capability of peers that answer RESYNC ``retransmit`` requests (SPEC §5.1)."""
 INDEXED_SLICES_CAPABILITY = "vq_indexed_slices"
-"""HELLO/WELCOME capability of peers that accept indexed CODEBOOK_SLICEs (SPEC §5.1, 1.2)."""
+"""HELLO/WELCOME capability of peers that accept indexed CODEBOOK_SLICEs (SPEC §5.1)."""
 
 
 SLICE_VALUE_BOUND = 65504.0
-"""(1.9) A slice's codes lie within ±this (the fp16 range): codebooks are centroids of projected
+"""A slice's codes lie within ±this (the fp16 range): codebooks are centroids of projected
 activations or of their gradients, which no honest sender has beyond it, while a finite absurd
 value (1e30) would overflow every reconstruction it enters. Beyond it: ``SliceMalformed``."""
 
 MAX_SLICE_SKIP = 4096
-"""(1.9) How far a full slice's version may lie beyond the receiver's: a sender emits at most one
+"""How far a full slice's version may lie beyond the receiver's: a sender emits at most one
 slice per micro-batch it encodes and cannot run more than its step window ahead of the receiver,
 so an honest full slice (after lost ones, or answering a RESYNC) skips far fewer; one beyond it
 (version 10^6) is ``FutureSlice``, and the receiver asks for a RESYNC."""
@@ -155,7 +155,7 @@ def code_dtype(codebook_size: int) -> str:
 
 @dataclass(frozen=True)
 class SliceIndex:
-    """What the rules need to know of an indexed slice's ``index`` tensor (SPEC §5.1, 1.2)."""
+    """What the rules need to know of an indexed slice's ``index`` tensor (SPEC §5.1)."""
 
     dtype: str
     shape: tuple[int, ...]

@@ -3,15 +3,15 @@
 The frame decoder proves a message is well formed; these checks prove it can be used: it comes
 from the neighbour allowed to send its type, belongs to the current step window, and its tensors
 have the run's names, dtypes and shapes, ids below the vocabulary, VQ codes below K, finite
-floats, the projector version the link is at and (1.5) a projector that is orthonormal. A message
+floats, the projector version the link is at and a projector that is orthonormal. A message
 that fails is dropped with the :class:`ContentError` ``code`` (counted by code, logged); the peer
 keeps training. Pure numpy on the decoded host arrays, no torch, so a peer runs them before
 anything reaches the model.
 
 Use, per received message (the order of SPEC §6.1)::
 
-    header, _ = decode_header(frames, limits, secret=...)    # run, session, seq: the peer's state
-    check_epoch(header, epoch)                               # 1.5: the peer's run epoch, before seq
+    header, _ = decode_header(frames, limits)                # run, session, seq: the peer's state
+    check_epoch(header, epoch)                               # the peer's run epoch, before seq
     check_header(header, shapes, window)                     # sender, step window, projector version
     check_declared(header, shapes)                           # declared sizes, nothing inflated yet
     msg = decode_tensors(header, frames, shapes.decode_limits())
@@ -73,9 +73,9 @@ CONTENT_CODES: tuple[str, ...] = (
     "implausible",
 )
 """Stable codes of SPEC §6.1. :func:`check_content` / :func:`check_sender` / :func:`check_declared`
-raise the first nine, ``size_mismatch``, ``not_orthonormal`` (1.5) and ``implausible`` (1.7: a
-REPORT's numbers; the peer raises it too, for control messages out of place); :func:`check_epoch` raises
-``stale_epoch`` (1.5) given the receiver's epoch; ``replay``, ``wrong_session``, ``stage_taken`` and
+raise the first nine, ``size_mismatch``, ``not_orthonormal`` and ``implausible`` (a REPORT's
+numbers; the peer raises it too, for control messages out of place); :func:`check_epoch` raises
+``stale_epoch`` given the receiver's epoch; ``replay``, ``wrong_session``, ``stage_taken`` and
 ``queue_full`` need the link's state and are the peer's (same error class)."""
 
 TENSOR_NAMES: Mapping[MessageType, tuple[str, ...]] = {
@@ -143,7 +143,7 @@ class RunShapes:
     trainable_projector: bool = True
     """The boundary's projector learns and travels (PROJ, PROJ_GRAD); False: those are not allowed."""
     orthonormal_projector: bool = True
-    """(1.5) The projector stays on St(d, r) (SPEL: ``mapl``, ``mapl_vq``): a PROJ whose ``proj`` is
+    """The projector stays on St(d, r) (SPEL: ``mapl``, ``mapl_vq``): a PROJ whose ``proj`` is
     more than :data:`~mapl_swarm.wire.spec.PROJ_ORTHONORMAL_TOL` off orthonormal is dropped
     (``not_orthonormal``). False for a projector learned without the constraint (``naive``)."""
 
@@ -299,7 +299,7 @@ def check_sender(msg: Message | Header, shapes: RunShapes) -> None:
 
 
 def check_epoch(msg: Message | Header, epoch: int) -> None:
-    """``stale_epoch`` (SPEC §6.1 rule 3, §9.6; 1.5) when ``msg`` is not HELLO, WELCOME or REJECT and
+    """``stale_epoch`` (SPEC §6.1 rule 3, §9.6) when ``msg`` is not HELLO, WELCOME or REJECT and
     its header ``epoch`` is below ``epoch``, the receiver's current run epoch: a message sent before
     the swarm last re-formed. Dropped, counted, never answered. Works on a header from
     ``decode_header`` or on a decoded message."""
@@ -418,7 +418,7 @@ def orthonormal_error(a: np.ndarray) -> float:
 
 
 def _orthonormal(msg: Message, shapes: RunShapes) -> None:
-    """``not_orthonormal`` (1.5): a PROJ of a run whose projector stays on St(d, r) must carry one.
+    """``not_orthonormal``: a PROJ of a run whose projector stays on St(d, r) must carry one.
     Runs after the dtype, shape and finiteness rules, so ``proj`` is a finite fp32 (d, r) array."""
     if msg.type is not MT.PROJ or not shapes.orthonormal_projector:
         return
@@ -439,7 +439,7 @@ def check_header(msg: Message | Header, shapes: RunShapes, window: Window) -> No
 
 
 def _plausible_report(msg: Message, shapes: RunShapes) -> None:
-    """(1.7) A REPORT's loss is a mean cross-entropy of this run (0 .. ``REPORT_LOSS_BOUND`` x ln V)
+    """A REPORT's loss is a mean cross-entropy of this run (0 .. ``REPORT_LOSS_BOUND`` x ln V)
     over at most the tokens of one step's micro-batches (train: M, eval: E)."""
     loss, tokens = msg.meta["loss"], msg.meta["tokens"]
     bound = spec.REPORT_LOSS_BOUND * math.log(shapes.vocab_size)
@@ -457,8 +457,8 @@ def check_content(msg: Message, shapes: RunShapes, window: Window) -> None:
     sender (``not_allowed``), step and micro window (``out_of_window``), projector version
     (``stale_projector``), tensor names (``wrong_shape``), dtypes (``wrong_dtype``), shapes
     (``wrong_shape``), then values: ids (``id_out_of_range``), codes and slice indices
-    (``code_out_of_range``), floats (``non_finite``), a REPORT's numbers (``non_finite``, then 1.7
-    ``implausible``), and (1.5) a PROJ's columns (``not_orthonormal``, unless the run's projector
+    (``code_out_of_range``), floats (``non_finite``), a REPORT's numbers (``non_finite``, then
+    ``implausible``), and a PROJ's columns (``not_orthonormal``, unless the run's projector
     learns unconstrained).
     Types without content rules (HEARTBEAT, BYE, ...) pass after the sender check.
     """

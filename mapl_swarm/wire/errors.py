@@ -22,7 +22,6 @@ __all__ = [
     "BadShape",
     "BadCodec",
     "DecompressionFailed",
-    "AuthFailed",
     "InvalidMessage",
     "ERRORS_BY_CODE",
 ]
@@ -110,12 +109,6 @@ class DecompressionFailed(WireError):
     code = "decompression_failed"
 
 
-class AuthFailed(WireError):
-    """Authentication tag missing, misplaced, wrong, or present without a local secret."""
-
-    code = "auth_failed"
-
-
 class InvalidMessage(WireError):
     """Per-type rule broken: required meta field missing or mistyped, tensors on a control type."""
 
@@ -136,7 +129,6 @@ ERRORS_BY_CODE: dict[str, type[WireError]] = {
         BadShape,
         BadCodec,
         DecompressionFailed,
-        AuthFailed,
         InvalidMessage,
     )
 }

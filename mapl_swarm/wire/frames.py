@@ -1,4 +1,4 @@
-"""Messages <-> ZeroMQ multipart frames (SPEC §1, §4, §6, §7, §8).
+"""Messages <-> ZeroMQ multipart frames (SPEC §1, §4, §6, §8).
 
 :func:`encode` returns ``[header, *tensor_frames]``; an uncompressed tensor frame is a
 ``memoryview`` of the source array's memory (no copy), so it must stay unchanged until the send
@@ -9,8 +9,8 @@ it is given; ``raw`` tensors come back as read-only numpy views of the received 
 Decoding runs in two phases so that a receiver checks run, sender and session before any tensor
 is unpacked (SPEC §6 order):
 
-1. :func:`decode_header` — header size, msgpack, version, header fields, type, authentication;
-   nothing is allocated beyond the header map (the tag is computed over the frames as they are).
+1. :func:`decode_header` — header size, msgpack, version, header fields, type; nothing is read
+   but the header frame and nothing is allocated beyond the header map.
 2. :func:`decode_tensors` — descriptors against :class:`DecodeLimits` (declared sizes, before any
    allocation), frame count, per-type rules, then per frame: length, CRC, LZ4 into a buffer of
    exactly ``rawbytes`` (a block that would write more fails without allocating more).
@@ -20,20 +20,16 @@ is unpacked (SPEC §6 order):
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import struct
 import types
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping
 
 import lz4.block
 import numpy as np
 
 from . import spec
 from .errors import (
-    AuthFailed,
     BadCodec,
     BadShape,
     ChecksumMismatch,
@@ -55,18 +51,10 @@ from .header import (
 )
 from .message import Message, WireTensor, check_type_rules
 
-__all__ = ["encode", "decode", "decode_header", "decode_tensors", "DecodeLimits", "Secret", "default_codec",
-           "compute_tag", "Frame"]
+__all__ = ["encode", "decode", "decode_header", "decode_tensors", "DecodeLimits", "default_codec", "Frame"]
 
 Frame = bytes | memoryview
 """What :func:`encode` returns per frame."""
-
-Secret = bytes | None | Callable[[Header], "bytes | None"]
-"""What decoding authenticates with: a key, None (no key: the message must be untagged), or a
-callable picking the key from the parsed header (e.g. :func:`mapl_swarm.wire.session.handshake_secret`:
-the auth key for the handshake, the session key after it); the callable may raise :class:`AuthFailed`."""
-
-_ZERO_TAG = bytes(spec.AUTH_TAG_BYTES)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,28 +94,6 @@ def default_codec(dtype: str) -> str:
     return "raw" if dtype in spec.FLOAT_DTYPES else "lz4"
 
 
-def _check_secret(secret: Any) -> bytes | None:
-    if secret is None:
-        return None
-    if not isinstance(secret, (bytes, bytearray, memoryview)):
-        raise TypeError(f"secret must be bytes, got {type(secret).__name__}")
-    secret = bytes(secret)
-    if not secret:
-        raise ValueError("secret must not be empty (use None for no authentication)")
-    return secret
-
-
-def compute_tag(secret: bytes, head: Any, tensor_frames: Sequence[Any]) -> bytes:
-    """HMAC-SHA256 tag of SPEC §7; ``head`` is the header frame without its last 32 bytes."""
-    mac = hmac.new(secret, digestmod=hashlib.sha256)
-    mac.update(spec.MAC_DOMAIN)
-    mac.update(struct.pack("<I", 1 + len(tensor_frames)))
-    for f in (head, *tensor_frames):
-        mac.update(struct.pack("<Q", memoryview(f).nbytes))
-        mac.update(f)
-    return mac.digest()
-
-
 def _byte_view(arr: np.ndarray) -> Frame:
     """Bytes of a C-contiguous array as a flat uint8 memoryview sharing its memory."""
     if arr.size == 0:
@@ -138,7 +104,6 @@ def _byte_view(arr: np.ndarray) -> Frame:
 def encode(
     msg: Message,
     *,
-    secret: bytes | None = None,
     compress: str | Mapping[str, str] | None = None,
     max_header_bytes: int = spec.DEFAULT_MAX_HEADER_BYTES,
     max_frame_bytes: int = spec.DEFAULT_MAX_FRAME_BYTES,
@@ -147,10 +112,9 @@ def encode(
 
     ``compress`` chooses codecs: a codec name for every tensor, or a map from tensor name to codec
     (tensors not named use :func:`default_codec`). ``lz4`` falls back to ``raw`` when it would not
-    shrink the frame. ``secret`` (bytes) adds the HMAC tag. Invalid messages raise the WireError
-    the receiver would raise (MalformedHeader, BadDtype, BadShape, InvalidMessage, ...).
+    shrink the frame. Invalid messages raise the WireError the receiver would raise
+    (MalformedHeader, BadDtype, BadShape, InvalidMessage, ...).
     """
-    secret = _check_secret(secret)
     major, minor = (tuple(msg.version) + (None, None))[:2]
     if major != spec.PROTOCOL_VERSION[0] or type(minor) is not int:
         raise MalformedHeader(
@@ -170,7 +134,7 @@ def encode(
     meta = canonical_meta(msg.meta)
     if len(msg.tensors) > spec.MAX_TENSORS:
         raise MalformedHeader(f"{len(msg.tensors)} tensors exceed the limit of {spec.MAX_TENSORS}")
-    check_type_rules(msg.type, meta, [(n, t.dtype) for n, t in msg.tensors.items()], (major, minor))
+    check_type_rules(msg.type, meta, [(n, t.dtype) for n, t in msg.tensors.items()])
 
     descriptors: list[Descriptor] = []
     frames: list[Frame] = []
@@ -224,15 +188,11 @@ def encode(
         cver=msg.cver,
         meta=meta,
         tensors=tuple(descriptors),
-        auth=_ZERO_TAG if secret is not None else None,
         epoch=msg.epoch,
     )
     head = pack_header(header)
     if len(head) > max_header_bytes:
         raise FrameTooLarge(f"header of {len(head)} bytes exceeds the limit of {max_header_bytes}")
-    if secret is not None:
-        body = head[: -spec.AUTH_TAG_BYTES]
-        head = body + compute_tag(secret, body, frames)
     return [head, *frames]
 
 
@@ -244,22 +204,6 @@ def _as_buffer(frame: Any) -> memoryview:
     return mv
 
 
-def _authenticate(h: Header, bufs: list[memoryview], secret: Secret) -> None:
-    if callable(secret):
-        secret = _check_secret(secret(h))
-    if secret is None:
-        if h.auth is not None:
-            raise AuthFailed("message carries an auth tag but this peer has no secret")
-        return
-    if h.auth is None:
-        raise AuthFailed("message has no auth tag but this run has a secret")
-    if len(h.auth) != spec.AUTH_TAG_BYTES or bufs[0][-spec.AUTH_TAG_BYTES :] != h.auth:
-        raise AuthFailed("auth must be the last header key, a 32-byte bin")
-    expected = compute_tag(secret, bufs[0][: -spec.AUTH_TAG_BYTES], bufs[1:])
-    if not hmac.compare_digest(expected, h.auth):
-        raise AuthFailed("auth tag mismatch: wrong key (another run or session) or altered message")
-
-
 def _limits(limits: DecodeLimits | None) -> DecodeLimits:
     if limits is None:
         return DecodeLimits()
@@ -268,24 +212,19 @@ def _limits(limits: DecodeLimits | None) -> DecodeLimits:
     return limits
 
 
-def decode_header(
-    frames: Iterable[Any], limits: DecodeLimits | None = None, *, secret: Secret = None
-) -> tuple[Header, tuple[Any, ...]]:
-    """Phase 1: parse and authenticate the header of ``frames``; no tensor is touched.
+def decode_header(frames: Iterable[Any], limits: DecodeLimits | None = None) -> tuple[Header, tuple[Any, ...]]:
+    """Phase 1: parse and check the header of ``frames``; no tensor frame is read.
 
-    Checks header size, msgpack, version, header fields, type and authentication (in that order;
-    SPEC §6). Returns the :class:`Header` and its raw descriptor maps (unchecked: phase 2 checks
-    them). Raises only :class:`WireError` subclasses; callers check run, sender and session on the
-    header before calling :func:`decode_tensors`.
+    Checks header size, msgpack, version, header fields and type (in that order; SPEC §6). Returns
+    the :class:`Header` and its raw descriptor maps (unchecked: phase 2 checks them). Raises only
+    :class:`WireError` subclasses; callers check run, sender and session on the header before
+    calling :func:`decode_tensors`.
     """
     limits = _limits(limits)
-    if not callable(secret):
-        secret = _check_secret(secret)
     bufs = [_as_buffer(f) for f in frames]
     if not bufs:
         raise FrameCountMismatch("empty message: no header frame")
     h = parse_header(bufs[0], max_header_bytes=limits.max_header_bytes)
-    _authenticate(h, bufs, secret)
     return h, h.tensors
 
 
@@ -304,7 +243,7 @@ def decode_tensors(header: Header, frames: Iterable[Any], limits: DecodeLimits |
         raise FrameCountMismatch(
             f"{len(bufs)} frames for {len(descriptors)} tensors (expected {1 + len(descriptors)})"
         )
-    check_type_rules(h.type, h.meta, [(d.name, d.dtype) for d in descriptors], h.version)
+    check_type_rules(h.type, h.meta, [(d.name, d.dtype) for d in descriptors])
 
     tensors: dict[str, WireTensor] = {}
     for d, buf in zip(descriptors, bufs[1:]):
@@ -347,11 +286,10 @@ def decode_tensors(header: Header, frames: Iterable[Any], limits: DecodeLimits |
 
 def decode(
     frames: Iterable[Any],
+    limits: DecodeLimits | None = None,
     *,
-    secret: Secret = None,
     max_header_bytes: int = spec.DEFAULT_MAX_HEADER_BYTES,
     max_frame_bytes: int = spec.DEFAULT_MAX_FRAME_BYTES,
-    limits: DecodeLimits | None = None,
 ) -> Message:
     """Decode ZeroMQ frames into a :class:`Message`, checking everything SPEC §6 lists.
 
@@ -364,5 +302,5 @@ def decode(
     if limits is None:
         limits = DecodeLimits(max_header_bytes=max_header_bytes, max_frame_bytes=max_frame_bytes)
     frames = list(frames)
-    header, _ = decode_header(frames, limits, secret=secret)
+    header, _ = decode_header(frames, limits)
     return decode_tensors(header, frames, limits)

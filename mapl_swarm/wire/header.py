@@ -3,8 +3,9 @@
 :func:`pack_header` writes a :class:`Header` canonically (fixed key order, ``epoch`` only when not
 0, sorted ``meta`` keys, smallest integer widths, float64); :func:`parse_header` reads any
 well-formed header, checks the version and every required field (and ``epoch`` when present), and
-leaves the tensor descriptors raw so that the caller can authenticate the message before looking
-at them (:func:`parse_descriptors`).
+leaves the tensor descriptors raw so that the caller can check run, sender and session on the
+header before looking at them (:func:`parse_descriptors`). Keys this version does not know are
+ignored (SPEC §2).
 """
 
 from __future__ import annotations
@@ -81,10 +82,8 @@ class Header:
     cver: int
     meta: dict[str, Any]
     tensors: tuple[Any, ...]
-    auth: bytes | None = None
-    """Tag: None when absent, ``b""`` when present but not a last-key 32-byte bin (parse only)."""
     epoch: int = 0
-    """The sender's run epoch (header ``epoch``, 1.5; SPEC §9.6): 0 when the key is absent."""
+    """The sender's run epoch (header ``epoch``, SPEC §9.6): 0 when the key is absent."""
 
 
 def check_uint(value: Any, what: str, maximum: int, exc: type[Exception] = MalformedHeader) -> int:
@@ -112,7 +111,7 @@ def canonical_meta(value: Any, depth: int = 1, path: str = "meta") -> Any:
 
     Numpy scalars become Python scalars and tuples become lists; anything msgpack cannot carry
     losslessly under SPEC §2 raises :class:`MalformedHeader`. ``depth`` counts containers (maps
-    and arrays), the ``meta`` map itself being depth 1; a scalar is no level (SPEC §2, 1.4).
+    and arrays), the ``meta`` map itself being depth 1; a scalar is no level (SPEC §2).
     """
     if isinstance(value, np.generic):
         value = value.item()
@@ -155,14 +154,12 @@ def pack_header(h: Header) -> bytes:
         "pver": h.pver,
         "cver": h.cver,
     }
-    if h.epoch:  # optional (1.5): written only when not 0, right after cver
+    if h.epoch:  # optional: written only when not 0, right after cver
         m[spec.EPOCH_KEY] = h.epoch
     m |= {
         "meta": canonical_meta(h.meta),
         "tensors": [d.to_map() for d in h.tensors],
     }
-    if h.auth is not None:
-        m[spec.AUTH_KEY] = bytes(h.auth)
     return msgpack.packb(m, use_bin_type=True)
 
 
@@ -234,13 +231,6 @@ def parse_header(buf: Any, *, max_header_bytes: int = spec.DEFAULT_MAX_HEADER_BY
         mtype = spec.MessageType(type_code)
     except ValueError:
         raise UnknownMessageType(f"unknown message type {type_code}") from None
-    auth = m.get(spec.AUTH_KEY)
-    if spec.AUTH_KEY in m and (
-        not isinstance(auth, bytes)
-        or len(auth) != spec.AUTH_TAG_BYTES
-        or next(reversed(m)) != spec.AUTH_KEY
-    ):
-        auth = b""  # misplaced or mistyped tag: authentication rejects it with AuthFailed
     return Header(
         version=(v[0], v[1]),
         type=mtype,
@@ -254,7 +244,6 @@ def parse_header(buf: Any, *, max_header_bytes: int = spec.DEFAULT_MAX_HEADER_BY
         cver=cver,
         meta=meta,
         tensors=tuple(tensors),
-        auth=auth,
         epoch=epoch,
     )
 

@@ -15,7 +15,7 @@ from . import spec
 from .errors import BadDtype, InvalidMessage, UnknownMessageType
 from .spec import MessageType
 
-__all__ = ["WireTensor", "Message", "META_SCHEMA", "REQUIRED_SINCE", "check_type_rules"]
+__all__ = ["WireTensor", "Message", "META_SCHEMA", "check_type_rules"]
 
 _TAG_BY_NUMPY = {
     np.dtype(np.float16): "fp16",
@@ -132,7 +132,7 @@ class Message:
     cver: int = 0
     """Codebook version."""
     epoch: int = 0
-    """The sender's run epoch (header ``epoch``, 1.5; SPEC §9.6): 0 until the swarm first re-forms
+    """The sender's run epoch (header ``epoch``, SPEC §9.6): 0 until the swarm first re-forms
     after a departure; messages of a lower epoch than the receiver's are dropped (``stale_epoch``)."""
     meta: dict[str, Any] = field(default_factory=dict)
     """Typed fields of the message type (META_SCHEMA) plus free fields."""
@@ -154,18 +154,13 @@ class Message:
         self.version = tuple(self.version)  # type: ignore[assignment]
 
 
-_HELLO_OPTIONAL = {"components": "map", "peer": "str", "nonce": "nonce", "num_micro_batches": "count",
-                   "micro_batch_size": "count", "eval_batches": "uint", "config": "map", "anchored": "bool",
-                   "max_in_flight": "count", "cert": "cert"}
+_HELLO_REQUIRED = {"fingerprint": "str", "num_stages": "uint", "capabilities": "strs", "nonce": "nonce",
+                   "num_micro_batches": "count", "micro_batch_size": "count", "eval_batches": "uint"}
+_HELLO_OPTIONAL = {"components": "map", "peer": "str", "config": "map", "anchored": "bool", "max_in_flight": "count",
+                   "cert": "cert"}
 META_SCHEMA: dict[MessageType, tuple[dict[str, str], dict[str, str]]] = {
-    MessageType.HELLO: (
-        {"fingerprint": "str", "num_stages": "uint", "capabilities": "strs"},
-        _HELLO_OPTIONAL,
-    ),
-    MessageType.WELCOME: (
-        {"fingerprint": "str", "num_stages": "uint", "capabilities": "strs"},
-        {**_HELLO_OPTIONAL, "hello_nonce": "nonce"},
-    ),
+    MessageType.HELLO: (_HELLO_REQUIRED, _HELLO_OPTIONAL),
+    MessageType.WELCOME: ({**_HELLO_REQUIRED, "hello_nonce": "nonce"}, _HELLO_OPTIONAL),
     MessageType.REJECT: ({"code": "str", "reason": "str"}, {"local": "any", "remote": "any", "hello_nonce": "nonce",
                                                              "anchored": "bool"}),
     MessageType.ACT: ({"mode": "mode"}, {}),
@@ -181,16 +176,7 @@ META_SCHEMA: dict[MessageType, tuple[dict[str, str], dict[str, str]]] = {
     MessageType.CHECKPOINT: ({"phase": "phase"}, {"step": "uint_or_nil", "steps": "uints", "have": "have",
                                                   "reason": "str", "epoch": "uint"}),
 }
-"""(required, optional) typed ``meta`` fields per message type; other types have none. Some optional
-fields are required from a version on (:data:`REQUIRED_SINCE`)."""
-
-REQUIRED_SINCE: dict[MessageType, tuple[tuple[int, int], tuple[str, ...]]] = {
-    MessageType.HELLO: (spec.SESSION_VERSION, ("nonce", "num_micro_batches", "micro_batch_size", "eval_batches")),
-    MessageType.WELCOME: (spec.SESSION_VERSION, ("nonce", "hello_nonce", "num_micro_batches", "micro_batch_size",
-                                                 "eval_batches")),
-}
-"""Optional ``meta`` fields of :data:`META_SCHEMA` that a message of that version or newer MUST carry
-(SPEC §5: the 1.4 handshake nonces and pipeline shape)."""
+"""(required, optional) typed ``meta`` fields per message type (SPEC §5); other types have none."""
 
 
 def _is_uint(v: Any) -> bool:
@@ -257,11 +243,8 @@ _KIND_TEXT = {
 }
 
 
-def check_type_rules(
-    mtype: MessageType, meta: Mapping[str, Any], dtypes: Iterable[tuple[str, str]],
-    version: tuple[int, int] = spec.PROTOCOL_VERSION,
-) -> None:
-    """Check SPEC §5 for a message of type ``mtype`` and ``version`` with tensors ``(name, dtype tag)``.
+def check_type_rules(mtype: MessageType, meta: Mapping[str, Any], dtypes: Iterable[tuple[str, str]]) -> None:
+    """Check SPEC §5 for a message of type ``mtype`` with tensors ``(name, dtype tag)``.
 
     Raises InvalidMessage (tensor on a control type, bad ``meta``) or BadDtype (fp32 rule).
     """
@@ -270,15 +253,13 @@ def check_type_rules(
         raise InvalidMessage(f"{mtype.name} carries no tensors, got {[n for n, _ in dtypes]}")
     if mtype in spec.FP32_ONLY_TYPES:
         for name, tag in dtypes:
-            if mtype is MessageType.CODEBOOK_SLICE and name == "index":  # 1.2: indexed slices
+            if mtype is MessageType.CODEBOOK_SLICE and name == "index":  # an indexed slice
                 if tag not in spec.CODE_DTYPES:
                     raise BadDtype(f"CODEBOOK_SLICE tensor 'index' must be uint8 or uint16, got {tag}")
             elif tag != "fp32":
                 raise BadDtype(f"{mtype.name} tensor {name!r} must be fp32, got {tag}")
     required, optional = META_SCHEMA.get(mtype, ({}, {}))
-    since, later = REQUIRED_SINCE.get(mtype, (None, ()))
-    must = [*required, *(later if since is not None and tuple(version) >= since else ())]
-    for key in must:
+    for key in required:
         if key not in meta:
             raise InvalidMessage(f"{mtype.name} meta lacks required field {key!r}")
     for key, kind in (*required.items(), *optional.items()):

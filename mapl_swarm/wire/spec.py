@@ -1,4 +1,4 @@
-"""Constants of wire protocol 1.9: version, message types, dtypes, codecs, limits, key order.
+"""Constants of wire protocol 2.0: version, message types, dtypes, codecs, limits, key order.
 
 Everything here mirrors a table of ``protocol/SPEC.md``; change the spec first, then this file.
 """
@@ -28,8 +28,6 @@ __all__ = [
     "HANDSHAKE_TYPES",
     "WINDOW_TYPES",
     "NONCE_BYTES",
-    "SESSION_DOMAIN",
-    "SESSION_VERSION",
     "DType",
     "DTYPES",
     "FLOAT_DTYPES",
@@ -47,9 +45,6 @@ __all__ = [
     "EPOCH_KEY",
     "OPTIONAL_HEADER_KEYS",
     "DESCRIPTOR_KEYS",
-    "AUTH_KEY",
-    "AUTH_TAG_BYTES",
-    "MAC_DOMAIN",
     "DEFAULT_MAX_HEADER_BYTES",
     "DEFAULT_MAX_FRAME_BYTES",
     "MAX_TENSORS",
@@ -63,10 +58,9 @@ __all__ = [
     "INT64_MIN",
 ]
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 9)
-"""(major, minor) spoken by this implementation. Peers of one major talk whatever their minors
-(SPEC §10): a 1.5 peer and a 1.4 peer interoperate, without the 1.5 rejoin; a 1.6 peer names the
-settings that differ and keeps serving next to a misconfigured neighbour, a 1.5 one does not."""
+PROTOCOL_VERSION: tuple[int, int] = (2, 0)
+"""(major, minor) spoken by this implementation. A decoder accepts any minor of its major and
+refuses every other major with ``VersionMismatch`` (SPEC §10)."""
 
 
 class MessageType(enum.IntEnum):
@@ -86,11 +80,11 @@ class MessageType(enum.IntEnum):
     BYE = 12
     ERROR = 13
     CHECKPOINT = 14
-    """Checkpoint agreement (SPEC §5.2, 1.3)."""
+    """Checkpoint agreement (SPEC §5.2)."""
 
 
 HANDSHAKE_TYPES: frozenset[MessageType] = frozenset({MessageType.HELLO, MessageType.WELCOME, MessageType.REJECT})
-"""The handshake (SPEC §9): tagged with the run's auth key; every later message with the session key (§7)."""
+"""The handshake (SPEC §9.2): ``seq`` 0, WELCOME and REJECT sent as ROUTER replies, accepted at any run epoch."""
 
 WINDOW_TYPES: frozenset[MessageType] = frozenset(
     {MessageType.ACT, MessageType.GRAD, MessageType.PROJ, MessageType.PROJ_GRAD, MessageType.REPORT,
@@ -98,7 +92,7 @@ WINDOW_TYPES: frozenset[MessageType] = frozenset(
 """Checked against the receiver's step window (SPEC §6.1 rule 5, §9.7)."""
 
 RESERVED_TYPE_CODES: frozenset[int] = frozenset({15})
-"""Reserved (14 was, until 1.3 made it CHECKPOINT); a decoder rejects them as unknown."""
+"""Reserved type codes; a decoder rejects them as unknown."""
 
 DRAIN_PHASES: tuple[str, ...] = ("drain_request", "drain")
 """CHECKPOINT phases of a graceful drain (SPEC §5.2; sent only to neighbours advertising
@@ -106,9 +100,9 @@ DRAIN_PHASES: tuple[str, ...] = ("drain_request", "drain")
 
 CHECKPOINT_PHASES: tuple[str, ...] = ("saved", "complete", "offer", "resume", *DRAIN_PHASES, "unsaved",
                                       "abandoned")
-"""Values of a CHECKPOINT's ``meta["phase"]`` (SPEC §5.2; ``unsaved`` since 1.5, sent only to
-neighbours advertising :data:`CHECKPOINT_UNSAVED_CAPABILITY`; ``abandoned`` since 1.6, only to
-those advertising :data:`CHECKPOINT_ABANDONED_CAPABILITY`)."""
+"""Values of a CHECKPOINT's ``meta["phase"]`` (SPEC §5.2; ``unsaved`` is sent only to neighbours
+advertising :data:`CHECKPOINT_UNSAVED_CAPABILITY`, ``abandoned`` only to those advertising
+:data:`CHECKPOINT_ABANDONED_CAPABILITY`)."""
 
 CHECKPOINT_UPSTREAM_PHASES: tuple[str, ...] = ("saved", "unsaved", "offer", "drain_request")
 """CHECKPOINT phases that travel upstream, from stage s + 1 to s (SPEC §9.4); the others travel
@@ -118,40 +112,34 @@ DRAIN_CAPABILITY = "drain"
 """HELLO/WELCOME capability of peers that take part in a graceful drain (SPEC §5.2, §5.3)."""
 
 CHECKPOINT_CAPABILITY = "checkpoint_agreement"
-"""HELLO/WELCOME capability of peers that take part in checkpoint agreement (SPEC §5.2, 1.3)."""
+"""HELLO/WELCOME capability of peers that take part in checkpoint agreement (SPEC §5.2)."""
 
 CHECKPOINT_UNSAVED_CAPABILITY = "checkpoint_unsaved"
 """HELLO/WELCOME capability of peers that take CHECKPOINT ``unsaved``, a step a stage could not save
-(SPEC §5.2, §5.3, 1.5)."""
+(SPEC §5.2, §5.3)."""
 
 CHECKPOINT_ABANDONED_CAPABILITY = "checkpoint_abandoned"
 """HELLO/WELCOME capability of peers that take CHECKPOINT ``abandoned``: stage 0's word that a step
-will never be complete, so every stage deletes its files of it (SPEC §5.2, §5.3, 1.6)."""
+will never be complete, so every stage deletes its files of it (SPEC §5.2, §5.3)."""
 
 PIPELINE_CAPABILITY = "1f1b"
 """HELLO/WELCOME capability of peers that run the 1F1B schedule of SPEC §9.7 (SPEC §5.3; every
 reference peer advertises it)."""
 
 REJOIN_CAPABILITY = "rejoin"
-"""HELLO/WELCOME capability of peers that take part in rejoin after a departure (SPEC §9.6, 1.5)."""
+"""HELLO/WELCOME capability of peers that take part in rejoin after a departure (SPEC §9.6)."""
 
 REJOIN_REASON = "rejoin"
-"""BYE ``meta["reason"]`` of a peer that ends its sessions to re-form the swarm (SPEC §9.6, 1.5)."""
+"""BYE ``meta["reason"]`` of a peer that ends its sessions to re-form the swarm (SPEC §9.6)."""
 
 DRAIN_REASON = "drain"
 """BYE ``meta["reason"]`` of a planned departure: a graceful drain, or a stage leaving (SPEC §9.5)."""
 
 NONCE_BYTES = 16
-"""Length of the handshake nonces ``meta.nonce`` / ``meta.hello_nonce`` (SPEC §5, §7; 1.4)."""
+"""Length of the handshake nonces ``meta.nonce`` / ``meta.hello_nonce`` (SPEC §5, §9.2): WELCOME's
+and REJECT's ``hello_nonce`` names the HELLO they answer."""
 MAX_CERT_BYTES = 4096
-"""Largest ``meta.cert`` of a HELLO (a certified peer's certificate, SPEC §7.4; 1.8)."""
-
-SESSION_DOMAIN = b"mapl-session-v1"
-"""Prefix of the session key derivation (SPEC §7.2)."""
-
-SESSION_VERSION: tuple[int, int] = (1, 4)
-"""First version whose HELLO/WELCOME must carry nonces and the pipeline fields (SPEC §5); 1.5
-requires nothing new, so it stays 1.4."""
+"""Largest ``meta.cert`` of a HELLO or WELCOME (a certified peer's certificate, SPEC §7.1, §7.2)."""
 
 
 @dataclass(frozen=True)
@@ -198,14 +186,14 @@ CODECS: tuple[str, ...] = ("raw", "lz4")
 FP32_ONLY_TYPES: frozenset[MessageType] = frozenset(
     {MessageType.PROJ, MessageType.PROJ_GRAD, MessageType.CODEBOOK_SLICE}
 )
-"""Message types whose tensors must all be fp32 (but a CODEBOOK_SLICE ``index``: CODE_DTYPES, 1.2)."""
+"""Message types whose tensors must all be fp32 (but a CODEBOOK_SLICE ``index``: CODE_DTYPES)."""
 
 CODE_DTYPES: tuple[str, ...] = ("uint8", "uint16")
 """Dtypes of VQ codes and of a CODEBOOK_SLICE's ``index`` tensor (SPEC §5.1)."""
 
 PROJ_ORTHONORMAL_TOL = 1e-3
 """Largest ``‖AᵀA − I_r‖_F`` (computed in fp64) of a PROJ's ``proj`` in a run whose projector stays on
-St(d, r); above it the PROJ is dropped as ``not_orthonormal`` (SPEC §6.1 rule 14, 1.5).
+St(d, r); above it the PROJ is dropped as ``not_orthonormal`` (SPEC §6.1 rule 14).
 
 A PROJ is always fp32 (:data:`FP32_ONLY_TYPES`: any other dtype is ``BadDtype`` before the content
 rules), and SPEL retracts in fp32, so a legitimate projector sits at the fp32 floor: measured with
@@ -217,7 +205,7 @@ or tampering worth the name is far above it. A constant rather than a function o
 reaches 1e-3 only near r ~ 10^7."""
 
 REPORT_LOSS_BOUND = 10.0
-"""(1.7, SPEC §6.1 rule 15) A REPORT's ``loss`` is a mean cross-entropy in nats: at least 0 and at
+"""(SPEC §6.1 rule 15) A REPORT's ``loss`` is a mean cross-entropy in nats: at least 0 and at
 most this many times ln V, the loss of a uniform guess over the vocabulary (a freshly initialised
 model reports about 1 x ln V): a larger or negative one is ``implausible``."""
 
@@ -244,9 +232,10 @@ REJECT_CODES: tuple[str, ...] = (
     "stage_mismatch",
     "fingerprint_mismatch",
     "stage_taken",
+    "not_certified",
 )
-"""Codes a REJECT uses (SPEC §9.2, 1.4); not enforced by the decoder (a receiver treats any code as
-a refusal). ``num_stages_mismatch``, ``auth_failed`` and ``busy`` of 1.0-1.3 are no longer sent."""
+"""Codes a REJECT uses (SPEC §9.2; ``not_certified``: a certificate that fails, §7.2 item 3); not
+enforced by the decoder (a receiver treats any code as a refusal)."""
 
 HEADER_KEYS: tuple[str, ...] = (
     "v",
@@ -263,22 +252,18 @@ HEADER_KEYS: tuple[str, ...] = (
     "tensors",
 )
 """Required header keys in canonical order; ``epoch`` (:data:`OPTIONAL_HEADER_KEYS`) sits right after
-``cver`` when present, and ``auth`` comes last when present."""
+``cver`` when present."""
 
 EPOCH_KEY = "epoch"
-"""Header key of the sender's run epoch (SPEC §2, §9.6; 1.5): uint64, absent means 0, and a
+"""Header key of the sender's run epoch (SPEC §2, §9.6): uint64, absent means 0, and a
 canonical encoder writes it only when it is not 0."""
 
 OPTIONAL_HEADER_KEYS: tuple[str, ...] = (EPOCH_KEY,)
-"""Optional header keys a decoder of this version reads (SPEC §2); unknown keys are ignored."""
+"""Optional header keys a decoder of this version reads (SPEC §2); unknown keys (``auth`` among
+them: messages carry no tag, SPEC §7) are ignored."""
 
 DESCRIPTOR_KEYS: tuple[str, ...] = ("name", "dtype", "shape", "codec", "nbytes", "rawbytes", "crc")
 """Tensor descriptor keys in canonical order."""
-
-AUTH_KEY = "auth"
-AUTH_TAG_BYTES = 32
-MAC_DOMAIN = b"MAPLWIRE"
-"""Prefix of the HMAC input (SPEC §7)."""
 
 DEFAULT_MAX_HEADER_BYTES = 64 * 1024
 DEFAULT_MAX_FRAME_BYTES = 256 * 1024 * 1024

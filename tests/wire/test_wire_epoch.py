@@ -1,14 +1,12 @@
-"""Protocol 1.5: the run epoch in the header, the rejoin fields of BYE and CHECKPOINT, ``stale_epoch``."""
+"""The run epoch in the header, the rejoin fields of BYE and CHECKPOINT, ``stale_epoch`` (SPEC §2, §9.6)."""
 
 from __future__ import annotations
 
 import msgpack
-import numpy as np
 import pytest
 
 import mapl_swarm.wire as wire
 from mapl_swarm.wire import (
-    AuthFailed,
     InvalidMessage,
     MalformedHeader,
     Message,
@@ -23,12 +21,10 @@ from mapl_swarm.wire.content import CONTENT_CODES, ContentError, check_epoch
 from mapl_swarm.wire.golden.samples import sample_codebook
 
 MT = MessageType
-V15 = (1, 5)
-KEY = b"epoch test key"
 
 
 def heartbeat(**kw) -> Message:
-    fields = dict(type=MT.HEARTBEAT, run_id="run", src=0, dst=1, seq=5, meta={"sent_ns": 7}, version=V15)
+    fields = dict(type=MT.HEARTBEAT, run_id="run", src=0, dst=1, seq=5, meta={"sent_ns": 7})
     return Message(**{**fields, **kw})
 
 
@@ -43,8 +39,7 @@ def repack(frames, **changes) -> list[bytes]:
 
 
 def test_version_and_rejoin_names():
-    assert spec.PROTOCOL_VERSION == wire.PROTOCOL_VERSION >= (1, 5)
-    assert spec.SESSION_VERSION == (1, 4)  # 1.5 and 1.6 make no field required
+    assert spec.PROTOCOL_VERSION == wire.PROTOCOL_VERSION == (2, 0)
     assert wire.REJOIN_CAPABILITY == spec.REJOIN_CAPABILITY == "rejoin"
     assert wire.REJOIN_REASON == spec.REJOIN_REASON == "rejoin"
     assert spec.EPOCH_KEY == "epoch" and spec.OPTIONAL_HEADER_KEYS == ("epoch",)
@@ -55,11 +50,10 @@ def test_version_and_rejoin_names():
     assert Message(type=MT.BYE, run_id="r", src=0, dst=1).version == spec.PROTOCOL_VERSION
 
 
-def test_epoch_zero_is_left_out_and_the_header_is_1_4s_but_for_v():
+def test_epoch_zero_is_left_out():
     frames = encode(heartbeat())
     assert "epoch" not in header_map(frames)
-    old = encode(heartbeat(version=(1, 4)))
-    assert bytes(frames[0]).replace(b"\x92\x01\x05", b"\x92\x01\x04", 1) == bytes(old[0])
+    assert list(header_map(frames)) == list(spec.HEADER_KEYS)
     back = decode(frames)
     assert back.epoch == 0 and back == heartbeat()
 
@@ -78,20 +72,6 @@ def test_non_zero_epoch_round_trips_right_after_cver(epoch):
     assert header.epoch == epoch
 
 
-def test_auth_stays_last_and_covers_the_epoch():
-    msg = Message(type=MT.ACT, run_id="run", src=0, dst=1, step=4, seq=2, epoch=9, meta={"mode": "train"},
-                  tensors={"ids": np.arange(10, dtype="<u2").reshape(2, 5)}, version=V15)
-    frames = encode(msg, secret=KEY)
-    keys = list(header_map(frames))
-    assert keys[-1] == "auth" and keys.index("epoch") == keys.index("cver") + 1
-    assert decode(frames, secret=KEY) == msg
-    head = bytes(frames[0])
-    forged = head.replace(b"\xa5epoch\x09", b"\xa5epoch\x0a", 1)  # epoch 9 -> 10, tag unchanged
-    assert forged != head
-    with pytest.raises(AuthFailed):
-        decode([forged, *frames[1:]], secret=KEY)
-
-
 def test_a_written_epoch_0_and_other_key_orders_decode():
     frames = encode(heartbeat())
     assert decode(repack(frames, epoch=0)) == heartbeat()
@@ -99,8 +79,8 @@ def test_a_written_epoch_0_and_other_key_orders_decode():
     epoch = h.pop("epoch")
     h["epoch"] = epoch  # after tensors: not canonical, still valid
     assert decode([msgpack.packb(h, use_bin_type=True)]).epoch == 4
-    old = repack(encode(heartbeat(version=(1, 4))), epoch=6)  # a 1.4 header with the key: read too
-    assert decode(old).epoch == 6 and decode(old).version == (1, 4)
+    newer = repack(encode(heartbeat()), v=[2, 1], epoch=6)  # a newer minor's header: read the same
+    assert decode(newer).epoch == 6 and decode(newer).version == (2, 1)
 
 
 @pytest.mark.parametrize("bad", [-1, -(2**63), "2", 2.0, float(2**64), True, None, [1], b"\x01"])
@@ -116,7 +96,7 @@ def test_encoder_refuses_a_bad_epoch(bad):
 
 
 def checkpoint(meta: dict, src: int = 2) -> Message:
-    return Message(type=MT.CHECKPOINT, run_id="run", src=src, dst=1, meta=meta, version=V15)
+    return Message(type=MT.CHECKPOINT, run_id="run", src=src, dst=1, meta=meta)
 
 
 def test_checkpoint_offer_and_resume_carry_an_optional_epoch():
@@ -135,7 +115,7 @@ def test_checkpoint_offer_and_resume_carry_an_optional_epoch():
 
 
 def test_bye_rejoin_carries_the_lost_stage():
-    msg = Message(type=MT.BYE, run_id="run", src=2, dst=3, step=35, epoch=1, version=V15,
+    msg = Message(type=MT.BYE, run_id="run", src=2, dst=3, step=35, epoch=1,
                   meta={"reason": spec.REJOIN_REASON, "lost": 1})
     assert decode(encode(msg)) == msg
     assert decode(encode(Message(type=MT.BYE, run_id="run", src=2, dst=3, meta={"lost": 0}))).meta == {"lost": 0}

@@ -1,14 +1,19 @@
-"""Encoder/decoder behaviour: canonical form, zero copy, codecs, auth, versions, dtype rules."""
+"""Encoder/decoder behaviour: canonical form, zero copy, codecs, versions, no tags, dtype rules."""
 
 from __future__ import annotations
+
+import dataclasses
+import inspect
 
 import msgpack
 import numpy as np
 import pytest
 
+import mapl_swarm.wire as wire
+import mapl_swarm.wire.frames as frames_mod
+import mapl_swarm.wire.session as session_mod
 from mapl_swarm.errors import MaplError
 from mapl_swarm.wire import (
-    AuthFailed,
     BadCodec,
     BadDtype,
     FrameTooLarge,
@@ -18,11 +23,13 @@ from mapl_swarm.wire import (
     MessageType,
     PROTOCOL_VERSION,
     VersionMismatch,
-    WireError,
     WireTensor,
     decode,
+    decode_header,
     encode,
 )
+from mapl_swarm.wire import spec
+from mapl_swarm.wire.errors import ERRORS_BY_CODE
 from mapl_swarm.wire.golden.samples import sample_floats, sample_ids, samples
 
 
@@ -109,38 +116,86 @@ def test_non_contiguous_and_big_endian_inputs():
     assert back.tensors["b"].dtype == "fp32"
 
 
-def test_hmac_pass_and_fail():
-    msg = samples()["act_train"]
-    frames = encode(msg, secret=b"s3cret")
-    assert decode(frames, secret=b"s3cret") == msg
-    with pytest.raises(AuthFailed):
-        decode(frames, secret=b"other")
-    with pytest.raises(AuthFailed):
-        decode(frames)
-    with pytest.raises(AuthFailed):
-        decode(encode(msg), secret=b"s3cret")
-    z = bytearray(bytes(frames[2]))
-    z[0] ^= 0x80
-    with pytest.raises(WireError):
-        decode([frames[0], frames[1], bytes(z)], secret=b"s3cret")
+def test_messages_carry_no_tag_and_the_wire_has_no_keys():
+    """Protocol 2.0 authenticates connections (CURVE with per-peer keys, SPEC §7), not messages."""
+    assert PROTOCOL_VERSION == (2, 0)
+    for name, msg in samples().items():
+        assert "auth" not in msgpack.unpackb(bytes(encode(msg)[0])), name
+    assert "auth_failed" not in ERRORS_BY_CODE
+    names = [n.lower() for n in (*wire.__all__, *spec.__all__, *dir(spec), *frames_mod.__all__, *dir(frames_mod))]
+    assert [n for n in names if any(w in n for w in ("auth", "secret", "session", "mac_", "tag"))] == []
+    assert list(inspect.signature(encode).parameters) == ["msg", "compress", "max_header_bytes", "max_frame_bytes"]
+    assert list(inspect.signature(decode).parameters) == ["frames", "limits", "max_header_bytes", "max_frame_bytes"]
+    assert list(inspect.signature(decode_header).parameters) == ["frames", "limits"]
+    assert session_mod.__all__ == ["new_nonce"]
+    assert "auth" not in {f.name for f in dataclasses.fields(wire.Header)}
 
 
-def test_secret_must_be_explicit_bytes():
-    with pytest.raises(TypeError):
-        encode(samples()["bye"], secret="text")
-    with pytest.raises(ValueError):
-        encode(samples()["bye"], secret=b"")
+def test_an_auth_key_is_an_unknown_key_and_ignored():
+    """A header ``auth`` means nothing in 2.0: whatever it holds and wherever it sits, the message
+    decodes as without it (SPEC §2 unknown keys, §7), and re-encoding leaves it out."""
+    frames = encode(samples()["act_train"])
+    for value in (bytes(32), bytes(range(32)), b"short", "text", None, [1, 2]):
+        for last in (True, False):
+            head = msgpack.unpackb(bytes(frames[0]))
+            if last:
+                head["auth"] = value
+            else:
+                head = {"auth": value, **head}
+            back = decode([msgpack.packb(head, use_bin_type=True), *frames[1:]])
+            assert back == samples()["act_train"]
+            assert same_frames(encode(back), frames)
 
 
-def test_version_mismatch_names_both_versions():
+@pytest.mark.parametrize("peer", [(1, 9), (1, 0), (3, 0), (0, 9), (65535, 65535)])
+def test_version_mismatch_names_both_versions(peer):
     head = msgpack.unpackb(encode(samples()["hello"])[0])
-    head["v"] = [2, 0]
+    head["v"] = list(peer)
     with pytest.raises(VersionMismatch) as exc:
         decode([msgpack.packb(head)])
-    major, minor = PROTOCOL_VERSION
-    assert str(exc.value) == f"peer speaks 2.0, this peer speaks {major}.{minor}"
-    assert exc.value.peer_version == (2, 0) and exc.value.local_version == PROTOCOL_VERSION
+    assert str(exc.value) == f"peer speaks {peer[0]}.{peer[1]}, this peer speaks 2.0"
+    assert exc.value.peer_version == peer and exc.value.local_version == PROTOCOL_VERSION == (2, 0)
     assert exc.value.code == "version_mismatch" and isinstance(exc.value, MaplError)
+
+
+def test_a_1_9_hello_is_refused_even_when_its_fields_are_those_of_2_0():
+    """Major 1 is refused before any field is read: a well-formed 1.9 HELLO is ``version_mismatch``,
+    as are header fields 1.x had (a 1.x tag), with the message naming 1.9 and 2.0."""
+    frames = encode(samples()["hello"])
+    head = msgpack.unpackb(frames[0])
+    head["v"] = [1, 9]
+    head["auth"] = bytes(32)
+    with pytest.raises(VersionMismatch, match=r"^peer speaks 1\.9, this peer speaks 2\.0$"):
+        decode([msgpack.packb(head)])
+    with pytest.raises(MalformedHeader, match="1, 9"):  # nor does this peer send one
+        encode(Message(**{**samples()["hello"].__dict__, "version": (1, 9)}))
+
+
+def test_newer_minor_of_major_2_is_accepted():
+    for minor in (1, 9, 65535):
+        head = msgpack.unpackb(encode(samples()["heartbeat"])[0])
+        head["v"] = [2, minor]
+        back = decode([msgpack.packb(head)])
+        assert back.version == (2, minor)
+        back.version = PROTOCOL_VERSION
+        assert back == samples()["heartbeat"]
+
+
+def test_every_field_the_spec_requires_is_required():
+    """HELLO's and WELCOME's nonce and pipeline fields are required, whatever the minor."""
+    for name in ("hello", "welcome"):
+        msg = samples()[name]
+        required = ["nonce", "num_micro_batches", "micro_batch_size", "eval_batches"]
+        required += ["hello_nonce"] if name == "welcome" else []
+        for field in required:
+            m = Message(**{**msg.__dict__, "meta": {k: v for k, v in msg.meta.items() if k != field}})
+            with pytest.raises(InvalidMessage, match=field):
+                encode(m)
+            head = msgpack.unpackb(encode(msg)[0])
+            head["v"] = [2, 1]
+            del head["meta"][field]
+            with pytest.raises(InvalidMessage, match=field):
+                decode([msgpack.packb(head)])
 
 
 def test_unknown_keys_of_same_major_are_ignored():
@@ -151,7 +206,6 @@ def test_unknown_keys_of_same_major_are_ignored():
     head["tensors"][0]["future_desc"] = True
     back = decode([msgpack.packb(head), *frames[1:]])
     assert back.version == PROTOCOL_VERSION
-    back.version = (1, 0)
     assert back == samples()["act_train"]
     assert same_frames(encode(back), frames)
 
@@ -206,10 +260,10 @@ def test_decodes_zmq_frames_without_copy():
         a.bind("inproc://wire-test")
         b.connect("inproc://wire-test")
         msg = samples()["act_train"]
-        a.send_multipart(encode(msg, secret=b"k"), copy=False)
+        a.send_multipart(encode(msg), copy=False)
         assert b.poll(5000)
         frames = b.recv_multipart(copy=False)
-        assert decode(frames, secret=b"k") == msg
+        assert decode(frames) == msg
     finally:
         a.close()
         b.close()

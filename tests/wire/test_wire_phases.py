@@ -1,9 +1,6 @@
-"""Two-phase decoding, decode limits, LZ4 sizing, session keys and the 1.4 handshake fields."""
+"""Two-phase decoding, decode limits, LZ4 sizing, handshake nonces and fields."""
 
 from __future__ import annotations
-
-import hashlib
-import hmac
 
 import lz4.block
 import msgpack
@@ -14,7 +11,6 @@ from hypothesis import strategies as st
 
 import mapl_swarm.wire.frames as frames_mod
 from mapl_swarm.wire import (
-    AuthFailed,
     DecodeLimits,
     DecompressionFailed,
     FrameTooLarge,
@@ -27,11 +23,9 @@ from mapl_swarm.wire import (
     decode_header,
     decode_tensors,
     encode,
-    handshake_secret,
     new_nonce,
-    session_key,
 )
-from mapl_swarm.wire.golden.samples import AUTH_KEY, HELLO_NONCE, SESSION_KEY, WELCOME_NONCE, samples
+from mapl_swarm.wire.golden.samples import HELLO_NONCE, WELCOME_NONCE, samples
 
 MT = MessageType
 PROPS = settings(max_examples=50, deadline=None, database=None,
@@ -62,7 +56,7 @@ def test_decode_is_header_then_tensors():
     frames = encode(msg)
     header, raw = decode_header(frames)
     assert header.run == msg.run_id and header.type is MT.ACT and raw == header.tensors
-    assert decode_tensors(header, frames) == decode(frames) == msg
+    assert decode_tensors(header, frames) == decode(frames) == decode(frames, DecodeLimits()) == msg
 
 
 def test_phase_one_never_reads_tensor_frames(monkeypatch):
@@ -107,44 +101,20 @@ def test_limits_validate():
     assert DecodeLimits().rawbytes_limit("anything") == DecodeLimits().max_frame_bytes
 
 
-def test_session_key_recipe_and_freshness():
-    want = hmac.new(AUTH_KEY, b"mapl-session-v1" + HELLO_NONCE + WELCOME_NONCE, hashlib.sha256).digest()
-    assert SESSION_KEY == want == session_key(AUTH_KEY, HELLO_NONCE, WELCOME_NONCE)
-    assert session_key(AUTH_KEY, HELLO_NONCE, new_nonce()) != SESSION_KEY
+def test_nonces_are_fresh_16_bytes_and_name_the_hello():
     assert len(new_nonce()) == 16 and new_nonce() != new_nonce()
-    with pytest.raises(ValueError):
-        session_key(AUTH_KEY, HELLO_NONCE[:15], WELCOME_NONCE)
-    with pytest.raises(TypeError):
-        session_key(AUTH_KEY, "nonce", WELCOME_NONCE)
+    hello, welcome = samples()["hello"], samples()["welcome"]
+    assert hello.meta["nonce"] == HELLO_NONCE == welcome.meta["hello_nonce"] != welcome.meta["nonce"] == WELCOME_NONCE
+    assert decode(encode(hello)) == hello and decode(encode(welcome)) == welcome
 
 
-def test_handshake_secret_picks_the_key_by_type():
-    act = samples()["act_session"]
-    hello = samples()["hello_run_key"]
-    pick = handshake_secret(AUTH_KEY, SESSION_KEY)
-    assert decode(encode(act, secret=SESSION_KEY), secret=pick) == act
-    assert decode(encode(hello, secret=AUTH_KEY), secret=pick) == hello
-    with pytest.raises(AuthFailed):
-        decode(encode(act, secret=AUTH_KEY), secret=pick)  # not the session's key
-    with pytest.raises(AuthFailed, match="before the handshake"):
-        decode(encode(act, secret=SESSION_KEY), secret=handshake_secret(AUTH_KEY, None))
-    assert decode(encode(act), secret=handshake_secret(None, None)) == act
-    with pytest.raises(AuthFailed):
-        decode(encode(act, secret=SESSION_KEY), secret=handshake_secret(None, None))
-
-
-def test_handshake_fields_are_required_from_1_4():
-    hello = samples()["hello_nonce"]
-    assert hello.version == (1, 4)
-    old = samples()["hello"]  # 1.0: no nonce, still valid
-    assert decode(encode(old)) == old
+def test_handshake_fields_are_required():
+    hello = samples()["hello"]
     for field in ("nonce", "num_micro_batches", "micro_batch_size", "eval_batches"):
         m = Message(**{**hello.__dict__, "meta": {k: v for k, v in hello.meta.items() if k != field}})
         with pytest.raises(InvalidMessage, match=field):
             encode(m)
-        m.version = (1, 3)
-        encode(m)  # a 1.3 HELLO may lack it
-    welcome = samples()["welcome_nonce"]
+    welcome = samples()["welcome"]
     bad = Message(**{**welcome.__dict__, "meta": {**welcome.meta, "hello_nonce": b"x" * 15}})
     with pytest.raises(InvalidMessage, match="hello_nonce"):
         encode(bad)
@@ -167,13 +137,11 @@ def test_meta_depth_counts_containers_not_the_scalar():
 
 @PROPS
 @given(st.lists(st.binary(max_size=200), min_size=1, max_size=4), st.integers(1, 300),
-       st.one_of(st.none(), st.dictionaries(st.sampled_from(["ids", "z", "codes"]), st.integers(0, 300))),
-       st.sampled_from([None, AUTH_KEY, "pick"]))
-def test_two_phase_decoding_raises_only_wire_errors(frames, max_frame, per_name, secret):
+       st.one_of(st.none(), st.dictionaries(st.sampled_from(["ids", "z", "codes"]), st.integers(0, 300))))
+def test_two_phase_decoding_raises_only_wire_errors(frames, max_frame, per_name):
     limits = DecodeLimits(max_frame_bytes=max_frame, max_rawbytes=per_name)
-    key = handshake_secret(AUTH_KEY, SESSION_KEY) if secret == "pick" else secret
     try:
-        header, _ = decode_header(frames, limits, secret=key)
+        header, _ = decode_header(frames, limits)
         decode_tensors(header, frames, limits)
     except WireError as e:
         assert e.code != "wire_error"

@@ -30,7 +30,8 @@ def test_one_version_everywhere():
     assert re.findall(r"version (\d+\.\d+)", readme) == [VERSION]
     changelog = (PROTOCOL / "CHANGELOG.md").read_text(encoding="utf-8")
     assert re.search(r"^## (\d+\.\d+) ", changelog, re.M).group(1) == VERSION
-    manifest = json.loads((PROTOCOL / "vectors" / "v1" / "manifest.json").read_text(encoding="utf-8"))
+    manifest = json.loads((PROTOCOL / "vectors" / f"v{spec.PROTOCOL_VERSION[0]}" / "manifest.json")
+                          .read_text(encoding="utf-8"))
     assert manifest["protocol"] == VERSION
     assert wire.__doc__.startswith(f"Wire protocol {VERSION}:")
     assert spec.__doc__.startswith(f"Constants of wire protocol {VERSION}:")
@@ -58,7 +59,7 @@ def test_error_codes_section_6_2_names_every_family():
 def test_reject_codes_and_capabilities_are_listed():
     m = re.search(r"`REJECT\.code` is one of ((?:`\w+`,?\s*(?:or\s*)?)+)", SPEC)
     assert tuple(re.findall(r"`(\w+)`", m.group(1))) == spec.REJECT_CODES
-    caps = set(re.findall(r"^\| `(\w+)` \| 1\.\d \|", section("### 5.3", "## 6."), re.M))
+    caps = set(re.findall(r"^\| `(\w+)` \| ", section("### 5.3", "## 6."), re.M))
     assert caps == {spec.PIPELINE_CAPABILITY, VQ_CAPABILITY, RETRANSMIT_CAPABILITY, INDEXED_SLICES_CAPABILITY,
                     spec.CHECKPOINT_CAPABILITY, spec.DRAIN_CAPABILITY, spec.REJOIN_CAPABILITY,
                     spec.CHECKPOINT_UNSAVED_CAPABILITY, spec.CHECKPOINT_ABANDONED_CAPABILITY}
@@ -66,7 +67,7 @@ def test_reject_codes_and_capabilities_are_listed():
 
 def test_every_checkpoint_phase_is_in_section_5_2():
     table = section("### 5.2", "### 5.3")
-    rows = dict(re.findall(r"^\| `\"(\w+)\"`(?: \(1\.\d\))? \| ((?:up|down)stream) \|", table, re.M))
+    rows = dict(re.findall(r"^\| `\"(\w+)\"` \| ((?:up|down)stream) \|", table, re.M))
     assert set(rows) == set(spec.CHECKPOINT_PHASES)
     assert {p for p, way in rows.items() if way == "upstream"} == set(spec.CHECKPOINT_UPSTREAM_PHASES)
 
@@ -81,7 +82,8 @@ def test_every_meta_field_is_in_the_type_table():
 def test_header_table_lists_every_key_in_canonical_order():
     table = section("## 2. Header", "## 3.")
     keys = re.findall(r"^\| \d+ \| `(\w+)` \|", table, re.M)
-    assert keys == [*spec.HEADER_KEYS[:10], *spec.OPTIONAL_HEADER_KEYS, *spec.HEADER_KEYS[10:], spec.AUTH_KEY]
+    assert keys == [*spec.HEADER_KEYS[:10], *spec.OPTIONAL_HEADER_KEYS, *spec.HEADER_KEYS[10:]]
+    assert "`auth`" not in table.split("**Unknown keys.**")[0]  # no tag key in the table (SPEC §7)
 
 
 def test_sections_cited_exist():
@@ -89,5 +91,22 @@ def test_sections_cited_exist():
     headings = set(re.findall(r"^#{2,3} (\d+(?:\.\d+)?)\.? ", SPEC, re.M))
     cited = set(re.findall(r"§(\d+(?:\.\d+)?)", SPEC))
     assert cited <= headings, sorted(cited - headings)
-    assert "### 9.6 Rejoin after a departure (1.5, capability `rejoin`)" in SPEC
+    assert "### 9.6 Rejoin after a departure (capability `rejoin`)" in SPEC
     assert "`stale_epoch`" in section("### 9.6", "### 9.7")
+
+
+def test_one_major_and_no_1x_history():
+    """2.0 is the spec of one version: no run key, no tags, no "since 1.x" qualifiers; vectors in v2/.
+    The changelog is the one place history belongs."""
+    assert set(re.findall(r"vectors/v(\d+)", SPEC)) == {"2"}
+    # history qualifiers such as "(1.5)", "1.6:", "since 1.4" (not section numbers, not "peer speaks 1.9")
+    qualifier = r"(?<![\d.§])(?<!speaks )1\.\d(?=[),;:])|since 1\.\d|until 1\.\d|\b1\.x\b"
+    assert not re.search(qualifier, SPEC), re.findall(rf".{{30}}(?:{qualifier}).{{20}}", SPEC)
+    gone = r"(?i)hmac|run[ _-]key|auth[ _-]key|auth_?failed|maplwire|mapl-session|mapl-dht-record"
+    assert re.findall(gone, SPEC) == []
+    assert "peer speaks 1.9, this peer speaks 2.0" in SPEC
+    headings = re.findall(r"^### (7\.\d) (.+)$", SPEC, re.M)
+    assert headings == [("7.1", "Per-peer identities"), ("7.2", "Certified peers")]
+    assert "`auth` is no key of this version" in section("## 2. Header", "## 3.")
+    readme = (PROTOCOL / "README.md").read_text(encoding="utf-8")
+    assert set(re.findall(r"vectors/v(\d+)", readme)) == {"2"}

@@ -1,4 +1,4 @@
-"""Golden vectors: every stored vector behaves as protocol/vectors/v1/manifest.json says."""
+"""Golden vectors: every stored vector behaves as protocol/vectors/v2/manifest.json says."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from mapl_swarm.wire.codebook import CODEBOOK_ERRORS_BY_CODE
 from mapl_swarm.wire.content import CONTENT_CODES
 from mapl_swarm.wire.golden.vectors import check_entry, check_vectors, main
 
-ROOT = Path(__file__).resolve().parents[2] / "protocol" / "vectors" / "v1"
+ROOT = Path(__file__).resolve().parents[2] / "protocol" / "vectors" / "v2"
 MANIFEST = json.loads((ROOT / "manifest.json").read_text(encoding="utf-8"))
 ENTRIES = MANIFEST["vectors"]
 LINK_STATE_CODES = {"replay", "wrong_session", "stage_taken", "queue_full"}
@@ -62,19 +62,26 @@ def test_vectors_cover_every_error_and_message_type():
         assert e["file"].startswith(e["expect"] + "/")
 
 
-def test_existing_vectors_keep_version_1_0_and_new_ones_are_1_1():
-    """A minor version adds vectors and never changes existing ones (SPEC §10)."""
-    assert MANIFEST["protocol"] == f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}"
-    by_file = {e["file"]: e for e in ENTRIES if "message" in e}
-    assert by_file["valid/act_train.mwv"]["message"]["version"] == [1, 0]
-    assert by_file["valid/codebook_slice_stream.mwv"]["message"]["version"] == [1, 1]
+def test_vectors_are_of_this_version_and_carry_no_keys():
+    """Every vector is a 2.0 message but the newer minors an accept vector shows; nothing is tagged (SPEC §7)."""
+    assert MANIFEST["protocol"] == f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}" == "2.0"
+    assert "vectors/v2" in MANIFEST["regenerate"] and "vectors/v2" in MANIFEST["check"]
+    assert not {"keys", "secret_hex"} & set(MANIFEST)
+    newer = {"accept/newer_minor.mwv": [2, 1], "accept/unknown_header_key.mwv": [2, 3]}
+    for e in ENTRIES:
+        assert "secret" not in e, e["file"]
+        if "message" in e:
+            assert e["message"]["version"] == newer.get(e["file"], [2, 0]), e["file"]
+    by_file = {e["file"]: e for e in ENTRIES}
+    for major in (0, 1, 3):
+        assert by_file[f"invalid/version_major_{major}.mwv"]["error"] == "version_mismatch"
+    assert by_file["accept/auth_key_ignored.mwv"]["equivalent"] == "valid/act_train.mwv"
 
 
-def test_epoch_vectors_1_5():
-    """1.5: the header epoch in valid, accept, invalid and content vectors (SPEC §2, §6.1, §9.6)."""
+def test_epoch_vectors():
+    """The header epoch in valid, accept, invalid and content vectors (SPEC §2, §6.1, §9.6)."""
     by_file = {e["file"]: e for e in ENTRIES}
     assert by_file["valid/act_epoch.mwv"]["message"]["epoch"] == 3
-    assert by_file["valid/act_epoch.mwv"]["secret"] == "session_key"
     assert by_file["valid/epoch_max.mwv"]["message"]["epoch"] == 2**64 - 1
     assert "rejoin" in by_file["valid/hello_rejoin.mwv"]["message"]["meta"]["capabilities"]
     assert by_file["valid/bye_rejoin.mwv"]["message"]["meta"] == {"lost": 1, "reason": "rejoin"}

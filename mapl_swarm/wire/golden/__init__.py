@@ -1,4 +1,4 @@
-"""Golden-vector tooling of protocol/vectors/v1 (SPEC §11): sample messages, cases, generator, checker.
+"""Golden-vector tooling of protocol/vectors/v2 (SPEC §11): sample messages, cases, generator, checker.
 
 Not part of the runtime wire package: no module of :mod:`mapl_swarm.wire` imports this one (a test
 enforces it); it only builds and checks the vectors with the runtime encoder and decoder.
@@ -9,8 +9,8 @@ enforces it); it only builds and checks the vectors with the runtime encoder and
 
 Regenerate or check from the repository root::
 
-    python -m mapl_swarm.wire.golden --out protocol/vectors/v1
-    python -m mapl_swarm.wire.golden --check protocol/vectors/v1
+    python -m mapl_swarm.wire.golden --out protocol/vectors/v2
+    python -m mapl_swarm.wire.golden --check protocol/vectors/v2
 """
 
 from .vectors import check_vectors, main, write_vectors

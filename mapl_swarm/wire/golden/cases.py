@@ -1,11 +1,11 @@
-"""The golden vector cases of protocol/vectors/v1: valid, accept-only, invalid and codebook.
+"""The golden vector cases of protocol/vectors/v2: valid, accept-only, invalid, codebook and content.
 
 Valid cases are encodings of :func:`mapl_swarm.wire.golden.samples.samples`; accept and invalid cases are those
-encodings altered at the msgpack level (one defect each), with CRCs and auth tags fixed up where
-the case is about something else. Codebook cases (protocol 1.1, SPEC §5.1) are valid frames with a
-codebook receiver state; the expected outcome is applied, ignored, or a named codebook error.
-Content cases (protocol 1.4, SPEC §6.1) are valid frames with a run description and a step window
-(:mod:`.content_cases`); the expected outcome is accepted or a named content error.
+encodings altered at the msgpack level (one defect each), with CRCs fixed up where the case is about
+something else. Codebook cases (SPEC §5.1) are valid frames with a codebook receiver state; the
+expected outcome is applied, ignored, or a named codebook error. Content cases (SPEC §6.1) are valid
+frames with a run description and a step window (:mod:`.content_cases`); the expected outcome is
+accepted or a named content error.
 """
 
 from __future__ import annotations
@@ -20,25 +20,12 @@ import msgpack
 import numpy as np
 
 from mapl_swarm.wire.codebook import slice_message
-from mapl_swarm.wire.frames import compute_tag, encode
+from mapl_swarm.wire.frames import encode
 from mapl_swarm.wire.message import Message, WireTensor
 from mapl_swarm.wire.spec import MessageType
 
 from .content_cases import content_cases, epoch_cases
-from .samples import (
-    AUTH_KEY,
-    OTHER_SESSION_KEY,
-    RUN_ID,
-    SAMPLE_INDEX,
-    SAMPLE_KEYS,
-    SESSION_KEY,
-    VECTOR_SECRET,
-    VQ_LAYOUT,
-    sample_codebook,
-    sample_floats,
-    samples,
-    vector_key,
-)
+from .samples import RUN_ID, SAMPLE_INDEX, VQ_LAYOUT, sample_codebook, sample_floats, samples
 
 __all__ = ["Case", "build_cases"]
 
@@ -49,19 +36,16 @@ class Case:
 
     name: str
     kind: str
-    """``valid``, ``accept``, ``invalid`` or ``codebook``."""
+    """``valid``, ``accept``, ``invalid``, ``codebook`` or ``content``."""
     frames: list[bytes]
     description: str
     error: str | None = None
     """Expected error code (invalid)."""
     equivalent: str | None = None
     """Valid vector that re-encoding the decoded message reproduces (accept)."""
-    secret: bool | str = False
-    """Decode with the vectors' secret (True), a named key of the manifest (``auth_key``,
-    ``session_key``; 1.4) or without one (False)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Codebook cases: ``receiver`` (state) and ``outcome`` (``apply``, ``ignore`` or an error code);
-    content cases: ``run``, ``window``, optionally ``epoch`` (the receiver's run epoch, 1.5) and ``outcome``
+    content cases: ``run``, ``window``, optionally ``epoch`` (the receiver's run epoch) and ``outcome``
     (``accept`` or a content error code)."""
 
 
@@ -73,21 +57,10 @@ def _pack(h: Any) -> bytes:
     return msgpack.packb(h, use_bin_type=True)
 
 
-def _edit(
-    frames: list[bytes],
-    fn: Callable[[dict[str, Any]], Any],
-    *,
-    sign: bool = False,
-    key: bytes = VECTOR_SECRET,
-) -> list[bytes]:
-    """Re-pack the header after ``fn`` edits its dict; ``sign`` recomputes the tag with ``key``."""
+def _edit(frames: list[bytes], fn: Callable[[dict[str, Any]], Any]) -> list[bytes]:
+    """Re-pack the header after ``fn`` edits its dict."""
     h = _hdr(frames)
     fn(h)
-    if sign:
-        h.pop("auth", None)
-        h["auth"] = bytes(32)
-        body = _pack(h)[:-32]
-        return [body + compute_tag(key, body, frames[1:]), *frames[1:]]
     return [_pack(h), *frames[1:]]
 
 
@@ -131,8 +104,9 @@ def _flip(b: bytes, pos: int) -> bytes:
 
 def _valid(v: dict[str, list[bytes]]) -> list[Case]:
     text = {
-        "hello": "HELLO from stage 1 to stage 0 with fingerprint components",
-        "welcome": "WELCOME answering the HELLO",
+        "hello": "HELLO from stage 1 to stage 0: fingerprint components, nonce, num_micro_batches, "
+                 "micro_batch_size, eval_batches",
+        "welcome": "WELCOME answering the HELLO: its own nonce and the HELLO's as hello_nonce",
         "reject": "REJECT fingerprint_mismatch naming both fingerprints",
         "act_train": "ACT train: int64 ids (lz4) and bf16 z (raw)",
         "act_eval": "ACT eval: int32 ids (lz4) and fp16 z (raw)",
@@ -141,7 +115,8 @@ def _valid(v: dict[str, list[bytes]]) -> list[Case]:
         "proj_grad": "PROJ_GRAD with fp32 (8, 4) gradient",
         "proj": "PROJ with fp32 (8, 4) projector, pver 13",
         "report": "REPORT loss, tokens, mode and metrics",
-        "codebook_slice": "CODEBOOK_SLICE (reserved layout) with fp32 codes",
+        "codebook_slice": "CODEBOOK_SLICE of fp32 codes (16, 2) without meta: a valid frame (codebook "
+                          "receivers refuse it, codebook/slice_no_meta)",
         "resync": "RESYNC, no meta",
         "heartbeat": "HEARTBEAT with sent_ns",
         "bye": "BYE with reason",
@@ -149,61 +124,48 @@ def _valid(v: dict[str, list[bytes]]) -> list[Case]:
         "all_dtypes": "one tensor of every dtype, a scalar and an empty tensor",
         "large_ints": "largest src/micro/seq, 64-bit step/pver",
         "meta_free": "free meta: nested maps sorted, bin, nil, bools, negative and 64-bit ints",
-        "act_auth": "ACT train authenticated with the vectors' secret",
-        "hello_auth": "HELLO authenticated with the vectors' secret",
-        "codebook_slice_stream": "1.1 CODEBOOK_SLICE of the act stream: codes 4..7, version 6",
-        "codebook_slice_full": "1.1 full CODEBOOK_SLICE of the grad stream (16 codes), version 9",
-        "resync_stream": "1.1 RESYNC of the act stream, receiver at version 5",
-        "act_vq_rounds": "1.1 ACT: uint16 ids and uint8 codes (B, T, R=2, r/G=2) at cver 6",
-        "grad_vq": "1.1 GRAD: uint8 codes (B, T, R=2, r/G=2) at cver 9",
-        "codebook_slice_indexed": "1.2 indexed CODEBOOK_SLICE: each of the 4 codebooks its own 3 codes",
-        "resync_retransmit": "1.2 RESYNC asking for eval ACT step 12 micro 3 re-encoded after a full slice",
-        "checkpoint_saved": "1.3 CHECKPOINT saved: the last stage has saved step 40",
-        "checkpoint_complete": "1.3 CHECKPOINT complete: every stage has step 40",
-        "checkpoint_offer": "1.3 CHECKPOINT offer: steps stages 1 and 2 both hold, and what each has",
-        "checkpoint_resume": "1.3 CHECKPOINT resume from step 30",
-        "checkpoint_resume_refused": "1.3 CHECKPOINT resume refused: step nil and the reason every stage stops with",
-        "hello_nonce": "1.4 HELLO: nonce, num_micro_batches, micro_batch_size, eval_batches (insecure run: no tag)",
-        "welcome_nonce": "1.4 WELCOME: its own nonce and the HELLO's as hello_nonce (no tag)",
-        "hello_run_key": "1.4 HELLO tagged with the run key's auth_key",
-        "welcome_run_key": "1.4 WELCOME tagged with the run key's auth_key",
-        "reject_stage_taken": "1.4 REJECT stage_taken echoing the HELLO's nonce, tagged with auth_key",
-        "act_session": "1.4 ACT tagged with the session key of the manifest's handshake, seq 1",
-        "heartbeat_session": "1.4 HEARTBEAT tagged with the session key, seq 2",
-        "meta_depth_8": "1.4 meta nested 8 deep (meta map + 7 arrays; the scalar is no level)",
-        "heartbeat_rtt": "1.4 HEARTBEAT with round-trip timestamps: sent_ns, and the echo of the neighbour's "
+        "codebook_slice_stream": "CODEBOOK_SLICE of the act stream: codes 4..7, version 6",
+        "codebook_slice_full": "full CODEBOOK_SLICE of the grad stream (16 codes), version 9",
+        "resync_stream": "RESYNC of the act stream, receiver at version 5",
+        "act_vq_rounds": "ACT: uint16 ids and uint8 codes (B, T, R=2, r/G=2) at cver 6",
+        "grad_vq": "GRAD: uint8 codes (B, T, R=2, r/G=2) at cver 9",
+        "codebook_slice_indexed": "indexed CODEBOOK_SLICE: each of the 4 codebooks its own 3 codes",
+        "resync_retransmit": "RESYNC asking for eval ACT step 12 micro 3 re-encoded after a full slice",
+        "checkpoint_saved": "CHECKPOINT saved: the last stage has saved step 40",
+        "checkpoint_complete": "CHECKPOINT complete: every stage has step 40",
+        "checkpoint_offer": "CHECKPOINT offer: steps stages 1 and 2 both hold, and what each has",
+        "checkpoint_resume": "CHECKPOINT resume from step 30",
+        "checkpoint_resume_refused": "CHECKPOINT resume refused: step nil and the reason every stage stops with",
+        "reject_stage_taken": "REJECT stage_taken echoing the HELLO's nonce",
+        "meta_depth_8": "meta nested 8 deep (meta map + 7 arrays; the scalar is no level)",
+        "heartbeat_rtt": "HEARTBEAT with round-trip timestamps: sent_ns, and the echo of the neighbour's "
                          "sent_ns held 1.25 s",
-        "checkpoint_drain_request": "1.4 CHECKPOINT drain_request from the last stage (capability drain)",
-        "checkpoint_drain": "1.4 CHECKPOINT drain: every stage stops after step 42 and saves it",
-        "bye_drain": "1.4 BYE reason drain after 42 steps: a planned departure",
-        "hello_rejoin": "1.5 HELLO of a re-formed peer at epoch 2 advertising rejoin, tagged with auth_key",
-        "act_epoch": "1.5 ACT at epoch 3 tagged with the session key: epoch after cver, auth still last",
-        "bye_rejoin": "1.5 BYE reason rejoin, lost 1, at epoch 1: stage 2 re-forms after stage 1 departed",
-        "checkpoint_offer_epoch": "1.5 CHECKPOINT offer carrying the largest epoch of the stages it covers",
-        "checkpoint_resume_epoch": "1.5 CHECKPOINT resume from step 30 at epoch 2 (every stage takes it)",
-        "epoch_max": "1.5 HEARTBEAT at the largest epoch, 2^64-1 (uint64)",
-        "checkpoint_unsaved": "1.5 CHECKPOINT unsaved: stage 2 could not save step 40, and why (capability "
+        "checkpoint_drain_request": "CHECKPOINT drain_request from the last stage (capability drain)",
+        "checkpoint_drain": "CHECKPOINT drain: every stage stops after step 42 and saves it",
+        "bye_drain": "BYE reason drain after 42 steps: a planned departure",
+        "hello_rejoin": "HELLO of a re-formed peer at epoch 2 advertising rejoin",
+        "act_epoch": "ACT at epoch 3: epoch right after cver",
+        "bye_rejoin": "BYE reason rejoin, lost 1, at epoch 1: stage 2 re-forms after stage 1 departed",
+        "checkpoint_offer_epoch": "CHECKPOINT offer carrying the largest epoch of the stages it covers",
+        "checkpoint_resume_epoch": "CHECKPOINT resume from step 30 at epoch 2 (every stage takes it)",
+        "epoch_max": "HEARTBEAT at the largest epoch, 2^64-1 (uint64)",
+        "checkpoint_unsaved": "CHECKPOINT unsaved: stage 2 could not save step 40, and why (capability "
                               "checkpoint_unsaved)",
-        "hello_config": "1.6 HELLO with the sender's config (settings by TOML name) and anchored, tagged with "
-                        "auth_key",
-        "reject_config_unanchored": "1.6 REJECT fingerprint_mismatch naming the setting, anchored false: the "
+        "hello_config": "HELLO with the sender's config (settings by TOML name), anchored and max_in_flight",
+        "reject_config_unanchored": "REJECT fingerprint_mismatch naming the setting, anchored false: the "
                                     "dialer retries",
-        "heartbeat_anchored": "1.6 HEARTBEAT from stage 0 saying it is anchored, tagged with the session key",
-        "checkpoint_abandoned": "1.6 CHECKPOINT abandoned: stage 0 gave step 40 up (stage 2 could not save it), "
+        "heartbeat_anchored": "HEARTBEAT from stage 0 saying it is anchored",
+        "checkpoint_abandoned": "CHECKPOINT abandoned: stage 0 gave step 40 up (stage 2 could not save it), "
                                 "every stage deletes its files of it (capability checkpoint_abandoned)",
-        "hello_cert": "1.8 HELLO of a certified peer: its certificate in cert (opaque to the decoder, checked by "
-                      "the peer), untagged: CURVE with per-peer keys authenticates it",
+        "hello_cert": "HELLO of a certified peer: its certificate in cert (opaque to the decoder, checked by "
+                      "the peer)",
     }
-
-    def key(n: str) -> bool | str:
-        return SAMPLE_KEYS.get(n, n.endswith("_auth"))
-
-    return [Case(n, "valid", f, text[n], secret=key(n)) for n, f in v.items()]
+    return [Case(n, "valid", f, text[n]) for n, f in v.items()]
 
 
 def _accept(v: dict[str, list[bytes]]) -> list[Case]:
     def unknown_key(h: dict[str, Any]) -> None:
-        h["v"] = [1, 3]
+        h["v"] = [2, 3]
         h["route"] = {"via": "relay-7", "ttl": 3}
 
     def reverse(h: dict[str, Any]) -> None:
@@ -215,9 +177,8 @@ def _accept(v: dict[str, list[bytes]]) -> list[Case]:
         h["meta"] = dict(reversed(list(h["meta"].items())))
         h["meta"]["metrics"] = dict(reversed(list(h["meta"]["metrics"].items())))
 
-    def auth_unknown(h: dict[str, Any]) -> None:
-        h["v"] = [1, 2]
-        h["trace"] = "abc"
+    def auth_key(h: dict[str, Any]) -> None:
+        h["auth"] = bytes(range(32))
 
     def epoch_zero(h: dict[str, Any]) -> None:
         items = list(h.items())
@@ -226,7 +187,6 @@ def _accept(v: dict[str, list[bytes]]) -> list[Case]:
             h[k] = x
             if k == "cver":
                 h["epoch"] = 0
-        h["v"] = [1, 5]
 
     rep = v["report"][0]
     wide = rep.replace(b"\xa4step\x0c", b"\xa4step\xcf" + struct.pack(">Q", 12))
@@ -236,11 +196,11 @@ def _accept(v: dict[str, list[bytes]]) -> list[Case]:
     A = "accept"
     return [
         Case("unknown_header_key", A, _edit(v["hello"], unknown_key),
-             "version 1.3 header with an unknown key: ignored", equivalent="hello"),
+             "version 2.3 header with an unknown key: ignored", equivalent="hello"),
         Case("unknown_descriptor_key", A, _edit(v["act_train"], _desc(0, layout="bt")),
              "tensor descriptor with an unknown key: ignored", equivalent="act_train"),
-        Case("newer_minor", A, _edit(v["heartbeat"], _set("v", [1, 7])),
-             "version 1.7 with nothing new: decoded as 1.7", equivalent="heartbeat"),
+        Case("newer_minor", A, _edit(v["heartbeat"], _set("v", [2, 1])),
+             "version 2.1 with nothing new: decoded as 2.1", equivalent="heartbeat"),
         Case("key_order_reversed", A, _edit(v["hello"], reverse),
              "header keys in reverse order", equivalent="hello"),
         Case("wide_integers", A, [wide],
@@ -248,16 +208,16 @@ def _accept(v: dict[str, list[bytes]]) -> list[Case]:
         Case("float32_loss", A, [f32], "loss as msgpack float32", equivalent="report"),
         Case("meta_unsorted", A, _edit(v["report"], unsorted_meta),
              "meta and nested map keys not sorted", equivalent="report"),
-        Case("auth_unknown_key", A, _edit(v["act_auth"], auth_unknown, sign=True),
-             "authenticated 1.2 header with an unknown key before auth", equivalent="act_auth",
-             secret=True),
+        Case("auth_key_ignored", A, _edit(v["act_train"], auth_key),
+             "header ending in an auth key holding 32 bytes: no key of this version, ignored like any "
+             "unknown key (messages carry no tag)", equivalent="act_train"),
         Case("epoch_zero_written", A, _edit(v["heartbeat"], epoch_zero),
-             "1.5 header writing epoch 0, which a canonical encoder leaves out", equivalent="heartbeat"),
+             "header writing epoch 0, which a canonical encoder leaves out", equivalent="heartbeat"),
     ]
 
 
 def _invalid(v: dict[str, list[bytes]]) -> list[Case]:
-    hello, act, act_auth, rep = v["hello"], v["act_train"], v["act_auth"], v["report"]
+    hello, act, rep = v["hello"], v["act_train"], v["report"]
     h0 = hello[0]
     ids_raw = samples()["act_train"].tensors["ids"].wire_array().tobytes()
     half = lz4.block.compress(ids_raw[: len(ids_raw) // 2], store_size=False)
@@ -271,10 +231,6 @@ def _invalid(v: dict[str, list[bytes]]) -> list[Case]:
             x = [x]
         h["meta"]["deep"] = x
 
-    def auth_not_last(h: dict[str, Any]) -> None:
-        tensors = h.pop("tensors")
-        h["tensors"] = tensors  # now after auth
-
     def many(h: dict[str, Any]) -> None:
         h["tensors"] = [dict(h["tensors"][0], name=f"t{i}") for i in range(65)]
 
@@ -286,7 +242,7 @@ def _invalid(v: dict[str, list[bytes]]) -> list[Case]:
                          "nbytes": 1, "rawbytes": 1, "crc": zlib.crc32(b"\x07")}]
 
     M, T, D, FC = "malformed_header", "unknown_message_type", "bad_dtype", "frame_count_mismatch"
-    L, C, S, AU, IM = "length_mismatch", "checksum_mismatch", "bad_shape", "auth_failed", "invalid_message"
+    L, C, S, IM = "length_mismatch", "checksum_mismatch", "bad_shape", "invalid_message"
     cases: list[tuple[str, list[bytes], str, str]] = [
         ("not_msgpack", [b"\xc1"], M, "header byte 0xc1 is never used by msgpack"),
         ("header_not_map", [_pack([1, 0])], M, "header is an array"),
@@ -303,7 +259,7 @@ def _invalid(v: dict[str, list[bytes]]) -> list[Case]:
         ("src_too_large", _edit(hello, _set("src", 65536)), M, "src above 65535"),
         ("run_empty", _edit(hello, _set("run", "")), M, "empty run id"),
         ("run_too_long", _edit(hello, _set("run", "r" * 129)), M, "run id of 129 bytes"),
-        ("version_string", _edit(hello, _set("v", "1.0")), M, "v is a string"),
+        ("version_string", _edit(hello, _set("v", "2.0")), M, "v is a string"),
         ("version_short", _edit(hello, _set("v", [1])), M, "v has one element"),
         ("meta_not_map", _edit(hello, _set("meta", [1])), M, "meta is an array"),
         ("meta_ext_type", _edit(hello, _meta(t=msgpack.ExtType(5, b"x"))), M, "msgpack ext value"),
@@ -317,17 +273,19 @@ def _invalid(v: dict[str, list[bytes]]) -> list[Case]:
          "descriptor lacks crc"),
         ("tensor_name_empty", _edit(act, _desc(0, name="")), M, "empty tensor name"),
         ("crc_too_large", _edit(act, _desc(0, crc=2**32)), M, "crc above 2^32-1"),
-        ("version_major_2", _edit(hello, _set("v", [2, 0])), "version_mismatch",
-         "major 2: 'peer speaks 2.0, this peer speaks 1.x'"),
+        ("version_major_1", _edit(hello, _set("v", [1, 9])), "version_mismatch",
+         "a 1.9 HELLO: 'peer speaks 1.9, this peer speaks 2.0'"),
+        ("version_major_3", _edit(hello, _set("v", [3, 0])), "version_mismatch",
+         "major 3: 'peer speaks 3.0, this peer speaks 2.0'"),
         ("version_major_0", _edit(hello, _set("v", [0, 9])), "version_mismatch", "major 0"),
         ("type_unknown", _edit(hello, _set("type", 99)), T, "type 99"),
-        ("type_reserved", _edit(hello, _set("type", 15)), T, "type 15, reserved (14 until 1.3)"),
+        ("type_reserved", _edit(hello, _set("type", 15)), T, "type 15, reserved"),
         ("type_zero", _edit(hello, _set("type", 0)), T, "type 0"),
         ("type_string", _edit(hello, _set("type", "HELLO")), M, "type given by name"),
         ("no_frames", [], FC, "zero frames"),
         ("missing_frame", act[:-1], FC, "two descriptors, one tensor frame"),
         ("extra_frame", [*act, b"\x00"], FC, "a frame without descriptor"),
-        ("dtype_unknown", _edit(act, _desc(1, dtype="fp8")), D, "dtype fp8 is not in 1.0"),
+        ("dtype_unknown", _edit(act, _desc(1, dtype="fp8")), D, "dtype fp8 is no tag"),
         ("dtype_not_string", _edit(act, _desc(1, dtype=2)), D, "dtype is an integer"),
         ("proj_bf16", _edit(v["proj"], _desc(0, dtype="bf16", shape=[8, 8])), D,
          "PROJ tensor in bf16"),
@@ -369,61 +327,47 @@ def _invalid(v: dict[str, list[bytes]]) -> list[Case]:
         ("heartbeat_with_tensor", _edit([*v["heartbeat"], b"\x07"], hb_tensor), IM,
          "HEARTBEAT carrying a tensor"),
         ("codebook_start_string", _edit(v["codebook_slice_stream"], _meta(start="4")), IM,
-         "CODEBOOK_SLICE start is a string (1.1)"),
+         "CODEBOOK_SLICE start is a string"),
         ("codebook_stream_unknown", _edit(v["codebook_slice_stream"], _meta(stream="fwd")), IM,
-         "CODEBOOK_SLICE stream 'fwd' (1.1)"),
+         "CODEBOOK_SLICE stream 'fwd'"),
         ("codebook_full_int", _edit(v["codebook_slice_full"], _meta(full=1)), IM,
-         "CODEBOOK_SLICE full is an integer (1.1)"),
+         "CODEBOOK_SLICE full is an integer"),
         ("resync_have_negative", _edit(v["resync_stream"], _meta(have=-1)), IM,
-         "RESYNC have is negative (1.1)"),
+         "RESYNC have is negative"),
         ("codebook_index_int32", _edit(v["codebook_slice_indexed"], _desc(1, dtype="int32", shape=[3])), D,
-         "CODEBOOK_SLICE index tensor int32 (1.2: uint8/uint16 only)"),
+         "CODEBOOK_SLICE index tensor int32 (uint8/uint16 only)"),
         ("codebook_index_float", _edit(v["codebook_slice_indexed"], _desc(1, dtype="fp32", shape=[3])), D,
-         "CODEBOOK_SLICE index tensor fp32 (1.2: uint8/uint16 only)"),
+         "CODEBOOK_SLICE index tensor fp32 (uint8/uint16 only)"),
         ("resync_retransmit_int", _edit(v["resync_retransmit"], _meta(retransmit=1)), IM,
-         "RESYNC retransmit is an integer (1.2)"),
+         "RESYNC retransmit is an integer"),
         ("resync_mode_unknown", _edit(v["resync_retransmit"], _meta(mode="test")), IM,
-         "RESYNC mode 'test' (1.2)"),
+         "RESYNC mode 'test'"),
         ("checkpoint_phase_unknown", _edit(v["checkpoint_saved"], _meta(phase="done")), IM,
-         "CHECKPOINT phase 'done' (1.3)"),
+         "CHECKPOINT phase 'done'"),
         ("checkpoint_saved_no_step", _edit(v["checkpoint_saved"], _meta(step=_DROP)), IM,
-         "CHECKPOINT saved without a step (1.3)"),
+         "CHECKPOINT saved without a step"),
         ("checkpoint_offer_not_increasing", _edit(v["checkpoint_offer"], _meta(steps=[30, 20])), IM,
-         "CHECKPOINT offer steps 30, 20 (1.3)"),
+         "CHECKPOINT offer steps 30, 20"),
         ("checkpoint_resume_nil_no_reason", _edit(v["checkpoint_resume_refused"], _meta(reason=_DROP)), IM,
-         "CHECKPOINT resume with step nil and no reason (1.3)"),
+         "CHECKPOINT resume with step nil and no reason"),
         ("checkpoint_with_tensor", _edit([*v["checkpoint_saved"], b"\x07"], hb_tensor), IM,
-         "CHECKPOINT carrying a tensor (1.3)"),
+         "CHECKPOINT carrying a tensor"),
         ("checkpoint_drain_no_step", _edit(v["checkpoint_drain"], _meta(step=_DROP)), IM,
-         "CHECKPOINT drain without a step (1.4)"),
+         "CHECKPOINT drain without a step"),
         ("checkpoint_drain_nil_step", _edit(v["checkpoint_drain"], _meta(step=None)), IM,
-         "CHECKPOINT drain with step nil (1.4)"),
+         "CHECKPOINT drain with step nil"),
         ("heartbeat_echo_negative", _edit(v["heartbeat_rtt"], _meta(echo_ns=-5)), IM,
-         "HEARTBEAT echo_ns negative (1.4)"),
+         "HEARTBEAT echo_ns negative"),
         ("heartbeat_held_float", _edit(v["heartbeat_rtt"], _meta(held_ns=1.25)), IM,
-         "HEARTBEAT held_ns is a float (1.4)"),
+         "HEARTBEAT held_ns is a float"),
     ]
-    out = [Case(n, "invalid", f, d, error=e) for n, f, e, d in cases]
-    tag_flip = [_flip(act_auth[0], len(act_auth[0]) - 1), *act_auth[1:]]
-    tampered = _replace_frame(act_auth, 1, _flip(act_auth[2], 0))
-    auth_cases = [
-        ("auth_bad_tag", tag_flip, True, "last tag bit flipped"),
-        ("auth_missing", act, True, "no tag, receiver has the secret"),
-        ("auth_unexpected", act_auth, False, "tag present, receiver has no secret"),
-        ("auth_tampered_frame", tampered, True, "z altered and its crc fixed, tag not"),
-        ("auth_not_last", _edit(act_auth, auth_not_last), True, "auth before tensors"),
-        ("auth_short", _edit(act_auth, _set("auth", bytes(16))), True, "16-byte tag"),
-        ("auth_wrong_secret", _edit(act, lambda h: None, sign=True, key=b"another secret"), True,
-         "tag made with another secret"),
-    ]
-    out += [Case(n, "invalid", f, d, error=AU, secret=s) for n, f, s, d in auth_cases]
-    return out + _invalid_14(v) + _invalid_15(v) + _invalid_16(v)
+    return [Case(n, "invalid", f, d, error=e) for n, f, e, d in cases] + _invalid_handshake(v) + _invalid_epoch(v) \
+        + _invalid_config(v)
 
 
-def _invalid_14(v: dict[str, list[bytes]]) -> list[Case]:
-    """Protocol 1.4: handshake fields, meta depth, an LZ4 block longer than rawbytes, session keys."""
-    hello, welcome, reject = v["hello_nonce"], v["welcome_nonce"], v["reject_stage_taken"]
-    act = v["act_session"]
+def _invalid_handshake(v: dict[str, list[bytes]]) -> list[Case]:
+    """Handshake fields, meta depth, an LZ4 block longer than rawbytes."""
+    hello, welcome, reject = v["hello"], v["welcome"], v["reject_stage_taken"]
     ids_raw = samples()["act_train"].tensors["ids"].wire_array().tobytes()
     double = lz4.block.compress(ids_raw * 2, store_size=False)
 
@@ -433,74 +377,63 @@ def _invalid_14(v: dict[str, list[bytes]]) -> list[Case]:
             x = [x]
         h["meta"]["deep"] = x
 
-    IM, AU = "invalid_message", "auth_failed"
-    cases: list[tuple[str, list[bytes], str, bool | str, str]] = [
-        ("hello_no_nonce", _edit(hello, _meta(nonce=_DROP)), IM, False, "1.4 HELLO without nonce"),
-        ("hello_nonce_short", _edit(hello, _meta(nonce=bytes(15))), IM, False, "1.4 HELLO nonce of 15 bytes"),
-        ("hello_nonce_string", _edit(hello, _meta(nonce="00" * 16)), IM, False, "1.4 HELLO nonce as hex text"),
-        ("hello_no_micro_batches", _edit(hello, _meta(num_micro_batches=_DROP)), IM, False,
-         "1.4 HELLO without num_micro_batches"),
-        ("hello_micro_batch_size_zero", _edit(hello, _meta(micro_batch_size=0)), IM, False,
-         "1.4 HELLO micro_batch_size 0"),
-        ("hello_eval_batches_negative", _edit(hello, _meta(eval_batches=-1)), IM, False,
-         "1.4 HELLO eval_batches -1"),
-        ("welcome_no_hello_nonce", _edit(welcome, _meta(hello_nonce=_DROP)), IM, False,
-         "1.4 WELCOME without hello_nonce"),
-        ("welcome_no_nonce", _edit(welcome, _meta(nonce=_DROP)), IM, False, "1.4 WELCOME without its nonce"),
-        ("reject_hello_nonce_long", _edit(reject, _meta(hello_nonce=bytes(17)), sign=True, key=AUTH_KEY), IM,
-         "auth_key", "1.4 REJECT hello_nonce of 17 bytes"),
-        ("meta_depth_9", _edit(v["meta_depth_8"], deep9), "malformed_header", False,
-         "1.4 meta nested 9 deep (meta map + 8 arrays)"),
-        ("lz4_long_output", _replace_frame(v["act_train"], 0, double), "decompression_failed", False,
-         "lz4 block decompressing to 2x rawbytes: fails in a buffer of rawbytes (never allocated larger)"),
-        ("session_tagged_with_auth_key", _edit(act, lambda h: None, sign=True, key=AUTH_KEY), AU, "session_key",
-         "1.4 ACT tagged with the auth key instead of the session key"),
-        ("session_replayed", _edit(act, lambda h: None, sign=True, key=OTHER_SESSION_KEY), AU, "session_key",
-         "1.4 ACT captured in another session (another WELCOME nonce), replayed into this one"),
-        ("hello_wrong_run_key", _edit(v["hello_run_key"], lambda h: None, sign=True, key=SESSION_KEY), AU,
-         "auth_key",
-         "1.4 HELLO tagged with another key than the run key's auth_key"),
-    ]
-    return [Case(n, "invalid", f, d, error=e, secret=k) for n, f, e, k, d in cases]
-
-
-def _invalid_16(v: dict[str, list[bytes]]) -> list[Case]:
-    """Protocol 1.6: ``config`` is a map, ``anchored`` a bool."""
     IM = "invalid_message"
-    cases: list[tuple[str, list[bytes], str, str | bool, str]] = [
-        ("hello_config_list", _edit(v["hello_config"], _meta(config=["compression.rank", 4]), sign=True,
-                                    key=AUTH_KEY), IM, "auth_key", "1.6 HELLO config is an array, not a map"),
-        ("reject_anchored_int", _edit(v["reject_config_unanchored"], _meta(anchored=0), sign=True, key=AUTH_KEY), IM,
-         "auth_key", "1.6 REJECT anchored is 0, not false"),
-        ("heartbeat_anchored_string", _edit(v["heartbeat_anchored"], _meta(anchored="yes"), sign=True,
-                                            key=SESSION_KEY), IM, "session_key", "1.6 HEARTBEAT anchored is a string"),
-        ("checkpoint_abandoned_no_reason", _edit(v["checkpoint_abandoned"], _meta(reason=_DROP)), IM, False,
-         "1.6 CHECKPOINT abandoned without a reason"),
-        ("hello_cert_string", _edit(v["hello_cert"], _meta(cert="a certificate")), IM, False,
-         "1.8 HELLO cert is a string, not a bin"),
+    cases: list[tuple[str, list[bytes], str, str]] = [
+        ("hello_no_nonce", _edit(hello, _meta(nonce=_DROP)), IM, "HELLO without nonce"),
+        ("hello_nonce_short", _edit(hello, _meta(nonce=bytes(15))), IM, "HELLO nonce of 15 bytes"),
+        ("hello_nonce_string", _edit(hello, _meta(nonce="00" * 16)), IM, "HELLO nonce as hex text"),
+        ("hello_no_micro_batches", _edit(hello, _meta(num_micro_batches=_DROP)), IM,
+         "HELLO without num_micro_batches"),
+        ("hello_micro_batch_size_zero", _edit(hello, _meta(micro_batch_size=0)), IM, "HELLO micro_batch_size 0"),
+        ("hello_eval_batches_negative", _edit(hello, _meta(eval_batches=-1)), IM, "HELLO eval_batches -1"),
+        ("welcome_no_hello_nonce", _edit(welcome, _meta(hello_nonce=_DROP)), IM, "WELCOME without hello_nonce"),
+        ("welcome_no_nonce", _edit(welcome, _meta(nonce=_DROP)), IM, "WELCOME without its nonce"),
+        ("reject_hello_nonce_long", _edit(reject, _meta(hello_nonce=bytes(17))), IM, "REJECT hello_nonce of 17 bytes"),
+        ("meta_depth_9", _edit(v["meta_depth_8"], deep9), "malformed_header",
+         "meta nested 9 deep (meta map + 8 arrays)"),
+        ("lz4_long_output", _replace_frame(v["act_train"], 0, double), "decompression_failed",
+         "lz4 block decompressing to 2x rawbytes: fails in a buffer of rawbytes (never allocated larger)"),
     ]
-    return [Case(n, "invalid", f, d, error=e, secret=k) for n, f, e, k, d in cases]
+    return [Case(n, "invalid", f, d, error=e) for n, f, e, d in cases]
 
 
-def _invalid_15(v: dict[str, list[bytes]]) -> list[Case]:
-    """Protocol 1.5: the header's run epoch (uint64), the rejoin fields of BYE and CHECKPOINT, and
-    CHECKPOINT ``unsaved`` without its step or reason."""
+def _invalid_config(v: dict[str, list[bytes]]) -> list[Case]:
+    """Configuration refusals and certificates: ``config`` is a map, ``anchored`` a bool, ``cert`` a bin."""
+    IM = "invalid_message"
+    cases: list[tuple[str, list[bytes], str, str]] = [
+        ("hello_config_list", _edit(v["hello_config"], _meta(config=["compression.rank", 4])), IM,
+         "HELLO config is an array, not a map"),
+        ("reject_anchored_int", _edit(v["reject_config_unanchored"], _meta(anchored=0)), IM,
+         "REJECT anchored is 0, not false"),
+        ("heartbeat_anchored_string", _edit(v["heartbeat_anchored"], _meta(anchored="yes")), IM,
+         "HEARTBEAT anchored is a string"),
+        ("checkpoint_abandoned_no_reason", _edit(v["checkpoint_abandoned"], _meta(reason=_DROP)), IM,
+         "CHECKPOINT abandoned without a reason"),
+        ("hello_cert_string", _edit(v["hello_cert"], _meta(cert="a certificate")), IM,
+         "HELLO cert is a string, not a bin"),
+    ]
+    return [Case(n, "invalid", f, d, error=e) for n, f, e, d in cases]
+
+
+def _invalid_epoch(v: dict[str, list[bytes]]) -> list[Case]:
+    """The header's run epoch (uint64), the rejoin fields of BYE and CHECKPOINT, and CHECKPOINT
+    ``unsaved`` without its step or reason."""
     base = v["epoch_max"]
     M, IM = "malformed_header", "invalid_message"
     cases: list[tuple[str, list[bytes], str, str]] = [
-        ("epoch_negative", _edit(base, _set("epoch", -1)), M, "1.5 header epoch -1"),
-        ("epoch_string", _edit(base, _set("epoch", "2")), M, "1.5 header epoch is a string"),
+        ("epoch_negative", _edit(base, _set("epoch", -1)), M, "header epoch -1"),
+        ("epoch_string", _edit(base, _set("epoch", "2")), M, "header epoch is a string"),
         ("epoch_too_large", _edit(base, _set("epoch", float(2**64))), M,
-         "1.5 header epoch 2^64: above uint64, so msgpack can only carry it as a float"),
-        ("bye_lost_string", _edit(v["bye_rejoin"], _meta(lost="1")), IM, "1.5 BYE lost is a string"),
+         "header epoch 2^64: above uint64, so msgpack can only carry it as a float"),
+        ("bye_lost_string", _edit(v["bye_rejoin"], _meta(lost="1")), IM, "BYE lost is a string"),
         ("checkpoint_offer_epoch_negative", _edit(v["checkpoint_offer_epoch"], _meta(epoch=-2)), IM,
-         "1.5 CHECKPOINT offer epoch -2"),
+         "CHECKPOINT offer epoch -2"),
         ("checkpoint_resume_epoch_float", _edit(v["checkpoint_resume_epoch"], _meta(epoch=2.0)), IM,
-         "1.5 CHECKPOINT resume epoch is a float"),
+         "CHECKPOINT resume epoch is a float"),
         ("checkpoint_unsaved_no_step", _edit(v["checkpoint_unsaved"], _meta(step=_DROP)), IM,
-         "1.5 CHECKPOINT unsaved without a step"),
+         "CHECKPOINT unsaved without a step"),
         ("checkpoint_unsaved_no_reason", _edit(v["checkpoint_unsaved"], _meta(reason=_DROP)), IM,
-         "1.5 CHECKPOINT unsaved without a reason"),
+         "CHECKPOINT unsaved without a reason"),
     ]
     return [Case(n, "invalid", f, d, error=e) for n, f, e, d in cases]
 
@@ -518,7 +451,7 @@ def _slice(version: int, start: int, n: int, *, full: bool = False, stream: str 
     else:  # a wrong shape
         codes = sample_floats(int(np.prod(shape)), salt).reshape(shape)
     msg = slice_message(run_id=RUN_ID, src=0, dst=1, stream=stream, version=version, start=start,
-                        full=full, codes=codes, step=12, micro=3, seq=50, version_tuple=(1, 1))
+                        full=full, codes=codes, step=12, micro=3, seq=50)
     return [bytes(f) for f in encode(msg)]
 
 
@@ -530,21 +463,21 @@ def _codebook(v: dict[str, list[bytes]]) -> list[Case]:
     huge = sample_codebook(4, 4, 26)
     huge[0, 1, 1, 0] = 1e30  # finite, far beyond any honest codebook
     huge_msg = slice_message(run_id=RUN_ID, src=0, dst=1, stream="act", version=6, start=4, full=False,
-                             codes=huge, step=12, micro=3, seq=50, version_tuple=(1, 9))
+                             codes=huge, step=12, micro=3, seq=50)
     nan_msg = slice_message(run_id=RUN_ID, src=0, dst=1, stream="act", version=6, start=4, full=False,
-                            codes=nan, step=12, micro=3, version_tuple=(1, 1))
+                            codes=nan, step=12, micro=3)
     two = slice_message(run_id=RUN_ID, src=0, dst=1, stream="act", version=6, start=4, full=False,
-                        codes=sample_codebook(4, 4, 22), step=12, micro=3, version_tuple=(1, 1))
+                        codes=sample_codebook(4, 4, 22), step=12, micro=3)
     two.tensors["more"] = WireTensor("fp32", sample_codebook(8, 1, 23))
     full_start = slice_message(run_id=RUN_ID, src=0, dst=1, stream="act", version=9, start=4, full=True,
-                               codes=sample_codebook(0, K, 24), step=12, micro=3, version_tuple=(1, 1))
+                               codes=sample_codebook(0, K, 24), step=12, micro=3)
 
     def indexed(index: Any, *, start: int = 0, full: bool = False, n: int | None = None) -> list[bytes]:
-        """A 1.2 indexed slice at version 6 with ``index`` (R, r/G, n) positions."""
+        """An indexed slice at version 6 with ``index`` (R, r/G, n) positions."""
         index = np.asarray(index)
         m = slice_message(run_id=RUN_ID, src=0, dst=1, stream="act", version=9 if full else 6, start=start,
                           full=full, codes=sample_codebook(0, index.shape[-1] if n is None else n, 25), step=12,
-                          micro=3, index=index, version_tuple=(1, 2))
+                          micro=3, index=index)
         return [bytes(f) for f in encode(m)]
 
     ix = SAMPLE_INDEX
@@ -555,7 +488,7 @@ def _codebook(v: dict[str, list[bytes]]) -> list[Case]:
 
     def act(cver: int, codes: Any, dtype: str = "uint8") -> list[bytes]:
         m = Message(type=MessageType.ACT, run_id=RUN_ID, src=0, dst=1, step=12, micro=3, seq=51, pver=12,
-                    cver=cver, meta={"mode": "train"}, version=(1, 1),
+                    cver=cver, meta={"mode": "train"},
                     tensors={"ids": v_ids, "codes": WireTensor(dtype, codes)})
         return [bytes(f) for f in encode(m)]
 
@@ -587,28 +520,28 @@ def _codebook(v: dict[str, list[bytes]]) -> list[Case]:
         ("slice_index_beyond_end", _slice(6, 14, 4), rx, SI, "codes 14..17 of 16"),
         ("slice_start_past_end", _slice(6, 16, 1), rx, SI, "start 16 of 16 codes"),
         ("slice_wrong_stream", _slice(6, 4, 4, stream="grad"), rx, SM, "grad slice to the act receiver"),
-        ("slice_no_meta", v["codebook_slice"], rx, SM, "the 1.0 reserved layout: no stream/start"),
+        ("slice_no_meta", v["codebook_slice"], rx, SM, "no meta: stream and start missing"),
         ("slice_nan", [bytes(f) for f in encode(nan_msg)], rx, SM, "a NaN among the codes"),
         ("slice_value_beyond_bound", [bytes(f) for f in encode(huge_msg)], rx, SM,
-         "1.9 a code value of 1e30, beyond ±65504"),
+         "a code value of 1e30, beyond ±65504"),
         ("slice_full_far_future", _slice(5 + 4097, 0, K, full=True), rx, "future_slice",
-         "1.9 full slice 4097 versions beyond the receiver's 5 (at most 4096)"),
+         "full slice 4097 versions beyond the receiver's 5 (at most 4096)"),
         ("slice_full_far_while_awaiting", _slice(5 + 4097, 0, K, full=True), _receiver(awaiting=True),
-         "future_slice", "1.9 full slice 4097 versions beyond, while awaiting a resync"),
+         "future_slice", "full slice 4097 versions beyond, while awaiting a resync"),
         ("slice_full_skip_bound", _slice(5 + 4096, 0, K, full=True), rx, "apply",
-         "1.9 full slice exactly 4096 versions beyond: applied"),
+         "full slice exactly 4096 versions beyond: applied"),
         ("slice_two_tensors", [bytes(f) for f in encode(two)], rx, SM, "a second tensor"),
         ("slice_full_nonzero_start", [bytes(f) for f in encode(full_start)], rx, SM, "full slice at start 4"),
         ("slice_indexed_next_version", v["codebook_slice_indexed"], rx, "apply",
-         "1.2 indexed slice at version v+1: applied"),
+         "indexed slice at version v+1: applied"),
         ("slice_indexed_full", indexed(np.tile(np.arange(K, dtype="u1"), (R, NG, 1)), full=True), rx, SM,
-         "1.2 a full slice with an index"),
-        ("slice_indexed_nonzero_start", indexed(ix, start=4), rx, SM, "1.2 indexed slice at start 4"),
-        ("slice_indexed_uint16", indexed(ix.astype("<u2")), rx, SM, "1.2 uint16 index for K = 16"),
-        ("slice_indexed_shape", indexed(ix[:, :, :2], n=3), rx, SS, "1.2 index of 2 positions for 3 codes"),
-        ("slice_indexed_beyond_end", indexed(beyond), rx, SI, "1.2 index 16 of 16 codes"),
-        ("slice_indexed_not_increasing", indexed(swapped), rx, SM, "1.2 index row 4, 3, 7"),
-        ("slice_indexed_repeated", indexed(repeated), rx, SM, "1.2 index row 2, 2, 15"),
+         "a full slice with an index"),
+        ("slice_indexed_nonzero_start", indexed(ix, start=4), rx, SM, "indexed slice at start 4"),
+        ("slice_indexed_uint16", indexed(ix.astype("<u2")), rx, SM, "uint16 index for K = 16"),
+        ("slice_indexed_shape", indexed(ix[:, :, :2], n=3), rx, SS, "index of 2 positions for 3 codes"),
+        ("slice_indexed_beyond_end", indexed(beyond), rx, SI, "index 16 of 16 codes"),
+        ("slice_indexed_not_increasing", indexed(swapped), rx, SM, "index row 4, 3, 7"),
+        ("slice_indexed_repeated", indexed(repeated), rx, SM, "index row 2, 2, 15"),
         ("codes_current_version", v["act_vq_rounds"], _receiver(version=6), "apply",
          "ACT codes at the receiver's version: decoded"),
         ("codes_old_version", v["act_vq_rounds"], rx, "codebook_version_mismatch",
@@ -623,11 +556,8 @@ def _codebook(v: dict[str, list[bytes]]) -> list[Case]:
 
 
 def build_cases() -> list[Case]:
-    """Every golden vector: valid, accept, invalid, codebook (1.1), then content (1.4; receiver epochs 1.5)."""
-    v = {
-        name: [bytes(f) for f in encode(m, secret=vector_key(SAMPLE_KEYS.get(name, name.endswith("_auth"))))]
-        for name, m in samples().items()
-    }
+    """Every golden vector: valid, accept, invalid, codebook, then content (some with the receiver's epoch)."""
+    v = {name: [bytes(f) for f in encode(m)] for name, m in samples().items()}
     content = [Case(n, "content", f, d, extra={"run": r.to_dict(), "window": w.to_dict(), "outcome": o})
                for n, f, d, r, w, o in content_cases()]
     content += [Case(n, "content", f, d, extra={"run": r.to_dict(), "window": w.to_dict(), "epoch": e, "outcome": o})

@@ -1,4 +1,4 @@
-"""Content vectors (protocol 1.4, SPEC §6.1): valid frames, a run description and a step window.
+"""Content vectors (SPEC §6.1): valid frames, a run description and a step window.
 
 Each case is a message that decodes, a :class:`~mapl_swarm.wire.content.RunShapes` (stage 1 of a
 4-stage run with B=2, T=4, d=8, r=4, V=32000; or its VQ / fixed-projector / unconstrained-projector
@@ -28,8 +28,6 @@ __all__ = ["RUN", "VQ_RUN", "FIXED_RUN", "UNCONSTRAINED_RUN", "WINDOW", "RECEIVE
            "content_cases", "epoch_cases"]
 
 MT = MessageType
-V14 = (1, 4)
-V15 = (1, 5)
 B, T, D, R_ = 2, 4, 8, 4
 
 RUN = RunShapes(micro_batch_size=B, context_length=T, hidden_size=D, width=R_, vocab_size=32000,
@@ -40,13 +38,13 @@ VQ_RUN = replace(RUN, vq_rounds=2, vq_group_size=2, vq_codebook_size=16)
 FIXED_RUN = replace(RUN, trainable_projector=False)
 """The same run with a fixed projector (no PROJ / PROJ_GRAD)."""
 UNCONSTRAINED_RUN = replace(RUN, orthonormal_projector=False)
-"""The same run with a projector learned off the manifold (``naive``): PROJ need not be orthonormal (1.5)."""
+"""The same run with a projector learned off the manifold (``naive``): PROJ need not be orthonormal."""
 WINDOW = Window(low=12, high=13, pver=12)
 """Steps 12 and 13 accepted; the link's projector is at version 12."""
 UNSAVED = {"phase": "unsaved", "step": 12, "reason": "stage 2: checkpoint step 12 not saved under /data/run"}
-"""CHECKPOINT ``unsaved`` meta (1.5): stage 2 could not save step 12."""
+"""CHECKPOINT ``unsaved`` meta: stage 2 could not save step 12."""
 RECEIVER_EPOCH = 2
-"""The receiving peer's run epoch in :func:`epoch_cases` (1.5, SPEC §9.6)."""
+"""The receiving peer's run epoch in :func:`epoch_cases` (SPEC §9.6)."""
 
 BF16_NAN, BF16_INF = 0x7FC0, 0x7F80
 
@@ -69,19 +67,17 @@ def _frames(msg: Message) -> list[bytes]:
 
 def _act(*, src: int = 0, dst: int = 1, step: int = 12, micro: int = 3, pver: int = 12, mode: str = "train",
          tensors: dict[str, Any] | None = None, cver: int = 0, epoch: int | None = None) -> list[bytes]:
-    """A 1.4 ACT; with ``epoch`` a 1.5 one at that run epoch."""
+    """An ACT, at run epoch ``epoch`` (default 0)."""
     if tensors is None:
         tensors = {"ids": WireTensor("uint16", _ids()), "z": _z(40)}
-    version = V14 if epoch is None else V15
     return _frames(Message(type=MT.ACT, run_id=RUN_ID, src=src, dst=dst, step=step, micro=micro, seq=20,
-                           pver=pver, cver=cver, epoch=epoch or 0, meta={"mode": mode}, tensors=tensors,
-                           version=version))
+                           pver=pver, cver=cver, epoch=epoch or 0, meta={"mode": mode}, tensors=tensors))
 
 
 def _grad(*, src: int = 2, dst: int = 1, step: int = 12, micro: int = 3, pver: int = 12,
           tensors: dict[str, Any] | None = None) -> list[bytes]:
     return _frames(Message(type=MT.GRAD, run_id=RUN_ID, src=src, dst=dst, step=step, micro=micro, seq=21,
-                           pver=pver, tensors=tensors or {"dz": _z(41)}, version=V14))
+                           pver=pver, tensors=tensors or {"dz": _z(41)}))
 
 
 def _fp32(salt: int, shape: tuple[int, ...] = (D, R_), poison: float | None = None) -> WireTensor:
@@ -108,10 +104,9 @@ STIEFEL = _stiefel()
 """The content vectors' orthonormal projector (d, r) = (8, 4), fp32."""
 
 
-def _proj(*, src: int = 0, step: int = 13, pver: int = 13, tensor: WireTensor | None = None,
-          version: tuple[int, int] = V14) -> list[bytes]:
+def _proj(*, src: int = 0, step: int = 13, pver: int = 13, tensor: WireTensor | None = None) -> list[bytes]:
     return _frames(Message(type=MT.PROJ, run_id=RUN_ID, src=src, dst=1, step=step, seq=22, pver=pver,
-                           tensors={"proj": tensor or _fp32(42)}, version=version))
+                           tensors={"proj": tensor or _fp32(42)}))
 
 
 def _stiefel_proj(a: np.ndarray | None = None, **kw: Any) -> list[bytes]:
@@ -121,11 +116,11 @@ def _stiefel_proj(a: np.ndarray | None = None, **kw: Any) -> list[bytes]:
 
 def _proj_grad(*, pver: int = 12, tensor: WireTensor | None = None) -> list[bytes]:
     return _frames(Message(type=MT.PROJ_GRAD, run_id=RUN_ID, src=2, dst=1, step=12, seq=23, pver=pver,
-                           meta={"micro_batches": 4}, tensors={"grad": tensor or _fp32(43)}, version=V14))
+                           meta={"micro_batches": 4}, tensors={"grad": tensor or _fp32(43)}))
 
 
 def _report(*, src: int = 2, loss: float = 3.25, step: int = 12, tokens: int = B * T * 4) -> list[bytes]:
-    return _frames(Message(type=MT.REPORT, run_id=RUN_ID, src=src, dst=1, step=step, seq=24, version=V14,
+    return _frames(Message(type=MT.REPORT, run_id=RUN_ID, src=src, dst=1, step=step, seq=24,
                            meta={"mode": "train", "loss": loss, "tokens": tokens}))
 
 
@@ -142,13 +137,13 @@ def _slice(*, n: int = 4, index: np.ndarray | None = None, poison: bool = False)
     if poison:
         codes[1, 0, 2, 1] = np.float32("nan")
     msg = slice_message(run_id=RUN_ID, src=0, dst=1, stream="act", version=6, start=0 if index is not None else 4,
-                        full=False, codes=codes, step=12, micro=3, seq=25, index=index, version_tuple=V14)
+                        full=False, codes=codes, step=12, micro=3, seq=25, index=index)
     return _frames(msg)
 
 
-def _checkpoint(*, src: int, meta: dict, version: tuple[int, int] = V14) -> list[bytes]:
+def _checkpoint(*, src: int, meta: dict) -> list[bytes]:
     return _frames(Message(type=MT.CHECKPOINT, run_id=RUN_ID, src=src, dst=1, step=meta.get("step") or 0, seq=30,
-                           version=version, meta=meta))
+                           meta=meta))
 
 
 def _bf16_with(value: int) -> WireTensor:
@@ -171,21 +166,22 @@ def content_cases() -> list[tuple[str, list[bytes], str, RunShapes, Window, str]
         ("act_eval_fits", _act(mode="eval", micro=1), "eval ACT micro 1 of 2", RUN, W, OK),
         ("act_next_step_fits", _act(step=13, micro=0), "ACT of step 13 (the window's newest)", RUN, W, OK),
         ("grad_fits", _grad(), "GRAD from downstream with the ACT's projector version", RUN, W, OK),
-        ("proj_next_fits", _stiefel_proj(), "PROJ version 13 (the next) for step 13", RUN, W, OK),
+        ("proj_next_fits", _stiefel_proj(), "PROJ version 13 (the next) for step 13, exactly orthonormal: "
+         "||A^T A - I||_F = 0", RUN, W, OK),
         ("proj_resend_fits", _stiefel_proj(pver=12, step=12), "PROJ version 12 again (a re-send)", RUN, W, OK),
         ("proj_grad_fits", _proj_grad(), "PROJ_GRAD of step 12 at version 12", RUN, W, OK),
         ("report_fits", _report(), "REPORT of step 12 from downstream", RUN, W, OK),
         ("act_vq_fits", _act(tensors=fits, cver=6), "VQ ACT: uint8 codes (B, T, R, r/G) below K", VQ_RUN, W, OK),
         ("slice_fits", _slice(), "act CODEBOOK_SLICE of 4 codes from upstream", VQ_RUN, W, OK),
         ("slice_indexed_fits", _slice(n=3, index=index_ok), "indexed act slice, indices below K", VQ_RUN, W, OK),
-        ("heartbeat_fits", _frames(Message(type=MT.HEARTBEAT, run_id=RUN_ID, src=2, dst=1, seq=9, version=V14)),
+        ("heartbeat_fits", _frames(Message(type=MT.HEARTBEAT, run_id=RUN_ID, src=2, dst=1, seq=9)),
          "HEARTBEAT from downstream: no content rules", RUN, W, OK),
         ("drain_request_fits", _checkpoint(src=2, meta={"phase": "drain_request", "reason": "SIGINT at stage 3"}),
          "CHECKPOINT drain_request from downstream", RUN, W, OK),
         ("drain_fits", _checkpoint(src=0, meta={"phase": "drain", "step": 12}),
          "CHECKPOINT drain (step 12) from upstream", RUN, W, OK),
-        ("unsaved_fits", _checkpoint(src=2, meta=UNSAVED, version=V15),
-         "1.5 CHECKPOINT unsaved (step 12) from downstream", RUN, W, OK),
+        ("unsaved_fits", _checkpoint(src=2, meta=UNSAVED),
+         "CHECKPOINT unsaved (step 12) from downstream", RUN, W, OK),
         # not_allowed: who may say what
         ("act_from_downstream", _act(src=2), "ACT from stage 2 to stage 1", RUN, W, "not_allowed"),
         ("act_for_another_stage", _act(dst=2), "ACT addressed to stage 2 reaching stage 1", RUN, W, "not_allowed"),
@@ -200,8 +196,8 @@ def content_cases() -> list[tuple[str, list[bytes], str, RunShapes, Window, str]
         ("drain_from_downstream", _checkpoint(src=2, meta={"phase": "drain", "step": 12}),
          "CHECKPOINT drain from downstream (stage 0's decision travels downstream only)", RUN, W,
          "not_allowed"),
-        ("unsaved_from_upstream", _checkpoint(src=0, meta=UNSAVED, version=V15),
-         "1.5 CHECKPOINT unsaved from upstream (it travels upstream only, like saved)", RUN, W, "not_allowed"),
+        ("unsaved_from_upstream", _checkpoint(src=0, meta=UNSAVED),
+         "CHECKPOINT unsaved from upstream (it travels upstream only, like saved)", RUN, W, "not_allowed"),
         # out_of_window
         ("act_old_step", _act(step=11), "ACT of step 11, window 12..13", RUN, W, "out_of_window"),
         ("act_future_step", _act(step=14), "ACT of step 14, window 12..13", RUN, W, "out_of_window"),
@@ -266,12 +262,12 @@ def content_cases() -> list[tuple[str, list[bytes], str, RunShapes, Window, str]
         ("proj_grad_inf", _proj_grad(tensor=_fp32(59, poison=float("-inf"))), "PROJ_GRAD with -Inf", RUN, W,
          "non_finite"),
         ("report_loss_nan", _report(loss=float("nan")), "REPORT loss NaN", RUN, W, "non_finite"),
-        ("report_loss_absurd", _report(loss=1e308), "REPORT loss 1e308: finite, above 10 ln V (1.7)", RUN, W,
+        ("report_loss_absurd", _report(loss=1e308), "REPORT loss 1e308: finite, above 10 ln V", RUN, W,
          "implausible"),
-        ("report_loss_negative", _report(loss=-0.5), "REPORT loss -0.5: a cross-entropy is >= 0 (1.7)", RUN, W,
+        ("report_loss_negative", _report(loss=-0.5), "REPORT loss -0.5: a cross-entropy is >= 0", RUN, W,
          "implausible"),
         ("report_tokens_too_many", _report(tokens=B * T * 4 + 1), "REPORT of more tokens than the step's "
-         "M x B x T = 32 (1.7)", RUN, W, "implausible"),
+         "M x B x T = 32", RUN, W, "implausible"),
         ("act_vq_code_equal_k", _act(tensors={"ids": WireTensor("uint16", _ids()), "codes": _codes(top=16)},
                                      cver=6), "VQ code 16 with K = 16", VQ_RUN, W, "code_out_of_range"),
         ("slice_index_equal_k", _slice(n=3, index=index_k), "indexed slice with index 16, K = 16", VQ_RUN, W,
@@ -280,14 +276,12 @@ def content_cases() -> list[tuple[str, list[bytes], str, RunShapes, Window, str]
     ]
     dup = STIEFEL.copy()
     dup[:, 1] = dup[:, 0]  # rank 3: ‖AᵀA − I‖_F = sqrt(2)
-    cases += [  # 1.5: rule 14, PROJ_ORTHONORMAL_TOL = 1e-3
-        ("proj_orthonormal_fits", _stiefel_proj(version=V15),
-         "PROJ of an exactly orthonormal (8, 4) projector: ||A^T A - I||_F = 0", RUN, W, OK),
-        ("proj_scaled_by_2", _stiefel_proj(STIEFEL * 2, version=V15),
+    cases += [  # rule 14, PROJ_ORTHONORMAL_TOL = 1e-3
+        ("proj_scaled_by_2", _stiefel_proj(STIEFEL * 2),
          "PROJ of 2x an orthonormal projector: ||A^T A - I||_F = 6", RUN, W, "not_orthonormal"),
-        ("proj_duplicate_column", _stiefel_proj(dup, version=V15),
+        ("proj_duplicate_column", _stiefel_proj(dup),
          "PROJ whose column 1 repeats column 0 (rank 3): ||A^T A - I||_F = sqrt(2)", RUN, W, "not_orthonormal"),
-        ("proj_unconstrained_fits", _stiefel_proj(STIEFEL * 2, version=V15),
+        ("proj_unconstrained_fits", _stiefel_proj(STIEFEL * 2),
          "PROJ of 2x an orthonormal projector in a run whose projector learns off the manifold (naive)",
          UNCONSTRAINED_RUN, W, OK),
     ]
@@ -295,14 +289,14 @@ def content_cases() -> list[tuple[str, list[bytes], str, RunShapes, Window, str]
 
 
 def epoch_cases() -> list[tuple[str, list[bytes], str, RunShapes, Window, int, str]]:
-    """(name, frames, description, run, window, receiver epoch, outcome) of the 1.5 vectors of
+    """(name, frames, description, run, window, receiver epoch, outcome) of the vectors of
     ``stale_epoch`` (SPEC §6.1 rule 3, §9.6): the receiver is at :data:`RECEIVER_EPOCH`."""
     E, W, OK = RECEIVER_EPOCH, WINDOW, "accept"
-    hello = Message(type=MT.HELLO, run_id=RUN_ID, src=0, dst=1, version=V15,
+    hello = Message(type=MT.HELLO, run_id=RUN_ID, src=0, dst=1,
                     meta={"fingerprint": "0" * 32, "num_stages": 4, "capabilities": ["rejoin"],
                           "nonce": bytes(range(16)), "num_micro_batches": 4, "micro_batch_size": B,
                           "eval_batches": 2})
-    bye = Message(type=MT.BYE, run_id=RUN_ID, src=2, dst=1, seq=31, epoch=E - 1, version=V15,
+    bye = Message(type=MT.BYE, run_id=RUN_ID, src=2, dst=1, seq=31, epoch=E - 1,
                   meta={"reason": "rejoin", "lost": 3})
     return [
         ("act_current_epoch", _act(epoch=E), "ACT at the receiver's epoch 2", RUN, W, E, OK),
@@ -315,8 +309,7 @@ def epoch_cases() -> list[tuple[str, list[bytes], str, RunShapes, Window, int, s
         ("act_stale_epoch_from_downstream", _act(epoch=E - 1, src=2),
          "ACT at epoch 1 from downstream: not_allowed (rule 1) comes before stale_epoch", RUN, W, E,
          "not_allowed"),
-        ("heartbeat_epoch_zero", _frames(Message(type=MT.HEARTBEAT, run_id=RUN_ID, src=2, dst=1, seq=9,
-                                                 version=V15)),
+        ("heartbeat_epoch_zero", _frames(Message(type=MT.HEARTBEAT, run_id=RUN_ID, src=2, dst=1, seq=9)),
          "HEARTBEAT without epoch (0) at a receiver at epoch 2", RUN, W, E, "stale_epoch"),
         ("bye_rejoin_stale_epoch", _frames(bye), "BYE rejoin sent at epoch 1, the receiver already at 2",
          RUN, W, E, "stale_epoch"),

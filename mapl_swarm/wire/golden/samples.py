@@ -12,53 +12,15 @@ import numpy as np
 
 from mapl_swarm.wire.codebook import slice_message
 from mapl_swarm.wire.message import Message, WireTensor
-from mapl_swarm.wire.session import session_key
 from mapl_swarm.wire.spec import MessageType
 
-__all__ = ["VECTOR_SECRET", "VECTOR_RUN_KEY", "AUTH_KEY", "HELLO_NONCE", "WELCOME_NONCE", "SESSION_KEY",
-           "OTHER_SESSION_KEY", "KEY_RECIPES", "SAMPLE_KEYS", "vector_key", "RUN_ID", "FINGERPRINT", "VQ_LAYOUT",
-           "sample_floats", "sample_ids", "sample_codebook", "samples"]
+__all__ = ["HELLO_NONCE", "WELCOME_NONCE", "RUN_ID", "FINGERPRINT", "VQ_LAYOUT", "sample_floats", "sample_ids",
+           "sample_codebook", "samples"]
 
-VECTOR_SECRET = b"mapl-swarm golden vector secret"
-"""Shared secret of the authenticated 1.0 vectors (never use it for a real run)."""
-
-VECTOR_RUN_KEY = hashlib.sha256(b"mapl-swarm golden vector run key").digest()
-"""The 32 random bytes of the 1.4 vectors' run key file (never use it for a real run)."""
-AUTH_KEY = hashlib.sha256(b"mapl-auth-v1" + VECTOR_RUN_KEY).digest()
-"""The run key's HMAC key for HELLO / WELCOME / REJECT (SPEC §7.1)."""
 HELLO_NONCE = hashlib.sha256(b"mapl-swarm golden hello nonce").digest()[:16]
+"""``meta.nonce`` of the samples' HELLOs (and ``hello_nonce`` of the WELCOME and REJECTs answering them)."""
 WELCOME_NONCE = hashlib.sha256(b"mapl-swarm golden welcome nonce").digest()[:16]
-SESSION_KEY = session_key(AUTH_KEY, HELLO_NONCE, WELCOME_NONCE)
-"""The session key of the vectors' handshake (SPEC §7.2)."""
-OTHER_SESSION_KEY = session_key(AUTH_KEY, HELLO_NONCE, hashlib.sha256(b"another welcome").digest()[:16])
-"""The key of another session (another WELCOME nonce): a replay into it fails authentication."""
-
-KEY_RECIPES = {
-    "auth_key": 'SHA-256("mapl-auth-v1" || run key)',
-    "session_key": 'HMAC-SHA256(auth_key, "mapl-session-v1" || hello_nonce || welcome_nonce)',
-}
-"""How each named key of the manifest is derived (SPEC §7)."""
-
-SAMPLE_KEYS: dict[str, str] = {
-    "hello_run_key": "auth_key",
-    "welcome_run_key": "auth_key",
-    "reject_stage_taken": "auth_key",
-    "act_session": "session_key",
-    "heartbeat_session": "session_key",
-    "hello_rejoin": "auth_key",
-    "act_epoch": "session_key",
-    "hello_config": "auth_key",
-    "reject_config_unanchored": "auth_key",
-    "heartbeat_anchored": "session_key",
-}
-"""1.4+ samples encoded with a named key (the others: untagged, or VECTOR_SECRET for ``*_auth``)."""
-
-
-def vector_key(which: bool | str) -> bytes | None:
-    """The key a vector is tagged with: False none, True VECTOR_SECRET, or a name of KEY_RECIPES."""
-    if which is True:
-        return VECTOR_SECRET
-    return {"auth_key": AUTH_KEY, "session_key": SESSION_KEY}.get(which) if which else None
+"""``meta.nonce`` of the samples' WELCOME."""
 
 RUN_ID = "vectors-run-0001"
 FINGERPRINT = hashlib.sha256(b"mapl-swarm example config").hexdigest()
@@ -84,22 +46,29 @@ def sample_ids(b: int, t: int, dtype: str = "<i8") -> np.ndarray:
 
 
 def _stage_hello(mtype: MessageType) -> Message:
+    """HELLO from stage 1 to stage 0, or stage 0's WELCOME answering it, of a 4-stage run (M=4, B=2, E=2)."""
+    hello = mtype is MessageType.HELLO
+    nonces = {"nonce": HELLO_NONCE} if hello else {"nonce": WELCOME_NONCE, "hello_nonce": HELLO_NONCE}
     return Message(
         type=mtype,
         run_id=RUN_ID,
-        src=1 if mtype is MessageType.HELLO else 0,
-        dst=0 if mtype is MessageType.HELLO else 1,
+        src=1 if hello else 0,
+        dst=0 if hello else 1,
         meta={
             "fingerprint": FINGERPRINT,
             "num_stages": 4,
             "capabilities": [],
+            **nonces,
+            "num_micro_batches": 4,
+            "micro_batch_size": 2,
+            "eval_batches": 2,
             "components": {
                 "model": hashlib.sha256(b"model").hexdigest()[:16],
                 "codec": "mapl r=8 bf16",
                 "tokenizer_sha256": hashlib.sha256(b"tokenizer.json").hexdigest(),
                 "vocab_size": 50257,
             },
-            "peer": "stage1@host-b" if mtype is MessageType.HELLO else "stage0@host-a",
+            "peer": "stage1@host-b" if hello else "stage0@host-a",
         },
     )
 
@@ -108,7 +77,7 @@ VQ_LAYOUT = (2, 2, 16, 2)
 """(R, r/G, K, G) of the VQ samples: 2 rounds, r = 4 in 2 groups of 2, 16 codes."""
 
 SAMPLE_INDEX = np.array([[[1, 5, 9], [0, 2, 15]], [[3, 4, 7], [8, 11, 12]]], dtype="u1")
-"""(R, r/G, n=3) positions of an indexed slice's codes (1.2): rows strictly increasing, < K."""
+"""(R, r/G, n=3) positions of an indexed slice's codes: rows strictly increasing, < K."""
 
 
 def sample_codebook(start: int, n: int, salt: int, rounds: int = 2, groups: int = 2,
@@ -126,19 +95,16 @@ def _codes(b: int, t: int, salt: int) -> np.ndarray:
 
 
 def _vq_samples(b: int, t: int) -> dict[str, Message]:
-    """Protocol 1.1 messages of SPEC §5.1."""
-    v11 = (1, 1)
-    common = dict(run_id=RUN_ID, step=12, micro=3, seq=42, pver=12, version=v11)
+    """Codebook streaming messages of SPEC §5.1."""
+    common = dict(run_id=RUN_ID, step=12, micro=3, seq=42, pver=12)
     out: dict[str, Message] = {}
     slices = dict(run_id=RUN_ID, step=12, micro=3, seq=42, pver=12)  # the production slice encoder
     out["codebook_slice_stream"] = slice_message(
-        src=0, dst=1, stream="act", version=6, start=4, full=False, codes=sample_codebook(4, 4, 11),
-        version_tuple=v11, **slices)
+        src=0, dst=1, stream="act", version=6, start=4, full=False, codes=sample_codebook(4, 4, 11), **slices)
     out["codebook_slice_full"] = slice_message(
-        src=2, dst=1, stream="grad", version=9, start=0, full=True, codes=sample_codebook(0, 16, 12),
-        version_tuple=v11, **slices)
+        src=2, dst=1, stream="grad", version=9, start=0, full=True, codes=sample_codebook(0, 16, 12), **slices)
     out["resync_stream"] = Message(
-        type=MessageType.RESYNC, run_id=RUN_ID, src=1, dst=0, seq=11, version=v11,
+        type=MessageType.RESYNC, run_id=RUN_ID, src=1, dst=0, seq=11,
         meta={"stream": "act", "have": 5, "reason": "future_slice"})
     out["act_vq_rounds"] = Message(
         type=MessageType.ACT, src=0, dst=1, cver=6, meta={"mode": "train"},
@@ -147,22 +113,19 @@ def _vq_samples(b: int, t: int) -> dict[str, Message]:
     out["grad_vq"] = Message(
         type=MessageType.GRAD, src=2, dst=1, cver=9,
         tensors={"codes": WireTensor("uint8", _codes(b, t, 2))}, **common)
-    out["codebook_slice_indexed"] = slice_message(  # protocol 1.2: each codebook its own 3 codes
+    out["codebook_slice_indexed"] = slice_message(  # each codebook its own 3 codes
         src=0, dst=1, stream="act", version=6, start=0, full=False, codes=sample_codebook(0, 3, 13),
-        index=SAMPLE_INDEX, version_tuple=(1, 2), **slices)
-    out["resync_retransmit"] = Message(  # protocol 1.2
-        type=MessageType.RESYNC, run_id=RUN_ID, src=1, dst=0, step=12, micro=3, seq=43, version=(1, 2),
+        index=SAMPLE_INDEX, **slices)
+    out["resync_retransmit"] = Message(
+        type=MessageType.RESYNC, run_id=RUN_ID, src=1, dst=0, step=12, micro=3, seq=43,
         meta={"stream": "act", "have": 5, "reason": "codebook_version_mismatch", "retransmit": True,
               "mode": "eval"})
     return out
 
 
 def samples() -> dict[str, Message]:
-    """Sample messages by vector name (B=2 sequences, T=4 tokens, d=8, r=4).
-
-    Messages of protocol 1.0 are pinned to version (1, 0) (a minor version never changes existing
-    vectors); those of SPEC §5.1 are (1, 1), the retransmission RESYNC (1, 2).
-    """
+    """Sample messages by vector name (B=2 sequences, T=4 tokens, d=8, r=4), every one at the
+    encoder's version, :data:`~mapl_swarm.wire.spec.PROTOCOL_VERSION`."""
     b, t, d, r = 2, 4, 8, 4
     z = _bf16(sample_floats(b * t * r, 1)).reshape(b, t, r)
     out: dict[str, Message] = {}
@@ -314,79 +277,50 @@ def samples() -> dict[str, Message]:
             "nested": {"z": [{"y": 1.5, "x": "é"}]},
         },
     )
-    for m in out.values():
-        m.version = (1, 0)
-    out["act_auth"] = out["act_train"]
-    out["hello_auth"] = out["hello"]
     out.update(_vq_samples(b, t))
     out.update(_checkpoint_samples())
-    out.update(_session_samples(b, t))
+    out.update(_handshake_samples())
     out.update(_rejoin_samples(b, t))
     out.update(_unsaved_samples())
-    out.update(_anchored_samples(b))
-    out.update(_certified_samples(b))
+    out.update(_anchored_samples())
+    out.update(_certified_samples())
     return out
 
 
-def _certified_samples(b: int) -> dict[str, Message]:
-    """Protocol 1.8 (SPEC §7.5): a certified peer's HELLO, its certificate in ``cert``, untagged. The
-    certificate is a well-formed ``{"body", "sig"}`` map whose bytes are opaque to the decoder (the
-    peer checks it, §7.5 item 3)."""
+def _certified_samples() -> dict[str, Message]:
+    """A certified peer's HELLO (SPEC §7.2): its certificate in ``cert``, a well-formed ``{"body",
+    "sig"}`` map whose bytes are opaque to the decoder (the peer checks it, §7.2 item 3)."""
     hello = _stage_hello(MessageType.HELLO)
     body = hashlib.sha256(b"mapl-swarm golden certificate body").digest() * 6
     sig = hashlib.sha512(b"mapl-swarm golden certificate sig").digest()
-    hello.meta.update(capabilities=["1f1b", "checkpoint_agreement", "drain", "rejoin"], nonce=HELLO_NONCE,
-                      num_micro_batches=4, micro_batch_size=b, eval_batches=2,
+    hello.meta.update(capabilities=["1f1b", "checkpoint_agreement", "drain", "rejoin"],
                       cert=b"\x82\xa4body\xc4" + bytes([len(body)]) + body + b"\xa3sig\xc4\x40" + sig)
-    hello.version = (1, 8)
     return {"hello_cert": hello}
 
 
-def _session_samples(b: int, t: int) -> dict[str, Message]:
-    """Protocol 1.4 messages: handshake nonces and pipeline shape, session-tagged traffic, meta depth."""
-    v14 = (1, 4)
-    hello = _stage_hello(MessageType.HELLO)
-    welcome = _stage_hello(MessageType.WELCOME)
-    shape = {"num_micro_batches": 4, "micro_batch_size": b, "eval_batches": 2}
-    hello.meta.update(capabilities=["1f1b", "checkpoint_agreement"], nonce=HELLO_NONCE, **shape)
-    welcome.meta.update(capabilities=["1f1b", "checkpoint_agreement"], nonce=WELCOME_NONCE,
-                        hello_nonce=HELLO_NONCE, **shape)
-    hello.version = welcome.version = v14
-    reject = Message(type=MessageType.REJECT, run_id=RUN_ID, src=0, dst=1, version=v14,
+def _handshake_samples() -> dict[str, Message]:
+    """A REJECT echoing its HELLO's nonce, ``meta`` nested as deep as SPEC §2 allows, and a drain."""
+    reject = Message(type=MessageType.REJECT, run_id=RUN_ID, src=0, dst=1,
                      meta={"code": "stage_taken", "hello_nonce": HELLO_NONCE,
                            "reason": "stage 1 is taken: a live session with stage1.0a1b2c3d, this HELLO "
                                      "came from stage1.9f8e7d6c"})
-    z = _bf16(sample_floats(b * t * 4, 31)).reshape(b, t, 4)
-    act = Message(type=MessageType.ACT, run_id=RUN_ID, src=1, dst=2, step=12, micro=0, seq=1, pver=12,
-                  version=v14, meta={"mode": "train"},
-                  tensors={"ids": WireTensor("uint16", sample_ids(b, t + 1, "<u2")), "z": WireTensor("bf16", z)})
-    heartbeat = Message(type=MessageType.HEARTBEAT, run_id=RUN_ID, src=1, dst=2, seq=2, version=v14,
-                        meta={"sent_ns": 1234567890999})
     deep: object = 8
     for _ in range(7):  # meta (depth 1) + 7 nested arrays = depth 8, the most SPEC §2 allows
         deep = [deep]
-    depth8 = Message(type=MessageType.HEARTBEAT, run_id=RUN_ID, src=0, dst=1, seq=3, version=v14,
-                     meta={"deep": deep})
+    depth8 = Message(type=MessageType.HEARTBEAT, run_id=RUN_ID, src=0, dst=1, seq=3, meta={"deep": deep})
     return {
-        "hello_nonce": hello,
-        "welcome_nonce": welcome,
-        "hello_run_key": hello,
-        "welcome_run_key": welcome,
         "reject_stage_taken": reject,
-        "act_session": act,
-        "heartbeat_session": heartbeat,
         "meta_depth_8": depth8,
         **_drain_samples(),
     }
 
 
 def _drain_samples() -> dict[str, Message]:
-    """Protocol 1.4 round-trip timestamps (SPEC §9.5) and a graceful drain (§5.2, capability ``drain``),
-    in a 3-stage swarm."""
-    v14 = (1, 4)
-    checkpoint = dict(type=MessageType.CHECKPOINT, run_id=RUN_ID, version=v14)
+    """Round-trip timestamps (SPEC §9.5) and a graceful drain (§5.2, capability ``drain``), in a
+    3-stage swarm."""
+    checkpoint = dict(type=MessageType.CHECKPOINT, run_id=RUN_ID)
     return {
-        "heartbeat_rtt": Message(type=MessageType.HEARTBEAT, run_id=RUN_ID, src=2, dst=1, seq=57, version=v14,
+        "heartbeat_rtt": Message(type=MessageType.HEARTBEAT, run_id=RUN_ID, src=2, dst=1, seq=57,
                                  meta={"sent_ns": 88_000_123_456_789, "echo_ns": 1_234_567_890_999,
                                        "held_ns": 1_250_000_000}),
         "checkpoint_drain_request": Message(src=2, dst=1, seq=58, meta={"phase": "drain_request",
@@ -395,14 +329,14 @@ def _drain_samples() -> dict[str, Message]:
         "checkpoint_drain": Message(src=0, dst=1, step=42, seq=410, meta={"phase": "drain", "step": 42,
                                                                           "reason": "SIGTERM at stage 2"},
                                     **checkpoint),
-        "bye_drain": Message(type=MessageType.BYE, run_id=RUN_ID, src=0, dst=1, step=42, seq=412, version=v14,
+        "bye_drain": Message(type=MessageType.BYE, run_id=RUN_ID, src=0, dst=1, step=42, seq=412,
                              meta={"reason": "drain"}),
     }
 
 
 def _checkpoint_samples() -> dict[str, Message]:
-    """Protocol 1.3 CHECKPOINT messages of SPEC §5.2 (a 3-stage swarm)."""
-    common = dict(type=MessageType.CHECKPOINT, run_id=RUN_ID, version=(1, 3))
+    """CHECKPOINT messages of SPEC §5.2 (a 3-stage swarm)."""
+    common = dict(type=MessageType.CHECKPOINT, run_id=RUN_ID)
     return {
         "checkpoint_saved": Message(src=2, dst=1, step=40, seq=300, meta={"phase": "saved", "step": 40}, **common),
         "checkpoint_complete": Message(src=0, dst=1, step=40, seq=301, meta={"phase": "complete", "step": 40},
@@ -420,64 +354,59 @@ def _checkpoint_samples() -> dict[str, Message]:
 
 
 def _unsaved_samples() -> dict[str, Message]:
-    """Protocol 1.5 CHECKPOINT ``unsaved`` (SPEC §5.2, capability ``checkpoint_unsaved``): stage 2 of
+    """CHECKPOINT ``unsaved`` (SPEC §5.2, capability ``checkpoint_unsaved``): stage 2 of
     a 3-stage swarm could not save step 40."""
     return {
         "checkpoint_unsaved": Message(
-            type=MessageType.CHECKPOINT, run_id=RUN_ID, src=2, dst=1, step=40, seq=302, version=(1, 5),
+            type=MessageType.CHECKPOINT, run_id=RUN_ID, src=2, dst=1, step=40, seq=302,
             meta={"phase": "unsaved", "step": 40,
                   "reason": "stage 2: checkpoint step 40 not saved under /data/run (1.2 MB free of 20.0 GB there)"}),
     }
 
 
-def _anchored_samples(b: int) -> dict[str, Message]:
-    """Protocol 1.6 (SPEC §9.2): HELLO with the sender's ``config`` and ``anchored``, a configuration
+def _anchored_samples() -> dict[str, Message]:
+    """Configuration refusals (SPEC §9.2): HELLO with the sender's ``config`` and ``anchored``, a configuration
     REJECT that is not anchored (to be retried) and a HEARTBEAT saying its sender is anchored."""
-    v16 = (1, 6)
     hello = _stage_hello(MessageType.HELLO)
-    hello.meta.update(capabilities=["1f1b", "checkpoint_agreement", "drain", "rejoin"], nonce=HELLO_NONCE,
-                      num_micro_batches=4, micro_batch_size=b, eval_batches=2, anchored=True, max_in_flight=4,
+    hello.meta.update(capabilities=["1f1b", "checkpoint_agreement", "drain", "rejoin"], anchored=True, max_in_flight=4,
                       config={"compression.codec": "mapl", "compression.rank": 4, "model.hidden_size": 8,
                               "model.rms_norm_eps": 1e-05, "pipeline.num_stages": 4, "run.seed": 0})
-    hello.version = v16
     return {
         "hello_config": hello,
         "reject_config_unanchored": Message(
-            type=MessageType.REJECT, run_id=RUN_ID, src=2, dst=1, version=v16,
+            type=MessageType.REJECT, run_id=RUN_ID, src=2, dst=1,
             meta={"code": "fingerprint_mismatch", "hello_nonce": HELLO_NONCE, "anchored": False,
                   "reason": "config differs: compression.rank (stage 1 has 4, stage 2 8)"}),
         "checkpoint_abandoned": Message(
-            type=MessageType.CHECKPOINT, run_id=RUN_ID, src=0, dst=1, step=40, seq=303, version=v16,
+            type=MessageType.CHECKPOINT, run_id=RUN_ID, src=0, dst=1, step=40, seq=303,
             meta={"phase": "abandoned", "step": 40,
                   "reason": "stage 2: checkpoint step 40 not saved under /data/run (1.2 MB free of 20.0 GB there)"}),
-        "heartbeat_anchored": Message(type=MessageType.HEARTBEAT, run_id=RUN_ID, src=0, dst=1, seq=5, version=v16,
+        "heartbeat_anchored": Message(type=MessageType.HEARTBEAT, run_id=RUN_ID, src=0, dst=1, seq=5,
                                       meta={"sent_ns": 1234567892000, "anchored": True}),
     }
 
 
 def _rejoin_samples(b: int, t: int) -> dict[str, Message]:
-    """Protocol 1.5: the run epoch in the header and the messages of a rejoin (SPEC §9.6), in the
-    4-stage swarm of the 1.4 samples after stage 1 departed and was replaced."""
-    v15 = (1, 5)
+    """The run epoch in the header and the messages of a rejoin (SPEC §9.6), in the 4-stage swarm of
+    the handshake samples after stage 1 departed and was replaced."""
     hello = _stage_hello(MessageType.HELLO)
-    hello.meta.update(capabilities=["1f1b", "checkpoint_agreement", "drain", "rejoin"], nonce=HELLO_NONCE,
-                      num_micro_batches=4, micro_batch_size=b, eval_batches=2)
-    hello.version, hello.epoch = v15, 2
+    hello.meta.update(capabilities=["1f1b", "checkpoint_agreement", "drain", "rejoin"])
+    hello.epoch = 2
     z = _bf16(sample_floats(b * t * 4, 61)).reshape(b, t, 4)
-    checkpoint = dict(type=MessageType.CHECKPOINT, run_id=RUN_ID, version=v15)
+    checkpoint = dict(type=MessageType.CHECKPOINT, run_id=RUN_ID)
     return {
         "hello_rejoin": hello,
         "act_epoch": Message(type=MessageType.ACT, run_id=RUN_ID, src=1, dst=2, step=30, micro=0, seq=1, pver=30,
-                             epoch=3, version=v15, meta={"mode": "train"},
+                             epoch=3, meta={"mode": "train"},
                              tensors={"ids": WireTensor("uint16", sample_ids(b, t + 1, "<u2")),
                                       "z": WireTensor("bf16", z)}),
         "bye_rejoin": Message(type=MessageType.BYE, run_id=RUN_ID, src=2, dst=3, step=35, seq=880, epoch=1,
-                              version=v15, meta={"reason": "rejoin", "lost": 1}),
+                              meta={"reason": "rejoin", "lost": 1}),
         "checkpoint_offer_epoch": Message(src=2, dst=1, seq=2, epoch=2,
                                           meta={"phase": "offer", "steps": [20, 30], "epoch": 2,
                                                 "have": {"2": [20, 30], "3": [20, 30, 40]}}, **checkpoint),
         "checkpoint_resume_epoch": Message(src=0, dst=1, step=30, seq=3, epoch=2,
                                            meta={"phase": "resume", "step": 30, "epoch": 2}, **checkpoint),
         "epoch_max": Message(type=MessageType.HEARTBEAT, run_id=RUN_ID, src=0, dst=1, seq=4, epoch=2**64 - 1,
-                             version=v15, meta={"sent_ns": 1234567891000}),
+                             meta={"sent_ns": 1234567891000}),
     }

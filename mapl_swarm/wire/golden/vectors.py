@@ -1,24 +1,21 @@
-"""Golden vector tool: regenerate or check ``protocol/vectors/v1``.
+"""Golden vector tool: regenerate or check ``protocol/vectors/v2``.
 
-    python -m mapl_swarm.wire.golden --out protocol/vectors/v1     # (re)write the vectors
-    python -m mapl_swarm.wire.golden --check protocol/vectors/v1   # verify them, exit 1 on failure
+    python -m mapl_swarm.wire.golden --out protocol/vectors/v2     # (re)write the vectors
+    python -m mapl_swarm.wire.golden --check protocol/vectors/v2   # verify them, exit 1 on failure
 
 Each vector is one ``.mwv`` file: a msgpack array whose items are the message's frames as bin.
 ``manifest.json`` lists every file with its expectation (``valid`` / ``accept`` / ``invalid`` /
-``codebook`` / ``content``), the key it is checked with, the error code of invalid ones, the valid
-vector an accept-only one re-encodes to, the receiver state and outcome of codebook ones (SPEC
-§5.1), the run, window and outcome of content ones (SPEC §6.1, 1.4), and a JSON summary of what
-the decodable vectors decode to. The manifest's ``keys`` give the 1.4 run key and the derivation of
-its auth key and of the session key of one handshake (SPEC §7). ``--check`` verifies every
-expectation against the decoder, the key derivations, and that the generator reproduces the stored
-files byte for byte.
+``codebook`` / ``content``), the error code of invalid ones, the valid vector an accept-only one
+re-encodes to, the receiver state and outcome of codebook ones (SPEC §5.1), the run, window and
+outcome of content ones (SPEC §6.1), and a JSON summary of what the decodable vectors decode to.
+``--check`` verifies every expectation against the decoder and that the generator reproduces the
+stored files byte for byte.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import hmac
 import json
 from pathlib import Path
 from typing import Any
@@ -31,20 +28,9 @@ from mapl_swarm.wire.content import (ContentError, RunShapes, Window, check_cont
 from mapl_swarm.wire.errors import ERRORS_BY_CODE, WireError
 from mapl_swarm.wire.frames import decode, decode_header, decode_tensors, encode
 from mapl_swarm.wire.message import Message
-from mapl_swarm.wire.session import session_key
-from mapl_swarm.wire.spec import PROTOCOL_VERSION, SESSION_DOMAIN
+from mapl_swarm.wire.spec import PROTOCOL_VERSION
 
 from .cases import Case, build_cases
-from .samples import (
-    AUTH_KEY,
-    HELLO_NONCE,
-    KEY_RECIPES,
-    SESSION_KEY,
-    VECTOR_RUN_KEY,
-    VECTOR_SECRET,
-    WELCOME_NONCE,
-    vector_key,
-)
 
 __all__ = [
     "SUFFIX",
@@ -57,8 +43,6 @@ __all__ = [
     "check_entry",
     "codebook_outcome",
     "content_outcome",
-    "keys_block",
-    "check_keys",
     "check_vectors",
     "main",
 ]
@@ -68,6 +52,8 @@ KINDS = ("valid", "accept", "invalid", "codebook", "content")
 MANIFEST = "manifest.json"
 COMMAND = "mapl_swarm.wire.golden"
 """The module to run with ``python -m`` (named in the manifest)."""
+FOLDER = f"protocol/vectors/v{PROTOCOL_VERSION[0]}"
+"""Where the vectors of this major live, from the repository root (named in the manifest)."""
 
 
 def pack_container(frames: list[bytes]) -> bytes:
@@ -107,7 +93,7 @@ def summarize(msg: Message) -> dict[str, Any]:
         "seq": msg.seq,
         "pver": msg.pver,
         "cver": msg.cver,
-        **({"epoch": msg.epoch} if msg.epoch else {}),  # 1.5; absent means 0, as on the wire
+        **({"epoch": msg.epoch} if msg.epoch else {}),  # absent means 0, as on the wire
         "meta": _json(msg.meta),
         "tensors": [
             {
@@ -125,49 +111,9 @@ def _file(c: Case) -> str:
     return f"{c.kind}/{c.name}{SUFFIX}"
 
 
-def _secret(entry: dict[str, Any]) -> bytes | None:
-    """The key an entry is checked with: ``secret`` false, true (the 1.0 secret) or a key name (1.4)."""
-    return vector_key(entry.get("secret", False))
-
-
-RUN_KEY_FILE_HEADER = "mapl-run-key v1"
-"""First line of a run key file (SPEC §7.1)."""
-
-
-def keys_block() -> dict[str, Any]:
-    """The manifest's ``keys``: the 1.4 vectors' run key file and the keys derived from it."""
-    return {
-        "run_key_file": f"{RUN_KEY_FILE_HEADER}\n{VECTOR_RUN_KEY.hex()}\n",
-        "auth_key": {"recipe": KEY_RECIPES["auth_key"], "hex": AUTH_KEY.hex()},
-        "hello_nonce_hex": HELLO_NONCE.hex(),
-        "welcome_nonce_hex": WELCOME_NONCE.hex(),
-        "session_key": {"recipe": KEY_RECIPES["session_key"], "hex": SESSION_KEY.hex()},
-    }
-
-
-def check_keys(keys: dict[str, Any]) -> list[str]:
-    """Problems with a manifest's ``keys`` (each derivation recomputed from the run key file)."""
-    try:
-        head, hexkey, rest = keys["run_key_file"].split("\n")
-        run_key = bytes.fromhex(hexkey)
-        if head != RUN_KEY_FILE_HEADER or rest != "" or len(run_key) != 32 or hexkey != hexkey.lower():
-            return ["keys.run_key_file is not 'mapl-run-key v1\\n<64 lowercase hex>\\n'"]
-        auth = hashlib.sha256(b"mapl-auth-v1" + run_key).digest()
-        hello, welcome = bytes.fromhex(keys["hello_nonce_hex"]), bytes.fromhex(keys["welcome_nonce_hex"])
-        session = hmac.new(auth, SESSION_DOMAIN + hello + welcome, hashlib.sha256).digest()
-    except (KeyError, ValueError, AttributeError) as e:
-        return [f"keys block unreadable: {e}"]
-    problems = []
-    if keys["auth_key"]["hex"] != auth.hex():
-        problems.append("keys.auth_key does not follow its recipe")
-    if keys["session_key"]["hex"] != session.hex() or session != session_key(auth, hello, welcome):
-        problems.append("keys.session_key does not follow its recipe")
-    return problems
-
-
 def content_outcome(frames: list[bytes], run: dict[str, Any], window: dict[str, Any], epoch: int = 0) -> str:
     """``accept`` or the content error code a receiver of ``run`` with ``window`` at run epoch ``epoch``
-    gives (SPEC §6.1 order: the sender, the epoch (1.5), the header's other rules and declared sizes,
+    gives (SPEC §6.1 order: the sender, the epoch, the header's other rules and declared sizes,
     decoding with the run's limits, then the tensors). A wire error propagates: content vectors are
     valid frames."""
     shapes, win = RunShapes.from_dict(run), Window.from_dict(window)
@@ -189,7 +135,7 @@ def build_manifest(cases: list[Case]) -> dict[str, Any]:
     by_name = {c.name: c for c in cases if c.kind == "valid"}
     entries = []
     for c in cases:
-        e: dict[str, Any] = {"file": _file(c), "expect": c.kind, "secret": c.secret}
+        e: dict[str, Any] = {"file": _file(c), "expect": c.kind}
         if c.kind == "invalid":
             e["error"] = c.error
             e["error_class"] = ERRORS_BY_CODE[c.error].__name__
@@ -209,17 +155,14 @@ def build_manifest(cases: list[Case]) -> dict[str, Any]:
         else:
             if c.kind == "accept":
                 e["equivalent"] = _file(by_name[c.equivalent])
-            msg = decode(c.frames, secret=vector_key(c.secret))
-            e["message"] = summarize(msg)
+            e["message"] = summarize(decode(c.frames))
         e["description"] = c.description
         entries.append(e)
     return {
         "protocol": f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}",
-        "regenerate": f"python -m {COMMAND} --out protocol/vectors/v1",
-        "check": f"python -m {COMMAND} --check protocol/vectors/v1",
+        "regenerate": f"python -m {COMMAND} --out {FOLDER}",
+        "check": f"python -m {COMMAND} --check {FOLDER}",
         "container": f"each {SUFFIX} file is a msgpack array of bin: the message's frames in order",
-        "secret_hex": VECTOR_SECRET.hex(),
-        "keys": keys_block(),
         "vectors": entries,
     }
 
@@ -266,12 +209,11 @@ def codebook_outcome(msg: Message, receiver: dict[str, Any]) -> str:
 def check_entry(root: Path, entry: dict[str, Any]) -> None:
     """Check one manifest entry against the decoder; raise AssertionError saying what differs."""
     frames = unpack_container((root / entry["file"]).read_bytes())
-    secret = _secret(entry)
     kind = entry["expect"]
     name = entry["file"]
     if kind == "invalid":
         try:
-            decode(frames, secret=secret)
+            decode(frames)
         except WireError as e:
             if e.code != entry["error"]:
                 raise AssertionError(f"{name}: expected {entry['error']}, got {e.code}: {e}") from e
@@ -280,7 +222,7 @@ def check_entry(root: Path, entry: dict[str, Any]) -> None:
             raise AssertionError(f"{name}: raised {type(e).__name__}: {e}") from e
         raise AssertionError(f"{name}: accepted, expected {entry['error']}")
     try:
-        msg = decode(frames, secret=secret)
+        msg = decode(frames)
     except WireError as e:
         raise AssertionError(f"{name}: rejected with {e.code}: {e}") from e
     got = json.loads(json.dumps(summarize(msg), ensure_ascii=False))
@@ -302,12 +244,12 @@ def check_entry(root: Path, entry: dict[str, Any]) -> None:
     elif kind == "accept":
         target = unpack_container((root / entry["equivalent"]).read_bytes())
         try:
-            msg.version = decode(target, secret=secret).version
+            msg.version = decode(target).version
         except WireError as e:
             raise AssertionError(f"{name}: its equivalent {entry['equivalent']} is rejected: {e.code}") from e
     else:
         raise AssertionError(f"{name}: unknown expectation {kind!r}")
-    again = encode(msg, secret=secret, compress=_codecs(target))
+    again = encode(msg, compress=_codecs(target))
     if not _same(again, target):
         what = "itself" if kind == "valid" else entry["equivalent"]
         raise AssertionError(f"{name}: re-encoding does not reproduce {what} byte for byte")
@@ -320,7 +262,6 @@ def check_vectors(root: Path) -> list[str]:
         stored = json.loads((root / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         return [f"cannot read {root / MANIFEST}: {e}"]
-    problems += check_keys(stored.get("keys", {}))
     for entry in stored.get("vectors", []):
         try:
             check_entry(root, entry)
