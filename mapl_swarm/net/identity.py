@@ -609,7 +609,7 @@ class RevocationWatch:
     """A certified peer's revocation list file (``peer --revocations``), read again when it changes:
     the operator replaces it on every host (``mapl-swarm keys revoke``, then copy it); running peers
     cut the revoked ones off within :data:`REVOCATION_POLL_S`, and their DHT nodes read the revoked
-    ones' records as withdrawn (SPEC §7.5 item 8)."""
+    ones' records as withdrawn (SPEC §7.2 item 8)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)

@@ -230,7 +230,7 @@ class Admission:
                 raise HelloRefused("not_certified", f"HELLO of stage {link.stage} refused: {exc} ({exc.code})",
                                    nonce) from None
         pinned = link.server_key if certificate is not None else None
-        if pinned is not None and certificate.curve_key != pinned:  # both directions one identity (§7.5 item 7)
+        if pinned is not None and certificate.curve_key != pinned:  # both directions one identity (§7.2 item 7)
             raise HelloRefused("stage_taken", f"stage {link.stage}'s HELLO comes from {certificate.name!r}, another "
                                               f"identity than the one this peer dials at {link.endpoint}", nonce)
         if h.run != s.run_id:
@@ -246,7 +246,7 @@ class Admission:
         reforms = (self.started() and h.epoch > self.window.epoch and REJOIN_CAPABILITY in s.capabilities
                    and REJOIN_CAPABILITY in h.meta.get("capabilities", ()))
         if certificate is not None and getattr(link.peer_certificate, "curve_key", None) != certificate.curve_key:
-            reforms = False  # only the bound neighbour re-forms, on a new connection (SPEC §7.5 item 7)
+            reforms = False  # only the bound neighbour re-forms, on a new connection (SPEC §7.2 item 7)
         unheard = math.inf if self.started() else self.deadline(link.name)  # training: until found lost
         if bound is not None and bound.routing_id != sender and bound.alive(self.clock(), unheard) \
                 and not reforms:  # a neighbour re-forming the swarm comes on a new connection (SPEC §9.6)

@@ -109,7 +109,7 @@ class Control:
                                                     anchored=peer.links.anchored))
 
     def _implausible_reform(self, msg: Message, *, epoch: int | None, lost: int | None) -> bool:
-        """Drop (``implausible``, SPEC §7.5 item 9) a neighbour's word that the swarm re-forms unless
+        """Drop (``implausible``, SPEC §7.2 item 9) a neighbour's word that the swarm re-forms unless
         it can be true. A HELLO of a greater run epoch while training: that epoch is this swarm's
         next one. BYE ``"rejoin"``: a stage sees only its own neighbours leave, so the departed stage
         (``lost``) is this peer (the teller lost it, one-sided) or lies beyond the teller, away from
@@ -239,7 +239,7 @@ class Control:
         if msg.meta["phase"] == "drain_request" and link.settings.identity is not None \
                 and "drain" not in getattr(link.peer_certificate, "roles", ()):
             self.peer.rejects("not_allowed", link.name, f"drain request from stage {link.stage}, whose certificate "
-                                                        f"does not allow it (role drain; SPEC §7.5)")
+                                                        f"does not allow it (role drain; SPEC §7.2)")
         elif agreement.store is None and msg.meta["phase"] not in DRAIN_PHASES:
             self.peer.bad_frame(link.name, "CHECKPOINT but this peer keeps no checkpoints")
         else:

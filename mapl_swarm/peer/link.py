@@ -116,7 +116,7 @@ class LinkSettings:
     """Micro-batches stage 0 keeps in flight, from which every stage's 1F1B warm-up follows, so all
     must share it (checked at the handshake when both send it, 1.6); 0: not sent."""
     identity: PeerIdentity | None = None
-    """A certified peer's identity (SPEC §7.5): its certificate goes in its HELLO, others' are checked."""
+    """A certified peer's identity (SPEC §7.2): its certificate goes in its HELLO, others' are checked."""
     compress_ids: bool = True
     """lz4 on integer tensors (ids, codes) when it helps; False sends every tensor raw."""
     max_frame_bytes: int
@@ -232,7 +232,7 @@ class PeerLink:
         self.peer_anchored = False
         """The neighbour said it is anchored (SPEC §9.2, 1.6): it holds stage 0's configuration."""
         self.peer_certificate: CertificateBody | None = None
-        """The certificate of the neighbour whose HELLO passed last (SPEC §7.5: its key and roles)."""
+        """The certificate of the neighbour whose HELLO passed last (SPEC §7.2: its key and roles)."""
         self._hello_nonce: bytes | None = None
         self._older_nonces: deque[bytes] = deque(maxlen=_OLDER_HELLOS)
         """The nonces of this link's last HELLOs before the current one (their answers are superseded)."""

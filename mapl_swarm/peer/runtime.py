@@ -370,7 +370,7 @@ class Peer:
                                              last_seen=silence.last_seen, detail=silence.describe()))
 
     async def _watch_revocations(self, identity: PeerIdentity) -> None:
-        """A newer revocation list (SPEC §7.5 item 8) cuts off each neighbour it revokes, as a
+        """A newer revocation list (SPEC §7.2 item 8) cuts off each neighbour it revokes, as a
         departure (the swarm re-forms without it; its HELLO is refused), and ends this peer if it
         revokes this peer's own certificate."""
         while True:

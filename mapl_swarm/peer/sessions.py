@@ -117,7 +117,7 @@ async def serve_sessions(new_session: Callable[..., Peer], cfg: TrainConfig, sta
             idle = 0 if peer.schedule.step > session.start_step else idle + 1
             log.warning("stage %d: %s; re-forming the swarm (run epoch %d, waiting up to %g s for the other stages)",
                         stage, result.rejoins[-1], epoch, cfg.net.rejoin_timeout_s)
-            if idle:  # re-forms without a step trained in between: rate-limited (SPEC §7.5 item 9)
+            if idle:  # re-forms without a step trained in between: rate-limited (SPEC §7.2 item 9)
                 log.warning("stage %d: %d re-form(s) in a row without a step trained; the next one starts in %g s",
                             stage, idle, reform_wait_s(idle))
                 await asyncio.sleep(reform_wait_s(idle))

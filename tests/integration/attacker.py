@@ -375,7 +375,7 @@ class Insider:
         await self._implausible_reforms(link)
 
     async def _implausible_reforms(self, link: Any) -> None:
-        """Through the session, words that the swarm re-forms that cannot be true (SPEC §7.5 item
+        """Through the session, words that the swarm re-forms that cannot be true (SPEC §7.2 item
         9): BYE ``"rejoin"`` naming no departed stage (in a 2-stage swarm the neighbour has no other
         neighbour to have lost) and, from stage 0, a HELLO of run epoch 5 (the swarm's next is 1)."""
         s = link.settings

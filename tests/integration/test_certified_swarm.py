@@ -1,4 +1,4 @@
-"""A certified swarm of real peer processes (SPEC §7.5): a member cannot serve another stage, a
+"""A certified swarm of real peer processes (SPEC §7.2): a member cannot serve another stage, a
 revoked peer is cut off within seconds while the swarm trains, and a stage's key is rotated
 without stopping the others.
 

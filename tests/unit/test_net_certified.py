@@ -1,4 +1,4 @@
-"""Links to named peers and certified DHT records (SPEC §7.4, 1.8), without a DHT or a swarm.
+"""Links to named peers and certified DHT records (SPEC §7.1), without a DHT or a swarm.
 
 Transport: real sockets on 127.0.0.1 (port 0); a dialer pins the server key of a contact, so a party
 listening with another key (a relay, an impostor) completes no handshake; every message is
@@ -220,7 +220,7 @@ def test_a_peers_dht_node_reads_the_records_of_a_certificate_revoked_while_it_ru
                                                                                                  monkeypatch):
     """A peer's validator re-reads its revocation list file when it changes (in the DHT's own
     process: at most every ``REVOCATION_POLL_S``, 0 here), so a record readable before the list
-    names its certificate reads as withdrawn after it (SPEC §7.5 item 8)."""
+    names its certificate reads as withdrawn after it (SPEC §7.2 item 8)."""
     from mapl_swarm.net.identity import write_signed
 
     local, ids = swarm

@@ -1,4 +1,4 @@
-"""Certified peers (SPEC §7.4, 1.8) on the in-memory network: each stage has its own identity, and a
+"""Certified peers (SPEC §7.1) on the in-memory network: each stage has its own identity, and a
 HELLO is welcomed only with a certificate of the run's authority for the sender's stage and the
 CURVE key its connection proved.
 
@@ -113,7 +113,7 @@ def test_a_certificate_of_the_right_stage_and_key_is_welcomed(tmp_path):
 
 
 def test_a_spare_first_to_hello_is_refused_while_this_peer_dials_another_identity(tmp_path, uncertified):
-    """Both directions of a link are one identity (SPEC §7.5 item 7): a spare certified for stage 0
+    """Both directions of a link are one identity (SPEC §7.2 item 7): a spare certified for stage 0
     whose HELLO reaches stage 1 before the real stage 0's is refused (``stage_taken``), since stage 1
     dials the real one; found by attacking a live swarm, where the spare bound stage 0's inbound
     session while the real stage 1 held its outbound one."""

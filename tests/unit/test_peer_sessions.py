@@ -121,7 +121,7 @@ def test_other_major_version_gets_one_reject_per_connection():
         frames = msg(MT.HELLO, src=0, meta=HELLO)
         import msgpack
         header = msgpack.unpackb(bytes(frames[0]))
-        header["v"] = [2, 0]
+        header["v"] = [1, 9]  # a 1.x peer
         for _ in range(3):
             await m.feed(UP, [msgpack.packb(header)])
     m = run(scenario)

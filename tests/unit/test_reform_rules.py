@@ -1,4 +1,4 @@
-"""A neighbour's word that the swarm re-forms is believed only when it can be true (SPEC §7.5 item 9).
+"""A neighbour's word that the swarm re-forms is believed only when it can be true (SPEC §7.2 item 9).
 
 Each case hands one BYE ``"rejoin"`` or HELLO of a greater epoch, from a live neighbour, to a
 training peer of a 3-stage swarm (stage 1 in the middle, stage 0 at an end): the implausible ones
