@@ -157,6 +157,13 @@ class CertifiedRecordValidator(RecordValidatorBase):
         return value[:end - n], value[end - n:end], value[-_SIG_BYTES:]
 
     def validate(self, record: DHTRecord) -> bool:
+        return self.refusal(record, time.time()) is None
+
+    def refusal(self, record: DHTRecord, now: float) -> str | None:
+        """Why this node refuses ``record`` at ``now`` (unix seconds), or None when it accepts it
+        (the codes of ``protocol/vectors/v2/identity``): ``not_a_stage_key``, ``unsigned``,
+        ``no_subkey``, ``expiration_too_far``, a certificate code of SPEC §7.1, ``bad_signature``,
+        ``after_certificate``, ``not_a_contact`` (the value) or ``wrong_key`` (the contact's)."""
         from cryptography.exceptions import InvalidSignature
         from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
@@ -164,21 +171,30 @@ class CertifiedRecordValidator(RecordValidatorBase):
 
         stage = self._stage_of.get(bytes(record.key))
         parts = self._split(bytes(record.value))
-        now = time.time()
-        if stage is None or parts is None or record.subkey == NO_SUBKEY or not (
-                math.isfinite(record.expiration_time) and record.expiration_time <= now + self._max_ttl_s):
-            return False
+        if stage is None:
+            return "not_a_stage_key"
+        if parts is None:
+            return "unsigned"
+        if record.subkey == NO_SUBKEY:
+            return "no_subkey"
+        if not (math.isfinite(record.expiration_time) and record.expiration_time <= now + self._max_ttl_s):
+            return "expiration_too_far"
         value, cert, sig = parts
         try:
             # revocation is strip_value's: refusing a record here would make hivemind drop the whole
             # stage dictionary a node returns, the stage's other peers' records with it
             body = verify_certificate(Signed.decode("certificate", cert), authority=self._authority,
                                       run_id=self._run_id, stage=stage, now=now)
+        except CertificateError as exc:
+            return exc.code
+        try:
             Ed25519PublicKey.from_public_bytes(body.sign_key).verify(
                 sig, record_message(record.key, record.subkey, value, record.expiration_time))
-        except (CertificateError, InvalidSignature, ValueError):
-            return False
-        return record.expiration_time <= body.not_after and _contact_of(value, body.curve_key)
+        except (InvalidSignature, ValueError):
+            return "bad_signature"
+        if record.expiration_time > body.not_after:
+            return "after_certificate"
+        return _contact_refusal(value, body.curve_key)
 
     def strip_value(self, record: DHTRecord) -> bytes:
         """The announced value; a revoked certificate's record reads as withdrawn (a tombstone)."""
@@ -205,22 +221,25 @@ _TOMBSTONE = b"\xa0"
 """msgpack of the empty string: a withdrawn entry (SPEC §9.1)."""
 
 
-def _contact_of(value: bytes, curve_key: bytes) -> bool:
-    """``value`` is msgpack of ``""`` (a tombstone) or of a contact naming ``curve_key``."""
+def _contact_refusal(value: bytes, curve_key: bytes) -> str | None:
+    """None when ``value`` is msgpack of ``""`` (a tombstone) or of a contact naming ``curve_key``;
+    else ``not_a_contact`` or ``wrong_key``."""
     import msgpack
 
     from mapl_swarm.net.errors import NetError
     from mapl_swarm.net.transport import split_contact
 
     if not _one_plain_object(value):
-        return False
+        return "not_a_contact"
     text = msgpack.unpackb(value, raw=False)
     if text == "":
-        return True
+        return None
     if not isinstance(text, str):
-        return False
+        return "not_a_contact"
     try:
         _, key = split_contact(text)
     except NetError:
-        return False
-    return key is not None and hmac.compare_digest(key, curve_key)
+        return "not_a_contact"
+    if key is None:
+        return "not_a_contact"
+    return None if hmac.compare_digest(key, curve_key) else "wrong_key"

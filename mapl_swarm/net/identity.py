@@ -53,7 +53,7 @@ __all__ = [
     "AUTHORITY_HEADER", "PEER_KEY_HEADER", "REQUEST_HEADER", "CERTIFICATE_HEADER", "REVOCATIONS_HEADER", "ROLES",
     "MAX_VALIDITY_S", "MAX_REVOKED", "Authority", "PeerKey", "RequestBody", "CertificateBody", "RevocationsBody",
     "Signed", "CertificateError", "load_authority", "create_authority", "load_peer_key", "create_peer_key",
-    "make_request", "issue", "revoke", "verify_certificate", "verify_revocations", "read_signed", "write_signed",
+    "make_request", "verify_request", "issue", "revoke", "verify_certificate", "verify_revocations", "read_signed", "write_signed", "signed_text", "parse_signed",
     "CurveKeys", "PeerIdentity", "load_identity", "LocalIdentities", "issue_local", "RevocationWatch", "REVOCATION_POLL_S",
 ]
 
@@ -369,14 +369,20 @@ def make_request(key: PeerKey, name: str, stages: list[int]) -> Signed:
     return Signed("request", data, key.sign(SIGNING_CONTEXT["request"] + data))
 
 
+def verify_request(request: Signed) -> RequestBody:
+    """The request's body, when its fields are well formed and its own signing key signed it."""
+    body = RequestBody.decode(request.body)
+    request.verify(body.sign_key)
+    return body
+
+
 def issue(authority: Authority, request: Signed, *, run_id: str, stages: list[int] | None = None,
           roles: Sequence[str] = (), valid_s: int = 30 * 86400, serial: int | None = None,
           now: float | None = None) -> Signed:
     """A certificate for ``request`` (checked: its own signature, its fields) in run ``run_id``, for
     ``stages`` (default: those requested; never one it did not ask for), with ``roles``, valid from
     now for ``valid_s`` seconds, signed by ``authority``."""
-    body = RequestBody.decode(request.body)
-    request.verify(body.sign_key)
+    body = verify_request(request)
     granted = body.stages if stages is None else _check_stages(sorted(set(stages)), "certificate")
     if not set(granted) <= set(body.stages):
         raise CertificateError("stage_not_allowed", f"stages {sorted(set(granted) - set(body.stages))} were not "
@@ -463,7 +469,7 @@ def write_signed(path: str | os.PathLike[str], signed: Signed, *, force: bool = 
         raise ConfigError(f"{signed.kind} file {p} already exists (--force replaces it)")
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(f".{p.name}.{secrets.token_hex(4)}.tmp")
-    tmp.write_text(f"{_HEADERS[signed.kind]}\n{base64.b64encode(signed.encode()).decode('ascii')}\n", encoding="ascii")
+    tmp.write_text(signed_text(signed), encoding="ascii")
     os.replace(tmp, p)
 
 
@@ -476,17 +482,28 @@ def read_signed(path: str | os.PathLike[str], kind: Kind) -> Signed:
         raise ConfigError(f"{kind} file {p} does not exist") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{kind} file {p}: cannot read it: {type(exc).__name__}") from None
+    return parse_signed(text, kind, source=f"{kind} file {p}")
+
+
+def signed_text(signed: Signed) -> str:
+    """A request, certificate or revocation list as its file holds it (§7.1): header, base64, newline."""
+    return f"{_HEADERS[signed.kind]}\n{base64.b64encode(signed.encode()).decode('ascii')}\n"
+
+
+def parse_signed(text: str, kind: Kind, *, source: str) -> Signed:
+    """:func:`signed_text`'s inverse (its shape checked, not yet verified); a
+    :class:`~mapl_swarm.errors.ConfigError` names ``source`` and what is wrong."""
     lines = text.replace("\r\n", "\n").split("\n")
     if len(lines) != 3 or lines[0] != _HEADERS[kind] or lines[2] != "":
-        raise ConfigError(f"{kind} file {p} is not a {kind} (expected the line {_HEADERS[kind]!r}, then base64)")
+        raise ConfigError(f"{source} is not a {kind} (expected the line {_HEADERS[kind]!r}, then base64)")
     try:
         data = base64.b64decode(lines[1], validate=True)
     except (binascii.Error, ValueError):
-        raise ConfigError(f"{kind} file {p}: its second line is not base64") from None
+        raise ConfigError(f"{source}: its second line is not base64") from None
     try:
         return Signed.decode(kind, data)
     except CertificateError as exc:
-        raise ConfigError(f"{kind} file {p}: {exc}") from None
+        raise ConfigError(f"{source}: {exc}") from None
 
 
 # ---------------------------------------------------------------------- a peer's identity in a run
