@@ -213,11 +213,6 @@ class TransportConfig:
         if self.curve is not None and not isinstance(self.curve, CurveKeys):
             raise ConfigError("transport.curve must be CurveKeys (a peer identity's) or None")
 
-    @property
-    def pinned(self) -> bool:
-        """Links go to named peers (with a CURVE keypair; insecure links are not)."""
-        return self.curve is not None
-
     @classmethod
     def for_run(cls, cfg: TrainConfig, membership: Membership | None) -> "TransportConfig":
         """A stage peer's transport: the run's ``[net]`` section, the certified peer's own CURVE
@@ -245,20 +240,6 @@ class TransportConfig:
         return options
 
 
-class _CurveClients:
-    """ZAP credentials provider: admits every CURVE client of :data:`ZAP_DOMAIN`, whose key CURVE
-    has proved (the peer then decides who may speak, by certificate)."""
-
-    def __init__(self, owner: "Transport") -> None:
-        self._owner = owner
-
-    def callback(self, domain: str, client_key: bytes) -> bool:
-        ok = domain == ZAP_DOMAIN
-        if not ok:
-            self._owner._refused()
-        return ok
-
-
 class Transport:
     """One peer's ZeroMQ endpoint: an inbound ROUTER plus a shaped DEALER per neighbour.
 
@@ -283,8 +264,6 @@ class Transport:
         self.config = config
         self.routing_id = f"{name}.{secrets.token_hex(4)}"
         """This instance's routing id, ``<name>.<8 hex>``, carried by every DEALER it connects."""
-        self.refused_connections = 0
-        """Connections the ZAP handler refused (a CURVE client outside the ZAP domain)."""
         self.mismatched_keys = 0
         """Messages dropped (pinned): their routing id was bound to another CURVE key."""
         self._keys: OrderedDict[str, str] = OrderedDict()
@@ -342,7 +321,7 @@ class Transport:
         self._router = router
         self._bound_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._endpoint = tcp_endpoint(self._advertise_host(), self.port)
-        if cfg.pinned:
+        if cfg.curve is not None:
             self._endpoint = contact(self._endpoint, z85.decode(cfg.curve.public))
         logger.info("%s: bound %s, advertising %s (%s, routing id %s)", self.name, self._bound_endpoint,
                     self._endpoint, "INSECURE: plain TCP" if cfg.curve is None else "CURVE, certified peers",
@@ -362,19 +341,14 @@ class Transport:
         except zmq.ZMQError as exc:
             raise NetError(f"{self.name}: cannot start the ZAP handler ({exc}): a CURVE transport needs a "
                            f"ZeroMQ context of its own") from exc
-        auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=_CurveClients(self))
+        # every CURVE client is admitted (CURVE proved its key); the peer decides who may speak, by certificate
+        auth.configure_curve(domain=ZAP_DOMAIN, location=zmq.auth.CURVE_ALLOW_ANY)
         self._auth = auth
 
     def _stop_authenticator(self) -> None:
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
-
-    def _refused(self) -> None:
-        self.refused_connections += 1
-        if self.refused_connections == 1 or math.log2(self.refused_connections).is_integer():
-            logger.warning("%s: refused a connection outside the ZAP domain (%d so far)", self.name,
-                           self.refused_connections)
 
     async def __aenter__(self) -> "Transport":
         self.start()
@@ -442,7 +416,7 @@ class Transport:
             raise NetError(f"{self.name}: link {link!r} is already connected")
         cfg = self.config
         address, server_key = split_contact(endpoint)
-        if cfg.pinned and server_key is None:
+        if cfg.curve is not None and server_key is None:
             raise NetError(f"{self.name}: link {link!r} to {endpoint!r}: a certified peer dials contacts only "
                            f"(endpoint#<its CURVE key>, from its DHT record)")
         dealer = self._ctx.socket(zmq.DEALER)
@@ -584,7 +558,7 @@ class Transport:
                 raise NetTimeoutError(f"{self.name}: no message received on {self._endpoint} within "
                                       f"{timeout_s:g} s") from None
             sender = parts[0].bytes.decode(errors="replace")
-            if not self.config.pinned or self._attribute(sender, parts[0]):
+            if self.config.curve is None or self._attribute(sender, parts[0]):
                 break
         frames: list[Frame] = [p.buffer if len(p) >= _ZERO_COPY_MIN_BYTES else p.bytes for p in parts[1:]]
         kind = self._rx_kind(frames) if self._rx_kind is not None else "rx"
