@@ -86,6 +86,19 @@ class BatchSampler:
             self.cursor = 0
         return _gather(self.tokens, picked, self.seq_len)
 
+    def batch_at(self, index: int) -> torch.Tensor:
+        """The ``index``-th micro-batch of the stream (0-based, from epoch 0), whatever the current
+        position, which it leaves as it was: the micro-batch a replica draws for a global
+        micro-batch index (:mod:`mapl_swarm.replicas.assignment`)."""
+        if index < 0:
+            raise DataError(f"micro-batch index {index} is negative")
+        saved = self.epoch, self.cursor
+        self.epoch, self.cursor = divmod(index * self.micro_batch_size, self.num_windows)
+        try:
+            return self.next_batch()
+        finally:
+            self.epoch, self.cursor = saved
+
     def __iter__(self) -> BatchSampler:
         return self
 

@@ -42,12 +42,14 @@ import ipaddress
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
+import tempfile
 import threading
 import time
-from contextlib import suppress
-from typing import Any, Sequence
+from contextlib import contextmanager, suppress
+from typing import Any, Iterator, Sequence
 
 from mapl_swarm.errors import ConfigError
 from mapl_swarm.net.errors import DiscoveryError
@@ -176,18 +178,23 @@ def _bind_failure(host: str, port: int, exc: OSError) -> str:
 
 def start_dht(*, host: str = "0.0.0.0", port: int = 0, announce_host: str | None = None,
               initial_peers: Sequence[str] = (), identity_path: str | None = None,
-              client_mode: bool = False, record_validators: Sequence[Any] = (),
+              identity_key: bytes | None = None, client_mode: bool = False, record_validators: Sequence[Any] = (),
               timeout_s: float = 30.0, shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S) -> Any:
     """Fork and start a DHT node (a ``hivemind.DHT``); returns it once ready.
 
     ``announce_host`` requires an explicit ``port`` (hivemind refuses to announce port 0).
     ``identity_path`` makes the peer id, hence the multiaddr, stable across restarts (useful
-    for a bootstrap node whose address is written into configs). ``record_validators`` go to
+    for a bootstrap node whose address is written into configs); ``identity_key`` instead gives the
+    identity itself (a certified peer's, :meth:`~mapl_swarm.net.identity.PeerKey.libp2p_private_key`,
+    so its peer id derives from its certificate): it is written to a private temporary file only
+    until the node has read it. ``record_validators`` go to
     the forked node. Bad addresses and a taken port fail at once (ConfigError / DiscoveryError);
     unreachable initial peers are retried until ``timeout_s``. Stop it with ``.shutdown()``."""
     if announce_host and port == 0:
         raise ConfigError("discovery: announce_host needs an explicit DHT port (hivemind cannot "
                           "announce port 0)")
+    if identity_path and identity_key is not None:
+        raise ConfigError("a DHT node takes an identity file or an identity key, not both")
     with without_collections():  # hivemind and torch load here: before the fork below
         peers = check_initial_peers(initial_peers)
         node_class = _node_class()
@@ -201,6 +208,30 @@ def start_dht(*, host: str = "0.0.0.0", port: int = 0, announce_host: str | None
     where = f"{host_maddr(host, port)} joining {peers or 'no peers'}"
     if identity_path:
         where += f" with identity {identity_path}"
+    if identity_key is not None:
+        with _identity_file(identity_key) as path:
+            # hivemind's check that an identity is free reads only RSA keys; a certified peer's key
+            # is its own (a second process holding it is refused at every handshake anyway)
+            return _start(node_class, peers, dict(kwargs, identity_path=path, check_if_identity_free=False),
+                          where, timeout_s, shutdown_timeout_s)
+    return _start(node_class, peers, kwargs, where, timeout_s, shutdown_timeout_s)
+
+
+@contextmanager
+def _identity_file(key: bytes) -> Iterator[str]:
+    folder = tempfile.mkdtemp(prefix="mapl-dht-id-")  # mode 0700
+    path = os.path.join(folder, "identity.key")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(key)
+        yield path
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _start(node_class: Any, peers: list[str], kwargs: dict[str, Any], where: str, timeout_s: float,
+           shutdown_timeout_s: float) -> Any:
     deadline = time.monotonic() + timeout_s
     last_reason, attempt = "", 0
     while True:

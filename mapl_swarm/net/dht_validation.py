@@ -30,6 +30,10 @@ the key's whole subkey dictionary); and the expiration is finite and lies at mos
 announce only the stages its certificate allows, only its own key, and only briefly. A captured
 record can be stored again only unchanged, and a node keeps per subkey the record that expires
 last, so a replay cannot displace its signer's later announcement or tombstone.
+Under a stage's **member keys** (its replicas' averaging keys, SPEC §9.1 "Replica records") the
+value is any one msgpack object and the subkey must be msgpack (bin) of the signer's own libp2p
+peer id (:func:`~mapl_swarm.net.identity.libp2p_peer_id` of the certificate's signing key), so the
+subkeys a reader sees there are the stage's certified members.
 A record whose certificate is revoked (the live set a revocation watch fills) reads as withdrawn:
 hivemind drops a node's whole answer for a key when one of its records fails validation, so a
 refused record would hide the stage's other peers too.
@@ -105,12 +109,15 @@ class CertifiedRecordValidator(RecordValidatorBase):
     a record under any other key is refused."""
 
     def __init__(self, *, run_id: str, authority: bytes, stage_keys: Mapping[str, int], identity=None,
-                 revoked: AbstractSet[int] = frozenset(), revocations: str | os.PathLike[str] | None = None,
-                 max_ttl_s: float = CERTIFIED_MAX_TTL_S) -> None:
+                 member_keys: Mapping[str, int] | None = None, revoked: AbstractSet[int] = frozenset(),
+                 revocations: str | os.PathLike[str] | None = None, max_ttl_s: float = CERTIFIED_MAX_TTL_S) -> None:
         from mapl_swarm.net.identity import RevocationWatch
 
         self._run_id, self._authority, self._identity = run_id, bytes(authority), identity
         self._stage_of = {dht_key_id(key): s for key, s in stage_keys.items()}
+        self._member_stage_of = {dht_key_id(key): s for key, s in (member_keys or {}).items()}
+        """Keys of a stage's replicas (averaging, state download): a record's subkey must be its
+        signer's own libp2p peer id, so a reader's subkeys are the stage's certified members."""
         self.revoked: set[int] = set(revoked)
         self._watch = None if revocations is None else RevocationWatch(revocations)
         """The authority's revocation list file, re-read (at most every ``REVOCATION_POLL_S``) when a
@@ -163,13 +170,16 @@ class CertifiedRecordValidator(RecordValidatorBase):
         """Why this node refuses ``record`` at ``now`` (unix seconds), or None when it accepts it
         (the codes of ``protocol/vectors/v2/identity``): ``not_a_stage_key``, ``unsigned``,
         ``no_subkey``, ``expiration_too_far``, a certificate code of SPEC §7.1, ``bad_signature``,
-        ``after_certificate``, ``not_a_contact`` (the value) or ``wrong_key`` (the contact's)."""
+        ``after_certificate``, ``not_a_contact`` (the value) or ``wrong_key`` (the contact's); for a
+        member key ``not_own_peer_id`` (the subkey) or ``not_msgpack`` (the value)."""
         from cryptography.exceptions import InvalidSignature
         from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-        from mapl_swarm.net.identity import CertificateError, Signed, verify_certificate
+        from mapl_swarm.net.identity import CertificateError, Signed, libp2p_peer_id, verify_certificate
 
-        stage = self._stage_of.get(bytes(record.key))
+        key = bytes(record.key)
+        member = key in self._member_stage_of
+        stage = self._member_stage_of[key] if member else self._stage_of.get(key)
         parts = self._split(bytes(record.value))
         if stage is None:
             return "not_a_stage_key"
@@ -194,6 +204,10 @@ class CertifiedRecordValidator(RecordValidatorBase):
             return "bad_signature"
         if record.expiration_time > body.not_after:
             return "after_certificate"
+        if member:
+            if record.subkey != _packed_bin(libp2p_peer_id(body.sign_key)):
+                return "not_own_peer_id"
+            return None if _one_plain_object(value) else "not_msgpack"
         return _contact_refusal(value, body.curve_key)
 
     def strip_value(self, record: DHTRecord) -> bytes:
@@ -215,6 +229,13 @@ class CertifiedRecordValidator(RecordValidatorBase):
     def merge_with(self, other: RecordValidatorBase) -> bool:
         return (isinstance(other, CertifiedRecordValidator) and other._run_id == self._run_id
                 and other._authority == self._authority and other._identity is self._identity)
+
+
+def _packed_bin(data: bytes) -> bytes:
+    """msgpack of ``data`` as a bin (how hivemind's serializer writes a bytes subkey)."""
+    import msgpack
+
+    return msgpack.packb(data, use_bin_type=True)
 
 
 _TOMBSTONE = b"\xa0"

@@ -41,6 +41,7 @@ DHT calls go to the default executor. Re-announcement runs on a daemon thread ev
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import threading
@@ -51,9 +52,10 @@ from typing import Any, Callable, Sequence
 from mapl_swarm.errors import ConfigError
 from mapl_swarm.net.dht_node import host_maddr, start_dht
 from mapl_swarm.net.errors import DiscoveryError, DiscoveryTimeoutError
+from mapl_swarm.net.identity import PeerIdentity
 from mapl_swarm.procs import wait_for_signal
 
-__all__ = ["DiscoveryConfig", "Discovery", "start_dht", "run_bootstrap_node", "host_maddr", "stage_key",
+__all__ = ["DiscoveryConfig", "Discovery", "start_dht", "run_bootstrap_node", "host_maddr", "stage_key", "averaging_prefix", "member_keys",
            "dht_validators", "TrustedAuthority", "MAX_STAGES", "MAX_TTL_S"]
 
 logger = logging.getLogger(__name__)
@@ -70,6 +72,20 @@ def stage_key(run_id: str, stage: int) -> str:
     return f"mapl/{run_id}/stage/{stage}"
 
 
+def averaging_prefix(run_id: str, stage: int) -> str:
+    """The hivemind averager prefix of ``stage``'s replicas in ``run_id`` (hivemind's prefixes
+    hold no ``.``, a run id may: the run appears as the first 16 hex digits of its SHA-256)."""
+    return f"mapl/avg/{hashlib.sha256(run_id.encode()).hexdigest()[:16]}/{stage}"
+
+
+def member_keys(run_id: str, stage: int) -> tuple[str, str]:
+    """The DHT keys ``stage``'s averagers write: matchmaking (hivemind's ``<prefix>.0b``, one group,
+    no group bits) and state download (``<prefix>.all_averagers``). A certified node accepts a record
+    under them only from a member of that stage, at its own peer id (SPEC §9.1)."""
+    prefix = averaging_prefix(run_id, stage)
+    return f"{prefix}.0b", f"{prefix}.all_averagers"
+
+
 def dht_validators(membership: Any) -> list[Any]:
     """Record validators for a DHT node of a run: none without a membership (insecure); for a
     certified peer (:class:`~mapl_swarm.net.identity.PeerIdentity`) a
@@ -83,8 +99,9 @@ def dht_validators(membership: Any) -> list[Any]:
     signer = None if isinstance(membership, TrustedAuthority) else membership
     keys = {stage_key(membership.run_id, s): s for s in range(MAX_STAGES)}
     watch = getattr(membership, "watch", None)  # a peer's revocation list (a bootstrap node reads no records)
+    members = {key: s for s in range(MAX_STAGES) for key in member_keys(membership.run_id, s)}
     return [CertifiedRecordValidator(run_id=membership.run_id, authority=membership.authority, identity=signer,
-                                     stage_keys=keys, revoked=membership.revoked,
+                                     stage_keys=keys, member_keys=members, revoked=membership.revoked,
                                      revocations=None if watch is None else watch.path)]
 
 
@@ -192,8 +209,11 @@ class Discovery:
         if self._dht is None:
             self._stop.clear()
             c = self.config
+            m = self._membership  # a certified peer's DHT peer id derives from its own key
+            key = m.key if isinstance(m, PeerIdentity) else None
             self._dht = start_dht(host=c.host, port=c.port, announce_host=c.announce_host,
                                   initial_peers=c.initial_peers, identity_path=c.identity_path,
+                                  identity_key=None if key is None or c.identity_path else key.libp2p_private_key(),
                                   client_mode=c.client_mode, timeout_s=c.start_timeout_s,
                                   record_validators=dht_validators(self._membership))
             self._peer_id = str(self._dht.peer_id)
@@ -211,6 +231,11 @@ class Discovery:
     def peer_id(self) -> str:
         """This node's DHT peer id (the default subkey of its announcements)."""
         return self._peer_id
+
+    @property
+    def dht(self) -> Any:
+        """The running ``hivemind.DHT`` (a stage averager shares its p2p daemon, so its peer id)."""
+        return self._require()
 
     @property
     def signed(self) -> bool:

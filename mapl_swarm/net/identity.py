@@ -54,7 +54,7 @@ __all__ = [
     "MAX_VALIDITY_S", "MAX_REVOKED", "Authority", "PeerKey", "RequestBody", "CertificateBody", "RevocationsBody",
     "Signed", "CertificateError", "load_authority", "create_authority", "load_peer_key", "create_peer_key",
     "make_request", "verify_request", "issue", "revoke", "verify_certificate", "verify_revocations", "read_signed", "write_signed", "signed_text", "parse_signed",
-    "CurveKeys", "PeerIdentity", "load_identity", "LocalIdentities", "issue_local", "RevocationWatch", "REVOCATION_POLL_S",
+    "libp2p_peer_id", "CurveKeys", "PeerIdentity", "load_identity", "LocalIdentities", "issue_local", "RevocationWatch", "REVOCATION_POLL_S",
 ]
 
 AUTHORITY_HEADER = "mapl-run-authority v1"
@@ -163,8 +163,29 @@ class PeerKey:
     def key_id(self) -> str:
         return key_id(self.sign_public)
 
+    def libp2p_private_key(self) -> bytes:
+        """The peer's libp2p identity (its DHT node's, so its averager's): the signing key as a
+        libp2p ``PrivateKey`` protobuf, so its peer id derives from any certificate of the peer
+        (:func:`libp2p_peer_id`). libp2p signs its handshakes under its own prefix, so the same
+        key never signs anything one of this module's contexts could pass for."""
+        seed = _label(b"mapl-peer-sign v1", self.secret)
+        return _protobuf_key(seed + self.sign_public)
+
     def __repr__(self) -> str:
         return f"PeerKey(key_id={self.key_id!r}, path={self.path!r})"
+
+
+def _protobuf_key(data: bytes) -> bytes:
+    """libp2p's ``{PublicKey|PrivateKey}{key_type = Ed25519 (1), data}`` protobuf (fields 1 and 2)."""
+    return bytes([0x08, 0x01, 0x12, len(data)]) + data
+
+
+def libp2p_peer_id(sign_key: bytes) -> bytes:
+    """The libp2p peer id (bytes) of a peer whose certificate names ``sign_key``: the identity
+    multihash (code 0, length 36) of its Ed25519 public key protobuf (libp2p's peer-id rule for
+    keys of at most 42 bytes); base58 gives the familiar ``12D3KooW…``."""
+    public = _protobuf_key(sign_key)
+    return bytes([0x00, len(public)]) + public
 
 
 def load_authority(path: str | os.PathLike[str]) -> Authority:

@@ -26,7 +26,7 @@ from typing import Any
 
 import msgpack
 
-from mapl_swarm.net.discovery import stage_key
+from mapl_swarm.net.discovery import member_keys, stage_key
 from mapl_swarm.net.identity import (
     CERTIFICATE_HEADER,
     SIGNING_CONTEXT,
@@ -37,6 +37,7 @@ from mapl_swarm.net.identity import (
     Kind,
     issue,
     key_id,
+    libp2p_peer_id,
     make_request,
     parse_signed,
     revoke,
@@ -86,11 +87,23 @@ def _keys() -> dict[str, Any]:
     return {
         "authority": authority(AUTHORITY),
         "other_authority": authority(OTHER_AUTHORITY),
-        "peers": [{"key": p.secret.hex(), "sign_public": p.sign_public.hex(),
-                   "curve_secret_z85": p.curve_secret.decode("ascii"),
-                   "curve_secret": hashlib.sha256(b"mapl-peer-curve v1" + p.secret).digest().hex(),
-                   "curve_public": p.curve_public.hex(), "key_id": p.key_id} for p in PEERS],
+        "peers": [_peer_entry(p) for p in PEERS],
     }
+
+
+def _peer_entry(p: PeerKey) -> dict[str, Any]:
+    """A peer key and everything SPEC §7.1 and §9.1 derive from it."""
+    return {"key": p.secret.hex(), "sign_public": p.sign_public.hex(), "curve_secret_z85": p.curve_secret.decode("ascii"),
+            "curve_secret": hashlib.sha256(b"mapl-peer-curve v1" + p.secret).digest().hex(),
+            "curve_public": p.curve_public.hex(), "key_id": p.key_id, "libp2p_private_key": p.libp2p_private_key().hex(),
+            "libp2p_peer_id": libp2p_peer_id(p.sign_public).hex(),
+            "libp2p_peer_id_base58": _base58(libp2p_peer_id(p.sign_public))}
+
+
+def _base58(data: bytes) -> str:
+    import base58  # hivemind's dependency, as libp2p writes peer ids
+
+    return base58.b58encode(data).decode("ascii")
 
 
 # ---------------------------------------------------------------------- signed bodies
@@ -268,7 +281,23 @@ def _record_cases() -> list[tuple[str, str, dict[str, Any], dict[str, Any]]]:
          _record(value=msgpack.packb(7)), check),
         ("expired_certificate", "a record checked after its certificate expired",
          _record(cert=expired_cert, expiration=NOW + 5.0), {**check, "now": NOW + 10}),
+        ("member_valid", "a stage 1 replica's state-download record at its own peer id",
+         _record(key=member_keys(RUN, 1)[1], subkey=_peer_subkey(PEERS[1]), value=msgpack.packb(1.0)), check),
+        ("member_matchmaking", "a stage 1 replica looking for a group (matchmaking key, value true)",
+         _record(key=member_keys(RUN, 1)[0], subkey=_peer_subkey(PEERS[1]), value=msgpack.packb(True)), check),
+        ("member_not_own_peer_id", "a replica's record at another peer's id",
+         _record(key=member_keys(RUN, 1)[1], subkey=_peer_subkey(PEERS[0]), value=msgpack.packb(1.0)), check),
+        ("member_stage_not_allowed", "stage 1's certificate on stage 2's averaging key",
+         _record(key=member_keys(RUN, 2)[1], cert=certificate_of(1, PEERS[1]), subkey=_peer_subkey(PEERS[1]),
+                 value=msgpack.packb(1.0)), check),
+        ("member_not_msgpack", "a replica's record whose value is no msgpack object",
+         _record(key=member_keys(RUN, 1)[1], subkey=_peer_subkey(PEERS[1]), value=b"\xc1"), check),
     ]
+
+
+def _peer_subkey(peer: PeerKey) -> bytes:
+    """A replica record's subkey: msgpack (bin) of its libp2p peer id, as hivemind's averager stores it."""
+    return msgpack.packb(libp2p_peer_id(peer.sign_public), use_bin_type=True)
 
 
 def _record_entry(name: str, description: str, record: dict[str, Any], check: dict[str, Any]) -> dict[str, Any]:
@@ -276,9 +305,11 @@ def _record_entry(name: str, description: str, record: dict[str, Any], check: di
 
     from mapl_swarm.net.dht_validation import CertifiedRecordValidator
 
+    stages = range(check["num_stages"])
     validator = CertifiedRecordValidator(
         run_id=check["run"], authority=bytes.fromhex(check["authority"]), revoked=set(check["revoked"]),
-        stage_keys={stage_key(check["run"], s): s for s in range(check["num_stages"])})
+        stage_keys={stage_key(check["run"], s): s for s in stages},
+        member_keys={key: s for s in stages for key in member_keys(check["run"], s)})
     r = DHTRecord(bytes.fromhex(record["key"]), bytes.fromhex(record["subkey"]), bytes.fromhex(record["stored"]),
                   record["expiration_time"])
     refusal = validator.refusal(r, check["now"])
@@ -316,10 +347,9 @@ def _check_derivations(keys: dict[str, Any]) -> list[str]:
                 != a["key_id"]:
             problems.append(f"keys.{label}: public key or key id does not derive from the seed")
     for i, p in enumerate(keys["peers"]):
-        key = PeerKey(bytes.fromhex(p["key"]))
-        if (key.sign_public.hex(), key.curve_public.hex(), key.curve_secret.decode(), key.key_id) != (
-                p["sign_public"], p["curve_public"], p["curve_secret_z85"], p["key_id"]):
-            problems.append(f"keys.peers[{i}]: a derived key differs")
+        derived = _peer_entry(PeerKey(bytes.fromhex(p["key"])))
+        problems += [f"keys.peers[{i}].{name}: does not derive from the key" for name in derived
+                     if p.get(name) != derived[name]]
     return problems
 
 

@@ -26,7 +26,8 @@ def test_every_refusal_code_appears():
     assert {e["outcome"] for e in STORED["revocations"]} >= {"accept", "wrong_authority", "bad_signature", "wrong_run"}
     records = {e["outcome"] for e in STORED["records"]}
     assert records >= {"accept", "not_a_stage_key", "no_subkey", "expiration_too_far", "stage_not_allowed",
-                       "bad_signature", "after_certificate", "wrong_key", "not_a_contact", "expired"}
+                       "bad_signature", "after_certificate", "wrong_key", "not_a_contact", "expired",
+                       "not_own_peer_id", "not_msgpack"}
 
 
 def test_a_revoked_record_reads_as_the_tombstone_and_a_live_one_as_its_contact():

@@ -27,10 +27,10 @@ with warnings.catch_warnings():  # hivemind imports torch, whose jit module warn
     from hivemind.utils import MSGPackSerializer
 
 from mapl_swarm.net.dht_validation import CERTIFIED_MAX_TTL_S, CertifiedRecordValidator
-from mapl_swarm.net.discovery import TrustedAuthority, dht_validators, stage_key
+from mapl_swarm.net.discovery import TrustedAuthority, dht_validators, member_keys, stage_key
 from mapl_swarm.net.errors import NetError, NetTimeoutError
-from mapl_swarm.net.identity import (PeerIdentity, PeerKey, issue, issue_local, load_identity, make_request, revoke,
-                                     verify_revocations)
+from mapl_swarm.net.identity import (PeerIdentity, PeerKey, issue, issue_local, libp2p_peer_id, load_identity,
+                                     make_request, revoke, verify_revocations)
 from mapl_swarm.net.transport import Transport, TransportConfig, contact, split_contact
 
 RUN = "cert-run"
@@ -235,3 +235,32 @@ def test_a_peers_dht_node_reads_the_records_of_a_certificate_revoked_while_it_ru
     assert validator.validate(theirs) and validator.strip_value(theirs) == MSGPackSerializer.dumps("")  # withdrawn
     other = signed_by(ids[0], record(0, contact("tcp://10.0.0.1:5000", ids[0].key.curve_public)))
     assert validator.strip_value(other) != MSGPackSerializer.dumps("")
+
+
+def test_a_replica_record_stands_only_at_its_signers_own_peer_id_and_stage(swarm):
+    """Replica records (SPEC §9.1): under stage k's averaging keys, a subkey is the signer's own
+    libp2p peer id (derived from its certificate) and the certificate allows stage k."""
+    _, ids = swarm
+    v = checker(swarm)
+
+    def replica(identity: PeerIdentity, stage: int, subkey_of: PeerIdentity, which: int = 1) -> DHTRecord:
+        r = DHTRecord(DHTID.generate(source=member_keys(RUN, stage)[which]).to_bytes(),
+                      MSGPackSerializer.dumps(libp2p_peer_id(subkey_of.key.sign_public)), MSGPackSerializer.dumps(1.0),
+                      time.time() + 30)
+        return signed_by(identity, r)
+
+    own = replica(ids[1], 1, ids[1])
+    assert v.validate(own) and v.strip_value(own) == MSGPackSerializer.dumps(1.0)
+    assert v.validate(replica(ids[1], 1, ids[1], which=0))  # matchmaking
+    now = time.time()
+    assert v.refusal(replica(ids[1], 1, ids[2]), now) == "not_own_peer_id"
+    assert v.refusal(replica(ids[2], 1, ids[2]), now) == "stage_not_allowed"
+    assert v.refusal(record(1, "", subkey=libp2p_peer_id(ids[1].key.sign_public)), now) == "unsigned"
+
+
+def test_a_dht_node_takes_an_identity_file_or_key_not_both():
+    from mapl_swarm.errors import ConfigError
+    from mapl_swarm.net.dht_node import start_dht
+
+    with pytest.raises(ConfigError, match="identity file or an identity key"):
+        start_dht(identity_path="id.key", identity_key=b"k")

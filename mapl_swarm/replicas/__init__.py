@@ -1,0 +1,11 @@
+"""Several peers per stage (replicas): the parts that do not depend on the peer runtime.
+
+* :mod:`.averaging` — members-only averaging among a stage's replicas through hivemind's
+  ``DecentralizedAverager`` (matchmaking, all-reduce and state download served to certified
+  replicas of the stage only);
+* :mod:`.state` — a stage's state as it travels to a joining replica (msgpack skeleton and
+  tensors, checked against the receiver's own state) and its digest;
+* :mod:`.assignment` — which global micro-batches each stage-0 replica feeds.
+
+The peer runtime does not route through replicas yet: a swarm still runs one peer per stage.
+"""

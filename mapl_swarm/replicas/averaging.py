@@ -1,0 +1,158 @@
+"""Members-only averaging among the replicas of one stage, through hivemind's ``DecentralizedAverager``.
+
+The replicas of stage k of a run share one averager prefix (:func:`~mapl_swarm.net.discovery.averaging_prefix`)
+and therefore hivemind's matchmaking key ``<prefix>.0b`` and state-download key
+``<prefix>.all_averagers``. hivemind 1.1.12's averager authorizes nobody: any process that reaches
+its p2p daemon can join matchmaking, contribute a part of the average or download the state. Here
+every averager RPC (``rpc_join_group``, ``rpc_aggregate_part``, ``rpc_download_state``) is served
+only to a **member**: a peer whose libp2p peer id is a subkey of the stage's ``all_averagers`` key.
+A certified DHT node accepts a record under that key only when the certificate it carries allows
+stage k and the subkey is the peer id of the certificate's own signing key
+(:class:`~mapl_swarm.net.dht_validation.CertifiedRecordValidator`, member keys), and libp2p proves a
+connection's peer id, so a member is a certified, unrevoked replica of this stage. A group that the
+leader assembled with anyone else is refused before a byte of this replica's tensors is sent.
+
+Every replica declares itself under ``all_averagers`` from its start (hivemind does, when it shares
+state), so a joining replica becomes a member as soon as its record is stored. The replica's DHT node
+must run with the identity derived from its peer key (:meth:`~mapl_swarm.net.identity.PeerKey.libp2p_private_key`;
+:class:`~mapl_swarm.net.discovery.Discovery` starts a certified peer's node so), and the averager
+forks a process: create it before ZeroMQ, the event loop and torch threads, as the DHT.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import time
+from collections.abc import Sequence
+from typing import Any, AsyncIterator, Callable  # typing's: hivemind reads the RPC hints by their _name
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import ValueWithExpiration
+
+from mapl_swarm.net.discovery import averaging_prefix, member_keys
+from mapl_swarm.replicas.state import StateMismatch, flatten_state, restore_like
+
+__all__ = ["StageAverager", "REFUSALS", "MEMBERS_CACHE_S"]
+
+logger = logging.getLogger(__name__)
+
+REFUSALS = ("join_group", "aggregate_part", "download_state", "group")
+"""What a stage averager refuses to a non-member: its three RPCs, and a group assembled with one."""
+STATE_KEY = "mapl_stage_state"
+"""The metadata key of a stage state in a download (hivemind's own metadata is a dict too)."""
+MEMBERS_CACHE_S = 1.0
+"""How long a read of the stage's members is reused before the DHT is asked again."""
+
+
+class StageAverager(DecentralizedAverager):
+    """The averager of one replica of ``stage`` in ``run_id``, serving members only (module docstring).
+
+    ``replicas``: how many replicas a step averages among (hivemind's ``target_group_size``: a
+    group forms as soon as that many are in, without waiting ``min_matchmaking_time`` out).
+    ``state``: the stage's whole state (:mod:`.state`), what :meth:`download_state` of a joining
+    replica receives. Everything else is hivemind's (``averaged_tensors``, ``dht``, ``start``,
+    ``step(weight=...)``)."""
+
+    def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: Any, *, run_id: str, stage: int,
+                 replicas: int, state: Callable[[], Any] | None = None, min_matchmaking_time: float = 2.0,
+                 request_timeout: float = 1.0, declare_state_period: float = 10.0, **kwargs: Any) -> None:
+        if replicas < 2:
+            raise ValueError(f"averaging needs at least 2 replicas, got {replicas}")
+        self.run_id, self.stage = run_id, stage
+        self._state = state
+        """What a joining replica downloads: the stage's state, read in this (the host) process."""
+        self._members_key = member_keys(run_id, stage)[1]
+        self._members: frozenset[PeerID] = frozenset()
+        self._members_read = -float("inf")
+        self._refusals = mp.Array("q", len(REFUSALS))  # shared: the RPCs are served in the averager's process
+        self._refused_logged: set[tuple[str, PeerID]] = set()
+        super().__init__(averaged_tensors, dht, prefix=averaging_prefix(run_id, stage), target_group_size=replicas,
+                         min_group_size=2, initial_group_bits="", min_matchmaking_time=min_matchmaking_time,
+                         request_timeout=request_timeout, declare_state_period=declare_state_period,
+                         allow_state_sharing=True, **kwargs)
+
+    @property
+    def refused(self) -> dict[str, int]:
+        """Requests refused so far, by what was refused (:data:`REFUSALS`), in either process."""
+        return {name: int(self._refusals[i]) for i, name in enumerate(REFUSALS)}
+
+    # ------------------------------------------------------------------ membership
+    async def members(self, *, fresh: bool = False) -> frozenset[PeerID]:
+        """The stage's members: the peer ids under its ``all_averagers`` key (certified records only)."""
+        if fresh or time.monotonic() - self._members_read > MEMBERS_CACHE_S:
+            found = await self.dht.get(self._members_key, latest=True, return_future=True)
+            entries = found.value if isinstance(found, ValueWithExpiration) and isinstance(found.value, dict) else {}
+            self._members = frozenset(PeerID(sub) for sub, v in entries.items()
+                                      if isinstance(sub, bytes) and isinstance(v, ValueWithExpiration)
+                                      and isinstance(v.value, (int, float)) and not isinstance(v.value, bool))
+            self._members_read = time.monotonic()
+        return self._members
+
+    async def _is_member(self, peer: PeerID, rpc: str) -> bool:
+        if peer == self.peer_id or peer in await self.members() or peer in await self.members(fresh=True):
+            return True
+        with self._refusals.get_lock():
+            self._refusals[REFUSALS.index(rpc)] += 1
+        if (rpc, peer) not in self._refused_logged:
+            self._refused_logged.add((rpc, peer))
+            logger.warning("stage %d averaging: refused %s from %s, not a certified replica of this stage",
+                           self.stage, rpc, peer)
+        return False
+
+    # ------------------------------------------------------------------ hivemind RPCs, members only
+    async def rpc_join_group(self, request: averaging_pb2.JoinRequest,
+                             context: P2PContext) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if not await self._is_member(context.remote_id, "join_group"):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in super().rpc_join_group(request, context):
+            yield message
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData],
+                                 context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
+        if not await self._is_member(context.remote_id, "aggregate_part"):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in super().rpc_aggregate_part(stream, context):
+            yield message
+
+    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
+                                 context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+        if not await self._is_member(context.remote_id, "download_state"):
+            return  # an empty answer: hivemind's downloader moves on to the next peer
+        async for message in super().rpc_download_state(request, context):
+            yield message
+
+    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
+        strangers = [p for p in group_info.peer_ids if not await self._is_member(p, "group")]
+        if strangers:
+            raise MatchmakingException(f"a group with {len(strangers)} peer(s) that are no replicas of stage "
+                                         f"{self.stage}: {strangers}")
+        return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+
+    # ------------------------------------------------------------------ state download (a joining replica)
+    def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Any]:
+        """hivemind's hook, in the host process: the stage's state as a msgpack skeleton and tensors."""
+        if self._state is None:
+            return super().get_current_state()
+        skeleton, tensors = flatten_state(self._state())
+        return {STATE_KEY: skeleton}, tensors, None
+
+    def download_state(self, like: Any, *, timeout: float) -> Any | None:
+        """The stage's state from a live replica (a certified member: hivemind picks it among the
+        ``all_averagers`` subkeys), checked against ``like`` (this replica's own state:
+        :func:`~.state.restore_like`); None when no replica answered. A state that does not fit
+        raises :class:`~.state.StateMismatch`."""
+        got = self.load_state_from_peers(timeout=timeout)
+        if got is None:
+            return None
+        metadata, tensors = got
+        if not isinstance(metadata, dict) or STATE_KEY not in metadata:
+            raise StateMismatch("the replica sent no stage state")
+        return restore_like(metadata[STATE_KEY], tensors, like)

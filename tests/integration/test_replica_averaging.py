@@ -1,0 +1,130 @@
+"""Members-only averaging among a stage's replicas, on real hivemind DHT nodes and averagers.
+
+Two replicas certified for stage 1 average their tensors (weighted by samples, hivemind's
+all-reduce) and one downloads the other's stage state (checked against its own before use). A member certified for stage 2 and an outsider
+without a certificate both address the replicas' real averager RPCs directly — join the group,
+send a part, download the state — and run an averager of their own under stage 1's prefix: every
+request is refused and counted, their DHT records under stage 1's averaging keys are dropped by
+every certified node, and the replicas' average is exactly the two replicas'. One set of nodes for
+every check (DHT and averager starts are slow), all started from the main thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from typing import Any
+
+import pytest
+import torch
+
+from mapl_swarm.net.discovery import Discovery, TrustedAuthority, averaging_prefix, member_keys
+from mapl_swarm.net.identity import (
+    create_peer_key,
+    issue,
+    issue_local,
+    libp2p_peer_id,
+    load_identity,
+    make_request,
+    write_signed,
+)
+
+from test_dht_certified import config, stored_subkeys, with_bootstrap
+
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+
+RUN = "run.replicas"  # a run id with a '.', which hivemind's prefixes may not hold
+
+
+async def attack(target: bytes, prefix: str, _dht: Any, node: Any) -> dict[str, Any]:
+    """Runs inside the attacker's DHT process: every averager RPC of ``target`` addressed directly."""
+    from hivemind.p2p import PeerID
+    from hivemind.proto import averaging_pb2
+    from hivemind.utils.asyncio import as_aiter
+    from hivemind.utils.timed_storage import get_dht_time
+
+    from mapl_swarm.replicas.averaging import StageAverager
+
+    stub = StageAverager.get_stub(node.protocol.p2p, PeerID(target), namespace=prefix)
+    join = await stub.rpc_join_group(averaging_pb2.JoinRequest(schema_hash=b"x", expiration=get_dht_time() + 10))
+    part = await stub.rpc_aggregate_part(as_aiter(averaging_pb2.AveragingData(
+        code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"g")))
+    state = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+    return {"join": [m.code async for m in join], "part": [m.code async for m in part],
+            "state": [m async for m in state]}
+
+
+def scenario(bootstrap_dht: Any, maddrs: list[str], ids: list) -> None:
+    from hivemind.averaging.group_info import GroupInfo
+    from hivemind.averaging.matchmaking import MatchmakingException
+    from hivemind.proto import averaging_pb2
+
+    from mapl_swarm.replicas.averaging import StageAverager
+
+    replica_a, replica_b, member = ids
+    with Discovery(RUN, config(maddrs), membership=replica_a) as a, \
+            Discovery(RUN, config(maddrs), membership=replica_b) as b, \
+            Discovery(RUN, config(maddrs), membership=member) as m, \
+            Discovery(RUN, config(maddrs)) as outsider:
+        # a certified peer's DHT peer id derives from its certificate's signing key
+        assert a.dht.peer_id.to_bytes() == libp2p_peer_id(replica_a.body.sign_key)
+        tensors = {name: [torch.full((64,), value)] for name, value in
+                   (("a", 1.0), ("b", 3.0), ("m", 100.0), ("o", -100.0))}
+        averagers = {}
+        try:
+            weights = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)  # replica a's stage state
+            states = {"a": lambda: {"modules": {"w": weights}, "step": 5, "data": {"cursor": 40}}}
+            for name, disc in (("a", a), ("b", b), ("m", m), ("o", outsider)):
+                averagers[name] = StageAverager(tensors[name], disc.dht, run_id=RUN, stage=1, replicas=2,
+                                                state=states.get(name), start=True)
+            avg_a, avg_b = averagers["a"], averagers["b"]
+            prefix = averaging_prefix(RUN, 1)
+            for attacker in ("m", "o"):
+                got = averagers[attacker].dht.run_coroutine(
+                    functools.partial(attack, avg_a.peer_id.to_bytes(), prefix))
+                assert got == {"join": [averaging_pb2.PROTOCOL_VIOLATION], "part": [averaging_pb2.PROTOCOL_VIOLATION],
+                               "state": []}, (attacker, got)
+            assert avg_a.refused == {"join_group": 2, "aggregate_part": 2, "download_state": 2, "group": 0}
+
+            # a group a member's leader assembled with a stranger is refused before any tensor is sent
+            stranger = averagers["o"].peer_id
+            with pytest.raises(MatchmakingException, match="no replicas of stage 1"):
+                asyncio.run(avg_a._aggregate_with_group(GroupInfo(b"g", (avg_a.peer_id, stranger), (b"", b"")), 0))
+            assert avg_a.refused["group"] == 1
+
+            # the intruders' averagers also look for a group, while the replicas average
+            intruders = [averagers[x].step(weight=1.0, timeout=8, wait=False, allow_retries=False)
+                         for x in ("m", "o")]
+            steps = [avg_a.step(weight=1.0, timeout=30, wait=False), avg_b.step(weight=3.0, timeout=30, wait=False)]
+            groups = [s.result(timeout=40) for s in steps]
+            assert all(g is not None and set(g) == {avg_a.peer_id, avg_b.peer_id} for g in groups), groups
+            with avg_a.get_tensors() as ta, avg_b.get_tensors() as tb:
+                assert torch.equal(ta[0], tb[0])  # every replica holds the same bytes
+                assert torch.allclose(ta[0], torch.full((64,), 2.5))  # (1 * 1 + 3 * 3) / 4
+            for s in intruders:
+                with pytest.raises(Exception):
+                    s.result(timeout=20)
+
+            # a replica downloads another's stage state; certified nodes hold no intruder under stage 1's keys
+            like = {"modules": {"w": torch.zeros(3, 4, dtype=torch.bfloat16)}, "step": 0, "data": {"cursor": 0}}
+            got = avg_b.download_state(like, timeout=20)
+            assert torch.equal(got["modules"]["w"], weights) and (got["step"], got["data"]) == (5, {"cursor": 40})
+            held = bootstrap_dht.run_coroutine(functools.partial(stored_subkeys, member_keys(RUN, 1)[1]))
+            assert len(held) == 2, held  # the replicas' two records, no intruder's
+            members = a.dht.get(member_keys(RUN, 1)[1], latest=True).value
+            assert set(members) == {avg_a.peer_id.to_bytes(), avg_b.peer_id.to_bytes()}
+        finally:
+            for averager in averagers.values():
+                averager.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_only_certified_replicas_of_a_stage_average_and_share_state(tmp_path, monkeypatch) -> None:
+    local = issue_local(tmp_path / "ids", run_id=RUN, num_stages=3)
+    second = create_peer_key(tmp_path / "ids" / "stage1b.key")
+    write_signed(tmp_path / "ids" / "stage1b.cert",
+                 issue(local.authority, make_request(second, "stage1b", [1]), run_id=RUN, valid_s=3600))
+    ids = [load_identity(local.key_file(1), local.cert_file(1), run_id=RUN, stage=1),
+           load_identity(tmp_path / "ids" / "stage1b.key", tmp_path / "ids" / "stage1b.cert", run_id=RUN, stage=1),
+           load_identity(local.key_file(2), local.cert_file(2), run_id=RUN, stage=2)]
+    with_bootstrap(monkeypatch, TrustedAuthority(RUN, local.authority.public), functools.partial(scenario, ids=ids))
