@@ -10,7 +10,9 @@ A certified DHT node accepts a record under that key only when the certificate i
 stage k and the subkey is the peer id of the certificate's own signing key
 (:class:`~mapl_swarm.net.dht_validation.CertifiedRecordValidator`, member keys), and libp2p proves a
 connection's peer id, so a member is a certified, unrevoked replica of this stage. A group that the
-leader assembled with anyone else is refused before a byte of this replica's tensors is sent.
+leader assembled with anyone else is refused before a byte of this replica's tensors is sent. The
+all-reduce returns every member the averaged bytes (:mod:`.exact_allreduce`), so replicas that
+average the same gradients hold the same parameters, bit for bit.
 
 Every replica declares itself under ``all_averagers`` from its start (hivemind does, when it shares
 state), so a joining replica becomes a member as soon as its record is stored. The replica's DHT node
@@ -33,9 +35,11 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils import ValueWithExpiration
+from hivemind.utils import ValueWithExpiration, get_dht_time
+from hivemind.utils.asyncio import as_aiter, azip
 
 from mapl_swarm.net.discovery import averaging_prefix, member_keys
+from mapl_swarm.replicas.exact_allreduce import ExactAllReduceRunner
 from mapl_swarm.replicas.state import StateMismatch, flatten_state, restore_like
 
 __all__ = ["StageAverager", "REFUSALS", "MEMBERS_CACHE_S"]
@@ -135,6 +139,19 @@ class StageAverager(DecentralizedAverager):
             raise MatchmakingException(f"a group with {len(strangers)} peer(s) that are no replicas of stage "
                                          f"{self.stage}: {strangers}")
         return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+
+    async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
+                                      group_id: bytes | None = None, **kwargs: Any) -> None:
+        """hivemind's, with :class:`~.exact_allreduce.ExactAllReduceRunner`: every replica of the
+        group ends with the same bytes (hivemind's adds a difference back, which rounds)."""
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = ExactAllReduceRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
+                                      group_id=group_id, ordered_peer_ids=group_info.peer_ids, **kwargs)
+        self._running_groups[group_id].set_result(runner)
+        async for tensor, averaged in azip(as_aiter(*tensors), runner):
+            tensor.copy_(averaged)
+            self.last_updated = get_dht_time()
+            self._state_updated.set()
 
     # ------------------------------------------------------------------ state download (a joining replica)
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Any]:

@@ -1,0 +1,93 @@
+"""hivemind's all-reduce, returning every peer the averaged bytes themselves.
+
+hivemind 1.1.12's ``AllReduceRunner`` sends each peer the *difference* between a part's average
+and that peer's own part, which the peer adds back: ``x + (avg - x)`` is the average within a
+rounding, not its bytes, so two replicas would step from gradients that differ in the last bit and
+drift apart. :class:`ExactAllReduceRunner` changes the two places where hivemind subtracts (the
+part this peer reduces itself, and the answer to a peer's part) to send the average, and turns the
+part container's deltas off, so every peer of a group ends with the same bytes; a failed part
+keeps the peer's own values, as hivemind's zero delta does. The two methods are hivemind 1.1.12's
+with that one change (hivemind is pinned: ``pyproject.toml``); every peer of a group must run this
+runner (a stage's replicas all run :class:`~.averaging.StageAverager`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, AsyncIterator
+
+from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.partition import AllreduceException, BannedException
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
+
+__all__ = ["ExactAllReduceRunner"]
+
+logger = logging.getLogger(__name__)
+
+
+class ExactAllReduceRunner(AllReduceRunner):
+    """An ``AllReduceRunner`` whose output tensors are the averages (module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tensor_part_container.return_deltas = False  # outputs are averages; a failed part keeps its own
+
+    async def _communicate_with_peer(self, peer_id: PeerID) -> None:
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        if peer_id == self.peer_id:
+            sender_index = self.sender_peer_ids.index(peer_id)
+            for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+                averaged_part = await self.tensor_part_reducer.accumulate_part(
+                    sender_index, part_index, tensor_part, weight=self.weight)
+                self.tensor_part_container.register_processed_part(peer_index, part_index, averaged_part)
+            return
+        try:
+            done_sending = asyncio.Event()
+            inputs_aiter = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
+            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs_aiter)
+            if self.should_delay_results(self.peer_id):
+                await done_sending.wait()
+
+            def deserialize(msg: averaging_pb2.AveragingData) -> tuple[Any, averaging_pb2.AveragingData]:
+                if msg.code != averaging_pb2.AVERAGED_PART:
+                    raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
+                return deserialize_torch_tensor(msg.tensor_part), msg
+
+            part_index = 0
+            async for averaged, _msg in amap_in_executor(deserialize, aiter_with_timeout(stream, self.reducer_timeout),
+                                                         max_prefetch=self.tensor_part_container.prefetch):
+                self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
+                part_index += 1
+            if part_index != self.tensor_part_container.num_parts_by_peer[peer_index]:
+                raise AllreduceException(f"peer {peer_id} sent {part_index} parts, but we expected "
+                                         f"{self.tensor_part_container.num_parts_by_peer[peer_index]}")
+        except BaseException as e:
+            if isinstance(e, Exception):
+                logger.debug("all-reduce with %s failed: %r", peer_id, e, exc_info=True)
+            self.tensor_part_container.register_failed_reducer(peer_index)
+            raise
+
+    async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData],
+                                          sender_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        part_index = 0
+        try:
+            loop = asyncio.get_event_loop()
+            async for tensor_part, weight, part_compression in amap_in_executor(
+                    lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression),
+                    stream, max_prefetch=self.tensor_part_container.prefetch):
+                try:
+                    averaged_part = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, tensor_part, weight=weight)
+                    part_index += 1
+                except BannedException:
+                    break  # the sender was banned: its parts are no longer aggregated
+                serialized = await loop.run_in_executor(
+                    None, lambda: serialize_torch_tensor(averaged_part, part_compression))
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])

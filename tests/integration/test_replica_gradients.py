@@ -1,0 +1,111 @@
+"""Two replicas of each stage of a 2-stage MAPL pipeline, each replica pair feeding half of every
+step's global micro-batches, average their gradients through the real members-only hivemind
+averagers and step: every replica of a stage holds the same bytes after each step, and the
+replicated run equals one pipeline that processed the whole global batch (the learned projector
+included: each sender averages the projector gradient its receivers sent it, and every receiver
+installs the same next version)."""
+
+from __future__ import annotations
+
+import functools
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import torch
+
+from mapl_swarm.net.discovery import Discovery, TrustedAuthority
+from mapl_swarm.net.identity import create_peer_key, issue, issue_local, load_identity, make_request, write_signed
+from mapl_swarm.pipeline.stage import StageRuntime
+from mapl_swarm.replicas.assignment import replica_share
+
+from conftest import micro_config
+from test_dht_certified import config, with_bootstrap
+
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+
+RUN = "run-replica-grads"
+M, STEPS = 4, 2
+
+
+def pipeline_pass(first: StageRuntime, last: StageRuntime, batches: list[torch.Tensor]) -> list[float]:
+    """Forward and backward of ``batches`` through one pipeline; the PROJ_GRAD to the sender."""
+    losses = []
+    for micro, ids in enumerate(batches):
+        out = last.forward(micro, payload=first.forward(micro, ids=ids).payload)
+        losses.append(float(out.loss))
+        first.backward(micro, last.backward(micro))
+    g = last.take_inbound_projector_grad()
+    if g is not None:
+        first.add_outbound_projector_grad(g)
+    return losses
+
+
+def install_projector(first: StageRuntime, receivers: list[StageRuntime]) -> None:
+    proj = first.outbound_projector()
+    for r in receivers:
+        r.load_inbound_projector(*proj)
+
+
+def params(rt: StageRuntime) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in rt.optimized_parameters()]
+
+
+def scenario(_bootstrap: Any, maddrs: list[str], ids: dict) -> None:
+    from mapl_swarm.replicas.gradients import ReplicaGradients
+
+    cfg = micro_config(pipeline={"num_stages": 2, "micro_batch_size": 2, "num_micro_batches": M},
+                       compression={"codec": "mapl"})
+    gen = torch.Generator().manual_seed(3)
+    data = [[torch.randint(0, 256, (2, 17), generator=gen) for _ in range(M)] for _ in range(STEPS)]
+    ref = (StageRuntime(cfg, 0), StageRuntime(cfg, 1))
+    pairs = [(StageRuntime(cfg, 0), StageRuntime(cfg, 1)) for _ in range(2)]
+    discs = {key: Discovery(RUN, config(maddrs), membership=ident).start() for key, ident in ids.items()}
+    grads = {}
+    try:
+        for (stage, r), disc in discs.items():
+            grads[stage, r] = ReplicaGradients(pairs[r][stage], disc.dht, run_id=RUN, replicas=2)
+        with ThreadPoolExecutor(4) as pool:
+            for step in range(STEPS):
+                ref_losses = pipeline_pass(*ref, data[step])
+                for rt in ref:
+                    rt.step()
+                install_projector(ref[0], [ref[1]])
+
+                losses = []
+                for r, (first, last) in enumerate(pairs):
+                    share = replica_share(step, M, r, 2)
+                    losses += pipeline_pass(first, last, [data[step][g - step * M] for g in share])
+                assert losses == pytest.approx(ref_losses, rel=1e-6)  # same parameters, same micro-batches
+                rounds = list(pool.map(lambda key: grads[key].average(M // 2, timeout=60), grads))
+                assert all(x.group_size == 2 and x.in_sync for x in rounds), rounds
+                for first, last in pairs:
+                    first.step()
+                    last.step()
+                install_projector(pairs[0][0], [last for _, last in pairs])
+
+                for stage in (0, 1):
+                    a, b = params(pairs[0][stage]), params(pairs[1][stage])
+                    assert all(torch.equal(x, y) for x, y in zip(a, b)), f"stage {stage} replicas differ"
+                    for x, y in zip(a, params(ref[stage])):
+                        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+                assert pairs[0][0].outbound.version == ref[0].outbound.version == step + 1
+    finally:
+        for g in grads.values():
+            g.shutdown()
+        for disc in discs.values():
+            disc.close()
+
+
+@pytest.mark.timeout(240)
+def test_replicas_average_to_the_global_batch_step_and_stay_bitwise_equal(tmp_path, monkeypatch) -> None:
+    local = issue_local(tmp_path / "ids", run_id=RUN, num_stages=2)
+    ids = {}
+    for stage in (0, 1):
+        ids[stage, 0] = load_identity(local.key_file(stage), local.cert_file(stage), run_id=RUN, stage=stage)
+        key = create_peer_key(tmp_path / "ids" / f"stage{stage}b.key")
+        write_signed(tmp_path / "ids" / f"stage{stage}b.cert",
+                     issue(local.authority, make_request(key, f"stage{stage}b", [stage]), run_id=RUN, valid_s=3600))
+        ids[stage, 1] = load_identity(tmp_path / "ids" / f"stage{stage}b.key", tmp_path / "ids" / f"stage{stage}b.cert",
+                                      run_id=RUN, stage=stage)
+    with_bootstrap(monkeypatch, TrustedAuthority(RUN, local.authority.public), functools.partial(scenario, ids=ids))
