@@ -1,9 +1,11 @@
-"""Two replicas of each stage of a 2-stage MAPL pipeline, each replica pair feeding half of every
+"""Replicas of each stage of a 2-stage MAPL pipeline, each replica pair feeding its share of every
 step's global micro-batches, average their gradients through the real members-only hivemind
 averagers and step: every replica of a stage holds the same bytes after each step, and the
 replicated run equals one pipeline that processed the whole global batch (the learned projector
 included: each sender averages the projector gradient its receivers sent it, and every receiver
-installs the same next version)."""
+installs the same next version). Two pairs train two steps; then a third replica of each stage
+joins, downloads its stage's state from a live replica (parameters, optimizer, projector
+versions, step), and from its first step holds the others' bytes."""
 
 from __future__ import annotations
 
@@ -51,45 +53,65 @@ def params(rt: StageRuntime) -> list[torch.Tensor]:
     return [p.detach().clone() for p in rt.optimized_parameters()]
 
 
+def train_step(step: int, pairs: list, grads: dict, pool: ThreadPoolExecutor, batches: list[torch.Tensor]) -> list[float]:
+    """One step of the replicated pipeline: pair r feeds its share of the global micro-batches, every
+    stage's replicas average, every replica steps, every receiver installs the sender's projector."""
+    losses = []
+    for r, (first, last) in enumerate(pairs):
+        share = replica_share(step, M, r, len(pairs))
+        losses += pipeline_pass(first, last, [batches[g - step * M] for g in share])
+    rounds = list(pool.map(lambda key: grads[key].average(len(replica_share(step, M, key[1], len(pairs))),
+                                                          timeout=60), grads))
+    assert all(x.group_size == len(pairs) and x.in_sync for x in rounds), rounds
+    for first, last in pairs:
+        first.step()
+        last.step()
+    install_projector(pairs[0][0], [last for _, last in pairs])
+    return losses
+
+
 def scenario(_bootstrap: Any, maddrs: list[str], ids: dict) -> None:
     from mapl_swarm.replicas.gradients import ReplicaGradients
+    from mapl_swarm.replicas.state import prime_optimizers, state_digest
 
     cfg = micro_config(pipeline={"num_stages": 2, "micro_batch_size": 2, "num_micro_batches": M},
                        compression={"codec": "mapl"})
     gen = torch.Generator().manual_seed(3)
-    data = [[torch.randint(0, 256, (2, 17), generator=gen) for _ in range(M)] for _ in range(STEPS)]
+    data = [[torch.randint(0, 256, (2, 17), generator=gen) for _ in range(M)] for _ in range(STEPS + 1)]
     ref = (StageRuntime(cfg, 0), StageRuntime(cfg, 1))
-    pairs = [(StageRuntime(cfg, 0), StageRuntime(cfg, 1)) for _ in range(2)]
+    pairs = [(StageRuntime(cfg, 0), StageRuntime(cfg, 1)) for _ in range(3)]
     discs = {key: Discovery(RUN, config(maddrs), membership=ident).start() for key, ident in ids.items()}
     grads = {}
     try:
+        # the first two pairs' averagers start before any thread; the joining pair's later, as a joiner's would
         for (stage, r), disc in discs.items():
-            grads[stage, r] = ReplicaGradients(pairs[r][stage], disc.dht, run_id=RUN, replicas=2)
-        with ThreadPoolExecutor(4) as pool:
-            for step in range(STEPS):
+            if r < 2:
+                grads[stage, r] = ReplicaGradients(pairs[r][stage], disc.dht, run_id=RUN, replicas=3)
+        with ThreadPoolExecutor(6) as pool:
+            for step in range(STEPS + 1):
                 ref_losses = pipeline_pass(*ref, data[step])
                 for rt in ref:
                     rt.step()
                 install_projector(ref[0], [ref[1]])
-
-                losses = []
-                for r, (first, last) in enumerate(pairs):
-                    share = replica_share(step, M, r, 2)
-                    losses += pipeline_pass(first, last, [data[step][g - step * M] for g in share])
-                assert losses == pytest.approx(ref_losses, rel=1e-6)  # same parameters, same micro-batches
-                rounds = list(pool.map(lambda key: grads[key].average(M // 2, timeout=60), grads))
-                assert all(x.group_size == 2 and x.in_sync for x in rounds), rounds
-                for first, last in pairs:
-                    first.step()
-                    last.step()
-                install_projector(pairs[0][0], [last for _, last in pairs])
-
+                if step == STEPS:  # a third replica of each stage joins: it downloads its stage's state
+                    for stage in (0, 1):
+                        joiner = pairs[2][stage]
+                        grads[stage, 2] = ReplicaGradients(joiner, discs[stage, 2].dht, run_id=RUN, replicas=3)
+                        prime_optimizers(joiner.optimizers)
+                        joiner.load_state_dict(grads[stage, 2].averager.download_state(joiner.state_dict(), timeout=20))
+                        assert state_digest(joiner.modules.state_dict()) == state_digest(
+                            pairs[0][stage].modules.state_dict())
+                live = pairs if step == STEPS else pairs[:2]
+                losses = train_step(step, live, grads, pool, data[step])
+                assert losses == pytest.approx(ref_losses, rel=1e-5)  # the global batch, split among the pairs
                 for stage in (0, 1):
-                    a, b = params(pairs[0][stage]), params(pairs[1][stage])
-                    assert all(torch.equal(x, y) for x, y in zip(a, b)), f"stage {stage} replicas differ"
-                    for x, y in zip(a, params(ref[stage])):
+                    first = params(live[0][stage])
+                    for other in live[1:]:
+                        assert all(torch.equal(x, y) for x, y in zip(first, params(other[stage]))), \
+                            f"step {step}: stage {stage} replicas differ"
+                    for x, y in zip(first, params(ref[stage])):
                         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
-                assert pairs[0][0].outbound.version == ref[0].outbound.version == step + 1
+                assert live[-1][0].outbound.version == ref[0].outbound.version == step + 1
     finally:
         for g in grads.values():
             g.shutdown()
@@ -98,14 +120,15 @@ def scenario(_bootstrap: Any, maddrs: list[str], ids: dict) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_replicas_average_to_the_global_batch_step_and_stay_bitwise_equal(tmp_path, monkeypatch) -> None:
+def test_replicas_average_to_the_global_batch_step_stay_bitwise_equal_and_a_joiner_catches_up(tmp_path, monkeypatch) -> None:
     local = issue_local(tmp_path / "ids", run_id=RUN, num_stages=2)
     ids = {}
     for stage in (0, 1):
         ids[stage, 0] = load_identity(local.key_file(stage), local.cert_file(stage), run_id=RUN, stage=stage)
-        key = create_peer_key(tmp_path / "ids" / f"stage{stage}b.key")
-        write_signed(tmp_path / "ids" / f"stage{stage}b.cert",
-                     issue(local.authority, make_request(key, f"stage{stage}b", [stage]), run_id=RUN, valid_s=3600))
-        ids[stage, 1] = load_identity(tmp_path / "ids" / f"stage{stage}b.key", tmp_path / "ids" / f"stage{stage}b.cert",
-                                      run_id=RUN, stage=stage)
+        for r in (1, 2):
+            name = tmp_path / "ids" / f"stage{stage}r{r}"
+            key = create_peer_key(name.with_suffix(".key"))
+            write_signed(name.with_suffix(".cert"), issue(local.authority, make_request(key, name.name, [stage]),
+                                                          run_id=RUN, valid_s=3600))
+            ids[stage, r] = load_identity(name.with_suffix(".key"), name.with_suffix(".cert"), run_id=RUN, stage=stage)
     with_bootstrap(monkeypatch, TrustedAuthority(RUN, local.authority.public), functools.partial(scenario, ids=ids))
