@@ -46,6 +46,7 @@ from mapl_swarm.net.identity import (
     verify_request,
     verify_revocations,
 )
+from mapl_swarm.wire.golden.vectors import json_value
 
 __all__ = ["build_manifest", "check_manifest", "main"]
 
@@ -65,19 +66,8 @@ SUBKEY = msgpack.packb("12D3KooWVectorPeerOne", use_bin_type=True)
 EXPIRATION = NOW + 30.5
 
 
-def _json(value: Any) -> Any:
-    """JSON form of a decoded msgpack value: bytes as ``{"bin": hex}``."""
-    if isinstance(value, bytes):
-        return {"bin": value.hex()}
-    if isinstance(value, dict):
-        return {k: _json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json(v) for v in value]
-    return value
-
-
 def _fields(body: Any) -> dict[str, Any]:
-    return {name: _json(getattr(body, name)) for name in body.__dataclass_fields__}
+    return {name: json_value(getattr(body, name)) for name in body.__dataclass_fields__}
 
 
 def _keys() -> dict[str, Any]:

@@ -38,6 +38,7 @@ __all__ = [
     "pack_container",
     "unpack_container",
     "summarize",
+    "json_value",
     "build_manifest",
     "write_vectors",
     "check_entry",
@@ -69,13 +70,14 @@ def unpack_container(data: bytes) -> list[bytes]:
     return frames
 
 
-def _json(v: Any) -> Any:
+def json_value(v: Any) -> Any:
+    """JSON form of a decoded msgpack value: bytes as ``{"bin": hex}`` (every vector manifest's)."""
     if isinstance(v, bytes):
         return {"bin": v.hex()}
     if isinstance(v, dict):
-        return {k: _json(x) for k, x in v.items()}
+        return {k: json_value(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
-        return [_json(x) for x in v]
+        return [json_value(x) for x in v]
     return v
 
 
@@ -94,7 +96,7 @@ def summarize(msg: Message) -> dict[str, Any]:
         "pver": msg.pver,
         "cver": msg.cver,
         **({"epoch": msg.epoch} if msg.epoch else {}),  # absent means 0, as on the wire
-        "meta": _json(msg.meta),
+        "meta": json_value(msg.meta),
         "tensors": [
             {
                 "name": name,
