@@ -210,8 +210,8 @@ def start_dht(*, host: str = "0.0.0.0", port: int = 0, announce_host: str | None
         where += f" with identity {identity_path}"
     if identity_key is not None:
         with _identity_file(identity_key) as path:
-            # hivemind's check that an identity is free reads only RSA keys; a certified peer's key
-            # is its own (a second process holding it is refused at every handshake anyway)
+            # hivemind's check that an identity is free reads only RSA keys (and a certified peer's
+            # key is its own: no other peer can hold its id)
             return _start(node_class, peers, dict(kwargs, identity_path=path, check_if_identity_free=False),
                           where, timeout_s, shutdown_timeout_s)
     return _start(node_class, peers, kwargs, where, timeout_s, shutdown_timeout_s)

@@ -55,8 +55,8 @@ from mapl_swarm.net.errors import DiscoveryError, DiscoveryTimeoutError
 from mapl_swarm.net.identity import PeerIdentity
 from mapl_swarm.procs import wait_for_signal
 
-__all__ = ["DiscoveryConfig", "Discovery", "start_dht", "run_bootstrap_node", "host_maddr", "stage_key", "averaging_prefix", "member_keys",
-           "dht_validators", "TrustedAuthority", "MAX_STAGES", "MAX_TTL_S"]
+__all__ = ["DiscoveryConfig", "Discovery", "start_dht", "run_bootstrap_node", "host_maddr", "stage_key",
+           "averaging_prefix", "member_keys", "dht_validators", "TrustedAuthority", "MAX_STAGES", "MAX_TTL_S"]
 
 logger = logging.getLogger(__name__)
 
