@@ -51,6 +51,9 @@ REFUSALS = ("join_group", "aggregate_part", "download_state", "group")
 STATE_KEY = "mapl_stage_state"
 """The metadata key of a stage state in a download (hivemind's own metadata is a dict too)."""
 MEMBERS_CACHE_S = 1.0
+MEMBERS_REREAD_S = 0.2
+"""A request from an unknown peer reads the members again, at most this often (a stranger's flood
+of requests costs no more DHT reads than that)."""
 """How long a read of the stage's members is reused before the DHT is asked again."""
 
 
@@ -88,8 +91,10 @@ class StageAverager(DecentralizedAverager):
 
     # ------------------------------------------------------------------ membership
     async def members(self, *, fresh: bool = False) -> frozenset[PeerID]:
-        """The stage's members: the peer ids under its ``all_averagers`` key (certified records only)."""
-        if fresh or time.monotonic() - self._members_read > MEMBERS_CACHE_S:
+        """The stage's members: the peer ids under its ``all_averagers`` key (certified records only),
+        read again after :data:`MEMBERS_CACHE_S` (``fresh``: after :data:`MEMBERS_REREAD_S`)."""
+        age = time.monotonic() - self._members_read
+        if age > MEMBERS_CACHE_S or (fresh and age > MEMBERS_REREAD_S):
             found = await self.dht.get(self._members_key, latest=True, return_future=True)
             entries = found.value if isinstance(found, ValueWithExpiration) and isinstance(found.value, dict) else {}
             self._members = frozenset(PeerID(sub) for sub, v in entries.items()
@@ -104,6 +109,8 @@ class StageAverager(DecentralizedAverager):
         with self._refusals.get_lock():
             self._refusals[REFUSALS.index(rpc)] += 1
         if (rpc, peer) not in self._refused_logged:
+            if len(self._refused_logged) >= 1024:
+                self._refused_logged.clear()  # bounded memory: a stranger may be logged twice
             self._refused_logged.add((rpc, peer))
             logger.warning("stage %d averaging: refused %s from %s, not a certified replica of this stage",
                            self.stage, rpc, peer)
