@@ -26,6 +26,7 @@ from typing import Any
 
 import msgpack
 
+from mapl_swarm.errors import ConfigError
 from mapl_swarm.net.discovery import member_keys, stage_key
 from mapl_swarm.net.identity import (
     CERTIFICATE_HEADER,
@@ -238,12 +239,13 @@ def _record(*, stage: int = 1, peer: PeerKey = PEERS[1], cert: Signed | None = N
     from mapl_swarm.net.dht_validation import dht_key_id, record_message
 
     cert = certificate_of(stage, peer) if cert is None else cert
-    k = dht_key_id(stage_key(RUN, stage) if key is None else key)
+    key = stage_key(RUN, stage) if key is None else key
+    k = dht_key_id(key)
     v = value if isinstance(value, bytes) else msgpack.packb(_contact(peer) if value is None else value,
                                                              use_bin_type=True)
     enc = cert.encode()
     sig = (signer or peer).sign(record_message(k, subkey, v, expiration))
-    return {"key_string": stage_key(RUN, stage) if key is None else key, "key": k.hex(), "subkey": subkey.hex(),
+    return {"key_string": key, "key": k.hex(), "subkey": subkey.hex(),
             "value": v.hex(), "expiration_time": expiration,
             "stored": (v + enc + struct.pack(">H", len(enc)) + sig).hex()}
 
@@ -365,7 +367,11 @@ def check_manifest(root: Path) -> list[str]:
                                 ("revocations", "revocations", lambda s, e: verify_revocations(
                                     s, authority=bytes.fromhex(e["check"]["authority"]), run_id=e["check"]["run"]))):
         for e in stored[group]:
-            signed = parse_signed(e["file"], kind, source=e["name"])
+            try:
+                signed = parse_signed(e["file"], kind, source=f"{group}/{e['name']}")
+            except ConfigError as exc:
+                problems.append(str(exc))
+                continue
             got = _outcome(lambda: verify(signed, e))
             if got["outcome"] != e["outcome"] or got.get("body") != e.get("body"):
                 problems.append(f"{group}/{e['name']}: expected {e['outcome']}, the reference gives {got['outcome']}")
