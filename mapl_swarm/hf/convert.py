@@ -13,16 +13,35 @@ from __future__ import annotations
 import logging
 
 import torch
-from transformers import LlamaForCausalLM, PreTrainedModel
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
-from mapl_swarm.config import TrainConfig
+from mapl_swarm.config import ModelConfig, TrainConfig
 from mapl_swarm.hf.modeling import MaplConfig, MaplForCausalLM
-from mapl_swarm.model.stage import llama_config
 from mapl_swarm.pipeline.inprocess import InProcessPipeline
 
 log = logging.getLogger(__name__)
 
-__all__ = ["to_hf_model", "exports_plain_llama", "maplconfig_of"]
+__all__ = ["to_hf_model", "exports_plain_llama", "maplconfig_of", "llama_config"]
+
+
+def llama_config(cfg: ModelConfig) -> LlamaConfig:
+    """The transformers LlamaConfig of our model shape (sdpa attention, no bias, untied head)."""
+    lc = LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.ffn_hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.kv_heads,
+        max_position_embeddings=cfg.context_length,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=False,
+    )
+    lc._attn_implementation = "sdpa"
+    return lc
 
 
 def exports_plain_llama(pipe: InProcessPipeline) -> bool:

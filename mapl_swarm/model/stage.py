@@ -1,51 +1,24 @@
-"""One pipeline stage of a LLaMA-style decoder, built from transformers' Llama components.
+"""One pipeline stage of a LLaMA-style decoder.
 
-Stage 0 owns the token embedding, every stage owns a contiguous slice of ``LlamaDecoderLayer``s
-(with their global layer indices) and a rotary embedding, and the last stage owns the final RMSNorm and
-the lm_head. Weights are initialised from generators keyed by the *global* layer index, so the
-same seed gives the same model whatever the partition (P=1 equals P=4 weight for weight).
-
-Contract relied on (transformers >= 5.17, tested in tests/unit/test_model.py):
-``LlamaDecoderLayer(config, layer_idx)(hidden, attention_mask=None, position_embeddings=(cos, sin))``
-returns a tensor and is causal with the sdpa implementation when no mask is given.
+Stage 0 owns the token embedding, every stage owns a contiguous slice of decoder layers
+(:class:`~.llama.DecoderLayer`, transformers' ``LlamaDecoderLayer`` written out; with their
+global layer indices) and a rotary embedding, and the last stage owns the final RMSNorm and the
+lm_head. Weights are initialised from generators keyed by the *global* layer index, so the same
+seed gives the same model whatever the partition (P=1 equals P=4 weight for weight). Parameter
+names are transformers' Llama names, which the export (:mod:`mapl_swarm.hf`) relies on.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import (
-    LlamaDecoderLayer,
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
-)
 
 from mapl_swarm.config import ModelConfig
+from mapl_swarm.model.llama import DecoderLayer, RMSNorm, RotaryEmbedding
 from mapl_swarm.model.partition import partition_layers
 from mapl_swarm.rng import generator
 
-__all__ = ["StageModel", "llama_config"]
-
-
-def llama_config(cfg: ModelConfig) -> LlamaConfig:
-    """The transformers LlamaConfig for our model shape (sdpa attention, no bias, untied head)."""
-    lc = LlamaConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.ffn_hidden_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.kv_heads,
-        max_position_embeddings=cfg.context_length,
-        rms_norm_eps=cfg.rms_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-        attention_bias=False,
-        mlp_bias=False,
-        tie_word_embeddings=False,
-    )
-    lc._attn_implementation = "sdpa"
-    return lc
+__all__ = ["StageModel"]
 
 
 def _init_normal_(module: nn.Module, std: float, gen: torch.Generator) -> None:
@@ -67,21 +40,20 @@ class StageModel(nn.Module):
         self.is_first = stage == 0
         self.is_last = stage == num_stages - 1
         self.layer_range = partition_layers(cfg.num_layers, num_stages)[stage]
-        lc = llama_config(cfg)
         self.embed_tokens: nn.Embedding | None = None
         if self.is_first:
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
             _init_normal_(self.embed_tokens, cfg.init_std, generator(seed, "embed"))
         self.layers = nn.ModuleList()
         for i in self.layer_range:
-            layer = LlamaDecoderLayer(lc, layer_idx=i)
+            layer = DecoderLayer(cfg, layer_idx=i)
             _init_normal_(layer, cfg.init_std, generator(seed, "layer", i))
             self.layers.append(layer)
-        self.rotary = LlamaRotaryEmbedding(lc)
-        self.norm: LlamaRMSNorm | None = None
+        self.rotary = RotaryEmbedding(cfg)
+        self.norm: RMSNorm | None = None
         self.lm_head: nn.Linear | None = None
         if self.is_last:
-            self.norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+            self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
             _init_normal_(self.lm_head, cfg.init_std, generator(seed, "lm_head"))
 
@@ -96,7 +68,7 @@ class StageModel(nn.Module):
         position_ids = torch.arange(seq_len, device=x.device).unsqueeze(0)  # (1, T)
         pos_emb = self.rotary(x, position_ids)
         for layer in self.layers:
-            x = layer(x, attention_mask=None, position_embeddings=pos_emb)
+            x = layer(x, pos_emb)
         return x
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,14 @@
-"""Stage construction, partition, and the transformers decoder-layer contract we rely on."""
+"""Stage construction, partition, and our decoder blocks against transformers' Llama ones."""
 
 import pytest
 import torch
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from mapl_swarm.config import ModelConfig
 from mapl_swarm.errors import ConfigError
-from mapl_swarm.model import StageModel, llama_config, partition_layers
+from mapl_swarm.hf.convert import llama_config
+from mapl_swarm.model import StageModel, partition_layers
+from mapl_swarm.model.llama import DecoderLayer, RMSNorm, RotaryEmbedding
 
 SMALL = ModelConfig(vocab_size=128, hidden_size=32, num_layers=4, num_heads=4, ffn_hidden_size=64,
                     context_length=12)
@@ -40,6 +42,39 @@ def test_decoder_layer_contract_returns_causal_tensor():
     out2 = layer(x2, attention_mask=None, position_embeddings=pos)
     torch.testing.assert_close(out[:, :7], out2[:, :7])
     assert not torch.allclose(out[:, 7:], out2[:, 7:])
+
+
+@pytest.mark.parametrize("kv_heads", [0, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_our_decoder_blocks_compute_transformers_bits(kv_heads, autocast):
+    """model.llama's layer, norm and rotary embedding equal transformers' Llama ones bit for bit:
+    the same RNG draws at construction, the same parameter names, the same forward output and the
+    same gradients of the input and of every weight (fp32, and bf16 autocast on the CPU)."""
+    cfg = ModelConfig(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=kv_heads,
+                      ffn_hidden_size=64, context_length=12)
+    lc = llama_config(cfg)
+    torch.manual_seed(5)
+    theirs = [LlamaDecoderLayer(lc, layer_idx=1), LlamaRMSNorm(32, eps=cfg.rms_norm_eps)]
+    after_theirs = torch.get_rng_state()
+    torch.manual_seed(5)
+    ours = [DecoderLayer(cfg, layer_idx=1), RMSNorm(32, eps=cfg.rms_norm_eps)]
+    assert torch.equal(torch.get_rng_state(), after_theirs)  # the same construction draws
+    for a, b in zip(theirs, ours):
+        assert list(dict(a.named_parameters())) == list(dict(b.named_parameters()))
+        b.load_state_dict(a.state_dict())
+    x = torch.randn(2, 10, 32)
+    runs = []
+    for (layer, norm), rot in ((theirs, LlamaRotaryEmbedding(lc)), (ours, RotaryEmbedding(cfg))):
+        xi = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            pos = rot(xi, torch.arange(10).unsqueeze(0))
+            out = layer(xi, attention_mask=None, position_embeddings=pos) if layer is theirs[0] else layer(xi, pos)
+            y = norm(out).float()
+        y.pow(2).sum().backward()
+        runs.append((y.detach(), xi.grad, [p.grad for p in (*layer.parameters(), *norm.parameters())]))
+    (y_t, gx_t, gp_t), (y_o, gx_o, gp_o) = runs
+    assert torch.equal(y_t, y_o) and torch.equal(gx_t, gx_o)
+    assert all(torch.equal(a, b) for a, b in zip(gp_t, gp_o, strict=True))
 
 
 def test_stage_owns_embedding_and_head():
