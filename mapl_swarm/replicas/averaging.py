@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import signal
 import time
 from collections.abc import Sequence
 from typing import Any, AsyncIterator, Callable  # typing's: hivemind reads the RPC hints by their _name
@@ -83,6 +84,20 @@ class StageAverager(DecentralizedAverager):
                          min_group_size=2, initial_group_bits="", min_matchmaking_time=min_matchmaking_time,
                          request_timeout=request_timeout, declare_state_period=declare_state_period,
                          allow_state_sharing=True, **kwargs)
+
+    def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
+        """hivemind's, minus its side effect on this process: hivemind 1.1.12 sets SIGINT to
+        ``SIG_IGN`` in the *calling* process before it forks the averager (meaning the child), which
+        would leave the host peer deaf to Ctrl-C and every process it starts later ignoring SIGINT
+        (Python installs no KeyboardInterrupt handler in a process started with SIGINT ignored).
+        The averager process still starts with SIGINT ignored; this one gets its handler back."""
+        previous = signal.getsignal(signal.SIGINT)
+        try:
+            super().run_in_background(await_ready=False)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        if await_ready:
+            self.wait_until_ready(timeout)
 
     @property
     def refused(self) -> dict[str, int]:
