@@ -6,8 +6,8 @@ codebooks, step, data cursor: whatever the stage's ``state_dict`` holds) from a 
 metadata object and tensors in its own protobuf form, never pickle; :func:`flatten_state` splits a
 nested state into those two and :func:`restore_like` rebuilds it only after checking it against
 the receiver's own state: the same tree (keys, list lengths, kinds of value), every tensor of the
-same dtype and shape, and finite. So a replica takes nothing from the network that its own model
-and optimizer could not hold; values themselves cannot be checked (a replica of the stage is
+same dtype and shape, and finite; each tensor is rebuilt in the memory layout of the receiver's.
+So a replica takes nothing from the network that its own model and optimizer could not hold; values themselves cannot be checked (a replica of the stage is
 trusted with them, as with its gradients). :func:`state_digest` is what replicas compare to know
 they hold the same parameters.
 
@@ -79,7 +79,10 @@ def restore_like(skeleton: Any, tensors: Sequence[Any], like: Any) -> Any:
                 raise StateMismatch(f"{where}: {got}, this replica holds {ref.dtype} {tuple(ref.shape)}")
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise StateMismatch(f"{where}: not finite")
-            return t
+            # the receiver's memory layout too: a tensor travels contiguous, and the same values in
+            # another layout (SPEL's momentum is laid out as its transposed projector) take other
+            # matmul paths, so the replica would step to other bits
+            return torch.empty_like(ref, device="cpu").copy_(t) if t.stride() != ref.stride() else t
         if isinstance(ref, dict):
             if tag != "d" or not isinstance(payload, list) or not all(isinstance(p, list) and len(p) == 2
                                                                       for p in payload):
