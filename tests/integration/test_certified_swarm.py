@@ -35,7 +35,9 @@ def test_a_member_serves_only_its_stage_a_revoked_one_is_cut_off_and_a_key_rotat
     write_signed(lists, revoke(local.authority, [], run_id=RUN, now=1000))
     config = write_config(tmp_path / "c.toml", stages=2, steps=400, cache=tmp_path / "cache", out=tmp_path / "out",
                           run_id=RUN, timeout=120)
-    config.write_text(config.read_text() + "[runtime]\nthreads = 1\n[checkpoint]\ninterval_steps = 2\n")
+    config.write_text(config.read_text().replace("[net]\n", "[net]\nheartbeat_interval_s = 0.5\nliveness_floor_s = 3\n")
+                      + "[runtime]\nthreads = 1\n[checkpoint]\ninterval_steps = 2\n")  # a short liveness floor: the
+    # revoked peer, cut off without a word, notices sooner that it lost stage 0
 
     # a member certified for stage 1 only, trying to serve stage 0: refused before any work
     member = create_peer_key(tmp_path / "member.key")

@@ -41,7 +41,9 @@ def test_a_replacement_started_wrongly_is_told_how_and_nothing_is_lost(tmp_path)
     shared, host1, fresh = tmp_path / "hosts02", tmp_path / "host1", tmp_path / "fresh-host1"
     path = write_config(tmp_path / "faults.toml", stages=3, steps=steps, cache=tmp_path / "cache", out=shared,
                         run_id="faults", timeout=60)
-    path.write_text(path.read_text().replace("[net]\n", "[net]\nrejoin_timeout_s = 120\nhello_retry_s = 2\n")
+    # a short liveness floor (the default 10 s is the liveness tests' business): the kill is noticed sooner
+    path.write_text(path.read_text().replace("[net]\n", "[net]\nrejoin_timeout_s = 120\nhello_retry_s = 2\n"
+                                                         "heartbeat_interval_s = 0.5\nliveness_floor_s = 3\n")
                     + "\n[checkpoint]\ninterval_steps = 3\n")
     dht, maddr = start_dht(path)
     survivors = [_peer(path, maddr, 0, shared), _peer(path, maddr, 2, shared)]

@@ -164,7 +164,7 @@ class FakeTransport:
 def swarm_config(**sections):
     base = {"pipeline": {"num_stages": 2, "micro_batch_size": 2, "num_micro_batches": 2},
             "run": {"steps": 3, "run_id": "mem"}, "eval": {"interval_steps": 0, "batches": 1},
-            "net": {"timeout_s": 30.0, "heartbeat_interval_s": 0.02}}
+            "net": {"timeout_s": 30.0, "heartbeat_interval_s": 0.02, "liveness_floor_s": 2.0, "hello_retry_s": 1.0}}
     for name, values in sections.items():
         base.setdefault(name, {}).update(values)
     return micro_config(**base)
