@@ -70,16 +70,17 @@ def scenario(bootstrap_dht: Any, maddrs: list[str], ids: list) -> None:
     from mapl_swarm.replicas.averaging import StageAverager
 
     replica_a, replica_b, member = ids
-    with Discovery(RUN, config(maddrs), membership=replica_a) as a, \
-            Discovery(RUN, config(maddrs), membership=replica_b) as b, \
-            Discovery(RUN, config(maddrs), membership=member) as m, \
-            Discovery(RUN, config(maddrs)) as outsider:
-        # a certified peer's DHT peer id derives from its certificate's signing key
-        assert a.dht.peer_id.to_bytes() == libp2p_peer_id(replica_a.body.sign_key)
-        tensors = {name: [torch.full((64,), value)] for name, value in
-                   (("a", 1.0), ("b", 3.0), ("m", 100.0), ("o", -100.0))}
-        averagers = {}
-        try:
+    averagers: dict[str, Any] = {}
+    try:  # the DHT nodes close first (leaving the with), then the averagers: an averager gone first leaves
+        # its requests in its DHT node's pipe, which then takes its whole shutdown timeout (15 s) to stop
+        with Discovery(RUN, config(maddrs), membership=replica_a) as a, \
+                Discovery(RUN, config(maddrs), membership=replica_b) as b, \
+                Discovery(RUN, config(maddrs), membership=member) as m, \
+                Discovery(RUN, config(maddrs)) as outsider:
+            # a certified peer's DHT peer id derives from its certificate's signing key
+            assert a.dht.peer_id.to_bytes() == libp2p_peer_id(replica_a.body.sign_key)
+            tensors = {name: [torch.full((64,), value)] for name, value in
+                       (("a", 1.0), ("b", 3.0), ("m", 100.0), ("o", -100.0))}
             weights = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)  # replica a's stage state
             states = {"a": lambda: {"modules": {"w": weights}, "step": 5, "data": {"cursor": 40}}}
             sigint = signal.getsignal(signal.SIGINT)
@@ -125,9 +126,9 @@ def scenario(bootstrap_dht: Any, maddrs: list[str], ids: list) -> None:
             assert len(held) == 2, held  # the replicas' two records, no intruder's
             members = a.dht.get(member_keys(RUN, 1)[1], latest=True).value
             assert set(members) == {avg_a.peer_id.to_bytes(), avg_b.peer_id.to_bytes()}
-        finally:
-            for averager in averagers.values():
-                averager.shutdown()
+    finally:
+        for averager in averagers.values():
+            averager.shutdown()
 
 
 @pytest.mark.timeout(180)

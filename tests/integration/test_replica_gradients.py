@@ -112,11 +112,11 @@ def scenario(_bootstrap: Any, maddrs: list[str], ids: dict) -> None:
                     for x, y in zip(first, params(ref[stage])):
                         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
                 assert live[-1][0].outbound.version == ref[0].outbound.version == step + 1
-    finally:
+    finally:  # the DHT nodes first: an averager gone first leaves its requests in its DHT node's pipe,
+        for disc in discs.values():  # which then takes its whole shutdown timeout (15 s) to stop
+            disc.close()
         for g in grads.values():
             g.shutdown()
-        for disc in discs.values():
-            disc.close()
 
 
 @pytest.mark.timeout(240)
