@@ -168,7 +168,11 @@ def eval_tasks(model_path: str | Path, tasks: list[str], *, tasks_dir: str | Non
 
     if tasks_dir and not Path(tasks_dir).is_dir():
         raise DataError(f"--tasks-dir {tasks_dir}: no such folder")
-    manager = TaskManager(include_path=tasks_dir) if tasks_dir else TaskManager()
+    manager = None
+    if tasks_dir:  # lm-eval's own index (~15k tasks) takes seconds to build: skip it when the folder has every task
+        local = TaskManager(include_path=tasks_dir, include_defaults=False)
+        manager = local if all(t in local.all_tasks for t in tasks) else TaskManager(include_path=tasks_dir)
+    manager = manager or TaskManager()
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise ConfigError(f"--tasks: unknown lm-eval task(s) {', '.join(unknown)}"
