@@ -276,6 +276,8 @@ def _direction(mtype: MessageType, meta: Mapping[str, Any]) -> str:
         return "down" if stream == "act" else "up"
     if mtype is MT.CHECKPOINT and meta.get("phase") in spec.CHECKPOINT_PHASES:
         return "down" if meta["phase"] in spec.CHECKPOINT_UPSTREAM_PHASES else "up"
+    if mtype is MT.ROUTE and meta.get("phase") in spec.ROUTE_PHASES:  # receivers say ready, senders end
+        return "down" if meta["phase"] == "ready" else "up"
     return "any"
 
 

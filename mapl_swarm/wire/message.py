@@ -157,7 +157,7 @@ class Message:
 _HELLO_REQUIRED = {"fingerprint": "str", "num_stages": "uint", "capabilities": "strs", "nonce": "nonce",
                    "num_micro_batches": "count", "micro_batch_size": "count", "eval_batches": "uint"}
 _HELLO_OPTIONAL = {"components": "map", "peer": "str", "config": "map", "anchored": "bool", "max_in_flight": "count",
-                   "cert": "cert"}
+                   "cert": "cert", "contact": "str"}
 META_SCHEMA: dict[MessageType, tuple[dict[str, str], dict[str, str]]] = {
     MessageType.HELLO: (_HELLO_REQUIRED, _HELLO_OPTIONAL),
     MessageType.WELCOME: ({**_HELLO_REQUIRED, "hello_nonce": "nonce"}, _HELLO_OPTIONAL),
@@ -175,6 +175,7 @@ META_SCHEMA: dict[MessageType, tuple[dict[str, str], dict[str, str]]] = {
     MessageType.ERROR: ({"code": "str", "message": "str"}, {"ref_seq": "uint"}),
     MessageType.CHECKPOINT: ({"phase": "phase"}, {"step": "uint_or_nil", "steps": "uints", "have": "have",
                                                   "reason": "str", "epoch": "uint"}),
+    MessageType.ROUTE: ({"phase": "route_phase"}, {"acts": "uint"}),
 }
 """(required, optional) typed ``meta`` fields per message type (SPEC §5); other types have none."""
 
@@ -214,6 +215,8 @@ def _kind_ok(kind: str, v: Any) -> bool:
         return isinstance(v, dict) and all(_is_number(x) for x in v.values())
     if kind == "phase":
         return isinstance(v, str) and v in spec.CHECKPOINT_PHASES
+    if kind == "route_phase":
+        return isinstance(v, str) and v in spec.ROUTE_PHASES
     if kind == "uint_or_nil":
         return v is None or _is_uint(v)
     if kind == "uints":
@@ -237,6 +240,7 @@ _KIND_TEXT = {
     "map": "a map",
     "metrics": "a map of numbers",
     "phase": "'saved', 'complete', 'offer', 'resume', 'drain_request', 'drain', 'unsaved' or 'abandoned'",
+    "route_phase": "'ready' or 'end'",
     "uint_or_nil": "a non-negative integer or nil",
     "uints": "an array of non-negative integers",
     "have": "a map of arrays of non-negative integers",
@@ -271,6 +275,8 @@ def check_type_rules(mtype: MessageType, meta: Mapping[str, Any], dtypes: Iterab
         raise InvalidMessage(f"{mtype.name} num_stages must be >= 1")
     if mtype is MessageType.CHECKPOINT:
         _check_checkpoint(meta)
+    if mtype is MessageType.ROUTE and meta["phase"] == "end" and "acts" not in meta:
+        raise InvalidMessage("ROUTE end needs acts")
 
 
 def _check_checkpoint(meta: Mapping[str, Any]) -> None:

@@ -1,4 +1,4 @@
-"""Constants of wire protocol 2.0: version, message types, dtypes, codecs, limits, key order.
+"""Constants of wire protocol 2.1: version, message types, dtypes, codecs, limits, key order.
 
 Everything here mirrors a table of ``protocol/SPEC.md``; change the spec first, then this file.
 """
@@ -23,6 +23,8 @@ __all__ = [
     "DRAIN_CAPABILITY",
     "PIPELINE_CAPABILITY",
     "REJOIN_CAPABILITY",
+    "REPLICAS_CAPABILITY",
+    "ROUTE_PHASES",
     "REJOIN_REASON",
     "DRAIN_REASON",
     "HANDSHAKE_TYPES",
@@ -58,7 +60,7 @@ __all__ = [
     "INT64_MIN",
 ]
 
-PROTOCOL_VERSION: tuple[int, int] = (2, 0)
+PROTOCOL_VERSION: tuple[int, int] = (2, 1)
 """(major, minor) spoken by this implementation. A decoder accepts any minor of its major and
 refuses every other major with ``VersionMismatch`` (SPEC §10)."""
 
@@ -81,6 +83,8 @@ class MessageType(enum.IntEnum):
     ERROR = 13
     CHECKPOINT = 14
     """Checkpoint agreement (SPEC §5.2)."""
+    ROUTE = 16
+    """Which replicas take part in a step's routing (2.1, SPEC §9.10)."""
 
 
 HANDSHAKE_TYPES: frozenset[MessageType] = frozenset({MessageType.HELLO, MessageType.WELCOME, MessageType.REJECT})
@@ -88,7 +92,7 @@ HANDSHAKE_TYPES: frozenset[MessageType] = frozenset({MessageType.HELLO, MessageT
 
 WINDOW_TYPES: frozenset[MessageType] = frozenset(
     {MessageType.ACT, MessageType.GRAD, MessageType.PROJ, MessageType.PROJ_GRAD, MessageType.REPORT,
-     MessageType.CODEBOOK_SLICE})
+     MessageType.CODEBOOK_SLICE, MessageType.ROUTE})
 """Checked against the receiver's step window (SPEC §6.1 rule 5, §9.7)."""
 
 RESERVED_TYPE_CODES: frozenset[int] = frozenset({15})
@@ -128,6 +132,12 @@ reference peer advertises it)."""
 
 REJOIN_CAPABILITY = "rejoin"
 """HELLO/WELCOME capability of peers that take part in rejoin after a departure (SPEC §9.6)."""
+
+REPLICAS_CAPABILITY = "replicas"
+"""HELLO/WELCOME capability of the peers of a run with several peers per stage (2.1, SPEC §9.10)."""
+
+ROUTE_PHASES: tuple[str, ...] = ("ready", "end")
+"""Values of a ROUTE's ``meta["phase"]`` (SPEC §9.10): ``ready`` travels upstream, ``end`` downstream."""
 
 REJOIN_REASON = "rejoin"
 """BYE ``meta["reason"]`` of a peer that ends its sessions to re-form the swarm (SPEC §9.6)."""

@@ -39,7 +39,7 @@ def repack(frames, **changes) -> list[bytes]:
 
 
 def test_version_and_rejoin_names():
-    assert spec.PROTOCOL_VERSION == wire.PROTOCOL_VERSION == (2, 0)
+    assert spec.PROTOCOL_VERSION == wire.PROTOCOL_VERSION == (2, 1)
     assert wire.REJOIN_CAPABILITY == spec.REJOIN_CAPABILITY == "rejoin"
     assert wire.REJOIN_REASON == spec.REJOIN_REASON == "rejoin"
     assert spec.EPOCH_KEY == "epoch" and spec.OPTIONAL_HEADER_KEYS == ("epoch",)

@@ -27,7 +27,7 @@ from mapl_swarm.wire.spec import MessageType
 from .content_cases import content_cases, epoch_cases
 from .samples import RUN_ID, SAMPLE_INDEX, VQ_LAYOUT, sample_codebook, sample_floats, samples
 
-__all__ = ["Case", "build_cases"]
+__all__ = ["Case", "build_cases", "CASES_2_1"]
 
 
 @dataclass(frozen=True)
@@ -159,6 +159,9 @@ def _valid(v: dict[str, list[bytes]]) -> list[Case]:
                                 "every stage deletes its files of it (capability checkpoint_abandoned)",
         "hello_cert": "HELLO of a certified peer: its certificate in cert (opaque to the decoder, checked by "
                       "the peer)",
+        "hello_replica": "2.1: HELLO of a replica (capability replicas) naming its contact",
+        "route_ready": "2.1: ROUTE ready from stage 2: it takes stage 1's train ACTs of step 12",
+        "route_end": "2.1: ROUTE end from stage 0: its 3 train ACTs of step 12 on this link, and no more",
     }
     return [Case(n, "valid", f, text[n]) for n, f in v.items()]
 
@@ -412,6 +415,25 @@ def _invalid_config(v: dict[str, list[bytes]]) -> list[Case]:
         ("hello_cert_string", _edit(v["hello_cert"], _meta(cert="a certificate")), IM,
          "HELLO cert is a string, not a bin"),
     ]
+    return [Case(n, "invalid", f, d, error=e) for n, f, e, d in cases] + _invalid_replicas(v)
+
+
+def _invalid_replicas(v: dict[str, list[bytes]]) -> list[Case]:
+    """2.1: ROUTE's phase and acts, HELLO's contact."""
+    IM = "invalid_message"
+
+    def route_tensor(h: dict[str, Any]) -> None:
+        h["tensors"] = [{"name": "x", "dtype": "uint8", "shape": [1], "codec": "raw", "nbytes": 1, "rawbytes": 1,
+                         "crc": zlib.crc32(b"\x07")}]
+
+    cases: list[tuple[str, list[bytes], str, str]] = [
+        ("route_phase_unknown", _edit(v["route_ready"], _meta(phase="go")), IM, "2.1: ROUTE phase 'go'"),
+        ("route_end_no_acts", _edit(v["route_end"], _meta(acts=_DROP)), IM, "2.1: ROUTE end without acts"),
+        ("route_acts_negative", _edit(v["route_end"], _meta(acts=-3)), IM, "2.1: ROUTE end with acts -3"),
+        ("route_with_tensor", _edit([*v["route_ready"], b"\x07"], route_tensor), IM, "2.1: ROUTE carrying a tensor"),
+        ("hello_contact_bin", _edit(v["hello_replica"], _meta(contact=b"tcp://10.0.0.2:5002")), IM,
+         "2.1: HELLO contact is a bin, not a string"),
+    ]
     return [Case(n, "invalid", f, d, error=e) for n, f, e, d in cases]
 
 
@@ -555,11 +577,37 @@ def _codebook(v: dict[str, list[bytes]]) -> list[Case]:
     return [Case(n, "codebook", f, d, extra={"receiver": r, "outcome": o}) for n, f, r, o, d in cases]
 
 
+CASES_2_1 = frozenset({"hello_replica", "route_ready", "route_end", "route_phase_unknown", "route_end_no_acts",
+                       "route_acts_negative", "route_with_tensor", "hello_contact_bin", "route_ready_fits",
+                       "route_end_fits", "route_ready_from_upstream", "route_end_out_of_window"})
+"""The vectors protocol 2.1 added (at version 2.1; the others stay at 2.0)."""
+
+_V2_1 = b"\xa1v\x92\x02\x01"
+_V2_0 = b"\xa1v\x92\x02\x00"
+
+
+def _at_2_0(frames: list[bytes]) -> list[bytes]:
+    """``frames`` of an encoder of 2.1 as one of 2.0 wrote them: its header's ``v`` (the first key,
+    right after the map header) [2, 0]. A minor version adds vectors and never changes existing ones
+    (SPEC §10): the samples of before 2.1 keep their version, and the cases made from them too."""
+    head = frames[0] if frames else b""
+    at = head.find(_V2_1, 0, 1 + 2 + len(_V2_1))  # after a map header of up to 3 bytes
+    return frames if at < 0 else [head[:at] + _V2_0 + head[at + len(_V2_1):], *frames[1:]]
+
+
 def build_cases() -> list[Case]:
-    """Every golden vector: valid, accept, invalid, codebook, then content (some with the receiver's epoch)."""
-    v = {name: [bytes(f) for f in encode(m)] for name, m in samples().items()}
-    content = [Case(n, "content", f, d, extra={"run": r.to_dict(), "window": w.to_dict(), "outcome": o})
+    """Every golden vector: valid, accept, invalid, codebook, then content (some with the receiver's
+    epoch); those of 2.0 at version 2.0, the 2.1 additions (:data:`CASES_2_1`) at 2.1."""
+    def frames(name: str, msg_frames: list[bytes]) -> list[bytes]:
+        return msg_frames if name in CASES_2_1 else _at_2_0(msg_frames)
+
+    v = {name: frames(name, [bytes(f) for f in encode(m)]) for name, m in samples().items()}
+    content = [Case(n, "content", frames(n, f), d, extra={"run": r.to_dict(), "window": w.to_dict(), "outcome": o})
                for n, f, d, r, w, o in content_cases()]
-    content += [Case(n, "content", f, d, extra={"run": r.to_dict(), "window": w.to_dict(), "epoch": e, "outcome": o})
+    content += [Case(n, "content", frames(n, f), d,
+                     extra={"run": r.to_dict(), "window": w.to_dict(), "epoch": e, "outcome": o})
                 for n, f, d, r, w, e, o in epoch_cases()]
-    return _valid(v) + _accept(v) + _invalid(v) + _codebook(v) + content
+    cases = _valid(v) + _accept(v) + _invalid(v) + _codebook(v) + content
+    # the cases encoded here from scratch too (an accept case's version is what it is about)
+    return [c if c.kind == "accept" else Case(c.name, c.kind, frames(c.name, c.frames), c.description, c.error,
+                                              c.equivalent, c.extra) for c in cases]

@@ -124,6 +124,12 @@ def _report(*, src: int = 2, loss: float = 3.25, step: int = 12, tokens: int = B
                            meta={"mode": "train", "loss": loss, "tokens": tokens}))
 
 
+def _route(phase: str, *, src: int, step: int = 12) -> list[bytes]:
+    """A ROUTE (2.1, SPEC §9.10): ``ready`` from downstream, ``end`` (3 ACTs) from upstream."""
+    return _frames(Message(type=MT.ROUTE, run_id=RUN_ID, src=src, dst=1, step=step, seq=25,
+                           meta={"phase": phase, **({"acts": 3} if phase == "end" else {})}))
+
+
 def _codes(top: int | None = None, shape: tuple[int, ...] = (B, T, 2, 2), dtype: str = "u1") -> WireTensor:
     n = int(np.prod(shape))
     a = ((np.arange(n, dtype=np.uint64) * np.uint64(40503)) % np.uint64(16)).astype(dtype).reshape(shape)
@@ -273,6 +279,14 @@ def content_cases() -> list[tuple[str, list[bytes], str, RunShapes, Window, str]
         ("slice_index_equal_k", _slice(n=3, index=index_k), "indexed slice with index 16, K = 16", VQ_RUN, W,
          "code_out_of_range"),
         ("slice_nan", _slice(poison=True), "act slice with a NaN code", VQ_RUN, W, "non_finite"),
+    ]
+    cases += [  # 2.1, several peers per stage (SPEC §9.10)
+        ("route_ready_fits", _route("ready", src=2), "2.1: ROUTE ready of step 12 from downstream", RUN, W, OK),
+        ("route_end_fits", _route("end", src=0, step=13), "2.1: ROUTE end of step 13 from upstream", RUN, W, OK),
+        ("route_ready_from_upstream", _route("ready", src=0), "2.1: ROUTE ready from upstream (only a receiver "
+         "says it takes ACTs)", RUN, W, "not_allowed"),
+        ("route_end_out_of_window", _route("end", src=0, step=14), "2.1: ROUTE end of step 14, beyond the window",
+         RUN, W, "out_of_window"),
     ]
     dup = STIEFEL.copy()
     dup[:, 1] = dup[:, 0]  # rank 3: ‖AᵀA − I‖_F = sqrt(2)
