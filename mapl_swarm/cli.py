@@ -330,7 +330,22 @@ def _cmd_dht(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replica_sets(value: str, num_stages: int) -> list[str]:
+    """``launch --replicas N`` (every stage), or one count per stage (``1,2,2``), as the ``--set``
+    items every peer gets."""
+    try:
+        counts = [int(x) for x in value.split(",")]
+    except ValueError:
+        raise ConfigError(f"--replicas {value!r}: expected a count, or one count per stage (e.g. 1,2,2)") from None
+    if any(n < 1 for n in counts):
+        raise ConfigError(f"--replicas {value!r}: every count must be at least 1")
+    counts = counts * num_stages if len(counts) == 1 else counts
+    return ["replicas.enabled=true", f"replicas.initial={counts!r}"]
+
+
 def _cmd_launch(args: argparse.Namespace) -> int:
+    if args.replicas is not None:
+        args.set = [*(args.set or []), *_replica_sets(args.replicas, _load(args).pipeline.num_stages)]
     cfg = _load(args)
     from mapl_swarm.launch import launch, parse_gpus
 
@@ -721,6 +736,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "e.g. --gpus 0,1,2,3 (a repeated id shares a GPU; needs runtime.device auto or cuda) "
                         "(default: the visible GPUs, round-robin; none: the peers' environment is unchanged)")
     _max_restarts_arg(p)
+    p.add_argument("--replicas", metavar="N",
+                   help="peers per stage (SPEC §9.10: each micro-batch routed to one replica of the next stage, "
+                        "the replicas of a stage average their gradients every step), e.g. --replicas 2, or one "
+                        "count per stage, --replicas 1,2,2 (sets replicas.enabled and replicas.initial)")
     p.set_defaults(func=_cmd_launch)
 
     p = add("export", "write a run's trained model as a Hugging Face model folder",

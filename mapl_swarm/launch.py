@@ -61,7 +61,8 @@ from mapl_swarm.pipeline.payload import BACKWARD_KINDS, FORWARD_KINDS, kind_byte
 
 log = logging.getLogger(__name__)
 
-__all__ = ["launch", "SwarmSummary", "summarize", "stop_all", "parse_gpus", "visible_gpus", "gpu_plan",
+__all__ = ["launch", "SwarmSummary", "summarize", "replica_out_dir", "replica_counts", "stop_all", "parse_gpus",
+           "visible_gpus", "gpu_plan",
            "PeerProcess", "peer_processes", "drain_note", "RestartPolicy", "Supervisor", "supervise", "resumed",
            "exit_text"]
 
@@ -88,16 +89,38 @@ class SwarmSummary:
     """Per stage (as a string, JSON-style) that was restarted: how many times, e.g. ``{"1": 2}``."""
 
 
-def summarize(out_dir: str | Path, num_stages: int) -> SwarmSummary:
-    """Combine the peers' result files into swarm-level figures."""
-    res = [json.loads((Path(out_dir) / f"peer_stage{s}.json").read_text()) for s in range(num_stages)]
+def replica_out_dir(out_dir: str | Path, replica: int) -> Path:
+    """Where replica ``replica`` of a stage keeps its run folder on this machine (SPEC §9.10): the
+    run's own for replica 0, ``replica<r>/`` in it for the others (each keeps its own checkpoints)."""
+    return Path(out_dir) if replica == 0 else Path(out_dir) / f"replica{replica}"
+
+
+def _to_stage(results: Sequence[dict], field_name: str, stage: int) -> dict[str, int]:
+    """``field_name`` (``payload_tx``, ``wire_tx``) of ``results`` summed over their links to
+    ``stage``: the link ``stage<k>``, or with replicas each ``stage<k>@...``, by kind."""
+    out: dict[str, int] = {}
+    for r in results:
+        for link, kinds in r[field_name].items():
+            if link == f"stage{stage}" or link.startswith(f"stage{stage}@"):
+                for kind, n in kinds.items():
+                    out[kind] = out.get(kind, 0) + n
+    return out
+
+
+def summarize(out_dir: str | Path, num_stages: int, replicas: Sequence[int] = ()) -> SwarmSummary:
+    """Combine the peers' result files into swarm-level figures (with ``replicas[s]`` peers of
+    stage s: their bytes summed over every replica and link)."""
+    counts = list(replicas) or [1] * num_stages
+    by_stage = [[json.loads((replica_out_dir(out_dir, r) / f"peer_stage{s}.json").read_text())
+                 for r in range(counts[s])] for s in range(num_stages)]
+    res = [stage[0] for stage in by_stage]
     tokens = max(res[0]["tokens"], 1)
     links = []
     for b in range(num_stages - 1):
-        fwd = res[b]["payload_tx"].get(f"stage{b + 1}", {})
-        bwd = res[b + 1]["payload_tx"].get(f"stage{b}", {})
-        wf = res[b]["wire_tx"].get(f"stage{b + 1}", {})
-        wb = res[b + 1]["wire_tx"].get(f"stage{b}", {})
+        fwd = _to_stage(by_stage[b], "payload_tx", b + 1)
+        bwd = _to_stage(by_stage[b + 1], "payload_tx", b)
+        wf = _to_stage(by_stage[b], "wire_tx", b + 1)
+        wb = _to_stage(by_stage[b + 1], "wire_tx", b)
         links.append({
             "forward_payload": kind_bytes(fwd, FORWARD_KINDS) / tokens,
             "backward_payload": kind_bytes(bwd, BACKWARD_KINDS) / tokens,
@@ -108,9 +131,9 @@ def summarize(out_dir: str | Path, num_stages: int) -> SwarmSummary:
             "wire_by_type": {**{f"fwd_{k}": v / tokens for k, v in wf.items()},
                              **{f"bwd_{k}": v / tokens for k, v in wb.items()}},
         })
-    for b, link in enumerate(links):
-        link["shaper_forward"] = res[b]["shaper"].get(f"stage{b + 1}", {})
-        link["shaper_backward"] = res[b + 1]["shaper"].get(f"stage{b}", {})
+    for b, link in enumerate(links):  # the shapers of the first replica's first link
+        link["shaper_forward"] = next((v for k, v in res[b]["shaper"].items() if k.startswith(f"stage{b + 1}")), {})
+        link["shaper_backward"] = next((v for k, v in res[b + 1]["shaper"].items() if k.startswith(f"stage{b}")), {})
     return SwarmSummary(res[0]["train_losses"], res[0]["report_times_s"], res[0]["val_history"], res[0]["tokens"],
                         res[0]["wall_s"], links)
 
@@ -205,6 +228,12 @@ class PeerProcess:
     env: dict[str, str]
     gpu: str | None
     """Its ``CUDA_VISIBLE_DEVICES`` (None: inherited unchanged)."""
+    replica: int = 0
+    """Which of the stage's replicas it is (SPEC §9.10; 0 without replicas)."""
+
+    @property
+    def label(self) -> str:
+        return f"stage {self.stage}" + (f" replica {self.replica}" if self.replica else "")
 
 
 def peer_ports(base: int, num_stages: int, *, offset: int = 0) -> list[int]:
@@ -232,30 +261,35 @@ def check_ports(cfg: TrainConfig) -> None:
 
 def peer_processes(num_stages: int, config_args: Sequence[str], *, maddr: str, threads: int, progress: bool,
                    gpus: Sequence[str | None], environ: Mapping[str, str], member_args: Sequence[Sequence[str]],
-                   net_port: int = 0, dht_port: int = 0, python: str = sys.executable) -> list[PeerProcess]:
-    """The command and environment of every stage peer (pure: nothing is started). ``gpus`` is
-    :func:`gpu_plan`'s answer; a peer's environment is ``environ`` with its GPU as
-    ``CUDA_VISIBLE_DEVICES``, or ``environ`` unchanged when it has none. ``member_args[s]``: the
-    options that make stage ``s``'s peer a member (``--peer-key``/``--cert``:
-    paths only, a key never appears in a command or environment). With
-    a base ``net_port`` / ``dht_port`` each peer gets its own (:func:`peer_ports`; the bootstrap
-    keeps ``dht_port`` itself)."""
+                   net_port: int = 0, dht_port: int = 0, python: str = sys.executable,
+                   replicas: Sequence[int] = (), out_dir: str | Path = "") -> list[PeerProcess]:
+    """The command and environment of every stage peer (pure: nothing is started), in stage order
+    and, with ``replicas[s]`` peers of stage s (SPEC §9.10), replica order within a stage; replica
+    r > 0 keeps its run folder in :func:`replica_out_dir` of ``out_dir``. ``gpus`` is
+    :func:`gpu_plan`'s answer, one per peer; a peer's environment is ``environ`` with its GPU as
+    ``CUDA_VISIBLE_DEVICES``, or ``environ`` unchanged when it has none. ``member_args[i]``: the
+    options that make peer i a member (``--peer-key``/``--cert``: paths only, a key never appears
+    in a command or environment). With a base ``net_port`` / ``dht_port`` each peer gets its own
+    (:func:`peer_ports`; the bootstrap keeps ``dht_port`` itself)."""
     base = [python, "-m", "mapl_swarm", "peer", *config_args]
-    ports, dht_ports = peer_ports(net_port, num_stages), peer_ports(dht_port, num_stages, offset=1)
+    layout = [(s, r) for s in range(num_stages) for r in range(replicas[s] if replicas else 1)]
+    ports, dht_ports = peer_ports(net_port, len(layout)), peer_ports(dht_port, len(layout), offset=1)
     out = []
-    for s in range(num_stages):
+    for i, (s, r) in enumerate(layout):
         cmd = base + ["--stage", str(s), "--initial-peer", maddr, "--set", f"runtime.threads={threads}",
-                      "--launched", *member_args[s]]
-        if ports[s]:
-            cmd += ["--set", f"net.port={ports[s]}"]
-        if dht_ports[s]:
-            cmd += ["--set", f"net.dht_port={dht_ports[s]}"]
-        if s > 0 or not progress:
+                      "--launched", *member_args[i]]
+        if r:
+            cmd += ["--set", f"run.out_dir={json.dumps(str(replica_out_dir(out_dir, r)))}"]
+        if ports[i]:
+            cmd += ["--set", f"net.port={ports[i]}"]
+        if dht_ports[i]:
+            cmd += ["--set", f"net.dht_port={dht_ports[i]}"]
+        if s > 0 or r > 0 or not progress:
             cmd.append("--quiet")
         env = dict(environ)
-        if gpus[s] is not None:
-            env["CUDA_VISIBLE_DEVICES"] = gpus[s]
-        out.append(PeerProcess(s, cmd, env, gpus[s]))
+        if gpus[i] is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpus[i]
+        out.append(PeerProcess(s, cmd, env, gpus[i], r))
     return out
 
 
@@ -263,10 +297,15 @@ IDENTITIES_DIR = "identities"
 """Folder under ``run.out_dir`` where a local swarm keeps its authority, peer keys and certificates."""
 
 
+def replica_counts(cfg: TrainConfig) -> list[int]:
+    """The peers of each stage a local swarm starts (``replicas.initial``; one each without replicas)."""
+    return [cfg.replicas_of(s) for s in range(cfg.pipeline.num_stages)]
+
+
 def local_identities(cfg: TrainConfig) -> LocalIdentities:
     """The local swarm's authority and per-stage identities (module docstring), issued or kept."""
     local = issue_local(Path(cfg.run.out_dir) / IDENTITIES_DIR, run_id=cfg.run.run_id,
-                        num_stages=cfg.pipeline.num_stages)
+                        num_stages=cfg.pipeline.num_stages, replicas=replica_counts(cfg))
     log.info("identities: %s (authority %s; one key and certificate per stage)", local.folder,
              local.authority.key_id)
     return local
@@ -282,15 +321,22 @@ def launch(cfg: TrainConfig, config_args: list[str], *, progress: bool = True,
     dies is restarted with ``--resume``, at most ``max_restarts`` times per stage
     (:class:`RestartPolicy`)."""
     P = cfg.pipeline.num_stages
+    counts = replica_counts(cfg)
+    if cfg.replicas.enabled:
+        if "--resume" in config_args:
+            raise ConfigError("--resume is not offered with replicas (SPEC §9.10: no checkpoint agreement across "
+                              "replicas)")
+        max_restarts = 0  # a replica restarted from its checkpoint would not hold the others' state
     swarm = Supervisor(RestartPolicy(max_restarts))  # before any work: a bad --max-restarts answers at once
-    threads = cfg.runtime.threads or max(1, (os.cpu_count() or 1) // P)
-    plan = gpu_plan(cfg.runtime.device, P, gpus=gpus)  # before any work: a bad --gpus answers at once
+    threads = cfg.runtime.threads or max(1, (os.cpu_count() or 1) // sum(counts))
+    plan = gpu_plan(cfg.runtime.device, sum(counts), gpus=gpus)  # before any work: a bad --gpus answers at once
     if any(g is not None for g in plan):
         log.info("GPUs per peer (CUDA_VISIBLE_DEVICES): %s",
                  ", ".join(f"stage {s} -> {g}" for s, g in enumerate(plan)))
     Path(cfg.run.out_dir).mkdir(parents=True, exist_ok=True)
     for s in range(P):  # results of an earlier run must not be mistaken for this one's
-        (Path(cfg.run.out_dir) / f"peer_stage{s}.json").unlink(missing_ok=True)
+        for r in range(counts[s]):
+            (replica_out_dir(cfg.run.out_dir, r) / f"peer_stage{s}.json").unlink(missing_ok=True)
     check_ports(cfg)  # a taken or clashing port answers at once, before data, DHT or peers
     local = local_identities(cfg)
     prepare_data(cfg.data, progress=progress)  # once, here, rather than raced by every peer
@@ -299,15 +345,17 @@ def launch(cfg: TrainConfig, config_args: list[str], *, progress: bool = True,
     bootstrap.start()
     try:
         maddr = bootstrap.visible_maddrs()[0]
-        log.info("DHT bootstrap at %s; starting %d peers with %d torch threads each", maddr, P, threads)
+        log.info("DHT bootstrap at %s; starting %d peers with %d torch threads each", maddr, sum(counts), threads)
         out = Path(cfg.run.out_dir)
         log.info("metrics: %s (one per stage, appended every step); checkpoints: %s; manifest: %s",
                  out / f"metrics_stage{{0..{P - 1}}}.jsonl", out / "checkpoints", out / "manifest.json")
+        layout = [(s, r) for s in range(P) for r in range(counts[s])]
         return supervise(cfg, swarm, peer_processes(P, config_args, maddr=maddr, threads=threads,
                                                     progress=progress, gpus=plan, environ=os.environ,
-                                                    member_args=[local.args(k) for k in range(P)],
-                                                    net_port=cfg.net.port,
-                                                    dht_port=cfg.net.dht_port), timeout_s)
+                                                    member_args=[local.args(s, r) for s, r in layout],
+                                                    net_port=cfg.net.port, dht_port=cfg.net.dht_port,
+                                                    replicas=counts if cfg.replicas.enabled else (),
+                                                    out_dir=cfg.run.out_dir), timeout_s)
     finally:
         bootstrap.close()
 
@@ -333,7 +381,7 @@ def supervise(cfg: TrainConfig, swarm: "Supervisor", peers: Sequence[PeerProcess
         note, step = drain_note(cfg, signals.received[0], command)
         if note:
             return SwarmSummary([], [], [], 0, 0.0, [], end_note=note, drained_at=step, restarts=restarts)
-    summary = summarize(cfg.run.out_dir, cfg.pipeline.num_stages)
+    summary = summarize(cfg.run.out_dir, cfg.pipeline.num_stages, replica_counts(cfg))
     summary.restarts = restarts
     return summary
 
@@ -458,12 +506,12 @@ class Supervisor:
         self.companions = dict(companions or {})
         """Processes the peers need, by name (the lab's DHT node): one that exits stops the swarm."""
         self.peers: list[PeerProcess] = []
-        """How each stage's peer is (re)started, by stage."""
+        """How each peer is (re)started, in the order started."""
         self.procs: list[subprocess.Popen] = []
-        """Each stage's current process, by stage."""
+        """Each peer's current process, in that order."""
 
     def start(self, peers: Sequence[PeerProcess]) -> None:
-        """Start ``peers`` (one per stage, in stage order)."""
+        """Start ``peers`` (in stage order; with replicas, a stage's replicas together)."""
         for peer in peers:
             self.peers.append(peer)
             self.procs.append(_start(peer))
@@ -491,10 +539,10 @@ class Supervisor:
                 if proc.poll() is not None:
                     raise MaplError(f"{name} exited with {exit_text(proc.returncode)}; stopped the swarm")
             done = 0
-            for stage, proc in enumerate(self.procs):
+            for i, proc in enumerate(self.procs):
                 status = _exit_status(proc)
                 if status is not None:
-                    done += self._exited(stage, status, stopping=bool(signals.received))
+                    done += self._exited(i, status, stopping=bool(signals.received))
             if done == len(self.procs):
                 return
             if deadline is not None and time.monotonic() > deadline:
@@ -503,27 +551,27 @@ class Supervisor:
                                 f"{drain_timeout_s if signals.received else timeout_s:g} s; stopped it")
             time.sleep(0.2)  # supervising child processes, not synchronising tests
 
-    def _exited(self, stage: int, status: int, *, stopping: bool) -> bool:
-        """Handle ``stage``'s exit: True when its run ended (0); False when it was restarted; raises
+    def _exited(self, i: int, status: int, *, stopping: bool) -> bool:
+        """Handle peer ``i``'s exit: True when its run ended (0); False when it was restarted; raises
         when the swarm stops."""
-        pid, n = self.procs[stage].pid, self.policy.max_restarts
-        action = self.policy.decide(stage, status, stopping=stopping)
+        peer, pid, n = self.peers[i], self.procs[i].pid, self.policy.max_restarts
+        action = self.policy.decide(peer.stage, status, stopping=stopping)
         if action == "done":
             return True
         if action == "restart":
-            used = self.policy.used(stage)
-            log.warning("stage %d (pid %d) died (%s); restarting it with --resume (restart %d of %d)",
-                        stage, pid, exit_text(status), used, n)
-            self.peers[stage] = resumed(self.peers[stage])
-            self.procs[stage] = _start(self.peers[stage])
+            used = self.policy.used(peer.stage)
+            log.warning("%s (pid %d) died (%s); restarting it with --resume (restart %d of %d)",
+                        peer.label, pid, exit_text(status), used, n)
+            self.peers[i] = resumed(peer)
+            self.procs[i] = _start(self.peers[i])
             return False
         what = f"status {status}" + (f" ({exit_text(status)})" if status < 0 else "")
         if stopping:
             if status in _STOPPED_AT_ONCE:
-                raise Interrupted(f"stage {stage} peer stopped at once ({what}); stopped the swarm")
-            raise MaplError(f"stage {stage} peer exited with {what}; stopped the swarm")
+                raise Interrupted(f"{peer.label} peer stopped at once ({what}); stopped the swarm")
+            raise MaplError(f"{peer.label} peer exited with {what}; stopped the swarm")
         spent = "no restarts allowed" if n == 0 else f"restarted {n} time{'s' if n > 1 else ''} already"
-        raise MaplError(f"stage {stage} peer exited with {what}; {spent} (--max-restarts {n}); stopped the swarm")
+        raise MaplError(f"{peer.label} peer exited with {what}; {spent} (--max-restarts {n}); stopped the swarm")
 
 
 def drain_note(cfg: TrainConfig, signal_name: str, command: str = "launch") -> tuple[str, int | None]:

@@ -3,7 +3,7 @@
 A run is described by one :class:`TrainConfig` made of one small section per concern: ``model``,
 ``compression`` (with its ``compression.vq`` sub-table), ``optim``, ``data``, ``run`` (seed, steps,
 output), ``pipeline`` (stages and batch sizes), ``eval``, ``checkpoint``, ``metrics``, ``runtime``
-(device, threads) and ``net``. TOML files mirror that layout; an optional top-level ``preset`` key
+(device, threads), ``net`` and ``replicas`` (several peers per stage). TOML files mirror that layout; an optional top-level ``preset`` key
 picks a model preset whose fields the ``[model]`` table may then override. Unknown keys are errors
 that name the key and the file.
 

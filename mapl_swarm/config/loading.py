@@ -265,11 +265,11 @@ def model_fingerprint(cfg: TrainConfig, tokenizer_hash: str, vocab_size: int) ->
 
 def config_summary(cfg: TrainConfig, tokenizer_hash: str = "", vocab_size: int = 0) -> dict[str, Any]:
     """Every setting two peers must share, as ``{dotted name: scalar}``: the fingerprinted ones
-    (``model.hidden_size``, ``compression.vq_rounds``, ``seed``...) and the pipeline shape checked
+    (``model.hidden_size``, ``compression.vq_rounds``, ``seed``...), the pipeline shape checked
     at the handshake (``pipeline.num_micro_batches``, ``pipeline.micro_batch_size``,
     ``eval.batches``, and ``net.max_in_flight`` from which every stage's 1F1B order follows, 0
-    resolved to P), named as in the TOML. Sent in HELLO/WELCOME (SPEC §9.2, 1.6) so that a refusal names the settings
-    that differ instead of two digests."""
+    resolved to P), and the ``[replicas]`` settings, named as in the TOML. Sent in HELLO/WELCOME
+    (SPEC §9.2, 1.6) so that a refusal names the settings that differ instead of two digests."""
     d = config_to_dict(cfg)
     flat: dict[str, Any] = {}
 
@@ -287,4 +287,6 @@ def config_summary(cfg: TrainConfig, tokenizer_hash: str = "", vocab_size: int =
                  "pipeline.micro_batch_size": cfg.pipeline.micro_batch_size, "eval.batches": cfg.eval.batches,
                  "net.max_in_flight": cfg.net.max_in_flight or cfg.pipeline.num_stages,
                  "tokenizer_hash": tokenizer_hash, "vocab_size": vocab_size})
+    replicas = {**d["replicas"], "initial": ",".join(map(str, cfg.replicas.initial))}  # a scalar on the wire
+    add("replicas.", replicas)  # replicas of a stage route and average alike (SPEC §9.10)
     return flat

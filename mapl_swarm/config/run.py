@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields, replace
-from typing import ClassVar, get_type_hints
+from typing import ClassVar, Literal, get_type_hints
 
 from mapl_swarm.config.catalog import codec_info
 from mapl_swarm.config.base import Autocast, Device, _check, _check_choices, _check_ints
@@ -19,6 +19,7 @@ __all__ = [
     "MetricsConfig",
     "RuntimeConfig",
     "NetConfig",
+    "ReplicasConfig",
     "TrainConfig",
 ]
 
@@ -229,6 +230,46 @@ class NetConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ReplicasConfig:
+    """Several peers per stage (SPEC §9.10): how micro-batches are routed among a stage's replicas
+    and how the replicas of a stage average their gradients."""
+
+    SECTION: ClassVar[str] = "replicas"
+
+    enabled: bool = False
+    """Peers of this run may share a stage: every peer holds a session with every replica of its
+    neighbour stages, routes each micro-batch to one replica of the next stage, and the replicas of
+    a stage average their gradients at the end of every step (hivemind) and take the same step.
+    Every peer of the run must agree (checked at the handshake)."""
+    routing: Literal["throughput", "uniform"] = "throughput"
+    """How a micro-batch's next replica is drawn: weighted by each link's measured throughput and
+    queue (SWARM's stochastic wiring), or uniformly."""
+    routing_seed: int = 0
+    """Seed of the routing draws: with the same weights, every run routes the same way."""
+    matchmaking_s: float = 2.0
+    """How long a stage's averaging round waits for replicas that are late (hivemind's
+    ``min_matchmaking_time``); a round starts at once when every known replica is in."""
+    averaging_timeout_s: float = 120.0
+    """Longest wait for a stage's averaging round to form and finish."""
+    initial: tuple[int, ...] = ()
+    """Replicas of each stage that start the run together (one entry per stage; empty: one each):
+    each stage's first averaging round waits for that many."""
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+        _check(isinstance(self.enabled, bool), f"replicas.enabled must be true or false, got {self.enabled!r}")
+        if isinstance(self.initial, list):  # TOML arrays arrive as lists
+            object.__setattr__(self, "initial", tuple(self.initial))
+        _check(all(type(n) is int and n >= 1 for n in self.initial),
+               f"replicas.initial must list positive replica counts, got {list(self.initial)}")
+        _check(math.isfinite(self.matchmaking_s) and self.matchmaking_s > 0.0,
+               f"replicas.matchmaking_s must be a finite number > 0, got {self.matchmaking_s}")
+        _check(math.isfinite(self.averaging_timeout_s) and self.averaging_timeout_s > self.matchmaking_s,
+               f"replicas.averaging_timeout_s ({self.averaging_timeout_s}) must exceed replicas.matchmaking_s "
+               f"({self.matchmaking_s})")
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """A whole run."""
 
@@ -243,6 +284,7 @@ class TrainConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     net: NetConfig = field(default_factory=NetConfig)
+    replicas: ReplicasConfig = field(default_factory=ReplicasConfig)
 
     def __post_init__(self) -> None:
         m, c, p = self.model, self.compression, self.pipeline
@@ -256,6 +298,20 @@ class TrainConfig:
                    f"compression.rank {c.rank} exceeds model.hidden_size {m.hidden_size}")
             _check(c.anchor_rank <= m.hidden_size,
                    f"compression.anchor_rank {c.anchor_rank} exceeds model.hidden_size {m.hidden_size}")
+        r = self.replicas
+        _check(not r.initial or len(r.initial) == p.num_stages,
+               f"replicas.initial lists {len(r.initial)} stage(s), pipeline.num_stages is {p.num_stages}")
+        _check(r.enabled or not any(n > 1 for n in r.initial),
+               "replicas.initial asks for several replicas of a stage: set replicas.enabled = true")
+        _check(not r.enabled or p.num_stages >= 2,
+               "replicas.enabled needs pipeline.num_stages >= 2 (replicas route between stages)")
+        _check(not (r.enabled and codec_info(c.codec).quantized),
+               f"replicas.enabled with compression.codec = {c.codec!r}: codebook streams between replicas are not "
+               f"supported yet (use mapl)")
+
+    def replicas_of(self, stage: int) -> int:
+        """The replicas of ``stage`` that start the run together (``replicas.initial``)."""
+        return self.replicas.initial[stage] if self.replicas.initial else 1
 
     @property
     def tokens_per_step(self) -> int:

@@ -682,20 +682,23 @@ class RevocationWatch:
 @dataclass(frozen=True)
 class LocalIdentities:
     """The identities a local swarm (``launch``, ``lab``, compose) issues itself: one authority and,
-    per stage, a key file and a certificate file."""
+    per stage (and per replica of a stage, SPEC §9.10), a key file and a certificate file."""
 
     folder: Path
     authority: Authority
 
-    def key_file(self, stage: int) -> Path:
-        return self.folder / f"stage{stage}.key"
+    def _name(self, stage: int, replica: int) -> str:
+        return f"stage{stage}" + (f"r{replica}" if replica else "")
 
-    def cert_file(self, stage: int) -> Path:
-        return self.folder / f"stage{stage}.cert"
+    def key_file(self, stage: int, replica: int = 0) -> Path:
+        return self.folder / f"{self._name(stage, replica)}.key"
 
-    def args(self, stage: int) -> list[str]:
-        """The ``peer`` options that give stage ``stage`` its identity."""
-        return ["--peer-key", str(self.key_file(stage)), "--cert", str(self.cert_file(stage))]
+    def cert_file(self, stage: int, replica: int = 0) -> Path:
+        return self.folder / f"{self._name(stage, replica)}.cert"
+
+    def args(self, stage: int, replica: int = 0) -> list[str]:
+        """The ``peer`` options that give stage ``stage`` (its replica ``replica``) its identity."""
+        return ["--peer-key", str(self.key_file(stage, replica)), "--cert", str(self.cert_file(stage, replica))]
 
 
 LOCAL_VALIDITY_S = 30 * 86400
@@ -703,19 +706,20 @@ LOCAL_VALIDITY_S = 30 * 86400
 
 
 def issue_local(folder: str | os.PathLike[str], *, run_id: str, num_stages: int,
-                roles: Sequence[str] = ("drain",), authority_file: str | os.PathLike[str] | None = None
-                ) -> LocalIdentities:
+                roles: Sequence[str] = ("drain",), authority_file: str | os.PathLike[str] | None = None,
+                replicas: Sequence[int] = ()) -> LocalIdentities:
     """An authority (``authority_file``, default ``folder/authority.key``) and per stage a peer key
     and a certificate for that stage alone, with ``roles`` (a local swarm lets each of its own peers
-    drain it). What exists and still fits (this authority, run and key, a day of validity left) is
-    kept, so a resumed run keeps its identities; anything else is issued anew."""
+    drain it); ``replicas[s]`` peers of stage s (default one), each with its own key (SPEC §9.10).
+    What exists and still fits (this authority, run and key, a day of validity left) is kept, so a
+    resumed run keeps its identities; anything else is issued anew."""
     root = Path(folder)
     root.mkdir(parents=True, exist_ok=True)
     path = Path(authority_file) if authority_file is not None else root / "authority.key"
     authority = load_authority(path) if path.exists() else create_authority(path)
     local = LocalIdentities(root, authority)
-    for stage in range(num_stages):
-        key_path, cert_path = local.key_file(stage), local.cert_file(stage)
+    for stage, replica in ((s, r) for s in range(num_stages) for r in range(replicas[s] if replicas else 1)):
+        key_path, cert_path = local.key_file(stage, replica), local.cert_file(stage, replica)
         key = load_peer_key(key_path) if key_path.exists() else create_peer_key(key_path)
         if cert_path.exists():
             try:
@@ -725,7 +729,7 @@ def issue_local(folder: str | os.PathLike[str], *, run_id: str, num_stages: int,
                     continue
             except (CertificateError, ConfigError):
                 pass
-        cert = issue(authority, make_request(key, f"stage{stage}", [stage]), run_id=run_id, roles=roles,
+        cert = issue(authority, make_request(key, local._name(stage, replica), [stage]), run_id=run_id, roles=roles,
                      valid_s=LOCAL_VALIDITY_S)
         write_signed(cert_path, cert, force=True)
     return local

@@ -69,6 +69,11 @@ that this peer has only once its training starts, so those that come earlier are
 neighbour that got the resume decision first may already send step N's PROJ and ACTs)."""
 
 
+def _shown_contact(contact: str) -> str:
+    """A contact received from the network, as a log line may show it (bounded)."""
+    return repr(contact if len(contact) <= 80 else contact[:77] + "...")
+
+
 def run_shapes(cfg: TrainConfig, stage: int) -> RunShapes:
     """The run as stage ``stage`` sees it (:class:`~mapl_swarm.wire.RunShapes`): what every tensor it
     receives must look like, from the config alone."""
@@ -86,9 +91,11 @@ def run_shapes(cfg: TrainConfig, stage: int) -> RunShapes:
 
 
 def mailbox_bound(cfg: TrainConfig) -> int:
-    """Pipeline messages queued per neighbour at most: a step's ACTs (or GRADs) and their codebook
-    slices, or a validation's eval ACTs, plus a few (PROJ, PROJ_GRAD, BYE, a retransmission)."""
-    return 2 * max(cfg.pipeline.num_micro_batches, cfg.eval.batches) + 8
+    """Pipeline messages queued per neighbour stage at most: a step's ACTs (or GRADs) and their
+    codebook slices, or a validation's eval ACTs, plus a few (PROJ, PROJ_GRAD, BYE, a
+    retransmission; with replicas, each replica's PROJ and ROUTEs)."""
+    replicas = max(cfg.replicas.initial, default=1)  # each sends its PROJ and ROUTE end of a step (SPEC §9.10)
+    return 2 * max(cfg.pipeline.num_micro_batches, cfg.eval.batches) + 8 + 4 * (replicas - 1)
 
 
 class RejectCounter:
@@ -175,6 +182,8 @@ class Admission:
         try:
             link = self._link_of(arrival)
             header = self._header(arrival, link)
+            if self.s.replicas and arrival.reply_link is None:
+                link = self._replica_link(arrival.sender, header, link)
             if header.type in HANDSHAKE_TYPES and header.seq != 0:
                 raise Rejected("not_allowed", f"{header.type.name} with seq {header.seq} (the handshake's is 0)")
             if header.type is MT.HELLO:
@@ -209,6 +218,23 @@ class Admission:
         if link is None:
             raise Rejected("not_allowed", f"{arrival.sender!r} is not a neighbour of stage {self.s.stage}")
         return link
+
+    def _replica_link(self, sender: str, header: Header, link: PeerLink) -> PeerLink:
+        """With replicas (SPEC §9.10 item 1) a stage has a link per replica: a message belongs to the
+        link whose session its connection is bound to, a HELLO to the link of the contact it names
+        (one naming none is refused by :meth:`check_hello`); anything else keeps ``link``, whose
+        session check drops it (``wrong_session``)."""
+        bound = self.links.by_session(sender)
+        if bound is not None and bound.stage == link.stage:
+            return bound
+        contact = header.meta.get("contact") if header.type is MT.HELLO else None
+        if not isinstance(contact, str):
+            return link
+        found = self.links.by_contact(link.stage, contact)
+        if found is None:
+            raise Rejected("not_allowed", f"HELLO from a replica of stage {link.stage} this peer does not know "
+                                          f"({_shown_contact(contact)})")
+        return found
 
     def _header(self, arrival: Arrival, link: PeerLink) -> Header:
         """Phase 1 on the loop: the header only; no tensor frame is looked at."""

@@ -416,7 +416,13 @@ class PeerRunPolicy:
             self.store = self.agreement.store = self._new_store()
         lacking = [s for s in (self.agreement.up, self.agreement.down) if s is not None
                    and not self.agreement.takes(s, "saved")]
-        if lacking:  # an older peer (protocol < 1.3): no CHECKPOINT to it, so no agreement at all
+        if self.cfg.replicas.enabled:  # SPEC §9.10: no agreement across replicas
+            if self.resume:
+                raise MaplError(f"stage {self.stage}: --resume is not offered with replicas (replicas.enabled): each "
+                                f"replica saves its own checkpoints, which no stage agrees on")
+            log.info("stage %d: with replicas each one saves its own checkpoints under %s; they are neither agreed "
+                     "on nor pruned", self.stage, self.cfg.run.out_dir)
+        elif lacking:  # an older peer (protocol < 1.3): no CHECKPOINT to it, so no agreement at all
             why = f"neighbour stage(s) {lacking} do not take part in checkpoint agreement (protocol < 1.3)"
             if self.resume:
                 raise MaplError(f"stage {self.stage}: cannot agree on a resume step: {why}; upgrade every peer")

@@ -6,7 +6,7 @@ peer that is not anchored is retried, any other ends the session). ERROR is info
 counted in ``errors``) except ``retransmit_unavailable``; BYE ``"rejoin"`` pauses the peer (the
 swarm re-forms); during the handshake any other BYE frees the neighbour's stage for another peer;
 after it, one from upstream ends the run (the schedule's), from downstream it is a departure (SPEC
-§9.5). RESYNC goes to the link's codebooks, REPORT to the schedule, CHECKPOINT to
+§9.5). RESYNC goes to the link's codebooks, REPORT and ROUTE ``ready`` to the schedule, CHECKPOINT to
 the checkpoint agreement (ACT, GRAD, PROJ, PROJ_GRAD, CODEBOOK_SLICE and the upstream BYE that ends
 the run never come here: the schedule takes them from the inbound queue). A fresh peer that meets
 a swarm re-forming after a departure stops at once, saying that it must resume.
@@ -84,6 +84,7 @@ class Control:
         self._handlers: dict[MessageType, Callable[[Message, PeerLink], Awaitable[None]]] = {
             MT.WELCOME: self._on_welcome, MT.REJECT: self._on_reject, MT.ERROR: self._on_error, MT.BYE: self._on_bye,
             MT.RESYNC: self._on_resync, MT.REPORT: self._on_report, MT.CHECKPOINT: self._on_checkpoint,
+            MT.ROUTE: self._on_ready,
         }
 
     async def handle(self, got: Admitted, arrival: Arrival, transport: Any) -> None:
@@ -233,6 +234,14 @@ class Control:
 
     async def _on_report(self, msg: Message, link: PeerLink) -> None:
         await self.peer.schedule.on_report(msg)
+
+    async def _on_ready(self, msg: Message, link: PeerLink) -> None:
+        """ROUTE ``ready`` (SPEC §9.10; ``end`` is the schedule's, after its link's ACTs)."""
+        on_ready = getattr(self.peer.schedule, "on_ready", None)
+        if on_ready is None:  # a chain's schedule: no replicas, no ROUTE (the capability says so)
+            self.peer.rejects("not_allowed", link.name, "ROUTE in a run without replicas")
+            return
+        await on_ready(msg, link)
 
     async def _on_checkpoint(self, msg: Message, link: PeerLink) -> None:
         agreement = self.peer.agreement

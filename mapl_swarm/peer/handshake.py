@@ -103,7 +103,10 @@ class Handshake:
                 pass
 
     async def _again(self, link: PeerLink, transport: Any, shaping: LinkConfig, timeout_s: float) -> None:
-        """HELLO again to ``link``'s stage, at its next DHT record."""
+        """HELLO again to ``link``'s stage, at its next DHT record (a replica's link: to its own contact)."""
+        if link.contact is not None:
+            await link.send_hello(anchored=self.links.anchored)
+            return
         self._tries[link.stage] += 1
         candidates = link.candidates = await candidates_of(self.resolve, link.stage, timeout_s)
         endpoint = candidates[self._tries[link.stage] % len(candidates)]

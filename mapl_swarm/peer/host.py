@@ -130,10 +130,11 @@ class HostRuntime:
         return dataclasses.replace(res, payload=payload)
 
     def backward(self, micro: int, wire: Mapping[str, WireTensor] | None = None,
-                 cver: int | None = None) -> dict[str, torch.Tensor] | None:
+                 cver: int | None = None, origin: str | None = None) -> dict[str, torch.Tensor] | None:
         """:meth:`StageRuntime.backward` of a received GRAD payload (``wire``; None on the last stage);
-        the GRAD payload it returns is in host memory."""
-        grad = self.rt.backward(micro, None if wire is None else self.received(wire), cver=cver)
+        the GRAD payload it returns is in host memory. ``origin``: the upstream replica of its ACT."""
+        grad = self.rt.backward(micro, None if wire is None else self.received(wire), cver=cver,
+                                **({"origin": origin} if origin is not None else {}))
         if grad is None:
             return None
         grad = tensors_to_host(grad)
@@ -150,9 +151,10 @@ class HostRuntime:
         self._check({"proj": value}, "the PROJ")
         return value, proj[1]
 
-    def take_inbound_projector_grad(self) -> torch.Tensor | None:
-        """The step's partial projector gradient to send upstream (host, fp32), or None."""
-        g = self.rt.take_inbound_projector_grad()
+    def take_inbound_projector_grad(self, origin: str | None = None) -> torch.Tensor | None:
+        """The step's partial projector gradient to send upstream (host, fp32), or None; ``origin``:
+        of the micro-batches of that upstream replica only."""
+        g = self.rt.take_inbound_projector_grad(**({"origin": origin} if origin is not None else {}))
         if g is None:
             return None
         g = to_host(g)

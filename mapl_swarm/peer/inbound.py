@@ -46,7 +46,7 @@ __all__ = ["Inbound", "Handle"]
 
 MT = MessageType
 
-SCHEDULE_TYPES = frozenset({MT.ACT, MT.GRAD, MT.PROJ, MT.PROJ_GRAD, MT.CODEBOOK_SLICE})
+SCHEDULE_TYPES = frozenset({MT.ACT, MT.GRAD, MT.PROJ, MT.PROJ_GRAD, MT.CODEBOOK_SLICE, MT.ROUTE})
 """Pipeline messages: the schedule takes them from the queue (and so the BYE that ends the run)."""
 
 Answer = Callable[[], Awaitable[None]]
@@ -179,7 +179,11 @@ class Inbound:
 
     def for_schedule(self, msg: Message, link: PeerLink) -> bool:
         """A pipeline message, or the BYE from upstream that ends the run (before training any BYE is
-        the dispatcher's, SPEC §9.5; BYE ``"rejoin"`` is a re-form): the schedule's to take."""
+        the dispatcher's, SPEC §9.5; BYE ``"rejoin"`` is a re-form): the schedule's to take. A ROUTE
+        ``ready`` is the dispatcher's: one for a step this replica ended is answered at once, whatever
+        its schedule waits for (:meth:`~.replica_schedule.ReplicaSchedule.on_ready`)."""
+        if msg.type is MT.ROUTE:
+            return msg.meta.get("phase") != "ready"
         if msg.type in SCHEDULE_TYPES:
             return True
         return msg.type is MT.BYE and link.is_upstream and self.started and msg.meta.get("reason") != REJOIN_REASON
@@ -222,7 +226,7 @@ class Inbound:
             self.window.projector(got.link.stage, got.msg.pver)  # the link's version moves on (SPEC §9.6)
         try:
             if self.for_schedule(got.msg, got.link):
-                self.mailbox.put(got.msg)
+                self.mailbox.put(got.msg, got.link)
             elif dispatch:
                 self.mailbox.put_control(got, arrival)
             else:

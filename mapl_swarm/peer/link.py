@@ -22,6 +22,7 @@ per neighbour stage and the route to one) in payload terms (``send_act``, ``send
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import re
 import time
@@ -44,7 +45,7 @@ from mapl_swarm.pipeline.payload import (
     act_kind,
 )
 from mapl_swarm.wire import Message, MessageType, encode, new_nonce
-from mapl_swarm.wire.spec import NONCE_BYTES
+from mapl_swarm.wire.spec import NONCE_BYTES, REPLICAS_CAPABILITY
 
 if TYPE_CHECKING:
     import torch
@@ -56,7 +57,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LinkSettings", "PeerLink", "Links", "Reply", "stage_name", "stage_of", "config_differences"]
+__all__ = ["LinkSettings", "PeerLink", "Links", "Reply", "stage_name", "replica_name", "stage_of", "config_differences"]
 
 MT = MessageType
 T = TypeVar("T")
@@ -84,6 +85,12 @@ _ROUTING_ID = re.compile(r"stage(0|[1-9][0-9]{0,4})\.[0-9a-f]{8}")
 def stage_name(stage: int) -> str:
     """A stage's transport name (the name part of its routing id, and the name of links to it)."""
     return f"stage{stage}"
+
+
+def replica_name(stage: int, contact: str) -> str:
+    """The name of the link to the replica of ``stage`` at ``contact`` (SPEC §9.10): the stage's
+    name and 8 hex digits of the contact's SHA-256, e.g. ``stage1@3fa2c9d1``."""
+    return f"{stage_name(stage)}@{hashlib.sha256(contact.encode()).hexdigest()[:8]}"
 
 
 def stage_of(routing_id: str) -> int | None:
@@ -124,15 +131,19 @@ class LinkSettings:
     config: Mapping[str, Any] = field(default_factory=dict)
     """Every setting the neighbours must share, by TOML name (``config.config_summary``): sent in
     HELLO/WELCOME (1.6) so that a refusal names what differs."""
+    replicas: bool = False
+    """The run has several peers per stage (SPEC §9.10): HELLO/WELCOME carry this peer's ``contact``
+    and a neighbour must advertise ``replicas`` too."""
 
     @property
     def name(self) -> str:
         return stage_name(self.stage)
 
-    def hello_meta(self) -> dict[str, Any]:
+    def hello_meta(self, contact: str | None = None) -> dict[str, Any]:
         """HELLO/WELCOME meta without the nonces: fingerprint, stage count, the pipeline's M, B and E,
-        capabilities, transport name."""
+        capabilities, transport name; with replicas, this peer's ``contact``."""
         return {"fingerprint": self.fingerprint, "num_stages": self.num_stages,
+                **({"contact": contact} if self.replicas and contact is not None else {}),
                 "num_micro_batches": self.num_micro_batches, "micro_batch_size": self.micro_batch_size,
                 "eval_batches": self.eval_batches, "capabilities": list(self.capabilities), "peer": self.name,
                 **({"config": dict(self.config)} if self.config else {}),
@@ -146,10 +157,13 @@ class LinkSettings:
         setting that differs, else the field or the two fingerprints."""
         pipeline = ("num_micro_batches", "micro_batch_size", "eval_batches",
                     *(("max_in_flight",) if self.max_in_flight and "max_in_flight" in meta else ()))
+        theirs_replicas = REPLICAS_CAPABILITY in meta.get("capabilities", ())
         if meta.get("num_stages") != self.num_stages:
             code = "stage_mismatch"
         elif meta.get("fingerprint") != self.fingerprint or any(meta.get(k) != getattr(self, k) for k in pipeline):
             code = "fingerprint_mismatch"
+        elif theirs_replicas != self.replicas or (self.replicas and not isinstance(meta.get("contact"), str)):
+            code = "fingerprint_mismatch"  # SPEC §9.10: replicas only with replicas, each naming its contact
         else:
             return None
         theirs = meta.get("config")
@@ -160,6 +174,11 @@ class LinkSettings:
             if meta.get(key) != getattr(self, key):
                 return code, f"{key} mismatch: stage {peer} has {_shown(meta.get(key))}, stage {self.stage} " \
                              f"{getattr(self, key)}"
+        if theirs_replicas != self.replicas:
+            return code, (f"replicas.enabled mismatch: stage {peer} has {str(theirs_replicas).lower()}, stage "
+                          f"{self.stage} {str(self.replicas).lower()}")
+        if self.replicas and not isinstance(meta.get("contact"), str):
+            return code, f"stage {peer} runs with replicas but names no contact"
         return code, (f"config fingerprint mismatch: stage {peer} has {_shown(meta.get('fingerprint'))}, stage "
                       f"{self.stage} {self.fingerprint}")
 
@@ -194,11 +213,13 @@ class PeerLink:
     """This peer's link to neighbour ``stage`` (see the module docstring)."""
 
     def __init__(self, settings: LinkSettings, stage: int, *,
-                 on_bad_frame: Callable[[str, str], None]) -> None:
+                 on_bad_frame: Callable[[str, str], None], contact: str | None = None) -> None:
         self.settings = settings
         self.stage = stage
         """The neighbour's stage."""
-        self.name = stage_name(stage)
+        self.contact = contact
+        """With replicas (SPEC §9.10): the contact of the one replica of the stage this link joins."""
+        self.name = stage_name(stage) if contact is None else replica_name(stage, contact)
         """The neighbour's transport name (the outbound link's name)."""
         self.is_upstream = stage < settings.stage
         self.tx_stream = Stream.GRAD if self.is_upstream else Stream.ACT
@@ -246,6 +267,8 @@ class PeerLink:
         """Endpoint -> why the peer there refused this peer with a final REJECT (this session)."""
         self.local_name, self.local_stage = settings.name, settings.stage
         """This peer's transport name and stage."""
+        self.local_contact: str | None = None
+        """This peer's own contact, named in its HELLO/WELCOME with replicas (set once it is bound)."""
         self._on_bad_frame = on_bad_frame
         self._seq = 0
         self._send_lock = asyncio.Lock()
@@ -324,7 +347,7 @@ class PeerLink:
         self.hello_sent, self.welcomed, self.rejected, self.retry = True, False, False, False
         self.hello_at = time.monotonic()
         self._seq = 0
-        await self.send(MT.HELLO, meta={**self.settings.hello_meta(), "nonce": self._hello_nonce,
+        await self.send(MT.HELLO, meta={**self.settings.hello_meta(self.local_contact), "nonce": self._hello_nonce,
                                         **_anchor(anchored)})
 
     @property
@@ -351,8 +374,8 @@ class PeerLink:
         self.capabilities = frozenset(msg.meta.get("capabilities", []))
         self.peer_anchored = self.peer_anchored or msg.meta.get("anchored") is True
         self.rx = RxSession(routing_id=sender, heard_at=now, last_seq=msg.seq)
-        await reply(self._answer(MT.WELCOME, {**s.hello_meta(), "nonce": new_nonce(), "hello_nonce": msg.meta["nonce"],
-                                              **_anchor(anchored)}), MT.WELCOME.name)
+        await reply(self._answer(MT.WELCOME, {**s.hello_meta(self.local_contact), "nonce": new_nonce(),
+                                              "hello_nonce": msg.meta["nonce"], **_anchor(anchored)}), MT.WELCOME.name)
         if self.codebooks is not None:
             await self.codebooks.on_handshake()
 
@@ -420,6 +443,11 @@ class PeerLink:
         await self.send(MT.PROJ_GRAD, step=step, pver=pver, meta={"micro_batches": micro_batches},
                         tensors={WireName.PROJ_GRAD: grad}, kinds={WireName.PROJ_GRAD: LinkKind.PROJ_GRAD})
 
+    async def send_route(self, step: int, phase: str, *, acts: int | None = None) -> None:
+        """ROUTE (SPEC §9.10): ``ready`` upstream (this peer takes the link's train ACTs of ``step``),
+        ``end`` downstream (``acts``: the train ACTs of ``step`` the link carried; no more)."""
+        await self.send(MT.ROUTE, step=step, meta={"phase": phase, **({"acts": acts} if acts is not None else {})})
+
     async def send_report(self, step: int, meta: dict) -> None:
         await self.send(MT.REPORT, step=step, meta=meta)
 
@@ -445,17 +473,44 @@ class PeerLink:
 
 class Links:
     """A peer's links, by neighbour stage. A neighbour stage is a set of links, one per peer that
-    serves it (one today); the schedule addresses a stage (``upstream``, ``downstream``) and
-    :meth:`route` picks the link of that stage a message goes on: the seam where several peers per
-    stage plug in."""
+    serves it: one, or with replicas (SPEC §9.10) one per replica, each to its contact
+    (:meth:`add`). The chain's schedule addresses a stage (``upstream``, ``downstream``) and
+    :meth:`route` picks the link of that stage a message goes on; the replicas' schedule addresses
+    the links of a stage (:meth:`of_stage`)."""
 
-    def __init__(self, upstream: PeerLink | None, downstream: PeerLink | None) -> None:
-        self.up = None if upstream is None else upstream.stage
+    def __init__(self, upstream: PeerLink | None, downstream: PeerLink | None, *,
+                 up: int | None = None, down: int | None = None) -> None:
+        self.up = up if upstream is None else upstream.stage
         """The upstream neighbour stage (None on stage 0)."""
-        self.down = None if downstream is None else downstream.stage
+        self.down = down if downstream is None else downstream.stage
         """The downstream neighbour stage (None on the last stage)."""
-        self.by_stage_links: dict[int, list[PeerLink]] = {link.stage: [link] for link in (upstream, downstream)
-                                                          if link is not None}
+        self.by_stage_links: dict[int, list[PeerLink]] = {
+            stage: [link] if link is not None else [] for stage, link in ((self.up, upstream), (self.down, downstream))
+            if stage is not None}
+
+    @property
+    def stages_expected(self) -> list[int]:
+        """The neighbour stages, whether linked yet or not."""
+        return sorted(self.by_stage_links)
+
+    def add(self, link: PeerLink) -> PeerLink:
+        """A link to one more replica of a neighbour stage (SPEC §9.10)."""
+        if link.stage not in self.by_stage_links or self.named(link.name) is not None:
+            raise ValueError(f"link {link.name}: not a neighbour stage, or linked already")
+        self.by_stage_links[link.stage].append(link)
+        return link
+
+    def of_stage(self, stage: int | None) -> list[PeerLink]:
+        """The links to ``stage``'s peers (none for no such neighbour)."""
+        return list(self.by_stage_links.get(stage, [])) if stage is not None else []
+
+    def by_contact(self, stage: int, contact: str) -> PeerLink | None:
+        """The link to the replica of ``stage`` at ``contact``."""
+        return next((link for link in self.of_stage(stage) if link.contact == contact), None)
+
+    def by_session(self, routing_id: str) -> PeerLink | None:
+        """The link whose bound inbound session is ``routing_id``'s."""
+        return next((link for link in self if link.rx is not None and link.rx.routing_id == routing_id), None)
 
     def route(self, stage: int | None) -> PeerLink | None:
         """The link a message to neighbour ``stage`` goes on (None: no such neighbour): of its links,
@@ -480,7 +535,8 @@ class Links:
 
     @property
     def stages(self) -> list[int]:
-        return [link.stage for link in self]
+        """The neighbour stages this peer has links to."""
+        return sorted({link.stage for link in self})
 
     @property
     def all_welcomed(self) -> bool:

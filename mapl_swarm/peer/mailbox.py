@@ -26,6 +26,7 @@ from mapl_swarm.wire import Message
 
 if TYPE_CHECKING:
     from mapl_swarm.peer.admission import Admitted, Arrival
+    from mapl_swarm.peer.link import PeerLink
 
 __all__ = ["Mailbox"]
 
@@ -34,6 +35,8 @@ __all__ = ["Mailbox"]
 class _Item:
     msg: Message | None = None
     """A pipeline message for the schedule."""
+    link: PeerLink | None = None
+    """The link a pipeline message came on (several per stage with replicas, SPEC §9.10)."""
     control: Admitted | None = None
     """A control message for the dispatcher."""
     arrival: Arrival | None = None
@@ -58,13 +61,13 @@ class Mailbox:
             raise Rejected("queue_full", f"{self.bound} {what} wait already")
         self._others += 1
 
-    def put(self, msg: Message) -> None:
-        """Queue a pipeline message for the schedule; ``queue_full`` when its sender has
-        ``max_per_sender`` messages waiting."""
+    def put(self, msg: Message, link: PeerLink | None = None) -> None:
+        """Queue a pipeline message for the schedule (``link``: the one it came on); ``queue_full``
+        when its sender stage has ``max_per_sender`` messages waiting."""
         if self._queued[msg.src] >= self.max_per_sender:
             raise Rejected("queue_full", f"{self.max_per_sender} messages of stage {msg.src} already wait")
         self._queued[msg.src] += 1
-        self._append(_Item(msg=msg))
+        self._append(_Item(msg=msg, link=link))
 
     def put_control(self, got: Admitted, arrival: Arrival) -> None:
         """Queue a control message for the dispatcher."""
@@ -87,29 +90,40 @@ class Mailbox:
         """Pipeline messages of stage ``src`` waiting."""
         return self._queued[src]
 
-    def take(self, wanted: Callable[[Message], bool]) -> Message | None:
-        """The oldest pipeline message ``wanted`` accepts, or None; never waits."""
+    def take_from(self, wanted: Callable[[Message], bool]) -> tuple[Message, PeerLink | None] | None:
+        """The oldest pipeline message ``wanted`` accepts and the link it came on, or None; never waits."""
         for i, item in enumerate(self._items):
             if item.msg is not None and wanted(item.msg):
                 del self._items[i]
                 self._queued[item.msg.src] -= 1
-                return item.msg
+                return item.msg, item.link
         return None
 
-    async def get(self, wanted: Callable[[Message], bool], timeout_s: float, what: str) -> Message:
-        """Wait for the oldest pipeline message ``wanted`` accepts; raise on a timeout, naming ``what``
-        was awaited."""
-        got: list[Message] = []
+    def take(self, wanted: Callable[[Message], bool]) -> Message | None:
+        """The oldest pipeline message ``wanted`` accepts, or None; never waits."""
+        got = self.take_from(wanted)
+        return None if got is None else got[0]
+
+    async def get_from(self, wanted: Callable[[Message], bool], timeout_s: float,
+                       what: str) -> tuple[Message, PeerLink | None]:
+        """Wait for the oldest pipeline message ``wanted`` accepts (and its link); raise on a
+        timeout, naming ``what`` was awaited."""
+        got: list[tuple[Message, PeerLink | None]] = []
 
         def arrived() -> bool:
-            msg = self.take(wanted)
-            if msg is not None:
-                got.append(msg)
+            item = self.take_from(wanted)
+            if item is not None:
+                got.append(item)
             return bool(got)
 
         if not await until(arrived, self._changed, timeout_s):
             raise MaplError(f"{self.name}: no {what} within {timeout_s:g} s")
         return got[0]
+
+    async def get(self, wanted: Callable[[Message], bool], timeout_s: float, what: str) -> Message:
+        """Wait for the oldest pipeline message ``wanted`` accepts; raise on a timeout, naming ``what``
+        was awaited."""
+        return (await self.get_from(wanted, timeout_s, what))[0]
 
     async def next_control(self) -> tuple[Admitted, Arrival]:
         """Wait for the oldest control message (and how it arrived)."""

@@ -113,7 +113,7 @@ def peer_assets(cfg: TrainConfig) -> PeerAssets:
 
 def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool = False, progress: bool = True,
                membership: Membership | None = None, assets: PeerAssets | None = None, epoch: int = 0,
-               rejoining: bool = False):
+               rejoining: bool = False, runtime: Any = None, replicas: Any = None):
     """The :class:`~mapl_swarm.peer.runtime.Peer` of stage ``stage``: its data (stage 1), its
     StageRuntime (built from the config's seed) and run policy. With ``resume`` the peer resumes,
     after the handshake, from the newest step every stage has (agreed by messages, SPEC §5.2).
@@ -122,7 +122,9 @@ def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool 
     certified peer's identity (CURVE links to named peers, its certificate in every HELLO); None:
     insecure.
     ``assets``: from :func:`peer_assets` (made here when None). ``epoch`` and ``rejoining``: a
-    session that re-forms the swarm after a departure (:mod:`~.sessions`)."""
+    session that re-forms the swarm after a departure (:mod:`~.sessions`). ``runtime``: the stage,
+    when built already (else built here); ``replicas``: the stage's averaging with its other
+    replicas (:func:`stage_replicas`), which this session's stage is attached to."""
     from mapl_swarm.data import BatchSampler, validation_batches
     from mapl_swarm.peer.checkpoints import PeerRunPolicy
     from mapl_swarm.peer.compute import ComputeThread
@@ -132,8 +134,10 @@ def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool 
 
     assets = assets or peer_assets(cfg)
     data, fingerprint, device = assets.data, assets.fingerprint, assets.device
-    rt = StageRuntime(cfg, stage, device)
+    rt = runtime if runtime is not None else StageRuntime(cfg, stage, device)
     rt.codec.warm_up(cfg.pipeline.micro_batch_size * cfg.model.context_length)  # before the handshake
+    if replicas is not None:
+        replicas.attach(rt)
     sampler = val = None
     if stage == 0:
         sampler = BatchSampler(data.train, cfg.pipeline.micro_batch_size, cfg.model.context_length, cfg.run.seed)
@@ -141,10 +145,26 @@ def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool 
     compute = ComputeThread(f"stage{stage}", initializer=functools.partial(bind_device, device))
     policy = PeerRunPolicy(cfg, stage, data, fingerprint, resume=resume, runtime=rt, compute=compute,
                            sampler=sampler)  # resume: agreed after the handshake
-    return Peer(cfg, stage, rt, fingerprint=fingerprint, config=assets.config, resolve=resolve, announce=announce, sampler=sampler,
-                val_batches=val, progress=progress and stage == 0, compute=compute, run_policy=policy,
-                membership=membership, epoch=epoch,
-                rejoining=rejoining)
+    return Peer(cfg, stage, rt, fingerprint=fingerprint, config=assets.config, resolve=resolve, announce=announce,
+                sampler=sampler, val_batches=val, progress=progress and stage == 0, compute=compute, run_policy=policy,
+                membership=membership, epoch=epoch, rejoining=rejoining, replicas=replicas)
+
+
+def stage_replicas(cfg: TrainConfig, stage: int, dht: Any, device: Any) -> tuple[Any, Any]:
+    """With several replicas of ``stage`` (``replicas.initial``): its stage, built, and the averaging
+    with the stage's other replicas (:class:`~mapl_swarm.replicas.gradients.ReplicaGradients` on
+    the peer's DHT node); (None, None) otherwise. The averager forks a process: call this before
+    the event loop, ZeroMQ and the compute threads."""
+    if not cfg.replicas.enabled or cfg.replicas_of(stage) < 2:
+        return None, None
+    from mapl_swarm.pipeline.stage import StageRuntime
+    from mapl_swarm.replicas.gradients import ReplicaGradients
+
+    rt = StageRuntime(cfg, stage, device)
+    r = cfg.replicas
+    averaging = ReplicaGradients(rt, dht, run_id=cfg.run.run_id, replicas=cfg.replicas_of(stage),
+                                 min_matchmaking_time=r.matchmaking_s, request_timeout=min(1.0, r.matchmaking_s / 2))
+    return rt, averaging
 
 
 def run_peer(cfg: TrainConfig, stage: int, *, membership: Membership | None, initial_peers: Sequence[str] = (),
@@ -171,16 +191,24 @@ def run_peer(cfg: TrainConfig, stage: int, *, membership: Membership | None, ini
                 from mapl_swarm.peer.sessions import serve_sessions
 
                 assets = peer_assets(cfg)
+            runtime, replicas = stage_replicas(cfg, stage, discovery.dht, assets.device)  # forks: before the loop
 
             async def announce(endpoint: str) -> None:
                 await asyncio.get_running_loop().run_in_executor(None, discovery.announce, stage, endpoint)
 
             def session(*, resume: bool, epoch: int, rejoining: bool):
+                nonlocal runtime
+                first, runtime = runtime, None  # the stage built with the averaging serves the first session
                 return build_peer(cfg, stage, resolve=discovery.lookup_all_async, announce=announce, resume=resume,
                                   progress=progress, membership=membership, assets=assets, epoch=epoch,
-                                  rejoining=rejoining)
+                                  rejoining=rejoining, runtime=first, replicas=replicas)
 
-            result = run(serve_sessions(session, cfg, stage, membership=membership, resume=resume))
+            try:
+                result = run(serve_sessions(session, cfg, stage, membership=membership, resume=resume))
+            finally:
+                if replicas is not None:  # the DHT node first (StageAverager._shutdown says why)
+                    discovery.close()
+                    replicas.shutdown()
         result.peak_rss_mb = peak_rss_mb()
         write_result(result, cfg.run.out_dir)
         return result

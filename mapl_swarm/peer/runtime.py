@@ -62,6 +62,7 @@ from mapl_swarm.peer.inbound import Inbound
 from mapl_swarm.peer.link import LinkSettings, Links, PeerLink, stage_name
 from mapl_swarm.peer.mailbox import Mailbox
 from mapl_swarm.peer.result import PeerResult, collect, write_result
+from mapl_swarm.peer.replica_schedule import ReplicaSchedule
 from mapl_swarm.peer.schedule import NoRunHooks, PipelineSchedule, ScheduleSettings
 from mapl_swarm.peer.signals import Interrupted
 from mapl_swarm.peer.vq_link import codebook_summary
@@ -69,12 +70,13 @@ from mapl_swarm.peer.waiting import WAIT_LOG_INTERVAL_S, WaitingLog
 from mapl_swarm.pipeline.stage import StageRuntime
 from mapl_swarm.wire import MessageType
 from mapl_swarm.wire.codebook import INDEXED_SLICES_CAPABILITY, RETRANSMIT_CAPABILITY, VQ_CAPABILITY
-from mapl_swarm.wire.spec import DRAIN_REASON, REJOIN_CAPABILITY, REJOIN_REASON
+from mapl_swarm.wire.spec import DRAIN_REASON, REJOIN_CAPABILITY, REJOIN_REASON, REPLICAS_CAPABILITY
 
 if TYPE_CHECKING:
     from mapl_swarm.net.identity import PeerIdentity
     from mapl_swarm.net.transport import Membership
     from mapl_swarm.peer.checkpoints import PeerRunPolicy
+    from mapl_swarm.replicas.gradients import ReplicaGradients
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +121,8 @@ _NEXT: dict[PeerState, frozenset[PeerState]] = {
 def _rejoin_configured(cfg: TrainConfig, run_policy: PeerRunPolicy | None) -> bool:
     """A peer takes part in rejoin (advertises it): ``net.rejoin_timeout_s`` > 0 and checkpoints on,
     agreed with the other stages (SPEC "Rejoin": a departed stage comes back to a saved step)."""
-    return cfg.net.rejoin_timeout_s > 0 and run_policy is not None and run_policy.checkpoints_on
+    return (cfg.net.rejoin_timeout_s > 0 and run_policy is not None and run_policy.checkpoints_on
+            and not cfg.replicas.enabled)  # with replicas a departure ends the run (SPEC §9.10)
 
 
 class _CleanStop(Exception):
@@ -156,7 +159,7 @@ class Peer:
                  start_step: int = 0, compute: ComputeThread | None = None,
                  run_policy: PeerRunPolicy | None = None,
                  wait_log_interval_s: float = WAIT_LOG_INTERVAL_S, membership: Membership | None = None,
-                 epoch: int = 0, rejoining: bool = False) -> None:
+                 epoch: int = 0, rejoining: bool = False, replicas: ReplicaGradients | None = None) -> None:
         self.cfg, self.stage, self.rt, self.run_policy = cfg, stage, runtime, run_policy
         self.epoch = epoch
         """This peer's run epoch (SPEC "Rejoin"): the swarm's once the start step is agreed."""
@@ -182,18 +185,25 @@ class Peer:
         self.agreement = run_policy.agreement if run_policy is not None else CheckpointAgreement(None, stage, P)
         """Every CHECKPOINT phase: checkpoint agreement and the drain (:meth:`request_drain`: a signal)."""
         self.agreement.send, self.agreement.on_drain = self._send_checkpoint, self._drain_decided
+        self.replicas_on = cfg.replicas.enabled
+        """Several peers per stage (SPEC §9.10): a link per neighbour replica, :class:`ReplicaSchedule`;
+        no rejoin, no checkpoint agreement, no drain (a signal stops this replica)."""
         settings = LinkSettings(
             run_id=cfg.run.run_id, stage=stage, num_stages=P, fingerprint=fingerprint,
             config=config if config is not None else config_summary(cfg),
             capabilities=("1f1b", *((REJOIN_CAPABILITY,) if _rejoin_configured(cfg, run_policy) else ()),
                           *((VQ_CAPABILITY, RETRANSMIT_CAPABILITY, INDEXED_SLICES_CAPABILITY) if vq else ()),
-                          *self.agreement.capabilities),
+                          *((REPLICAS_CAPABILITY,) if self.replicas_on else self.agreement.capabilities)),
             num_micro_batches=cfg.pipeline.num_micro_batches, micro_batch_size=cfg.pipeline.micro_batch_size,
             eval_batches=cfg.eval.batches, max_in_flight=net.max_in_flight or P, identity=membership,
-            compress_ids=net.compress_ids, max_frame_bytes=net.max_frame_bytes)
-        self.links = Links(
-            upstream=PeerLink(settings, stage - 1, on_bad_frame=self.bad_frame) if stage > 0 else None,
-            downstream=PeerLink(settings, stage + 1, on_bad_frame=self.bad_frame) if stage < P - 1 else None)
+            compress_ids=net.compress_ids, max_frame_bytes=net.max_frame_bytes, replicas=self.replicas_on)
+        self.settings = settings
+        if self.replicas_on:  # a link per replica, each to its DHT record's contact (:meth:`_link_replicas`)
+            self.links = Links(None, None, up=stage - 1 if stage > 0 else None, down=stage + 1 if stage < P - 1 else None)
+        else:
+            self.links = Links(
+                upstream=PeerLink(settings, stage - 1, on_bad_frame=self.bad_frame) if stage > 0 else None,
+                downstream=PeerLink(settings, stage + 1, on_bad_frame=self.bad_frame) if stage < P - 1 else None)
         self.links.set_epoch(epoch)
         if run_policy is not None and not run_policy.checkpoints_on and net.rejoin_timeout_s > 0:
             log.warning("%s: checkpoint.interval_steps = 0: live rejoin is impossible (a departed stage comes back "
@@ -201,11 +211,17 @@ class Peer:
         if vq:
             for link in self.links:
                 link.use_codebooks(runtime, self.compute, spawn=self.tasks.spawn)
-        self.schedule = PipelineSchedule(
-            runtime, self.links, self.mailbox, self.compute, name=self.name,
-            settings=ScheduleSettings.from_config(cfg, start_step=start_step, progress=progress),
-            result=self.result, waits=self.waits, hooks=run_policy or NoRunHooks(),
-            sampler=sampler, val_batches=val_batches or [], reject=self.rejects, drain=self.agreement)
+        schedule_settings = ScheduleSettings.from_config(cfg, start_step=start_step, progress=progress)
+        if self.replicas_on:
+            self.schedule: PipelineSchedule | ReplicaSchedule = ReplicaSchedule(
+                runtime, self.links, self.mailbox, self.compute, name=self.name, settings=schedule_settings,
+                result=self.result, waits=self.waits, hooks=run_policy or NoRunHooks(), routing=cfg.replicas,
+                replicas=replicas, sampler=sampler, val_batches=val_batches or [], reject=self.rejects)
+        else:
+            self.schedule = PipelineSchedule(
+                runtime, self.links, self.mailbox, self.compute, name=self.name, settings=schedule_settings,
+                result=self.result, waits=self.waits, hooks=run_policy or NoRunHooks(),
+                sampler=sampler, val_batches=val_batches or [], reject=self.rejects, drain=self.agreement)
         self.monitor = HeartbeatMonitor(
             HeartbeatConfig(interval_s=net.heartbeat_interval_s, timeout_s=net.liveness_ceiling,
                             floor_s=net.liveness_floor),
@@ -308,7 +324,11 @@ class Peer:
         await self.announce(endpoint)
         if self.rejoining:  # new connections at once, not after the old ones time out (SPEC §9.6)
             transport.new_routing_id()
+        if self.replicas_on:
+            await self._link_replicas(transport, endpoint, shaping)
         for link in self.links:
+            if self.replicas_on:
+                break
             candidates = await self.waits.wait(candidates_of(self.resolve, link.stage, net.timeout_s),
                                                lambda link=link: [link])
             link.candidates = candidates
@@ -339,6 +359,28 @@ class Peer:
             return None
         return await self.compute.run(codebook_summary, self.rt.vq,  # digests read device memory
                                       [link.codebooks for link in self.links])
+
+    async def _link_replicas(self, transport: Any, endpoint: str, shaping: LinkConfig) -> None:
+        """With replicas (SPEC §9.10 item 1): a link to every replica of each neighbour stage, once
+        the DHT holds as many of the stage's records as replicas start the run (``replicas.initial``)."""
+        deadline = time.monotonic() + self.cfg.net.timeout_s
+        for stage in self.links.stages_expected:
+            want = self.cfg.replicas_of(stage)
+            while True:
+                contacts = await self.waits.wait(candidates_of(self.resolve, stage, self.cfg.net.timeout_s), lambda: [])
+                if len(contacts) >= want:
+                    break
+                if time.monotonic() > deadline:
+                    raise MaplError(f"{self.name}: {len(contacts)} of stage {stage}'s {want} replicas announced within "
+                                    f"{self.cfg.net.timeout_s:g} s (replicas.initial)")
+                await asyncio.sleep(0.25)  # the DHT is polled: records appear as replicas start
+            for contact in contacts:
+                link = self.links.add(PeerLink(self.settings, stage, on_bad_frame=self.bad_frame, contact=contact))
+                link.candidates = [contact]
+                await connect(link, transport, contact, shaping)
+                log.info("%s: link %s to a replica of stage %d at %s", self.name, link.name, stage, contact)
+        for link in self.links:
+            link.local_contact = endpoint
 
     async def _agree_start(self, transport: Transport) -> int | None:
         """The step to start from, agreed by every stage on resume (SPEC §5.2), its state loaded."""
@@ -468,6 +510,10 @@ class Peer:
         boundary; before training started, or at a certified stage > 0 whose certificate lacks the
         ``drain`` role, stop at once (it leaves)."""
         reason = f"{signal_name} at stage {self.stage}"
+        if self.replicas_on:  # no drain with replicas (SPEC §9.10): this replica leaves, the others stop
+            self.stop(_CleanStop("stopped", f"stage {self.stage} stopped ({signal_name}); a swarm with replicas "
+                                            f"does not drain to a common checkpoint"))
+            return
         if not self.state.started:
             self.stop(_CleanStop("stopped", f"stage {self.stage} stopped before training started ({signal_name})"))
             return

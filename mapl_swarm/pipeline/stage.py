@@ -116,6 +116,9 @@ class StageRuntime:
         self.step_count = 0
         self.loss_scale = 1.0 / cfg.pipeline.num_micro_batches
         self._saved: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._origin_grads: dict[str, torch.Tensor] = {}
+        """With replicas upstream: the inbound projector's gradient of the step, by the replica its
+        micro-batches came from (:meth:`backward` ``origin``)."""
         self._step_losses: list[torch.Tensor] = []
         """Last stage: the current step's training losses (on the device), checked by :meth:`step`."""
         self.probe = BoundaryProbe(cfg.metrics.health_interval_steps)
@@ -192,10 +195,12 @@ class StageRuntime:
         return ForwardResult(out, None, tokens_in.numel())
 
     def backward(self, micro: int, payload: dict[str, torch.Tensor] | None = None,
-                 cver: int | None = None) -> dict[str, torch.Tensor] | None:
+                 cver: int | None = None, origin: str | None = None) -> dict[str, torch.Tensor] | None:
         """Backward of micro-batch ``micro`` given the next stage's GRAD payload (None on the last
         stage; mapl_vq: codes at version ``cver``); returns the GRAD payload for the previous stage
-        (None on the first)."""
+        (None on the first). ``origin``: the upstream replica the micro-batch's ACT came from (SPEC
+        §9.10): the inbound projector's gradient of this micro-batch is kept apart, by origin, for
+        :meth:`take_inbound_projector_grad`."""
         if micro not in self._saved:
             raise KeyError(f"stage {self.stage}: no saved forward for micro-batch {micro}")
         out, z_in = self._saved[micro]
@@ -208,7 +213,17 @@ class StageRuntime:
             if grad.shape != out.shape:
                 raise ValueError(f"GRAD shape {tuple(grad.shape)} != activation shape {tuple(out.shape)}")
         del self._saved[micro]
+        b = self.inbound
+        split = origin is not None and b is not None and b.trainable
+        before = b.projector.grad if split else None
+        if split:
+            b.projector.grad = None
         out.backward(grad)
+        if split:  # this micro-batch's part, added to its origin's sum; the others' sum is back in place
+            part, b.projector.grad = b.projector.grad, before
+            if part is not None:
+                kept = self._origin_grads.get(origin)
+                self._origin_grads[origin] = part if kept is None else kept + part
         if z_in is None:
             return None
         return self.codec.encode_grad(z_in.grad, micro=micro)
@@ -238,15 +253,17 @@ class StageRuntime:
         return self.vq.apply_slice(sl)
 
     # ------------------------------------------------------------------ projector exchange
-    def take_inbound_projector_grad(self) -> torch.Tensor | None:
-        """Receiver's partial dL/dA of the inbound projector summed over the step (d x r, fp32)."""
+    def take_inbound_projector_grad(self, origin: str | None = None) -> torch.Tensor | None:
+        """Receiver's partial dL/dA of the inbound projector summed over the step (d x r, fp32); with
+        ``origin``, over the micro-batches whose ACT came from that upstream replica (:meth:`backward`)."""
         b = self.inbound
         if b is None or not b.trainable:
             return None
-        g = b.projector.grad
-        grad = torch.zeros_like(b.projector, dtype=torch.float32) if g is None else g.detach().float().clone()
-        b.projector.grad = None
-        return grad
+        if origin is not None:
+            g = self._origin_grads.pop(origin, None)
+        else:
+            g, b.projector.grad = b.projector.grad, None
+        return torch.zeros_like(b.projector, dtype=torch.float32) if g is None else g.detach().float().clone()
 
     def add_outbound_projector_grad(self, grad: torch.Tensor) -> None:
         b = self.outbound
@@ -269,8 +286,9 @@ class StageRuntime:
     # ------------------------------------------------------------------ optimizer
     def step(self) -> dict[str, float]:
         """One optimizer step after the step's last backward (and the projector grad)."""
-        if self._saved:
-            raise RuntimeError(f"stage {self.stage}: step with {len(self._saved)} micro-batches un-backwarded")
+        if self._saved or self._origin_grads:
+            raise RuntimeError(f"stage {self.stage}: step with {len(self._saved)} micro-batches un-backwarded and "
+                               f"{len(self._origin_grads)} upstream replicas' projector gradients not taken")
         o = self.cfg.optim
         mult = lr_multiplier(self.step_count, total_steps=self.cfg.run.steps, warmup_steps=o.warmup_steps,
                              schedule=o.schedule, min_lr_ratio=o.min_lr_ratio,

@@ -23,9 +23,12 @@ forks a process: create it before ZeroMQ, the event loop and torch threads, as t
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import multiprocessing as mp
+import os
 import signal
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any, AsyncIterator, Callable  # typing's: hivemind reads the RPC hints by their _name
@@ -39,7 +42,9 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import ValueWithExpiration, get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
 
+from mapl_swarm.aio import within
 from mapl_swarm.net.discovery import averaging_prefix, member_keys
+from mapl_swarm.procs import set_parent_death_signal, watch_parent
 from mapl_swarm.replicas.exact_allreduce import ExactAllReduceRunner
 from mapl_swarm.replicas.state import StateMismatch, flatten_state, restore_like
 
@@ -84,6 +89,35 @@ class StageAverager(DecentralizedAverager):
                          min_group_size=2, initial_group_bits="", min_matchmaking_time=min_matchmaking_time,
                          request_timeout=request_timeout, declare_state_period=declare_state_period,
                          allow_state_sharing=True, **kwargs)
+
+    def start(self) -> None:
+        self._parent_pid_seen = os.getpid()
+        self._forked_on_main_thread = threading.current_thread() is threading.main_thread()
+        super().start()
+
+    def run(self) -> None:
+        """The averager process (forked): it dies with the peer (even a SIGKILLed one: it holds
+        nothing of the run's state), and has one torch thread, since the peer may have started its
+        OpenMP threads before the fork, which leaves the child none of them to use."""
+        parent = self._parent_pid_seen
+        if not (self._forked_on_main_thread and set_parent_death_signal(signal.SIGKILL, parent_pid=parent)):
+            watch_parent(parent, lambda: os.kill(os.getpid(), signal.SIGKILL))
+        torch.set_num_threads(1)
+        super().run()
+
+    async def _shutdown(self, timeout: float | None) -> None:
+        """hivemind's, in the averager process, when the DHT node whose p2p daemon it shares stopped
+        first (the order a peer stops in: an averager gone first leaves the DHT node requests it
+        cannot read, and the node then waits out its shutdown timeout): its handlers went with the
+        daemon, so removing them fails, and nothing else is left to do but its groups."""
+        try:
+            await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
+        except OSError:
+            logger.debug("stage %d averaging: the p2p daemon stopped before the averager", self.stage)
+        remaining: set[Any] = set()
+        for group in self._running_groups.values():
+            remaining.update(group.finalize(cancel=True))
+        await within(asyncio.gather(*remaining), timeout)
 
     def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
         """hivemind's, minus its side effect on this process: hivemind 1.1.12 sets SIGINT to

@@ -136,8 +136,19 @@ def test_vocab_sizes_not_derived_with_an_external_tokenizer():
 def test_sections_split_by_concern():
     names = [f.name for f in fields(TrainConfig)]
     assert names == ["model", "compression", "optim", "data", "run", "pipeline", "eval", "checkpoint", "metrics",
-                     "runtime", "net"]
+                     "runtime", "net", "replicas"]
     assert {f.name for f in fields(TrainConfig().run)} == {"seed", "steps", "out_dir", "run_id"}
+
+
+def test_replicas_section_loads_strictly():
+    cfg = config_from_dict({"replicas": {"enabled": True, "routing": "uniform", "routing_seed": 3}})
+    assert cfg.replicas.enabled and cfg.replicas.routing == "uniform" and cfg.replicas.routing_seed == 3
+    for bad, match in (({"routing": "random"}, "replicas.routing must be one of"),
+                       ({"matchmaking_s": 0}, "replicas.matchmaking_s must be"),
+                       ({"averaging_timeout_s": 1.0}, r"replicas.averaging_timeout_s \(1.0\) must exceed"),
+                       ({"replica_count": 2}, "unknown key")):
+        with pytest.raises(ConfigError, match=match):
+            config_from_dict({"replicas": bad})
 
 
 def test_config_and_vq_sizes_need_no_torch():

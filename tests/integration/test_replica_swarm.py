@@ -1,0 +1,50 @@
+"""Several peers per stage (SPEC §9.10), as real processes: ``launch`` with two replicas of each of
+three stages. Stage 0's replicas split every step's micro-batches (2 and 1 of M = 3), each micro-batch
+is routed to one replica of the next stage, the replicas of each stage average their gradients
+through hivemind and take the same step; the swarm's losses are those of one in-process pipeline
+over the whole batch (``train``), the projector's SPEL steps included (``mapl``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mapl_swarm.config import load_config
+from mapl_swarm.launch import launch, replica_out_dir
+from mapl_swarm.pipeline.trainer import train
+
+from swarm_helpers import train_losses, write_config
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.mark.parametrize("codec", ["none", "mapl"])
+def test_two_replicas_of_three_stages_train_as_one_pipeline(tmp_path, cache, codec):
+    path = write_config(tmp_path / "replicas.toml", codec=codec, stages=3, steps=3, cache=cache,
+                        out=tmp_path / "swarm", run_id=f"replicas-{codec}")
+    path.write_text(path.read_text() + "\n[replicas]\nenabled = true\ninitial = [2, 2, 2]\nmatchmaking_s = 1.0\n")
+    cfg = load_config(path)
+    summary = launch(cfg, ["--config", str(path)], progress=False, timeout_s=240)
+    ref = train(load_config(path, {"run": {"out_dir": str(tmp_path / "ref")}}), progress=False)
+    assert summary.train_losses == pytest.approx(train_losses(tmp_path / "ref"), rel=1e-3)
+    assert summary.val_history[-1][1] == pytest.approx(ref.final_val_loss, rel=1e-3)
+    results = {(s, r): json.loads((replica_out_dir(tmp_path / "swarm", r) / f"peer_stage{s}.json").read_text())
+               for s in range(3) for r in range(2)}
+    for s in range(3):  # every replica links to both replicas of each neighbour stage and sent on them
+        for r in range(2):
+            links = results[s, r]["payload_tx"]
+            assert sorted(name.split("@")[0] for name in links) == sorted(
+                [f"stage{n}" for n in (s - 1, s + 1) if 0 <= n < 3 for _ in range(2)]), links
+            assert results[s, r]["bad_frames"] == 0 and results[s, r]["end"] == "finished"
+    # stage 0's replicas both fed the swarm (2 and 1 micro-batches a step) and recorded every loss
+    assert all(sum(results[0, r]["payload_tx"][n].get("act", 0) for n in results[0, r]["payload_tx"]) > 0
+               for r in range(2))
+    assert results[0, 1]["train_losses"] == results[0, 0]["train_losses"]
+    assert all(link["forward_payload"] > 0 and link["backward_payload"] > 0 for link in summary.links)

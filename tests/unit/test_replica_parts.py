@@ -1,0 +1,178 @@
+"""The parts of several peers per stage (SPEC §9.10) that need no swarm: routing draws, the inbound
+projector gradient kept per upstream replica, a round's checks, link sets, the handshake's replica
+rule, a local swarm's replica processes, identities and summary, and ``launch --replicas``."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+from mapl_swarm.cli import _replica_sets
+from mapl_swarm.config import config_from_dict
+from mapl_swarm.errors import ConfigError
+from mapl_swarm.launch import peer_processes, replica_out_dir, summarize
+from mapl_swarm.net.identity import CertificateBody, issue_local, load_identity, read_signed
+from mapl_swarm.peer.link import LinkSettings, Links, PeerLink, replica_name
+from mapl_swarm.peer.mailbox import Mailbox
+from mapl_swarm.peer.replica_schedule import Router
+from mapl_swarm.pipeline.stage import StageRuntime
+from mapl_swarm.replicas.gradients import ReplicaStep
+from mapl_swarm.wire import Message, MessageType
+
+CONTACTS = [f"tcp://10.0.0.{i}:5000#" + f"{i:02x}" * 32 for i in (1, 2, 3)]
+
+
+def _settings(**kw) -> LinkSettings:
+    base = dict(run_id="r", stage=1, num_stages=3, fingerprint="f" * 32, capabilities=("1f1b", "replicas"),
+                max_frame_bytes=1 << 20, replicas=True)
+    return LinkSettings(**{**base, **kw})
+
+
+def _links() -> tuple[Links, list[PeerLink]]:
+    links = Links(None, None, up=0, down=2)
+    made = [links.add(PeerLink(_settings(), stage, on_bad_frame=lambda *a: None, contact=c))
+            for stage, c in ((0, CONTACTS[0]), (0, CONTACTS[1]), (2, CONTACTS[2]))]
+    return links, made
+
+
+def test_links_are_one_per_replica_named_by_contact():
+    links, (a, b, c) = _links()
+    assert a.name == replica_name(0, CONTACTS[0]) and a.name.startswith("stage0@") and a.name != b.name
+    assert links.of_stage(0) == [a, b] and links.of_stage(2) == [c] and links.of_stage(None) == []
+    assert links.stages == [0, 2] and links.stages_expected == [0, 2]
+    assert links.by_contact(0, CONTACTS[1]) is b and links.by_contact(2, CONTACTS[1]) is None
+    assert links.by_session("stage0.00000001") is None
+    with pytest.raises(ValueError, match="linked already"):
+        links.add(PeerLink(_settings(), 0, on_bad_frame=lambda *a: None, contact=CONTACTS[0]))
+
+
+def test_a_mailbox_item_keeps_the_link_it_came_on():
+    links, (a, b, _) = _links()
+    box = Mailbox("stage1")
+    box.put(Message(type=MessageType.ACT, run_id="r", src=0, dst=1, micro=1, meta={"mode": "train"}), b)
+    box.put(Message(type=MessageType.ACT, run_id="r", src=0, dst=1, micro=2, meta={"mode": "train"}), a)
+    msg, link = box.take_from(lambda m: m.micro == 2)
+    assert (msg.micro, link) == (2, a)
+    assert box.take(lambda m: True).micro == 1 and box.take_from(lambda m: True) is None
+
+
+def test_a_handshake_with_replicas_needs_the_capability_and_a_contact():
+    mine = _settings()
+    hello = {**mine.hello_meta(CONTACTS[0]), "capabilities": ["1f1b", "replicas"]}
+    assert hello["contact"] == CONTACTS[0] and mine.mismatch(hello, 0) is None
+    code, why = mine.mismatch({**hello, "capabilities": ["1f1b"]}, 0)
+    assert code == "fingerprint_mismatch" and "replicas.enabled mismatch: stage 0 has false, stage 1 true" in why
+    code, why = mine.mismatch({k: v for k, v in hello.items() if k != "contact"}, 0)
+    assert code == "fingerprint_mismatch" and "names no contact" in why
+    plain = _settings(capabilities=("1f1b",), replicas=False)
+    assert "contact" not in plain.hello_meta(CONTACTS[0])
+    assert plain.mismatch(hello, 0)[1].endswith("stage 0 has true, stage 1 false")
+
+
+def test_routing_draws_are_a_function_of_the_micro_batch_and_follow_throughput():
+    _, (a, b, _) = _links()
+    uniform = Router(routing="uniform", seed=3, stage=0)
+    picks = [uniform.pick([a, b], 5, m).name for m in range(400)]
+    assert picks == [Router(routing="uniform", seed=3, stage=0).pick([a, b], 5, m).name for m in range(400)]
+    assert 150 < Counter(picks)[a.name] < 250  # about half
+    assert picks != [Router(routing="uniform", seed=4, stage=0).pick([a, b], 5, m).name for m in range(400)]
+    fast = Router(routing="throughput", seed=3, stage=0)
+    fast.mean_s = {a.name: 0.1, b.name: 1.0}  # a answers 10x faster
+    share = Counter(fast.pick([a, b], 1, m).name for m in range(400))[a.name] / 400
+    assert share == pytest.approx(10 / 11, abs=0.06)
+    fast.in_flight[a.name] = 9  # ...but holds 9 micro-batches already: now both weigh alike
+    assert Counter(fast.pick([a, b], 1, m).name for m in range(400))[a.name] / 400 == pytest.approx(0.5, abs=0.1)
+    fast.returned(a, 0.3)
+    assert fast.in_flight[a.name] == 8 and fast.mean_s[a.name] == pytest.approx(0.7 * 0.1 + 0.3 * 0.3)
+
+
+def test_the_inbound_projector_gradient_is_kept_apart_per_upstream_replica(make_config):
+    cfg = make_config(pipeline={"num_stages": 2, "micro_batch_size": 2, "num_micro_batches": 3},
+                      compression={"codec": "mapl"})
+    sender, split, whole = StageRuntime(cfg, 0), StageRuntime(cfg, 1), StageRuntime(cfg, 1)
+    gen = torch.Generator().manual_seed(0)
+    for micro, origin in enumerate(["a", "b", "a"]):
+        payload = sender.forward(micro, ids=torch.randint(0, 256, (2, 17), generator=gen)).payload
+        for rt, key in ((split, origin), (whole, None)):
+            rt.forward(micro, payload=payload)
+            rt.backward(micro, **({"origin": key} if key else {}))
+    a, b = split.take_inbound_projector_grad("a"), split.take_inbound_projector_grad("b")
+    torch.testing.assert_close(a + b, whole.take_inbound_projector_grad(), rtol=1e-5, atol=1e-7)
+    assert not torch.equal(a, torch.zeros_like(a)) and not torch.equal(b, torch.zeros_like(b))
+    assert torch.equal(split.take_inbound_projector_grad(), torch.zeros_like(a))  # nothing left unsplit
+    split.step()  # every origin's part taken: the step may go on
+    split.forward(0, payload=payload)
+    split.backward(0, origin="a")
+    with pytest.raises(RuntimeError, match="1 upstream replicas' projector gradients not taken"):
+        split.step()
+
+
+def test_a_round_is_whole_when_its_counts_add_up_and_its_digests_agree():
+    ok = ReplicaStep("p2", ("p1", "p2"), {"p1": "d", "p2": "d"}, {"p1": 2, "p2": 1}, 7.5)
+    assert ok.problem(3) is None and ok.rank == 1 and ok.group_size == 2 and ok.in_sync
+    assert "add up to 2, not the step's 3" in ReplicaStep("p1", ("p1", "p2"), {"p1": "d", "p2": "d"},
+                                                           {"p1": 2, "p2": 0}, 0.0).problem(3)
+    assert "different parameters" in ReplicaStep("p1", ("p1", "p2"), {"p1": "d", "p2": "e"},
+                                                 {"p1": 2, "p2": 1}, 0.0).problem(3)
+
+
+def test_replicas_are_configured_per_stage_and_not_with_codebooks():
+    cfg = config_from_dict({"pipeline": {"num_stages": 3}, "replicas": {"enabled": True, "initial": [1, 2, 2]}})
+    assert [cfg.replicas_of(s) for s in range(3)] == [1, 2, 2]
+    for bad, match in (({"enabled": True, "initial": [2, 2]}, "lists 2 stage"),
+                       ({"initial": [1, 2, 1]}, "set replicas.enabled = true"),
+                       ({"enabled": True, "initial": [0, 1, 1]}, "positive replica counts")):
+        with pytest.raises(ConfigError, match=match):
+            config_from_dict({"pipeline": {"num_stages": 3}, "replicas": bad})
+    with pytest.raises(ConfigError, match="codebook streams between replicas"):
+        config_from_dict({"compression": {"codec": "mapl_vq"}, "replicas": {"enabled": True}})
+    with pytest.raises(ConfigError, match="num_stages >= 2"):
+        config_from_dict({"pipeline": {"num_stages": 1}, "replicas": {"enabled": True}})
+    assert _replica_sets("2", 3) == ["replicas.enabled=true", "replicas.initial=[2, 2, 2]"]
+    assert _replica_sets("1,2,2", 3)[1] == "replicas.initial=[1, 2, 2]"
+    for bad in ("two", "0", "1,-1"):
+        with pytest.raises(ConfigError, match="--replicas"):
+            _replica_sets(bad, 3)
+
+
+def test_a_local_swarm_starts_every_replica_with_its_own_identity_folder_and_ports(tmp_path):
+    local = issue_local(tmp_path / "ids", run_id="r", num_stages=2, replicas=[1, 2])
+    ids = {(s, r): load_identity(local.key_file(s, r), local.cert_file(s, r), run_id="r", stage=s)
+           for s, r in ((0, 0), (1, 0), (1, 1))}
+    assert len({i.key.sign_public for i in ids.values()}) == 3  # a key of its own each
+    body = CertificateBody.decode(read_signed(local.cert_file(1, 1), "certificate").body)
+    assert body.stages == (1,) and body.name == "stage1r1"
+    layout = [(0, 0), (1, 0), (1, 1)]
+    procs = peer_processes(2, ["--config", "c.toml"], maddr="m", threads=1, progress=True, gpus=[None, "0", "1"],
+                           environ={}, member_args=[local.args(s, r) for s, r in layout], net_port=7000,
+                           replicas=[1, 2], out_dir=tmp_path / "run")
+    assert [(p.stage, p.replica, p.label) for p in procs] == [(0, 0, "stage 0"), (1, 0, "stage 1"),
+                                                              (1, 1, "stage 1 replica 1")]
+    assert [p.env.get("CUDA_VISIBLE_DEVICES") for p in procs] == [None, "0", "1"]
+    assert [next(a for a in p.cmd if a.startswith("net.port=")) for p in procs] == [
+        "net.port=7000", "net.port=7001", "net.port=7002"]
+    assert f'run.out_dir={json.dumps(str(tmp_path / "run" / "replica1"))}' in procs[2].cmd
+    assert not any(a.startswith("run.out_dir=") for p in procs[:2] for a in p.cmd)
+    assert str(local.key_file(1, 1)) in procs[2].cmd and "--quiet" not in procs[0].cmd and "--quiet" in procs[2].cmd
+
+
+def test_the_summary_adds_every_replicas_bytes_per_boundary(tmp_path):
+    def result(stage: int, links: dict) -> dict:
+        return {"train_losses": [1.0], "report_times_s": [1.0], "val_history": [], "tokens": 100, "wall_s": 2.0,
+                "payload_tx": links, "wire_tx": {k: {"ACT": 10} for k in links}, "shaper": {}}
+
+    files = {(0, 0): result(0, {"stage1@aa": {"act": 300, "ids": 100}, "stage1@bb": {"act": 100}}),
+             (0, 1): result(0, {"stage1@aa": {"act": 200}}),
+             (1, 0): result(1, {"stage0@cc": {"grad": 150}, "stage0@dd": {"grad": 50}}),
+             (1, 1): result(1, {"stage0@cc": {"grad": 100}})}
+    for (s, r), res in files.items():
+        replica_out_dir(tmp_path, r).mkdir(parents=True, exist_ok=True)
+        (replica_out_dir(tmp_path, r) / f"peer_stage{s}.json").write_text(json.dumps(res))
+    summary = summarize(tmp_path, 2, [2, 2])
+    (link,) = summary.links
+    assert link["forward_payload"] == pytest.approx((300 + 100 + 100 + 200) / 100)
+    assert link["backward_payload"] == pytest.approx((150 + 50 + 100) / 100)
+    assert link["forward_wire"] == pytest.approx(30 / 100)
