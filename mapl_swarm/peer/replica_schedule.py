@@ -492,7 +492,7 @@ class ReplicaSchedule:
             t0 = time.perf_counter()
             round_ = await self.compute.run(self.replicas.average, cur.forwarded, timeout=self.averaging_timeout_s,
                                             loss_sum=loss_sum)
-            log.info("%s: step %d averaged among %d replicas in %.2f s", self.name, step, round_.group_size,
+            log.debug("%s: step %d averaged among %d replicas in %.2f s", self.name, step, round_.group_size,
                      time.perf_counter() - t0)
             problem = round_.problem(self.M)
             if problem is not None:
