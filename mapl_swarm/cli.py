@@ -143,10 +143,12 @@ def _cmd_keys_local(args: argparse.Namespace) -> int:
     from mapl_swarm.net.identity import issue_local
 
     cfg = _load(args)
+    counts = [cfg.replicas_of(s) for s in range(cfg.pipeline.num_stages)]
     local = issue_local(args.out, run_id=cfg.run.run_id, num_stages=cfg.pipeline.num_stages,
-                        authority_file=args.authority)
+                        authority_file=args.authority, replicas=counts)
+    replicas = "" if max(counts) == 1 else f", and stage<k>r<r>.key|cert for replica r > 0 ({counts} per stage)"
     print(f"identities of run {cfg.run.run_id!r} in {local.folder}: stage<k>.key and stage<k>.cert for "
-          f"k = 0..{cfg.pipeline.num_stages - 1} (authority {local.authority.key_id} at "
+          f"k = 0..{cfg.pipeline.num_stages - 1}{replicas} (authority {local.authority.key_id} at "
           f"{args.authority or local.folder / 'authority.key'}); existing ones that still fit are kept")
     return 0
 
@@ -330,6 +332,13 @@ def _cmd_dht(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replicas_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--replicas", metavar="N",
+                   help="peers per stage (SPEC §9.10: each micro-batch routed to one replica of the next stage, "
+                        "the replicas of a stage average their gradients every step), e.g. --replicas 2, or one "
+                        "count per stage, --replicas 1,2,2 (sets replicas.enabled and replicas.initial)")
+
+
 def _replica_sets(value: str, num_stages: int) -> list[str]:
     """``launch --replicas N`` (every stage), or one count per stage (``1,2,2``), as the ``--set``
     items every peer gets."""
@@ -374,6 +383,9 @@ def _print_links(s: Any) -> None:
     for b, link in enumerate(s.links):
         print(f"  link {b}->{b + 1}: payload {link['forward_payload']:.1f} / {link['backward_payload']:.1f} B/token, "
               f"on the wire {link['forward_wire']:.1f} / {link['backward_wire']:.1f} B/token")
+    if s.averaging:
+        print(f"  replicas' averaging: {s.averaging['bytes_per_step'] / 1e6:.2f} MB a step (every stage's replicas "
+              f"together), {100 * s.averaging['share']:.1f}% of all bytes sent")
 
 
 def _print_restarts(s: Any) -> None:
@@ -410,6 +422,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _cmd_lab(args: argparse.Namespace) -> int:
+    if args.replicas is not None:
+        args.set = [*(args.set or []), *_replica_sets(args.replicas, _load(args).pipeline.num_stages)]
     cfg = _load(args)
     from mapl_swarm.lab.swarm import run_lab_swarm
 
@@ -723,6 +737,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--subnet", type=int, default=77, metavar="N", help="lab addresses are 10.N.0.x (default: 77)")
     _resume_arg(p, "every peer continues")
     _max_restarts_arg(p)
+    _replicas_arg(p)
     p.set_defaults(func=_cmd_lab)
 
     p = add("launch", "start a DHT and every stage peer on this machine",
@@ -736,10 +751,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "e.g. --gpus 0,1,2,3 (a repeated id shares a GPU; needs runtime.device auto or cuda) "
                         "(default: the visible GPUs, round-robin; none: the peers' environment is unchanged)")
     _max_restarts_arg(p)
-    p.add_argument("--replicas", metavar="N",
-                   help="peers per stage (SPEC §9.10: each micro-batch routed to one replica of the next stage, "
-                        "the replicas of a stage average their gradients every step), e.g. --replicas 2, or one "
-                        "count per stage, --replicas 1,2,2 (sets replicas.enabled and replicas.initial)")
+    _replicas_arg(p)
     p.set_defaults(func=_cmd_launch)
 
     p = add("export", "write a run's trained model as a Hugging Face model folder",

@@ -87,6 +87,9 @@ class SwarmSummary:
     """The step every stage stopped after, when it drained."""
     restarts: dict[str, int] = field(default_factory=dict)
     """Per stage (as a string, JSON-style) that was restarted: how many times, e.g. ``{"1": 2}``."""
+    averaging: dict[str, float] = field(default_factory=dict)
+    """With replicas: the bytes the stages' averaging rounds sent per step, every replica together
+    (``bytes_per_step``), and their share of all bytes the peers sent (``share``, ZeroMQ frames included)."""
 
 
 def replica_out_dir(out_dir: str | Path, replica: int) -> Path:
@@ -134,8 +137,15 @@ def summarize(out_dir: str | Path, num_stages: int, replicas: Sequence[int] = ()
     for b, link in enumerate(links):  # the shapers of the first replica's first link
         link["shaper_forward"] = next((v for k, v in res[b]["shaper"].items() if k.startswith(f"stage{b + 1}")), {})
         link["shaper_backward"] = next((v for k, v in res[b + 1]["shaper"].items() if k.startswith(f"stage{b}")), {})
+    averaging = {}
+    everyone = [r for stage in by_stage for r in stage]
+    averaged = sum(r.get("averaging", {}).get("sent_bytes", 0) for r in everyone)
+    if averaged:
+        wire = sum(n for r in everyone for kinds in r["wire_tx"].values() for n in kinds.values())
+        averaging = {"bytes_per_step": averaged / max(len(res[0]["train_losses"]), 1),
+                     "share": averaged / (averaged + wire)}
     return SwarmSummary(res[0]["train_losses"], res[0]["report_times_s"], res[0]["val_history"], res[0]["tokens"],
-                        res[0]["wall_s"], links)
+                        res[0]["wall_s"], links, averaging=averaging)
 
 
 def stop_all(procs: list[subprocess.Popen]) -> None:

@@ -1,8 +1,10 @@
-"""Run the compose topology (a DHT host + one host per stage) inside a :class:`NetnsLab`.
+"""Run the compose topology (a DHT host + one host per stage, or per replica of a stage) inside a
+:class:`NetnsLab`.
 
 Every peer runs the same ``mapl-swarm dht`` / ``mapl-swarm peer`` commands as ``compose.yaml``,
-bound to its namespace's address, with every link shaped by the kernel's tbf. The lab issues the
-identities as ``launch`` does (:func:`~mapl_swarm.launch.local_identities`): each peer gets its own
+bound to its namespace's address, with every link shaped by the kernel's tbf (a replica's too, and
+with it its stage's averaging traffic: hivemind's connections leave through the same interface).
+The lab issues the identities as ``launch`` does (:func:`~mapl_swarm.launch.local_identities`): each peer gets its own
 key and a certificate for its stage, and the DHT node any certificate of the run (its authority).
 The data is prepared once, first. The peers are supervised as ``launch`` supervises its own
 (:func:`~mapl_swarm.launch.supervise`): Ctrl-C drains them, and one that dies is started again
@@ -12,6 +14,7 @@ for it; the DHT node exiting stops the run.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -22,7 +25,8 @@ from pathlib import Path
 from mapl_swarm.config import TrainConfig
 from mapl_swarm.data import prepare_data
 from mapl_swarm.lab.netns import NetnsLab
-from mapl_swarm.launch import PeerProcess, RestartPolicy, Supervisor, SwarmSummary, local_identities, supervise
+from mapl_swarm.launch import (PeerProcess, RestartPolicy, Supervisor, SwarmSummary, local_identities, replica_counts,
+                               replica_out_dir, supervise)
 from mapl_swarm.procs import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -37,12 +41,17 @@ def run_lab_swarm(cfg: TrainConfig, config_args: list[str], *, rate_mbit: float,
     """Train ``cfg`` with the DHT and each stage in its own namespace; returns the swarm summary
     (or, after Ctrl-C, the drained one with its ``end_note``). ``config_args`` (the options that
     produced ``cfg``, with ``--log-level``) go to every peer; the DHT child gets the log level."""
-    policy = RestartPolicy(max_restarts)  # before any work: a bad --max-restarts answers at once
     P = cfg.pipeline.num_stages
-    hosts = ["dht"] + [f"stage{k}" for k in range(P)]
+    counts = replica_counts(cfg)
+    if cfg.replicas.enabled:
+        max_restarts = 0  # as launch: a replica restarted from its checkpoint would not hold the others' state
+    policy = RestartPolicy(max_restarts)  # before any work: a bad --max-restarts answers at once
+    layout = [(k, r) for k in range(P) for r in range(counts[k])]  # a host (a namespace, its own links) each
+    names = {(k, r): f"stage{k}" + (f"r{r}" if r else "") for k, r in layout}
+    hosts = ["dht"] + [names[kr] for kr in layout]
     local = local_identities(cfg)
-    for k in range(P):  # results of an earlier run must not be mistaken for this one's
-        (Path(cfg.run.out_dir) / f"peer_stage{k}.json").unlink(missing_ok=True)
+    for k, r in layout:  # results of an earlier run must not be mistaken for this one's
+        (replica_out_dir(cfg.run.out_dir, r) / f"peer_stage{k}.json").unlink(missing_ok=True)
     prepare_data(cfg.data, progress=False)  # once, here, rather than raced by every peer
     with tempfile.TemporaryDirectory() as tmp, NetnsLab(hosts, rate_mbit=rate_mbit, subnet=subnet) as lab:
         maddr_file = str(Path(tmp) / "dht.maddrs")
@@ -54,13 +63,15 @@ def run_lab_swarm(cfg: TrainConfig, config_args: list[str], *, rate_mbit: float,
                                        *log_args], preexec_fn=die_with_parent(), process_group=0)
         try:
             peers = []
-            for k in range(P):
-                addr = lab.address(f"stage{k}")
+            for k, r in layout:
+                addr = lab.address(names[k, r])
                 cmd = base + ["peer", *config_args, "--stage", str(k), "--initial-peers-file", maddr_file,
                               "--set", 'net.bind_host="0.0.0.0"', "--set", f'net.advertise_host="{addr}"',
                               "--set", f'net.dht_host="{addr}"', "--set", f"runtime.threads={threads}", "--quiet",
-                              "--launched", *local.args(k)]
-                peers.append(PeerProcess(k, lab.command(f"stage{k}", cmd), dict(os.environ), None))
+                              "--launched", *local.args(k, r),
+                              *(["--set", f"run.out_dir={json.dumps(str(replica_out_dir(cfg.run.out_dir, r)))}"]
+                                if r else [])]
+                peers.append(PeerProcess(k, lab.command(names[k, r], cmd), dict(os.environ), None, r))
             return supervise(cfg, Supervisor(policy, {"the lab's DHT node": dht}), peers, timeout_s, command="lab")
         finally:
             dht.terminate()  # once: its normal end (a second SIGTERM, as stop_all sends, cuts its close short)

@@ -499,9 +499,14 @@ class ReplicaSchedule:
                 raise MaplError(f"{self.name}: step {step} cannot be taken: {problem}")
             self._ranked(round_)
             loss_sum = round_.loss_sum
+            counts = self.result.averaging
+            for key, n in (("rounds", 1), ("sent_bytes", round_.sent_bytes), ("received_bytes", round_.received_bytes)):
+                counts[key] = counts.get(key, 0) + n
         elif cur.forwarded != self.M:
             raise MaplError(f"{self.name}: step {step} computed {cur.forwarded} of its {self.M} micro-batches")
         metrics = await self.compute.run(self.rt.step)
+        if self.replicas is not None:
+            metrics.update(averaging_sent_bytes=round_.sent_bytes, averaging_received_bytes=round_.received_bytes)
         self.window.advance()
         await self._send_projector(step + 1)
         await self.hooks.step_end(step + 1, metrics)

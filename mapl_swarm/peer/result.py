@@ -37,6 +37,9 @@ class PeerResult:
     """Bytes handed to ZeroMQ per link and message type (headers included)."""
     shaper: dict[str, dict[str, float]] = field(default_factory=dict)
     """Per outbound link: shaped bytes sent and seconds the emulated link spent transmitting."""
+    averaging: dict[str, int] = field(default_factory=dict)
+    """With replicas (SPEC §9.10): this replica's averaging rounds and the tensor bytes their
+    all-reduces sent and received (``rounds``, ``sent_bytes``, ``received_bytes``)."""
     codebooks: dict[str, Any] = field(default_factory=dict)
     """mapl_vq: slices applied/ignored/rejected (by error code), RESYNCs, versions and digests."""
     end: str = "finished"

@@ -85,6 +85,7 @@ def merge(before: PeerResult | None, after: PeerResult) -> PeerResult:
     merged.rejects = _sum_counts(before.rejects, after.rejects)
     merged.errors = _sum_counts(before.errors, after.errors)
     merged.payload_tx = _sum_counts(before.payload_tx, after.payload_tx)
+    merged.averaging = _sum_counts(before.averaging, after.averaging)
     merged.rejoins = before.rejoins + after.rejoins
     return merged  # wire_tx and shaper: the transport's counters, already over every session
 

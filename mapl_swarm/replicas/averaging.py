@@ -57,10 +57,10 @@ REFUSALS = ("join_group", "aggregate_part", "download_state", "group")
 STATE_KEY = "mapl_stage_state"
 """The metadata key of a stage state in a download (hivemind's own metadata is a dict too)."""
 MEMBERS_CACHE_S = 1.0
+"""How long a read of the stage's members is reused before the DHT is asked again."""
 MEMBERS_REREAD_S = 0.2
 """A request from an unknown peer reads the members again, at most this often (a stranger's flood
 of requests costs no more DHT reads than that)."""
-"""How long a read of the stage's members is reused before the DHT is asked again."""
 
 
 class StageAverager(DecentralizedAverager):
@@ -84,6 +84,7 @@ class StageAverager(DecentralizedAverager):
         self._members: frozenset[PeerID] = frozenset()
         self._members_read = -float("inf")
         self._refusals = mp.Array("q", len(REFUSALS))  # shared: the RPCs are served in the averager's process
+        self._traffic = mp.Array("q", 2)  # tensor bytes sent, received by its all-reduces (that process too)
         self._refused_logged: set[tuple[str, PeerID]] = set()
         super().__init__(averaged_tensors, dht, prefix=averaging_prefix(run_id, stage), target_group_size=replicas,
                          min_group_size=2, initial_group_bits="", min_matchmaking_time=min_matchmaking_time,
@@ -132,6 +133,12 @@ class StageAverager(DecentralizedAverager):
             signal.signal(signal.SIGINT, previous)
         if await_ready:
             self.wait_until_ready(timeout)
+
+    @property
+    def traffic(self) -> tuple[int, int]:
+        """Tensor bytes this replica's all-reduces sent and received so far (protobuf-serialized parts)."""
+        with self._traffic.get_lock():
+            return int(self._traffic[0]), int(self._traffic[1])
 
     @property
     def refused(self) -> dict[str, int]:
@@ -202,7 +209,8 @@ class StageAverager(DecentralizedAverager):
         group ends with the same bytes (hivemind's adds a difference back, which rounds)."""
         group_id = group_info.group_id if group_id is None else group_id
         runner = ExactAllReduceRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
-                                      group_id=group_id, ordered_peer_ids=group_info.peer_ids, **kwargs)
+                                      group_id=group_id, ordered_peer_ids=group_info.peer_ids,
+                                      traffic=self._traffic, **kwargs)
         self._running_groups[group_id].set_result(runner)
         async for tensor, averaged in azip(as_aiter(*tensors), runner):
             tensor.copy_(averaged)

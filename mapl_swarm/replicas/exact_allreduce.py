@@ -8,7 +8,8 @@ part this peer reduces itself, and the answer to a peer's part) to send the aver
 part container's deltas off, so every peer of a group ends with the same bytes; a failed part
 keeps the peer's own values, as hivemind's zero delta does. The two methods are hivemind 1.1.12's
 with that one change (hivemind is pinned: ``pyproject.toml``); every peer of a group must run this
-runner (a stage's replicas all run :class:`~.averaging.StageAverager`).
+runner (a stage's replicas all run :class:`~.averaging.StageAverager`). It also counts the tensor
+bytes it sends and receives (``traffic``), what a stage's averaging costs on its links.
 """
 
 from __future__ import annotations
@@ -32,9 +33,22 @@ logger = logging.getLogger(__name__)
 class ExactAllReduceRunner(AllReduceRunner):
     """An ``AllReduceRunner`` whose output tensors are the averages (module docstring)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, traffic: Any = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.tensor_part_container.return_deltas = False  # outputs are averages; a failed part keeps its own
+        self.traffic = traffic
+        """Tensor bytes sent and received, ``[sent, received]`` (shared with the host process; None: not counted)."""
+
+    def _count(self, sent: int = 0, received: int = 0) -> None:
+        if self.traffic is not None:
+            with self.traffic.get_lock():
+                self.traffic[0] += sent
+                self.traffic[1] += received
+
+    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        async for message in super()._generate_input_for_peer(peer_index):
+            self._count(sent=message.tensor_part.ByteSize())
+            yield message
 
     async def _communicate_with_peer(self, peer_id: PeerID) -> None:
         peer_index = self.ordered_peer_ids.index(peer_id)
@@ -55,6 +69,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             def deserialize(msg: averaging_pb2.AveragingData) -> tuple[Any, averaging_pb2.AveragingData]:
                 if msg.code != averaging_pb2.AVERAGED_PART:
                     raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
+                self._count(received=msg.tensor_part.ByteSize())
                 return deserialize_torch_tensor(msg.tensor_part), msg
 
             part_index = 0
@@ -76,9 +91,12 @@ class ExactAllReduceRunner(AllReduceRunner):
         part_index = 0
         try:
             loop = asyncio.get_event_loop()
+            def deserialize(msg: averaging_pb2.AveragingData) -> tuple[Any, float, Any]:
+                self._count(received=msg.tensor_part.ByteSize())
+                return deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression
+
             async for tensor_part, weight, part_compression in amap_in_executor(
-                    lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression),
-                    stream, max_prefetch=self.tensor_part_container.prefetch):
+                    deserialize, stream, max_prefetch=self.tensor_part_container.prefetch):
                 try:
                     averaged_part = await self.tensor_part_reducer.accumulate_part(
                         sender_index, part_index, tensor_part, weight=weight)
@@ -87,6 +105,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                     break  # the sender was banned: its parts are no longer aggregated
                 serialized = await loop.run_in_executor(
                     None, lambda: serialize_torch_tensor(averaged_part, part_compression))
+                self._count(sent=serialized.ByteSize())
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
         finally:
             if part_index != self.tensor_part_reducer.num_parts:

@@ -50,6 +50,9 @@ class ReplicaStep:
     """Each member's train micro-batches of the step."""
     loss_sum: float
     """The members' summed micro-batch losses (the last stage; 0 elsewhere)."""
+    sent_bytes: int = 0
+    received_bytes: int = 0
+    """The tensor bytes this replica's all-reduce of the round sent and received."""
 
     @property
     def group_size(self) -> int:
@@ -98,7 +101,9 @@ class ReplicaGradients:
         self.runtime, self.params = runtime, params
 
     def _round(self, weight: float, gather: dict[str, Any], timeout: float) -> ReplicaStep:
+        sent, received = self.averager.traffic
         gathered = self.averager.step(weight=weight, gather=gather, timeout=timeout)
+        sent, received = (now - before for now, before in zip(self.averager.traffic, (sent, received)))
         if gathered is None:
             raise AveragingFailed(f"stage {self.runtime.stage}: the replicas formed no averaging group within "
                                   f"{timeout:g} s")
@@ -108,7 +113,7 @@ class ReplicaGradients:
             raise AveragingFailed(f"stage {self.runtime.stage}: a replica gathered something else than a round's "
                                   f"digest, count and loss")
         return ReplicaStep(self.me, tuple(sorted(data)), {p: v["digest"] for p, v in data.items()},
-                           {p: v["n"] for p, v in data.items()}, sum(v["loss"] for v in data.values()))
+                           {p: v["n"] for p, v in data.items()}, sum(v["loss"] for v in data.values()), sent, received)
 
     def sync(self, *, timeout: float) -> ReplicaStep:
         """The round before the first step: the replicas that start together, each one's parameter

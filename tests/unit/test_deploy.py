@@ -198,3 +198,35 @@ def test_gpu_override_reserves_one_gpu_per_stage_and_builds_cuda_torch():
     assert load_config(ROOT / prepare.config, parse_overrides(prepare.set)).data == cfg.data
     keys = parser.parse_args(compose["services"]["keys"]["command"])  # identities for the run the peers train
     assert keys.func.__name__ == "_cmd_keys_local" and load_config(ROOT / keys.config).run.run_id == cfg.run.run_id
+
+
+def test_the_replicas_override_runs_two_replicas_of_every_stage_each_with_its_own_identity_and_folder(tmp_path):
+    """compose.replicas.yaml (over compose.yaml): stage<k>r1 extends stage<k>; every peer runs the
+    replicas config, its own key and certificate (what `keys local` issues for that config), its own
+    advertised name, and replica 1 its own run folder."""
+    base, over = _compose()["services"], _compose("compose.replicas.yaml")["services"]
+    parser = build_parser()
+    keys = parser.parse_args(over["keys"]["command"])
+    cfg = load_config(ROOT / keys.config)
+    assert cfg.replicas.enabled and list(cfg.replicas.initial) == [2] * cfg.pipeline.num_stages
+    assert parser.parse_args(over["prepare"]["command"]).config == keys.config
+    peers = {}
+    for name, svc in over.items():
+        if name in ONE_SHOT:
+            continue
+        if name not in base:  # a replica: the stage's service of compose.yaml, its own command
+            assert svc["extends"] == {"file": "compose.yaml", "service": name.removesuffix("r1")}
+        args = parser.parse_args(svc["command"])
+        assert args.command == "peer" and args.config == keys.config and not args.auto_resume
+        assert svc["restart"] == "no"
+        sets = parse_overrides(args.set or [])
+        assert sets["net"]["advertise_host"] == name
+        assert (args.peer_key, args.cert) == (f"/keys/{name}.key", f"/keys/{name}.cert")
+        assert sets.get("run", {}).get("out_dir") == ("/shared/run/replica1" if name.endswith("r1") else None)
+        peers[name] = args.stage
+    assert sorted(peers.values()) == sorted([k for k in range(4) for _ in range(2)])
+    # `keys local` with that config issues exactly those files
+    from mapl_swarm.cli import main
+
+    assert main(["keys", "local", "--config", str(ROOT / keys.config), "--out", str(tmp_path)]) == 0
+    assert {p.name for p in tmp_path.glob("stage*.key")} == {f"{name}.key" for name in peers}

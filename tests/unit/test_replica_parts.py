@@ -164,7 +164,8 @@ def test_the_summary_adds_every_replicas_bytes_per_boundary(tmp_path):
         return {"train_losses": [1.0], "report_times_s": [1.0], "val_history": [], "tokens": 100, "wall_s": 2.0,
                 "payload_tx": links, "wire_tx": {k: {"ACT": 10} for k in links}, "shaper": {}}
 
-    files = {(0, 0): result(0, {"stage1@aa": {"act": 300, "ids": 100}, "stage1@bb": {"act": 100}}),
+    files = {(0, 0): {**result(0, {"stage1@aa": {"act": 300, "ids": 100}, "stage1@bb": {"act": 100}}),
+                      "averaging": {"rounds": 1, "sent_bytes": 40, "received_bytes": 40}},
              (0, 1): result(0, {"stage1@aa": {"act": 200}}),
              (1, 0): result(1, {"stage0@cc": {"grad": 150}, "stage0@dd": {"grad": 50}}),
              (1, 1): result(1, {"stage0@cc": {"grad": 100}})}
@@ -176,3 +177,5 @@ def test_the_summary_adds_every_replicas_bytes_per_boundary(tmp_path):
     assert link["forward_payload"] == pytest.approx((300 + 100 + 100 + 200) / 100)
     assert link["backward_payload"] == pytest.approx((150 + 50 + 100) / 100)
     assert link["forward_wire"] == pytest.approx(30 / 100)
+    # one step (one loss), 40 averaging bytes against 6 links x 10 wire bytes
+    assert summary.averaging == {"bytes_per_step": 40.0, "share": pytest.approx(40 / 100)}
