@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import signal
 import sys
@@ -264,6 +265,23 @@ def _auto_resume(cfg: Any, stage: int) -> bool | None:
     return bool(steps)
 
 
+def _initial_peers(args: argparse.Namespace, cfg: Any) -> list[str]:
+    """The DHT multiaddrs of ``--initial-peer`` and ``--initial-peers-file`` (waited for)."""
+    from mapl_swarm.peer.main import read_peers_file
+
+    peers = list(args.initial_peer or [])
+    if args.initial_peers_file:
+        peers += read_peers_file(args.initial_peers_file, cfg.net.timeout_s)
+    return peers
+
+
+def _initial_peers_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--initial-peer", action="append", metavar="MADDR",
+                   help="multiaddr of a running DHT node, as printed by `mapl-swarm dht` (repeatable)")
+    p.add_argument("--initial-peers-file", metavar="PATH",
+                   help="file of DHT multiaddrs written by `mapl-swarm dht --maddr-file` (waited for)")
+
+
 def _cmd_peer(args: argparse.Namespace) -> int:
     raise_open_file_limit()
     if args.launched:  # launch gives each peer a process group of its own: a background group may
@@ -271,16 +289,14 @@ def _cmd_peer(args: argparse.Namespace) -> int:
     cfg = _load(args)
     membership = _membership(args, cfg, args.stage)
     from mapl_swarm.net.dht_node import precheck_initial_peers
-    from mapl_swarm.peer.main import read_peers_file, run_peer
+    from mapl_swarm.peer.main import run_peer
 
     resume = args.resume
     if args.auto_resume:
         resume = _auto_resume(cfg, args.stage)
         if resume is None:
             return 0
-    peers = list(args.initial_peer or [])
-    if args.initial_peers_file:
-        peers += read_peers_file(args.initial_peers_file, cfg.net.timeout_s)
+    peers = _initial_peers(args, cfg)
     precheck_initial_peers(peers or cfg.net.initial_peers)  # a mistyped address, before torch loads
     result = run_peer(cfg, args.stage, membership=membership, initial_peers=peers, resume=resume,
                       progress=not args.quiet)
@@ -329,6 +345,45 @@ def _cmd_dht(args: argparse.Namespace) -> int:
                            ready=ready, membership=membership)
     except (KeyboardInterrupt, _Terminated) as stop:  # a bootstrap node's normal end (docker stop, Ctrl-C)
         log.info("DHT bootstrap node stopped (%s)", "SIGTERM" if isinstance(stop, _Terminated) else "SIGINT")
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    membership = _membership(args, None)  # any certificate of the run: records are checked against its authority
+    from mapl_swarm.net.dht_node import precheck_initial_peers
+
+    peers = _initial_peers(args, cfg) or list(cfg.net.initial_peers)
+    if not peers:
+        raise ConfigError("status reads a running swarm's DHT: give --initial-peer MADDR (as `mapl-swarm dht` "
+                          "printed it) or --initial-peers-file PATH")
+    precheck_initial_peers(peers)
+    from dataclasses import asdict
+
+    from mapl_swarm.net.discovery import Discovery, DiscoveryConfig
+
+    P = cfg.pipeline.num_stages
+    with Discovery(cfg.run.run_id, DiscoveryConfig(initial_peers=tuple(peers), client_mode=True),
+                   membership=membership) as discovery:
+        stages = [discovery.stage_peers(k) for k in range(P)]
+    serving = [sum(1 for p in ps if p.contact) for ps in stages]
+    if args.json:
+        print(json.dumps({"run": cfg.run.run_id, "stages": [[asdict(p) for p in ps] for ps in stages]}, indent=1))
+    else:
+        print(f"run {cfg.run.run_id!r}: {P} stages, {sum(serving)} peers serving")
+        for k, ps in enumerate(stages):
+            print(f"stage {k}: {serving[k]} serving" + ("" if ps else ", no record"))
+            for p in ps:
+                st = p.status
+                figures = (f"{st.get('state', '?'):<11} step {st['step']:<6} {st['tokens_per_s']:>9,.0f} tok/s  "
+                           f"queue {st['queue']:<3}" if {"step", "tokens_per_s", "queue"} <= st.keys()
+                           else "no status record".ljust(46))
+                where = p.contact.partition("#")[0] or "(withdrawn)"
+                print(f"  {p.peer_id[:8]}…{p.peer_id[-6:]}  {figures}  {where}  (renewed within {p.expires_in_s:.0f} s)")
+    if not all(serving):
+        missing = ", ".join(str(k) for k, n in enumerate(serving) if not n)
+        print(f"mapl-swarm: no peer serves stage(s) {missing}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -618,10 +673,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--stage", type=int, required=True, metavar="K",
                    help="the stage this peer runs, 0 .. pipeline.num_stages-1 (required)")
-    p.add_argument("--initial-peer", action="append", metavar="MADDR",
-                   help="multiaddr of a running DHT node, as printed by `mapl-swarm dht` (repeatable)")
-    p.add_argument("--initial-peers-file", metavar="PATH",
-                   help="file of DHT multiaddrs written by `mapl-swarm dht --maddr-file` (waited for)")
+    _initial_peers_args(p)
     how = p.add_mutually_exclusive_group()
     _resume_arg(how, "continue", "; also how a departed peer of this stage is replaced in a running swarm, which "
                                  "then rolls back to the newest step every stage saved")
@@ -650,6 +702,16 @@ def build_parser() -> argparse.ArgumentParser:
     _key_args(p, "with --cert, the node keeps only records its run's authority certified", peer=False)
     _add_common_args(p, quiet=False)
     p.set_defaults(func=_cmd_dht)
+
+    p = add("status", "show a running swarm's peers (every replica of every stage) from its DHT",
+            "Read a running swarm's DHT and print each stage's peers (its replicas) with their state, step, "
+            "tokens/s and queue, from the status records every peer renews every few seconds. Exit status 1 "
+            "when a stage has no peer.")
+    _add_config_args(p)
+    _initial_peers_args(p)
+    p.add_argument("--json", action="store_true", help="print the peers as JSON, one list per stage")
+    _key_args(p, "records are then unsigned hints", peer=False)
+    p.set_defaults(func=_cmd_status)
 
     p = add("keys", "create a run authority, peer keys and certificates (subcommands)",
             "Per-peer identities under a run authority: the operator's authority key signs each peer's "

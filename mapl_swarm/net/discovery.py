@@ -56,7 +56,8 @@ from mapl_swarm.net.identity import PeerIdentity
 from mapl_swarm.procs import wait_for_signal
 
 __all__ = ["DiscoveryConfig", "Discovery", "start_dht", "run_bootstrap_node", "host_maddr", "stage_key",
-           "averaging_prefix", "member_keys", "dht_validators", "TrustedAuthority", "MAX_STAGES", "MAX_TTL_S"]
+           "averaging_prefix", "member_keys", "status_key", "dht_validators", "TrustedAuthority", "MAX_STAGES",
+           "MAX_TTL_S", "StagePeer", "STATUS_FIELDS"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,12 +79,18 @@ def averaging_prefix(run_id: str, stage: int) -> str:
     return f"mapl/avg/{hashlib.sha256(run_id.encode()).hexdigest()[:16]}/{stage}"
 
 
-def member_keys(run_id: str, stage: int) -> tuple[str, str]:
-    """The DHT keys ``stage``'s averagers write: matchmaking (hivemind's ``<prefix>.0b``, one group,
-    no group bits) and state download (``<prefix>.all_averagers``). A certified node accepts a record
-    under them only from a member of that stage, at its own peer id (SPEC §9.1)."""
+def status_key(run_id: str, stage: int) -> str:
+    """The DHT key of the status records of ``stage``'s peers (SPEC §9.1 "Status records")."""
+    return f"mapl/{run_id}/status/{stage}"
+
+
+def member_keys(run_id: str, stage: int) -> tuple[str, str, str]:
+    """The DHT keys each peer of ``stage`` writes at its own libp2p peer id: its averager's
+    matchmaking (hivemind's ``<prefix>.0b``, one group, no group bits) and state download
+    (``<prefix>.all_averagers``), and its status record (:func:`status_key`). A certified node
+    accepts a record under them only from a member of that stage, at its own peer id (SPEC §9.1)."""
     prefix = averaging_prefix(run_id, stage)
-    return f"{prefix}.0b", f"{prefix}.all_averagers"
+    return f"{prefix}.0b", f"{prefix}.all_averagers", status_key(run_id, stage)
 
 
 def dht_validators(membership: Any) -> list[Any]:
@@ -103,6 +110,39 @@ def dht_validators(membership: Any) -> list[Any]:
     return [CertifiedRecordValidator(run_id=membership.run_id, authority=membership.authority, identity=signer,
                                      stage_keys=keys, member_keys=members, revoked=membership.revoked,
                                      revocations=None if watch is None else watch.path)]
+
+
+STATUS_FIELDS: dict[str, type] = {"state": str, "step": int, "tokens_per_s": float, "queue": int}
+"""A status record's fields and their types (SPEC §9.1 "Status records"); a reader keeps only these."""
+
+
+def _checked_status(value: Any) -> dict[str, Any]:
+    """The fields of a status record that have their types (the record comes from the network:
+    what is printed or compared must be what the spec says, whatever a member wrote)."""
+    if not isinstance(value, dict):
+        return {}
+    out: dict[str, Any] = {}
+    for name, kind in STATUS_FIELDS.items():
+        v = value.get(name)
+        if kind is float and isinstance(v, int) and not isinstance(v, bool):
+            v = float(v)
+        if isinstance(v, kind) and not isinstance(v, bool) and not (kind is float and not math.isfinite(v)):
+            out[name] = v[:32] if kind is str else v
+    return out
+
+
+@dataclass(frozen=True)
+class StagePeer:
+    """One peer of a stage as the DHT shows it (:meth:`Discovery.stage_peers`)."""
+
+    peer_id: str
+    """Its DHT peer id (a certified peer's derives from its own key)."""
+    contact: str
+    """The contact of its stage record; ``""`` when it withdrew it (or published only a status)."""
+    expires_in_s: float
+    """Seconds until its freshest record lapses unless renewed."""
+    status: dict[str, Any]
+    """Its status record's fields (:data:`STATUS_FIELDS`; empty when it published none)."""
 
 
 @dataclass(frozen=True)
@@ -165,6 +205,8 @@ class DiscoveryConfig:
     """Deadline of :meth:`Discovery.start`, including retries while initial peers are down."""
     request_timeout_s: float = 10.0
     """Deadline of one DHT store or get."""
+    status_s: float = 2.0
+    """Seconds between two stores of this peer's status record (:meth:`Discovery.publish_status`)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.initial_peers, (list, str)):  # TOML arrays arrive as lists
@@ -174,7 +216,7 @@ class DiscoveryConfig:
             raise ConfigError(f"discovery.port must be in 0..65535, got {self.port}")
         if self.announce_host and self.port == 0:
             raise ConfigError("discovery.announce_host needs an explicit discovery.port")
-        for name in ("ttl_s", "refresh_s", "poll_s", "start_timeout_s", "request_timeout_s"):
+        for name in ("ttl_s", "refresh_s", "poll_s", "start_timeout_s", "request_timeout_s", "status_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"discovery.{name} must be a finite number > 0, got {value}")
@@ -199,6 +241,7 @@ class Discovery:
         self._peer_id = ""
         self._announced: dict[int, tuple[str, str]] = {}  # stage -> (subkey, endpoint)
         self._refusals_logged: set[int] = set()
+        self._status: tuple[int, Callable[[], dict[str, Any]]] | None = None  # stage, source
         self._lock = threading.Lock()  # guards the DHT command pipe
         self._state = threading.Lock()  # serialises announce / withdraw / refresh
         self._stop = threading.Event()
@@ -262,10 +305,14 @@ class Discovery:
             self._announced[stage] = (subkey, endpoint)
             if previous is not None and previous[0] != subkey:
                 self._store(stage, previous[0], "")
-        if self._refresher is None:
-            self._refresher = threading.Thread(target=self._refresh_loop, name="mapl-dht-refresh",
-                                               daemon=True)
-            self._refresher.start()
+        self._ensure_refresher()
+
+    def _ensure_refresher(self) -> None:
+        with self._state:
+            if self._refresher is None:
+                self._refresher = threading.Thread(target=self._refresh_loop, name="mapl-dht-refresh",
+                                                   daemon=True)
+                self._refresher.start()
 
     def withdraw(self, stage: int, *, tombstone: bool = True) -> None:
         """Stop refreshing ``stage``. With ``tombstone`` the entry is hidden at once; without,
@@ -274,6 +321,39 @@ class Discovery:
             subkey, _ = self._announced.pop(stage, (self._peer_id, ""))
             if tombstone:
                 self._store(stage, subkey, "")
+
+    def publish_status(self, stage: int, source: Callable[[], dict[str, Any]]) -> None:
+        """Store this peer's status record of ``stage`` now and every ``status_s`` from then on,
+        its value what ``source()`` returns then (:data:`STATUS_FIELDS`; called on the refresh
+        thread). The record lapses ``ttl_s`` after the last store."""
+        self._require()
+        with self._state:
+            self._status = (stage, source)
+            self._store_status()
+        self._ensure_refresher()
+
+    def stage_peers(self, stage: int) -> list[StagePeer]:
+        """Every peer of ``stage`` with a live stage or status record, by peer id."""
+        from hivemind.p2p import PeerID
+
+        contacts = {sub: (endpoint, expiration) for sub, endpoint, expiration in self.entries(stage)}
+        statuses: dict[str, tuple[dict[str, Any], float]] = {}
+        found = self._call(lambda dht: dht.get(status_key(self.run_id, stage), latest=True, return_future=True),
+                           f"get the status of stage {stage}")
+        if found is not None and isinstance(found.value, dict):
+            for sub, v in found.value.items():
+                if isinstance(sub, bytes):
+                    try:
+                        statuses[PeerID(sub).to_base58()] = (_checked_status(v.value), float(v.expiration_time))
+                    except Exception:  # noqa: BLE001 - not a peer id: an insecure run's stranger
+                        continue
+        now = _dht_time()
+        peers = []
+        for peer_id in dict.fromkeys([*contacts, *statuses]):
+            endpoint, until = contacts.get(peer_id, ("", 0.0))
+            status, status_until = statuses.get(peer_id, ({}, 0.0))
+            peers.append(StagePeer(peer_id, endpoint, max(until, status_until) - now, status))
+        return sorted(peers, key=lambda p: p.peer_id)
 
     def entries(self, stage: int) -> list[tuple[str, str, float]]:
         """Live announcements of ``stage`` as ``(subkey, endpoint, expiration)``, freshest first
@@ -322,11 +402,19 @@ class Discovery:
         return self._first(stage, await self.lookup_all_async(stage, timeout_s))
 
     def close(self) -> None:
-        """Stop refreshing and shut the DHT process down (announcements expire by themselves)."""
+        """Stop refreshing, store the status record once more (the peer's last state) and shut the
+        DHT process down (announcements expire by themselves)."""
         self._stop.set()
         if self._refresher is not None:
             self._refresher.join(self.config.request_timeout_s)
             self._refresher = None
+        if self._dht is not None and self._status is not None:
+            with self._state:
+                try:
+                    self._store_status()  # the peer's last state (ended, stopped) rather than a stale one
+                except DiscoveryError as exc:
+                    logger.debug("last status store failed: %s", exc)
+                self._status = None
         if self._dht is not None:
             self._dht.shutdown()
             self._dht = None
@@ -364,9 +452,7 @@ class Discovery:
             raise DiscoveryError(f"DHT {what} for run {self.run_id!r} failed: {exc!r}{hint}") from exc
 
     def _store(self, stage: int, subkey: str, endpoint: str) -> None:
-        from hivemind.utils import get_dht_time
-
-        expiration = get_dht_time() + self.config.ttl_s
+        expiration = _dht_time() + self.config.ttl_s
         ok = self._call(lambda dht: dht.store(stage_key(self.run_id, stage), endpoint, expiration,
                                               subkey=subkey, return_future=True),
                         f"store stage {stage}")
@@ -379,11 +465,35 @@ class Discovery:
             log("a DHT node refused the announcement of run %r stage %d (a node of another "
                 "authority, or a record its certificate does not allow?)", self.run_id, stage)
 
+    def _store_status(self) -> None:
+        """Store the status record (holding ``_state``)."""
+        if self._status is None:
+            return
+        stage, source = self._status
+        value = {k: v for k, v in source().items() if k in STATUS_FIELDS}
+        self._call(lambda dht: dht.store(status_key(self.run_id, stage), value, _dht_time() + self.config.ttl_s,
+                                         subkey=dht.peer_id.to_bytes(), return_future=True),
+                   f"store the status of stage {stage}")
+
     def _refresh_loop(self) -> None:
-        while not self._stop.wait(self.config.refresh_s):
+        c = self.config
+        last_announce = time.monotonic()
+        while not self._stop.wait(min(c.refresh_s, c.status_s) if self._status else c.refresh_s):
             with self._state:
-                for stage, (subkey, endpoint) in self._announced.items():
-                    try:
-                        self._store(stage, subkey, endpoint)
-                    except DiscoveryError as exc:
-                        logger.warning("re-announce failed: %s", exc)
+                if time.monotonic() - last_announce >= c.refresh_s - 1e-3:
+                    last_announce = time.monotonic()
+                    for stage, (subkey, endpoint) in self._announced.items():
+                        try:
+                            self._store(stage, subkey, endpoint)
+                        except DiscoveryError as exc:
+                            logger.warning("re-announce failed: %s", exc)
+                try:
+                    self._store_status()
+                except DiscoveryError as exc:
+                    logger.debug("status store failed: %s", exc)
+
+
+def _dht_time() -> float:
+    from hivemind.utils import get_dht_time  # deferred: imports hivemind
+
+    return get_dht_time()

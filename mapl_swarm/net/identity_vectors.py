@@ -282,6 +282,12 @@ def _record_cases() -> list[tuple[str, str, dict[str, Any], dict[str, Any]]]:
         ("member_stage_not_allowed", "stage 1's certificate on stage 2's averaging key",
          _record(key=member_keys(RUN, 2)[1], cert=certificate_of(1, PEERS[1]), subkey=_peer_subkey(PEERS[1]),
                  value=msgpack.packb(1.0)), check),
+        ("member_status", "a stage 1 peer's status record at its own peer id",
+         _record(key=member_keys(RUN, 1)[2], subkey=_peer_subkey(PEERS[1]),
+                 value=msgpack.packb({"state": "training", "step": 7, "tokens_per_s": 1234.5, "queue": 2})), check),
+        ("member_status_not_own_peer_id", "a status record of stage 1 at another peer's id",
+         _record(key=member_keys(RUN, 1)[2], subkey=_peer_subkey(PEERS[0]), value=msgpack.packb({"step": 7})),
+         check),
         ("member_not_msgpack", "a replica's record whose value is no msgpack object",
          _record(key=member_keys(RUN, 1)[1], subkey=_peer_subkey(PEERS[1]), value=b"\xc1"), check),
     ]

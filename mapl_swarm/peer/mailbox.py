@@ -86,6 +86,11 @@ class Mailbox:
         self._others -= len(held)
         return held
 
+    @property
+    def waiting(self) -> int:
+        """Pipeline messages queued for the schedule, of every sender."""
+        return sum(self._queued.values())
+
     def queued(self, src: int) -> int:
         """Pipeline messages of stage ``src`` waiting."""
         return self._queued[src]

@@ -189,9 +189,12 @@ def run_peer(cfg: TrainConfig, stage: int, *, membership: Membership | None, ini
                 from mapl_swarm.peer.result import peak_rss_mb
                 from mapl_swarm.peer.runtime import write_result
                 from mapl_swarm.peer.sessions import serve_sessions
+                from mapl_swarm.peer.status import StatusSource
 
                 assets = peer_assets(cfg)
             runtime, replicas = stage_replicas(cfg, stage, discovery.dht, assets.device)  # forks: before the loop
+            status = StatusSource()
+            discovery.publish_status(stage, status)
 
             async def announce(endpoint: str) -> None:
                 await asyncio.get_running_loop().run_in_executor(None, discovery.announce, stage, endpoint)
@@ -199,9 +202,10 @@ def run_peer(cfg: TrainConfig, stage: int, *, membership: Membership | None, ini
             def session(*, resume: bool, epoch: int, rejoining: bool):
                 nonlocal runtime
                 first, runtime = runtime, None  # the stage built with the averaging serves the first session
-                return build_peer(cfg, stage, resolve=discovery.lookup_all_async, announce=announce, resume=resume,
-                                  progress=progress, membership=membership, assets=assets, epoch=epoch,
-                                  rejoining=rejoining, runtime=first, replicas=replicas)
+                status.peer = build_peer(cfg, stage, resolve=discovery.lookup_all_async, announce=announce,
+                                         resume=resume, progress=progress, membership=membership, assets=assets,
+                                         epoch=epoch, rejoining=rejoining, runtime=first, replicas=replicas)
+                return status.peer
 
             try:
                 result = run(serve_sessions(session, cfg, stage, membership=membership, resume=resume))

@@ -114,6 +114,9 @@ class StageRuntime:
         """The stage's parameter table (label -> optimizer, lr ratio, weight decay)."""
         self.optimizers = build_optimizers(self.param_rows, cfg.optim)
         self.step_count = 0
+        self.tokens_trained = 0
+        """Tokens of the training micro-batches this stage ran forward (its own throughput: with
+        replicas, only the micro-batches routed to this one)."""
         self.loss_scale = 1.0 / cfg.pipeline.num_micro_batches
         self._saved: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._origin_grads: dict[str, torch.Tensor] = {}
@@ -165,6 +168,8 @@ class StageRuntime:
         all_ids = host_ids.to(self.device, non_blocking=True).long()
         tokens_in = all_ids[:, :-1]  # (B, T) inputs; labels are all_ids[:, 1:]
         probe_due = self.probe.due(self.step_count, micro, train)
+        if train:
+            self.tokens_trained += tokens_in.numel()
         with torch.set_grad_enabled(train), self._autocast():
             z_in = None
             anchor = self.codec.stage_anchor(tokens_in)

@@ -12,6 +12,9 @@ start is slow), all started from the main thread before any lookup thread or eve
 from __future__ import annotations
 
 import functools
+import json
+import subprocess
+import sys
 import threading
 from typing import Any
 
@@ -91,6 +94,7 @@ def scenario(bootstrap_dht: Any, maddrs: list[str], ids: list, local: Any, lists
         assert set(held) == {stage1.peer_id}
         with pytest.raises(discovery_module.DiscoveryTimeoutError, match="stage 0"):
             reader.lookup_all(0, timeout_s=1)
+        check_status_records(maddrs, stage1, member, outsider, reader, local)
 
         # the authority revokes the member: the node of a peer holding the list re-reads it (in the
         # DHT's own process) and reads the member's records as withdrawn; one without keeps them
@@ -109,6 +113,32 @@ def scenario(bootstrap_dht: Any, maddrs: list[str], ids: list, local: Any, lists
         stage1.withdraw(1)  # a tombstone of the certified owner hides its entry
         with pytest.raises(discovery_module.DiscoveryTimeoutError, match="stage 1"):
             reader.lookup_all(1, timeout_s=1)
+
+
+def check_status_records(maddrs: list[str], stage1: Discovery, member: Discovery, outsider: Discovery,
+                         reader: Discovery, local: Any) -> None:
+    """Status records (SPEC §9.1): the stage's certified peer's is read with its contact; a member
+    of another stage and an outsider cannot publish one for it; ``mapl-swarm status`` prints them
+    and exits 1 naming the stage no peer serves."""
+    status = {"state": "training", "step": 7, "tokens_per_s": 1234.5, "queue": 2}
+    stage1.publish_status(1, lambda: {**status, "not_a_field": "dropped"})
+    member.publish_status(1, lambda: {**status, "step": 666})  # its certificate is stage 2's
+    outsider.publish_status(0, lambda: status)
+    wait_until(lambda: reader.stage_peers(1) != [], 10, "stage 1's status record")
+    (peer,) = reader.stage_peers(1)
+    assert (peer.peer_id, peer.contact, peer.status) == (stage1.peer_id, stage1.entries(1)[0][1], status)
+    assert 0 < peer.expires_in_s <= 30.5
+    assert reader.stage_peers(0) == [] and [p.peer_id for p in member.stage_peers(1)] == [stage1.peer_id]
+
+    done = subprocess.run([sys.executable, "-m", "mapl_swarm", "status", "--set", "pipeline.num_stages=3",
+                           "--set", f'run.run_id="{RUN}"', "--cert", str(local.cert_file(0)), "--json",
+                           *(a for m in maddrs for a in ("--initial-peer", m))],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "no peer serves stage(s) 0" in done.stderr, done.stderr
+    stages = json.loads(done.stdout)["stages"]
+    assert [len(peers) for peers in stages] == [0, 1, 1]
+    assert {k: stages[1][0][k] for k in ("peer_id", "contact", "status")} == {
+        "peer_id": stage1.peer_id, "contact": peer.contact, "status": status}
 
 
 @pytest.mark.timeout(120)

@@ -10,9 +10,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from mapl_swarm.config import load_config
+from mapl_swarm.hf.export import export_run
 from mapl_swarm.launch import launch, replica_out_dir
+from mapl_swarm.pipeline.checkpoint import load_stage, stage_steps
 from mapl_swarm.pipeline.trainer import train
 
 from swarm_helpers import train_losses, write_config
@@ -48,3 +51,28 @@ def test_two_replicas_of_three_stages_train_as_one_pipeline(tmp_path, cache, cod
                for r in range(2))
     assert results[0, 1]["train_losses"] == results[0, 0]["train_losses"]
     assert all(link["forward_payload"] > 0 and link["backward_payload"] > 0 for link in summary.links)
+    if codec == "mapl":
+        check_any_replica_exports(tmp_path)
+
+
+def check_any_replica_exports(tmp_path: Path) -> None:
+    """Each replica saved its stage in its own folder, bit for bit the other replica's state
+    (parameters, optimizer, projector); `export` takes any one replica per stage. The RNG states
+    differ: each replica draws its own stream (nothing in training reads it with dropout 0)."""
+    folders = [replica_out_dir(tmp_path / "swarm", r) for r in range(2)]
+    for s in range(3):
+        assert stage_steps(folders[0], s) == stage_steps(folders[1], s) == [3]
+        flat = [{k: v for k, v in _tensors(load_stage(folder, 3, s)).items() if not k.startswith("/rng")}
+                for folder in folders]
+        assert flat[0].keys() == flat[1].keys() and flat[0]
+        assert all(torch.equal(flat[0][k], flat[1][k]) for k in flat[0]), s
+    r = export_run(folders[0], tmp_path / "model", stage_dirs=[f"1={folders[1]}", f"2={folders[1]}"])
+    assert r.step == 3 and r.max_logit_diff < 1e-4
+
+
+def _tensors(tree, prefix: str = "") -> dict:
+    """Every tensor of a nested state (dicts and lists), by its path."""
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
+    return {k: v for key, sub in items for k, v in _tensors(sub, f"{prefix}/{key}").items()}

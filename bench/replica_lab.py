@@ -1,0 +1,136 @@
+"""Replica benchmark in the namespace lab: the same swarm with 1 and with 2 peers per stage, every
+peer in its own network namespace behind its own kernel-shaped (tbf) link, so the replicas'
+averaging traffic is shaped like the pipeline's.
+
+    sudo python bench/replica_lab.py [--rate-mbit 20] [--steps 4] [--stages 4] [--micro-batches 16]
+                                     [--codec none] [--replicas 1,2] [--out bench/results/replica_lab.json]
+
+Per replica count it runs ``mapl-swarm lab`` (:func:`~mapl_swarm.lab.swarm.run_lab_swarm`, tiny
+preset, T=128, micro-batches of 4, 1 torch thread per peer) and records:
+
+- steady-state tokens/s: tokens of steps 2..N over the time between the first and the last step's
+  REPORT at stage 0 (the first step holds the start-up and the first averaging rounds);
+- the averaging bytes per step (every replica's all-reduce, sent) and their share of all bytes the
+  peers sent (:attr:`~mapl_swarm.launch.SwarmSummary.averaging`);
+- the train losses (2 replicas over the same global batch train the same model).
+
+Writes the JSON to ``--out`` and prints a Markdown table. Root and network namespaces needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CONFIG = """\
+preset = "tiny"
+
+[compression]
+codec = "{codec}"
+rank = 64
+anchor_rank = 64
+
+[data]
+source = "stdlib"
+vocab_size = 8192
+cache_dir = "{cache}"
+
+[run]
+steps = {steps}
+out_dir = "{out}"
+run_id = "bench-replica-lab-{replicas}"
+
+[pipeline]
+num_stages = {stages}
+micro_batch_size = 4
+num_micro_batches = {micro}
+
+[eval]
+interval_steps = 0
+batches = 1
+
+[checkpoint]
+interval_steps = 0
+
+[net]
+timeout_s = 600.0
+"""
+
+
+def run_one(args: argparse.Namespace, replicas: int, work: Path, subnet: int) -> dict:
+    from mapl_swarm.config import load_config
+    from mapl_swarm.lab.swarm import run_lab_swarm
+
+    path = work / f"r{replicas}.toml"
+    text = CONFIG.format(codec=args.codec, cache=work / "cache", steps=args.steps, out=work / f"run{replicas}",
+                         replicas=replicas, stages=args.stages, micro=args.micro_batches)
+    if replicas > 1:
+        text += f"\n[replicas]\nenabled = true\ninitial = {[replicas] * args.stages}\nmatchmaking_s = 1.0\n"
+        text += "averaging_timeout_s = 600.0\n"
+    path.write_text(text)
+    cfg = load_config(path)
+    t0 = time.perf_counter()
+    s = run_lab_swarm(cfg, ["--config", str(path), "--log-level", "WARNING"], rate_mbit=args.rate_mbit,
+                      subnet=subnet, timeout_s=args.timeout_s, threads=1, max_restarts=0)
+    wall = time.perf_counter() - t0
+    times = s.report_times_s
+    steady = (cfg.tokens_per_step * (len(times) - 1) / (times[-1] - times[0])) if len(times) > 1 else float("nan")
+    return {"replicas": replicas, "peers": replicas * args.stages, "steps": len(s.train_losses),
+            "tokens_per_step": cfg.tokens_per_step, "tokens_per_s": steady, "wall_s": wall,
+            "report_times_s": times, "train_losses": s.train_losses,
+            "averaging_bytes_per_step": s.averaging.get("bytes_per_step", 0.0),
+            "averaging_share": s.averaging.get("share", 0.0),
+            "links": s.links}
+
+
+def table(rows: list[dict], args: argparse.Namespace) -> str:
+    base = rows[0]["tokens_per_s"]
+    out = ["| replicas per stage | peers | tokens/step | tokens/s (steps 2..N) | vs 1 replica | averaging MB/step "
+           "| averaging share of bytes sent | last train loss |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['replicas']} | {r['peers']} | {r['tokens_per_step']:,} | {r['tokens_per_s']:.0f} | "
+                   f"{r['tokens_per_s'] / base:.2f}x | {r['averaging_bytes_per_step'] / 1e6:.2f} | "
+                   f"{100 * r['averaging_share']:.1f}% | {r['train_losses'][-1]:.4f} |")
+    return "\n".join(out)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rate-mbit", type=float, default=20.0)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--stages", type=int, default=4)
+    p.add_argument("--micro-batches", type=int, default=16)
+    p.add_argument("--codec", default="none")
+    p.add_argument("--replicas", default="1,2")
+    p.add_argument("--timeout-s", type=float, default=3000.0)
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "replica_lab.json")
+    args = p.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, n in enumerate(int(x) for x in args.replicas.split(",")):
+            rows.append(run_one(args, n, Path(tmp), subnet=78 + i))
+            print(f"{n} replica(s) per stage: {rows[-1]['tokens_per_s']:.0f} tokens/s", flush=True)
+    commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    import torch
+
+    result = {"command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d"), "commit": commit,
+              "machine": f"{platform.machine()} {platform.system()} {platform.release()}, "
+                         f"{__import__('os').cpu_count()} cores, torch {torch.__version__}",
+              "rate_mbit": args.rate_mbit, "codec": args.codec, "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(table(rows, args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

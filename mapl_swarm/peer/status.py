@@ -1,0 +1,44 @@
+"""What a peer publishes about itself in the DHT: its status record (SPEC §9.1 "Status records").
+
+``mapl-swarm status`` reads the records of every stage: each peer (each replica of a stage) with
+its lifecycle state, its step, the tokens per second it trains (its own micro-batches: with
+replicas only those routed to it) and the pipeline messages waiting in its queue. The record is
+informational: nothing of the run's control flow reads it.
+
+:class:`StatusSource` is called on the DHT refresh thread (:meth:`~mapl_swarm.net.discovery.Discovery.publish_status`)
+and reads the current session's peer, which the event loop replaces at each re-form: it reads a
+few attributes and never calls into the loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+__all__ = ["StatusSource"]
+
+
+class StatusSource:
+    """``source()`` -> the status record of the peer in ``source.peer`` (None before the first
+    session: state ``starting``); tokens per second over the last ``window_s`` seconds of calls."""
+
+    def __init__(self, window_s: float = 20.0) -> None:
+        self.peer: Any = None
+        self.window_s = window_s
+        self._samples: deque[tuple[float, int]] = deque()  # (monotonic time, tokens trained) per call
+
+    def __call__(self) -> dict[str, Any]:
+        peer = self.peer
+        if peer is None:
+            return {"state": "starting", "step": 0, "tokens_per_s": 0.0, "queue": 0}
+        now, tokens = time.monotonic(), peer.rt.tokens_trained
+        if self._samples and tokens < self._samples[-1][1]:  # another stage runtime (a re-formed session)
+            self._samples.clear()
+        self._samples.append((now, tokens))
+        while len(self._samples) > 2 and now - self._samples[1][0] >= self.window_s:
+            self._samples.popleft()
+        then, before = self._samples[0]
+        rate = (tokens - before) / (now - then) if now > then else 0.0
+        return {"state": peer.state.value, "step": int(peer.schedule.step), "tokens_per_s": round(rate, 1),
+                "queue": peer.mailbox.waiting}

@@ -1,0 +1,45 @@
+"""A peer's status record (SPEC §9.1 "Status records"): what it publishes, and what a reader keeps
+of what the network hands it."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from mapl_swarm.net.discovery import STATUS_FIELDS, _checked_status
+from mapl_swarm.peer.mailbox import Mailbox
+from mapl_swarm.peer.runtime import PeerState
+from mapl_swarm.peer.status import StatusSource
+
+
+def test_a_reader_keeps_only_the_fields_of_the_spec_with_their_types():
+    assert _checked_status({"state": "training", "step": 3, "tokens_per_s": 10, "queue": 1, "evil": "x"}) == {
+        "state": "training", "step": 3, "tokens_per_s": 10.0, "queue": 1}
+    assert _checked_status({"state": 5, "step": "3", "tokens_per_s": math.nan, "queue": True}) == {}
+    assert _checked_status({"state": "x" * 1000})["state"] == "x" * 32
+    assert _checked_status([1, 2]) == {} and _checked_status(None) == {}
+
+
+def test_the_source_reports_state_step_queue_and_a_windowed_token_rate(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr("mapl_swarm.peer.status.time.monotonic", lambda: now[0])
+    source = StatusSource(window_s=10.0)
+    assert source() == {"state": "starting", "step": 0, "tokens_per_s": 0.0, "queue": 0}
+    peer = SimpleNamespace(rt=SimpleNamespace(tokens_trained=0), state=PeerState.TRAINING,
+                           schedule=SimpleNamespace(step=4), mailbox=Mailbox("t"))
+    source.peer = peer
+    assert source()["tokens_per_s"] == 0.0
+    for _ in range(10):  # 1000 tokens a second, sampled every 2 s
+        now[0] += 2.0
+        peer.rt.tokens_trained += 2000
+    status = source()
+    assert set(status) == set(STATUS_FIELDS) and status["state"] == "training" and status["step"] == 4
+    assert status["tokens_per_s"] == pytest.approx(1000.0)
+    now[0] += 2.0  # a stall: the rate falls, over the window
+    peer.rt.tokens_trained += 0
+    assert source()["tokens_per_s"] == pytest.approx(20000 / 22, abs=0.1)  # published to 0.1 token/s
+    peer.rt = SimpleNamespace(tokens_trained=0)  # a re-formed session's new stage runtime
+    now[0] += 2.0
+    assert source()["tokens_per_s"] == 0.0
