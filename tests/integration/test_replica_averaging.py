@@ -83,12 +83,17 @@ def scenario(bootstrap_dht: Any, maddrs: list[str], ids: list) -> None:
                        (("a", 1.0), ("b", 3.0), ("m", 100.0), ("o", -100.0))}
             weights = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)  # replica a's stage state
             states = {"a": lambda: {"modules": {"w": weights}, "step": 5, "data": {"cursor": 40}}}
-            sigint = signal.getsignal(signal.SIGINT)
-            for name, disc in (("a", a), ("b", b), ("m", m), ("o", outsider)):
-                averagers[name] = StageAverager(tensors[name], disc.dht, run_id=RUN, stage=1, replicas=2,
-                                                state=states.get(name), start=True)
-            # hivemind sets SIGINT to SIG_IGN in the process that starts an averager: not in ours
-            assert signal.getsignal(signal.SIGINT) is sigint and sigint is not signal.SIG_IGN
+            # a handler of our own: a test run as a background job starts with SIGINT ignored
+            sigint = signal.default_int_handler
+            previous = signal.signal(signal.SIGINT, sigint)
+            try:
+                for name, disc in (("a", a), ("b", b), ("m", m), ("o", outsider)):
+                    averagers[name] = StageAverager(tensors[name], disc.dht, run_id=RUN, stage=1, replicas=2,
+                                                    state=states.get(name), start=True)
+                kept = signal.getsignal(signal.SIGINT)
+            finally:
+                signal.signal(signal.SIGINT, previous)
+            assert kept is sigint  # hivemind sets SIGINT to SIG_IGN in the process that starts an averager
             avg_a, avg_b = averagers["a"], averagers["b"]
             prefix = averaging_prefix(RUN, 1)
             for attacker in ("m", "o"):
