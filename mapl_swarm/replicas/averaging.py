@@ -61,6 +61,10 @@ MEMBERS_CACHE_S = 1.0
 MEMBERS_REREAD_S = 0.2
 """A request from an unknown peer reads the members again, at most this often (a stranger's flood
 of requests costs no more DHT reads than that)."""
+MEMBER_RECORD_PERIODS = 3
+"""A replica's ``all_averagers`` record lives this many ``declare_state_period`` s and is renewed
+every period: hivemind's lives exactly one period, so a renewal delayed by a busy link (averaging
+bytes queued ahead of the DHT's) left a gap in which the replica's partners refused it as a stranger."""
 
 
 class StageAverager(DecentralizedAverager):
@@ -216,6 +220,23 @@ class StageAverager(DecentralizedAverager):
             tensor.copy_(averaged)
             self.last_updated = get_dht_time()
             self._state_updated.set()
+
+    async def _declare_for_download_periodically(self) -> None:
+        """hivemind's declaration under ``all_averagers`` (a replica always shares its state), with a
+        record that outlives its renewal (:data:`MEMBER_RECORD_PERIODS`); renewed every period and
+        after each round, as hivemind's."""
+        key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+        period = self.declare_state_period
+        while True:
+            expiration = get_dht_time() + MEMBER_RECORD_PERIODS * period
+            asyncio.create_task(asyncio.wait_for(
+                self.dht.store(key, subkey=self.peer_id.to_bytes(), value=self.state_sharing_priority,
+                               expiration_time=expiration, return_future=True), timeout=period))
+            self._state_updated.clear()
+            try:
+                await asyncio.wait_for(self._state_updated.wait(), timeout=period)
+            except asyncio.TimeoutError:
+                pass
 
     # ------------------------------------------------------------------ state download (a joining replica)
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Any]:

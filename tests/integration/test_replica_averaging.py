@@ -66,6 +66,7 @@ def scenario(bootstrap_dht: Any, maddrs: list[str], ids: list) -> None:
     from hivemind.averaging.group_info import GroupInfo
     from hivemind.averaging.matchmaking import MatchmakingException
     from hivemind.proto import averaging_pb2
+    from hivemind.utils.timed_storage import get_dht_time
 
     from mapl_swarm.replicas.averaging import StageAverager
 
@@ -131,6 +132,8 @@ def scenario(bootstrap_dht: Any, maddrs: list[str], ids: list) -> None:
             assert len(held) == 2, held  # the replicas' two records, no intruder's
             members = a.dht.get(member_keys(RUN, 1)[1], latest=True).value
             assert set(members) == {avg_a.peer_id.to_bytes(), avg_b.peer_id.to_bytes()}
+            # a member's record outlives its renewal period: a late renewal leaves no gap
+            assert all(v.expiration_time - get_dht_time() > avg_a.declare_state_period for v in members.values())
     finally:
         for averager in averagers.values():
             averager.shutdown()
