@@ -229,13 +229,13 @@ class StageAverager(DecentralizedAverager):
         period = self.declare_state_period
         while True:
             expiration = get_dht_time() + MEMBER_RECORD_PERIODS * period
-            asyncio.create_task(asyncio.wait_for(
+            asyncio.create_task(within(
                 self.dht.store(key, subkey=self.peer_id.to_bytes(), value=self.state_sharing_priority,
-                               expiration_time=expiration, return_future=True), timeout=period))
+                               expiration_time=expiration, return_future=True), period))
             self._state_updated.clear()
             try:
-                await asyncio.wait_for(self._state_updated.wait(), timeout=period)
-            except asyncio.TimeoutError:
+                await within(self._state_updated.wait(), period)
+            except TimeoutError:
                 pass
 
     # ------------------------------------------------------------------ state download (a joining replica)
