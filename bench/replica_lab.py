@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -91,7 +92,7 @@ def run_one(args: argparse.Namespace, replicas: int, work: Path, subnet: int) ->
             "links": s.links}
 
 
-def table(rows: list[dict], args: argparse.Namespace) -> str:
+def table(rows: list[dict]) -> str:
     base = rows[0]["tokens_per_s"]
     out = ["| replicas per stage | peers | tokens/step | tokens/s (steps 2..N) | vs 1 replica | averaging MB/step "
            "| averaging share of bytes sent | last train loss |", "|---|---|---|---|---|---|---|---|"]
@@ -124,11 +125,11 @@ def main() -> int:
 
     result = {"command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d"), "commit": commit,
               "machine": f"{platform.machine()} {platform.system()} {platform.release()}, "
-                         f"{__import__('os').cpu_count()} cores, torch {torch.__version__}",
+                         f"{os.cpu_count()} cores, torch {torch.__version__}",
               "rate_mbit": args.rate_mbit, "codec": args.codec, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(table(rows, args))
+    print(table(rows))
     return 0
 
 
