@@ -12,7 +12,11 @@ preset, T=128, micro-batches of 4, 1 torch thread per peer) and records:
   REPORT at stage 0 (the first step holds the start-up and the first averaging rounds);
 - the averaging bytes per step (every replica's all-reduce, sent) and their share of all bytes the
   peers sent (:attr:`~mapl_swarm.launch.SwarmSummary.averaging`);
-- the train losses (2 replicas over the same global batch train the same model).
+- the train losses (2 replicas over the same global batch train the same model);
+- with ``--kill-after-steps K`` (replica counts > 1): replica 1 of stage 1 is killed (SIGKILL)
+  ``--kill-delay-s`` seconds after stage 0 recorded K steps, and the run records the seconds from
+  that death to the first step stage 0 records after it, beside the steps' usual length and the
+  peers' liveness deadline (the bound: deadline plus one step). The swarm goes on without it.
 
 Writes the JSON to ``--out`` and prints a Markdown table. Root and network namespaces needed.
 """
@@ -23,9 +27,11 @@ import argparse
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -66,6 +72,27 @@ timeout_s = 600.0
 """
 
 
+def step_times(metrics: Path) -> list[float]:
+    """Wall-clock times of the train losses stage 0 recorded in ``metrics`` (JSONL) so far."""
+    if not metrics.exists():
+        return []
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return [r["time"] for r in records if "loss" in r]
+
+
+def kill_replica(metrics: Path, after_steps: int, delay_s: float, killed: dict) -> None:
+    """Once stage 0 recorded ``after_steps`` steps and ``delay_s`` more seconds passed: SIGKILL to
+    replica 1 of stage 1 (its ``peer`` process, in its namespace); ``killed["time"]``: when."""
+    while len(step_times(metrics)) < after_steps:
+        time.sleep(0.5)  # a benchmark watching files, not a test synchronising
+    time.sleep(delay_s)
+    found = subprocess.run(["pgrep", "-f", "mapl_swarm peer .*--stage 1 .*replica1"], capture_output=True,
+                           text=True).stdout.split()
+    for pid in found:
+        os.kill(int(pid), signal.SIGKILL)
+    killed.update(time=time.time(), pids=found)
+
+
 def run_one(args: argparse.Namespace, replicas: int, work: Path, subnet: int) -> dict:
     from mapl_swarm.config import load_config
     from mapl_swarm.lab.swarm import run_lab_swarm
@@ -78,18 +105,32 @@ def run_one(args: argparse.Namespace, replicas: int, work: Path, subnet: int) ->
         text += "averaging_timeout_s = 600.0\n"
     path.write_text(text)
     cfg = load_config(path)
+    killed: dict = {}
+    if args.kill_after_steps and replicas > 1:
+        threading.Thread(target=kill_replica, args=(Path(cfg.run.out_dir) / "metrics_stage0.jsonl",
+                                                    args.kill_after_steps, args.kill_delay_s, killed),
+                         daemon=True).start()
     t0 = time.perf_counter()
     s = run_lab_swarm(cfg, ["--config", str(path), "--log-level", "WARNING"], rate_mbit=args.rate_mbit,
                       subnet=subnet, timeout_s=args.timeout_s, threads=1, max_restarts=0)
     wall = time.perf_counter() - t0
     times = s.report_times_s
     steady = (cfg.tokens_per_step * (len(times) - 1) / (times[-1] - times[0])) if len(times) > 1 else float("nan")
+    death = {}
+    if killed:
+        walls = step_times(Path(cfg.run.out_dir) / "metrics_stage0.jsonl")
+        before = [b - a for a, b in zip(walls, walls[1:]) if b < killed["time"]]
+        after = [t for t in walls if t > killed["time"]]
+        death = {"killed_after_steps": args.kill_after_steps, "kill_delay_s": args.kill_delay_s,
+                 "death_to_next_step_s": after[0] - killed["time"] if after else None,
+                 "step_s_before": sorted(before)[len(before) // 2] if before else None,
+                 "liveness_deadline_s": cfg.net.liveness_floor_s, "step_walls": walls, "kill_wall": killed["time"]}
     return {"replicas": replicas, "peers": replicas * args.stages, "steps": len(s.train_losses),
             "tokens_per_step": cfg.tokens_per_step, "tokens_per_s": steady, "wall_s": wall,
             "report_times_s": times, "train_losses": s.train_losses,
             "averaging_bytes_per_step": s.averaging.get("bytes_per_step", 0.0),
             "averaging_share": s.averaging.get("share", 0.0),
-            "links": s.links}
+            "links": s.links, "death": death}
 
 
 def table(rows: list[dict]) -> str:
@@ -112,6 +153,8 @@ def main() -> int:
     p.add_argument("--codec", default="none")
     p.add_argument("--replicas", default="1,2")
     p.add_argument("--timeout-s", type=float, default=3000.0)
+    p.add_argument("--kill-after-steps", type=int, default=0)
+    p.add_argument("--kill-delay-s", type=float, default=5.0)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "replica_lab.json")
     args = p.parse_args()
     rows = []
@@ -130,6 +173,12 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(table(rows))
+    for r in rows:
+        if r["death"]:
+            d = r["death"]
+            print(f"{r['replicas']} replicas: a stage-1 replica killed {d['kill_delay_s']:g} s after step "
+                  f"{d['killed_after_steps']}: next step {d['death_to_next_step_s']:.1f} s after its death (steps took "
+                  f"{d['step_s_before']:.1f} s before it; liveness deadline {d['liveness_deadline_s']:g} s)")
     return 0
 
 

@@ -114,8 +114,11 @@ def summarize(out_dir: str | Path, num_stages: int, replicas: Sequence[int] = ()
     """Combine the peers' result files into swarm-level figures (with ``replicas[s]`` peers of
     stage s: their bytes summed over every replica and link)."""
     counts = list(replicas) or [1] * num_stages
-    by_stage = [[json.loads((replica_out_dir(out_dir, r) / f"peer_stage{s}.json").read_text())
-                 for r in range(counts[s])] for s in range(num_stages)]
+    paths = [[replica_out_dir(out_dir, r) / f"peer_stage{s}.json" for r in range(counts[s])] for s in range(num_stages)]
+    by_stage = [[json.loads(path.read_text()) for path in stage if path.exists()] for stage in paths]
+    for s, stage in enumerate(by_stage):  # a replica that left wrote none; a stage needs one
+        if not stage:
+            raise MaplError(f"no peer of stage {s} wrote its results ({paths[s][0]})")
     res = [stage[0] for stage in by_stage]
     tokens = max(res[0]["tokens"], 1)
     links = []
@@ -519,6 +522,8 @@ class Supervisor:
         """How each peer is (re)started, in the order started."""
         self.procs: list[subprocess.Popen] = []
         """Each peer's current process, in that order."""
+        self.left: set[int] = set()
+        """Peers (by index) that exited while their stage kept a replica: the swarm went on without them."""
 
     def start(self, peers: Sequence[PeerProcess]) -> None:
         """Start ``peers`` (in stage order; with replicas, a stage's replicas together)."""
@@ -550,8 +555,9 @@ class Supervisor:
                     raise MaplError(f"{name} exited with {exit_text(proc.returncode)}; stopped the swarm")
             done = 0
             for i, proc in enumerate(self.procs):
-                status = _exit_status(proc)
-                if status is not None:
+                if i in self.left:
+                    done += 1
+                elif (status := _exit_status(proc)) is not None:
                     done += self._exited(i, status, stopping=bool(signals.received))
             if done == len(self.procs):
                 return
@@ -562,7 +568,8 @@ class Supervisor:
             time.sleep(0.2)  # supervising child processes, not synchronising tests
 
     def _exited(self, i: int, status: int, *, stopping: bool) -> bool:
-        """Handle peer ``i``'s exit: True when its run ended (0); False when it was restarted; raises
+        """Handle peer ``i``'s exit: True when its run ended (0, or it was a replica whose stage has
+        another one running: the swarm goes on without it); False when it was restarted; raises
         when the swarm stops."""
         peer, pid, n = self.peers[i], self.procs[i].pid, self.policy.max_restarts
         action = self.policy.decide(peer.stage, status, stopping=stopping)
@@ -576,6 +583,13 @@ class Supervisor:
             self.procs[i] = _start(self.peers[i])
             return False
         what = f"status {status}" + (f" ({exit_text(status)})" if status < 0 else "")
+        partners = [j for j, other in enumerate(self.peers)
+                    if j != i and other.stage == peer.stage and self.procs[j].poll() is None]
+        if partners and not stopping:  # a replica: its stage goes on with the others (SPEC §9.10)
+            log.warning("%s (pid %d) exited with %s; stage %d goes on with its %d other replica(s)", peer.label, pid,
+                        what, peer.stage, len(partners))
+            self.left.add(i)
+            return True
         if stopping:
             if status in _STOPPED_AT_ONCE:
                 raise Interrupted(f"{peer.label} peer stopped at once ({what}); stopped the swarm")

@@ -84,7 +84,7 @@ class Control:
         self._handlers: dict[MessageType, Callable[[Message, PeerLink], Awaitable[None]]] = {
             MT.WELCOME: self._on_welcome, MT.REJECT: self._on_reject, MT.ERROR: self._on_error, MT.BYE: self._on_bye,
             MT.RESYNC: self._on_resync, MT.REPORT: self._on_report, MT.CHECKPOINT: self._on_checkpoint,
-            MT.ROUTE: self._on_ready,
+            MT.ROUTE: self._on_route,
         }
 
     async def handle(self, got: Admitted, arrival: Arrival, transport: Any) -> None:
@@ -235,13 +235,16 @@ class Control:
     async def _on_report(self, msg: Message, link: PeerLink) -> None:
         await self.peer.schedule.on_report(msg)
 
-    async def _on_ready(self, msg: Message, link: PeerLink) -> None:
-        """ROUTE ``ready`` (SPEC §9.10; ``end`` is the schedule's, after its link's ACTs)."""
-        on_ready = getattr(self.peer.schedule, "on_ready", None)
-        if on_ready is None:  # a chain's schedule: no replicas, no ROUTE (the capability says so)
+    async def _on_route(self, msg: Message, link: PeerLink) -> None:
+        """ROUTE ``ready``, ``commit``, ``gone``, ``redo`` (SPEC §9.10; ``end`` is the schedule's,
+        after its link's ACTs)."""
+        schedule = self.peer.schedule
+        if not hasattr(schedule, "on_ready"):  # a chain's schedule: no replicas, no ROUTE (the capability says so)
             self.peer.rejects("not_allowed", link.name, "ROUTE in a run without replicas")
-            return
-        await on_ready(msg, link)
+        elif msg.meta["phase"] == "ready":
+            await schedule.on_ready(msg, link)
+        else:
+            await schedule.on_route(msg, link)
 
     async def _on_checkpoint(self, msg: Message, link: PeerLink) -> None:
         agreement = self.peer.agreement

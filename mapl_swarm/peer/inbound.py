@@ -180,10 +180,11 @@ class Inbound:
     def for_schedule(self, msg: Message, link: PeerLink) -> bool:
         """A pipeline message, or the BYE from upstream that ends the run (before training any BYE is
         the dispatcher's, SPEC §9.5; BYE ``"rejoin"`` is a re-form): the schedule's to take. A ROUTE
-        ``ready`` is the dispatcher's: one for a step this replica ended is answered at once, whatever
-        its schedule waits for (:meth:`~.replica_schedule.ReplicaSchedule.on_ready`)."""
+        other than ``end`` is the dispatcher's: a ``ready`` for a step this replica ended is answered
+        at once; ``commit``, ``gone`` and ``redo`` change what the schedule waits for, whatever it
+        waits for now (:meth:`~.replica_schedule.ReplicaSchedule.on_ready`, ``on_route``)."""
         if msg.type is MT.ROUTE:
-            return msg.meta.get("phase") != "ready"
+            return msg.meta.get("phase") == "end"
         if msg.type in SCHEDULE_TYPES:
             return True
         return msg.type is MT.BYE and link.is_upstream and self.started and msg.meta.get("reason") != REJOIN_REASON

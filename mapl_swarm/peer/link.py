@@ -314,12 +314,13 @@ class PeerLink:
     async def send(self, mtype: MessageType, *, step: int = 0, micro: int = 0,
                    meta: dict | Callable[[], dict] | None = None,
                    tensors: Mapping[str, torch.Tensor] | None = None, kinds: Mapping[str, LinkKind] | None = None,
-                   pver: int = 0, cver: int = 0) -> None:
+                   pver: int = 0, cver: int = 0, epoch: int | None = None) -> None:
         """Send one message to the neighbour: next sequence number, torch -> wire tensors, payload
         bytes counted under ``kinds[name]`` per tensor (``kinds`` is required with ``tensors``).
         ``tensors`` are host tensors, contiguous: what :class:`~.host.HostRuntime` returns (the
         frames view their memory until sent, see :func:`~.tensors.to_wire`). ``meta`` may be a
-        callable, called when the message is framed.
+        callable, called when the message is framed. ``epoch``: the run epoch in its header (None:
+        the link's, :meth:`Links.set_epoch`).
 
         Sends on one link are serialised (a FIFO lock from the sequence number to the transport's
         queue), so the neighbour gets them in ``seq`` order even when several tasks send at once
@@ -330,7 +331,8 @@ class PeerLink:
             seq, self._seq = self._seq, self._seq + 1
             wire_tensors = {str(k): to_wire(v) for k, v in (tensors or {}).items()}
             msg = Message(type=mtype, run_id=self.settings.run_id, src=self.settings.stage, dst=self.stage,
-                          step=step, micro=micro, seq=seq, pver=pver, cver=cver, epoch=self.epoch,
+                          step=step, micro=micro, seq=seq, pver=pver, cver=cver,
+                          epoch=self.epoch if epoch is None else epoch,
                           meta=(meta() if callable(meta) else meta) or {}, tensors=wire_tensors)
             frames = self.frames(msg)
             for name, t in (tensors or {}).items():
@@ -443,10 +445,19 @@ class PeerLink:
         await self.send(MT.PROJ_GRAD, step=step, pver=pver, meta={"micro_batches": micro_batches},
                         tensors={WireName.PROJ_GRAD: grad}, kinds={WireName.PROJ_GRAD: LinkKind.PROJ_GRAD})
 
-    async def send_route(self, step: int, phase: str, *, acts: int | None = None) -> None:
+    async def send_route(self, step: int, phase: str, *, acts: int | None = None, gone: list[str] | None = None,
+                         epoch: int | None = None) -> None:
         """ROUTE (SPEC §9.10): ``ready`` upstream (this peer takes the link's train ACTs of ``step``),
-        ``end`` downstream (``acts``: the train ACTs of ``step`` the link carried; no more)."""
-        await self.send(MT.ROUTE, step=step, meta={"phase": phase, **({"acts": acts} if acts is not None else {})})
+        ``end`` downstream (``acts``: the train ACTs of ``step`` the link carried; no more),
+        ``commit`` downstream (every stage may take ``step``), ``gone`` and ``redo`` either way
+        (``gone``: contacts of replicas that left; ``redo`` runs ``step`` again in run epoch
+        ``epoch``)."""
+        meta: dict = {"phase": phase}
+        if acts is not None:
+            meta["acts"] = acts
+        if gone is not None:
+            meta["gone"] = gone
+        await self.send(MT.ROUTE, step=step, meta=meta, epoch=epoch)
 
     async def send_report(self, step: int, meta: dict) -> None:
         await self.send(MT.REPORT, step=step, meta=meta)

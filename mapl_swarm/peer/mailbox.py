@@ -109,13 +109,29 @@ class Mailbox:
         got = self.take_from(wanted)
         return None if got is None else got[0]
 
-    async def get_from(self, wanted: Callable[[Message], bool], timeout_s: float,
-                       what: str) -> tuple[Message, PeerLink | None]:
+    def drop(self, unwanted: Callable[[Message], bool]) -> int:
+        """Remove every queued pipeline message ``unwanted`` accepts; their number."""
+        kept = deque(item for item in self._items if item.msg is None or not unwanted(item.msg))
+        for item in self._items:
+            if item.msg is not None and unwanted(item.msg):
+                self._queued[item.msg.src] -= 1
+        dropped, self._items = len(self._items) - len(kept), kept
+        return dropped
+
+    def poke(self) -> None:
+        """Wake whoever waits in :meth:`get_from`: what its ``stop`` reads changed."""
+        self._changed.set()
+
+    async def get_from(self, wanted: Callable[[Message], bool], timeout_s: float, what: str,
+                       stop: Callable[[], bool] | None = None) -> tuple[Message, PeerLink | None] | None:
         """Wait for the oldest pipeline message ``wanted`` accepts (and its link); raise on a
-        timeout, naming ``what`` was awaited."""
+        timeout, naming ``what`` was awaited. None (nothing taken) once ``stop()`` is true, checked
+        before each take and after each :meth:`poke`."""
         got: list[tuple[Message, PeerLink | None]] = []
 
         def arrived() -> bool:
+            if stop is not None and stop():
+                return True
             item = self.take_from(wanted)
             if item is not None:
                 got.append(item)
@@ -123,12 +139,14 @@ class Mailbox:
 
         if not await until(arrived, self._changed, timeout_s):
             raise MaplError(f"{self.name}: no {what} within {timeout_s:g} s")
-        return got[0]
+        return got[0] if got else None
 
     async def get(self, wanted: Callable[[Message], bool], timeout_s: float, what: str) -> Message:
         """Wait for the oldest pipeline message ``wanted`` accepts; raise on a timeout, naming ``what``
         was awaited."""
-        return (await self.get_from(wanted, timeout_s, what))[0]
+        got = await self.get_from(wanted, timeout_s, what)
+        assert got is not None  # no stop: only a message ends the wait
+        return got[0]
 
     async def next_control(self) -> tuple[Admitted, Arrival]:
         """Wait for the oldest control message (and how it arrived)."""

@@ -17,14 +17,34 @@ A stage's neighbours are sets of links, one per replica. Each step s runs as fol
   without their GRAD;
 - **flush**: a receiver sends each upstream link that carried ACTs of s a PROJ_GRAD over those ACTs;
   a sender waits for one from every link it sent ACTs on and adds them; the stage's replicas
-  average their gradients (:class:`~mapl_swarm.replicas.gradients.ReplicaGradients`: a round whose
-  counts add up to M, with equal digests) and take the same optimizer step; every sender replica
-  sends the next PROJ on every downstream link; the last stage's replicas send the step's REPORT
-  (the loss over the M micro-batches, summed in the round) on every upstream link.
+  average their gradients (:class:`~mapl_swarm.replicas.gradients.ReplicaGradients`: a round of
+  every live replica of the stage in which each micro-batch of s was accumulated exactly once, with
+  equal digests);
+- **commit**: no stage takes step s before every stage's round of s was whole. The last stage's
+  replicas send the step's REPORT (the loss over the M micro-batches, summed in the round) on every
+  upstream link once their round is whole; a middle replica relays the first REPORT of s upstream
+  once its own round is whole too; a stage-0 replica with a whole round and that REPORT records
+  the loss, takes the step and says ROUTE ``commit`` on its downstream links; a later replica takes
+  the step on the first ``commit`` of s and says it on. After its step every sender replica sends
+  the next PROJ on every downstream link.
 
-REPORTs (from the dispatcher, :meth:`ReplicaSchedule.on_report`): a middle replica relays the first
-of a step on every upstream link, stage 0's replicas record it, later ones are dropped quietly
-(every replica of the last stage sends one). Validation: the stage-0 replica of rank 0 sends the
+**A replica that leaves** (silent past its liveness deadline, or BYE before the end) while its
+stage keeps another: its neighbours drop its links (:meth:`ReplicaSchedule.replica_gone`), stop
+waiting for what it owed and tell its stage's other replicas (ROUTE ``gone``), which average
+without it from then on. What it had accumulated is lost, so a round of that step misses
+micro-batches (or, where the same micro-batch went on after a re-route, counts one twice): a
+replica whose round is not whole says ROUTE ``redo`` (the step, the run epoch one higher, the
+replicas gone) on every link; every replica that gets it passes it on, forgets the step's work
+(:meth:`~mapl_swarm.pipeline.stage.StageRuntime.abandon_step`), moves to that epoch (what else of
+the earlier one comes is dropped unread, but PROJ and BYE) and runs the step again with the replicas left,
+stage 0 re-splitting its micro-batches among its live replicas. A round that is whole commits, so a
+step is either taken once by every stage or redone by all of them: every micro-batch counts once
+per stage and the step's tokens are exact. A stage whose last replica leaves ends the run as
+before.
+
+REPORTs (from the dispatcher, :meth:`ReplicaSchedule.on_report`): the first train REPORT of the
+current step is kept for the commit, the other replicas' copies are dropped quietly; eval REPORTs
+are relayed at once. Validation: the stage-0 replica of rank 0 sends the
 eval ACTs, each replica forwards them on its first downstream link (by contact), so one last-stage
 replica takes them all and reports. The end: stage 0's replicas say BYE on every downstream link
 after the last REPORT; a later replica ends once every upstream link said BYE, and says it on.
@@ -41,9 +61,9 @@ import hashlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mapl_swarm.aio import until
 from mapl_swarm.errors import MaplError
@@ -55,6 +75,7 @@ from mapl_swarm.pipeline.payload import ACT_WIRE, GRAD_WIRE, WireName
 from mapl_swarm.pipeline.run_policy import due
 from mapl_swarm.pipeline.stage import loss_values, mean_loss
 from mapl_swarm.replicas.assignment import replica_share
+from mapl_swarm.replicas.errors import AveragingFailed
 from mapl_swarm.wire import Message, MessageType
 
 if TYPE_CHECKING:
@@ -76,6 +97,10 @@ log = logging.getLogger(__name__)
 __all__ = ["ReplicaSchedule", "Router"]
 
 MT = MessageType
+
+_MAX_GONE = 64
+_MAX_CONTACT = 512
+"""Bounds on a ROUTE ``gone`` list a neighbour sends (entries beyond them are not read)."""
 
 _EMA = 0.3
 """Weight of the newest round trip in a link's mean (:class:`Router`)."""
@@ -151,6 +176,10 @@ class _Step:
     forwarded: int = 0
     """Train micro-batches computed forward at this stage."""
     backwarded: int = 0
+    done: list[int] = field(default_factory=list)
+    """Micro-batches whose backward ran here: what this replica's gradients hold."""
+    lost: int = 0
+    """Micro-batches sent on a link whose replica left before their GRAD came (never backwarded)."""
     todo: list[int] = field(default_factory=list)
     """Stage 0: micro-batches of its share not computed yet."""
     losses: list = field(default_factory=list)
@@ -165,6 +194,10 @@ class _RunOver(Exception):
     """An upstream BYE ended the run before its last step (its sender stopped)."""
 
 
+class _Redo(Exception):
+    """The current step is to be run again, in a later run epoch (a replica left before it was taken)."""
+
+
 class ReplicaSchedule:
     """Stage 0's driver, every replica's serving loop, the flush with its averaging round, REPORTs
     (see the module docstring). ``replicas``: this stage's averaging (None: the stage has one peer)."""
@@ -173,7 +206,8 @@ class ReplicaSchedule:
                  name: str, settings: ScheduleSettings, result: PeerResult, waits: WaitingLog,
                  hooks: PeerRunPolicy | NoRunHooks, routing: ReplicasConfig, replicas: ReplicaGradients | None,
                  sampler=None, val_batches: Sequence[torch.Tensor] = (),
-                 reject: Callable[[str, str, str], None] | None = None) -> None:
+                 reject: Callable[[str, str, str], None] | None = None,
+                 spawn: Callable[[Coroutine[Any, Any, None]], Any] | None = None) -> None:
         self.rt, self.host = runtime, HostRuntime(runtime)
         self.links, self.mailbox, self.compute = links, mailbox, compute
         self.name, self.s, self.result, self.waits, self.hooks = name, settings, result, waits, hooks
@@ -187,7 +221,8 @@ class ReplicaSchedule:
         self._reject = reject or (lambda code, sender, text: log.warning("%s: dropped a message from %s: %s (%s)",
                                                                          name, sender, text, code))
         self.window = StepWindow(runtime, stage=self.stage, M=self.M, val_batches=settings.val_batches,
-                                 steps=settings.steps, start_step=settings.start_step, reject=self._reject)
+                                 steps=settings.steps, start_step=settings.start_step, reject=self._reject,
+                                 upstream_lag=1)
         """The admission's header checks (step range, run epoch, the stage's projector version)."""
         self.router = Router(routing=routing.routing, seed=routing.routing_seed, stage=self.stage)
         self.rank, self.replica_count = 0, 1
@@ -202,6 +237,27 @@ class ReplicaSchedule:
         """The step whose PROJ this stage loaded last."""
         self._progress: StepProgress | None = None
         self._t0 = 0.0
+        self._spawn = spawn or asyncio.ensure_future
+        self.gone: set[str] = set()
+        """Contacts of the replicas (of any stage) known to have left the run."""
+        self._round: ReplicaStep | None = None
+        """This stage's last averaging round: its members, ranks and contacts."""
+        self._redo: tuple[int, int] | None = None
+        """(step, run epoch) of a redo this replica was told of and has not carried out yet."""
+        self._redos = 0
+        """Redos of the current step so far (bounded by :attr:`_max_redos`)."""
+        self._max_redos = max(3, sum(routing.initial))
+        self._woken = False
+        """The replicas changed while the schedule waited (a neighbour left): it looks again."""
+        self._averaging = False
+        self._down_report: tuple[int, int, dict] | None = None
+        """(step, run epoch, meta) of the first train REPORT of the current step from downstream."""
+        self._committed = -1
+        """The last step an upstream replica said ROUTE ``commit`` for."""
+        self.epoch = 0
+        """The run epoch of the current step's attempt: one more per redo. The admission's floor
+        (``window.epoch``) stays where training started: a neighbour's heartbeats of the epoch
+        before keep counting; the schedule drops what else of it comes (:meth:`_next`)."""
 
     @property
     def step(self) -> int:
@@ -213,13 +269,16 @@ class ReplicaSchedule:
         if start_step is not None:
             self.s = replace(self.s, start_step=start_step)
         self.window.begin(self.s.start_step, epoch)
+        self.epoch = epoch
         self._cur = _Step(self.s.start_step)
 
     async def run(self) -> None:
         """Every step from :meth:`begin`'s, then the end (module docstring); sets ``result.wall_s``."""
         await self._send_projector(self.s.start_step)
         if self.replicas is not None:
-            self._ranked(await self.compute.run(self.replicas.sync, timeout=self.averaging_timeout_s), sync=True)
+            replicas = self.replicas
+            self._ranked(await self._retried("sync round", lambda left: replicas.sync(
+                timeout=left, epoch=self.epoch, contact=self.contact)), sync=True)
         self._t0 = time.perf_counter()
         if self.first and self.s.progress:
             self._progress = StepProgress(self.s.steps, initial=self.s.start_step, desc=self.s.progress_desc)
@@ -227,8 +286,14 @@ class ReplicaSchedule:
             for step in range(self.s.start_step, self.s.steps):
                 if self.first and step > self.s.start_step and due(self.s.val_interval_steps, step, self.s.steps):
                     await self._validate(step)
-                await self._run_step(step)
-                await self._flush(step)
+                while True:
+                    try:
+                        await self._run_step(step)
+                        await self._flush(step)
+                        break
+                    except _Redo:
+                        await self._restart(step)
+                self._redos = 0
             if self.first:
                 if due(self.s.val_interval_steps, self.s.steps, self.s.steps):
                     await self._validate(self.s.steps)
@@ -250,29 +315,80 @@ class ReplicaSchedule:
         if not round_.in_sync:
             raise MaplError(f"{self.name}: the replicas of stage {self.stage} hold different parameters "
                             f"({len(set(round_.digests.values()))} digests)")
-        self.rank, self.replica_count = round_.rank, round_.group_size
+        self._round = round_
+        self._rerank()
         if sync:
             log.info("%s: replica %d of %d of stage %d", self.name, self.rank, self.replica_count, self.stage)
+
+    def _rerank(self) -> None:
+        """This replica's rank among its stage's live replicas (the last round's, less those gone)."""
+        r = self._round
+        if r is None:
+            return
+        live = [p for p in r.group if p == r.me or r.contacts.get(p) not in self.gone]
+        self.rank, self.replica_count = live.index(r.me), len(live)
+
+    @property
+    def contact(self) -> str:
+        """This peer's own contact (what its neighbours' links name it by)."""
+        return next((link.local_contact for link in self.links if link.local_contact), "")
+
+    def _live_partners(self) -> int:
+        """The live replicas of this stage, this one included (the last round's, less those gone)."""
+        r = self._round
+        if r is None:
+            return 1
+        return sum(1 for p in r.group if p == r.me or r.contacts.get(p) not in self.gone)
 
     async def _say_bye(self, meta: dict, step: int) -> None:
         for link in self._down_links():
             await link.send_bye(meta, step=step)
 
     # ------------------------------------------------------------------ links and waiting
+    def _live(self, link: PeerLink) -> bool:
+        return link.welcomed and link.contact not in self.gone
+
     def _up_links(self) -> list[PeerLink]:
-        return [link for link in self.links.of_stage(self.links.up) if link.welcomed]
+        return [link for link in self.links.of_stage(self.links.up) if self._live(link)]
 
     def _down_links(self) -> list[PeerLink]:
         """The downstream links, in contact order (every replica of a stage orders them alike)."""
-        return sorted((link for link in self.links.of_stage(self.links.down) if link.welcomed),
+        return sorted((link for link in self.links.of_stage(self.links.down) if self._live(link)),
                       key=lambda link: link.contact or link.name)
 
     def _drop(self, code: str, msg: Message, rule: str, text: str) -> None:
         self._reject(code, f"stage{msg.src}", f"{msg.type.name} step {msg.step} micro-batch {msg.micro} dropped by "
                                               f"the replicas' schedule ({rule}): {text}")
 
-    async def _next(self, wanted: Callable[[Message], bool], what: str) -> tuple[Message, PeerLink]:
-        return await self.waits.wait(self.mailbox.get_from(wanted, self.s.timeout_s, what), self._waited)
+    async def _next(self, wanted: Callable[[Message], bool], what: str) -> tuple[Message, PeerLink] | None:
+        """The oldest queued message ``wanted`` accepts (waiting up to ``net.timeout_s``), or None when
+        the replicas changed meanwhile (the caller looks again); raises :class:`_Redo` when the
+        current step is to be redone."""
+        self._check()
+        if not self._woken:
+            got = await self.waits.wait(self.mailbox.get_from(wanted, self.s.timeout_s, what, stop=self._interrupted),
+                                        self._waited)
+            self._check()
+            if got is not None and (got[0].epoch >= self.epoch or got[0].type in (MT.PROJ, MT.BYE)):
+                return got  # a PROJ is the same in every epoch of its step; a BYE counts whenever
+            if got is not None:
+                log.debug("%s: %s of run epoch %d dropped (the step runs in epoch %d)", self.name, got[0].type.name,
+                          got[0].epoch, self.epoch)
+                return None
+        self._woken = False
+        return None
+
+    def _interrupted(self) -> bool:
+        return self._woken or (self._redo is not None and self._redo[0] == self.step)
+
+    def _check(self) -> None:
+        """:class:`_Redo` when the dispatcher took a redo of the current step."""
+        if self._redo is not None and self._redo[0] == self.step:
+            raise _Redo()
+
+    def _wake(self) -> None:
+        self._woken = True
+        self.mailbox.poke()
 
     def _waited(self) -> list[PeerLink]:
         """The links this replica waits on now (the waiting log names them)."""
@@ -282,7 +398,9 @@ class ReplicaSchedule:
 
     # ------------------------------------------------------------------ a step
     async def _run_step(self, step: int) -> None:
-        cur = self._cur = _Step(step)
+        if self._cur.step != step:  # else a fresh one (the start, a redo): it may hold readies already
+            self._cur = _Step(step)
+        cur = self._cur
         if self.first:
             cur.todo = [g - step * self.M for g in replica_share(step, self.M, self.rank, self.replica_count)]
         else:
@@ -298,25 +416,38 @@ class ReplicaSchedule:
                 for link in cur.ready:
                     await link.send_route(step, "end", acts=cur.sent[link.name])
             if self._done(cur):
+                await self._end_queued_readies(cur)
                 return
             if self.first and cur.todo and cur.ready and len(cur.dest) < self.s.max_in_flight * len(cur.ready):
                 await self._feed(cur, cur.todo.pop(0))
                 continue
             got = self.mailbox.take_from(lambda m: m.type is MT.GRAD and m.step == step)  # GRADs first
-            msg, link = got if got is not None else await self._next(
-                lambda m: self._wanted(m, step), f"ACT, GRAD or ROUTE of step {step}")
-            await self._handle(msg, link, cur)
+            if got is None:
+                got = await self._next(lambda m: self._wanted(m, step), f"ACT, GRAD or ROUTE of step {step}")
+            if got is not None:
+                await self._handle(*got, cur)
+
+    async def _end_queued_readies(self, cur: _Step) -> None:
+        """A ``ready`` of the step still queued when the step is done (it came before the step began)
+        gets its ``end`` with 0 ACTs: its sender waits for it."""
+        while (got := self.mailbox.take_from(lambda m: m.type is MT.ROUTE and m.meta["phase"] == "ready"
+                                             and m.step <= cur.step and m.epoch <= self.epoch)) is not None:
+            await got[1].send_route(got[0].step, "end", acts=0)
 
     def _all_computed(self, cur: _Step) -> bool:
-        """Every train ACT of the step this stage will compute was computed."""
+        """Every train ACT of the step this stage will compute was computed (of the live upstream
+        links: one that left owes nothing more)."""
         if self.first:
             return not cur.todo
-        return set(cur.announced) >= cur.readied and cur.forwarded == cur.taken == sum(cur.announced.values())
+        live = {link.name for link in self._up_links()}
+        return set(cur.announced) >= cur.readied & live and cur.forwarded == cur.taken \
+            and all(cur.received[name] == n for name, n in cur.announced.items() if name in live)
 
     def _done(self, cur: _Step) -> bool:
-        """Every micro-batch of the step passed this stage both ways, and every ready link had its ``end``."""
-        return self._all_computed(cur) and not cur.dest and not cur.waiting and cur.backwarded == cur.forwarded \
-            and (self.last or cur.ended)
+        """Every micro-batch of the step passed this stage both ways (but those whose GRAD was lost
+        with a replica that left), and every ready link had its ``end``."""
+        return self._all_computed(cur) and not cur.dest and not cur.waiting \
+            and cur.backwarded + cur.lost == cur.forwarded and (self.last or cur.ended)
 
     def _wanted(self, msg: Message, step: int) -> bool:
         if msg.type is MT.BYE:
@@ -326,6 +457,8 @@ class ReplicaSchedule:
         return msg.type is not MT.PROJ_GRAD and msg.step <= step  # later steps' messages wait their turn
 
     async def _handle(self, msg: Message, link: PeerLink, cur: _Step) -> None:
+        if not self._live(link):  # queued before its replica was found gone
+            return
         if msg.type is MT.BYE:
             self._on_bye(msg, link, during_step=True)
         elif msg.type is MT.ROUTE:
@@ -343,18 +476,28 @@ class ReplicaSchedule:
             self._drop("out_of_window", msg, "one step at a time", f"{msg.type.name} while at step {cur.step}")
 
     def _on_bye(self, msg: Message, link: PeerLink, *, during_step: bool) -> None:
+        reason = str(msg.meta.get("reason", ""))
+        if reason != "training finished" and self.replica_gone(link, f"BYE ({reason})"):
+            return  # its stage goes on with its other replicas
         self._byes.add(link.name)
         self.bye = msg
-        if during_step or msg.meta.get("reason") != "training finished":
+        if during_step or reason != "training finished":
             raise _RunOver()
 
     async def on_ready(self, msg: Message, link: PeerLink) -> None:
         """ROUTE ``ready`` from downstream, from the dispatcher: for a step this replica ended, ``end``
         with 0 ACTs at once (whatever the schedule waits for: its averaging round may wait, through
-        the stage's other replicas, for this answer); else the schedule takes it in turn."""
+        the stage's other replicas, for this answer); for the step it routes now, the link is one
+        to route to from now on; one of a later step (or run epoch) waits for that step."""
         cur = self._cur
-        if msg.step < cur.step or (msg.step == cur.step and cur.ended):
+        if not self._live(link) or msg.epoch < self.epoch:
+            return
+        if msg.epoch == self.epoch and (msg.step < cur.step or (msg.step == cur.step and cur.ended)):
             await link.send_route(msg.step, "end", acts=0)
+            return
+        if msg.epoch == self.epoch and msg.step == cur.step:
+            await self._on_route(msg, link, cur)
+            self._wake()
             return
         try:
             self.mailbox.put(msg, link)
@@ -422,7 +565,8 @@ class ReplicaSchedule:
         cur.losses.append(res.loss)
         grad = await self.compute.run(self.host.backward, micro, None, origin=link.name)
         cur.backwarded += 1
-        if grad is not None:  # a last stage that is not stage 0
+        cur.done.append(micro)
+        if grad is not None and self._live(link):  # a last stage that is not stage 0
             await link.send_grad(cur.step, micro, grad, pver=self.window.inbound_pver)
 
     async def _on_grad(self, msg: Message, link: PeerLink, cur: _Step) -> None:
@@ -442,7 +586,9 @@ class ReplicaSchedule:
         grad = await self.compute.run(self.host.backward, micro, self._payload(msg, GRAD_WIRE),
                                       origin=None if origin is None else origin.name)
         cur.backwarded += 1
-        if origin is not None:
+        cur.done.append(micro)
+        log.debug("%s: step %d micro-batch %d backward (%d of the step)", self.name, cur.step, micro, len(cur.done))
+        if origin is not None and self._live(origin):
             await origin.send_grad(cur.step, micro, grad, pver=self.window.inbound_pver)
 
     # ------------------------------------------------------------------ the projector and the flush
@@ -466,8 +612,11 @@ class ReplicaSchedule:
         if not self._takes_projector() or self._projector_step >= step:
             return
         while True:
-            msg, link = await self._next(lambda m: (m.type is MT.PROJ and m.step <= step) or m.type is MT.BYE,
-                                         f"PROJ of step {step}")
+            got = await self._next(lambda m: (m.type is MT.PROJ and m.step <= step) or m.type is MT.BYE,
+                                   f"PROJ of step {step}")
+            if got is None or not self._live(got[1]):
+                continue
+            msg, link = got
             if msg.type is MT.BYE:
                 self._on_bye(msg, link, during_step=True)
             if msg.step == step and msg.pver >= self.window.inbound_pver:
@@ -476,7 +625,7 @@ class ReplicaSchedule:
                 return
 
     async def _flush(self, step: int) -> None:
-        """PROJ_GRADs, the averaging round, the optimizer step, the next PROJ, the REPORT (module docstring)."""
+        """PROJ_GRADs, the averaging round, the commit, the optimizer step, the next PROJ (module docstring)."""
         cur = self._cur
         if self._takes_projector():
             pver = self.window.inbound_pver
@@ -488,39 +637,107 @@ class ReplicaSchedule:
         if self._owns_projector():
             await self._projector_grads(cur)
         loss_sum = sum(await self.compute.run(loss_values, cur.losses)) if self.last and cur.losses else 0.0
+        round_ = None
         if self.replicas is not None:
-            t0 = time.perf_counter()
-            round_ = await self.compute.run(self.replicas.average, cur.forwarded, timeout=self.averaging_timeout_s,
-                                            loss_sum=loss_sum)
-            log.debug("%s: step %d averaged among %d replicas in %.2f s", self.name, step, round_.group_size,
-                     time.perf_counter() - t0)
-            problem = round_.problem(self.M)
-            if problem is not None:
-                raise MaplError(f"{self.name}: step {step} cannot be taken: {problem}")
-            self._ranked(round_)
+            round_ = await self._average(cur, loss_sum)
             loss_sum = round_.loss_sum
             counts = self.result.averaging
             for key, n in (("rounds", 1), ("sent_bytes", round_.sent_bytes), ("received_bytes", round_.received_bytes)):
                 counts[key] = counts.get(key, 0) + n
-        elif cur.forwarded != self.M:
-            raise MaplError(f"{self.name}: step {step} computed {cur.forwarded} of its {self.M} micro-batches")
+        elif sorted(cur.done) != list(range(self.M)):
+            self._issue_redo(step, f"this stage computed {len(cur.done)} of the step's {self.M} micro-batches "
+                                   f"({len(set(cur.done))} distinct)")
+        await self._commit(step, {"mode": "train", "loss": loss_sum / self.M, "tokens": self.rt.cfg.tokens_per_step})
         metrics = await self.compute.run(self.rt.step)
-        if self.replicas is not None:
+        if round_ is not None:
+            self._ranked(round_)
             metrics.update(averaging_sent_bytes=round_.sent_bytes, averaging_received_bytes=round_.received_bytes)
         self.window.advance()
+        self._down_report = None
+        for link in self._down_links():
+            await link.send_route(step, "commit")
         await self._send_projector(step + 1)
         await self.hooks.step_end(step + 1, metrics)
-        if self.last:
-            report = {"mode": "train", "loss": loss_sum / self.M, "tokens": self.rt.cfg.tokens_per_step}
+
+    async def _retried(self, what: str, attempt: Callable[[float], ReplicaStep]) -> ReplicaStep:
+        """``attempt(seconds left)`` on the compute thread, again while it raises
+        :class:`~mapl_swarm.replicas.errors.AveragingFailed` (a round that failed, was cancelled
+        because a replica of the stage left, or formed without one), up to ``averaging_timeout_s``."""
+        deadline = time.monotonic() + self.averaging_timeout_s
+        while True:
+            self._check()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise MaplError(f"{self.name}: no {what} among the {self._live_partners()} live replicas of stage "
+                                f"{self.stage} within {self.averaging_timeout_s:g} s")
+            self._averaging = True
+            try:
+                return await self.compute.run(attempt, left)
+            except AveragingFailed as exc:
+                log.info("%s: %s: %s; averaging again", self.name, what, exc)
+            finally:
+                self._averaging = False
+
+    async def _average(self, cur: _Step, loss_sum: float) -> ReplicaStep:
+        """This stage's round of the step among its live replicas (:meth:`_retried`), again when it
+        mixed run epochs (a redo not yet everywhere); one that misses a micro-batch or counts one
+        twice redoes the step (raises :class:`_Redo`)."""
+        replicas = self.replicas
+        assert replicas is not None
+        t0 = time.perf_counter()
+        while True:
+            round_ = await self._retried(f"averaging round of step {cur.step}", lambda left: replicas.average(
+                list(cur.done), timeout=left, loss_sum=loss_sum, epoch=self.epoch, contact=self.contact,
+                expected=self._live_partners()))
+            self._check()
+            if set(round_.epochs.values()) != {self.epoch}:  # a redo on its way to some member
+                log.info("%s: step %d: a round with replicas of run epochs %s; averaging again", self.name, cur.step,
+                         sorted(set(round_.epochs.values())))
+                continue
+            if not round_.in_sync:
+                raise MaplError(f"{self.name}: step {cur.step} cannot be taken: {round_.problem(self.M)}")
+            problem = round_.problem(self.M)
+            if problem is not None:
+                self._issue_redo(cur.step, problem)
+            log.debug("%s: step %d averaged among %d replicas in %.2f s", self.name, cur.step, round_.group_size,
+                      time.perf_counter() - t0)
+            return round_
+
+    async def _commit(self, step: int, report: dict) -> None:
+        """This stage's round of ``step`` is whole: the last stage says so upstream (REPORT), a
+        middle one once the REPORT came from downstream too; stage 0 then records the loss, a
+        later stage waits for the ``commit`` of an upstream replica (module docstring)."""
+        if not self.last:
+            await self._until(lambda: self._down_report is not None and self._down_report[:2] == (step, self.epoch),
+                              f"REPORT of step {step}")
+            assert self._down_report is not None
+            report = self._down_report[2]
+        if not self.first:
             for link in self._up_links():
                 await link.send_report(step, report)
+            await self._until(lambda: self._committed >= step, f"ROUTE commit of step {step}")
+        elif not self.last:
+            self._record_train(step, report)
+
+    async def _until(self, ready: Callable[[], bool], what: str) -> None:
+        """Wait until ``ready()`` (set by the dispatcher), taking an upstream BYE meanwhile."""
+        while not ready():
+            got = await self._next(lambda m: m.type is MT.BYE and m.src == self.links.up, what)
+            if got is not None and self._live(got[1]):
+                self._on_bye(*got, during_step=True)
 
     async def _projector_grads(self, cur: _Step) -> None:
         """A PROJ_GRAD of the step from every downstream link this stage sent ACTs on, added."""
         due_from = {name for name, n in cur.sent.items() if n}
-        while due_from:
-            msg, link = await self._next(lambda m: (m.type is MT.PROJ_GRAD and m.step == cur.step)
-                                         or (m.type is MT.ROUTE and m.step <= cur.step), f"PROJ_GRAD of step {cur.step}")
+        while True:
+            due_from &= {link.name for link in self._down_links()}  # none from a replica that left
+            if not due_from:
+                return
+            got = await self._next(lambda m: (m.type is MT.PROJ_GRAD and m.step == cur.step)
+                                   or (m.type is MT.ROUTE and m.step <= cur.step), f"PROJ_GRAD of step {cur.step}")
+            if got is None or not self._live(got[1]):
+                continue
+            msg, link = got
             if msg.type is MT.ROUTE:
                 await self._on_route(msg, link, cur)
             elif link.name not in due_from or msg.meta.get("micro_batches") != cur.sent[link.name]:
@@ -535,32 +752,147 @@ class ReplicaSchedule:
 
     # ------------------------------------------------------------------ reports, validation, the end
     async def on_report(self, msg: Message) -> None:
-        """A REPORT from downstream: the first of a (mode, step) is relayed upstream (stage 0 records
-        it); the other replicas' copies are dropped quietly."""
+        """A REPORT from downstream. Train: the first of the current step and run epoch is kept for
+        the commit (:meth:`_commit`). Eval: the first of a validation is relayed upstream (stage 0
+        records it). The other replicas' copies are dropped quietly."""
         mode = msg.meta.get("mode", "train")
+        if mode == "train":
+            if msg.step == self.step and msg.epoch == self.epoch and self._down_report is None:
+                self._down_report = (msg.step, msg.epoch, dict(msg.meta))
+                self._wake()
+            elif not self.s.start_step <= msg.step < self.s.steps:
+                self._drop("out_of_window", msg, "REPORTs of the run's steps", "train REPORT")
+            return
         key = (mode, msg.step)
         if key in self._reported:
             return
-        if (mode == "train" and not self.s.start_step <= msg.step < self.s.steps) or \
-                (mode == "eval" and not due(self.s.val_interval_steps, msg.step, self.s.steps)):
-            self._drop("out_of_window", msg, "REPORTs of the run's steps and validations", f"{mode} REPORT")
+        if not due(self.s.val_interval_steps, msg.step, self.s.steps):
+            self._drop("out_of_window", msg, "REPORTs of the run's validations", f"{mode} REPORT")
             return
         self._reported.add(key)
         if not self.first:
-            for link in self._up_links():
-                await link.send_report(msg.step, dict(msg.meta))
+            for up in self._up_links():
+                await up.send_report(msg.step, dict(msg.meta))
             return
-        loss = float(msg.meta["loss"])
-        self._reports[key] = loss
+        self._reports[key] = float(msg.meta["loss"])
         self._report_event.set()
-        if mode == "train":
-            self.result.train_losses.append(loss)
-            self.result.report_times_s.append(time.perf_counter() - self._t0)
-            self.result.tokens += int(msg.meta["tokens"])
-            self.hooks.train_loss(msg.step + 1, loss, int(msg.meta["tokens"]))
-            if self._progress is not None:
-                elapsed = max(time.perf_counter() - self._t0, 1e-9)
-                self._progress.step(loss=f"{loss:.3f}", tok_s=f"{self.result.tokens / elapsed:.0f}")
+
+    def _record_train(self, step: int, report: dict) -> None:
+        """Stage 0: the loss of a step every stage can take (its commit)."""
+        loss, tokens = float(report["loss"]), int(report["tokens"])
+        self._reports[("train", step)] = loss
+        self._report_event.set()
+        self.result.train_losses.append(loss)
+        self.result.report_times_s.append(time.perf_counter() - self._t0)
+        self.result.tokens += tokens
+        self.hooks.train_loss(step + 1, loss, tokens)
+        if self._progress is not None:
+            elapsed = max(time.perf_counter() - self._t0, 1e-9)
+            self._progress.step(loss=f"{loss:.3f}", tok_s=f"{self.result.tokens / elapsed:.0f}")
+
+    # ------------------------------------------------------------------ replicas that leave
+    def replica_gone(self, link: PeerLink, why: str) -> bool:
+        """Neighbour replica ``link`` left (``why``: silent past its deadline, its BYE): True when its
+        stage keeps a live replica (this one goes on without it, module docstring), False when it
+        was its stage's last (the caller ends the run as for any departure)."""
+        if link.contact is None or not link.welcomed:
+            return False
+        if link.contact in self.gone:
+            return True
+        if not any(self._live(other) for other in self.links.of_stage(link.stage) if other is not link):
+            return False
+        log.warning("%s: the replica of stage %d at %s left (%s); going on with the stage's other replicas",
+                    self.name, link.stage, link.contact, why)
+        self._learn_gone([link.contact])
+        notice = [other for other in self.links.of_stage(link.stage) if self._live(other)]
+        self._spawn(self._tell(notice, self.step, "gone", [link.contact]))
+        return True
+
+    async def _tell(self, links: Sequence[PeerLink], step: int, phase: str, gone: Sequence[str],
+                    epoch: int | None = None) -> None:
+        for link in links:
+            await link.send_route(step, phase, gone=list(gone), epoch=epoch)
+
+    def _learn_gone(self, contacts: Sequence[str]) -> None:
+        """Replicas at ``contacts`` left: their links are dropped (what they owe is no longer
+        awaited), a round of this stage waiting for one of them starts again without it."""
+        for contact in contacts:
+            if contact in self.gone:
+                continue
+            self.gone.add(contact)
+            for link in self.links:
+                if link.contact == contact:
+                    self._forget(link)
+            if self._round is not None and contact in self._round.contacts.values():
+                self._rerank()
+                if self._averaging and self.replicas is not None:
+                    self.replicas.cancel()
+        self._wake()
+
+    def _forget(self, link: PeerLink) -> None:
+        """The current step stops waiting for what ``link``'s replica owed: its ``end``, its GRADs."""
+        cur = self._cur
+        if link in cur.ready:
+            cur.ready.remove(link)
+        for micro, (to, _) in list(cur.dest.items()):
+            if to is link:
+                del cur.dest[micro]
+                cur.lost += 1
+                self.router.in_flight[link.name] -= 1
+
+    async def on_route(self, msg: Message, link: PeerLink) -> None:
+        """ROUTE ``commit``, ``redo`` or ``gone`` (SPEC §9.10), from the dispatcher: taken at once,
+        whatever the schedule waits for (``ready`` is :meth:`on_ready`'s, ``end`` the schedule's)."""
+        if not self._live(link):
+            return
+        phase = msg.meta["phase"]
+        if phase == "commit":
+            if link.stage == self.links.up and msg.step == self.step and msg.epoch == self.epoch:
+                self._committed = max(self._committed, msg.step)
+                self._wake()
+            return
+        # a neighbour's word is taken for replicas this one has no link to (its stage's partners,
+        # far stages): of its own links this replica's liveness deadline and their BYEs decide
+        own = {x.contact for x in self.links} | {self.contact}
+        self._learn_gone([c for c in msg.meta["gone"][:_MAX_GONE] if c and len(c) <= _MAX_CONTACT and c not in own])
+        if phase == "redo":
+            pending = self._redo[1] if self._redo is not None else -1
+            if msg.epoch > max(self.epoch, pending) and msg.step >= self.step:
+                self._redo = (msg.step, msg.epoch)
+                self._spawn(self._tell([x for x in self.links if self._live(x) and x is not link], msg.step, "redo",
+                                       sorted(self.gone), msg.epoch))
+                if self._averaging and self.replicas is not None and msg.step == self.step:
+                    self.replicas.cancel()
+                self._wake()
+
+    def _issue_redo(self, step: int, problem: str) -> None:
+        """This stage's round of ``step`` cannot be whole: the step is redone everywhere."""
+        if self._redos >= self._max_redos:
+            raise MaplError(f"{self.name}: step {step} cannot be taken after {self._redos} redos: {problem}")
+        log.warning("%s: step %d is redone (run epoch %d): %s", self.name, step, self.epoch + 1, problem)
+        self._redo = (step, self.epoch + 1)
+        raise _Redo()
+
+    async def _restart(self, step: int) -> None:
+        """Carry out the redo of ``step`` (module docstring): the neighbours are told first, so that
+        nothing of the new epoch reaches them before the redo does."""
+        assert self._redo is not None and self._redo[0] == step
+        epoch = self._redo[1]
+        self._redo = None
+        self._redos += 1
+        # the new epoch's state at once: what the dispatcher answers meanwhile answers for it
+        self.epoch = epoch
+        self.links.set_epoch(epoch)
+        self._cur = _Step(step)
+        dropped = self.mailbox.drop(lambda m: m.epoch < epoch and m.type not in (MT.PROJ, MT.BYE))
+        if self._down_report is not None and self._down_report[1] < epoch:
+            self._down_report = None
+        self._woken = False
+        self._rerank()
+        await self._tell([link for link in self.links if self._live(link)], step, "redo", sorted(self.gone))
+        await self.compute.run(self.rt.abandon_step)
+        log.warning("%s: step %d runs again in run epoch %d (%d message(s) of the earlier one dropped; %d "
+                    "replica(s) gone)", self.name, step, epoch, dropped, len(self.gone))
 
     async def _reports_in(self, keys: list[tuple[str, int]]) -> None:
         if not await self.waits.wait(until(lambda: all(k in self._reports for k in keys), self._report_event,
@@ -605,9 +937,12 @@ class ReplicaSchedule:
         """After the last step: eval ACTs of the last validation, until every upstream link said BYE;
         then BYE on every downstream link."""
         while not {link.name for link in self._up_links()} <= self._byes:
-            msg, link = await self._next(lambda m: m.type is MT.BYE or (m.type is MT.ACT and m.meta.get("mode") ==
-                                                                         "eval") or m.type is MT.ROUTE,
-                                         "BYE from every upstream replica")
+            got = await self._next(lambda m: m.type is MT.BYE or (m.type is MT.ACT and m.meta.get("mode") ==
+                                                                   "eval") or m.type is MT.ROUTE,
+                                   "BYE from every upstream replica")
+            if got is None or not self._live(got[1]):
+                continue
+            msg, link = got
             if msg.type is MT.BYE:
                 self._on_bye(msg, link, during_step=False)
             elif msg.type is MT.ROUTE:

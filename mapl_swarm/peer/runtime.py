@@ -122,7 +122,7 @@ def _rejoin_configured(cfg: TrainConfig, run_policy: PeerRunPolicy | None) -> bo
     """A peer takes part in rejoin (advertises it): ``net.rejoin_timeout_s`` > 0 and checkpoints on,
     agreed with the other stages (SPEC "Rejoin": a departed stage comes back to a saved step)."""
     return (cfg.net.rejoin_timeout_s > 0 and run_policy is not None and run_policy.checkpoints_on
-            and not cfg.replicas.enabled)  # with replicas a departure ends the run (SPEC §9.10)
+            and not cfg.replicas.enabled)  # with replicas: a stage that loses its last replica ends the run (SPEC §9.10)
 
 
 class _CleanStop(Exception):
@@ -187,7 +187,8 @@ class Peer:
         self.agreement.send, self.agreement.on_drain = self._send_checkpoint, self._drain_decided
         self.replicas_on = cfg.replicas.enabled
         """Several peers per stage (SPEC §9.10): a link per neighbour replica, :class:`ReplicaSchedule`;
-        no rejoin, no checkpoint agreement, no drain (a signal stops this replica)."""
+        no rejoin, no checkpoint agreement, no drain (a signal stops this replica; a neighbour
+        replica that leaves is the schedule's while its stage keeps another)."""
         settings = LinkSettings(
             run_id=cfg.run.run_id, stage=stage, num_stages=P, fingerprint=fingerprint,
             config=config if config is not None else config_summary(cfg),
@@ -216,7 +217,8 @@ class Peer:
             self.schedule: PipelineSchedule | ReplicaSchedule = ReplicaSchedule(
                 runtime, self.links, self.mailbox, self.compute, name=self.name, settings=schedule_settings,
                 result=self.result, waits=self.waits, hooks=run_policy or NoRunHooks(), routing=cfg.replicas,
-                replicas=replicas, sampler=sampler, val_batches=val_batches or [], reject=self.rejects)
+                replicas=replicas, sampler=sampler, val_batches=val_batches or [], reject=self.rejects,
+                spawn=self.tasks.spawn)
         else:
             self.schedule = PipelineSchedule(
                 runtime, self.links, self.mailbox, self.compute, name=self.name, settings=schedule_settings,
@@ -407,7 +409,7 @@ class Peer:
 
     def _on_silent(self, silence: Silence) -> None:
         link = self.links.named(silence.peer)
-        if link is not None:
+        if link is not None and not self._replica_left(link, silence.describe()):
             self.departures.report(Departure(stage=link.stage, endpoint=link.endpoint, kind="silent",
                                              last_seen=silence.last_seen, detail=silence.describe()))
 
@@ -430,8 +432,20 @@ class Peer:
 
     def depart(self, link: PeerLink, kind: str, detail: str) -> None:
         """Neighbour ``link`` left (``kind`` ``"drain"``: planned, ``"left"``: before the end)."""
+        if self._replica_left(link, f"{kind}: {detail}"):
+            return
         self.departures.report(Departure(stage=link.stage, endpoint=link.endpoint, kind=kind,  # type: ignore[arg-type]
                                          last_seen=time.time(), detail=detail))
+
+    def _replica_left(self, link: PeerLink, why: str) -> bool:
+        """With replicas, during training: a neighbour replica whose stage keeps another is the
+        schedule's to drop (SPEC §9.10 "Replicas that leave"); True when it did."""
+        if not (self.replicas_on and self.state is PeerState.TRAINING):
+            return False
+        if not self.schedule.replica_gone(link, why):
+            return False
+        self.monitor.forget(link.name)
+        return True
 
     def _on_departure(self, departure: Departure) -> None:
         """A departure during training (or while the swarm re-forms) while this peer is not draining
@@ -510,7 +524,7 @@ class Peer:
         boundary; before training started, or at a certified stage > 0 whose certificate lacks the
         ``drain`` role, stop at once (it leaves)."""
         reason = f"{signal_name} at stage {self.stage}"
-        if self.replicas_on:  # no drain with replicas (SPEC §9.10): this replica leaves, the others stop
+        if self.replicas_on:  # no drain with replicas: this replica leaves (BYE), its stage's others go on (SPEC §9.10)
             self.stop(_CleanStop("stopped", f"stage {self.stage} stopped ({signal_name}); a swarm with replicas "
                                             f"does not drain to a common checkpoint"))
             return

@@ -29,9 +29,12 @@ class StepWindow:
     ``val_batches`` eval micro-batches per validation; ``reject(code, sender, text)`` counts a drop."""
 
     def __init__(self, runtime: StageRuntime, *, stage: int, M: int, val_batches: int, steps: int, start_step: int,
-                 reject: Callable[[str, str, str], None]) -> None:
+                 reject: Callable[[str, str, str], None], upstream_lag: int = 0) -> None:
         self.rt, self.stage, self.M, self.val_batches, self.steps = runtime, stage, M, val_batches, steps
         self.reject = reject
+        self.upstream_lag = upstream_lag
+        """Steps before the current one still admitted from upstream: with replicas, 1 (the other
+        upstream replicas' copies of a ``commit`` or PROJ this stage took already)."""
         self.start_step = self.step = start_step
         self.epoch = 0
         """The lowest run epoch a message may carry (SPEC "Rejoin"): the swarm's once training runs."""
@@ -76,14 +79,14 @@ class StepWindow:
     def of(self, stage: int) -> Window:
         """What the receive path accepts from neighbour ``stage`` now (SPEC §9.6 step window, §6.1
         rules 4-5): the current step and the next; from downstream also the previous one (its REPORT
-        may come after this stage moved on). ``pver``: the link's projector version (None: no
+        may come after this stage moved on), from upstream the ``upstream_lag`` previous ones. ``pver``: the link's projector version (None: no
         trainable one)."""
         upstream = stage < self.stage
         boundary = self.rt.inbound if upstream else self.rt.outbound
         pver = None
         if boundary is not None and boundary.trainable:
             pver = self.link_pver.get(stage, boundary.version)
-        low = self.step if upstream else max(self.start_step, self.step - 1)
+        low = max(self.start_step, self.step - (self.upstream_lag if upstream else 1))
         return Window(low=low, high=self.step + 1, pver=pver)
 
     # ------------------------------------------------------------------ the schedule

@@ -288,6 +288,16 @@ class StageRuntime:
         assert self.inbound is not None
         self.inbound.load_projector(value.to(self.device), version)
 
+    def abandon_step(self) -> None:
+        """Forget the current step's work: saved forwards, gradients (parameters and projectors),
+        the upstream replicas' projector gradients and the step's losses. With replicas, a step is
+        redone from its start when one of them left before the step could be taken (SPEC §9.10)."""
+        self._saved.clear()
+        self._origin_grads.clear()
+        self._step_losses.clear()
+        for p in [*self.modules.parameters(), *self.optimized_parameters()]:
+            p.grad = None
+
     # ------------------------------------------------------------------ optimizer
     def step(self) -> dict[str, float]:
         """One optimizer step after the step's last backward (and the projector grad)."""

@@ -9,7 +9,9 @@
   the global batch's, with the replicas' parameter digests compared;
 * :mod:`.state` — a stage's state as it travels to a joining replica (msgpack skeleton and
   tensors, checked against the receiver's own state) and its digest;
-* :mod:`.assignment` — which global micro-batches each stage-0 replica feeds.
+* :mod:`.assignment` — which global micro-batches each stage-0 replica feeds;
+* :mod:`.errors` — what a round raises (importable without hivemind).
 
-The peer runtime does not route through replicas yet: a swarm still runs one peer per stage.
+The peer's side (routing, the commit of a step, replicas that leave) is
+:mod:`mapl_swarm.peer.replica_schedule`.
 """

@@ -37,6 +37,7 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.averaging.partition import AllreduceException
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import ValueWithExpiration, get_dht_time
@@ -220,6 +221,14 @@ class StageAverager(DecentralizedAverager):
             tensor.copy_(averaged)
             self.last_updated = get_dht_time()
             self._state_updated.set()
+        # hivemind keeps this peer's own values for the parts that did not come, and averages the
+        # parts it reduces without a sender whose stream broke: neither is the group's average, so
+        # the round fails here (and, through the broken streams, at the other members too)
+        failed = runner.tensor_part_container.failed_size
+        if failed or runner.banned_senders:
+            raise AllreduceException(f"{failed} of {runner.tensor_part_container.total_size} averaged values did not "
+                                     f"come and {len(runner.banned_senders)} member(s)' parts were left out (a member "
+                                     f"left mid-round)")
 
     async def _declare_for_download_periodically(self) -> None:
         """hivemind's declaration under ``all_averagers`` (a replica always shares its state), with a

@@ -6,7 +6,8 @@ rounding, not its bytes, so two replicas would step from gradients that differ i
 drift apart. :class:`ExactAllReduceRunner` changes the two places where hivemind subtracts (the
 part this peer reduces itself, and the answer to a peer's part) to send the average, and turns the
 part container's deltas off, so every peer of a group ends with the same bytes; a failed part
-keeps the peer's own values, as hivemind's zero delta does. The two methods are hivemind 1.1.12's
+keeps the peer's own values, as hivemind's zero delta does (and
+:class:`~.averaging.StageAverager` then fails the round: its values are not the average). The two methods are hivemind 1.1.12's
 with that one change (hivemind is pinned: ``pyproject.toml``); every peer of a group must run this
 runner (a stage's replicas all run :class:`~.averaging.StageAverager`). It also counts the tensor
 bytes it sends and receives (``traffic``), what a stage's averaging costs on its links.

@@ -10,30 +10,35 @@ the same bytes on every replica, and every replica takes the same optimizer step
 projector gradient holds what its receivers sent it (PROJ_GRAD), so it is averaged with the rest:
 every replica of the sender applies the same SPEL step and sends the same next projector version.
 
-Each replica gathers, with the round, the digest of its parameters before the step, its ``n`` and
-(the last stage) the sum of its micro-batches' losses (hivemind's ``gather``): a round is whole when
-the counts add up to the step's micro-batches and every digest is equal (:meth:`ReplicaStep.problem`);
-its sorted peer ids rank the stage's replicas for the next step (stage 0 splits the data by them).
-Before the first step a :meth:`ReplicaGradients.sync` round (nothing averaged) finds the replicas
-that start together and checks that they hold the same parameters.
+Each replica gathers, with the round, the digest of its parameters before the step, the indices
+(within the step) of the micro-batches it accumulated, its run epoch, its contact and (the last stage) the
+sum of its micro-batches' losses (hivemind's ``gather``): a round is whole when every micro-batch of
+the step was accumulated exactly once, every member is in the same epoch and every digest is equal
+(:meth:`ReplicaStep.problem`); its sorted peer ids rank the stage's replicas for the next step
+(stage 0 splits the data by them). The runtime's parameters receive the average only from a round
+the caller keeps: a round that failed or was cancelled (:meth:`ReplicaGradients.cancel`, a replica
+of the stage left) leaves the replica's own gradients in place for the next try. A stage with one
+live replica takes its step alone (``expected`` 1: no round). Before the first step a
+:meth:`ReplicaGradients.sync` round (nothing averaged) finds the replicas that start together and
+checks that they hold the same parameters.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from mapl_swarm.errors import MaplError
 from mapl_swarm.replicas.averaging import StageAverager
+from mapl_swarm.replicas.errors import AveragingFailed, RoundCancelled
 from mapl_swarm.replicas.state import state_digest
 
-__all__ = ["ReplicaGradients", "ReplicaStep", "AveragingFailed"]
-
-
-class AveragingFailed(MaplError):
-    """The replicas of a stage formed no group in time, or a round that was not whole."""
+__all__ = ["ReplicaGradients", "ReplicaStep", "AveragingFailed", "RoundCancelled"]
 
 
 @dataclass(frozen=True)
@@ -46,13 +51,22 @@ class ReplicaStep:
     """The members' peer ids, sorted: a replica's place in it is its rank."""
     digests: dict[str, str]
     """Each member's parameter digest before the step (peer id -> hex)."""
-    counts: dict[str, int]
-    """Each member's train micro-batches of the step."""
+    micro: dict[str, tuple[int, ...]]
+    """Each member's train micro-batches of the step (indices within the step), accumulated."""
     loss_sum: float
     """The members' summed micro-batch losses (the last stage; 0 elsewhere)."""
     sent_bytes: int = 0
     received_bytes: int = 0
     """The tensor bytes this replica's all-reduce of the round sent and received."""
+    epochs: dict[str, int] = field(default_factory=dict)
+    """Each member's run epoch (a step redone after a replica left is one epoch later)."""
+    contacts: dict[str, str] = field(default_factory=dict)
+    """Each member's pipeline contact (what its neighbours' links name it by)."""
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Each member's number of train micro-batches of the step."""
+        return {p: len(m) for p, m in self.micro.items()}
 
     @property
     def group_size(self) -> int:
@@ -68,15 +82,31 @@ class ReplicaStep:
         return len(set(self.digests.values())) == 1
 
     def problem(self, micro_batches: int) -> str | None:
-        """Why the round cannot make the step (the counts do not add up to ``micro_batches``, or
-        the members hold different parameters), or None."""
-        counted = sum(self.counts.values())
-        if counted != micro_batches:
-            return (f"the replicas' micro-batches add up to {counted}, not the step's {micro_batches} "
-                    f"({', '.join(f'{p[-8:]}: {n}' for p, n in sorted(self.counts.items()))})")
+        """Why the round cannot make the step (its members are in different epochs, a micro-batch
+        of the step's ``micro_batches`` is missing or counted twice, or the members hold different
+        parameters), or None."""
+        if len(set(self.epochs.values())) > 1:
+            return f"the replicas are in different epochs ({sorted(set(self.epochs.values()))})"
+        seen = Counter(m for ms in self.micro.values() for m in ms)
+        missing = [m for m in range(micro_batches) if m not in seen]
+        twice = sorted(m for m, n in seen.items() if n > 1 or not 0 <= m < micro_batches)
+        if missing or twice:
+            counted = sum(seen.values())
+            return (f"the replicas' micro-batches add up to {counted}, not the step's {micro_batches} once each "
+                    f"({len(missing)} missing, {len(twice)} counted twice or out of range; "
+                    f"{', '.join(f'{p[-8:]}: {n}' for p, n in sorted(self.counts.items()))})")
         if not self.in_sync:
             return f"the replicas held different parameters before the step ({len(set(self.digests.values()))} digests)"
         return None
+
+
+def _stop(control: Any) -> None:
+    """Cancel hivemind's round ``control`` unless it is over (its futures then refuse a result)."""
+    if control is not None and not control.done():
+        try:
+            control.cancel()
+        except asyncio.InvalidStateError:  # it ended meanwhile
+            pass
 
 
 class ReplicaGradients:
@@ -92,6 +122,9 @@ class ReplicaGradients:
         self.averager = StageAverager(buffers, dht, run_id=run_id, stage=runtime.stage, replicas=replicas,
                                       state=lambda: self.runtime.state_dict(), start=True, **averager_kwargs)
         self.me = str(self.averager.peer_id)
+        self._lock = threading.Lock()
+        self._control: Any = None
+        self._cancelled = False
 
     def attach(self, runtime: Any) -> None:
         """Average ``runtime``'s gradients from now on (a new session's stage, built the same way)."""
@@ -100,46 +133,88 @@ class ReplicaGradients:
             raise ValueError(f"stage {runtime.stage}: another runtime's parameters")
         self.runtime, self.params = runtime, params
 
+    def cancel(self) -> None:
+        """End the round in progress (or the next one, if none is) with :class:`RoundCancelled`;
+        thread-safe: the event loop calls it while the compute thread waits in the round."""
+        with self._lock:
+            self._cancelled = True
+            _stop(self._control)
+
     def _round(self, weight: float, gather: dict[str, Any], timeout: float) -> ReplicaStep:
         sent, received = self.averager.traffic
-        gathered = self.averager.step(weight=weight, gather=gather, timeout=timeout)
+        with self._lock:
+            if self._cancelled:
+                self._cancelled = False
+                raise RoundCancelled(f"stage {self.runtime.stage}: the averaging round was cancelled")
+            self._control = self.averager.step(weight=weight, gather=gather, timeout=timeout, allow_retries=False,
+                                               wait=False)
+        try:
+            gathered = self._control.result(timeout=timeout)
+        except BaseException as exc:  # cancelled, failed (a member left mid-round) or timed out
+            with self._lock:
+                cancelled, self._cancelled = self._cancelled, False
+            if cancelled:
+                raise RoundCancelled(f"stage {self.runtime.stage}: the averaging round was cancelled") from None
+            raise AveragingFailed(f"stage {self.runtime.stage}: the averaging round failed: "
+                                  f"{type(exc).__name__}: {exc}") from None
+        finally:
+            with self._lock:
+                _stop(self._control)  # a round that timed out here must not go on in the averager
+                self._control = None
         sent, received = (now - before for now, before in zip(self.averager.traffic, (sent, received)))
         if gathered is None:
             raise AveragingFailed(f"stage {self.runtime.stage}: the replicas formed no averaging group within "
                                   f"{timeout:g} s")
-        data = {str(peer): value for peer, value in gathered.items()}
-        if not all(isinstance(v, dict) and isinstance(v.get("digest"), str) and type(v.get("n")) is int
-                   and isinstance(v.get("loss"), float) for v in data.values()):
-            raise AveragingFailed(f"stage {self.runtime.stage}: a replica gathered something else than a round's "
-                                  f"digest, count and loss")
-        return ReplicaStep(self.me, tuple(sorted(data)), {p: v["digest"] for p, v in data.items()},
-                           {p: v["n"] for p, v in data.items()}, sum(v["loss"] for v in data.values()), sent, received)
+        return self._result({str(peer): value for peer, value in gathered.items()}, sent, received)
 
-    def sync(self, *, timeout: float) -> ReplicaStep:
+    def _result(self, data: dict[str, Any], sent: int = 0, received: int = 0) -> ReplicaStep:
+        def valid(v: Any) -> bool:
+            return (isinstance(v, dict) and isinstance(v.get("digest"), str) and isinstance(v.get("micro"), list)
+                    and all(type(m) is int for m in v["micro"]) and isinstance(v.get("loss"), float)
+                    and type(v.get("epoch")) is int and isinstance(v.get("contact"), str))
+
+        if not all(valid(v) for v in data.values()):
+            raise AveragingFailed(f"stage {self.runtime.stage}: a replica gathered something else than a round's "
+                                  f"digest, micro-batches, loss, epoch and contact")
+        return ReplicaStep(self.me, tuple(sorted(data)), {p: v["digest"] for p, v in data.items()},
+                           {p: tuple(v["micro"]) for p, v in data.items()}, sum(v["loss"] for v in data.values()),
+                           sent, received, {p: v["epoch"] for p, v in data.items()},
+                           {p: v["contact"] for p, v in data.items()})
+
+    def sync(self, *, timeout: float, epoch: int = 0, contact: str = "") -> ReplicaStep:
         """The round before the first step: the replicas that start together, each one's parameter
         digest (nothing is averaged into the gradients)."""
         with self.averager.get_tensors() as buffers:
             for buf in buffers:
                 buf.zero_()
-        return self._round(1.0, {"digest": state_digest(self.runtime.modules.state_dict()), "n": 0, "loss": 0.0},
-                           timeout)
+        return self._round(1.0, self._gather([], 0.0, epoch, contact), timeout)
 
-    def average(self, micro_batches: int, *, timeout: float, loss_sum: float = 0.0) -> ReplicaStep:
-        """Average the gradients accumulated over this replica's ``micro_batches`` micro-batches of
-        the step (0: none) with the other replicas' (module docstring) and hand the result to the
-        runtime's parameters; the caller checks the round (:meth:`ReplicaStep.problem`) and steps."""
-        if micro_batches < 0:
-            raise ValueError(f"a replica averages the gradients of 0 or more micro-batches, not {micro_batches}")
-        scale = self.runtime.cfg.pipeline.num_micro_batches / micro_batches if micro_batches else 0.0
-        digest = state_digest(self.runtime.modules.state_dict())
+    def _gather(self, micro: Sequence[int], loss_sum: float, epoch: int, contact: str) -> dict[str, Any]:
+        return {"digest": state_digest(self.runtime.modules.state_dict()), "micro": [int(m) for m in micro],
+                "loss": float(loss_sum), "epoch": int(epoch), "contact": contact}
+
+    def average(self, micro: Sequence[int], *, timeout: float, loss_sum: float = 0.0, epoch: int = 0,
+                contact: str = "", expected: int = 2) -> ReplicaStep:
+        """Average the gradients accumulated over this replica's micro-batches ``micro`` of the step
+        (indices; empty: none) with the other replicas' (module docstring) and hand the result to
+        the runtime's parameters, unless the round failed, was cancelled or formed with fewer than
+        the ``expected`` live replicas of the stage (raised; the gradients stay this replica's own).
+        ``expected`` 1: this replica is its stage's only one, the step is its own (no round). The caller checks the round (:meth:`ReplicaStep.problem`) and steps."""
+        gather = self._gather(micro, loss_sum, epoch, contact)
+        if expected <= 1:
+            return self._result({self.me: gather})
+        n = len(micro)
+        scale = self.runtime.cfg.pipeline.num_micro_batches / n if n else 0.0
         with self.averager.get_tensors() as buffers, torch.no_grad():
             for buf, p in zip(buffers, self.params, strict=True):
-                if p.grad is None or not micro_batches:
+                if p.grad is None or not n:
                     buf.zero_()
                 else:
                     buf.copy_(p.grad.detach().to("cpu", torch.float32)).mul_(scale)
-        step = self._round(float(micro_batches), {"digest": digest, "n": micro_batches, "loss": float(loss_sum)},
-                           timeout)
+        step = self._round(float(n), gather, timeout)
+        if step.group_size < expected:  # a partner not in it yet, or gone without this replica knowing
+            raise AveragingFailed(f"stage {self.runtime.stage}: a round of {step.group_size} of the stage's "
+                                  f"{expected} replicas")
         with self.averager.get_tensors() as buffers, torch.no_grad():
             for buf, p in zip(buffers, self.params, strict=True):
                 p.grad = buf.to(p.device, p.dtype, copy=True)

@@ -276,8 +276,10 @@ def _direction(mtype: MessageType, meta: Mapping[str, Any]) -> str:
         return "down" if stream == "act" else "up"
     if mtype is MT.CHECKPOINT and meta.get("phase") in spec.CHECKPOINT_PHASES:
         return "down" if meta["phase"] in spec.CHECKPOINT_UPSTREAM_PHASES else "up"
-    if mtype is MT.ROUTE and meta.get("phase") in spec.ROUTE_PHASES:  # receivers say ready, senders end
-        return "down" if meta["phase"] == "ready" else "up"
+    if mtype is MT.ROUTE and meta.get("phase") in spec.ROUTE_UPSTREAM_PHASES:  # receivers say ready
+        return "down"
+    if mtype is MT.ROUTE and meta.get("phase") in spec.ROUTE_DOWNSTREAM_PHASES:  # senders end and commit
+        return "up"
     return "any"
 
 

@@ -175,7 +175,7 @@ META_SCHEMA: dict[MessageType, tuple[dict[str, str], dict[str, str]]] = {
     MessageType.ERROR: ({"code": "str", "message": "str"}, {"ref_seq": "uint"}),
     MessageType.CHECKPOINT: ({"phase": "phase"}, {"step": "uint_or_nil", "steps": "uints", "have": "have",
                                                   "reason": "str", "epoch": "uint"}),
-    MessageType.ROUTE: ({"phase": "route_phase"}, {"acts": "uint"}),
+    MessageType.ROUTE: ({"phase": "route_phase"}, {"acts": "uint", "gone": "strs"}),
 }
 """(required, optional) typed ``meta`` fields per message type (SPEC §5); other types have none."""
 
@@ -240,7 +240,7 @@ _KIND_TEXT = {
     "map": "a map",
     "metrics": "a map of numbers",
     "phase": "'saved', 'complete', 'offer', 'resume', 'drain_request', 'drain', 'unsaved' or 'abandoned'",
-    "route_phase": "'ready' or 'end'",
+    "route_phase": "'ready', 'end', 'commit', 'gone' or 'redo'",
     "uint_or_nil": "a non-negative integer or nil",
     "uints": "an array of non-negative integers",
     "have": "a map of arrays of non-negative integers",
@@ -277,6 +277,8 @@ def check_type_rules(mtype: MessageType, meta: Mapping[str, Any], dtypes: Iterab
         _check_checkpoint(meta)
     if mtype is MessageType.ROUTE and meta["phase"] == "end" and "acts" not in meta:
         raise InvalidMessage("ROUTE end needs acts")
+    if mtype is MessageType.ROUTE and meta["phase"] in ("gone", "redo") and "gone" not in meta:
+        raise InvalidMessage(f"ROUTE {meta['phase']} needs gone")
 
 
 def _check_checkpoint(meta: Mapping[str, Any]) -> None:

@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 
 from mapl_swarm.errors import MaplError
-from mapl_swarm.launch import RestartPolicy, Supervisor, _Forwarded, peer_processes
+from mapl_swarm.launch import PeerProcess, RestartPolicy, Supervisor, _Forwarded, peer_processes
+
+from deadlines import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -226,3 +228,40 @@ def test_a_forwarded_signal_reaches_a_restarted_peer_and_nothing_restarts_while_
     got = {(r["stage"], r["pid"]) for r in _records(log) if r["event"] == "SIGTERM"}
     assert got == {(0, swarm.procs[0].pid), (1, starts[1]["pid"])}
     assert swarm.policy.counts() == {"1": 1}
+
+
+def test_a_replica_that_dies_leaves_its_stage_to_the_others(tmp_path, caplog):
+    """With replicas (SPEC §9.10) a peer whose stage keeps a running replica is not restarted and
+    does not stop the swarm: the others go on (the peers' schedule drops it); the run ends when they do."""
+    caplog.set_level(logging.WARNING, logger="mapl_swarm.launch")
+    fifos = [tmp_path / "fifo0", tmp_path / "fifo1"]
+    for f in fifos:
+        os.mkfifo(f)
+    env = dict(os.environ)
+    peers = [PeerProcess(0, [sys.executable, "-c", f"open({str(fifos[0])!r}).read()"], env, None),
+             PeerProcess(1, [sys.executable, "-c", f"open({str(fifos[1])!r}).read()"], env, None, 0),
+             PeerProcess(1, [sys.executable, "-c", "raise SystemExit(3)"], env, None, 1)]
+    swarm = Supervisor(RestartPolicy(0))
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            swarm.run(_Forwarded(), 60, drain_timeout_s=10)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    swarm.start(peers)
+    supervising = threading.Thread(target=run)
+    supervising.start()
+    try:
+        wait_until(lambda: swarm.left == {2} or errors, 30, "the dead replica's exit handled")
+        for f in fifos:  # the survivors end their run
+            with open(f, "w"):
+                pass
+        supervising.join(30)
+    finally:
+        swarm.stop()
+    assert not errors and not supervising.is_alive()
+    assert [p.returncode for p in swarm.procs] == [0, 0, 3]
+    assert "stage 1 replica 1" in caplog.text and "stage 1 goes on with its 1 other replica(s)" in caplog.text
+    assert caplog.text.count("goes on with") == 1  # handled once, not at every poll

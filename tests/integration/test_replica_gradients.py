@@ -60,8 +60,9 @@ def train_step(step: int, pairs: list, grads: dict, pool: ThreadPoolExecutor, ba
     for r, (first, last) in enumerate(pairs):
         share = replica_share(step, M, r, len(pairs))
         losses += pipeline_pass(first, last, [batches[g - step * M] for g in share])
-    rounds = list(pool.map(lambda key: grads[key].average(len(replica_share(step, M, key[1], len(pairs))),
-                                                          timeout=60), grads))
+    rounds = list(pool.map(lambda key: grads[key].average([g - step * M for g in replica_share(step, M, key[1],
+                                                                                                 len(pairs))],
+                                                          timeout=60, expected=len(pairs)), grads))
     assert all(x.group_size == len(pairs) and x.in_sync for x in rounds), rounds
     for first, last in pairs:
         first.step()

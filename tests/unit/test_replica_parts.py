@@ -110,13 +110,20 @@ def test_the_inbound_projector_gradient_is_kept_apart_per_upstream_replica(make_
         split.step()
 
 
-def test_a_round_is_whole_when_its_counts_add_up_and_its_digests_agree():
-    ok = ReplicaStep("p2", ("p1", "p2"), {"p1": "d", "p2": "d"}, {"p1": 2, "p2": 1}, 7.5)
+def test_a_round_is_whole_when_every_micro_batch_is_counted_once_in_one_epoch_with_equal_digests():
+    def round_(micro: dict, digests: dict | None = None, epochs: dict | None = None) -> ReplicaStep:
+        return ReplicaStep("p2", ("p1", "p2"), digests or {"p1": "d", "p2": "d"}, micro, 7.5,
+                           epochs=epochs or {"p1": 0, "p2": 0})
+
+    ok = round_({"p1": (0, 2), "p2": (1,)})
     assert ok.problem(3) is None and ok.rank == 1 and ok.group_size == 2 and ok.in_sync
-    assert "add up to 2, not the step's 3" in ReplicaStep("p1", ("p1", "p2"), {"p1": "d", "p2": "d"},
-                                                           {"p1": 2, "p2": 0}, 0.0).problem(3)
-    assert "different parameters" in ReplicaStep("p1", ("p1", "p2"), {"p1": "d", "p2": "e"},
-                                                 {"p1": 2, "p2": 1}, 0.0).problem(3)
+    assert ok.counts == {"p1": 2, "p2": 1}
+    assert "1 missing, 0 counted twice" in round_({"p1": (0, 1), "p2": ()}).problem(3)
+    # the counts add up, but micro-batch 1 is in both (a re-route after a replica left) and 2 in none
+    assert "1 missing, 1 counted twice" in round_({"p1": (0, 1), "p2": (1,)}).problem(3)
+    assert "out of range" in round_({"p1": (0, 1), "p2": (3,)}).problem(3)
+    assert "different parameters" in round_({"p1": (0, 1), "p2": (2,)}, digests={"p1": "d", "p2": "e"}).problem(3)
+    assert "different epochs" in round_({"p1": (0, 1), "p2": (2,)}, epochs={"p1": 0, "p2": 1}).problem(3)
 
 
 def test_replicas_are_configured_per_stage_and_not_with_codebooks():

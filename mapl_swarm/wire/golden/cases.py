@@ -162,6 +162,8 @@ def _valid(v: dict[str, list[bytes]]) -> list[Case]:
         "hello_replica": "2.1: HELLO of a replica (capability replicas) naming its contact",
         "route_ready": "2.1: ROUTE ready from stage 2: it takes stage 1's train ACTs of step 12",
         "route_end": "2.1: ROUTE end from stage 0: its 3 train ACTs of step 12 on this link, and no more",
+        "route_commit": "2.1: ROUTE commit from stage 0: every stage may take step 12",
+        "route_redo": "2.1: ROUTE redo from stage 2: step 12 runs again in run epoch 1, without the replica gone",
     }
     return [Case(n, "valid", f, text[n]) for n, f in v.items()]
 
@@ -431,6 +433,9 @@ def _invalid_replicas(v: dict[str, list[bytes]]) -> list[Case]:
         ("route_end_no_acts", _edit(v["route_end"], _meta(acts=_DROP)), IM, "2.1: ROUTE end without acts"),
         ("route_acts_negative", _edit(v["route_end"], _meta(acts=-3)), IM, "2.1: ROUTE end with acts -3"),
         ("route_with_tensor", _edit([*v["route_ready"], b"\x07"], route_tensor), IM, "2.1: ROUTE carrying a tensor"),
+        ("route_redo_no_gone", _edit(v["route_redo"], _meta(gone=_DROP)), IM, "2.1: ROUTE redo without gone"),
+        ("route_gone_not_strings", _edit(v["route_redo"], _meta(phase="gone", gone=[7])), IM,
+         "2.1: ROUTE gone listing a number, not a contact"),
         ("hello_contact_bin", _edit(v["hello_replica"], _meta(contact=b"tcp://10.0.0.2:5002")), IM,
          "2.1: HELLO contact is a bin, not a string"),
     ]
@@ -579,7 +584,9 @@ def _codebook(v: dict[str, list[bytes]]) -> list[Case]:
 
 CASES_2_1 = frozenset({"hello_replica", "route_ready", "route_end", "route_phase_unknown", "route_end_no_acts",
                        "route_acts_negative", "route_with_tensor", "hello_contact_bin", "route_ready_fits",
-                       "route_end_fits", "route_ready_from_upstream", "route_end_out_of_window"})
+                       "route_end_fits", "route_ready_from_upstream", "route_end_out_of_window", "route_commit",
+                       "route_redo", "route_redo_no_gone", "route_gone_not_strings", "route_commit_from_downstream",
+                       "route_redo_from_downstream_fits"})
 """The vectors protocol 2.1 added (at version 2.1; the others stay at 2.0)."""
 
 _V2_1 = b"\xa1v\x92\x02\x01"

@@ -125,9 +125,10 @@ def _report(*, src: int = 2, loss: float = 3.25, step: int = 12, tokens: int = B
 
 
 def _route(phase: str, *, src: int, step: int = 12) -> list[bytes]:
-    """A ROUTE (2.1, SPEC §9.10): ``ready`` from downstream, ``end`` (3 ACTs) from upstream."""
+    """A ROUTE (2.1, SPEC §9.10): ``ready`` from downstream, ``end`` (3 ACTs) from upstream, ..."""
+    extra = {"acts": 3} if phase == "end" else {"gone": ["tcp://10.0.0.7:5002"]} if phase in ("gone", "redo") else {}
     return _frames(Message(type=MT.ROUTE, run_id=RUN_ID, src=src, dst=1, step=step, seq=25,
-                           meta={"phase": phase, **({"acts": 3} if phase == "end" else {})}))
+                           meta={"phase": phase, **extra}))
 
 
 def _codes(top: int | None = None, shape: tuple[int, ...] = (B, T, 2, 2), dtype: str = "u1") -> WireTensor:
@@ -287,6 +288,10 @@ def content_cases() -> list[tuple[str, list[bytes], str, RunShapes, Window, str]
          "says it takes ACTs)", RUN, W, "not_allowed"),
         ("route_end_out_of_window", _route("end", src=0, step=14), "2.1: ROUTE end of step 14, beyond the window",
          RUN, W, "out_of_window"),
+        ("route_commit_from_downstream", _route("commit", src=2), "2.1: ROUTE commit from downstream (only an "
+         "upstream replica says a step is taken)", RUN, W, "not_allowed"),
+        ("route_redo_from_downstream_fits", _route("redo", src=2), "2.1: ROUTE redo of step 12 from downstream "
+         "(either neighbour may say it)", RUN, W, OK),
     ]
     dup = STIEFEL.copy()
     dup[:, 1] = dup[:, 0]  # rank 3: ‖AᵀA − I‖_F = sqrt(2)

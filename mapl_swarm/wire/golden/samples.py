@@ -301,6 +301,10 @@ def _replica_samples() -> dict[str, Message]:
                                meta={"phase": "ready"}),
         "route_end": Message(type=MessageType.ROUTE, run_id=RUN_ID, src=0, dst=1, step=12, seq=41,
                              meta={"phase": "end", "acts": 3}),
+        "route_commit": Message(type=MessageType.ROUTE, run_id=RUN_ID, src=0, dst=1, step=12, seq=42,
+                                meta={"phase": "commit"}),
+        "route_redo": Message(type=MessageType.ROUTE, run_id=RUN_ID, src=2, dst=1, step=12, seq=43, epoch=1,
+                              meta={"phase": "redo", "gone": ["tcp://10.0.0.7:5002#" + "cd" * 32]}),
     }
 
 
