@@ -111,10 +111,12 @@ class Mailbox:
 
     def drop(self, unwanted: Callable[[Message], bool]) -> int:
         """Remove every queued pipeline message ``unwanted`` accepts; their number."""
-        kept = deque(item for item in self._items if item.msg is None or not unwanted(item.msg))
+        kept: deque[_Item] = deque()
         for item in self._items:
             if item.msg is not None and unwanted(item.msg):
                 self._queued[item.msg.src] -= 1
+            else:
+                kept.append(item)
         dropped, self._items = len(self._items) - len(kept), kept
         return dropped
 

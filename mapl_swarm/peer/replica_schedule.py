@@ -175,7 +175,6 @@ class _Step:
     """ROUTE ``end`` went to every ready link (later ``ready``s get ``end`` 0 at once)."""
     forwarded: int = 0
     """Train micro-batches computed forward at this stage."""
-    backwarded: int = 0
     done: list[int] = field(default_factory=list)
     """Micro-batches whose backward ran here: what this replica's gradients hold."""
     lost: int = 0
@@ -250,8 +249,8 @@ class ReplicaSchedule:
         self._woken = False
         """The replicas changed while the schedule waited (a neighbour left): it looks again."""
         self._averaging = False
-        self._down_report: tuple[int, int, dict] | None = None
-        """(step, run epoch, meta) of the first train REPORT of the current step from downstream."""
+        self._down_report: dict | None = None
+        """The first train REPORT (its meta) of the current step and run epoch from downstream."""
         self._committed = -1
         """The last step an upstream replica said ROUTE ``commit`` for."""
         self.epoch = 0
@@ -320,13 +319,19 @@ class ReplicaSchedule:
         if sync:
             log.info("%s: replica %d of %d of stage %d", self.name, self.rank, self.replica_count, self.stage)
 
-    def _rerank(self) -> None:
-        """This replica's rank among its stage's live replicas (the last round's, less those gone)."""
+    def _live_members(self) -> list[str]:
+        """The peer ids of this stage's live replicas, this one included, in rank order (the last
+        round's, less those gone)."""
         r = self._round
         if r is None:
-            return
-        live = [p for p in r.group if p == r.me or r.contacts.get(p) not in self.gone]
-        self.rank, self.replica_count = live.index(r.me), len(live)
+            return []
+        return [p for p in r.group if p == r.me or r.contacts.get(p) not in self.gone]
+
+    def _rerank(self) -> None:
+        """This replica's rank among its stage's live replicas."""
+        live = self._live_members()
+        if live:
+            self.rank, self.replica_count = live.index(self._round.me), len(live)
 
     @property
     def contact(self) -> str:
@@ -334,11 +339,8 @@ class ReplicaSchedule:
         return next((link.local_contact for link in self.links if link.local_contact), "")
 
     def _live_partners(self) -> int:
-        """The live replicas of this stage, this one included (the last round's, less those gone)."""
-        r = self._round
-        if r is None:
-            return 1
-        return sum(1 for p in r.group if p == r.me or r.contacts.get(p) not in self.gone)
+        """The live replicas of this stage, this one included."""
+        return len(self._live_members()) or 1
 
     async def _say_bye(self, meta: dict, step: int) -> None:
         for link in self._down_links():
@@ -447,7 +449,7 @@ class ReplicaSchedule:
         """Every micro-batch of the step passed this stage both ways (but those whose GRAD was lost
         with a replica that left), and every ready link had its ``end``."""
         return self._all_computed(cur) and not cur.dest and not cur.waiting \
-            and cur.backwarded + cur.lost == cur.forwarded and (self.last or cur.ended)
+            and len(cur.done) + cur.lost == cur.forwarded and (self.last or cur.ended)
 
     def _wanted(self, msg: Message, step: int) -> bool:
         if msg.type is MT.BYE:
@@ -564,7 +566,6 @@ class ReplicaSchedule:
             return
         cur.losses.append(res.loss)
         grad = await self.compute.run(self.host.backward, micro, None, origin=link.name)
-        cur.backwarded += 1
         cur.done.append(micro)
         if grad is not None and self._live(link):  # a last stage that is not stage 0
             await link.send_grad(cur.step, micro, grad, pver=self.window.inbound_pver)
@@ -585,7 +586,6 @@ class ReplicaSchedule:
         origin = cur.origin.get(micro)
         grad = await self.compute.run(self.host.backward, micro, self._payload(msg, GRAD_WIRE),
                                       origin=None if origin is None else origin.name)
-        cur.backwarded += 1
         cur.done.append(micro)
         log.debug("%s: step %d micro-batch %d backward (%d of the step)", self.name, cur.step, micro, len(cur.done))
         if origin is not None and self._live(origin):
@@ -708,10 +708,9 @@ class ReplicaSchedule:
         middle one once the REPORT came from downstream too; stage 0 then records the loss, a
         later stage waits for the ``commit`` of an upstream replica (module docstring)."""
         if not self.last:
-            await self._until(lambda: self._down_report is not None and self._down_report[:2] == (step, self.epoch),
-                              f"REPORT of step {step}")
+            await self._until(lambda: self._down_report is not None, f"REPORT of step {step}")
             assert self._down_report is not None
-            report = self._down_report[2]
+            report = self._down_report
         if not self.first:
             for link in self._up_links():
                 await link.send_report(step, report)
@@ -758,7 +757,7 @@ class ReplicaSchedule:
         mode = msg.meta.get("mode", "train")
         if mode == "train":
             if msg.step == self.step and msg.epoch == self.epoch and self._down_report is None:
-                self._down_report = (msg.step, msg.epoch, dict(msg.meta))
+                self._down_report = dict(msg.meta)
                 self._wake()
             elif not self.s.start_step <= msg.step < self.s.steps:
                 self._drop("out_of_window", msg, "REPORTs of the run's steps", "train REPORT")
@@ -885,8 +884,7 @@ class ReplicaSchedule:
         self.links.set_epoch(epoch)
         self._cur = _Step(step)
         dropped = self.mailbox.drop(lambda m: m.epoch < epoch and m.type not in (MT.PROJ, MT.BYE))
-        if self._down_report is not None and self._down_report[1] < epoch:
-            self._down_report = None
+        self._down_report = None
         self._woken = False
         self._rerank()
         await self._tell([link for link in self.links if self._live(link)], step, "redo", sorted(self.gone))
