@@ -96,10 +96,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _membership(args: argparse.Namespace, cfg: Any, stage: int | None = None):
+def _membership(args: argparse.Namespace, cfg: Any, stage: int | None = None, *, peer: bool = False):
     """What makes this process a member of run ``cfg``, read and checked before any other work: the
-    certified identity of ``--cert`` (with ``--peer-key``; for a bootstrap node only the run and
-    authority it names), or None with ``--insecure``."""
+    certified identity of ``--cert`` (with ``--peer-key``; for a peer of stage ``stage``, any of its
+    certificate's with None; for a bootstrap node only the run and authority it names), or None
+    with ``--insecure``."""
     if args.key_file:
         raise ConfigError(f"--key-file {args.key_file}: peers no longer share a run key; give each peer its own "
                           f"identity: --peer-key FILE --cert FILE (`mapl-swarm keys local` issues one per stage, "
@@ -111,7 +112,7 @@ def _membership(args: argparse.Namespace, cfg: Any, stage: int | None = None):
     from mapl_swarm.net.identity import (CertificateBody, CertificateError, load_identity, read_signed,
                                          verify_certificate)
 
-    if stage is None:  # a bootstrap node: it trusts the authority of the certificate it is given
+    if stage is None and not peer:  # a bootstrap node: it trusts the authority of the certificate it is given
         from mapl_swarm.net.discovery import TrustedAuthority
 
         cert = read_signed(args.cert, "certificate")
@@ -287,7 +288,9 @@ def _cmd_peer(args: argparse.Namespace) -> int:
     if args.launched:  # launch gives each peer a process group of its own: a background group may
         signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # still write to the terminal (with `stty tostop`)
     cfg = _load(args)
-    membership = _membership(args, cfg, args.stage)
+    if args.stage is None and not args.join:
+        raise ConfigError("peer: --stage K is required (or --join, to join a running swarm at the stage it needs most)")
+    membership = _membership(args, cfg, args.stage, peer=True)
     from mapl_swarm.net.dht_node import precheck_initial_peers
     from mapl_swarm.peer.main import run_peer
 
@@ -298,21 +301,24 @@ def _cmd_peer(args: argparse.Namespace) -> int:
             return 0
     peers = _initial_peers(args, cfg)
     precheck_initial_peers(peers or cfg.net.initial_peers)  # a mistyped address, before torch loads
+    if args.join and not cfg.replicas.enabled:
+        raise ConfigError("--join takes a replica into a running swarm with replicas: set replicas.enabled = true "
+                          "(the swarm's configuration)")
     result = run_peer(cfg, args.stage, membership=membership, initial_peers=peers, resume=resume,
-                      progress=not args.quiet)
+                      progress=not args.quiet, joining=args.join)
     if result.end != "finished":  # drained or stopped: one line (under launch, the launcher's line)
         if args.launched:
             log.info("%s", result.end_note)
         else:
             print(f"mapl-swarm: {result.end_note}")
         return 0
-    if args.stage == 0 and result.train_losses:
+    if result.stage == 0 and result.train_losses:
         print(f"stage 0 done: {len(result.train_losses)} steps, last loss {result.train_losses[-1]:.4f}, "
               f"{result.tokens / max(result.wall_s, 1e-9):.0f} tokens/s, {result.bad_frames} bad frames dropped")
-    elif args.stage > 0:
+    elif result.stage > 0:
         sent = sum(sum(kinds.values()) for kinds in result.wire_tx.values())
         rejoined = f", {len(result.rejoins)} rejoin(s)" if result.rejoins else ""
-        print(f"stage {args.stage} done: steps {result.start_step}..{cfg.run.steps} in {result.wall_s:.1f} s, "
+        print(f"stage {result.stage} done: steps {result.start_step}..{cfg.run.steps} in {result.wall_s:.1f} s, "
               f"{sent / 1e6:.1f} MB sent, {result.bad_frames} bad frames dropped{rejoined}")
     return 0
 
@@ -671,8 +677,9 @@ def build_parser() -> argparse.ArgumentParser:
             "Run one stage of the pipeline as a network peer; it finds its neighbours through the DHT "
             "and trains with them. Start one per stage, on any hosts, in any order.")
     _add_config_args(p)
-    p.add_argument("--stage", type=int, required=True, metavar="K",
-                   help="the stage this peer runs, 0 .. pipeline.num_stages-1 (required)")
+    p.add_argument("--stage", type=int, metavar="K",
+                   help="the stage this peer runs, 0 .. pipeline.num_stages-1 (required but with --join, where the "
+                        "peer picks the stage of least capacity its certificate allows)")
     _initial_peers_args(p)
     how = p.add_mutually_exclusive_group()
     _resume_arg(how, "continue", "; also how a departed peer of this stage is replaced in a running swarm, which "
@@ -681,6 +688,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="--resume when run.out_dir holds a checkpoint of this stage, else start fresh; exit 0 at "
                           "once when that checkpoint is already at run.steps (for restart policies: compose, "
                           "systemd)")
+    how.add_argument("--join", action="store_true",
+                     help="with replicas (replicas.enabled): join the running swarm as one more replica of the "
+                          "stage, with the state downloaded from a live replica of it (a stage of several replicas; "
+                          "how a dead replica is replaced while its stage keeps another)")
     _key_args(p, "with --cert, links are encrypted and pinned to certified peers, DHT records signed")
     p.add_argument("--launched", action="store_true", help=argparse.SUPPRESS)  # started by `launch`
     p.set_defaults(func=_cmd_peer)

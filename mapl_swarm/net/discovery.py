@@ -112,7 +112,7 @@ def dht_validators(membership: Any) -> list[Any]:
                                      revocations=None if watch is None else watch.path)]
 
 
-STATUS_FIELDS: dict[str, type] = {"state": str, "step": int, "tokens_per_s": float, "queue": int}
+STATUS_FIELDS: dict[str, type] = {"state": str, "step": int, "tokens_per_s": float, "queue": int, "capacity": float}
 """A status record's fields and their types (SPEC §9.1 "Status records"); a reader keeps only these."""
 
 

@@ -153,7 +153,8 @@ class Admission:
 
     def __init__(self, settings: LinkSettings, links: Links, *, shapes: RunShapes, window: StepWindow,
                  rejects: RejectCounter, decoder: WorkerThread, deadline: Callable[[str], float],
-                 clock: Callable[[], float], replies_on_link: bool, started: Callable[[], bool] = lambda: True) -> None:
+                 clock: Callable[[], float], replies_on_link: bool, started: Callable[[], bool] = lambda: True,
+                 unknown_replica: Callable[[int], None] = lambda stage: None) -> None:
         self.s = settings
         self.links = links
         self.shapes = shapes
@@ -171,6 +172,8 @@ class Admission:
         recognised by the HELLO nonce they echo)."""
         self.started = started
         """This peer's training runs: before, pipeline messages are held (:class:`~.session.Early`)."""
+        self.unknown_replica = unknown_replica
+        """Told the stage of a HELLO from a replica this peer has no link to (it may be joining)."""
 
     # ------------------------------------------------------------------ the way in
     async def admit(self, arrival: Arrival) -> Admitted | None:
@@ -232,6 +235,7 @@ class Admission:
             return link
         found = self.links.by_contact(link.stage, contact)
         if found is None:
+            self.unknown_replica(link.stage)
             raise Rejected("not_allowed", f"HELLO from a replica of stage {link.stage} this peer does not know "
                                           f"({_shown_contact(contact)})")
         return found

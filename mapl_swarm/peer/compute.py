@@ -16,6 +16,7 @@ failure is handed to ``on_error`` (the peer fails its mailbox, which stops the s
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -51,6 +52,24 @@ class ComputeThread(WorkerThread):
         super().__init__(f"{name}-compute", initializer=initializer)
         self.encode_lock = asyncio.Lock()
         """Held from a compute that encodes until its payload is sent (a retransmission takes it too)."""
+        self.busy_s = 0.0
+        """Seconds this thread spent computing so far (:meth:`run`; not :meth:`wait`): what a
+        replica's capacity is measured by (:mod:`~.status`)."""
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` on the compute thread, its time counted in :attr:`busy_s`."""
+        def timed() -> T:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.busy_s += time.perf_counter() - t0
+        return await super().run(timed)
+
+    async def wait(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` on the compute thread that mostly waits (an averaging round, a
+        state download): not counted as compute."""
+        return await super().run(fn, *args, **kwargs)
 
 
 class BackgroundTasks:

@@ -156,6 +156,10 @@ class Control:
             return
         link.on_welcome(msg)
         peer.monitor.watch(link.name)  # heartbeats to it from now on
+        if peer.replica_links is not None:
+            peer.replica_links.welcomed()
+            if peer.started:  # a replica linked while training: what it missed
+                await peer.schedule.on_linked(link)
         if peer.links.all_welcomed:
             peer.welcomed.set()
 
@@ -233,7 +237,7 @@ class Control:
             self.peer.rejects("implausible", link.name, why)
 
     async def _on_report(self, msg: Message, link: PeerLink) -> None:
-        await self.peer.schedule.on_report(msg)
+        await self.peer.schedule.on_report(msg, link)
 
     async def _on_route(self, msg: Message, link: PeerLink) -> None:
         """ROUTE ``ready``, ``commit``, ``gone``, ``redo`` (SPEC §9.10; ``end`` is the schedule's,

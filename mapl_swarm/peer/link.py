@@ -511,6 +511,10 @@ class Links:
         self.by_stage_links[link.stage].append(link)
         return link
 
+    def remove(self, link: PeerLink) -> None:
+        """Drop ``link`` (a replica whose record was stale: it never welcomed this peer)."""
+        self.by_stage_links[link.stage].remove(link)
+
     def of_stage(self, stage: int | None) -> list[PeerLink]:
         """The links to ``stage``'s peers (none for no such neighbour)."""
         return list(self.by_stage_links.get(stage, [])) if stage is not None else []

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from mapl_swarm.config import TrainConfig
-from mapl_swarm.errors import ConfigError
+from mapl_swarm.errors import ConfigError, MaplError
 from mapl_swarm.net.discovery import Discovery, DiscoveryConfig
 from mapl_swarm.startup import without_collections
 
@@ -113,7 +113,7 @@ def peer_assets(cfg: TrainConfig) -> PeerAssets:
 
 def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool = False, progress: bool = True,
                membership: Membership | None = None, assets: PeerAssets | None = None, epoch: int = 0,
-               rejoining: bool = False, runtime: Any = None, replicas: Any = None):
+               rejoining: bool = False, runtime: Any = None, replicas: Any = None, joining: bool = False):
     """The :class:`~mapl_swarm.peer.runtime.Peer` of stage ``stage``: its data (stage 1), its
     StageRuntime (built from the config's seed) and run policy. With ``resume`` the peer resumes,
     after the handshake, from the newest step every stage has (agreed by messages, SPEC §5.2).
@@ -124,7 +124,8 @@ def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool 
     ``assets``: from :func:`peer_assets` (made here when None). ``epoch`` and ``rejoining``: a
     session that re-forms the swarm after a departure (:mod:`~.sessions`). ``runtime``: the stage,
     when built already (else built here); ``replicas``: the stage's averaging with its other
-    replicas (:func:`stage_replicas`), which this session's stage is attached to."""
+    replicas (:func:`stage_replicas`), which this session's stage is attached to; ``joining``: the replica joins a running
+    swarm (its state is downloaded from a live replica of its stage)."""
     from mapl_swarm.data import BatchSampler, validation_batches
     from mapl_swarm.peer.checkpoints import PeerRunPolicy
     from mapl_swarm.peer.compute import ComputeThread
@@ -147,7 +148,7 @@ def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool 
                            sampler=sampler)  # resume: agreed after the handshake
     return Peer(cfg, stage, rt, fingerprint=fingerprint, config=assets.config, resolve=resolve, announce=announce,
                 sampler=sampler, val_batches=val, progress=progress and stage == 0, compute=compute, run_policy=policy,
-                membership=membership, epoch=epoch, rejoining=rejoining, replicas=replicas)
+                membership=membership, epoch=epoch, rejoining=rejoining, replicas=replicas, joining=joining)
 
 
 def stage_replicas(cfg: TrainConfig, stage: int, dht: Any, device: Any) -> tuple[Any, Any]:
@@ -167,22 +168,47 @@ def stage_replicas(cfg: TrainConfig, stage: int, dht: Any, device: Any) -> tuple
     return rt, averaging
 
 
-def run_peer(cfg: TrainConfig, stage: int, *, membership: Membership | None, initial_peers: Sequence[str] = (),
-             resume: bool = False, progress: bool = True,
+def pick_joined_stage(cfg: TrainConfig, discovery: Discovery, membership: Membership | None) -> int:
+    """The stage a replica started without ``--stage`` joins (:mod:`~mapl_swarm.replicas.rebalance`),
+    of the stages its certificate allows whose replicas average; logged with every stage's load."""
+    from mapl_swarm.replicas.rebalance import pick_stage
+
+    allowed = membership.body.stages if membership is not None else range(cfg.pipeline.num_stages)
+    candidates = [k for k in allowed if 0 <= k < cfg.pipeline.num_stages and cfg.replicas_of(k) >= 2]
+    if not candidates:
+        raise ConfigError(f"no stage to join: a replica joins a stage whose replicas average (replicas.initial "
+                          f"{list(cfg.replicas.initial)}), and its certificate allows stage(s) {list(allowed)}")
+    stage, loads = pick_stage({k: discovery.stage_peers(k) for k in candidates}, candidates)
+    if stage is None:
+        raise MaplError(f"no live replica of stage(s) {candidates} in the DHT to join (is the swarm running, and "
+                        f"--initial-peer one of its DHT nodes?)")
+    log.info("joining stage %d, the one of least capacity: %s", stage,
+             ", ".join(f"stage {s.stage}: {s.replicas} replica(s), {s.capacity:.0f} tokens/s" for s in loads))
+    return stage
+
+
+def run_peer(cfg: TrainConfig, stage: int | None, *, membership: Membership | None,
+             initial_peers: Sequence[str] = (), resume: bool = False, progress: bool = True, joining: bool = False,
              insecure_warning_interval_s: float = INSECURE_WARNING_INTERVAL_S):
     """Run stage ``stage`` of ``cfg`` until the swarm finishes or drains (``result.end``); returns its
     PeerResult. SIGINT/SIGTERM drain the swarm once the peer serves (:mod:`~.signals`). ``membership``
-    (a certified identity) None runs insecure, warning every ``insecure_warning_interval_s``."""
-    if not 0 <= stage < cfg.pipeline.num_stages:
+    (a certified identity) None runs insecure, warning every ``insecure_warning_interval_s``.
+    ``joining``: join the running swarm as one more replica (``stage`` None: of the stage it
+    needs most, :func:`pick_joined_stage`)."""
+    if stage is not None and not 0 <= stage < cfg.pipeline.num_stages:
         raise ConfigError(f"--stage {stage} is outside 0..{cfg.pipeline.num_stages - 1} (pipeline.num_stages)")
-    if membership is not None:
-        log.info("stage %d: %s: members-only encrypted links", stage, membership.describe())
+    if stage is None and not joining:
+        raise ConfigError("--stage K is required, unless the peer joins a running swarm (--join)")
     net = cfg.net
     peers = tuple(initial_peers) or net.initial_peers
     discovery = Discovery(cfg.run.run_id, DiscoveryConfig(initial_peers=peers, host=net.dht_host,
                                                           port=net.dht_port), membership=membership)
     discovery.start()  # forks the DHT process: before the event loop, ZeroMQ, torch work and threads
     try:
+        if stage is None:
+            stage = pick_joined_stage(cfg, discovery, membership)
+        if membership is not None:
+            log.info("stage %d: %s: members-only encrypted links", stage, membership.describe())
         with InsecureWarning(stage, insecure_warning_interval_s) if membership is None else contextlib.nullcontext():
             with without_collections():  # the imports and the data (after the DHT's fork)
                 from mapl_swarm.net.transport import run
@@ -204,7 +230,8 @@ def run_peer(cfg: TrainConfig, stage: int, *, membership: Membership | None, ini
                 first, runtime = runtime, None  # the stage built with the averaging serves the first session
                 status.peer = build_peer(cfg, stage, resolve=discovery.lookup_all_async, announce=announce,
                                          resume=resume, progress=progress, membership=membership, assets=assets,
-                                         epoch=epoch, rejoining=rejoining, runtime=first, replicas=replicas)
+                                         epoch=epoch, rejoining=rejoining, runtime=first, replicas=replicas,
+                                         joining=joining)
                 return status.peer
 
             try:

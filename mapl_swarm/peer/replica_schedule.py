@@ -20,13 +20,17 @@ A stage's neighbours are sets of links, one per replica. Each step s runs as fol
   average their gradients (:class:`~mapl_swarm.replicas.gradients.ReplicaGradients`: a round of
   every live replica of the stage in which each micro-batch of s was accumulated exactly once, with
   equal digests);
-- **commit**: no stage takes step s before every stage's round of s was whole. The last stage's
-  replicas send the step's REPORT (the loss over the M micro-batches, summed in the round) on every
-  upstream link once their round is whole; a middle replica relays the first REPORT of s upstream
-  once its own round is whole too; a stage-0 replica with a whole round and that REPORT records
-  the loss, takes the step and says ROUTE ``commit`` on its downstream links; a later replica takes
-  the step on the first ``commit`` of s and says it on. After its step every sender replica sends
-  the next PROJ on every downstream link.
+- **commit**: no replica takes step s before every live replica's round of s was whole. The last
+  stage's replicas send the step's REPORT (the loss over the M micro-batches, summed in the round)
+  on every upstream link once their round is whole; a middle replica sends it upstream once its
+  own round is whole and every live downstream replica's REPORT is in; a stage-0 replica then says
+  ROUTE ``commit`` on its downstream links, and a stage-1 replica that has one from every live
+  stage-0 replica knows every round was whole: it takes the step and says ROUTE ``taken``
+  upstream (stage 0 takes the step and records the loss on the first) and ``commit`` downstream
+  (a later replica takes the step on the first and says it on). A round that failed after its
+  all-reduce began may have counted at a partner: the replica redoes the step, and since it says
+  nothing of the commit, no replica takes it. After its step every sender replica sends the next
+  PROJ on every downstream link.
 
 **A replica that leaves** (silent past its liveness deadline, or BYE before the end) while its
 stage keeps another: its neighbours drop its links (:meth:`ReplicaSchedule.replica_gone`), stop
@@ -42,9 +46,20 @@ step is either taken once by every stage or redone by all of them: every micro-b
 per stage and the step's tokens are exact. A stage whose last replica leaves ends the run as
 before.
 
-REPORTs (from the dispatcher, :meth:`ReplicaSchedule.on_report`): the first train REPORT of the
-current step is kept for the commit, the other replicas' copies are dropped quietly; eval REPORTs
-are relayed at once. Validation: the stage-0 replica of rank 0 sends the
+**A replica that joins** the running swarm (``joining``, SPEC §9.10 item 11; its links come from
+:mod:`~.replica_links`) downloads its stage's state from a live replica (:meth:`ReplicaSchedule._join`:
+what :meth:`ReplicaSchedule._served_state` gives, read under the lock the optimizer step holds) and
+starts at that state's step: it takes no ACTs in it, takes part in its stage's round with no
+micro-batch and in the step's commit, and is a full replica from the next step. Every replica's
+round expects the stage's replicas announced in the DHT since its last round (:meth:`_expected`),
+so the partners wait for the joiner; a neighbour counts a link in a step's commit only when the
+link was live when the step began, and replays its latest commit messages to a link welcomed
+later (:meth:`ReplicaSchedule.on_linked`). A joiner whose state turns out a step old (its round
+meets replicas of the next step) downloads it again.
+
+REPORTs (from the dispatcher, :meth:`ReplicaSchedule.on_report`): each downstream link's train
+REPORT of the current step is kept for the commit; eval REPORTs are relayed at once (the other
+replicas' copies dropped quietly). Validation: the stage-0 replica of rank 0 sends the
 eval ACTs, each replica forwards them on its first downstream link (by contact), so one last-stage
 replica takes them all and reports. The end: stage 0's replicas say BYE on every downstream link
 after the last REPORT; a later replica ends once every upstream link said BYE, and says it on.
@@ -57,11 +72,13 @@ epoch, the stage's projector version) in step with this schedule.
 from __future__ import annotations
 
 import asyncio
+import copy
 import hashlib
 import logging
+import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -75,7 +92,8 @@ from mapl_swarm.pipeline.payload import ACT_WIRE, GRAD_WIRE, WireName
 from mapl_swarm.pipeline.run_policy import due
 from mapl_swarm.pipeline.stage import loss_values, mean_loss
 from mapl_swarm.replicas.assignment import replica_share
-from mapl_swarm.replicas.errors import AveragingFailed
+from mapl_swarm.replicas.errors import AveragingFailed, Behind
+from mapl_swarm.replicas.state import prime_optimizers
 from mapl_swarm.wire import Message, MessageType
 
 if TYPE_CHECKING:
@@ -155,6 +173,10 @@ class _Step:
     """What a replica knows of the step it works on."""
 
     step: int
+    members: frozenset[str] = frozenset()
+    """Neighbour links live when the step began: those whose REPORT (downstream) or ``commit``
+    (stage 1, from stage 0) the step's commit waits for. A replica that joins mid-step counts
+    from the next one."""
     readied: set[str] = field(default_factory=set)
     """Upstream links this replica said ``ready`` to."""
     announced: dict[str, int] = field(default_factory=dict)
@@ -193,6 +215,11 @@ class _RunOver(Exception):
     """An upstream BYE ended the run before its last step (its sender stopped)."""
 
 
+class _Rejoin(Exception):
+    """A joining replica's state is a step old (its stage's other replicas averaged the step it
+    began without it): it downloads the state again."""
+
+
 class _Redo(Exception):
     """The current step is to be run again, in a later run epoch (a replica left before it was taken)."""
 
@@ -206,12 +233,13 @@ class ReplicaSchedule:
                  hooks: PeerRunPolicy | NoRunHooks, routing: ReplicasConfig, replicas: ReplicaGradients | None,
                  sampler=None, val_batches: Sequence[torch.Tensor] = (),
                  reject: Callable[[str, str, str], None] | None = None,
-                 spawn: Callable[[Coroutine[Any, Any, None]], Any] | None = None) -> None:
+                 spawn: Callable[[Coroutine[Any, Any, None]], Any] | None = None, joining: bool = False,
+                 stage_contacts: Callable[[], Awaitable[Sequence[str]]] | None = None) -> None:
         self.rt, self.host = runtime, HostRuntime(runtime)
         self.links, self.mailbox, self.compute = links, mailbox, compute
         self.name, self.s, self.result, self.waits, self.hooks = name, settings, result, waits, hooks
         self.replicas, self.sampler, self.val_batches = replicas, sampler, list(val_batches)
-        self.averaging_timeout_s = routing.averaging_timeout_s
+        self.averaging_timeout_s, self.matchmaking_s = routing.averaging_timeout_s, routing.matchmaking_s
         self.bye: Message | None = None
         """The BYE that ended the run (its ``reason``)."""
         self.M = settings.num_micro_batches
@@ -227,6 +255,33 @@ class ReplicaSchedule:
         self.rank, self.replica_count = 0, 1
         """Stage 0: this replica's rank among the stage's replicas of the current step, and their number."""
         self._cur = _Step(settings.start_step)
+        self.joining = joining
+        """This replica joins a running swarm (SPEC §9.10 item 11): its state comes from another replica."""
+        self._joined = -1
+        """The step a joining replica downloaded its state for, until it completed it."""
+        self._stage_contacts = stage_contacts
+        """The contacts of this stage's replicas announced in the DHT (a joining one among them)."""
+        self._hint: list[str] = []
+        """A joining replica's partners before its first round: the contacts the state's sender named."""
+        self._state_lock = threading.Lock()
+        """Held by the optimizer step and the projector's load: a joining replica's download reads the
+        stage's state under it, so it gets one step's state, whole."""
+        self._served_step = settings.start_step
+        """The step the stage's state is ready for (set under the lock)."""
+        self._served_projector = -1
+        """The step whose PROJ the served state holds (set under the lock)."""
+        self._served_members = self._served_gone = ""
+        """The stage's live replicas and those gone (contacts, one per line), as the event loop
+        last wrote them (a download reads them in another thread)."""
+        self._early: dict[tuple[str, str], tuple[int, int]] = {}
+        """A joining replica's ROUTE ``commit``/``taken`` that came before its download, by (phase,
+        link): (step, run epoch)."""
+        if joining:
+            self.window.joining = True
+        self._replay: dict[str, tuple[int, int, dict]] = {}
+        """The commit messages of the latest step this replica sent (``report`` upstream, ``taken``
+        upstream, ``commit`` downstream): (step, run epoch, REPORT meta). A neighbour replica linked
+        later (one that joins) gets them too (:meth:`on_linked`)."""
         self._reported: set[tuple[str, int]] = set()
         self._reports: dict[tuple[str, int], float] = {}
         self._report_event = asyncio.Event()
@@ -249,10 +304,13 @@ class ReplicaSchedule:
         self._woken = False
         """The replicas changed while the schedule waited (a neighbour left): it looks again."""
         self._averaging = False
-        self._down_report: dict | None = None
-        """The first train REPORT (its meta) of the current step and run epoch from downstream."""
+        self._down_reports: dict[str, tuple[int, int, dict]] = {}
+        """The latest train REPORT from each downstream link: (step, run epoch, meta)."""
+        self._votes: set[str] = set()
+        """Stage 1: the upstream links that said ROUTE ``commit`` of the current step and run epoch."""
         self._committed = -1
-        """The last step an upstream replica said ROUTE ``commit`` for."""
+        """The last step this replica may take: said by ROUTE ``commit`` from upstream (stage 2 on)
+        or ROUTE ``taken`` from downstream (stage 0); decided by stage 1 itself."""
         self.epoch = 0
         """The run epoch of the current step's attempt: one more per redo. The admission's floor
         (``window.epoch``) stays where training started: a neighbour's heartbeats of the epoch
@@ -269,20 +327,27 @@ class ReplicaSchedule:
             self.s = replace(self.s, start_step=start_step)
         self.window.begin(self.s.start_step, epoch)
         self.epoch = epoch
-        self._cur = _Step(self.s.start_step)
+        self._served_step = self.s.start_step
+        self._cur = self._new_step(self.s.start_step)
 
     async def run(self) -> None:
-        """Every step from :meth:`begin`'s, then the end (module docstring); sets ``result.wall_s``."""
-        await self._send_projector(self.s.start_step)
+        """Every step from :meth:`begin`'s (a joining replica: from its download's), then the end
+        (module docstring); sets ``result.wall_s``."""
         if self.replicas is not None:
+            self.replicas.serve(self._served_state)
+        if self.joining:
+            await self._join()
+        else:
+            await self._send_projector(self.s.start_step)
+        if self.replicas is not None and not self.joining:
             replicas = self.replicas
-            self._ranked(await self._retried("sync round", lambda left: replicas.sync(
+            self._ranked(await self._retried("sync round", lambda left, _: replicas.sync(
                 timeout=left, epoch=self.epoch, contact=self.contact)), sync=True)
         self._t0 = time.perf_counter()
         if self.first and self.s.progress:
             self._progress = StepProgress(self.s.steps, initial=self.s.start_step, desc=self.s.progress_desc)
         try:
-            for step in range(self.s.start_step, self.s.steps):
+            while (step := self.step) < self.s.steps:
                 if self.first and step > self.s.start_step and due(self.s.val_interval_steps, step, self.s.steps):
                     await self._validate(step)
                 while True:
@@ -292,6 +357,9 @@ class ReplicaSchedule:
                         break
                     except _Redo:
                         await self._restart(step)
+                    except _Rejoin:
+                        await self._join()
+                        break
                 self._redos = 0
             if self.first:
                 if due(self.s.val_interval_steps, self.s.steps, self.s.steps):
@@ -310,12 +378,75 @@ class ReplicaSchedule:
         if self._progress is not None:
             self._progress.close()
 
+    async def _join(self) -> None:
+        """Join the running swarm (SPEC §9.10 item 11): the stage's state from one of its live
+        replicas (parameters, optimizer, projector and its version, step, run epoch, the stage's
+        live replicas and those gone), checked against this replica's own; its step is this
+        replica's first, in which it takes part in the stage's round (no share of stage 0's data
+        before that round ranks it) and from which its parameters equal its partners'."""
+        replicas = self.replicas
+        if replicas is None:
+            raise MaplError(f"{self.name}: only a stage of several replicas takes a joining one (replicas.initial "
+                            f"lists {self.rt.cfg.replicas_of(self.stage)} for stage {self.stage})")
+        await self.compute.run(self.rt.abandon_step)
+        like = await self.compute.run(self._join_template)
+        deadline = time.monotonic() + self.s.timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise MaplError(f"{self.name}: no replica of stage {self.stage} gave its state within "
+                                f"{self.s.timeout_s:g} s (net.timeout_s)")
+            got = await self.compute.wait(lambda: replicas.download(like, timeout=min(left, 30.0)))
+            if got is not None and (got["projector"] >= got["step"] or not self._takes_projector()):
+                break
+            # no answer, or a state taken before its step's projector came: ask again
+            await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        await self.compute.run(self.rt.load_state_dict, got["runtime"])
+        step, epoch = int(got["step"]), int(got["epoch"])
+        self._learn_gone([c for c in got["gone"].split("\n")[:_MAX_GONE] if c])
+        self._hint = [c for c in got["members"].split("\n")[:_MAX_GONE] if c]
+        self._projector_step = self._served_projector = int(got["projector"])
+        self._joined = step
+        self.begin(step, epoch)
+        self.window.joining = False
+        self.links.set_epoch(epoch)
+        self._woken = False
+        for (phase, name), (at, at_epoch) in self._early.items():  # what a neighbour replayed before
+            self._take_commit(phase, name, at, at_epoch)
+        self._early.clear()
+        log.info("%s: joined stage %d at step %d (run epoch %d) with the state of a live replica; %d other "
+                 "replica(s) of the stage live", self.name, self.stage, step, epoch, len(self._hint))
+        await self._send_projector(step)
+
+    def _join_template(self) -> dict:
+        """This replica's own served state, with optimizer state entries as a stepped one holds
+        (what a downloaded state must match, :func:`~mapl_swarm.replicas.state.restore_like`)."""
+        prime_optimizers(self.rt.optimizers)
+        return self._served_state()
+
+    async def _expected(self) -> int:
+        """How many replicas this stage's round of the step needs (SPEC §9.10 items 6, 11), counted
+        by contact: its live ones (the last round's, or a joining replica's partners as its state's
+        sender named them, less those gone) and any replica of the stage announced in the DHT since
+        (one that joins)."""
+        r = self._round
+        live = {r.contacts.get(p, p) for p in self._live_members()} if r is not None else {*self._hint, self.contact}
+        if self._stage_contacts is not None:
+            try:
+                announced = await self._stage_contacts()
+            except MaplError as exc:  # the DHT did not answer: the round goes by the replicas known
+                log.debug("%s: the DHT gave no replicas of stage %d: %s", self.name, self.stage, exc)
+                announced = []
+            live |= {c for c in announced if c and c not in self.gone}
+        return len(live)
+
     def _ranked(self, round_: ReplicaStep, *, sync: bool = False) -> None:
         if not round_.in_sync:
             raise MaplError(f"{self.name}: the replicas of stage {self.stage} hold different parameters "
                             f"({len(set(round_.digests.values()))} digests)")
         self._round = round_
         self._rerank()
+        self._served_members = "\n".join(round_.contacts.get(p, "") for p in self._live_members())
         if sync:
             log.info("%s: replica %d of %d of stage %d", self.name, self.rank, self.replica_count, self.stage)
 
@@ -362,14 +493,16 @@ class ReplicaSchedule:
         self._reject(code, f"stage{msg.src}", f"{msg.type.name} step {msg.step} micro-batch {msg.micro} dropped by "
                                               f"the replicas' schedule ({rule}): {text}")
 
-    async def _next(self, wanted: Callable[[Message], bool], what: str) -> tuple[Message, PeerLink] | None:
-        """The oldest queued message ``wanted`` accepts (waiting up to ``net.timeout_s``), or None when
-        the replicas changed meanwhile (the caller looks again); raises :class:`_Redo` when the
-        current step is to be redone."""
+    async def _next(self, wanted: Callable[[Message], bool], what: str,
+                    timeout_s: float | None = None) -> tuple[Message, PeerLink] | None:
+        """The oldest queued message ``wanted`` accepts (waiting up to ``timeout_s``, by default
+        ``net.timeout_s``), or None when the replicas changed meanwhile (the caller looks again);
+        raises :class:`_Redo` when the current step is to be redone."""
         self._check()
         if not self._woken:
-            got = await self.waits.wait(self.mailbox.get_from(wanted, self.s.timeout_s, what, stop=self._interrupted),
-                                        self._waited)
+            wait = self.mailbox.get_from(wanted, self.s.timeout_s if timeout_s is None else timeout_s, what,
+                                         stop=self._interrupted)
+            got = await self.waits.wait(wait, self._waited)
             self._check()
             if got is not None and (got[0].epoch >= self.epoch or got[0].type in (MT.PROJ, MT.BYE)):
                 return got  # a PROJ is the same in every epoch of its step; a BYE counts whenever
@@ -399,13 +532,16 @@ class ReplicaSchedule:
             list({link.name: link for link, _ in cur.dest.values()}.values())
 
     # ------------------------------------------------------------------ a step
+    def _new_step(self, step: int) -> _Step:
+        return _Step(step, frozenset(link.name for link in self.links if self._live(link)))
+
     async def _run_step(self, step: int) -> None:
         if self._cur.step != step:  # else a fresh one (the start, a redo): it may hold readies already
-            self._cur = _Step(step)
+            self._cur = self._new_step(step)
         cur = self._cur
-        if self.first:
+        if self.first and self._joined != step:  # a joining replica gets a share once its round ranked it
             cur.todo = [g - step * self.M for g in replica_share(step, self.M, self.rank, self.replica_count)]
-        else:
+        elif self._joined != step:  # a joining replica takes no ACTs before its first round
             await self._take_projector(step)
             for link in self._up_links():
                 await link.send_route(step, "ready")
@@ -620,7 +756,7 @@ class ReplicaSchedule:
             if msg.type is MT.BYE:
                 self._on_bye(msg, link, during_step=True)
             if msg.step == step and msg.pver >= self.window.inbound_pver:
-                await self.compute.run(self.host.load_inbound_projector, msg.tensors[WireName.PROJ], msg.pver)
+                await self.compute.run(self._load_projector, step, msg.tensors[WireName.PROJ], msg.pver)
                 self._projector_step = step
                 return
 
@@ -648,80 +784,138 @@ class ReplicaSchedule:
             self._issue_redo(step, f"this stage computed {len(cur.done)} of the step's {self.M} micro-batches "
                                    f"({len(set(cur.done))} distinct)")
         await self._commit(step, {"mode": "train", "loss": loss_sum / self.M, "tokens": self.rt.cfg.tokens_per_step})
-        metrics = await self.compute.run(self.rt.step)
+        metrics = await self.compute.run(self._take_step, step)
+        self._joined = -1
         if round_ is not None:
             self._ranked(round_)
             metrics.update(averaging_sent_bytes=round_.sent_bytes, averaging_received_bytes=round_.received_bytes)
         self.window.advance()
-        self._down_report = None
-        for link in self._down_links():
-            await link.send_route(step, "commit")
+        self._down_reports = {name: r for name, r in self._down_reports.items() if r[0] > step}
+        self._votes.clear()
+        if self.stage == 1:
+            self._replay["taken"] = (step, self.epoch, {})
+            for link in self._up_links():
+                await link.send_route(step, "taken")
+        if not self.first:
+            self._replay["commit"] = (step, self.epoch, {})
+            for link in self._down_links():
+                await link.send_route(step, "commit")
         await self._send_projector(step + 1)
         await self.hooks.step_end(step + 1, metrics)
 
-    async def _retried(self, what: str, attempt: Callable[[float], ReplicaStep]) -> ReplicaStep:
-        """``attempt(seconds left)`` on the compute thread, again while it raises
+    def _take_step(self, step: int) -> dict:
+        """The optimizer step (compute thread), under the served state's lock."""
+        with self._state_lock:
+            metrics = self.rt.step()
+            self._served_step = step + 1
+        return metrics
+
+    def _load_projector(self, step: int, tensor: Any, pver: int) -> None:
+        """The inbound projector of ``step`` (compute thread), under the served state's lock."""
+        with self._state_lock:
+            self.host.load_inbound_projector(tensor, pver)
+            self._served_projector = step
+
+    def _served_state(self) -> dict:
+        """What a joining replica downloads (SPEC §9.10 item 11; read in a thread of this process):
+        a copy of the stage's state for its next step, that step, the run epoch, whether the state
+        holds that step's inbound projector, this stage's live replicas and those gone."""
+        with self._state_lock:
+            state = copy.deepcopy(self.rt.state_dict())
+            step, projector = self._served_step, self._served_projector
+        return {"runtime": state, "step": step, "projector": projector, "epoch": self.epoch,
+                "members": self._served_members, "gone": self._served_gone}
+
+    async def _retried(self, what: str, attempt: Callable[[float, int], ReplicaStep],
+                       redo_step: int | None = None) -> ReplicaStep:
+        """``attempt(seconds left, replicas expected)`` on the compute thread (the replicas of the
+        stage a round needs, :meth:`_expected`, read again for every attempt), again while it raises
         :class:`~mapl_swarm.replicas.errors.AveragingFailed` (a round that failed, was cancelled
-        because a replica of the stage left, or formed without one), up to ``averaging_timeout_s``."""
+        because a replica of the stage left, formed without one or with members of another step or
+        epoch), up to ``averaging_timeout_s``. A round of step ``redo_step`` that failed *unsure*
+        (a partner may have kept it) redoes the step instead (:class:`_Redo`)."""
         deadline = time.monotonic() + self.averaging_timeout_s
         while True:
             self._check()
             left = deadline - time.monotonic()
-            if left <= 0:
+            if left <= self.matchmaking_s:  # hivemind needs one matchmaking's time at least
                 raise MaplError(f"{self.name}: no {what} among the {self._live_partners()} live replicas of stage "
                                 f"{self.stage} within {self.averaging_timeout_s:g} s")
             self._averaging = True
             try:
-                return await self.compute.run(attempt, left)
+                return await self.compute.wait(attempt, left, await self._expected())
             except AveragingFailed as exc:
+                if isinstance(exc, Behind) and redo_step is not None and redo_step == self._joined:
+                    log.info("%s: %s; downloading the stage's state again", self.name, exc)
+                    raise _Rejoin() from None
+                if exc.unsure and redo_step is not None:
+                    self._issue_redo(redo_step, f"{exc} (a partner may have kept the round)")
                 log.info("%s: %s: %s; averaging again", self.name, what, exc)
             finally:
                 self._averaging = False
 
     async def _average(self, cur: _Step, loss_sum: float) -> ReplicaStep:
-        """This stage's round of the step among its live replicas (:meth:`_retried`), again when it
-        mixed run epochs (a redo not yet everywhere); one that misses a micro-batch or counts one
-        twice redoes the step (raises :class:`_Redo`)."""
+        """This stage's round of the step among its live replicas (:meth:`_retried`); one that
+        misses a micro-batch or counts one twice redoes the step (raises :class:`_Redo`)."""
         replicas = self.replicas
         assert replicas is not None
         t0 = time.perf_counter()
-        while True:
-            round_ = await self._retried(f"averaging round of step {cur.step}", lambda left: replicas.average(
-                list(cur.done), timeout=left, loss_sum=loss_sum, epoch=self.epoch, contact=self.contact,
-                expected=self._live_partners()))
-            self._check()
-            if set(round_.epochs.values()) != {self.epoch}:  # a redo on its way to some member
-                log.info("%s: step %d: a round with replicas of run epochs %s; averaging again", self.name, cur.step,
-                         sorted(set(round_.epochs.values())))
-                continue
-            if not round_.in_sync:
-                raise MaplError(f"{self.name}: step {cur.step} cannot be taken: {round_.problem(self.M)}")
-            problem = round_.problem(self.M)
-            if problem is not None:
-                self._issue_redo(cur.step, problem)
-            log.debug("%s: step %d averaged among %d replicas in %.2f s", self.name, cur.step, round_.group_size,
-                      time.perf_counter() - t0)
-            return round_
+        round_ = await self._retried(f"averaging round of step {cur.step}", lambda left, expected: replicas.average(
+            list(cur.done), step=cur.step, timeout=left, loss_sum=loss_sum, epoch=self.epoch, contact=self.contact,
+            expected=expected), redo_step=cur.step)
+        self._check()
+        if not round_.in_sync:
+            raise MaplError(f"{self.name}: step {cur.step} cannot be taken: {round_.problem(self.M)}")
+        problem = round_.problem(self.M)
+        if problem is not None:
+            self._issue_redo(cur.step, problem)
+        log.debug("%s: step %d averaged among %d replicas in %.2f s", self.name, cur.step, round_.group_size,
+                  time.perf_counter() - t0)
+        return round_
+
+    def _reports_in_epoch(self) -> dict | None:
+        """The train REPORT of the current step and run epoch (its meta) once every live downstream
+        link sent one, else None."""
+        want = (self.step, self.epoch)
+        got = [self._down_reports.get(link.name) for link in self._down_links() if link.name in self._cur.members]
+        if not got or any(r is None or r[:2] != want for r in got):
+            return None
+        return got[0][2]  # equal: the last stage's replicas report the same round's loss
 
     async def _commit(self, step: int, report: dict) -> None:
-        """This stage's round of ``step`` is whole: the last stage says so upstream (REPORT), a
-        middle one once the REPORT came from downstream too; stage 0 then records the loss, a
-        later stage waits for the ``commit`` of an upstream replica (module docstring)."""
+        """This stage's round of ``step`` is whole: wait until every replica of every stage says so
+        too, then return (the caller takes the step). The last stage's replicas say so upstream
+        (REPORT), a middle one once every downstream replica did; a stage-0 replica with REPORTs
+        from every downstream replica says ROUTE ``commit`` downstream; a stage-1 replica takes the
+        step once every stage-0 replica did, other stages on ``commit`` from upstream (stage 0:
+        ``taken`` from downstream). Module docstring."""
         if not self.last:
-            await self._until(lambda: self._down_report is not None, f"REPORT of step {step}")
-            assert self._down_report is not None
-            report = self._down_report
-        if not self.first:
-            for link in self._up_links():
-                await link.send_report(step, report)
-            await self._until(lambda: self._committed >= step, f"ROUTE commit of step {step}")
-        elif not self.last:
+            await self._until(lambda: self._reports_in_epoch() is not None,
+                              f"REPORT of step {step} from every downstream replica")
+            report = self._reports_in_epoch() or report
+        if self.first:
+            self._replay["commit"] = (step, self.epoch, {})
+            for link in self._down_links():
+                await link.send_route(step, "commit")
+            await self._until(lambda: self._committed >= step, f"ROUTE taken of step {step}")
             self._record_train(step, report)
+            return
+        self._replay["report"] = (step, self.epoch, report)
+        for link in self._up_links():
+            await link.send_report(step, report)
+        if self.stage == 1:
+            await self._until(lambda: {link.name for link in self._up_links()} & self._cur.members <= self._votes,
+                              f"ROUTE commit of step {step} from every stage-0 replica")
+        else:
+            await self._until(lambda: self._committed >= step, f"ROUTE commit of step {step}")
 
     async def _until(self, ready: Callable[[], bool], what: str) -> None:
-        """Wait until ``ready()`` (set by the dispatcher), taking an upstream BYE meanwhile."""
+        """Wait until ``ready()`` (set by the dispatcher), taking an upstream BYE meanwhile. The
+        wait spans the other stages' rounds, so it allows an averaging timeout on top of
+        ``net.timeout_s``."""
         while not ready():
-            got = await self._next(lambda m: m.type is MT.BYE and m.src == self.links.up, what)
+            got = await self._next(lambda m: m.type is MT.BYE and m.src == self.links.up, what,
+                                   self.s.timeout_s + self.averaging_timeout_s)
             if got is not None and self._live(got[1]):
                 self._on_bye(*got, during_step=True)
 
@@ -750,14 +944,30 @@ class ReplicaSchedule:
                 await self.compute.run(self.host.add_outbound_projector_grad, msg.tensors[WireName.PROJ_GRAD])
 
     # ------------------------------------------------------------------ reports, validation, the end
-    async def on_report(self, msg: Message) -> None:
-        """A REPORT from downstream. Train: the first of the current step and run epoch is kept for
-        the commit (:meth:`_commit`). Eval: the first of a validation is relayed upstream (stage 0
-        records it). The other replicas' copies are dropped quietly."""
+    async def on_linked(self, link: PeerLink) -> None:
+        """A neighbour replica linked while training (one that joins, SPEC §9.10 item 11): it gets
+        the commit messages of the latest step this replica sent before the link existed, which
+        its first step may wait for (it drops those of another step)."""
+        up = link.stage == self.links.up
+        for kind in ("report", "taken") if up else ("commit",):
+            if kind not in self._replay:
+                continue
+            step, epoch, meta = self._replay[kind]
+            if kind == "report":
+                if epoch == self.epoch:  # a REPORT goes in the link's (the current) epoch
+                    await link.send_report(step, meta)
+            else:
+                await link.send_route(step, kind, epoch=epoch)
+
+    async def on_report(self, msg: Message, link: PeerLink) -> None:
+        """A REPORT from downstream. Train: each link's of the current step (or a later one, or
+        a later run epoch: it may come before this replica moved there) is kept for the commit
+        (:meth:`_commit`). Eval: the first of a validation is relayed upstream (stage 0 records
+        it), the other replicas' copies are dropped quietly."""
         mode = msg.meta.get("mode", "train")
         if mode == "train":
-            if msg.step == self.step and msg.epoch == self.epoch and self._down_report is None:
-                self._down_report = dict(msg.meta)
+            if (msg.step, msg.epoch) >= (self.step, self.epoch) and self.s.start_step <= msg.step < self.s.steps:
+                self._down_reports[link.name] = (msg.step, msg.epoch, dict(msg.meta))
                 self._wake()
             elif not self.s.start_step <= msg.step < self.s.steps:
                 self._drop("out_of_window", msg, "REPORTs of the run's steps", "train REPORT")
@@ -819,6 +1029,7 @@ class ReplicaSchedule:
             if contact in self.gone:
                 continue
             self.gone.add(contact)
+            self._served_gone = "\n".join(sorted(self.gone))
             for link in self.links:
                 if link.contact == contact:
                     self._forget(link)
@@ -845,10 +1056,11 @@ class ReplicaSchedule:
         if not self._live(link):
             return
         phase = msg.meta["phase"]
-        if phase == "commit":
-            if link.stage == self.links.up and msg.step == self.step and msg.epoch == self.epoch:
-                self._committed = max(self._committed, msg.step)
-                self._wake()
+        if phase in ("commit", "taken"):
+            if self.window.joining:  # before its download: kept for the step it joins at
+                self._early[phase, link.name] = (msg.step, msg.epoch)
+            else:
+                self._take_commit(phase, link.name, msg.step, msg.epoch)
             return
         # a neighbour's word is taken for replicas this one has no link to (its stage's partners,
         # far stages): of its own links this replica's liveness deadline and their BYEs decide
@@ -863,6 +1075,17 @@ class ReplicaSchedule:
                 if self._averaging and self.replicas is not None and msg.step == self.step:
                     self.replicas.cancel()
                 self._wake()
+
+    def _take_commit(self, phase: str, name: str, step: int, epoch: int) -> None:
+        """ROUTE ``commit`` (the admission lets it through from upstream only) or ``taken`` (from
+        downstream only) of ``step`` in run ``epoch`` on link ``name``."""
+        if step != self.step or epoch != self.epoch:
+            return  # another upstream replica's copy, a step late
+        if self.stage == 1 and phase == "commit":
+            self._votes.add(name)  # a stage-0 replica's round and every REPORT are in
+        elif (phase == "taken") == self.first:
+            self._committed = max(self._committed, step)
+        self._wake()
 
     def _issue_redo(self, step: int, problem: str) -> None:
         """This stage's round of ``step`` cannot be whole: the step is redone everywhere."""
@@ -882,9 +1105,10 @@ class ReplicaSchedule:
         # the new epoch's state at once: what the dispatcher answers meanwhile answers for it
         self.epoch = epoch
         self.links.set_epoch(epoch)
-        self._cur = _Step(step)
+        self._cur = self._new_step(step)
         dropped = self.mailbox.drop(lambda m: m.epoch < epoch and m.type not in (MT.PROJ, MT.BYE))
-        self._down_report = None
+        self._down_reports = {name: r for name, r in self._down_reports.items() if r[1] >= epoch}
+        self._votes.clear()
         self._woken = False
         self._rerank()
         await self._tell([link for link in self.links if self._live(link)], step, "redo", sorted(self.gone))

@@ -62,6 +62,7 @@ from mapl_swarm.peer.inbound import Inbound
 from mapl_swarm.peer.link import LinkSettings, Links, PeerLink, stage_name
 from mapl_swarm.peer.mailbox import Mailbox
 from mapl_swarm.peer.result import PeerResult, collect, write_result
+from mapl_swarm.peer.replica_links import ReplicaLinker
 from mapl_swarm.peer.replica_schedule import ReplicaSchedule
 from mapl_swarm.peer.schedule import NoRunHooks, PipelineSchedule, ScheduleSettings
 from mapl_swarm.peer.signals import Interrupted
@@ -159,11 +160,14 @@ class Peer:
                  start_step: int = 0, compute: ComputeThread | None = None,
                  run_policy: PeerRunPolicy | None = None,
                  wait_log_interval_s: float = WAIT_LOG_INTERVAL_S, membership: Membership | None = None,
-                 epoch: int = 0, rejoining: bool = False, replicas: ReplicaGradients | None = None) -> None:
+                 epoch: int = 0, rejoining: bool = False, replicas: ReplicaGradients | None = None,
+                 joining: bool = False) -> None:
         self.cfg, self.stage, self.rt, self.run_policy = cfg, stage, runtime, run_policy
         self.epoch = epoch
         """This peer's run epoch (SPEC "Rejoin"): the swarm's once the start step is agreed."""
         self.rejoining = rejoining
+        self.joining = joining
+        """With replicas: this replica joins a running swarm (SPEC §9.10 item 11)."""
         self.state = PeerState.STARTING
         P, net = cfg.pipeline.num_stages, cfg.net
         self.name = stage_name(stage)
@@ -218,12 +222,21 @@ class Peer:
                 runtime, self.links, self.mailbox, self.compute, name=self.name, settings=schedule_settings,
                 result=self.result, waits=self.waits, hooks=run_policy or NoRunHooks(), routing=cfg.replicas,
                 replicas=replicas, sampler=sampler, val_batches=val_batches or [], reject=self.rejects,
-                spawn=self.tasks.spawn)
+                spawn=self.tasks.spawn, joining=joining,
+                stage_contacts=lambda: candidates_of(self.resolve, stage, net.timeout_s))
         else:
             self.schedule = PipelineSchedule(
                 runtime, self.links, self.mailbox, self.compute, name=self.name, settings=schedule_settings,
                 result=self.result, waits=self.waits, hooks=run_policy or NoRunHooks(),
                 sampler=sampler, val_batches=val_batches or [], reject=self.rejects, drain=self.agreement)
+        self.replica_links: ReplicaLinker | None = None
+        if self.replicas_on:
+            self.replica_links = ReplicaLinker(
+                self.name, self.links, settings, resolve=resolve, timeout_s=net.timeout_s,
+                hello_retry_s=net.hello_retry_s, waits=self.waits, on_bad_frame=self.bad_frame,
+                shaping=LinkConfig(bandwidth_mbps=net.bandwidth_mbps, latency_ms=net.latency_ms),
+                gone=lambda: self.schedule.gone, epoch=lambda: self.schedule.epoch)
+        """With replicas: the links to the neighbour stages' replicas, new ones while training too."""
         self.monitor = HeartbeatMonitor(
             HeartbeatConfig(interval_s=net.heartbeat_interval_s, timeout_s=net.liveness_ceiling,
                             floor_s=net.liveness_floor),
@@ -233,7 +246,8 @@ class Peer:
         self.admission = Admission(
             settings, self.links, shapes=run_shapes(cfg, stage), window=self.schedule.window, rejects=self.rejects,
             decoder=self.decoder, deadline=self.monitor.session_deadline_s, clock=time.monotonic, replies_on_link=False,
-            started=lambda: self.inbound.started)
+            started=lambda: self.inbound.started,
+            unknown_replica=lambda stage: self.replica_links.unknown(stage) if self.replica_links else None)
         self.departures = Departures(self._on_departure)
         """Neighbours that went silent or left (:mod:`~.departures`)."""
         self.control = Control(self)
@@ -326,8 +340,9 @@ class Peer:
         await self.announce(endpoint)
         if self.rejoining:  # new connections at once, not after the old ones time out (SPEC §9.6)
             transport.new_routing_id()
-        if self.replicas_on:
-            await self._link_replicas(transport, endpoint, shaping)
+        if self.replica_links is not None:
+            await self.replica_links.link_all(transport, endpoint,
+                                              lambda stage: 1 if self.joining else self.cfg.replicas_of(stage))
         for link in self.links:
             if self.replicas_on:
                 break
@@ -344,15 +359,20 @@ class Peer:
         if self.admission.s.identity is not None and self.admission.s.identity.watch is not None:
             self.tasks.spawn(self._watch_revocations(self.admission.s.identity))
         self._enter(PeerState.HANDSHAKING, f"HELLO to stage(s) {self.links.stages}")
-        await Handshake(self.name, self.links, resolve=self.resolve, retry_s=net.hello_retry_s, waits=self.waits,
-                        welcomed=self.welcomed).run(
-            transport, shaping, timeout_s=net.rejoin_timeout_s if self.rejoining else net.timeout_s,
-            rejoining=self.rejoining)
+        if self.joining and self.replica_links is not None:
+            await self.replica_links.greet_all(transport)
+        else:
+            await Handshake(self.name, self.links, resolve=self.resolve, retry_s=net.hello_retry_s, waits=self.waits,
+                            welcomed=self.welcomed).run(
+                transport, shaping, timeout_s=net.rejoin_timeout_s if self.rejoining else net.timeout_s,
+                rejoining=self.rejoining)
         self._enter(PeerState.AGREEING, f"welcomed by stage(s) {self.links.stages}")
         start = await self._agree_start(transport)
         self.schedule.begin(start, self.epoch)
         self._enter(PeerState.TRAINING, f"from step {self.schedule.step} (run epoch {self.epoch})")
         await self.inbound.start(transport)
+        if self.replica_links is not None:  # replicas that join the running swarm
+            self.tasks.spawn(self.replica_links.watch(transport, self.tasks.spawn))
         await self.schedule.run()
         self._enter(PeerState.ENDED, f"at step {self.schedule.step}")
         self._ended()
@@ -361,28 +381,6 @@ class Peer:
             return None
         return await self.compute.run(codebook_summary, self.rt.vq,  # digests read device memory
                                       [link.codebooks for link in self.links])
-
-    async def _link_replicas(self, transport: Any, endpoint: str, shaping: LinkConfig) -> None:
-        """With replicas (SPEC §9.10 item 1): a link to every replica of each neighbour stage, once
-        the DHT holds as many of the stage's records as replicas start the run (``replicas.initial``)."""
-        deadline = time.monotonic() + self.cfg.net.timeout_s
-        for stage in self.links.stages_expected:
-            want = self.cfg.replicas_of(stage)
-            while True:
-                contacts = await self.waits.wait(candidates_of(self.resolve, stage, self.cfg.net.timeout_s), lambda: [])
-                if len(contacts) >= want:
-                    break
-                if time.monotonic() > deadline:
-                    raise MaplError(f"{self.name}: {len(contacts)} of stage {stage}'s {want} replicas announced within "
-                                    f"{self.cfg.net.timeout_s:g} s (replicas.initial)")
-                await asyncio.sleep(0.25)  # the DHT is polled: records appear as replicas start
-            for contact in contacts:
-                link = self.links.add(PeerLink(self.settings, stage, on_bad_frame=self.bad_frame, contact=contact))
-                link.candidates = [contact]
-                await connect(link, transport, contact, shaping)
-                log.info("%s: link %s to a replica of stage %d at %s", self.name, link.name, stage, contact)
-        for link in self.links:
-            link.local_contact = endpoint
 
     async def _agree_start(self, transport: Transport) -> int | None:
         """The step to start from, agreed by every stage on resume (SPEC §5.2), its state loaded."""

@@ -214,8 +214,8 @@ class PipelineSchedule:
         finally:  # a session that pauses (rejoin) trained too: its time counts with its tokens
             self.result.wall_s = time.perf_counter() - self._t0
 
-    async def on_report(self, msg: Message) -> None:
-        """A REPORT from downstream: stage 0 records it, other stages relay it upstream. A train
+    async def on_report(self, msg: Message, link: PeerLink | None = None) -> None:
+        """A REPORT from downstream (on ``link``: a chain has one): stage 0 records it, other stages relay it upstream. A train
         REPORT of a step this stage has not reached, or one already seen, is dropped; so is an
         eval REPORT of a validation this stage did not take part in."""
         if not self.window.report_due(msg):

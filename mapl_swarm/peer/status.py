@@ -2,8 +2,10 @@
 
 ``mapl-swarm status`` reads the records of every stage: each peer (each replica of a stage) with
 its lifecycle state, its step, the tokens per second it trains (its own micro-batches: with
-replicas only those routed to it) and the pipeline messages waiting in its queue. The record is
-informational: nothing of the run's control flow reads it.
+replicas only those routed to it), the pipeline messages waiting in its queue and its capacity: the
+tokens it trains per second of compute (what it would train were it never waiting), which a peer
+that picks its stage reads (:mod:`~mapl_swarm.replicas.rebalance`). The record is
+informational: nothing of the run's control flow reads it (a peer that picks its stage weighs it).
 
 :class:`StatusSource` is called on the DHT refresh thread (:meth:`~mapl_swarm.net.discovery.Discovery.publish_status`)
 and reads the current session's peer, which the event loop replaces at each re-form: it reads a
@@ -26,19 +28,20 @@ class StatusSource:
     def __init__(self, window_s: float = 20.0) -> None:
         self.peer: Any = None
         self.window_s = window_s
-        self._samples: deque[tuple[float, int]] = deque()  # (monotonic time, tokens trained) per call
+        self._samples: deque[tuple[float, int, float]] = deque()  # (monotonic time, tokens, compute s) per call
 
     def __call__(self) -> dict[str, Any]:
         peer = self.peer
         if peer is None:
-            return {"state": "starting", "step": 0, "tokens_per_s": 0.0, "queue": 0}
-        now, tokens = time.monotonic(), peer.rt.tokens_trained
+            return {"state": "starting", "step": 0, "tokens_per_s": 0.0, "queue": 0, "capacity": 0.0}
+        now, tokens, busy = time.monotonic(), peer.rt.tokens_trained, peer.compute.busy_s
         if self._samples and tokens < self._samples[-1][1]:  # another stage runtime (a re-formed session)
             self._samples.clear()
-        self._samples.append((now, tokens))
+        self._samples.append((now, tokens, busy))
         while len(self._samples) > 2 and now - self._samples[1][0] >= self.window_s:
             self._samples.popleft()
-        then, before = self._samples[0]
+        then, before, busy_before = self._samples[0]
         rate = (tokens - before) / (now - then) if now > then else 0.0
+        capacity = (tokens - before) / (busy - busy_before) if busy > busy_before else 0.0
         return {"state": peer.state.value, "step": int(peer.schedule.step), "tokens_per_s": round(rate, 1),
-                "queue": peer.mailbox.waiting}
+                "queue": peer.mailbox.waiting, "capacity": round(capacity, 1)}

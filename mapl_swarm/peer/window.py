@@ -51,6 +51,10 @@ class StepWindow:
         upstream or sent downstream; before any, the boundary's own."""
 
     # ------------------------------------------------------------------ moving
+    joining = False
+    """A replica that joins a running swarm, before its state came: any step of the run is admitted
+    (what its neighbours send it of the step it will join at comes before it knows that step)."""
+
     def begin(self, start_step: int, epoch: int) -> None:
         """Training starts at ``start_step`` in run epoch ``epoch``: the window follows them."""
         self.start_step = self.step = start_step
@@ -86,6 +90,8 @@ class StepWindow:
         pver = None
         if boundary is not None and boundary.trainable:
             pver = self.link_pver.get(stage, boundary.version)
+        if self.joining:
+            return Window(low=0, high=max(self.steps - 1, 0), pver=pver)
         low = max(self.start_step, self.step - (self.upstream_lag if upstream else 1))
         return Window(low=low, high=self.step + 1, pver=pver)
 

@@ -150,6 +150,21 @@ class StageAverager(DecentralizedAverager):
         """Requests refused so far, by what was refused (:data:`REFUSALS`), in either process."""
         return {name: int(self._refusals[i]) for i, name in enumerate(REFUSALS)}
 
+    def set_group_size(self, replicas: int) -> None:
+        """Form the next rounds' groups as soon as ``replicas`` members are in (hivemind's
+        ``target_group_size``, in the averager process): the stage's live replicas change as
+        replicas leave and join."""
+        if replicas < 1:
+            raise ValueError(f"a group of {replicas} replicas")
+        self._outer_pipe.send(("_set_group_size", [int(replicas)], {}))
+
+    async def _set_group_size(self, replicas: int) -> None:
+        """:meth:`set_group_size` in the averager process; the pipe's calls run in order, so a step
+        sent after it forms its group with this size."""
+        matchmaking = self._matchmaking
+        matchmaking.target_group_size = matchmaking.potential_leaders.target_group_size = replicas
+        matchmaking.group_key_manager.target_group_size = replicas  # it draws a member's group bits among them
+
     # ------------------------------------------------------------------ membership
     async def members(self, *, fresh: bool = False) -> frozenset[PeerID]:
         """The stage's members: the peer ids under its ``all_averagers`` key (certified records only),

@@ -11,13 +11,17 @@ projector gradient holds what its receivers sent it (PROJ_GRAD), so it is averag
 every replica of the sender applies the same SPEL step and sends the same next projector version.
 
 Each replica gathers, with the round, the digest of its parameters before the step, the indices
-(within the step) of the micro-batches it accumulated, its run epoch, its contact and (the last stage) the
-sum of its micro-batches' losses (hivemind's ``gather``): a round is whole when every micro-batch of
-the step was accumulated exactly once, every member is in the same epoch and every digest is equal
-(:meth:`ReplicaStep.problem`); its sorted peer ids rank the stage's replicas for the next step
-(stage 0 splits the data by them). The runtime's parameters receive the average only from a round
-the caller keeps: a round that failed or was cancelled (:meth:`ReplicaGradients.cancel`, a replica
-of the stage left) leaves the replica's own gradients in place for the next try. A stage with one
+(within the step) of the micro-batches it accumulated, its step, its run epoch, its contact and (the
+last stage) the sum of its micro-batches' losses (hivemind's ``gather``): a round of members at
+another step or run epoch does not count (every member sees the same gathered data, so all of them
+refuse it); one that counts is whole when every micro-batch of the step was accumulated exactly
+once and every digest is equal (:meth:`ReplicaStep.problem`); its sorted peer ids rank the stage's
+replicas for the next step (stage 0 splits the data by them). The runtime's parameters receive the
+average only from a round that counts: a round that failed or was cancelled
+(:meth:`ReplicaGradients.cancel`, a replica of the stage left) leaves the replica's own gradients
+in place. One that failed after its all-reduce began is *unsure* (:class:`AveragingFailed`
+``unsure``): a partner may have received every part and kept it, so only a redo of the step by all
+replicas is safe. A stage with one
 live replica takes its step alone (``expected`` 1: no round). Before the first step a
 :meth:`ReplicaGradients.sync` round (nothing averaged) finds the replicas that start together and
 checks that they hold the same parameters.
@@ -28,17 +32,22 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from mapl_swarm.replicas.averaging import StageAverager
-from mapl_swarm.replicas.errors import AveragingFailed, RoundCancelled
+from mapl_swarm.replicas.errors import AveragingFailed, Behind, RoundCancelled
 from mapl_swarm.replicas.state import state_digest
 
-__all__ = ["ReplicaGradients", "ReplicaStep", "AveragingFailed", "RoundCancelled"]
+__all__ = ["ReplicaGradients", "ReplicaStep", "AveragingFailed", "Behind", "RoundCancelled", "SYNC_STEP"]
+
+SYNC_STEP = -1
+"""The step a sync round gathers (it comes before the first step)."""
+FIND_GROUP_S = 15.0
+"""Least seconds one attempt of a round looks for its group (ten matchmakings when longer)."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,10 @@ class ReplicaStep:
     """Each member's run epoch (a step redone after a replica left is one epoch later)."""
     contacts: dict[str, str] = field(default_factory=dict)
     """Each member's pipeline contact (what its neighbours' links name it by)."""
+    steps: dict[str, int] = field(default_factory=dict)
+    """Each member's step (-1: the sync round before the first step)."""
+    expected: int = 1
+    """The most replicas any member expected in the round (it counts only with that many)."""
 
     @property
     def counts(self) -> dict[str, int]:
@@ -119,12 +132,15 @@ class ReplicaGradients:
         self.runtime = runtime
         self.params = list(runtime.optimized_parameters())
         buffers = [torch.zeros(p.shape, dtype=torch.float32) for p in self.params]  # contiguous, as hivemind needs
+        self._served: Callable[[], Any] = lambda: self.runtime.state_dict()
         self.averager = StageAverager(buffers, dht, run_id=run_id, stage=runtime.stage, replicas=replicas,
-                                      state=lambda: self.runtime.state_dict(), start=True, **averager_kwargs)
+                                      state=lambda: self._served(), start=True, **averager_kwargs)
         self.me = str(self.averager.peer_id)
         self._lock = threading.Lock()
         self._control: Any = None
         self._cancelled = False
+        self.find_s = max(FIND_GROUP_S, 10 * averager_kwargs.get("min_matchmaking_time", 2.0))
+        """Seconds one attempt of a round looks for its group (:meth:`cancel` says why it is bounded)."""
 
     def attach(self, runtime: Any) -> None:
         """Average ``runtime``'s gradients from now on (a new session's stage, built the same way)."""
@@ -133,12 +149,26 @@ class ReplicaGradients:
             raise ValueError(f"stage {runtime.stage}: another runtime's parameters")
         self.runtime, self.params = runtime, params
 
+    def serve(self, state: Callable[[], Any]) -> None:
+        """What a joining replica downloads from this one from now on: ``state()`` (read in a thread
+        of this process; a consistent copy, see :mod:`.state`)."""
+        self._served = state
+
+    def download(self, like: Any, *, timeout: float) -> Any | None:
+        """The stage's state from a live replica, checked against ``like`` (this replica's own, of
+        what :meth:`serve` gives); None when no replica answered within ``timeout`` s."""
+        return self.averager.download_state(like, timeout=timeout)
+
     def cancel(self) -> None:
-        """End the round in progress (or the next one, if none is) with :class:`RoundCancelled`;
-        thread-safe: the event loop calls it while the compute thread waits in the round."""
+        """Make the round in progress give up with :class:`RoundCancelled` once it stops looking
+        for its group without one (the next round, if none is in progress); thread-safe: the event
+        loop calls it while the compute thread waits in the round. hivemind's round itself is not
+        cancelled: a round cancelled while it looks for a group can leave its matchmaking locked,
+        and this replica's next round waiting behind it for good; so every attempt looks for its
+        group :attr:`find_s` at most, and a round whose group formed goes on to its end (a member
+        that left fails it, one that completed counts)."""
         with self._lock:
             self._cancelled = True
-            _stop(self._control)
 
     def _round(self, weight: float, gather: dict[str, Any], timeout: float) -> ReplicaStep:
         sent, received = self.averager.traffic
@@ -146,21 +176,27 @@ class ReplicaGradients:
             if self._cancelled:
                 self._cancelled = False
                 raise RoundCancelled(f"stage {self.runtime.stage}: the averaging round was cancelled")
-            self._control = self.averager.step(weight=weight, gather=gather, timeout=timeout, allow_retries=False,
-                                               wait=False)
+            self._control = self.averager.step(weight=weight, gather=gather, timeout=min(timeout, self.find_s),
+                                               allow_retries=False, wait=False)
         try:
             gathered = self._control.result(timeout=timeout)
         except BaseException as exc:  # cancelled, failed (a member left mid-round) or timed out
             with self._lock:
                 cancelled, self._cancelled = self._cancelled, False
+            # once the all-reduce began, a partner may have got every part and kept the round
+            unsure = bool(self._control.began_allreduce)
             if cancelled:
-                raise RoundCancelled(f"stage {self.runtime.stage}: the averaging round was cancelled") from None
-            raise AveragingFailed(f"stage {self.runtime.stage}: the averaging round failed: "
-                                  f"{type(exc).__name__}: {exc}") from None
+                raise RoundCancelled(f"stage {self.runtime.stage}: the averaging round was cancelled",
+                                     unsure=unsure) from None
+            raise AveragingFailed(f"stage {self.runtime.stage}: the averaging round failed"
+                                  f"{' after its all-reduce began' if unsure else ''}: {type(exc).__name__}: {exc}",
+                                  unsure=unsure) from None
         finally:
             with self._lock:
-                _stop(self._control)  # a round that timed out here must not go on in the averager
+                _stop(self._control)  # an all-reduce still on after the whole wait (stalled) stops here
                 self._control = None
+        with self._lock:
+            self._cancelled = False  # a round that completed counts, whatever came meanwhile
         sent, received = (now - before for now, before in zip(self.averager.traffic, (sent, received)))
         if gathered is None:
             raise AveragingFailed(f"stage {self.runtime.stage}: the replicas formed no averaging group within "
@@ -171,15 +207,17 @@ class ReplicaGradients:
         def valid(v: Any) -> bool:
             return (isinstance(v, dict) and isinstance(v.get("digest"), str) and isinstance(v.get("micro"), list)
                     and all(type(m) is int for m in v["micro"]) and isinstance(v.get("loss"), float)
-                    and type(v.get("epoch")) is int and isinstance(v.get("contact"), str))
+                    and type(v.get("epoch")) is int and isinstance(v.get("contact"), str)
+                    and type(v.get("step")) is int and type(v.get("expected")) is int)
 
         if not all(valid(v) for v in data.values()):
             raise AveragingFailed(f"stage {self.runtime.stage}: a replica gathered something else than a round's "
-                                  f"digest, micro-batches, loss, epoch and contact")
+                                  f"digest, micro-batches, loss, epoch, contact, step and expected count")
         return ReplicaStep(self.me, tuple(sorted(data)), {p: v["digest"] for p, v in data.items()},
                            {p: tuple(v["micro"]) for p, v in data.items()}, sum(v["loss"] for v in data.values()),
                            sent, received, {p: v["epoch"] for p, v in data.items()},
-                           {p: v["contact"] for p, v in data.items()})
+                           {p: v["contact"] for p, v in data.items()}, {p: v["step"] for p, v in data.items()},
+                           max(v["expected"] for v in data.values()))
 
     def sync(self, *, timeout: float, epoch: int = 0, contact: str = "") -> ReplicaStep:
         """The round before the first step: the replicas that start together, each one's parameter
@@ -187,22 +225,28 @@ class ReplicaGradients:
         with self.averager.get_tensors() as buffers:
             for buf in buffers:
                 buf.zero_()
-        return self._round(1.0, self._gather([], 0.0, epoch, contact), timeout)
+        return self._round(1.0, self._gather([], 0.0, epoch, contact, SYNC_STEP, 1), timeout)
 
-    def _gather(self, micro: Sequence[int], loss_sum: float, epoch: int, contact: str) -> dict[str, Any]:
+    def _gather(self, micro: Sequence[int], loss_sum: float, epoch: int, contact: str, step: int,
+                expected: int) -> dict[str, Any]:
         return {"digest": state_digest(self.runtime.modules.state_dict()), "micro": [int(m) for m in micro],
-                "loss": float(loss_sum), "epoch": int(epoch), "contact": contact}
+                "loss": float(loss_sum), "epoch": int(epoch), "contact": contact, "step": int(step),
+                "expected": int(expected)}
 
-    def average(self, micro: Sequence[int], *, timeout: float, loss_sum: float = 0.0, epoch: int = 0,
+    def average(self, micro: Sequence[int], *, step: int, timeout: float, loss_sum: float = 0.0, epoch: int = 0,
                 contact: str = "", expected: int = 2) -> ReplicaStep:
-        """Average the gradients accumulated over this replica's micro-batches ``micro`` of the step
+        """Average the gradients accumulated over this replica's micro-batches ``micro`` of ``step``
         (indices; empty: none) with the other replicas' (module docstring) and hand the result to
-        the runtime's parameters, unless the round failed, was cancelled or formed with fewer than
-        the ``expected`` live replicas of the stage (raised; the gradients stay this replica's own).
-        ``expected`` 1: this replica is its stage's only one, the step is its own (no round). The caller checks the round (:meth:`ReplicaStep.problem`) and steps."""
-        gather = self._gather(micro, loss_sum, epoch, contact)
+        the runtime's parameters, unless the round failed, was cancelled, formed with fewer than
+        the ``expected`` live replicas of the stage or with members of another step or run epoch
+        (raised; the gradients stay this replica's own: every member saw the same gathered data,
+        so every one refuses such a round). ``expected`` 1: this replica is its stage's only one,
+        the step is its own (no round). The caller checks the round (:meth:`ReplicaStep.problem`)
+        and steps."""
+        gather = self._gather(micro, loss_sum, epoch, contact, step, expected)
         if expected <= 1:
             return self._result({self.me: gather})
+        self.averager.set_group_size(expected)
         n = len(micro)
         scale = self.runtime.cfg.pipeline.num_micro_batches / n if n else 0.0
         with self.averager.get_tensors() as buffers, torch.no_grad():
@@ -211,14 +255,20 @@ class ReplicaGradients:
                     buf.zero_()
                 else:
                     buf.copy_(p.grad.detach().to("cpu", torch.float32)).mul_(scale)
-        step = self._round(float(n), gather, timeout)
-        if step.group_size < expected:  # a partner not in it yet, or gone without this replica knowing
-            raise AveragingFailed(f"stage {self.runtime.stage}: a round of {step.group_size} of the stage's "
-                                  f"{expected} replicas")
+        round_ = self._round(float(n), gather, timeout)
+        # every check below reads only what every member gathered, so all of them decide alike
+        if round_.group_size < round_.expected:  # a partner not in it yet, or gone without one knowing
+            raise AveragingFailed(f"stage {self.runtime.stage}: a round of {round_.group_size} of the stage's "
+                                  f"{round_.expected} replicas")
+        steps, epochs = set(round_.steps.values()), set(round_.epochs.values())
+        if len(steps) > 1 or len(epochs) > 1:  # a redo on its way, or a joining replica one step behind
+            error = Behind if max(steps) > step else AveragingFailed
+            raise error(f"stage {self.runtime.stage}: a round with replicas of steps {sorted(steps)} and run epochs "
+                        f"{sorted(epochs)}, this one is at step {step}, epoch {epoch}")
         with self.averager.get_tensors() as buffers, torch.no_grad():
             for buf, p in zip(buffers, self.params, strict=True):
                 p.grad = buf.to(p.device, p.dtype, copy=True)
-        return step
+        return round_
 
     def shutdown(self) -> None:
         self.averager.shutdown()

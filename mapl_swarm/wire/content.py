@@ -276,7 +276,7 @@ def _direction(mtype: MessageType, meta: Mapping[str, Any]) -> str:
         return "down" if stream == "act" else "up"
     if mtype is MT.CHECKPOINT and meta.get("phase") in spec.CHECKPOINT_PHASES:
         return "down" if meta["phase"] in spec.CHECKPOINT_UPSTREAM_PHASES else "up"
-    if mtype is MT.ROUTE and meta.get("phase") in spec.ROUTE_UPSTREAM_PHASES:  # receivers say ready
+    if mtype is MT.ROUTE and meta.get("phase") in spec.ROUTE_UPSTREAM_PHASES:  # receivers say ready, stage 1 taken
         return "down"
     if mtype is MT.ROUTE and meta.get("phase") in spec.ROUTE_DOWNSTREAM_PHASES:  # senders end and commit
         return "up"

@@ -240,7 +240,7 @@ _KIND_TEXT = {
     "map": "a map",
     "metrics": "a map of numbers",
     "phase": "'saved', 'complete', 'offer', 'resume', 'drain_request', 'drain', 'unsaved' or 'abandoned'",
-    "route_phase": "'ready', 'end', 'commit', 'gone' or 'redo'",
+    "route_phase": "'ready', 'end', 'commit', 'gone', 'redo' or 'taken'",
     "uint_or_nil": "a non-negative integer or nil",
     "uints": "an array of non-negative integers",
     "have": "a map of arrays of non-negative integers",

@@ -136,10 +136,10 @@ REJOIN_CAPABILITY = "rejoin"
 REPLICAS_CAPABILITY = "replicas"
 """HELLO/WELCOME capability of the peers of a run with several peers per stage (2.1, SPEC §9.10)."""
 
-ROUTE_PHASES: tuple[str, ...] = ("ready", "end", "commit", "gone", "redo")
-"""Values of a ROUTE's ``meta["phase"]`` (SPEC §9.10): ``ready`` travels upstream, ``end`` and
-``commit`` downstream, ``gone`` and ``redo`` either way."""
-ROUTE_UPSTREAM_PHASES: frozenset[str] = frozenset({"ready"})
+ROUTE_PHASES: tuple[str, ...] = ("ready", "end", "commit", "gone", "redo", "taken")
+"""Values of a ROUTE's ``meta["phase"]`` (SPEC §9.10): ``ready`` and ``taken`` travel upstream,
+``end`` and ``commit`` downstream, ``gone`` and ``redo`` either way."""
+ROUTE_UPSTREAM_PHASES: frozenset[str] = frozenset({"ready", "taken"})
 """ROUTE phases a peer takes only from downstream (s + 1)."""
 ROUTE_DOWNSTREAM_PHASES: frozenset[str] = frozenset({"end", "commit"})
 """ROUTE phases a peer takes only from upstream (s - 1); the others come from either neighbour."""

@@ -242,3 +242,49 @@ class Directory:
                 await self.changed.wait()
             return self.endpoints[stage]
         return await asyncio.wait_for(wait(), timeout_s)
+
+
+class ReplicaSwarm:
+    """A 3-stage ``mapl`` run with replicas (SPEC §9.10) as real processes: its config under
+    ``tmp_path`` (6 micro-batches a step, uniform routing, 1 s matchmaking), a certified identity
+    per replica (``identities[s]`` replicas of stage s), a DHT bootstrap, and :meth:`start` for
+    each ``peer``. A context manager: leaving it stops every process and the DHT."""
+
+    def __init__(self, tmp_path: Path, run_id: str, *, steps: int, identities: list[int]) -> None:
+        from mapl_swarm.config import load_config
+        from mapl_swarm.net.identity import issue_local
+
+        self.out = tmp_path / "swarm"
+        self.path = write_config(tmp_path / f"{run_id}.toml", codec="mapl", stages=3, steps=steps,
+                                 cache=tmp_path / "cache", out=self.out, run_id=run_id)
+        self.path.write_text(self.path.read_text().replace("num_micro_batches = 3", "num_micro_batches = 6")
+                             + '\n[replicas]\nenabled = true\ninitial = [2, 2, 2]\nmatchmaking_s = 1.0\n'
+                               'routing = "uniform"\n')
+        self.cfg = load_config(self.path)
+        self.local = issue_local(_identities_root() / f"{run_id}-3", run_id=run_id, num_stages=3, replicas=identities)
+        self.procs: dict[tuple[int, int], Watched] = {}
+        self.dht, self.maddr = start_dht(self.path)
+
+    def start(self, stage: int, r: int, *more: str, pick: bool = False) -> Watched:
+        """Replica ``r`` of ``stage`` (``pick``: started without ``--stage``), in its own run folder."""
+        from mapl_swarm.launch import replica_out_dir
+
+        args = ["peer", "--config", str(self.path), *([] if pick else ["--stage", str(stage)]), "--initial-peer",
+                self.maddr, *self.local.args(stage, r), *more]
+        if r:
+            args += ["--set", f"run.out_dir={json.dumps(str(replica_out_dir(self.out, r)))}"]
+        self.procs[stage, r] = Watched(cli(*args))
+        return self.procs[stage, r]
+
+    def result(self, stage: int, r: int) -> dict:
+        from mapl_swarm.launch import replica_out_dir
+
+        return json.loads((replica_out_dir(self.out, r) / f"peer_stage{stage}.json").read_text())
+
+    def __enter__(self) -> "ReplicaSwarm":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in self.procs.values():
+            p.stop()
+        self.dht.stop()

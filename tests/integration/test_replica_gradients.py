@@ -62,7 +62,7 @@ def train_step(step: int, pairs: list, grads: dict, pool: ThreadPoolExecutor, ba
         losses += pipeline_pass(first, last, [batches[g - step * M] for g in share])
     rounds = list(pool.map(lambda key: grads[key].average([g - step * M for g in replica_share(step, M, key[1],
                                                                                                  len(pairs))],
-                                                          timeout=60, expected=len(pairs)), grads))
+                                                          step=step, timeout=60, expected=len(pairs)), grads))
     assert all(x.group_size == len(pairs) and x.in_sync for x in rounds), rounds
     for first, last in pairs:
         first.step()

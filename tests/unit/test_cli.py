@@ -99,6 +99,8 @@ sys.exit(rc)
     ["peer", "--stage", "0", "--insecure", "--initial-peer", "/ip4/1.2.3/tcp/5/p2p/QmX"],  # a mistyped address
     ["peer", "--stage", "0", "--insecure", "--initial-peer", "10.0.0.1:31337"],
     ["peer", "--stage", "0", "--insecure", "--initial-peer", "/ip4/10.0.0.1/tcp/31337"],  # no peer id
+    ["peer", "--insecure"],  # no stage, and not joining (which picks one)
+    ["peer", "--insecure", "--join"],  # joining needs a run with replicas
 ])
 def test_config_errors_answer_before_torch_is_imported(args, tmp_path):
     proc = subprocess.run([sys.executable, "-c", _NO_TORCH, *args], capture_output=True, text=True, timeout=120,

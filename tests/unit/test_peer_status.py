@@ -26,17 +26,19 @@ def test_the_source_reports_state_step_queue_and_a_windowed_token_rate(monkeypat
     now = [100.0]
     monkeypatch.setattr("mapl_swarm.peer.status.time.monotonic", lambda: now[0])
     source = StatusSource(window_s=10.0)
-    assert source() == {"state": "starting", "step": 0, "tokens_per_s": 0.0, "queue": 0}
+    assert source() == {"state": "starting", "step": 0, "tokens_per_s": 0.0, "queue": 0, "capacity": 0.0}
     peer = SimpleNamespace(rt=SimpleNamespace(tokens_trained=0), state=PeerState.TRAINING,
-                           schedule=SimpleNamespace(step=4), mailbox=Mailbox("t"))
+                           schedule=SimpleNamespace(step=4), mailbox=Mailbox("t"), compute=SimpleNamespace(busy_s=0.0))
     source.peer = peer
     assert source()["tokens_per_s"] == 0.0
-    for _ in range(10):  # 1000 tokens a second, sampled every 2 s
+    for _ in range(10):  # 1000 tokens a second, sampled every 2 s, computing half of the time
         now[0] += 2.0
         peer.rt.tokens_trained += 2000
+        peer.compute.busy_s += 1.0
     status = source()
     assert set(status) == set(STATUS_FIELDS) and status["state"] == "training" and status["step"] == 4
     assert status["tokens_per_s"] == pytest.approx(1000.0)
+    assert status["capacity"] == pytest.approx(2000.0)  # what it would train never waiting
     now[0] += 2.0  # a stall: the rate falls, over the window
     peer.rt.tokens_trained += 0
     assert source()["tokens_per_s"] == pytest.approx(20000 / 22, abs=0.1)  # published to 0.1 token/s

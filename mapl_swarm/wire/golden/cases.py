@@ -162,8 +162,10 @@ def _valid(v: dict[str, list[bytes]]) -> list[Case]:
         "hello_replica": "2.1: HELLO of a replica (capability replicas) naming its contact",
         "route_ready": "2.1: ROUTE ready from stage 2: it takes stage 1's train ACTs of step 12",
         "route_end": "2.1: ROUTE end from stage 0: its 3 train ACTs of step 12 on this link, and no more",
-        "route_commit": "2.1: ROUTE commit from stage 0: every stage may take step 12",
+        "route_commit": "2.1: ROUTE commit from stage 0: its round of step 12 and every downstream replica's are "
+                        "whole (to stage 1; from stage 1 on: step 12 is taken)",
         "route_redo": "2.1: ROUTE redo from stage 2: step 12 runs again in run epoch 1, without the replica gone",
+        "route_taken": "2.1: ROUTE taken from stage 1 to stage 0: step 12 (run epoch 1) is taken",
     }
     return [Case(n, "valid", f, text[n]) for n, f in v.items()]
 
@@ -586,7 +588,8 @@ CASES_2_1 = frozenset({"hello_replica", "route_ready", "route_end", "route_phase
                        "route_acts_negative", "route_with_tensor", "hello_contact_bin", "route_ready_fits",
                        "route_end_fits", "route_ready_from_upstream", "route_end_out_of_window", "route_commit",
                        "route_redo", "route_redo_no_gone", "route_gone_not_strings", "route_commit_from_downstream",
-                       "route_redo_from_downstream_fits"})
+                       "route_redo_from_downstream_fits", "route_taken", "route_taken_fits",
+                       "route_taken_from_upstream"})
 """The vectors protocol 2.1 added (at version 2.1; the others stay at 2.0)."""
 
 _V2_1 = b"\xa1v\x92\x02\x01"

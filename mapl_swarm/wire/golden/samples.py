@@ -305,6 +305,8 @@ def _replica_samples() -> dict[str, Message]:
                                 meta={"phase": "commit"}),
         "route_redo": Message(type=MessageType.ROUTE, run_id=RUN_ID, src=2, dst=1, step=12, seq=43, epoch=1,
                               meta={"phase": "redo", "gone": ["tcp://10.0.0.7:5002#" + "cd" * 32]}),
+        "route_taken": Message(type=MessageType.ROUTE, run_id=RUN_ID, src=1, dst=0, step=12, seq=44, epoch=1,
+                               meta={"phase": "taken"}),
     }
 
 

@@ -1,0 +1,139 @@
+"""A replica's links to the replicas of its neighbour stages (SPEC §9.10 items 1 and 11).
+
+At the start a peer links to every replica of each neighbour stage that the DHT holds, once it holds
+as many as start the run (``replicas.initial``; a joining replica: at least one). While training,
+:meth:`ReplicaLinker.watch` keeps reading the neighbour stages' records: a replica announced since
+(one that joins the running swarm) gets a link and HELLOs until it welcomes this peer; a record
+whose replica never does within ``net.timeout_s`` is stale (a replica that died before anyone
+linked it) and its link is dropped. A HELLO from a replica this peer has no link to yet
+(:meth:`ReplicaLinker.unknown`, from the admission) makes it read the records at once, so a joining
+replica is linked within one HELLO retry; the HELLO itself is refused until then (the joiner says
+it again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from mapl_swarm.aio import within
+from mapl_swarm.errors import MaplError
+from mapl_swarm.net.emulator import LinkConfig
+from mapl_swarm.peer.handshake import Resolve, candidates_of, connect
+from mapl_swarm.peer.link import LinkSettings, Links, PeerLink
+from mapl_swarm.peer.waiting import WaitingLog
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ReplicaLinker", "REPLICA_POLL_S"]
+
+REPLICA_POLL_S = 5.0
+"""Seconds between two reads of the neighbour stages' records while training (a HELLO from an
+unknown replica reads them at once, at most every :data:`_MIN_READ_S`)."""
+_MIN_READ_S = 1.0
+
+
+class ReplicaLinker:
+    """Peer ``name``'s links to neighbour replicas (module docstring). ``gone()``: the contacts of
+    replicas known to have left (never linked again); ``epoch()`` and ``local_contact()``: what a
+    new link carries from the start."""
+
+    def __init__(self, name: str, links: Links, settings: LinkSettings, *, resolve: Resolve, shaping: LinkConfig,
+                 timeout_s: float, hello_retry_s: float, waits: WaitingLog, on_bad_frame: Callable[[str, str], None],
+                 gone: Callable[[], set[str]], epoch: Callable[[], int]) -> None:
+        self.name, self.links, self.settings, self.resolve = name, links, settings, resolve
+        self.shaping, self.timeout_s, self.hello_retry_s, self.waits = shaping, timeout_s, hello_retry_s, waits
+        self._on_bad_frame, self._gone, self._epoch = on_bad_frame, gone, epoch
+        self.local_contact: str | None = None
+        self.stale: set[str] = set()
+        """Contacts whose replica never welcomed this peer: not linked again."""
+        self._read = asyncio.Event()
+        self._welcomed = asyncio.Event()
+
+    async def link_all(self, transport: Any, endpoint: str, want: Callable[[int], int]) -> None:
+        """At the start: a link to every replica of each neighbour stage, once the DHT holds
+        ``want(stage)`` of its records (within ``net.timeout_s``)."""
+        self.local_contact = endpoint
+        deadline = time.monotonic() + self.timeout_s
+        for stage in self.links.stages_expected:
+            while True:
+                contacts = await self.waits.wait(candidates_of(self.resolve, stage, self.timeout_s), lambda: [])
+                if len(contacts) >= want(stage):
+                    break
+                if time.monotonic() > deadline:
+                    raise MaplError(f"{self.name}: {len(contacts)} of stage {stage}'s {want(stage)} replicas announced "
+                                    f"within {self.timeout_s:g} s (replicas.initial)")
+                await asyncio.sleep(0.25)  # the DHT is polled: records appear as replicas start
+            for contact in contacts:
+                await self._add(transport, stage, contact)
+
+    async def greet_all(self, transport: Any) -> None:
+        """A joining replica's handshake: HELLO to every linked replica until it welcomes this peer;
+        a stale record's link is dropped (:meth:`_greet`), but each neighbour stage must keep one."""
+        await asyncio.gather(*(self._greet(transport, link) for link in list(self.links)))
+        missing = [stage for stage in self.links.stages_expected
+                   if not any(link.welcomed for link in self.links.of_stage(stage))]
+        if missing:
+            raise MaplError(f"{self.name}: no replica of stage(s) {missing} welcomed this joining replica within "
+                            f"{self.timeout_s:g} s (net.timeout_s)")
+
+    async def _add(self, transport: Any, stage: int, contact: str) -> PeerLink:
+        link = self.links.add(PeerLink(self.settings, stage, on_bad_frame=self._on_bad_frame, contact=contact))
+        link.candidates = [contact]
+        link.local_contact = self.local_contact
+        link.epoch = self._epoch()
+        await connect(link, transport, contact, self.shaping)
+        log.info("%s: link %s to a replica of stage %d at %s", self.name, link.name, stage, contact)
+        return link
+
+    def unknown(self, stage: int) -> None:
+        """A HELLO came from a replica of neighbour ``stage`` this peer has no link to: read the
+        records now."""
+        self._read.set()
+
+    def welcomed(self) -> None:
+        """A neighbour welcomed this peer (a new link may wait for it)."""
+        self._welcomed.set()
+
+    async def watch(self, transport: Any, spawn: Callable[[Any], Any]) -> None:
+        """While training: link every replica of a neighbour stage announced since (module docstring)."""
+        while True:
+            for stage in self.links.stages_expected:
+                try:
+                    contacts = await candidates_of(self.resolve, stage, self.timeout_s)
+                except MaplError as exc:  # no record now: the stage's links stay as they are
+                    log.debug("%s: no records of stage %d: %s", self.name, stage, exc)
+                    continue
+                gone = self._gone()
+                for contact in contacts:
+                    if contact and contact not in gone and contact not in self.stale \
+                            and self.links.by_contact(stage, contact) is None:
+                        spawn(self._greet(transport, await self._add(transport, stage, contact)))
+            self._read.clear()
+            try:
+                await within(self._read.wait(), REPLICA_POLL_S)
+                await asyncio.sleep(_MIN_READ_S)  # a burst of unknown HELLOs costs one read
+            except TimeoutError:
+                pass
+
+    async def _greet(self, transport: Any, link: PeerLink) -> None:
+        """HELLO to a new link's replica until it welcomes this peer; dropped after ``net.timeout_s``."""
+        deadline = time.monotonic() + self.timeout_s
+        while not link.welcomed:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.stale.add(link.contact or "")
+                self.links.remove(link)
+                await transport.disconnect(link.name, linger_s=0.0)
+                log.warning("%s: the replica of stage %d at %s did not welcome this peer within %g s: its record is "
+                            "stale; not linked", self.name, link.stage, link.contact, self.timeout_s)
+                return
+            await link.send_hello(anchored=self.links.anchored)
+            self._welcomed.clear()
+            try:
+                await within(self._welcomed.wait(), min(self.hello_retry_s, left))
+            except TimeoutError:
+                pass

@@ -1,0 +1,72 @@
+"""A replica that joins a running swarm (SPEC §9.10 item 11), as real processes: two replicas of each
+of three stages train; once stage 0 recorded a step, a third replica of the middle stage starts with
+``--join`` and no ``--stage`` (it picks among the stages its certificate allows: the middle one).
+Its neighbours link it while they train, it downloads its stage's state from a live replica
+(members only: it holds a certificate for the stage), takes part in the stage's averaging round of
+the step it downloaded and in every later one (a round checks every member's parameter digest, so
+from then on its parameters are its partners', bit for bit), and gets micro-batches routed to it.
+The swarm's losses stay those of one in-process pipeline over the whole batch, and the three
+replicas of the middle stage end with the same parameters, optimizer and projector."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from mapl_swarm.config import load_config
+from mapl_swarm.launch import replica_out_dir
+from mapl_swarm.pipeline.checkpoint import load_stage
+from mapl_swarm.pipeline.trainer import train
+
+from swarm_helpers import ReplicaSwarm, train_losses, wait_steps
+
+pytestmark = pytest.mark.timeout(300)
+
+STEPS = 40
+JOINED = re.compile(r"joined stage 1 at step (\d+)")
+
+
+def test_a_replica_joins_a_running_swarm_and_trains_in_step_with_its_partners(tmp_path):
+    with ReplicaSwarm(tmp_path, "replica-join", steps=STEPS, identities=[2, 3, 2]) as swarm:
+        for stage in range(3):
+            for r in range(2):
+                swarm.start(stage, r)
+        wait_steps(swarm.out, 1, list(swarm.procs.values()), 180)
+        swarm.start(1, 2, "--join", pick=True)
+        codes = {key: p.wait(240) for key, p in swarm.procs.items()}
+        assert all(code == 0 for code in codes.values()), {k: (c, swarm.procs[k].output[-3000:])
+                                                           for k, c in codes.items() if c}
+    joiner = swarm.procs[1, 2].output
+    assert "joining stage 1, the one of least capacity" in joiner  # the only one its certificate allows
+    joined = JOINED.search(joiner)
+    assert joined, joiner[-3000:]
+    first = int(joined.group(1))
+    assert 1 <= first < STEPS, first
+    results = {key: swarm.result(*key) for key in swarm.procs}
+    assert all(res["end"] == "finished" for res in results.values())
+    # it averaged every step from the one it joined at, and carried micro-batches both ways
+    assert results[1, 2]["averaging"]["rounds"] == STEPS - first, results[1, 2]["averaging"]
+    assert sum(v.get("act", 0) for v in results[1, 2]["payload_tx"].values()) > 0, results[1, 2]["payload_tx"]
+    # the neighbours linked it while they trained
+    for key in ((0, 0), (0, 1), (2, 0), (2, 1)):
+        assert "link stage1@" in swarm.procs[key].output
+    # every step once, with all its tokens, at the losses of the whole batch
+    ref = tmp_path / "ref"
+    train(load_config(swarm.path, {"run": {"out_dir": str(ref)}}), progress=False)
+    for r in range(2):
+        assert results[0, r]["tokens"] == STEPS * swarm.cfg.tokens_per_step
+        assert results[0, r]["train_losses"] == pytest.approx(train_losses(ref), rel=1e-3)
+    # the three replicas of the middle stage end with the same state, bit for bit (but their RNGs)
+    states = [_flat(load_stage(replica_out_dir(swarm.out, r), STEPS, 1)) for r in range(3)]
+    assert states[0].keys() == states[2].keys() and states[0]
+    assert all(torch.equal(states[0][k], s[k]) for s in states[1:] for k in states[0])
+
+
+def _flat(tree, prefix: str = "") -> dict:
+    """Every tensor of a nested state but the RNG states, by its path."""
+    if isinstance(tree, torch.Tensor):
+        return {} if "rng" in prefix else {prefix: tree}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
+    return {k: v for key, sub in items for k, v in _flat(sub, f"{prefix}/{key}").items()}
