@@ -103,12 +103,16 @@ class StageAverager(DecentralizedAverager):
 
     def run(self) -> None:
         """The averager process (forked): it dies with the peer (even a SIGKILLed one: it holds
-        nothing of the run's state), and has one torch thread, since the peer may have started its
-        OpenMP threads before the fork, which leaves the child none of them to use."""
+        nothing of the run's state), has one torch thread, since the peer may have started its
+        OpenMP threads before the fork, which leaves the child none of them to use, and leaves the
+        logging of failed rounds to the host process."""
         parent = self._parent_pid_seen
         if not (self._forked_on_main_thread and set_parent_death_signal(signal.SIGKILL, parent_pid=parent)):
             watch_parent(parent, lambda: os.kill(os.getpid(), signal.SIGKILL))
         torch.set_num_threads(1)
+        # a failed round is the caller's to log (ReplicaGradients names it); hivemind would log each
+        # attempt that found no group with its traceback, every few seconds while a partner is late
+        logging.getLogger("hivemind.averaging.averager").setLevel(logging.CRITICAL)
         super().run()
 
     async def _shutdown(self, timeout: float | None) -> None:

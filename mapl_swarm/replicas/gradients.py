@@ -46,8 +46,9 @@ __all__ = ["ReplicaGradients", "ReplicaStep", "AveragingFailed", "Behind", "Roun
 
 SYNC_STEP = -1
 """The step a sync round gathers (it comes before the first step)."""
-FIND_GROUP_S = 15.0
-"""Least seconds one attempt of a round looks for its group (ten matchmakings when longer)."""
+FIND_GROUP_S = 5.0
+"""Least seconds one attempt of a round looks for its group (three matchmakings when longer): a
+replica that left is counted out of the round at the next attempt."""
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,7 @@ class ReplicaGradients:
         self._lock = threading.Lock()
         self._control: Any = None
         self._cancelled = False
-        self.find_s = max(FIND_GROUP_S, 10 * averager_kwargs.get("min_matchmaking_time", 2.0))
+        self.find_s = max(FIND_GROUP_S, 3 * averager_kwargs.get("min_matchmaking_time", 2.0))
         """Seconds one attempt of a round looks for its group (:meth:`cancel` says why it is bounded)."""
 
     def attach(self, runtime: Any) -> None:
