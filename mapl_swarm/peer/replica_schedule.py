@@ -261,6 +261,9 @@ class ReplicaSchedule:
         """The step a joining replica downloaded its state for, until it completed it."""
         self._stage_contacts = stage_contacts
         """The contacts of this stage's replicas announced in the DHT (a joining one among them)."""
+        self._announced: dict[str, float] = {}
+        """Contacts of this stage's DHT records not in a round yet: when this replica first saw each
+        (-1 once it stopped waiting for it)."""
         self._hint: list[str] = []
         """A joining replica's partners before its first round: the contacts the state's sender named."""
         self._state_lock = threading.Lock()
@@ -428,7 +431,9 @@ class ReplicaSchedule:
         """How many replicas this stage's round of the step needs (SPEC §9.10 items 6, 11), counted
         by contact: its live ones (the last round's, or a joining replica's partners as its state's
         sender named them, less those gone) and any replica of the stage announced in the DHT since
-        (one that joins)."""
+        (one that joins), for ``net.timeout_s`` from when this replica first saw its record: one
+        that has not come to a round by then (a stale record, or a member that announces itself and
+        never joins) is not waited for any longer."""
         r = self._round
         live = {r.contacts.get(p, p) for p in self._live_members()} if r is not None else {*self._hint, self.contact}
         if self._stage_contacts is not None:
@@ -437,7 +442,16 @@ class ReplicaSchedule:
             except MaplError as exc:  # the DHT did not answer: the round goes by the replicas known
                 log.debug("%s: the DHT gave no replicas of stage %d: %s", self.name, self.stage, exc)
                 announced = []
-            live |= {c for c in announced if c and c not in self.gone}
+            now = time.monotonic()
+            for c in announced:
+                if c and c not in self.gone and c not in live:
+                    since = self._announced.setdefault(c, now)
+                    if now - since <= self.s.timeout_s:
+                        live.add(c)
+                    elif since > 0:
+                        self._announced[c] = -1.0  # said once
+                        log.warning("%s: the replica of stage %d at %s announced itself %.0f s ago and has not come "
+                                    "to a round: not waited for", self.name, self.stage, c, now - since)
         return len(live)
 
     def _ranked(self, round_: ReplicaStep, *, sync: bool = False) -> None:
