@@ -269,10 +269,6 @@ class ReplicaSchedule:
         self._state_lock = threading.Lock()
         """Held by the optimizer step and the projector's load: a joining replica's download reads the
         stage's state under it, so it gets one step's state, whole."""
-        self._served_step = settings.start_step
-        """The step the stage's state is ready for (set under the lock)."""
-        self._served_projector = -1
-        """The step whose PROJ the served state holds (set under the lock)."""
         self._served_members = self._served_gone = ""
         """The stage's live replicas and those gone (contacts, one per line), as the event loop
         last wrote them (a download reads them in another thread)."""
@@ -291,7 +287,7 @@ class ReplicaSchedule:
         self._byes: set[str] = set()
         self._eval_losses: list = []
         self._projector_step = -1
-        """The step whose PROJ this stage loaded last."""
+        """The step whose PROJ this stage loaded last (set under :attr:`_state_lock`)."""
         self._progress: StepProgress | None = None
         self._t0 = 0.0
         self._spawn = spawn or asyncio.ensure_future
@@ -330,7 +326,6 @@ class ReplicaSchedule:
             self.s = replace(self.s, start_step=start_step)
         self.window.begin(self.s.start_step, epoch)
         self.epoch = epoch
-        self._served_step = self.s.start_step
         self._cur = self._new_step(self.s.start_step)
 
     async def run(self) -> None:
@@ -408,7 +403,7 @@ class ReplicaSchedule:
         step, epoch = int(got["step"]), int(got["epoch"])
         self._learn_gone([c for c in got["gone"].split("\n")[:_MAX_GONE] if c])
         self._hint = [c for c in got["members"].split("\n")[:_MAX_GONE] if c]
-        self._projector_step = self._served_projector = int(got["projector"])
+        self._projector_step = int(got["projector"])
         self._joined = step
         self.begin(step, epoch)
         self.window.joining = False
@@ -771,7 +766,6 @@ class ReplicaSchedule:
                 self._on_bye(msg, link, during_step=True)
             if msg.step == step and msg.pver >= self.window.inbound_pver:
                 await self.compute.run(self._load_projector, step, msg.tensors[WireName.PROJ], msg.pver)
-                self._projector_step = step
                 return
 
     async def _flush(self, step: int) -> None:
@@ -798,7 +792,7 @@ class ReplicaSchedule:
             self._issue_redo(step, f"this stage computed {len(cur.done)} of the step's {self.M} micro-batches "
                                    f"({len(set(cur.done))} distinct)")
         await self._commit(step, {"mode": "train", "loss": loss_sum / self.M, "tokens": self.rt.cfg.tokens_per_step})
-        metrics = await self.compute.run(self._take_step, step)
+        metrics = await self.compute.run(self._take_step)
         self._joined = -1
         if round_ is not None:
             self._ranked(round_)
@@ -817,27 +811,26 @@ class ReplicaSchedule:
         await self._send_projector(step + 1)
         await self.hooks.step_end(step + 1, metrics)
 
-    def _take_step(self, step: int) -> dict:
+    def _take_step(self) -> dict:
         """The optimizer step (compute thread), under the served state's lock."""
         with self._state_lock:
-            metrics = self.rt.step()
-            self._served_step = step + 1
-        return metrics
+            return self.rt.step()
 
     def _load_projector(self, step: int, tensor: Any, pver: int) -> None:
         """The inbound projector of ``step`` (compute thread), under the served state's lock."""
         with self._state_lock:
             self.host.load_inbound_projector(tensor, pver)
-            self._served_projector = step
+            self._projector_step = step
 
     def _served_state(self) -> dict:
         """What a joining replica downloads (SPEC §9.10 item 11; read in a thread of this process):
-        a copy of the stage's state for its next step, that step, the run epoch, whether the state
-        holds that step's inbound projector, this stage's live replicas and those gone."""
+        a copy of the stage's state for its next step, that step (the optimizer steps taken), the
+        run epoch, the step whose inbound projector the state holds, this stage's live replicas and
+        those gone."""
         with self._state_lock:
             state = copy.deepcopy(self.rt.state_dict())
-            step, projector = self._served_step, self._served_projector
-        return {"runtime": state, "step": step, "projector": projector, "epoch": self.epoch,
+            projector = self._projector_step
+        return {"runtime": state, "step": state["step"], "projector": projector, "epoch": self.epoch,
                 "members": self._served_members, "gone": self._served_gone}
 
     async def _retried(self, what: str, attempt: Callable[[float, int], ReplicaStep],
