@@ -38,6 +38,8 @@ def run_one(label: str, args: argparse.Namespace, data, command: str) -> dict:
             seed = int(part.removeprefix("seed="))
         elif part == "full":  # ablation: whole codebooks every micro-batch instead of slices
             compression.setdefault("vq", {})["sync"] = "full"
+        elif part == "step":  # codebooks learned once per step (what replicas need)
+            compression.setdefault("vq", {})["update"] = "step"
         elif part in ("priority", "round_robin"):
             compression.setdefault("vq", {})["slice_order"] = part
         elif part.startswith("slice="):  # another slice fraction than the default
@@ -48,7 +50,7 @@ def run_one(label: str, args: argparse.Namespace, data, command: str) -> dict:
             compression["ssn_offset_std"] = float(part.removeprefix("offsets="))
         else:
             raise SystemExit(f"unknown codec variant {label!r} (known parts, joined by '+': full, priority, "
-                             "round_robin, slice=FRACTION, adamw=RATIO, offsets=STD, seed=N)")
+                             "round_robin, step, slice=FRACTION, adamw=RATIO, offsets=STD, seed=N)")
     cfg = config_from_dict({
         "preset": "tiny",
         "compression": compression,

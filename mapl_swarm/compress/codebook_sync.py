@@ -56,18 +56,21 @@ from mapl_swarm.wire.codebook_rules import (IGNORE, SLICE_VALUE_BOUND, CodebookE
 from mapl_swarm.compress.vq import (
     EmaKMeans,
     chunk_tokens,
+    code_stats,
     decode_codes,
     device_generator,
     distance_budget_bytes,
+    kmeans_rounds,
     lookup,
     nearest_codes,
     quantize,
+    random_points,
     to_groups,
     torch_code_dtype,
     warm_up_fused_search,
 )
 from mapl_swarm.config import VQConfig
-from mapl_swarm.rng import generator
+from mapl_swarm.rng import derive_seed, generator
 
 if TYPE_CHECKING:  # the wire package (msgpack, lz4) is only needed by peers, imported where used
     from mapl_swarm.wire import Message
@@ -184,11 +187,21 @@ def _digest(codebooks: torch.Tensor, version: int) -> str:
 
 
 class VQSender:
-    """The encoding side of one stream: learned codebooks, mirror, version, pending slices."""
+    """The encoding side of one stream: learned codebooks, mirror, version, pending slices.
+
+    With ``update = step`` (:meth:`step_statistics`, :meth:`end_step`) the mirror changes only at a
+    step's end: every micro-batch of the step is encoded against the same codebooks whichever
+    replica encodes it, each encode adds its usage statistics to the step's (and the step's first
+    micro-batch, index 0, keeps its residuals); at the end the learned codebooks take one EMA
+    k-means step from the step's statistics (averaged across a stage's replicas first,
+    :mod:`mapl_swarm.replicas.gradients`), the mirror becomes them, the version moves by one and
+    no slice is queued: whoever delivers asks :meth:`full_slice` for the receivers that lack it."""
 
     def __init__(self, s: VQConfig, stream: str, gen: torch.Generator,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", *, micro_batches: int = 1) -> None:
         self.s, self.stream, self.gen = s, stream, gen
+        self.micro_batches = micro_batches
+        """Training micro-batches per step (``update = step``: each adds 1 / this of its statistics)."""
         self.device = torch.device(device)
         self.draw_gen = device_generator(gen, self.device)
         """The generator every draw uses: ``gen`` on CPU, a device generator with its seed elsewhere."""
@@ -208,11 +221,37 @@ class VQSender:
         self._distance_bytes: int | None = None
         self.totals: dict[str, int] = defaultdict(int)
         """Lifetime counters: slices, full_slices, slice_bytes, encodes, tokens."""
+        R, NG, K, G = s.layout.shape
+        self.step_share = torch.zeros(R, NG, K, device=self.device)
+        self.step_sums = torch.zeros(R, NG, K, G, device=self.device)
+        self.step_proposal = torch.zeros(R, NG, K, G, device=self.device)
+        """``update = step``: this sender's share of the step's per-token mean usage and assigned
+        sums (its micro-batches' means over the step's count), and its proposal (the k-means
+        initialisation, then the dead-code candidates) from the step's first micro-batch, zero when
+        it did not encode it: the tensors replicas average (:meth:`step_statistics`)."""
+        self._first: torch.Tensor | None = None
+        """``update = step``: the residuals (R, N, NG, G) of the step's first micro-batch, if encoded here."""
+        self._proposed = False
 
     # ------------------------------------------------------------------ slices
+    @property
+    def per_step(self) -> bool:
+        """``update = step``: the codebooks learn once per step (class docstring)."""
+        return self.s.update == "step"
+
     def request_resync(self) -> None:
-        """The receiver asked for a RESYNC: the next encode sends a full slice first."""
-        self.resync_pending = True
+        """The receiver asked for a RESYNC: the next encode sends a full slice first (``update =
+        step``: whoever delivers sends :meth:`full_slice` again; nothing changes here)."""
+        self.resync_pending = not self.per_step
+
+    def full_slice(self) -> CodebookSlice:
+        """The mirror whole at its version (``update = step``: what a receiver that lacks this
+        version gets before the next codes; counted as sent)."""
+        sl = CodebookSlice(self.stream, self.version, 0, True, self.mirror.clone())
+        self.totals["slices"] += 1
+        self.totals["full_slices"] += 1
+        self.totals["slice_bytes"] += sl.nbytes
+        return sl
 
     def take_slices(self) -> list[CodebookSlice]:
         """Slices queued by the last encodes, oldest first; deliver them before the codes."""
@@ -284,14 +323,18 @@ class VQSender:
 
     # ------------------------------------------------------------------ encode
     @torch.no_grad()
-    def encode(self, z: torch.Tensor, *, learn: bool) -> torch.Tensor:
+    def encode(self, z: torch.Tensor, *, learn: bool, first: bool = False) -> torch.Tensor:
         """Codes (..., R, r/G) of z (..., r) against the mirror, after queueing this micro-batch's
-        slice; with ``learn`` (training) the learned codebooks then take an EMA step."""
+        slice; with ``learn`` (training) the learned codebooks then take an EMA step (``update =
+        step``: the micro-batch's statistics join the step's; ``first``: it is the step's
+        micro-batch 0, whose residuals make the step's proposal)."""
         s = self.s
         lead = z.shape[:-1]
         x = to_groups(z.detach(), s.group_size)  # (N, NG, G)
-        init = learn and self.init_done < s.kmeans_init_batches
-        if init:
+        init = learn and not self.per_step and self.init_done < s.kmeans_init_batches
+        if self.per_step:
+            pass  # the mirror moves at the step's end only
+        elif init:
             self._kmeans_init(x)
             self.init_done += 1
             self._emit(0, s.codebook_size, True)
@@ -306,7 +349,9 @@ class VQSender:
         if init or self.resync_pending:
             self.resync_pending = False
         codes, residuals = quantize(x, self.mirror, self.distance_bytes, fused=s.compile)  # (N, R, NG)
-        if learn and not init:
+        if learn and self.per_step:
+            self._add_step_stats(residuals, codes, first)
+        elif learn and not init:
             for k in range(s.rounds):
                 self.learner.update_round(k, residuals[k], codes[:, k], self.draw_gen)
         # ||x||^2, ||left after all rounds||^2, ||left after round 1||^2: fp32 sums, then float64 as
@@ -320,6 +365,68 @@ class VQSender:
         self.totals["encodes"] += 1
         self.totals["tokens"] += x.shape[0]
         return codes.to(torch_code_dtype(s)).reshape(*lead, s.rounds, s.groups)
+
+    # ------------------------------------------------------------------ update = step
+    def _add_step_stats(self, residuals: list[torch.Tensor], codes: torch.Tensor, first: bool) -> None:
+        K, M = self.s.codebook_size, self.micro_batches
+        n = float(residuals[0].shape[0])
+        for k in range(self.s.rounds):
+            counts, sums = code_stats(residuals[k], codes[:, k], K)
+            self.step_share[k].add_(counts, alpha=1.0 / (n * M))
+            self.step_sums[k].add_(sums, alpha=1.0 / (n * M))
+        if first:
+            self._first = torch.stack(residuals[:-1])  # the input of each round
+            self._proposed = False
+
+    def _step_generator(self) -> torch.Generator:
+        """The draws of the step that ends at version :attr:`version` + 1: keyed by the stream's
+        seed and the version, so whichever replica encoded the step's first micro-batch draws the
+        same numbers, and nothing of it is carried from step to step."""
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(derive_seed(self.gen.initial_seed(), "step", self.version))
+        return device_generator(gen, self.device)
+
+    def step_statistics(self) -> list[torch.Tensor]:
+        """``update = step``: this sender's shares of the step's statistics (usage, sums, proposal),
+        the tensors a stage's replicas average (weighted by micro-batches, each pre-scaled to its
+        mean as gradients are) and write back before :meth:`end_step`. The proposal is made once
+        per step from the first micro-batch's residuals: the k-means initialisation until the
+        codebooks have one, then a candidate point per code for dead-code replacement."""
+        s = self.s
+        if not self._proposed:
+            self.step_proposal.zero_()
+            if self._first is not None:
+                gen = self._step_generator()
+                if self.init_done == 0:
+                    self.step_proposal.copy_(kmeans_rounds(self._first[0], s.rounds, s.codebook_size,
+                                                           s.kmeans_iters, gen, self.distance_bytes,
+                                                           fused=s.compile))
+                elif s.dead_code_ratio > 0:
+                    for k in range(s.rounds):
+                        self.step_proposal[k] = random_points(self._first[k], s.codebook_size, gen)
+            self._proposed = True
+        return [self.step_share, self.step_sums, self.step_proposal]
+
+    def end_step(self) -> None:
+        """``update = step``: learn from the step's (averaged) statistics, the mirror becomes the
+        learned codebooks at the next version, and the step's statistics are cleared."""
+        self.step_statistics()
+        if self.init_done == 0:
+            self.learner.start(self.step_proposal)
+            self.init_done = 1
+        else:
+            decay = self.s.ema_decay ** self.micro_batches
+            self.learner.update_step(self.step_share, self.step_sums, self.step_proposal, decay)
+        self.mirror.copy_(self.learner.live)
+        self.version += 1
+        self.clear_step()
+
+    def clear_step(self) -> None:
+        """Forget the step's statistics (its end, or a step that is redone)."""
+        for t in (self.step_share, self.step_sums, self.step_proposal):
+            t.zero_()
+        self._first = None
+        self._proposed = False
 
     def metrics(self) -> dict[str, float]:
         """Mean relative error ||z - z_hat||^2 / ||z||^2 (all rounds and round 1 only), dead codes
@@ -383,10 +490,13 @@ class VQReceiver:
             host = codes.device.type == "cpu" and (sl.index is None or sl.index.device.type == "cpu")
             # wire slices are host tensors: values checked here, before any device copy
             finite, index = host_slice_check(codes, sl.index) if host else _device_slice_summary(codes, sl.index)
+            # a full slice at this version: with replicas upstream every one sends the same (SPEC §9.10)
+            same = (sl.full and sl.version == self.version and codes.shape == self.codebooks.shape
+                    and torch.equal(codes.to(self.device), self.codebooks))
             outcome = check_slice(stream=sl.stream, version=sl.version, start=sl.start, full=sl.full,
                                   shape=tuple(codes.shape), finite=finite, expect_stream=self.stream,
                                   layout=self.s.layout, have=self.version, awaiting_resync=self.awaiting_resync,
-                                  index=index)
+                                  index=index, same=same)
         except CodebookError as exc:
             self._reject(exc)
             raise

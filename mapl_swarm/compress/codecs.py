@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -163,6 +163,20 @@ class StageCodec:
     # ------------------------------------------------------------------ steps, state
     def after_step(self) -> None:
         """After every optimizer step of the stage."""
+
+    def abandon_step(self) -> None:
+        """The step is redone from its start: forget what the codec gathered of it."""
+
+    def step_statistics(self) -> list[torch.Tensor]:
+        """Tensors the codec gathered over the step that the replicas of a stage average with
+        their gradients (each replica's share of the step's value; written back averaged before
+        the step): MAPL+VQ's ``update = step`` codebook statistics; none by default."""
+        return []
+
+    def replicated_state(self) -> dict[str, Any]:
+        """Codec state beside the parameters that every replica of the stage holds alike (their
+        digests are compared at every step): MAPL+VQ's learned and mirrored codebooks."""
+        return {}
 
     def step_metrics(self) -> dict[str, float]:
         """Codec metrics of the step just taken."""
@@ -345,7 +359,8 @@ class ProjectedVQCodec(ProjectedCodec):
     def __init__(self, name: str, cfg: "TrainConfig", stage: int, device: torch.device) -> None:
         super().__init__(name, cfg, stage, device)
         self.vq = StageVQ(cfg.compression.vq, stage, has_inbound=self.inbound is not None,
-                          has_outbound=self.outbound is not None, seed=cfg.run.seed, device=device)
+                          has_outbound=self.outbound is not None, seed=cfg.run.seed, device=device,
+                          micro_batches=cfg.pipeline.num_micro_batches)
 
     def encode_act(self, z, *, train, micro):
         # straight-through: the backward feeds the decoded dL/dZ_hat to z
@@ -361,6 +376,19 @@ class ProjectedVQCodec(ProjectedCodec):
     def decode_grad(self, payload, cver):
         return self.vq.decode("grad", payload["codes"], cver)
 
+    def after_step(self) -> None:
+        super().after_step()
+        self.vq.end_step()
+
+    def abandon_step(self) -> None:
+        self.vq.clear_step()
+
+    def step_statistics(self) -> list[torch.Tensor]:
+        return self.vq.step_statistics()
+
+    def replicated_state(self) -> dict[str, Any]:
+        return self.vq.replicated_state()
+
     def step_metrics(self) -> dict[str, float]:
         return self.vq.metrics()
 
@@ -375,14 +403,17 @@ class ProjectedVQCodec(ProjectedCodec):
 
     @classmethod
     def payload_bytes(cls, shape: BoundaryShape) -> BoundaryBytes:
-        """Codes (R x r/G bytes per token each way for K <= 256) and, with ``tokens_per_micro``,
-        the amortised steady-state codebook slices (the k-means initialisation's full slices come
-        on top)."""
+        """Codes (R x r/G bytes per token each way for K <= 256) and, with ``tokens_per_micro``
+        (``update = step``: ``tokens_per_step``), the amortised steady-state codebook slices (the
+        k-means initialisation's full slices come on top)."""
         vq = shape.vq
         if vq is None:
             raise ValueError("payload bytes of mapl_vq need its VQ settings")
         codes = float(vq.code_bytes_per_token)
-        slices = vq.slice_bytes_per_micro / shape.tokens_per_micro if shape.tokens_per_micro else 0.0
+        if vq.update == "step":  # one full slice per step
+            slices = vq.slice_bytes(vq.codebook_size) / shape.tokens_per_step if shape.tokens_per_step else 0.0
+        else:
+            slices = vq.slice_bytes_per_micro / shape.tokens_per_micro if shape.tokens_per_micro else 0.0
         return BoundaryBytes(forward_act_bytes=codes, forward_ids_bytes=shape.ids_bytes_per_token,
                              backward_bytes=codes, codebook_bytes=slices)
 

@@ -48,6 +48,9 @@ __all__ = [
     "quantize",
     "decode_codes",
     "kmeans",
+    "kmeans_rounds",
+    "code_stats",
+    "random_points",
     "EmaKMeans",
     "device_generator",
 ]
@@ -262,7 +265,7 @@ def decode_codes(codes: torch.Tensor, codebooks: torch.Tensor) -> torch.Tensor:
     return out.reshape(*lead, NG * G)
 
 
-def _stats(x: torch.Tensor, idx: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+def code_stats(x: torch.Tensor, idx: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per group and code: hit count (NG, K) and sum of assigned vectors (NG, K, G)."""
     N, NG, G = x.shape
     flat = (idx + torch.arange(NG, device=x.device) * K).reshape(-1)  # (N*NG,)
@@ -271,7 +274,7 @@ def _stats(x: torch.Tensor, idx: torch.Tensor, K: int) -> tuple[torch.Tensor, to
     return counts.view(NG, K), sums.view(NG, K, G)
 
 
-def _random_points(x: torch.Tensor, K: int, gen: torch.Generator) -> torch.Tensor:
+def random_points(x: torch.Tensor, K: int, gen: torch.Generator) -> torch.Tensor:
     """K random vectors of x per group: (NG, K, G); always draws NG*K indices (deterministic).
 
     The indices are drawn on ``gen``'s device: give a generator on x's device (the sender does:
@@ -301,15 +304,28 @@ def kmeans(x: torch.Tensor, K: int, iters: int, gen: torch.Generator, max_distan
     """Lloyd's k-means per group on x (N, NG, G): centroids (NG, K, G) and usage shares (NG, K).
 
     Starts from ``init`` or random points; an empty cluster is re-seeded with a random point."""
-    c = _random_points(x, K, gen) if init is None else init.clone()
+    c = random_points(x, K, gen) if init is None else init.clone()
     N = x.shape[0]
     counts = torch.zeros(x.shape[1], K, device=x.device)
     for _ in range(iters):
         idx = nearest_codes(x, c, max_distance_bytes, fused=fused)
-        counts, sums = _stats(x, idx, K)
-        reseed = _random_points(x, K, gen)
+        counts, sums = code_stats(x, idx, K)
+        reseed = random_points(x, K, gen)
         c = torch.where(counts[..., None] > 0, sums / counts.clamp_min(1)[..., None], reseed)
     return c, counts / N
+
+
+def kmeans_rounds(x: torch.Tensor, rounds: int, K: int, iters: int, gen: torch.Generator,
+                  max_distance_bytes: int | None = None, *, fused: bool = False) -> torch.Tensor:
+    """Residual k-means of x (N, NG, G): round k's codebooks (k-means of what rounds < k left),
+    (rounds, NG, K, G); the initialisation of ``update = step`` codebooks (the same k-means as
+    :meth:`EmaKMeans.init_round` from scratch)."""
+    out = []
+    for _ in range(rounds):
+        c, _ = kmeans(x, K, iters, gen, max_distance_bytes, fused=fused)
+        out.append(c)
+        x = x - lookup(c, nearest_codes(x, c, max_distance_bytes, fused=fused))
+    return torch.stack(out)
 
 
 class EmaKMeans:
@@ -346,7 +362,7 @@ class EmaKMeans:
         """EMA step of round ``k`` with inputs x (N, NG, G) assigned to codes idx (N, NG), with
         dead-code replacement; no host sync (the count of replaced codes adds to :attr:`dead_total`)."""
         K, d = self.s.codebook_size, self.s.ema_decay
-        counts, sums = _stats(x, idx, K)
+        counts, sums = code_stats(x, idx, K)
         n = float(x.shape[0])
         self.share[k].mul_(d).add_(counts / n, alpha=1 - d)
         self.sums[k].mul_(d).add_(sums / n, alpha=1 - d)
@@ -357,11 +373,37 @@ class EmaKMeans:
             return
         # candidates for every code, drawn every step whoever is dead: a fixed-size draw keeps the
         # random stream independent of the data (deterministic) and needs no count on the host
-        cand = _random_points(x, K, gen)  # (NG, K, G)
+        cand = random_points(x, K, gen)  # (NG, K, G)
         dead = self.share[k] < self.s.dead_code_ratio / K  # (NG, K)
         self.live[k] = torch.where(dead[..., None], cand, self.live[k])
         self.share[k] = torch.where(dead, torch.full_like(self.share[k], 1.0 / K), self.share[k])
         self.sums[k] = torch.where(dead[..., None], cand / K, self.sums[k])
+        self.dead_total += dead.sum()
+
+    def start(self, codebooks: torch.Tensor) -> None:
+        """Take ``codebooks`` (R, NG, K, G) as the learned codes, each at the uniform share 1 / K
+        (``update = step``: the k-means initialisation)."""
+        K = self.s.codebook_size
+        self.live.copy_(codebooks)
+        self.share.fill_(1.0 / K)
+        self.sums.copy_(codebooks / K)
+
+    def update_step(self, share: torch.Tensor, sums: torch.Tensor, candidates: torch.Tensor, decay: float) -> None:
+        """One EMA step of every round from a whole step's statistics (``update = step``): ``share``
+        (R, NG, K) and ``sums`` (R, NG, K, G) are the step's per-token means (usage share and sum of
+        the assigned vectors), ``candidates`` (R, NG, K, G) replace the codes that are then dead (as
+        :meth:`update_round` does per micro-batch). No host sync."""
+        K = self.s.codebook_size
+        self.share.mul_(decay).add_(share, alpha=1 - decay)
+        self.sums.mul_(decay).add_(sums, alpha=1 - decay)
+        alive = self.share > 1e-20
+        self.live.copy_(torch.where(alive[..., None], self.sums / self.share.clamp_min(1e-20)[..., None], self.live))
+        if self.s.dead_code_ratio <= 0:
+            return
+        dead = self.share < self.s.dead_code_ratio / K  # (R, NG, K)
+        self.live.copy_(torch.where(dead[..., None], candidates, self.live))
+        self.share.copy_(torch.where(dead, torch.full_like(self.share, 1.0 / K), self.share))
+        self.sums.copy_(torch.where(dead[..., None], candidates / K, self.sums))
         self.dead_total += dead.sum()
 
     def usage_perplexity_tensor(self) -> torch.Tensor:

@@ -10,8 +10,8 @@ outbound (b = s)    :class:`VQSender`           :class:`VQReceiver`
 inbound (b = s-1)   :class:`VQReceiver`         :class:`VQSender`
 ==================  =========================  ==============================================
 
-Seen from the stage, ``take_slices("act")`` are the slices to send downstream (before the ACT),
-``take_slices("grad")`` those to send upstream (before the GRAD); an incoming slice goes to
+Seen from the stage, ``slices_for("act", have)`` are the slices to send downstream (before the
+ACT), ``slices_for("grad", have)`` those to send upstream (before the GRAD); an incoming slice goes to
 :meth:`StageVQ.apply_slice` whatever its stream. The sender of boundary b's stream draws from
 ``generator(seed, "vq", b, stream)``, so a stage computes the same codes alone on its host as in
 the single-process pipeline.
@@ -37,18 +37,20 @@ class StageVQ:
     """Codebook senders and receivers of one stage (``has_inbound``/``has_outbound`` boundaries)."""
 
     def __init__(self, s: VQConfig, stage: int, *, has_inbound: bool, has_outbound: bool, seed: int,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", micro_batches: int = 1) -> None:
         self.s = s
         self.tx: dict[str, VQSender] = {}
         """Senders by stream: ``act`` on the outbound boundary, ``grad`` on the inbound one."""
         self.rx: dict[str, VQReceiver] = {}
         """Receivers by stream: ``act`` on the inbound boundary, ``grad`` on the outbound one."""
         if has_outbound:
-            self.tx["act"] = VQSender(s, "act", stream_generator(seed, stage, "act"), device)
+            self.tx["act"] = VQSender(s, "act", stream_generator(seed, stage, "act"), device,
+                                      micro_batches=micro_batches)
             self.rx["grad"] = VQReceiver(s, "grad", device)
         if has_inbound:
             self.rx["act"] = VQReceiver(s, "act", device)
-            self.tx["grad"] = VQSender(s, "grad", stream_generator(seed, stage - 1, "grad"), device)
+            self.tx["grad"] = VQSender(s, "grad", stream_generator(seed, stage - 1, "grad"), device,
+                                       micro_batches=micro_batches)
         self._inputs: dict[tuple[str, int], torch.Tensor] = {}
         """Last encoded values per (stream, key), for :meth:`reencode`."""
 
@@ -63,7 +65,7 @@ class StageVQ:
         if key is not None:
             self._inputs[(stream, key)] = z.detach()
         with torch.autocast(device_type=z.device.type, enabled=False):
-            return self.tx[stream].encode(z.float(), learn=learn)
+            return self.tx[stream].encode(z.float(), learn=learn, first=learn and key == 0)
 
     def reencode(self, stream: str, key: int) -> torch.Tensor | None:
         """Retransmission: the values last encoded under ``key`` encoded again after a full slice
@@ -81,10 +83,56 @@ class StageVQ:
         return rx.decode(codes, rx.version if cver is None else cver)
 
     def take_slices(self, stream: str) -> list[CodebookSlice]:
-        """Slices this stage's ``stream`` sender queued; deliver them before its next payload."""
+        """Slices this stage's ``stream`` sender queued (``update = micro_batch``; none with
+        ``step``, :meth:`slices_for`); deliver them before its next payload."""
         self._check(stream)
         tx = self.tx.get(stream)
         return tx.take_slices() if tx is not None else []
+
+    def slices_for(self, stream: str, have: int) -> list[CodebookSlice]:
+        """The slices to deliver before this stage's next ``stream`` payload to a receiver at
+        version ``have`` (of this sender's slices: -1 when unknown): ``update = micro_batch``
+        the slices the sender queued (one receiver: ``have`` is not needed), ``update = step`` a
+        full slice when ``have`` is older than the sender's version."""
+        self._check(stream)
+        tx = self.tx.get(stream)
+        if tx is None:
+            return []
+        if tx.per_step:
+            return [tx.full_slice()] if have < tx.version else []
+        return self.take_slices(stream)
+
+    @property
+    def per_step(self) -> bool:
+        """``compression.vq.update = step``: the codebooks learn once per step."""
+        return self.s.update == "step"
+
+    def step_statistics(self) -> list[torch.Tensor]:
+        """``update = step``: the senders' statistics of the step (:meth:`VQSender.step_statistics`),
+        in a fixed order ([] for ``micro_batch``): replicas average them and write them back."""
+        if not self.per_step:
+            return []
+        return [t for stream in STREAMS if stream in self.tx for t in self.tx[stream].step_statistics()]
+
+    def end_step(self) -> None:
+        """After the stage's optimizer step: ``update = step`` senders learn from the step's statistics."""
+        if self.per_step:
+            for tx in self.tx.values():
+                tx.end_step()
+
+    def replicated_state(self) -> dict[str, dict[str, torch.Tensor | int]]:
+        """What every replica of the stage holds alike with ``update = step``: each sender's
+        learned codebooks and statistics, mirror and version (empty for ``micro_batch``, where
+        a sender's codebooks are its own)."""
+        if not self.per_step:
+            return {}
+        return {stream: {"live": tx.learner.live, "share": tx.learner.share, "sums": tx.learner.sums,
+                         "mirror": tx.mirror, "version": tx.version} for stream, tx in self.tx.items()}
+
+    def clear_step(self) -> None:
+        """The step is redone from its start: forget its statistics."""
+        for tx in self.tx.values():
+            tx.clear_step()
 
     def version(self, stream: str) -> int:
         """Version of this stage's ``stream`` sender (the ``cver`` of the codes it encoded last)."""

@@ -18,6 +18,7 @@ __all__ = [
     "Schedule",
     "VQSync",
     "VQSliceOrder",
+    "VQUpdate",
     "Device",
     "Autocast",
     "CODECS",
@@ -35,6 +36,7 @@ WireDtype = Literal["bf16", "fp16", "fp32"]
 Schedule = Literal["cosine", "wsd", "constant"]
 VQSync = Literal["stream", "full"]
 VQSliceOrder = Literal["priority", "round_robin"]
+VQUpdate = Literal["micro_batch", "step"]
 Device = Literal["auto", "cpu", "cuda"]
 """``runtime.device`` choices; ``cuda:N`` (a CUDA device index) is accepted too (the field's
 ``pattern`` metadata, checked by :func:`_check_choices`)."""

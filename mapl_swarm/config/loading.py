@@ -47,7 +47,7 @@ LEGACY_KEYS: dict[str, str] = {
     "run.threads": "runtime.threads",
     **{f"compression.vq_{name}": f"compression.vq.{name}" for name in (
         "codebook_size", "rounds", "group_size", "slice_fraction", "slice_order", "sync", "ema_decay",
-        "kmeans_init_batches", "kmeans_iters", "dead_code_ratio", "max_distance_mib", "compile")},
+        "kmeans_init_batches", "kmeans_iters", "dead_code_ratio", "max_distance_mib", "compile", "update")},
 }
 """Keys of the older config layout -> their place now (dotted paths). A config that sets one is
 refused with the new name (:func:`reject_renamed_keys`); config digests are still taken in the older

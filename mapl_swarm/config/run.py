@@ -305,9 +305,10 @@ class TrainConfig:
                "replicas.initial asks for several replicas of a stage: set replicas.enabled = true")
         _check(not r.enabled or p.num_stages >= 2,
                "replicas.enabled needs pipeline.num_stages >= 2 (replicas route between stages)")
-        _check(not (r.enabled and codec_info(c.codec).quantized),
-               f"replicas.enabled with compression.codec = {c.codec!r}: codebook streams between replicas are not "
-               f"supported yet (use mapl)")
+        _check(not (r.enabled and codec_info(c.codec).quantized and c.vq.update != "step"),
+               f"replicas.enabled with compression.codec = {c.codec!r} needs compression.vq.update = 'step' (the "
+               f"replicas of a stage then learn the same codebooks from the step's averaged statistics), got "
+               f"{c.vq.update!r}")
 
     def replicas_of(self, stage: int) -> int:
         """The replicas of ``stage`` that start the run together (``replicas.initial``)."""

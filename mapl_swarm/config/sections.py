@@ -9,7 +9,7 @@ from typing import ClassVar
 
 from mapl_swarm.wire.codebook_rules import CodebookLayout, code_dtype
 from mapl_swarm.config.catalog import codec_info
-from mapl_swarm.config.base import Anchor, Codec, Schedule, VQSliceOrder, VQSync, WireDtype, _check, _check_choices
+from mapl_swarm.config.base import Anchor, Codec, Schedule, VQSliceOrder, VQSync, VQUpdate, WireDtype, _check, _check_choices
 
 __all__ = [
     "ModelConfig",
@@ -111,11 +111,21 @@ class VQConfig:
     sync: VQSync = "stream"
     """Codebook synchronisation: stream (slices, SPEC 5.1) | full (whole codebooks every
     micro-batch, for comparison)."""
+    update: VQUpdate = "micro_batch"
+    """When the codebooks learn: micro_batch (the sender takes an EMA k-means step after every
+    training micro-batch it encodes and streams slices of them, SPEC §5.1) | step (every sender of a
+    stream encodes the whole step with the same codebooks and learns once at the step's end from
+    the step's statistics, which replicas of a stage average like gradients, then sends one full
+    slice per link: what several replicas per stage need, SPEC §9.10; the first step encodes with
+    the all-zero codebooks of version 0, the k-means initialisation on its first micro-batch takes
+    effect from the second). ``slice_fraction``, ``slice_order`` and ``sync`` apply to micro_batch."""
     ema_decay: float = 0.99
-    """EMA decay of the k-means statistics (code usage and sums) per micro-batch."""
+    """EMA decay of the k-means statistics (code usage and sums) per micro-batch (``update = step``:
+    ``ema_decay ** num_micro_batches`` per step, the same memory in tokens)."""
     kmeans_init_batches: int = 1
     """The first this many training micro-batches initialise the codebooks by k-means on their data
-    (each sent as a full slice) before EMA updates take over."""
+    (each sent as a full slice) before EMA updates take over (``update = step``: the first step's
+    first micro-batch, once)."""
     kmeans_iters: int = 10
     """Lloyd iterations per k-means initialisation."""
     dead_code_ratio: float = 0.03

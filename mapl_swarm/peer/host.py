@@ -170,9 +170,10 @@ class HostRuntime:
         self.rt.load_inbound_projector(from_wire(wire, pin=self.pin), version)
 
     # ------------------------------------------------------------------ codebook streams (mapl_vq)
-    def take_slices(self, stream: str) -> list[CodebookSlice]:
-        """The slices the last encodes of ``stream`` queued (:meth:`StageRuntime.take_slices`), in host memory."""
-        return slices_to_host(self.rt.take_slices(stream))
+    def slices_for(self, stream: str, have: int) -> list[CodebookSlice]:
+        """The slices due before the next ``stream`` payload to a receiver at version ``have``
+        (:meth:`StageRuntime.slices_for`), in host memory."""
+        return slices_to_host(self.rt.slices_for(stream, have))
 
     def reencode(self, stream: str, micro: int) -> torch.Tensor | None:
         """:meth:`StageRuntime.reencode`'s codes in host memory (None when they are gone)."""

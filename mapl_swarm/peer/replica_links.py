@@ -39,14 +39,16 @@ _MIN_READ_S = 1.0
 class ReplicaLinker:
     """Peer ``name``'s links to neighbour replicas (module docstring). ``gone()``: the contacts of
     replicas known to have left (never linked again); ``epoch()`` and ``local_contact()``: what a
-    new link carries from the start."""
+    new link carries from the start; ``prepare(link)``: what a new link gets before it connects
+    (mapl_vq: its side of the codebook streams)."""
 
     def __init__(self, name: str, links: Links, settings: LinkSettings, *, resolve: Resolve, shaping: LinkConfig,
                  timeout_s: float, hello_retry_s: float, waits: WaitingLog, on_bad_frame: Callable[[str, str], None],
-                 gone: Callable[[], set[str]], epoch: Callable[[], int]) -> None:
+                 gone: Callable[[], set[str]], epoch: Callable[[], int],
+                 prepare: Callable[[PeerLink], None] = lambda link: None) -> None:
         self.name, self.links, self.settings, self.resolve = name, links, settings, resolve
         self.shaping, self.timeout_s, self.hello_retry_s, self.waits = shaping, timeout_s, hello_retry_s, waits
-        self._on_bad_frame, self._gone, self._epoch = on_bad_frame, gone, epoch
+        self._on_bad_frame, self._gone, self._epoch, self._prepare = on_bad_frame, gone, epoch, prepare
         self.local_contact: str | None = None
         self.stale: set[str] = set()
         """Contacts whose replica never welcomed this peer: not linked again."""
@@ -85,6 +87,7 @@ class ReplicaLinker:
         link.candidates = [contact]
         link.local_contact = self.local_contact
         link.epoch = self._epoch()
+        self._prepare(link)
         await connect(link, transport, contact, self.shaping)
         log.info("%s: link %s to a replica of stage %d at %s", self.name, link.name, stage, contact)
         return link

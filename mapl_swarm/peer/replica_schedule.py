@@ -87,6 +87,7 @@ from mapl_swarm.errors import MaplError
 from mapl_swarm.metrics.progress import StepProgress
 from mapl_swarm.peer.host import HostRuntime
 from mapl_swarm.peer.session import Rejected
+from mapl_swarm.peer.vq_link import Retransmitting
 from mapl_swarm.peer.window import StepWindow
 from mapl_swarm.pipeline.payload import ACT_WIRE, GRAD_WIRE, WireName
 from mapl_swarm.pipeline.run_policy import due
@@ -509,10 +510,17 @@ class ReplicaSchedule:
         raises :class:`_Redo` when the current step is to be redone."""
         self._check()
         if not self._woken:
-            wait = self.mailbox.get_from(wanted, self.s.timeout_s if timeout_s is None else timeout_s, what,
+            wait = self.mailbox.get_from(lambda m: m.type is MT.CODEBOOK_SLICE or wanted(m),
+                                         self.s.timeout_s if timeout_s is None else timeout_s, what,
                                          stop=self._interrupted)
             got = await self.waits.wait(wait, self._waited)
             self._check()
+            if got is not None and got[0].type is MT.CODEBOOK_SLICE:
+                # whatever the caller waits for: a slice precedes its link's next payload, and
+                # with codebooks learned per step none comes before the step's last payload is in
+                if self._live(got[1]):
+                    await got[1].on_codebook_slice(got[0])
+                return None
             if got is not None and (got[0].epoch >= self.epoch or got[0].type in (MT.PROJ, MT.BYE)):
                 return got  # a PROJ is the same in every epoch of its step; a BYE counts whenever
             if got is not None:
@@ -568,7 +576,13 @@ class ReplicaSchedule:
             if self.first and cur.todo and cur.ready and len(cur.dest) < self.s.max_in_flight * len(cur.ready):
                 await self._feed(cur, cur.todo.pop(0))
                 continue
-            got = self.mailbox.take_from(lambda m: m.type is MT.GRAD and m.step == step)  # GRADs first
+            # GRADs first (with the grad stream's codebook slices that come before them)
+            got = self.mailbox.take_from(lambda m: (m.type is MT.GRAD and m.step == step) or (
+                m.type is MT.CODEBOOK_SLICE and m.meta.get("stream") == "grad"))
+            if got is not None and got[0].type is MT.CODEBOOK_SLICE:
+                if self._live(got[1]):
+                    await got[1].on_codebook_slice(got[0])
+                continue
             if got is None:
                 got = await self._next(lambda m: self._wanted(m, step), f"ACT, GRAD or ROUTE of step {step}")
             if got is not None:
@@ -611,7 +625,7 @@ class ReplicaSchedule:
         elif msg.type is MT.ROUTE:
             await self._on_route(msg, link, cur)
         elif msg.type is MT.ACT and msg.meta.get("mode") == "eval":
-            await self._eval_forward(msg)
+            await self._eval_forward(msg, link)
         elif msg.step < cur.step or msg.type is MT.PROJ:  # a replica's copy of a PROJ taken, or a stale message
             log.debug("%s: %s of step %d from %s not used (step %d)", self.name, msg.type.name, msg.step, link.name,
                       cur.step)
@@ -702,9 +716,13 @@ class ReplicaSchedule:
             self._drop("stale_projector", msg, "ACTs use the projector this stage holds",
                        f"made with projector v{msg.pver}, this stage holds v{self.window.inbound_pver}")
             return
+        try:
+            res = await link.decoded(self.compute.run(self.host.forward, micro, wire=self._payload(msg, ACT_WIRE),
+                                                      train=True, cver=msg.cver), msg)
+        except Retransmitting:
+            return  # codes of another codebook version: asked again, the copy comes on the link
         cur.origin[micro] = link
         cur.received[link.name] += 1
-        res = await self.compute.run(self.host.forward, micro, wire=self._payload(msg, ACT_WIRE), train=True)
         cur.forwarded += 1
         if not self.last:
             cur.waiting.append((micro, res.payload))
@@ -726,11 +744,15 @@ class ReplicaSchedule:
             self._drop("stale_projector", msg, "GRADs come from ACTs of the projector this stage holds",
                        f"made with projector v{msg.pver}, this stage holds v{self.window.outbound_pver}")
             return
+        origin = cur.origin.get(micro)
+        try:
+            grad = await link.decoded(self.compute.run(self.host.backward, micro, self._payload(msg, GRAD_WIRE),
+                                                       cver=msg.cver, origin=None if origin is None else origin.name),
+                                      msg)
+        except Retransmitting:
+            return  # codes of another codebook version: asked again, the copy comes on the link
         del cur.dest[micro]
         self.router.returned(link, time.monotonic() - went[1])
-        origin = cur.origin.get(micro)
-        grad = await self.compute.run(self.host.backward, micro, self._payload(msg, GRAD_WIRE),
-                                      origin=None if origin is None else origin.name)
         cur.done.append(micro)
         log.debug("%s: step %d micro-batch %d backward (%d of the step)", self.name, cur.step, micro, len(cur.done))
         if origin is not None and self._live(origin):
@@ -1113,7 +1135,7 @@ class ReplicaSchedule:
         self.epoch = epoch
         self.links.set_epoch(epoch)
         self._cur = self._new_step(step)
-        dropped = self.mailbox.drop(lambda m: m.epoch < epoch and m.type not in (MT.PROJ, MT.BYE))
+        dropped = self.mailbox.drop(lambda m: m.epoch < epoch and m.type not in (MT.PROJ, MT.BYE, MT.CODEBOOK_SLICE))
         self._down_reports = {name: r for name, r in self._down_reports.items() if r[1] >= epoch}
         self._votes.clear()
         self._woken = False
@@ -1143,14 +1165,18 @@ class ReplicaSchedule:
         self.hooks.val_loss(step, loss)
         log.info("step %d: val loss %.4f", step, loss)
 
-    async def _eval_forward(self, msg: Message) -> None:
+    async def _eval_forward(self, msg: Message, link: PeerLink) -> None:
         await self._take_projector(msg.step)  # after the last step: the PROJ of the steps done
         if not 0 <= msg.micro < self.s.val_batches or msg.pver != self.window.inbound_pver:
             self._drop("out_of_window", msg, "eval ACTs of a validation, at the projector this stage holds",
                        f"eval micro-batch {msg.micro} of {self.s.val_batches} at v{msg.pver}")
             return
-        res = await self.compute.run(self.host.forward, -1 - msg.micro, wire=self._payload(msg, ACT_WIRE),
-                                     train=False)
+        work = self.compute.run(self.host.forward, -1 - msg.micro, wire=self._payload(msg, ACT_WIRE), train=False,
+                                cver=msg.cver)
+        try:
+            res = await link.decoded(work, msg)
+        except Retransmitting:
+            return  # asked again: the copy comes on the link
         if not self.last:
             down = self._down_links()
             await down[0].send_act(msg.step, msg.micro, res.payload, eval_mode=True, pver=self.window.outbound_pver)
@@ -1177,5 +1203,5 @@ class ReplicaSchedule:
             elif msg.type is MT.ROUTE:
                 await self._on_route(msg, link, self._cur)
             else:
-                await self._eval_forward(msg)
+                await self._eval_forward(msg, link)
         await self._say_bye(dict(self.bye.meta), self.bye.step)

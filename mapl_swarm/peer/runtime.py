@@ -235,7 +235,8 @@ class Peer:
                 self.name, self.links, settings, resolve=resolve, timeout_s=net.timeout_s,
                 hello_retry_s=net.hello_retry_s, waits=self.waits, on_bad_frame=self.bad_frame,
                 shaping=LinkConfig(bandwidth_mbps=net.bandwidth_mbps, latency_ms=net.latency_ms),
-                gone=lambda: self.schedule.gone, epoch=lambda: self.schedule.epoch)
+                gone=lambda: self.schedule.gone, epoch=lambda: self.schedule.epoch,
+                prepare=lambda link: link.use_codebooks(runtime, self.compute, spawn=self.tasks.spawn) if vq else None)
         """With replicas: the links to the neighbour stages' replicas, new ones while training too."""
         self.monitor = HeartbeatMonitor(
             HeartbeatConfig(interval_s=net.heartbeat_interval_s, timeout_s=net.liveness_ceiling,

@@ -118,6 +118,10 @@ class CodebookLink:
         """(step, micro, mode) asked to be retransmitted, not yet decoded (SPEC §9.5, 1.7)."""
         self._resyncs: tuple[int, int] = (-1, 0)
         """(step of the newest payload sent, RESYNCs received since; SPEC §5.1, 1.7)."""
+        self.sent_version = -1
+        """Version of the last slice this link sent of its stream (-1: none yet, or a RESYNC asked
+        for a full one): with ``compression.vq.update = step`` a full slice goes before the next
+        payload when the sender's version is newer (every replica downstream gets its own)."""
 
     @property
     def tx(self) -> Stream:
@@ -134,14 +138,16 @@ class CodebookLink:
         return self.rt.codebook_version(self.tx)
 
     async def send_slices(self, step: int, micro: int) -> None:
-        """Send the runtime's queued slices of this link's stream (before the payload they precede)."""
+        """Send the slices due on this link before its next payload: the runtime's queued ones, or
+        (``update = step``) a full slice when this link has not carried the current version."""
         stream = self.tx
         kind = stream.slice_kind
-        for sl in await self.compute.run(self.host.take_slices, stream):  # host memory
+        for sl in await self.compute.run(self.host.slices_for, stream, self.sent_version):  # host memory
             p = slice_parts(stream=sl.stream, version=sl.version, start=sl.start, full=sl.full, codes=sl.codes,
                             index=sl.index)  # the one CODEBOOK_SLICE encoder (shared with the golden vectors)
             await self.link.send(MT.CODEBOOK_SLICE, step=step, micro=micro, meta=p.meta, cver=p.cver,
                                  tensors=p.tensors, kinds={name: kind for name in p.tensors})
+            self.sent_version = sl.version
 
     async def on_slice(self, msg: Message) -> None:
         """Apply a received slice; rejections are counted and logged, a gap asks for a RESYNC."""
@@ -192,6 +198,7 @@ class CodebookLink:
     async def _answer_resync(self, msg: Message) -> None:
         stream = self.tx
         async with self.compute.encode_lock:  # the full slice, then the re-encoded message: nothing between
+            self.sent_version = -1  # update = step: the next payload on this link brings the full slice
             if not msg.meta.get("retransmit"):
                 await self.compute.run(self.rt.vq.resync_requested, stream)
                 return

@@ -50,6 +50,8 @@ class InProcessPipeline:
         """Micro-batches stage 0 keeps in flight (1F1B), as a swarm's."""
         self.stages = [StageRuntime(cfg, s, device) for s in range(cfg.pipeline.num_stages)]
         self.links = [LinkCounter() for _ in range(cfg.pipeline.num_stages - 1)]
+        self._queued: dict[tuple[int, Stream], int] = {}
+        """(receiving stage, stream) -> version of the last codebook slice queued for it."""
 
     def _forward(self, micro: int, ids: torch.Tensor, keep_logits: bool = False) -> ForwardResult:
         """Forward only (validation, logits) through every stage: payloads and slices go straight to
@@ -60,7 +62,7 @@ class InProcessPipeline:
                                    keep_logits=keep_logits)
             payload = result.payload
             if payload is not None:
-                for sl in stage.take_slices(Stream.ACT):
+                for sl in stage.slices_for(Stream.ACT, self._have(s + 1, Stream.ACT)):
                     self.stages[s + 1].apply_slice(sl)
                 cver = stage.codebook_version(Stream.ACT)
         assert result is not None and result.loss is not None
@@ -108,10 +110,11 @@ class InProcessPipeline:
         """Stage ``src``'s queued ``stream`` slices, then ``payload`` at their codebook version,
         onto the link to ``dst``, each counted."""
         link = self.links[min(src, dst)]
-        for sl in self.stages[src].take_slices(stream):
+        for sl in self.stages[src].slices_for(stream, self._have(dst, stream)):
             link.add(stream.slice_kind,
                      {WireName.CODES: sl.codes, **({} if sl.index is None else {WireName.INDEX: sl.index})})
             fifo[(src, dst)].append(sl)
+            self._queued[(dst, stream)] = sl.version
         if stream is Stream.ACT:
             act = PayloadKey.CODES if PayloadKey.CODES in payload else PayloadKey.ACT
             link.add(LinkKind.ACT, payload[act])
@@ -119,6 +122,12 @@ class InProcessPipeline:
         else:
             link.add(LinkKind.GRAD, payload[PayloadKey.CODES if PayloadKey.CODES in payload else PayloadKey.GRAD])
         fifo[(src, dst)].append((payload, self.stages[src].codebook_version(stream)))
+
+    def _have(self, dst: int, stream: Stream) -> int:
+        """The codebook version stage ``dst`` holds of ``stream`` once the slices queued for it
+        are applied (what a full slice of ``update = step`` is due against; -1 without VQ)."""
+        vq = self.stages[dst].vq
+        return -1 if vq is None else max(vq.rx[stream].version, self._queued.get((dst, stream), -1))
 
     def _receive(self, fifo: dict[tuple[int, int], deque], src: int, dst: int) -> tuple[dict, int | None]:
         """Stage ``dst`` takes the next payload from ``src``, applying the slices queued before it."""

@@ -11,11 +11,11 @@ same numbers. Payloads are dicts of tensors already cast to their wire dtype:
 
 - ACT payload: ``{"act": (B, T, w) wire dtype, "ids": (B, T+1) uint16/uint32}``
 - GRAD payload: ``{"grad": (B, T, w) wire dtype}``
-- mapl_vq: ``"codes"`` (B, T, R, r/G) uint8/uint16 replaces ``"act"`` and ``"grad"``. Each forward
-  or backward that encodes may queue codebook slices: the driver delivers
-  :meth:`take_slices` (``"act"`` downstream, ``"grad"`` upstream) to the neighbour's
-  :meth:`apply_slice` *before* the payload, and passes :meth:`codebook_version` along as the
-  payload's ``cver`` (see :mod:`mapl_swarm.compress.vq_stage`).
+- mapl_vq: ``"codes"`` (B, T, R, r/G) uint8/uint16 replaces ``"act"`` and ``"grad"``. Before a
+  payload the driver delivers :meth:`slices_for` (``"act"`` downstream, ``"grad"`` upstream; the
+  slices the encodes queued, or with ``compression.vq.update = step`` a full slice for a receiver
+  that lacks the version) to the neighbour's :meth:`apply_slice`, and passes
+  :meth:`codebook_version` along as the payload's ``cver`` (see :mod:`mapl_swarm.compress.vq_stage`).
 
 Own non-finite values: :meth:`StageRuntime.step` checks the step's training losses
 (last stage) and the gradients' total norm with one host sync before any optimizer update, and
@@ -239,6 +239,16 @@ class StageRuntime:
         (``"grad"``, for the previous stage); deliver them before that payload. [] without VQ."""
         return self.vq.take_slices(stream) if self.vq is not None else []
 
+    def slices_for(self, stream: str, have: int) -> list[CodebookSlice]:
+        """The codebook slices to deliver before this stage's next ``stream`` payload to a receiver
+        at version ``have`` (-1: unknown) (:meth:`StageVQ.slices_for`); [] without VQ."""
+        return self.vq.slices_for(stream, have) if self.vq is not None else []
+
+    def step_statistics(self) -> list[torch.Tensor]:
+        """What the codec gathered over the step for the stage's replicas to average with the
+        gradients (:meth:`~mapl_swarm.compress.codecs.StageCodec.step_statistics`)."""
+        return self.codec.step_statistics()
+
     def codebook_version(self, stream: str) -> int:
         """``cver`` of the last payload this stage encoded on ``stream`` (0 without VQ)."""
         return self.vq.version(stream) if self.vq is not None and stream in self.vq.tx else 0
@@ -297,6 +307,7 @@ class StageRuntime:
         self._step_losses.clear()
         for p in [*self.modules.parameters(), *self.optimized_parameters()]:
             p.grad = None
+        self.codec.abandon_step()
 
     # ------------------------------------------------------------------ optimizer
     def step(self) -> dict[str, float]:

@@ -49,7 +49,7 @@ from mapl_swarm.procs import set_parent_death_signal, watch_parent
 from mapl_swarm.replicas.exact_allreduce import ExactAllReduceRunner
 from mapl_swarm.replicas.state import StateMismatch, flatten_state, restore_like
 
-__all__ = ["StageAverager", "REFUSALS", "MEMBERS_CACHE_S"]
+__all__ = ["StageAverager", "REFUSALS", "MEMBERS_CACHE_S", "GATHER_ONLY"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,10 @@ REFUSALS = ("join_group", "aggregate_part", "download_state", "group")
 """What a stage averager refuses to a non-member: its three RPCs, and a group assembled with one."""
 STATE_KEY = "mapl_stage_state"
 """The metadata key of a stage state in a download (hivemind's own metadata is a dict too)."""
+GATHER_ONLY = "gather_only"
+"""A member whose gathered data (a dict) holds this key with ``True`` makes its round gather only:
+matchmaking and the gathered data, no all-reduce (the sync round before the first step averages
+nothing; a round whose all-reduce broke at one member and not at another could split them)."""
 MEMBERS_CACHE_S = 1.0
 """How long a read of the stage's members is reused before the DHT is asked again."""
 MEMBERS_REREAD_S = 0.2
@@ -74,7 +78,8 @@ class StageAverager(DecentralizedAverager):
     ``replicas``: how many replicas a step averages among (hivemind's ``target_group_size``: a
     group forms as soon as that many are in, without waiting ``min_matchmaking_time`` out).
     ``state``: the stage's whole state (:mod:`.state`), what :meth:`download_state` of a joining
-    replica receives. Everything else is hivemind's (``averaged_tensors``, ``dht``, ``start``,
+    replica receives. A round in which a member gathered :data:`GATHER_ONLY` runs no all-reduce and
+    leaves the tensors as they are. Everything else is hivemind's (``averaged_tensors``, ``dht``, ``start``,
     ``step(weight=...)``)."""
 
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: Any, *, run_id: str, stage: int,
@@ -225,6 +230,15 @@ class StageAverager(DecentralizedAverager):
         if strangers:
             raise MatchmakingException(f"a group with {len(strangers)} peer(s) that are no replicas of stage "
                                          f"{self.stage}: {strangers}")
+        try:
+            gathered = {peer: self.serializer.loads(self.serializer.loads(blob)[2])
+                        for peer, blob in zip(group_info.peer_ids, group_info.gathered)}
+        except Exception as exc:  # hivemind's own would fail alike: the round fails
+            raise MatchmakingException(f"unreadable gathered data: {type(exc).__name__}: {exc}") from None
+        if any(isinstance(v, dict) and v.get(GATHER_ONLY) is True for v in gathered.values()):
+            # every member reads the same gathered data, so all of them skip the all-reduce alike
+            self._running_groups[group_info.group_id].cancel()  # no runner: no part is sent or awaited
+            return gathered
         return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
 
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,

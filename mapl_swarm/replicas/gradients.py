@@ -9,6 +9,10 @@ all-reduce through :class:`~.averaging.StageAverager`): the result is the global
 the same bytes on every replica, and every replica takes the same optimizer step. A sender's
 projector gradient holds what its receivers sent it (PROJ_GRAD), so it is averaged with the rest:
 every replica of the sender applies the same SPEL step and sends the same next projector version.
+The codec's step statistics (MAPL+VQ with ``compression.vq.update = step``: each codebook sender's
+usage and sums over the step, and the proposal made from the step's first micro-batch) are shares
+of the step's value too and are averaged with the gradients, so every replica's codebooks take the
+same update; the digest a round compares covers those codebooks beside the parameters.
 
 Each replica gathers, with the round, the digest of its parameters before the step, the indices
 (within the step) of the micro-batches it accumulated, its step, its run epoch, its contact and (the
@@ -38,7 +42,7 @@ from typing import Any
 
 import torch
 
-from mapl_swarm.replicas.averaging import StageAverager
+from mapl_swarm.replicas.averaging import GATHER_ONLY, StageAverager
 from mapl_swarm.replicas.errors import AveragingFailed, Behind, RoundCancelled
 from mapl_swarm.replicas.state import state_digest
 
@@ -132,7 +136,9 @@ class ReplicaGradients:
     def __init__(self, runtime: Any, dht: Any, *, run_id: str, replicas: int, **averager_kwargs: Any) -> None:
         self.runtime = runtime
         self.params = list(runtime.optimized_parameters())
-        buffers = [torch.zeros(p.shape, dtype=torch.float32) for p in self.params]  # contiguous, as hivemind needs
+        self.stats = list(runtime.step_statistics())
+        """The codec's step statistics (MAPL+VQ ``update = step``), averaged like the gradients."""
+        buffers = [torch.zeros(t.shape, dtype=torch.float32) for t in [*self.params, *self.stats]]  # contiguous
         self._served: Callable[[], Any] = lambda: self.runtime.state_dict()
         self.averager = StageAverager(buffers, dht, run_id=run_id, stage=runtime.stage, replicas=replicas,
                                       state=lambda: self._served(), start=True, **averager_kwargs)
@@ -145,10 +151,10 @@ class ReplicaGradients:
 
     def attach(self, runtime: Any) -> None:
         """Average ``runtime``'s gradients from now on (a new session's stage, built the same way)."""
-        params = list(runtime.optimized_parameters())
-        if [p.shape for p in params] != [p.shape for p in self.params]:
+        params, stats = list(runtime.optimized_parameters()), list(runtime.step_statistics())
+        if [p.shape for p in [*params, *stats]] != [p.shape for p in [*self.params, *self.stats]]:
             raise ValueError(f"stage {runtime.stage}: another runtime's parameters")
-        self.runtime, self.params = runtime, params
+        self.runtime, self.params, self.stats = runtime, params, stats
 
     def serve(self, state: Callable[[], Any]) -> None:
         """What a joining replica downloads from this one from now on: ``state()`` (read in a thread
@@ -222,15 +228,14 @@ class ReplicaGradients:
 
     def sync(self, *, timeout: float, epoch: int = 0, contact: str = "") -> ReplicaStep:
         """The round before the first step: the replicas that start together, each one's parameter
-        digest (nothing is averaged into the gradients)."""
-        with self.averager.get_tensors() as buffers:
-            for buf in buffers:
-                buf.zero_()
-        return self._round(1.0, self._gather([], 0.0, epoch, contact, SYNC_STEP, 1), timeout)
+        digest (gathered only: no all-reduce, whose failure at one member could leave another past
+        the round)."""
+        return self._round(1.0, {**self._gather([], 0.0, epoch, contact, SYNC_STEP, 1), GATHER_ONLY: True}, timeout)
 
     def _gather(self, micro: Sequence[int], loss_sum: float, epoch: int, contact: str, step: int,
                 expected: int) -> dict[str, Any]:
-        return {"digest": state_digest(self.runtime.modules.state_dict()), "micro": [int(m) for m in micro],
+        state = {"modules": self.runtime.modules.state_dict(), "codec": self.runtime.codec.replicated_state()}
+        return {"digest": state_digest(state), "micro": [int(m) for m in micro],
                 "loss": float(loss_sum), "epoch": int(epoch), "contact": contact, "step": int(step),
                 "expected": int(expected)}
 
@@ -250,12 +255,13 @@ class ReplicaGradients:
         self.averager.set_group_size(expected)
         n = len(micro)
         scale = self.runtime.cfg.pipeline.num_micro_batches / n if n else 0.0
+        stats = self.runtime.step_statistics()  # the same tensors as self.stats, filled in for the step
         with self.averager.get_tensors() as buffers, torch.no_grad():
-            for buf, p in zip(buffers, self.params, strict=True):
-                if p.grad is None or not n:
+            for buf, t in zip(buffers, [*(p.grad for p in self.params), *stats], strict=True):
+                if t is None or not n:
                     buf.zero_()
                 else:
-                    buf.copy_(p.grad.detach().to("cpu", torch.float32)).mul_(scale)
+                    buf.copy_(t.detach().to("cpu", torch.float32)).mul_(scale)
         round_ = self._round(float(n), gather, timeout)
         # every check below reads only what every member gathered, so all of them decide alike
         if round_.group_size < round_.expected:  # a partner not in it yet, or gone without one knowing
@@ -267,8 +273,10 @@ class ReplicaGradients:
             raise error(f"stage {self.runtime.stage}: a round with replicas of steps {sorted(steps)} and run epochs "
                         f"{sorted(epochs)}, this one is at step {step}, epoch {epoch}")
         with self.averager.get_tensors() as buffers, torch.no_grad():
-            for buf, p in zip(buffers, self.params, strict=True):
+            for buf, p in zip(buffers, self.params):
                 p.grad = buf.to(p.device, p.dtype, copy=True)
+            for buf, t in zip(buffers[len(self.params):], stats, strict=True):
+                t.copy_(buf)
         return round_
 
     def shutdown(self) -> None:

@@ -147,10 +147,11 @@ def slice_fields(msg: Message) -> SliceFields:
 
 
 def receiver_outcome(msg: Message, *, stream: str, layout: CodebookLayout, have: int,
-                     awaiting_resync: bool = False) -> str:
+                     awaiting_resync: bool = False, holds_slice: bool = False) -> str:
     """What a ``stream`` receiver at version ``have`` does with a decoded message: a
     CODEBOOK_SLICE gives :data:`APPLY` or :data:`IGNORE`, ACT/GRAD codes :data:`APPLY` (decodable);
-    otherwise the :class:`CodebookError` is raised. Used by the golden vectors."""
+    otherwise the :class:`CodebookError` is raised. ``holds_slice``: the receiver's codebooks equal
+    the slice's codes (SPEC §9.10 item 12). Used by the golden vectors."""
     if msg.type is MessageType.CODEBOOK_SLICE:
         f = slice_fields(msg)
         shape = f.codes.shape
@@ -158,7 +159,7 @@ def receiver_outcome(msg: Message, *, stream: str, layout: CodebookLayout, have:
         index = None if f.index is None else SliceIndex.of(f.index_dtype, f.index.shape, f.index.ravel().tolist())
         return check_slice(stream=f.stream, version=f.version, start=f.start, full=f.full, shape=shape,
                            finite=finite, expect_stream=stream, layout=layout, have=have,
-                           awaiting_resync=awaiting_resync, index=index)
+                           awaiting_resync=awaiting_resync, index=index, same=holds_slice)
     if msg.type in (MessageType.ACT, MessageType.GRAD):
         t = msg.tensors.get("codes")
         if t is None:

@@ -175,12 +175,13 @@ class SliceIndex:
 
 def check_slice(*, stream: str, version: int, start: int, full: bool, shape: tuple[int, ...],
                 finite: bool | None, expect_stream: str, layout: CodebookLayout, have: int,
-                awaiting_resync: bool = False, index: SliceIndex | None = None) -> str:
+                awaiting_resync: bool = False, index: SliceIndex | None = None, same: bool = False) -> str:
     """Apply SPEC §5.1's receiver rules; returns :data:`APPLY` or :data:`IGNORE`, or raises.
 
     ``shape`` and ``finite`` describe the slice's codes (``finite=None`` skips that check, for
     callers that test it themselves); ``index`` its ``index`` tensor if any; ``have`` is the
-    receiver's version.
+    receiver's version; ``same``: the slice's codes equal the receiver's codebooks (a full slice
+    at the receiver's own version is then another replica's copy of it, SPEC §9.10: ignored).
     """
     if stream != expect_stream:
         raise SliceMalformed(f"slice of stream {stream!r} sent to the {expect_stream!r} receiver")
@@ -216,6 +217,8 @@ def check_slice(*, stream: str, version: int, start: int, full: bool, shape: tup
                           f"{have}")
     if awaiting_resync:
         return APPLY if full else IGNORE
+    if full and same and version == have:
+        return IGNORE
     if version <= have:
         raise StaleSlice(f"slice version {version} is not newer than the receiver's {have}")
     if not full and version != have + 1:

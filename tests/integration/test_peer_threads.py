@@ -62,7 +62,7 @@ def test_stage_tensor_work_runs_on_the_compute_thread(tmp_path):
     results = asyncio.run(swarm())
     assert len(results[0].train_losses) == 2 and results[0].val_history
     for key in ("stage0.runtime.forward", "stage1.runtime.backward", "stage2.runtime.forward",
-                "stage1.runtime.take_slices", "stage1.runtime.apply_slice", "stage0.runtime.outbound_projector",
+                "stage1.runtime.slices_for", "stage1.runtime.apply_slice", "stage0.runtime.outbound_projector",
                 "stage1.runtime.take_inbound_projector_grad", "stage0.runtime.add_outbound_projector_grad",
                 "stage1.runtime.load_inbound_projector", "stage2.runtime.state_dict", "stage1.runtime.step"):
         assert key in calls, f"{key} never ran: the test no longer covers it"

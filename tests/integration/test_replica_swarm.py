@@ -1,8 +1,9 @@
 """Several peers per stage (SPEC §9.10), as real processes: ``launch`` with two replicas of each of
-three stages. Stage 0's replicas split every step's micro-batches (2 and 1 of M = 3), each micro-batch
+three stages, for 5 steps. Stage 0's replicas split every step's micro-batches (2 and 1 of M = 3), each micro-batch
 is routed to one replica of the next stage, the replicas of each stage average their gradients
 through hivemind and take the same step; the swarm's losses are those of one in-process pipeline
-over the whole batch (``train``), the projector's SPEL steps included (``mapl``)."""
+over the whole batch (``train``), the projector's SPEL steps included (``mapl``), and with MAPL+VQ
+(``compression.vq.update = step``) the replicas of a stage learn the same codebooks."""
 
 from __future__ import annotations
 
@@ -22,17 +23,22 @@ from swarm_helpers import train_losses, write_config
 
 pytestmark = pytest.mark.timeout(300)
 
+STEPS = 5
+"""Steps of each run (the issue's equivalence is over 5 steps)."""
+
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
 
 
-@pytest.mark.parametrize("codec", ["none", "mapl"])
+@pytest.mark.parametrize("codec", ["none", "mapl", "mapl_vq"])
 def test_two_replicas_of_three_stages_train_as_one_pipeline(tmp_path, cache, codec):
-    path = write_config(tmp_path / "replicas.toml", codec=codec, stages=3, steps=3, cache=cache,
+    path = write_config(tmp_path / "replicas.toml", codec=codec, stages=3, steps=STEPS, cache=cache,
                         out=tmp_path / "swarm", run_id=f"replicas-{codec}")
-    path.write_text(path.read_text() + "\n[replicas]\nenabled = true\ninitial = [2, 2, 2]\nmatchmaking_s = 1.0\n")
+    vq = '\n[compression.vq]\nupdate = "step"\ncodebook_size = 16\n' if codec == "mapl_vq" else ""
+    path.write_text(path.read_text() + vq +
+                    "\n[replicas]\nenabled = true\ninitial = [2, 2, 2]\nmatchmaking_s = 1.0\n")
     cfg = load_config(path)
     summary = launch(cfg, ["--config", str(path)], progress=False, timeout_s=240)
     ref = train(load_config(path, {"run": {"out_dir": str(tmp_path / "ref")}}), progress=False)
@@ -53,6 +59,35 @@ def test_two_replicas_of_three_stages_train_as_one_pipeline(tmp_path, cache, cod
     assert all(link["forward_payload"] > 0 and link["backward_payload"] > 0 for link in summary.links)
     if codec == "mapl":
         check_any_replica_exports(tmp_path)
+    if codec == "mapl_vq":
+        check_codebooks(results)
+
+
+def check_codebooks(results: dict) -> None:
+    """The replicas of a stage learned the same codebooks (version and digest of each stream they
+    send), a receiver holds the bytes its senders hold at that version, and the links carried full
+    slices before the payloads that needed them (no codes at another version, no slice refused; a
+    receiver ignores the second upstream replica's copy of a version)."""
+    for s in range(3):
+        books = [results[s, r]["codebooks"] for r in range(2)]
+        for book in books:
+            sent = {k: v for k, v in book["versions"].items() if k.startswith("tx_")}
+            assert sent and all(v == STEPS for v in sent.values()), book["versions"]  # one version per step
+            assert {k: book["digests"][k] for k in sent} == {k: books[0]["digests"][k] for k in sent}
+            assert book["versions"].get("rx_grad", 0) < STEPS and book["versions"].get("rx_act", 0) <= STEPS
+            assert not book["rejected"] and book["resyncs_sent"] == 0 and book["applied"] >= 1, book
+        assert sum(book["ignored"] for book in books) >= 1  # the other upstream replica's copy of a version
+        # a replica gets a version with the first payload that needs it: the grad stream's last one
+        # would come with the next step's (there is none), the act stream's with the validation's
+        # eval ACTs (to one replica); a replica routed no payload of a step may lag behind
+        for stream, newest in (("rx_grad", STEPS - 1), ("rx_act", STEPS)):
+            if stream in books[0]["versions"]:
+                assert max(book["versions"][stream] for book in books) == newest
+        for r in range(2):
+            for stream, up in (("act", s - 1), ("grad", s + 1)):
+                book = results[s, r]["codebooks"]
+                if 0 <= up < 3 and book["versions"][f"rx_{stream}"] == STEPS:
+                    assert book["digests"][f"rx_{stream}"] == results[up, 0]["codebooks"]["digests"][f"tx_{stream}"]
 
 
 def check_any_replica_exports(tmp_path: Path) -> None:
@@ -61,13 +96,13 @@ def check_any_replica_exports(tmp_path: Path) -> None:
     differ: each replica draws its own stream (nothing in training reads it with dropout 0)."""
     folders = [replica_out_dir(tmp_path / "swarm", r) for r in range(2)]
     for s in range(3):
-        assert stage_steps(folders[0], s) == stage_steps(folders[1], s) == [3]
-        flat = [{k: v for k, v in _tensors(load_stage(folder, 3, s)).items() if not k.startswith("/rng")}
+        assert stage_steps(folders[0], s) == stage_steps(folders[1], s) == [STEPS]
+        flat = [{k: v for k, v in _tensors(load_stage(folder, STEPS, s)).items() if not k.startswith("/rng")}
                 for folder in folders]
         assert flat[0].keys() == flat[1].keys() and flat[0]
         assert all(torch.equal(flat[0][k], flat[1][k]) for k in flat[0]), s
     r = export_run(folders[0], tmp_path / "model", stage_dirs=[f"1={folders[1]}", f"2={folders[1]}"])
-    assert r.step == 3 and r.max_logit_diff < 1e-4
+    assert r.step == STEPS and r.max_logit_diff < 1e-4
 
 
 def _tensors(tree, prefix: str = "") -> dict:

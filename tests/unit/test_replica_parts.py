@@ -126,7 +126,7 @@ def test_a_round_is_whole_when_every_micro_batch_is_counted_once_in_one_epoch_wi
     assert "different epochs" in round_({"p1": (0, 1), "p2": (2,)}, epochs={"p1": 0, "p2": 1}).problem(3)
 
 
-def test_replicas_are_configured_per_stage_and_not_with_codebooks():
+def test_replicas_are_configured_per_stage_and_with_codebooks_learned_per_step():
     cfg = config_from_dict({"pipeline": {"num_stages": 3}, "replicas": {"enabled": True, "initial": [1, 2, 2]}})
     assert [cfg.replicas_of(s) for s in range(3)] == [1, 2, 2]
     for bad, match in (({"enabled": True, "initial": [2, 2]}, "lists 2 stage"),
@@ -134,8 +134,10 @@ def test_replicas_are_configured_per_stage_and_not_with_codebooks():
                        ({"enabled": True, "initial": [0, 1, 1]}, "positive replica counts")):
         with pytest.raises(ConfigError, match=match):
             config_from_dict({"pipeline": {"num_stages": 3}, "replicas": bad})
-    with pytest.raises(ConfigError, match="codebook streams between replicas"):
+    with pytest.raises(ConfigError, match="needs compression.vq.update = 'step'"):
         config_from_dict({"compression": {"codec": "mapl_vq"}, "replicas": {"enabled": True}})
+    vq = config_from_dict({"compression": {"codec": "mapl_vq", "vq": {"update": "step"}}, "replicas": {"enabled": True}})
+    assert vq.compression.vq.update == "step"
     with pytest.raises(ConfigError, match="num_stages >= 2"):
         config_from_dict({"pipeline": {"num_stages": 1}, "replicas": {"enabled": True}})
     assert _replica_sets("2", 3) == ["replicas.enabled=true", "replicas.initial=[2, 2, 2]"]

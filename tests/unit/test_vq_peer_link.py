@@ -46,7 +46,7 @@ class StubPeer:
 
     def __init__(self) -> None:
         vq = StageVQ(S, 1, has_inbound=True, has_outbound=True, seed=0)
-        self.rt = SimpleNamespace(vq=vq, apply_slice=vq.apply_slice, take_slices=vq.take_slices,
+        self.rt = SimpleNamespace(vq=vq, apply_slice=vq.apply_slice, slices_for=vq.slices_for,
                                   reencode=vq.reencode,
                                   codebook_version=lambda s: vq.version(s) if s in vq.tx else 0)
         self.sent: list[tuple[int, MessageType, dict]] = []

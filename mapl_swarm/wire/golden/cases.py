@@ -539,6 +539,8 @@ def _codebook(v: dict[str, list[bytes]]) -> list[Case]:
         ("slice_stale_replay", _slice(5, 4, 4), rx, "stale_slice", "version 5 == receiver's 5 (replay)"),
         ("slice_stale_old", _slice(1, 4, 4), rx, "stale_slice", "version 1 < receiver's 5"),
         ("slice_full_stale", _slice(5, 0, K, full=True), rx, "stale_slice", "full slice not newer"),
+        ("slice_full_replica_copy", _slice(5, 0, K, full=True), {**rx, "holds_slice": True}, "ignore",
+         "2.1: full slice at the receiver's version, its codebooks equal to it (another replica's copy)"),
         ("slice_future_gap", _slice(7, 4, 4), rx, "future_slice", "version 7 skips 6: slices lost"),
         ("slice_rounds_mismatch", _slice(6, 4, 4, shape=(3, NG, 4, G)), rx, SS, "3 rounds, receiver has 2"),
         ("slice_groups_mismatch", _slice(6, 4, 4, shape=(R, 4, 4, G)), rx, SS, "4 groups, receiver has 2"),

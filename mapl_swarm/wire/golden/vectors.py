@@ -203,7 +203,8 @@ def codebook_outcome(msg: Message, receiver: dict[str, Any]) -> str:
                             codebook_size=receiver["codebook_size"], group_size=receiver["group_size"])
     try:
         return receiver_outcome(msg, stream=receiver["stream"], layout=layout, have=receiver["version"],
-                                awaiting_resync=receiver["awaiting_resync"])
+                                awaiting_resync=receiver["awaiting_resync"],
+                                holds_slice=receiver.get("holds_slice", False))
     except CodebookError as e:
         return e.code
 
