@@ -180,6 +180,9 @@ class CodebookSlice:
         return cls(stream=f.stream, version=f.version, start=f.start, full=f.full, codes=codes, index=index)
 
 
+_TOTALS = ("slices", "full_slices", "slice_bytes", "encodes", "tokens")
+
+
 def _digest(codebooks: torch.Tensor, version: int) -> str:
     h = hashlib.sha256(codebooks.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
     h.update(int(version).to_bytes(8, "little"))
@@ -219,8 +222,9 @@ class VQSender:
         self._dead_seen = 0
         """The learner's dead-code total at the last :meth:`metrics`."""
         self._distance_bytes: int | None = None
-        self.totals: dict[str, int] = defaultdict(int)
-        """Lifetime counters: slices, full_slices, slice_bytes, encodes, tokens."""
+        self.totals: dict[str, int] = defaultdict(int, {k: 0 for k in _TOTALS})
+        """Lifetime counters: slices, full_slices, slice_bytes, encodes, tokens (every key from the
+        start: the state's form does not depend on what was sent, which a joining replica checks)."""
         R, NG, K, G = s.layout.shape
         self.step_share = torch.zeros(R, NG, K, device=self.device)
         self.step_sums = torch.zeros(R, NG, K, G, device=self.device)
@@ -463,7 +467,7 @@ class VQSender:
         self.gen.set_state(st["gen"])
         if self.draw_gen is not self.gen and "draw_gen" in st:
             self.draw_gen.set_state(st["draw_gen"])
-        self.totals = defaultdict(int, st["totals"])
+        self.totals = defaultdict(int, {**{k: 0 for k in _TOTALS}, **st["totals"]})
         self._dead_seen = self.learner.dead_replaced  # metrics count replacements after the restore
 
 

@@ -46,6 +46,11 @@ step is either taken once by every stage or redone by all of them: every micro-b
 per stage and the step's tokens are exact. A stage whose last replica leaves ends the run as
 before.
 
+**Codebooks** (MAPL+VQ, learned per step, SPEC §9.10 item 12): a CODEBOOK_SLICE is applied as soon
+as the schedule takes messages, whatever it waits for (a slice precedes its link's next payload in
+the mailbox, and none of a step comes before the previous step's last payload was taken); decodes
+go through the link's guard (codes of another version ask for a retransmission and are dropped).
+
 **A replica that joins** the running swarm (``joining``, SPEC §9.10 item 11; its links come from
 :mod:`~.replica_links`) downloads its stage's state from a live replica (:meth:`ReplicaSchedule._join`:
 what :meth:`ReplicaSchedule._served_state` gives, read under the lock the optimizer step holds) and

@@ -9,7 +9,9 @@ Marked ``slow`` (run with ``-m slow``; ~35-60 s) to keep the default suite's sha
 tests within its budget. It used to hang in some runs (a round kept by one member of a pair and
 failed at the other; a hivemind round cancelled mid-matchmaking that locked the next); since every
 replica's round must be whole for a commit (ROUTE ``taken``), an unsure round redoes the step and
-rounds are never cancelled mid-way, it passed every run of the final code (BENCHMARKS.md counts)."""
+rounds are never cancelled mid-way, it passed every run of the final code (BENCHMARKS.md counts).
+With ``mapl_vq`` (codebooks learned per step) the redone step's codebook statistics are dropped with
+its gradients, so the codebooks too are those of the whole batch."""
 
 from __future__ import annotations
 
@@ -30,8 +32,9 @@ MIDDLE = ((1, 0), (1, 1))
 WORKING = re.compile(r"step [1-9] micro-batch \d+ backward \(1 of the step\)")
 
 
-def test_killing_a_middle_replica_mid_run_loses_no_micro_batch_and_counts_none_twice(tmp_path):
-    with ReplicaSwarm(tmp_path, "replica-fail", steps=STEPS, identities=[2, 2, 2]) as swarm:
+@pytest.mark.parametrize("codec", ["mapl", "mapl_vq"])
+def test_killing_a_middle_replica_mid_run_loses_no_micro_batch_and_counts_none_twice(tmp_path, codec):
+    with ReplicaSwarm(tmp_path, f"replica-fail-{codec}", steps=STEPS, identities=[2, 2, 2], codec=codec) as swarm:
         for stage in range(3):
             for r in range(2):
                 swarm.start(stage, r, "--set", "net.heartbeat_interval_s=0.5", "--set", "net.liveness_floor_s=5.0",

@@ -6,7 +6,8 @@ Its neighbours link it while they train, it downloads its stage's state from a l
 the step it downloaded and in every later one (a round checks every member's parameter digest, so
 from then on its parameters are its partners', bit for bit), and gets micro-batches routed to it.
 The swarm's losses stay those of one in-process pipeline over the whole batch, and the three
-replicas of the middle stage end with the same parameters, optimizer and projector."""
+replicas of the middle stage end with the same parameters, optimizer and projector (and, with MAPL+VQ
+learned per step, the same codebooks: the joiner downloads them with the state; slow)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ STEPS = 40
 JOINED = re.compile(r"joined stage 1 at step (\d+)")
 
 
-def test_a_replica_joins_a_running_swarm_and_trains_in_step_with_its_partners(tmp_path):
-    with ReplicaSwarm(tmp_path, "replica-join", steps=STEPS, identities=[2, 3, 2]) as swarm:
+@pytest.mark.parametrize("codec", ["mapl", pytest.param("mapl_vq", marks=pytest.mark.slow)])
+def test_a_replica_joins_a_running_swarm_and_trains_in_step_with_its_partners(tmp_path, codec):
+    with ReplicaSwarm(tmp_path, f"replica-join-{codec}", steps=STEPS, identities=[2, 3, 2], codec=codec) as swarm:
         for stage in range(3):
             for r in range(2):
                 swarm.start(stage, r)
@@ -55,11 +57,17 @@ def test_a_replica_joins_a_running_swarm_and_trains_in_step_with_its_partners(tm
     # every step once, with all its tokens, at the losses of the whole batch
     ref = tmp_path / "ref"
     train(load_config(swarm.path, {"run": {"out_dir": str(ref)}}), progress=False)
+    # (mapl_vq: a code flips where rounding moves a vector across a boundary between two codes,
+    # so over 40 steps the averaging's summation order shows: 2 x 3 replicas without a join were
+    # up to 0.5% off `train`, BENCHMARKS.md; within 1e-3 over the 5 steps of test_replica_swarm)
+    tolerance = 1e-2 if codec == "mapl_vq" else 1e-3
     for r in range(2):
         assert results[0, r]["tokens"] == STEPS * swarm.cfg.tokens_per_step
-        assert results[0, r]["train_losses"] == pytest.approx(train_losses(ref), rel=1e-3)
-    # the three replicas of the middle stage end with the same state, bit for bit (but their RNGs)
-    states = [_flat(load_stage(replica_out_dir(swarm.out, r), STEPS, 1)) for r in range(3)]
+        assert results[0, r]["train_losses"] == pytest.approx(train_losses(ref), rel=tolerance)
+    # the three replicas of the middle stage end with the same state, bit for bit (but their RNGs
+    # and, with mapl_vq, the codebooks they receive: a replica gets a version with a payload that needs it)
+    states = [{k: v for k, v in _flat(load_stage(replica_out_dir(swarm.out, r), STEPS, 1)).items()
+               if not k.startswith("/vq/rx")} for r in range(3)]
     assert states[0].keys() == states[2].keys() and states[0]
     assert all(torch.equal(states[0][k], s[k]) for s in states[1:] for k in states[0])
 
