@@ -393,18 +393,24 @@ class VQSender:
     def step_statistics(self) -> list[torch.Tensor]:
         """``update = step``: this sender's shares of the step's statistics (usage, sums, proposal),
         the tensors a stage's replicas average (weighted by micro-batches, each pre-scaled to its
-        mean as gradients are) and write back before :meth:`end_step`. The proposal is made once
-        per step from the first micro-batch's residuals: the k-means initialisation until the
-        codebooks have one, then a candidate point per code for dead-code replacement."""
+        mean as gradients are: the average is the sum of the replicas' shares) and write back
+        before :meth:`end_step`. The proposal is made once per step from the first micro-batch's
+        residuals: until the codebooks have one, the k-means initialisation (and, in place of the
+        usage, its codes' usage of that micro-batch: the other replicas' usage of the all-zero
+        codebooks says nothing), then a candidate point per code for dead-code replacement."""
         s = self.s
         if not self._proposed:
             self.step_proposal.zero_()
+            if self.init_done == 0:
+                self.step_share.zero_()
+                self.step_sums.zero_()
             if self._first is not None:
                 gen = self._step_generator()
                 if self.init_done == 0:
-                    self.step_proposal.copy_(kmeans_rounds(self._first[0], s.rounds, s.codebook_size,
-                                                           s.kmeans_iters, gen, self.distance_bytes,
-                                                           fused=s.compile))
+                    books, share = kmeans_rounds(self._first[0], s.rounds, s.codebook_size, s.kmeans_iters, gen,
+                                                 self.distance_bytes, fused=s.compile)
+                    self.step_proposal.copy_(books)
+                    self.step_share.copy_(share)
                 elif s.dead_code_ratio > 0:
                     for k in range(s.rounds):
                         self.step_proposal[k] = random_points(self._first[k], s.codebook_size, gen)
@@ -413,16 +419,20 @@ class VQSender:
 
     def end_step(self) -> None:
         """``update = step``: learn from the step's (averaged) statistics, the mirror becomes the
-        learned codebooks at the next version, and the step's statistics are cleared."""
+        learned codebooks at the next version, and the step's statistics are cleared. Until a
+        step's first micro-batch carries a non-zero value (a stream whose upstream decoded all-zero
+        codes in the first step sends zero gradients) the codebooks stay empty, at version 0."""
         self.step_statistics()
         if self.init_done == 0:
-            self.learner.start(self.step_proposal)
-            self.init_done = 1
+            if bool(self.step_proposal.any()):  # one host read, until the stream is initialised
+                self.learner.start(self.step_proposal, self.step_share)
+                self.init_done = 1
         else:
             decay = self.s.ema_decay ** self.micro_batches
             self.learner.update_step(self.step_share, self.step_sums, self.step_proposal, decay)
-        self.mirror.copy_(self.learner.live)
-        self.version += 1
+        if self.init_done:
+            self.mirror.copy_(self.learner.live)
+            self.version += 1
         self.clear_step()
 
     def clear_step(self) -> None:

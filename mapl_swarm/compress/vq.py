@@ -316,16 +316,17 @@ def kmeans(x: torch.Tensor, K: int, iters: int, gen: torch.Generator, max_distan
 
 
 def kmeans_rounds(x: torch.Tensor, rounds: int, K: int, iters: int, gen: torch.Generator,
-                  max_distance_bytes: int | None = None, *, fused: bool = False) -> torch.Tensor:
+                  max_distance_bytes: int | None = None, *, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual k-means of x (N, NG, G): round k's codebooks (k-means of what rounds < k left),
-    (rounds, NG, K, G); the initialisation of ``update = step`` codebooks (the same k-means as
-    :meth:`EmaKMeans.init_round` from scratch)."""
-    out = []
+    (rounds, NG, K, G), and their usage shares (rounds, NG, K); the initialisation of ``update =
+    step`` codebooks (the same k-means as :meth:`EmaKMeans.init_round` from scratch)."""
+    books, shares = [], []
     for _ in range(rounds):
-        c, _ = kmeans(x, K, iters, gen, max_distance_bytes, fused=fused)
-        out.append(c)
+        c, share = kmeans(x, K, iters, gen, max_distance_bytes, fused=fused)
+        books.append(c)
+        shares.append(share)
         x = x - lookup(c, nearest_codes(x, c, max_distance_bytes, fused=fused))
-    return torch.stack(out)
+    return torch.stack(books), torch.stack(shares)
 
 
 class EmaKMeans:
@@ -380,13 +381,12 @@ class EmaKMeans:
         self.sums[k] = torch.where(dead[..., None], cand / K, self.sums[k])
         self.dead_total += dead.sum()
 
-    def start(self, codebooks: torch.Tensor) -> None:
-        """Take ``codebooks`` (R, NG, K, G) as the learned codes, each at the uniform share 1 / K
-        (``update = step``: the k-means initialisation)."""
-        K = self.s.codebook_size
+    def start(self, codebooks: torch.Tensor, share: torch.Tensor) -> None:
+        """Take ``codebooks`` (R, NG, K, G) as the learned codes at usage ``share`` (R, NG, K)
+        (``update = step``: the k-means initialisation; an unused code is dead at the next update)."""
         self.live.copy_(codebooks)
-        self.share.fill_(1.0 / K)
-        self.sums.copy_(codebooks / K)
+        self.share.copy_(share)
+        self.sums.copy_(codebooks * share[..., None])
 
     def update_step(self, share: torch.Tensor, sums: torch.Tensor, candidates: torch.Tensor, decay: float) -> None:
         """One EMA step of every round from a whole step's statistics (``update = step``): ``share``

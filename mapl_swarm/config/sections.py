@@ -116,9 +116,10 @@ class VQConfig:
     training micro-batch it encodes and streams slices of them, SPEC §5.1) | step (every sender of a
     stream encodes the whole step with the same codebooks and learns once at the step's end from
     the step's statistics, which replicas of a stage average like gradients, then sends one full
-    slice per link: what several replicas per stage need, SPEC §9.10; the first step encodes with
-    the all-zero codebooks of version 0, the k-means initialisation on its first micro-batch takes
-    effect from the second). ``slice_fraction``, ``slice_order`` and ``sync`` apply to micro_batch."""
+    slice per link: what several replicas per stage need, SPEC §9.10; a stream encodes with the
+    all-zero codebooks of version 0 until the k-means initialisation on a step's first micro-batch
+    takes effect, from the next step: the second for every act stream). ``slice_fraction``,
+    ``slice_order`` and ``sync`` apply to micro_batch."""
     ema_decay: float = 0.99
     """EMA decay of the k-means statistics (code usage and sums) per micro-batch (``update = step``:
     ``ema_decay ** num_micro_batches`` per step, the same memory in tokens)."""
