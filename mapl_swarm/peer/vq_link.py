@@ -6,8 +6,9 @@ stream (``act`` downstream, ``grad`` upstream) and receives the other. The stage
 :meth:`CodebookLink.send_slices` sends them as CODEBOOK_SLICE messages on the link, right before
 the ACT or GRAD they belong to. With codebooks learned per step (``compression.vq.update = step``,
 several replicas per stage) nothing is queued: each link sends a full slice of the sender's
-version before its first payload at a version it has not carried (:attr:`CodebookLink.sent_version`). Incoming slices go through the mailbox like ACT/GRAD, so the serving
-loop applies them in arrival order, between computations (never while the worker thread decodes).
+version before its first payload at a version it has not carried
+(:attr:`CodebookLink.sent_version`). Incoming slices go through the mailbox like ACT/GRAD, so the
+serving loop applies them in arrival order, between computations (never while the worker thread decodes).
 A rejected slice is counted and logged and leaves the codebooks untouched; a gap
 (``future_slice``), codes at another version, or a neighbour that handshakes again (a
 reconnection) make this link send RESYNC for the stream it receives; a RESYNC received makes the

@@ -79,8 +79,8 @@ class StageAverager(DecentralizedAverager):
     group forms as soon as that many are in, without waiting ``min_matchmaking_time`` out).
     ``state``: the stage's whole state (:mod:`.state`), what :meth:`download_state` of a joining
     replica receives. A round in which a member gathered :data:`GATHER_ONLY` runs no all-reduce and
-    leaves the tensors as they are. Everything else is hivemind's (``averaged_tensors``, ``dht``, ``start``,
-    ``step(weight=...)``)."""
+    leaves the tensors as they are. Everything else is hivemind's (``averaged_tensors``, ``dht``,
+    ``start``, ``step(weight=...)``)."""
 
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: Any, *, run_id: str, stage: int,
                  replicas: int, state: Callable[[], Any] | None = None, min_matchmaking_time: float = 2.0,
