@@ -61,8 +61,8 @@ def test_a_replica_joins_a_running_swarm_and_trains_in_step_with_its_partners(tm
     # so over 40 steps the averaging's summation order shows: runs were up to 0.5% and 1.2% off
     # `train`, BENCHMARKS.md; within 1e-3 over the 5 steps of test_replica_swarm. What the join
     # must keep exact, the replicas' states and every step's tokens, is checked exactly here)
-    # mapl: bf16 activations round alike, until a summation-order difference flips one rounding;
-    # a run was 0.21% off at step 15 (BENCHMARKS.md), most stay within 1e-3
+    # mapl: a run was 0.21% off at step 15 (BENCHMARKS.md; most likely a bf16 rounding flipped by
+    # the averaging's summation order), most stay within 1e-3
     tolerance = 3e-2 if codec == "mapl_vq" else 5e-3
     for r in range(2):
         assert results[0, r]["tokens"] == STEPS * swarm.cfg.tokens_per_step
