@@ -523,8 +523,7 @@ class ReplicaSchedule:
             if got is not None and got[0].type is MT.CODEBOOK_SLICE:
                 # whatever the caller waits for: a slice precedes its link's next payload, and
                 # with codebooks learned per step none comes before the step's last payload is in
-                if self._live(got[1]):
-                    await got[1].on_codebook_slice(got[0])
+                await self._apply_slice(*got)
                 return None
             if got is not None and (got[0].epoch >= self.epoch or got[0].type in (MT.PROJ, MT.BYE)):
                 return got  # a PROJ is the same in every epoch of its step; a BYE counts whenever
@@ -534,6 +533,11 @@ class ReplicaSchedule:
                 return None
         self._woken = False
         return None
+
+    async def _apply_slice(self, msg: Message, link: PeerLink) -> None:
+        """A CODEBOOK_SLICE taken from the mailbox, applied unless its replica is gone."""
+        if self._live(link):
+            await link.on_codebook_slice(msg)
 
     def _interrupted(self) -> bool:
         return self._woken or (self._redo is not None and self._redo[0] == self.step)
@@ -585,8 +589,7 @@ class ReplicaSchedule:
             got = self.mailbox.take_from(lambda m: (m.type is MT.GRAD and m.step == step) or (
                 m.type is MT.CODEBOOK_SLICE and m.meta.get("stream") == "grad"))
             if got is not None and got[0].type is MT.CODEBOOK_SLICE:
-                if self._live(got[1]):
-                    await got[1].on_codebook_slice(got[0])
+                await self._apply_slice(*got)
                 continue
             if got is None:
                 got = await self._next(lambda m: self._wanted(m, step), f"ACT, GRAD or ROUTE of step {step}")
