@@ -258,7 +258,9 @@ def test_resyncs_beyond_a_steps_payloads_are_implausible_and_an_answer_to_a_forg
     retransmission of a micro-batch of step 0 that stage 0 no longer holds: stage 0 answers the
     first ones it may (its M payloads of the step plus 2) with ERROR ``retransmit_unavailable``, which
     stage 1, awaiting no retransmission, drops as ``implausible``; the others are ``implausible`` at
-    stage 0. Nobody stops and the losses are those of one process."""
+    stage 0. Nobody stops and the losses are those of one process. The RESYNCs go just before the
+    last step's last GRAD: stage 0 has then sent all M payloads of the step and awaits that GRAD, so
+    its allowance does not depend on how far its own forwards got."""
     cfg = swarm_config(compression={"codec": "mapl_vq", "vq": {"codebook_size": 16, "kmeans_iters": 2}})
     M = cfg.pipeline.num_micro_batches
 
@@ -267,12 +269,12 @@ def test_resyncs_beyond_a_steps_payloads_are_implausible_and_an_answer_to_a_forg
         send_grad, done = up.send_grad, set()
 
         async def grad(step, micro, payload, *, pver):
-            await send_grad(step, micro, payload, pver=pver)
-            if step == 2 and "resync" not in done:
+            if step == cfg.run.steps - 1 and micro == M - 1 and "resync" not in done:
                 done.add("resync")
                 for _ in range(12):
                     await up.send(MT.RESYNC, step=0, micro=0, meta={"stream": "act", "have": 0, "reason": "forged",
                                                                    "retransmit": True, "mode": "train"})
+            await send_grad(step, micro, payload, pver=pver)
 
         up.send_grad = grad
 
