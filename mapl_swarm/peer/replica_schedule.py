@@ -37,13 +37,15 @@ stage keeps another: its neighbours drop its links (:meth:`ReplicaSchedule.repli
 waiting for what it owed and tell its stage's other replicas (ROUTE ``gone``), which average
 without it from then on. What it had accumulated is lost, so a round of that step misses
 micro-batches (or, where the same micro-batch went on after a re-route, counts one twice): a
-replica whose round is not whole says ROUTE ``redo`` (the step, the run epoch one higher, the
-replicas gone) on every link; every replica that gets it passes it on, forgets the step's work
-(:meth:`~mapl_swarm.pipeline.stage.StageRuntime.abandon_step`), moves to that epoch (what else of
-the earlier one comes is dropped unread, but PROJ and BYE) and runs the step again with the replicas left,
-stage 0 re-splitting its micro-batches among its live replicas. A round that is whole commits, so a
-step is either taken once by every stage or redone by all of them: every micro-batch counts once
-per stage and the step's tokens are exact. A stage whose last replica leaves ends the run as
+replica whose round is not whole (such a round sends no tensor bytes:
+:func:`~mapl_swarm.replicas.gradients.round_counts`), or that finds a downstream replica gone
+which owed it GRADs of the step (its own round cannot be whole then), says ROUTE ``redo`` (the
+step, the run epoch one higher, the replicas gone) on every link; every replica that gets it
+passes it on, forgets the step's work (:meth:`~mapl_swarm.pipeline.stage.StageRuntime.abandon_step`),
+moves to that epoch (what else of the earlier one comes is dropped unread, but PROJ and BYE) and
+runs the step again with the replicas left, stage 0 re-splitting its micro-batches among its live
+replicas. A round that is whole commits, so a step is either taken once by every stage or redone
+by all of them: every micro-batch counts once per stage and the step's tokens are exact. A stage whose last replica leaves ends the run as
 before.
 
 **Codebooks** (MAPL+VQ, learned per step, SPEC §9.10 item 12): a CODEBOOK_SLICE is applied as soon
@@ -1049,9 +1051,17 @@ class ReplicaSchedule:
             return False
         log.warning("%s: the replica of stage %d at %s left (%s); going on with the stage's other replicas",
                     self.name, link.stage, link.contact, why)
+        cur = self._cur
+        owed = sum(to is link for to, _ in cur.dest.values()) if cur.step == self.step else 0
         self._learn_gone([link.contact])
         notice = [other for other in self.links.of_stage(link.stage) if self._live(other)]
         self._spawn(self._tell(notice, self.step, "gone", [link.contact]))
+        if owed:
+            # this replica will never have those micro-batches' GRADs (one that comes late from a
+            # gone link is dropped), so its own round cannot be whole and no commit of the step can
+            # come: the redo its round would ask for goes now, before the flush and the round
+            self._redo_soon(self.step, f"the replica of stage {link.stage} that left owed this one the GRADs of "
+                                       f"{owed} train micro-batch(es) of the step")
         return True
 
     async def _tell(self, links: Sequence[PeerLink], step: int, phase: str, gone: Sequence[str],
@@ -1131,6 +1141,18 @@ class ReplicaSchedule:
         log.warning("%s: step %d is redone (run epoch %d): %s", self.name, step, self.epoch + 1, problem)
         self._redo = (step, self.epoch + 1)
         raise _Redo()
+
+    def _redo_soon(self, step: int, problem: str) -> None:
+        """:meth:`_issue_redo` from the dispatcher: the schedule carries it out (:meth:`_restart`) as
+        soon as it looks at its mailbox, or its averaging round gives up; nothing when a redo of
+        the step is already on its way here."""
+        if self._redo is not None and self._redo[0] == step:
+            return
+        log.warning("%s: step %d is redone (run epoch %d): %s", self.name, step, self.epoch + 1, problem)
+        self._redo = (step, self.epoch + 1)
+        if self._averaging and self.replicas is not None:
+            self.replicas.cancel()
+        self._wake()
 
     async def _restart(self, step: int) -> None:
         """Carry out the redo of ``step`` (module docstring): the neighbours are told first, so that

@@ -49,7 +49,7 @@ from mapl_swarm.procs import set_parent_death_signal, watch_parent
 from mapl_swarm.replicas.exact_allreduce import ExactAllReduceRunner
 from mapl_swarm.replicas.state import StateMismatch, flatten_state, restore_like
 
-__all__ = ["StageAverager", "REFUSALS", "MEMBERS_CACHE_S", "GATHER_ONLY"]
+__all__ = ["StageAverager", "REFUSALS", "MEMBERS_CACHE_S", "GATHER_ONLY", "Usable"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,9 @@ GATHER_ONLY = "gather_only"
 """A member whose gathered data (a dict) holds this key with ``True`` makes its round gather only:
 matchmaking and the gathered data, no all-reduce (the sync round before the first step averages
 nothing; a round whose all-reduce broke at one member and not at another could split them)."""
+Usable = Callable[[dict[str, Any]], bool]
+"""Whether a round whose members gathered this (peer id as text -> gathered data) can count: one it
+cannot runs no all-reduce (as :data:`GATHER_ONLY`), so a doomed round sends no tensor bytes."""
 MEMBERS_CACHE_S = 1.0
 """How long a read of the stage's members is reused before the DHT is asked again."""
 MEMBERS_REREAD_S = 0.2
@@ -79,16 +82,19 @@ class StageAverager(DecentralizedAverager):
     group forms as soon as that many are in, without waiting ``min_matchmaking_time`` out).
     ``state``: the stage's whole state (:mod:`.state`), what :meth:`download_state` of a joining
     replica receives. A round in which a member gathered :data:`GATHER_ONLY` runs no all-reduce and
-    leaves the tensors as they are. Everything else is hivemind's (``averaged_tensors``, ``dht``,
-    ``start``, ``step(weight=...)``)."""
+    leaves the tensors as they are; so does one that ``usable`` (:data:`Usable`, called in the
+    averager process with what every member gathered) refuses. Everything else is hivemind's
+    (``averaged_tensors``, ``dht``, ``start``, ``step(weight=...)``)."""
 
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: Any, *, run_id: str, stage: int,
-                 replicas: int, state: Callable[[], Any] | None = None, min_matchmaking_time: float = 2.0,
-                 request_timeout: float = 1.0, declare_state_period: float = 10.0, **kwargs: Any) -> None:
+                 replicas: int, state: Callable[[], Any] | None = None, usable: Usable | None = None,
+                 min_matchmaking_time: float = 2.0, request_timeout: float = 1.0, declare_state_period: float = 10.0,
+                 **kwargs: Any) -> None:
         if replicas < 2:
             raise ValueError(f"averaging needs at least 2 replicas, got {replicas}")
         self.run_id, self.stage = run_id, stage
         self._state = state
+        self._usable = usable
         """What a joining replica downloads: the stage's state, read in this (the host) process."""
         self._members_key = member_keys(run_id, stage)[1]
         self._members: frozenset[PeerID] = frozenset()
@@ -235,7 +241,8 @@ class StageAverager(DecentralizedAverager):
                         for peer, blob in zip(group_info.peer_ids, group_info.gathered)}
         except Exception as exc:  # hivemind's own would fail alike: the round fails
             raise MatchmakingException(f"unreadable gathered data: {type(exc).__name__}: {exc}") from None
-        if any(isinstance(v, dict) and v.get(GATHER_ONLY) is True for v in gathered.values()):
+        if any(isinstance(v, dict) and v.get(GATHER_ONLY) is True for v in gathered.values()) or (
+                self._usable is not None and not self._usable({str(p): v for p, v in gathered.items()})):
             # every member reads the same gathered data, so all of them skip the all-reduce alike
             self._running_groups[group_info.group_id].cancel()  # no runner: no part is sent or awaited
             return gathered

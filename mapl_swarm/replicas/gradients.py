@@ -38,6 +38,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -46,7 +47,8 @@ from mapl_swarm.replicas.averaging import GATHER_ONLY, StageAverager
 from mapl_swarm.replicas.errors import AveragingFailed, Behind, RoundCancelled
 from mapl_swarm.replicas.state import state_digest
 
-__all__ = ["ReplicaGradients", "ReplicaStep", "AveragingFailed", "Behind", "RoundCancelled", "SYNC_STEP"]
+__all__ = ["ReplicaGradients", "ReplicaStep", "read_round", "round_counts", "AveragingFailed", "Behind",
+           "RoundCancelled", "SYNC_STEP"]
 
 SYNC_STEP = -1
 """The step a sync round gathers (it comes before the first step)."""
@@ -118,6 +120,35 @@ class ReplicaStep:
         return None
 
 
+def read_round(me: str, data: dict[str, Any], sent: int = 0, received: int = 0) -> ReplicaStep | None:
+    """The round whose members (peer id as text) gathered ``data`` (:meth:`ReplicaGradients._gather`),
+    as replica ``me`` sees it; None when a member gathered something else."""
+    def valid(v: Any) -> bool:
+        return (isinstance(v, dict) and isinstance(v.get("digest"), str) and isinstance(v.get("micro"), list)
+                and all(type(m) is int for m in v["micro"]) and isinstance(v.get("loss"), float)
+                and type(v.get("epoch")) is int and isinstance(v.get("contact"), str)
+                and type(v.get("step")) is int and type(v.get("expected")) is int)
+
+    if not data or not all(valid(v) for v in data.values()):
+        return None
+    return ReplicaStep(me, tuple(sorted(data)), {p: v["digest"] for p, v in data.items()},
+                       {p: tuple(v["micro"]) for p, v in data.items()}, sum(v["loss"] for v in data.values()),
+                       sent, received, {p: v["epoch"] for p, v in data.items()},
+                       {p: v["contact"] for p, v in data.items()}, {p: v["step"] for p, v in data.items()},
+                       max(v["expected"] for v in data.values()))
+
+
+def round_counts(micro_batches: int, data: dict[str, Any]) -> bool:
+    """Whether the round whose members gathered ``data`` makes the step of a stage of
+    ``micro_batches``: as many members as any expected, all at one step and run epoch, every
+    micro-batch once, equal digests. The averager runs the all-reduce of such a round only
+    (:data:`~.averaging.Usable`): a round that cannot count (a replica left with micro-batches
+    of the step) costs its members no tensor bytes, which would delay the redo on their links."""
+    round_ = read_round("", data)
+    return (round_ is not None and round_.group_size >= round_.expected and len(set(round_.steps.values())) == 1
+            and len(set(round_.epochs.values())) == 1 and round_.problem(micro_batches) is None)
+
+
 def _stop(control: Any) -> None:
     """Cancel hivemind's round ``control`` unless it is over (its futures then refuse a result)."""
     if control is not None and not control.done():
@@ -141,7 +172,9 @@ class ReplicaGradients:
         buffers = [torch.zeros(t.shape, dtype=torch.float32) for t in [*self.params, *self.stats]]  # contiguous
         self._served: Callable[[], Any] = lambda: self.runtime.state_dict()
         self.averager = StageAverager(buffers, dht, run_id=run_id, stage=runtime.stage, replicas=replicas,
-                                      state=lambda: self._served(), start=True, **averager_kwargs)
+                                      state=lambda: self._served(), start=True,
+                                      usable=partial(round_counts, runtime.cfg.pipeline.num_micro_batches),
+                                      **averager_kwargs)
         self.me = str(self.averager.peer_id)
         self._lock = threading.Lock()
         self._control: Any = None
@@ -211,20 +244,11 @@ class ReplicaGradients:
         return self._result({str(peer): value for peer, value in gathered.items()}, sent, received)
 
     def _result(self, data: dict[str, Any], sent: int = 0, received: int = 0) -> ReplicaStep:
-        def valid(v: Any) -> bool:
-            return (isinstance(v, dict) and isinstance(v.get("digest"), str) and isinstance(v.get("micro"), list)
-                    and all(type(m) is int for m in v["micro"]) and isinstance(v.get("loss"), float)
-                    and type(v.get("epoch")) is int and isinstance(v.get("contact"), str)
-                    and type(v.get("step")) is int and type(v.get("expected")) is int)
-
-        if not all(valid(v) for v in data.values()):
+        round_ = read_round(self.me, data, sent, received)
+        if round_ is None:
             raise AveragingFailed(f"stage {self.runtime.stage}: a replica gathered something else than a round's "
                                   f"digest, micro-batches, loss, epoch, contact, step and expected count")
-        return ReplicaStep(self.me, tuple(sorted(data)), {p: v["digest"] for p, v in data.items()},
-                           {p: tuple(v["micro"]) for p, v in data.items()}, sum(v["loss"] for v in data.values()),
-                           sent, received, {p: v["epoch"] for p, v in data.items()},
-                           {p: v["contact"] for p, v in data.items()}, {p: v["step"] for p, v in data.items()},
-                           max(v["expected"] for v in data.values()))
+        return round_
 
     def sync(self, *, timeout: float, epoch: int = 0, contact: str = "") -> ReplicaStep:
         """The round before the first step: the replicas that start together, each one's parameter
@@ -272,6 +296,8 @@ class ReplicaGradients:
             error = Behind if max(steps) > step else AveragingFailed
             raise error(f"stage {self.runtime.stage}: a round with replicas of steps {sorted(steps)} and run epochs "
                         f"{sorted(epochs)}, this one is at step {step}, epoch {epoch}")
+        if round_.problem(self.runtime.cfg.pipeline.num_micro_batches) is not None:
+            return round_  # it ran no all-reduce (round_counts): the caller redoes the step or stops
         with self.averager.get_tensors() as buffers, torch.no_grad():
             for buf, p in zip(buffers, self.params):
                 p.grad = buf.to(p.device, p.dtype, copy=True)

@@ -5,7 +5,8 @@ replicated run equals one pipeline that processed the whole global batch (the le
 included: each sender averages the projector gradient its receivers sent it, and every receiver
 installs the same next version). Two pairs train two steps; then a third replica of each stage
 joins, downloads its stage's state from a live replica (parameters, optimizer, projector
-versions, step), and from its first step holds the others' bytes."""
+versions, step), and from its first step holds the others' bytes. A round that cannot make its
+step sends no tensor bytes."""
 
 from __future__ import annotations
 
@@ -113,6 +114,15 @@ def scenario(_bootstrap: Any, maddrs: list[str], ids: dict) -> None:
                     for x, y in zip(first, params(ref[stage])):
                         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
                 assert live[-1][0].outbound.version == ref[0].outbound.version == step + 1
+            # a round that cannot make its step (micro-batches 0 and 3 in nobody's list, as after a
+            # replica left with them) forms, runs no all-reduce and leaves every replica's gradients
+            before = {key: [p.grad for p in g.params] for key, g in grads.items()}
+            doomed = dict(zip(grads, pool.map(lambda key: grads[key].average(
+                [key[1]] if key[1] else [], step=STEPS + 1, timeout=60, expected=3), grads)))
+            for key, round_ in doomed.items():
+                assert round_.group_size == 3 and "2 missing" in round_.problem(M)
+                assert round_.sent_bytes == round_.received_bytes == 0
+                assert all(a is b for a, b in zip(before[key], (p.grad for p in grads[key].params)))
     finally:  # the DHT nodes first: an averager gone first leaves its requests in its DHT node's pipe,
         for disc in discs.values():  # which then takes its whole shutdown timeout (15 s) to stop
             disc.close()

@@ -19,7 +19,7 @@ from mapl_swarm.peer.link import LinkSettings, Links, PeerLink, replica_name
 from mapl_swarm.peer.mailbox import Mailbox
 from mapl_swarm.peer.replica_schedule import Router
 from mapl_swarm.pipeline.stage import StageRuntime
-from mapl_swarm.replicas.gradients import ReplicaStep
+from mapl_swarm.replicas.gradients import ReplicaStep, round_counts
 from mapl_swarm.wire import Message, MessageType
 
 CONTACTS = [f"tcp://10.0.0.{i}:5000#" + f"{i:02x}" * 32 for i in (1, 2, 3)]
@@ -124,6 +124,26 @@ def test_a_round_is_whole_when_every_micro_batch_is_counted_once_in_one_epoch_wi
     assert "out of range" in round_({"p1": (0, 1), "p2": (3,)}).problem(3)
     assert "different parameters" in round_({"p1": (0, 1), "p2": (2,)}, digests={"p1": "d", "p2": "e"}).problem(3)
     assert "different epochs" in round_({"p1": (0, 1), "p2": (2,)}, epochs={"p1": 0, "p2": 1}).problem(3)
+
+
+def test_only_a_round_that_makes_the_step_runs_its_all_reduce():
+    """What the averager asks before it sends a tensor byte (``round_counts`` on what every member
+    gathered): a round that cannot count (a replica left with micro-batches of the step, a member
+    of another step or epoch, fewer members than expected, different digests, data of another
+    form) runs no all-reduce, so it does not load the links the redo then travels on."""
+    def gathered(micro, *, digest="d", epoch=0, step=4, expected=2, **extra):
+        return {"digest": digest, "micro": list(micro), "loss": 0.5, "epoch": epoch, "contact": "c", "step": step,
+                "expected": expected, **extra}
+
+    assert round_counts(3, {"p1": gathered([0, 2]), "p2": gathered([1])})
+    assert not round_counts(3, {"p1": gathered([0, 2]), "p2": gathered([])})  # micro-batch 1 died with a replica
+    assert not round_counts(3, {"p1": gathered([0, 1]), "p2": gathered([1, 2])})  # 1 counted twice
+    assert not round_counts(3, {"p1": gathered([0, 2]), "p2": gathered([1], epoch=1)})
+    assert not round_counts(3, {"p1": gathered([0, 2]), "p2": gathered([1], step=5)})
+    assert not round_counts(3, {"p1": gathered([0, 2]), "p2": gathered([1], digest="e")})
+    assert not round_counts(3, {"p1": gathered([0, 1, 2], expected=2)})  # the partner is not in it
+    assert not round_counts(3, {"p1": gathered([0, 2]), "p2": {"micro": "all"}})
+    assert not round_counts(3, {})
 
 
 def test_replicas_are_configured_per_stage_and_with_codebooks_learned_per_step():
