@@ -152,32 +152,33 @@ def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool 
 
 
 def stage_replicas(cfg: TrainConfig, stage: int, dht: Any, device: Any) -> tuple[Any, Any]:
-    """With several replicas of ``stage`` (``replicas.initial``): its stage, built, and the averaging
-    with the stage's other replicas (:class:`~mapl_swarm.replicas.gradients.ReplicaGradients` on
-    the peer's DHT node); (None, None) otherwise. The averager forks a process: call this before
-    the event loop, ZeroMQ and the compute threads."""
-    if not cfg.replicas.enabled or cfg.replicas_of(stage) < 2:
+    """With replicas (``replicas.enabled``): its stage, built, and the averaging with the stage's
+    other replicas (:class:`~mapl_swarm.replicas.gradients.ReplicaGradients` on the peer's DHT
+    node; a stage that starts with one replica has it too, so a replica may join it); (None, None)
+    otherwise. The averager forks a process: call this before the event loop, ZeroMQ and the
+    compute threads."""
+    if not cfg.replicas.enabled:
         return None, None
     from mapl_swarm.pipeline.stage import StageRuntime
     from mapl_swarm.replicas.gradients import ReplicaGradients
 
     rt = StageRuntime(cfg, stage, device)
     r = cfg.replicas
-    averaging = ReplicaGradients(rt, dht, run_id=cfg.run.run_id, replicas=cfg.replicas_of(stage),
+    averaging = ReplicaGradients(rt, dht, run_id=cfg.run.run_id, replicas=max(2, cfg.replicas_of(stage)),
                                  min_matchmaking_time=r.matchmaking_s, request_timeout=min(1.0, r.matchmaking_s / 2))
     return rt, averaging
 
 
 def pick_joined_stage(cfg: TrainConfig, discovery: Discovery, membership: Membership | None) -> int:
     """The stage a replica started without ``--stage`` joins (:mod:`~mapl_swarm.replicas.rebalance`),
-    of the stages its certificate allows whose replicas average; logged with every stage's load."""
+    of the stages its certificate allows; logged with every stage's load."""
     from mapl_swarm.replicas.rebalance import pick_stage
 
     allowed = membership.body.stages if membership is not None else range(cfg.pipeline.num_stages)
-    candidates = [k for k in allowed if 0 <= k < cfg.pipeline.num_stages and cfg.replicas_of(k) >= 2]
+    candidates = [k for k in allowed if 0 <= k < cfg.pipeline.num_stages]
     if not candidates:
-        raise ConfigError(f"no stage to join: a replica joins a stage whose replicas average (replicas.initial "
-                          f"{list(cfg.replicas.initial)}), and its certificate allows stage(s) {list(allowed)}")
+        raise ConfigError(f"no stage to join: the certificate allows stage(s) {list(allowed)}, the run has "
+                          f"{cfg.pipeline.num_stages}")
     stage, loads = pick_stage({k: discovery.stage_peers(k) for k in candidates}, candidates)
     if stage is None:
         raise MaplError(f"no live replica of stage(s) {candidates} in the DHT to join (is the swarm running, and "

@@ -347,8 +347,9 @@ class ReplicaSchedule:
             await self._send_projector(self.s.start_step)
         if self.replicas is not None and not self.joining:
             replicas = self.replicas
+            starting = self.rt.cfg.replicas_of(self.stage)
             self._ranked(await self._retried("sync round", lambda left, _: replicas.sync(
-                timeout=left, epoch=self.epoch, contact=self.contact)), sync=True)
+                timeout=left, epoch=self.epoch, contact=self.contact, expected=starting)), sync=True)
         self._t0 = time.perf_counter()
         if self.first and self.s.progress:
             self._progress = StepProgress(self.s.steps, initial=self.s.start_step, desc=self.s.progress_desc)
@@ -392,8 +393,7 @@ class ReplicaSchedule:
         before that round ranks it) and from which its parameters equal its partners'."""
         replicas = self.replicas
         if replicas is None:
-            raise MaplError(f"{self.name}: only a stage of several replicas takes a joining one (replicas.initial "
-                            f"lists {self.rt.cfg.replicas_of(self.stage)} for stage {self.stage})")
+            raise MaplError(f"{self.name}: a replica joins a run with replicas (replicas.enabled = true)")
         await self.compute.run(self.rt.abandon_step)
         like = await self.compute.run(self._join_template)
         deadline = time.monotonic() + self.s.timeout_s

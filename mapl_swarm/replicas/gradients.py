@@ -250,11 +250,15 @@ class ReplicaGradients:
                                   f"digest, micro-batches, loss, epoch, contact, step and expected count")
         return round_
 
-    def sync(self, *, timeout: float, epoch: int = 0, contact: str = "") -> ReplicaStep:
-        """The round before the first step: the replicas that start together, each one's parameter
-        digest (gathered only: no all-reduce, whose failure at one member could leave another past
-        the round)."""
-        return self._round(1.0, {**self._gather([], 0.0, epoch, contact, SYNC_STEP, 1), GATHER_ONLY: True}, timeout)
+    def sync(self, *, timeout: float, epoch: int = 0, contact: str = "", expected: int = 2) -> ReplicaStep:
+        """The round before the first step: the ``expected`` replicas that start together, each one's
+        parameter digest (gathered only: no all-reduce, whose failure at one member could leave
+        another past the round). ``expected`` 1: this replica starts its stage alone (no round)."""
+        gather = self._gather([], 0.0, epoch, contact, SYNC_STEP, 1)
+        if expected <= 1:
+            return self._result({self.me: gather})
+        self.averager.set_group_size(expected)
+        return self._round(1.0, {**gather, GATHER_ONLY: True}, timeout)
 
     def _gather(self, micro: Sequence[int], loss_sum: float, epoch: int, contact: str, step: int,
                 expected: int) -> dict[str, Any]:

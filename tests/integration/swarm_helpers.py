@@ -248,9 +248,11 @@ class ReplicaSwarm:
     """A 3-stage ``mapl`` run (or ``codec``; ``mapl_vq`` learns per step) with replicas (SPEC §9.10) as real processes: its config under
     ``tmp_path`` (6 micro-batches a step, uniform routing, 1 s matchmaking), a certified identity
     per replica (``identities[s]`` replicas of stage s), a DHT bootstrap, and :meth:`start` for
-    each ``peer``. A context manager: leaving it stops every process and the DHT."""
+    each ``peer``; ``initial``: the replicas each stage starts with (``replicas.initial``). A
+    context manager: leaving it stops every process and the DHT."""
 
-    def __init__(self, tmp_path: Path, run_id: str, *, steps: int, identities: list[int], codec: str = "mapl") -> None:
+    def __init__(self, tmp_path: Path, run_id: str, *, steps: int, identities: list[int], codec: str = "mapl",
+                 initial: tuple[int, int, int] = (2, 2, 2)) -> None:
         from mapl_swarm.config import load_config
         from mapl_swarm.net.identity import issue_local
 
@@ -259,7 +261,7 @@ class ReplicaSwarm:
                                  cache=tmp_path / "cache", out=self.out, run_id=run_id)
         vq = '\n[compression.vq]\nupdate = "step"\ncodebook_size = 16\n' if codec == "mapl_vq" else ""
         self.path.write_text(self.path.read_text().replace("num_micro_batches = 3", "num_micro_batches = 6") + vq
-                             + '\n[replicas]\nenabled = true\ninitial = [2, 2, 2]\nmatchmaking_s = 1.0\n'
+                             + f'\n[replicas]\nenabled = true\ninitial = {list(initial)}\nmatchmaking_s = 1.0\n'
                                'routing = "uniform"\n')
         self.cfg = load_config(self.path)
         self.local = issue_local(_identities_root() / f"{run_id}-3", run_id=run_id, num_stages=3, replicas=identities)
