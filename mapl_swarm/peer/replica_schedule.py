@@ -68,7 +68,8 @@ REPORTs (from the dispatcher, :meth:`ReplicaSchedule.on_report`): each downstrea
 REPORT of the current step is kept for the commit; eval REPORTs are relayed at once (the other
 replicas' copies dropped quietly). Validation: the stage-0 replica of rank 0 sends the
 eval ACTs, each replica forwards them on its first downstream link (by contact), so one last-stage
-replica takes them all and reports. The end: stage 0's replicas say BYE on every downstream link
+replica takes them all (each eval micro-batch once) and reports; a replica that leaves before the
+eval REPORT came makes the stage-0 replica of rank 0 send them all again (:meth:`_validate`). The end: stage 0's replicas say BYE on every downstream link
 after the last REPORT; a later replica ends once every upstream link said BYE, and says it on.
 
 A message that is not due is dropped through ``reject`` with its code and the rule, as the chain's
@@ -293,7 +294,10 @@ class ReplicaSchedule:
         self._reports: dict[tuple[str, int], float] = {}
         self._report_event = asyncio.Event()
         self._byes: set[str] = set()
-        self._eval_losses: list = []
+        self._eval_losses: dict[int, dict[int, Any]] = {}
+        """The last stage: per validation (its step), each eval micro-batch's loss (on the device)."""
+        self._eval_reported: set[int] = set()
+        """The last stage: the validations it sent the eval REPORT of."""
         self._projector_step = -1
         """The step whose PROJ this stage loaded last (set under :attr:`_state_lock`)."""
         self._progress: StepProgress | None = None
@@ -552,6 +556,7 @@ class ReplicaSchedule:
     def _wake(self) -> None:
         self._woken = True
         self.mailbox.poke()
+        self._report_event.set()  # a validation's wait looks again too
 
     def _waited(self) -> list[PeerLink]:
         """The links this replica waits on now (the waiting log names them)."""
@@ -1183,14 +1188,30 @@ class ReplicaSchedule:
                             f"{self.s.timeout_s:g} s")
 
     async def _validate(self, step: int) -> None:
-        """Stage 0: the validation after ``step`` steps (the replica of rank 0 sends the eval ACTs)."""
-        down = self._down_links()
-        if self.rank == 0 and down:
-            for i, ids in enumerate(self.val_batches):
-                res = await self.compute.run(self.host.forward, -1 - i, ids=ids, train=False)
-                await down[0].send_act(step, i, res.payload, eval_mode=True, pver=self.window.outbound_pver)
-        await self._reports_in([("eval", step)])
-        loss = self._reports[("eval", step)]
+        """Stage 0: the validation after ``step`` steps. The replica of rank 0 sends the eval ACTs;
+        while the eval REPORT has not come, a replica that leaves (what went through it is lost)
+        makes the one of rank 0 then (another, if the sender left) send them all again, and the
+        wait for the REPORT starts again; the last stage counts each eval micro-batch once."""
+        key = ("eval", step)
+        sent_with: frozenset[str] | None = None
+        deadline = time.monotonic() + self.s.timeout_s
+        while key not in self._reports:
+            down = self._down_links()
+            if self.rank == 0 and down and sent_with != self.gone:
+                if sent_with is not None:
+                    log.warning("%s: a replica left during the validation after step %d: its eval ACTs go again",
+                                self.name, step)
+                sent_with, deadline = frozenset(self.gone), time.monotonic() + self.s.timeout_s
+                for i, ids in enumerate(self.val_batches):
+                    res = await self.compute.run(self.host.forward, -1 - i, ids=ids, train=False)
+                    await down[0].send_act(step, i, res.payload, eval_mode=True, pver=self.window.outbound_pver)
+            gone = len(self.gone)
+            left = deadline - time.monotonic()
+            if left <= 0 or not await self.waits.wait(until(lambda: key in self._reports or len(self.gone) != gone,
+                                                            self._report_event, left), self._down_links):
+                raise MaplError(f"{self.name}: no eval REPORT of step {step} from the last stage within "
+                                f"{self.s.timeout_s:g} s")
+        loss = self._reports[key]
         self.result.val_history.append((step, loss))
         self.hooks.val_loss(step, loss)
         log.info("step %d: val loss %.4f", step, loss)
@@ -1209,12 +1230,18 @@ class ReplicaSchedule:
             return  # asked again: the copy comes on the link
         if not self.last:
             down = self._down_links()
+            log.debug("%s: eval micro-batch %d of the validation after step %d forwarded", self.name, msg.micro,
+                      msg.step)
             await down[0].send_act(msg.step, msg.micro, res.payload, eval_mode=True, pver=self.window.outbound_pver)
             return
-        self._eval_losses.append(res.loss)
-        if len(self._eval_losses) == self.s.val_batches:
-            losses, self._eval_losses = self._eval_losses, []
-            loss = await self.compute.run(mean_loss, losses)
+        if msg.step in self._eval_reported:
+            return  # a copy sent again after a replica left, of a validation reported already
+        losses = self._eval_losses.setdefault(msg.step, {})
+        losses[msg.micro] = res.loss  # once per eval micro-batch: one sent again replaces its copy
+        if len(losses) == self.s.val_batches:
+            del self._eval_losses[msg.step]
+            self._eval_reported.add(msg.step)
+            loss = await self.compute.run(mean_loss, [losses[i] for i in range(self.s.val_batches)])
             for link in self._up_links():
                 await link.send_report(msg.step, {"mode": "eval", "loss": loss, "tokens": 0})
 
