@@ -1150,8 +1150,8 @@ class ReplicaSchedule:
     def _redo_soon(self, step: int, problem: str) -> None:
         """:meth:`_issue_redo` from the dispatcher: the schedule carries it out (:meth:`_restart`) as
         soon as it looks at its mailbox, or its averaging round gives up; nothing when a redo of
-        the step is already on its way here."""
-        if self._redo is not None and self._redo[0] == step:
+        the step (or a later one) is already on its way here."""
+        if self._redo is not None and self._redo[0] >= step:
             return
         log.warning("%s: step %d is redone (run epoch %d): %s", self.name, step, self.epoch + 1, problem)
         self._redo = (step, self.epoch + 1)
