@@ -15,8 +15,9 @@ preset, T=128, micro-batches of 4, 1 torch thread per peer) and records:
 - the train losses (2 replicas over the same global batch train the same model);
 - with ``--kill-after-steps K`` (replica counts > 1): replica 1 of stage 1 is killed (SIGKILL)
   ``--kill-delay-s`` seconds after stage 0 recorded K steps, and the run records the seconds from
-  that death to the first step stage 0 records after it, beside the steps' usual length and the
-  peers' liveness deadline (the bound: deadline plus one step). The swarm goes on without it.
+  that death to the first step stage 0 records after it and the length of the step that held the
+  death, beside the steps' median length before and after it and the peers' liveness deadline
+  (the bound: deadline plus one step). The swarm goes on without it.
 
 Writes the JSON to ``--out`` and prints a Markdown table. Root and network namespaces needed.
 """
@@ -119,11 +120,16 @@ def run_one(args: argparse.Namespace, replicas: int, work: Path, subnet: int) ->
     death = {}
     if killed:
         walls = step_times(Path(cfg.run.out_dir) / "metrics_stage0.jsonl")
-        before = [b - a for a, b in zip(walls, walls[1:]) if b < killed["time"]]
+        steps = list(zip(walls, walls[1:]))
+        before = [b - a for a, b in steps if b < killed["time"]]
+        held = [b - a for a, b in steps if a < killed["time"] < b]
+        later = [b - a for a, b in steps if a > killed["time"]]
         after = [t for t in walls if t > killed["time"]]
         death = {"killed_after_steps": args.kill_after_steps, "kill_delay_s": args.kill_delay_s,
                  "death_to_next_step_s": after[0] - killed["time"] if after else None,
                  "step_s_before": sorted(before)[len(before) // 2] if before else None,
+                 "death_step_s": held[0] if held else None,
+                 "step_s_after": sorted(later)[len(later) // 2] if later else None,
                  "liveness_deadline_s": cfg.net.liveness_floor_s, "step_walls": walls, "kill_wall": killed["time"]}
     return {"replicas": replicas, "peers": replicas * args.stages, "steps": len(s.train_losses),
             "tokens_per_step": cfg.tokens_per_step, "tokens_per_s": steady, "wall_s": wall,
@@ -176,9 +182,14 @@ def main() -> int:
     for r in rows:
         if r["death"]:
             d = r["death"]
+            def s_(x: float | None) -> str:
+                return "-" if x is None else f"{x:.1f} s"
+
             print(f"{r['replicas']} replicas: a stage-1 replica killed {d['kill_delay_s']:g} s after step "
-                  f"{d['killed_after_steps']}: next step {d['death_to_next_step_s']:.1f} s after its death (steps took "
-                  f"{d['step_s_before']:.1f} s before it; liveness deadline {d['liveness_deadline_s']:g} s)")
+                  f"{d['killed_after_steps']}: next step {s_(d['death_to_next_step_s'])} after its death; the step "
+                  f"that held it took {s_(d['death_step_s'])}; steps took {s_(d['step_s_before'])} before it and "
+                  f"{s_(d['step_s_after'])} after it; liveness deadline {d['liveness_deadline_s']:g} s (the bound: "
+                  f"deadline plus one step)")
     return 0
 
 
