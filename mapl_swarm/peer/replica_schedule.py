@@ -45,8 +45,8 @@ passes it on, forgets the step's work (:meth:`~mapl_swarm.pipeline.stage.StageRu
 moves to that epoch (what else of the earlier one comes is dropped unread, but PROJ and BYE) and
 runs the step again with the replicas left, stage 0 re-splitting its micro-batches among its live
 replicas. A round that is whole commits, so a step is either taken once by every stage or redone
-by all of them: every micro-batch counts once per stage and the step's tokens are exact. A stage whose last replica leaves ends the run as
-before.
+by all of them: every micro-batch counts once per stage and the step's tokens are exact. A stage
+whose last replica leaves ends the run as before.
 
 **Codebooks** (MAPL+VQ, learned per step, SPEC §9.10 item 12): a CODEBOOK_SLICE is applied as soon
 as the schedule takes messages, whatever it waits for (a slice precedes its link's next payload in
@@ -69,8 +69,9 @@ REPORT of the current step is kept for the commit; eval REPORTs are relayed at o
 replicas' copies dropped quietly). Validation: the stage-0 replica of rank 0 sends the
 eval ACTs, each replica forwards them on its first downstream link (by contact), so one last-stage
 replica takes them all (each eval micro-batch once) and reports; a replica that leaves before the
-eval REPORT came makes the stage-0 replica of rank 0 send them all again (:meth:`_validate`). The end: stage 0's replicas say BYE on every downstream link
-after the last REPORT; a later replica ends once every upstream link said BYE, and says it on.
+eval REPORT came makes the stage-0 replica of rank 0 send them all again (:meth:`_validate`). The
+end: stage 0's replicas say BYE on every downstream link after the last REPORT; a later replica
+ends once every upstream link said BYE, and says it on.
 
 A message that is not due is dropped through ``reject`` with its code and the rule, as the chain's
 :class:`~.window.StepWindow` does; the window keeps the admission's header checks (step range, run

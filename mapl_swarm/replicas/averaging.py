@@ -94,8 +94,8 @@ class StageAverager(DecentralizedAverager):
             raise ValueError(f"averaging needs at least 2 replicas, got {replicas}")
         self.run_id, self.stage = run_id, stage
         self._state = state
-        self._usable = usable
         """What a joining replica downloads: the stage's state, read in this (the host) process."""
+        self._usable = usable
         self._members_key = member_keys(run_id, stage)[1]
         self._members: frozenset[PeerID] = frozenset()
         self._members_read = -float("inf")
