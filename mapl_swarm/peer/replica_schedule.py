@@ -38,8 +38,8 @@ waiting for what it owed and tell its stage's other replicas (ROUTE ``gone``), w
 without it from then on. What it had accumulated is lost, so a round of that step misses
 micro-batches (or, where the same micro-batch went on after a re-route, counts one twice): a
 replica whose round is not whole (such a round sends no tensor bytes:
-:func:`~mapl_swarm.replicas.gradients.round_counts`), or that finds a downstream replica gone
-which owed it GRADs of the step (its own round cannot be whole then), says ROUTE ``redo`` (the
+:func:`~mapl_swarm.replicas.gradients.round_counts`), or that finds a replica gone which owed it
+GRADs of the step or was owed some by it (a round cannot be whole then), says ROUTE ``redo`` (the
 step, the run epoch one higher, the replicas gone) on every link; every replica that gets it
 passes it on, forgets the step's work (:meth:`~mapl_swarm.pipeline.stage.StageRuntime.abandon_step`),
 moves to that epoch (what else of the earlier one comes is dropped unread, but PROJ and BYE) and
@@ -1058,16 +1058,20 @@ class ReplicaSchedule:
         log.warning("%s: the replica of stage %d at %s left (%s); going on with the stage's other replicas",
                     self.name, link.stage, link.contact, why)
         cur = self._cur
-        owed = sum(to is link for to, _ in cur.dest.values()) if cur.step == self.step else 0
+        now = cur.step == self.step
+        owed = sum(to is link for to, _ in cur.dest.values()) if now else 0
+        owing = sum(came is link and m not in cur.done for m, came in cur.origin.items()) if now else 0
         self._learn_gone([link.contact])
         notice = [other for other in self.links.of_stage(link.stage) if self._live(other)]
         self._spawn(self._tell(notice, self.step, "gone", [link.contact]))
-        if owed:
-            # this replica will never have those micro-batches' GRADs (one that comes late from a
-            # gone link is dropped), so its own round cannot be whole and no commit of the step can
-            # come: the redo its round would ask for goes now, before the flush and the round
+        if owed or owing:
+            # owed: this replica will never have those micro-batches' GRADs (one that comes late from
+            # a gone link is dropped), so its own round cannot be whole; owing: the gone replica
+            # took no round of the step without those GRADs, and no other replica of its stage has
+            # those micro-batches, so its stage's round cannot be whole. Either way no commit of the
+            # step can come: the redo goes now, before this replica's flush and round
             self._redo_soon(self.step, f"the replica of stage {link.stage} that left owed this one the GRADs of "
-                                       f"{owed} train micro-batch(es) of the step")
+                                       f"{owed} and was owed those of {owing} train micro-batch(es) of the step")
         return True
 
     async def _tell(self, links: Sequence[PeerLink], step: int, phase: str, gone: Sequence[str],
