@@ -13,6 +13,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from deadlines import wait_until
@@ -154,6 +155,21 @@ def steps_done(out: Path) -> int:
     if not path.exists():
         return 0
     return sum(1 for line in path.read_text().splitlines() if '"loss"' in line)
+
+
+def kill_when_logged(procs: dict, keys: Sequence, pattern: re.Pattern, what: str) -> dict:
+    """SIGKILL the first of ``procs[key]`` (:class:`Watched`, for ``key`` in ``keys``) to log a line
+    ``pattern`` finds, as soon as it did (``what`` names the line if none comes within 120 s); then
+    wait for the others to end, each with status 0 (else fail with their output), and return them."""
+    found: list = []
+    wait_until(lambda: found.extend(k for k in keys if any(pattern.search(line) for line in procs[k].lines)) or found,
+               120, what)
+    procs[found[0]].proc.kill()
+    survivors = {key: p for key, p in procs.items() if key != found[0]}
+    codes = {key: p.wait(240) for key, p in survivors.items()}
+    assert all(code == 0 for code in codes.values()), {k: (c, survivors[k].output[-3000:]) for k, c in codes.items()
+                                                       if c}
+    return survivors
 
 
 def wait_steps(out: Path, n: int, procs: list, timeout_s: float) -> int:

@@ -22,8 +22,7 @@ import pytest
 from mapl_swarm.config import load_config
 from mapl_swarm.pipeline.trainer import train
 
-from deadlines import wait_until
-from swarm_helpers import ReplicaSwarm, train_losses, wait_steps
+from swarm_helpers import ReplicaSwarm, kill_when_logged, train_losses, wait_steps
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -40,19 +39,10 @@ def test_killing_a_middle_replica_mid_run_loses_no_micro_batch_and_counts_none_t
                 swarm.start(stage, r, "--set", "net.heartbeat_interval_s=0.5", "--set", "net.liveness_floor_s=5.0",
                             # the middle replicas log their backwards: one is killed amid a step's
                             *(["--log-level", "DEBUG"] if (stage, r) in MIDDLE else []))
-        procs = swarm.procs
-        wait_steps(swarm.out, 1, list(procs.values()), 180)
+        wait_steps(swarm.out, 1, list(swarm.procs.values()), 180)
         # mid-step: the middle replica that ran a backward of a step after the first (its gradients
         # hold a micro-batch the step needs) is killed at once
-        working: list[tuple[int, int]] = []
-        wait_until(lambda: working.extend(k for k in MIDDLE if any(WORKING.search(line) for line in procs[k].lines))
-                   or working, 120, "a backward of step 1 or later at stage 1")
-        victim = working[0]
-        procs[victim].proc.kill()
-        survivors = {key: p for key, p in procs.items() if key != victim}
-        codes = {key: p.wait(240) for key, p in survivors.items()}
-        assert all(code == 0 for code in codes.values()), {k: (c, survivors[k].output[-3000:]) for k, c in codes.items()
-                                                           if c}
+        survivors = kill_when_logged(swarm.procs, MIDDLE, WORKING, "a backward of step 1 or later at stage 1")
     results = {key: swarm.result(*key) for key in survivors}
     assert all(res["end"] == "finished" for res in results.values())
     # the middle stage's neighbours dropped the dead replica and went on; its partner was told

@@ -16,8 +16,7 @@ import pytest
 from mapl_swarm.config import load_config
 from mapl_swarm.pipeline.trainer import train
 
-from deadlines import wait_until
-from swarm_helpers import ReplicaSwarm, train_losses, wait_steps
+from swarm_helpers import ReplicaSwarm, kill_when_logged, train_losses, wait_steps
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -34,18 +33,9 @@ def test_a_replica_dying_during_a_validation_has_it_sent_again_and_the_run_goes_
                 swarm.start(stage, r, *evals, "--set", "net.heartbeat_interval_s=0.5",
                             "--set", "net.liveness_floor_s=5.0",
                             *(["--log-level", "DEBUG"] if (stage, r) in MIDDLE else []))
-        procs = swarm.procs
-        wait_steps(swarm.out, 1, list(procs.values()), 180)
-        forwarding: list[tuple[int, int]] = []
-        wait_until(lambda: forwarding.extend(k for k in MIDDLE if any(FORWARDING.search(line)
-                                                                     for line in procs[k].lines)) or forwarding,
-                   120, "an eval ACT of the validation after step 2 at stage 1")
-        victim = forwarding[0]
-        procs[victim].proc.kill()
-        survivors = {key: p for key, p in procs.items() if key != victim}
-        codes = {key: p.wait(240) for key, p in survivors.items()}
-        assert all(code == 0 for code in codes.values()), {k: (c, survivors[k].output[-3000:]) for k, c in codes.items()
-                                                           if c}
+        wait_steps(swarm.out, 1, list(swarm.procs.values()), 180)
+        survivors = kill_when_logged(swarm.procs, MIDDLE, FORWARDING, "an eval ACT of the validation after step 2 "
+                                                                      "at stage 1")
     results = {key: swarm.result(*key) for key in survivors}
     assert all(res["end"] == "finished" for res in results.values())
     assert any("its eval ACTs go again" in survivors[0, r].output for r in range(2)), survivors[0, 0].output[-3000:]
