@@ -1195,21 +1195,24 @@ class ReplicaSchedule:
     async def _validate(self, step: int) -> None:
         """Stage 0: the validation after ``step`` steps. The replica of rank 0 sends the eval ACTs;
         while the eval REPORT has not come, a replica that leaves (what went through it is lost)
-        makes the one of rank 0 then (another, if the sender left) send them all again, and the
-        wait for the REPORT starts again; the last stage counts each eval micro-batch once."""
+        makes the one of rank 0 then (another, if the sender left) send them all again, and every
+        stage-0 replica's wait for the REPORT starts again; the last stage counts each eval
+        micro-batch once."""
         key = ("eval", step)
-        sent_with: frozenset[str] | None = None
-        deadline = time.monotonic() + self.s.timeout_s
+        seen: frozenset[str] | None = None
+        deadline = 0.0
         while key not in self._reports:
-            down = self._down_links()
-            if self.rank == 0 and down and sent_with != self.gone:
-                if sent_with is not None:
-                    log.warning("%s: a replica left during the validation after step %d: its eval ACTs go again",
-                                self.name, step)
-                sent_with, deadline = frozenset(self.gone), time.monotonic() + self.s.timeout_s
-                for i, ids in enumerate(self.val_batches):
-                    res = await self.compute.run(self.host.forward, -1 - i, ids=ids, train=False)
-                    await down[0].send_act(step, i, res.payload, eval_mode=True, pver=self.window.outbound_pver)
+            if seen != self.gone:  # the start, or a replica left: the validation (again), a new wait
+                again, seen = seen is not None, frozenset(self.gone)
+                deadline = time.monotonic() + self.s.timeout_s
+                down = self._down_links()
+                if self.rank == 0 and down:
+                    if again:
+                        log.warning("%s: a replica left during the validation after step %d: its eval ACTs go "
+                                    "again", self.name, step)
+                    for i, ids in enumerate(self.val_batches):
+                        res = await self.compute.run(self.host.forward, -1 - i, ids=ids, train=False)
+                        await down[0].send_act(step, i, res.payload, eval_mode=True, pver=self.window.outbound_pver)
             gone = len(self.gone)
             left = deadline - time.monotonic()
             if left <= 0 or not await self.waits.wait(until(lambda: key in self._reports or len(self.gone) != gone,
