@@ -49,7 +49,7 @@ def test_killing_a_middle_replica_mid_run_loses_no_micro_batch_and_counts_none_t
     for key in ((0, 0), (0, 1), (2, 0), (2, 1)):
         assert "left (silent" in survivors[key].output, survivors[key].output[-3000:]
     # what the dead replica had accumulated was lost: its step ran again everywhere (said by a
-    # stage-0 replica it owed GRADs as soon as that one found it gone, or by a round not whole)
+    # neighbour it owed GRADs, or that owed it some, on finding it gone, or by a round not whole)
     assert all("runs again in run epoch 1" in p.output for p in survivors.values())
     ref = tmp_path / "ref"
     train(load_config(swarm.path, {"run": {"out_dir": str(ref)}}), progress=False)
