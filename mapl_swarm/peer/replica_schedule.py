@@ -292,13 +292,12 @@ class ReplicaSchedule:
         upstream, ``commit`` downstream): (step, run epoch, REPORT meta). A neighbour replica linked
         later (one that joins) gets them too (:meth:`on_linked`)."""
         self._reported: set[tuple[str, int]] = set()
+        """(mode, step) of the REPORTs this replica passed upstream (the last stage: sent) or recorded."""
         self._reports: dict[tuple[str, int], float] = {}
         self._report_event = asyncio.Event()
         self._byes: set[str] = set()
         self._eval_losses: dict[int, dict[int, Any]] = {}
         """The last stage: per validation (its step), each eval micro-batch's loss (on the device)."""
-        self._eval_reported: set[int] = set()
-        """The last stage: the validations it sent the eval REPORT of."""
         self._projector_step = -1
         """The step whose PROJ this stage loaded last (set under :attr:`_state_lock`)."""
         self._progress: StepProgress | None = None
@@ -1126,12 +1125,9 @@ class ReplicaSchedule:
         if phase == "redo":
             pending = self._redo[1] if self._redo is not None else -1
             if msg.epoch > max(self.epoch, pending) and msg.step >= self.step:
-                self._redo = (msg.step, msg.epoch)
                 self._spawn(self._tell([x for x in self.links if self._live(x) and x is not link], msg.step, "redo",
                                        sorted(self.gone), msg.epoch))
-                if self._averaging and self.replicas is not None and msg.step == self.step:
-                    self.replicas.cancel()
-                self._wake()
+                self._take_redo(msg.step, msg.epoch)
 
     def _take_commit(self, phase: str, name: str, step: int, epoch: int) -> None:
         """ROUTE ``commit`` (the admission lets it through from upstream only) or ``taken`` (from
@@ -1159,8 +1155,13 @@ class ReplicaSchedule:
         if self._redo is not None and self._redo[0] >= step:
             return
         log.warning("%s: step %d is redone (run epoch %d): %s", self.name, step, self.epoch + 1, problem)
-        self._redo = (step, self.epoch + 1)
-        if self._averaging and self.replicas is not None:
+        self._take_redo(step, self.epoch + 1)
+
+    def _take_redo(self, step: int, epoch: int) -> None:
+        """Note a redo of ``step`` in run ``epoch`` for the schedule to carry out; a round of the
+        current step in progress gives up."""
+        self._redo = (step, epoch)
+        if self._averaging and self.replicas is not None and step == self.step:
             self.replicas.cancel()
         self._wake()
 
@@ -1213,9 +1214,8 @@ class ReplicaSchedule:
                     for i, ids in enumerate(self.val_batches):
                         res = await self.compute.run(self.host.forward, -1 - i, ids=ids, train=False)
                         await down[0].send_act(step, i, res.payload, eval_mode=True, pver=self.window.outbound_pver)
-            gone = len(self.gone)
             left = deadline - time.monotonic()
-            if left <= 0 or not await self.waits.wait(until(lambda: key in self._reports or len(self.gone) != gone,
+            if left <= 0 or not await self.waits.wait(until(lambda: key in self._reports or self.gone != seen,
                                                             self._report_event, left), self._down_links):
                 raise MaplError(f"{self.name}: no eval REPORT of step {step} from the last stage within "
                                 f"{self.s.timeout_s:g} s")
@@ -1242,13 +1242,13 @@ class ReplicaSchedule:
                       msg.step)
             await down[0].send_act(msg.step, msg.micro, res.payload, eval_mode=True, pver=self.window.outbound_pver)
             return
-        if msg.step in self._eval_reported:
+        if ("eval", msg.step) in self._reported:
             return  # a copy sent again after a replica left, of a validation reported already
         losses = self._eval_losses.setdefault(msg.step, {})
         losses[msg.micro] = res.loss  # once per eval micro-batch: one sent again replaces its copy
         if len(losses) == self.s.val_batches:
             del self._eval_losses[msg.step]
-            self._eval_reported.add(msg.step)
+            self._reported.add(("eval", msg.step))
             loss = await self.compute.run(mean_loss, [losses[i] for i in range(self.s.val_batches)])
             for link in self._up_links():
                 await link.send_report(msg.step, {"mode": "eval", "loss": loss, "tokens": 0})
