@@ -171,8 +171,9 @@ class NetConfig:
     """Shortest silence after which a neighbour is declared lost, whatever its measured round trip:
     a dead neighbour on a fast link is reported after about this long, and a stall shorter than it
     (a GC pause, a few seconds of SIGSTOP) is survived. Capped at the ceiling; must exceed
-    ``heartbeat_interval_s``. Deadlines between floor and ceiling follow the link's round trip
-    (SPEC §9.5: ``clamp(4 x rtt estimate + 2 x heartbeat_interval_s, floor, ceiling)``)."""
+    ``heartbeat_interval_s``. Deadlines between floor and ceiling follow the link's round trip and
+    the gaps between its messages (SPEC §9.5: ``clamp(min(4 x rtt estimate + 2 x
+    heartbeat_interval_s, 4 x longest gap of the last minute), floor, ceiling)``)."""
     liveness_ceiling_s: float = 0.0
     """Longest silence a neighbour is allowed (a stopped process, a link that carries nothing), and
     the deadline before its round trip is measured; 0: ``timeout_s``."""

@@ -24,14 +24,22 @@ answered at once, so both sides have a sample right after the handshake. The pee
 of its own ``sent_ns`` has one round-trip sample, ``now - echo_ns - held_ns``, measured on its own clock only
 (the other side contributes a duration): it includes the time both heartbeats queued behind other
 messages, so a busy or slow link gets a longer deadline by itself. :class:`RttEstimator` smooths the
-samples as TCP does (RFC 6298: ``srtt``, ``rttvar``, estimate ``srtt + 4 rttvar``) and
-:func:`liveness_deadline` turns the estimate into the deadline::
+samples as TCP does (RFC 6298: ``srtt``, ``rttvar``, estimate ``srtt + 4 rttvar``).
 
-    deadline = clamp(rtt_factor x estimate + 2 x interval_s, floor_s, timeout_s)
+**Deadlines from gaps.** A round trip overstates how long a live neighbour can go unheard on a busy
+link: a heartbeat queued behind this side's bulk payloads says nothing of the other direction, and
+one queued behind the neighbour's payloads waits while those payloads arrive, each a sign of life.
+What a live neighbour shows is the time between two messages heard from it: :class:`GapTracker`
+keeps the longest such gap of the last ``gap_window_s``. Once a neighbour has been watched that
+long, the deadline is the shorter of the two rules, so a link whose messages keep arriving keeps a
+short deadline however long its heartbeats queue. :func:`liveness_deadline`::
 
-Before the first sample (or from a peer that does not echo) the deadline is ``timeout_s``, the
-ceiling. The floor keeps a fast link from declaring a neighbour dead over a short stall (a GC
-pause, a 3 s SIGSTOP); the ceiling bounds how long a stopped neighbour is waited for.
+    deadline = clamp(min(rtt_factor x estimate + 2 x interval_s, rtt_factor x longest gap), floor_s, timeout_s)
+
+Before the first round trip (or from a peer that does not echo) the round-trip rule gives
+``timeout_s``, the ceiling, and before a full window the gap rule gives nothing. The floor keeps a
+fast link from declaring a neighbour dead over a short stall (a GC pause, a 3 s SIGSTOP); the
+ceiling bounds how long a stopped neighbour is waited for.
 
 :func:`attach_heartbeat` wires a monitor to a :class:`~mapl_swarm.net.transport.Transport`:
 heartbeats go out on the transport's links and every received message counts as heard from its
@@ -46,6 +54,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Mapping, Sequence
 
@@ -57,7 +66,7 @@ from mapl_swarm.net.errors import NetError, NetTimeoutError
 if TYPE_CHECKING:
     from mapl_swarm.net.transport import Transport
 
-__all__ = ["HeartbeatConfig", "HeartbeatMonitor", "RttEstimator", "Silence", "attach_heartbeat",
+__all__ = ["GapTracker", "HeartbeatConfig", "HeartbeatMonitor", "RttEstimator", "Silence", "attach_heartbeat",
            "liveness_deadline", "rtt_sample_s", "RTT_FACTOR"]
 
 logger = logging.getLogger(__name__)
@@ -82,7 +91,10 @@ class HeartbeatConfig:
     """The shortest deadline a measured round trip can give; None: ``timeout_s`` (a fixed deadline,
     round trips are measured but not used). Above it, deadlines follow :func:`liveness_deadline`."""
     rtt_factor: float = RTT_FACTOR
-    """``k``: the deadline allows this many round-trip estimates, plus two heartbeat intervals."""
+    """``k``: the deadline allows this many round-trip estimates plus two heartbeat intervals, or this
+    many times the longest gap between two messages heard."""
+    gap_window_s: float = 60.0
+    """How far back the longest gap is looked for; also how long a peer is watched before gaps count."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.interval_s) and self.interval_s > 0):
@@ -95,18 +107,22 @@ class HeartbeatConfig:
                               f"and at most timeout_s ({self.timeout_s})")
         if not (math.isfinite(self.rtt_factor) and self.rtt_factor >= 1):
             raise ConfigError(f"heartbeat.rtt_factor must be >= 1, got {self.rtt_factor}")
+        if not (math.isfinite(self.gap_window_s) and self.gap_window_s > 2 * self.interval_s):
+            raise ConfigError(f"heartbeat.gap_window_s ({self.gap_window_s}) must be finite and above two "
+                              f"heartbeat intervals ({2 * self.interval_s})")
 
     @property
     def floor(self) -> float:
         return self.timeout_s if self.floor_s is None else self.floor_s
 
 
-def liveness_deadline(estimate_s: float | None, config: HeartbeatConfig) -> float:
+def liveness_deadline(estimate_s: float | None, config: HeartbeatConfig, longest_gap_s: float | None = None) -> float:
     """Seconds of silence after which a peer is declared silent, given its round-trip estimate
-    (None: none measured yet, the ceiling): ``clamp(k x estimate + 2 x interval, floor, ceiling)``."""
-    if estimate_s is None:
-        return config.timeout_s
-    raw = config.rtt_factor * estimate_s + 2 * config.interval_s
+    (None: none measured yet) and the longest gap between two messages heard from it (None: not
+    watched for a full window yet): ``clamp(min(k x estimate + 2 x interval, k x gap), floor, ceiling)``."""
+    raw = config.timeout_s if estimate_s is None else config.rtt_factor * estimate_s + 2 * config.interval_s
+    if longest_gap_s is not None:
+        raw = min(raw, config.rtt_factor * longest_gap_s)
     return min(max(raw, config.floor), config.timeout_s)
 
 
@@ -151,6 +167,36 @@ class RttEstimator:
         return None if self.srtt is None else self.srtt + 4 * self.rttvar
 
 
+class GapTracker:
+    """The longest time between two messages heard from a peer within the last ``window_s`` (a
+    sliding maximum: the gaps kept fall in time and in length, so the first is the longest)."""
+
+    def __init__(self, window_s: float, now: float) -> None:
+        self.window_s = window_s
+        self.since = now
+        """When watching began: gaps count once a full window has passed."""
+        self._last = now
+        self._peaks: deque[tuple[float, float]] = deque()  # (when it ended, gap)
+
+    def heard(self, now: float) -> None:
+        gap, self._last = max(0.0, now - self._last), now
+        while self._peaks and self._peaks[-1][1] <= gap:
+            self._peaks.pop()
+        self._peaks.append((now, gap))
+
+    def skip(self, seconds: float, now: float) -> None:
+        """This process did not run for ``seconds``: the gap running now does not include them."""
+        self._last = min(now, self._last + seconds)
+
+    def longest(self, now: float) -> float | None:
+        """The longest gap that ended within the window; None before a full window was watched."""
+        if now - self.since < self.window_s:
+            return None
+        while self._peaks and self._peaks[0][0] < now - self.window_s:
+            self._peaks.popleft()
+        return self._peaks[0][1] if self._peaks else 0.0
+
+
 @dataclass(frozen=True)
 class Silence:
     """A peer declared silent: what the monitor knew of it at that moment."""
@@ -175,10 +221,11 @@ class Silence:
 class _Peer:
     """What the monitor tracks of one watched peer."""
 
-    __slots__ = ("heard", "sent", "sending", "rtt", "echo", "echoed", "answer", "silent")
+    __slots__ = ("heard", "sent", "sending", "rtt", "gaps", "echo", "echoed", "answer", "silent")
 
-    def __init__(self, now: float) -> None:
+    def __init__(self, now: float, gap_window_s: float) -> None:
         self.heard = now
+        self.gaps = GapTracker(gap_window_s, now)
         self.sent = -math.inf
         self.sending: asyncio.Task[None] | None = None
         self.rtt = RttEstimator()
@@ -216,7 +263,7 @@ class HeartbeatMonitor:
         """Start sending heartbeats to ``peer`` (the first one now, when running) and start its
         silence clock."""
         if peer not in self._peers:
-            state = self._peers[peer] = _Peer(self._clock())
+            state = self._peers[peer] = _Peer(self._clock(), self.config.gap_window_s)
             state.echo = self._early.pop(peer, None)  # its heartbeat came before it welcomed us
             state.answer = state.echo is not None
             if self._task is not None:
@@ -233,6 +280,7 @@ class HeartbeatMonitor:
         state = self._peers.get(peer)
         if state is not None:
             state.heard = self._clock()
+            state.gaps.heard(state.heard)
             state.silent = False
 
     def on_heartbeat(self, peer: str, meta: Mapping[str, Any]) -> None:
@@ -256,7 +304,7 @@ class HeartbeatMonitor:
                 state.rtt.add(sample)
                 if state.rtt.samples == 1:
                     logger.info("peer %r: round trip %.1f ms, liveness deadline %.1f s", peer, sample * 1e3,
-                                liveness_deadline(state.rtt.estimate, self.config))
+                                self._deadline(state))
 
     def heartbeat_meta(self, peer: str) -> dict[str, int]:
         """The timestamps of the next heartbeat to ``peer``: ``sent_ns`` and, once it sent one,
@@ -279,17 +327,19 @@ class HeartbeatMonitor:
         return None if state is None else state.rtt
 
     def deadline_s(self, peer: str) -> float:
-        """``peer``'s current deadline (:func:`liveness_deadline` of its round-trip estimate)."""
+        """``peer``'s current deadline (:func:`liveness_deadline` of its round trip and gaps)."""
         state = self._peers.get(peer)
-        return liveness_deadline(None if state is None else state.rtt.estimate, self.config)
+        return self.config.timeout_s if state is None else self._deadline(state)
 
     def session_deadline_s(self, peer: str) -> float:
         """How long ``peer``'s session stays live unheard before training (SPEC §9.2 step 5): its
         deadline, the floor until a round trip is measured (a live neighbour heartbeats every
         interval from its WELCOME on, so a dead one frees its stage soon)."""
         state = self._peers.get(peer)
-        estimate = None if state is None else state.rtt.estimate
-        return self.config.floor if estimate is None else liveness_deadline(estimate, self.config)
+        return self.config.floor if state is None or state.rtt.estimate is None else self._deadline(state)
+
+    def _deadline(self, state: _Peer) -> float:
+        return liveness_deadline(state.rtt.estimate, self.config, state.gaps.longest(self._clock()))
 
     def silence_s(self, peer: str) -> float:
         """Seconds since ``peer`` was last heard from."""
@@ -333,13 +383,14 @@ class HeartbeatMonitor:
                             "silence clocks move on by as much", late)
                 for state in self._peers.values():
                     state.heard = min(now, state.heard + late)
+                    state.gaps.skip(late, now)
         self._last_check = now
         found: list[Silence] = []
         for peer, state in list(self._peers.items()):
             if now - state.sent >= self.config.interval_s:
                 self._start_heartbeat(peer, state)
             silence = now - state.heard
-            deadline = liveness_deadline(state.rtt.estimate, self.config)
+            deadline = self._deadline(state)
             if silence > deadline and not state.silent:
                 state.silent = True
                 found.append(Silence(peer, silence, time.time() - silence, deadline, state.rtt.srtt))

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from mapl_swarm.errors import ConfigError
-from mapl_swarm.net.heartbeat import (HeartbeatConfig, HeartbeatMonitor, RttEstimator, liveness_deadline,
-                                      rtt_sample_s)
+from mapl_swarm.net.heartbeat import (GapTracker, HeartbeatConfig, HeartbeatMonitor, RttEstimator,
+                                      liveness_deadline, rtt_sample_s)
 
 from conftest import micro_config
 
@@ -25,6 +25,17 @@ CFG = HeartbeatConfig(interval_s=2.0, timeout_s=120.0, floor_s=10.0)
 ])
 def test_deadline_is_k_rtt_plus_two_intervals_clamped_to_floor_and_ceiling(estimate, deadline):
     assert liveness_deadline(estimate, CFG) == pytest.approx(deadline)
+
+
+@pytest.mark.parametrize("estimate, gap, deadline", [
+    (5.0, None, 24.0),  # not watched for a full window: the round trip alone
+    (5.0, 1.0, 10.0),  # a queued round trip, messages every second: the gaps, up to the floor
+    (5.0, 4.0, 16.0),  # 4 x the longest gap, below 4 x 5 + 4
+    (None, 4.0, 16.0),  # a peer that does not echo: its gaps
+    (0.0003, 20.0, 10.0),  # the shorter rule: the round trip's
+])
+def test_the_longest_gap_shortens_a_round_trip_deadline(estimate, gap, deadline):
+    assert liveness_deadline(estimate, CFG, gap) == pytest.approx(deadline)
 
 
 def test_without_a_floor_the_deadline_is_fixed():
@@ -64,6 +75,8 @@ def test_config_checks():
         HeartbeatConfig(interval_s=2.0, timeout_s=30.0, floor_s=1.0)
     with pytest.raises(ConfigError, match="floor_s"):
         HeartbeatConfig(interval_s=2.0, timeout_s=30.0, floor_s=40.0)
+    with pytest.raises(ConfigError, match="gap_window_s"):
+        HeartbeatConfig(interval_s=2.0, timeout_s=30.0, gap_window_s=3.0)
     with pytest.raises(ConfigError, match="liveness_floor_s"):
         micro_config(net={"heartbeat_interval_s": 2.0, "liveness_floor_s": 2.0})
     with pytest.raises(ConfigError, match="liveness_ceiling_s"):
@@ -179,13 +192,55 @@ def test_a_pause_shorter_than_the_floor_is_survived_and_a_slow_link_gets_a_longe
         p = Pair(one_way_s=2.5)  # a queued link: 5 s round trips
         p.a.watch("b")
         p.b.watch("a")
-        await p.advance(60.0, step=0.1)
+        await p.advance(40.0, step=0.1)  # less than a gap window: the round trip rules
         assert p.a.deadline_s("b") > 20.0  # 4 x ~5 s + 4 s
         p.cut = True
         await p.advance(15.0, step=0.1)  # past the floor, within this link's deadline
         assert p.silent == []
 
     asyncio.run(main())
+
+
+def test_a_link_whose_messages_keep_coming_keeps_a_short_deadline_however_long_its_round_trip():
+    """Heartbeats that queue (5 s round trips) but arrive every interval: after a full window the
+    gaps rule, 4 x 2 s below the floor; a link that had 4.4 s gaps gets 4 x 4.4 s."""
+    async def main():
+        p = Pair(one_way_s=2.5)
+        p.a.watch("b")
+        p.b.watch("a")
+        await p.advance(CFG.gap_window_s + 5.0, step=0.1)
+        assert p.a.rtt("b").estimate > 4.0 and p.a.deadline_s("b") == 10.0
+        p.cut = True
+        await p.advance(2.5 + 10.3, step=0.1)  # what was on its way arrives, then 10 s of silence
+        assert [s.peer for s in p.silent] == ["b", "a"] and p.silent[0].deadline_s == 10.0
+
+        q = Pair(one_way_s=2.5)
+        q.a.watch("b")
+        q.b.watch("a")
+        for _ in range(4):  # now and then b's heartbeats are lost for 2.4 s: 4.4 s gaps
+            await q.advance(14.0, step=0.1)
+            q.cut = True
+            await q.advance(2.4, step=0.1)
+            q.cut = False
+        await q.advance(5.0, step=0.1)
+        longest = q.a._peers["b"].gaps.longest(q.clock.t)
+        assert 4.0 < longest < 4.6 and q.a.deadline_s("b") == pytest.approx(4 * longest)
+        assert q.silent == []
+
+    asyncio.run(main())
+
+
+def test_gap_tracker_keeps_the_longest_gap_of_its_window():
+    gaps = GapTracker(10.0, now=0.0)
+    for t in (1.0, 4.0, 4.5, 6.0):  # gaps 1, 3, 0.5, 1.5
+        gaps.heard(t)
+    assert gaps.longest(9.0) is None  # not watched for a full window yet
+    assert gaps.longest(12.0) == 3.0
+    assert gaps.longest(14.1) == 1.5  # the 3 s gap ended at 4.0, out of the window
+    assert gaps.longest(16.1) == 0.0  # nothing heard within the window
+    gaps.skip(5.0, now=20.0)  # this process stopped for 5 s: not the peer's gap
+    gaps.heard(20.0)
+    assert gaps.longest(20.0) == pytest.approx(9.0)
 
 
 def test_a_monitor_that_did_not_run_does_not_blame_its_neighbours():
