@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from mapl_swarm.config.catalog import codec_info
 from mapl_swarm.net.identity import CertificateError
 from mapl_swarm.peer.link import stage_of
-from mapl_swarm.peer.session import Early, HelloRefused, Rejected, RxSession, Superseded, Unbound
+from mapl_swarm.peer.session import Early, HelloRefused, Rejected, RxSession, Superseded, Unbound, Unlinked
 from mapl_swarm.wire import (ContentError, DecodeLimits, Message, MessageType, RunShapes, VersionMismatch, Window,
                              WireError, check_content, check_declared, check_epoch, check_header, check_sender,
                              decode_header, decode_tensors)
@@ -186,7 +186,7 @@ class Admission:
             link = self._link_of(arrival)
             header = self._header(arrival, link)
             if self.s.replicas and arrival.reply_link is None:
-                link = self._replica_link(arrival.sender, header, link)
+                link = self._replica_link(arrival, header, link)
             if header.type in HANDSHAKE_TYPES and header.seq != 0:
                 raise Rejected("not_allowed", f"{header.type.name} with seq {header.seq} (the handshake's is 0)")
             if header.type is MT.HELLO:
@@ -198,7 +198,7 @@ class Admission:
             msg = await self._tensors(header, arrival.frames, link)
         except (HelloRefused, VersionMismatch, Early):
             raise
-        except Superseded as exc:
+        except (Superseded, Unlinked) as exc:
             log.debug("stage %d: a message from %r not used: %s", self.s.stage, sender, exc.text)
             return None
         except Unbound as exc:
@@ -222,12 +222,14 @@ class Admission:
             raise Rejected("not_allowed", f"{arrival.sender!r} is not a neighbour of stage {self.s.stage}")
         return link
 
-    def _replica_link(self, sender: str, header: Header, link: PeerLink) -> PeerLink:
+    def _replica_link(self, arrival: Arrival, header: Header, link: PeerLink) -> PeerLink:
         """With replicas (SPEC §9.10 item 1) a stage has a link per replica: a message belongs to the
         link whose session its connection is bound to, a HELLO to the link of the contact it names
         (one naming none is refused by :meth:`check_hello`); anything else keeps ``link``, whose
-        session check drops it (``wrong_session``)."""
-        bound = self.links.by_session(sender)
+        session check drops it (``wrong_session``). A HELLO naming a contact this peer has no link
+        to makes it read the stage's records; it is counted as a bad message only when its sender
+        holds no certificate for that stage."""
+        bound = self.links.by_session(arrival.sender)
         if bound is not None and bound.stage == link.stage:
             return bound
         contact = header.meta.get("contact") if header.type is MT.HELLO else None
@@ -236,8 +238,13 @@ class Admission:
         found = self.links.by_contact(link.stage, contact)
         if found is None:
             self.unknown_replica(link.stage)
-            raise Rejected("not_allowed", f"HELLO from a replica of stage {link.stage} this peer does not know "
-                                          f"({_shown_contact(contact)})")
+            why = f"HELLO from a replica of stage {link.stage} this peer does not know ({_shown_contact(contact)})"
+            if self.s.identity is not None:
+                try:
+                    self.s.identity.verify_peer(header.meta.get("cert"), stage=link.stage, curve_key=arrival.peer_key)
+                except CertificateError:
+                    raise Rejected("not_allowed", why) from None
+            raise Unlinked("not_allowed", f"{why}: it joined since this peer read the records")
         return found
 
     def _header(self, arrival: Arrival, link: PeerLink) -> Header:

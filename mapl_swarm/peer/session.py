@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Rejected", "HelloRefused", "Early", "RxSession", "Unbound"]
+__all__ = ["Rejected", "HelloRefused", "Early", "RxSession", "Unbound", "Unlinked"]
 
 
 class Rejected(Exception):
@@ -19,6 +19,13 @@ class Rejected(Exception):
 class Superseded(Rejected):
     """An authentic answer to one of this peer's earlier HELLOs, which a newer HELLO replaced (it
     resends HELLO until one is answered): not used, and not a bad message (logged at debug)."""
+
+
+class Unlinked(Rejected):
+    """A HELLO from a replica of a neighbour stage this peer has no link to yet, certified for that
+    stage (or from any sender in a run without identities): it joined after this peer last read the
+    stage's records, which are read now; it resends HELLO until answered. Not a bad message (logged
+    at debug, not counted)."""
 
 
 class Unbound(Rejected):

@@ -55,9 +55,11 @@ def test_a_replica_joins_a_running_swarm_and_trains_in_step_with_its_partners(tm
     # it averaged every step from the one it joined at, and carried micro-batches both ways
     assert results[1, middle]["averaging"]["rounds"] == STEPS - first, results[1, middle]["averaging"]
     assert sum(v.get("act", 0) for v in results[1, middle]["payload_tx"].values()) > 0, results[1, middle]["payload_tx"]
-    # the neighbours linked it while they trained
+    # the neighbours linked it while they trained; its HELLOs that came before they read its record
+    # (a certified member of the stage) were not counted as bad messages
     for key in ((0, 0), (0, 1), (2, 0), (2, 1)):
         assert "link stage1@" in swarm.procs[key].output
+        assert results[key]["bad_frames"] == 0, results[key]["rejects"]
     # every step once, with all its tokens, at the losses of the whole batch
     ref = tmp_path / "ref"
     train(load_config(swarm.path, {"run": {"out_dir": str(ref)}}), progress=False)
