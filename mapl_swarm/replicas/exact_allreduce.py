@@ -83,7 +83,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                                          f"{self.tensor_part_container.num_parts_by_peer[peer_index]}")
         except BaseException as e:
             if isinstance(e, Exception):
-                logger.debug("all-reduce with %s failed: %r", peer_id, e, exc_info=True)
+                # the round fails (its values are not the average): say why; on a busy link it is not always a death
+                logger.warning("all-reduce with %s failed: %r", peer_id, e)
             self.tensor_part_container.register_failed_reducer(peer_index)
             raise
 
