@@ -210,12 +210,15 @@ class Silence:
     """Its deadline when declared."""
     rtt_s: float | None
     """Its smoothed round trip (None: never measured)."""
+    gap_s: float | None = None
+    """The longest gap between two of its messages in the window (None: not watched that long)."""
 
     def describe(self) -> str:
-        """``silent since 12:03:04 (10.4 s; deadline 10.0 s, round trip 0.4 ms)``."""
+        """``silent since 12:03:04 (10.4 s; deadline 10.0 s, round trip 0.4 ms, longest gap 2.0 s)``."""
         since = time.strftime("%H:%M:%S", time.localtime(self.last_seen))
         rtt = "no round trip measured" if self.rtt_s is None else f"round trip {self.rtt_s * 1e3:.1f} ms"
-        return f"silent since {since} ({self.silence_s:.1f} s; deadline {self.deadline_s:.1f} s, {rtt})"
+        gap = "" if self.gap_s is None else f", longest gap {self.gap_s:.1f} s"
+        return f"silent since {since} ({self.silence_s:.1f} s; deadline {self.deadline_s:.1f} s, {rtt}{gap})"
 
 
 class _Peer:
@@ -390,10 +393,11 @@ class HeartbeatMonitor:
             if now - state.sent >= self.config.interval_s:
                 self._start_heartbeat(peer, state)
             silence = now - state.heard
-            deadline = self._deadline(state)
+            gap = state.gaps.longest(now)
+            deadline = liveness_deadline(state.rtt.estimate, self.config, gap)
             if silence > deadline and not state.silent:
                 state.silent = True
-                found.append(Silence(peer, silence, time.time() - silence, deadline, state.rtt.srtt))
+                found.append(Silence(peer, silence, time.time() - silence, deadline, state.rtt.srtt, gap))
         for s in found:
             logger.warning("peer %r %s", s.peer, s.describe())
             if self._on_silent is not None:

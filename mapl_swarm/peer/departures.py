@@ -38,7 +38,8 @@ class Departure:
     last_seen: float
     """Wall-clock time (``time.time()``) it was last heard from."""
     detail: str
-    """``silent since 12:03:04 (10.4 s; deadline 10.0 s, round trip 0.3 ms)``, or the BYE's reason."""
+    """``silent since 12:03:04 (10.4 s; deadline 10.0 s, round trip 0.3 ms, longest gap 2.0 s)``, or
+    the BYE's reason."""
     at: float = field(default_factory=time.time)
     """When this peer noticed."""
 

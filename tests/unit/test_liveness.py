@@ -213,6 +213,8 @@ def test_a_link_whose_messages_keep_coming_keeps_a_short_deadline_however_long_i
         p.cut = True
         await p.advance(2.5 + 10.3, step=0.1)  # what was on its way arrives, then 10 s of silence
         assert [s.peer for s in p.silent] == ["b", "a"] and p.silent[0].deadline_s == 10.0
+        gap = p.silent[0].gap_s  # a heartbeat interval, to the step of the fake clock
+        assert 2.0 <= gap <= 2.2 and f"longest gap {gap:.1f} s" in p.silent[0].describe()
 
         q = Pair(one_way_s=2.5)
         q.a.watch("b")
