@@ -59,7 +59,8 @@ def test_a_killed_middle_peer_is_named_by_both_neighbours_within_seconds(tmp_pat
             errors = [line for line in peers[s].lines if line.startswith("mapl-swarm: error:")]
             assert len(errors) == 1, peers[s].output
             m = re.fullmatch(rf"mapl-swarm: error: stage{s}: stage 1 at {re.escape(endpoint)} silent since "
-                             rf"\d\d:\d\d:\d\d \((\d+\.\d) s; deadline (\d+\.\d) s, round trip \d+\.\d ms\)", errors[0])
+                             rf"\d\d:\d\d:\d\d \((\d+\.\d) s; deadline (\d+\.\d) s, round trip \d+\.\d ms"
+                             rf"(, longest gap \d+\.\d s)?\)", errors[0])
             assert m, errors[0]
             silence, deadline = float(m.group(1)), float(m.group(2))
             assert 10.0 <= deadline < 14.0 and deadline <= silence < deadline + 2.0, errors[0]  # the floor, ~
