@@ -41,6 +41,13 @@ Before the first round trip (or from a peer that does not echo) the round-trip r
 fast link from declaring a neighbour dead over a short stall (a GC pause, a 3 s SIGSTOP); the
 ceiling bounds how long a stopped neighbour is waited for.
 
+**A connection that ends** (:meth:`HeartbeatMonitor.disconnected`, from the transport's connection
+events): a neighbour whose process exits or is killed closes its TCP connections at once, while a
+stopped one keeps them. Until something is heard from it again, its deadline is then at most two
+heartbeat intervals: a live neighbour whose connection broke still heartbeats on its own connection
+to this peer, and ZeroMQ reconnects this side's only after several of its heartbeat intervals
+(:class:`~mapl_swarm.net.transport.TransportConfig`), longer than the floor anyway.
+
 :func:`attach_heartbeat` wires a monitor to a :class:`~mapl_swarm.net.transport.Transport`:
 heartbeats go out on the transport's links and every received message counts as heard from its
 sender's transport *name* (the routing id without its per-instance suffix,
@@ -224,7 +231,7 @@ class Silence:
 class _Peer:
     """What the monitor tracks of one watched peer."""
 
-    __slots__ = ("heard", "sent", "sending", "rtt", "gaps", "echo", "echoed", "answer", "silent")
+    __slots__ = ("heard", "sent", "sending", "rtt", "gaps", "echo", "echoed", "answer", "silent", "cut")
 
     def __init__(self, now: float, gap_window_s: float) -> None:
         self.heard = now
@@ -236,6 +243,7 @@ class _Peer:
         self.echoed = False  # a heartbeat with an echo went out
         self.answer = False  # one should, as soon as the heartbeat on its way is sent
         self.silent = False
+        self.cut = False  # the connection to it ended and nothing was heard since
 
 
 class HeartbeatMonitor:
@@ -284,7 +292,17 @@ class HeartbeatMonitor:
         if state is not None:
             state.heard = self._clock()
             state.gaps.heard(state.heard)
-            state.silent = False
+            state.silent = state.cut = False
+
+    def disconnected(self, peer: str) -> None:
+        """The TCP connection to ``peer`` ended (its process exited or was killed, or the network
+        dropped it): until something is heard from it again its deadline is at most two heartbeat
+        intervals (unwatched peers are ignored)."""
+        state = self._peers.get(peer)
+        if state is not None and not state.cut:
+            state.cut = True
+            logger.info("peer %r: connection ended; lost unless heard from within %.1f s of the last message",
+                        peer, self._deadline(state))
 
     def on_heartbeat(self, peer: str, meta: Mapping[str, Any]) -> None:
         """A heartbeat's timestamps (SPEC §9.5): remember its ``sent_ns`` to echo, and take a round
@@ -342,7 +360,8 @@ class HeartbeatMonitor:
         return self.config.floor if state is None or state.rtt.estimate is None else self._deadline(state)
 
     def _deadline(self, state: _Peer) -> float:
-        return liveness_deadline(state.rtt.estimate, self.config, state.gaps.longest(self._clock()))
+        deadline = liveness_deadline(state.rtt.estimate, self.config, state.gaps.longest(self._clock()))
+        return min(deadline, 2 * self.config.interval_s) if state.cut else deadline
 
     def silence_s(self, peer: str) -> float:
         """Seconds since ``peer`` was last heard from."""
@@ -394,7 +413,7 @@ class HeartbeatMonitor:
                 self._start_heartbeat(peer, state)
             silence = now - state.heard
             gap = state.gaps.longest(now)
-            deadline = liveness_deadline(state.rtt.estimate, self.config, gap)
+            deadline = self._deadline(state)
             if silence > deadline and not state.silent:
                 state.silent = True
                 found.append(Silence(peer, silence, time.time() - silence, deadline, state.rtt.srtt, gap))

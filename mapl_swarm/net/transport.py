@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any, Callable, Coroutine, Sequence, TypeVar
 
 import zmq
 import zmq.asyncio
+import zmq.utils.monitor
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
@@ -280,6 +281,9 @@ class Transport:
         self._shapers: dict[str, LinkShaper] = {}
         self._listeners: list[Callable[[str], None]] = []
         self._readers: dict[str, asyncio.Task[None]] = {}
+        self._watchers: dict[str, tuple[asyncio.Task[None], zmq.asyncio.Socket]] = {}
+        """Per outbound link: the task reading its DEALER's connection events, and their socket."""
+        self._disconnect_listeners: list[Callable[[str], None]] = []
         self._replies: asyncio.Queue[tuple[str, list[Frame]]] = asyncio.Queue(maxsize=REPLY_QUEUE_MESSAGES)
         self.dropped_replies = 0
         """Replies dropped because :attr:`REPLY_QUEUE_MESSAGES` were already waiting."""
@@ -429,9 +433,12 @@ class Transport:
             dealer.setsockopt(zmq.CURVE_SERVERKEY, z85.encode(server_key))
             dealer.setsockopt(zmq.CURVE_PUBLICKEY, cfg.curve.public)
             dealer.setsockopt(zmq.CURVE_SECRETKEY, cfg.curve.secret)
+        events = dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
             dealer.connect(address)
         except zmq.ZMQError as exc:
+            dealer.disable_monitor()
+            events.close(linger=0)
             dealer.close(linger=0)
             raise NetError(f"{self.name}: cannot connect link {link!r} to {endpoint!r}: {exc}") from exc
 
@@ -449,6 +456,8 @@ class Transport:
         self._shapers[link] = LinkShaper(config, deliver, name=f"{self.name}->{link}")
         self._readers[link] = asyncio.get_running_loop().create_task(self._read_replies(link, dealer),
                                                                      name=f"{self.name}<-{link} replies")
+        self._watchers[link] = (asyncio.get_running_loop().create_task(
+            self._watch_connection(link, events), name=f"{self.name}->{link} events"), events)
         logger.debug("%s: link %r -> %s (%s)", self.name, link, endpoint, config.describe())
 
     def new_routing_id(self) -> str:
@@ -473,6 +482,13 @@ class Transport:
         if reader is not None:
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
+        watcher = self._watchers.pop(link, None)
+        if watcher is not None:
+            watcher[0].cancel()
+            await asyncio.gather(watcher[0], return_exceptions=True)
+            if dealer is not None:
+                dealer.disable_monitor()
+            watcher[1].close(linger=0)
         if shaper is not None:
             await shaper.aclose()
         if dealer is not None:
@@ -621,6 +637,25 @@ class Transport:
                 self.dropped_replies += 1
                 logger.warning("%s: dropped a reply on link %r: %d replies wait already (%d dropped)", self.name,
                                link, REPLY_QUEUE_MESSAGES, self.dropped_replies)
+
+    async def _watch_connection(self, link: str, events: zmq.asyncio.Socket) -> None:
+        """Tell the disconnect listeners when the TCP connection of outbound link ``link`` ends
+        (the neighbour's process exited or was killed, or ZeroMQ's heartbeat dropped it)."""
+        while True:
+            try:
+                event = zmq.utils.monitor.parse_monitor_message(await events.recv_multipart())
+            except zmq.ZMQError:  # closed under us
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                logger.debug("%s: the connection of link %r ended", self.name, link)
+                for listener in list(self._disconnect_listeners):
+                    listener(link)
+
+    def add_disconnect_listener(self, listener: Callable[[str], None]) -> Callable[[], None]:
+        """Call ``listener(link name)`` whenever the TCP connection of an outbound link ends (ZeroMQ
+        reconnects it later by itself); returns the call that removes the listener."""
+        self._disconnect_listeners.append(listener)
+        return lambda: self._disconnect_listeners.remove(listener)
 
     def add_receive_listener(self, listener: Callable[[str], None]) -> None:
         """Call ``listener(sender routing id)`` on every received message (the heartbeat monitor's,

@@ -303,6 +303,7 @@ class Peer:
         fake). A stop ends the work wherever it waits (see the module docstring for the ends)."""
         self.admission.replies_on_link = hasattr(transport, "reply") and hasattr(transport, "recv_reply")
         endpoint = transport.start()
+        unwatch = transport.add_disconnect_listener(self.monitor.disconnected)  # a neighbour's process ended
         work = asyncio.create_task(self._work(transport, endpoint), name=f"{self.name} work")
         stopping = asyncio.create_task(self._stop_event.wait())
         codebooks = None
@@ -321,6 +322,7 @@ class Peer:
                 await self._say_bye(transport, [up] if up is not None and up.welcomed else [], {"reason": str(exc)})
                 raise
         finally:
+            unwatch()
             for task in (work, stopping):
                 task.cancel()
             await asyncio.gather(work, stopping, return_exceptions=True)

@@ -232,6 +232,26 @@ def test_a_link_whose_messages_keep_coming_keeps_a_short_deadline_however_long_i
     asyncio.run(main())
 
 
+def test_a_peer_whose_connection_ended_is_lost_after_two_intervals_of_silence_unless_heard():
+    async def main():
+        p = Pair()
+        p.a.watch("b")
+        p.b.watch("a")
+        await p.advance(5.0)
+        p.a.disconnected("b")  # its connection ended, but it still heartbeats: alive
+        await p.advance(8.0)
+        assert p.silent == [] and p.a.deadline_s("b") == 10.0  # heard again: the usual deadline
+        p.cut = True  # killed: its connection ends and nothing more comes
+        p.in_flight.clear()
+        p.a.disconnected("b")
+        assert p.a.deadline_s("b") == 2 * CFG.interval_s
+        await p.advance(4.5 - p.a.silence_s("b"))
+        assert [s.peer for s in p.silent] == ["b"] and p.silent[0].deadline_s == 4.0
+        p.a.disconnected("nobody")  # not watched: ignored
+
+    asyncio.run(main())
+
+
 def test_gap_tracker_keeps_the_longest_gap_of_its_window():
     gaps = GapTracker(10.0, now=0.0)
     for t in (1.0, 4.0, 4.5, 6.0):  # gaps 1, 3, 0.5, 1.5

@@ -213,3 +213,26 @@ def test_exchange_on_uvloop() -> None:
             return [bytes(f) for f in frames]
 
     assert run(main()) == [b"ACT", b"payload"]
+
+
+@pytest.mark.asyncio
+async def test_the_end_of_a_links_connection_is_told_to_the_disconnect_listeners() -> None:
+    """The neighbour's sockets close (its process ended): the link's DEALER sees its TCP connection
+    end and the listeners get the link's name; a removed listener hears nothing more."""
+    a, b = Transport("a", LOOPBACK), Transport("b", LOOPBACK)
+    a.start()
+    b.start()
+    ended: asyncio.Queue[str] = asyncio.Queue()
+    remove = a.add_disconnect_listener(ended.put_nowait)
+    try:
+        a.connect("b", b.endpoint)
+        await a.send("b", [b"ACT", b"x"], kind="ACT")
+        await b.recv(timeout_s=5)  # connected
+        assert ended.empty()
+        await b.aclose()
+        assert await asyncio.wait_for(ended.get(), 5) == "b"
+        remove()
+        assert a._disconnect_listeners == []
+    finally:
+        await a.aclose()
+        await b.aclose()
