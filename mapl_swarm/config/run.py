@@ -169,8 +169,9 @@ class NetConfig:
     does not block)."""
     liveness_floor_s: float = 10.0
     """Shortest silence after which a neighbour is declared lost, whatever its measured round trip:
-    a dead neighbour on a fast link is reported after about this long, and a stall shorter than it
-    (a GC pause, a few seconds of SIGSTOP) is survived. Capped at the ceiling; must exceed
+    a dead neighbour on a fast link is reported after about this long (one whose connection ended,
+    a killed process, once it stayed ended for two heartbeat intervals), and a stall shorter than
+    it (a GC pause, a few seconds of SIGSTOP) is survived. Capped at the ceiling; must exceed
     ``heartbeat_interval_s``. Deadlines between floor and ceiling follow the link's round trip and
     the gaps between its messages (SPEC §9.5: ``clamp(min(4 x rtt estimate + 2 x
     heartbeat_interval_s, 4 x longest gap of the last minute), floor, ceiling)``)."""

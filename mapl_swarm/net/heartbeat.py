@@ -41,12 +41,14 @@ Before the first round trip (or from a peer that does not echo) the round-trip r
 fast link from declaring a neighbour dead over a short stall (a GC pause, a 3 s SIGSTOP); the
 ceiling bounds how long a stopped neighbour is waited for.
 
-**A connection that ends** (:meth:`HeartbeatMonitor.disconnected`, from the transport's connection
+**A connection that ends** (:meth:`HeartbeatMonitor.connection`, from the transport's connection
 events): a neighbour whose process exits or is killed closes its TCP connections at once, while a
-stopped one keeps them. Until something is heard from it again, its deadline is then at most two
-heartbeat intervals: a live neighbour whose connection broke still heartbeats on its own connection
-to this peer, and ZeroMQ reconnects this side's only after several of its heartbeat intervals
-(:class:`~mapl_swarm.net.transport.TransportConfig`), longer than the floor anyway.
+stopped one keeps them. A neighbour whose connection from this peer ended and did not come back
+within two heartbeat intervals is lost, whatever still arrives from it meanwhile (a killed
+process's kernel still sends what its sockets held). A live one would be lost anyway: ZeroMQ
+reconnects only after several of its heartbeat intervals
+(:class:`~mapl_swarm.net.transport.TransportConfig`), and until then this peer's messages, its
+heartbeats included, do not reach it, so it finds this peer silent past its floor.
 
 :func:`attach_heartbeat` wires a monitor to a :class:`~mapl_swarm.net.transport.Transport`:
 heartbeats go out on the transport's links and every received message counts as heard from its
@@ -219,19 +221,23 @@ class Silence:
     """Its smoothed round trip (None: never measured)."""
     gap_s: float | None = None
     """The longest gap between two of its messages in the window (None: not watched that long)."""
+    cut_s: float | None = None
+    """Seconds since its connection ended (None: connected); ``deadline_s`` then applies to it."""
 
     def describe(self) -> str:
-        """``silent since 12:03:04 (10.4 s; deadline 10.0 s, round trip 0.4 ms, longest gap 2.0 s)``."""
+        """``silent since 12:03:04 (10.4 s; deadline 10.0 s, round trip 0.4 ms, longest gap 2.0 s)``,
+        or ``... (1.2 s; connection ended 4.1 s ago, deadline 4.0 s, ...)``."""
         since = time.strftime("%H:%M:%S", time.localtime(self.last_seen))
         rtt = "no round trip measured" if self.rtt_s is None else f"round trip {self.rtt_s * 1e3:.1f} ms"
         gap = "" if self.gap_s is None else f", longest gap {self.gap_s:.1f} s"
-        return f"silent since {since} ({self.silence_s:.1f} s; deadline {self.deadline_s:.1f} s, {rtt}{gap})"
+        cut = "" if self.cut_s is None else f"connection ended {self.cut_s:.1f} s ago, "
+        return f"silent since {since} ({self.silence_s:.1f} s; {cut}deadline {self.deadline_s:.1f} s, {rtt}{gap})"
 
 
 class _Peer:
     """What the monitor tracks of one watched peer."""
 
-    __slots__ = ("heard", "sent", "sending", "rtt", "gaps", "echo", "echoed", "answer", "silent", "cut")
+    __slots__ = ("heard", "sent", "sending", "rtt", "gaps", "echo", "echoed", "answer", "silent", "cut_at")
 
     def __init__(self, now: float, gap_window_s: float) -> None:
         self.heard = now
@@ -243,7 +249,7 @@ class _Peer:
         self.echoed = False  # a heartbeat with an echo went out
         self.answer = False  # one should, as soon as the heartbeat on its way is sent
         self.silent = False
-        self.cut = False  # the connection to it ended and nothing was heard since
+        self.cut_at: float | None = None  # when the connection to it ended (None: connected)
 
 
 class HeartbeatMonitor:
@@ -292,17 +298,25 @@ class HeartbeatMonitor:
         if state is not None:
             state.heard = self._clock()
             state.gaps.heard(state.heard)
-            state.silent = state.cut = False
+            state.silent = state.silent and state.cut_at is not None  # a cut stays until it comes back
 
-    def disconnected(self, peer: str) -> None:
-        """The TCP connection to ``peer`` ended (its process exited or was killed, or the network
-        dropped it): until something is heard from it again its deadline is at most two heartbeat
-        intervals (unwatched peers are ignored)."""
+    def connection(self, peer: str, up: bool) -> None:
+        """The TCP connection to ``peer`` ended (``up`` False: its process exited or was killed, or
+        the network dropped it) or came back: lost when it stays down for :attr:`cut_grace_s`
+        (unwatched peers are ignored)."""
         state = self._peers.get(peer)
-        if state is not None and not state.cut:
-            state.cut = True
-            logger.info("peer %r: connection ended; lost unless heard from within %.1f s of the last message",
-                        peer, self._deadline(state))
+        if state is None:
+            return
+        if up:
+            state.cut_at = None
+        elif state.cut_at is None:
+            state.cut_at = self._clock()
+            logger.info("peer %r: connection ended; lost unless it comes back within %.1f s", peer, self.cut_grace_s)
+
+    @property
+    def cut_grace_s(self) -> float:
+        """How long a neighbour's connection may stay down: two heartbeat intervals."""
+        return 2 * self.config.interval_s
 
     def on_heartbeat(self, peer: str, meta: Mapping[str, Any]) -> None:
         """A heartbeat's timestamps (SPEC §9.5): remember its ``sent_ns`` to echo, and take a round
@@ -360,8 +374,7 @@ class HeartbeatMonitor:
         return self.config.floor if state is None or state.rtt.estimate is None else self._deadline(state)
 
     def _deadline(self, state: _Peer) -> float:
-        deadline = liveness_deadline(state.rtt.estimate, self.config, state.gaps.longest(self._clock()))
-        return min(deadline, 2 * self.config.interval_s) if state.cut else deadline
+        return liveness_deadline(state.rtt.estimate, self.config, state.gaps.longest(self._clock()))
 
     def silence_s(self, peer: str) -> float:
         """Seconds since ``peer`` was last heard from."""
@@ -406,17 +419,24 @@ class HeartbeatMonitor:
                 for state in self._peers.values():
                     state.heard = min(now, state.heard + late)
                     state.gaps.skip(late, now)
+                    if state.cut_at is not None:
+                        state.cut_at = min(now, state.cut_at + late)
         self._last_check = now
         found: list[Silence] = []
         for peer, state in list(self._peers.items()):
             if now - state.sent >= self.config.interval_s:
                 self._start_heartbeat(peer, state)
             silence = now - state.heard
-            gap = state.gaps.longest(now)
+            cut = None if state.cut_at is None else now - state.cut_at
             deadline = self._deadline(state)
-            if silence > deadline and not state.silent:
+            if cut is not None and cut > self.cut_grace_s:
+                deadline = self.cut_grace_s
+            elif silence <= deadline:
+                continue
+            if not state.silent:
                 state.silent = True
-                found.append(Silence(peer, silence, time.time() - silence, deadline, state.rtt.srtt, gap))
+                found.append(Silence(peer, silence, time.time() - silence, deadline, state.rtt.srtt,
+                                     state.gaps.longest(now), cut))
         for s in found:
             logger.warning("peer %r %s", s.peer, s.describe())
             if self._on_silent is not None:

@@ -283,7 +283,7 @@ class Transport:
         self._readers: dict[str, asyncio.Task[None]] = {}
         self._watchers: dict[str, tuple[asyncio.Task[None], zmq.asyncio.Socket]] = {}
         """Per outbound link: the task reading its DEALER's connection events, and their socket."""
-        self._disconnect_listeners: list[Callable[[str], None]] = []
+        self._connection_listeners: list[Callable[[str, bool], None]] = []
         self._replies: asyncio.Queue[tuple[str, list[Frame]]] = asyncio.Queue(maxsize=REPLY_QUEUE_MESSAGES)
         self.dropped_replies = 0
         """Replies dropped because :attr:`REPLY_QUEUE_MESSAGES` were already waiting."""
@@ -433,7 +433,7 @@ class Transport:
             dealer.setsockopt(zmq.CURVE_SERVERKEY, z85.encode(server_key))
             dealer.setsockopt(zmq.CURVE_PUBLICKEY, cfg.curve.public)
             dealer.setsockopt(zmq.CURVE_SECRETKEY, cfg.curve.secret)
-        events = dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        events = dealer.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         try:
             dealer.connect(address)
         except zmq.ZMQError as exc:
@@ -639,23 +639,24 @@ class Transport:
                                link, REPLY_QUEUE_MESSAGES, self.dropped_replies)
 
     async def _watch_connection(self, link: str, events: zmq.asyncio.Socket) -> None:
-        """Tell the disconnect listeners when the TCP connection of outbound link ``link`` ends
-        (the neighbour's process exited or was killed, or ZeroMQ's heartbeat dropped it)."""
+        """Tell the connection listeners when the TCP connection of outbound link ``link`` is made or
+        ends (the neighbour's process exited or was killed, or ZeroMQ's heartbeat dropped it)."""
         while True:
             try:
                 event = zmq.utils.monitor.parse_monitor_message(await events.recv_multipart())
             except zmq.ZMQError:  # closed under us
                 return
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                logger.debug("%s: the connection of link %r ended", self.name, link)
-                for listener in list(self._disconnect_listeners):
-                    listener(link)
+            up = event["event"] == zmq.EVENT_CONNECTED
+            logger.debug("%s: the connection of link %r %s", self.name, link, "is made" if up else "ended")
+            for listener in list(self._connection_listeners):
+                listener(link, up)
 
-    def add_disconnect_listener(self, listener: Callable[[str], None]) -> Callable[[], None]:
-        """Call ``listener(link name)`` whenever the TCP connection of an outbound link ends (ZeroMQ
-        reconnects it later by itself); returns the call that removes the listener."""
-        self._disconnect_listeners.append(listener)
-        return lambda: self._disconnect_listeners.remove(listener)
+    def add_connection_listener(self, listener: Callable[[str, bool], None]) -> Callable[[], None]:
+        """Call ``listener(link name, up)`` whenever the TCP connection of an outbound link is made
+        (``up``) or ends (ZeroMQ reconnects it later by itself); returns the call that removes the
+        listener."""
+        self._connection_listeners.append(listener)
+        return lambda: self._connection_listeners.remove(listener)
 
     def add_receive_listener(self, listener: Callable[[str], None]) -> None:
         """Call ``listener(sender routing id)`` on every received message (the heartbeat monitor's,

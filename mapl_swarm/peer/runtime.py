@@ -303,7 +303,7 @@ class Peer:
         fake). A stop ends the work wherever it waits (see the module docstring for the ends)."""
         self.admission.replies_on_link = hasattr(transport, "reply") and hasattr(transport, "recv_reply")
         endpoint = transport.start()
-        unwatch = transport.add_disconnect_listener(self.monitor.disconnected)  # a neighbour's process ended
+        unwatch = transport.add_connection_listener(self.monitor.connection)  # a neighbour's process ended
         work = asyncio.create_task(self._work(transport, endpoint), name=f"{self.name} work")
         stopping = asyncio.create_task(self._stop_event.wait())
         codebooks = None

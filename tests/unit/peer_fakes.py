@@ -123,10 +123,10 @@ class FakeTransport:
     def links(self) -> list[str]:
         return list(self._links)
 
-    def add_disconnect_listener(self, listener) -> Any:
-        """In memory no connection ends by itself: a test calls the listeners (``disconnect_listeners``)."""
-        self.disconnect_listeners = [*getattr(self, "disconnect_listeners", []), listener]
-        return lambda: self.disconnect_listeners.remove(listener)
+    def add_connection_listener(self, listener) -> Any:
+        """In memory no connection ends by itself: a test calls the listeners (``connection_listeners``)."""
+        self.connection_listeners = [*getattr(self, "connection_listeners", []), listener]
+        return lambda: self.connection_listeners.remove(listener)
 
     async def send(self, link: str, frames: list, *, kind: str = "control", timeout_s: float | None = None) -> None:
         frames = [bytes(f) for f in frames]

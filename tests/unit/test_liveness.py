@@ -232,22 +232,28 @@ def test_a_link_whose_messages_keep_coming_keeps_a_short_deadline_however_long_i
     asyncio.run(main())
 
 
-def test_a_peer_whose_connection_ended_is_lost_after_two_intervals_of_silence_unless_heard():
+def test_a_peer_whose_connection_stays_ended_for_two_intervals_is_lost_whatever_still_arrives():
     async def main():
         p = Pair()
         p.a.watch("b")
         p.b.watch("a")
         await p.advance(5.0)
-        p.a.disconnected("b")  # its connection ended, but it still heartbeats: alive
-        await p.advance(8.0)
-        assert p.silent == [] and p.a.deadline_s("b") == 10.0  # heard again: the usual deadline
-        p.cut = True  # killed: its connection ends and nothing more comes
-        p.in_flight.clear()
-        p.a.disconnected("b")
-        assert p.a.deadline_s("b") == 2 * CFG.interval_s
-        await p.advance(4.5 - p.a.silence_s("b"))
-        assert [s.peer for s in p.silent] == ["b"] and p.silent[0].deadline_s == 4.0
-        p.a.disconnected("nobody")  # not watched: ignored
+        p.a.connection("b", False)  # its connection ended and came back within the grace
+        await p.advance(3.0)
+        p.a.connection("b", True)
+        await p.advance(5.0)
+        assert p.silent == []
+        p.a.connection("b", False)  # killed: its kernel still delivers what its sockets held
+        await p.advance(3.9)
+        assert p.silent == [] and p.a.silence_s("b") < 2.0  # heartbeats still arrive
+        await p.advance(0.2)
+        assert [s.peer for s in p.silent] == ["b"]
+        s = p.silent[0]
+        assert s.deadline_s == 4.0 and 4.0 < s.cut_s < 4.2
+        assert f"connection ended {s.cut_s:.1f} s ago, deadline 4.0 s" in s.describe()
+        await p.advance(1.0)
+        assert len(p.silent) == 1 and p.a.silent() == {"b"}  # heard, but lost once, until it comes back
+        p.a.connection("nobody", False)  # not watched: ignored
 
     asyncio.run(main())
 

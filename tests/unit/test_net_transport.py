@@ -216,23 +216,24 @@ def test_exchange_on_uvloop() -> None:
 
 
 @pytest.mark.asyncio
-async def test_the_end_of_a_links_connection_is_told_to_the_disconnect_listeners() -> None:
-    """The neighbour's sockets close (its process ended): the link's DEALER sees its TCP connection
-    end and the listeners get the link's name; a removed listener hears nothing more."""
+async def test_a_links_connection_made_and_ended_is_told_to_the_connection_listeners() -> None:
+    """The link's DEALER connects (up), then the neighbour's sockets close (its process ended): the
+    listeners get the link's name with False; a removed listener hears nothing more."""
     a, b = Transport("a", LOOPBACK), Transport("b", LOOPBACK)
     a.start()
     b.start()
-    ended: asyncio.Queue[str] = asyncio.Queue()
-    remove = a.add_disconnect_listener(ended.put_nowait)
+    events: asyncio.Queue[tuple[str, bool]] = asyncio.Queue()
+    remove = a.add_connection_listener(lambda link, up: events.put_nowait((link, up)))
     try:
         a.connect("b", b.endpoint)
+        assert await asyncio.wait_for(events.get(), 5) == ("b", True)
         await a.send("b", [b"ACT", b"x"], kind="ACT")
-        await b.recv(timeout_s=5)  # connected
-        assert ended.empty()
+        await b.recv(timeout_s=5)
+        assert events.empty()
         await b.aclose()
-        assert await asyncio.wait_for(ended.get(), 5) == "b"
+        assert await asyncio.wait_for(events.get(), 5) == ("b", False)
         remove()
-        assert a._disconnect_listeners == []
+        assert a._connection_listeners == []
     finally:
         await a.aclose()
         await b.aclose()
