@@ -17,7 +17,8 @@ preset, T=128, micro-batches of 4, 1 torch thread per peer) and records:
   ``--kill-delay-s`` seconds after stage 0 recorded K steps, and the run records the seconds from
   that death to the first step stage 0 records after it and the length of the step that held the
   death, beside the steps' median length before and after it and the peers' liveness deadline
-  (the bound: deadline plus one step). The swarm goes on without it.
+  (the floor, and the two heartbeat intervals after which a neighbour whose connection ended is
+  lost: a killed process's; the bound: deadline plus one step). The swarm goes on without it.
 
 Writes the JSON to ``--out`` and prints a Markdown table. Root and network namespaces needed.
 """
@@ -130,7 +131,9 @@ def run_one(args: argparse.Namespace, replicas: int, work: Path, subnet: int) ->
                  "step_s_before": sorted(before)[len(before) // 2] if before else None,
                  "death_step_s": held[0] if held else None,
                  "step_s_after": sorted(later)[len(later) // 2] if later else None,
-                 "liveness_deadline_s": cfg.net.liveness_floor_s, "step_walls": walls, "kill_wall": killed["time"]}
+                 "liveness_deadline_s": cfg.net.liveness_floor_s,
+                 "connection_grace_s": 2 * cfg.net.heartbeat_interval_s,
+                 "step_walls": walls, "kill_wall": killed["time"]}
     return {"replicas": replicas, "peers": replicas * args.stages, "steps": len(s.train_losses),
             "tokens_per_step": cfg.tokens_per_step, "tokens_per_s": steady, "wall_s": wall,
             "report_times_s": times, "train_losses": s.train_losses,
@@ -188,8 +191,8 @@ def main() -> int:
             print(f"{r['replicas']} replicas: a stage-1 replica killed {d['kill_delay_s']:g} s after step "
                   f"{d['killed_after_steps']}: next step {s_(d['death_to_next_step_s'])} after its death; the step "
                   f"that held it took {s_(d['death_step_s'])}; steps took {s_(d['step_s_before'])} before it and "
-                  f"{s_(d['step_s_after'])} after it; liveness deadline {d['liveness_deadline_s']:g} s (the bound: "
-                  f"deadline plus one step)")
+                  f"{s_(d['step_s_after'])} after it; liveness deadline {d['liveness_deadline_s']:g} s, "
+                  f"{d['connection_grace_s']:g} s for a connection that ended (the bound: deadline plus one step)")
     return 0
 
 

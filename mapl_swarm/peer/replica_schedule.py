@@ -531,14 +531,18 @@ class ReplicaSchedule:
                 # with codebooks learned per step none comes before the step's last payload is in
                 await self._apply_slice(*got)
                 return None
-            if got is not None and (got[0].epoch >= self.epoch or got[0].type in (MT.PROJ, MT.BYE)):
-                return got  # a PROJ is the same in every epoch of its step; a BYE counts whenever
-            if got is not None:
-                log.debug("%s: %s of run epoch %d dropped (the step runs in epoch %d)", self.name, got[0].type.name,
-                          got[0].epoch, self.epoch)
-                return None
+            return None if got is None or self._stale(got[0]) else got
         self._woken = False
         return None
+
+    def _stale(self, msg: Message) -> bool:
+        """``msg`` belongs to an earlier run epoch than the step's (dropped, logged at debug); a PROJ
+        is the same in every epoch of its step, a BYE counts whenever."""
+        if msg.epoch >= self.epoch or msg.type in (MT.PROJ, MT.BYE):
+            return False
+        log.debug("%s: %s of run epoch %d dropped (the step runs in epoch %d)", self.name, msg.type.name, msg.epoch,
+                  self.epoch)
+        return True
 
     async def _apply_slice(self, msg: Message, link: PeerLink) -> None:
         """A CODEBOOK_SLICE taken from the mailbox, applied unless its replica is gone."""
@@ -597,6 +601,8 @@ class ReplicaSchedule:
                 m.type is MT.CODEBOOK_SLICE and m.meta.get("stream") == "grad"))
             if got is not None and got[0].type is MT.CODEBOOK_SLICE:
                 await self._apply_slice(*got)
+                continue
+            if got is not None and self._stale(got[0]):  # a GRAD of the epoch a redo left
                 continue
             if got is None:
                 got = await self._next(lambda m: self._wanted(m, step), f"ACT, GRAD or ROUTE of step {step}")

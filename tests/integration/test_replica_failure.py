@@ -51,6 +51,10 @@ def test_killing_a_middle_replica_mid_run_loses_no_micro_batch_and_counts_none_t
     # what the dead replica had accumulated was lost: its step ran again everywhere (said by a
     # neighbour it owed GRADs, or that owed it some, on finding it gone, or by a round not whole)
     assert all("runs again in run epoch 1" in p.output for p in survivors.values())
+    # what came of the earlier epoch after a survivor moved on was dropped unread, not taken as a
+    # message of the redone step (a GRAD of it used to be, and was counted as out of window)
+    assert all(res["rejects"].get("out_of_window", 0) == 0 for res in results.values()), \
+        {key: res["rejects"] for key, res in results.items()}
     ref = tmp_path / "ref"
     train(load_config(swarm.path, {"run": {"out_dir": str(ref)}}), progress=False)
     for r in range(2):  # every step once, with all its tokens, at the losses of the whole batch
