@@ -105,8 +105,8 @@ class Clock:
 
 
 class Pair:
-    """Monitors ``a`` and ``b`` on one fake clock; a heartbeat sent is heard after ``one_way_s``
-    (``deliver()``), or lost while ``cut`` is set."""
+    """Monitors ``a`` and ``b`` on one fake clock, each watching the other; a heartbeat sent is heard
+    after ``one_way_s`` (``deliver()``), or lost while ``cut`` is set."""
 
     def __init__(self, config: HeartbeatConfig = CFG, one_way_s: float = 0.05) -> None:
         self.clock = Clock()
@@ -116,6 +116,8 @@ class Pair:
         self.silent: list = []
         self.a = self._monitor("a", "b", config)
         self.b = self._monitor("b", "a", config)
+        self.a.watch("b")
+        self.b.watch("a")
 
     def _monitor(self, me: str, other: str, config: HeartbeatConfig) -> HeartbeatMonitor:
         async def send(peer: str) -> None:
@@ -149,8 +151,6 @@ class Pair:
 def test_round_trips_are_measured_from_echoes_and_set_the_deadline():
     async def main():
         p = Pair(one_way_s=0.05)
-        p.a.watch("b")
-        p.b.watch("a")
         await p.advance(0.5)
         assert p.a.rtt("b").samples >= 1 and p.b.rtt("a").samples >= 1  # the first heartbeat answered at once
         await p.advance(10.0)
@@ -165,8 +165,6 @@ def test_round_trips_are_measured_from_echoes_and_set_the_deadline():
 def test_a_peer_that_stops_is_declared_silent_after_its_deadline_once():
     async def main():
         p = Pair()
-        p.a.watch("b")
-        p.b.watch("a")
         await p.advance(5.0)
         p.cut = True  # b's heartbeats stop (and a's)
         p.in_flight.clear()
@@ -190,8 +188,6 @@ def test_a_peer_that_stops_is_declared_silent_after_its_deadline_once():
 def test_a_pause_shorter_than_the_floor_is_survived_and_a_slow_link_gets_a_longer_deadline():
     async def main():
         p = Pair(one_way_s=2.5)  # a queued link: 5 s round trips
-        p.a.watch("b")
-        p.b.watch("a")
         await p.advance(40.0, step=0.1)  # less than a gap window: the round trip rules
         assert p.a.deadline_s("b") > 20.0  # 4 x ~5 s + 4 s
         p.cut = True
@@ -206,8 +202,6 @@ def test_a_link_whose_messages_keep_coming_keeps_a_short_deadline_however_long_i
     gaps rule, 4 x 2 s below the floor; a link that had 4.4 s gaps gets 4 x 4.4 s."""
     async def main():
         p = Pair(one_way_s=2.5)
-        p.a.watch("b")
-        p.b.watch("a")
         await p.advance(CFG.gap_window_s + 5.0, step=0.1)
         assert p.a.rtt("b").estimate > 4.0 and p.a.deadline_s("b") == 10.0
         p.cut = True
@@ -217,8 +211,6 @@ def test_a_link_whose_messages_keep_coming_keeps_a_short_deadline_however_long_i
         assert 2.0 <= gap <= 2.2 and f"longest gap {gap:.1f} s" in p.silent[0].describe()
 
         q = Pair(one_way_s=2.5)
-        q.a.watch("b")
-        q.b.watch("a")
         for _ in range(4):  # now and then b's heartbeats are lost for 2.4 s: 4.4 s gaps
             await q.advance(14.0, step=0.1)
             q.cut = True
@@ -235,8 +227,6 @@ def test_a_link_whose_messages_keep_coming_keeps_a_short_deadline_however_long_i
 def test_a_peer_whose_connection_stays_ended_for_two_intervals_is_lost_whatever_still_arrives():
     async def main():
         p = Pair()
-        p.a.watch("b")
-        p.b.watch("a")
         await p.advance(5.0)
         p.a.connection("b", False)  # its connection ended and came back within the grace
         await p.advance(3.0)
