@@ -42,7 +42,8 @@ replica whose round is not whole (such a round sends no tensor bytes:
 GRADs of the step or was owed some by it (a round cannot be whole then), says ROUTE ``redo`` (the
 step, the run epoch one higher, the replicas gone) on every link; every replica that gets it
 passes it on, forgets the step's work (:meth:`~mapl_swarm.pipeline.stage.StageRuntime.abandon_step`),
-moves to that epoch (what else of the earlier one comes is dropped unread, but PROJ and BYE) and
+moves to that epoch (what else of the earlier one comes is dropped unread, but PROJ and BYE; a
+payload of it computed once the redo was known is not sent: the links carry the new epoch's) and
 runs the step again with the replicas left, stage 0 re-splitting its micro-batches among its live
 replicas. A round that is whole commits, so a step is either taken once by every stage or redone
 by all of them: every micro-batch counts once per stage and the step's tokens are exact. A stage
@@ -584,6 +585,7 @@ class ReplicaSchedule:
                 await link.send_route(step, "ready")
                 cur.readied.add(link.name)
         while True:
+            self._check()  # a redo noted meanwhile: no more of this epoch's work goes on the links
             if cur.waiting and cur.ready:
                 await self._send_waiting(cur)
             if not self.last and not cur.ended and self._all_computed(cur) and not cur.waiting:
@@ -715,6 +717,7 @@ class ReplicaSchedule:
 
     async def _send_waiting(self, cur: _Step) -> None:
         while cur.waiting and cur.ready:
+            self._check()
             micro, payload = cur.waiting.pop(0)
             link = self.router.pick(cur.ready, cur.step, micro)
             await link.send_act(cur.step, micro, payload, eval_mode=False, pver=self.window.outbound_pver)
@@ -751,6 +754,7 @@ class ReplicaSchedule:
         cur.losses.append(res.loss)
         grad = await self.compute.run(self.host.backward, micro, None, origin=link.name)
         cur.done.append(micro)
+        self._check()
         if grad is not None and self._live(link):  # a last stage that is not stage 0
             await link.send_grad(cur.step, micro, grad, pver=self.window.inbound_pver)
 
@@ -776,6 +780,7 @@ class ReplicaSchedule:
         self.router.returned(link, time.monotonic() - went[1])
         cur.done.append(micro)
         log.debug("%s: step %d micro-batch %d backward (%d of the step)", self.name, cur.step, micro, len(cur.done))
+        self._check()
         if origin is not None and self._live(origin):
             await origin.send_grad(cur.step, micro, grad, pver=self.window.inbound_pver)
 
