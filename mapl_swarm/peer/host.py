@@ -161,9 +161,11 @@ class HostRuntime:
         self._check({"grad": g}, "the PROJ_GRAD")
         return g
 
-    def add_outbound_projector_grad(self, wire: WireTensor) -> None:
-        """Add the receiver's PROJ_GRAD tensor to the outbound projector's gradient."""
-        self.rt.add_outbound_projector_grad(from_wire(wire, pin=self.pin))
+    def add_outbound_projector_grad(self, wire: WireTensor, *, sign: float = 1.0) -> None:
+        """Add the receiver's PROJ_GRAD tensor (times ``sign``: -1 takes back one added before) to
+        the outbound projector's gradient."""
+        grad = from_wire(wire, pin=self.pin)
+        self.rt.add_outbound_projector_grad(grad if sign == 1.0 else grad * sign)
 
     def load_inbound_projector(self, wire: WireTensor, version: int) -> None:
         """Load the PROJ tensor the sender stage sent (at ``version``)."""

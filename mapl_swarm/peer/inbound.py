@@ -182,9 +182,9 @@ class Inbound:
         the dispatcher's, SPEC §9.5; BYE ``"rejoin"`` is a re-form): the schedule's to take. A ROUTE
         other than ``end`` is the dispatcher's: a ``ready`` for a step this replica ended is answered
         at once; ``commit``, ``gone`` and ``redo`` change what the schedule waits for, whatever it
-        waits for now (:meth:`~.replica_schedule.ReplicaSchedule.on_ready`, ``on_route``)."""
+        waits for now (``end`` and ``reopen`` are the schedule's, in their link's order) (:meth:`~.replica_schedule.ReplicaSchedule.on_ready`, ``on_route``)."""
         if msg.type is MT.ROUTE:
-            return msg.meta.get("phase") == "end"
+            return msg.meta.get("phase") in ("end", "reopen")
         if msg.type in SCHEDULE_TYPES:
             return True
         return msg.type is MT.BYE and link.is_upstream and self.started and msg.meta.get("reason") != REJOIN_REASON

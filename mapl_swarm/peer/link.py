@@ -446,17 +446,20 @@ class PeerLink:
                         tensors={WireName.PROJ_GRAD: grad}, kinds={WireName.PROJ_GRAD: LinkKind.PROJ_GRAD})
 
     async def send_route(self, step: int, phase: str, *, acts: int | None = None, gone: list[str] | None = None,
-                         epoch: int | None = None) -> None:
+                         epoch: int | None = None, held: list[int] | None = None) -> None:
         """ROUTE (SPEC §9.10): ``ready`` upstream (this peer takes the link's train ACTs of ``step``),
         ``end`` downstream (``acts``: the train ACTs of ``step`` the link carried; no more),
-        ``commit`` downstream (every stage may take ``step``), ``gone`` and ``redo`` either way
-        (``gone``: contacts of replicas that left; ``redo`` runs ``step`` again in run epoch
-        ``epoch``)."""
+        ``commit`` downstream (every stage may take ``step``), ``reopen`` downstream (more train ACTs
+        of ``step`` come after the link's end), ``gone`` and ``redo`` either way (``gone``: contacts
+        of replicas that left, ``held``: with ``gone`` upstream, the micro-batches this peer took
+        from them; ``redo`` runs ``step`` again in run epoch ``epoch``)."""
         meta: dict = {"phase": phase}
         if acts is not None:
             meta["acts"] = acts
         if gone is not None:
             meta["gone"] = gone
+        if held is not None:
+            meta["held"] = held
         await self.send(MT.ROUTE, step=step, meta=meta, epoch=epoch)
 
     async def send_report(self, step: int, meta: dict) -> None:

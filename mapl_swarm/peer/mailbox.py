@@ -104,6 +104,15 @@ class Mailbox:
                 return item.msg, item.link
         return None
 
+    def has(self, wanted: Callable[[Message], bool]) -> bool:
+        """Whether a queued pipeline message is one ``wanted`` accepts (nothing is taken)."""
+        return any(item.msg is not None and wanted(item.msg) for item in self._items)
+
+    @property
+    def changed(self) -> asyncio.Event:
+        """Set whenever a message is queued or :meth:`poke` is called."""
+        return self._changed
+
     def take(self, wanted: Callable[[Message], bool]) -> Message | None:
         """The oldest pipeline message ``wanted`` accepts, or None; never waits."""
         got = self.take_from(wanted)

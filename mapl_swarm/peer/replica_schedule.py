@@ -35,11 +35,21 @@ A stage's neighbours are sets of links, one per replica. Each step s runs as fol
 **A replica that leaves** (silent past its liveness deadline, or BYE before the end) while its
 stage keeps another: its neighbours drop its links (:meth:`ReplicaSchedule.replica_gone`), stop
 waiting for what it owed and tell its stage's other replicas (ROUTE ``gone``), which average
-without it from then on. What it had accumulated is lost, so a round of that step misses
-micro-batches (or, where the same micro-batch went on after a re-route, counts one twice): a
-replica whose round is not whole (such a round sends no tensor bytes:
-:func:`~mapl_swarm.replicas.gradients.round_counts`), or that finds a replica gone which owed it
-GRADs of the step or was owed some by it (a round cannot be whole then), says ROUTE ``redo`` (the
+without it from then on. What it had accumulated is lost; while its neighbours serve the step (or
+flush it before their round is whole) they **repair** it (SPEC §9.10 item 10): a sender sends the
+ACTs that went to it again, with the bytes it kept (ROUTE ``reopen`` first, :meth:`_forget`,
+:meth:`_reopen`), and drops the GRAD of one it had backwarded; its partners route each to the
+replica of the next stage that took it from the gone one (the ``held`` of that replica's ``gone``,
+:meth:`_send_waiting`), which gives the GRAD it computed again instead of computing it
+(:meth:`_take_rerun`; its gradients count the micro-batch already) and passes the gone link's part
+of the inbound projector's gradient on with a live link's PROJ_GRAD; what the gone replica had not
+passed on comes as new ACTs, which the next stage waits for (:meth:`_answer`). A replica that
+flushed already and gets a ``reopen`` before its round is whole serves the step again
+(:class:`_Resume`; its PROJ_GRADs go again over all the link's ACTs, a receiver replaces the one it
+added). Every micro-batch then counts once per stage and no step is redone. Otherwise (a stage-0
+replica gone: its share of the data is read by no one else; a loss found after a round was
+whole; a re-run whose bytes differ) a round is not whole (such a round sends no tensor bytes:
+:func:`~mapl_swarm.replicas.gradients.round_counts`) and the replica says ROUTE ``redo`` (the
 step, the run epoch one higher, the replicas gone) on every link; every replica that gets it
 passes it on, forgets the step's work (:meth:`~mapl_swarm.pipeline.stage.StageRuntime.abandon_step`),
 moves to that epoch (what else of the earlier one comes is dropped unread, but PROJ and BYE; a
@@ -210,8 +220,59 @@ class _Step:
     """Train micro-batches computed forward at this stage."""
     done: list[int] = field(default_factory=list)
     """Micro-batches whose backward ran here: what this replica's gradients hold."""
-    lost: int = 0
-    """Micro-batches sent on a link whose replica left before their GRAD came (never backwarded)."""
+    via: dict[int, PeerLink] = field(default_factory=dict)
+    """Micro-batch -> the downstream link its train ACT went on last."""
+    payloads: dict[int, dict] = field(default_factory=dict)
+    """Micro-batch -> the ACT payload sent (kept while the downstream stage has several replicas:
+    what went to one that leaves is sent again, :meth:`ReplicaSchedule._forget`)."""
+    replayed: set[int] = field(default_factory=set)
+    """Micro-batches sent again whose backward ran here already: their GRAD is dropped."""
+    notices: list[str] = field(default_factory=list)
+    """Contacts of downstream replicas gone, for ROUTE ``gone`` to their partners before the re-sends."""
+    resend: list[tuple[int, dict]] = field(default_factory=list)
+    """ACTs to send again (their replica left), once the notices and any ``reopen`` went."""
+    reopen: bool = False
+    """ROUTE ``reopen`` goes on the ready links first: more ACTs follow their ``end``."""
+    grads: dict[int, dict] = field(default_factory=dict)
+    """Micro-batch -> the GRAD payload its backward gave here (kept while the upstream stage has
+    several replicas: given again to the replica that re-runs a micro-batch whose origin left)."""
+    digests: dict[int, bytes] = field(default_factory=dict)
+    """Micro-batch -> the digest of its train ACT (a re-run must bring the same bytes)."""
+    held: set[int] = field(default_factory=set)
+    """Micro-batches taken from an upstream replica that left, whose re-run has not come yet."""
+    held_from: set[str] = field(default_factory=set)
+    """Names of the gone upstream links whose micro-batches this replica holds (their part of the
+    inbound projector's gradient goes to a live one)."""
+    partners_gone: set[str] = field(default_factory=set)
+    """Contacts of this stage's replicas gone during the step (ROUTE ``gone`` from a neighbour)."""
+    told: dict[str, set[str]] = field(default_factory=dict)
+    """Downstream link -> the gone replicas of this stage it said which micro-batches it holds of."""
+    hold_at: dict[int, PeerLink] = field(default_factory=dict)
+    """Micro-batch -> the downstream link that holds it (its re-run goes there)."""
+    answered_down: set[str] = field(default_factory=set)
+    """Partners gone that this replica said ``gone`` of downstream (:meth:`ReplicaSchedule._answer`)."""
+    await_answers: bool = False
+    """An upstream replica left before its ``end``: every live upstream link says ``gone`` or
+    ``reopen`` before this replica counts its ACTs of the step as all in."""
+    answered: set[str] = field(default_factory=set)
+    """Upstream links that said ``gone`` or ``reopen`` in the step (whether a partner's ACTs come again)."""
+    reopened: set[str] = field(default_factory=set)
+    """Downstream links told ``reopen``: a PROJ_GRAD over fewer ACTs than they carried is superseded."""
+    proj_sent: dict[str, tuple[int, Any]] = field(default_factory=dict)
+    """Upstream link -> the ACTs and inbound projector gradient its PROJ_GRAD covered (a flush after
+    a reopen sends the sum over all of them)."""
+    proj_added: dict[str, tuple[int, Any]] = field(default_factory=dict)
+    """Downstream link -> the ACTs and PROJ_GRAD tensor added to the outbound projector's gradient."""
+    untake: set[str] = field(default_factory=set)
+    """Downstream links gone whose ACTs went again: a PROJ_GRAD of theirs added is taken back."""
+    started: bool = False
+    """The step's start (readies, stage 0's share) is done: serving again after a reopen skips it."""
+    gone_before: frozenset[str] = frozenset()
+    """Contacts known gone when this attempt of the step began (its work never went through them)."""
+    repair_by: float = 0.0
+    """When (``time.monotonic``) the wait for a repair gives up (0: none awaited)."""
+    holders_by: float = 0.0
+    """When (``time.monotonic``) the wait for those notices gives up (the step is redone)."""
     todo: list[int] = field(default_factory=list)
     """Stage 0: micro-batches of its share not computed yet."""
     losses: list = field(default_factory=list)
@@ -222,6 +283,16 @@ class _Step:
         return sum(self.received.values())
 
 
+def _act_digest(msg: Message) -> bytes:
+    """What identifies a train ACT's content: its versions and tensors (names, dtypes, shapes, bytes)."""
+    h = hashlib.sha256(f"{msg.pver}/{msg.cver}".encode())
+    for name in sorted(msg.tensors):
+        t = msg.tensors[name]
+        h.update(f"/{name}/{t.dtype}/{t.data.shape}/".encode())
+        h.update(t.data.tobytes())
+    return h.digest()
+
+
 class _RunOver(Exception):
     """An upstream BYE ended the run before its last step (its sender stopped)."""
 
@@ -229,6 +300,10 @@ class _RunOver(Exception):
 class _Rejoin(Exception):
     """A joining replica's state is a step old (its stage's other replicas averaged the step it
     began without it): it downloads the state again."""
+
+
+class _Resume(Exception):
+    """A reopen came while this replica flushed the step, before its round: it serves the step again."""
 
 
 class _Redo(Exception):
@@ -316,6 +391,14 @@ class ReplicaSchedule:
         self._woken = False
         """The replicas changed while the schedule waited (a neighbour left): it looks again."""
         self._averaging = False
+        self._serving = False
+        """The schedule serves the current step (:meth:`_run_step`): what a replica that leaves took
+        goes again, a ``reopen`` is taken in its link's order."""
+        self._resumable = False
+        """The schedule flushes the current step and its round is not whole: a ``reopen`` makes it
+        serve the step again (:class:`_Resume`); after a whole round one changes nothing (every
+        micro-batch passed this stage: what comes again goes to the replicas that hold it)."""
+        self._resume = False
         self._down_reports: dict[str, tuple[int, int, dict]] = {}
         """The latest train REPORT from each downstream link: (step, run epoch, meta)."""
         self._votes: set[str] = set()
@@ -369,6 +452,10 @@ class ReplicaSchedule:
                         break
                     except _Redo:
                         await self._restart(step)
+                    except _Resume:
+                        self._resume = self._resumable = False
+                        log.info("%s: step %d: more ACTs come after a replica left: serving the step again", self.name,
+                                 step)
                     except _Rejoin:
                         await self._join()
                         break
@@ -551,12 +638,20 @@ class ReplicaSchedule:
             await link.on_codebook_slice(msg)
 
     def _interrupted(self) -> bool:
-        return self._woken or (self._redo is not None and self._redo[0] == self.step)
+        return self._woken or self._resume or (self._redo is not None and self._redo[0] == self.step)
 
     def _check(self) -> None:
-        """:class:`_Redo` when the dispatcher took a redo of the current step."""
+        """:class:`_Redo` when the dispatcher took a redo of the current step, :class:`_Resume` when
+        a reopen came while this replica flushed it."""
         if self._redo is not None and self._redo[0] == self.step:
             raise _Redo()
+        if self._resume or (self._resumable and self._reopen_queued()):
+            raise _Resume()
+
+    def _reopen_queued(self) -> bool:
+        """A ROUTE ``reopen`` of the current step waits in the mailbox."""
+        return self.mailbox.has(lambda m: m.type is MT.ROUTE and m.meta["phase"] == "reopen"
+                                and (m.step, m.epoch) == (self.step, self.epoch))
 
     def _wake(self) -> None:
         self._woken = True
@@ -571,21 +666,32 @@ class ReplicaSchedule:
 
     # ------------------------------------------------------------------ a step
     def _new_step(self, step: int) -> _Step:
-        return _Step(step, frozenset(link.name for link in self.links if self._live(link)))
+        return _Step(step, frozenset(link.name for link in self.links if self._live(link)),
+                     gone_before=frozenset(self.gone))
 
     async def _run_step(self, step: int) -> None:
         if self._cur.step != step:  # else a fresh one (the start, a redo): it may hold readies already
             self._cur = self._new_step(step)
         cur = self._cur
-        if self.first and self._joined != step:  # a joining replica gets a share once its round ranked it
+        if cur.started:  # serving it again after a reopen (_Resume)
+            pass
+        elif self.first and self._joined != step:  # a joining replica gets a share once its round ranked it
             cur.todo = [g - step * self.M for g in replica_share(step, self.M, self.rank, self.replica_count)]
         elif self._joined != step:  # a joining replica takes no ACTs before its first round
             await self._take_projector(step)
             for link in self._up_links():
                 await link.send_route(step, "ready")
                 cur.readied.add(link.name)
+        cur.started = True
+        self._serving = True
         while True:
             self._check()  # a redo noted meanwhile: no more of this epoch's work goes on the links
+            if cur.repair_by and time.monotonic() > cur.repair_by and (cur.held or cur.await_answers and not {
+                    x.name for x in self._up_links()} <= cur.answered):
+                self._issue_redo(step, f"the repair after a replica left did not come within {self.s.timeout_s / 2:g} s "
+                                       f"({len(cur.held)} re-run(s) awaited here)")
+            if cur.notices or cur.reopen or cur.resend:
+                await self._reopen(cur)
             if cur.waiting and cur.ready:
                 await self._send_waiting(cur)
             if not self.last and not cur.ended and self._all_computed(cur) and not cur.waiting:
@@ -593,6 +699,13 @@ class ReplicaSchedule:
                 for link in cur.ready:
                     await link.send_route(step, "end", acts=cur.sent[link.name])
             if self._done(cur):
+                # a reopen queued meanwhile comes after its link's end: the step is not done here yet
+                got = self.mailbox.take_from(lambda m: m.type is MT.ROUTE and m.meta["phase"] == "reopen"
+                                             and (m.step, m.epoch) == (step, self.epoch))
+                if got is not None:
+                    await self._handle(*got, cur)
+                    continue
+                self._serving, self._resumable = False, True  # a reopen now: back to serving (_Resume)
                 await self._end_queued_readies(cur)
                 return
             if self.first and cur.todo and cur.ready and len(cur.dest) < self.s.max_in_flight * len(cur.ready):
@@ -611,6 +724,23 @@ class ReplicaSchedule:
             if got is not None:
                 await self._handle(*got, cur)
 
+    async def _reopen(self, cur: _Step) -> None:
+        """After a downstream replica left (:meth:`_forget`): ROUTE ``reopen`` naming it on the
+        ready links (``gone`` on the others), then the ACTs it took go again, in that order on
+        every link (a partner knows its partner's loss, and takes ACTs after its ``end``, before
+        the re-sends reach it). A replica told ``reopen`` that had said its own ``end`` says
+        ``reopen`` (naming no one) on its ready links too (:meth:`_on_route`)."""
+        notices, cur.notices = cur.notices, []
+        relay, cur.reopen = cur.reopen, False
+        for link in self._down_links():
+            if link in cur.ready and (relay or notices):
+                cur.reopened.add(link.name)
+                await link.send_route(cur.step, "reopen", gone=notices)
+            elif notices:
+                await link.send_route(cur.step, "gone", gone=notices)
+        cur.waiting.extend(cur.resend)
+        cur.resend.clear()
+
     async def _end_queued_readies(self, cur: _Step) -> None:
         """A ``ready`` of the step still queued when the step is done (it came before the step began)
         gets its ``end`` with 0 ACTs: its sender waits for it."""
@@ -624,14 +754,17 @@ class ReplicaSchedule:
         if self.first:
             return not cur.todo
         live = {link.name for link in self._up_links()}
+        if cur.await_answers and not live <= cur.answered:
+            return False  # what an upstream replica that left had not passed on may come again
         return set(cur.announced) >= cur.readied & live and cur.forwarded == cur.taken \
             and all(cur.received[name] == n for name, n in cur.announced.items() if name in live)
 
     def _done(self, cur: _Step) -> bool:
-        """Every micro-batch of the step passed this stage both ways (but those whose GRAD was lost
-        with a replica that left), and every ready link had its ``end``."""
-        return self._all_computed(cur) and not cur.dest and not cur.waiting \
-            and len(cur.done) + cur.lost == cur.forwarded and (self.last or cur.ended)
+        """Every micro-batch of the step passed this stage both ways (one that went to a replica
+        that left went again), every re-run of one taken from an upstream replica that left came,
+        and every ready link had its ``end``."""
+        return self._all_computed(cur) and not cur.dest and not cur.waiting and not cur.resend and not cur.notices \
+            and not cur.reopen and not cur.held and len(cur.done) == cur.forwarded and (self.last or cur.ended)
 
     def _wanted(self, msg: Message, step: int) -> bool:
         if msg.type is MT.BYE:
@@ -697,6 +830,19 @@ class ReplicaSchedule:
             else:  # too late to be routed to: nothing of the step comes on it
                 await link.send_route(msg.step, "end", acts=0)
             return
+        if phase == "reopen":  # in the link's order: more ACTs, then a fresh end follow
+            if msg.step != cur.step or msg.epoch != self.epoch:
+                return
+            cur.announced.pop(link.name, None)
+            if cur.ended and not self.last:  # what comes now goes on: this stage's links reopen too
+                cur.ended, cur.reopen = False, True
+            self._partners_gone(link, self._gone_named(msg))
+            if self._resumable:  # taken while flushing, before its round: the step is served again
+                self._resume = True
+            return
+        if msg.step < cur.step:  # a fresh end after a reopen that came once this stage's round was whole
+            log.debug("%s: ROUTE end of step %d from %s not used (step %d)", self.name, msg.step, link.name, cur.step)
+            return
         if link.name not in cur.readied or link.name in cur.announced or msg.step != cur.step \
                 or msg.meta["acts"] < cur.received[link.name]:
             self._drop("out_of_window", msg, "one ROUTE end per ready link and step, after its ACTs' count",
@@ -716,14 +862,31 @@ class ReplicaSchedule:
         await self._send_waiting(cur)
 
     async def _send_waiting(self, cur: _Step) -> None:
+        """The computed ACTs, each on the link :class:`Router` draws; once a replica of this stage
+        left during the step, only after every ready downstream link said which of its micro-batches
+        it holds (ROUTE ``gone``, :meth:`_partners_gone`), and a held one's re-run on its holder's."""
+        keep = len(self.links.of_stage(self.links.down)) > 1
         while cur.waiting and cur.ready:
             self._check()
-            micro, payload = cur.waiting.pop(0)
-            link = self.router.pick(cur.ready, cur.step, micro)
+            if cur.partners_gone and not all(cur.partners_gone <= cur.told.get(x.name, set()) for x in cur.ready):
+                if time.monotonic() < cur.holders_by:
+                    return  # the notice wakes the schedule
+                self._issue_redo(cur.step, f"a downstream replica did not say within {self.s.timeout_s / 2:g} s which "
+                                           f"micro-batches of the step it took from this stage's replica that left")
+            micro, payload = cur.waiting[0]
+            link = cur.hold_at.get(micro)
+            if link is None:
+                link = self.router.pick(cur.ready, cur.step, micro)
+            elif link not in cur.ready:
+                return  # its holder's ready has not come yet
+            cur.waiting.pop(0)
             await link.send_act(cur.step, micro, payload, eval_mode=False, pver=self.window.outbound_pver)
             self.router.sent(link)
             cur.sent[link.name] += 1
             cur.dest[micro] = (link, time.monotonic())
+            cur.via[micro] = link
+            if keep:
+                cur.payloads[micro] = payload
 
     async def _on_act(self, msg: Message, link: PeerLink, cur: _Step) -> None:
         micro = msg.micro
@@ -732,13 +895,16 @@ class ReplicaSchedule:
             self._drop("not_allowed", msg, "ACTs only on links told ready, up to their end",
                        f"from {link.name}")
             return
-        if not 0 <= micro < self.M or micro in cur.origin:
+        if not 0 <= micro < self.M or (micro in cur.origin and micro not in cur.held):
             self._drop("out_of_window", msg, "one ACT per micro-batch of the step", f"micro-batch {micro} of {self.M}"
                                                                                      f" (taken already?)")
             return
         if msg.pver != self.window.inbound_pver:
             self._drop("stale_projector", msg, "ACTs use the projector this stage holds",
                        f"made with projector v{msg.pver}, this stage holds v{self.window.inbound_pver}")
+            return
+        if micro in cur.held:
+            await self._take_rerun(msg, link, cur)
             return
         try:
             res = await link.decoded(self.compute.run(self.host.forward, micro, wire=self._payload(msg, ACT_WIRE),
@@ -748,6 +914,8 @@ class ReplicaSchedule:
         cur.origin[micro] = link
         cur.received[link.name] += 1
         cur.forwarded += 1
+        if len(self.links.of_stage(self.links.up)) > 1:
+            cur.digests[micro] = _act_digest(msg)
         if not self.last:
             cur.waiting.append((micro, res.payload))
             return
@@ -755,8 +923,38 @@ class ReplicaSchedule:
         grad = await self.compute.run(self.host.backward, micro, None, origin=link.name)
         cur.done.append(micro)
         self._check()
-        if grad is not None and self._live(link):  # a last stage that is not stage 0
-            await link.send_grad(cur.step, micro, grad, pver=self.window.inbound_pver)
+        if grad is not None:  # a last stage that is not stage 0
+            await self._send_grad(cur, micro, grad)
+
+    async def _send_grad(self, cur: _Step, micro: int, grad: dict) -> None:
+        """The GRAD of ``micro`` to the link its ACT came on; kept (:attr:`_Step.grads`) while a
+        replica of the upstream stage may leave and its re-run ask for it again."""
+        if micro in cur.digests:
+            cur.grads[micro] = grad
+        origin = cur.origin.get(micro)
+        if origin is not None and self._live(origin):
+            await origin.send_grad(cur.step, micro, grad, pver=self.window.inbound_pver)
+
+    async def _take_rerun(self, msg: Message, link: PeerLink, cur: _Step) -> None:
+        """The re-run of micro-batch ``msg.micro``, taken here from an upstream replica that left:
+        this replica's gradients count it already (its parameters' part, the inbound projector's
+        part kept for the gone link, :meth:`_flush`), so it is not computed again; it comes from
+        ``link`` now, whose replica gets the GRAD computed for it (now, or when its backward runs).
+        The re-run must bring the ACT the gone replica sent (its partners hold the same parameters
+        and got the same input): one that differs redoes the step."""
+        micro = msg.micro
+        if _act_digest(msg) != cur.digests.get(micro):
+            self._issue_redo(cur.step, f"the re-run of train micro-batch {micro} from {link.name} is not the ACT the "
+                                       f"replica that left sent")
+        gone = cur.origin[micro]
+        cur.received[gone.name] -= 1
+        cur.received[link.name] += 1
+        cur.origin[micro] = link
+        cur.held.discard(micro)
+        log.debug("%s: step %d micro-batch %d re-run from %s: its GRAD %s", self.name, cur.step, micro, link.name,
+                  "given again" if micro in cur.grads else "goes there")
+        if micro in cur.grads:
+            await link.send_grad(cur.step, micro, cur.grads[micro], pver=self.window.inbound_pver)
 
     async def _on_grad(self, msg: Message, link: PeerLink, cur: _Step) -> None:
         micro = msg.micro
@@ -768,6 +966,11 @@ class ReplicaSchedule:
         if msg.pver != self.window.outbound_pver:
             self._drop("stale_projector", msg, "GRADs come from ACTs of the projector this stage holds",
                        f"made with projector v{msg.pver}, this stage holds v{self.window.outbound_pver}")
+            return
+        if micro in cur.replayed:  # sent again for the next stage's sake: this stage counts it already
+            cur.replayed.discard(micro)
+            del cur.dest[micro]
+            self.router.returned(link, time.monotonic() - went[1])
             return
         origin = cur.origin.get(micro)
         try:
@@ -781,8 +984,8 @@ class ReplicaSchedule:
         cur.done.append(micro)
         log.debug("%s: step %d micro-batch %d backward (%d of the step)", self.name, cur.step, micro, len(cur.done))
         self._check()
-        if origin is not None and self._live(origin):
-            await origin.send_grad(cur.step, micro, grad, pver=self.window.inbound_pver)
+        if grad is not None:
+            await self._send_grad(cur, micro, grad)
 
     # ------------------------------------------------------------------ the projector and the flush
     def _owns_projector(self) -> bool:
@@ -819,13 +1022,26 @@ class ReplicaSchedule:
     async def _flush(self, step: int) -> None:
         """PROJ_GRADs, the averaging round, the commit, the optimizer step, the next PROJ (module docstring)."""
         cur = self._cur
+        self._resumable = True
         if self._takes_projector():
             pver = self.window.inbound_pver
+            # the part of micro-batches taken from a replica that left goes with the first live
+            # link's (their re-runs came on live links; the sender stage's round adds every part)
+            # (and what went to such a replica before it left: that was lost with it)
+            gone = sorted(cur.held_from)
             for link in self._up_links():
                 n = cur.received[link.name]
-                if n:
-                    g = await self.compute.run(self.host.take_inbound_projector_grad, origin=link.name)
+                sent_n, before = cur.proj_sent.get(link.name, (0, None))
+                if n > sent_n:  # after a reopen: the sum over every ACT of the link, once more
+                    parts = [before, *(cur.proj_sent.pop(name, (0, None))[1] for name in gone)]
+                    g = await self.compute.run(self._inbound_projector_grad, [link.name, *gone], parts)
+                    gone = []
+                    cur.held_from.clear()
+                    cur.proj_sent[link.name] = (n, g)
                     await link.send_projector_grad(step, g, micro_batches=n, pver=pver)
+            if cur.held_from:
+                self._issue_redo(step, "no live upstream link carried ACTs of the step to take the inbound projector's "
+                                       "gradient of the replica that left")
         if self._owns_projector():
             await self._projector_grads(cur)
         loss_sum = sum(await self.compute.run(loss_values, cur.losses)) if self.last and cur.losses else 0.0
@@ -839,6 +1055,7 @@ class ReplicaSchedule:
         elif sorted(cur.done) != list(range(self.M)):
             self._issue_redo(step, f"this stage computed {len(cur.done)} of the step's {self.M} micro-batches "
                                    f"({len(set(cur.done))} distinct)")
+        self._resumable = False  # the round is whole: a reopen now changes nothing
         await self._commit(step, {"mode": "train", "loss": loss_sum / self.M, "tokens": self.rt.cfg.tokens_per_step})
         metrics = await self.compute.run(self._take_step)
         self._joined = -1
@@ -858,6 +1075,22 @@ class ReplicaSchedule:
                 await link.send_route(step, "commit")
         await self._send_projector(step + 1)
         await self.hooks.step_end(step + 1, metrics)
+
+    def _inbound_projector_grad(self, origins: list[str], sent: list[Any]) -> Any:
+        """The inbound projector's gradient over the micro-batches whose ACTs came from ``origins``
+        (link names), plus ``sent`` (what an earlier flush of the step sent; None: nothing; compute
+        thread)."""
+        taken = (self.host.take_inbound_projector_grad(origin=name) for name in origins)
+        parts = [g for g in (*taken, *sent) if g is not None]
+        return sum(parts[1:], parts[0]) if parts else None
+
+    def _add_projector_grad(self, grad: Any, before: Any) -> None:
+        """Add a PROJ_GRAD tensor (None: none) to the outbound projector's gradient in place of
+        ``before`` (the link's earlier one, or None; compute thread)."""
+        if grad is not None:
+            self.host.add_outbound_projector_grad(grad)
+        if before is not None:
+            self.host.add_outbound_projector_grad(before, sign=-1.0)
 
     def _take_step(self) -> dict:
         """The optimizer step (compute thread), under the served state's lock."""
@@ -918,15 +1151,38 @@ class ReplicaSchedule:
         round_ = await self._retried(f"averaging round of step {cur.step}", lambda left, expected: replicas.average(
             list(cur.done), step=cur.step, timeout=left, loss_sum=loss_sum, epoch=self.epoch, contact=self.contact,
             expected=expected), redo_step=cur.step)
+        problem = round_.problem(self.M)
+        if problem is None:
+            # the round is whole and counts at every member: a reopen's ACTs go to the replicas that
+            # hold them, not here; a neighbour's loss this replica would have repaired is only told
+            self._resume = self._resumable = False
+            notices, cur.notices = cur.notices, []
+            if notices:
+                self._spawn(self._tell(self._down_links(), cur.step, "gone", notices, self.epoch))
         self._check()
         if not round_.in_sync:
-            raise MaplError(f"{self.name}: step {cur.step} cannot be taken: {round_.problem(self.M)}")
-        problem = round_.problem(self.M)
+            raise MaplError(f"{self.name}: step {cur.step} cannot be taken: {problem}")
         if problem is not None:
+            if await self._repairs_coming(cur):
+                raise _Resume()
             self._issue_redo(cur.step, problem)
         log.debug("%s: step %d averaged among %d replicas in %.2f s", self.name, cur.step, round_.group_size,
                   time.perf_counter() - t0)
         return round_
+
+    async def _repairs_coming(self, cur: _Step) -> bool:
+        """This stage's round of the step is not whole after a partner or an upstream replica left
+        during it: whether what went through it comes here again (a ``reopen``, :class:`_Resume`).
+        Every live upstream replica says either ``reopen`` (it sends it again) or ``gone`` (it
+        cannot, or it has nothing more); this waits for all of them, half ``net.timeout_s`` at most."""
+        if not (cur.partners_gone or cur.await_answers) or self.first:
+            return False
+        if not await until(lambda: self._resume or self._reopen_queued()
+                           or {x.name for x in self._up_links()} <= cur.answered, self.mailbox.changed,
+                           self.s.timeout_s / 2):
+            log.warning("%s: step %d: not every upstream replica said within %g s whether what went through the "
+                        "replica that left comes again", self.name, cur.step, self.s.timeout_s / 2)
+        return self._resume or self._reopen_queued()
 
     def _reports_in_epoch(self) -> dict | None:
         """The train REPORT of the current step and run epoch (its meta) once every live downstream
@@ -975,8 +1231,11 @@ class ReplicaSchedule:
                 self._on_bye(*got, during_step=True)
 
     async def _projector_grads(self, cur: _Step) -> None:
-        """A PROJ_GRAD of the step from every downstream link this stage sent ACTs on, added."""
-        due_from = {name for name, n in cur.sent.items() if n}
+        """A PROJ_GRAD of the step from every downstream link this stage sent ACTs on, added; after a
+        reopen, one over the link's ACTs since (it replaces the one added before)."""
+        for name in sorted(cur.untake & set(cur.proj_added)):
+            await self.compute.run(self._add_projector_grad, None, cur.proj_added.pop(name)[1])
+        due_from = {name for name, n in cur.sent.items() if n and cur.proj_added.get(name, (0, None))[0] != n}
         while True:
             due_from &= {link.name for link in self._down_links()}  # none from a replica that left
             if not due_from:
@@ -986,9 +1245,13 @@ class ReplicaSchedule:
             if got is None or not self._live(got[1]):
                 continue
             msg, link = got
+            count = msg.meta.get("micro_batches")
             if msg.type is MT.ROUTE:
                 await self._on_route(msg, link, cur)
-            elif link.name not in due_from or msg.meta.get("micro_batches") != cur.sent[link.name]:
+            elif link.name in cur.reopened and count is not None and count < cur.sent[link.name]:
+                log.debug("%s: a PROJ_GRAD over %d ACTs from %s superseded (the link reopened)", self.name, count,
+                          link.name)
+            elif link.name not in due_from or count != cur.sent[link.name]:
                 self._drop("out_of_window", msg, "one PROJ_GRAD per link that carried ACTs, over them",
                            f"from {link.name} over {msg.meta.get('micro_batches')} micro-batch(es)")
             elif msg.pver != self.window.outbound_pver:
@@ -996,7 +1259,9 @@ class ReplicaSchedule:
                            f"computed at projector v{msg.pver}, this stage holds v{self.window.outbound_pver}")
             else:
                 due_from.discard(link.name)
-                await self.compute.run(self.host.add_outbound_projector_grad, msg.tensors[WireName.PROJ_GRAD])
+                grad, before = msg.tensors[WireName.PROJ_GRAD], cur.proj_added.get(link.name, (0, None))[1]
+                await self.compute.run(self._add_projector_grad, grad, before)
+                cur.proj_added[link.name] = (count, grad)
 
     # ------------------------------------------------------------------ reports, validation, the end
     async def on_linked(self, link: PeerLink) -> None:
@@ -1068,26 +1333,64 @@ class ReplicaSchedule:
         log.warning("%s: the replica of stage %d at %s left (%s); going on with the stage's other replicas",
                     self.name, link.stage, link.contact, why)
         cur = self._cur
-        now = cur.step == self.step
-        owed = sum(to is link for to, _ in cur.dest.values()) if now else 0
-        owing = sum(came is link and m not in cur.done for m, came in cur.origin.items()) if now else 0
-        self._learn_gone([link.contact])
-        notice = [other for other in self.links.of_stage(link.stage) if self._live(other)]
-        self._spawn(self._tell(notice, self.step, "gone", [link.contact]))
-        if owed or owing:
-            # owed: this replica will never have those micro-batches' GRADs (one that comes late from
-            # a gone link is dropped), so its own round cannot be whole; owing: the gone replica
-            # took no round of the step without those GRADs, and no other replica of its stage has
-            # those micro-batches, so its stage's round cannot be whole. Either way no commit of the
-            # step can come: the redo goes now, before this replica's flush and round
-            self._redo_soon(self.step, f"the replica of stage {link.stage} that left owed this one the GRADs of "
-                                       f"{owed} and was owed those of {owing} train micro-batch(es) of the step")
+        active = self._active()
+        downstream = link.stage == self.links.down
+        held = sorted(m for m, came in cur.origin.items() if came is link) if cur.step == self.step else []
+        self._learn_gone([link.contact])  # what went to it goes again (_forget)
+        if cur.resend:  # the notice goes before the re-sends, from the schedule (_reopen)
+            cur.notices.append(link.contact)
+            self._wake()
+        else:
+            notice = [other for other in self.links.of_stage(link.stage) if self._live(other)]
+            self._spawn(self._tell(notice, self.step, "gone", [link.contact], self.epoch,
+                                   held=None if downstream else held))
+        if link.stage == 0:
+            if self._serving and cur.step == self.step:
+                # its share of the step's data is not read again by another replica: stage 0 splits
+                # the step again among the replicas left (a redo), before this replica's round
+                self._redo_soon(self.step, "the replica of stage 0 that left had its share of the step's "
+                                           "micro-batches")
+        elif active and not downstream and link.name not in cur.announced:
+            cur.await_answers = True
+            self._repair_deadline(cur)
+        if link.stage != 0 and active and held:
+            # what it accumulated of them is lost at its stage: their re-runs come through its
+            # partners, which route them here (the ``held`` of the notice); this replica gives
+            # each the GRAD it computed (its own gradients count them already) and waits for them
+            cur.held.update(held)
+            cur.held_from.add(link.name)
+            self._repair_deadline(cur)
+            log.warning("%s: %d train micro-batch(es) of step %d came through it; their re-runs come through its "
+                        "stage's other replicas", self.name, len(held), cur.step)
+            self._serve_again()
         return True
 
+    def _repair_deadline(self, cur: _Step) -> None:
+        """The repair this replica waits for (re-runs of what it holds, its upstream links' word)
+        comes within half ``net.timeout_s`` of the loss, else the step is redone (:meth:`_run_step`)."""
+        if not cur.repair_by:
+            cur.repair_by = time.monotonic() + self.s.timeout_s / 2
+            asyncio.get_running_loop().call_later(self.s.timeout_s / 2, lambda: cur is self._cur and self._wake())
+
+    def _active(self) -> bool:
+        """This replica serves the current step, or flushes it before its round is whole: a
+        neighbour's loss is repaired (the step goes on), not redone."""
+        return (self._serving or self._resumable) and self._cur.step == self.step
+
+    def _serve_again(self) -> None:
+        """A flush before its round is whole goes back to serving the step (:class:`_Resume`)."""
+        if self._serving:
+            return
+        self._resume = True
+        if self._averaging and self.replicas is not None:
+            self.replicas.cancel()
+        self._wake()
+
     async def _tell(self, links: Sequence[PeerLink], step: int, phase: str, gone: Sequence[str],
-                    epoch: int | None = None) -> None:
+                    epoch: int | None = None, held: Sequence[int] | None = None) -> None:
         for link in links:
-            await link.send_route(step, phase, gone=list(gone), epoch=epoch)
+            await link.send_route(step, phase, gone=list(gone), epoch=epoch,
+                                  held=None if held is None else list(held))
 
     def _learn_gone(self, contacts: Sequence[str]) -> None:
         """Replicas at ``contacts`` left: their links are dropped (what they owe is no longer
@@ -1107,15 +1410,39 @@ class ReplicaSchedule:
         self._wake()
 
     def _forget(self, link: PeerLink) -> None:
-        """The current step stops waiting for what ``link``'s replica owed: its ``end``, its GRADs."""
+        """The current step stops waiting for what ``link``'s replica owed: its ``end``, its GRADs.
+        While this replica serves the step, every train ACT that went to it is sent again (the
+        replica's accumulated gradients died with it, SPEC §9.10 item 10): after ROUTE ``gone`` to
+        its stage's other replicas and, if the ``end`` went already, ``reopen`` (:meth:`_reopen`);
+        the GRAD of one whose backward ran here already is dropped when it comes."""
         cur = self._cur
         if link in cur.ready:
             cur.ready.remove(link)
         for micro, (to, _) in list(cur.dest.items()):
             if to is link:
                 del cur.dest[micro]
-                cur.lost += 1
                 self.router.in_flight[link.name] -= 1
+        for micro, at in list(cur.hold_at.items()):
+            if at is link:
+                del cur.hold_at[micro]
+        if not self._active():
+            return
+        again = sorted(m for m, to in cur.via.items() if to is link)
+        if not again:
+            return
+        if any(m not in cur.payloads for m in again):  # sent while it was its stage's only replica
+            self._redo_soon(cur.step, f"the replica of stage {link.stage} that left took train micro-batch(es) of "
+                                      f"the step this replica kept no copy of")
+            return
+        cur.replayed.update(m for m in again if m in cur.done)
+        cur.resend.extend((m, cur.payloads[m]) for m in again)
+        cur.untake.add(link.name)  # its PROJ_GRAD, if added: the re-runs' receivers send those parts
+        if cur.ended:
+            cur.ended, cur.reopen = False, True
+        self._serve_again()
+        log.warning("%s: %d train micro-batch(es) of step %d went through the replica of stage %d at %s: sent again "
+                    "(%d of them backwarded here already)", self.name, len(again), cur.step, link.stage, link.contact,
+                    sum(m in cur.done for m in again))
 
     async def on_route(self, msg: Message, link: PeerLink) -> None:
         """ROUTE ``commit``, ``redo`` or ``gone`` (SPEC §9.10), from the dispatcher: taken at once,
@@ -1129,16 +1456,60 @@ class ReplicaSchedule:
             else:
                 self._take_commit(phase, link.name, msg.step, msg.epoch)
             return
+        now = (msg.step, msg.epoch) == (self.step, self.epoch) and self._cur.step == msg.step
         # a neighbour's word is taken for replicas this one has no link to (its stage's partners,
         # far stages): of its own links this replica's liveness deadline and their BYEs decide
-        own = {x.contact for x in self.links} | {self.contact}
-        self._learn_gone([c for c in msg.meta["gone"][:_MAX_GONE] if c and len(c) <= _MAX_CONTACT and c not in own])
+        contacts = self._gone_named(msg)
+        if phase == "gone" and now:
+            self._partners_gone(link, contacts, msg.meta.get("held", []))
+        self._learn_gone(contacts)
         if phase == "redo":
             pending = self._redo[1] if self._redo is not None else -1
             if msg.epoch > max(self.epoch, pending) and msg.step >= self.step:
                 self._spawn(self._tell([x for x in self.links if self._live(x) and x is not link], msg.step, "redo",
                                        sorted(self.gone), msg.epoch))
                 self._take_redo(msg.step, msg.epoch)
+
+    def _gone_named(self, msg: Message) -> list[str]:
+        """The contacts a ROUTE names gone, but this replica's own and its links' (of its own links
+        its liveness deadline and their BYEs decide)."""
+        own = {x.contact for x in self.links} | {self.contact}
+        return [c for c in msg.meta.get("gone", [])[:_MAX_GONE] if c and len(c) <= _MAX_CONTACT and c not in own]
+
+    def _partners_gone(self, link: PeerLink, contacts: list[str], held: Sequence[int] = ()) -> None:
+        """ROUTE ``gone`` or ``reopen`` of the current step: a neighbour names replicas of this
+        stage that left (it sends the notice to the gone replica's partners only; an upstream one
+        says ``reopen`` instead when what went to them comes here again after its ``end``). One
+        from downstream also says which of the step's micro-batches it took from them (``held``):
+        their re-runs, which come here or to another partner, go to it. Until every ready
+        downstream link said so of every partner gone, this replica routes no ACT
+        (:meth:`_send_waiting`)."""
+        cur = self._cur
+        if link.stage == self.links.up:
+            cur.answered.add(link.name)
+        fresh = [c for c in contacts if c not in cur.gone_before]  # not gone when this attempt of the step began
+        if fresh and not cur.partners_gone:  # the schedule looks again when the wait for holders is over
+            cur.holders_by = time.monotonic() + self.s.timeout_s / 2
+            asyncio.get_running_loop().call_later(self.s.timeout_s / 2, lambda: cur is self._cur and self._wake())
+        cur.partners_gone.update(fresh)
+        if fresh and link.stage == self.links.down:
+            cur.told.setdefault(link.name, set()).update(fresh)
+            for m in held[:self.M]:
+                if 0 <= m < self.M:
+                    cur.hold_at[m] = link
+        self._answer(cur)
+        self._wake()
+
+    def _answer(self, cur: _Step) -> None:
+        """Once every live upstream replica said whether what went through this stage's replicas
+        that left comes again (``gone`` or ``reopen``), say so downstream: ROUTE ``gone`` naming
+        them. A downstream replica that found one of them gone before its ``end`` waits for this
+        from every live upstream replica before it counts its ACTs of the step as all in (what the
+        gone replica had not passed on comes again through its partners)."""
+        due = sorted(cur.partners_gone - cur.answered_down)
+        if due and not self.last and {x.name for x in self._up_links()} <= cur.answered:
+            cur.answered_down.update(due)
+            self._spawn(self._tell(self._down_links(), cur.step, "gone", due, self.epoch))
 
     def _take_commit(self, phase: str, name: str, step: int, epoch: int) -> None:
         """ROUTE ``commit`` (the admission lets it through from upstream only) or ``taken`` (from
@@ -1180,6 +1551,7 @@ class ReplicaSchedule:
         """Carry out the redo of ``step`` (module docstring): the neighbours are told first, so that
         nothing of the new epoch reaches them before the redo does."""
         assert self._redo is not None and self._redo[0] == step
+        self._serving = self._resumable = self._resume = False
         epoch = self._redo[1]
         self._redo = None
         self._redos += 1

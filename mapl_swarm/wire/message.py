@@ -175,7 +175,7 @@ META_SCHEMA: dict[MessageType, tuple[dict[str, str], dict[str, str]]] = {
     MessageType.ERROR: ({"code": "str", "message": "str"}, {"ref_seq": "uint"}),
     MessageType.CHECKPOINT: ({"phase": "phase"}, {"step": "uint_or_nil", "steps": "uints", "have": "have",
                                                   "reason": "str", "epoch": "uint"}),
-    MessageType.ROUTE: ({"phase": "route_phase"}, {"acts": "uint", "gone": "strs"}),
+    MessageType.ROUTE: ({"phase": "route_phase"}, {"acts": "uint", "gone": "strs", "held": "uints"}),
 }
 """(required, optional) typed ``meta`` fields per message type (SPEC §5); other types have none."""
 
@@ -240,7 +240,7 @@ _KIND_TEXT = {
     "map": "a map",
     "metrics": "a map of numbers",
     "phase": "'saved', 'complete', 'offer', 'resume', 'drain_request', 'drain', 'unsaved' or 'abandoned'",
-    "route_phase": "'ready', 'end', 'commit', 'gone', 'redo' or 'taken'",
+    "route_phase": "'ready', 'end', 'commit', 'gone', 'redo', 'taken' or 'reopen'",
     "uint_or_nil": "a non-negative integer or nil",
     "uints": "an array of non-negative integers",
     "have": "a map of arrays of non-negative integers",
@@ -279,6 +279,8 @@ def check_type_rules(mtype: MessageType, meta: Mapping[str, Any], dtypes: Iterab
         raise InvalidMessage("ROUTE end needs acts")
     if mtype is MessageType.ROUTE and meta["phase"] in ("gone", "redo") and "gone" not in meta:
         raise InvalidMessage(f"ROUTE {meta['phase']} needs gone")
+    if mtype is MessageType.ROUTE and "held" in meta and meta["phase"] != "gone":
+        raise InvalidMessage(f"ROUTE {meta['phase']} takes no held (only gone does)")
 
 
 def _check_checkpoint(meta: Mapping[str, Any]) -> None:

@@ -136,12 +136,12 @@ REJOIN_CAPABILITY = "rejoin"
 REPLICAS_CAPABILITY = "replicas"
 """HELLO/WELCOME capability of the peers of a run with several peers per stage (2.1, SPEC §9.10)."""
 
-ROUTE_PHASES: tuple[str, ...] = ("ready", "end", "commit", "gone", "redo", "taken")
+ROUTE_PHASES: tuple[str, ...] = ("ready", "end", "commit", "gone", "redo", "taken", "reopen")
 """Values of a ROUTE's ``meta["phase"]`` (SPEC §9.10): ``ready`` and ``taken`` travel upstream,
-``end`` and ``commit`` downstream, ``gone`` and ``redo`` either way."""
+``end``, ``commit`` and ``reopen`` downstream, ``gone`` and ``redo`` either way."""
 ROUTE_UPSTREAM_PHASES: frozenset[str] = frozenset({"ready", "taken"})
 """ROUTE phases a peer takes only from downstream (s + 1)."""
-ROUTE_DOWNSTREAM_PHASES: frozenset[str] = frozenset({"end", "commit"})
+ROUTE_DOWNSTREAM_PHASES: frozenset[str] = frozenset({"end", "commit", "reopen"})
 """ROUTE phases a peer takes only from upstream (s - 1); the others come from either neighbour."""
 
 REJOIN_REASON = "rejoin"

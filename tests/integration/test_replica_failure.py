@@ -1,17 +1,22 @@
 """A replica's death mid-run (SPEC §9.10 "Replicas that leave"), as real processes: two replicas of
-each of three stages, one replica of the middle stage killed (SIGKILL) once training runs. Its
-neighbours find it silent, drop its links and tell its partner; a step it had a part in is redone by
-every stage, so each micro-batch counts once per stage: the run ends with every step's tokens and
-the losses of one in-process pipeline over the whole batch (``train``), and no survivor pauses
-(every one ends ``finished``, none waits for a replacement).
+each of three stages, one replica killed (SIGKILL) once training runs. Its neighbours find it
+silent, drop its links and tell its partner.
 
-Marked ``slow`` (run with ``-m slow``; ~35-60 s) to keep the default suite's share of the replica
-tests within its budget. It used to hang in some runs (a round kept by one member of a pair and
-failed at the other; a hivemind round cancelled mid-matchmaking that locked the next); since every
-replica's round must be whole for a commit (ROUTE ``taken``), an unsure round redoes the step and
-rounds are never cancelled mid-way, it passed every run of the final code (BENCHMARKS.md counts).
-With ``mapl_vq`` (codebooks learned per step) the redone step's codebook statistics are dropped with
-its gradients, so the codebooks too are those of the whole batch."""
+- A **middle** replica killed mid-step: the step is repaired, not redone. The stage-0 replicas send
+  the ACTs that went to it again (they kept them) to its partner, which routes each to the stage-2
+  replica that took it from the dead one; that replica gives the GRAD it computed again (its own
+  gradients count the micro-batch already) and the stage-0 replica drops the GRAD of one it had
+  backwarded. Each micro-batch counts once per stage, so the run ends with every step's tokens and
+  the losses of one in-process pipeline over the whole batch (``train``), no survivor redoes a step
+  and none pauses (every one ends ``finished``). ``net.max_in_flight`` 1 keeps stage 0 feeding
+  while the death is found; a survivor that had finished its part goes back to serving the step
+  (``reopen``), so the repair holds however late in the step the death comes, up to its rounds.
+- A **stage-0** replica killed mid-step: its share of the step's data is read by no one else, so the
+  step is redone by every stage (one run epoch later) with the micro-batches split again.
+
+Marked ``slow`` (run with ``-m slow``; ~35-60 s each) to keep the default suite's share of the
+replica tests within its budget. With ``mapl_vq`` (codebooks learned per step) the re-run's codebook
+statistics are counted once, as its gradients, so the codebooks too are those of the whole batch."""
 
 from __future__ import annotations
 
@@ -27,37 +32,58 @@ from swarm_helpers import ReplicaSwarm, kill_when_logged, train_losses, wait_ste
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 STEPS = 5
-MIDDLE = ((1, 0), (1, 1))
 WORKING = re.compile(r"step [1-9] micro-batch \d+ backward \(1 of the step\)")
+REDONE = "runs again in run epoch 1"
 
 
-@pytest.mark.parametrize("codec", ["mapl", "mapl_vq"])
-def test_killing_a_middle_replica_mid_run_loses_no_micro_batch_and_counts_none_twice(tmp_path, codec):
-    with ReplicaSwarm(tmp_path, f"replica-fail-{codec}", steps=STEPS, identities=[2, 2, 2], codec=codec) as swarm:
-        for stage in range(3):
+def _kill_mid_step(tmp_path, codec: str, stage: int) -> tuple[ReplicaSwarm, dict, dict]:
+    """Run the swarm and SIGKILL the replica of ``stage`` that first runs a backward of a step
+    after the first (its gradients hold a micro-batch the step needs); the survivors' processes
+    and results."""
+    killable = ((stage, 0), (stage, 1))
+    with ReplicaSwarm(tmp_path, f"replica-fail-{codec}-{stage}", steps=STEPS, identities=[2, 2, 2],
+                      codec=codec) as swarm:
+        for s in range(3):
             for r in range(2):
-                swarm.start(stage, r, "--set", "net.heartbeat_interval_s=0.5", "--set", "net.liveness_floor_s=5.0",
-                            # the middle replicas log their backwards: one is killed amid a step's
-                            *(["--log-level", "DEBUG"] if (stage, r) in MIDDLE else []))
+                swarm.start(s, r, "--set", "net.heartbeat_interval_s=0.5", "--set", "net.liveness_floor_s=5.0",
+                            "--set", "net.max_in_flight=1",
+                            # the killable replicas log their backwards: one is killed amid a step's
+                            *(["--log-level", "DEBUG"] if s >= stage else []))
         wait_steps(swarm.out, 1, list(swarm.procs.values()), 180)
-        # mid-step: the middle replica that ran a backward of a step after the first (its gradients
-        # hold a micro-batch the step needs) is killed at once
-        survivors = kill_when_logged(swarm.procs, MIDDLE, WORKING, "a backward of step 1 or later at stage 1")
+        try:
+            survivors = kill_when_logged(swarm.procs, killable, WORKING,
+                                         f"a backward of step 1 or later at stage {stage}")
+        finally:  # every peer's output beside the run, for a failure's reader
+            for (s, r), proc in swarm.procs.items():
+                (tmp_path / f"peer-{s}-{r}.log").write_text(proc.output)
     results = {key: swarm.result(*key) for key in survivors}
     assert all(res["end"] == "finished" for res in results.values())
-    # the middle stage's neighbours dropped the dead replica and went on; its partner was told
-    for key in ((0, 0), (0, 1), (2, 0), (2, 1)):
-        assert "left (silent" in survivors[key].output, survivors[key].output[-3000:]
-    # what the dead replica had accumulated was lost: its step ran again everywhere (said by a
-    # neighbour it owed GRADs, or that owed it some, on finding it gone, or by a round not whole)
-    assert all("runs again in run epoch 1" in p.output for p in survivors.values())
-    # what came of the earlier epoch after a survivor moved on was dropped unread, not taken as a
-    # message of the redone step (a GRAD of it used to be, and was counted as out of window)
+    # what came of an epoch a survivor left was dropped unread, not counted as out of window
     assert all(res["rejects"].get("out_of_window", 0) == 0 for res in results.values()), \
         {key: res["rejects"] for key, res in results.items()}
     ref = tmp_path / "ref"
     train(load_config(swarm.path, {"run": {"out_dir": str(ref)}}), progress=False)
-    for r in range(2):  # every step once, with all its tokens, at the losses of the whole batch
-        assert len(results[0, r]["train_losses"]) == STEPS
-        assert results[0, r]["tokens"] == STEPS * swarm.cfg.tokens_per_step
-        assert results[0, r]["train_losses"] == pytest.approx(train_losses(ref), rel=1e-3)
+    for key in results:  # every step once, with all its tokens, at the losses of the whole batch
+        if key[0] == 0:
+            assert len(results[key]["train_losses"]) == STEPS
+            assert results[key]["tokens"] == STEPS * swarm.cfg.tokens_per_step
+            assert results[key]["train_losses"] == pytest.approx(train_losses(ref), rel=1e-3)
+    return swarm, survivors, results
+
+
+@pytest.mark.parametrize("codec", ["mapl", "mapl_vq"])
+def test_killing_a_middle_replica_mid_step_repairs_the_step_and_counts_every_micro_batch_once(tmp_path, codec):
+    _, survivors, _ = _kill_mid_step(tmp_path, codec, 1)
+    for key in ((0, 0), (0, 1), (2, 0), (2, 1)):  # its neighbours dropped it and went on
+        assert "left (silent" in survivors[key].output, survivors[key].output[-3000:]
+    # what went through it went again, through its partner; no step was redone
+    assert any("sent again" in survivors[0, r].output for r in range(2))
+    redone = [line for p in survivors.values() for line in p.output.splitlines() if "is redone" in line]
+    assert not any(REDONE in p.output for p in survivors.values()), redone
+
+
+def test_killing_a_stage0_replica_mid_step_redoes_the_step_everywhere(tmp_path):
+    _, survivors, _ = _kill_mid_step(tmp_path, "mapl", 0)
+    assert all("left (silent" in survivors[1, r].output for r in range(2))
+    # its share of the step is lost: the step ran again everywhere, stage 0 splitting it anew
+    assert all(REDONE in p.output for p in survivors.values())

@@ -166,6 +166,10 @@ def _valid(v: dict[str, list[bytes]]) -> list[Case]:
                         "whole (to stage 1; from stage 1 on: step 12 is taken)",
         "route_redo": "2.1: ROUTE redo from stage 2: step 12 runs again in run epoch 1, without the replica gone",
         "route_taken": "2.1: ROUTE taken from stage 1 to stage 0: step 12 (run epoch 1) is taken",
+        "route_gone_held": "2.1: ROUTE gone from stage 2: the replica at the contact left; this stage-2 replica "
+                           "holds micro-batches 3 and 8 of step 12 that came through it",
+        "route_reopen": "2.1: ROUTE reopen from stage 0: more train ACTs of step 12 come on this link after its "
+                        "end (a replica of stage 1 left; a fresh end follows)",
     }
     return [Case(n, "valid", f, text[n]) for n, f in v.items()]
 
@@ -436,6 +440,10 @@ def _invalid_replicas(v: dict[str, list[bytes]]) -> list[Case]:
         ("route_acts_negative", _edit(v["route_end"], _meta(acts=-3)), IM, "2.1: ROUTE end with acts -3"),
         ("route_with_tensor", _edit([*v["route_ready"], b"\x07"], route_tensor), IM, "2.1: ROUTE carrying a tensor"),
         ("route_redo_no_gone", _edit(v["route_redo"], _meta(gone=_DROP)), IM, "2.1: ROUTE redo without gone"),
+        ("route_held_not_gone", _edit(v["route_redo"], _meta(held=[3])), IM, "2.1: ROUTE redo with held "
+         "(only gone names held micro-batches)"),
+        ("route_held_not_uints", _edit(v["route_gone_held"], _meta(held=[-1])), IM, "2.1: ROUTE gone with a "
+         "negative held micro-batch"),
         ("route_gone_not_strings", _edit(v["route_redo"], _meta(phase="gone", gone=[7])), IM,
          "2.1: ROUTE gone listing a number, not a contact"),
         ("hello_contact_bin", _edit(v["hello_replica"], _meta(contact=b"tcp://10.0.0.2:5002")), IM,
@@ -591,7 +599,8 @@ CASES_2_1 = frozenset({"hello_replica", "route_ready", "route_end", "route_phase
                        "route_end_fits", "route_ready_from_upstream", "route_end_out_of_window", "route_commit",
                        "route_redo", "route_redo_no_gone", "route_gone_not_strings", "route_commit_from_downstream",
                        "route_redo_from_downstream_fits", "route_taken", "route_taken_fits",
-                       "route_taken_from_upstream"})
+                       "route_taken_from_upstream", "route_gone_held", "route_reopen", "route_held_not_gone",
+                       "route_held_not_uints", "route_reopen_from_downstream"})
 """The vectors protocol 2.1 added (at version 2.1; the others stay at 2.0)."""
 
 _V2_1 = b"\xa1v\x92\x02\x01"

@@ -295,6 +295,8 @@ def content_cases() -> list[tuple[str, list[bytes], str, RunShapes, Window, str]
         ("route_taken_fits", _route("taken", src=2), "2.1: ROUTE taken of step 12 from downstream", RUN, W, OK),
         ("route_taken_from_upstream", _route("taken", src=0), "2.1: ROUTE taken from upstream (only a "
          "downstream replica says a step is taken)", RUN, W, "not_allowed"),
+        ("route_reopen_from_downstream", _route("reopen", src=2), "2.1: ROUTE reopen from downstream (only "
+         "an upstream replica sends ACTs after an end)", RUN, W, "not_allowed"),
     ]
     dup = STIEFEL.copy()
     dup[:, 1] = dup[:, 0]  # rank 3: ‖AᵀA − I‖_F = sqrt(2)

@@ -307,6 +307,11 @@ def _replica_samples() -> dict[str, Message]:
                               meta={"phase": "redo", "gone": ["tcp://10.0.0.7:5002#" + "cd" * 32]}),
         "route_taken": Message(type=MessageType.ROUTE, run_id=RUN_ID, src=1, dst=0, step=12, seq=44, epoch=1,
                                meta={"phase": "taken"}),
+        "route_gone_held": Message(type=MessageType.ROUTE, run_id=RUN_ID, src=2, dst=1, step=12, seq=45,
+                                   meta={"phase": "gone", "gone": ["tcp://10.0.0.7:5002#" + "cd" * 32],
+                                         "held": [3, 8]}),
+        "route_reopen": Message(type=MessageType.ROUTE, run_id=RUN_ID, src=0, dst=1, step=12, seq=46,
+                                meta={"phase": "reopen"}),
     }
 
 
