@@ -228,11 +228,12 @@ class _Step:
     replayed: set[int] = field(default_factory=set)
     """Micro-batches sent again whose backward ran here already: their GRAD is dropped."""
     notices: list[str] = field(default_factory=list)
-    """Contacts of downstream replicas gone, for ROUTE ``gone`` to their partners before the re-sends."""
+    """Contacts of downstream replicas gone: ROUTE ``reopen`` names them to their partners before the
+    re-sends (:meth:`ReplicaSchedule._reopen`)."""
     resend: list[tuple[int, dict]] = field(default_factory=list)
     """ACTs to send again (their replica left), once the notices and any ``reopen`` went."""
     reopen: bool = False
-    """ROUTE ``reopen`` goes on the ready links first: more ACTs follow their ``end``."""
+    """ROUTE ``reopen`` goes on the ready links first: more ACTs follow the ``end`` they had."""
     grads: dict[int, dict] = field(default_factory=dict)
     """Micro-batch -> the GRAD payload its backward gave here (kept while the upstream stage has
     several replicas: given again to the replica that re-runs a micro-batch whose origin left)."""
@@ -1411,10 +1412,10 @@ class ReplicaSchedule:
 
     def _forget(self, link: PeerLink) -> None:
         """The current step stops waiting for what ``link``'s replica owed: its ``end``, its GRADs.
-        While this replica serves the step, every train ACT that went to it is sent again (the
-        replica's accumulated gradients died with it, SPEC §9.10 item 10): after ROUTE ``gone`` to
-        its stage's other replicas and, if the ``end`` went already, ``reopen`` (:meth:`_reopen`);
-        the GRAD of one whose backward ran here already is dropped when it comes."""
+        While this replica is active in the step (:meth:`_active`), every train ACT that went to it
+        is sent again (the replica's accumulated gradients died with it, SPEC §9.10 item 10), after
+        ROUTE ``reopen`` naming it (:meth:`_reopen`); the GRAD of one whose backward ran here
+        already is dropped when it comes."""
         cur = self._cur
         if link in cur.ready:
             cur.ready.remove(link)

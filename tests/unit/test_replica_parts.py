@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,10 +18,10 @@ from mapl_swarm.launch import peer_processes, replica_out_dir, summarize
 from mapl_swarm.net.identity import CertificateBody, issue_local, load_identity, read_signed
 from mapl_swarm.peer.link import LinkSettings, Links, PeerLink, replica_name
 from mapl_swarm.peer.mailbox import Mailbox
-from mapl_swarm.peer.replica_schedule import Router
+from mapl_swarm.peer.replica_schedule import Router, _act_digest
 from mapl_swarm.pipeline.stage import StageRuntime
 from mapl_swarm.replicas.gradients import ReplicaStep, round_counts
-from mapl_swarm.wire import Message, MessageType
+from mapl_swarm.wire import Message, MessageType, WireTensor
 
 CONTACTS = [f"tcp://10.0.0.{i}:5000#" + f"{i:02x}" * 32 for i in (1, 2, 3)]
 
@@ -57,6 +58,31 @@ def test_a_mailbox_item_keeps_the_link_it_came_on():
     msg, link = box.take_from(lambda m: m.micro == 2)
     assert (msg.micro, link) == (2, a)
     assert box.take(lambda m: True).micro == 1 and box.take_from(lambda m: True) is None
+
+
+def test_a_queued_message_is_found_without_being_taken():
+    links, (a, _, _) = _links()
+    box = Mailbox("stage1")
+    box.put(Message(type=MessageType.ROUTE, run_id="r", src=0, dst=1, step=3, meta={"phase": "reopen"}), a)
+    assert box.has(lambda m: m.type is MessageType.ROUTE and m.meta["phase"] == "reopen")
+    assert not box.has(lambda m: m.type is MessageType.ACT)
+    assert box.waiting == 1
+
+
+def test_a_re_run_is_recognised_by_its_bytes_and_versions():
+    """The replica that took a micro-batch from a replica that left gives its GRAD again only for a
+    re-run with the ACT it took (SPEC §9.10 item 10): same tensors and versions, same digest."""
+    def act(data, *, pver=2, cver=0):
+        t = WireTensor("fp16", np.asarray(data, dtype=np.float16))
+        return Message(type=MessageType.ACT, run_id="r", src=1, dst=2, step=4, micro=3, pver=pver, cver=cver,
+                       meta={"mode": "train"}, tensors={"x": t})
+
+    first = _act_digest(act([1.0, 2.0, 3.0]))
+    assert _act_digest(act([1.0, 2.0, 3.0])) == first
+    assert _act_digest(act([1.0, 2.0, 3.5])) != first
+    assert _act_digest(act([1.0, 2.0, 3.0], pver=3)) != first
+    assert _act_digest(act([1.0, 2.0, 3.0], cver=1)) != first
+    assert _act_digest(act([[1.0], [2.0], [3.0]])) != first  # the shape counts too
 
 
 def test_a_handshake_with_replicas_needs_the_capability_and_a_contact():
