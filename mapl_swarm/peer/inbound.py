@@ -180,9 +180,10 @@ class Inbound:
     def for_schedule(self, msg: Message, link: PeerLink) -> bool:
         """A pipeline message, or the BYE from upstream that ends the run (before training any BYE is
         the dispatcher's, SPEC §9.5; BYE ``"rejoin"`` is a re-form): the schedule's to take. A ROUTE
-        other than ``end`` is the dispatcher's: a ``ready`` for a step this replica ended is answered
-        at once; ``commit``, ``gone`` and ``redo`` change what the schedule waits for, whatever it
-        waits for now (``end`` and ``reopen`` are the schedule's, in their link's order) (:meth:`~.replica_schedule.ReplicaSchedule.on_ready`, ``on_route``)."""
+        ``end`` or ``reopen`` is the schedule's too (taken in its link's order, after the link's
+        ACTs); another is the dispatcher's: a ``ready`` for a step this replica ended is answered at
+        once; ``commit``, ``gone`` and ``redo`` change what the schedule waits for, whatever it
+        waits for now (:meth:`~.replica_schedule.ReplicaSchedule.on_ready`, ``on_route``)."""
         if msg.type is MT.ROUTE:
             return msg.meta.get("phase") in ("end", "reopen")
         if msg.type in SCHEDULE_TYPES:
