@@ -271,9 +271,8 @@ class _Step:
     gone_before: frozenset[str] = frozenset()
     """Contacts known gone when this attempt of the step began (its work never went through them)."""
     repair_by: float = 0.0
-    """When (``time.monotonic``) the wait for a repair gives up (0: none awaited)."""
-    holders_by: float = 0.0
-    """When (``time.monotonic``) the wait for those notices gives up (the step is redone)."""
+    """When (``time.monotonic``) the wait for a repair (re-runs, upstream word, downstream ``held``)
+    gives up and the step is redone (0: none awaited)."""
     todo: list[int] = field(default_factory=list)
     """Stage 0: micro-batches of its share not computed yet."""
     losses: list = field(default_factory=list)
@@ -687,8 +686,8 @@ class ReplicaSchedule:
         self._serving = True
         while True:
             self._check()  # a redo noted meanwhile: no more of this epoch's work goes on the links
-            if cur.repair_by and time.monotonic() > cur.repair_by and (cur.held or cur.await_answers and not {
-                    x.name for x in self._up_links()} <= cur.answered):
+            if cur.repair_by and time.monotonic() > cur.repair_by and (
+                    cur.held or cur.await_answers and not self._upstream_answered(cur)):
                 self._issue_redo(step, f"the repair after a replica left did not come within {self.s.timeout_s / 2:g} s "
                                        f"({len(cur.held)} re-run(s) awaited here)")
             if cur.notices or cur.reopen or cur.resend:
@@ -754,9 +753,9 @@ class ReplicaSchedule:
         links: one that left owes nothing more)."""
         if self.first:
             return not cur.todo
-        live = {link.name for link in self._up_links()}
-        if cur.await_answers and not live <= cur.answered:
+        if cur.await_answers and not self._upstream_answered(cur):
             return False  # what an upstream replica that left had not passed on may come again
+        live = {link.name for link in self._up_links()}
         return set(cur.announced) >= cur.readied & live and cur.forwarded == cur.taken \
             and all(cur.received[name] == n for name, n in cur.announced.items() if name in live)
 
@@ -870,7 +869,7 @@ class ReplicaSchedule:
         while cur.waiting and cur.ready:
             self._check()
             if cur.partners_gone and not all(cur.partners_gone <= cur.told.get(x.name, set()) for x in cur.ready):
-                if time.monotonic() < cur.holders_by:
+                if time.monotonic() < cur.repair_by:
                     return  # the notice wakes the schedule
                 self._issue_redo(cur.step, f"a downstream replica did not say within {self.s.timeout_s / 2:g} s which "
                                            f"micro-batches of the step it took from this stage's replica that left")
@@ -1179,7 +1178,7 @@ class ReplicaSchedule:
         if not (cur.partners_gone or cur.await_answers) or self.first:
             return False
         if not await until(lambda: self._resume or self._reopen_queued()
-                           or {x.name for x in self._up_links()} <= cur.answered, self.mailbox.changed,
+                           or self._upstream_answered(cur), self.mailbox.changed,
                            self.s.timeout_s / 2):
             log.warning("%s: step %d: not every upstream replica said within %g s whether what went through the "
                         "replica that left comes again", self.name, cur.step, self.s.timeout_s / 2)
@@ -1366,9 +1365,15 @@ class ReplicaSchedule:
             self._serve_again()
         return True
 
+    def _upstream_answered(self, cur: _Step) -> bool:
+        """Every live upstream link said ``gone`` or ``reopen`` in the step."""
+        return {x.name for x in self._up_links()} <= cur.answered
+
     def _repair_deadline(self, cur: _Step) -> None:
-        """The repair this replica waits for (re-runs of what it holds, its upstream links' word)
-        comes within half ``net.timeout_s`` of the loss, else the step is redone (:meth:`_run_step`)."""
+        """The repair this replica waits for (re-runs of what it holds, its upstream links' word,
+        its downstream links' ``held``) comes within half ``net.timeout_s`` of the first loss of the
+        step it learned of, else the step is redone (:meth:`_run_step`, :meth:`_send_waiting`); the
+        schedule looks again then."""
         if not cur.repair_by:
             cur.repair_by = time.monotonic() + self.s.timeout_s / 2
             asyncio.get_running_loop().call_later(self.s.timeout_s / 2, lambda: cur is self._cur and self._wake())
@@ -1489,9 +1494,8 @@ class ReplicaSchedule:
         if link.stage == self.links.up:
             cur.answered.add(link.name)
         fresh = [c for c in contacts if c not in cur.gone_before]  # not gone when this attempt of the step began
-        if fresh and not cur.partners_gone:  # the schedule looks again when the wait for holders is over
-            cur.holders_by = time.monotonic() + self.s.timeout_s / 2
-            asyncio.get_running_loop().call_later(self.s.timeout_s / 2, lambda: cur is self._cur and self._wake())
+        if fresh:
+            self._repair_deadline(cur)
         cur.partners_gone.update(fresh)
         if fresh and link.stage == self.links.down:
             cur.told.setdefault(link.name, set()).update(fresh)
@@ -1508,7 +1512,7 @@ class ReplicaSchedule:
         from every live upstream replica before it counts its ACTs of the step as all in (what the
         gone replica had not passed on comes again through its partners)."""
         due = sorted(cur.partners_gone - cur.answered_down)
-        if due and not self.last and {x.name for x in self._up_links()} <= cur.answered:
+        if due and not self.last and self._upstream_answered(cur):
             cur.answered_down.update(due)
             self._spawn(self._tell(self._down_links(), cur.step, "gone", due, self.epoch))
 
