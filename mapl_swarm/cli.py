@@ -683,7 +683,9 @@ def build_parser() -> argparse.ArgumentParser:
     _initial_peers_args(p)
     how = p.add_mutually_exclusive_group()
     _resume_arg(how, "continue", "; also how a departed peer of this stage is replaced in a running swarm, which "
-                                 "then rolls back to the newest step every stage saved")
+                                 "then rolls back to the newest step every stage saved; with replicas every "
+                                 "replica of the run starts with it and all resume from the newest step each of "
+                                 "them saved")
     how.add_argument("--auto-resume", action="store_true",
                      help="--resume when run.out_dir holds a checkpoint of this stage, else start fresh; exit 0 at "
                           "once when that checkpoint is already at run.steps (for restart policies: compose, "

@@ -336,9 +336,6 @@ def launch(cfg: TrainConfig, config_args: list[str], *, progress: bool = True,
     P = cfg.pipeline.num_stages
     counts = replica_counts(cfg)
     if cfg.replicas.enabled:
-        if "--resume" in config_args:
-            raise ConfigError("--resume is not offered with replicas (SPEC §9.10: no checkpoint agreement across "
-                              "replicas)")
         max_restarts = 0  # a replica restarted from its checkpoint would not hold the others' state
     swarm = Supervisor(RestartPolicy(max_restarts))  # before any work: a bad --max-restarts answers at once
     threads = cfg.runtime.threads or max(1, (os.cpu_count() or 1) // sum(counts))

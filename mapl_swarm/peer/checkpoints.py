@@ -46,6 +46,7 @@ from mapl_swarm.wire.spec import (CHECKPOINT_ABANDONED_CAPABILITY, CHECKPOINT_CA
 
 if TYPE_CHECKING:
     from mapl_swarm.data import PreparedData
+    from mapl_swarm.peer.replica_resume import ReplicaResume
     from mapl_swarm.peer.compute import ComputeThread
     from mapl_swarm.pipeline.stage import StageRuntime
 
@@ -282,7 +283,8 @@ class CheckpointAgreement:
         return None
 
     # ------------------------------------------------------------ resume
-    def _usable(self) -> tuple[list[int], str | None]:
+    def usable(self) -> tuple[list[int], str | None]:
+        """This stage's usable checkpoint steps, and why there are none when its files are unusable."""
         try:
             return self.store.usable_steps(), None
         except CheckpointError as exc:
@@ -294,7 +296,7 @@ class CheckpointAgreement:
         answer or the same error). ``epoch`` is this stage's; the swarm's is the largest of all
         (SPEC "Rejoin"). ``rejoin``: the swarm re-forms after a departure, so no common step means
         step 0 (every stage rebuilt its initial state) rather than a refusal."""
-        mine, reason = self._usable()
+        mine, reason = self.usable()
         if self.down is None:
             offer: dict[str, Any] = {"steps": mine, "have": {}, "epoch": epoch}
         else:
@@ -401,6 +403,8 @@ class PeerRunPolicy:
         """The steps done at this stage's latest step end (the start step before any)."""
         self.epoch = 0
         """The swarm's run epoch, once :meth:`begin` agreed it (SPEC "Rejoin")."""
+        self.replica_resume: ReplicaResume | None = None
+        """With replicas: the resume agreement over the peer's links (set by the peer, SPEC §9.10 item 13)."""
 
     def _new_store(self) -> StageCheckpoints:
         return StageCheckpoints(self.cfg.run.out_dir, self.stage, driver="swarm", fingerprint=self.fingerprint,
@@ -416,12 +420,9 @@ class PeerRunPolicy:
             self.store = self.agreement.store = self._new_store()
         lacking = [s for s in (self.agreement.up, self.agreement.down) if s is not None
                    and not self.agreement.takes(s, "saved")]
-        if self.cfg.replicas.enabled:  # SPEC §9.10: no agreement across replicas
-            if self.resume:
-                raise MaplError(f"stage {self.stage}: --resume is not offered with replicas (replicas.enabled): each "
-                                f"replica saves its own checkpoints, which no stage agrees on")
-            log.info("stage %d: with replicas each one saves its own checkpoints under %s; they are neither agreed "
-                     "on nor pruned", self.stage, self.cfg.run.out_dir)
+        if self.cfg.replicas.enabled:  # SPEC §9.10: agreed on resume only (item 13)
+            log.info("stage %d: with replicas each one saves its own checkpoints under %s; they are agreed on when "
+                     "the run resumes, never pruned", self.stage, self.cfg.run.out_dir)
         elif lacking:  # an older peer (protocol < 1.3): no CHECKPOINT to it, so no agreement at all
             why = f"neighbour stage(s) {lacking} do not take part in checkpoint agreement (protocol < 1.3)"
             if self.resume:
@@ -431,8 +432,15 @@ class PeerRunPolicy:
         self.epoch = epoch
         if self.resume:
             timeout = self.cfg.net.rejoin_timeout_s if rejoin else self.cfg.net.timeout_s
-            start, self.epoch = await self.agreement.agree_resume(self.cfg.run.steps, timeout, epoch=epoch,
-                                                                  rejoin=rejoin)
+            if self.cfg.replicas.enabled:
+                if self.replica_resume is None:
+                    raise MaplError(f"stage {self.stage}: a replica resumes only with its links (replica_resume)")
+                start, self.epoch = await self.replica_resume.agree(*self.agreement.usable(),
+                                                                    run_steps=self.cfg.run.steps, epoch=epoch,
+                                                                    timeout_s=timeout)
+            else:
+                start, self.epoch = await self.agreement.agree_resume(self.cfg.run.steps, timeout, epoch=epoch,
+                                                                      rejoin=rejoin)
             self.store.resumed(start)
             if start > 0:
                 await self.compute.run(self._load, start)

@@ -252,7 +252,12 @@ class Control:
 
     async def _on_checkpoint(self, msg: Message, link: PeerLink) -> None:
         agreement = self.peer.agreement
-        if msg.meta["phase"] == "drain_request" and link.settings.identity is not None \
+        if self.peer.replicas_on:  # only a resume's offer and decision (SPEC §9.10 item 13)
+            resume = self.peer.run_policy.replica_resume if self.peer.run_policy is not None else None
+            why = resume.on_message(msg, link) if resume is not None else "CHECKPOINT to a replica that keeps none"
+            if why is not None:
+                self.peer.rejects("not_allowed", link.name, why)
+        elif msg.meta["phase"] == "drain_request" and link.settings.identity is not None \
                 and "drain" not in getattr(link.peer_certificate, "roles", ()):
             self.peer.rejects("not_allowed", link.name, f"drain request from stage {link.stage}, whose certificate "
                                                         f"does not allow it (role drain; SPEC §7.2)")

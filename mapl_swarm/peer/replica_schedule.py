@@ -100,7 +100,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from mapl_swarm.aio import until
 from mapl_swarm.errors import MaplError
@@ -132,6 +132,8 @@ if TYPE_CHECKING:
     from mapl_swarm.replicas.gradients import ReplicaGradients, ReplicaStep
 
 log = logging.getLogger(__name__)
+_R = TypeVar("_R")
+"""What one attempt of a round gives (:meth:`ReplicaSchedule._retried`)."""
 
 __all__ = ["ReplicaSchedule", "Router"]
 
@@ -515,6 +517,16 @@ class ReplicaSchedule:
         log.info("%s: joined stage %d at step %d (run epoch %d) with the state of a live replica; %d other "
                  "replica(s) of the stage live", self.name, self.stage, step, epoch, len(self._hint))
         await self._send_projector(step)
+
+    async def resume_round(self, saved: Sequence[int], reason: str) -> dict[str, tuple[list[int], str]]:
+        """A resumed run's round of the stage's starting replicas, before anything is loaded (SPEC
+        §9.10 item 13): each one's usable checkpoint steps and why it has none, by peer."""
+        replicas = self.replicas
+        if replicas is None:
+            return {"": (sorted(saved), reason)}
+        starting = self.rt.cfg.replicas_of(self.stage)
+        return await self._retried("resume round", lambda left, _: replicas.resume_round(
+            saved, reason, timeout=left, contact=self.contact, expected=starting))
 
     def _join_template(self) -> dict:
         """This replica's own served state, with optimizer state entries as a stepped one holds
@@ -1114,8 +1126,7 @@ class ReplicaSchedule:
         return {"runtime": state, "step": state["step"], "projector": projector, "epoch": self.epoch,
                 "members": self._served_members, "gone": self._served_gone}
 
-    async def _retried(self, what: str, attempt: Callable[[float, int], ReplicaStep],
-                       redo_step: int | None = None) -> ReplicaStep:
+    async def _retried(self, what: str, attempt: Callable[[float, int], _R], redo_step: int | None = None) -> _R:
         """``attempt(seconds left, replicas expected)`` on the compute thread (the replicas of the
         stage a round needs, :meth:`_expected`, read again for every attempt), again while it raises
         :class:`~mapl_swarm.replicas.errors.AveragingFailed` (a round that failed, was cancelled

@@ -63,6 +63,7 @@ from mapl_swarm.peer.link import LinkSettings, Links, PeerLink, stage_name
 from mapl_swarm.peer.mailbox import Mailbox
 from mapl_swarm.peer.result import PeerResult, collect, write_result
 from mapl_swarm.peer.replica_links import ReplicaLinker
+from mapl_swarm.peer.replica_resume import ReplicaResume
 from mapl_swarm.peer.replica_schedule import ReplicaSchedule
 from mapl_swarm.peer.schedule import NoRunHooks, PipelineSchedule, ScheduleSettings
 from mapl_swarm.peer.signals import Interrupted
@@ -124,6 +125,11 @@ def _rejoin_configured(cfg: TrainConfig, run_policy: PeerRunPolicy | None) -> bo
     agreed with the other stages (SPEC "Rejoin": a departed stage comes back to a saved step)."""
     return (cfg.net.rejoin_timeout_s > 0 and run_policy is not None and run_policy.checkpoints_on
             and not cfg.replicas.enabled)  # with replicas: a stage that loses its last replica ends the run (SPEC §9.10)
+
+
+def _checkpoint_on(link: PeerLink, meta: dict) -> Awaitable[None]:
+    """A CHECKPOINT on ``link`` (header ``step``: the meta's, 0 when nil or absent; SPEC §5.2)."""
+    return link.send(MT.CHECKPOINT, step=meta.get("step") or 0, meta=meta)
 
 
 class _CleanStop(Exception):
@@ -229,6 +235,9 @@ class Peer:
                 runtime, self.links, self.mailbox, self.compute, name=self.name, settings=schedule_settings,
                 result=self.result, waits=self.waits, hooks=run_policy or NoRunHooks(),
                 sampler=sampler, val_batches=val_batches or [], reject=self.rejects, drain=self.agreement)
+        if self.replicas_on and run_policy is not None:  # a resumed run's agreement (SPEC §9.10 item 13)
+            run_policy.replica_resume = ReplicaResume(self.name, stage, self.links, _checkpoint_on,
+                                                      self.schedule.resume_round)
         self.replica_links: ReplicaLinker | None = None
         if self.replicas_on:
             self.replica_links = ReplicaLinker(
@@ -563,7 +572,7 @@ class Peer:
             await self.run_policy.drain_at(step)
 
     def _send_checkpoint(self, dst: int, meta: dict) -> Awaitable[None]:
-        return self.links.route(dst).send(MT.CHECKPOINT, step=meta.get("step") or 0, meta=meta)
+        return _checkpoint_on(self.links.route(dst), meta)
 
     def _ended(self) -> None:
         """The schedule ended: after a drain (decided here, or a BYE ``"drain"``), say so; after the

@@ -43,15 +43,18 @@ from typing import Any
 
 import torch
 
+from mapl_swarm.errors import MaplError
 from mapl_swarm.replicas.averaging import GATHER_ONLY, StageAverager
 from mapl_swarm.replicas.errors import AveragingFailed, Behind, RoundCancelled
 from mapl_swarm.replicas.state import state_digest
 
 __all__ = ["ReplicaGradients", "ReplicaStep", "read_round", "round_counts", "AveragingFailed", "Behind",
-           "RoundCancelled", "SYNC_STEP"]
+           "RoundCancelled", "SYNC_STEP", "RESUME_STEP"]
 
 SYNC_STEP = -1
 """The step a sync round gathers (it comes before the first step)."""
+RESUME_STEP = -2
+"""The step a resume round gathers (a resumed run's, before its replicas load a checkpoint)."""
 FIND_GROUP_S = 5.0
 """Least seconds one attempt of a round looks for its group (three matchmakings when longer): a
 replica that left is counted out of the round at the next attempt."""
@@ -211,6 +214,11 @@ class ReplicaGradients:
             self._cancelled = True
 
     def _round(self, weight: float, gather: dict[str, Any], timeout: float) -> ReplicaStep:
+        return self._result(*self._gathered(weight, gather, timeout))
+
+    def _gathered(self, weight: float, gather: dict[str, Any], timeout: float) -> tuple[dict[str, Any], int, int]:
+        """One round: what its members gathered (by peer id as text) and the tensor bytes this
+        replica's all-reduce sent and received."""
         sent, received = self.averager.traffic
         with self._lock:
             if self._cancelled:
@@ -241,7 +249,7 @@ class ReplicaGradients:
         if gathered is None:
             raise AveragingFailed(f"stage {self.runtime.stage}: the replicas formed no averaging group within "
                                   f"{timeout:g} s")
-        return self._result({str(peer): value for peer, value in gathered.items()}, sent, received)
+        return {str(peer): value for peer, value in gathered.items()}, sent, received
 
     def _result(self, data: dict[str, Any], sent: int = 0, received: int = 0) -> ReplicaStep:
         round_ = read_round(self.me, data, sent, received)
@@ -258,7 +266,41 @@ class ReplicaGradients:
         if expected <= 1:
             return self._result({self.me: gather})
         self.averager.set_group_size(expected)
-        return self._round(1.0, {**gather, GATHER_ONLY: True}, timeout)
+        round_ = self._round(1.0, {**gather, GATHER_ONLY: True}, timeout)
+        if RESUME_STEP in round_.steps.values():
+            raise MaplError(f"stage {self.runtime.stage}: another replica of the stage resumes (--resume) and this "
+                            f"one starts fresh: start every replica of the run with --resume, or none")
+        return round_
+
+    def resume_round(self, saved: Sequence[int], reason: str, *, timeout: float, contact: str = "",
+                     expected: int = 2) -> dict[str, tuple[list[int], str]]:
+        """A resumed run's round before anything is loaded (SPEC §9.10 item 13): the ``expected``
+        replicas that start together gather the steps whose files each may use (``saved``) and why
+        it can use none (``reason``, empty when it can); each member's, by peer id (gathered only).
+        ``expected`` 1: this replica starts its stage alone (no round)."""
+        gather = {**self._gather([], 0.0, 0, contact, RESUME_STEP, 1), "saved": [int(s) for s in saved],
+                  "why": str(reason)}
+        if expected <= 1:
+            return {self.me: (sorted(gather["saved"]), gather["why"])}
+        self.averager.set_group_size(expected)
+        data, _, _ = self._gathered(1.0, {**gather, GATHER_ONLY: True}, timeout)
+        where = f"stage {self.runtime.stage}"
+        steps = {v.get("step") if isinstance(v, dict) else None for v in data.values()}
+        if steps != {RESUME_STEP}:
+            training = sorted(s for s in steps if type(s) is int and s >= 0)
+            raise MaplError(f"{where}: " + (f"replicas of the stage are training (step {training[0]}): a replica joins "
+                                            f"a running swarm with --join, not --resume" if training else
+                                            "another replica of the stage starts fresh and this one resumes "
+                                            "(--resume): start every replica of the run with --resume, or none"))
+        if len(data) < expected:
+            raise AveragingFailed(f"{where}: a resume round of {len(data)} of the stage's {expected} replicas")
+        got = {}
+        for peer, v in data.items():
+            s, why = v.get("saved"), v.get("why")
+            if not (isinstance(s, list) and all(type(n) is int and n >= 0 for n in s) and isinstance(why, str)):
+                raise MaplError(f"{where}: replica {peer} gathered no list of checkpoint steps in the resume round")
+            got[peer] = (sorted(set(s)), why)
+        return got
 
     def _gather(self, micro: Sequence[int], loss_sum: float, epoch: int, contact: str, step: int,
                 expected: int) -> dict[str, Any]:

@@ -6,7 +6,8 @@ included: each sender averages the projector gradient its receivers sent it, and
 installs the same next version). Two pairs train two steps; then a third replica of each stage
 joins, downloads its stage's state from a live replica (parameters, optimizer, projector
 versions, step), and from its first step holds the others' bytes. A round that cannot make its
-step sends no tensor bytes."""
+step sends no tensor bytes. Before training, a resumed run's round gathers each replica's
+checkpoint steps."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from mapl_swarm.errors import MaplError
 from mapl_swarm.net.discovery import Discovery, TrustedAuthority
 from mapl_swarm.net.identity import create_peer_key, issue, issue_local, load_identity, make_request, write_signed
 from mapl_swarm.pipeline.stage import StageRuntime
@@ -90,6 +92,20 @@ def scenario(_bootstrap: Any, maddrs: list[str], ids: dict) -> None:
             if r < 2:
                 grads[stage, r] = ReplicaGradients(pairs[r][stage], disc.dht, run_id=RUN, replicas=3)
         with ThreadPoolExecutor(6) as pool:
+            # a resumed run's round (SPEC §9.10 item 13): every starting replica of a stage gets each
+            # one's usable checkpoint steps and reason; a replica that starts fresh among resuming
+            # ones stops both with a message instead of training from another step
+            saved = {(0, 0): [2, 4], (0, 1): [4], (1, 0): [2, 4], (1, 1): []}
+            why = {(1, 1): "stage 1: written with another config"}
+            got = dict(zip(saved, pool.map(lambda key: grads[key].resume_round(
+                saved[key], why.get(key, ""), timeout=60, expected=2), saved)))
+            for (stage, _), by_peer in got.items():
+                assert sorted(by_peer.values()) == sorted((saved[stage, q], why.get((stage, q), "")) for q in (0, 1))
+            mixed = [pool.submit(grads[0, 0].resume_round, [4], "", timeout=60, expected=2),
+                     pool.submit(grads[0, 1].sync, timeout=60, expected=2)]
+            for future in mixed:
+                with pytest.raises(MaplError, match="start every replica of the run with --resume, or none"):
+                    future.result()
             for step in range(STEPS + 1):
                 ref_losses = pipeline_pass(*ref, data[step])
                 for rt in ref:
