@@ -438,8 +438,11 @@ class ReplicaSchedule:
         if self.replicas is not None and not self.joining:
             replicas = self.replicas
             starting = self.rt.cfg.replicas_of(self.stage)
-            self._ranked(await self._retried("sync round", lambda left, _: replicas.sync(
-                timeout=left, epoch=self.epoch, contact=self.contact, expected=starting)), sync=True)
+            round_ = await self._retried("sync round", lambda left, _: replicas.sync(
+                timeout=left, epoch=self.epoch, contact=self.contact, expected=starting))
+            if not round_.in_sync:
+                await self._resync(round_, "before the first step")
+            self._ranked(round_, sync=True)
         self._t0 = time.perf_counter()
         if self.first and self.s.progress:
             self._progress = StepProgress(self.s.steps, initial=self.s.start_step, desc=self.s.progress_desc)
@@ -528,6 +531,43 @@ class ReplicaSchedule:
         return await self._retried("resume round", lambda left, _: replicas.resume_round(
             saved, reason, timeout=left, contact=self.contact, expected=starting))
 
+    async def _resync(self, round_: ReplicaStep, when: str) -> None:
+        """The replicas of this stage hold different parameters (the round's digests, SPEC §9.10
+        item 6): a replica that does not hold the stage's (:attr:`ReplicaStep.reference`) loads the
+        state of a partner (hivemind's state download, as a joiner's: one of the same step); the
+        others go on. The next round compares the digests again (after a step's round the step is
+        redone), so a state that came from another replica that differed is found there."""
+        replicas = self.replicas
+        assert replicas is not None
+        held = len(set(round_.digests.values()))
+        if round_.digests[round_.me] == round_.reference:
+            log.warning("%s: the replicas of stage %d hold %d different parameter digests %s; this one holds the "
+                        "stage's (most replicas'): the others load a partner's state", self.name, self.stage, held,
+                        when)
+            return
+        log.warning("%s: this replica's parameters differ from the stage's (%d digests among %d replicas %s): "
+                    "loading a partner's state", self.name, held, round_.group_size, when)
+        like = await self.compute.run(self._join_template)
+        deadline = time.monotonic() + self.s.timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            got = await self.compute.wait(lambda: replicas.download(like, timeout=min(left, 30.0)))
+            if got is not None and int(got["step"]) == int(like["step"]):
+                await self.compute.run(self._load_served, got)
+                counts = self.result.averaging
+                counts["resyncs"] = counts.get("resyncs", 0) + 1
+                return
+            log.info("%s: no partner gave a state of step %d yet; asking again", self.name, like["step"])
+            await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        raise MaplError(f"{self.name}: the replicas of stage {self.stage} hold different parameters and no partner "
+                        f"gave its state within {self.s.timeout_s:g} s (net.timeout_s)")
+
+    def _load_served(self, got: dict) -> None:
+        """Load a partner's downloaded state (compute thread), under the lock a download of this
+        replica's own state reads under; the inbound projector it holds counts as taken."""
+        with self._state_lock:
+            self.rt.load_state_dict(got["runtime"])
+            self._projector_step = max(self._projector_step, int(got["projector"]))
+
     def _join_template(self) -> dict:
         """This replica's own served state, with optimizer state entries as a stepped one holds
         (what a downloaded state must match, :func:`~mapl_swarm.replicas.state.restore_like`)."""
@@ -562,9 +602,6 @@ class ReplicaSchedule:
         return len(live)
 
     def _ranked(self, round_: ReplicaStep, *, sync: bool = False) -> None:
-        if not round_.in_sync:
-            raise MaplError(f"{self.name}: the replicas of stage {self.stage} hold different parameters "
-                            f"({len(set(round_.digests.values()))} digests)")
         self._round = round_
         self._rerank()
         self._served_members = "\n".join(round_.contacts.get(p, "") for p in self._live_members())
@@ -1172,7 +1209,8 @@ class ReplicaSchedule:
                 self._spawn(self._tell(self._down_links(), cur.step, "gone", notices, self.epoch))
         self._check()
         if not round_.in_sync:
-            raise MaplError(f"{self.name}: step {cur.step} cannot be taken: {problem}")
+            await self._resync(round_, f"at step {cur.step}")
+            self._issue_redo(cur.step, problem or "")
         if problem is not None:
             if await self._repairs_coming(cur):
                 raise _Resume()

@@ -104,6 +104,15 @@ class ReplicaStep:
         """Every member started the step from the parameters this replica holds."""
         return len(set(self.digests.values())) == 1
 
+    @property
+    def reference(self) -> str:
+        """The stage's digest when the members' differ (SPEC §9.10 item 6): the one most members
+        hold; among as many, the one of the first member (in ``group`` order) holding one of them.
+        Every member reads the same."""
+        held = Counter(self.digests.values())
+        most = max(held.values())
+        return next(self.digests[p] for p in self.group if held[self.digests[p]] == most)
+
     def problem(self, micro_batches: int) -> str | None:
         """Why the round cannot make the step (its members are in different epochs, a micro-batch
         of the step's ``micro_batches`` is missing or counted twice, or the members hold different
@@ -302,10 +311,15 @@ class ReplicaGradients:
             got[peer] = (sorted(set(s)), why)
         return got
 
+    def digest(self) -> str:
+        """The digest of what every replica of the stage holds alike: parameters and the codec's
+        replicated state (codebooks, statistics, versions)."""
+        return state_digest({"modules": self.runtime.modules.state_dict(),
+                             "codec": self.runtime.codec.replicated_state()})
+
     def _gather(self, micro: Sequence[int], loss_sum: float, epoch: int, contact: str, step: int,
                 expected: int) -> dict[str, Any]:
-        state = {"modules": self.runtime.modules.state_dict(), "codec": self.runtime.codec.replicated_state()}
-        return {"digest": state_digest(state), "micro": [int(m) for m in micro],
+        return {"digest": self.digest(), "micro": [int(m) for m in micro],
                 "loss": float(loss_sum), "epoch": int(epoch), "contact": contact, "step": int(step),
                 "expected": int(expected)}
 

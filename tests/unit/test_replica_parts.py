@@ -152,6 +152,15 @@ def test_a_round_is_whole_when_every_micro_batch_is_counted_once_in_one_epoch_wi
     assert "different epochs" in round_({"p1": (0, 1), "p2": (2,)}, epochs={"p1": 0, "p2": 1}).problem(3)
 
 
+def test_the_stages_digest_is_the_one_most_replicas_hold_else_the_first_members():
+    def reference(digests: dict) -> str:
+        return ReplicaStep("p1", tuple(sorted(digests)), digests, {p: () for p in digests}, 0.0).reference
+
+    assert reference({"p1": "x", "p2": "d", "p3": "d"}) == "d"  # the majority, wherever it sorts
+    assert reference({"p1": "x", "p2": "d"}) == reference({"p2": "d", "p1": "x"}) == "x"  # a tie: p1's
+    assert reference({"a": "e", "b": "d", "c": "d", "d": "e", "e": "f"}) == "e"  # two of 2: the first member's
+
+
 def test_only_a_round_that_makes_the_step_runs_its_all_reduce():
     """What the averager asks before it sends a tensor byte (``round_counts`` on what every member
     gathered): a round that cannot count (a replica left with micro-batches of the step, a member
