@@ -46,8 +46,8 @@ from mapl_swarm.wire.spec import (CHECKPOINT_ABANDONED_CAPABILITY, CHECKPOINT_CA
 
 if TYPE_CHECKING:
     from mapl_swarm.data import PreparedData
-    from mapl_swarm.peer.replica_resume import ReplicaResume
     from mapl_swarm.peer.compute import ComputeThread
+    from mapl_swarm.peer.replica_resume import ReplicaResume
     from mapl_swarm.pipeline.stage import StageRuntime
 
 log = logging.getLogger(__name__)

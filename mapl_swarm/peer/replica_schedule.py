@@ -492,18 +492,9 @@ class ReplicaSchedule:
         if replicas is None:
             raise MaplError(f"{self.name}: a replica joins a run with replicas (replicas.enabled = true)")
         await self.compute.run(self.rt.abandon_step)
-        like = await self.compute.run(self._join_template)
-        deadline = time.monotonic() + self.s.timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise MaplError(f"{self.name}: no replica of stage {self.stage} gave its state within "
-                                f"{self.s.timeout_s:g} s (net.timeout_s)")
-            got = await self.compute.wait(lambda: replicas.download(like, timeout=min(left, 30.0)))
-            if got is not None and (got["projector"] >= got["step"] or not self._takes_projector()):
-                break
-            # no answer, or a state taken before its step's projector came: ask again
-            await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        # a state taken before its step's projector came is asked for again
+        got = await self._download(lambda got: got["projector"] >= got["step"] or not self._takes_projector(),
+                                   "its state")
         await self.compute.run(self.rt.load_state_dict, got["runtime"])
         step, epoch = int(got["step"]), int(got["epoch"])
         self._learn_gone([c for c in got["gone"].split("\n")[:_MAX_GONE] if c])
@@ -537,8 +528,6 @@ class ReplicaSchedule:
         state of a partner (hivemind's state download, as a joiner's: one of the same step); the
         others go on. The next round compares the digests again (after a step's round the step is
         redone), so a state that came from another replica that differed is found there."""
-        replicas = self.replicas
-        assert replicas is not None
         held = len(set(round_.digests.values()))
         if round_.digests[round_.me] == round_.reference:
             log.warning("%s: the replicas of stage %d hold %d different parameter digests %s; this one holds the "
@@ -547,19 +536,27 @@ class ReplicaSchedule:
             return
         log.warning("%s: this replica's parameters differ from the stage's (%d digests among %d replicas %s): "
                     "loading a partner's state", self.name, held, round_.group_size, when)
+        step = self.rt.step_count
+        got = await self._download(lambda got: int(got["step"]) == step, f"its state of step {step} (to re-sync)")
+        await self.compute.run(self._load_served, got)
+        counts = self.result.averaging
+        counts["resyncs"] = counts.get("resyncs", 0) + 1
+
+    async def _download(self, good: Callable[[dict], bool], what: str) -> dict:
+        """The stage's state from a live replica (:meth:`_served_state`'s, checked against this
+        replica's own form), asked for again until one answers with a state ``good`` takes, within
+        ``net.timeout_s``; else :class:`MaplError` naming ``what``."""
+        replicas = self.replicas
+        assert replicas is not None
         like = await self.compute.run(self._join_template)
         deadline = time.monotonic() + self.s.timeout_s
         while (left := deadline - time.monotonic()) > 0:
             got = await self.compute.wait(lambda: replicas.download(like, timeout=min(left, 30.0)))
-            if got is not None and int(got["step"]) == int(like["step"]):
-                await self.compute.run(self._load_served, got)
-                counts = self.result.averaging
-                counts["resyncs"] = counts.get("resyncs", 0) + 1
-                return
-            log.info("%s: no partner gave a state of step %d yet; asking again", self.name, like["step"])
+            if got is not None and good(got):
+                return got
             await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
-        raise MaplError(f"{self.name}: the replicas of stage {self.stage} hold different parameters and no partner "
-                        f"gave its state within {self.s.timeout_s:g} s (net.timeout_s)")
+        raise MaplError(f"{self.name}: no replica of stage {self.stage} gave {what} within {self.s.timeout_s:g} s "
+                        f"(net.timeout_s)")
 
     def _load_served(self, got: dict) -> None:
         """Load a partner's downloaded state (compute thread), under the lock a download of this
