@@ -74,6 +74,13 @@ MEMBER_RECORD_PERIODS = 3
 every period: hivemind's lives exactly one period, so a renewal delayed by a busy link (averaging
 bytes queued ahead of the DHT's) left a gap in which the replica's partners refused it as a stranger."""
 
+PART_TIMEOUT_S = 20.0
+"""hivemind's ``next_chunk_timeout``: a member whose first or next part of an all-reduce (512 KiB,
+about 1 s at 4 Mbit/s) does not come within this many seconds is banned from the round, which then
+fails (its reducers' results: twice that). Without it a member that left matchmaking just as the
+round began kept its partners waiting for parts that never come, up to the whole
+``replicas.averaging_timeout_s``; a state download's chunks wait as long."""
+
 
 class StageAverager(DecentralizedAverager):
     """The averager of one replica of ``stage`` in ``run_id``, serving members only (module docstring).
@@ -89,7 +96,7 @@ class StageAverager(DecentralizedAverager):
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: Any, *, run_id: str, stage: int,
                  replicas: int, state: Callable[[], Any] | None = None, usable: Usable | None = None,
                  min_matchmaking_time: float = 2.0, request_timeout: float = 1.0, declare_state_period: float = 10.0,
-                 **kwargs: Any) -> None:
+                 next_chunk_timeout: float = PART_TIMEOUT_S, **kwargs: Any) -> None:
         if replicas < 2:
             raise ValueError(f"averaging needs at least 2 replicas, got {replicas}")
         self.run_id, self.stage = run_id, stage
@@ -105,7 +112,7 @@ class StageAverager(DecentralizedAverager):
         super().__init__(averaged_tensors, dht, prefix=averaging_prefix(run_id, stage), target_group_size=replicas,
                          min_group_size=2, initial_group_bits="", min_matchmaking_time=min_matchmaking_time,
                          request_timeout=request_timeout, declare_state_period=declare_state_period,
-                         allow_state_sharing=True, **kwargs)
+                         next_chunk_timeout=next_chunk_timeout, allow_state_sharing=True, **kwargs)
 
     def start(self) -> None:
         self._parent_pid_seen = os.getpid()
