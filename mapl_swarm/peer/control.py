@@ -65,6 +65,8 @@ class Session(Protocol):
     welcomed: asyncio.Event
 
     started: bool  # training started
+    replicas_on: bool  # several peers per stage (SPEC §9.10)
+    joining: bool  # a replica that joins the running swarm
     handshaking: bool  # the handshake runs
 
     def stop(self, reason: BaseException) -> None: ...
@@ -132,11 +134,19 @@ class Control:
     def _must_resume(self, msg: Message) -> bool:
         """A HELLO or WELCOME from a swarm that re-forms after a departure (run epoch > 0) while this
         peer starts fresh: it can only take the departed stage's place from that stage's checkpoints,
-        so it stops at once saying how (rather than waiting for pipeline messages that never come)."""
+        so it stops at once saying how (rather than waiting for pipeline messages that never come).
+        With replicas a run epoch > 0 is a step's redo or a resumed run's: a joining replica takes
+        the epoch with its downloaded state (SPEC §9.10 item 11), a fresh starting one stops."""
         peer = self.peer
         resuming = peer.run_policy is not None and peer.run_policy.resume
-        if peer.started or resuming or msg.epoch == 0:
+        if peer.started or resuming or peer.joining or msg.epoch == 0:
             return False
+        if peer.replicas_on:
+            peer.stop(PeerRejected(
+                f"stage {msg.src} belongs to a swarm that trains already or resumes (run epoch {msg.epoch}): start "
+                f"this replica of stage {peer.stage} with --join to take a live replica's state, or with --resume "
+                f"when every replica of the run resumes"))
+            return True
         peer.stop(PeerRejected(
             f"stage {msg.src} belongs to a swarm that re-forms after a departure (run epoch {msg.epoch}): stage "
             f"{peer.stage} must take the departed peer's place from its checkpoints, so start it again with --resume "

@@ -157,15 +157,21 @@ def steps_done(out: Path) -> int:
     return sum(1 for line in path.read_text().splitlines() if '"loss"' in line)
 
 
-def kill_when_logged(procs: dict, keys: Sequence, pattern: re.Pattern, what: str) -> dict:
+def kill_first_logged(procs: dict, keys: Sequence, pattern: re.Pattern, what: str):
     """SIGKILL the first of ``procs[key]`` (:class:`Watched`, for ``key`` in ``keys``) to log a line
-    ``pattern`` finds, as soon as it did (``what`` names the line if none comes within 120 s); then
-    wait for the others to end, each with status 0 (else fail with their output), and return them."""
+    ``pattern`` finds, as soon as it did (``what`` names the line if none comes within 120 s); its key."""
     found: list = []
     wait_until(lambda: found.extend(k for k in keys if any(pattern.search(line) for line in procs[k].lines)) or found,
                120, what)
     procs[found[0]].proc.kill()
-    survivors = {key: p for key, p in procs.items() if key != found[0]}
+    return found[0]
+
+
+def kill_when_logged(procs: dict, keys: Sequence, pattern: re.Pattern, what: str) -> dict:
+    """:func:`kill_first_logged`, then wait for the others to end, each with status 0 (else fail
+    with their output), and return them."""
+    killed = kill_first_logged(procs, keys, pattern, what)
+    survivors = {key: p for key, p in procs.items() if key != killed}
     codes = {key: p.wait(240) for key, p in survivors.items()}
     assert all(code == 0 for code in codes.values()), {k: (c, survivors[k].output[-3000:]) for k, c in codes.items()
                                                        if c}

@@ -22,7 +22,7 @@ from mapl_swarm.launch import replica_out_dir
 from mapl_swarm.pipeline.checkpoint import load_stage
 from mapl_swarm.pipeline.trainer import train
 
-from swarm_helpers import ReplicaSwarm, train_losses, wait_steps
+from swarm_helpers import ReplicaSwarm, kill_first_logged, train_losses, wait_steps
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -79,6 +79,45 @@ def test_a_replica_joins_a_running_swarm_and_trains_in_step_with_its_partners(tm
                if not k.startswith("/vq/rx")} for r in range(middle + 1)]
     assert states[0].keys() == states[-1].keys() and states[0]
     assert all(torch.equal(states[0][k], s[k]) for s in states[1:] for k in states[0])
+
+
+@pytest.mark.slow
+def test_a_fresh_replica_takes_a_dead_replicas_place_after_the_swarm_redid_a_step(tmp_path):
+    """A stage-0 replica killed mid-step makes every stage redo the step one run epoch later (SPEC
+    §9.10 item 6), so the neighbours a replacement meets speak run epoch 1: a fresh host joins with
+    ``--join`` all the same (item 4: it takes the epoch with its downloaded state, where a fresh
+    peer of a swarm without replicas must resume from checkpoints), and from its first step holds
+    its partner's parameters."""
+    steps = 20
+    with ReplicaSwarm(tmp_path, "replica-replace", steps=steps, identities=[3, 2, 2]) as swarm:
+        for s in range(3):
+            for r in range(2):
+                swarm.start(s, r, "--set", "net.heartbeat_interval_s=0.5", "--set", "net.liveness_floor_s=5.0",
+                            *(["--log-level", "DEBUG"] if s == 0 else []))  # stage 0 logs its backwards
+        wait_steps(swarm.out, 1, list(swarm.procs.values()), 180)
+        killed = kill_first_logged(swarm.procs, ((0, 0), (0, 1)), re.compile(r"step [1-9] micro-batch \d+ backward"),
+                                   "a backward of step 1 or later at stage 0")
+        partner = (0, 1 - killed[1])
+        swarm.procs[partner].wait_for("runs again in run epoch 1", 120)
+        swarm.start(0, 2, "--join")
+        del swarm.procs[killed]
+        codes = {key: p.wait(240) for key, p in swarm.procs.items()}
+        assert all(code == 0 for code in codes.values()), {k: (c, swarm.procs[k].output[-3000:])
+                                                           for k, c in codes.items() if c}
+    joined = re.search(r"joined stage 0 at step (\d+) \(run epoch (\d+)\)", swarm.procs[0, 2].output)
+    assert joined and int(joined.group(2)) >= 1, swarm.procs[0, 2].output[-3000:]
+    first = int(joined.group(1))
+    results = {key: swarm.result(*key) for key in swarm.procs}
+    assert all(res["end"] == "finished" for res in results.values())
+    assert results[0, 2]["averaging"]["rounds"] == steps - first, results[0, 2]["averaging"]
+    # every step once, with all its tokens, at the losses of the whole batch
+    ref = tmp_path / "ref"
+    train(load_config(swarm.path, {"run": {"out_dir": str(ref)}}), progress=False)
+    assert results[partner]["tokens"] == steps * swarm.cfg.tokens_per_step
+    assert results[partner]["train_losses"] == pytest.approx(train_losses(ref), rel=5e-3)
+    states = [_flat(load_stage(replica_out_dir(swarm.out, r), steps, 0)) for r in (partner[1], 2)]
+    assert states[0].keys() == states[1].keys() and states[0]
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
 
 
 def _flat(tree, prefix: str = "") -> dict:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import mapl_swarm.peer.admission as admission
 from mapl_swarm.peer.admission import Arrival, mailbox_bound
-from mapl_swarm.peer.control import PeerRejected
+from mapl_swarm.peer.control import Control, PeerRejected
 from mapl_swarm.peer.link import stage_of
 from mapl_swarm.peer.mailbox import Mailbox
 from mapl_swarm.peer.runtime import Peer, PeerState
@@ -375,3 +376,20 @@ def test_mailbox_frees_room_as_messages_are_taken():
         assert (await box.get(lambda m: m.type is MT.ACT, 1.0, "an ACT")).micro == 0
         box.put(Message(type=MT.ACT, run_id="r", src=0, dst=1, micro=2, meta={"mode": "train"}))
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("joining", [True, False])
+def test_with_replicas_a_later_run_epoch_is_a_redo_a_joining_replica_takes_with_its_state(joining):
+    """With replicas the run epoch grows with each step's redo (SPEC §9.10 item 6), so the WELCOME
+    a joining replica gets from a swarm that redid a step carries epoch > 0: it goes on (its
+    download brings the epoch). A fresh starting replica in that swarm stops saying how to start."""
+    stopped: list[BaseException] = []
+    peer = SimpleNamespace(started=False, run_policy=None, joining=joining, replicas_on=True, stage=1,
+                           stop=stopped.append)
+    must = Control(peer)._must_resume(Message(type=MT.WELCOME, run_id="mem", src=0, dst=1, epoch=3))
+    assert must is not joining
+    if joining:
+        assert stopped == []
+    else:
+        assert len(stopped) == 1 and isinstance(stopped[0], PeerRejected)
+        assert "(run epoch 3): start this replica of stage 1 with --join" in str(stopped[0])
