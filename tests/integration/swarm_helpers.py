@@ -310,6 +310,7 @@ class ReplicaSwarm:
         return self
 
     def __exit__(self, *exc) -> None:
-        for p in self.procs.values():
+        for (s, r), p in self.procs.items():
             p.stop()
+            (self.out.parent / f"peer-{s}-{r}.log").write_text(p.output)  # for a failure's reader
         self.dht.stop()
