@@ -60,9 +60,10 @@ class Departure:
 class NeighbourLost(MaplError):
     """An unplanned departure ended this peer (exit status 2)."""
 
-    def __init__(self, name: str, departure: Departure) -> None:
+    def __init__(self, name: str, departure: Departure, hint: str = "") -> None:
+        """``hint``: what the operator can do, appended to the message."""
         self.departure = departure
-        super().__init__(f"{name}: {departure.describe()}")
+        super().__init__(f"{name}: {departure.describe()}{hint}")
 
 
 class Departures:

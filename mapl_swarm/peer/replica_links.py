@@ -1,7 +1,11 @@
 """A replica's links to the replicas of its neighbour stages (SPEC §9.10 items 1 and 11).
 
 At the start a peer links to every replica of each neighbour stage that the DHT holds, once it holds
-as many as start the run (``replicas.initial``; a joining replica: at least one). While training,
+as many as start the run (``replicas.initial``; a joining replica: at least one).
+:meth:`ReplicaLinker.handshake` then says HELLO on each link and reads the records again until that
+many replicas of each neighbour stage welcomed this peer: a record may outlive its replica's
+process (one killed, or a run that ended with an error: a replica started again announces a new
+contact beside its old one), so a link that has not welcomed this peer by then is dropped. While training,
 :meth:`ReplicaLinker.watch` keeps reading the neighbour stages' records: a replica announced since
 (one that joins the running swarm) gets a link and HELLOs until it welcomes this peer; a record
 whose replica never does within ``net.timeout_s`` is stale (a replica that died before anyone
@@ -16,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from mapl_swarm.aio import within
@@ -72,6 +76,59 @@ class ReplicaLinker:
             for contact in contacts:
                 await self._add(transport, stage, contact)
 
+    async def handshake(self, transport: Any, want: Callable[[int], int]) -> None:
+        """A starting replica's handshake (module docstring): until ``want(stage)`` replicas of each
+        neighbour stage welcomed this peer, within ``net.timeout_s``; the links of records whose
+        replica did not are dropped (:meth:`watch` links them again if they come later)."""
+        def short() -> list[int]:
+            return [stage for stage in self.links.stages_expected
+                    if sum(link.welcomed for link in self.links.of_stage(stage)) < want(stage)]
+
+        async def until_welcomed() -> None:
+            while short():
+                for link in self.links:
+                    if not link.welcomed and time.monotonic() - (link.hello_at or 0.0) >= self.hello_retry_s:
+                        await link.send_hello(anchored=self.links.anchored)
+                self._welcomed.clear()
+                if not short():
+                    return
+                try:  # the records are read again every second meanwhile
+                    await within(self._welcomed.wait(), _MIN_READ_S)
+                except TimeoutError:
+                    pass
+                for stage in short():  # a replica started since, or one's new contact beside its stale record
+                    await self._link_new(transport, stage, self._add)
+
+        try:
+            await self.waits.wait(within(until_welcomed(), self.timeout_s),
+                                  lambda: [link for link in self.links if not link.welcomed])
+        except TimeoutError:
+            raise MaplError(f"{self.name}: handshake not completed within {self.timeout_s:g} s (net.timeout_s): "
+                            + "; ".join(f"{sum(link.welcomed for link in self.links.of_stage(stage))} of stage "
+                                        f"{stage}'s {want(stage)} replicas (replicas.initial) welcomed this peer"
+                                        for stage in short())) from None
+        for link in [link for link in self.links if not link.welcomed]:
+            self.links.remove(link)
+            await transport.disconnect(link.name, linger_s=0.0)
+            log.info("%s: the replica of stage %d at %s did not welcome this peer: its record is stale (its stage's "
+                     "other replicas did); not linked", self.name, link.stage, link.contact)
+        for link in self.links:  # raises if the neighbour cannot take the codebook slices this link sends
+            if link.codebooks is not None:
+                link.codebooks.check_capabilities()
+
+    async def _link_new(self, transport: Any, stage: int, add: Callable[[Any, int, str], Awaitable[Any]]) -> None:
+        """``add`` a link to every contact of ``stage``'s records not linked, gone or stale yet."""
+        try:
+            contacts = await candidates_of(self.resolve, stage, self.timeout_s)
+        except MaplError as exc:  # no record now: the stage's links stay as they are
+            log.debug("%s: no records of stage %d: %s", self.name, stage, exc)
+            return
+        gone = self._gone()
+        for contact in contacts:
+            if contact and contact not in gone and contact not in self.stale \
+                    and self.links.by_contact(stage, contact) is None:
+                await add(transport, stage, contact)
+
     async def greet_all(self, transport: Any) -> None:
         """A joining replica's handshake: HELLO to every linked replica until it welcomes this peer;
         a stale record's link is dropped (:meth:`_greet`), but each neighbour stage must keep one."""
@@ -103,18 +160,12 @@ class ReplicaLinker:
 
     async def watch(self, transport: Any, spawn: Callable[[Any], Any]) -> None:
         """While training: link every replica of a neighbour stage announced since (module docstring)."""
+        async def add_and_greet(transport: Any, stage: int, contact: str) -> None:
+            spawn(self._greet(transport, await self._add(transport, stage, contact)))
+
         while True:
             for stage in self.links.stages_expected:
-                try:
-                    contacts = await candidates_of(self.resolve, stage, self.timeout_s)
-                except MaplError as exc:  # no record now: the stage's links stay as they are
-                    log.debug("%s: no records of stage %d: %s", self.name, stage, exc)
-                    continue
-                gone = self._gone()
-                for contact in contacts:
-                    if contact and contact not in gone and contact not in self.stale \
-                            and self.links.by_contact(stage, contact) is None:
-                        spawn(self._greet(transport, await self._add(transport, stage, contact)))
+                await self._link_new(transport, stage, add_and_greet)
             self._read.clear()
             try:
                 await within(self._read.wait(), REPLICA_POLL_S)

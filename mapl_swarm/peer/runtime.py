@@ -127,6 +127,12 @@ def _rejoin_configured(cfg: TrainConfig, run_policy: PeerRunPolicy | None) -> bo
             and not cfg.replicas.enabled)  # with replicas: a stage that loses its last replica ends the run (SPEC §9.10)
 
 
+_LAST_REPLICA_HINT = (
+    "; it was its stage's last replica, so the run ends (SPEC §9.10 item 10). Start every replica of the run again "
+    "with --resume: they go on from the newest checkpoint every replica holds (a lost stage's replica from its "
+    "checkpoint folder)")
+
+
 def _checkpoint_on(link: PeerLink, meta: dict) -> Awaitable[None]:
     """A CHECKPOINT on ``link`` (header ``step``: the meta's, 0 when nil or absent; SPEC §5.2)."""
     return link.send(MT.CHECKPOINT, step=meta.get("step") or 0, meta=meta)
@@ -371,8 +377,11 @@ class Peer:
         if self.admission.s.identity is not None and self.admission.s.identity.watch is not None:
             self.tasks.spawn(self._watch_revocations(self.admission.s.identity))
         self._enter(PeerState.HANDSHAKING, f"HELLO to stage(s) {self.links.stages}")
-        if self.joining and self.replica_links is not None:
-            await self.replica_links.greet_all(transport)
+        if self.replica_links is not None:
+            if self.joining:
+                await self.replica_links.greet_all(transport)
+            else:
+                await self.replica_links.handshake(transport, self.cfg.replicas_of)
         else:
             await Handshake(self.name, self.links, resolve=self.resolve, retry_s=net.hello_retry_s, waits=self.waits,
                             welcomed=self.welcomed).run(
@@ -472,7 +481,7 @@ class Peer:
         elif departure.planned:
             self.stop(_CleanStop("stopped", f"stage {self.stage} stopped: {departure.describe()}"))
         else:
-            self.stop(NeighbourLost(self.name, departure))
+            self.stop(NeighbourLost(self.name, departure, _LAST_REPLICA_HINT if self.replicas_on else ""))
 
     @property
     def _can_rejoin(self) -> bool:

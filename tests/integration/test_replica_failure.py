@@ -82,3 +82,35 @@ def test_killing_a_stage0_replica_mid_step_redoes_the_step_everywhere(tmp_path):
     assert all("left (silent" in survivors[1, r].output for r in range(2))
     # its share of the step is lost: the step ran again everywhere, stage 0 splitting it anew
     assert all(REDONE in p.output for p in survivors.values())
+
+
+def test_a_stage_that_loses_its_last_replica_ends_the_run_and_every_replica_resumes(tmp_path):
+    """The middle stage's only replica killed: no replica of it is left to repair or redo the step,
+    so every survivor exits naming the lost stage and how to go on (SPEC §9.10 item 10); every
+    replica started again with ``--resume`` (the lost one in its own folder) goes on from the newest
+    checkpoint all of them hold, at the losses of one uninterrupted in-process run."""
+    steps, args = 6, ("--set", "net.heartbeat_interval_s=0.5", "--set", "net.liveness_floor_s=5.0",
+                      "--set", "checkpoint.interval_steps=1")
+    keys = [(0, 0), (0, 1), (1, 0), (2, 0), (2, 1)]
+    with ReplicaSwarm(tmp_path, "replica-last", steps=steps, identities=[2, 1, 2], initial=(2, 1, 2)) as swarm:
+        for key in keys:
+            swarm.start(*key, *args)
+        wait_steps(swarm.out, 2, list(swarm.procs.values()), 180)
+        swarm.procs[1, 0].proc.kill()
+        for key in keys[:2] + keys[3:]:
+            assert swarm.procs[key].wait(120) == 2, swarm.procs[key].output[-3000:]
+            assert "it was its stage's last replica, so the run ends" in swarm.procs[key].output
+            assert "Traceback" not in swarm.procs[key].output
+        for key in keys:
+            swarm.start(*key, *args, "--resume")
+        codes = {key: p.wait(240) for key, p in swarm.procs.items()}
+        assert all(code == 0 for code in codes.values()), {k: (c, swarm.procs[k].output[-3000:])
+                                                           for k, c in codes.items() if c}
+    results = {key: swarm.result(*key) for key in keys}
+    start = {res["start_step"] for res in results.values()}
+    assert len(start) == 1 and 2 <= min(start) < steps, start
+    assert all(res["end"] == "finished" for res in results.values())
+    ref = tmp_path / "ref"
+    train(load_config(swarm.path, {"run": {"out_dir": str(ref)}, "checkpoint": {"interval_steps": 0}}), progress=False)
+    for r in range(2):
+        assert results[0, r]["train_losses"] == pytest.approx(train_losses(ref)[min(start):], rel=1e-3)
