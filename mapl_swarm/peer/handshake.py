@@ -27,7 +27,7 @@ from mapl_swarm.peer.waiting import WaitingLog
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Handshake", "candidates_of", "connect"]
+__all__ = ["Handshake", "candidates_of", "connect", "refusals_of"]
 
 Resolve = Callable[[int, float], Awaitable["str | list[str]"]]
 """``resolve(stage, timeout_s)``: the stage's endpoint, or all of them freshest first (the DHT's)."""
@@ -48,6 +48,17 @@ async def connect(link: PeerLink, transport: Any, endpoint: str, shaping: LinkCo
     if current is not None and (fresh or current != endpoint):
         await transport.disconnect(link.name, linger_s=1.0 if fresh else 0.0)
     link.connect(transport, endpoint, shaping)
+
+
+def refusals_of(missing: list[PeerLink]) -> str:
+    """``"; "`` and why the neighbours of ``missing`` links refused this peer or its HELLO ("" if
+    none did): a neighbour that refused this peer's configuration may have left before answering
+    its HELLO, and what its own HELLO was refused for names both configurations."""
+    refused = "; ".join([*(f"stage {link.stage}'s HELLO was refused ({link.refused_hello})"
+                           for link in missing if link.refused_hello),
+                         *(f"stage {link.stage} at {where} refused this peer: {why}"
+                           for link in missing for where, why in link.refusals.items())])
+    return f"; {refused}" if refused else ""
 
 
 class Handshake:
@@ -75,14 +86,8 @@ class Handshake:
                 raise MaplError(f"{self.name}: no stage {', '.join(str(link.stage) for link in missing)} peer "
                                 f"rejoined within {timeout_s:g} s (net.rejoin_timeout_s); start one with --resume "
                                 f"on a host with its checkpoints") from None
-            # a neighbour that refused our config may have left before answering our own HELLO: say
-            # what its HELLO was refused for, which names both configurations
-            refused = "; ".join([*(f"stage {link.stage}'s HELLO was refused ({link.refused_hello})"
-                                   for link in missing if link.refused_hello),
-                                 *(f"stage {link.stage} at {where} refused this peer: {why}"
-                                   for link in missing for where, why in link.refusals.items())])
             raise MaplError(f"{self.name}: handshake with stages {self.links.stages} not completed within "
-                            f"{timeout_s:g} s" + (f"; {refused}" if refused else "")) from None
+                            f"{timeout_s:g} s" + refusals_of(missing)) from None
         for link in self.links:  # raises if the neighbour cannot take the codebook slices this link sends
             if link.codebooks is not None:
                 link.codebooks.check_capabilities()

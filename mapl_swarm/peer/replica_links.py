@@ -26,7 +26,7 @@ from typing import Any
 from mapl_swarm.aio import within
 from mapl_swarm.errors import MaplError
 from mapl_swarm.net.emulator import LinkConfig
-from mapl_swarm.peer.handshake import Resolve, candidates_of, connect
+from mapl_swarm.peer.handshake import Resolve, candidates_of, connect, refusals_of
 from mapl_swarm.peer.link import LinkSettings, Links, PeerLink
 from mapl_swarm.peer.waiting import WaitingLog
 
@@ -106,7 +106,8 @@ class ReplicaLinker:
             raise MaplError(f"{self.name}: handshake not completed within {self.timeout_s:g} s (net.timeout_s): "
                             + "; ".join(f"{sum(link.welcomed for link in self.links.of_stage(stage))} of stage "
                                         f"{stage}'s {want(stage)} replicas (replicas.initial) welcomed this peer"
-                                        for stage in short())) from None
+                                        for stage in short())
+                            + refusals_of([link for link in self.links if not link.welcomed])) from None
         for link in [link for link in self.links if not link.welcomed]:
             self.links.remove(link)
             await transport.disconnect(link.name, linger_s=0.0)
