@@ -58,11 +58,14 @@ class ReplicaLinker:
         """Contacts whose replica never welcomed this peer: not linked again."""
         self._read = asyncio.Event()
         self._welcomed = asyncio.Event()
+        self._fresh = False
 
-    async def link_all(self, transport: Any, endpoint: str, want: Callable[[int], int]) -> None:
+    async def link_all(self, transport: Any, endpoint: str, want: Callable[[int], int], *, fresh: bool = False) -> None:
         """At the start: a link to every replica of each neighbour stage, once the DHT holds
-        ``want(stage)`` of its records (within ``net.timeout_s``)."""
+        ``want(stage)`` of its records (within ``net.timeout_s``). ``fresh``: a session that
+        re-forms the swarm connects anew (:func:`~.handshake.connect`)."""
         self.local_contact = endpoint
+        self._fresh = fresh
         deadline = time.monotonic() + self.timeout_s
         for stage in self.links.stages_expected:
             while True:
@@ -76,10 +79,12 @@ class ReplicaLinker:
             for contact in contacts:
                 await self._add(transport, stage, contact)
 
-    async def handshake(self, transport: Any, want: Callable[[int], int]) -> None:
+    async def handshake(self, transport: Any, want: Callable[[int], int], *, timeout_s: float,
+                        why: str = "net.timeout_s") -> None:
         """A starting replica's handshake (module docstring): until ``want(stage)`` replicas of each
-        neighbour stage welcomed this peer, within ``net.timeout_s``; the links of records whose
-        replica did not are dropped (:meth:`watch` links them again if they come later)."""
+        neighbour stage welcomed this peer, within ``timeout_s`` (the setting ``why`` names); the
+        links of records whose replica did not are dropped (:meth:`watch` links them again if they
+        come later)."""
         def short() -> list[int]:
             return [stage for stage in self.links.stages_expected
                     if sum(link.welcomed for link in self.links.of_stage(stage)) < want(stage)]
@@ -100,10 +105,10 @@ class ReplicaLinker:
                     await self._link_new(transport, stage, self._add)
 
         try:
-            await self.waits.wait(within(until_welcomed(), self.timeout_s),
+            await self.waits.wait(within(until_welcomed(), timeout_s),
                                   lambda: [link for link in self.links if not link.welcomed])
         except TimeoutError:
-            raise MaplError(f"{self.name}: handshake not completed within {self.timeout_s:g} s (net.timeout_s): "
+            raise MaplError(f"{self.name}: handshake not completed within {timeout_s:g} s ({why}): "
                             + "; ".join(f"{sum(link.welcomed for link in self.links.of_stage(stage))} of stage "
                                         f"{stage}'s {want(stage)} replicas (replicas.initial) welcomed this peer"
                                         for stage in short())
@@ -146,7 +151,7 @@ class ReplicaLinker:
         link.local_contact = self.local_contact
         link.epoch = self._epoch()
         self._prepare(link)
-        await connect(link, transport, contact, self.shaping)
+        await connect(link, transport, contact, self.shaping, fresh=self._fresh)
         log.info("%s: link %s to a replica of stage %d at %s", self.name, link.name, stage, contact)
         return link
 

@@ -57,7 +57,8 @@ payload of it computed once the redo was known is not sent: the links carry the 
 runs the step again with the replicas left, stage 0 re-splitting its micro-batches among its live
 replicas. A round that is whole commits, so a step is either taken once by every stage or redone
 by all of them: every micro-batch counts once per stage and the step's tokens are exact. A stage
-whose last replica leaves ends the run as before.
+whose last replica leaves is the peer's (:class:`~.runtime.Peer`: the swarm re-forms, or the run
+ends).
 
 **Codebooks** (MAPL+VQ, learned per step, SPEC §9.10 item 12): a CODEBOOK_SLICE is applied as soon
 as the schedule takes messages, whatever it waits for (a slice precedes its link's next payload in
@@ -1369,7 +1370,7 @@ class ReplicaSchedule:
     def replica_gone(self, link: PeerLink, why: str) -> bool:
         """Neighbour replica ``link`` left (``why``: silent past its deadline, its BYE): True when its
         stage keeps a live replica (this one goes on without it, module docstring), False when it
-        was its stage's last (the caller ends the run as for any departure)."""
+        was its stage's last (the caller's, as any departure: the swarm re-forms or the run ends)."""
         if link.contact is None or not link.welcomed:
             return False
         if link.contact in self.gone:

@@ -124,13 +124,15 @@ def _rejoin_configured(cfg: TrainConfig, run_policy: PeerRunPolicy | None) -> bo
     """A peer takes part in rejoin (advertises it): ``net.rejoin_timeout_s`` > 0 and checkpoints on,
     agreed with the other stages (SPEC "Rejoin": a departed stage comes back to a saved step)."""
     return (cfg.net.rejoin_timeout_s > 0 and run_policy is not None and run_policy.checkpoints_on
-            and not cfg.replicas.enabled)  # with replicas: a stage that loses its last replica ends the run (SPEC §9.10)
+            # with replicas: Peer._replicas_rejoin, without the capability (a replica's HELLO may carry a
+            # redo's run epoch, which the capability's admission would take for a re-form)
+            and not cfg.replicas.enabled)
 
 
 _LAST_REPLICA_HINT = (
-    "; it was its stage's last replica, so the run ends (SPEC §9.10 item 10). Start every replica of the run again "
-    "with --resume: they go on from the newest checkpoint every replica holds (a lost stage's replica from its "
-    "checkpoint folder)")
+    "; it was its stage's last replica, so the run ends (without net.rejoin_timeout_s > 0 and checkpoints the swarm "
+    "cannot wait for a replacement; SPEC §9.10 item 10). Start every replica of the run again with --resume: they go "
+    "on from the newest checkpoint every replica holds (a lost stage's replica from its checkpoint folder)")
 
 
 def _checkpoint_on(link: PeerLink, meta: dict) -> Awaitable[None]:
@@ -203,8 +205,9 @@ class Peer:
         self.agreement.send, self.agreement.on_drain = self._send_checkpoint, self._drain_decided
         self.replicas_on = cfg.replicas.enabled
         """Several peers per stage (SPEC §9.10): a link per neighbour replica, :class:`ReplicaSchedule`;
-        no rejoin, no checkpoint agreement, no drain (a signal stops this replica; a neighbour
-        replica that leaves is the schedule's while its stage keeps another)."""
+        checkpoints agreed on resume only, no drain (a signal stops this replica); a neighbour
+        replica that leaves is the schedule's while its stage keeps another, the last one re-forms
+        the swarm (:attr:`_replicas_rejoin`)."""
         settings = LinkSettings(
             run_id=cfg.run.run_id, stage=stage, num_stages=P, fingerprint=fingerprint,
             config=config if config is not None else config_summary(cfg),
@@ -360,7 +363,8 @@ class Peer:
             transport.new_routing_id()
         if self.replica_links is not None:
             await self.replica_links.link_all(transport, endpoint,
-                                              lambda stage: 1 if self.joining else self.cfg.replicas_of(stage))
+                                              lambda stage: 1 if self.joining else self.cfg.replicas_of(stage),
+                                              fresh=self.rejoining)
         for link in self.links:
             if self.replicas_on:
                 break
@@ -381,7 +385,10 @@ class Peer:
             if self.joining:
                 await self.replica_links.greet_all(transport)
             else:
-                await self.replica_links.handshake(transport, self.cfg.replicas_of)
+                await self.replica_links.handshake(
+                    transport, self.cfg.replicas_of, timeout_s=net.rejoin_timeout_s if self.rejoining else net.timeout_s,
+                    why="net.rejoin_timeout_s: no replacement of the departed stage came" if self.rejoining
+                    else "net.timeout_s")
         else:
             await Handshake(self.name, self.links, resolve=self.resolve, retry_s=net.hello_retry_s, waits=self.waits,
                             welcomed=self.welcomed).run(
@@ -478,10 +485,22 @@ class Peer:
             return
         if (self.state.started or self.rejoining) and self._can_rejoin and not self.agreement.draining:
             self.pause(departure.describe(), epoch=self.epoch + 1, lost=departure.stage)
+        elif (self.state.started or self.rejoining) and self._replicas_rejoin:
+            # a stage's last replica (SPEC §9.10 item 10): the swarm re-forms as a chain does; the
+            # run epoch goes past every redo's of the session
+            self.pause(f"{departure.describe()}; it was its stage's last replica", lost=departure.stage,
+                       epoch=max(self.epoch, self.schedule.epoch) + 1)
         elif departure.planned:
             self.stop(_CleanStop("stopped", f"stage {self.stage} stopped: {departure.describe()}"))
         else:
             self.stop(NeighbourLost(self.name, departure, _LAST_REPLICA_HINT if self.replicas_on else ""))
+
+    @property
+    def _replicas_rejoin(self) -> bool:
+        """With replicas: the swarm re-forms when a stage loses its last replica, given what a
+        chain's rejoin needs (``net.rejoin_timeout_s`` > 0, checkpoints on)."""
+        return (self.replicas_on and self.cfg.net.rejoin_timeout_s > 0 and self.run_policy is not None
+                and self.run_policy.checkpoints_on)
 
     @property
     def _can_rejoin(self) -> bool:

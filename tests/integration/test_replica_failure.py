@@ -84,33 +84,44 @@ def test_killing_a_stage0_replica_mid_step_redoes_the_step_everywhere(tmp_path):
     assert all(REDONE in p.output for p in survivors.values())
 
 
-def test_a_stage_that_loses_its_last_replica_ends_the_run_and_every_replica_resumes(tmp_path):
+@pytest.mark.parametrize("rejoin", [True, False])
+def test_a_stage_that_loses_its_last_replica_re_forms_the_swarm_from_checkpoints(tmp_path, rejoin):
     """The middle stage's only replica killed: no replica of it is left to repair or redo the step,
-    so every survivor exits naming the lost stage and how to go on (SPEC §9.10 item 10); every
-    replica started again with ``--resume`` (the lost one in its own folder) goes on from the newest
-    checkpoint all of them hold, at the losses of one uninterrupted in-process run."""
+    so the swarm falls back to the chain's rejoin (SPEC §9.10 item 10): every survivor pauses (its
+    process stays), the swarm re-forms in a later run epoch once a replacement of the stage starts
+    with ``--resume`` from its checkpoint folder, and every replica rolls back to the newest
+    checkpoint all of them hold. Without rejoin (``net.rejoin_timeout_s`` 0) every survivor exits
+    naming the lost stage and the way on, and every replica started again with ``--resume`` goes
+    on from there. Either way the run ends at the losses of one uninterrupted in-process run."""
     steps, args = 6, ("--set", "net.heartbeat_interval_s=0.5", "--set", "net.liveness_floor_s=5.0",
-                      "--set", "checkpoint.interval_steps=1")
+                      "--set", "checkpoint.interval_steps=1", "--set", f"net.rejoin_timeout_s={120 if rejoin else 0}")
     keys = [(0, 0), (0, 1), (1, 0), (2, 0), (2, 1)]
+    survivors = [key for key in keys if key != (1, 0)]
     with ReplicaSwarm(tmp_path, "replica-last", steps=steps, identities=[2, 1, 2], initial=(2, 1, 2)) as swarm:
         for key in keys:
             swarm.start(*key, *args)
         wait_steps(swarm.out, 2, list(swarm.procs.values()), 180)
         swarm.procs[1, 0].proc.kill()
-        for key in keys[:2] + keys[3:]:
-            assert swarm.procs[key].wait(120) == 2, swarm.procs[key].output[-3000:]
-            assert "it was its stage's last replica, so the run ends" in swarm.procs[key].output
-            assert "Traceback" not in swarm.procs[key].output
-        for key in keys:
+        for key in survivors:
+            if rejoin:
+                swarm.procs[key].wait_for("re-forming the swarm", 60)
+            else:
+                assert swarm.procs[key].wait(120) == 2, swarm.procs[key].output[-3000:]
+                assert "it was its stage's last replica, so the run ends" in swarm.procs[key].output
+                assert "Traceback" not in swarm.procs[key].output
+        for key in [(1, 0)] if rejoin else keys:
             swarm.start(*key, *args, "--resume")
         codes = {key: p.wait(240) for key, p in swarm.procs.items()}
         assert all(code == 0 for code in codes.values()), {k: (c, swarm.procs[k].output[-3000:])
                                                            for k, c in codes.items() if c}
     results = {key: swarm.result(*key) for key in keys}
-    start = {res["start_step"] for res in results.values()}
-    assert len(start) == 1 and 2 <= min(start) < steps, start
     assert all(res["end"] == "finished" for res in results.values())
+    assert len({res["start_step"] for res in results.values() if res["start_step"]}) == 1, results
+    if rejoin:
+        assert all(len(results[key]["rejoins"]) == 1 for key in survivors), {k: results[k]["rejoins"] for k in survivors}
     ref = tmp_path / "ref"
     train(load_config(swarm.path, {"run": {"out_dir": str(ref)}, "checkpoint": {"interval_steps": 0}}), progress=False)
-    for r in range(2):
-        assert results[0, r]["train_losses"] == pytest.approx(train_losses(ref)[min(start):], rel=1e-3)
+    start = results[1, 0]["start_step"]
+    assert 2 <= start < steps
+    for r in range(2):  # a survivor's losses: the rolled-back steps' replaced by their re-runs
+        assert results[0, r]["train_losses"] == pytest.approx(train_losses(ref)[0 if rejoin else start:], rel=1e-3)

@@ -67,7 +67,7 @@ class Neighbours:
 
     async def handshake(self, want) -> None:
         await self.linker.link_all(self.me, "mem://me", want)
-        await self.linker.handshake(self.me, want)
+        await self.linker.handshake(self.me, want, timeout_s=self.linker.timeout_s)
 
 
 def test_stale_records_are_dropped_and_a_replica_announced_meanwhile_is_linked():
