@@ -17,7 +17,10 @@ NaN/Inf included, or a signal) while no signal was forwarded is started again, t
 ``--resume``, and joins the waiting swarm (which rolls back to the newest common checkpoint); the
 other peers are left alone. :class:`RestartPolicy` decides (pure), :class:`Supervisor` runs the
 processes. A stage that died once more than N restarts allow stops the swarm as before (exit 2,
-naming the stage); the summary counts the restarts per stage.
+naming the stage); the summary counts the restarts per stage. With replicas a replica whose stage
+keeps a running one is never restarted (from its checkpoint it would not hold the others' state:
+the swarm goes on without it); a stage's last one is, as a chain's peer (the swarm re-forms, SPEC
+§9.10 item 10), when the run can re-form (``net.rejoin_timeout_s`` > 0, checkpoints on).
 
 GPUs: each peer is given one GPU through its own ``CUDA_VISIBLE_DEVICES`` (:func:`gpu_plan`):
 round-robin over the launcher's visible GPUs, or over ``--gpus 0,1,2,3``; several peers may share
@@ -61,7 +64,7 @@ from mapl_swarm.pipeline.payload import BACKWARD_KINDS, FORWARD_KINDS, kind_byte
 
 log = logging.getLogger(__name__)
 
-__all__ = ["launch", "SwarmSummary", "summarize", "replica_out_dir", "replica_counts", "stop_all", "parse_gpus",
+__all__ = ["launch", "restarts_allowed", "SwarmSummary", "summarize", "replica_out_dir", "replica_counts", "stop_all", "parse_gpus",
            "visible_gpus", "gpu_plan",
            "PeerProcess", "peer_processes", "drain_note", "RestartPolicy", "Supervisor", "supervise", "resumed",
            "exit_text"]
@@ -335,9 +338,7 @@ def launch(cfg: TrainConfig, config_args: list[str], *, progress: bool = True,
     (:class:`RestartPolicy`)."""
     P = cfg.pipeline.num_stages
     counts = replica_counts(cfg)
-    if cfg.replicas.enabled:
-        max_restarts = 0  # a replica restarted from its checkpoint would not hold the others' state
-    swarm = Supervisor(RestartPolicy(max_restarts))  # before any work: a bad --max-restarts answers at once
+    swarm = Supervisor(RestartPolicy(restarts_allowed(cfg, max_restarts)))  # before any work: a bad --max-restarts answers at once
     threads = cfg.runtime.threads or max(1, (os.cpu_count() or 1) // sum(counts))
     plan = gpu_plan(cfg.runtime.device, sum(counts), gpus=gpus)  # before any work: a bad --gpus answers at once
     if any(g is not None for g in plan):
@@ -477,6 +478,14 @@ class RestartPolicy:
         return {str(s): n for s, n in sorted(self._restarts.items())}
 
 
+def restarts_allowed(cfg: TrainConfig, max_restarts: int) -> int:
+    """``--max-restarts``, but 0 for a run with replicas that cannot re-form (``net.rejoin_timeout_s``
+    0 or checkpoints off): the survivors of a stage's last replica exit, nothing waits for it."""
+    if cfg.replicas.enabled and not (cfg.net.rejoin_timeout_s > 0 and cfg.checkpoint.interval_steps > 0):
+        return 0
+    return max_restarts
+
+
 def resumed(peer: PeerProcess) -> PeerProcess:
     """``peer`` started again: the same command (key file, ports, threads), environment and GPU, plus
     ``--resume`` when it is not there already."""
@@ -569,6 +578,14 @@ class Supervisor:
         another one running: the swarm goes on without it); False when it was restarted; raises
         when the swarm stops."""
         peer, pid, n = self.peers[i], self.procs[i].pid, self.policy.max_restarts
+        what = f"status {status}" + (f" ({exit_text(status)})" if status < 0 else "")
+        partners = [j for j, other in enumerate(self.peers)
+                    if j != i and other.stage == peer.stage and self.procs[j].poll() is None]
+        if status != 0 and partners and not stopping:  # a replica: its stage goes on with the others (SPEC §9.10)
+            log.warning("%s (pid %d) exited with %s; stage %d goes on with its %d other replica(s)", peer.label, pid,
+                        what, peer.stage, len(partners))
+            self.left.add(i)
+            return True
         action = self.policy.decide(peer.stage, status, stopping=stopping)
         if action == "done":
             return True
@@ -579,14 +596,6 @@ class Supervisor:
             self.peers[i] = resumed(peer)
             self.procs[i] = _start(self.peers[i])
             return False
-        what = f"status {status}" + (f" ({exit_text(status)})" if status < 0 else "")
-        partners = [j for j, other in enumerate(self.peers)
-                    if j != i and other.stage == peer.stage and self.procs[j].poll() is None]
-        if partners and not stopping:  # a replica: its stage goes on with the others (SPEC §9.10)
-            log.warning("%s (pid %d) exited with %s; stage %d goes on with its %d other replica(s)", peer.label, pid,
-                        what, peer.stage, len(partners))
-            self.left.add(i)
-            return True
         if stopping:
             if status in _STOPPED_AT_ONCE:
                 raise Interrupted(f"{peer.label} peer stopped at once ({what}); stopped the swarm")

@@ -26,7 +26,7 @@ from mapl_swarm.config import TrainConfig
 from mapl_swarm.data import prepare_data
 from mapl_swarm.lab.netns import NetnsLab
 from mapl_swarm.launch import (PeerProcess, RestartPolicy, Supervisor, SwarmSummary, local_identities, replica_counts,
-                               replica_out_dir, supervise)
+                               replica_out_dir, restarts_allowed, supervise)
 from mapl_swarm.procs import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -43,9 +43,7 @@ def run_lab_swarm(cfg: TrainConfig, config_args: list[str], *, rate_mbit: float,
     produced ``cfg``, with ``--log-level``) go to every peer; the DHT child gets the log level."""
     P = cfg.pipeline.num_stages
     counts = replica_counts(cfg)
-    if cfg.replicas.enabled:
-        max_restarts = 0  # as launch: a replica restarted from its checkpoint would not hold the others' state
-    policy = RestartPolicy(max_restarts)  # before any work: a bad --max-restarts answers at once
+    policy = RestartPolicy(restarts_allowed(cfg, max_restarts))  # before any work: a bad --max-restarts answers at once
     layout = [(k, r) for k in range(P) for r in range(counts[k])]  # a host (a namespace, its own links) each
     names = {(k, r): f"stage{k}" + (f"r{r}" if r else "") for k, r in layout}
     hosts = ["dht"] + [names[kr] for kr in layout]

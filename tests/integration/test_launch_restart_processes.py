@@ -241,18 +241,9 @@ def test_a_replica_that_dies_leaves_its_stage_to_the_others(tmp_path, caplog):
     peers = [PeerProcess(0, [sys.executable, "-c", f"open({str(fifos[0])!r}).read()"], env, None),
              PeerProcess(1, [sys.executable, "-c", f"open({str(fifos[1])!r}).read()"], env, None, 0),
              PeerProcess(1, [sys.executable, "-c", "raise SystemExit(3)"], env, None, 1)]
-    swarm = Supervisor(RestartPolicy(0))
+    swarm = Supervisor(RestartPolicy(3))  # restarts allowed: still none for a replica with a partner
     errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            swarm.run(_Forwarded(), 60, drain_timeout_s=10)
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
-            errors.append(exc)
-
-    swarm.start(peers)
-    supervising = threading.Thread(target=run)
-    supervising.start()
+    supervising = _supervise(swarm, peers, errors)
     try:
         wait_until(lambda: swarm.left == {2} or errors, 30, "the dead replica's exit handled")
         for f in fifos:  # the survivors end their run
@@ -265,3 +256,49 @@ def test_a_replica_that_dies_leaves_its_stage_to_the_others(tmp_path, caplog):
     assert [p.returncode for p in swarm.procs] == [0, 0, 3]
     assert "stage 1 replica 1" in caplog.text and "stage 1 goes on with its 1 other replica(s)" in caplog.text
     assert caplog.text.count("goes on with") == 1  # handled once, not at every poll
+    assert swarm.policy.counts() == {}
+
+
+def test_a_stages_last_replica_that_dies_is_restarted_with_resume(tmp_path):
+    """The last running replica of a stage dies (its partner left before): the swarm re-forms and
+    waits for it (SPEC §9.10 item 10), so it is started again with ``--resume``, as a chain's peer."""
+    fifos, marker = [tmp_path / "fifo0", tmp_path / "fifo1"], tmp_path / "started"
+    for f in fifos:
+        os.mkfifo(f)
+    env = dict(os.environ)
+    once = (f"import pathlib, sys; m = pathlib.Path({str(marker)!r}); "
+            f"sys.exit(3) if not m.exists() and not m.touch() else open({str(fifos[1])!r}).read()")
+    peers = [PeerProcess(0, [sys.executable, "-c", f"open({str(fifos[0])!r}).read()"], env, None),
+             PeerProcess(1, [sys.executable, "-c", "raise SystemExit(3)"], env, None, 1),
+             PeerProcess(1, [sys.executable, "-c", once], env, None, 0)]
+    swarm = Supervisor(RestartPolicy(3))
+    errors: list[BaseException] = []
+    swarm.start(peers[:2])
+    wait_until(lambda: swarm.procs[1].poll() is not None, 30, "the first replica's exit")
+    swarm.start(peers[2:])
+    supervising = _supervise(swarm, [], errors)
+    try:
+        wait_until(lambda: swarm.policy.counts() == {"1": 1} or errors, 30, "the last replica restarted")
+        for f in fifos:  # the stage-0 peer and the restarted replica end their run
+            with open(f, "w"):
+                pass
+        supervising.join(30)
+    finally:
+        swarm.stop()
+    assert not errors and not supervising.is_alive()
+    assert swarm.left == {1} and swarm.peers[2].cmd[-1] == "--resume"
+    assert [p.returncode for p in swarm.procs] == [0, 3, 0]
+
+
+def _supervise(swarm: Supervisor, peers: list[PeerProcess], errors: list[BaseException]) -> threading.Thread:
+    """Start ``peers`` and :meth:`Supervisor.run` in a thread (what it raises goes to ``errors``)."""
+    def run() -> None:
+        try:
+            swarm.run(_Forwarded(), 60, drain_timeout_s=10)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    swarm.start(peers)
+    supervising = threading.Thread(target=run)
+    supervising.start()
+    return supervising
