@@ -165,6 +165,10 @@ class Control:
                                    f"{refused[1]}"))
             return
         link.on_welcome(msg)
+        if peer.joining and not peer.started and msg.epoch > link.epoch:
+            # a joining replica speaks the swarm's run epoch (a re-formed swarm's floor is above 0)
+            # until its state download brings the epoch it trains in (SPEC §9.10 item 11)
+            peer.links.set_epoch(msg.epoch)
         peer.monitor.watch(link.name)  # heartbeats to it from now on
         if peer.replica_links is not None:
             peer.replica_links.welcomed()

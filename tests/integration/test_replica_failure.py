@@ -93,11 +93,11 @@ def test_a_stage_that_loses_its_last_replica_re_forms_the_swarm_from_checkpoints
     checkpoint all of them hold. Without rejoin (``net.rejoin_timeout_s`` 0) every survivor exits
     naming the lost stage and the way on, and every replica started again with ``--resume`` goes
     on from there. Either way the run ends at the losses of one uninterrupted in-process run."""
-    steps, args = 6, ("--set", "net.heartbeat_interval_s=0.5", "--set", "net.liveness_floor_s=5.0",
-                      "--set", "checkpoint.interval_steps=1", "--set", f"net.rejoin_timeout_s={120 if rejoin else 0}")
+    steps, args = 40, ("--set", "net.heartbeat_interval_s=0.5", "--set", "net.liveness_floor_s=5.0",
+                       "--set", "checkpoint.interval_steps=1", "--set", f"net.rejoin_timeout_s={120 if rejoin else 0}")
     keys = [(0, 0), (0, 1), (1, 0), (2, 0), (2, 1)]
     survivors = [key for key in keys if key != (1, 0)]
-    with ReplicaSwarm(tmp_path, "replica-last", steps=steps, identities=[2, 1, 2], initial=(2, 1, 2)) as swarm:
+    with ReplicaSwarm(tmp_path, "replica-last", steps=steps, identities=[2, 1, 3], initial=(2, 1, 2)) as swarm:
         for key in keys:
             swarm.start(*key, *args)
         wait_steps(swarm.out, 2, list(swarm.procs.values()), 180)
@@ -111,12 +111,16 @@ def test_a_stage_that_loses_its_last_replica_re_forms_the_swarm_from_checkpoints
                 assert "Traceback" not in swarm.procs[key].output
         for key in [(1, 0)] if rejoin else keys:
             swarm.start(*key, *args, "--resume")
+        swarm.procs[0, 0].wait_for(r"(rolled back to|resumed from) step", 120)
+        swarm.start(2, 2, *args, "--join")  # the re-formed swarm (run epoch 1 with rejoin) takes a joiner
         codes = {key: p.wait(240) for key, p in swarm.procs.items()}
         assert all(code == 0 for code in codes.values()), {k: (c, swarm.procs[k].output[-3000:])
                                                            for k, c in codes.items() if c}
     results = {key: swarm.result(*key) for key in keys}
     assert all(res["end"] == "finished" for res in results.values())
     assert len({res["start_step"] for res in results.values() if res["start_step"]}) == 1, results
+    joined = swarm.result(2, 2)
+    assert joined["end"] == "finished" and joined["averaging"]["rounds"] >= 1, joined["averaging"]
     if rejoin:
         assert all(len(results[key]["rejoins"]) == 1 for key in survivors), {k: results[k]["rejoins"] for k in survivors}
     ref = tmp_path / "ref"
