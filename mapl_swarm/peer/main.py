@@ -188,6 +188,16 @@ def pick_joined_stage(cfg: TrainConfig, discovery: Discovery, membership: Member
     return stage
 
 
+def _withdraw(discovery: Discovery, stage: int) -> None:
+    """This peer's stage record goes with its process (a tombstone, at once): no partner's round
+    counts it (a replica's round waits for the stage's announced replicas) and no swarm started
+    again links its dead contact. A peer killed cannot; its record expires (``ttl_s``)."""
+    try:
+        discovery.withdraw(stage)
+    except MaplError as exc:
+        log.debug("stage %d: its DHT record not withdrawn: %s", stage, exc)
+
+
 def run_peer(cfg: TrainConfig, stage: int | None, *, membership: Membership | None,
              initial_peers: Sequence[str] = (), resume: bool = False, progress: bool = True, joining: bool = False,
              insecure_warning_interval_s: float = INSECURE_WARNING_INTERVAL_S):
@@ -238,6 +248,7 @@ def run_peer(cfg: TrainConfig, stage: int | None, *, membership: Membership | No
             try:
                 result = run(serve_sessions(session, cfg, stage, membership=membership, resume=resume))
             finally:
+                _withdraw(discovery, stage)
                 if replicas is not None:  # the DHT node first (StageAverager._shutdown says why)
                     discovery.close()
                     replicas.shutdown()

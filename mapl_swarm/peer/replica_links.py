@@ -40,6 +40,13 @@ unknown replica reads them at once, at most every :data:`_MIN_READ_S`)."""
 _MIN_READ_S = 1.0
 
 
+class _InDht:
+    """A neighbour stage whose records a waiting line says this peer waits for."""
+
+    def __init__(self, stage: int) -> None:
+        self.stage, self.endpoint = stage, None
+
+
 class ReplicaLinker:
     """Peer ``name``'s links to neighbour replicas (module docstring). ``gone()``: the contacts of
     replicas known to have left (never linked again); ``epoch()`` and ``local_contact()``: what a
@@ -68,15 +75,19 @@ class ReplicaLinker:
         self._fresh = fresh
         deadline = time.monotonic() + self.timeout_s
         for stage in self.links.stages_expected:
-            while True:
-                contacts = await self.waits.wait(candidates_of(self.resolve, stage, self.timeout_s), lambda: [])
-                if len(contacts) >= want(stage):
-                    break
-                if time.monotonic() > deadline:
-                    raise MaplError(f"{self.name}: {len(contacts)} of stage {stage}'s {want(stage)} replicas announced "
-                                    f"within {self.timeout_s:g} s (replicas.initial)")
-                await asyncio.sleep(0.25)  # the DHT is polled: records appear as replicas start
-            for contact in contacts:
+            async def announced(stage: int = stage) -> list[str]:
+                while True:
+                    contacts = await candidates_of(self.resolve, stage, self.timeout_s)
+                    if len(contacts) >= want(stage):
+                        return contacts
+                    if time.monotonic() > deadline:
+                        raise MaplError(
+                            f"{self.name}: {len(contacts)} of stage {stage}'s {want(stage)} replicas announced within "
+                            f"{self.timeout_s:g} s (replicas.initial): start every replica of the run (with --resume "
+                            f"on each when it resumes; a replica joining a running swarm: --join)")
+                    await asyncio.sleep(0.25)  # the DHT is polled: records appear as replicas start
+
+            for contact in await self.waits.wait(announced(), lambda stage=stage: [_InDht(stage)]):
                 await self._add(transport, stage, contact)
 
     async def handshake(self, transport: Any, want: Callable[[int], int], *, timeout_s: float,

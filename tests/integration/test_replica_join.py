@@ -19,6 +19,8 @@ import torch
 
 from mapl_swarm.config import load_config
 from mapl_swarm.launch import replica_out_dir
+from mapl_swarm.net.discovery import Discovery, DiscoveryConfig
+from mapl_swarm.net.identity import load_identity
 from mapl_swarm.pipeline.checkpoint import load_stage
 from mapl_swarm.pipeline.trainer import train
 
@@ -44,6 +46,13 @@ def test_a_replica_joins_a_running_swarm_and_trains_in_step_with_its_partners(tm
         codes = {key: p.wait(240) for key, p in swarm.procs.items()}
         assert all(code == 0 for code in codes.values()), {k: (c, swarm.procs[k].output[-3000:])
                                                            for k, c in codes.items() if c}
+        # each replica's record went with its process (a tombstone): nothing waits for or links it
+        me = load_identity(swarm.local.key_file(0), swarm.local.cert_file(0), run_id=swarm.cfg.run.run_id)
+        with Discovery(swarm.cfg.run.run_id, DiscoveryConfig(initial_peers=(swarm.maddr,), host="127.0.0.1"),
+                       membership=me) as dht:
+            records = {stage: [endpoint for _, endpoint, _ in dht.entries(stage)] for stage in range(3)}
+        # (a record the exited peers' own DHT nodes held may be gone with them)
+        assert any(records.values()) and not any(e for endpoints in records.values() for e in endpoints), records
     joiner = swarm.procs[1, middle].output
     assert "joining stage 1, the one of least capacity" in joiner  # the only one its certificate allows
     joined = JOINED.search(joiner)
