@@ -462,8 +462,9 @@ class Discovery:
             # other nodes (normally this one too) stored the record: log it, do not fail.
             log = logger.debug if stage in self._refusals_logged else logger.warning
             self._refusals_logged.add(stage)
-            log("a DHT node refused the announcement of run %r stage %d (a node of another "
-                "authority, or a record its certificate does not allow?)", self.run_id, stage)
+            log("a DHT node did not store the announcement of run %r stage %d (other nodes normally did; it "
+                "may hold a newer entry of it, or refuse it: a node of another authority, or a record this "
+                "certificate does not allow)", self.run_id, stage)
 
     def _store_status(self) -> None:
         """Store the status record (holding ``_state``)."""
