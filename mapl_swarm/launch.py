@@ -64,8 +64,8 @@ from mapl_swarm.pipeline.payload import BACKWARD_KINDS, FORWARD_KINDS, kind_byte
 
 log = logging.getLogger(__name__)
 
-__all__ = ["launch", "restarts_allowed", "SwarmSummary", "summarize", "replica_out_dir", "replica_counts", "stop_all", "parse_gpus",
-           "visible_gpus", "gpu_plan",
+__all__ = ["launch", "restarts_allowed", "SwarmSummary", "summarize", "replica_out_dir", "replica_counts", "stop_all",
+           "parse_gpus", "visible_gpus", "gpu_plan",
            "PeerProcess", "peer_processes", "drain_note", "RestartPolicy", "Supervisor", "supervise", "resumed",
            "exit_text"]
 
@@ -338,7 +338,8 @@ def launch(cfg: TrainConfig, config_args: list[str], *, progress: bool = True,
     (:class:`RestartPolicy`)."""
     P = cfg.pipeline.num_stages
     counts = replica_counts(cfg)
-    swarm = Supervisor(RestartPolicy(restarts_allowed(cfg, max_restarts)))  # before any work: a bad --max-restarts answers at once
+    # before any work: a bad --max-restarts answers at once
+    swarm = Supervisor(RestartPolicy(restarts_allowed(cfg, max_restarts)))
     threads = cfg.runtime.threads or max(1, (os.cpu_count() or 1) // sum(counts))
     plan = gpu_plan(cfg.runtime.device, sum(counts), gpus=gpus)  # before any work: a bad --gpus answers at once
     if any(g is not None for g in plan):

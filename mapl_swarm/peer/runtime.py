@@ -385,10 +385,11 @@ class Peer:
             if self.joining:
                 await self.replica_links.greet_all(transport)
             else:
-                await self.replica_links.handshake(
-                    transport, self.cfg.replicas_of, timeout_s=net.rejoin_timeout_s if self.rejoining else net.timeout_s,
-                    why="net.rejoin_timeout_s: no replacement of the departed stage came" if self.rejoining
-                    else "net.timeout_s")
+                if self.rejoining:
+                    timeout_s, why = net.rejoin_timeout_s, "net.rejoin_timeout_s: no replacement of the departed stage came"
+                else:
+                    timeout_s, why = net.timeout_s, "net.timeout_s"
+                await self.replica_links.handshake(transport, self.cfg.replicas_of, timeout_s=timeout_s, why=why)
         else:
             await Handshake(self.name, self.links, resolve=self.resolve, retry_s=net.hello_retry_s, waits=self.waits,
                             welcomed=self.welcomed).run(
