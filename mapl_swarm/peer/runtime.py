@@ -386,7 +386,8 @@ class Peer:
                 await self.replica_links.greet_all(transport)
             else:
                 if self.rejoining:
-                    timeout_s, why = net.rejoin_timeout_s, "net.rejoin_timeout_s: no replacement of the departed stage came"
+                    timeout_s = net.rejoin_timeout_s
+                    why = "net.rejoin_timeout_s: no replacement of the departed stage came"
                 else:
                     timeout_s, why = net.timeout_s, "net.timeout_s"
                 await self.replica_links.handshake(transport, self.cfg.replicas_of, timeout_s=timeout_s, why=why)
