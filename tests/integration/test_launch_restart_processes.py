@@ -244,15 +244,7 @@ def test_a_replica_that_dies_leaves_its_stage_to_the_others(tmp_path, caplog):
     swarm = Supervisor(RestartPolicy(3))  # restarts allowed: still none for a replica with a partner
     errors: list[BaseException] = []
     supervising = _supervise(swarm, peers, errors)
-    try:
-        wait_until(lambda: swarm.left == {2} or errors, 30, "the dead replica's exit handled")
-        for f in fifos:  # the survivors end their run
-            with open(f, "w"):
-                pass
-        supervising.join(30)
-    finally:
-        swarm.stop()
-    assert not errors and not supervising.is_alive()
+    _end_when(lambda: swarm.left == {2}, "the dead replica's exit handled", swarm, supervising, fifos, errors)
     assert [p.returncode for p in swarm.procs] == [0, 0, 3]
     assert "stage 1 replica 1" in caplog.text and "stage 1 goes on with its 1 other replica(s)" in caplog.text
     assert caplog.text.count("goes on with") == 1  # handled once, not at every poll
@@ -277,15 +269,7 @@ def test_a_stages_last_replica_that_dies_is_restarted_with_resume(tmp_path):
     wait_until(lambda: swarm.procs[1].poll() is not None, 30, "the first replica's exit")
     swarm.start(peers[2:])
     supervising = _supervise(swarm, [], errors)
-    try:
-        wait_until(lambda: swarm.policy.counts() == {"1": 1} or errors, 30, "the last replica restarted")
-        for f in fifos:  # the stage-0 peer and the restarted replica end their run
-            with open(f, "w"):
-                pass
-        supervising.join(30)
-    finally:
-        swarm.stop()
-    assert not errors and not supervising.is_alive()
+    _end_when(lambda: swarm.policy.counts() == {"1": 1}, "the last replica restarted", swarm, supervising, fifos, errors)
     assert swarm.left == {1} and swarm.peers[2].cmd[-1] == "--resume"
     assert [p.returncode for p in swarm.procs] == [0, 3, 0]
 
@@ -302,3 +286,18 @@ def _supervise(swarm: Supervisor, peers: list[PeerProcess], errors: list[BaseExc
     supervising = threading.Thread(target=run)
     supervising.start()
     return supervising
+
+
+def _end_when(ready, what: str, swarm: Supervisor, supervising: threading.Thread, fifos: list[Path],
+              errors: list[BaseException]) -> None:
+    """Once ``ready()`` (``what``), the peers waiting on ``fifos`` end their run; the supervisor
+    returns without an error (every peer stopped either way)."""
+    try:
+        wait_until(lambda: ready() or errors, 30, what)
+        for f in fifos:
+            with open(f, "w"):
+                pass
+        supervising.join(30)
+    finally:
+        swarm.stop()
+    assert not errors and not supervising.is_alive()
