@@ -166,9 +166,11 @@ class Control:
             return
         link.on_welcome(msg)
         if peer.joining and not peer.started and msg.epoch > link.epoch:
-            # a joining replica speaks the swarm's run epoch (a re-formed swarm's floor is above 0)
-            # until its state download brings the epoch it trains in (SPEC §9.10 item 11)
-            peer.links.set_epoch(msg.epoch)
+            # a joining replica speaks each neighbour's run epoch on its link (a re-formed swarm's
+            # floor is above 0) until its state download brings the epoch it trains in (SPEC §9.10
+            # item 11); its HELLOs on the other links keep theirs: a started replica takes a HELLO
+            # of a later epoch for a swarm that re-forms
+            link.epoch = msg.epoch
         peer.monitor.watch(link.name)  # heartbeats to it from now on
         if peer.replica_links is not None:
             peer.replica_links.welcomed()
