@@ -127,5 +127,8 @@ def test_a_stage_that_loses_its_last_replica_re_forms_the_swarm_from_checkpoints
     train(load_config(swarm.path, {"run": {"out_dir": str(ref)}, "checkpoint": {"interval_steps": 0}}), progress=False)
     start = results[1, 0]["start_step"]
     assert 2 <= start < steps
-    for r in range(2):  # a survivor's losses: the rolled-back steps' replaced by their re-runs
-        assert results[0, r]["train_losses"] == pytest.approx(train_losses(ref)[0 if rejoin else start:], rel=1e-3)
+    # a survivor's losses (the rolled-back steps' replaced by their re-runs); once a third replica
+    # averages, the summation order can move a bf16 rounding (0.12% seen at one step, as
+    # test_replica_join's 5e-3 says)
+    for r in range(2):
+        assert results[0, r]["train_losses"] == pytest.approx(train_losses(ref)[0 if rejoin else start:], rel=5e-3)
