@@ -121,12 +121,12 @@ _NEXT: dict[PeerState, frozenset[PeerState]] = {
 
 
 def _rejoin_configured(cfg: TrainConfig, run_policy: PeerRunPolicy | None) -> bool:
-    """A peer takes part in rejoin (advertises it): ``net.rejoin_timeout_s`` > 0 and checkpoints on,
-    agreed with the other stages (SPEC "Rejoin": a departed stage comes back to a saved step)."""
-    return (cfg.net.rejoin_timeout_s > 0 and run_policy is not None and run_policy.checkpoints_on
-            # with replicas: Peer._replicas_rejoin, without the capability (a replica's HELLO may carry a
-            # redo's run epoch, which the capability's admission would take for a re-form)
-            and not cfg.replicas.enabled)
+    """A peer takes part in rejoin: ``net.rejoin_timeout_s`` > 0 and checkpoints on, agreed with the
+    other stages (SPEC "Rejoin": a departed stage comes back to a saved step). A chain's peer
+    advertises it; a replica does not (its HELLO may carry a redo's run epoch, which the
+    capability's admission would take for a re-form) and re-forms when a stage loses its last
+    replica (SPEC §9.10 item 10)."""
+    return cfg.net.rejoin_timeout_s > 0 and run_policy is not None and run_policy.checkpoints_on
 
 
 _LAST_REPLICA_HINT = (
@@ -207,11 +207,12 @@ class Peer:
         """Several peers per stage (SPEC §9.10): a link per neighbour replica, :class:`ReplicaSchedule`;
         checkpoints agreed on resume only, no drain (a signal stops this replica); a neighbour
         replica that leaves is the schedule's while its stage keeps another, the last one re-forms
-        the swarm (:attr:`_replicas_rejoin`)."""
+        the swarm (:attr:`_can_rejoin`)."""
         settings = LinkSettings(
             run_id=cfg.run.run_id, stage=stage, num_stages=P, fingerprint=fingerprint,
             config=config if config is not None else config_summary(cfg),
-            capabilities=("1f1b", *((REJOIN_CAPABILITY,) if _rejoin_configured(cfg, run_policy) else ()),
+            capabilities=("1f1b", *((REJOIN_CAPABILITY,) if _rejoin_configured(cfg, run_policy)
+                                    and not cfg.replicas.enabled else ()),
                           *((VQ_CAPABILITY, RETRANSMIT_CAPABILITY, INDEXED_SLICES_CAPABILITY) if vq else ()),
                           *((REPLICAS_CAPABILITY,) if self.replicas_on else self.agreement.capabilities)),
             num_micro_batches=cfg.pipeline.num_micro_batches, micro_batch_size=cfg.pipeline.micro_batch_size,
@@ -486,29 +487,22 @@ class Peer:
             log.info("%s: %s after the end of the run", self.name, departure.describe())
             return
         if (self.state.started or self.rejoining) and self._can_rejoin and not self.agreement.draining:
-            self.pause(departure.describe(), epoch=self.epoch + 1, lost=departure.stage)
-        elif (self.state.started or self.rejoining) and self._replicas_rejoin:
-            # a stage's last replica (SPEC §9.10 item 10): the swarm re-forms as a chain does; the
-            # run epoch goes past every redo's of the session
-            self.pause(f"{departure.describe()}; it was its stage's last replica", lost=departure.stage,
-                       epoch=max(self.epoch, self.schedule.epoch) + 1)
+            if self.replicas_on:  # a stage's last replica; the run epoch goes past the session's redos
+                self.pause(f"{departure.describe()}; it was its stage's last replica", lost=departure.stage,
+                           epoch=max(self.epoch, self.schedule.epoch) + 1)
+            else:
+                self.pause(departure.describe(), epoch=self.epoch + 1, lost=departure.stage)
         elif departure.planned:
             self.stop(_CleanStop("stopped", f"stage {self.stage} stopped: {departure.describe()}"))
         else:
             self.stop(NeighbourLost(self.name, departure, _LAST_REPLICA_HINT if self.replicas_on else ""))
 
     @property
-    def _replicas_rejoin(self) -> bool:
-        """With replicas: the swarm re-forms when a stage loses its last replica, given what a
-        chain's rejoin needs (``net.rejoin_timeout_s`` > 0, checkpoints on)."""
-        return (self.replicas_on and self.cfg.net.rejoin_timeout_s > 0 and self.run_policy is not None
-                and self.run_policy.checkpoints_on)
-
-    @property
     def _can_rejoin(self) -> bool:
-        """A departure can be survived: this peer and every neighbour take part in rejoin."""
+        """A departure can be survived: this peer and every neighbour take part in rejoin (replicas
+        advertise no capability: a run with replicas takes part as a whole)."""
         return (_rejoin_configured(self.cfg, self.run_policy)
-                and all(REJOIN_CAPABILITY in link.capabilities for link in self.links))
+                and (self.replicas_on or all(REJOIN_CAPABILITY in link.capabilities for link in self.links)))
 
     def pause(self, why: str, *, epoch: int, lost: int | None, told_by: int | None = None) -> None:
         """End this session so that the swarm re-forms at run epoch ``epoch`` (SPEC "Rejoin")."""

@@ -311,15 +311,10 @@ class ReplicaGradients:
             got[peer] = (sorted(set(s)), why)
         return got
 
-    def digest(self) -> str:
-        """The digest of what every replica of the stage holds alike: parameters and the codec's
-        replicated state (codebooks, statistics, versions)."""
-        return state_digest({"modules": self.runtime.modules.state_dict(),
-                             "codec": self.runtime.codec.replicated_state()})
-
     def _gather(self, micro: Sequence[int], loss_sum: float, epoch: int, contact: str, step: int,
                 expected: int) -> dict[str, Any]:
-        return {"digest": self.digest(), "micro": [int(m) for m in micro],
+        state = {"modules": self.runtime.modules.state_dict(), "codec": self.runtime.codec.replicated_state()}
+        return {"digest": state_digest(state), "micro": [int(m) for m in micro],
                 "loss": float(loss_sum), "epoch": int(epoch), "contact": contact, "step": int(step),
                 "expected": int(expected)}
 
