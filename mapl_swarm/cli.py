@@ -290,6 +290,8 @@ def _cmd_peer(args: argparse.Namespace) -> int:
     cfg = _load(args)
     if args.stage is None and not args.join:
         raise ConfigError("peer: --stage K is required (or --join, to join a running swarm at the stage it needs most)")
+    if args.stage is not None:  # before the certificate is read (its refusal would not name the range)
+        cfg.check_stage(args.stage)
     membership = _membership(args, cfg, args.stage, peer=True)
     from mapl_swarm.net.dht_node import precheck_initial_peers
     from mapl_swarm.peer.main import run_peer

@@ -312,6 +312,11 @@ class TrainConfig:
                f"replicas of a stage then learn the same codebooks from the step's averaged statistics), got "
                f"{c.vq.update!r}")
 
+    def check_stage(self, stage: int) -> None:
+        """A peer's ``--stage``: ConfigError unless the pipeline has it."""
+        _check(0 <= stage < self.pipeline.num_stages,
+               f"--stage {stage} is outside 0..{self.pipeline.num_stages - 1} (pipeline.num_stages)")
+
     def replicas_of(self, stage: int) -> int:
         """The replicas of ``stage`` that start the run together (``replicas.initial``)."""
         return self.replicas.initial[stage] if self.replicas.initial else 1

@@ -206,8 +206,8 @@ def run_peer(cfg: TrainConfig, stage: int | None, *, membership: Membership | No
     (a certified identity) None runs insecure, warning every ``insecure_warning_interval_s``.
     ``joining``: join the running swarm as one more replica (``stage`` None: of the stage it
     needs most, :func:`pick_joined_stage`)."""
-    if stage is not None and not 0 <= stage < cfg.pipeline.num_stages:
-        raise ConfigError(f"--stage {stage} is outside 0..{cfg.pipeline.num_stages - 1} (pipeline.num_stages)")
+    if stage is not None:
+        cfg.check_stage(stage)
     if stage is None and not joining:
         raise ConfigError("--stage K is required, unless the peer joins a running swarm (--join)")
     net = cfg.net

@@ -136,3 +136,9 @@ def test_launched_peers_log_shared_facts_at_debug():
     assert at_info.filter(record("mapl_swarm.data.corpus", logging.WARNING))
     r = record("mapl_swarm.data.shards")
     assert _SharedFactsAtDebug(logging.DEBUG).filter(r) and r.levelname == "DEBUG"
+
+
+def test_a_stage_outside_the_pipeline_is_named_before_the_certificate_is_read(tmp_path):
+    """Not the certificate's "allows stage(s) [0], not 5": the range the run has."""
+    proc = _run("peer", "--stage", "5", "--peer-key", "missing.key", "--cert", "missing.cert", cwd=tmp_path)
+    _assert_one_line_error(proc, "--stage 5 is outside 0..3 (pipeline.num_stages)")
