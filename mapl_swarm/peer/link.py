@@ -134,6 +134,12 @@ class LinkSettings:
     replicas: bool = False
     """The run has several peers per stage (SPEC §9.10): HELLO/WELCOME carry this peer's ``contact``
     and a neighbour must advertise ``replicas`` too."""
+    stage_replicas: int = 0
+    """With replicas, a session that re-forms the swarm (SPEC §9.10 item 10): the replicas of this
+    peer's stage that start it (those live at the pause), sent as HELLO/WELCOME ``stage_replicas``;
+    0: not sent."""
+    lost: int | None = None
+    """In such a session: the stage that lost its last replica (HELLO/WELCOME ``lost``), when known."""
 
     @property
     def name(self) -> str:
@@ -148,7 +154,9 @@ class LinkSettings:
                 "eval_batches": self.eval_batches, "capabilities": list(self.capabilities), "peer": self.name,
                 **({"config": dict(self.config)} if self.config else {}),
                 **({"cert": self.identity.encoded_cert} if self.identity is not None else {}),
-                **({"max_in_flight": self.max_in_flight} if self.max_in_flight else {})}
+                **({"max_in_flight": self.max_in_flight} if self.max_in_flight else {}),
+                **({"stage_replicas": self.stage_replicas} if self.stage_replicas else {}),
+                **({"lost": self.lost} if self.stage_replicas and self.lost is not None else {})}
 
     def mismatch(self, meta: Mapping[str, Any], peer: int) -> tuple[str, str] | None:
         """(REJECT code, reason naming the values of both stages) when a HELLO/WELCOME's ``meta``
@@ -259,6 +267,11 @@ class PeerLink:
         """The nonces of this link's last HELLOs before the current one (their answers are superseded)."""
         self.refused_hello: str | None = None
         """Why this peer last refused a HELLO of this neighbour (code: reason), if it did."""
+        self.reform_replicas: int | None = None
+        """The neighbour's WELCOME ``stage_replicas``: its stage starts the re-formed swarm with this
+        many replicas (SPEC §9.10 item 10); None: it did not say (not a re-form)."""
+        self.reform_lost: int | None = None
+        """The neighbour's WELCOME ``lost``: the stage the re-formed swarm waits one replacement for."""
         self.refused_by: str | None = None
         """The reason of the neighbour's last configuration refusal that is retried (logged once)."""
         self.candidates: list[str] = []
@@ -396,6 +409,7 @@ class PeerLink:
         self.welcomed = True
         self.capabilities = frozenset(msg.meta.get("capabilities", []))
         self.peer_anchored = self.peer_anchored or msg.meta.get("anchored") is True
+        self.reform_replicas, self.reform_lost = msg.meta.get("stage_replicas"), msg.meta.get("lost")
 
     def end_sessions(self) -> None:
         """The neighbour left before training (SPEC §9.5): its stage is free, this peer HELLOs again."""

@@ -1,9 +1,10 @@
 """A replica's links to the replicas of its neighbour stages (SPEC §9.10 items 1 and 11).
 
 At the start a peer links to every replica of each neighbour stage that the DHT holds, once it holds
-as many as start the run (``replicas.initial``; a joining replica: at least one).
-:meth:`ReplicaLinker.handshake` then says HELLO on each link and reads the records again until that
-many replicas of each neighbour stage welcomed this peer: a record may outlive its replica's
+one. :meth:`ReplicaLinker.handshake` then says HELLO on each link and reads the records again until
+as many replicas of each neighbour stage as start the run welcomed this peer
+(:func:`starting_replicas`: ``replicas.initial``, or the counts a re-formed swarm keeps); a record
+may outlive its replica's
 process (one killed, or a run that ended with an error: a replica started again announces a new
 contact beside its old one), so a link that has not welcomed this peer by then is dropped. While training,
 :meth:`ReplicaLinker.watch` keeps reading the neighbour stages' records: a replica announced since
@@ -21,6 +22,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from mapl_swarm.aio import within
@@ -32,12 +34,40 @@ from mapl_swarm.peer.waiting import WaitingLog
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ReplicaLinker", "REPLICA_POLL_S"]
+__all__ = ["ReplicaLinker", "REPLICA_POLL_S", "Reform", "starting_replicas"]
 
 REPLICA_POLL_S = 5.0
 """Seconds between two reads of the neighbour stages' records while training (a HELLO from an
 unknown replica reads them at once, at most every :data:`_MIN_READ_S`)."""
 _MIN_READ_S = 1.0
+
+
+@dataclass(frozen=True)
+class Reform:
+    """A session that re-forms a swarm with replicas after a stage lost its last replica (SPEC
+    §9.10 item 10), as this peer knows it from its pause: the replicas of its stage that start the
+    session (those live at the pause, itself included) and the stage that lost its last replica
+    (one replacement of it comes; None: not known here, a neighbour's HELLO told this peer)."""
+
+    replicas: int
+    lost: int | None
+
+
+def starting_replicas(stage: int, *, own_stage: int, initial: int, reform: Reform | None, links: Links) -> int:
+    """The replicas of ``stage`` that start this session together (its handshake and first round
+    wait for them): ``initial`` (``replicas.initial``), unless the swarm re-forms: this peer's own
+    stage as its :class:`Reform` says, a neighbour stage as its replicas' WELCOMEs say
+    (``stage_replicas``, the most any says), the stage that lost its last replica one replacement
+    (as this peer's pause, or a neighbour's WELCOME ``lost``, names it: a replacement learns so that
+    it starts its stage alone)."""
+    if stage == own_stage and reform is not None:
+        return reform.replicas
+    welcomes = [link for link in links if link.welcomed]
+    said = [link.reform_replicas for link in welcomes if link.stage == stage and link.reform_replicas]
+    if said:
+        return max(said)
+    lost = {link.reform_lost for link in welcomes} | {reform.lost if reform is not None else None}
+    return 1 if stage in lost else initial
 
 
 class _InDht:
@@ -67,25 +97,20 @@ class ReplicaLinker:
         self._welcomed = asyncio.Event()
         self._fresh = False
 
-    async def link_all(self, transport: Any, endpoint: str, want: Callable[[int], int], *, fresh: bool = False) -> None:
-        """At the start: a link to every replica of each neighbour stage, once the DHT holds
-        ``want(stage)`` of its records (within ``net.timeout_s``). ``fresh``: a session that
-        re-forms the swarm connects anew (:func:`~.handshake.connect`)."""
+    async def link_all(self, transport: Any, endpoint: str, *, fresh: bool = False) -> None:
+        """At the start: a link to every replica of each neighbour stage, once the DHT holds one of
+        its records (within ``net.timeout_s``; the handshake links those announced later).
+        ``fresh``: a session that re-forms the swarm connects anew (:func:`~.handshake.connect`)."""
         self.local_contact = endpoint
         self._fresh = fresh
-        deadline = time.monotonic() + self.timeout_s
         for stage in self.links.stages_expected:
             async def announced(stage: int = stage) -> list[str]:
-                while True:
-                    contacts = await candidates_of(self.resolve, stage, self.timeout_s)
-                    if len(contacts) >= want(stage):
-                        return contacts
-                    if time.monotonic() > deadline:
-                        raise MaplError(
-                            f"{self.name}: {len(contacts)} of stage {stage}'s {want(stage)} replicas announced within "
-                            f"{self.timeout_s:g} s (replicas.initial): start every replica of the run (with --resume "
-                            f"on each when it resumes; a replica joining a running swarm: --join)")
-                    await asyncio.sleep(0.25)  # the DHT is polled: records appear as replicas start
+                try:
+                    return await candidates_of(self.resolve, stage, self.timeout_s)
+                except MaplError as exc:
+                    raise MaplError(f"{self.name}: {exc} (net.timeout_s): start every replica of the run (with "
+                                    f"--resume on each when it resumes; a replica joining a running swarm: --join)"
+                                    ) from None
 
             for contact in await self.waits.wait(announced(), lambda stage=stage: [_InDht(stage)]):
                 await self._add(transport, stage, contact)
@@ -121,7 +146,8 @@ class ReplicaLinker:
         except TimeoutError:
             raise MaplError(f"{self.name}: handshake not completed within {timeout_s:g} s ({why}): "
                             + "; ".join(f"{sum(link.welcomed for link in self.links.of_stage(stage))} of stage "
-                                        f"{stage}'s {want(stage)} replicas (replicas.initial) welcomed this peer"
+                                        f"{stage}'s {want(stage)} replicas (replicas.initial, or those a re-formed "
+                                        f"swarm keeps) welcomed this peer"
                                         for stage in short())
                             + refusals_of([link for link in self.links if not link.welcomed])) from None
         for link in [link for link in self.links if not link.welcomed]:

@@ -391,6 +391,9 @@ class ReplicaSchedule:
         self._redos = 0
         """Redos of the current step so far (bounded by :attr:`_max_redos`)."""
         self._max_redos = max(3, sum(routing.initial))
+        self.starting = runtime.cfg.replicas_of(self.stage)
+        """The replicas of this stage that start together (their first round's size): ``replicas.initial``'s,
+        or a re-formed swarm's (set after the handshake: :func:`~.replica_links.starting_replicas`)."""
         self._woken = False
         """The replicas changed while the schedule waited (a neighbour left): it looks again."""
         self._averaging = False
@@ -438,9 +441,8 @@ class ReplicaSchedule:
             await self._send_projector(self.s.start_step)
         if self.replicas is not None and not self.joining:
             replicas = self.replicas
-            starting = self.rt.cfg.replicas_of(self.stage)
             round_ = await self._retried("sync round", lambda left, _: replicas.sync(
-                timeout=left, epoch=self.epoch, contact=self.contact, expected=starting))
+                timeout=left, epoch=self.epoch, contact=self.contact, expected=self.starting))
             if not round_.in_sync:
                 await self._resync(round_, "before the first step")
             self._ranked(round_, sync=True)
@@ -519,9 +521,8 @@ class ReplicaSchedule:
         replicas = self.replicas
         if replicas is None:
             return {"": (sorted(saved), reason)}
-        starting = self.rt.cfg.replicas_of(self.stage)
         return await self._retried("resume round", lambda left, _: replicas.resume_round(
-            saved, reason, timeout=left, contact=self.contact, expected=starting))
+            saved, reason, timeout=left, contact=self.contact, expected=self.starting))
 
     async def _resync(self, round_: ReplicaStep, when: str) -> None:
         """The replicas of this stage hold different parameters (the round's digests, SPEC §9.10
@@ -625,9 +626,10 @@ class ReplicaSchedule:
         """This peer's own contact (what its neighbours' links name it by)."""
         return next((link.local_contact for link in self.links if link.local_contact), "")
 
-    def _live_partners(self) -> int:
-        """The live replicas of this stage, this one included."""
-        return len(self._live_members()) or 1
+    def live_replicas(self) -> int:
+        """The live replicas of this stage, this one included (before its first round: those that
+        start with it)."""
+        return len(self._live_members()) or self.starting
 
     async def _say_bye(self, meta: dict, step: int) -> None:
         for link in self._down_links():
@@ -1173,7 +1175,7 @@ class ReplicaSchedule:
             self._check()
             left = deadline - time.monotonic()
             if left <= self.matchmaking_s:  # hivemind needs one matchmaking's time at least
-                raise MaplError(f"{self.name}: no {what} among the {self._live_partners()} live replicas of stage "
+                raise MaplError(f"{self.name}: no {what} among the {self.live_replicas()} live replicas of stage "
                                 f"{self.stage} within {self.averaging_timeout_s:g} s")
             self._averaging = True
             try:

@@ -62,7 +62,7 @@ from mapl_swarm.peer.inbound import Inbound
 from mapl_swarm.peer.link import LinkSettings, Links, PeerLink, stage_name
 from mapl_swarm.peer.mailbox import Mailbox
 from mapl_swarm.peer.result import PeerResult, collect, write_result
-from mapl_swarm.peer.replica_links import ReplicaLinker
+from mapl_swarm.peer.replica_links import ReplicaLinker, Reform, starting_replicas
 from mapl_swarm.peer.replica_resume import ReplicaResume
 from mapl_swarm.peer.replica_schedule import ReplicaSchedule
 from mapl_swarm.peer.schedule import NoRunHooks, PipelineSchedule, ScheduleSettings
@@ -175,13 +175,17 @@ class Peer:
                  run_policy: PeerRunPolicy | None = None,
                  wait_log_interval_s: float = WAIT_LOG_INTERVAL_S, membership: Membership | None = None,
                  epoch: int = 0, rejoining: bool = False, replicas: ReplicaGradients | None = None,
-                 joining: bool = False) -> None:
+                 joining: bool = False, reform: Reform | None = None) -> None:
         self.cfg, self.stage, self.rt, self.run_policy = cfg, stage, runtime, run_policy
         self.epoch = epoch
         """This peer's run epoch (SPEC "Rejoin"): the swarm's once the start step is agreed."""
         self.rejoining = rejoining
         self.joining = joining
         """With replicas: this replica joins a running swarm (SPEC §9.10 item 11)."""
+        self.reform = reform
+        """With replicas, a session that re-forms the swarm: what this peer knew at its pause."""
+        self.next_reform: Reform | None = None
+        """With replicas, once this session paused: what the next one re-forms with."""
         self.state = PeerState.STARTING
         P, net = cfg.pipeline.num_stages, cfg.net
         self.name = stage_name(stage)
@@ -217,7 +221,8 @@ class Peer:
                           *((REPLICAS_CAPABILITY,) if self.replicas_on else self.agreement.capabilities)),
             num_micro_batches=cfg.pipeline.num_micro_batches, micro_batch_size=cfg.pipeline.micro_batch_size,
             eval_batches=cfg.eval.batches, max_in_flight=net.max_in_flight or P, identity=membership,
-            compress_ids=net.compress_ids, max_frame_bytes=net.max_frame_bytes, replicas=self.replicas_on)
+            compress_ids=net.compress_ids, max_frame_bytes=net.max_frame_bytes, replicas=self.replicas_on,
+            stage_replicas=reform.replicas if reform is not None else 0, lost=reform.lost if reform else None)
         self.settings = settings
         if self.replicas_on:  # a link per replica, each to its DHT record's contact (:meth:`_link_replicas`)
             self.links = Links(None, None, up=stage - 1 if stage > 0 else None, down=stage + 1 if stage < P - 1 else None)
@@ -245,6 +250,8 @@ class Peer:
                 runtime, self.links, self.mailbox, self.compute, name=self.name, settings=schedule_settings,
                 result=self.result, waits=self.waits, hooks=run_policy or NoRunHooks(),
                 sampler=sampler, val_batches=val_batches or [], reject=self.rejects, drain=self.agreement)
+        if reform is not None:
+            self.schedule.starting = reform.replicas
         if self.replicas_on and run_policy is not None:  # a resumed run's agreement (SPEC §9.10 item 13)
             run_policy.replica_resume = ReplicaResume(self.name, stage, self.links, _checkpoint_on,
                                                       self.schedule.resume_round)
@@ -363,9 +370,7 @@ class Peer:
         if self.rejoining:  # new connections at once, not after the old ones time out (SPEC §9.6)
             transport.new_routing_id()
         if self.replica_links is not None:
-            await self.replica_links.link_all(transport, endpoint,
-                                              lambda stage: 1 if self.joining else self.cfg.replicas_of(stage),
-                                              fresh=self.rejoining)
+            await self.replica_links.link_all(transport, endpoint, fresh=self.rejoining)
         for link in self.links:
             if self.replicas_on:
                 break
@@ -391,7 +396,8 @@ class Peer:
                     why = "net.rejoin_timeout_s: no replacement of the departed stage came"
                 else:
                     timeout_s, why = net.timeout_s, "net.timeout_s"
-                await self.replica_links.handshake(transport, self.cfg.replicas_of, timeout_s=timeout_s, why=why)
+                await self.replica_links.handshake(transport, self._starting_replicas, timeout_s=timeout_s, why=why)
+                self.schedule.starting = self._starting_replicas(self.stage)
         else:
             await Handshake(self.name, self.links, resolve=self.resolve, retry_s=net.hello_retry_s, waits=self.waits,
                             welcomed=self.welcomed).run(
@@ -497,6 +503,11 @@ class Peer:
         else:
             self.stop(NeighbourLost(self.name, departure, _LAST_REPLICA_HINT if self.replicas_on else ""))
 
+    def _starting_replicas(self, stage: int) -> int:
+        """The replicas of ``stage`` this session starts with (:func:`~.replica_links.starting_replicas`)."""
+        return starting_replicas(stage, own_stage=self.stage, initial=self.cfg.replicas_of(stage), reform=self.reform,
+                                 links=self.links)
+
     @property
     def _can_rejoin(self) -> bool:
         """A departure can be survived: this peer and every neighbour take part in rejoin (replicas
@@ -531,6 +542,8 @@ class Peer:
             raise reason
         if isinstance(reason, _Rejoin):  # the other neighbours re-form too
             bye = {"reason": REJOIN_REASON, **({"lost": reason.lost} if reason.lost is not None else {})}
+            if self.replicas_on:  # the replicas of this stage live now start the next session
+                self.next_reform = Reform(self.schedule.live_replicas(), reason.lost)
             self.result.epoch = reason.epoch
             self.result.rejoins.append(reason.note)
         else:

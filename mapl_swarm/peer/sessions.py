@@ -103,18 +103,19 @@ async def serve_until_signalled(peer: Peer, transport: Transport | None = None) 
 async def serve_sessions(new_session: Callable[..., Peer], cfg: TrainConfig, stage: int, *,
                          membership: Membership | None, resume: bool) -> PeerResult:
     """Run sessions of stage ``stage`` on one transport until one ends otherwise than by a rejoin
-    (see the module docstring); ``new_session(resume=, epoch=, rejoining=)`` builds each one's peer.
+    (see the module docstring); ``new_session(resume=, epoch=, rejoining=, reform=)`` builds each one's
+    peer (``reform``: with replicas, what the session before knew at its pause).
     SIGINT/SIGTERM drain the swarm as in a single session."""
     result: PeerResult | None = None
-    epoch, rejoining, idle = 0, False, 0
+    epoch, rejoining, idle, reform = 0, False, 0, None
     async with Transport(stage_name(stage), TransportConfig.for_run(cfg, membership)) as transport:
         while True:
-            peer = new_session(resume=resume or rejoining, epoch=epoch, rejoining=rejoining)
+            peer = new_session(resume=resume or rejoining, epoch=epoch, rejoining=rejoining, reform=reform)
             session = await serve_until_signalled(peer, transport)
             result = merge(result, session)
             if result.end != REJOIN_END:
                 break
-            epoch, rejoining = result.epoch, True
+            epoch, rejoining, reform = result.epoch, True, peer.next_reform
             idle = 0 if peer.schedule.step > session.start_step else idle + 1
             log.warning("stage %d: %s; re-forming the swarm (run epoch %d, waiting up to %g s for the other stages)",
                         stage, result.rejoins[-1], epoch, cfg.net.rejoin_timeout_s)

@@ -157,7 +157,7 @@ class Message:
 _HELLO_REQUIRED = {"fingerprint": "str", "num_stages": "uint", "capabilities": "strs", "nonce": "nonce",
                    "num_micro_batches": "count", "micro_batch_size": "count", "eval_batches": "uint"}
 _HELLO_OPTIONAL = {"components": "map", "peer": "str", "config": "map", "anchored": "bool", "max_in_flight": "count",
-                   "cert": "cert", "contact": "str"}
+                   "cert": "cert", "contact": "str", "stage_replicas": "count", "lost": "uint"}
 META_SCHEMA: dict[MessageType, tuple[dict[str, str], dict[str, str]]] = {
     MessageType.HELLO: (_HELLO_REQUIRED, _HELLO_OPTIONAL),
     MessageType.WELCOME: ({**_HELLO_REQUIRED, "hello_nonce": "nonce"}, _HELLO_OPTIONAL),

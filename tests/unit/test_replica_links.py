@@ -1,8 +1,10 @@
 """A starting replica's handshake with its neighbour stages' replicas (SPEC §9.10 item 1): a DHT
 record may outlive its replica's process, so the handshake reads the records again until as many
 replicas of each neighbour stage as ``replicas.initial`` welcomed it, and drops the links of those
-that did not. Stage 1 of 3 on the in-memory transport; the neighbours that live answer its HELLO
-(a fake neighbour: the WELCOME's own checks are the session tests')."""
+that did not; a swarm that re-forms after a stage lost its last replica starts with the replicas
+live at the pause instead (SPEC §9.10 item 10: each says how many in its WELCOME). Stage 1 of 3 on
+the in-memory transport; the neighbours that live answer its HELLO (a fake neighbour: the WELCOME's
+own checks are the session tests')."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import pytest
 from mapl_swarm.errors import MaplError
 from mapl_swarm.net.emulator import LinkConfig
 from mapl_swarm.peer.link import LinkSettings, Links
-from mapl_swarm.peer.replica_links import ReplicaLinker
+from mapl_swarm.peer.link import PeerLink
+from mapl_swarm.peer.replica_links import ReplicaLinker, Reform, starting_replicas
 from mapl_swarm.peer.waiting import WaitingLog
 from mapl_swarm.wire import MessageType
 
@@ -27,13 +30,16 @@ class Neighbours:
     """The DHT's records of stages 0 and 2 (``records``, freshest first) and which of their
     replicas live (``live``: they welcome the HELLOs that reach them)."""
 
-    def __init__(self, records: dict[int, list[str]], live: set[str], timeout_s: float = 10.0) -> None:
+    def __init__(self, records: dict[int, list[str]], live: set[str], timeout_s: float = 10.0,
+                 reform: dict[str, tuple[int, int | None]] | None = None) -> None:
         self.net = FakeNet()
         self.me = self.net.transport("me")
         self.records, self.live = records, live
         for contacts in records.values():
             for contact in contacts:
                 self.net.transport(contact)
+        self.reform = reform or {}
+        """``contact: (stage_replicas, lost)`` its WELCOME says (a replica of a re-forming swarm)."""
         self.hellos: list[str] = []
         self.on_first_hello: dict[str, object] = {}
         """``contact: action()``, run when the first HELLO to ``contact`` goes out."""
@@ -63,10 +69,11 @@ class Neighbours:
         if dst in self.live:
             link = next(link for link in self.links if link.contact == f"mem://{dst}")
             link.welcomed = True
+            link.reform_replicas, link.reform_lost = self.reform.get(dst, (None, None))
             self.linker.welcomed()
 
     async def handshake(self, want) -> None:
-        await self.linker.link_all(self.me, "mem://me", want)
+        await self.linker.link_all(self.me, "mem://me")
         await self.linker.handshake(self.me, want, timeout_s=self.linker.timeout_s)
 
 
@@ -86,5 +93,46 @@ def test_stale_records_are_dropped_and_a_replica_announced_meanwhile_is_linked()
 def test_too_few_replicas_that_answer_end_the_handshake_naming_the_stage():
     n = Neighbours({0: ["stale0", "a0"], 2: ["c2"]}, live={"a0", "c2"}, timeout_s=1.0)
     with pytest.raises(MaplError, match=r"handshake not completed within 1 s \(net.timeout_s\): 1 of stage 0's 2 "
-                                        r"replicas \(replicas.initial\) welcomed this peer"):
+                                        r"replicas \(replicas.initial, or those a re-formed swarm keeps\) welcomed"):
         asyncio.run(n.handshake(lambda stage: 2 if stage == 0 else 1))
+
+
+def _want(n: Neighbours, reform: Reform | None = None):
+    return lambda stage: starting_replicas(stage, own_stage=1, initial=2, reform=reform, links=n.links)
+
+
+def test_a_re_forming_swarm_waits_for_the_replicas_its_welcomes_name_not_replicas_initial():
+    """Stage 0 started with two replicas, one died earlier (its record is stale); the survivor's
+    WELCOME says its stage re-forms with 1. Stage 2 lost its last replica: its replacement comes
+    with no count (one, as this peer's pause names the stage lost). The handshake ends with both
+    links, not waiting for replicas.initial's two of stage 0."""
+    n = Neighbours({0: ["dead0", "a0"], 2: ["new2"]}, live={"a0", "new2"}, timeout_s=5.0, reform={"a0": (1, 2)})
+    asyncio.run(asyncio.wait_for(n.handshake(_want(n, Reform(replicas=2, lost=2))), 20))
+    assert sorted(link.contact for link in n.links) == ["mem://a0", "mem://new2"]
+
+
+def _welcomed(stage: int, said: tuple[int | None, int | None]) -> PeerLink:
+    link = PeerLink(SETTINGS, stage, on_bad_frame=lambda *a: None, contact=f"mem://{stage}-{said}")
+    link.welcomed = True
+    link.reform_replicas, link.reform_lost = said
+    return link
+
+
+@pytest.mark.parametrize("links, reform, expected", [
+    # no re-form: replicas.initial for every stage
+    ([], None, {0: 2, 1: 2, 2: 2}),
+    # a survivor: its own stage as its pause counted, the lost stage one, a neighbour as it says
+    ([(0, (3, 2))], Reform(replicas=1, lost=2), {0: 3, 1: 1, 2: 1}),
+    # two replicas of a stage that counted differently (one saw a partner leave later): the most
+    ([(0, (1, 2)), (0, (2, 2))], Reform(replicas=1, lost=2), {0: 2}),
+    # a replacement of the lost stage (no plan of its own): one, itself, as its neighbours' WELCOMEs say
+    ([(0, (2, 1)), (2, (1, 1))], None, {0: 2, 1: 1, 2: 1}),
+    # told by a neighbour's HELLO (lost not known here): the neighbours as they say
+    ([(0, (1, None))], Reform(replicas=2, lost=None), {0: 1, 1: 2, 2: 2}),
+])
+def test_starting_replicas(links, reform, expected):
+    got = Links(None, None, up=0, down=2)
+    for stage, said in links:
+        got.add(_welcomed(stage, said))
+    for stage, n in expected.items():
+        assert starting_replicas(stage, own_stage=1, initial=2, reform=reform, links=got) == n, stage

@@ -21,7 +21,7 @@ from mapl_swarm.peer.mailbox import Mailbox
 from mapl_swarm.peer.replica_schedule import Router, _act_digest
 from mapl_swarm.pipeline.stage import StageRuntime
 from mapl_swarm.replicas.gradients import ReplicaStep, round_counts
-from mapl_swarm.wire import Message, MessageType, WireTensor
+from mapl_swarm.wire import Message, MessageType, WireTensor, decode, encode
 
 CONTACTS = [f"tcp://10.0.0.{i}:5000#" + f"{i:02x}" * 32 for i in (1, 2, 3)]
 
@@ -96,6 +96,19 @@ def test_a_handshake_with_replicas_needs_the_capability_and_a_contact():
     plain = _settings(capabilities=("1f1b",), replicas=False)
     assert "contact" not in plain.hello_meta(CONTACTS[0])
     assert plain.mismatch(hello, 0)[1].endswith("stage 0 has true, stage 1 false")
+
+
+def test_a_re_forming_replica_says_its_stage_s_live_replicas_and_the_stage_lost_and_its_neighbour_keeps_them():
+    """SPEC §9.10 item 10: HELLO/WELCOME ``stage_replicas`` and ``lost`` of a session that re-forms
+    the swarm (only then), schema-checked on decode, kept by the link its WELCOME answers."""
+    assert not {"stage_replicas", "lost"} & set(_settings().hello_meta(CONTACTS[0]))
+    reform = _settings(stage_replicas=2, lost=0)
+    welcome = Message(type=MessageType.WELCOME, run_id="r", src=1, dst=2,
+                      meta={**reform.hello_meta(CONTACTS[0]), "nonce": b"n" * 16, "hello_nonce": b"h" * 16})
+    got = decode(encode(welcome))
+    link = PeerLink(_settings(stage=2), 1, on_bad_frame=lambda *a: None, contact=CONTACTS[0])
+    link.on_welcome(got)
+    assert (link.reform_replicas, link.reform_lost) == (2, 0)
 
 
 def test_routing_draws_are_a_function_of_the_micro_batch_and_follow_throughput():

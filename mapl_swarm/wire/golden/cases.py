@@ -160,6 +160,8 @@ def _valid(v: dict[str, list[bytes]]) -> list[Case]:
         "hello_cert": "HELLO of a certified peer: its certificate in cert (opaque to the decoder, checked by "
                       "the peer)",
         "hello_replica": "2.1: HELLO of a replica (capability replicas) naming its contact",
+        "hello_reform": "2.1: HELLO of a replica whose swarm re-forms (run epoch 2): 1 replica of its stage was "
+                        "live at its pause, stage 2 lost its last replica",
         "route_ready": "2.1: ROUTE ready from stage 2: it takes stage 1's train ACTs of step 12",
         "route_end": "2.1: ROUTE end from stage 0: its 3 train ACTs of step 12 on this link, and no more",
         "route_commit": "2.1: ROUTE commit from stage 0: its round of step 12 and every downstream replica's are "
@@ -448,6 +450,8 @@ def _invalid_replicas(v: dict[str, list[bytes]]) -> list[Case]:
          "2.1: ROUTE gone listing a number, not a contact"),
         ("hello_contact_bin", _edit(v["hello_replica"], _meta(contact=b"tcp://10.0.0.2:5002")), IM,
          "2.1: HELLO contact is a bin, not a string"),
+        ("hello_stage_replicas_zero", _edit(v["hello_reform"], _meta(stage_replicas=0)), IM,
+         "2.1: HELLO stage_replicas 0 (a re-forming stage has at least its sender)"),
     ]
     return [Case(n, "invalid", f, d, error=e) for n, f, e, d in cases]
 
@@ -600,7 +604,8 @@ CASES_2_1 = frozenset({"hello_replica", "route_ready", "route_end", "route_phase
                        "route_redo", "route_redo_no_gone", "route_gone_not_strings", "route_commit_from_downstream",
                        "route_redo_from_downstream_fits", "route_taken", "route_taken_fits",
                        "route_taken_from_upstream", "route_gone_held", "route_reopen", "route_held_not_gone",
-                       "route_held_not_uints", "route_reopen_from_downstream"})
+                       "route_held_not_uints", "route_reopen_from_downstream", "hello_reform",
+                       "hello_stage_replicas_zero"})
 """The vectors protocol 2.1 added (at version 2.1; the others stay at 2.0)."""
 
 _V2_1 = b"\xa1v\x92\x02\x01"

@@ -290,13 +290,18 @@ def samples() -> dict[str, Message]:
 
 def _replica_samples() -> dict[str, Message]:
     """2.1, several peers per stage (SPEC §9.10, capability ``replicas``): a replica's HELLO naming
-    its contact, a receiver's ROUTE ``ready`` for step 12 and a sender's ROUTE ``end`` announcing
-    its 3 train ACTs of step 12 on the link."""
+    its contact (and, re-forming the swarm, its stage's live replicas and the stage lost), a
+    receiver's ROUTE ``ready`` for step 12 and a sender's ROUTE ``end`` announcing its 3 train ACTs
+    of step 12 on the link."""
     hello = _stage_hello(MessageType.HELLO)
     hello.meta.update(capabilities=["1f1b", "checkpoint_agreement", "drain", "replicas"],
                       contact="tcp://10.0.0.2:5002#" + "ab" * 32)
+    reform = _stage_hello(MessageType.HELLO)
+    reform.epoch = 2
+    reform.meta.update(hello.meta, stage_replicas=1, lost=2)
     return {
         "hello_replica": hello,
+        "hello_reform": reform,
         "route_ready": Message(type=MessageType.ROUTE, run_id=RUN_ID, src=2, dst=1, step=12, seq=40,
                                meta={"phase": "ready"}),
         "route_end": Message(type=MessageType.ROUTE, run_id=RUN_ID, src=0, dst=1, step=12, seq=41,
