@@ -4,9 +4,9 @@ At the start a peer links to every replica of each neighbour stage that the DHT 
 one. :meth:`ReplicaLinker.handshake` then says HELLO on each link and reads the records again until
 as many replicas of each neighbour stage as start the run welcomed this peer
 (:func:`starting_replicas`: ``replicas.initial``, or the counts a re-formed swarm keeps); a record
-may outlive its replica's
-process (one killed, or a run that ended with an error: a replica started again announces a new
-contact beside its old one), so a link that has not welcomed this peer by then is dropped. While training,
+may outlive its replica's process (one killed, or a run that ended with an error: a replica started
+again announces a new contact beside its old one), so a link that has not welcomed this peer by then
+is dropped. While training,
 :meth:`ReplicaLinker.watch` keeps reading the neighbour stages' records: a replica announced since
 (one that joins the running swarm) gets a link and HELLOs until it welcomes this peer; a record
 whose replica never does within ``net.timeout_s`` is stale (a replica that died before anyone

@@ -250,7 +250,7 @@ class Peer:
                 runtime, self.links, self.mailbox, self.compute, name=self.name, settings=schedule_settings,
                 result=self.result, waits=self.waits, hooks=run_policy or NoRunHooks(),
                 sampler=sampler, val_batches=val_batches or [], reject=self.rejects, drain=self.agreement)
-        if reform is not None:
+        if reform is not None:  # what a pause before the handshake ends carries on
             self.schedule.starting = reform.replicas
         if self.replicas_on and run_policy is not None:  # a resumed run's agreement (SPEC §9.10 item 13)
             run_policy.replica_resume = ReplicaResume(self.name, stage, self.links, _checkpoint_on,
