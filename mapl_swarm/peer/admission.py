@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from mapl_swarm.config import TrainConfig
     from mapl_swarm.peer.compute import WorkerThread
     from mapl_swarm.peer.link import LinkSettings, Links, PeerLink
-    from mapl_swarm.peer.window import StepWindow
+    from mapl_swarm.step.window import StepWindow
     from mapl_swarm.wire.header import Header
 
 log = logging.getLogger(__name__)
@@ -148,7 +148,7 @@ class Admitted:
 
 class Admission:
     """The checks of the module docstring for one peer (see there). ``shapes`` is the run as this
-    stage sees it (:func:`run_shapes`); ``window`` the schedule's :class:`~.window.StepWindow`, asked
+    stage sees it (:func:`run_shapes`); ``window`` the step core's :class:`~mapl_swarm.step.window.StepWindow`, asked
     on the loop when a message arrives (the link's window, the lowest run epoch)."""
 
     def __init__(self, settings: LinkSettings, links: Links, *, shapes: RunShapes, window: StepWindow,

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from mapl_swarm.peer.inbound import Inbound
     from mapl_swarm.peer.link import Links, PeerLink
     from mapl_swarm.peer.result import PeerResult
-    from mapl_swarm.peer.schedule import PipelineSchedule
+    from mapl_swarm.peer.driver import Schedule
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class Session(Protocol):
     epoch: int
     links: Links
     monitor: HeartbeatMonitor
-    schedule: PipelineSchedule
+    schedule: Schedule
     agreement: CheckpointAgreement
     run_policy: PeerRunPolicy | None
     result: PeerResult
@@ -259,7 +259,7 @@ class Control:
         """ROUTE ``ready``, ``commit``, ``gone``, ``redo`` (SPEC §9.10; ``end`` is the schedule's,
         after its link's ACTs)."""
         schedule = self.peer.schedule
-        if not hasattr(schedule, "on_ready"):  # a chain's schedule: no replicas, no ROUTE (the capability says so)
+        if not self.peer.replicas_on:  # a chain: no replicas, no ROUTE (the capability says so)
             self.peer.rejects("not_allowed", link.name, "ROUTE in a run without replicas")
         elif msg.meta["phase"] == "ready":
             await schedule.on_ready(msg, link)

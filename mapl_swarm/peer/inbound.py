@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import asyncio
 
+from mapl_swarm.aio import until
 from mapl_swarm.net.errors import NetError
 from mapl_swarm.peer.admission import Admission, Admitted, Arrival, RejectCounter
 from mapl_swarm.peer.link import Links, PeerLink, Reply, stage_of
@@ -38,7 +39,6 @@ from mapl_swarm.wire.spec import REJOIN_REASON
 if TYPE_CHECKING:
     from mapl_swarm.net.heartbeat import HeartbeatMonitor
     from mapl_swarm.peer.mailbox import Mailbox
-    from mapl_swarm.peer.window import StepWindow
 
 log = logging.getLogger(__name__)
 
@@ -94,12 +94,18 @@ class Inbound:
     ``spawn(coroutine)`` runs the answers to refused HELLOs."""
 
     def __init__(self, name: str, links: Links, admission: Admission, monitor: HeartbeatMonitor,
-                 rejects: RejectCounter, window: StepWindow, mailbox: Mailbox, *, handle: Handle,
+                 rejects: RejectCounter, arrived: Callable[[Message, PeerLink], None], mailbox: Mailbox, *,
+                 handle: Handle,
                  spawn: Callable[[Awaitable[None]], Any]) -> None:
         self.name, self.links, self.admission, self.monitor = name, links, admission, monitor
-        self.rejects, self.window, self.mailbox, self.handle, self.spawn = rejects, window, mailbox, handle, spawn
+        self.rejects, self.arrived, self.mailbox, self.handle, self.spawn = rejects, arrived, mailbox, handle, spawn
+        """``arrived(msg, link)``: the step core hears of every admitted pipeline message as it comes
+        (a PROJ moves its link's projector version, a ``reopen`` names replicas that left), before
+        the message waits its turn in the queue."""
         self.started = False
         """This peer's training started: pipeline messages are no longer held."""
+        self._dispatching = False
+        """The dispatcher handles a control message now."""
         self._answering = 0
         """Answers on their way (:data:`MAX_ANSWERS` at most)."""
         self._admitting = asyncio.Lock()
@@ -140,7 +146,18 @@ class Inbound:
         """Handles the admitted control messages in arrival order."""
         while True:
             got, arrival = await self.mailbox.next_control()
-            await self.handle(got, arrival, transport)
+            self._dispatching = True
+            try:
+                await self.handle(got, arrival, transport)
+            finally:
+                self._dispatching = False
+                self.mailbox.poke()
+
+    async def settled(self, timeout_s: float) -> None:
+        """Until the control messages queued now are handled: the end of a session reads what they
+        say (a drain's checkpoint, complete), though the BYE that ended its schedule came after them."""
+        await until(lambda: not self._dispatching and not self.mailbox.has_control(), self.mailbox.changed,
+                    timeout_s)
 
     async def receive(self, arrival: Arrival, transport: Any) -> None:
         """Admit one message and handle it at once (what the loops and the dispatcher do, without
@@ -224,10 +241,9 @@ class Inbound:
             self.monitor.on_heartbeat(got.link.name, got.msg.meta)  # its round-trip timestamps
             got.link.peer_anchored = got.link.peer_anchored or got.msg.meta.get("anchored") is True
             return None
-        if got.msg.type is MT.PROJ:
-            self.window.projector(got.link.stage, got.msg.pver)  # the link's version moves on (SPEC §9.6)
         try:
             if self.for_schedule(got.msg, got.link):
+                self.arrived(got.msg, got.link)
                 self.mailbox.put(got.msg, got.link)
             elif dispatch:
                 self.mailbox.put_control(got, arrival)

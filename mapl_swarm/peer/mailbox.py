@@ -113,6 +113,10 @@ class Mailbox:
         """Set whenever a message is queued or :meth:`poke` is called."""
         return self._changed
 
+    def has_control(self) -> bool:
+        """A control message waits for the dispatcher."""
+        return any(item.control is not None for item in self._items)
+
     def take(self, wanted: Callable[[Message], bool]) -> Message | None:
         """The oldest pipeline message ``wanted`` accepts, or None; never waits."""
         got = self.take_from(wanted)
@@ -151,6 +155,13 @@ class Mailbox:
         if not await until(arrived, self._changed, timeout_s):
             raise MaplError(f"{self.name}: no {what} within {timeout_s:g} s")
         return got[0] if got else None
+
+    async def wait_for(self, wanted: Callable[[Message], bool], timeout_s: float,
+                       stop: Callable[[], bool] | None = None) -> bool:
+        """Wait until a queued pipeline message is one ``wanted`` accepts (nothing is taken) or
+        ``stop()`` is true, checked after each message and each :meth:`poke`; False when
+        ``timeout_s`` passed first."""
+        return await until(lambda: (stop is not None and stop()) or self.has(wanted), self._changed, timeout_s)
 
     async def get(self, wanted: Callable[[Message], bool], timeout_s: float, what: str) -> Message:
         """Wait for the oldest pipeline message ``wanted`` accepts; raise on a timeout, naming ``what``

@@ -64,8 +64,7 @@ from mapl_swarm.peer.mailbox import Mailbox
 from mapl_swarm.peer.result import PeerResult, collect, write_result
 from mapl_swarm.peer.replica_links import ReplicaLinker, Reform, starting_replicas
 from mapl_swarm.peer.replica_resume import ReplicaResume
-from mapl_swarm.peer.replica_schedule import ReplicaSchedule
-from mapl_swarm.peer.schedule import NoRunHooks, PipelineSchedule, ScheduleSettings
+from mapl_swarm.peer.driver import NoRunHooks, Schedule, ScheduleSettings
 from mapl_swarm.peer.signals import Interrupted
 from mapl_swarm.peer.vq_link import codebook_summary
 from mapl_swarm.peer.waiting import WAIT_LOG_INTERVAL_S, WaitingLog
@@ -208,7 +207,7 @@ class Peer:
         """Every CHECKPOINT phase: checkpoint agreement and the drain (:meth:`request_drain`: a signal)."""
         self.agreement.send, self.agreement.on_drain = self._send_checkpoint, self._drain_decided
         self.replicas_on = cfg.replicas.enabled
-        """Several peers per stage (SPEC §9.10): a link per neighbour replica, :class:`ReplicaSchedule`;
+        """Several peers per stage (SPEC §9.10): a link per neighbour replica, ROUTE, rounds and commits;
         checkpoints agreed on resume only, no drain (a signal stops this replica); a neighbour
         replica that leaves is the schedule's while its stage keeps another, the last one re-forms
         the swarm (:attr:`_can_rejoin`)."""
@@ -238,18 +237,12 @@ class Peer:
             for link in self.links:
                 link.use_codebooks(runtime, self.compute, spawn=self.tasks.spawn)
         schedule_settings = ScheduleSettings.from_config(cfg, start_step=start_step, progress=progress)
-        if self.replicas_on:
-            self.schedule: PipelineSchedule | ReplicaSchedule = ReplicaSchedule(
-                runtime, self.links, self.mailbox, self.compute, name=self.name, settings=schedule_settings,
-                result=self.result, waits=self.waits, hooks=run_policy or NoRunHooks(), routing=cfg.replicas,
-                replicas=replicas, sampler=sampler, val_batches=val_batches or [], reject=self.rejects,
-                spawn=self.tasks.spawn, joining=joining,
-                stage_contacts=lambda: candidates_of(self.resolve, stage, net.timeout_s))
-        else:
-            self.schedule = PipelineSchedule(
-                runtime, self.links, self.mailbox, self.compute, name=self.name, settings=schedule_settings,
-                result=self.result, waits=self.waits, hooks=run_policy or NoRunHooks(),
-                sampler=sampler, val_batches=val_batches or [], reject=self.rejects, drain=self.agreement)
+        self.schedule = Schedule(
+            runtime, self.links, self.mailbox, self.compute, name=self.name, settings=schedule_settings, cfg=cfg,
+            result=self.result, waits=self.waits, hooks=run_policy or NoRunHooks(), replicas=replicas,
+            sampler=sampler, val_batches=val_batches or [], reject=self.rejects, spawn=self.tasks.spawn,
+            joining=joining, drain=None if self.replicas_on else self.agreement,
+            stage_contacts=lambda: candidates_of(self.resolve, stage, net.timeout_s))
         if reform is not None:  # what a pause before the handshake ends carries on
             self.schedule.starting = reform.replicas
         if self.replicas_on and run_policy is not None:  # a resumed run's agreement (SPEC §9.10 item 13)
@@ -279,7 +272,7 @@ class Peer:
         """Neighbours that went silent or left (:mod:`~.departures`)."""
         self.control = Control(self)
         self.inbound = Inbound(self.name, self.links, self.admission, self.monitor, self.rejects,
-                               self.schedule.window, self.mailbox, handle=self.control.handle, spawn=self.tasks.spawn)
+                               self.schedule.arrived, self.mailbox, handle=self.control.handle, spawn=self.tasks.spawn)
         self.receive = self.inbound.receive
         """Admit one received message and handle it at once (tests; the receive loops queue instead)."""
         self.welcomed = asyncio.Event()
@@ -411,6 +404,7 @@ class Peer:
         if self.replica_links is not None:  # replicas that join the running swarm
             self.tasks.spawn(self.replica_links.watch(transport, self.tasks.spawn))
         await self.schedule.run()
+        await self.inbound.settled(net.timeout_s)
         self._enter(PeerState.ENDED, f"at step {self.schedule.step}")
         self._ended()
         await transport.flush(net.timeout_s)

@@ -172,7 +172,7 @@ def test_a_step_longer_than_the_deadline_is_survived(tmp_path):
     async def main():
         peers, transports, _ = _swarm(tmp_path, heartbeat_interval_s=0.1, liveness_floor_s=1.0,
                                       liveness_ceiling_s=1.0)
-        peers[0].schedule.s = replace(peers[0].schedule.s, steps=3)
+        peers[0].schedule.core.s = replace(peers[0].schedule.core.s, steps=3)  # stage 0 ends the run at 3
         forward, slow = peers[1].rt.forward, []
 
         def long_forward(micro, **kw):

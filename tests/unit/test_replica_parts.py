@@ -18,7 +18,8 @@ from mapl_swarm.launch import peer_processes, replica_out_dir, summarize
 from mapl_swarm.net.identity import CertificateBody, issue_local, load_identity, read_signed
 from mapl_swarm.peer.link import LinkSettings, Links, PeerLink, replica_name
 from mapl_swarm.peer.mailbox import Mailbox
-from mapl_swarm.peer.replica_schedule import Router, _act_digest
+from mapl_swarm.step.flow import act_digest as _act_digest
+from mapl_swarm.step.router import Router
 from mapl_swarm.pipeline.stage import StageRuntime
 from mapl_swarm.replicas.gradients import ReplicaStep, round_counts
 from mapl_swarm.wire import Message, MessageType, WireTensor, decode, encode
@@ -113,18 +114,19 @@ def test_a_re_forming_replica_says_its_stage_s_live_replicas_and_the_stage_lost_
 
 def test_routing_draws_are_a_function_of_the_micro_batch_and_follow_throughput():
     _, (a, b, _) = _links()
+    links = [a.name, b.name]
     uniform = Router(routing="uniform", seed=3, stage=0)
-    picks = [uniform.pick([a, b], 5, m).name for m in range(400)]
-    assert picks == [Router(routing="uniform", seed=3, stage=0).pick([a, b], 5, m).name for m in range(400)]
+    picks = [uniform.pick(links, 5, m) for m in range(400)]
+    assert picks == [Router(routing="uniform", seed=3, stage=0).pick(links, 5, m) for m in range(400)]
     assert 150 < Counter(picks)[a.name] < 250  # about half
-    assert picks != [Router(routing="uniform", seed=4, stage=0).pick([a, b], 5, m).name for m in range(400)]
+    assert picks != [Router(routing="uniform", seed=4, stage=0).pick(links, 5, m) for m in range(400)]
     fast = Router(routing="throughput", seed=3, stage=0)
     fast.mean_s = {a.name: 0.1, b.name: 1.0}  # a answers 10x faster
-    share = Counter(fast.pick([a, b], 1, m).name for m in range(400))[a.name] / 400
+    share = Counter(fast.pick(links, 1, m) for m in range(400))[a.name] / 400
     assert share == pytest.approx(10 / 11, abs=0.06)
     fast.in_flight[a.name] = 9  # ...but holds 9 micro-batches already: now both weigh alike
-    assert Counter(fast.pick([a, b], 1, m).name for m in range(400))[a.name] / 400 == pytest.approx(0.5, abs=0.1)
-    fast.returned(a, 0.3)
+    assert Counter(fast.pick(links, 1, m) for m in range(400))[a.name] / 400 == pytest.approx(0.5, abs=0.1)
+    fast.returned(a.name, 0.3)
     assert fast.in_flight[a.name] == 8 and fast.mean_s[a.name] == pytest.approx(0.7 * 0.1 + 0.3 * 0.3)
 
 

@@ -1,0 +1,268 @@
+"""Replicas that leave mid-step (SPEC §9.10 item 10): the step is repaired where it can be, else redone.
+
+A neighbour replica that goes silent past its liveness deadline, or says BYE before the end, while
+its stage keeps a live replica, is **gone**: its links are dropped (nothing it owed is awaited any
+longer) and its stage's other replicas are told (ROUTE ``gone``), which average without it. What
+it had accumulated is lost; while its neighbours serve the step (or flush it before their round
+is whole: "active") they repair it:
+
+- a sender sends the ACTs that went to it again, with the bytes it kept (ROUTE ``reopen`` naming it
+  first on its ready links, :meth:`Repair.forget`, :meth:`Repair.reopen`), and drops the GRAD of one
+  it had backwarded;
+- its partners route each re-sent ACT to the replica of the next stage that took it from the gone
+  one (the ``held`` of that replica's ``gone``), which gives the GRAD it computed again instead of
+  computing it (:meth:`Repair.take_rerun`; its gradients count the micro-batch already);
+- what the gone replica had not passed on comes as new ACTs, which the next stage waits for
+  (:meth:`Repair.answer`: every live upstream replica says ``gone`` or ``reopen`` first).
+
+A replica that flushed already and gets a ``reopen`` before its round is whole serves the step
+again. Every micro-batch then counts once per stage and no step is redone. Otherwise (a stage-0
+replica gone: its share of the data is read by no one else; a re-run whose bytes differ; a repair
+that does not come within half ``net.timeout_s``) the step is redone (:meth:`~.core.StepCore.issue_redo`).
+A stage whose last replica leaves is the peer's (the swarm re-forms, or the run ends).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from mapl_swarm.step import intents as do
+from mapl_swarm.step.flow import act_digest
+from mapl_swarm.step.state import StepState
+from mapl_swarm.wire import Message, MessageType
+
+if TYPE_CHECKING:
+    from mapl_swarm.step.context import Core, LinkView
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Repair"]
+
+MT = MessageType
+
+
+class Repair:
+    """What replicas that leave change in stage ``core.stage``'s step (module docstring)."""
+
+    def __init__(self, core: Core) -> None:
+        self.c = core
+
+    def replica_gone(self, link: LinkView, why: str) -> bool:
+        """Neighbour replica ``link`` left (``why``: silent past its deadline, its BYE): True when its
+        stage keeps a live replica (this one goes on without it), False when it was its stage's last
+        (the caller's, as any departure: the swarm re-forms or the run ends)."""
+        c = self.c
+        flow = c.flow
+        if link.contact is None or not link.welcomed:
+            return False
+        if link.contact in c.members.gone:
+            return True
+        if not any(flow.live(other.name) for other in c.links.of_stage(link.stage) if other is not link):
+            return False
+        log.warning("%s: the replica of stage %d at %s left (%s); going on with the stage's other replicas",
+                    c.s.name, link.stage, link.contact, why)
+        cur = c.cur
+        active = c.active
+        downstream = link.stage == c.links.down
+        held = sorted(m for m, came in cur.origin.items() if came == link.name) if cur.step == c.step else []
+        self.learn_gone([link.contact])  # what went to it goes again (forget)
+        if cur.resend:  # the notice goes before the re-sends, in the step's order (reopen)
+            cur.notices.append(link.contact)
+            c.wake()
+        else:
+            for other in c.links.of_stage(link.stage):
+                if flow.live(other.name):
+                    c.spawn(do.SendRoute(other.name, c.step, "gone", gone=(link.contact,),
+                                         held=None if downstream else tuple(held), epoch=c.epoch))
+        if link.stage == 0:
+            if c.serving and cur.step == c.step:
+                # its share of the step's data is read by no other replica: stage 0 splits the step
+                # again among the replicas left (a redo), before this replica's round
+                c.redo_soon(c.step, "the replica of stage 0 that left had its share of the step's micro-batches")
+        elif active and not downstream and link.name not in cur.announced:
+            cur.await_answers = True
+            self.deadline(cur)
+        if link.stage != 0 and active and held:
+            # what it accumulated of them is lost at its stage: their re-runs come through its
+            # partners, which route them here (the ``held`` of the notice); this replica gives
+            # each the GRAD it computed (its own gradients count them already) and waits for them
+            cur.held.update(held)
+            cur.held_from.add(link.name)
+            self.deadline(cur)
+            log.warning("%s: %d train micro-batch(es) of step %d came through it; their re-runs come through its "
+                        "stage's other replicas", c.s.name, len(held), cur.step)
+            c.serve_again()
+        elif link.stage != 0 and held and c.committing:
+            # this stage's round is whole: nothing is awaited here, but the gone replica's partners
+            # still need the GRADs of what went through it; a re-run that comes is answered with
+            # the GRAD kept (take_rerun), and its part of the inbound projector's gradient goes again
+            # with the link the re-runs came on once all came (the gone one's PROJ_GRAD died with it)
+            cur.held.update(held)
+            cur.held_from.add(link.name)
+        return True
+
+    def learn_gone(self, contacts: Sequence[str]) -> None:
+        """Replicas at ``contacts`` left: their links are dropped (what they owe is no longer
+        awaited), a round of this stage waiting for one of them starts again without it."""
+        c = self.c
+        for contact in c.members.learn_gone(contacts):
+            for link in c.links:
+                if link.contact == contact:
+                    self.forget(link.name)
+            if c.members.in_round(contact) or c.members.round is None:  # a round (the sync round) waits for it
+                c.members.rerank()
+                c.cancel_round()
+        c.wake()
+
+    def forget(self, name: str) -> None:
+        """The current step stops waiting for what link ``name``'s replica owed: its ``end``, its
+        GRADs. While this replica is active in the step, every train ACT that went to it is sent
+        again (the replica's accumulated gradients died with it), after ROUTE ``reopen`` naming it
+        (:meth:`reopen`); the GRAD of one whose backward ran here already is dropped when it comes."""
+        c = self.c
+        cur = c.cur
+        if name in cur.ready:
+            cur.ready.remove(name)
+        for micro, (to, _) in list(cur.dest.items()):
+            if to == name:
+                del cur.dest[micro]
+        c.router.forget(name)
+        for micro, at in list(cur.hold_at.items()):
+            if at == name:
+                del cur.hold_at[micro]
+        c.validation.link_gone(name)
+        if not c.active:
+            return
+        again = sorted(m for m, to in cur.via.items() if to == name)
+        if not again:
+            return
+        if any(m not in cur.payloads for m in again):  # sent while it was its stage's only replica
+            stage = c.links.down if name in {x.name for x in c.links.of_stage(c.links.down)} else c.links.up
+            c.redo_soon(cur.step, f"the replica of stage {stage} that left took train micro-batch(es) of the step "
+                                  f"this replica kept no copy of")
+            return
+        cur.replayed.update(m for m in again if m in cur.done)
+        cur.rerun.update(m for m in again if m not in cur.done)
+        self.deadline(cur)  # what comes back of them (GRADs, PROJ_GRADs) comes in time, or the step is redone
+        cur.resend.extend((m, cur.payloads[m]) for m in again)
+        cur.untake.add(name)  # its PROJ_GRAD, if added: the re-runs' receivers send those parts
+        if cur.ended:
+            cur.ended, cur.reopen = False, True
+        c.serve_again()
+        log.warning("%s: %d train micro-batch(es) of step %d went through the replica at %s: sent again (%d of them "
+                    "backwarded here already)", c.s.name, len(again), cur.step, name,
+                    sum(m in cur.done for m in again))
+
+    # ------------------------------------------------------------------ what neighbours say
+    def on_gone(self, msg: Message, link: LinkView, contacts: list[str]) -> None:
+        """ROUTE ``gone`` or ``reopen`` of the current step: a neighbour names replicas of this stage
+        that left (it sends the notice to the gone replica's partners only; an upstream one says
+        ``reopen`` instead when what went to them comes here again after its ``end``). One from
+        downstream also says which of the step's micro-batches it took from them (``held``): their
+        re-runs, which come here or to another partner, go to it. Until every ready downstream link
+        said so of every partner gone, this replica routes no ACT (:meth:`~.flow.Flow.send_waiting`)."""
+        c = self.c
+        cur = c.cur
+        if link.stage == c.links.up:
+            cur.answered.add(link.name)
+        fresh = [x for x in contacts if x not in cur.gone_before]  # not gone when this attempt began
+        if fresh:
+            self.deadline(cur)
+        cur.partners_gone.update(fresh)
+        if fresh and link.stage == c.links.down:
+            cur.told.setdefault(link.name, set()).update(fresh)
+            held = msg.meta.get("held", [])
+            for m in held[:c.s.M] if isinstance(held, list) else ():
+                if type(m) is int and 0 <= m < c.s.M:
+                    cur.hold_at[m] = link.name
+        self.answer(cur)
+        c.wake()
+
+    def on_reopen(self, msg: Message, link: str, cur: StepState) -> None:
+        """ROUTE ``reopen`` from upstream, in the link's order: more ACTs, then a fresh ``end``, follow."""
+        c = self.c
+        if msg.step != cur.step or msg.epoch != c.epoch:
+            return
+        cur.announced.pop(link, None)
+        if cur.ended and not c.last:  # what comes now goes on: this stage's links reopen too
+            cur.ended, cur.reopen = False, True
+        contacts = c.gone_named(msg)
+        self.on_gone(msg, c.links.named(link), contacts)
+        self.learn_gone(contacts)  # this stage's replicas that left: its rounds go on without them
+        c.resume_if_flushing()
+
+    def answer(self, cur: StepState) -> None:
+        """Once every live upstream replica said whether what went through this stage's replicas that
+        left comes again (``gone`` or ``reopen``), say so downstream: ROUTE ``gone`` naming them. A
+        downstream replica that found one of them gone before its ``end`` waits for this from every
+        live upstream replica before it counts its ACTs of the step as all in."""
+        c = self.c
+        due = sorted(cur.partners_gone - cur.answered_down)
+        if due and not c.last and self.upstream_answered(cur):
+            cur.answered_down.update(due)
+            for name in c.flow.down_links():
+                c.spawn(do.SendRoute(name, cur.step, "gone", gone=tuple(due), epoch=c.epoch))
+
+    def reopen_wanted(self, msg: Message) -> bool:
+        """A ROUTE ``reopen`` of the current step and run epoch."""
+        c = self.c
+        return msg.type is MT.ROUTE and msg.meta.get("phase") == "reopen" and (msg.step, msg.epoch) == (c.step, c.epoch)
+
+    def reopen_queued(self) -> bool:
+        """A ROUTE ``reopen`` of the current step waits in the inbox."""
+        return self.c.inbox.has(self.reopen_wanted)
+
+    def upstream_answered(self, cur: StepState) -> bool:
+        """Every live upstream link said ``gone`` or ``reopen`` in the step."""
+        return set(self.c.flow.up_links()) <= cur.answered
+
+    def deadline(self, cur: StepState) -> None:
+        """The repair this replica waits for (re-runs of what it holds, its upstream links' word, its
+        downstream links' ``held``) comes within half ``net.timeout_s`` of the first loss of the step
+        it learned of, else the step is redone."""
+        if not cur.repair_by:
+            cur.repair_by = self.c.clock() + self.c.s.timeout_s / 2
+
+    # ------------------------------------------------------------------ the work of the repair
+    def reopen(self, cur: StepState) -> None:
+        """After a downstream replica left (:meth:`forget`): ROUTE ``reopen`` naming it on the ready
+        links (``gone`` on the others), then the ACTs it took go again, in that order on every link (a
+        partner knows its partner's loss, and takes ACTs after its ``end``, before the re-sends reach
+        it). A replica told ``reopen`` that had said its own ``end`` says ``reopen`` (naming no one)
+        on its ready links too."""
+        c = self.c
+        notices, cur.notices = tuple(cur.notices), []
+        relay, cur.reopen = cur.reopen, False
+        for name in c.flow.down_links():
+            if name in cur.ready and (relay or notices):
+                cur.reopened.add(name)
+                c.send(do.SendRoute(name, cur.step, "reopen", gone=notices))
+            elif notices:
+                c.send(do.SendRoute(name, cur.step, "gone", gone=notices))
+        cur.waiting.extend(cur.resend)
+        cur.resend.clear()
+
+    def take_rerun(self, msg: Message, link: str, cur: StepState) -> None:
+        """The re-run of train micro-batch ``msg.micro``, taken here from an upstream replica that
+        left: this replica's gradients count it already (its parameters' part, the inbound
+        projector's part kept for the gone link), so it is not computed again; it comes from ``link``
+        now, whose replica gets the GRAD computed for it (now, or when its backward runs). The re-run
+        must bring the ACT the gone replica sent (its partners hold the same parameters and got the
+        same input): one that differs redoes the step."""
+        c = self.c
+        micro = msg.micro
+        if act_digest(msg) != cur.digests.get(micro):
+            c.issue_redo(cur.step, f"the re-run of train micro-batch {micro} from {link} is not the ACT the "
+                                   f"replica that left sent")
+            return
+        gone = cur.origin[micro]
+        cur.received[gone] -= 1
+        cur.received[link] += 1
+        cur.origin[micro] = link
+        cur.held.discard(micro)
+        log.debug("%s: step %d micro-batch %d re-run from %s: its GRAD %s", c.s.name, cur.step, micro, link,
+                  "given again" if micro in cur.grads else "goes there")
+        if micro in cur.grads:
+            c.send(do.SendGrad(link, cur.step, micro, cur.grads[micro], c.proj.inbound_pver))

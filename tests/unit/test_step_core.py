@@ -1,0 +1,231 @@
+"""The step protocol's core (SPEC §9.7, §9.10) in a simulated swarm: every case the slow process tests
+reach with real processes (a replica dead mid-step and repaired, a stage-0 replica's death redone, a
+death after the round was whole, an unsure all-reduce, a stage's last replica lost, a join, a
+re-sync on a digest difference, a validation a replica leaves, a chain's drain), each a scripted
+sequence of one seeded interleaving with one fault injected, in milliseconds; and a property test
+over random interleavings, topologies and departures: no micro-batch is ever counted twice or lost,
+every step is taken once by every live replica with all its tokens."""
+
+from __future__ import annotations
+
+import enum
+import logging
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mapl_swarm.pipeline.actions import stage_actions
+from mapl_swarm.step.core import Phase
+
+from step_sim import TOKENS, SimSwarm
+
+
+@pytest.fixture(autouse=True)
+def _quiet(caplog):
+    caplog.set_level(logging.ERROR, logger="mapl_swarm.step")
+
+
+class Fault(enum.Enum):
+    """What goes wrong, and when (:func:`inject`)."""
+
+    NONE = "none"
+    KILL_MID_STEP = "a middle replica dies after its first backward of step 1"
+    KILL_STAGE0 = "a stage-0 replica dies while it feeds step 1"
+    KILL_AFTER_ROUND = "a middle replica dies once its round of step 1 was whole"
+    KILL_LAST = "a last-stage replica dies mid-step"
+    UNSURE_ALLREDUCE = "a middle replica's all-reduce of step 1 breaks after it began; its partner keeps the round"
+    DIGEST_MISMATCH = "a middle replica holds other parameters at step 1's round"
+
+
+def inject(sw: SimSwarm, fault: Fault) -> None:
+    """Run ``sw`` to the fault's moment, inject it, run to the end."""
+    victim = {Fault.KILL_MID_STEP: (1, 1), Fault.KILL_STAGE0: (0, 1), Fault.KILL_AFTER_ROUND: (1, 1),
+              Fault.KILL_LAST: (2, 1)}.get(fault)
+    peer = sw.peers.get(victim) if victim else None
+    if fault in (Fault.KILL_MID_STEP, Fault.KILL_LAST):
+        sw.run(until=lambda: any(s == 1 and op == "B" for s, op, *_ in peer.order))
+    elif fault is Fault.KILL_STAGE0:
+        sw.run(until=lambda: any(s == 1 for s, op, *_ in peer.order))
+    elif fault is Fault.KILL_AFTER_ROUND:
+        sw.run(until=lambda: peer.core.phase is Phase.COMMIT and peer.core.step == 1)
+    elif fault is Fault.UNSURE_ALLREDUCE:
+        sw.run(until=lambda: sw.peers[1, 0].core.step == 1)
+        sw.rounds[1].unsure_next = True
+    elif fault is Fault.DIGEST_MISMATCH:
+        sw.run(until=lambda: sw.peers[1, 0].core.step == 1)
+        sw.rounds[1].odd = {(1, 1)}
+    if victim is not None:
+        sw.kill(victim)
+    sw.run()
+
+
+def redone(sw: SimSwarm) -> bool:
+    """A step was taken in a later run epoch than 0 somewhere (a redo)."""
+    return any(epoch for steps in sw.taken.values() for _, epoch, _ in steps)
+
+
+def check_run(sw: SimSwarm) -> None:
+    """Every live replica took every step once, each with every micro-batch once; stage 0 recorded
+    each step's loss once with all its tokens."""
+    sw.check_every_micro_batch_once()
+    for peer in sw.peers.values():
+        if peer.alive:
+            assert sw.steps_taken(peer.key) == list(range(sw.steps)), (peer.key, sw.taken[peer.key])
+            assert peer.done is not None
+            if peer.stage == 0:
+                assert [(step, tokens) for step, _, tokens in peer.records] == \
+                    [(step, sw.M * TOKENS) for step in range(sw.steps)], peer.records
+
+
+# ---------------------------------------------------------------------- a chain
+@pytest.mark.parametrize("seed", range(4))
+def test_a_chain_runs_each_stages_1f1b_list_and_records_every_step(seed):
+    sw = SimSwarm((1, 1, 1, 1), replicas=False, M=5, steps=3, seed=seed, val_interval=2)
+    sw.run()
+    check_run(sw)
+    assert not any(code for p in sw.peers.values() for code, _ in p.rejects)
+    for (stage, _), peer in sw.peers.items():  # the in-process driver's order, micro-batch for micro-batch
+        want = [(a.op.value, a.micro) for a in stage_actions(stage, 4, 5, in_flight=4)]
+        for step in range(3):
+            assert [(op, m) for s, op, m, *_ in peer.order if s == step] == want
+    assert [step for step, _ in sw.peers[0, 0].vals] == [2, 3]  # after step 2 and after the last
+    assert all(p.done == {"reason": "training finished"} for p in sw.peers.values())
+
+
+def test_a_chain_drains_every_stage_at_one_step():
+    sw = SimSwarm((1, 1, 1), replicas=False, steps=10)
+    sw.drain_at = 2
+    sw.run()
+    assert all(sw.steps_taken(key) == [0, 1] for key in sw.peers)
+    assert all(p.done == {"reason": "drain"} for p in sw.peers.values())
+
+
+# ---------------------------------------------------------------------- replicas
+@pytest.mark.parametrize("initial", [(2, 2, 2), (2, 1, 2), (1, 2, 1), (3, 2, 2, 2)])
+def test_replicas_take_every_step_with_the_whole_batch(initial):
+    sw = SimSwarm(initial, M=5, val_interval=1)
+    sw.run()
+    check_run(sw)
+    assert not redone(sw) and not sw.lost
+    assert all([s for s, _ in p.vals] == [1, 2, 3] for p in sw.peers.values() if p.stage == 0)
+    # stage 0's replicas split each step's micro-batches among themselves
+    fed = [{m for s, op, m, *_ in sw.peers[0, r].order if op == "F" and s == 0} for r in range(initial[0])]
+    assert sorted(m for f in fed for m in f) == list(range(5))
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("fault", [Fault.KILL_MID_STEP, Fault.KILL_LAST, Fault.KILL_AFTER_ROUND])
+def test_a_replica_that_dies_mid_step_is_repaired_without_a_redo(fault, seed):
+    """What went through it goes again through its partners (the senders kept the bytes); what its
+    neighbours downstream took from it is re-run to them and answered with the GRAD they kept, its
+    part of their projector gradient going with the live link's. No step is redone."""
+    sw = SimSwarm((2, 2, 2), M=4, seed=seed)
+    inject(sw, fault)
+    check_run(sw)
+    assert not redone(sw), {k: v for k, v in sw.taken.items()}
+    assert not sw.lost
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_stage0_replica_that_dies_mid_step_has_the_step_redone_everywhere(seed):
+    """Its share of the step's data is read by no other replica: every stage redoes the step (one run
+    epoch later) with stage 0's micro-batches split among the replicas left."""
+    sw = SimSwarm((2, 2, 2), M=4, seed=seed)
+    inject(sw, Fault.KILL_STAGE0)
+    check_run(sw)
+    assert redone(sw)
+    assert all(epoch == 1 for key, steps in sw.taken.items() for step, epoch, _ in steps if step == 1)
+    assert {m for s, op, m, *_ in sw.peers[0, 0].order if op == "F" and s == 2} == set(range(4))  # its share whole
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_an_all_reduce_that_breaks_after_it_began_redoes_the_step(seed):
+    """A member that cannot tell whether its partner kept the round redoes the step; saying nothing of
+    its commit, it keeps every replica from taking it."""
+    sw = SimSwarm((2, 2, 2), M=4, seed=seed)
+    inject(sw, Fault.UNSURE_ALLREDUCE)
+    check_run(sw)
+    assert all(epoch == 1 for key, steps in sw.taken.items() for step, epoch, _ in steps if step == 1)
+
+
+def test_a_replica_holding_other_parameters_loads_a_partners_and_the_step_is_redone():
+    sw = SimSwarm((2, 3, 2), M=4)
+    sw.run(until=lambda: sw.peers[1, 0].core.step == 1)
+    sw.rounds[1].odd = {(1, 1)}
+    sw.run()
+    check_run(sw)
+    assert sw.peers[1, 1].downloads == ["resync"] and sw.peers[1, 0].downloads == sw.peers[1, 2].downloads == []
+    assert redone(sw)
+
+
+def test_a_stages_last_replica_lost_is_the_peers_a_re_form():
+    """A neighbour's death that leaves its stage without a replica is not the core's to repair: it says
+    so (the peer pauses and the swarm re-forms from checkpoints, SPEC §9.10 item 10)."""
+    sw = SimSwarm((2, 1, 2), M=3)
+    sw.run(until=lambda: sw.peers[1, 0].core.step == 1)
+    sw.kill((1, 0))
+    sw.run(until=lambda: len(sw.lost) == 4)
+    assert sorted(sw.lost) == [((0, 0), (1, 0)), ((0, 1), (1, 0)), ((2, 0), (1, 0)), ((2, 1), (1, 0))]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_replica_joins_downloads_its_stages_state_and_takes_every_step_after(seed):
+    sw = SimSwarm((2, 1, 2), M=4, steps=5, seed=seed)
+    sw.run(until=lambda: sw.peers[1, 0].core.step == 2)
+    joiner = sw.join(1)
+    sw.run()
+    check_run_from(sw, joiner.key)
+    first = sw.steps_taken(joiner.key)[0]
+    assert joiner.downloads == ["join"] and 2 <= first <= 3
+    assert sw.steps_taken(joiner.key) == list(range(first, 5))
+    # the joiner computed micro-batches of the steps after its first (stage 0 routes to it)
+    assert any(op == "F" and s > first for s, op, *_ in joiner.order)
+
+
+def check_run_from(sw: SimSwarm, joiner: tuple[int, int]) -> None:
+    sw.check_every_micro_batch_once()
+    for peer in sw.peers.values():
+        if peer.key != joiner:
+            assert sw.steps_taken(peer.key) == list(range(sw.steps)), (peer.key, sw.taken[peer.key])
+
+
+@pytest.mark.parametrize("victim", [(1, 0), (2, 0), (0, 1)])
+def test_a_replica_that_dies_during_a_validation_has_it_served_again(victim):
+    """The eval ACTs that went through it go again (its neighbour forwards again what it kept, stage 0
+    sends them all again when one of its own neighbours left); the last stage counts each once."""
+    sw = SimSwarm((2, 2, 2), M=3, steps=3, val_interval=1, val_batches=3)
+    sw.run(until=lambda: sw.peers[0, 0].core.phase is Phase.VALIDATE and sw.peers[0, 0].core.step == 2
+           and any(p.inbox.items for p in sw.peers.values() if p.stage == 2))
+    sw.kill(victim)
+    sw.run()
+    check_run(sw)
+    survivors = [p for p in sw.peers.values() if p.stage == 0 and p.alive]
+    assert all([s for s, _ in p.vals] == [1, 2, 3] for p in survivors)
+
+
+# ---------------------------------------------------------------------- the property
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2 ** 32 - 1), data=st.data())
+def test_no_interleaving_or_departure_counts_a_micro_batch_twice_or_loses_one(seed, data):
+    """Random delivery orders, topologies, step sizes, validations and up to one departure per stage
+    at random moments: every step is taken once by every live replica with each micro-batch exactly
+    once in its gradients, and stage 0 records every step with all its tokens."""
+    initial = data.draw(st.sampled_from([(2, 2, 2), (2, 1, 2), (1, 2, 1), (2, 2), (3, 2, 2, 2), (2, 3, 2)]))
+    sw = SimSwarm(initial, M=data.draw(st.integers(2, 5)), steps=data.draw(st.integers(2, 4)), seed=seed,
+                  in_flight=data.draw(st.sampled_from([None, 1, 2])), val_interval=data.draw(st.integers(0, 2)))
+    stages = [s for s, n in enumerate(initial) if n > 1]
+    dying = data.draw(st.lists(st.sampled_from(stages), unique=True, max_size=2)) if stages else []
+    for stage in dying:
+        moment = data.draw(st.integers(10, 1500))
+        ticks = [0]
+
+        def later(moment: int = moment) -> bool:
+            ticks[0] += 1
+            return ticks[0] >= moment
+
+        sw.run(until=later)
+        sw.kill((stage, data.draw(st.integers(0, initial[stage] - 1))))
+    sw.run()
+    check_run(sw)
+    assert not sw.lost
