@@ -313,7 +313,7 @@ class Schedule:
 
     # ------------------------------------------------------------------ carrying out an intent
     async def _do(self, intent: do.Intent) -> None:  # noqa: C901 - one branch per intent
-        links, core, host = self.links, self.core, self.host
+        links, core = self.links, self.core
         match intent:
             case do.SendAct(link, step, micro, payload, eval_mode, pver):
                 await links.named(link).send_act(step, micro, payload, eval_mode=eval_mode, pver=pver)

@@ -35,9 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -47,118 +45,14 @@ from mapl_swarm.errors import MaplError
 from mapl_swarm.replicas.averaging import GATHER_ONLY, StageAverager
 from mapl_swarm.replicas.errors import AveragingFailed, Behind, RoundCancelled
 from mapl_swarm.replicas.state import state_digest
+from mapl_swarm.step.rounds import RESUME_STEP, SYNC_STEP, ReplicaStep, read_round, round_counts
 
 __all__ = ["ReplicaGradients", "ReplicaStep", "read_round", "round_counts", "AveragingFailed", "Behind",
            "RoundCancelled", "SYNC_STEP", "RESUME_STEP"]
 
-SYNC_STEP = -1
-"""The step a sync round gathers (it comes before the first step)."""
-RESUME_STEP = -2
-"""The step a resume round gathers (a resumed run's, before its replicas load a checkpoint)."""
 FIND_GROUP_S = 5.0
 """Least seconds one attempt of a round looks for its group (three matchmakings when longer): a
 replica that left is counted out of the round at the next attempt."""
-
-
-@dataclass(frozen=True)
-class ReplicaStep:
-    """What one averaging round gave (SPEC §9.10 item 6)."""
-
-    me: str
-    """This replica's peer id."""
-    group: tuple[str, ...]
-    """The members' peer ids, sorted: a replica's place in it is its rank."""
-    digests: dict[str, str]
-    """Each member's parameter digest before the step (peer id -> hex)."""
-    micro: dict[str, tuple[int, ...]]
-    """Each member's train micro-batches of the step (indices within the step), accumulated."""
-    loss_sum: float
-    """The members' summed micro-batch losses (the last stage; 0 elsewhere)."""
-    sent_bytes: int = 0
-    received_bytes: int = 0
-    """The tensor bytes this replica's all-reduce of the round sent and received."""
-    epochs: dict[str, int] = field(default_factory=dict)
-    """Each member's run epoch (a step redone after a replica left is one epoch later)."""
-    contacts: dict[str, str] = field(default_factory=dict)
-    """Each member's pipeline contact (what its neighbours' links name it by)."""
-    steps: dict[str, int] = field(default_factory=dict)
-    """Each member's step (-1: the sync round before the first step)."""
-    expected: int = 1
-    """The most replicas any member expected in the round (it counts only with that many)."""
-
-    @property
-    def counts(self) -> dict[str, int]:
-        """Each member's number of train micro-batches of the step."""
-        return {p: len(m) for p, m in self.micro.items()}
-
-    @property
-    def group_size(self) -> int:
-        return len(self.group)
-
-    @property
-    def rank(self) -> int:
-        return self.group.index(self.me)
-
-    @property
-    def in_sync(self) -> bool:
-        """Every member started the step from the parameters this replica holds."""
-        return len(set(self.digests.values())) == 1
-
-    @property
-    def reference(self) -> str:
-        """The stage's digest when the members' differ (SPEC §9.10 item 6): the one most members
-        hold; among as many, the one of the first member (in ``group`` order) holding one of them.
-        Every member reads the same."""
-        held = Counter(self.digests.values())
-        most = max(held.values())
-        return next(self.digests[p] for p in self.group if held[self.digests[p]] == most)
-
-    def problem(self, micro_batches: int) -> str | None:
-        """Why the round cannot make the step (its members are in different epochs, a micro-batch
-        of the step's ``micro_batches`` is missing or counted twice, or the members hold different
-        parameters), or None."""
-        if len(set(self.epochs.values())) > 1:
-            return f"the replicas are in different epochs ({sorted(set(self.epochs.values()))})"
-        seen = Counter(m for ms in self.micro.values() for m in ms)
-        missing = [m for m in range(micro_batches) if m not in seen]
-        twice = sorted(m for m, n in seen.items() if n > 1 or not 0 <= m < micro_batches)
-        if missing or twice:
-            counted = sum(seen.values())
-            return (f"the replicas' micro-batches add up to {counted}, not the step's {micro_batches} once each "
-                    f"({len(missing)} missing, {len(twice)} counted twice or out of range; "
-                    f"{', '.join(f'{p[-8:]}: {n}' for p, n in sorted(self.counts.items()))})")
-        if not self.in_sync:
-            return f"the replicas held different parameters before the step ({len(set(self.digests.values()))} digests)"
-        return None
-
-
-def read_round(me: str, data: dict[str, Any], sent: int = 0, received: int = 0) -> ReplicaStep | None:
-    """The round whose members (peer id as text) gathered ``data`` (:meth:`ReplicaGradients._gather`),
-    as replica ``me`` sees it; None when a member gathered something else."""
-    def valid(v: Any) -> bool:
-        return (isinstance(v, dict) and isinstance(v.get("digest"), str) and isinstance(v.get("micro"), list)
-                and all(type(m) is int for m in v["micro"]) and isinstance(v.get("loss"), float)
-                and type(v.get("epoch")) is int and isinstance(v.get("contact"), str)
-                and type(v.get("step")) is int and type(v.get("expected")) is int)
-
-    if not data or not all(valid(v) for v in data.values()):
-        return None
-    return ReplicaStep(me, tuple(sorted(data)), {p: v["digest"] for p, v in data.items()},
-                       {p: tuple(v["micro"]) for p, v in data.items()}, sum(v["loss"] for v in data.values()),
-                       sent, received, {p: v["epoch"] for p, v in data.items()},
-                       {p: v["contact"] for p, v in data.items()}, {p: v["step"] for p, v in data.items()},
-                       max(v["expected"] for v in data.values()))
-
-
-def round_counts(micro_batches: int, data: dict[str, Any]) -> bool:
-    """Whether the round whose members gathered ``data`` makes the step of a stage of
-    ``micro_batches``: as many members as any expected, all at one step and run epoch, every
-    micro-batch once, equal digests. The averager runs the all-reduce of such a round only
-    (:data:`~.averaging.Usable`): a round that cannot count (a replica left with micro-batches
-    of the step) costs its members no tensor bytes, which would delay the redo on their links."""
-    round_ = read_round("", data)
-    return (round_ is not None and round_.group_size >= round_.expected and len(set(round_.steps.values())) == 1
-            and len(set(round_.epochs.values())) == 1 and round_.problem(micro_batches) is None)
 
 
 def _stop(control: Any) -> None:

@@ -422,7 +422,6 @@ class StepCore:
         if waits is None:
             self.phase = Phase.STEP
             return do.TakeStep(self.step)
-        cur = self.cur
         return self._take(lambda m: self._bye_from_up(m) or self._rerun(m), waits, self._on_commit_message,
                           timeout_s=self.s.timeout_s + self.s.averaging_timeout_s)
 

@@ -92,7 +92,7 @@ class ReplicaStep:
 
 
 def read_round(me: str, data: dict[str, Any], sent: int = 0, received: int = 0) -> ReplicaStep | None:
-    """The round whose members (peer id as text) gathered ``data`` (:meth:`ReplicaGradients._gather`),
+    """The round whose members (peer id as text) gathered ``data`` (:meth:`~mapl_swarm.replicas.gradients.ReplicaGradients._gather`),
     as replica ``me`` sees it; None when a member gathered something else."""
     def valid(v: Any) -> bool:
         return (isinstance(v, dict) and isinstance(v.get("digest"), str) and isinstance(v.get("micro"), list)
@@ -113,7 +113,7 @@ def round_counts(micro_batches: int, data: dict[str, Any]) -> bool:
     """Whether the round whose members gathered ``data`` makes the step of a stage of
     ``micro_batches``: as many members as any expected, all at one step and run epoch, every
     micro-batch once, equal digests. The averager runs the all-reduce of such a round only
-    (:data:`~.averaging.Usable`): a round that cannot count (a replica left with micro-batches
+    (:data:`~mapl_swarm.replicas.averaging.Usable`): a round that cannot count (a replica left with micro-batches
     of the step) costs its members no tensor bytes, which would delay the redo on their links."""
     round_ = read_round("", data)
     return (round_ is not None and round_.group_size >= round_.expected and len(set(round_.steps.values())) == 1

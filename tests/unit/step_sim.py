@@ -23,7 +23,6 @@ import random
 from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -231,7 +230,7 @@ class SimPeer:
                 core.projector_sent(self.proj.outbound_pver)
                 for name in links:
                     self.send(name, MT.PROJ, step=step, pver=self.proj.outbound_pver)
-            case do.SendProjectorGrad(link, step, n, pver, origins, parts):
+            case do.SendProjectorGrad(link, step, n, pver):
                 core.projector_grad_sent(intent, ("g", n))
                 self.send(link, MT.PROJ_GRAD, step=step, pver=pver, meta={"micro_batches": n}, tensors={"grad": _tensor(n)["x"]})
             case do.Feed(token, micro):
@@ -246,7 +245,7 @@ class SimPeer:
                 payload = None if last else (token.step, msg.micro, self.stage, self.rt.version)
                 core.forwarded(intent, payload, 1.0 + msg.micro if last else None, TOKENS)
                 self.sends()
-            case do.Backward(token, micro, msg, link, origin):
+            case do.Backward(token, micro):
                 assert micro in self.rt.saved, (self.core.s.name, micro, self.rt.saved)
                 self.order.append((token.step, "B", micro, token.epoch))
                 self.rt.saved.discard(micro)
