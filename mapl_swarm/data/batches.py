@@ -89,7 +89,7 @@ class BatchSampler:
     def batch_at(self, index: int) -> torch.Tensor:
         """The ``index``-th micro-batch of the stream (0-based, from epoch 0), whatever the current
         position, which it leaves as it was: the micro-batch a replica draws for a global
-        micro-batch index (:mod:`mapl_swarm.replicas.assignment`)."""
+        micro-batch index (:mod:`mapl_swarm.step.assignment`)."""
         if index < 0:
             raise DataError(f"micro-batch index {index} is negative")
         saved = self.epoch, self.cursor

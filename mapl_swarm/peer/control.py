@@ -253,18 +253,15 @@ class Control:
             self.peer.rejects("implausible", link.name, why)
 
     async def _on_report(self, msg: Message, link: PeerLink) -> None:
-        await self.peer.schedule.on_report(msg, link)
+        await self.peer.schedule.on_control(msg, link)
 
     async def _on_route(self, msg: Message, link: PeerLink) -> None:
-        """ROUTE ``ready``, ``commit``, ``gone``, ``redo`` (SPEC §9.10; ``end`` is the schedule's,
-        after its link's ACTs)."""
-        schedule = self.peer.schedule
+        """ROUTE ``ready``, ``commit``, ``taken``, ``gone``, ``redo`` (SPEC §9.10; ``end`` and ``reopen``
+        are the schedule's, after their link's ACTs)."""
         if not self.peer.replicas_on:  # a chain: no replicas, no ROUTE (the capability says so)
             self.peer.rejects("not_allowed", link.name, "ROUTE in a run without replicas")
-        elif msg.meta["phase"] == "ready":
-            await schedule.on_ready(msg, link)
         else:
-            await schedule.on_route(msg, link)
+            await self.peer.schedule.on_control(msg, link)
 
     async def _on_checkpoint(self, msg: Message, link: PeerLink) -> None:
         agreement = self.peer.agreement

@@ -196,7 +196,7 @@ class Schedule:
 
     @property
     def gone(self) -> set[str]:
-        return self.core.gone
+        return self.core.members.gone
 
     @property
     def starting(self) -> int:
@@ -211,7 +211,7 @@ class Schedule:
         return self.core.bye
 
     def live_replicas(self) -> int:
-        return self.core.live_replicas()
+        return self.core.members.live_count()
 
     def begin(self, start_step: int | None, epoch: int = 0) -> None:
         """Training starts at ``start_step`` (a resume agreed after the handshake; None: the
@@ -270,16 +270,9 @@ class Schedule:
         self.core.arrived(msg, link.name)
         self.spawn_urgent()
 
-    async def on_report(self, msg: Message, link: PeerLink) -> None:
-        self.core.on_report(msg, link.name)
-        await self.flush_urgent()
-
-    async def on_ready(self, msg: Message, link: PeerLink) -> None:
-        self.core.on_ready(msg, link.name)
-        await self.flush_urgent()
-
-    async def on_route(self, msg: Message, link: PeerLink) -> None:
-        self.core.on_route(msg, link.name)
+    async def on_control(self, msg: Message, link: PeerLink) -> None:
+        """A REPORT or a ROUTE of the dispatcher's (:meth:`StepCore.on_control`)."""
+        self.core.on_control(msg, link.name)
         await self.flush_urgent()
 
     async def on_linked(self, link: PeerLink) -> None:
@@ -307,7 +300,7 @@ class Schedule:
                                 f"{self.core.stage} within {self.core.s.averaging_timeout_s:g} s")
             try:
                 return await self.compute.wait(lambda: replicas.resume_round(
-                    saved, reason, timeout=left, contact=self.core.contact, expected=self.starting))
+                    saved, reason, timeout=left, contact=self.core.flow.contact, expected=self.starting))
             except AveragingFailed as exc:
                 log.info("%s: resume round: %s; again", self.name, exc)
 
@@ -341,10 +334,11 @@ class Schedule:
                 await links.named(link).on_codebook_slice(msg)
             case do.LoadProjector(msg, step):
                 await self.compute.run(self._load_projector, step, msg.tensors[WireName.PROJ], msg.pver)
-            case do.AddProjectorGrad(grad, before):
-                await self.compute.run(self._add_projector_grad, grad, before)
+            case do.AddProjectorGrad(msg, before):
+                await self.compute.run(self._add_projector_grad, *(None if m is None else m.tensors[WireName.PROJ_GRAD]
+                                                                  for m in (msg, before)))
             case do.SumLosses(_, losses):
-                core.losses_summed(intent, sum(await self.compute.run(loss_values, list(losses))))
+                core.answer(intent, sum(await self.compute.run(loss_values, list(losses))))
             case do.MeanLoss(step, losses, to):
                 loss = await self.compute.run(mean_loss, list(losses))
                 for name in to:
@@ -359,8 +353,7 @@ class Schedule:
             case do.SetEpoch(epoch):
                 links.set_epoch(epoch)
             case do.TakeStep():
-                metrics = await self.compute.run(self._take_step)
-                core.stepped(metrics)
+                core.answer(intent, await self.compute.run(self._take_step))
             case do.Abandon():
                 await self.compute.run(self.rt.abandon_step)
             case do.Redo(step, epoch):
@@ -368,7 +361,7 @@ class Schedule:
                 dropped = self.mailbox.drop(lambda m: m.epoch < epoch and m.type not in (MT.PROJ, MT.BYE,
                                                                                          MT.CODEBOOK_SLICE))
                 log.warning("%s: step %d runs again in run epoch %d (%d message(s) of the earlier one dropped; %d "
-                            "replica(s) gone)", self.name, step, epoch, dropped, len(core.gone))
+                            "replica(s) gone)", self.name, step, epoch, dropped, len(core.members.gone))
             case do.RecordTrain(step, loss, tokens):
                 self._record_train(step, loss, tokens)
             case do.RecordVal(step, loss):
@@ -384,7 +377,7 @@ class Schedule:
             case do.Boundary(step):
                 if self.drain is not None and self.drain.should_stop():
                     await self.drain.decide(step)  # every stage has finished step - 1
-                    core.drain()
+                    core.answer(intent)
             case do.Wait():
                 await self._wait(intent)
             case _:
@@ -401,24 +394,24 @@ class Schedule:
                 ids = self.sampler.batch_at(token.step * self.s.num_micro_batches + micro) if core.s.replicas \
                     else next(self.sampler)
                 res = await compute.run(host.forward, micro, ids=ids, train=True)
-                core.forwarded(intent, res.payload, res.loss, res.tokens)
+                core.answer(intent, res.payload, res.loss, res.tokens)
             case do.Forward(_, msg, link):
                 work = compute.run(host.forward, msg.micro, wire=_payload(msg, ACT_WIRE), train=True, cver=msg.cver)
                 try:
                     res = await self.links.named(link).decoded(work, msg)
                 except Retransmitting:
-                    core.retransmitting(intent)
+                    core.failed(intent)
                     return
-                core.forwarded(intent, res.payload, res.loss, res.tokens)
+                core.answer(intent, res.payload, res.loss, res.tokens)
             case do.Backward(_, micro, msg, link, origin):
                 work = compute.run(host.backward, micro, None if msg is None else _payload(msg, GRAD_WIRE),
                                    cver=None if msg is None else msg.cver, origin=origin)
                 try:
                     grad = await (work if msg is None else self.links.named(link).decoded(work, msg))
                 except Retransmitting:
-                    core.retransmitting(intent)
+                    core.failed(intent)
                     return
-                core.backwarded(intent, grad)
+                core.answer(intent, grad)
             case do.EvalFeed(step, index, link):
                 res = await compute.run(host.forward, -1 - index, ids=self.val_batches[index], train=False)
                 await self.links.named(link).send_act(step, index, res.payload, eval_mode=True,
@@ -430,7 +423,7 @@ class Schedule:
                     res = await self.links.named(link).decoded(work, msg)
                 except Retransmitting:
                     return
-                core.eval_forwarded(intent, res.payload, res.loss)
+                core.answer(intent, res.payload, res.loss)
 
     async def _wait(self, intent: do.Wait) -> None:
         links = self.links
@@ -448,7 +441,7 @@ class Schedule:
         proj = await self.compute.run(self.host.outbound_projector)
         if proj is None:
             return
-        self.core.projector_sent(proj[1])  # before its send: what comes back is at it
+        self.core.answer(intent, proj[1])  # before its send: what comes back is at it
         for name in intent.links:
             link = self.links.named(name)
             if link is not None:
@@ -456,7 +449,7 @@ class Schedule:
 
     async def _send_projector_grad(self, intent: do.SendProjectorGrad) -> None:
         g = await self.compute.run(self._inbound_projector_grad, intent.origins, intent.parts)
-        self.core.projector_grad_sent(intent, g)
+        self.core.answer(intent, g)
         if g is not None:
             await self.links.named(intent.link).send_projector_grad(intent.step, g, micro_batches=intent.micro_batches,
                                                                     pver=intent.pver)
@@ -513,22 +506,22 @@ class Schedule:
         try:
             if isinstance(intent, do.Sync):
                 round_ = await self.compute.wait(lambda: replicas.sync(
-                    timeout=intent.timeout_s, epoch=core.epoch, contact=core.contact, expected=intent.expected))
+                    timeout=intent.timeout_s, epoch=core.epoch, contact=core.flow.contact, expected=intent.expected))
             else:
-                expected = core.expected(await self._announced())
+                expected = core.rounds.expected(await self._announced())
                 round_ = await self.compute.wait(lambda: replicas.average(
                     list(intent.micro), step=intent.token.step, timeout=intent.timeout_s, loss_sum=intent.loss_sum,
-                    epoch=intent.token.epoch, contact=core.contact, expected=expected))
+                    epoch=intent.token.epoch, contact=core.flow.contact, expected=expected))
         except AveragingFailed as exc:
-            core.round_failed(unsure=exc.unsure, behind=isinstance(exc, Behind), why=str(exc))
+            core.failed(intent, unsure=exc.unsure, behind=isinstance(exc, Behind), why=str(exc))
             return
         if isinstance(intent, do.Sync):
-            core.synced(round_)
+            core.answer(intent, round_)
             return
         counts = self.result.averaging
         for key, n in (("rounds", 1), ("sent_bytes", round_.sent_bytes), ("received_bytes", round_.received_bytes)):
             counts[key] = counts.get(key, 0) + n
-        core.averaged(round_)
+        core.answer(intent, round_)
 
     async def _announced(self) -> Sequence[str]:
         """The contacts of this stage's DHT records (none when the DHT does not answer: the round goes
@@ -563,7 +556,7 @@ class Schedule:
         if intent.kind == "resync":
             counts = self.result.averaging
             counts["resyncs"] = counts.get("resyncs", 0) + 1
-        self.core.downloaded(got)
+        self.core.answer(intent, got)
 
     def _load_served(self, got: dict) -> None:
         """Load a partner's downloaded state (compute thread), under the lock a download of this

@@ -4,7 +4,7 @@ Payloads are produced by :class:`StageRuntime` already cast to their wire dtypes
 link moves exactly what a network link would (the wire only adds headers). With mapl_vq the
 codebook slices a stage queues travel first, in the order a peer sends them (counted as
 ``codebook`` forward and ``grad_codebook`` backward), and the payload carries its ``cver``. A step
-runs every stage's list of actions (:mod:`~mapl_swarm.pipeline.actions`, 1F1B by default), the
+runs every stage's list of actions (:mod:`~mapl_swarm.step.actions`, 1F1B by default), the
 lists the peers of a swarm run, interleaved as their messages allow; weights only change at the
 step's flush and gradients accumulate in micro-batch order, so every order gives the same step.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from mapl_swarm.config import TrainConfig
-from mapl_swarm.pipeline.actions import Op, stage_actions
+from mapl_swarm.step.actions import Op, stage_actions
 from mapl_swarm.pipeline.payload import LinkCounter, LinkKind, PayloadKey, Stream, WireName
 from mapl_swarm.pipeline.stage import ForwardResult, StageRuntime, loss_values, mean_loss
 
@@ -45,7 +45,7 @@ class InProcessPipeline:
     def __init__(self, cfg: TrainConfig, device: torch.device | str = "cpu", *, order: str = "1f1b") -> None:
         self.cfg = cfg
         self.order = order
-        """The schedule's order (:data:`~mapl_swarm.pipeline.actions.ORDERS`); the step is the same in both."""
+        """The schedule's order (:data:`~mapl_swarm.step.actions.ORDERS`); the step is the same in both."""
         self.in_flight = cfg.net.max_in_flight or cfg.pipeline.num_stages
         """Micro-batches stage 0 keeps in flight (1F1B), as a swarm's."""
         self.stages = [StageRuntime(cfg, s, device) for s in range(cfg.pipeline.num_stages)]
@@ -70,7 +70,7 @@ class InProcessPipeline:
 
     def accumulate(self, micro_batches: list[torch.Tensor]) -> tuple[list[float], int]:
         """Forward+backward every micro-batch (B, T+1) in the schedule's order
-        (:func:`~mapl_swarm.pipeline.actions.stage_actions`, the peers'); gradients accumulate,
+        (:func:`~mapl_swarm.step.actions.stage_actions`, the peers'); gradients accumulate,
         nothing steps. Each link is a FIFO per direction, as a peer's: codebook slices, then the
         payload with the codebook version it was encoded at."""
         P, M = len(self.stages), len(micro_batches)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from mapl_swarm.config import TrainConfig
 from mapl_swarm.errors import ConfigError
+from mapl_swarm.step.cadence import due
 
 if TYPE_CHECKING:
     from mapl_swarm.data import PreparedData
@@ -35,12 +36,6 @@ def check_vocab(cfg: TrainConfig, data: "PreparedData") -> None:
     if data.tokenizer.vocab_size != cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size {cfg.model.vocab_size} != tokenizer vocabulary "
                           f"{data.tokenizer.vocab_size} (set model.vocab_size or data.vocab_size)")
-
-
-def due(every: int, step: int, total_steps: int) -> bool:
-    """The cadence of periodic work after optimizer step ``step``: every ``every`` steps and after
-    the last one; never when ``every`` is 0."""
-    return bool(every) and (step % every == 0 or step == total_steps)
 
 
 def checkpoint_due(cfg: TrainConfig, step: int) -> bool:

@@ -9,9 +9,8 @@
   the global batch's, with the replicas' parameter digests compared;
 * :mod:`.state` — a stage's state as it travels to a joining replica (msgpack skeleton and
   tensors, checked against the receiver's own state) and its digest;
-* :mod:`.assignment` — which global micro-batches each stage-0 replica feeds;
 * :mod:`.errors` — what a round raises (importable without hivemind).
 
-The peer's side (routing, the commit of a step, replicas that leave) is
-:mod:`mapl_swarm.peer.replica_schedule`.
+The step protocol's side (routing, the commit of a step, replicas that leave, which global
+micro-batches each stage-0 replica feeds) is :mod:`mapl_swarm.step`'s.
 """

@@ -19,16 +19,21 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from mapl_swarm.pipeline.run_policy import due
+from mapl_swarm.step.cadence import due
 from mapl_swarm.step import intents as do
-from mapl_swarm.wire import Message
+from mapl_swarm.wire import Message, MessageType
 
 if TYPE_CHECKING:
     from mapl_swarm.step.context import Core
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Commit"]
+__all__ = ["Commit", "BYE_FINISHED"]
+
+MT = MessageType
+
+BYE_FINISHED = "training finished"
+"""Stage 0's BYE ``reason`` after the last step."""
 
 
 class Commit:
@@ -139,6 +144,22 @@ class Commit:
             self.replay["commit"] = (step, c.epoch, {})
             for name in c.flow.down_links():
                 c.send(do.SendRoute(name, step, "commit"))
+
+    def on_message(self, msg: Message, link: str) -> do.Intent | None:
+        """A message taken while the commit is awaited: a BYE from upstream, or the re-run of a
+        micro-batch taken from a replica that left (answered with the GRAD kept)."""
+        c = self.c
+        if msg.type is not MT.BYE:
+            c.repair.rerun_after_whole(msg, link)
+            return None
+        if msg.meta.get("reason") == BYE_FINISHED and msg.step > c.step:
+            # an upstream replica that took this step (the run's last) and ended: its word of the
+            # commit, which may not have come yet from its partners
+            c.byes.add(link)
+            c.bye = msg
+            self.on_route("commit", link, c.step, c.epoch)
+            return None
+        return c.on_bye(msg, link, during_step=True)
 
     def redone(self, epoch: int) -> None:
         """A redo moved the run to ``epoch``: what was kept of an earlier one is forgotten."""

@@ -14,6 +14,7 @@ from mapl_swarm.wire import Message
 if TYPE_CHECKING:
     from mapl_swarm.step import intents as do
     from mapl_swarm.step.members import Members
+    from mapl_swarm.step.phase import Phase
     from mapl_swarm.step.router import Router
     from mapl_swarm.step.state import StepState
     from mapl_swarm.step.window import Projectors, StepWindow
@@ -53,7 +54,8 @@ class Inbox(Protocol):
 
 
 class Core(Protocol):
-    """The step core as its parts see it."""
+    """The step core as its parts see it: the run's settings, links and books, the other parts, and
+    the moves the parts make."""
 
     s: Any
     """The run's settings (:class:`~.core.CoreSettings`)."""
@@ -64,28 +66,32 @@ class Core(Protocol):
     members: Members
     router: Router
     clock: Callable[[], float]
+    reject: Callable[[str, str, str], None]
     stage: int
     first: bool
     last: bool
     cur: StepState
     epoch: int
+    phase: Phase
     joined: int
     projector_step: int
     flow: Any
+    projector: Any
+    rounds: Any
     repair: Any
+    redo: Any
     commit: Any
     validation: Any
-    """The other parts (:class:`~.flow.Flow`, :class:`~.repair.Repair`, :class:`~.commit.Commit`,
-    :class:`~.validation.Validation`)."""
+    byes: set[str]
+    bye: Message | None
+    """The parts (:class:`~.flow.Flow`, :class:`~.projector.ProjectorExchange`, :class:`~.averaging.Rounds`,
+    :class:`~.repair.Repair`, :class:`~.redo.Redo`, :class:`~.commit.Commit`, :class:`~.validation.Validation`)."""
 
     @property
     def step(self) -> int: ...
 
     @property
     def token(self) -> do.Token: ...
-
-    @property
-    def serving(self) -> bool: ...
 
     @property
     def active(self) -> bool: ...
@@ -106,26 +112,15 @@ class Core(Protocol):
 
     def queued(self) -> bool: ...
 
-    def take(self, got: tuple[Message, LinkView], cur: StepState) -> do.Intent | None: ...
+    def take(self, got: tuple[Message, LinkView], handle: Callable[[Message, str], Any]) -> Any: ...
 
-    def on_bye(self, msg: Message, link: str, *, during_step: bool) -> do.Intent | None: ...
+    def take_message(self, wanted: Callable[[Message], bool], what: str, handle: Callable[[Message, str], Any], *,
+                     timeout_s: float | None = None) -> Any: ...
 
-    def proj_copy(self, msg: Message, link: str | None = None, *, copy: bool = False) -> None: ...
+    def on_bye(self, msg: Message, link: str, *, during_step: bool) -> Any: ...
 
-    def projector_ready(self, step: int) -> bool: ...
+    def whole(self) -> None: ...
 
-    def take_later_readies(self, cur: StepState) -> None: ...
+    def restarted(self, step: int, epoch: int) -> None: ...
 
-    def end_queued_readies(self, cur: StepState) -> None: ...
-
-    def issue_redo(self, step: int, problem: str) -> None: ...
-
-    def redo_soon(self, step: int, problem: str) -> None: ...
-
-    def serve_again(self) -> None: ...
-
-    def resume_if_flushing(self) -> None: ...
-
-    def cancel_round(self) -> None: ...
-
-    def gone_named(self, msg: Message) -> list[str]: ...
+    def joined_at(self, step: int, epoch: int, projector: int, members: str, gone: str) -> None: ...

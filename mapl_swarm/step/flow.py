@@ -6,7 +6,7 @@ sends them on downstream, takes their GRADs back, computes them backward and sen
 :class:`Flow` decides the order and keeps the books (:class:`~.state.StepState`):
 
 - **A chain** (one peer per stage, no ROUTE on the wire): the step is the stage's 1F1B list of
-  actions (:func:`~mapl_swarm.pipeline.actions.stage_actions`, the in-process driver's too): each
+  actions (:func:`~mapl_swarm.step.actions.stage_actions`, the in-process driver's too): each
   action takes its own input and nothing else, so every stage computes in the in-process order
   and gradients accumulate in micro-batch order. Its one link each way is ``ready`` and announces
   all M ACTs without a message.
@@ -25,8 +25,8 @@ import hashlib
 import logging
 from typing import TYPE_CHECKING, Any
 
-from mapl_swarm.pipeline.actions import Op, stage_actions
-from mapl_swarm.replicas.assignment import replica_share
+from mapl_swarm.step.actions import Op, stage_actions
+from mapl_swarm.step.assignment import replica_share
 from mapl_swarm.step import intents as do
 from mapl_swarm.step.state import StepState
 from mapl_swarm.wire import Message, MessageType
@@ -39,6 +39,10 @@ log = logging.getLogger(__name__)
 __all__ = ["Flow", "act_digest", "SERVED"]
 
 MT = MessageType
+
+
+_LATER_READIES = 64
+"""ROUTE ``ready`` of later steps kept at most (each neighbour replica sends one per step)."""
 
 
 class _Served(do.Intent):
@@ -70,6 +74,8 @@ class Flow:
         s = core.s
         self.actions = stage_actions(s.stage, s.num_stages, s.M, in_flight=s.max_in_flight)
         """A chain: this stage's actions of every training step (the in-process driver's list too)."""
+        self._later_readies: list[tuple[Message, str]] = []
+        """ROUTE ``ready`` of later steps (or run epochs) than the one served, kept for it."""
 
     # ------------------------------------------------------------------ links
     def live(self, name: str | None) -> bool:
@@ -83,6 +89,15 @@ class Flow:
         """The downstream links, in contact order (every replica of a stage orders them alike)."""
         links = [link for link in self.c.links.of_stage(self.c.links.down) if self.live(link.name)]
         return [link.name for link in sorted(links, key=lambda link: link.contact or link.name)]
+
+    @property
+    def contact(self) -> str:
+        """This peer's own contact (what its neighbours' links name it by)."""
+        return next((link.local_contact for link in self.c.links if link.local_contact), "")
+
+    def bye_from_up(self, msg: Message) -> bool:
+        """A BYE from upstream (the run ends, or an upstream replica leaves)."""
+        return msg.type is MT.BYE and msg.src == self.c.links.up
 
     def several(self, stage: int | None) -> bool:
         """The run may route micro-batches of ``stage`` through another of its replicas."""
@@ -116,7 +131,7 @@ class Flow:
         if not c.s.replicas and not c.last:
             cur.ready = self.down_links()
         cur.started = True
-        c.take_later_readies(cur)
+        self.take_later_readies(cur)
         return True
 
     # ------------------------------------------------------------------ what comes next
@@ -126,7 +141,7 @@ class Flow:
         repair = c.repair
         if cur.repair_by and now > cur.repair_by and (cur.held or cur.rerun & cur.dest.keys()
                                                       or cur.await_answers and not repair.upstream_answered(cur)):
-            c.issue_redo(cur.step, f"the repair after a replica left did not come within {c.s.timeout_s / 2:g} s "
+            c.redo.issue(cur.step, f"the repair after a replica left did not come within {c.s.timeout_s / 2:g} s "
                                    f"({len(cur.held)} re-run(s) awaited here, {len(cur.rerun & cur.dest.keys())} "
                                    f"GRAD(s) of ACTs sent again)")
             return None
@@ -150,7 +165,7 @@ class Flow:
             if got is not None:
                 self.handle(got[0], got[1].name, cur)
                 return None
-            c.end_queued_readies(cur)
+            self.end_queued_readies(cur)
             return SERVED
         return self._ordered(cur) if not c.s.replicas else self._greedy(cur)
 
@@ -166,7 +181,7 @@ class Flow:
         if got is None:
             return do.Wait(lambda m: self.wanted(m, cur.step), f"ACT, GRAD or ROUTE of step {cur.step}",
                            c.s.timeout_s, self.waited(cur))
-        return c.take(got, cur)
+        return c.take(got, lambda m, link: self.handle(m, link, cur))
 
     def _ordered(self, cur: StepState) -> do.Intent | None:
         """A chain: the next action of the 1F1B list, with its own input only: the messages of that
@@ -199,7 +214,7 @@ class Flow:
         if got is None:
             return do.Wait(wanted, f"{mtype.name} of step {cur.step} micro-batch {micro}", c.s.timeout_s,
                            [link.name for link in c.links.of_stage(src)])
-        return c.take(got, cur)
+        return c.take(got, lambda m, link: self.handle(m, link, cur))
 
     def wanted(self, msg: Message, step: int) -> bool:
         """What the serving of ``step`` takes from the inbox: its ACTs, GRADs, ROUTEs, eval ACTs (their
@@ -210,7 +225,7 @@ class Flow:
         if msg.type is MT.BYE:
             return msg.src == c.links.up
         if msg.type is MT.ACT and _mode(msg) == "eval":
-            return msg.step <= step and c.projector_ready(msg.step)
+            return msg.step <= step and c.projector.ready(msg.step)
         return msg.type is not MT.PROJ_GRAD and msg.step <= step
 
     def waited(self, cur: StepState) -> list[str]:
@@ -230,7 +245,7 @@ class Flow:
         if msg.type is MT.ACT and _mode(msg) == "eval":
             return c.validation.eval_act(msg, link)
         if msg.type is MT.PROJ:
-            c.proj_copy(msg, link)
+            c.projector.copy(msg)
             return None
         if msg.step < cur.step:  # a stale message of a neighbour (a replica's copy a step late)
             log.debug("%s: %s of step %d from %s not used (step %d)", c.s.name, msg.type.name, msg.step, link,
@@ -323,17 +338,20 @@ class Flow:
             cur.action += 1
         return do.Feed(self.c.token, micro)
 
-    def forwarded(self, micro: int, link: str | None, payload: Any, loss: Any, tokens: int,
-                  msg: Message | None = None) -> None:
-        """The forward of ``micro`` (its ACT ``msg`` from ``link``; None: stage 0's data) gave ``payload``
-        (None on the last stage, which keeps ``loss``)."""
+    def forwarded(self, intent: do.Feed | do.Forward, payload: Any, loss: Any = None, tokens: int = 0) -> None:
+        """The forward ``intent`` asked for (stage 0's data, or a received ACT) gave ``payload`` (None on
+        the last stage, which keeps ``loss``)."""
         c, cur = self.c, self.c.cur
-        if link is not None:
+        if isinstance(intent, do.Forward):
+            msg, link = intent.msg, intent.link
+            micro = msg.micro
             cur.received[link] += 1
-            if msg is not None and self.several(c.links.up):
+            if self.several(c.links.up):
                 cur.digests[micro] = act_digest(msg)
             if not c.s.replicas:
                 cur.action += 1
+        else:
+            micro, link = intent.micro, None
         cur.forwarded += 1
         if payload is not None:
             if not c.s.replicas:  # its one downstream link, in the order of the actions
@@ -345,17 +363,16 @@ class Flow:
         cur.tokens += tokens
         c.send(do.Backward(c.token, micro, None, None, link if c.s.replicas else None))
 
-    def backwarded(self, micro: int, link: str | None, grad: Any) -> None:
-        """The backward of ``micro`` (its GRAD from ``link``; None: the last stage's loss) gave ``grad``
-        (None on stage 0)."""
+    def backwarded(self, intent: do.Backward, grad: Any) -> None:
+        """The backward ``intent`` asked for (its GRAD from a link; none: the last stage's loss) gave
+        ``grad`` (None on stage 0)."""
         c, cur = self.c, self.c.cur
+        micro, link = intent.micro, intent.link
         if link is not None:
             went = cur.dest.pop(micro, None)
             if went is not None:
                 c.router.returned(link, c.clock() - went[1])
-            if not c.s.replicas:
-                cur.action += 1
-        elif not c.s.replicas:
+        if not c.s.replicas:
             cur.action += 1
         cur.done.append(micro)
         log.debug("%s: step %d micro-batch %d backward (%d of the step)", c.s.name, cur.step, micro, len(cur.done))
@@ -367,11 +384,11 @@ class Flow:
         if origin is not None and self.live(origin):
             c.send(do.SendGrad(origin, cur.step, micro, grad, c.proj.inbound_pver))
 
-    def retransmitting(self, micro: int, forward: bool) -> None:
-        """The codes of ``micro``'s ACT (``forward``) or GRAD could not be decoded: dropped, its copy
-        follows on its link (asked for by the link)."""
-        if forward:
-            self.c.cur.origin.pop(micro, None)
+    def retransmitting(self, intent: do.Forward | do.Backward) -> None:
+        """The codes of ``intent``'s ACT or GRAD could not be decoded: dropped, its copy follows on its
+        link (asked for by the link)."""
+        if isinstance(intent, do.Forward):
+            self.c.cur.origin.pop(intent.msg.micro, None)
 
     # ------------------------------------------------------------------ routing
     def send_waiting(self, cur: StepState, now: float) -> None:
@@ -383,7 +400,7 @@ class Flow:
             if cur.partners_gone and not all(cur.partners_gone <= cur.told.get(x, set()) for x in cur.ready):
                 if now < cur.repair_by:
                     return  # the notice wakes the schedule
-                c.issue_redo(cur.step, f"a downstream replica did not say within {c.s.timeout_s / 2:g} s which "
+                c.redo.issue(cur.step, f"a downstream replica did not say within {c.s.timeout_s / 2:g} s which "
                                        f"micro-batches of the step it took from this stage's replica that left")
                 return
             micro, payload = cur.waiting[0]
@@ -405,6 +422,55 @@ class Flow:
             cur.dest[micro] = (link, c.clock())
         if self.several(c.links.down):
             cur.payloads[micro] = payload
+
+    # ------------------------------------------------------------------ ROUTE ready
+    def on_ready(self, msg: Message, link: str) -> None:
+        """ROUTE ``ready`` from downstream, taken at once: for a step this replica ended, ``end`` with 0
+        ACTs (its averaging round may wait, through the stage's other replicas, for this answer); for
+        the step it routes now, a link to route to; one of a later step waits for that step."""
+        c = self.c
+        cur = c.cur
+        if msg.epoch < c.epoch:
+            return
+        if msg.epoch == c.epoch and (msg.step < cur.step or (msg.step == cur.step and cur.ended)):
+            c.spawn(do.SendRoute(link, msg.step, "end", acts=0))
+            return
+        if msg.epoch == c.epoch and msg.step == cur.step:
+            self.on_route(msg, link, cur)
+            c.wake()
+            return
+        if len(self._later_readies) >= _LATER_READIES:
+            c.reject("queue_full", link, f"{_LATER_READIES} ROUTE ready of later steps wait already")
+            return
+        self._later_readies.append((msg, link))
+
+    def take_later_readies(self, cur: StepState) -> None:
+        """The ``ready``s of ``cur``'s step (and run epoch) that came before it began."""
+        c = self.c
+        keep = []
+        for msg, link in self._later_readies:
+            if msg.epoch < c.epoch or not self.live(link):
+                continue  # of an attempt a redo ended, or of a replica gone
+            if msg.step == cur.step and msg.epoch == c.epoch:
+                self.on_route(msg, link, cur)
+            elif msg.step > cur.step or msg.epoch > c.epoch:
+                keep.append((msg, link))
+            else:
+                c.send(do.SendRoute(link, msg.step, "end", acts=0))
+        self._later_readies = keep
+
+    def end_queued_readies(self, cur: StepState) -> None:
+        """A ``ready`` of the step still kept when the step is done gets its ``end`` with 0 ACTs."""
+        c = self.c
+        keep = []
+        for msg, link in self._later_readies:
+            if msg.epoch < c.epoch:
+                continue  # of an attempt a redo ended
+            if msg.step <= cur.step and msg.epoch == c.epoch:
+                c.send(do.SendRoute(link, msg.step, "end", acts=0))
+            else:
+                keep.append((msg, link))
+        self._later_readies = keep
 
     # ------------------------------------------------------------------ when the step is done here
     def all_computed(self, cur: StepState) -> bool:

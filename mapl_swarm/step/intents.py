@@ -178,11 +178,11 @@ class LoadProjector(Intent):
 
 @dataclass(frozen=True)
 class AddProjectorGrad(Intent):
-    """Add PROJ_GRAD tensor ``grad`` (None: none) to the outbound projector's gradient in place of
-    ``before`` (added earlier from the same link; None: nothing)."""
+    """Add the tensor of PROJ_GRAD ``msg`` (None: none) to the outbound projector's gradient in place
+    of the one of ``before`` (a PROJ_GRAD of the same link added earlier; None: nothing)."""
 
-    grad: Any
-    before: Any
+    msg: Message | None
+    before: Message | None
 
 
 @dataclass(frozen=True)

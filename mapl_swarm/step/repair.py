@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from mapl_swarm.step import intents as do
 from mapl_swarm.step.flow import act_digest
+from mapl_swarm.step.phase import Phase
 from mapl_swarm.step.state import StepState
 from mapl_swarm.wire import Message, MessageType
 
@@ -77,10 +78,10 @@ class Repair:
                     c.spawn(do.SendRoute(other.name, c.step, "gone", gone=(link.contact,),
                                          held=None if downstream else tuple(held), epoch=c.epoch))
         if link.stage == 0:
-            if c.serving and cur.step == c.step:
+            if c.phase is Phase.SERVE and cur.step == c.step:
                 # its share of the step's data is read by no other replica: stage 0 splits the step
                 # again among the replicas left (a redo), before this replica's round
-                c.redo_soon(c.step, "the replica of stage 0 that left had its share of the step's micro-batches")
+                c.redo.soon(c.step, "the replica of stage 0 that left had its share of the step's micro-batches")
         elif active and not downstream and link.name not in cur.announced:
             cur.await_answers = True
             self.deadline(cur)
@@ -93,7 +94,7 @@ class Repair:
             self.deadline(cur)
             log.warning("%s: %d train micro-batch(es) of step %d came through it; their re-runs come through its "
                         "stage's other replicas", c.s.name, len(held), cur.step)
-            c.serve_again()
+            c.redo.serve_again()
         elif link.stage != 0 and held and c.committing:
             # this stage's round is whole: nothing is awaited here, but the gone replica's partners
             # still need the GRADs of what went through it; a re-run that comes is answered with
@@ -113,7 +114,7 @@ class Repair:
                     self.forget(link.name)
             if c.members.in_round(contact) or c.members.round is None:  # a round (the sync round) waits for it
                 c.members.rerank()
-                c.cancel_round()
+                c.rounds.cancel()
         c.wake()
 
     def forget(self, name: str) -> None:
@@ -140,7 +141,7 @@ class Repair:
             return
         if any(m not in cur.payloads for m in again):  # sent while it was its stage's only replica
             stage = c.links.down if name in {x.name for x in c.links.of_stage(c.links.down)} else c.links.up
-            c.redo_soon(cur.step, f"the replica of stage {stage} that left took train micro-batch(es) of the step "
+            c.redo.soon(cur.step, f"the replica of stage {stage} that left took train micro-batch(es) of the step "
                                   f"this replica kept no copy of")
             return
         cur.replayed.update(m for m in again if m in cur.done)
@@ -150,12 +151,28 @@ class Repair:
         cur.untake.add(name)  # its PROJ_GRAD, if added: the re-runs' receivers send those parts
         if cur.ended:
             cur.ended, cur.reopen = False, True
-        c.serve_again()
+        c.redo.serve_again()
         log.warning("%s: %d train micro-batch(es) of step %d went through the replica at %s: sent again (%d of them "
                     "backwarded here already)", c.s.name, len(again), cur.step, name,
                     sum(m in cur.done for m in again))
 
     # ------------------------------------------------------------------ what neighbours say
+    def named(self, msg: Message) -> list[str]:
+        """The contacts a ROUTE names gone, but this replica's own and its links' (of its own links its
+        liveness deadline and their BYEs decide)."""
+        c = self.c
+        own = {x.contact for x in c.links if x.contact} | {c.flow.contact}
+        return c.members.named(msg.meta.get("gone", []), own)
+
+    def on_route(self, msg: Message, link: LinkView) -> None:
+        """ROUTE ``gone`` or ``redo``: the replicas it names left (taken for those this replica has no
+        link to); ``gone`` of the current step also says which of its micro-batches the sender holds."""
+        c = self.c
+        contacts = self.named(msg)
+        if msg.meta["phase"] == "gone" and (msg.step, msg.epoch) == (c.step, c.epoch) and c.cur.step == msg.step:
+            self.on_gone(msg, link, contacts)
+        self.learn_gone(contacts)
+
     def on_gone(self, msg: Message, link: LinkView, contacts: list[str]) -> None:
         """ROUTE ``gone`` or ``reopen`` of the current step: a neighbour names replicas of this stage
         that left (it sends the notice to the gone replica's partners only; an upstream one says
@@ -188,10 +205,10 @@ class Repair:
         cur.announced.pop(link, None)
         if cur.ended and not c.last:  # what comes now goes on: this stage's links reopen too
             cur.ended, cur.reopen = False, True
-        contacts = c.gone_named(msg)
+        contacts = self.named(msg)
         self.on_gone(msg, c.links.named(link), contacts)
         self.learn_gone(contacts)  # this stage's replicas that left: its rounds go on without them
-        c.resume_if_flushing()
+        c.redo.resume_if_flushing()
 
     def answer(self, cur: StepState) -> None:
         """Once every live upstream replica said whether what went through this stage's replicas that
@@ -244,6 +261,21 @@ class Repair:
         cur.waiting.extend(cur.resend)
         cur.resend.clear()
 
+    def rerun_wanted(self, msg: Message) -> bool:
+        """A train ACT of the step re-running a micro-batch this replica took from an upstream replica
+        that left (its round whole: answered with the GRAD it kept, :meth:`rerun_after_whole`)."""
+        c = self.c
+        return msg.type is MT.ACT and msg.meta.get("mode", "train") == "train" and msg.micro in c.cur.held \
+            and (msg.step, msg.epoch) == (c.cur.step, c.epoch)
+
+    def rerun_after_whole(self, msg: Message, link: str) -> None:
+        """A re-run that came once this stage's round was whole: the GRAD kept goes back, and once every
+        re-run came, the gone link's part of the inbound projector's gradient with the live link's."""
+        c = self.c
+        self.take_rerun(msg, link, c.cur)
+        if not c.cur.held and c.proj.takes:
+            c.projector.send_grads(c.cur)
+
     def take_rerun(self, msg: Message, link: str, cur: StepState) -> None:
         """The re-run of train micro-batch ``msg.micro``, taken here from an upstream replica that
         left: this replica's gradients count it already (its parameters' part, the inbound
@@ -254,7 +286,7 @@ class Repair:
         c = self.c
         micro = msg.micro
         if act_digest(msg) != cur.digests.get(micro):
-            c.issue_redo(cur.step, f"the re-run of train micro-batch {micro} from {link} is not the ACT the "
+            c.redo.issue(cur.step, f"the re-run of train micro-batch {micro} from {link} is not the ACT the "
                                    f"replica that left sent")
             return
         gone = cur.origin[micro]

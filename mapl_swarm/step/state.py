@@ -96,7 +96,7 @@ class StepState:
     reopened: set[str] = field(default_factory=set)
     """Downstream links told ``reopen``: a PROJ_GRAD over fewer ACTs than they carried is superseded."""
     proj_added: dict[str, tuple[int, Any]] = field(default_factory=dict)
-    """Downstream link -> the ACTs and PROJ_GRAD tensor added to the outbound projector's gradient."""
+    """Downstream link -> the ACTs and PROJ_GRAD message added to the outbound projector's gradient."""
     untake: set[str] = field(default_factory=set)
     """Downstream links gone whose ACTs went again: a PROJ_GRAD of theirs added is taken back."""
     partners_gone: set[str] = field(default_factory=set)

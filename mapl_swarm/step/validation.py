@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from mapl_swarm.errors import MaplError
 from mapl_swarm.step import intents as do
-from mapl_swarm.wire import Message
+from mapl_swarm.wire import Message, MessageType
 
 if TYPE_CHECKING:
     from mapl_swarm.step.context import Core
@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = ["Validation"]
+
+MT = MessageType
 
 
 def _nothing(msg: Message) -> bool:
@@ -78,6 +80,19 @@ class Validation:
         return do.Wait(_nothing, f"eval REPORT of step {step} from the last stage", left, c.flow.down_links())
 
     # ------------------------------------------------------------------ every later stage
+    def last_words(self, msg: Message, link: str) -> do.Intent | None:
+        """What comes after the last step, until every upstream link said BYE: the last validation's
+        eval ACTs (and the PROJ of the steps done, before them), ROUTEs of the last step."""
+        c = self.c
+        if msg.type is MT.BYE:
+            return c.on_bye(msg, link, during_step=False)
+        if msg.type is MT.ROUTE:
+            c.flow.on_route(msg, link, c.cur)
+            return None
+        if msg.type is MT.PROJ:
+            return c.projector.take(msg, msg.step, copy=True)
+        return self.eval_act(msg, link)
+
     def link_gone(self, name: str) -> None:
         """Downstream link ``name`` left: the eval ACTs this replica forwarded on it, of a validation
         whose REPORT has not passed here, go again on its first live downstream link."""
@@ -112,10 +127,11 @@ class Validation:
             c.commit.eval_steps.add(msg.step)
         return do.EvalForward(msg, link)
 
-    def forwarded(self, msg: Message, link: str, payload: Any, loss: Any) -> None:
-        """The eval forward of ``msg`` gave ``payload`` (on on the first downstream link) or ``loss``
-        (the last stage: once every eval micro-batch is in, the mean goes upstream as its REPORT)."""
-        c = self.c
+    def forwarded(self, intent: do.EvalForward, payload: Any, loss: Any) -> None:
+        """The eval forward ``intent`` asked for gave ``payload`` (on on the first downstream link) or
+        ``loss`` (the last stage: once every eval micro-batch is in, the mean goes upstream as its
+        REPORT)."""
+        c, msg = self.c, intent.msg
         if payload is not None:
             down = c.flow.down_links()
             if down and ("eval", msg.step) not in c.commit.reported:

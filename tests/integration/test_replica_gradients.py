@@ -22,7 +22,7 @@ from mapl_swarm.errors import MaplError
 from mapl_swarm.net.discovery import Discovery, TrustedAuthority
 from mapl_swarm.net.identity import create_peer_key, issue, issue_local, load_identity, make_request, write_signed
 from mapl_swarm.pipeline.stage import StageRuntime
-from mapl_swarm.replicas.assignment import replica_share
+from mapl_swarm.step.assignment import replica_share
 
 from conftest import micro_config
 from test_dht_certified import config, with_bootstrap

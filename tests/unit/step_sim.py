@@ -227,37 +227,37 @@ class SimPeer:
             case do.SendBye(link, step, meta):
                 self.send(link, MT.BYE, step=step, meta=dict(meta))
             case do.SendProjector(step, links):
-                core.projector_sent(self.proj.outbound_pver)
+                core.answer(intent, self.proj.outbound_pver)
                 for name in links:
                     self.send(name, MT.PROJ, step=step, pver=self.proj.outbound_pver)
             case do.SendProjectorGrad(link, step, n, pver):
-                core.projector_grad_sent(intent, ("g", n))
+                core.answer(intent, ("g", n))
                 self.send(link, MT.PROJ_GRAD, step=step, pver=pver, meta={"micro_batches": n}, tensors={"grad": _tensor(n)["x"]})
             case do.Feed(token, micro):
                 self.order.append((token.step, "F", micro, token.epoch))
                 self.rt.saved.add(micro)
-                core.forwarded(intent, (token.step, micro, self.stage, self.rt.version), None, TOKENS)
+                core.answer(intent, (token.step, micro, self.stage, self.rt.version), None, TOKENS)
                 self.sends()
             case do.Forward(token, msg, link):
                 self.order.append((token.step, "F", msg.micro, token.epoch))
                 self.rt.saved.add(msg.micro)
                 last = self.stage == sw.num_stages - 1
                 payload = None if last else (token.step, msg.micro, self.stage, self.rt.version)
-                core.forwarded(intent, payload, 1.0 + msg.micro if last else None, TOKENS)
+                core.answer(intent, payload, 1.0 + msg.micro if last else None, TOKENS)
                 self.sends()
             case do.Backward(token, micro):
                 assert micro in self.rt.saved, (self.core.s.name, micro, self.rt.saved)
                 self.order.append((token.step, "B", micro, token.epoch))
                 self.rt.saved.discard(micro)
                 self.rt.accumulated.append(micro)
-                core.backwarded(intent, None if self.stage == 0 else (token.step, micro, self.stage, 1))
+                core.answer(intent, None if self.stage == 0 else (token.step, micro, self.stage, 1))
                 self.sends()
             case do.EvalFeed(step, index, link):
                 self.send(link, MT.ACT, step=step, micro=index, pver=self.proj.outbound_pver,
                           meta={"mode": "eval"}, tensors=_tensor(step, index))
             case do.EvalForward(msg, link):
                 last = self.stage == sw.num_stages - 1
-                core.eval_forwarded(intent, None if last else (msg.step, msg.micro), 2.0 if last else None)
+                core.answer(intent, None if last else (msg.step, msg.micro), 2.0 if last else None)
                 self.sends()
             case do.ApplySlice():
                 pass
@@ -266,7 +266,7 @@ class SimPeer:
             case do.AddProjectorGrad():
                 pass
             case do.SumLosses(_, losses):
-                core.losses_summed(intent, float(sum(losses)))
+                core.answer(intent, float(sum(losses)))
             case do.MeanLoss(step, losses, to):
                 for name in to:
                     self.send(name, MT.REPORT, step=step, meta={"mode": "eval", "loss": sum(losses) / len(losses),
@@ -287,7 +287,7 @@ class SimPeer:
                 self.rt.version += 1
                 if self.proj.owns:
                     self.proj.outbound_pver += 1
-                core.stepped({})
+                core.answer(intent, {})
             case do.Abandon():
                 self.rt.accumulated.clear()
                 self.rt.saved.clear()
@@ -302,7 +302,7 @@ class SimPeer:
                 pass
             case do.Boundary(step):
                 if sw.drain_at is not None and step >= sw.drain_at:
-                    core.drain()
+                    core.answer(intent)
             case do.Wait():
                 self.blocked, self.since = intent, sw.now
             case do.Done(bye):
@@ -331,9 +331,9 @@ class SimPeer:
             return
         core = self.core
         if msg.type is MT.ROUTE and msg.meta["phase"] in CONTROL_ROUTES:
-            (core.on_ready if msg.meta["phase"] == "ready" else core.on_route)(msg, link.name)
+            core.on_control(msg, link.name)
         elif msg.type is MT.REPORT:
-            core.on_report(msg, link.name)
+            core.on_control(msg, link.name)
         elif msg.type is MT.BYE and link.stage != self.links.up:
             if not core.replica_gone(link, "BYE"):
                 self.swarm.lost.append((self.key, link.peer))
@@ -364,7 +364,7 @@ class SimRounds:
             return
         if isinstance(intent, do.Average):
             announced = [p.contact for p in self.swarm.stage_peers(self.stage)]
-            expected = peer.core.expected(announced)
+            expected = peer.core.rounds.expected(announced)
         else:
             expected = intent.expected
         self.asked[peer.key] = (peer, intent, expected)
@@ -378,8 +378,8 @@ class SimRounds:
 
     def _fail(self, peer: SimPeer, exc: AveragingFailed) -> None:
         if peer.alive and isinstance(peer.blocked, (do.Sync, do.Average)):
-            peer.blocked = None
-            peer.core.round_failed(unsure=exc.unsure, behind=False, why=str(exc))
+            peer.blocked_round, peer.blocked = peer.blocked, None
+            peer.core.failed(peer.blocked_round, unsure=exc.unsure, behind=False, why=str(exc))
             peer.drain_urgent()
 
     def died(self, key: tuple[int, int]) -> None:
@@ -423,15 +423,15 @@ class SimRounds:
                                         for q, i, _ in members}, expected=expected)
             peer.blocked = None
             if isinstance(intent, do.Sync):
-                peer.core.synced(round_)
+                peer.core.answer(intent, round_)
             elif unsure and n == 0:  # its all-reduce broke after it began; the others completed it
-                peer.core.round_failed(unsure=True, behind=False, why="the all-reduce failed after it began")
+                peer.core.failed(intent, unsure=True, why="the all-reduce failed after it began")
             elif len(steps) > 1:
-                peer.core.round_failed(unsure=False, behind=False, why="members of another step or epoch")
+                peer.core.failed(intent, why="members of another step or epoch")
             else:
                 if round_.problem(self.swarm.M) is None:
                     peer.rt.accumulated = list(union)  # the average: the whole batch's gradient
-                peer.core.averaged(round_)
+                peer.core.answer(intent, round_)
             peer.drain_urgent()
         return True
 
@@ -520,7 +520,7 @@ class SimSwarm:
         peer.blocked = None
         peer.rt = SimRuntime(version=partner.rt.version)
         peer.proj.inbound_pver, peer.proj.outbound_pver = partner.proj.inbound_pver, partner.proj.outbound_pver
-        peer.core.downloaded(self._served(partner))
+        peer.core.answer(intent, self._served(partner))
         peer.drain_urgent()
 
     # ------------------------------------------------------------------ running

@@ -304,6 +304,15 @@ def test_wire_imports_no_torch():
                       lambda m: "torch" in GRAPH.external[m])
 
 
+@pytest.mark.parametrize("io", ["torch", "asyncio", "zmq", "hivemind"])
+def test_the_step_core_is_pure(io):
+    """The step protocol's core (``mapl_swarm.step``) reaches no tensor, event loop, socket or DHT:
+    a state machine its tests drive in memory."""
+    step = sorted(m for m in GRAPH.modules if _in("mapl_swarm.step")(m))
+    _fail_with_chains(f"mapl_swarm.step reaches a module that imports {io}", step,
+                      lambda m: io in GRAPH.external[m])
+
+
 def test_runtime_wire_does_not_import_the_golden_vector_tooling():
     golden = _in("mapl_swarm.wire.golden")
     runtime = sorted(m for m in GRAPH.modules if _in("mapl_swarm.wire")(m) and not golden(m))

@@ -1,4 +1,4 @@
-"""The schedule as per-stage action lists (mapl_swarm.pipeline.actions), and the in-process driver
+"""The schedule as per-stage action lists (mapl_swarm.step.actions), and the in-process driver
 that runs them: every order is deadlock-free and gives the bit-identical step."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from mapl_swarm.pipeline.actions import Action, Op, stage_actions
+from mapl_swarm.step.actions import Action, Op, stage_actions
 from mapl_swarm.pipeline.inprocess import InProcessPipeline
 
 from conftest import micro_config

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mapl_swarm.data.batches import BatchSampler
-from mapl_swarm.replicas.assignment import replica_rank, replica_share
+from mapl_swarm.step.assignment import replica_rank, replica_share
 
 
 @pytest.mark.parametrize("replicas", [1, 2, 3, 5, 8])

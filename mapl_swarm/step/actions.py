@@ -5,7 +5,7 @@ forward micro-batch m (``F m``: receive its ACT unless stage 0, compute, send th
 last stage) and backward micro-batch m (``B m``: receive its GRAD unless the last stage, compute,
 send the GRAD unless stage 0); the step's flush follows the list. The in-process driver
 (:class:`~mapl_swarm.pipeline.inprocess.InProcessPipeline`) runs every stage's list in one
-process, the peers (:class:`~mapl_swarm.peer.schedule.PipelineSchedule`) each run their own, so
+process, the peers of a chain each run their own (:class:`~mapl_swarm.step.flow.Flow`), so
 ``train`` and ``launch`` compute in the same order. (PyTorch's ``torch.distributed.pipelining``
 and torchtitan describe their schedules the same way.)
 
