@@ -608,17 +608,22 @@ class Supervisor:
 def drain_note(cfg: TrainConfig, signal_name: str, command: str = "launch") -> tuple[str, int | None]:
     """The launcher's (``mapl-swarm COMMAND``'s) one line after its peers drained on ``signal_name``
     (from their result files), and the step; ``""`` when every peer had finished the run anyway."""
+    peers = [(s, r) for s, n in enumerate(replica_counts(cfg)) for r in range(n)]
     results = []
-    for s in range(cfg.pipeline.num_stages):
-        path = Path(cfg.run.out_dir) / f"peer_stage{s}.json"
+    for s, r in peers:
+        path = replica_out_dir(cfg.run.out_dir, r) / f"peer_stage{s}.json"
         results.append(json.loads(path.read_text()) if path.exists() else {})
     ends = [r.get("end", "missing") for r in results]
     if all(end == "finished" for end in ends):
         return "", None  # the signal came as the run ended: the usual summary
     steps = {r.get("drained_at") for r in results}
     if any(end != "drained" for end in ends) or len(steps) != 1:
-        stopped = ", ".join(f"stage {s} {end}" for s, end in enumerate(ends))
+        stopped = ", ".join(f"stage {s}{f' replica {r}' if r else ''} {end}" for (s, r), end in zip(peers, ends))
         return f"swarm stopped ({signal_name}): {stopped}", None
     step = steps.pop()
-    note = results[0].get("checkpoint_note", "").replace("--resume", f"`mapl-swarm {command} --resume`")
+    note = results[0].get("checkpoint_note", "")
+    if len(results) > cfg.pipeline.num_stages and all("saved by this replica" in r.get("checkpoint_note", "")
+                                                      for r in results):  # replicas: each saves its own
+        note = f"checkpoint of step {step} saved by every replica; continue with --resume"
+    note = note.replace("--resume", f"`mapl-swarm {command} --resume`")
     return f"swarm drained at step {step} ({signal_name}): {note}", step

@@ -273,6 +273,12 @@ class CheckpointAgreement:
         if self.on_drain is not None:
             await self.on_drain(step)
 
+    def drained(self, step: int, reason: str) -> None:
+        """With replicas: the swarm drained at ``step`` (its stage 0 decided in an averaging round,
+        SPEC §9.10 item 14): recorded here, so that this stage saves the step and says so."""
+        if self.drain_step is None:
+            self.drain_step, self.drain_reason = step, reason
+
     def drained_at(self, bye: Message | None) -> int | None:
         """The step this stage drained at, once its schedule ended: the decided one, or the step of a
         BYE ``"drain"`` from upstream; None when the run was not drained."""

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from mapl_swarm.errors import MaplError
 from mapl_swarm.wire import Message, MessageType
-from mapl_swarm.wire.spec import DRAIN_PHASES, DRAIN_REASON, REJOIN_REASON
+from mapl_swarm.wire.spec import DRAIN_PHASES, DRAIN_REASON, LEAVE_REASON, REJOIN_REASON
 from mapl_swarm.peer.link import CONFIG_REFUSALS, stage_name
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ class Session(Protocol):
 
     def pause(self, why: str, *, epoch: int, lost: int | None, told_by: int | None = None) -> None: ...
 
-    def depart(self, link: PeerLink, kind: str, detail: str) -> None: ...
+    def depart(self, link: PeerLink, kind: str, detail: str, *, after: int | None = None) -> None: ...
 
     def bad_frame(self, sender: str, why: str) -> None: ...
 
@@ -244,7 +244,8 @@ class Control:
             peer.pause(f"stage {msg.src} re-forms the swarm{departed}", epoch=max(peer.epoch + 1, msg.epoch),
                        lost=lost, told_by=msg.src)
             return
-        peer.depart(link, "drain" if reason == DRAIN_REASON else "left", reason)
+        peer.depart(link, "drain" if reason == DRAIN_REASON else "left", reason,
+                    after=msg.step if reason == LEAVE_REASON else None)
 
     async def _on_resync(self, msg: Message, link: PeerLink) -> None:
         if link.codebooks is None:
@@ -265,15 +266,20 @@ class Control:
 
     async def _on_checkpoint(self, msg: Message, link: PeerLink) -> None:
         agreement = self.peer.agreement
-        if self.peer.replicas_on:  # only a resume's offer and decision (SPEC §9.10 item 13)
+        if msg.meta["phase"] == "drain_request" and link.settings.identity is not None \
+                and "drain" not in getattr(link.peer_certificate, "roles", ()):
+            self.peer.rejects("not_allowed", link.name, f"drain request from stage {link.stage}, whose certificate "
+                                                        f"does not allow it (role drain; SPEC §7.2)")
+        elif self.peer.replicas_on and msg.meta["phase"] == "drain_request":  # SPEC §9.10 item 14
+            if link.is_upstream or not self.peer.started:
+                self.peer.rejects("not_allowed", link.name, "drain request from upstream, or before training")
+            else:
+                self.peer.schedule.drain_requested(str(msg.meta.get("reason") or f"asked by stage {link.stage}"))
+        elif self.peer.replicas_on:  # else only a resume's offer and decision (SPEC §9.10 item 13)
             resume = self.peer.run_policy.replica_resume if self.peer.run_policy is not None else None
             why = resume.on_message(msg, link) if resume is not None else "CHECKPOINT to a replica that keeps none"
             if why is not None:
                 self.peer.rejects("not_allowed", link.name, why)
-        elif msg.meta["phase"] == "drain_request" and link.settings.identity is not None \
-                and "drain" not in getattr(link.peer_certificate, "roles", ()):
-            self.peer.rejects("not_allowed", link.name, f"drain request from stage {link.stage}, whose certificate "
-                                                        f"does not allow it (role drain; SPEC §7.2)")
         elif agreement.store is None and msg.meta["phase"] not in DRAIN_PHASES:
             self.peer.bad_frame(link.name, "CHECKPOINT but this peer keeps no checkpoints")
         else:

@@ -37,7 +37,9 @@ from mapl_swarm.replicas.errors import AveragingFailed, Behind
 from mapl_swarm.replicas.state import prime_optimizers
 from mapl_swarm.step import intents as do
 from mapl_swarm.step.core import CoreSettings, StepCore
+from mapl_swarm.step.stopping import LEAVE_BYE
 from mapl_swarm.wire import Message, MessageType
+from mapl_swarm.wire.spec import DRAIN_REASON
 
 if TYPE_CHECKING:
     import torch
@@ -146,7 +148,8 @@ class Schedule:
     """Stage ``runtime.stage``'s steps over ``links`` (module docstring). ``replicas``: this stage's
     averaging with its other replicas (None: a chain's stage); ``stage_contacts()``: the contacts of
     this stage's replicas announced in the DHT; ``drain``: stage 0 of a chain asks it at every step
-    boundary whether the swarm drains."""
+    boundary whether the swarm drains; ``may_drain``: with replicas, this replica may ask the swarm to
+    drain (a certified stage > 0 needs the ``drain`` role)."""
 
     def __init__(self, runtime: StageRuntime, links: Links, mailbox: Mailbox, compute: ComputeThread, *,
                  name: str, settings: ScheduleSettings, cfg: TrainConfig, result: PeerResult, waits: WaitingLog,
@@ -154,7 +157,7 @@ class Schedule:
                  val_batches: Sequence[torch.Tensor] = (), reject: Callable[[str, str, str], None] | None = None,
                  spawn: Callable[[Awaitable[Any]], Any] | None = None, joining: bool = False,
                  stage_contacts: Callable[[], Awaitable[Sequence[str]]] | None = None,
-                 drain: CheckpointAgreement | None = None) -> None:
+                 drain: CheckpointAgreement | None = None, may_drain: bool = True) -> None:
         self.rt, self.host = runtime, HostRuntime(runtime)
         self.links, self.mailbox, self.compute = links, mailbox, compute
         self.name, self.s, self.result, self.waits, self.hooks = name, settings, result, waits, hooks
@@ -174,7 +177,7 @@ class Schedule:
             links=links, inbox=mailbox, projectors=RuntimeProjectors(runtime),
             reject=reject or (lambda code, sender, text: log.warning("%s: dropped a message from %s: %s (%s)",
                                                                      name, sender, text, code)),
-            clock=time.monotonic, joining=joining)
+            clock=time.monotonic, joining=joining, may_drain=may_drain)
         self.window = self.core.window
         """What the receive path lets in (admission reads it on every message)."""
         self._state_lock = threading.Lock()
@@ -184,6 +187,8 @@ class Schedule:
         """The step whose PROJ the runtime holds (set under :attr:`_state_lock`, for a download)."""
         self._progress: StepProgress | None = None
         self._t0 = 0.0
+        self.left = False
+        """With replicas: this replica left on purpose (a signal) and its stage went on."""
 
     # ------------------------------------------------------------------ what the peer reads
     @property
@@ -209,6 +214,15 @@ class Schedule:
     @property
     def bye(self) -> Message | None:
         return self.core.bye
+
+    @property
+    def drained_at(self) -> int | None:
+        """The step the swarm drained at (stage 0: decided here; later stages: the BYE ``"drain"``
+        that ended the run), or None."""
+        if self.core.drained:
+            return self.core.step
+        bye = self.core.bye
+        return bye.step if bye is not None and bye.meta.get("reason") == DRAIN_REASON else None
 
     def live_replicas(self) -> int:
         return self.core.members.live_count()
@@ -240,6 +254,7 @@ class Schedule:
                 intent = self.core.next()
                 await self.flush_urgent()
                 if isinstance(intent, do.Done):
+                    self.left = (intent.bye or {}).get("reason") == LEAVE_BYE
                     break
                 await self._do(intent)
         finally:  # a session that pauses (rejoin) trained too: its time counts with its tokens
@@ -280,11 +295,23 @@ class Schedule:
         self.core.on_linked(link.name)
         await self.flush_urgent()
 
-    def replica_gone(self, link: PeerLink, why: str) -> bool:
-        """Neighbour replica ``link`` left: True when its stage goes on without it (the core's)."""
-        gone = self.core.replica_gone(link, why)
+    def replica_gone(self, link: PeerLink, why: str, *, after: int | None = None) -> bool:
+        """Neighbour replica ``link`` left (``after``: on purpose, having taken that many steps): True
+        when its stage goes on without it (the core's)."""
+        gone = self.core.replica_gone(link, why, after=after)
         self.spawn_urgent()
         return gone
+
+    def stop(self, reason: str) -> None:
+        """With replicas, a signal: this replica leaves after its stage's next round (alone in its
+        stage: the swarm drains, :mod:`~mapl_swarm.step.stopping`)."""
+        self.core.stopping.stop(reason)
+        self.spawn_urgent()
+
+    def drain_requested(self, reason: str) -> None:
+        """With replicas, CHECKPOINT ``drain_request`` from downstream (its sender's role checked)."""
+        self.core.stopping.drain_requested(reason)
+        self.spawn_urgent()
 
     async def resume_round(self, saved: Sequence[int], reason: str) -> dict[str, tuple[list[int], str]]:
         """A resumed run's round of the stage's starting replicas, before anything is loaded (SPEC
@@ -378,6 +405,11 @@ class Schedule:
                 if self.drain is not None and self.drain.should_stop():
                     await self.drain.decide(step)  # every stage has finished step - 1
                     core.answer(intent)
+            case do.AskDrain(to, reason):
+                for name in to:
+                    link = links.named(name)
+                    if link is not None:
+                        await link.send(MT.CHECKPOINT, meta={"phase": "drain_request", "reason": reason})
             case do.Wait():
                 await self._wait(intent)
             case _:
@@ -511,7 +543,8 @@ class Schedule:
                 expected = core.rounds.expected(await self._announced())
                 round_ = await self.compute.wait(lambda: replicas.average(
                     list(intent.micro), step=intent.token.step, timeout=intent.timeout_s, loss_sum=intent.loss_sum,
-                    epoch=intent.token.epoch, contact=core.flow.contact, expected=expected))
+                    epoch=intent.token.epoch, contact=core.flow.contact, expected=expected, leave=intent.leave,
+                    going=intent.going, drain=intent.drain))
         except AveragingFailed as exc:
             core.failed(intent, unsure=exc.unsure, behind=isinstance(exc, Behind), why=str(exc))
             return

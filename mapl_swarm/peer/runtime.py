@@ -242,6 +242,7 @@ class Peer:
             result=self.result, waits=self.waits, hooks=run_policy or NoRunHooks(), replicas=replicas,
             sampler=sampler, val_batches=val_batches or [], reject=self.rejects, spawn=self.tasks.spawn,
             joining=joining, drain=None if self.replicas_on else self.agreement,
+            may_drain=stage == 0 or membership is None or "drain" in membership.body.roles,
             stage_contacts=lambda: candidates_of(self.resolve, stage, net.timeout_s))
         if reform is not None:  # what a pause before the handshake ends carries on
             self.schedule.starting = reform.replicas
@@ -406,6 +407,11 @@ class Peer:
         await self.schedule.run()
         await self.inbound.settled(net.timeout_s)
         self._enter(PeerState.ENDED, f"at step {self.schedule.step}")
+        drained = self.schedule.drained_at
+        if self.replicas_on and drained is not None:  # every replica saves the drain step
+            self.agreement.drained(drained, self.schedule.core.stopping.reason or "asked by another stage")
+            if self.run_policy is not None:
+                await self.run_policy.drain_at(drained)
         self._ended()
         await transport.flush(net.timeout_s)
         if self.rt.vq is None:
@@ -459,19 +465,20 @@ class Peer:
                     link.end_sessions()
                     self.depart(link, "left", f"its certificate (serial {cert.serial}) is revoked")
 
-    def depart(self, link: PeerLink, kind: str, detail: str) -> None:
-        """Neighbour ``link`` left (``kind`` ``"drain"``: planned, ``"left"``: before the end)."""
-        if self._replica_left(link, f"{kind}: {detail}"):
+    def depart(self, link: PeerLink, kind: str, detail: str, *, after: int | None = None) -> None:
+        """Neighbour ``link`` left (``kind`` ``"drain"``: planned, ``"left"``: before the end; ``after``:
+        a replica that left on purpose once it took that many steps)."""
+        if self._replica_left(link, f"{kind}: {detail}", after=after):
             return
         self.departures.report(Departure(stage=link.stage, endpoint=link.endpoint, kind=kind,  # type: ignore[arg-type]
                                          last_seen=time.time(), detail=detail))
 
-    def _replica_left(self, link: PeerLink, why: str) -> bool:
+    def _replica_left(self, link: PeerLink, why: str, *, after: int | None = None) -> bool:
         """With replicas, during training: a neighbour replica whose stage keeps another is the
         schedule's to drop (SPEC §9.10 "Replicas that leave"); True when it did."""
-        if not (self.replicas_on and self.state is PeerState.TRAINING):
+        if not (self.replicas_on and self.state in (PeerState.TRAINING, PeerState.DRAINING)):
             return False
-        if not self.schedule.replica_gone(link, why):
+        if not self.schedule.replica_gone(link, why, after=after):
             return False
         self.monitor.forget(link.name)
         return True
@@ -563,14 +570,15 @@ class Peer:
     def request_drain(self, signal_name: str) -> None:
         """A first SIGINT/SIGTERM (:class:`~.signals.DrainSignals`): drain the swarm at the next step
         boundary; before training started, or at a certified stage > 0 whose certificate lacks the
-        ``drain`` role, stop at once (it leaves)."""
+        ``drain`` role, stop at once (it leaves). With replicas this replica leaves after its stage's
+        next round, the swarm draining when none of its stage would stay (:mod:`mapl_swarm.step.stopping`)."""
         reason = f"{signal_name} at stage {self.stage}"
-        if self.replicas_on:  # no drain with replicas: this replica leaves (BYE), its stage's others go on (SPEC §9.10)
-            self.stop(_CleanStop("stopped", f"stage {self.stage} stopped ({signal_name}); a swarm with replicas "
-                                            f"does not drain to a common checkpoint"))
-            return
         if not self.state.started:
             self.stop(_CleanStop("stopped", f"stage {self.stage} stopped before training started ({signal_name})"))
+            return
+        if self.replicas_on:  # it leaves after its stage's next round, or, alone in its stage, the swarm drains
+            self._enter(PeerState.DRAINING, reason)
+            self.schedule.stop(reason)
             return
         identity = self.admission.s.identity  # a certified stage > 0 without the drain role may always leave
         if self.stage > 0 and identity is not None and "drain" not in identity.body.roles:
@@ -606,8 +614,15 @@ class Peer:
         return _checkpoint_on(self.links.route(dst), meta)
 
     def _ended(self) -> None:
-        """The schedule ended: after a drain (decided here, or a BYE ``"drain"``), say so; after the
-        last step, say so only when its checkpoint will never be complete (a stage could not save it)."""
+        """The schedule ended: after a drain (decided here, or a BYE ``"drain"``), say so; a replica
+        that left while its stage went on says so; after the last step, say so only when its checkpoint
+        will never be complete (a stage could not save it)."""
+        stopping = self.schedule.core.stopping
+        if self.schedule.left:
+            self.result.end = "stopped"
+            self.result.end_note = (f"stage {self.stage} replica left after {self.schedule.step} steps "
+                                    f"({stopping.reason}); its stage goes on with its other replicas")
+            return
         step = self.agreement.drained_at(self.schedule.bye)
         if step is None:
             last = self.cfg.run.steps
@@ -615,7 +630,9 @@ class Peer:
                 self.result.checkpoint_note = checkpoint_note(self.run_policy, last, self.schedule.s.start_step)
                 log.warning("%s: %s", self.name, self.result.checkpoint_note)
             return
-        why = self.agreement.drain_reason or self.agreement.requested or "asked by another stage"
+        why = self.agreement.drain_reason or self.agreement.requested or stopping.reason or "asked by another stage"
         note = checkpoint_note(self.run_policy, step, self.schedule.s.start_step)
+        if self.replicas_on and self.run_policy is not None and self.run_policy.saved(step):
+            note = f"checkpoint of step {step} saved by this replica; continue with --resume on every replica"
         self.result.end, self.result.drained_at, self.result.checkpoint_note = "drained", step, note
         self.result.end_note = f"stage {self.stage} drained at step {step} ({why}): {note}"

@@ -206,14 +206,15 @@ class ReplicaGradients:
         return got
 
     def _gather(self, micro: Sequence[int], loss_sum: float, epoch: int, contact: str, step: int,
-                expected: int) -> dict[str, Any]:
+                expected: int, *, leave: bool = False, going: bool = False, drain: bool = False) -> dict[str, Any]:
         state = {"modules": self.runtime.modules.state_dict(), "codec": self.runtime.codec.replicated_state()}
         return {"digest": state_digest(state), "micro": [int(m) for m in micro],
                 "loss": float(loss_sum), "epoch": int(epoch), "contact": contact, "step": int(step),
-                "expected": int(expected)}
+                "expected": int(expected), **{k: True for k, on in (("leave", leave), ("going", going), ("drain", drain)) if on}}
 
     def average(self, micro: Sequence[int], *, step: int, timeout: float, loss_sum: float = 0.0, epoch: int = 0,
-                contact: str = "", expected: int = 2) -> ReplicaStep:
+                contact: str = "", expected: int = 2, leave: bool = False, going: bool = False,
+                drain: bool = False) -> ReplicaStep:
         """Average the gradients accumulated over this replica's micro-batches ``micro`` of ``step``
         (indices; empty: none) with the other replicas' (module docstring) and hand the result to
         the runtime's parameters, unless the round failed, was cancelled, formed with fewer than
@@ -222,7 +223,8 @@ class ReplicaGradients:
         so every one refuses such a round). ``expected`` 1: this replica is its stage's only one,
         the step is its own (no round). The caller checks the round (:meth:`ReplicaStep.problem`)
         and steps."""
-        gather = self._gather(micro, loss_sum, epoch, contact, step, expected)
+        gather = self._gather(micro, loss_sum, epoch, contact, step, expected, leave=leave, going=going,
+                              drain=drain)
         if expected <= 1:
             return self._result({self.me: gather})
         self.averager.set_group_size(expected)

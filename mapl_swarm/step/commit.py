@@ -22,18 +22,21 @@ from typing import TYPE_CHECKING
 from mapl_swarm.step.cadence import due
 from mapl_swarm.step import intents as do
 from mapl_swarm.wire import Message, MessageType
+from mapl_swarm.wire.spec import DRAIN_REASON
 
 if TYPE_CHECKING:
     from mapl_swarm.step.context import Core
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Commit", "BYE_FINISHED"]
+__all__ = ["Commit", "BYE_FINISHED", "DRAIN_BYE"]
 
 MT = MessageType
 
 BYE_FINISHED = "training finished"
 """Stage 0's BYE ``reason`` after the last step."""
+DRAIN_BYE = DRAIN_REASON
+"""Stage 0's BYE ``reason`` after a drain (SPEC §5.2)."""
 
 
 class Commit:
@@ -152,9 +155,9 @@ class Commit:
         if msg.type is not MT.BYE:
             c.repair.rerun_after_whole(msg, link)
             return None
-        if msg.meta.get("reason") == BYE_FINISHED and msg.step > c.step:
-            # an upstream replica that took this step (the run's last) and ended: its word of the
-            # commit, which may not have come yet from its partners
+        if msg.meta.get("reason") in (BYE_FINISHED, DRAIN_BYE) and msg.step > c.step:
+            # an upstream replica that took this step (the run's last, or the drain's) and ended: its
+            # word of the commit, which may not have come yet from its partners
             c.byes.add(link)
             c.bye = msg
             self.on_route("commit", link, c.step, c.epoch)

@@ -39,7 +39,7 @@ from mapl_swarm.errors import MaplError
 from mapl_swarm.step.cadence import due
 from mapl_swarm.step import intents as do
 from mapl_swarm.step.averaging import Rounds
-from mapl_swarm.step.commit import BYE_FINISHED, Commit
+from mapl_swarm.step.commit import BYE_FINISHED, DRAIN_BYE, Commit
 from mapl_swarm.step.context import Inbox, LinksView, LinkView
 from mapl_swarm.step.flow import SERVED, Flow
 from mapl_swarm.step.members import Members
@@ -49,6 +49,7 @@ from mapl_swarm.step.redo import Redo
 from mapl_swarm.step.repair import Repair
 from mapl_swarm.step.router import Router
 from mapl_swarm.step.state import StepState
+from mapl_swarm.step.stopping import LEAVE_BYE, Stopping
 from mapl_swarm.step.validation import Validation
 from mapl_swarm.step.window import Projectors, StepWindow
 from mapl_swarm.wire import Message, MessageType
@@ -58,9 +59,6 @@ log = logging.getLogger(__name__)
 __all__ = ["StepCore", "CoreSettings", "Phase", "LinkView", "LinksView", "Inbox", "BYE_FINISHED", "DRAIN_BYE"]
 
 MT = MessageType
-
-DRAIN_BYE = "drain"
-"""Stage 0's BYE ``reason`` after a drain (SPEC §5.2)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,11 +103,12 @@ class StepCore:
     """Stage ``settings.stage``'s steps (module docstring). ``links``: its links (read: names,
     stages, contacts, welcomed); ``inbox``: its pipeline messages; ``projectors``: its projectors'
     flags and versions; ``reject(code, sender, text)`` counts a dropped message; ``clock``:
-    monotonic seconds; ``joining``: a replica that joins the running swarm."""
+    monotonic seconds; ``joining``: a replica that joins the running swarm; ``may_drain``: it may ask
+    the swarm to drain (:class:`~.stopping.Stopping`)."""
 
     def __init__(self, settings: CoreSettings, *, links: LinksView, inbox: Inbox, projectors: Projectors,
                  reject: Callable[[str, str, str], None], clock: Callable[[], float],
-                 joining: bool = False) -> None:
+                 joining: bool = False, may_drain: bool = True) -> None:
         s = self.s = settings
         self.links, self.inbox, self.proj, self.reject, self.clock = links, inbox, projectors, reject, clock
         self.first, self.last = links.up is None, links.down is None
@@ -121,6 +120,7 @@ class StepCore:
         self.router = Router(routing=s.routing, seed=s.routing_seed, stage=s.stage)
         self.flow, self.projector, self.rounds = Flow(self), ProjectorExchange(self), Rounds(self)
         self.repair, self.redo, self.commit, self.validation = Repair(self), Redo(self), Commit(self), Validation(self)
+        self.stopping = Stopping(self, may_drain=may_drain)
         self.joining = joining
         self.epoch = 0
         """The run epoch of the current step's attempt: one more per redo. The admission's floor
@@ -139,7 +139,7 @@ class StepCore:
         self.byes: set[str] = set()
         """Upstream links that said BYE."""
         self.drained = False
-        """Stage 0 of a chain: the swarm drains at the current step (its BYE says so)."""
+        """Stage 0: the swarm drains at the current step (its BYE says so)."""
         self._out: deque[do.Intent] = deque()
         self._urgent: list[do.Intent] = []
         self._asked: dict[str, Any] = {}
@@ -290,15 +290,17 @@ class StepCore:
         if view is not None:
             self.commit.on_linked(link, upstream=view.stage == self.links.up)
 
-    def replica_gone(self, link: LinkView, why: str) -> bool:
-        """Neighbour replica ``link`` left (:meth:`~.repair.Repair.replica_gone`)."""
-        return self.repair.replica_gone(link, why)
+    def replica_gone(self, link: LinkView, why: str, *, after: int | None = None) -> bool:
+        """Neighbour replica ``link`` left (``after``: on purpose, having taken that many steps;
+        :meth:`~.repair.Repair.replica_gone`)."""
+        return self.repair.replica_gone(link, why, after=after)
 
     def on_bye(self, msg: Message, link: str, *, during_step: bool) -> do.Intent | None:
         """BYE from upstream: a replica whose stage goes on left; else the run ends here (passed on)."""
         reason = str(msg.meta.get("reason", ""))
         view = self.links.named(link)
-        if reason != BYE_FINISHED and view is not None and self.replica_gone(view, f"BYE ({reason})"):
+        if reason not in (BYE_FINISHED, DRAIN_BYE) and view is not None and self.repair.replica_gone(
+                view, f"BYE ({reason})", after=msg.step if reason == LEAVE_BYE else None):
             return None  # its stage goes on with its other replicas
         self.byes.add(link)
         self.bye = msg
@@ -341,7 +343,7 @@ class StepCore:
 
     def _boundary(self) -> do.Intent | None:
         step = self.step
-        if step >= self.s.steps or self.drained:
+        if step >= self.s.steps or self.drained or (self.bye is not None and self.bye.step <= step):
             self.phase = Phase.FINISH
             return None
         if not self.s.replicas and self.first and self._asked.get("boundary") != step:
@@ -399,7 +401,9 @@ class StepCore:
             self.rounds.loss_sum = 0.0
         if self.s.averaged:
             self.phase = Phase.AVERAGE
-            return self.rounds.start(do.Average(self.token, tuple(cur.done), self.rounds.loss_sum, 0.0))
+            return self.rounds.start(do.Average(self.token, tuple(cur.done), self.rounds.loss_sum, 0.0,
+                                                leave=self.stopping.leaving, going=self.stopping.going,
+                                                drain=self.stopping.drain))
         if sorted(cur.done) != list(range(self.s.M)):
             raise MaplError(f"{self.s.name}: step {cur.step}: this stage computed {len(cur.done)} of the step's "
                             f"{self.s.M} micro-batches")
@@ -444,11 +448,15 @@ class StepCore:
         assert self.bye is not None
         return self._over(dict(self.bye.meta), self.bye.step)
 
-    def _over(self, meta: dict, step: int) -> do.Intent:
+    def _over(self, meta: dict, step: int, *, everyone: bool = False) -> do.Intent:
+        """The run is over here: BYE ``meta`` downstream (``everyone``: on every link)."""
         self.phase = Phase.OVER
-        for name in self.flow.down_links():
+        for name in self.flow.up_links() + self.flow.down_links() if everyone else self.flow.down_links():
             self.send(do.SendBye(name, step, meta))
-        return do.Done(meta)
+        done = do.Done(meta)
+        if everyone:
+            self.send(done)
+        return done
 
     # ------------------------------------------------------------------ transitions the parts make
     def whole(self) -> None:
@@ -487,17 +495,18 @@ class StepCore:
         """The optimizer step of the current step was taken (``metrics``: its figures)."""
         step = self.step
         self.joined = -1
-        if self.rounds.round is not None:
-            self.members.ranked(self.rounds.round)
-            metrics.update(averaging_sent_bytes=self.rounds.round.sent_bytes,
-                           averaging_received_bytes=self.rounds.round.received_bytes)
-            self.rounds.round = None
+        round_, self.rounds.round = self.rounds.round, None
+        if round_ is not None:
+            self.members.ranked(round_)
+            metrics.update(averaging_sent_bytes=round_.sent_bytes, averaging_received_bytes=round_.received_bytes)
         self.window.step += 1
         self.commit.taken(step)
         self.projector.send(step + 1)
         self.send(do.StepEnd(step + 1, metrics))
         self.redo.count = 0
         self.phase = Phase.BOUNDARY
+        if self.stopping.after(round_):  # this replica leaves: its stage goes on without it
+            self._over({"reason": LEAVE_BYE}, self.step, everyone=True)
 
     def _drain(self, intent: do.Boundary) -> None:
         """Stage 0 of a chain: the swarm drains at this step (decided)."""

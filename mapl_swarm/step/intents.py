@@ -20,8 +20,8 @@ __all__ = [
     "Intent", "Token", "SendAct", "SendGrad", "SendRoute", "SendReport", "SendBye", "SendProjector",
     "SendProjectorGrad", "Feed", "Forward", "Backward", "EvalFeed", "EvalForward", "ApplySlice",
     "LoadProjector", "AddProjectorGrad", "SumLosses", "MeanLoss", "Sync", "Average", "CancelRound", "Download",
-    "SetEpoch", "TakeStep", "Abandon", "Redo", "RecordTrain", "RecordVal", "StepEnd", "Finish", "Boundary", "Wait",
-    "Done",
+    "SetEpoch", "TakeStep", "Abandon", "Redo", "AskDrain", "RecordTrain", "RecordVal", "StepEnd", "Finish",
+    "Boundary", "Wait", "Done",
 ]
 
 
@@ -223,6 +223,13 @@ class Average(Intent):
     micro: tuple[int, ...]
     loss_sum: float
     timeout_s: float
+    leave: bool = False
+    """This replica was asked to stop (SPEC §9.10 item 14)."""
+    going: bool = False
+    """This replica leaves after the step (it said ``leave`` in the last round too, which kept a
+    replica): its partners go on without it."""
+    drain: bool = False
+    """This replica asks the swarm to drain."""
 
 
 @dataclass(frozen=True)
@@ -271,6 +278,15 @@ class Redo(Intent):
 
     step: int
     epoch: int
+
+
+@dataclass(frozen=True)
+class AskDrain(Intent):
+    """CHECKPOINT ``drain_request`` (``reason``) on ``links``, upstream: the swarm drains at stage 0's
+    next step boundary."""
+
+    links: tuple[str, ...]
+    reason: str
 
 
 # ---------------------------------------------------------------------- records

@@ -50,10 +50,12 @@ class Repair:
     def __init__(self, core: Core) -> None:
         self.c = core
 
-    def replica_gone(self, link: LinkView, why: str) -> bool:
+    def replica_gone(self, link: LinkView, why: str, *, after: int | None = None) -> bool:
         """Neighbour replica ``link`` left (``why``: silent past its deadline, its BYE): True when its
         stage keeps a live replica (this one goes on without it), False when it was its stage's last
-        (the caller's, as any departure: the swarm re-forms or the run ends)."""
+        (the caller's, as any departure: the swarm re-forms or the run ends). ``after``: it left on
+        purpose once it took that many steps (BYE ``leave``): it took no work of a later step, so
+        nothing is repaired."""
         c = self.c
         flow = c.flow
         if link.contact is None or not link.welcomed:
@@ -62,6 +64,11 @@ class Repair:
             return True
         if not any(flow.live(other.name) for other in c.links.of_stage(link.stage) if other is not link):
             return False
+        if after is not None and after >= c.step:
+            log.info("%s: the replica of stage %d at %s left after step %d (%s); its stage goes on with its other "
+                     "replicas", c.s.name, link.stage, link.contact, after - 1, why)
+            self.learn_gone([link.contact])
+            return True
         log.warning("%s: the replica of stage %d at %s left (%s); going on with the stage's other replicas",
                     c.s.name, link.stage, link.contact, why)
         cur = c.cur

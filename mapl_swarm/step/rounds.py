@@ -44,6 +44,20 @@ class ReplicaStep:
     """Each member's step (-1: the sync round before the first step)."""
     expected: int = 1
     """The most replicas any member expected in the round (it counts only with that many)."""
+    leaving: frozenset[str] = frozenset()
+    """The members asked to stop (a signal: SPEC §9.10 item 14), going or not."""
+    going: frozenset[str] = frozenset()
+    """The members that leave after the round's step: each asked to stop in the stage's last round
+    too, which kept a replica (a round's grace, in which partners signalled at about the same
+    moment say so and the stage drains instead)."""
+    drain: bool = False
+    """A member asked the swarm to drain (stage 0 stops after the round's step)."""
+
+    @property
+    def stops(self) -> bool:
+        """The stage cannot go on after the round's step: a member asked for a drain, or every member
+        leaves (nobody would be left): the swarm drains."""
+        return self.drain or set(self.leaving) >= set(self.group)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -106,7 +120,10 @@ def read_round(me: str, data: dict[str, Any], sent: int = 0, received: int = 0) 
                        {p: tuple(v["micro"]) for p, v in data.items()}, sum(v["loss"] for v in data.values()),
                        sent, received, {p: v["epoch"] for p, v in data.items()},
                        {p: v["contact"] for p, v in data.items()}, {p: v["step"] for p, v in data.items()},
-                       max(v["expected"] for v in data.values()))
+                       max(v["expected"] for v in data.values()),
+                       frozenset(p for p, v in data.items() if v.get("leave") is True or v.get("going") is True),
+                       frozenset(p for p, v in data.items() if v.get("going") is True),
+                       any(v.get("drain") is True for v in data.values()))
 
 
 def round_counts(micro_batches: int, data: dict[str, Any]) -> bool:

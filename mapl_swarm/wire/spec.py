@@ -27,6 +27,7 @@ __all__ = [
     "ROUTE_PHASES",
     "REJOIN_REASON",
     "DRAIN_REASON",
+    "LEAVE_REASON",
     "HANDSHAKE_TYPES",
     "WINDOW_TYPES",
     "NONCE_BYTES",
@@ -149,6 +150,10 @@ REJOIN_REASON = "rejoin"
 
 DRAIN_REASON = "drain"
 """BYE ``meta["reason"]`` of a planned departure: a graceful drain, or a stage leaving (SPEC §9.5)."""
+
+LEAVE_REASON = "leave"
+"""BYE ``meta["reason"]`` of a replica that leaves at a step boundary while its stage goes on (SPEC §9.10
+item 14); its ``step``: the steps it took."""
 
 NONCE_BYTES = 16
 """Length of the handshake nonces ``meta.nonce`` / ``meta.hello_nonce`` (SPEC §5, §9.2): WELCOME's

@@ -303,6 +303,9 @@ class SimPeer:
             case do.Boundary(step):
                 if sw.drain_at is not None and step >= sw.drain_at:
                     core.answer(intent)
+            case do.AskDrain(to, reason):
+                for name in to:
+                    self.send(name, MT.CHECKPOINT, meta={"phase": "drain_request", "reason": reason})
             case do.Wait():
                 self.blocked, self.since = intent, sw.now
             case do.Done(bye):
@@ -334,8 +337,11 @@ class SimPeer:
             core.on_control(msg, link.name)
         elif msg.type is MT.REPORT:
             core.on_control(msg, link.name)
+        elif msg.type is MT.CHECKPOINT:
+            core.stopping.drain_requested(msg.meta["reason"])
         elif msg.type is MT.BYE and link.stage != self.links.up:
-            if not core.replica_gone(link, "BYE"):
+            leave = msg.meta.get("reason") == "leave"
+            if not core.replica_gone(link, "BYE", after=msg.step if leave else None):
                 self.swarm.lost.append((self.key, link.peer))
         else:
             core.arrived(msg, link.name)
@@ -420,7 +426,11 @@ class SimRounds:
                                          for q, i, _ in members},
                                  contacts={q.peer_id: q.contact for q, _, _ in members},
                                  steps={q.peer_id: (i.token.step if isinstance(i, do.Average) else -1)
-                                        for q, i, _ in members}, expected=expected)
+                                        for q, i, _ in members}, expected=expected,
+                                 leaving=frozenset(q.peer_id for q, i, _ in members
+                                                   if getattr(i, "leave", False) or getattr(i, "going", False)),
+                                 going=frozenset(q.peer_id for q, i, _ in members if getattr(i, "going", False)),
+                                 drain=any(getattr(i, "drain", False) for _, i, _ in members))
             peer.blocked = None
             if isinstance(intent, do.Sync):
                 peer.core.answer(intent, round_)

@@ -217,6 +217,74 @@ def test_a_replica_that_dies_during_a_validation_has_it_served_again(victim):
     assert all([s for s, _ in p.vals] == [1, 2, 3] for p in survivors)
 
 
+# ---------------------------------------------------------------------- stopping on purpose
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("victim", [(1, 1), (0, 1), (2, 0)])
+def test_a_signalled_replica_leaves_at_a_step_boundary_and_its_stage_goes_on_without_a_redo(victim, seed):
+    """It says so in its stage's next round, takes that round's step and says BYE ``leave``; its
+    partners (stage 0: splitting the next step among themselves) and neighbours go on without it, and
+    nothing is repaired or redone."""
+    sw = SimSwarm((2, 2, 2), M=4, steps=5, seed=seed)
+    leaver = sw.peers[victim]
+    sw.run(until=lambda: leaver.core.step == 1)
+    leaver.core.stopping.stop("SIGTERM")
+    sw.run()
+    assert leaver.done == {"reason": "leave"}
+    left_after = len(sw.taken[victim])
+    assert 2 <= left_after < 5 and sw.steps_taken(victim) == list(range(left_after))
+    sw.check_every_micro_batch_once()
+    assert not redone(sw) and not sw.lost
+    for peer in sw.peers.values():
+        if peer is not leaver:
+            assert sw.steps_taken(peer.key) == list(range(5)) and peer.done == {"reason": "training finished"}
+    if victim[0] == 0:  # its partner fed every micro-batch of the steps after
+        partner = sw.peers[0, 1 - victim[1]]
+        assert {m for s, op, m, *_ in partner.order if op == "F" and s == left_after} == set(range(4))
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("initial,signalled", [((2, 2, 2), "all"), ((2, 1, 2), [(1, 0)]), ((1, 2, 1), [(0, 0)]),
+                                              ((2, 2, 2), [(2, 0), (2, 1)])])
+def test_a_swarm_with_replicas_drains_every_replica_at_one_step(initial, signalled, seed):
+    """A stage none of whose replicas would stay (every one signalled, or its only one) drains the
+    swarm: stage 0's replicas stop after one round's step (a later stage asks them first), every
+    replica takes exactly the steps before it and ends with BYE ``drain``."""
+    sw = SimSwarm(initial, M=3, steps=50, seed=seed)
+    keys = list(sw.peers) if signalled == "all" else signalled
+    sw.run(until=lambda: all(sw.peers[k].core.step >= 1 for k in keys))
+    for key in keys:
+        sw.peers[key].core.stopping.stop("SIGINT")
+    sw.run()
+    taken = {key: sw.steps_taken(key) for key in sw.peers}
+    drained_at = len(taken[0, 0])
+    assert 2 <= drained_at < 50
+    assert all(steps == list(range(drained_at)) for steps in taken.values()), taken
+    assert all(p.done == {"reason": "drain"} for p in sw.peers.values())
+    sw.check_every_micro_batch_once()
+    assert not redone(sw) and not sw.lost
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_partners_signalled_a_round_apart_drain_the_swarm_instead_of_one_leaving(stage, seed):
+    """A Ctrl-C reaches a stage's replicas at about one moment, yet one of them may say ``leave`` a
+    round before the other: the first goes only a round later (``going``), so the second's ``leave``
+    in that round makes it a drain of the whole swarm, not a leave and then a drain."""
+    sw = SimSwarm((2, 2, 2), M=3, steps=50, seed=seed)
+    first, second = sw.peers[stage, 0], sw.peers[stage, 1]
+    sw.run(until=lambda: first.core.step >= 1)
+    first.core.stopping.stop("SIGINT")
+    sw.run(until=lambda: first.core.stopping.going)  # a round said its leave and kept a replica
+    second.core.stopping.stop("SIGINT")
+    sw.run()
+    taken = {key: sw.steps_taken(key) for key in sw.peers}
+    drained_at = len(taken[0, 0])
+    assert all(steps == list(range(drained_at)) for steps in taken.values()), taken
+    assert all(p.done == {"reason": "drain"} for p in sw.peers.values())
+    sw.check_every_micro_batch_once()
+    assert not redone(sw) and not sw.lost
+
+
 # ---------------------------------------------------------------------- the property
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2 ** 32 - 1), data=st.data())

@@ -172,6 +172,8 @@ def _valid(v: dict[str, list[bytes]]) -> list[Case]:
                            "holds micro-batches 3 and 8 of step 12 that came through it",
         "route_reopen": "2.1: ROUTE reopen from stage 0: more train ACTs of step 12 come on this link after its "
                         "end (a replica of stage 1 left; a fresh end follows)",
+        "bye_leave": "2.1: BYE reason leave from a replica of stage 1 that took 13 steps and leaves while its "
+                     "stage goes on (SPEC §9.10 item 14)",
     }
     return [Case(n, "valid", f, text[n]) for n, f in v.items()]
 
@@ -605,7 +607,7 @@ CASES_2_1 = frozenset({"hello_replica", "route_ready", "route_end", "route_phase
                        "route_redo_from_downstream_fits", "route_taken", "route_taken_fits",
                        "route_taken_from_upstream", "route_gone_held", "route_reopen", "route_held_not_gone",
                        "route_held_not_uints", "route_reopen_from_downstream", "hello_reform",
-                       "hello_stage_replicas_zero"})
+                       "hello_stage_replicas_zero", "bye_leave"})
 """The vectors protocol 2.1 added (at version 2.1; the others stay at 2.0)."""
 
 _V2_1 = b"\xa1v\x92\x02\x01"

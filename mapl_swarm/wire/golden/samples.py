@@ -317,6 +317,8 @@ def _replica_samples() -> dict[str, Message]:
                                          "held": [3, 8]}),
         "route_reopen": Message(type=MessageType.ROUTE, run_id=RUN_ID, src=0, dst=1, step=12, seq=46,
                                 meta={"phase": "reopen"}),
+        "bye_leave": Message(type=MessageType.BYE, run_id=RUN_ID, src=1, dst=0, step=13, seq=47,
+                             meta={"reason": "leave"}),
     }
 
 
