@@ -7,9 +7,9 @@ and ``control``) into ``mailbox`` (the one inbound queue), ``compute`` (compute 
 lock, background tasks), ``host`` (the runtime's calls on the compute thread: wire tensors in,
 host tensors out; ``tensors`` wraps them for the wire), ``waiting`` (waiting lines),
 ``handshake`` (HELLO until welcomed), ``session`` (a link's inbound session), ``departures``
-(neighbours gone silent or left) and ``schedule`` (the 1F1B :class:`PipelineSchedule` with its
-``window``, given all of them and the run hooks of ``checkpoints``: metrics, checkpoints, every
-CHECKPOINT phase with the drain); ``result`` is what a peer reports, ``main`` starts one
+(neighbours gone silent or left) and ``driver`` (:class:`Schedule`: carries out what the pure
+step core of :mod:`mapl_swarm.step` decides, for chains and replicas alike, given all of them and
+the run hooks of ``checkpoints``: metrics, checkpoints, every CHECKPOINT phase with the drain); ``result`` is what a peer reports, ``main`` starts one
 (``signals``: its SIGINT/SIGTERM; ``sessions``: one session after another, across re-forms). A swarm of peer
 processes on one machine is :mod:`mapl_swarm.launch`'s, the layer above.
 

@@ -200,7 +200,7 @@ class Inbound:
         ``end`` or ``reopen`` is the schedule's too (taken in its link's order, after the link's
         ACTs); another is the dispatcher's: a ``ready`` for a step this replica ended is answered at
         once; ``commit``, ``gone`` and ``redo`` change what the schedule waits for, whatever it
-        waits for now (:meth:`~.replica_schedule.ReplicaSchedule.on_ready`, ``on_route``)."""
+        waits for now (:meth:`~.driver.Schedule.on_control`)."""
         if msg.type is MT.ROUTE:
             return msg.meta.get("phase") in ("end", "reopen")
         if msg.type in SCHEDULE_TYPES:
