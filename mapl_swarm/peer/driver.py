@@ -24,7 +24,6 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mapl_swarm.errors import MaplError
@@ -57,7 +56,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Schedule", "ScheduleSettings", "NoRunHooks", "RuntimeProjectors"]
+__all__ = ["Schedule", "NoRunHooks", "RuntimeProjectors"]
 
 MT = MessageType
 
@@ -84,41 +83,6 @@ class NoRunHooks:
     async def finish(self, step: int | None = None) -> None:
         """Stage 0, before BYE: until every stage has heard the final checkpoint (``step``: of a
         drain) is complete."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class ScheduleSettings:
-    """What the schedule needs of the run's configuration."""
-
-    num_stages: int = 1
-    """P: stages of the pipeline."""
-    num_micro_batches: int
-    """M: micro-batches per optimizer step."""
-    steps: int
-    """Optimizer steps of the whole run."""
-    start_step: int = 0
-    """First step to run (resumed runs)."""
-    max_in_flight: int
-    """Micro-batches stage 0 keeps in flight."""
-    val_interval_steps: int = 0
-    """Validate every this many steps (and after the last); 0 never."""
-    val_batches: int = 0
-    """Held-out micro-batches per validation."""
-    timeout_s: float
-    """Longest wait for any one message."""
-    progress: bool = False
-    """Stage 0: show the swarm's progress bar."""
-    progress_desc: str = ""
-    """Its label."""
-
-    @classmethod
-    def from_config(cls, cfg: TrainConfig, *, start_step: int = 0, progress: bool = False) -> "ScheduleSettings":
-        pipe = cfg.pipeline
-        return cls(num_stages=pipe.num_stages, num_micro_batches=pipe.num_micro_batches, steps=cfg.run.steps,
-                   start_step=start_step, max_in_flight=cfg.net.max_in_flight or pipe.num_stages,
-                   val_interval_steps=cfg.eval.interval_steps, val_batches=cfg.eval.batches,
-                   timeout_s=cfg.net.timeout_s, progress=progress,
-                   progress_desc=f"swarm {cfg.compression.codec} P={pipe.num_stages}")
 
 
 class RuntimeProjectors:
@@ -152,7 +116,8 @@ class Schedule:
     drain (a certified stage > 0 needs the ``drain`` role)."""
 
     def __init__(self, runtime: StageRuntime, links: Links, mailbox: Mailbox, compute: ComputeThread, *,
-                 name: str, settings: ScheduleSettings, cfg: TrainConfig, result: PeerResult, waits: WaitingLog,
+                 name: str, cfg: TrainConfig, result: PeerResult, waits: WaitingLog, start_step: int = 0,
+                 progress: bool = False,
                  hooks: PeerRunPolicy | NoRunHooks, replicas: ReplicaGradients | None = None, sampler: Any = None,
                  val_batches: Sequence[torch.Tensor] = (), reject: Callable[[str, str, str], None] | None = None,
                  spawn: Callable[[Awaitable[Any]], Any] | None = None, joining: bool = False,
@@ -160,17 +125,19 @@ class Schedule:
                  drain: CheckpointAgreement | None = None, may_drain: bool = True) -> None:
         self.rt, self.host = runtime, HostRuntime(runtime)
         self.links, self.mailbox, self.compute = links, mailbox, compute
-        self.name, self.s, self.result, self.waits, self.hooks = name, settings, result, waits, hooks
+        self.name, self.result, self.waits, self.hooks = name, result, waits, hooks
+        self.progress, self.progress_desc = progress, f"swarm {cfg.compression.codec} P={cfg.pipeline.num_stages}"
         self.replicas, self.sampler, self.val_batches = replicas, sampler, list(val_batches)
         self.drain, self._stage_contacts = drain, stage_contacts
         self._spawn = spawn or asyncio.ensure_future
-        r = cfg.replicas
+        r, pipe = cfg.replicas, cfg.pipeline
         stage = 0 if links.up is None else links.up + 1
         self.core = StepCore(
-            CoreSettings(name=name, stage=stage, num_stages=settings.num_stages, M=settings.num_micro_batches,
-                         steps=settings.steps, start_step=settings.start_step, max_in_flight=settings.max_in_flight,
-                         val_interval_steps=settings.val_interval_steps, val_batches=settings.val_batches,
-                         timeout_s=settings.timeout_s, tokens_per_step=cfg.tokens_per_step, replicas=r.enabled,
+            CoreSettings(name=name, stage=stage, num_stages=pipe.num_stages, M=pipe.num_micro_batches,
+                         steps=cfg.run.steps, start_step=start_step,
+                         max_in_flight=cfg.net.max_in_flight or pipe.num_stages,
+                         val_interval_steps=cfg.eval.interval_steps, val_batches=cfg.eval.batches,
+                         timeout_s=cfg.net.timeout_s, tokens_per_step=cfg.tokens_per_step, replicas=r.enabled,
                          averaged=replicas is not None, averaging_timeout_s=r.averaging_timeout_s,
                          matchmaking_s=r.matchmaking_s, routing=r.routing, routing_seed=r.routing_seed,
                          max_redos=max(3, sum(r.initial)), starting=cfg.replicas_of(stage) if r.enabled else 1),
@@ -231,7 +198,6 @@ class Schedule:
         """Training starts at ``start_step`` (a resume agreed after the handshake; None: the
         settings' one) in run epoch ``epoch``."""
         self.core.begin(start_step, epoch)
-        self.s = self.s if start_step is None else _with_start(self.s, start_step)
 
     def close(self) -> None:
         if self._progress is not None:
@@ -244,10 +210,10 @@ class Schedule:
         if self.replicas is not None:
             self.replicas.serve(self._served_state)
         self._t0 = time.perf_counter()
-        if self.s.progress:
+        if self.progress:
             first = self.links.up is None
-            self._progress = StepProgress(self.s.steps, initial=self.s.start_step,
-                                          desc=self.s.progress_desc if first else self.name)
+            self._progress = StepProgress(self.core.s.steps, initial=self.core.s.start_step,
+                                          desc=self.progress_desc if first else self.name)
         try:
             while True:
                 await self.flush_urgent()
@@ -423,7 +389,7 @@ class Schedule:
             case do.Feed(token, micro):
                 # a chain reads its data in order (its cursor is checkpointed); a stage-0 replica reads
                 # its share by global index (replica_share)
-                ids = self.sampler.batch_at(token.step * self.s.num_micro_batches + micro) if core.s.replicas \
+                ids = self.sampler.batch_at(token.step * core.s.M + micro) if core.s.replicas \
                     else next(self.sampler)
                 res = await compute.run(host.forward, micro, ids=ids, train=True)
                 core.answer(intent, res.payload, res.loss, res.tokens)
@@ -527,7 +493,7 @@ class Schedule:
 
     def _step_seconds(self) -> float:
         """Mean seconds per step since training started in this session."""
-        done = self.core.step - self.s.start_step
+        done = self.core.step - self.core.s.start_step
         return (time.perf_counter() - self._t0) / max(done, 1)
 
     # ------------------------------------------------------------------ the stage's replicas
@@ -574,7 +540,7 @@ class Schedule:
         if replicas is None:
             raise MaplError(f"{self.name}: a replica joins a run with replicas (replicas.enabled = true)")
         like = await self.compute.run(self._join_template)
-        deadline = time.monotonic() + self.s.timeout_s
+        deadline = time.monotonic() + self.core.s.timeout_s
         got = None
         while (left := deadline - time.monotonic()) > 0:
             got = await self.compute.wait(lambda: replicas.download(like, timeout=min(left, 30.0)))
@@ -584,7 +550,7 @@ class Schedule:
             await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
         if got is None:
             raise MaplError(f"{self.name}: no replica of stage {self.core.stage} gave {intent.what} within "
-                            f"{self.s.timeout_s:g} s (net.timeout_s)")
+                            f"{self.core.s.timeout_s:g} s (net.timeout_s)")
         await self.compute.run(self._load_served, got)
         if intent.kind == "resync":
             counts = self.result.averaging
@@ -615,8 +581,3 @@ class Schedule:
         members = self.core.members
         return {"runtime": state, "step": state["step"], "projector": projector, "epoch": self.core.epoch,
                 "members": members.members_text, "gone": members.gone_text}
-
-
-def _with_start(settings: ScheduleSettings, start_step: int) -> ScheduleSettings:
-    from dataclasses import replace
-    return replace(settings, start_step=start_step)

@@ -64,7 +64,7 @@ from mapl_swarm.peer.mailbox import Mailbox
 from mapl_swarm.peer.result import PeerResult, collect, write_result
 from mapl_swarm.peer.replica_links import ReplicaLinker, Reform, starting_replicas
 from mapl_swarm.peer.replica_resume import ReplicaResume
-from mapl_swarm.peer.driver import NoRunHooks, Schedule, ScheduleSettings
+from mapl_swarm.peer.driver import NoRunHooks, Schedule
 from mapl_swarm.peer.signals import Interrupted
 from mapl_swarm.peer.vq_link import codebook_summary
 from mapl_swarm.peer.waiting import WAIT_LOG_INTERVAL_S, WaitingLog
@@ -236,10 +236,9 @@ class Peer:
         if vq:
             for link in self.links:
                 link.use_codebooks(runtime, self.compute, spawn=self.tasks.spawn)
-        schedule_settings = ScheduleSettings.from_config(cfg, start_step=start_step, progress=progress)
         self.schedule = Schedule(
-            runtime, self.links, self.mailbox, self.compute, name=self.name, settings=schedule_settings, cfg=cfg,
-            result=self.result, waits=self.waits, hooks=run_policy or NoRunHooks(), replicas=replicas,
+            runtime, self.links, self.mailbox, self.compute, name=self.name, cfg=cfg, start_step=start_step,
+            progress=progress, result=self.result, waits=self.waits, hooks=run_policy or NoRunHooks(), replicas=replicas,
             sampler=sampler, val_batches=val_batches or [], reject=self.rejects, spawn=self.tasks.spawn,
             joining=joining, drain=None if self.replicas_on else self.agreement,
             may_drain=stage == 0 or membership is None or "drain" in membership.body.roles,
@@ -627,11 +626,11 @@ class Peer:
         if step is None:
             last = self.cfg.run.steps
             if self.run_policy is not None and self.run_policy.unsaved_reason(last) is not None:
-                self.result.checkpoint_note = checkpoint_note(self.run_policy, last, self.schedule.s.start_step)
+                self.result.checkpoint_note = checkpoint_note(self.run_policy, last, self.schedule.core.s.start_step)
                 log.warning("%s: %s", self.name, self.result.checkpoint_note)
             return
         why = self.agreement.drain_reason or self.agreement.requested or stopping.reason or "asked by another stage"
-        note = checkpoint_note(self.run_policy, step, self.schedule.s.start_step)
+        note = checkpoint_note(self.run_policy, step, self.schedule.core.s.start_step)
         if self.replicas_on and self.run_policy is not None and self.run_policy.saved(step):
             note = f"checkpoint of step {step} saved by this replica; continue with --resume on every replica"
         self.result.end, self.result.drained_at, self.result.checkpoint_note = "drained", step, note
