@@ -518,9 +518,11 @@ class Schedule:
             core.answer(intent, round_)
             return
         counts = self.result.averaging
-        for key, n in (("rounds", 1), ("sent_bytes", round_.sent_bytes), ("received_bytes", round_.received_bytes)):
+        for key, n in (("sent_bytes", round_.sent_bytes), ("received_bytes", round_.received_bytes)):
             counts[key] = counts.get(key, 0) + n
         core.answer(intent, round_)
+        if core.rounds.round is round_:  # whole: the step's round (one that is retried, repaired or redone is not)
+            counts["rounds"] = counts.get("rounds", 0) + 1
 
     async def _announced(self) -> Sequence[str]:
         """The contacts of this stage's DHT records (none when the DHT does not answer: the round goes
