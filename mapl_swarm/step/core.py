@@ -453,10 +453,7 @@ class StepCore:
         self.phase = Phase.OVER
         for name in self.flow.up_links() + self.flow.down_links() if everyone else self.flow.down_links():
             self.send(do.SendBye(name, step, meta))
-        done = do.Done(meta)
-        if everyone:
-            self.send(done)
-        return done
+        return do.Done(meta)
 
     # ------------------------------------------------------------------ transitions the parts make
     def whole(self) -> None:
@@ -506,7 +503,7 @@ class StepCore:
         self.redo.count = 0
         self.phase = Phase.BOUNDARY
         if self.stopping.after(round_):  # this replica leaves: its stage goes on without it
-            self._over({"reason": LEAVE_BYE}, self.step, everyone=True)
+            self.send(self._over({"reason": LEAVE_BYE}, self.step, everyone=True))
 
     def _drain(self, intent: do.Boundary) -> None:
         """Stage 0 of a chain: the swarm drains at this step (decided)."""
