@@ -36,9 +36,8 @@ from mapl_swarm.replicas.errors import AveragingFailed, Behind
 from mapl_swarm.replicas.state import prime_optimizers
 from mapl_swarm.step import intents as do
 from mapl_swarm.step.core import CoreSettings, StepCore
-from mapl_swarm.step.stopping import LEAVE_BYE
 from mapl_swarm.wire import Message, MessageType
-from mapl_swarm.wire.spec import DRAIN_REASON
+from mapl_swarm.wire.spec import DRAIN_REASON, LEAVE_REASON
 
 if TYPE_CHECKING:
     import torch
@@ -220,7 +219,7 @@ class Schedule:
                 intent = self.core.next()
                 await self.flush_urgent()
                 if isinstance(intent, do.Done):
-                    self.left = (intent.bye or {}).get("reason") == LEAVE_BYE
+                    self.left = (intent.bye or {}).get("reason") == LEAVE_REASON
                     break
                 await self._do(intent)
         finally:  # a session that pauses (rejoin) trained too: its time counts with its tokens
@@ -517,12 +516,16 @@ class Schedule:
         if isinstance(intent, do.Sync):
             core.answer(intent, round_)
             return
-        counts = self.result.averaging
-        for key, n in (("sent_bytes", round_.sent_bytes), ("received_bytes", round_.received_bytes)):
-            counts[key] = counts.get(key, 0) + n
+        self._count(sent_bytes=round_.sent_bytes, received_bytes=round_.received_bytes)
         core.answer(intent, round_)
         if core.rounds.round is round_:  # whole: the step's round (one that is retried, repaired or redone is not)
-            counts["rounds"] = counts.get("rounds", 0) + 1
+            self._count(rounds=1)
+
+    def _count(self, **added: int) -> None:
+        """Add to the result's averaging counters (rounds, bytes, re-syncs)."""
+        counts = self.result.averaging
+        for key, n in added.items():
+            counts[key] = counts.get(key, 0) + n
 
     async def _announced(self) -> Sequence[str]:
         """The contacts of this stage's DHT records (none when the DHT does not answer: the round goes
@@ -555,8 +558,7 @@ class Schedule:
                             f"{self.core.s.timeout_s:g} s (net.timeout_s)")
         await self.compute.run(self._load_served, got)
         if intent.kind == "resync":
-            counts = self.result.averaging
-            counts["resyncs"] = counts.get("resyncs", 0) + 1
+            self._count(resyncs=1)
         self.core.answer(intent, got)
 
     def _load_served(self, got: dict) -> None:

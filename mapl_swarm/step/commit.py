@@ -22,21 +22,17 @@ from typing import TYPE_CHECKING
 from mapl_swarm.step.cadence import due
 from mapl_swarm.step import intents as do
 from mapl_swarm.wire import Message, MessageType
-from mapl_swarm.wire.spec import DRAIN_REASON
+from mapl_swarm.wire.spec import DRAIN_REASON, FINISHED_REASON
 
 if TYPE_CHECKING:
     from mapl_swarm.step.context import Core
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Commit", "BYE_FINISHED", "DRAIN_BYE"]
+__all__ = ["Commit"]
 
 MT = MessageType
 
-BYE_FINISHED = "training finished"
-"""Stage 0's BYE ``reason`` after the last step."""
-DRAIN_BYE = DRAIN_REASON
-"""Stage 0's BYE ``reason`` after a drain (SPEC §5.2)."""
 
 
 class Commit:
@@ -155,7 +151,7 @@ class Commit:
         if msg.type is not MT.BYE:
             c.repair.rerun_after_whole(msg, link)
             return None
-        if msg.meta.get("reason") in (BYE_FINISHED, DRAIN_BYE) and msg.step > c.step:
+        if msg.meta.get("reason") in (FINISHED_REASON, DRAIN_REASON) and msg.step > c.step:
             # an upstream replica that took this step (the run's last, or the drain's) and ended: its
             # word of the commit, which may not have come yet from its partners
             c.byes.add(link)

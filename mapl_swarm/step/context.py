@@ -1,5 +1,5 @@
-"""What the parts of the step core (:mod:`~.flow`, :mod:`~.repair`, :mod:`~.commit`, :mod:`~.validation`)
-use of the core that holds them: the run's settings and links, the step's books and its moves.
+"""What the parts of the step core (:mod:`~.flow`, :mod:`~.repair`, :mod:`~.commit`, :mod:`~.validation`
+and the others) use of the core that holds them: the run's settings and links, the step's books and its moves.
 
 :class:`~.core.StepCore` is one; the parts never import it (they are its parts).
 """
@@ -82,10 +82,13 @@ class Core(Protocol):
     redo: Any
     commit: Any
     validation: Any
+    stopping: Any
+    """The parts (:class:`~.flow.Flow`, :class:`~.projector.ProjectorExchange`, :class:`~.averaging.Rounds`,
+    :class:`~.repair.Repair`, :class:`~.redo.Redo`, :class:`~.commit.Commit`, :class:`~.validation.Validation`,
+    :class:`~.stopping.Stopping`)."""
     byes: set[str]
     bye: Message | None
-    """The parts (:class:`~.flow.Flow`, :class:`~.projector.ProjectorExchange`, :class:`~.averaging.Rounds`,
-    :class:`~.repair.Repair`, :class:`~.redo.Redo`, :class:`~.commit.Commit`, :class:`~.validation.Validation`)."""
+    drained: bool
 
     @property
     def step(self) -> int: ...

@@ -39,7 +39,7 @@ from mapl_swarm.errors import MaplError
 from mapl_swarm.step.cadence import due
 from mapl_swarm.step import intents as do
 from mapl_swarm.step.averaging import Rounds
-from mapl_swarm.step.commit import BYE_FINISHED, DRAIN_BYE, Commit
+from mapl_swarm.step.commit import Commit
 from mapl_swarm.step.context import Inbox, LinksView, LinkView
 from mapl_swarm.step.flow import SERVED, Flow
 from mapl_swarm.step.members import Members
@@ -49,14 +49,15 @@ from mapl_swarm.step.redo import Redo
 from mapl_swarm.step.repair import Repair
 from mapl_swarm.step.router import Router
 from mapl_swarm.step.state import StepState
-from mapl_swarm.step.stopping import LEAVE_BYE, Stopping
+from mapl_swarm.step.stopping import Stopping
 from mapl_swarm.step.validation import Validation
 from mapl_swarm.step.window import Projectors, StepWindow
 from mapl_swarm.wire import Message, MessageType
+from mapl_swarm.wire.spec import DRAIN_REASON, FINISHED_REASON, LEAVE_REASON
 
 log = logging.getLogger(__name__)
 
-__all__ = ["StepCore", "CoreSettings", "Phase", "LinkView", "LinksView", "Inbox", "BYE_FINISHED", "DRAIN_BYE"]
+__all__ = ["StepCore", "CoreSettings", "Phase", "LinkView", "LinksView", "Inbox"]
 
 MT = MessageType
 
@@ -121,7 +122,6 @@ class StepCore:
         self.flow, self.projector, self.rounds = Flow(self), ProjectorExchange(self), Rounds(self)
         self.repair, self.redo, self.commit, self.validation = Repair(self), Redo(self), Commit(self), Validation(self)
         self.stopping = Stopping(self, may_drain=may_drain)
-        self.joining = joining
         self.epoch = 0
         """The run epoch of the current step's attempt: one more per redo. The admission's floor
         (``window.epoch``) stays where training started: a neighbour's heartbeats of the epoch before
@@ -172,6 +172,11 @@ class StepCore:
     def committing(self) -> bool:
         """This replica's round of the current step is whole: it waits for the step's commit."""
         return self.phase is Phase.COMMIT and self.cur.step == self.step
+
+    @property
+    def joining(self) -> bool:
+        """A replica that joins the running swarm, before its state came (the window admits any step)."""
+        return self.window.joining
 
     @property
     def redo_due(self) -> bool:
@@ -299,12 +304,12 @@ class StepCore:
         """BYE from upstream: a replica whose stage goes on left; else the run ends here (passed on)."""
         reason = str(msg.meta.get("reason", ""))
         view = self.links.named(link)
-        if reason not in (BYE_FINISHED, DRAIN_BYE) and view is not None and self.repair.replica_gone(
-                view, f"BYE ({reason})", after=msg.step if reason == LEAVE_BYE else None):
+        if reason not in (FINISHED_REASON, DRAIN_REASON) and view is not None and self.repair.replica_gone(
+                view, f"BYE ({reason})", after=msg.step if reason == LEAVE_REASON else None):
             return None  # its stage goes on with its other replicas
         self.byes.add(link)
         self.bye = msg
-        if during_step or reason != BYE_FINISHED:
+        if during_step or reason != FINISHED_REASON:
             return self._over(dict(msg.meta), msg.step)
         return None
 
@@ -439,7 +444,7 @@ class StepCore:
             if self._asked.get("finish") is None:
                 self._asked["finish"] = True
                 return do.Finish(self.step if self.drained else None)
-            return self._over({"reason": DRAIN_BYE if self.drained else BYE_FINISHED}, self.step)
+            return self._over({"reason": DRAIN_REASON if self.drained else FINISHED_REASON}, self.step)
         if not set(self.flow.up_links()) <= self.byes:
             return self.take_message(
                 lambda m: self.flow.bye_from_up(m) or m.type is MT.ROUTE or (m.type is MT.PROJ and m.step <= s.steps)
@@ -478,7 +483,6 @@ class StepCore:
         self.members.joined(members, gone)
         self.projector_step = projector
         self.joined = step
-        self.joining = False
         self.window.joining = False
         self.begin(step, epoch)
         self.send(do.SetEpoch(epoch))
@@ -503,7 +507,7 @@ class StepCore:
         self.redo.count = 0
         self.phase = Phase.BOUNDARY
         if self.stopping.after(round_):  # this replica leaves: its stage goes on without it
-            self.send(self._over({"reason": LEAVE_BYE}, self.step, everyone=True))
+            self.send(self._over({"reason": LEAVE_REASON}, self.step, everyone=True))
 
     def _drain(self, intent: do.Boundary) -> None:
         """Stage 0 of a chain: the swarm drains at this step (decided)."""

@@ -88,7 +88,7 @@ class SendBye(Intent):
 @dataclass(frozen=True)
 class SendProjector(Intent):
     """The outbound projector (as it is now) as the PROJ of ``step`` on ``links``; answered by
-    :meth:`~.core.StepCore.projector_sent` with its version."""
+    :meth:`~.core.StepCore.answer` with its version (:meth:`~.projector.ProjectorExchange.sent`)."""
 
     step: int
     links: tuple[str, ...]
@@ -99,7 +99,7 @@ class SendProjectorGrad(Intent):
     """PROJ_GRAD of ``step`` on ``link`` over ``micro_batches`` ACTs: the inbound projector's
     gradient of the micro-batches that came from ``origins`` (link names; None: all of the step's,
     no origin kept apart) plus ``parts`` (gradients sent before, handed back); answered by
-    :meth:`~.core.StepCore.projector_grad_sent` with the gradient sent."""
+    :meth:`~.core.StepCore.answer` with the gradient sent (:meth:`~.projector.ProjectorExchange.grad_sent`)."""
 
     link: str
     step: int
@@ -113,7 +113,7 @@ class SendProjectorGrad(Intent):
 @dataclass(frozen=True)
 class Feed(Intent):
     """Stage 0: the forward of the data of micro-batch ``micro`` of ``step`` (global index
-    ``step · M + micro``); :meth:`~.core.StepCore.forwarded`."""
+    ``step · M + micro``); :meth:`~.core.StepCore.answer` (:meth:`~.flow.Flow.forwarded`)."""
 
     token: Token
     micro: int
@@ -121,8 +121,8 @@ class Feed(Intent):
 
 @dataclass(frozen=True)
 class Forward(Intent):
-    """The forward of a received train ACT; :meth:`~.core.StepCore.forwarded`, or
-    :meth:`~.core.StepCore.retransmitting` when its codes need a retransmission."""
+    """The forward of a received train ACT; :meth:`~.core.StepCore.answer` (:meth:`~.flow.Flow.forwarded`), or
+    :meth:`~.core.StepCore.failed` when its codes need a retransmission."""
 
     token: Token
     msg: Message
@@ -133,7 +133,7 @@ class Forward(Intent):
 class Backward(Intent):
     """The backward of ``micro`` (``msg``: its GRAD from ``link``; None: the last stage's own loss),
     its inbound projector part kept for ``origin`` (None: not kept apart);
-    :meth:`~.core.StepCore.backwarded` or :meth:`~.core.StepCore.retransmitting`."""
+    :meth:`~.core.StepCore.answer` (:meth:`~.flow.Flow.backwarded`) or :meth:`~.core.StepCore.failed`."""
 
     token: Token
     micro: int
@@ -153,8 +153,8 @@ class EvalFeed(Intent):
 
 @dataclass(frozen=True)
 class EvalForward(Intent):
-    """The eval forward of a received eval ACT; :meth:`~.core.StepCore.eval_forwarded` (nothing
-    when its codes need a retransmission)."""
+    """The eval forward of a received eval ACT; :meth:`~.core.StepCore.answer`
+    (:meth:`~.validation.Validation.forwarded`; nothing when its codes need a retransmission)."""
 
     msg: Message
     link: str
@@ -170,7 +170,7 @@ class ApplySlice(Intent):
 
 @dataclass(frozen=True)
 class LoadProjector(Intent):
-    """Load the PROJ ``msg`` (of ``step``) as the inbound projector; :meth:`~.core.StepCore.projector_loaded`."""
+    """Load the PROJ ``msg`` (of ``step``) as the inbound projector (nothing comes back)."""
 
     msg: Message
     step: int
@@ -187,7 +187,8 @@ class AddProjectorGrad(Intent):
 
 @dataclass(frozen=True)
 class SumLosses(Intent):
-    """The last stage: the sum of the step's micro-batch ``losses``; :meth:`~.core.StepCore.losses_summed`."""
+    """The last stage: the sum of the step's micro-batch ``losses``; :meth:`~.core.StepCore.answer`
+    (:meth:`~.averaging.Rounds.summed`)."""
 
     token: Token
     losses: tuple[Any, ...]
@@ -207,7 +208,7 @@ class MeanLoss(Intent):
 @dataclass(frozen=True)
 class Sync(Intent):
     """The sync round before the first step among ``expected`` replicas (SPEC §9.10 item 2);
-    :meth:`~.core.StepCore.synced` or :meth:`~.core.StepCore.round_failed`."""
+    :meth:`~.core.StepCore.answer` (:meth:`~.averaging.Rounds.synced`) or :meth:`~.core.StepCore.failed`."""
 
     expected: int
     timeout_s: float
@@ -216,8 +217,8 @@ class Sync(Intent):
 @dataclass(frozen=True)
 class Average(Intent):
     """This stage's averaging round of the step (SPEC §9.10 item 6): the gradients of ``micro``, the
-    losses' ``loss_sum``, among as many replicas as :meth:`~.core.StepCore.expected` counts when it
-    starts; :meth:`~.core.StepCore.averaged` or :meth:`~.core.StepCore.round_failed`."""
+    losses' ``loss_sum``, among as many replicas as :meth:`~.averaging.Rounds.expected` counts when it
+    starts; :meth:`~.core.StepCore.answer` (:meth:`~.averaging.Rounds.averaged`) or :meth:`~.core.StepCore.failed`."""
 
     token: Token
     micro: tuple[int, ...]
@@ -242,7 +243,7 @@ class Download(Intent):
     """The stage's state from a live replica (SPEC §9.10 item 11): ``join`` (a joining replica's,
     or a step-old joiner's again) or ``resync`` (a replica whose parameters differ, the state of
     step ``step``), asked for again until one answers with a state ``good`` takes (``what`` is
-    awaited); :meth:`~.core.StepCore.downloaded`."""
+    awaited); :meth:`~.core.StepCore.answer` (:meth:`~.averaging.Rounds.downloaded`)."""
 
     kind: str
     step: int
@@ -260,7 +261,7 @@ class SetEpoch(Intent):
 @dataclass(frozen=True)
 class TakeStep(Intent):
     """The optimizer step of ``step`` (the step's round, if any, is in the gradients);
-    :meth:`~.core.StepCore.stepped` with its metrics."""
+    :meth:`~.core.StepCore.answer` with its metrics."""
 
     step: int
 
@@ -327,7 +328,7 @@ class Finish(Intent):
 @dataclass(frozen=True)
 class Boundary(Intent):
     """Stage 0 of a chain at the start of ``step``: whether the swarm drains here; answered by
-    :meth:`~.core.StepCore.drain` when it does, nothing otherwise."""
+    :meth:`~.core.StepCore.answer` when it does, nothing otherwise."""
 
     step: int
 
@@ -336,7 +337,7 @@ class Boundary(Intent):
 class Wait(Intent):
     """Nothing to do before a message ``wanted`` accepts comes (or the core is woken): ``what`` is
     awaited, for ``timeout_s`` at most (then the run fails naming it); ``waiting_on``: the links
-    the waiting log names. The message goes to :meth:`~.core.StepCore.deliver`."""
+    the waiting log names. The core takes the message at its next :meth:`~.core.StepCore.next`."""
 
     wanted: Callable[[Message], bool]
     what: str

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from mapl_swarm.errors import MaplError
 from mapl_swarm.step import intents as do
 from mapl_swarm.step.phase import Phase
+from mapl_swarm.wire import Message
 
 if TYPE_CHECKING:
     from mapl_swarm.step.context import Core
@@ -66,7 +67,7 @@ class Redo:
             self.c.rounds.cancel()
         self.c.wake()
 
-    def on_route(self, msg, link: str) -> None:  # noqa: ANN001 - a Message
+    def on_route(self, msg: Message, link: str) -> None:
         """ROUTE ``redo`` of a later run epoch than this replica's: passed on first (nothing of the new
         epoch before it), then carried out."""
         c = self.c

@@ -18,7 +18,7 @@ is whole: "active") they repair it:
 A replica that flushed already and gets a ``reopen`` before its round is whole serves the step
 again. Every micro-batch then counts once per stage and no step is redone. Otherwise (a stage-0
 replica gone: its share of the data is read by no one else; a re-run whose bytes differ; a repair
-that does not come within half ``net.timeout_s``) the step is redone (:meth:`~.core.StepCore.issue_redo`).
+that does not come within half ``net.timeout_s``) the step is redone (:meth:`~.redo.Redo.issue`).
 A stage whose last replica leaves is the peer's (the swarm re-forms, or the run ends).
 """
 

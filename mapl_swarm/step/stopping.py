@@ -25,17 +25,13 @@ from typing import TYPE_CHECKING
 
 from mapl_swarm.step import intents as do
 from mapl_swarm.step.rounds import ReplicaStep
-from mapl_swarm.wire.spec import LEAVE_REASON
 
 if TYPE_CHECKING:
     from mapl_swarm.step.context import Core
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Stopping", "LEAVE_BYE"]
-
-LEAVE_BYE = LEAVE_REASON
-"""The BYE ``reason`` of a replica that leaves at a step boundary (its stage goes on)."""
+__all__ = ["Stopping"]
 
 
 class Stopping:

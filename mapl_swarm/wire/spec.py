@@ -28,6 +28,7 @@ __all__ = [
     "REJOIN_REASON",
     "DRAIN_REASON",
     "LEAVE_REASON",
+    "FINISHED_REASON",
     "HANDSHAKE_TYPES",
     "WINDOW_TYPES",
     "NONCE_BYTES",
@@ -150,6 +151,9 @@ REJOIN_REASON = "rejoin"
 
 DRAIN_REASON = "drain"
 """BYE ``meta["reason"]`` of a planned departure: a graceful drain, or a stage leaving (SPEC §9.5)."""
+
+FINISHED_REASON = "training finished"
+"""BYE ``meta["reason"]`` of stage 0 after the run's last step, passed on down the pipeline (SPEC §9.5)."""
 
 LEAVE_REASON = "leave"
 """BYE ``meta["reason"]`` of a replica that leaves at a step boundary while its stage goes on (SPEC §9.10
