@@ -567,6 +567,8 @@ def checkpoint_note(policy: PeerRunPolicy | None, step: int, start_step: int) ->
     """What became of a drain step's (or the last step's) checkpoint at this stage, in words."""
     if policy is None:
         return "this peer keeps no checkpoints"
+    if policy.cfg.replicas.enabled and policy.saved(step):  # each replica saves its own (SPEC §9.10 item 14)
+        return f"checkpoint of step {step} saved by this replica; continue with --resume on every replica"
     if not policy.checkpoints_on:
         return "no checkpoint saved (checkpoint.interval_steps = 0)"
     if step <= start_step:

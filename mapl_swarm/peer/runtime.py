@@ -631,7 +631,5 @@ class Peer:
             return
         why = self.agreement.drain_reason or self.agreement.requested or stopping.reason or "asked by another stage"
         note = checkpoint_note(self.run_policy, step, self.schedule.core.s.start_step)
-        if self.replicas_on and self.run_policy is not None and self.run_policy.saved(step):
-            note = f"checkpoint of step {step} saved by this replica; continue with --resume on every replica"
         self.result.end, self.result.drained_at, self.result.checkpoint_note = "drained", step, note
         self.result.end_note = f"stage {self.stage} drained at step {step} ({why}): {note}"
