@@ -6,7 +6,8 @@ with ``vq_link`` (its codebook stream side), ``inbound`` (the receive path, with
 and ``control``) into ``mailbox`` (the one inbound queue), ``compute`` (compute thread, encode
 lock, background tasks), ``host`` (the runtime's calls on the compute thread: wire tensors in,
 host tensors out; ``tensors`` wraps them for the wire), ``waiting`` (waiting lines),
-``handshake`` (HELLO until welcomed), ``session`` (a link's inbound session), ``departures``
+``linker`` (a link per DHT record of each neighbour stage, the handshake: HELLO until enough
+peers welcomed it; chains and replicas alike), ``session`` (a link's inbound session), ``departures``
 (neighbours gone silent or left) and ``driver`` (:class:`Schedule`: carries out what the pure
 step core of :mod:`mapl_swarm.step` decides, for chains and replicas alike, given all of them and
 the run hooks of ``checkpoints``: metrics, checkpoints, every CHECKPOINT phase with the drain); ``result`` is what a peer reports, ``main`` starts one

@@ -185,8 +185,8 @@ class Admission:
         try:
             link = self._link_of(arrival)
             header = self._header(arrival, link)
-            if self.s.replicas and arrival.reply_link is None:
-                link = self._replica_link(arrival, header, link)
+            if arrival.reply_link is None:
+                link = self._bound_link(arrival, header, link)
             if header.type in HANDSHAKE_TYPES and header.seq != 0:
                 raise Rejected("not_allowed", f"{header.type.name} with seq {header.seq} (the handshake's is 0)")
             if header.type is MT.HELLO:
@@ -222,13 +222,15 @@ class Admission:
             raise Rejected("not_allowed", f"{arrival.sender!r} is not a neighbour of stage {self.s.stage}")
         return link
 
-    def _replica_link(self, arrival: Arrival, header: Header, link: PeerLink) -> PeerLink:
-        """With replicas (SPEC §9.10 item 1) a stage has a link per replica: a message belongs to the
-        link whose session its connection is bound to, a HELLO to the link of the contact it names
-        (one naming none is refused by :meth:`check_hello`); anything else keeps ``link``, whose
-        session check drops it (``wrong_session``). A HELLO naming a contact this peer has no link
-        to makes it read the stage's records; it is counted as a bad message only when its sender
-        holds no certificate for that stage."""
+    def _bound_link(self, arrival: Arrival, header: Header, link: PeerLink) -> PeerLink:
+        """A neighbour stage has a link per peer's contact (SPEC §9.2, §9.10 item 1): a message
+        belongs to the link whose session its connection is bound to, a HELLO to the link of the
+        contact it names (one naming none, from a 2.0 chain peer, to the stage's route); anything
+        else keeps ``link``, whose session check drops it (``wrong_session``). A HELLO naming a
+        contact this peer has no link to goes, in a chain whose peer of that stage is in session
+        with this one, to that peer's link (:meth:`check_hello` refuses it ``stage_taken`` unless it
+        re-forms the swarm); otherwise it makes this peer read the stage's records and is dropped (counted as a bad message only when its sender holds no certificate for
+        that stage)."""
         bound = self.links.by_session(arrival.sender)
         if bound is not None and bound.stage == link.stage:
             return bound
@@ -236,16 +238,29 @@ class Admission:
         if not isinstance(contact, str):
             return link
         found = self.links.by_contact(link.stage, contact)
-        if found is None:
-            self.unknown_replica(link.stage)
-            why = f"HELLO from a replica of stage {link.stage} this peer does not know ({_shown_contact(contact)})"
-            if self.s.identity is not None:
-                try:
-                    self.s.identity.verify_peer(header.meta.get("cert"), stage=link.stage, curve_key=arrival.peer_key)
-                except CertificateError:
-                    raise Rejected("not_allowed", why) from None
-            raise Unlinked("not_allowed", f"{why}: it joined since this peer read the records")
-        return found
+        if found is not None:
+            return found
+        if not self.s.replicas:  # a chain: the link of the stage's peer, if any, refuses it (check_hello)
+            taken = next((other for other in self.links.of_stage(link.stage)
+                          if other.welcomed or self._live(other, arrival.sender)), None)
+            if taken is not None:
+                return taken
+        self.unknown_replica(link.stage)
+        why = f"HELLO from a peer of stage {link.stage} this peer does not know ({_shown_contact(contact)})"
+        if self.s.identity is not None:
+            try:
+                self.s.identity.verify_peer(header.meta.get("cert"), stage=link.stage, curve_key=arrival.peer_key)
+            except CertificateError:
+                raise Rejected("not_allowed", why) from None
+        raise Unlinked("not_allowed", f"{why}: it announced itself since this peer read the records")
+
+    def _live(self, link: PeerLink, sender: str) -> bool:
+        """``link``'s inbound session is another connection's than ``sender``'s and still alive:
+        while training until this peer finds the neighbour lost, before it while heard within the
+        neighbour's session deadline."""
+        bound = link.rx
+        unheard = math.inf if self.started() else self.deadline(link.name)
+        return bound is not None and bound.routing_id != sender and bound.alive(self.clock(), unheard)
 
     def _header(self, arrival: Arrival, link: PeerLink) -> Header:
         """Phase 1 on the loop: the header only; no tensor frame is looked at."""
@@ -279,16 +294,16 @@ class Admission:
         refused = s.mismatch(h.meta, link.stage)
         if refused is not None:
             raise HelloRefused(*refused, nonce)
-        bound = link.rx
         reforms = (self.started() and h.epoch > self.window.epoch and REJOIN_CAPABILITY in s.capabilities
                    and REJOIN_CAPABILITY in h.meta.get("capabilities", ()))
         if certificate is not None and getattr(link.peer_certificate, "curve_key", None) != certificate.curve_key:
             reforms = False  # only the bound neighbour re-forms, on a new connection (SPEC §7.2 item 7)
-        unheard = math.inf if self.started() else self.deadline(link.name)  # training: until found lost
-        if bound is not None and bound.routing_id != sender and bound.alive(self.clock(), unheard) \
-                and not reforms:  # a neighbour re-forming the swarm comes on a new connection (SPEC §9.6)
-            raise HelloRefused("stage_taken", f"stage {link.stage} is taken: its session is alive "
-                                              f"(heard {self.clock() - bound.heard_at:.0f} s ago)", nonce)
+        contact = h.meta.get("contact")  # another contact than the link's: a chain's stage has one peer
+        other = isinstance(contact, str) and link.contact is not None and contact != link.contact
+        if (other or self._live(link, sender)) and not reforms:  # one re-forming comes on a new connection (§9.6)
+            raise HelloRefused("stage_taken", f"stage {link.stage} is taken: " + (
+                f"this peer is in session with its peer at {link.contact}" if other else
+                f"its session is alive (heard {self.clock() - link.rx.heard_at:.0f} s ago)"), nonce)
         link.peer_certificate = certificate
 
     def _check_message(self, h: Header, link: PeerLink, arrival: Arrival) -> None:

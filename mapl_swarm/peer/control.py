@@ -1,8 +1,9 @@
 """What an admitted message does at a peer: one handler per control type, the rest to the schedule.
 
 A HELLO is welcomed (or, from a neighbour re-forming the swarm while this peer trains, pauses it;
-SPEC §9.6). WELCOME and REJECT answer this peer's HELLOs (SPEC §9.2: a configuration refusal by a
-peer that is not anchored is retried, any other ends the session). ERROR is informational (logged,
+SPEC §9.6). WELCOME and REJECT answer this peer's HELLOs (SPEC §9.2: ``stage_taken`` and a configuration
+refusal by a peer that is not anchored are retried, any other ends that record's HELLOs, and the
+session once every record of the stage refused it). ERROR is informational (logged,
 counted in ``errors``) except ``retransmit_unavailable``; BYE ``"rejoin"`` pauses the peer (the
 swarm re-forms); during the handshake any other BYE frees the neighbour's stage for another peer;
 after it, one from upstream ends the run (the schedule's), from downstream it is a departure (SPEC
@@ -24,14 +25,13 @@ from mapl_swarm.wire.spec import DRAIN_PHASES, DRAIN_REASON, LEAVE_REASON, REJOI
 from mapl_swarm.peer.link import CONFIG_REFUSALS, stage_name
 
 if TYPE_CHECKING:
-    import asyncio
-
     from mapl_swarm.config import TrainConfig
     from mapl_swarm.net.heartbeat import HeartbeatMonitor
     from mapl_swarm.peer.admission import Admission, Admitted, Arrival, RejectCounter
     from mapl_swarm.peer.checkpoints import CheckpointAgreement, PeerRunPolicy
     from mapl_swarm.peer.inbound import Inbound
     from mapl_swarm.peer.link import Links, PeerLink
+    from mapl_swarm.peer.linker import Linker
     from mapl_swarm.peer.result import PeerResult
     from mapl_swarm.peer.driver import Schedule
 
@@ -62,7 +62,7 @@ class Session(Protocol):
     rejects: RejectCounter
     admission: Admission
     inbound: Inbound
-    welcomed: asyncio.Event
+    linker: Linker
 
     started: bool  # training started
     replicas_on: bool  # several peers per stage (SPEC §9.10)
@@ -172,12 +172,9 @@ class Control:
             # of a later epoch for a swarm that re-forms
             link.epoch = msg.epoch
         peer.monitor.watch(link.name)  # heartbeats to it from now on
-        if peer.replica_links is not None:
-            peer.replica_links.welcomed()
-            if peer.started:  # a replica linked while training: what it missed
-                await peer.schedule.on_linked(link)
-        if peer.links.all_welcomed:
-            peer.welcomed.set()
+        peer.linker.welcomed()
+        if peer.started:  # a replica linked while training: what it missed
+            await peer.schedule.on_linked(link)
 
     async def _on_reject(self, msg: Message, link: PeerLink) -> None:
         peer = self.peer
@@ -194,12 +191,11 @@ class Control:
                             "configuration yet, so this peer waits for one that does (HELLO again every %g s)",
                             peer.name, msg.src, link.endpoint, reason, retry_s)
             return
-        link.refusals.setdefault(str(link.endpoint), str(reason))
-        untried = [c for c in link.candidates if c not in link.refusals]
-        if untried:  # a planted or stale record must not end this peer (SPEC §9.2): the others first
-            link.retry = True
-            log.warning("%s: stage %d at %s refused this peer: %s; trying the stage's other DHT record(s) (%d) before "
-                        "giving up", peer.name, msg.src, link.endpoint, reason, len(untried))
+        link.refusal = str(reason)  # its HELLOs end
+        others = [other for other in peer.links.of_stage(link.stage) if other.refusal is None]
+        if others:  # a planted or stale record must not end this peer (SPEC §9.2): the others first
+            log.warning("%s: stage %d at %s refused this peer: %s; waiting for the stage's other DHT record(s) (%d)",
+                        peer.name, msg.src, link.endpoint, reason, len(others))
             return
         anchored = (f"; stage {msg.src} holds the run's configuration (stage 0's), so fix this peer's"
                     if msg.meta.get("anchored") is True and msg.meta.get("code") in CONFIG_REFUSALS

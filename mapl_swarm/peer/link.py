@@ -14,8 +14,8 @@ neighbour's HELLO (``rx``, an :class:`~.admission.RxSession`: routing id, sequen
 and REJECT carry ``seq`` 0 and go back on the HELLO's own connection (``reply``); every other
 message takes the next ``seq`` of the link's outbound connection (HELLO has 0).
 
-The schedule talks to ``links.upstream`` / ``links.downstream`` (:class:`Links`: a set of links
-per neighbour stage and the route to one) in payload terms (``send_act``, ``send_grad``,
+The schedule talks to the links of a neighbour stage (:class:`Links`: a set of links per
+neighbour stage and the route to one) in payload terms (``send_act``, ``send_grad``,
 ``decoded``...), never to the transport, so several peers of a neighbour stage or re-routing can change what a link is without touching the schedule.
 """
 
@@ -132,8 +132,8 @@ class LinkSettings:
     """Every setting the neighbours must share, by TOML name (``config.config_summary``): sent in
     HELLO/WELCOME (1.6) so that a refusal names what differs."""
     replicas: bool = False
-    """The run has several peers per stage (SPEC §9.10): HELLO/WELCOME carry this peer's ``contact``
-    and a neighbour must advertise ``replicas`` too."""
+    """The run has several peers per stage (SPEC §9.10): a neighbour must advertise ``replicas`` too
+    and name its ``contact``."""
     stage_replicas: int = 0
     """With replicas, a session that re-forms the swarm (SPEC §9.10 item 10): the replicas of this
     peer's stage that start it (those live at the pause), sent as HELLO/WELCOME ``stage_replicas``;
@@ -147,9 +147,10 @@ class LinkSettings:
 
     def hello_meta(self, contact: str | None = None) -> dict[str, Any]:
         """HELLO/WELCOME meta without the nonces: fingerprint, stage count, the pipeline's M, B and E,
-        capabilities, transport name; with replicas, this peer's ``contact``."""
+        capabilities, transport name, this peer's ``contact`` once it has one (2.1: the receiver binds
+        the HELLO to the link of that contact, SPEC §9.2)."""
         return {"fingerprint": self.fingerprint, "num_stages": self.num_stages,
-                **({"contact": contact} if self.replicas and contact is not None else {}),
+                **({"contact": contact} if contact is not None else {}),
                 "num_micro_batches": self.num_micro_batches, "micro_batch_size": self.micro_batch_size,
                 "eval_batches": self.eval_batches, "capabilities": list(self.capabilities), "peer": self.name,
                 **({"config": dict(self.config)} if self.config else {}),
@@ -226,7 +227,8 @@ class PeerLink:
         self.stage = stage
         """The neighbour's stage."""
         self.contact = contact
-        """With replicas (SPEC §9.10): the contact of the one replica of the stage this link joins."""
+        """The contact (DHT record value) of the one peer of the stage this link joins (SPEC §9.1);
+        None only for a link built without one (tests)."""
         self.name = stage_name(stage) if contact is None else replica_name(stage, contact)
         """The neighbour's transport name (the outbound link's name)."""
         self.is_upstream = stage < settings.stage
@@ -274,14 +276,13 @@ class PeerLink:
         """The neighbour's WELCOME ``lost``: the stage the re-formed swarm waits one replacement for."""
         self.refused_by: str | None = None
         """The reason of the neighbour's last configuration refusal that is retried (logged once)."""
-        self.candidates: list[str] = []
-        """The stage's DHT records this peer HELLOs in turn (freshest first; the handshake's)."""
-        self.refusals: dict[str, str] = {}
-        """Endpoint -> why the peer there refused this peer with a final REJECT (this session)."""
+        self.refusal: str | None = None
+        """Why the peer at this link's contact refused this peer with a final REJECT (this session):
+        the link's HELLOs end (:mod:`~.linker`)."""
         self.local_name, self.local_stage = settings.name, settings.stage
         """This peer's transport name and stage."""
         self.local_contact: str | None = None
-        """This peer's own contact, named in its HELLO/WELCOME with replicas (set once it is bound)."""
+        """This peer's own contact, named in its HELLO/WELCOME (set once it is bound)."""
         self._on_bad_frame = on_bad_frame
         self._seq = 0
         self._send_lock = asyncio.Lock()
@@ -500,21 +501,16 @@ class PeerLink:
 
 
 class Links:
-    """A peer's links, by neighbour stage. A neighbour stage is a set of links, one per peer that
-    serves it: one, or with replicas (SPEC §9.10) one per replica, each to its contact
-    (:meth:`add`). The chain's schedule addresses a stage (``upstream``, ``downstream``) and
-    :meth:`route` picks the link of that stage a message goes on; the replicas' schedule addresses
-    the links of a stage (:meth:`of_stage`)."""
+    """A peer's links, by neighbour stage (``up``: None on stage 0; ``down``: None on the last
+    stage). A neighbour stage is a set of links, one per peer that serves it, each to its contact
+    (:meth:`add`, :mod:`~.linker`): one in a chain, one per replica with replicas (SPEC §9.10).
+    :meth:`route` picks the link of a stage a message goes on where one is addressed (a chain's
+    order, a CHECKPOINT), :meth:`of_stage` gives them all."""
 
-    def __init__(self, upstream: PeerLink | None, downstream: PeerLink | None, *,
-                 up: int | None = None, down: int | None = None) -> None:
-        self.up = up if upstream is None else upstream.stage
-        """The upstream neighbour stage (None on stage 0)."""
-        self.down = down if downstream is None else downstream.stage
-        """The downstream neighbour stage (None on the last stage)."""
-        self.by_stage_links: dict[int, list[PeerLink]] = {
-            stage: [link] if link is not None else [] for stage, link in ((self.up, upstream), (self.down, downstream))
-            if stage is not None}
+    def __init__(self, up: int | None, down: int | None) -> None:
+        self.up, self.down = up, down
+        """The neighbour stages."""
+        self.by_stage_links: dict[int, list[PeerLink]] = {stage: [] for stage in (up, down) if stage is not None}
 
     @property
     def stages_expected(self) -> list[int]:
@@ -522,14 +518,15 @@ class Links:
         return sorted(self.by_stage_links)
 
     def add(self, link: PeerLink) -> PeerLink:
-        """A link to one more replica of a neighbour stage (SPEC §9.10)."""
+        """A link to one more peer of a neighbour stage (one per DHT record's contact)."""
         if link.stage not in self.by_stage_links or self.named(link.name) is not None:
             raise ValueError(f"link {link.name}: not a neighbour stage, or linked already")
         self.by_stage_links[link.stage].append(link)
         return link
 
     def remove(self, link: PeerLink) -> None:
-        """Drop ``link`` (a replica whose record was stale: it never welcomed this peer)."""
+        """Drop ``link`` (a stale record's: its peer never welcomed this peer; a chain's second peer of a
+        stage)."""
         self.by_stage_links[link.stage].remove(link)
 
     def of_stage(self, stage: int | None) -> list[PeerLink]:

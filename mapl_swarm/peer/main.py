@@ -127,7 +127,7 @@ def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool 
     when built already (else built here); ``replicas``: the stage's averaging with its other
     replicas (:func:`stage_replicas`), which this session's stage is attached to; ``joining``: the
     replica joins a running swarm (its state is downloaded from a live replica of its stage);
-    ``reform``: with replicas, a session that re-forms the swarm (:class:`~.replica_links.Reform`)."""
+    ``reform``: with replicas, a session that re-forms the swarm (:class:`~.linker.Reform`)."""
     from mapl_swarm.data import BatchSampler, validation_batches
     from mapl_swarm.peer.checkpoints import PeerRunPolicy
     from mapl_swarm.peer.compute import ComputeThread

@@ -57,12 +57,11 @@ from mapl_swarm.peer.checkpoints import CheckpointAgreement, checkpoint_note
 from mapl_swarm.peer.compute import BackgroundTasks, ComputeThread, WorkerThread
 from mapl_swarm.peer.control import Control, PeerRejected
 from mapl_swarm.peer.departures import Departure, Departures, NeighbourLost
-from mapl_swarm.peer.handshake import Handshake, candidates_of, connect
 from mapl_swarm.peer.inbound import Inbound
 from mapl_swarm.peer.link import LinkSettings, Links, PeerLink, stage_name
 from mapl_swarm.peer.mailbox import Mailbox
 from mapl_swarm.peer.result import PeerResult, collect, write_result
-from mapl_swarm.peer.replica_links import ReplicaLinker, Reform, starting_replicas
+from mapl_swarm.peer.linker import Linker, Reform, candidates_of, starting_replicas
 from mapl_swarm.peer.replica_resume import ReplicaResume
 from mapl_swarm.peer.driver import NoRunHooks, Schedule
 from mapl_swarm.peer.signals import Interrupted
@@ -223,19 +222,11 @@ class Peer:
             compress_ids=net.compress_ids, max_frame_bytes=net.max_frame_bytes, replicas=self.replicas_on,
             stage_replicas=reform.replicas if reform is not None else 0, lost=reform.lost if reform else None)
         self.settings = settings
-        if self.replicas_on:  # a link per replica, each to its DHT record's contact (:meth:`_link_replicas`)
-            self.links = Links(None, None, up=stage - 1 if stage > 0 else None, down=stage + 1 if stage < P - 1 else None)
-        else:
-            self.links = Links(
-                upstream=PeerLink(settings, stage - 1, on_bad_frame=self.bad_frame) if stage > 0 else None,
-                downstream=PeerLink(settings, stage + 1, on_bad_frame=self.bad_frame) if stage < P - 1 else None)
-        self.links.set_epoch(epoch)
+        self.links = Links(stage - 1 if stage > 0 else None, stage + 1 if stage < P - 1 else None)
+        """A link per peer of each neighbour stage, each to its DHT record's contact (:attr:`linker`)."""
         if run_policy is not None and not run_policy.checkpoints_on and net.rejoin_timeout_s > 0:
             log.warning("%s: checkpoint.interval_steps = 0: live rejoin is impossible (a departed stage comes back "
                         "to a step every stage saved); a departure ends every peer", self.name)
-        if vq:
-            for link in self.links:
-                link.use_codebooks(runtime, self.compute, spawn=self.tasks.spawn)
         self.schedule = Schedule(
             runtime, self.links, self.mailbox, self.compute, name=self.name, cfg=cfg, start_step=start_step,
             progress=progress, result=self.result, waits=self.waits, hooks=run_policy or NoRunHooks(), replicas=replicas,
@@ -248,15 +239,14 @@ class Peer:
         if self.replicas_on and run_policy is not None:  # a resumed run's agreement (SPEC §9.10 item 13)
             run_policy.replica_resume = ReplicaResume(self.name, stage, self.links, _checkpoint_on,
                                                       self.schedule.resume_round)
-        self.replica_links: ReplicaLinker | None = None
-        if self.replicas_on:
-            self.replica_links = ReplicaLinker(
-                self.name, self.links, settings, resolve=resolve, timeout_s=net.timeout_s,
-                hello_retry_s=net.hello_retry_s, waits=self.waits, on_bad_frame=self.bad_frame,
-                shaping=LinkConfig(bandwidth_mbps=net.bandwidth_mbps, latency_ms=net.latency_ms),
-                gone=lambda: self.schedule.gone, epoch=lambda: self.schedule.epoch,
-                prepare=lambda link: link.use_codebooks(runtime, self.compute, spawn=self.tasks.spawn) if vq else None)
-        """With replicas: the links to the neighbour stages' replicas, new ones while training too."""
+        self.linker = Linker(
+            self.name, self.links, settings, resolve=resolve, timeout_s=net.timeout_s,
+            hello_retry_s=net.hello_retry_s, waits=self.waits, on_bad_frame=self.bad_frame,
+            shaping=LinkConfig(bandwidth_mbps=net.bandwidth_mbps, latency_ms=net.latency_ms),
+            gone=lambda: self.schedule.gone, epoch=lambda: self.schedule.epoch if self.replicas_on else self.epoch,
+            one_per_stage=not self.replicas_on,
+            prepare=lambda link: link.use_codebooks(runtime, self.compute, spawn=self.tasks.spawn) if vq else None)
+        """The links to the neighbour stages' peers and the handshake (with replicas, new ones while training too)."""
         self.monitor = HeartbeatMonitor(
             HeartbeatConfig(interval_s=net.heartbeat_interval_s, timeout_s=net.liveness_ceiling,
                             floor_s=net.liveness_floor),
@@ -267,7 +257,7 @@ class Peer:
             settings, self.links, shapes=run_shapes(cfg, stage), window=self.schedule.window, rejects=self.rejects,
             decoder=self.decoder, deadline=self.monitor.session_deadline_s, clock=time.monotonic, replies_on_link=False,
             started=lambda: self.inbound.started,
-            unknown_replica=lambda stage: self.replica_links.unknown(stage) if self.replica_links else None)
+            unknown_replica=self.linker.unknown)
         self.departures = Departures(self._on_departure)
         """Neighbours that went silent or left (:mod:`~.departures`)."""
         self.control = Control(self)
@@ -275,8 +265,6 @@ class Peer:
                                self.schedule.arrived, self.mailbox, handle=self.control.handle, spawn=self.tasks.spawn)
         self.receive = self.inbound.receive
         """Admit one received message and handle it at once (tests; the receive loops queue instead)."""
-        self.welcomed = asyncio.Event()
-        """Set when every neighbour welcomed this peer (wakes the handshake)."""
         self.stop_reason: BaseException | None = None
         """Why the session was stopped (the first :meth:`stop`), None while it was not."""
         self._stop_event = asyncio.Event()
@@ -358,20 +346,10 @@ class Peer:
     async def _work(self, transport: Any, endpoint: str) -> dict[str, Any] | None:
         """Everything :meth:`serve` does until the end, as one cancellable task."""
         net = self.cfg.net
-        shaping = LinkConfig(bandwidth_mbps=net.bandwidth_mbps, latency_ms=net.latency_ms)
         await self.announce(endpoint)
         if self.rejoining:  # new connections at once, not after the old ones time out (SPEC §9.6)
             transport.new_routing_id()
-        if self.replica_links is not None:
-            await self.replica_links.link_all(transport, endpoint, fresh=self.rejoining)
-        for link in self.links:
-            if self.replicas_on:
-                break
-            candidates = await self.waits.wait(candidates_of(self.resolve, link.stage, net.timeout_s),
-                                               lambda link=link: [link])
-            link.candidates = candidates
-            await connect(link, transport, candidates[0], shaping, fresh=self.rejoining)
-            log.info("%s: link to stage %d at %s", self.name, link.stage, candidates[0])
+        await self.linker.link_all(transport, endpoint, fresh=self.rejoining)
         self.tasks.spawn(self.inbound.receive_loop(transport))
         if self.admission.replies_on_link:
             self.tasks.spawn(self.inbound.reply_loop(transport))
@@ -380,29 +358,22 @@ class Peer:
         if self.admission.s.identity is not None and self.admission.s.identity.watch is not None:
             self.tasks.spawn(self._watch_revocations(self.admission.s.identity))
         self._enter(PeerState.HANDSHAKING, f"HELLO to stage(s) {self.links.stages}")
-        if self.replica_links is not None:
-            if self.joining:
-                await self.replica_links.greet_all(transport)
-            else:
-                if self.rejoining:
-                    timeout_s = net.rejoin_timeout_s
-                    why = "net.rejoin_timeout_s: no replacement of the departed stage came"
-                else:
-                    timeout_s, why = net.timeout_s, "net.timeout_s"
-                await self.replica_links.handshake(transport, self._starting_replicas, timeout_s=timeout_s, why=why)
-                self.schedule.starting = self._starting_replicas(self.stage)
+        if self.joining:
+            await self.linker.greet_all(transport)
         else:
-            await Handshake(self.name, self.links, resolve=self.resolve, retry_s=net.hello_retry_s, waits=self.waits,
-                            welcomed=self.welcomed).run(
-                transport, shaping, timeout_s=net.rejoin_timeout_s if self.rejoining else net.timeout_s,
-                rejoining=self.rejoining)
+            timeout_s, why = net.timeout_s, "net.timeout_s"
+            if self.rejoining:
+                timeout_s, why = net.rejoin_timeout_s, ("net.rejoin_timeout_s: no replacement of the departed stage "
+                                                        "came; start one with --resume on a host with its checkpoints")
+            await self.linker.handshake(transport, self._starting_replicas, timeout_s=timeout_s, why=why)
+            self.schedule.starting = self._starting_replicas(self.stage)
         self._enter(PeerState.AGREEING, f"welcomed by stage(s) {self.links.stages}")
         start = await self._agree_start(transport)
         self.schedule.begin(start, self.epoch)
         self._enter(PeerState.TRAINING, f"from step {self.schedule.step} (run epoch {self.epoch})")
         await self.inbound.start(transport)
-        if self.replica_links is not None:  # replicas that join the running swarm
-            self.tasks.spawn(self.replica_links.watch(transport, self.tasks.spawn))
+        if self.replicas_on:  # replicas that join the running swarm
+            self.tasks.spawn(self.linker.watch(transport, self.tasks.spawn))
         await self.schedule.run()
         await self.inbound.settled(net.timeout_s)
         self._enter(PeerState.ENDED, f"at step {self.schedule.step}")
@@ -488,7 +459,8 @@ class Peer:
         ``net.rejoin_timeout_s`` and checkpoints on). Otherwise a planned departure ends this peer
         cleanly (its other neighbour is told with BYE ``"drain"``), any other one ends it with
         :class:`NeighbourLost`. After the schedule's end neighbours leave as they finish: logged only."""
-        self.monitor.forget(stage_name(departure.stage))
+        for link in self.links.of_stage(departure.stage):
+            self.monitor.forget(link.name)
         if self.state is PeerState.ENDED:
             log.info("%s: %s after the end of the run", self.name, departure.describe())
             return
@@ -504,7 +476,7 @@ class Peer:
             self.stop(NeighbourLost(self.name, departure, _LAST_REPLICA_HINT if self.replicas_on else ""))
 
     def _starting_replicas(self, stage: int) -> int:
-        """The replicas of ``stage`` this session starts with (:func:`~.replica_links.starting_replicas`)."""
+        """The replicas of ``stage`` this session starts with (:func:`~.linker.starting_replicas`)."""
         return starting_replicas(stage, own_stage=self.stage, initial=self.cfg.replicas_of(stage), reform=self.reform,
                                  links=self.links)
 

@@ -24,18 +24,27 @@ STEPS = 4
 
 
 def lose(peer, stream: str, step: int, micro: int, lost: list) -> None:
-    """Make ``peer`` silently lose its ``stream`` CODEBOOK_SLICE of (step, micro) once."""
-    link = next(link for link in peer.links if link.tx_stream == stream)
-    send = link.send
+    """Make ``peer`` silently lose its ``stream`` CODEBOOK_SLICE of (step, micro) once (on the link
+    its linker makes when it serves)."""
+    new_link = peer.linker.new_link
 
-    async def lossy(mtype, **kw):
-        if (mtype == MessageType.CODEBOOK_SLICE and kw["meta"]["stream"] == stream and not lost
-                and (kw.get("step"), kw.get("micro")) == (step, micro)):
-            lost.append((stream, step, micro, kw["cver"]))
-            return
-        await send(mtype, **kw)
+    def lossy_link(stage, contact):
+        link = new_link(stage, contact)
+        if link.tx_stream != stream:
+            return link
+        send = link.send
 
-    link.send = lossy
+        async def lossy(mtype, **kw):
+            if (mtype == MessageType.CODEBOOK_SLICE and kw["meta"]["stream"] == stream and not lost
+                    and (kw.get("step"), kw.get("micro")) == (step, micro)):
+                lost.append((stream, step, micro, kw["cver"]))
+                return
+            await send(mtype, **kw)
+
+        link.send = lossy
+        return link
+
+    peer.linker.new_link = lossy_link
 
 
 def test_lost_slices_are_healed_by_resync_and_retransmission(tmp_path):

@@ -144,7 +144,8 @@ class FakeTransport:
             return
         self.counters.add(routing_id.split(".")[0], "tx", kind, frames)
         self.net._record(self.routing_id, target.name, frames, True)
-        target.replies.put_nowait((self.name, frames))
+        link = next((name for name, dst in target._links.items() if dst == self.name), self.name)
+        target.replies.put_nowait((link, frames))  # on the receiver's connection to this transport
 
     async def recv(self, timeout_s: float) -> tuple[str, list]:
         return await self.inbox.get()
@@ -182,11 +183,19 @@ def sampler(cfg, seed: int = 0):
         yield torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=gen)
 
 
+def link_neighbours(peer: Peer) -> None:
+    """``peer``'s links to its neighbours' records on a :class:`FakeNet` (``mem://stage<k>``) made
+    now, as its start would make them, so that a test may reach them before the peer serves."""
+    for stage in peer.links.stages_expected:
+        peer.linker.new_link(stage, f"mem://stage{stage}")
+
+
 def fake_swarm(cfg=None, *, fingerprint: str = "fp", net: FakeNet | None = None,
-               identities: list | None = None) -> tuple[FakeNet, list[Peer], list[FakeTransport]]:
+               identities: list | None = None, linked: bool = True) -> tuple[FakeNet, list[Peer], list[FakeTransport]]:
     """Stages 0 .. P-1 of ``cfg`` (default :func:`swarm_config`, 2 stages) on a :class:`FakeNet`,
-    insecure or with each stage's certified identity (``identities[s]``, a ``PeerIdentity``); run them with :func:`run_swarm`. Call inside a running
-    event loop."""
+    insecure or with each stage's certified identity (``identities[s]``, a ``PeerIdentity``), their
+    links made (:func:`link_neighbours`) unless not ``linked``; run them with :func:`run_swarm`.
+    Call inside a running event loop."""
     cfg = cfg or swarm_config()
     net = net or FakeNet()
     P = cfg.pipeline.num_stages
@@ -205,6 +214,8 @@ def fake_swarm(cfg=None, *, fingerprint: str = "fp", net: FakeNet | None = None,
                   sampler=sampler(cfg) if s == 0 else None, val_batches=val if s == 0 else None,
                   membership=identities[s] if identities else None)
              for s in range(P)]
+    for peer in peers if linked else ():
+        link_neighbours(peer)
     return net, peers, transports
 
 
@@ -236,6 +247,7 @@ def policy_swarm(cfg, *, resume: bool = False) -> tuple[FakeNet, list[Peer], lis
         policy = PeerRunPolicy(cfg, s, data, "f" * 32, resume=resume, runtime=rt, compute=compute)
         peers.append(Peer(cfg, s, rt, fingerprint="f" * 32, resolve=resolve, announce=announce,
                           sampler=sampler(cfg) if s == 0 else None, compute=compute, run_policy=policy))
+        link_neighbours(peers[-1])
     return net, peers, transports
 
 

@@ -20,7 +20,7 @@ from mapl_swarm.peer.session import Rejected
 from mapl_swarm.pipeline.stage import StageRuntime
 from mapl_swarm.wire import Message, MessageType, WireTensor, decode, encode
 
-from peer_fakes import FakeNet, swarm_config
+from peer_fakes import FakeNet, link_neighbours, swarm_config
 
 MT = MessageType
 UP, DOWN = "stage0.000000a0", "stage2.000000b0"
@@ -50,10 +50,14 @@ class Middle:
 
         self.peer = Peer(cfg, 1, StageRuntime(cfg, 1), fingerprint="fp", resolve=resolve, announce=announce)
         self.peer.admission.replies_on_link = True
+        link_neighbours(self.peer)
         for link in self.peer.links:
             link.connect(self.transport, f"mem://stage{link.stage}", None)
 
     async def feed(self, sender: str, frames, *, reply_link: str | None = None) -> None:
+        """``reply_link``: an answer on this peer's connection to that neighbour (``stage<k>``)."""
+        if reply_link is not None:
+            reply_link = self.peer.links.route(int(reply_link.removeprefix("stage"))).name
         await self.peer.receive(Arrival(sender, [bytes(f) for f in frames], reply_link=reply_link), self.transport)
 
     async def handshake(self, up: str = UP, down: str = DOWN) -> None:
@@ -145,6 +149,40 @@ def test_welcome_binds_the_session_and_a_second_connection_for_the_stage_is_refu
     assert welcome["num_micro_batches"] == 2 and welcome["micro_batch_size"] == 2 and welcome["eval_batches"] == 1
     assert m.answers("stage0.0badc0de") == [("REJECT", 0, "stage_taken")]
     assert m.rejects == {"stage_taken": 1} and m.peer.links.upstream.rx.last_seq == 1
+
+
+def test_a_hello_binds_to_the_link_of_the_contact_it_names_and_another_contact_of_a_chain_stage_is_taken():
+    """HELLO ``contact`` (SPEC §9.2): the neighbour's HELLO naming its record's contact binds the
+    link to that contact; in a chain another peer of the stage, at another contact, is refused
+    ``stage_taken`` while the first is in session, even before that one's session binds."""
+    async def scenario(m):
+        link = m.peer.links.upstream
+        await m.feed(UP, msg(MT.HELLO, src=0, meta={**HELLO, "contact": "mem://stage0"}))
+        assert link.rx.routing_id == UP
+        await m.feed("stage0.0badc0de", msg(MT.HELLO, src=0, meta={**HELLO, "contact": "mem://other0"}))
+        await m.peer.links.downstream.send_hello()
+        await m.feed("stage2", m.welcome(2), reply_link="stage2")  # welcomed by stage 2, not yet bound
+        await m.feed("stage2.0badc0de", msg(MT.HELLO, src=2, meta={**HELLO, "contact": "mem://other2"}))
+    m = run(scenario)
+    assert m.answers(UP) == [("WELCOME", 0, None)]
+    assert m.answers("stage0.0badc0de") == m.answers("stage2.0badc0de") == [("REJECT", 0, "stage_taken")]
+    reject = decode(m.net.orphan_replies["stage0.0badc0de"][0]).meta["reason"]
+    assert reject == "stage 0 is taken: this peer is in session with its peer at mem://stage0"
+    assert m.peer.links.downstream.rx is None and m.rejects == {"stage_taken": 2}
+
+
+def test_a_hello_from_an_unknown_contact_of_a_free_stage_reads_the_records_and_is_dropped():
+    """Before any peer of stage 0 is in session with this one, a HELLO naming a contact this peer
+    has no link to (a peer announced after this one read the records) is dropped, not refused,
+    and makes the linker read the records at once (the sender says HELLO again)."""
+    async def scenario(m):
+        read = []
+        m.peer.admission.unknown_replica = read.append
+        await m.feed("stage0.0000000c", msg(MT.HELLO, src=0, meta={**HELLO, "contact": "mem://new0"}))
+        assert read == [0]
+    m = run(scenario)
+    assert "stage0.0000000c" not in m.net.orphan_replies and m.peer.links.upstream.rx is None
+    assert m.rejects == {}
 
 
 def test_a_bye_during_the_handshake_frees_the_stage_for_another_peer():

@@ -34,15 +34,13 @@ async def _trap(trap) -> None:
 
 def _run(records: list[str]):
     async def main():
-        net, peers, transports = fake_swarm()
-        trap = net.transport("trap")
-        trap.name = "stage1"  # its answers come back on stage 0's link to stage 1
-        task = asyncio.get_running_loop().create_task(_trap(trap))
-
         async def resolve(stage: int, timeout_s: float):
             return records if stage == 1 else f"mem://stage{stage}"
 
-        peers[0].resolve = resolve
+        net, peers, transports = fake_swarm(linked=False)
+        trap = net.transport("trap")
+        task = asyncio.get_running_loop().create_task(_trap(trap))
+        peers[0].linker.resolve = resolve
         try:
             return await run_swarm(peers, transports, timeout_s=60)
         finally:

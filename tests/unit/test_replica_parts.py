@@ -34,7 +34,7 @@ def _settings(**kw) -> LinkSettings:
 
 
 def _links() -> tuple[Links, list[PeerLink]]:
-    links = Links(None, None, up=0, down=2)
+    links = Links(0, 2)
     made = [links.add(PeerLink(_settings(), stage, on_bad_frame=lambda *a: None, contact=c))
             for stage, c in ((0, CONTACTS[0]), (0, CONTACTS[1]), (2, CONTACTS[2]))]
     return links, made
@@ -95,7 +95,8 @@ def test_a_handshake_with_replicas_needs_the_capability_and_a_contact():
     code, why = mine.mismatch({k: v for k, v in hello.items() if k != "contact"}, 0)
     assert code == "fingerprint_mismatch" and "names no contact" in why
     plain = _settings(capabilities=("1f1b",), replicas=False)
-    assert "contact" not in plain.hello_meta(CONTACTS[0])
+    assert plain.hello_meta(CONTACTS[0])["contact"] == CONTACTS[0]  # a chain's peer names it too (SPEC §9.2)
+    assert plain.mismatch({k: v for k, v in plain.hello_meta(None).items()}, 0) is None  # a 2.0 chain peer: none
     assert plain.mismatch(hello, 0)[1].endswith("stage 0 has true, stage 1 false")
 
 

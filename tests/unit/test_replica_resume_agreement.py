@@ -41,7 +41,7 @@ def grid(saved: list[list[list[int]]], reasons: dict[tuple[int, int], str] | Non
 
     for k in range(P):
         for r in range(len(saved[k])):
-            links = Links(None, None, up=k - 1 if k > 0 else None, down=k + 1 if k < P - 1 else None)
+            links = Links(k - 1 if k > 0 else None, k + 1 if k < P - 1 else None)
             for n in (k - 1, k + 1):
                 if 0 <= n < P:
                     for q in range(len(saved[n])):
@@ -80,7 +80,7 @@ def test_a_refusal_reaches_every_replica_with_one_reason(saved, reasons, says):
 
 
 def test_decisions_that_differ_stop_the_replica_that_got_them():
-    links = Links(None, None, up=0, down=None)
+    links = Links(0, None)
     for q in range(2):
         links.add(SimpleNamespace(name=f"stage0.{q}", stage=0))
 
@@ -108,7 +108,7 @@ def test_decisions_that_differ_stop_the_replica_that_got_them():
 
 
 def test_a_checkpoint_from_the_wrong_side_is_not_taken_and_silence_times_out():
-    links = Links(None, None, up=0, down=2)
+    links = Links(0, 2)
     up, down = SimpleNamespace(name="stage0.0", stage=0), SimpleNamespace(name="stage2.0", stage=2)
     links.add(up)
     links.add(down)

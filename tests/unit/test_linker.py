@@ -1,14 +1,16 @@
-"""A starting replica's handshake with its neighbour stages' replicas (SPEC §9.10 item 1): a DHT
-record may outlive its replica's process, so the handshake reads the records again until as many
-replicas of each neighbour stage as ``replicas.initial`` welcomed it, and drops the links of those
-that did not; a swarm that re-forms after a stage lost its last replica starts with the replicas
-live at the pause instead (SPEC §9.10 item 10: each says how many in its WELCOME). Stage 1 of 3 on
-the in-memory transport; the neighbours that live answer its HELLO (a fake neighbour: the WELCOME's
-own checks are the session tests')."""
+"""A starting peer's handshake with its neighbour stages' peers (SPEC §9.2, §9.10 item 1), one
+linker for chains and replicas: a DHT record may outlive its peer's process, so the handshake
+HELLOs every record and reads them again until as many peers of each neighbour stage as start the
+run welcomed it (a chain: one; replicas: ``replicas.initial``), and drops the links of those that
+did not; a chain keeps one link per stage; a swarm with replicas that re-forms after a stage lost
+its last replica starts with the replicas live at the pause instead (SPEC §9.10 item 10: each says
+how many in its WELCOME). Stage 1 of 3 on the in-memory transport; the neighbours that live answer
+its HELLO (a fake neighbour: the WELCOME's own checks are the session tests')."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -16,7 +18,7 @@ from mapl_swarm.errors import MaplError
 from mapl_swarm.net.emulator import LinkConfig
 from mapl_swarm.peer.link import LinkSettings, Links
 from mapl_swarm.peer.link import PeerLink
-from mapl_swarm.peer.replica_links import ReplicaLinker, Reform, starting_replicas
+from mapl_swarm.peer.linker import Linker, Reform, starting_replicas
 from mapl_swarm.peer.waiting import WaitingLog
 from mapl_swarm.wire import MessageType
 
@@ -24,6 +26,7 @@ from peer_fakes import FakeNet, peek
 
 SETTINGS = LinkSettings(run_id="r", stage=1, num_stages=3, fingerprint="f" * 32, capabilities=("1f1b", "replicas"),
                         max_frame_bytes=1 << 20, replicas=True)
+CHAIN = dataclasses.replace(SETTINGS, capabilities=("1f1b",), replicas=False)
 
 
 class Neighbours:
@@ -31,7 +34,7 @@ class Neighbours:
     replicas live (``live``: they welcome the HELLOs that reach them)."""
 
     def __init__(self, records: dict[int, list[str]], live: set[str], timeout_s: float = 10.0,
-                 reform: dict[str, tuple[int, int | None]] | None = None) -> None:
+                 reform: dict[str, tuple[int, int | None]] | None = None, chain: bool = False) -> None:
         self.net = FakeNet()
         self.me = self.net.transport("me")
         self.records, self.live = records, live
@@ -41,13 +44,14 @@ class Neighbours:
         self.reform = reform or {}
         """``contact: (stage_replicas, lost)`` its WELCOME says (a replica of a re-forming swarm)."""
         self.hellos: list[str] = []
+        self.sent: list[tuple[str, list, bool]] = []
         self.on_first_hello: dict[str, object] = {}
         """``contact: action()``, run when the first HELLO to ``contact`` goes out."""
-        self.links = Links(None, None, up=0, down=2)
-        self.linker = ReplicaLinker("stage1", self.links, SETTINGS, resolve=self.resolve,
-                                    shaping=LinkConfig(), timeout_s=timeout_s, hello_retry_s=0.2,
-                                    waits=WaitingLog("stage1"), on_bad_frame=lambda *a: None,
-                                    gone=set, epoch=lambda: 0)
+        self.links = Links(0, 2)
+        self.linker = Linker("stage1", self.links, CHAIN if chain else SETTINGS, resolve=self.resolve,
+                             shaping=LinkConfig(), timeout_s=timeout_s, hello_retry_s=0.2,
+                             waits=WaitingLog("stage1"), on_bad_frame=lambda *a: None,
+                             gone=set, epoch=lambda: 0, one_per_stage=chain)
         self.net.tap = self._answer
 
     async def resolve(self, stage: int, timeout_s: float) -> list[str]:
@@ -60,6 +64,7 @@ class Neighbours:
         self.live.add(contact)
 
     def _answer(self, src, dst, frames, reply) -> None:
+        self.sent.append((dst, frames, reply))
         msg = peek(frames)
         if msg is None or msg.type is not MessageType.HELLO:
             return
@@ -97,6 +102,37 @@ def test_too_few_replicas_that_answer_end_the_handshake_naming_the_stage():
         asyncio.run(n.handshake(lambda stage: 2 if stage == 0 else 1))
 
 
+def test_a_chain_hellos_every_record_and_keeps_the_one_peer_that_welcomes_it():
+    """A chain's stage 0 has a stale record (its peer died) beside the live one, stage 2 a planted
+    record that never answers: both are HELLOed at once (no record waits for another's retry),
+    the live peers' links stay, one per stage, and their HELLO names this peer's contact."""
+    n = Neighbours({0: ["stale0", "a0"], 2: ["planted2", "c2"]}, live={"a0", "c2"}, chain=True)
+    asyncio.run(asyncio.wait_for(n.handshake(lambda stage: 1), 20))
+    assert sorted(link.contact for link in n.links) == ["mem://a0", "mem://c2"]
+    assert {"stale0", "planted2"} <= set(n.hellos) and sorted(n.me.links()) == sorted(link.name for link in n.links)
+    hello = next(peek(frames) for dst, frames, _ in n.sent if dst == "a0")
+    assert hello.meta["contact"] == "mem://me" and "replicas" not in hello.meta["capabilities"]
+
+
+def test_a_chain_keeps_one_link_when_two_peers_of_a_stage_welcome_it():
+    """Two peers started for stage 0 by mistake both welcome this peer: a chain keeps one (the
+    first that welcomed; the admission refuses the other's HELLO ``stage_taken``, see
+    ``test_peer_sessions``); replicas keep both."""
+    n = Neighbours({0: ["a0", "b0"], 2: ["c2"]}, live={"a0", "b0", "c2"}, chain=True)
+    asyncio.run(asyncio.wait_for(n.handshake(lambda stage: 1), 20))
+    assert len(n.links.of_stage(0)) == 1 and len(n.me.links()) == 2
+    n = Neighbours({0: ["a0", "b0"], 2: ["c2"]}, live={"a0", "b0", "c2"})
+    asyncio.run(asyncio.wait_for(n.handshake(lambda stage: 1), 20))
+    assert sorted(link.contact for link in n.links.of_stage(0)) == ["mem://a0", "mem://b0"]
+
+
+def test_a_chain_whose_neighbour_never_answers_names_the_stage():
+    n = Neighbours({0: ["stale0"], 2: ["c2"]}, live={"c2"}, timeout_s=1.0, chain=True)
+    with pytest.raises(MaplError, match=r"handshake not completed within 1 s \(net.timeout_s\): no peer of stage 0 "
+                                        r"welcomed this peer$"):
+        asyncio.run(n.handshake(lambda stage: 1))
+
+
 def _want(n: Neighbours, reform: Reform | None = None):
     return lambda stage: starting_replicas(stage, own_stage=1, initial=2, reform=reform, links=n.links)
 
@@ -131,7 +167,7 @@ def _welcomed(stage: int, said: tuple[int | None, int | None]) -> PeerLink:
     ([(0, (1, None))], Reform(replicas=2, lost=None), {0: 1, 1: 2, 2: 2}),
 ])
 def test_starting_replicas(links, reform, expected):
-    got = Links(None, None, up=0, down=2)
+    got = Links(0, 2)
     for stage, said in links:
         got.add(_welcomed(stage, said))
     for stage, n in expected.items():
