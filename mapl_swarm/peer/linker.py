@@ -58,14 +58,12 @@ async def candidates_of(resolve: Resolve, stage: int, timeout_s: float) -> list[
     return [found] if isinstance(found, str) else list(found)
 
 
-async def connect(link: PeerLink, transport: Any, endpoint: str, shaping: LinkConfig, *, fresh: bool = False) -> None:
+async def connect(link: PeerLink, transport: Any, endpoint: str, shaping: LinkConfig) -> None:
     """``link`` to ``endpoint``: the transport's connection of that name is kept when it goes there
-    already (an earlier session of this process), replaced when it goes elsewhere or when ``fresh``
-    (the first connection of a session that re-forms the swarm, under the transport's new routing
-    id; what the old one still queues gets a second to leave)."""
+    already, replaced when it goes elsewhere."""
     current = transport.endpoint_of(link.name)
-    if current is not None and (fresh or current != endpoint):
-        await transport.disconnect(link.name, linger_s=1.0 if fresh else 0.0)
+    if current is not None and current != endpoint:
+        await transport.disconnect(link.name, linger_s=0.0)
     link.connect(transport, endpoint, shaping)
 
 
@@ -136,14 +134,17 @@ class Linker:
         """Contacts whose peer never welcomed this peer: not linked again."""
         self._read = asyncio.Event()
         self._welcomed = asyncio.Event()
-        self._fresh = False
 
     async def link_all(self, transport: Any, endpoint: str, *, fresh: bool = False) -> None:
         """At the start: a link to every record of each neighbour stage, once the DHT holds one
         (within ``net.timeout_s``; the handshake links those announced later). ``fresh``: a session
-        that re-forms the swarm connects anew (:func:`connect`)."""
+        that re-forms the swarm connects anew, under the transport's new routing id: the previous
+        session's connections (a departed peer's among them) are closed first, what they still
+        queue getting a second to leave."""
         self.local_contact = endpoint
-        self._fresh = fresh
+        if fresh:
+            for name in transport.links():
+                await transport.disconnect(name, linger_s=1.0)
         for stage in self.links.stages_expected:
             async def announced(stage: int = stage) -> list[str]:
                 try:
@@ -167,7 +168,7 @@ class Linker:
     async def _add(self, transport: Any, stage: int, contact: str) -> PeerLink:
         link = self.links.by_contact(stage, contact) or self.new_link(stage, contact)
         link.local_contact = self.local_contact
-        await connect(link, transport, contact, self.shaping, fresh=self._fresh)
+        await connect(link, transport, contact, self.shaping)
         log.info("%s: link %s to stage %d at %s", self.name, link.name, stage, contact)
         return link
 
