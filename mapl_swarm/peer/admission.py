@@ -320,6 +320,8 @@ class Admission:
         if arrival.reply_link is not None:
             raise Rejected("not_allowed", f"{h.type.name} on this peer's own connection (only WELCOME/REJECT)")
         check_sender(h, self.shapes)  # dst, the type's direction, the codec's types
+        if h.type is MT.ROUTE and not s.replicas:  # a capability-gated type (SPEC §9.10): a chain's is implied
+            raise Rejected("not_allowed", "ROUTE in a run without replicas")
         session = link.rx
         if session is None or session.routing_id != arrival.sender:
             refused = Unbound if h.type is MT.HEARTBEAT else Rejected  # an ended session's queued heartbeats

@@ -7,7 +7,8 @@ session once every record of the stage refused it). ERROR is informational (logg
 counted in ``errors``) except ``retransmit_unavailable``; BYE ``"rejoin"`` pauses the peer (the
 swarm re-forms); during the handshake any other BYE frees the neighbour's stage for another peer;
 after it, one from upstream ends the run (the schedule's), from downstream it is a departure (SPEC
-§9.5). RESYNC goes to the link's codebooks, REPORT and ROUTE ``ready`` to the schedule, CHECKPOINT to
+§9.5). RESYNC goes to the link's codebooks, REPORT and ROUTE ``ready`` to the schedule (a ROUTE
+in a chain never gets this far: the admission refuses it), CHECKPOINT to
 the checkpoint agreement (ACT, GRAD, PROJ, PROJ_GRAD, CODEBOOK_SLICE and the upstream BYE that ends
 the run never come here: the schedule takes them from the inbound queue). A fresh peer that meets
 a swarm re-forming after a departure stops at once, saying that it must resume.
@@ -85,8 +86,10 @@ class Control:
         self.peer = peer
         self._handlers: dict[MessageType, Callable[[Message, PeerLink], Awaitable[None]]] = {
             MT.WELCOME: self._on_welcome, MT.REJECT: self._on_reject, MT.ERROR: self._on_error, MT.BYE: self._on_bye,
-            MT.RESYNC: self._on_resync, MT.REPORT: self._on_report, MT.CHECKPOINT: self._on_checkpoint,
-            MT.ROUTE: self._on_route,
+            MT.RESYNC: self._on_resync, MT.CHECKPOINT: self._on_checkpoint,
+            # REPORT and ROUTE ready/commit/taken/gone/redo are the step core's (SPEC §9.10; ROUTE end
+            # and reopen come in their link's order through the schedule's queue)
+            MT.REPORT: peer.schedule.on_control, MT.ROUTE: peer.schedule.on_control,
         }
 
     async def handle(self, got: Admitted, arrival: Arrival, transport: Any) -> None:
@@ -248,17 +251,6 @@ class Control:
             self.peer.bad_frame(link.name, "RESYNC but the codec has no codebooks")
         elif (why := link.codebooks.on_resync(msg)) is not None:
             self.peer.rejects("implausible", link.name, why)
-
-    async def _on_report(self, msg: Message, link: PeerLink) -> None:
-        await self.peer.schedule.on_control(msg, link)
-
-    async def _on_route(self, msg: Message, link: PeerLink) -> None:
-        """ROUTE ``ready``, ``commit``, ``taken``, ``gone``, ``redo`` (SPEC §9.10; ``end`` and ``reopen``
-        are the schedule's, after their link's ACTs)."""
-        if not self.peer.replicas_on:  # a chain: no replicas, no ROUTE (the capability says so)
-            self.peer.rejects("not_allowed", link.name, "ROUTE in a run without replicas")
-        else:
-            await self.peer.schedule.on_control(msg, link)
 
     async def _on_checkpoint(self, msg: Message, link: PeerLink) -> None:
         agreement = self.peer.agreement

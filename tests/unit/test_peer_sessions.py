@@ -339,6 +339,8 @@ def test_after_the_handshake_only_the_bound_connection_in_sequence_and_direction
     (MT.GRAD, {}, UP, False),
     (MT.PROJ_GRAD, {}, UP, False),
     (MT.REPORT, {"loss": 1.0, "tokens": 1}, UP, False),
+    (MT.ROUTE, {"phase": "reopen", "gone": ["mem://stage2"]}, UP, False),  # a chain: ROUTE is implied, never sent
+    (MT.ROUTE, {"phase": "ready"}, DOWN, False),
     (MT.CHECKPOINT, {"phase": "saved", "step": 1}, UP, False),
     (MT.CHECKPOINT, {"phase": "complete", "step": 1}, DOWN, False),
     (MT.CODEBOOK_SLICE, {"stream": "act"}, UP, False),  # this run has no codebooks
@@ -423,7 +425,7 @@ def test_with_replicas_a_later_run_epoch_is_a_redo_a_joining_replica_takes_with_
     download brings the epoch). A fresh starting replica in that swarm stops saying how to start."""
     stopped: list[BaseException] = []
     peer = SimpleNamespace(started=False, run_policy=None, joining=joining, replicas_on=True, stage=1,
-                           stop=stopped.append)
+                           stop=stopped.append, schedule=SimpleNamespace(on_control=None))
     must = Control(peer)._must_resume(Message(type=MT.WELCOME, run_id="mem", src=0, dst=1, epoch=3))
     assert must is not joining
     if joining:
