@@ -2,8 +2,9 @@
 
 Parts (each module one concern; none imports the in-process pipeline or the trainer's loop):
 ``runtime`` (:class:`Peer`: the lifecycle) builds ``link`` (:class:`PeerLink` per neighbour)
-with ``vq_link`` (its codebook stream side), ``inbound`` (the receive path, with ``admission``
-and ``control``) into ``mailbox`` (the one inbound queue), ``compute`` (compute thread, encode
+with ``vq_link`` (its codebook stream side), ``ingress`` (the one way in: ``admission``'s rules,
+held messages, into ``mailbox``, the one inbound queue, for the schedule or for ``control``'s
+dispatch table), ``compute`` (compute thread, encode
 lock, background tasks), ``host`` (the runtime's calls on the compute thread: wire tensors in,
 host tensors out; ``tensors`` wraps them for the wire), ``waiting`` (waiting lines),
 ``linker`` (a link per DHT record of each neighbour stage, the handshake: HELLO until enough

@@ -1,4 +1,8 @@
-"""What an admitted message does at a peer: one handler per control type, the rest to the schedule.
+"""What an admitted message does at a peer: a table of handlers by control type, the rest to the schedule.
+
+:class:`Control` is given the parts its handlers act on (links, linker, liveness monitor, schedule,
+checkpoint agreement, the ingress's answers) and reads or asks only a few things of its peer's
+session (:class:`Lifecycle`: its stage and run epoch, whether it trains, stop, pause, depart).
 
 A HELLO is welcomed (or, from a neighbour re-forming the swarm while this peer trains, pauses it;
 SPEC §9.6). WELCOME and REJECT answer this peer's HELLOs (SPEC §9.2: ``stage_taken`` and a configuration
@@ -28,9 +32,10 @@ from mapl_swarm.peer.link import CONFIG_REFUSALS, stage_name
 if TYPE_CHECKING:
     from mapl_swarm.config import TrainConfig
     from mapl_swarm.net.heartbeat import HeartbeatMonitor
-    from mapl_swarm.peer.admission import Admission, Admitted, Arrival, RejectCounter
-    from mapl_swarm.peer.checkpoints import CheckpointAgreement, PeerRunPolicy
-    from mapl_swarm.peer.inbound import Inbound
+    from mapl_swarm.peer.admission import Admitted, Arrival, RejectCounter
+    from mapl_swarm.peer.checkpoints import CheckpointAgreement
+    from mapl_swarm.peer.replica_resume import ReplicaResume
+    from mapl_swarm.peer.ingress import Ingress
     from mapl_swarm.peer.link import Links, PeerLink
     from mapl_swarm.peer.linker import Linker
     from mapl_swarm.peer.result import PeerResult
@@ -47,28 +52,17 @@ class PeerRejected(MaplError):
     """A neighbour refused the handshake (version or configuration mismatch)."""
 
 
-class Session(Protocol):
-    """What :class:`Control` uses of its peer (:class:`~.runtime.Peer` is one)."""
+class Lifecycle(Protocol):
+    """What :class:`Control` reads of its peer's session and asks of it (:class:`~.runtime.Peer` is
+    one): the rest it is given as parts."""
 
-    cfg: TrainConfig
-    stage: int
     name: str
-    epoch: int
-    links: Links
-    monitor: HeartbeatMonitor
-    schedule: Schedule
-    agreement: CheckpointAgreement
-    run_policy: PeerRunPolicy | None
-    result: PeerResult
-    rejects: RejectCounter
-    admission: Admission
-    inbound: Inbound
-    linker: Linker
-
+    stage: int
+    epoch: int  # the session's run epoch
     started: bool  # training started
-    replicas_on: bool  # several peers per stage (SPEC §9.10)
-    joining: bool  # a replica that joins the running swarm
     handshaking: bool  # the handshake runs
+    joining: bool  # a replica that joins the running swarm
+    resuming: bool  # the peer resumes from its checkpoints
 
     def stop(self, reason: BaseException) -> None: ...
 
@@ -76,20 +70,26 @@ class Session(Protocol):
 
     def depart(self, link: PeerLink, kind: str, detail: str, *, after: int | None = None) -> None: ...
 
-    def bad_frame(self, sender: str, why: str) -> None: ...
-
 
 class Control:
-    """The handlers of ``peer``'s admitted messages (see the module docstring)."""
+    """The handlers of a peer's admitted control messages, by type (see the module docstring):
+    ``peer`` is its session (:class:`Lifecycle`), the rest the parts the handlers act on;
+    ``replica_resume()`` the resume agreement of a replica (None without one)."""
 
-    def __init__(self, peer: Session) -> None:
-        self.peer = peer
+    def __init__(self, peer: Lifecycle, cfg: TrainConfig, *, links: Links, linker: Linker, monitor: HeartbeatMonitor,
+                 schedule: Schedule, agreement: CheckpointAgreement, ingress: Callable[[], Ingress],
+                 rejects: RejectCounter, result: PeerResult, clock: Callable[[], float],
+                 replica_resume: Callable[[], ReplicaResume | None]) -> None:
+        self.peer, self.cfg, self.links, self.linker, self.monitor = peer, cfg, links, linker, monitor
+        self.schedule, self.agreement, self.ingress, self.rejects = schedule, agreement, ingress, rejects
+        self.result, self.clock, self.replica_resume = result, clock, replica_resume
+        self.replicas = cfg.replicas.enabled
         self._handlers: dict[MessageType, Callable[[Message, PeerLink], Awaitable[None]]] = {
             MT.WELCOME: self._on_welcome, MT.REJECT: self._on_reject, MT.ERROR: self._on_error, MT.BYE: self._on_bye,
             MT.RESYNC: self._on_resync, MT.CHECKPOINT: self._on_checkpoint,
             # REPORT and ROUTE ready/commit/taken/gone/redo are the step core's (SPEC §9.10; ROUTE end
             # and reopen come in their link's order through the schedule's queue)
-            MT.REPORT: peer.schedule.on_control, MT.ROUTE: peer.schedule.on_control,
+            MT.REPORT: schedule.on_control, MT.ROUTE: schedule.on_control,
         }
 
     async def handle(self, got: Admitted, arrival: Arrival, transport: Any) -> None:
@@ -100,7 +100,7 @@ class Control:
         await self._handlers[msg.type](msg, got.link)
 
     async def _on_hello(self, got: Admitted, arrival: Arrival, transport: Any) -> None:
-        peer, msg = self.peer, got.msg
+        peer, msg, ingress = self.peer, got.msg, self.ingress()
         if peer.started and msg.epoch > peer.epoch:
             # a neighbour re-forms the swarm (it lost its other neighbour); not answered: it repeats
             # its HELLO to this peer's next session
@@ -110,9 +110,9 @@ class Control:
             return
         if self._must_resume(msg):
             return
-        reply = peer.inbound.reply(transport, arrival, got.link)
-        await peer.inbound.answer(got.link.on_hello(msg, arrival.sender, reply, now=peer.admission.clock(),
-                                                    anchored=peer.links.anchored))
+        reply = ingress.reply(transport, arrival, got.link)
+        await ingress.answer(got.link.on_hello(msg, arrival.sender, reply, now=self.clock(),
+                                               anchored=self.links.anchored))
 
     def _implausible_reform(self, msg: Message, *, epoch: int | None, lost: int | None) -> bool:
         """Drop (``implausible``, SPEC §7.2 item 9) a neighbour's word that the swarm re-forms unless
@@ -125,13 +125,13 @@ class Control:
         why = None
         if epoch is not None and epoch != peer.epoch + 1:
             why = f"run epoch {epoch}, but this swarm's next one is {peer.epoch + 1}"
-        elif epoch is None and lost is None and not 0 <= src + away < peer.cfg.pipeline.num_stages:
+        elif epoch is None and lost is None and not 0 <= src + away < self.cfg.pipeline.num_stages:
             why = f"stage {src} has no other neighbour than this peer, which it is in session with"
-        elif lost is not None and not (isinstance(lost, int) and 0 <= lost < peer.cfg.pipeline.num_stages
+        elif lost is not None and not (isinstance(lost, int) and 0 <= lost < self.cfg.pipeline.num_stages
                                        and (lost == peer.stage or (lost - src) * away > 0)):
             why = f"stage {lost!r} is neither this peer nor beyond stage {src}, so stage {src} did not see it leave"
         if why is not None:
-            peer.rejects("implausible", stage_name(src), f"{msg.type.name}: stage {src} re-forms the swarm: {why}")
+            self.rejects("implausible", stage_name(src), f"{msg.type.name}: stage {src} re-forms the swarm: {why}")
         return why is not None
 
     def _must_resume(self, msg: Message) -> bool:
@@ -141,10 +141,9 @@ class Control:
         With replicas a run epoch > 0 is a step's redo or a resumed run's: a joining replica takes
         the epoch with its downloaded state (SPEC §9.10 item 11), a fresh starting one stops."""
         peer = self.peer
-        resuming = peer.run_policy is not None and peer.run_policy.resume
-        if peer.started or resuming or peer.joining or msg.epoch == 0:
+        if peer.started or peer.resuming or peer.joining or msg.epoch == 0:
             return False
-        if peer.replicas_on:
+        if self.replicas:
             peer.stop(PeerRejected(
                 f"stage {msg.src} belongs to a swarm that trains already or resumes (run epoch {msg.epoch}): start "
                 f"this replica of stage {peer.stage} with --join to take a live replica's state, or with --resume "
@@ -153,7 +152,7 @@ class Control:
         peer.stop(PeerRejected(
             f"stage {msg.src} belongs to a swarm that re-forms after a departure (run epoch {msg.epoch}): stage "
             f"{peer.stage} must take the departed peer's place from its checkpoints, so start it again with --resume "
-            f"on a host holding stage {peer.stage}'s checkpoint folder ({peer.cfg.run.out_dir}/checkpoints)"))
+            f"on a host holding stage {peer.stage}'s checkpoint folder ({self.cfg.run.out_dir}/checkpoints)"))
         return True
 
     async def _on_welcome(self, msg: Message, link: PeerLink) -> None:
@@ -174,15 +173,15 @@ class Control:
             # item 11); its HELLOs on the other links keep theirs: a started replica takes a HELLO
             # of a later epoch for a swarm that re-forms
             link.epoch = msg.epoch
-        peer.monitor.watch(link.name)  # heartbeats to it from now on
-        peer.linker.welcomed()
+        self.monitor.watch(link.name)  # heartbeats to it from now on
+        self.linker.welcomed()
         if peer.started:  # a replica linked while training: what it missed
-            await peer.schedule.on_linked(link)
+            await self.schedule.on_linked(link)
 
     async def _on_reject(self, msg: Message, link: PeerLink) -> None:
         peer = self.peer
         link.on_reject(msg)
-        reason, retry_s = msg.meta.get("reason"), peer.cfg.net.hello_retry_s
+        reason, retry_s = msg.meta.get("reason"), self.cfg.net.hello_retry_s
         if link.retry and msg.meta.get("code") == "stage_taken":  # its old session has not timed out yet
             log.info("%s: stage %d still holds a session of stage %d; HELLO again in %g s", peer.name, msg.src,
                      peer.stage, retry_s)
@@ -195,14 +194,14 @@ class Control:
                             peer.name, msg.src, link.endpoint, reason, retry_s)
             return
         link.refusal = str(reason)  # its HELLOs end
-        others = [other for other in peer.links.of_stage(link.stage) if other.refusal is None]
+        others = [other for other in self.links.of_stage(link.stage) if other.refusal is None]
         if others:  # a planted or stale record must not end this peer (SPEC §9.2): the others first
             log.warning("%s: stage %d at %s refused this peer: %s; waiting for the stage's other DHT record(s) (%d)",
                         peer.name, msg.src, link.endpoint, reason, len(others))
             return
         anchored = (f"; stage {msg.src} holds the run's configuration (stage 0's), so fix this peer's"
                     if msg.meta.get("anchored") is True and msg.meta.get("code") in CONFIG_REFUSALS
-                    and not peer.links.anchored else "")
+                    and not self.links.anchored else "")
         peer.stop(PeerRejected(f"stage {msg.src} refused stage {peer.stage}: {reason}{anchored}"))
 
     async def _on_error(self, msg: Message, link: PeerLink) -> None:
@@ -212,17 +211,17 @@ class Control:
         peer = self.peer
         code = str(msg.meta.get("code"))
         if code == "retransmit_unavailable" and not (link.codebooks is not None and link.codebooks.awaiting):
-            peer.rejects("implausible", link.name, f"ERROR {code} but this peer awaits no retransmission from "
+            self.rejects("implausible", link.name, f"ERROR {code} but this peer awaits no retransmission from "
                                                    f"stage {msg.src}")
             return
-        peer.result.errors[code] = peer.result.errors.get(code, 0) + 1
+        self.result.errors[code] = self.result.errors.get(code, 0) + 1
         log.warning("%s: stage %d reports an error: %s: %s", peer.name, msg.src, code, msg.meta.get("message"))
         if code == "retransmit_unavailable":
             peer.stop(MaplError(f"stage {msg.src} failed: {msg.meta.get('message')}"))
 
     async def _on_bye(self, msg: Message, link: PeerLink) -> None:
         """BYE ``"rejoin"``: the swarm re-forms. Otherwise the neighbour leaves (the BYE from upstream
-        that ends the run is the schedule's, :meth:`~.inbound.Inbound.for_schedule`; this is one
+        that ends the run is the schedule's, :meth:`~.ingress.Ingress.for_schedule`; this is one
         before training, or from downstream): a planned departure with ``reason`` ``"drain"``, else
         it left before the end (SPEC §9.5)."""
         peer = self.peer
@@ -231,7 +230,7 @@ class Control:
             # a peer that stopped before training (a refused handshake, a replacement that must
             # resume): its stage is free for another peer, this peer keeps waiting for one
             link.end_sessions()
-            peer.monitor.forget(link.name)
+            self.monitor.forget(link.name)
             log.warning("%s: stage %d left before training (%s); waiting for another stage %d peer", peer.name,
                         msg.src, reason, msg.src)
             return
@@ -248,27 +247,27 @@ class Control:
 
     async def _on_resync(self, msg: Message, link: PeerLink) -> None:
         if link.codebooks is None:
-            self.peer.bad_frame(link.name, "RESYNC but the codec has no codebooks")
+            self.rejects("not_allowed", link.name, "RESYNC but the codec has no codebooks")
         elif (why := link.codebooks.on_resync(msg)) is not None:
-            self.peer.rejects("implausible", link.name, why)
+            self.rejects("implausible", link.name, why)
 
     async def _on_checkpoint(self, msg: Message, link: PeerLink) -> None:
-        agreement = self.peer.agreement
-        if msg.meta["phase"] == "drain_request" and link.settings.identity is not None \
+        phase = msg.meta["phase"]
+        if phase == "drain_request" and link.settings.identity is not None \
                 and "drain" not in getattr(link.peer_certificate, "roles", ()):
-            self.peer.rejects("not_allowed", link.name, f"drain request from stage {link.stage}, whose certificate "
-                                                        f"does not allow it (role drain; SPEC §7.2)")
-        elif self.peer.replicas_on and msg.meta["phase"] == "drain_request":  # SPEC §9.10 item 14
+            self.rejects("not_allowed", link.name, f"drain request from stage {link.stage}, whose certificate "
+                                                   f"does not allow it (role drain; SPEC §7.2)")
+        elif self.replicas and phase == "drain_request":  # SPEC §9.10 item 14
             if link.is_upstream or not self.peer.started:
-                self.peer.rejects("not_allowed", link.name, "drain request from upstream, or before training")
+                self.rejects("not_allowed", link.name, "drain request from upstream, or before training")
             else:
-                self.peer.schedule.drain_requested(str(msg.meta.get("reason") or f"asked by stage {link.stage}"))
-        elif self.peer.replicas_on:  # else only a resume's offer and decision (SPEC §9.10 item 13)
-            resume = self.peer.run_policy.replica_resume if self.peer.run_policy is not None else None
+                self.schedule.drain_requested(str(msg.meta.get("reason") or f"asked by stage {link.stage}"))
+        elif self.replicas:  # else only a resume's offer and decision (SPEC §9.10 item 13)
+            resume = self.replica_resume()
             why = resume.on_message(msg, link) if resume is not None else "CHECKPOINT to a replica that keeps none"
             if why is not None:
-                self.peer.rejects("not_allowed", link.name, why)
-        elif agreement.store is None and msg.meta["phase"] not in DRAIN_PHASES:
-            self.peer.bad_frame(link.name, "CHECKPOINT but this peer keeps no checkpoints")
+                self.rejects("not_allowed", link.name, why)
+        elif self.agreement.store is None and phase not in DRAIN_PHASES:
+            self.rejects("not_allowed", link.name, "CHECKPOINT but this peer keeps no checkpoints")
         else:
-            await agreement.on_message(msg)
+            await self.agreement.on_message(msg)

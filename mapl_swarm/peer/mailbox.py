@@ -1,14 +1,12 @@
 """A peer's one inbound queue: every admitted message, in arrival order, until its consumer takes it.
 
-Both receive loops put what they admitted here (:mod:`~.inbound`). The schedule takes pipeline
+Both receive loops put what they admitted here (:mod:`~.ingress`). The schedule takes pipeline
 messages (ACT, GRAD, PROJ, PROJ_GRAD, CODEBOOK_SLICE, the BYE that ends the run): the oldest one a
 predicate accepts (:meth:`Mailbox.get`), so an ACT of the next step that comes while the stage
 waits for a PROJ_GRAD stays for later. The dispatcher takes control messages in order
-(:meth:`Mailbox.next_control`). Before training starts a pipeline message is *held* here, not yet
-admitted (it needs the agreed step window and run epoch); :meth:`Mailbox.release_held` hands the
-held ones back, in arrival order, once training starts. Bounds: ``max_per_sender`` pipeline
-messages per neighbour; control and held messages together ``bound``; beyond,
-:class:`~.session.Rejected` ``queue_full``. A stop of the session cancels the waiters.
+(:meth:`Mailbox.next_control`). Bounds: ``max_per_sender`` pipeline messages per neighbour,
+``bound`` control messages; beyond, :class:`~.session.Rejected` ``queue_full``. A stop of the
+session cancels the waiters.
 """
 
 from __future__ import annotations
@@ -40,7 +38,7 @@ class _Item:
     control: Admitted | None = None
     """A control message for the dispatcher."""
     arrival: Arrival | None = None
-    """How it arrived (a control message); alone: held until training starts."""
+    """How a control message arrived."""
 
 
 class Mailbox:
@@ -49,17 +47,13 @@ class Mailbox:
         self.max_per_sender, self.bound = max_per_sender, bound
         self._items: deque[_Item] = deque()
         self._queued: Counter[int] = Counter()
-        self._others = 0
+        self._controls = 0
         self._changed = asyncio.Event()
 
     def _append(self, item: _Item) -> None:
         self._items.append(item)
         self._changed.set()
 
-    def _room(self, what: str) -> None:
-        if self._others >= self.bound:
-            raise Rejected("queue_full", f"{self.bound} {what} wait already")
-        self._others += 1
 
     def put(self, msg: Message, link: PeerLink | None = None) -> None:
         """Queue a pipeline message for the schedule (``link``: the one it came on); ``queue_full``
@@ -71,20 +65,10 @@ class Mailbox:
 
     def put_control(self, got: Admitted, arrival: Arrival) -> None:
         """Queue a control message for the dispatcher."""
-        self._room("control messages and held ones")
+        if self._controls >= self.bound:
+            raise Rejected("queue_full", f"{self.bound} control messages wait already")
+        self._controls += 1
         self._append(_Item(control=got, arrival=arrival))
-
-    def hold(self, arrival: Arrival) -> None:
-        """Keep a pipeline message that came before training started, for :meth:`release_held`."""
-        self._room("control messages and messages from before the start of training")
-        self._append(_Item(arrival=arrival))
-
-    def release_held(self) -> list[Arrival]:
-        """The held messages, in arrival order, no longer here."""
-        held = [item.arrival for item in self._items if item.msg is None and item.control is None]
-        self._items = deque(item for item in self._items if item.msg is not None or item.control is not None)
-        self._others -= len(held)
-        return held
 
     @property
     def waiting(self) -> int:
@@ -178,7 +162,7 @@ class Mailbox:
             for i, item in enumerate(self._items):
                 if item.control is not None:
                     del self._items[i]
-                    self._others -= 1
+                    self._controls -= 1
                     found.append(item)
                     return True
             return False

@@ -57,7 +57,7 @@ from mapl_swarm.peer.checkpoints import CheckpointAgreement, checkpoint_note
 from mapl_swarm.peer.compute import BackgroundTasks, ComputeThread, WorkerThread
 from mapl_swarm.peer.control import Control, PeerRejected
 from mapl_swarm.peer.departures import Departure, Departures, NeighbourLost
-from mapl_swarm.peer.inbound import Inbound
+from mapl_swarm.peer.ingress import Ingress
 from mapl_swarm.peer.link import LinkSettings, Links, PeerLink, stage_name
 from mapl_swarm.peer.mailbox import Mailbox
 from mapl_swarm.peer.result import PeerResult, collect, write_result
@@ -256,14 +256,20 @@ class Peer:
         self.admission = Admission(
             settings, self.links, shapes=run_shapes(cfg, stage), window=self.schedule.window, rejects=self.rejects,
             decoder=self.decoder, deadline=self.monitor.session_deadline_s, clock=time.monotonic, replies_on_link=False,
-            started=lambda: self.inbound.started,
+            started=lambda: self.ingress.started,
             unknown_replica=self.linker.unknown)
         self.departures = Departures(self._on_departure)
         """Neighbours that went silent or left (:mod:`~.departures`)."""
-        self.control = Control(self)
-        self.inbound = Inbound(self.name, self.links, self.admission, self.monitor, self.rejects,
-                               self.schedule.arrived, self.mailbox, handle=self.control.handle, spawn=self.tasks.spawn)
-        self.receive = self.inbound.receive
+        self.control = Control(
+            self, cfg, links=self.links, linker=self.linker, monitor=self.monitor, schedule=self.schedule,
+            agreement=self.agreement, ingress=lambda: self.ingress, rejects=self.rejects, result=self.result,
+            clock=self.admission.clock,
+            replica_resume=lambda: run_policy.replica_resume if run_policy is not None else None)
+        """The handlers of admitted control messages, by type."""
+        self.ingress = Ingress(self.name, self.links, self.admission, self.monitor, self.rejects,
+                               self.schedule.arrived, self.mailbox, handle=self.control.handle, spawn=self.tasks.spawn,
+                               held_bound=4 * mailbox_bound(cfg) + 64)
+        self.receive = self.ingress.receive
         """Admit one received message and handle it at once (tests; the receive loops queue instead)."""
         self.stop_reason: BaseException | None = None
         """Why the session was stopped (the first :meth:`stop`), None while it was not."""
@@ -273,6 +279,11 @@ class Peer:
     def started(self) -> bool:
         """Training started: pipeline messages are no longer held, the run epoch is the swarm's."""
         return self.state.started
+
+    @property
+    def resuming(self) -> bool:
+        """This peer resumes from its checkpoints (``--resume``, or a session that re-forms)."""
+        return self.run_policy is not None and self.run_policy.resume
 
     @property
     def handshaking(self) -> bool:
@@ -350,10 +361,10 @@ class Peer:
         if self.rejoining:  # new connections at once, not after the old ones time out (SPEC §9.6)
             transport.new_routing_id()
         await self.linker.link_all(transport, endpoint, fresh=self.rejoining)
-        self.tasks.spawn(self.inbound.receive_loop(transport))
+        self.tasks.spawn(self.ingress.receive_loop(transport))
         if self.admission.replies_on_link:
-            self.tasks.spawn(self.inbound.reply_loop(transport))
-        self.tasks.spawn(self.inbound.dispatch_loop(transport))
+            self.tasks.spawn(self.ingress.reply_loop(transport))
+        self.tasks.spawn(self.ingress.dispatch_loop(transport))
         self.monitor.start()
         if self.admission.s.identity is not None and self.admission.s.identity.watch is not None:
             self.tasks.spawn(self._watch_revocations(self.admission.s.identity))
@@ -371,11 +382,11 @@ class Peer:
         start = await self._agree_start(transport)
         self.schedule.begin(start, self.epoch)
         self._enter(PeerState.TRAINING, f"from step {self.schedule.step} (run epoch {self.epoch})")
-        await self.inbound.start(transport)
+        await self.ingress.start(transport)
         if self.replicas_on:  # replicas that join the running swarm
             self.tasks.spawn(self.linker.watch(transport, self.tasks.spawn))
         await self.schedule.run()
-        await self.inbound.settled(net.timeout_s)
+        await self.ingress.settled(net.timeout_s)
         self._enter(PeerState.ENDED, f"at step {self.schedule.step}")
         drained = self.schedule.drained_at
         if self.replicas_on and drained is not None:  # every replica saves the drain step
@@ -508,7 +519,7 @@ class Peer:
         becomes the result's end; anything else is raised."""
         reason = self.stop_reason
         if not isinstance(reason, _CleanStop):
-            if not self.inbound.started:  # before training: the neighbours that welcomed it free its stage
+            if not self.ingress.started:  # before training: the neighbours that welcomed it free its stage
                 await self._say_bye(transport, [link for link in self.links if link.welcomed],
                                     {"reason": f"stopped before training: {reason}"})
             raise reason

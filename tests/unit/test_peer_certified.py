@@ -221,7 +221,7 @@ def test_only_the_bound_neighbours_own_identity_can_re_form_a_training_swarm(tmp
         await link.on_hello(decode(encode(Message(type=MT.HELLO, run_id="mem", src=0, dst=1,
                                                   meta={**meta, "cert": ids[0].encoded_cert}))),
                             "stage0.00000001", welcome_sent, now=admission.clock())
-        stage1.state, stage1.inbound.started = PeerState.TRAINING, True  # as once training started
+        stage1.state, stage1.ingress.started = PeerState.TRAINING, True  # as once training started
         with pytest.raises(HelloRefused) as refused:
             admission.check_hello(hello(spare_cert, 5), link, "stage0.00000002", spare.curve_public)
         assert refused.value.code == "stage_taken"

@@ -65,7 +65,7 @@ class Middle:
         await self.feed(up, msg(MT.HELLO, src=0, meta=HELLO))
         await self.feed(down, msg(MT.HELLO, src=2, meta=HELLO))
         self.peer.state = PeerState.TRAINING
-        await self.peer.inbound.start(self.transport)
+        await self.peer.ingress.start(self.transport)
 
     @property
     def rejects(self) -> dict[str, int]:
@@ -214,7 +214,7 @@ def test_before_training_a_dead_session_may_be_replaced_by_a_new_connection():
         m.peer.links.upstream.rx.heard_at -= m.peer.cfg.net.liveness_floor + 1  # past the floor, not the timeout
         await m.feed("stage0.0000000b", msg(MT.HELLO, src=0, meta=HELLO))  # training: still taken
         m.peer.state = PeerState.HANDSHAKING
-        m.peer.inbound.started = False
+        m.peer.ingress.started = False
         await m.feed("stage0.0000000c", msg(MT.HELLO, src=0, meta=HELLO))
         await m.feed(UP, msg(MT.HEARTBEAT, src=0, seq=1))  # the old connection is no longer the session
     m = run(scenario)
@@ -405,6 +405,26 @@ def test_a_flood_of_upstream_byes_is_dropped_as_queue_full_and_the_peer_serves_o
     assert m.peer.mailbox.queued(0) == bound and m.rejects == {"queue_full": 2} and m.peer.stop_reason is None
 
 
+def test_before_training_pipeline_messages_are_held_in_the_ingress_within_its_bound_then_taken_in_order():
+    """A neighbour that had the resume decision first sends ACTs before this peer's training
+    started: they are held (their ``seq`` accepted), beyond the ingress's bound dropped as
+    ``queue_full``, and taken in arrival order, before anything later, once training starts."""
+    async def scenario(m):
+        m.peer.ingress.held_bound = 2
+        await m.feed(UP, msg(MT.HELLO, src=0, meta=HELLO))
+        for seq in (1, 2, 3):
+            await m.feed(UP, act(seq=seq, micro=seq - 1))
+        assert [a.held for a in m.peer.ingress.held] == [False, False] and m.peer.mailbox.queued(0) == 0
+        m.peer.state = PeerState.TRAINING
+        await m.peer.ingress.start(m.transport)
+        await m.feed(UP, act(seq=4, micro=1))  # a later one after the held ones
+    m = run(scenario)
+    assert m.rejects == {"queue_full": 1}  # the third held one
+    assert m.peer.ingress.held == [] and m.peer.mailbox.queued(0) == 3
+    assert [(x.seq, x.micro) for x in (m.peer.mailbox.take(lambda x: True) for _ in range(3))] == \
+        [(1, 0), (2, 1), (4, 1)]
+
+
 def test_mailbox_frees_room_as_messages_are_taken():
     async def scenario():
         box = Mailbox("x", max_per_sender=2)
@@ -424,9 +444,11 @@ def test_with_replicas_a_later_run_epoch_is_a_redo_a_joining_replica_takes_with_
     a joining replica gets from a swarm that redid a step carries epoch > 0: it goes on (its
     download brings the epoch). A fresh starting replica in that swarm stops saying how to start."""
     stopped: list[BaseException] = []
-    peer = SimpleNamespace(started=False, run_policy=None, joining=joining, replicas_on=True, stage=1,
-                           stop=stopped.append, schedule=SimpleNamespace(on_control=None))
-    must = Control(peer)._must_resume(Message(type=MT.WELCOME, run_id="mem", src=0, dst=1, epoch=3))
+    peer = SimpleNamespace(started=False, resuming=False, joining=joining, stage=1, stop=stopped.append)
+    control = Control(peer, SimpleNamespace(replicas=SimpleNamespace(enabled=True)), links=None, linker=None,
+                      monitor=None, schedule=SimpleNamespace(on_control=None), agreement=None, ingress=None,
+                      rejects=None, result=None, clock=None, replica_resume=lambda: None)
+    must = control._must_resume(Message(type=MT.WELCOME, run_id="mem", src=0, dst=1, epoch=3))
     assert must is not joining
     if joining:
         assert stopped == []

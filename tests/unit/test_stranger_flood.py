@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
-from mapl_swarm.peer.inbound import STRANGER_BURST, STRANGER_RATE_PER_S, StrangerBudget
+from mapl_swarm.peer.ingress import STRANGER_BURST, STRANGER_RATE_PER_S, StrangerBudget
 from mapl_swarm.wire import Message, MessageType, encode
 
 from peer_fakes import fake_swarm, on_first, run_swarm

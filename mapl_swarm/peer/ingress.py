@@ -1,21 +1,26 @@
-"""What a peer receives, on one path: receive -> admit -> the one queue -> schedule or dispatcher.
+"""What a peer receives, as one step: an arrival in, its one destination out (:meth:`Ingress.take`).
 
 Both receive loops (this peer's ROUTER, where every connection to it arrives, and its own
-connections to its neighbours, where the answers to its HELLOs come back) pass each message to one
-admission, one at a time in arrival order (:class:`~.admission.Admission`), then note the sign of
-life; heartbeats are handled right there. What is admitted goes into the peer's one inbound queue
-(:class:`~.mailbox.Mailbox`): a pipeline message for the schedule, a control message for the
-dispatcher, which hands it to ``handle`` (the peer's :class:`~.control.Control`). Until this peer's
-training starts, a pipeline message (from a neighbour that had the resume decision first) is
-*held* in that queue: once training starts (:meth:`Inbound.start`) the held ones are admitted with
-the checks that remain, in arrival order, before anything received later (SPEC §6.1 "Before
-training starts"). Receiving never waits on handling, so a handler that waits (a relay to a
-neighbour whose send buffer is full) never makes another neighbour look silent. A refused HELLO is
-answered with REJECT on its own connection, a version mismatch once per connection, each answer on
-a task of its own. A connection without a session (a stranger's, or a neighbour's before its
-HELLO is welcomed) has a budget (:class:`StrangerBudget`): what it sends beyond is dropped before
-it is decoded, and the ROUTER loop yields now and then, so a flood cannot make this peer look
-silent to its neighbours.
+connections to its neighbours, where the answers to its HELLOs come back) hand each message to
+:meth:`Ingress.take`, one at a time in arrival order. It runs the rules of
+:class:`~.admission.Admission` (header, session, window, content: each once) and sends what passes
+to exactly one place:
+
+- a refused HELLO, or a version mismatch (once per connection): the answer, on a task of its own;
+- a pipeline message from before this peer's training started: *held* here. Once training starts
+  (:meth:`Ingress.start`) the held ones are taken again, with the checks that remain, in arrival
+  order, before anything received later (SPEC §6.1 "Before training starts");
+- a HEARTBEAT: the liveness monitor (every admitted message is a sign of life);
+- a pipeline message: the step core hears of it (``arrived``), then it waits for the schedule in
+  the peer's one inbound queue (:class:`~.mailbox.Mailbox`);
+- a control message: the same queue, for the dispatcher, which hands it to the handler its type
+  names in ``handle``'s table (the peer's :class:`~.control.Control`).
+
+Receiving never waits on handling, so a handler that waits (a relay to a neighbour whose send
+buffer is full) never makes another neighbour look silent. A connection without a session (a
+stranger's, or a neighbour's before its HELLO is welcomed) has a budget (:class:`StrangerBudget`):
+what it sends beyond is dropped before it is decoded, and the ROUTER loop yields now and then, so a
+flood cannot make this peer look silent to its neighbours.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Inbound", "Handle"]
+__all__ = ["Ingress", "Handle", "StrangerBudget"]
 
 MT = MessageType
 
@@ -89,14 +94,14 @@ Handle = Callable[[Admitted, Arrival, Any], Awaitable[None]]
 """``handle(admitted, arrival, transport)``: what an admitted message does (:class:`~.control.Control`)."""
 
 
-class Inbound:
-    """Peer ``name``'s receive path over ``links`` into ``mailbox`` (see the module docstring);
-    ``spawn(coroutine)`` runs the answers to refused HELLOs."""
+class Ingress:
+    """Peer ``name``'s way in over ``links`` into ``mailbox`` (see the module docstring);
+    ``spawn(coroutine)`` runs the answers to refused HELLOs; at most ``held_bound`` messages are
+    held before training starts (beyond: ``queue_full``)."""
 
     def __init__(self, name: str, links: Links, admission: Admission, monitor: HeartbeatMonitor,
                  rejects: RejectCounter, arrived: Callable[[Message, PeerLink], None], mailbox: Mailbox, *,
-                 handle: Handle,
-                 spawn: Callable[[Awaitable[None]], Any]) -> None:
+                 handle: Handle, spawn: Callable[[Awaitable[None]], Any], held_bound: int) -> None:
         self.name, self.links, self.admission, self.monitor = name, links, admission, monitor
         self.rejects, self.arrived, self.mailbox, self.handle, self.spawn = rejects, arrived, mailbox, handle, spawn
         """``arrived(msg, link)``: the step core hears of every admitted pipeline message as it comes
@@ -104,6 +109,10 @@ class Inbound:
         the message waits its turn in the queue."""
         self.started = False
         """This peer's training started: pipeline messages are no longer held."""
+        self.held: list[Arrival] = []
+        """Pipeline messages that came before training started, in arrival order (their ``seq``
+        accepted then), taken again by :meth:`start`."""
+        self.held_bound = held_bound
         self._dispatching = False
         """The dispatcher handles a control message now."""
         self._answering = 0
@@ -130,7 +139,7 @@ class Inbound:
                 continue
             key = transport.peer_key(sender) if self.admission.s.identity is not None else None
             async with self._admitting:
-                self._answer(await self._admit(Arrival(sender, frames, peer_key=key), transport), sender)
+                self._answer(await self.take(Arrival(sender, frames, peer_key=key), transport), sender)
 
     def _in_session(self, sender: str) -> bool:
         """``sender`` is the routing id of a neighbour's bound inbound session."""
@@ -140,7 +149,7 @@ class Inbound:
         """Answers (WELCOME/REJECT) on this peer's own connections to its neighbours."""
         while True:
             link, frames = await transport.recv_reply(timeout_s=3600.0)
-            self._answer(await self._admit(Arrival(link, frames, reply_link=link), transport), link)
+            self._answer(await self.take(Arrival(link, frames, reply_link=link), transport), link)
 
     async def dispatch_loop(self, transport: Any) -> None:
         """Handles the admitted control messages in arrival order."""
@@ -162,7 +171,7 @@ class Inbound:
     async def receive(self, arrival: Arrival, transport: Any) -> None:
         """Admit one message and handle it at once (what the loops and the dispatcher do, without
         waiting their turn)."""
-        answer = await self._admit(arrival, transport, dispatch=False)
+        answer = await self.take(arrival, transport, dispatch=False)
         if answer is not None:
             await answer()
 
@@ -171,9 +180,9 @@ class Inbound:
         messages are admitted, in arrival order, before anything received later."""
         async with self._admitting:
             self.started = True
-            held = self.mailbox.release_held()
+            held, self.held = self.held, []
             for arrival in held:
-                self._answer(await self._admit(replace(arrival, held=True), transport), arrival.sender)
+                self._answer(await self.take(replace(arrival, held=True), transport), arrival.sender)
         if held:
             log.debug("%s: %d message(s) that came before the start of training admitted now", self.name, len(held))
 
@@ -207,10 +216,9 @@ class Inbound:
             return True
         return msg.type is MT.BYE and link.is_upstream and self.started and msg.meta.get("reason") != REJOIN_REASON
 
-    async def _admit(self, arrival: Arrival, transport: Any, *, dispatch: bool = True) -> Answer | None:
-        """Admission, the sign of life, heartbeats and what later admissions depend on (a PROJ's
-        version), on the receive loop, then into the queue (``dispatch`` False: a control message is
-        handled at once); returns the answer to a refused HELLO, or None."""
+    async def take(self, arrival: Arrival, transport: Any, *, dispatch: bool = True) -> Answer | None:
+        """The one step of the module docstring, on the receive loop (``dispatch`` False: a control
+        message is handled at once); returns the answer to a refused HELLO, or None."""
         try:
             got = await self.admission.admit(arrival)
         except Early as early:
@@ -255,10 +263,11 @@ class Inbound:
 
     def _hold(self, arrival: Arrival, link: str) -> None:
         self.monitor.heard(link)  # authenticated and in sequence: a sign of life
-        try:
-            self.mailbox.hold(arrival)
-        except Rejected as exc:
-            self.rejects(exc.code, arrival.sender, exc.text)
+        if len(self.held) >= self.held_bound:
+            self.rejects("queue_full", arrival.sender, f"{self.held_bound} messages from before the start of "
+                                                       f"training wait already")
+            return
+        self.held.append(arrival)
 
     def _link_of(self, arrival: Arrival) -> PeerLink | None:
         if arrival.reply_link is not None:
