@@ -171,6 +171,24 @@ def test_a_hello_binds_to_the_link_of_the_contact_it_names_and_another_contact_o
     assert m.peer.links.downstream.rx is None and m.rejects == {"stage_taken": 2}
 
 
+def test_a_2_0_peers_hello_without_contact_binds_to_the_record_that_welcomed_this_peer():
+    """A 2.0 chain peer names no contact: while this peer's HELLOs to two records of its stage (one
+    stale) are unanswered, its HELLO is dropped (binding it would be a guess); once one welcomed
+    this peer, its HELLO binds to that link."""
+    async def scenario(m):
+        stale = m.peer.linker.new_link(0, "mem://stale0")
+        stale.connect(m.transport, "mem://stale0", None)
+        live = m.peer.links.by_contact(0, "mem://stage0")
+        await m.feed(UP, msg(MT.HELLO, src=0, meta=HELLO))
+        assert live.rx is None and stale.rx is None
+        await live.send_hello()
+        await m.feed("stage0", m.welcome(0), reply_link="stage0")
+        await m.feed(UP, msg(MT.HELLO, src=0, meta=HELLO))
+        assert live.rx.routing_id == UP and stale.rx is None
+    m = run(scenario)
+    assert m.answers(UP) == [("WELCOME", 0, None)] and m.rejects == {}
+
+
 def test_a_hello_from_an_unknown_contact_of_a_free_stage_reads_the_records_and_is_dropped():
     """Before any peer of stage 0 is in session with this one, a HELLO naming a contact this peer
     has no link to (a peer announced after this one read the records) is dropped, not refused,
