@@ -223,15 +223,15 @@ class Admission:
         return link
 
     def _bound_link(self, arrival: Arrival, header: Header, link: PeerLink) -> PeerLink:
-        """A neighbour stage has a link per peer's contact (SPEC §9.2, §9.10 item 1): a message
-        belongs to the link whose session its connection is bound to, a HELLO to the link of the
-        contact it names (one naming none, from a 2.0 chain peer, to the stage's route); anything
-        else keeps ``link``, whose session check drops it (``wrong_session``). A HELLO naming no
-        contact (a 2.0 peer's) goes to the stage's link that welcomed this peer (dropped while
-        several were dialed and none did: it would be a guess). A HELLO naming a
-        contact this peer has no link to goes, in a chain whose peer of that stage is in session
-        with this one, to that peer's link (:meth:`check_hello` refuses it ``stage_taken`` unless it
-        re-forms the swarm); otherwise it makes this peer read the stage's records and is dropped (counted as a bad message only when its sender holds no certificate for
+        """The link a message belongs to (SPEC §9.2 step 1, §9.10 item 1); a neighbour stage has a
+        link per peer's contact. A message comes on the link its connection's session is bound to;
+        anything but a HELLO else keeps ``link``, whose session check drops it (``wrong_session``).
+        A HELLO goes to the link of the contact it names. Naming none (a 2.0 chain peer's), to the
+        stage's link that welcomed this peer; while several were dialed and none did, it is dropped
+        (binding it would be a guess). Naming a contact this peer has no link to: in a chain whose
+        peer of that stage is in session with this one, to that peer's link (:meth:`check_hello`
+        refuses it ``stage_taken`` unless it re-forms the swarm); otherwise this peer reads the
+        stage's records and drops it (a bad message only when its sender holds no certificate for
         that stage)."""
         bound = self.links.by_session(arrival.sender)
         if bound is not None and bound.stage == link.stage:
@@ -240,8 +240,8 @@ class Admission:
             return link
         contact = header.meta.get("contact")
         if not isinstance(contact, str):  # a 2.0 chain peer's: the stage's link, once it is clear which
-            if not self.s.replicas and not any(other.welcomed for other in self.links.of_stage(link.stage)) \
-                    and len(self.links.of_stage(link.stage)) > 1:
+            dialed = self.links.of_stage(link.stage)
+            if not self.s.replicas and len(dialed) > 1 and not any(other.welcomed for other in dialed):
                 raise Unlinked("not_allowed", f"HELLO of stage {link.stage} naming no contact while none of its "
                                               f"records this peer dialed welcomed it yet (it says HELLO again)")
             return link
