@@ -137,7 +137,8 @@ def test_a_stage_that_loses_its_last_replica_re_forms_the_swarm_from_checkpoints
     start = results[1, 0]["start_step"]
     assert 2 <= start < steps
     # a survivor's losses (the rolled-back steps' replaced by their re-runs); once a third replica
-    # averages, the summation order can move a bf16 rounding (0.12% seen at one step, as
-    # test_replica_join's 5e-3 says)
+    # averages, the summation order moves bf16 roundings, which training amplifies: `train` itself
+    # with its summation order shuffled differs from `train` by up to 0.84% in its first 40 steps
+    # (bench/results/replica_drift.json); 0.52% was seen here at one step of 40
     for r in range(2):
-        assert results[0, r]["train_losses"] == pytest.approx(train_losses(ref)[0 if rejoin else start:], rel=5e-3)
+        assert results[0, r]["train_losses"] == pytest.approx(train_losses(ref)[0 if rejoin else start:], rel=1e-2)
