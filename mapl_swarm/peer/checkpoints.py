@@ -38,7 +38,7 @@ from mapl_swarm.aio import until
 from mapl_swarm.config import TrainConfig
 from mapl_swarm.errors import CheckpointError, MaplError
 from mapl_swarm.pipeline import checkpoint, run_policy, run_records
-from mapl_swarm.pipeline.checkpoint import StageCheckpoints
+from mapl_swarm.pipeline.checkpoint import StageCheckpoints, rolled_back_note
 from mapl_swarm.pipeline.run_records import MetricsLog, StepRecords
 from mapl_swarm.wire import Message
 from mapl_swarm.wire.spec import (CHECKPOINT_ABANDONED_CAPABILITY, CHECKPOINT_CAPABILITY, CHECKPOINT_UNSAVED_CAPABILITY,
@@ -447,7 +447,9 @@ class PeerRunPolicy:
             else:
                 start, self.epoch = await self.agreement.agree_resume(self.cfg.run.steps, timeout, epoch=epoch,
                                                                       rejoin=rejoin)
-            self.store.resumed(start)
+            later = self.store.resumed(start)
+            if later:
+                log.warning("%s", rolled_back_note(self.cfg.run.out_dir, start, later, f"stage {self.stage}"))
             if start > 0:
                 await self.compute.run(self._load, start)
             log.info("stage %d %s step %d (agreed by every stage; run epoch %d)", self.stage,

@@ -52,12 +52,14 @@ log = logging.getLogger(__name__)
 
 __all__ = ["save_stage", "load_stage", "verify_stage", "read_meta", "stage_steps", "complete_steps",
            "latest_complete_step", "read_complete", "write_complete", "prune_plan", "delete_stage_steps",
-           "prune", "retire_stages", "remove_temp_files", "state_nbytes", "UnusableCheckpoint",
-           "CheckpointSaveError", "CHECKPOINTS", "PREVIOUS", "MANIFEST_FORMAT", "DRIVERS", "start_fresh",
+           "prune", "retire_stages", "set_aside", "rolled_back_note", "remove_temp_files", "state_nbytes", "UnusableCheckpoint",
+           "CheckpointSaveError", "CHECKPOINTS", "PREVIOUS", "ROLLED_BACK", "MANIFEST_FORMAT", "DRIVERS", "start_fresh",
            "StageCheckpoints", "save_step", "choose_resume_step", "check_resume_step"]
 
 CHECKPOINTS = "checkpoints"
 PREVIOUS = "checkpoints.previous"
+ROLLED_BACK = "checkpoints.rolled_back"
+"""Where a resume keeps a stage's checkpoint steps newer than the step it resumes from."""
 MANIFEST_FORMAT = 1
 """Version of ``stage_<s>.manifest.json``."""
 _STEP_RE = re.compile(r"^step_(\d{8})$")
@@ -402,6 +404,28 @@ def remove_temp_files(root: str | Path, stage: int) -> list[Path]:
     return gone
 
 
+def _move_aside(root: Path, stages: list[int], steps: Iterable[int] | None, folder: str) -> list[int]:
+    """Move ``stages``' files of ``steps`` (None: every step) from ``checkpoints/`` to ``folder``
+    (a step already there for those stages is replaced); returns the steps moved."""
+    wanted = None if steps is None else set(steps)
+    moved = set()
+    for step, d in _steps(root / CHECKPOINTS):
+        if wanted is not None and step not in wanted:
+            continue
+        for s in stages:
+            for f in _stage_files(d, s):
+                if f.exists():
+                    dest = _step_dir(root, step, folder)
+                    dest.mkdir(parents=True, exist_ok=True)
+                    os.replace(f, dest / f.name)
+                    moved.add(step)
+        try:
+            d.rmdir()
+        except OSError:
+            pass
+    return sorted(moved)
+
+
 def retire_stages(root: str | Path, stages: Iterable[int]) -> list[int]:
     """Move ``stages``' checkpoint files of an earlier run to ``checkpoints.previous/`` (replacing
     what an older run left there for those stages); returns the steps moved."""
@@ -412,25 +436,20 @@ def retire_stages(root: str | Path, stages: Iterable[int]) -> list[int]:
     for s in stages:
         (root / PREVIOUS / f"complete_stage{s}.json").unlink(missing_ok=True)
         remove_temp_files(root, s)
-    moved = set()
-    for step, d in _steps(root / CHECKPOINTS):
-        for s in stages:
-            for f in _stage_files(d, s):
-                if f.exists():
-                    dest = _step_dir(root, step, PREVIOUS)
-                    dest.mkdir(parents=True, exist_ok=True)
-                    os.replace(f, dest / f.name)
-                    moved.add(step)
-        try:
-            d.rmdir()
-        except OSError:
-            pass
+    moved = _move_aside(root, stages, None, PREVIOUS)
     for s in stages:
         done = root / CHECKPOINTS / f"complete_stage{s}.json"
         if done.exists():
             (root / PREVIOUS).mkdir(parents=True, exist_ok=True)
             os.replace(done, root / PREVIOUS / done.name)
-    return sorted(moved)
+    return moved
+
+
+def set_aside(root: str | Path, stage: int, steps: Iterable[int]) -> list[int]:
+    """Move stage ``stage``'s files of ``steps`` to ``checkpoints.rolled_back/`` (beside what earlier
+    resumes kept there; a step of the same number is replaced): a resume from an older step keeps
+    them, never deletes them; returns the steps moved."""
+    return _move_aside(Path(root), [stage], steps, ROLLED_BACK)
 
 
 def _drop_stages_in(d: Path, stages: Iterable[int]) -> None:
@@ -550,16 +569,23 @@ class StageCheckpoints:
         self.discard(step)
         return True
 
-    def resumed(self, step: int) -> None:
-        """Resuming from ``step``: it is complete, and later files (of the interrupted run) are stale
-        (step 0: a swarm re-forming without a common checkpoint starts again, every file is stale)."""
-        stale = [s for s in self.local_steps() if s > step]
-        delete_stage_steps(self.root, self.stage, stale)
-        if stale:
-            log.info("stage %d: removed checkpoint steps %s of the interrupted run (resuming from %d)",
-                     self.stage, stale, step)
+    def resumed(self, step: int) -> list[int]:
+        """Resuming from ``step``: it is complete; later steps of the interrupted run (every step when
+        a swarm re-forming without a common checkpoint starts again from 0) are no longer this run's,
+        but a resume never deletes a checkpoint: they move to ``checkpoints.rolled_back/``
+        (:func:`set_aside`); returns them, for the caller's one warning (:func:`rolled_back_note`)."""
+        later = set_aside(self.root, self.stage, [s for s in self.local_steps() if s > step])
         self.complete = sorted({*(s for s in self.complete if s < step), *((step,) if step > 0 else ())})
         self._record_complete()
+        return later
+
+
+def rolled_back_note(root: str | Path, step: int, later: Iterable[int], who: str) -> str:
+    """The one warning of a resume from ``step`` that set ``later`` steps of ``who`` aside."""
+    root = Path(root)
+    return (f"{who} resumes from step {step}, older than its checkpoint steps {', '.join(map(str, sorted(later)))}: "
+            f"those are kept in {root / ROLLED_BACK}, not used (to train on from one of them instead, stop the run "
+            f"and move that step's folder back into {root / CHECKPOINTS} on every host before --resume)")
 
 
 def save_step(stores: list[StageCheckpoints], step: int, states: list[dict[str, Any]]) -> bool:

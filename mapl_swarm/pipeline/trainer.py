@@ -19,7 +19,8 @@ from mapl_swarm.pipeline.inprocess import InProcessPipeline
 from mapl_swarm.pipeline.payload import BACKWARD_KINDS, FORWARD_KINDS, kind_bytes
 from mapl_swarm.pipeline.run_policy import check_vocab, checkpoint_due, validation_due
 from mapl_swarm.pipeline.run_records import MetricsLog, metrics_path, write_manifest
-from mapl_swarm.pipeline.checkpoint import StageCheckpoints, choose_resume_step, save_step, start_fresh
+from mapl_swarm.pipeline.checkpoint import (StageCheckpoints, choose_resume_step, rolled_back_note, save_step,
+                                           start_fresh)
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +56,15 @@ def _save_checkpoint(pipe: InProcessPipeline, stores: list[StageCheckpoints], sa
 
 def _resume(pipe: InProcessPipeline, cfg: TrainConfig, stores: list[StageCheckpoints], sampler: BatchSampler) -> int:
     step = choose_resume_step({st.stage: st.usable_steps() for st in stores}, cfg.run.steps, cfg.run.out_dir)
+    later: set[int] = set()
     for store, stage in zip(stores, pipe.stages):
         state = store.load(step)
         stage.load_state_dict(state)
         if store.stage == 0:
             sampler.load_state_dict(state["data"])
-        store.resumed(step)
+        later.update(store.resumed(step))
+    if later:
+        log.warning("%s", rolled_back_note(cfg.run.out_dir, step, later, "the run"))
     for b in range(len(pipe.links)):  # receivers' projector copies are saved too; re-sync anyway
         proj = pipe.stages[b].outbound_projector()
         if proj is not None:

@@ -172,6 +172,32 @@ def test_temp_files_of_a_killed_save_are_removed_at_the_next_start(tmp_path):
     assert not (tmp_path / "checkpoints" / "step_00000004").exists()
 
 
+# ---------------------------------------------------------------- a resume from an older step
+def test_a_resume_from_an_older_step_keeps_the_later_steps_aside(tmp_path):
+    """A resume that rolls back (a laggard's step agreed, a re-form) never deletes a checkpoint: the
+    stage's later steps move to ``checkpoints.rolled_back/`` (the caller's one warning names them and
+    the way back), another stage's files stay, and a step moved back loads as it was saved."""
+    store, other = _store(tmp_path, 0), _store(tmp_path, 1)
+    for step in (2, 4, 6):
+        assert store.save(step, _state(step)) and other.save(step, _state(10 + step))
+        store.mark_complete(step)
+    assert store.resumed(2) == [4, 6]
+    assert store.local_steps() == [2] and store.complete == [2] and other.local_steps() == [2, 4, 6]
+    aside = tmp_path / "checkpoints.rolled_back"
+    assert sorted(p.name for p in aside.iterdir()) == ["step_00000004", "step_00000006"]
+    note = checkpoint.rolled_back_note(tmp_path, 2, [6, 4], "stage 0")
+    assert note.startswith("stage 0 resumes from step 2, older than its checkpoint steps 4, 6: those are kept in "
+                           f"{aside}, not used") and str(tmp_path / "checkpoints") in note
+    store.save(4, _state(99))  # the resumed run saves step 4 again: then a second roll-back keeps the newer
+    store.resumed(2)
+    assert torch.equal(torch.load(aside / "step_00000004" / "stage_0.pt")["w"], _state(99)["w"])
+    assert (aside / "step_00000006" / "stage_0.pt").exists()  # the first roll-back's step is still kept
+    (aside / "step_00000006" / "stage_0.pt").rename(_pt(tmp_path, 6, 0))
+    (aside / "step_00000006" / "stage_0.manifest.json").rename(tmp_path / "checkpoints" / "step_00000006" /
+                                                               "stage_0.manifest.json")
+    assert store.usable_steps() == [2, 6] and torch.equal(store.load(6)["w"], _state(6)["w"])
+
+
 # ---------------------------------------------------------------- failed saves
 def _torch_enospc(obj, f):
     """What ``torch.save`` does on a full disk: the file's OSError becomes a RuntimeError."""

@@ -64,8 +64,10 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(runs, tmp_path
     with caplog.at_level(logging.WARNING):
         train(_cfg(cache, out), resume=True, progress=False)
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert len(warnings) == 1 and str(bad) in warnings[0], warnings
+    assert len(warnings) == 2 and str(bad) in warnings[0], warnings
     assert ("hash mismatch" if damage is flip_tensor_byte else "truncated") in warnings[0]
+    assert warnings[1].startswith("the run resumes from step 2, older than its checkpoint steps 4: those are kept in")
+    assert (out / "checkpoints.rolled_back" / "step_00000004" / "stage_1.pt").exists()  # the damaged file kept too
     assert json.loads((out / "manifest.json").read_text())["resumed_from"] == 2
     losses = _losses(out)
     assert sorted(losses) == [1, 2, 3, 4]  # the interrupted run's 3, 4 replaced by the resumed ones
