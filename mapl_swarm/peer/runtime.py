@@ -443,8 +443,13 @@ class Peer:
             for link in self.links:
                 cert = link.peer_certificate
                 if cert is not None and cert.serial in identity.revoked and self.departures.gone(link.stage) is None:
-                    link.end_sessions()
-                    self.depart(link, "left", f"its certificate (serial {cert.serial}) is revoked")
+                    self.cut_off(link, f"its certificate (serial {cert.serial}) is revoked")
+
+    def cut_off(self, link: PeerLink, why: str) -> None:
+        """Neighbour ``link`` is no longer let in: it departs (with replicas, while its stage keeps a
+        live replica, that one replica: the schedule goes on without it), then its sessions end."""
+        self.depart(link, "left", why)  # first: the schedule tells a replica from its stage's last by its session
+        link.end_sessions()
 
     def depart(self, link: PeerLink, kind: str, detail: str, *, after: int | None = None) -> None:
         """Neighbour ``link`` left (``kind`` ``"drain"``: planned, ``"left"``: before the end; ``after``:

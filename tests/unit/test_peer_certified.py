@@ -291,3 +291,37 @@ def test_a_stage_without_the_drain_role_leaves_on_its_signal_instead_of_draining
     assert isinstance(results[1], Interrupted) and "its certificate does not allow it to drain the whole swarm " \
         "(role drain)" in str(results[1])
     assert not any(m.type is MT.CHECKPOINT for m in net.messages("stage1", "stage0"))  # no drain request
+
+
+def test_a_revoked_replica_departs_alone_while_its_stage_keeps_a_live_replica():
+    """Revoking one of stage 0's two replicas cuts off that replica only: stage 1 goes on with the
+    other (its contact is gone, nothing pauses); revoking the last one too is a departure of the
+    stage, which ends this peer as any lost neighbour does (no rejoin configured here). Before, the
+    revoked link's sessions ended first and the schedule took it for its stage's last replica."""
+    from mapl_swarm.peer.departures import NeighbourLost
+    from mapl_swarm.peer.runtime import Peer, PeerState
+    from mapl_swarm.pipeline.stage import StageRuntime
+
+    async def main():
+        cfg = swarm_config(pipeline={"num_stages": 3}, replicas={"enabled": True, "initial": [2, 1, 1]})
+
+        async def resolve(stage, timeout_s):
+            return f"mem://stage{stage}"
+
+        async def announce(endpoint):
+            return None
+
+        peer = Peer(cfg, 1, StageRuntime(cfg, 1), fingerprint="fp", resolve=resolve, announce=announce)
+        first, second, down = (peer.linker.new_link(s, c) for s, c in ((0, "mem://a0"), (0, "mem://b0"), (2, "mem://c2")))
+        for link in (first, second, down):
+            link.welcomed = True
+        peer.schedule.begin(0, 0)
+        peer.state = PeerState.TRAINING
+        peer.cut_off(first, "its certificate (serial 7) is revoked")
+        assert peer.stop_reason is None and peer.schedule.gone == {"mem://a0"} and not first.welcomed
+        peer.cut_off(second, "its certificate (serial 8) is revoked")
+        assert isinstance(peer.stop_reason, NeighbourLost) and "serial 8" in str(peer.stop_reason)
+        peer.decoder.close()
+        peer.compute.close()
+
+    asyncio.run(main())
