@@ -135,12 +135,14 @@ class Linker:
         self._read = asyncio.Event()
         self._welcomed = asyncio.Event()
 
-    async def link_all(self, transport: Any, endpoint: str, *, fresh: bool = False) -> None:
+    async def link_all(self, transport: Any, endpoint: str, *, fresh: bool = False, timeout_s: float | None = None,
+                       why: str = "net.timeout_s") -> None:
         """At the start: a link to every record of each neighbour stage, once the DHT holds one
-        (within ``net.timeout_s``; the handshake links those announced later). ``fresh``: a session
-        that re-forms the swarm connects anew, under the transport's new routing id: the previous
-        session's connections (a departed peer's among them) are closed first, what they still
-        queue getting a second to leave."""
+        (within ``timeout_s``, default ``net.timeout_s``, the setting ``why`` names; the handshake
+        links those announced later). ``fresh``: a session that re-forms the swarm connects anew,
+        under the transport's new routing id: the previous session's connections (a departed peer's
+        among them) are closed first, what they still queue getting a second to leave."""
+        wait_s = self.timeout_s if timeout_s is None else timeout_s
         self.local_contact = endpoint
         if fresh:
             for name in transport.links():
@@ -148,11 +150,10 @@ class Linker:
         for stage in self.links.stages_expected:
             async def announced(stage: int = stage) -> list[str]:
                 try:
-                    return await candidates_of(self.resolve, stage, self.timeout_s)
+                    return await candidates_of(self.resolve, stage, wait_s)
                 except MaplError as exc:
-                    raise MaplError(f"{self.name}: {exc} (net.timeout_s): start every peer of the run (with "
-                                    f"--resume on each when it resumes; a replica joining a running swarm: --join)"
-                                    ) from None
+                    raise MaplError(f"{self.name}: {exc} ({why}): start every peer of the run (with --resume on "
+                                    f"each when it resumes; a replica joining a running swarm: --join)") from None
 
             for contact in await self.waits.wait(announced(), lambda stage=stage: [_InDht(stage)]):
                 await self._add(transport, stage, contact)

@@ -360,7 +360,11 @@ class Peer:
         await self.announce(endpoint)
         if self.rejoining:  # new connections at once, not after the old ones time out (SPEC §9.6)
             transport.new_routing_id()
-        await self.linker.link_all(transport, endpoint, fresh=self.rejoining)
+        timeout_s, why = net.timeout_s, "net.timeout_s"
+        if self.rejoining:  # the wait for a departed stage's replacement, its record included (SPEC §9.6)
+            timeout_s, why = net.rejoin_timeout_s, ("net.rejoin_timeout_s: no replacement of the departed stage "
+                                                    "came; start one with --resume on a host with its checkpoints")
+        await self.linker.link_all(transport, endpoint, fresh=self.rejoining, timeout_s=timeout_s, why=why)
         self.tasks.spawn(self.ingress.receive_loop(transport))
         if self.admission.replies_on_link:
             self.tasks.spawn(self.ingress.reply_loop(transport))
@@ -372,10 +376,6 @@ class Peer:
         if self.joining:
             await self.linker.greet_all(transport)
         else:
-            timeout_s, why = net.timeout_s, "net.timeout_s"
-            if self.rejoining:
-                timeout_s, why = net.rejoin_timeout_s, ("net.rejoin_timeout_s: no replacement of the departed stage "
-                                                        "came; start one with --resume on a host with its checkpoints")
             await self.linker.handshake(transport, self._starting_replicas, timeout_s=timeout_s, why=why)
             self.schedule.starting = self._starting_replicas(self.stage)
         self._enter(PeerState.AGREEING, f"welcomed by stage(s) {self.links.stages}")

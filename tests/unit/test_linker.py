@@ -172,3 +172,20 @@ def test_starting_replicas(links, reform, expected):
         got.add(_welcomed(stage, said))
     for stage, n in expected.items():
         assert starting_replicas(stage, own_stage=1, initial=2, reform=reform, links=got) == n, stage
+
+
+def test_a_re_forming_session_waits_for_a_record_as_long_as_the_rejoin_wait_and_names_it():
+    """A re-forming session waits for the departed stage's new record up to ``net.rejoin_timeout_s``
+    (its log said so), not ``net.timeout_s``, and names that setting when none comes."""
+    asked: list[float] = []
+
+    async def no_record(stage: int, timeout_s: float) -> list[str]:
+        asked.append(timeout_s)
+        raise MaplError(f"no peer of stage {stage} in the DHT within {timeout_s:g} s")
+
+    n = Neighbours({0: [], 2: []}, live=set(), timeout_s=10.0, chain=True)
+    n.linker.resolve = no_record
+    with pytest.raises(MaplError, match=r"within 300 s \(net.rejoin_timeout_s: no replacement came\)"):
+        asyncio.run(n.linker.link_all(n.me, "mem://me", fresh=True, timeout_s=300.0,
+                                      why="net.rejoin_timeout_s: no replacement came"))
+    assert asked == [300.0]
