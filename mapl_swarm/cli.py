@@ -212,8 +212,6 @@ def _cmd_keys_revoke(args: argparse.Namespace) -> int:
 
 
 def _cmd_keys_show(args: argparse.Namespace) -> int:
-    import datetime
-
     from mapl_swarm.net.identity import (
         CERTIFICATE_HEADER,
         REVOCATIONS_HEADER,
@@ -223,6 +221,7 @@ def _cmd_keys_show(args: argparse.Namespace) -> int:
         key_id,
         read_signed,
     )
+    from mapl_swarm.when import iso_time
 
     try:
         head = Path(args.file).read_text(encoding="ascii", errors="replace").split("\n", 1)[0]
@@ -232,7 +231,7 @@ def _cmd_keys_show(args: argparse.Namespace) -> int:
     signed = read_signed(args.file, kind)  # type: ignore[arg-type]
     if kind == "revocations":
         rev = RevocationsBody.decode(signed.body)
-        print(f"revocation list of run {rev.run!r}: serial(s) {list(rev.serials)}, issued {rev.issued} (unix time), "
+        print(f"revocation list of run {rev.run!r}: serial(s) {list(rev.serials)}, issued {iso_time(rev.issued)}, "
               f"authority {key_id(rev.authority)}")
         return 0
     if kind == "request":
@@ -241,11 +240,8 @@ def _cmd_keys_show(args: argparse.Namespace) -> int:
         return 0
     body = CertificateBody.decode(signed.body)
 
-    def when(t: int) -> str:
-        return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-
     print(f"certificate of {body.name!r}: run {body.run!r}, stage(s) {list(body.stages)}, roles {list(body.roles)}, "
-          f"valid {when(body.not_before)} to {when(body.not_after)}, serial {body.serial}, peer key "
+          f"valid {iso_time(body.not_before)} to {iso_time(body.not_after)}, serial {body.serial}, peer key "
           f"{key_id(body.sign_key)}, authority {key_id(body.authority)} (signature not checked: a peer checks it "
           f"against its run's authority)")
     return 0

@@ -11,6 +11,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from mapl_swarm.when import iso_time
+
 __all__ = ["JsonlWriter", "run_manifest"]
 
 log = logging.getLogger(__name__)
@@ -100,7 +102,7 @@ def run_manifest(config: dict[str, Any], **extra: Any) -> dict[str, Any]:
         "versions": versions,
         "python": platform.python_version(),
         "machine": f"{platform.machine()} {platform.system()} {platform.release()}",
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "created": iso_time(time.time()),
         "config": config,
         **extra,
     }

@@ -71,6 +71,7 @@ from mapl_swarm.aio import within
 from mapl_swarm.errors import ConfigError
 from mapl_swarm.net.counters import Frame
 from mapl_swarm.net.errors import NetError, NetTimeoutError
+from mapl_swarm.when import iso_time
 
 if TYPE_CHECKING:
     from mapl_swarm.net.transport import Transport
@@ -225,9 +226,9 @@ class Silence:
     """Seconds since its connection ended (None: connected); ``deadline_s`` then applies to it."""
 
     def describe(self) -> str:
-        """``silent since 12:03:04 (10.4 s; deadline 10.0 s, round trip 0.4 ms, longest gap 2.0 s)``,
-        or ``... (1.2 s; connection ended 4.1 s ago, deadline 4.0 s, ...)``."""
-        since = time.strftime("%H:%M:%S", time.localtime(self.last_seen))
+        """``silent since 2026-12-05T12:03:04Z (10.4 s; deadline 10.0 s, round trip 0.4 ms, longest gap
+        2.0 s)``, or ``... (1.2 s; connection ended 4.1 s ago, deadline 4.0 s, ...)``."""
+        since = iso_time(self.last_seen)
         rtt = "no round trip measured" if self.rtt_s is None else f"round trip {self.rtt_s * 1e3:.1f} ms"
         gap = "" if self.gap_s is None else f", longest gap {self.gap_s:.1f} s"
         cut = "" if self.cut_s is None else f"connection ended {self.cut_s:.1f} s ago, "

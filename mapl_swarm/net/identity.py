@@ -44,6 +44,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from zmq.utils import z85
 
+from mapl_swarm.when import iso_time
+
 from mapl_swarm.errors import ConfigError, MaplError
 from mapl_swarm.net.keyfiles import KEY_BYTES, read_key_file, write_key_file
 
@@ -470,10 +472,11 @@ def verify_certificate(cert: Signed, *, authority: bytes, run_id: str, stage: in
         raise CertificateError("wrong_run", f"certificate of {body.name!r} is for run {body.run!r}, not {run_id!r}")
     t = time.time() if now is None else now
     if t < body.not_before:
-        raise CertificateError("not_yet_valid", f"certificate of {body.name!r} is valid from {body.not_before} "
-                                                f"(unix time), now is {int(t)}")
+        raise CertificateError("not_yet_valid", f"certificate of {body.name!r} is valid from {iso_time(body.not_before)}, "
+                                                f"now is {iso_time(t)} (are the two hosts' clocks set?)")
     if t >= body.not_after:
-        raise CertificateError("expired", f"certificate of {body.name!r} expired at {body.not_after} (unix time)")
+        raise CertificateError("expired", f"certificate of {body.name!r} expired at {iso_time(body.not_after)} "
+                                          f"(now {iso_time(t)})")
     if body.serial in revoked:
         raise CertificateError("revoked", f"certificate of {body.name!r} (serial {body.serial}) is revoked")
     if stage is not None and stage not in body.stages:

@@ -159,7 +159,7 @@ def test_a_second_signal_stops_at_once_and_the_neighbours_name_the_silent_stage(
     assert isinstance(r1, Interrupted) and r1.exit_code == 130 and "stopped at once by a second SIGINT" in str(r1)
     for r, me in ((r0, 0), (r2, 2)):
         assert isinstance(r, NeighbourLost) and r.exit_code == 2, r
-        assert re.match(rf"stage{me}: stage 1 at mem://stage1 silent since \d\d:\d\d:\d\d \(\d+\.\d s; "
+        assert re.match(rf"stage{me}: stage 1 at mem://stage1 silent since \d{{4}}-\d\d-\d\dT\d\d:\d\d:\d\dZ \(\d+\.\d s; "
                         rf"deadline \d+\.\d s, round trip \d+\.\d ms(, longest gap \d+\.\d s)?\)", str(r)), r
         assert r.departure.stage == 1 and r.departure.kind == "silent"
 

@@ -81,7 +81,7 @@ def test_a_neighbour_leaving_after_the_end_of_the_run_is_no_departure(tmp_path):
     peer = peers[0]
     peer.state = PeerState.ENDED  # as after its schedule's end
     peer.departures.report(Departure(stage=1, endpoint="mem://stage1", kind="silent", last_seen=time.time(),
-                                     detail="silent since 12:00:00 (10.0 s; deadline 10.0 s, round trip 1.0 ms)"))
+                                     detail="silent since 2026-12-05T12:00:00Z (10.0 s; deadline 10.0 s, round trip 1.0 ms)"))
     assert peer.stop_reason is None and not peer._stop_event.is_set()
     peer.state = PeerState.TRAINING
     peer.links.downstream.capabilities = frozenset({REJOIN_CAPABILITY})  # as its WELCOME said
