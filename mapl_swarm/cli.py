@@ -367,28 +367,38 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from mapl_swarm.net.discovery import Discovery, DiscoveryConfig
 
     P = cfg.pipeline.num_stages
-    with Discovery(cfg.run.run_id, DiscoveryConfig(initial_peers=tuple(peers), client_mode=True),
-                   membership=membership) as discovery:
+    dht = DiscoveryConfig(initial_peers=tuple(peers), client_mode=True)
+    with Discovery(cfg.run.run_id, dht, membership=membership) as discovery:
         stages = [discovery.stage_peers(k) for k in range(P)]
-    serving = [sum(1 for p in ps if p.contact) for ps in stages]
+    serving = [sum(1 for p in ps if p.contact and not p.silent(dht.status_s)) for ps in stages]
     if args.json:
-        print(json.dumps({"run": cfg.run.run_id, "stages": [[asdict(p) for p in ps] for ps in stages]}, indent=1))
+        print(json.dumps({"run": cfg.run.run_id, "stages": [[{**asdict(p), "silent": p.silent(dht.status_s)} for p in ps]
+                                                            for ps in stages]}, indent=1))
     else:
         print(f"run {cfg.run.run_id!r}: {P} stages, {sum(serving)} peers serving")
         for k, ps in enumerate(stages):
             print(f"stage {k}: {serving[k]} serving" + ("" if ps else ", no record"))
             for p in ps:
-                st = p.status
-                figures = (f"{st.get('state', '?'):<11} step {st['step']:<6} {st['tokens_per_s']:>9,.0f} tok/s  "
-                           f"queue {st['queue']:<3}" if {"step", "tokens_per_s", "queue"} <= st.keys()
-                           else "no status record".ljust(46))
-                where = p.contact.partition("#")[0] or "(withdrawn)"
-                print(f"  {p.peer_id[:8]}…{p.peer_id[-6:]}  {figures}  {where}  (renewed within {p.expires_in_s:.0f} s)")
+                print(f"  {p.peer_id[:8]}…{p.peer_id[-6:]}  {_status_line(p, dht.status_s)}")
     if not all(serving):
         missing = ", ".join(str(k) for k, n in enumerate(serving) if not n)
         print(f"mapl-swarm: no peer serves stage(s) {missing}", file=sys.stderr)
         return 1
     return 0
+
+
+def _status_line(p: Any, status_s: float) -> str:
+    """One peer of ``status``: its state, step, rate and queue, where it serves, and whether it is
+    heard (a killed peer goes silent within three status periods; its records lapse later)."""
+    st = p.status
+    figures = (f"{st.get('state', '?'):<11} step {st['step']:<6} {st['tokens_per_s']:>9,.0f} tok/s  queue "
+               f"{st['queue']:<3}" if {"step", "tokens_per_s", "queue"} <= st.keys() else "no status record".ljust(46))
+    where = p.contact.partition("#")[0] or "(withdrawn)"
+    if p.silent(status_s):
+        heard = f"SILENT for {p.heard_s:.0f} s: not serving (stopped or lost)"
+    else:
+        heard = "heard now" if p.heard_s is not None else "never heard"
+    return f"{figures}  {where}  {heard}; its records lapse in {p.expires_in_s:.0f} s"
 
 
 def _replicas_arg(p: argparse.ArgumentParser) -> None:

@@ -143,6 +143,14 @@ class StagePeer:
     """Seconds until its freshest record lapses unless renewed."""
     status: dict[str, Any]
     """Its status record's fields (:data:`STATUS_FIELDS`; empty when it published none)."""
+    heard_s: float | None = None
+    """Seconds since it last stored its status record (every ``status_s`` while it lives; None: it
+    published none)."""
+
+    def silent(self, status_s: float) -> bool:
+        """It stopped storing its status record: none for three of its periods (a process killed;
+        its stage record still lasts until it lapses)."""
+        return self.heard_s is not None and self.heard_s > 3 * status_s
 
 
 @dataclass(frozen=True)
@@ -352,7 +360,9 @@ class Discovery:
         for peer_id in dict.fromkeys([*contacts, *statuses]):
             endpoint, until = contacts.get(peer_id, ("", 0.0))
             status, status_until = statuses.get(peer_id, ({}, 0.0))
-            peers.append(StagePeer(peer_id, endpoint, max(until, status_until) - now, status))
+            heard = self.config.ttl_s - (status_until - now) if peer_id in statuses else None
+            peers.append(StagePeer(peer_id, endpoint, max(until, status_until) - now, status,
+                                   None if heard is None else max(0.0, heard)))
         return sorted(peers, key=lambda p: p.peer_id)
 
     def entries(self, stage: int) -> list[tuple[str, str, float]]:

@@ -128,6 +128,7 @@ def check_status_records(maddrs: list[str], stage1: Discovery, member: Discovery
     (peer,) = reader.stage_peers(1)
     assert (peer.peer_id, peer.contact, peer.status) == (stage1.peer_id, stage1.entries(1)[0][1], status)
     assert 0 < peer.expires_in_s <= 30.5
+    assert peer.heard_s is not None and not peer.silent(2.0)  # it stores its status every 2 s
     assert reader.stage_peers(0) == [] and [p.peer_id for p in member.stage_peers(1)] == [stage1.peer_id]
 
     done = subprocess.run([sys.executable, "-m", "mapl_swarm", "status", "--set", "pipeline.num_stages=3",
@@ -137,8 +138,8 @@ def check_status_records(maddrs: list[str], stage1: Discovery, member: Discovery
     assert done.returncode == 1 and "no peer serves stage(s) 0" in done.stderr, done.stderr
     stages = json.loads(done.stdout)["stages"]
     assert [len(peers) for peers in stages] == [0, 1, 1]
-    assert {k: stages[1][0][k] for k in ("peer_id", "contact", "status")} == {
-        "peer_id": stage1.peer_id, "contact": peer.contact, "status": status}
+    assert {k: stages[1][0][k] for k in ("peer_id", "contact", "status", "silent")} == {
+        "peer_id": stage1.peer_id, "contact": peer.contact, "status": status, "silent": False}
 
 
 @pytest.mark.timeout(120)

@@ -45,3 +45,18 @@ def test_the_source_reports_state_step_queue_and_a_windowed_token_rate(monkeypat
     peer.rt = SimpleNamespace(tokens_trained=0)  # a re-formed session's new stage runtime
     now[0] += 2.0
     assert source()["tokens_per_s"] == 0.0
+
+
+def test_status_marks_a_peer_that_stopped_storing_its_status_silent_and_not_serving():
+    """A killed replica's stage record lasts until it lapses (up to ``ttl_s``), but it stops storing
+    its status record every ``status_s``: three periods without one and ``status`` shows it silent,
+    not serving; the time left on its records is said as such, not as a renewal."""
+    from mapl_swarm.cli import _status_line
+    from mapl_swarm.net.discovery import StagePeer
+
+    status = {"state": "training", "step": 12, "tokens_per_s": 900.0, "queue": 0}
+    live = StagePeer("12D3KooWlive", "tcp://10.0.0.2:5556#ab", 28.0, status, heard_s=1.5)
+    killed = StagePeer("12D3KooWdead", "tcp://10.0.0.3:5556#cd", 21.0, status, heard_s=9.0)
+    assert not live.silent(2.0) and killed.silent(2.0) and not StagePeer("x", "tcp://h:1", 5.0, {}).silent(2.0)
+    assert _status_line(live, 2.0).endswith("tcp://10.0.0.2:5556  heard now; its records lapse in 28 s")
+    assert "SILENT for 9 s: not serving (stopped or lost); its records lapse in 21 s" in _status_line(killed, 2.0)
