@@ -105,7 +105,7 @@ class Members:
         to a round by then (a stale record, or a member that announces itself and never joins) is
         not waited for any longer."""
         r = self.round
-        live = {r.contacts.get(p, p) for p in self.live()} if r is not None else {*self.hint, contact}
+        live = {r.contacts.get(p, p) for p in self.live()} if r is not None else {*self.hint, contact} - self.gone
         for c in announced:
             if c and c not in self.gone and c not in live:
                 since = self.announced.setdefault(c, now)

@@ -167,9 +167,13 @@ class SimPeer:
         return f"peer-{self.stage}-{self.replica}"
 
     def link_to(self, other: SimPeer) -> None:
+        """A link to ``other``, speaking this peer's run epoch from the start (a link made while
+        training: the peer's linker gives it the schedule's epoch)."""
         name = f"stage{other.stage}@{other.replica}" if self.swarm.replicas else f"stage{other.stage}"
+        core = getattr(self, "core", None)
         self.links.links.append(SimLink(name, other.stage, other.contact if self.swarm.replicas else None,
-                                        self.contact if self.swarm.replicas else None, peer=other.key))
+                                        self.contact if self.swarm.replicas else None, peer=other.key,
+                                        epoch=core.epoch if core is not None else 0))
 
     def link_for(self, key: tuple[int, int]) -> SimLink | None:
         return next((link for link in self.links if link.peer == key), None)

@@ -196,6 +196,27 @@ def test_a_replica_joins_downloads_its_stages_state_and_takes_every_step_after(s
     assert any(op == "F" and s > first for s, op, *_ in joiner.order)
 
 
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("ticks", [0, 3, 40, 200])
+def test_a_replica_that_joins_right_after_a_partner_died_takes_its_place(seed, ticks):
+    """Issue 45: a ``--join`` started to replace a killed replica, before its neighbours found it
+    gone (0, 3 ticks: they find it after 6) or after (40, 200): the joiner's round waits only for
+    the live replicas. Its state's sender named the dead one as a partner (it did not know yet, or
+    its list was the last round's); a contact known gone is never waited for, so the stage's rounds
+    form and every stage takes every step."""
+    sw = SimSwarm((1, 2, 1), M=4, steps=6, seed=seed)
+    sw.run(until=lambda: sw.peers[1, 0].core.step == 2)
+    sw.kill((1, 1))
+    for _ in range(ticks):
+        sw.tick()
+    joiner = sw.join(1)
+    sw.run()
+    assert sw.steps_taken((0, 0)) == sw.steps_taken((1, 0)) == sw.steps_taken((2, 0)) == list(range(6))
+    first = sw.steps_taken(joiner.key)[0]
+    assert joiner.downloads == ["join"] and sw.steps_taken(joiner.key) == list(range(first, 6))
+    sw.check_every_micro_batch_once()
+
+
 def check_run_from(sw: SimSwarm, joiner: tuple[int, int]) -> None:
     sw.check_every_micro_batch_once()
     for peer in sw.peers.values():
