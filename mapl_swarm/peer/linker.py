@@ -136,12 +136,13 @@ class Linker:
         self._welcomed = asyncio.Event()
 
     async def link_all(self, transport: Any, endpoint: str, *, fresh: bool = False, timeout_s: float | None = None,
-                       why: str = "net.timeout_s") -> None:
+                       why: str = "net.timeout_s", joining: bool = False) -> None:
         """At the start: a link to every record of each neighbour stage, once the DHT holds one
         (within ``timeout_s``, default ``net.timeout_s``, the setting ``why`` names; the handshake
         links those announced later). ``fresh``: a session that re-forms the swarm connects anew,
         under the transport's new routing id: the previous session's connections (a departed peer's
-        among them) are closed first, what they still queue getting a second to leave."""
+        among them) are closed first, what they still queue getting a second to leave. ``joining``:
+        a replica joining a running swarm (its error says the swarm is not running)."""
         wait_s = self.timeout_s if timeout_s is None else timeout_s
         self.local_contact = endpoint
         if fresh:
@@ -152,6 +153,10 @@ class Linker:
                 try:
                     return await candidates_of(self.resolve, stage, wait_s)
                 except MaplError as exc:
+                    if joining:
+                        raise MaplError(f"{self.name}: {exc} ({why}): no swarm of run {self.settings.run_id!r} "
+                                        f"runs to join (it ended, or has not started: start its peers, or with "
+                                        f"--resume on every one to go on from their checkpoints)") from None
                     raise MaplError(f"{self.name}: {exc} ({why}): start every peer of the run (with --resume on "
                                     f"each when it resumes; a replica joining a running swarm: --join)") from None
 

@@ -364,7 +364,8 @@ class Peer:
         if self.rejoining:  # the wait for a departed stage's replacement, its record included (SPEC §9.6)
             timeout_s, why = net.rejoin_timeout_s, ("net.rejoin_timeout_s: no replacement of the departed stage "
                                                     "came; start one with --resume on a host with its checkpoints")
-        await self.linker.link_all(transport, endpoint, fresh=self.rejoining, timeout_s=timeout_s, why=why)
+        await self.linker.link_all(transport, endpoint, fresh=self.rejoining, timeout_s=timeout_s, why=why,
+                                   joining=self.joining)
         self.tasks.spawn(self.ingress.receive_loop(transport))
         if self.admission.replies_on_link:
             self.tasks.spawn(self.ingress.reply_loop(transport))

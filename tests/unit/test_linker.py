@@ -189,3 +189,16 @@ def test_a_re_forming_session_waits_for_a_record_as_long_as_the_rejoin_wait_and_
         asyncio.run(n.linker.link_all(n.me, "mem://me", fresh=True, timeout_s=300.0,
                                       why="net.rejoin_timeout_s: no replacement came"))
     assert asked == [300.0]
+
+
+def test_a_joiner_that_finds_no_swarm_is_told_so_not_to_join():
+    """A ``--join`` after the run ended finds no neighbour's record: its error says no swarm of the
+    run runs, not to start with ``--join``."""
+    async def no_record(stage: int, timeout_s: float) -> list[str]:
+        raise MaplError(f"no peer of stage {stage} in the DHT within {timeout_s:g} s")
+
+    n = Neighbours({0: [], 2: []}, live=set(), timeout_s=1.0)
+    n.linker.resolve = no_record
+    with pytest.raises(MaplError, match=r"no swarm of run 'r' runs to join \(it ended, or has not started") as got:
+        asyncio.run(n.linker.link_all(n.me, "mem://me", joining=True))
+    assert "--join" not in str(got.value)
