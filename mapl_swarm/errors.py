@@ -29,6 +29,15 @@ class CheckpointError(MaplError):
     """Missing, incomplete or incompatible checkpoint."""
 
 
+class MissingCheckpoints(CheckpointError):
+    """A resume refused because ``stages`` hold no checkpoint of the run while every stage saved a
+    step (a replacement started on a host without its stage's checkpoint folder)."""
+
+    def __init__(self, message: str, stages: list[int]) -> None:
+        super().__init__(message)
+        self.stages = stages
+
+
 class NonFiniteError(MaplError):
     """A NaN or Inf in this process's own compute (a loss, the gradients before the optimizer step,
     a tensor about to be sent): nothing of it was applied, sent or checkpointed. Exit status 3."""

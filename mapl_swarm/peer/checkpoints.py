@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from mapl_swarm.aio import until
 from mapl_swarm.config import TrainConfig
-from mapl_swarm.errors import CheckpointError, MaplError
+from mapl_swarm.errors import CheckpointError, MaplError, MissingCheckpoints
 from mapl_swarm.pipeline import checkpoint, run_policy, run_records
 from mapl_swarm.pipeline.checkpoint import StageCheckpoints, rolled_back_note
 from mapl_swarm.pipeline.run_records import MetricsLog, StepRecords
@@ -320,6 +320,9 @@ class CheckpointAgreement:
             if self.down is not None:
                 await self.send(self.down, decision)
             if decision["step"] is None:
+                missing = decision.get("missing")
+                if missing:  # a stage lost its files: SPEC §5.2 "On resume"
+                    raise MissingCheckpoints(decision.get("reason") or "resume refused", list(missing))
                 raise CheckpointError(decision.get("reason") or "resume refused")
             return int(decision["step"]), int(decision.get("epoch", 0))
         try:  # stage 0 decides
@@ -336,7 +339,8 @@ class CheckpointAgreement:
                 step = checkpoint.choose_resume_step(stages, run_steps, "each stage's run.out_dir")
         except CheckpointError as exc:
             if self.down is not None:
-                await self.send(self.down, {"phase": "resume", "step": None, "reason": str(exc)})
+                missing = {"missing": exc.stages} if isinstance(exc, MissingCheckpoints) else {}
+                await self.send(self.down, {"phase": "resume", "step": None, "reason": str(exc), **missing})
             raise
         if self.down is not None:
             await self.send(self.down, {"phase": "resume", "step": step, "epoch": swarm_epoch})
@@ -354,10 +358,11 @@ class CheckpointAgreement:
         n = max(complete)
         files = " and ".join(f"checkpoints/step_{n:08d}/stage_{k}.pt, stage_{k}.manifest.json" for k in empty)
         which = f"stage{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty))}"
-        raise CheckpointError(f"{which} has no checkpoint of this run, but every stage saved step {n}: copy {files} "
-                              f"from the run.out_dir of the host that ran {which} to the run.out_dir of its peer, "
-                              f"then start the peers again with --resume (no stage rolled back or deleted a "
-                              f"checkpoint)")
+        raise MissingCheckpoints(f"{which} has no checkpoint of this run, but every stage saved step {n}: copy {files} "
+                                 f"from the run.out_dir of the host that ran {which} to the run.out_dir of its peer, "
+                                 f"then start it again with --resume (a swarm re-forming after a departure waits for "
+                                 f"it; else start every peer again with --resume; no stage rolled back or deleted a "
+                                 f"checkpoint)", empty)
 
     def _prefer_recorded(self, stages: dict[int, list[int]]) -> list[int]:
         """Stage 0's usable steps less those whose losses the history lacks (:attr:`without_loss`),

@@ -46,7 +46,7 @@ import torch
 
 from mapl_swarm.aio import within
 from mapl_swarm.config import TrainConfig, config_summary
-from mapl_swarm.errors import MaplError, NonFiniteError
+from mapl_swarm.errors import MaplError, MissingCheckpoints, NonFiniteError
 from mapl_swarm.net.emulator import LinkConfig
 from mapl_swarm.net.errors import NetError
 from mapl_swarm.net.heartbeat import HeartbeatConfig, HeartbeatMonitor, Silence
@@ -408,8 +408,12 @@ class Peer:
             return None
         try:
             start = await self.run_policy.begin(epoch=self.epoch, rejoin=self.rejoining)
-        except MaplError:
+        except MaplError as exc:
             await transport.flush(self.cfg.net.timeout_s)  # a refusal reaches the other stages first
+            if isinstance(exc, MissingCheckpoints) and self.rejoining and self.stage not in exc.stages:
+                # the replacement came without its stage's files: it stops, the swarm waits for another
+                self.pause(f"the replacement of stage(s) {exc.stages} cannot resume: {exc}", epoch=self.epoch + 1,
+                           lost=exc.stages[0])
             raise
         self.epoch = self.run_policy.epoch
         self.links.set_epoch(self.epoch)

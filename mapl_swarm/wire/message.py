@@ -174,7 +174,7 @@ META_SCHEMA: dict[MessageType, tuple[dict[str, str], dict[str, str]]] = {
     MessageType.BYE: ({}, {"reason": "str", "lost": "uint"}),
     MessageType.ERROR: ({"code": "str", "message": "str"}, {"ref_seq": "uint"}),
     MessageType.CHECKPOINT: ({"phase": "phase"}, {"step": "uint_or_nil", "steps": "uints", "have": "have",
-                                                  "reason": "str", "epoch": "uint"}),
+                                                  "reason": "str", "epoch": "uint", "missing": "uints"}),
     MessageType.ROUTE: ({"phase": "route_phase"}, {"acts": "uint", "gone": "strs", "held": "uints"}),
 }
 """(required, optional) typed ``meta`` fields per message type (SPEC §5); other types have none."""

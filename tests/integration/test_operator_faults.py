@@ -6,11 +6,12 @@ Stage 1 of a 3-stage swarm runs on its own host (its own run folder) and is kill
    resume from the stage's checkpoints (it does not wait for pipeline messages that never come, and
    moves no checkpoint aside); the other stages keep waiting for another (its BYE, or its silence
    past the liveness floor, frees the stage);
-2. it is started **with** ``--resume`` on a fresh host (an empty run folder): every stage stops with
-   one line naming the step every stage saved and the files to copy; no stage rolled back to step 0
-   or deleted a checkpoint;
-3. the files are copied and every peer started again with ``--resume``: the run finishes with the
-   losses of one uninterrupted in-process run.
+2. it is started **with** ``--resume`` on a fresh host (an empty run folder): it stops with one line
+   naming the step every stage saved and the files to copy; the other stages say the same in the
+   line of their pause and keep waiting for another replacement (issue 45: nobody else exits); no
+   stage rolled back to step 0 or deleted a checkpoint;
+3. the files are copied and the replacement started again with ``--resume``: the swarm goes on and
+   the run finishes with the losses of one uninterrupted in-process run.
 """
 
 from __future__ import annotations
@@ -68,20 +69,23 @@ def test_a_replacement_started_wrongly_is_told_how_and_nothing_is_lost(tmp_path)
 
         wrong_host = _peer(path, maddr, 1, fresh, "--resume")  # --resume, but no checkpoint folder
         later.append(wrong_host)
-        for p in [*survivors, wrong_host]:
-            assert p.wait(120) == 2, p.output[-4000:]
-            m = re.search(r"mapl-swarm: error: stage 1 has no checkpoint of this run, but every stage saved step (\d+): "
-                          r"copy checkpoints/step_(\d{8})/stage_1\.pt, stage_1\.manifest\.json from the run\.out_dir "
-                          r"of the host that ran stage 1", p.output)
-            assert m and int(m.group(1)) == int(m.group(2)) in kept[1], p.output[-4000:]
+        said = (r"stage 1 has no checkpoint of this run, but every stage saved step (\d+): copy "
+                r"checkpoints/step_(\d{8})/stage_1\.pt, stage_1\.manifest\.json from the run\.out_dir of the host "
+                r"that ran stage 1")
+        assert wrong_host.wait(120) == 2, wrong_host.output[-4000:]
+        m = re.search(r"mapl-swarm: error: " + said, wrong_host.output)
+        assert m and int(m.group(1)) == int(m.group(2)) in kept[1], wrong_host.output[-4000:]
+        for p in survivors:  # they pause, saying the same, and wait for another replacement
+            m = p.wait_for(r"the replacement of stage\(s\) \[1\] cannot resume: " + said + r".*pausing", 60)
+            assert int(m.group(1)) in kept[1]
+        assert all(p.proc.poll() is None for p in survivors), [p.output[-3000:] for p in survivors]
         assert {s: checkpoint.stage_steps(shared, s) for s in (0, 2)} == {0: kept[0], 2: kept[2]}
         assert checkpoint.stage_steps(host1, 1) == kept[1]
 
         shutil.copytree(host1 / "checkpoints", fresh / "checkpoints", dirs_exist_ok=True)
-        again = [_peer(path, maddr, 0, shared, "--resume"), _peer(path, maddr, 1, fresh, "--resume"),
-                 _peer(path, maddr, 2, shared, "--resume")]
-        later += again
-        for p in again:
+        replacement = _peer(path, maddr, 1, fresh, "--resume")
+        later.append(replacement)
+        for p in [*survivors, replacement]:
             assert p.wait(240) == 0, p.output[-4000:]
     finally:
         for p in [*survivors, first, *later]:

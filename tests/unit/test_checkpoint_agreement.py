@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from mapl_swarm.errors import CheckpointError
+from mapl_swarm.errors import CheckpointError, MissingCheckpoints
 from mapl_swarm.peer.checkpoints import CheckpointAgreement
 from mapl_swarm.pipeline import checkpoint
 from mapl_swarm.pipeline.checkpoint import StageCheckpoints
@@ -596,7 +596,60 @@ def test_a_stage_without_files_is_refused_when_a_complete_step_exists(tmp_path):
     assert str(results[1]) == str(results[0]) == str(results[2])
     assert str(results[1]).startswith("stage 1 has no checkpoint of this run, but every stage saved step 4: copy "
                                       "checkpoints/step_00000004/stage_1.pt, stage_1.manifest.json from the run.out_dir")
+    assert all(isinstance(r, MissingCheckpoints) and r.stages == [1] for r in results)  # CHECKPOINT resume `missing`
     assert [p.store.local_steps() for p in peers] == [[2, 4], [], [2, 4]]
+
+
+def test_a_re_forming_swarm_waits_on_when_the_replacement_lacks_its_stages_files(tmp_path):
+    """After a departure the survivors re-form (``rejoining``): a replacement of stage 1 started with
+    ``--resume`` on a host without stage 1's checkpoint folder stops, naming the files to copy; the
+    survivors do not exit but pause again, the swarm waiting for another replacement (issue 45)."""
+    from mapl_swarm.peer.checkpoints import PeerRunPolicy
+    from mapl_swarm.peer.compute import ComputeThread
+    from mapl_swarm.peer.runtime import Peer
+    from mapl_swarm.pipeline.stage import StageRuntime
+    from types import SimpleNamespace
+
+    from peer_fakes import FakeNet, link_neighbours, sampler, serve_all, swarm_config
+
+    def cfg_of(out):
+        return swarm_config(pipeline={"num_stages": 3}, run={"steps": 4, "out_dir": str(out)},
+                            checkpoint={"interval_steps": 2}, net={"rejoin_timeout_s": 30.0})
+
+    async def main():
+        net = FakeNet()
+        transports = [net.transport(f"stage{s}") for s in range(3)]
+        data = SimpleNamespace(meta={}, tokenizer=SimpleNamespace(file_hash="h"))
+
+        async def resolve(stage, timeout_s):
+            return f"mem://stage{stage}"
+
+        async def announce(endpoint):
+            return None
+
+        peers = []
+        for s in range(3):
+            cfg = cfg_of(tmp_path / ("fresh-host" if s == 1 else "hosts02"))
+            rt, compute = StageRuntime(cfg, s), ComputeThread(f"stage{s}")
+            policy = PeerRunPolicy(cfg, s, data, "f" * 32, resume=True, runtime=rt, compute=compute)
+            if s != 1:  # the survivors saved steps 2 and 4, which stage 0 knows complete
+                for step in (2, 4):
+                    policy.store.save(step, {"x": torch.zeros(1)})
+                    if s == 0:
+                        policy.store.mark_complete(step)
+            peers.append(Peer(cfg, s, rt, fingerprint="f" * 32, resolve=resolve, announce=announce,
+                              sampler=sampler(cfg) if s == 0 else None, compute=compute, run_policy=policy,
+                              epoch=0 if s == 1 else 1, rejoining=s != 1))
+            link_neighbours(peers[-1])
+        return await serve_all(peers, transports, timeout_s=60)
+
+    results = asyncio.run(main())
+    assert isinstance(results[1], MissingCheckpoints) and results[1].stages == [1], results[1]
+    assert str(results[1]).startswith("stage 1 has no checkpoint of this run, but every stage saved step 4: copy ")
+    for r in (results[0], results[2]):
+        assert not isinstance(r, BaseException) and r.end == "rejoin", r
+        assert r.epoch == 2 and "the replacement of stage(s) [1] cannot resume: stage 1 has no checkpoint" in r.rejoins[0]
+    assert checkpoint.stage_steps(tmp_path / "hosts02", 0) == [2, 4]  # nothing rolled back or moved aside
 
 
 def test_a_stage_whose_disk_stays_full_is_named_everywhere_and_the_others_keep_only_what_can_complete(

@@ -136,6 +136,8 @@ def _valid(v: dict[str, list[bytes]]) -> list[Case]:
         "checkpoint_offer": "CHECKPOINT offer: steps stages 1 and 2 both hold, and what each has",
         "checkpoint_resume": "CHECKPOINT resume from step 30",
         "checkpoint_resume_refused": "CHECKPOINT resume refused: step nil and the reason every stage stops with",
+        "checkpoint_resume_missing": "2.1: CHECKPOINT resume refused because stage 2 lost its files (missing): "
+                                     "after a rejoin the other stages pause and wait for another replacement",
         "reject_stage_taken": "REJECT stage_taken echoing the HELLO's nonce",
         "meta_depth_8": "meta nested 8 deep (meta map + 7 arrays; the scalar is no level)",
         "heartbeat_rtt": "HEARTBEAT with round-trip timestamps: sent_ns, and the echo of the neighbour's "
@@ -365,6 +367,8 @@ def _invalid(v: dict[str, list[bytes]]) -> list[Case]:
          "CHECKPOINT offer steps 30, 20"),
         ("checkpoint_resume_nil_no_reason", _edit(v["checkpoint_resume_refused"], _meta(reason=_DROP)), IM,
          "CHECKPOINT resume with step nil and no reason"),
+        ("checkpoint_resume_missing_not_uints", _edit(v["checkpoint_resume_missing"], _meta(missing=["2"])), IM,
+         "2.1: CHECKPOINT resume whose missing stages are not unsigned integers"),
         ("checkpoint_with_tensor", _edit([*v["checkpoint_saved"], b"\x07"], hb_tensor), IM,
          "CHECKPOINT carrying a tensor"),
         ("checkpoint_drain_no_step", _edit(v["checkpoint_drain"], _meta(step=_DROP)), IM,

@@ -385,6 +385,11 @@ def _checkpoint_samples() -> dict[str, Message]:
                                        "reason": "no checkpoint step every stage has: stage 0 has [10], "
                                                  "stage 1 has [20, 30], stage 2 has [20, 30, 40]"},
             **common),
+        "checkpoint_resume_missing": Message(
+            src=0, dst=1, seq=2, epoch=1, meta={"phase": "resume", "step": None, "missing": [2],
+                                                "reason": "stage 2 has no checkpoint of this run, but every stage "
+                                                          "saved step 30: copy checkpoints/step_00000030/stage_2.pt"},
+            **common),
     }
 
 
