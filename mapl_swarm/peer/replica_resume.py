@@ -75,9 +75,15 @@ class ReplicaResume:
         :class:`CheckpointError` with the same reason at every replica when there is none."""
         by_peer = await self.stage_round(list(saved), reason or "")
         mine = sorted(set.intersection(*(set(steps) for steps, _ in by_peer.values())))
-        if len({tuple(steps) for steps, _ in by_peer.values()}) > 1:
-            log.info("%s: the replicas of stage %d hold checkpoint steps %s: %s in common", self.name, self.stage,
-                     "; ".join(str(steps) for steps, _ in by_peer.values()), mine)
+        newest = {peer: max(steps, default=None) for peer, (steps, _) in by_peer.items()}
+        if len(set(newest.values())) > 1:  # a replica fell behind (it left, was stopped, could not save)
+            behind = sorted(peer for peer, n in newest.items() if n != max(n for n in newest.values() if n is not None))
+            log.warning("%s: the replicas of stage %d do not hold the same newest checkpoint (%s): every replica "
+                        "loads the same step, so the swarm resumes from step %s at the newest, held back by %s; each "
+                        "replica's later steps are kept in checkpoints.rolled_back/", self.name, self.stage,
+                        ", ".join(f"replica {peer[-8:]}: {n if n is not None else 'none'}"
+                                  for peer, n in sorted(newest.items())),
+                        max(mine) if mine else "none", ", ".join(f"replica {peer[-8:]}" for peer in behind))
         reasons = sorted({why for _, why in by_peer.values() if why})
         have: dict[str, list[int]] = {str(self.stage): mine}
         steps, swarm_epoch = set(mine), epoch
