@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from mapl_swarm.aio import until
-from mapl_swarm.errors import CheckpointError, MaplError
+from mapl_swarm.errors import CheckpointError, MaplError, MissingCheckpoints
 from mapl_swarm.peer.link import Links, PeerLink
 from mapl_swarm.pipeline import checkpoint
 from mapl_swarm.wire import Message
@@ -37,6 +37,26 @@ __all__ = ["ReplicaResume"]
 StageRound = Callable[[Sequence[int], str], Awaitable[dict[str, tuple[list[int], str]]]]
 """``stage_round(saved, reason)``: each starting replica of the stage's usable steps and reason, by peer."""
 Send = Callable[[PeerLink, dict[str, Any]], Awaitable[None]]
+
+
+def _refuse_stages_without_files(stages: dict[int, list[int]]) -> None:
+    """A stage whose replicas hold no step in common at all while the other stages share one: one of
+    them came without the stage's files (the replacement of a stage's lost last replica on a fresh
+    host). Refused naming the files to copy, rather than making every replica give up: after a
+    re-form the others wait for another replacement (SPEC §5.2 "On resume", §9.10 item 13)."""
+    empty = sorted(k for k, v in stages.items() if not v)
+    full = [set(v) for v in stages.values() if v]
+    common = set.intersection(*full) if full else set()
+    if not empty or not common:
+        return
+    n = max(common)
+    files = " and ".join(f"checkpoints/step_{n:08d}/stage_{k}.pt, stage_{k}.manifest.json" for k in empty)
+    which = f"stage{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty))}"
+    raise MissingCheckpoints(f"{which} holds no checkpoint of this run in every replica's folder, but every other "
+                             f"stage holds step {n}: copy {files} from the run.out_dir of a replica of {which} to the "
+                             f"run.out_dir of the replica that lacks them, then start it again with --resume (a swarm "
+                             f"re-forming after a departure waits for it; no replica rolled back or deleted a "
+                             f"checkpoint)", empty)
 
 
 class ReplicaResume:
@@ -106,15 +126,19 @@ class ReplicaResume:
                             "reason": f"the replicas of stage {self.links.up} decided different resume steps ({told})"}
             await self._tell_down(decision)
             if decision["step"] is None:
+                if decision.get("missing"):  # stages that lost their files (SPEC §5.2 "On resume")
+                    raise MissingCheckpoints(decision.get("reason") or "resume refused", list(decision["missing"]))
                 raise CheckpointError(decision.get("reason") or "resume refused")
             return int(decision["step"]), int(decision.get("epoch", 0))
         try:  # a stage-0 replica decides from what every stage-0 replica holds alike
+            stages = {int(k): v for k, v in have.items()}
+            _refuse_stages_without_files(stages)
             if why:
                 raise CheckpointError(why)
-            step = checkpoint.choose_resume_step({int(k): v for k, v in have.items()}, run_steps,
-                                                 "each replica's run.out_dir")
+            step = checkpoint.choose_resume_step(stages, run_steps, "each replica's run.out_dir")
         except CheckpointError as exc:
-            await self._tell_down({"phase": "resume", "step": None, "reason": str(exc)})
+            missing = {"missing": exc.stages} if isinstance(exc, MissingCheckpoints) else {}
+            await self._tell_down({"phase": "resume", "step": None, "reason": str(exc), **missing})
             raise
         await self._tell_down({"phase": "resume", "step": step, "epoch": swarm_epoch})
         return step, swarm_epoch

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from mapl_swarm.errors import CheckpointError, MaplError
+from mapl_swarm.errors import CheckpointError, MaplError, MissingCheckpoints
 from mapl_swarm.peer.link import Links
 from mapl_swarm.peer.replica_resume import ReplicaResume
 
@@ -85,6 +85,18 @@ def test_a_refusal_reaches_every_replica_with_one_reason(saved, reasons, says):
     got = grid(saved, reasons)
     assert all(isinstance(v, CheckpointError) for v in got.values()), got
     assert len({str(v) for v in got.values()}) == 1 and says in str(next(iter(got.values())))
+
+
+def test_a_stage_whose_replicas_lack_its_files_is_named_with_the_files_to_copy():
+    """The replacement of stage 1's lost last replica came to a host without stage 1's folder while
+    stages 0 and 2 hold step 4: every replica gets the same refusal naming stage 1 and the files
+    (CHECKPOINT resume ``missing``), so after a re-form the others pause instead of stopping."""
+    got = grid([[[2, 4], [2, 4]], [[]], [[2, 4]]])
+    assert all(isinstance(v, MissingCheckpoints) and v.stages == [1] for v in got.values()), got
+    assert len({str(v) for v in got.values()}) == 1
+    assert str(got[1, 0]).startswith("stage 1 holds no checkpoint of this run in every replica's folder, but every "
+                                     "other stage holds step 4: copy checkpoints/step_00000004/stage_1.pt, "
+                                     "stage_1.manifest.json from the run.out_dir of a replica of stage 1")
 
 
 def test_decisions_that_differ_stop_the_replica_that_got_them():
