@@ -100,10 +100,14 @@ class ReplicaResume:
             behind = sorted(peer for peer, n in newest.items() if n != max(n for n in newest.values() if n is not None))
             log.warning("%s: the replicas of stage %d do not hold the same newest checkpoint (%s): every replica "
                         "loads the same step, so the swarm resumes from step %s at the newest, held back by %s; each "
-                        "replica's later steps are kept in checkpoints.rolled_back/", self.name, self.stage,
+                        "replica's later steps are kept in checkpoints.rolled_back/. To go on from a later step "
+                        "instead, stop and start the run without the replica(s) behind (replicas.initial of stage "
+                        "%d lowered by their number, on every host) with --resume, then start them with --join: "
+                        "they take a live replica's state", self.name, self.stage,
                         ", ".join(f"replica {peer[-8:]}: {n if n is not None else 'none'}"
                                   for peer, n in sorted(newest.items())),
-                        max(mine) if mine else "none", ", ".join(f"replica {peer[-8:]}" for peer in behind))
+                        max(mine) if mine else "none", ", ".join(f"replica {peer[-8:]}" for peer in behind),
+                        self.stage)
         reasons = sorted({why for _, why in by_peer.values() if why})
         have: dict[str, list[int]] = {str(self.stage): mine}
         steps, swarm_epoch = set(mine), epoch

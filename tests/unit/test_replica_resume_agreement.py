@@ -67,7 +67,9 @@ def test_every_replica_resumes_from_the_newest_step_all_of_them_hold(caplog):
     assert len(said) == 2 and all(
         "the replicas of stage 1 do not hold the same newest checkpoint (replica peer1.0: 6, replica peer1.1: 4): "
         "every replica loads the same step, so the swarm resumes from step 4 at the newest, held back by replica "
-        "peer1.1; each replica's later steps are kept in checkpoints.rolled_back/" in m for m in said), said
+        "peer1.1; each replica's later steps are kept in checkpoints.rolled_back/. To go on from a later step "
+        "instead, stop and start the run without the replica(s) behind (replicas.initial of stage 1 lowered by their "
+        "number, on every host) with --resume, then start them with --join" in m for m in said), said
     assert not any(r.getMessage().startswith("stage2.") for r in caplog.records)  # stage 2 holds the same newest
 
 
