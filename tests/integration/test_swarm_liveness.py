@@ -61,7 +61,7 @@ def test_a_killed_middle_peer_is_named_by_both_neighbours_within_seconds(tmp_pat
             errors = [line for line in peers[s].lines if line.startswith("mapl-swarm: error:")]
             assert len(errors) == 1, peers[s].output
             m = re.fullmatch(rf"mapl-swarm: error: stage{s}: stage 1 at {re.escape(endpoint)} silent since "
-                             rf"\d\d:\d\d:\d\d \(\d+\.\d s; connection ended (\d+\.\d) s ago, deadline (\d+\.\d) s, "
+                             rf"\d{{4}}-\d\d-\d\dT\d\d:\d\d:\d\dZ \(\d+\.\d s; connection ended (\d+\.\d) s ago, deadline (\d+\.\d) s, "
                              rf"round trip \d+\.\d ms(, longest gap \d+\.\d s)?\)", errors[0])
             assert m, errors[0]
             cut, deadline = float(m.group(1)), float(m.group(2))
