@@ -1,7 +1,7 @@
 """Stage peers: one process per pipeline stage, talking the wire protocol over ZeroMQ.
 
 Parts (each module one concern; none imports the in-process pipeline or the trainer's loop):
-``runtime`` (:class:`Peer`: the lifecycle) builds ``link`` (:class:`PeerLink` per neighbour)
+``runtime`` (:class:`Peer`: runs ``lifecycle``'s state machine) builds ``link`` (:class:`PeerLink` per neighbour)
 with ``vq_link`` (its codebook stream side), ``ingress`` (the one way in: ``admission``'s rules,
 held messages, into ``mailbox``, the one inbound queue, for the schedule or for ``control``'s
 dispatch table), ``compute`` (compute thread, encode

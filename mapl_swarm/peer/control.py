@@ -2,7 +2,7 @@
 
 :class:`Control` is given the parts its handlers act on (links, linker, liveness monitor, schedule,
 checkpoint agreement, the ingress's answers) and reads or asks only a few things of its peer's
-session (:class:`Lifecycle`: its stage and run epoch, whether it trains, stop, pause, depart).
+session (:class:`~.lifecycle.Lifecycle`: its stage and run epoch, whether it trains, stop, pause, depart).
 
 A HELLO is welcomed (or, from a neighbour re-forming the swarm while this peer trains, pauses it;
 SPEC §9.6). WELCOME and REJECT answer this peer's HELLOs (SPEC §9.2: ``stage_taken`` and a configuration
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from mapl_swarm.errors import MaplError
 from mapl_swarm.wire import Message, MessageType
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from mapl_swarm.peer.checkpoints import CheckpointAgreement
     from mapl_swarm.peer.replica_resume import ReplicaResume
     from mapl_swarm.peer.ingress import Ingress
+    from mapl_swarm.peer.lifecycle import Lifecycle
     from mapl_swarm.peer.link import Links, PeerLink
     from mapl_swarm.peer.linker import Linker
     from mapl_swarm.peer.result import PeerResult
@@ -52,28 +53,9 @@ class PeerRejected(MaplError):
     """A neighbour refused the handshake (version or configuration mismatch)."""
 
 
-class Lifecycle(Protocol):
-    """What :class:`Control` reads of its peer's session and asks of it (:class:`~.runtime.Peer` is
-    one): the rest it is given as parts."""
-
-    name: str
-    stage: int
-    epoch: int  # the session's run epoch
-    started: bool  # training started
-    handshaking: bool  # the handshake runs
-    joining: bool  # a replica that joins the running swarm
-    resuming: bool  # the peer resumes from its checkpoints
-
-    def stop(self, reason: BaseException) -> None: ...
-
-    def pause(self, why: str, *, epoch: int, lost: int | None, told_by: int | None = None) -> None: ...
-
-    def depart(self, link: PeerLink, kind: str, detail: str, *, after: int | None = None) -> None: ...
-
-
 class Control:
     """The handlers of a peer's admitted control messages, by type (see the module docstring):
-    ``peer`` is its session (:class:`Lifecycle`), the rest the parts the handlers act on;
+    ``peer`` is its session (:class:`~.lifecycle.Lifecycle`), the rest the parts the handlers act on;
     ``replica_resume()`` the resume agreement of a replica (None without one)."""
 
     def __init__(self, peer: Lifecycle, cfg: TrainConfig, *, links: Links, linker: Linker, monitor: HeartbeatMonitor,

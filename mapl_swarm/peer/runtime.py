@@ -2,21 +2,8 @@
 
 The parts (one concern each) are listed in :mod:`mapl_swarm.peer`; :class:`Peer` builds and wires them.
 
-The lifecycle of one session (SPEC §9.9), each transition logged once:
-
-=============  ==============================================================  =====================
-state          what the peer does                                              next
-=============  ==============================================================  =====================
-starting       announces itself, finds and connects its neighbours             handshaking
-handshaking    HELLO until every neighbour welcomed it; answers theirs         agreeing
-agreeing       agrees the start step (resume, rollback) and loads it;          training
-               pipeline messages are held
-training       runs the schedule, the held messages first                      draining, ended
-draining       finishes the current step and saves it                          ended
-ended          the schedule ran to its end; neighbours leave as they finish    (the session ends)
-stopped        the session ends early: a pause for a re-form, a departure,     (the session ends)
-               a refusal, an error, a signal
-=============  ==============================================================  =====================
+The lifecycle of one session (SPEC §9.9) is :mod:`~.lifecycle`'s state machine, each transition
+logged once.
 
 Every part that fails ends the session through :meth:`Peer.stop` (the first reason wins): the
 work (lookup, handshake, agreement, schedule) runs as one task that a stop cancels wherever it
@@ -36,7 +23,6 @@ session, :mod:`~.sessions`); without live rejoin an unplanned departure raises
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -58,6 +44,7 @@ from mapl_swarm.peer.compute import BackgroundTasks, ComputeThread, WorkerThread
 from mapl_swarm.peer.control import Control, PeerRejected
 from mapl_swarm.peer.departures import Departure, Departures, NeighbourLost
 from mapl_swarm.peer.ingress import Ingress
+from mapl_swarm.peer.lifecycle import PeerState
 from mapl_swarm.peer.link import LinkSettings, Links, PeerLink, stage_name
 from mapl_swarm.peer.mailbox import Mailbox
 from mapl_swarm.peer.result import PeerResult, collect, write_result
@@ -87,35 +74,6 @@ MT = MessageType
 
 _LAST_WORDS_S = 1.0
 """After a clean end, how long ZeroMQ may take to send what it still queues (a BYE)."""
-
-
-class PeerState(enum.Enum):
-    """A session's state (the table of the module docstring)."""
-
-    STARTING = "starting"
-    HANDSHAKING = "handshaking"
-    AGREEING = "agreeing"
-    TRAINING = "training"
-    DRAINING = "draining"
-    ENDED = "ended"
-    STOPPED = "stopped"
-
-    @property
-    def started(self) -> bool:
-        """Training started (pipeline messages are no longer held, the run epoch is the swarm's)."""
-        return self in (PeerState.TRAINING, PeerState.DRAINING, PeerState.ENDED)
-
-
-_NEXT: dict[PeerState, frozenset[PeerState]] = {
-    PeerState.STARTING: frozenset({PeerState.HANDSHAKING}),
-    PeerState.HANDSHAKING: frozenset({PeerState.AGREEING}),
-    PeerState.AGREEING: frozenset({PeerState.TRAINING}),
-    PeerState.TRAINING: frozenset({PeerState.DRAINING, PeerState.ENDED}),
-    PeerState.DRAINING: frozenset({PeerState.ENDED}),
-    PeerState.ENDED: frozenset(),
-    PeerState.STOPPED: frozenset(),
-}
-"""The transitions besides ``stopped``, which any state but ``ended`` may take."""
 
 
 def _rejoin_configured(cfg: TrainConfig, run_policy: PeerRunPolicy | None) -> bool:
@@ -298,7 +256,7 @@ class Peer:
         """Move the lifecycle on (one log line per transition)."""
         if state is self.state:
             return
-        if state not in _NEXT[self.state] and not (state is PeerState.STOPPED and self.state is not PeerState.ENDED):
+        if not self.state.may_become(state):
             raise RuntimeError(f"{self.name}: no transition {self.state.value} -> {state.value}")
         log.info("%s: %s -> %s: %s", self.name, self.state.value, state.value, why)
         self.state = state
