@@ -356,13 +356,8 @@ class CheckpointAgreement:
         if not complete or not empty:
             return
         n = max(complete)
-        files = " and ".join(f"checkpoints/step_{n:08d}/stage_{k}.pt, stage_{k}.manifest.json" for k in empty)
-        which = f"stage{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty))}"
-        raise MissingCheckpoints(f"{which} has no checkpoint of this run, but every stage saved step {n}: copy {files} "
-                                 f"from the run.out_dir of the host that ran {which} to the run.out_dir of its peer, "
-                                 f"then start it again with --resume (a swarm re-forming after a departure waits for "
-                                 f"it; else start every peer again with --resume; no stage rolled back or deleted a "
-                                 f"checkpoint)", empty)
+        raise checkpoint.missing_files(empty, n, why=f"has no checkpoint of this run, but every stage saved step {n}",
+                                       source="the host that ran {which}", target="its peer")
 
     def _prefer_recorded(self, stages: dict[int, list[int]]) -> list[int]:
         """Stage 0's usable steps less those whose losses the history lacks (:attr:`without_loss`),

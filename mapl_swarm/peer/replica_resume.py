@@ -50,13 +50,9 @@ def _refuse_stages_without_files(stages: dict[int, list[int]]) -> None:
     if not empty or not common:
         return
     n = max(common)
-    files = " and ".join(f"checkpoints/step_{n:08d}/stage_{k}.pt, stage_{k}.manifest.json" for k in empty)
-    which = f"stage{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty))}"
-    raise MissingCheckpoints(f"{which} holds no checkpoint of this run in every replica's folder, but every other "
-                             f"stage holds step {n}: copy {files} from the run.out_dir of a replica of {which} to the "
-                             f"run.out_dir of the replica that lacks them, then start it again with --resume (a swarm "
-                             f"re-forming after a departure waits for it; no replica rolled back or deleted a "
-                             f"checkpoint)", empty)
+    raise checkpoint.missing_files(empty, n, source="a replica of {which}", target="the replica that lacks them",
+                                   why=f"holds no checkpoint of this run in every replica's folder, but every other "
+                                       f"stage holds step {n}")
 
 
 class ReplicaResume:

@@ -45,14 +45,14 @@ from typing import Any, Iterable
 
 import torch
 
-from mapl_swarm.errors import CheckpointError
+from mapl_swarm.errors import CheckpointError, MissingCheckpoints
 from mapl_swarm.files import atomic_write_text, atomic_writer, fsync_dir, sha256_file, temp_name_glob
 
 log = logging.getLogger(__name__)
 
 __all__ = ["save_stage", "load_stage", "verify_stage", "read_meta", "stage_steps", "complete_steps",
            "latest_complete_step", "read_complete", "write_complete", "prune_plan", "delete_stage_steps",
-           "prune", "retire_stages", "set_aside", "rolled_back_note", "remove_temp_files", "state_nbytes", "UnusableCheckpoint",
+           "prune", "retire_stages", "set_aside", "missing_files", "rolled_back_note", "remove_temp_files", "state_nbytes", "UnusableCheckpoint",
            "CheckpointSaveError", "CHECKPOINTS", "PREVIOUS", "ROLLED_BACK", "MANIFEST_FORMAT", "DRIVERS", "start_fresh",
            "StageCheckpoints", "save_step", "choose_resume_step", "check_resume_step"]
 
@@ -578,6 +578,19 @@ class StageCheckpoints:
         self.complete = sorted({*(s for s in self.complete if s < step), *((step,) if step > 0 else ())})
         self._record_complete()
         return later
+
+
+def missing_files(empty: list[int], step: int, *, why: str, source: str, target: str) -> MissingCheckpoints:
+    """The refusal of a resume because ``empty`` stages hold no checkpoint of the run while the
+    others share ``step`` (SPEC §5.2 "On resume"): ``why`` says so, then the files of ``step`` to copy
+    from the run.out_dir of ``source`` (``{which}``: the stages) to that of ``target``."""
+    files = " and ".join(f"{CHECKPOINTS}/{_step_dir(Path(), step).name}/{_pt(Path(), k).name}, "
+                         f"{_manifest(Path(), k).name}" for k in empty)
+    which = f"stage{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty))}"
+    return MissingCheckpoints(f"{which} {why}: copy {files} from the run.out_dir of {source.format(which=which)} to "
+                              f"the run.out_dir of {target}, then start it again with --resume (a swarm re-forming "
+                              f"after a departure waits for it; else start every peer again with --resume; no "
+                              f"checkpoint was rolled back or deleted)", empty)
 
 
 def rolled_back_note(root: str | Path, step: int, later: Iterable[int], who: str) -> str:
