@@ -145,7 +145,7 @@ class Peer:
         self.state = PeerState.STARTING
         P, net = cfg.pipeline.num_stages, cfg.net
         self.name = stage_name(stage)
-        self.resolve, self.announce = resolve, announce
+        self.announce = announce
         self.membership = membership  # a certified identity (CURVE links to named peers); None: insecure
         self.result = PeerResult(stage)
         self.rejects = RejectCounter(self.name, self.result.rejects)
@@ -191,7 +191,7 @@ class Peer:
             sampler=sampler, val_batches=val_batches or [], reject=self.rejects, spawn=self.tasks.spawn,
             joining=joining, drain=None if self.replicas_on else self.agreement,
             may_drain=stage == 0 or membership is None or "drain" in membership.body.roles,
-            stage_contacts=lambda: candidates_of(self.resolve, stage, net.timeout_s))
+            stage_contacts=lambda: candidates_of(self.linker.resolve, stage, net.timeout_s))
         if reform is not None:  # what a pause before the handshake ends carries on
             self.schedule.starting = reform.replicas
         if self.replicas_on and run_policy is not None:  # a resumed run's agreement (SPEC §9.10 item 13)
