@@ -409,6 +409,9 @@ class PeerRunPolicy:
         """The steps done at this stage's latest step end (the start step before any)."""
         self.epoch = 0
         """The swarm's run epoch, once :meth:`begin` agreed it (SPEC "Rejoin")."""
+        self.behind = False
+        """With replicas: this replica holds no file of the agreed resume step (it loads a partner's
+        state in its stage's sync round, SPEC §9.10 item 13)."""
         self.replica_resume: ReplicaResume | None = None
         """With replicas: the resume agreement over the peer's links (set by the peer, SPEC §9.10 item 13)."""
 
@@ -441,16 +444,17 @@ class PeerRunPolicy:
             if self.cfg.replicas.enabled:
                 if self.replica_resume is None:
                     raise MaplError(f"stage {self.stage}: a replica resumes only with its links (replica_resume)")
-                start, self.epoch = await self.replica_resume.agree(*self.agreement.usable(),
-                                                                    run_steps=self.cfg.run.steps, epoch=epoch,
-                                                                    timeout_s=timeout)
+                saved, why = self.agreement.usable()
+                start, self.epoch = await self.replica_resume.agree(saved, why, run_steps=self.cfg.run.steps,
+                                                                    epoch=epoch, timeout_s=timeout)
+                self.behind = start > 0 and start not in saved  # a current partner's state, in the sync round
             else:
                 start, self.epoch = await self.agreement.agree_resume(self.cfg.run.steps, timeout, epoch=epoch,
                                                                       rejoin=rejoin)
             later = self.store.resumed(start)
             if later:
                 log.warning("%s", rolled_back_note(self.cfg.run.out_dir, start, later, f"stage {self.stage}"))
-            if start > 0:
+            if start > 0 and not self.behind:
                 await self.compute.run(self._load, start)
             log.info("stage %d %s step %d (agreed by every stage; run epoch %d)", self.stage,
                      "rolled back to" if rejoin else "resumed from", start, self.epoch)

@@ -193,10 +193,10 @@ class Schedule:
     def live_replicas(self) -> int:
         return self.core.members.live_count()
 
-    def begin(self, start_step: int | None, epoch: int = 0) -> None:
+    def begin(self, start_step: int | None, epoch: int = 0, *, behind: bool = False) -> None:
         """Training starts at ``start_step`` (a resume agreed after the handshake; None: the
-        settings' one) in run epoch ``epoch``."""
-        self.core.begin(start_step, epoch)
+        settings' one) in run epoch ``epoch``; ``behind``: a replica without that step's file."""
+        self.core.begin(start_step, epoch, behind=behind)
 
     def close(self) -> None:
         if self._progress is not None:
@@ -503,7 +503,8 @@ class Schedule:
         try:
             if isinstance(intent, do.Sync):
                 round_ = await self.compute.wait(lambda: replicas.sync(
-                    timeout=intent.timeout_s, epoch=core.epoch, contact=core.flow.contact, expected=intent.expected))
+                    timeout=intent.timeout_s, epoch=core.epoch, contact=core.flow.contact, expected=intent.expected,
+                    behind=intent.behind))
             else:
                 expected = core.rounds.expected(await self._announced())
                 round_ = await self.compute.wait(lambda: replicas.average(

@@ -7,14 +7,15 @@ through their averaging, its neighbours only through links. So:
 
 1. each stage's starting replicas gather in one round (:meth:`~mapl_swarm.replicas.gradients.ReplicaGradients.resume_round`)
    the steps each may use, and why one can use none: every replica of the stage then holds the
-   same **stage steps** (the intersection) and reasons;
+   same **stage steps** (those every current replica holds, :func:`stage_steps`) and reasons;
 2. §5.2's ``offer`` goes upstream per link: a replica waits for one from every downstream link,
    intersects their ``steps`` and ``have`` with its stage's, and sends the same offer on every
    upstream link, so every stage-0 replica holds the same offers and makes the same decision;
 3. ``resume`` goes downstream: a replica takes it once every upstream link sent one, all alike
    (else it stops, naming them), and passes it on.
 
-Every replica then loads its own file of that step; the stage's sync round compares the digests.
+Every replica then loads its own file of that step, but one behind its stage (it holds no such
+file), which takes a partner's state in the stage's sync round, where the digests are compared.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ log = logging.getLogger(__name__)
 __all__ = ["ReplicaResume"]
 
 StageRound = Callable[[Sequence[int], str], Awaitable[dict[str, tuple[list[int], str]]]]
-"""``stage_round(saved, reason)``: each starting replica of the stage's usable steps and reason, by peer."""
+"""``stage_round(saved, reason)``: each starting replica of the stage's usable steps and reason, by a
+name that shows its contact."""
 Send = Callable[[PeerLink, dict[str, Any]], Awaitable[None]]
 
 
@@ -53,6 +55,26 @@ def _refuse_stages_without_files(stages: dict[int, list[int]]) -> None:
     raise checkpoint.missing_files(empty, n, source="a replica of {which}", target="the replica that lacks them",
                                    why=f"holds no checkpoint of this run in every replica's folder, but every other "
                                        f"stage holds step {n}")
+
+
+def stage_steps(name: str, stage: int, saved: dict[str, list[int]]) -> list[int]:
+    """The steps replica ``name``'s stage may resume from, given each starting replica's usable steps
+    (``saved``, by name; every replica computes the same): those every **current** replica holds,
+    the replicas whose newest step is the stage's newest. A replica behind them (it left, was
+    stopped or could not save; a fresh host without the stage's files) does not hold the swarm
+    back: it loads a current replica's state in the sync round (SPEC §9.10 item 13); one WARNING
+    line says so."""
+    newest = {peer: max(steps, default=-1) for peer, steps in saved.items()}
+    top = max(newest.values(), default=-1)
+    current = [set(saved[peer]) for peer, n in newest.items() if n == top]
+    behind = sorted(peer for peer, n in newest.items() if n != top)
+    if behind:
+        log.warning("%s: replica(s) %s of stage %d hold no checkpoint newer than step %s, the stage's current "
+                    "replica(s) hold step %d: the swarm does not roll back to them; they take a current replica's "
+                    "state when the run starts (their own files are kept)", name,
+                    ", ".join(behind), stage,
+                    " / ".join(str(newest[p]) if newest[p] >= 0 else "none" for p in behind), top)
+    return sorted(set.intersection(*current)) if current else []
 
 
 class ReplicaResume:
@@ -90,20 +112,7 @@ class ReplicaResume:
         replica's usable steps ``saved`` (and why it has none, ``reason``); raises
         :class:`CheckpointError` with the same reason at every replica when there is none."""
         by_peer = await self.stage_round(list(saved), reason or "")
-        mine = sorted(set.intersection(*(set(steps) for steps, _ in by_peer.values())))
-        newest = {peer: max(steps, default=None) for peer, (steps, _) in by_peer.items()}
-        if len(set(newest.values())) > 1:  # a replica fell behind (it left, was stopped, could not save)
-            behind = sorted(peer for peer, n in newest.items() if n != max(n for n in newest.values() if n is not None))
-            log.warning("%s: the replicas of stage %d do not hold the same newest checkpoint (%s): every replica "
-                        "loads the same step, so the swarm resumes from step %s at the newest, held back by %s; each "
-                        "replica's later steps are kept in checkpoints.rolled_back/. To go on from a later step "
-                        "instead, stop and start the run without the replica(s) behind (replicas.initial of stage "
-                        "%d lowered by their number, on every host) with --resume, then start them with --join: "
-                        "they take a live replica's state", self.name, self.stage,
-                        ", ".join(f"replica {peer[-8:]}: {n if n is not None else 'none'}"
-                                  for peer, n in sorted(newest.items())),
-                        max(mine) if mine else "none", ", ".join(f"replica {peer[-8:]}" for peer in behind),
-                        self.stage)
+        mine = stage_steps(self.name, self.stage, {peer: steps for peer, (steps, _) in by_peer.items()})
         reasons = sorted({why for _, why in by_peer.values() if why})
         have: dict[str, list[int]] = {str(self.stage): mine}
         steps, swarm_epoch = set(mine), epoch

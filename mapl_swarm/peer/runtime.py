@@ -339,7 +339,7 @@ class Peer:
             self.schedule.starting = self._starting_replicas(self.stage)
         self._enter(PeerState.AGREEING, f"welcomed by stage(s) {self.links.stages}")
         start = await self._agree_start(transport)
-        self.schedule.begin(start, self.epoch)
+        self.schedule.begin(start, self.epoch, behind=self.run_policy is not None and self.run_policy.behind)
         self._enter(PeerState.TRAINING, f"from step {self.schedule.step} (run epoch {self.epoch})")
         await self.ingress.start(transport)
         if self.replicas_on:  # replicas that join the running swarm

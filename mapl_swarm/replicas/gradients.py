@@ -161,11 +161,13 @@ class ReplicaGradients:
                                   f"digest, micro-batches, loss, epoch, contact, step and expected count")
         return round_
 
-    def sync(self, *, timeout: float, epoch: int = 0, contact: str = "", expected: int = 2) -> ReplicaStep:
+    def sync(self, *, timeout: float, epoch: int = 0, contact: str = "", expected: int = 2,
+             behind: bool = False) -> ReplicaStep:
         """The round before the first step: the ``expected`` replicas that start together, each one's
         parameter digest (gathered only: no all-reduce, whose failure at one member could leave
-        another past the round). ``expected`` 1: this replica starts its stage alone (no round)."""
-        gather = self._gather([], 0.0, epoch, contact, SYNC_STEP, 1)
+        another past the round). ``expected`` 1: this replica starts its stage alone (no round).
+        ``behind``: this replica resumed without the agreed step's file (gathered as ``behind``)."""
+        gather = {**self._gather([], 0.0, epoch, contact, SYNC_STEP, 1), **({"behind": True} if behind else {})}
         if expected <= 1:
             return self._result({self.me: gather})
         self.averager.set_group_size(expected)
@@ -179,7 +181,8 @@ class ReplicaGradients:
                      expected: int = 2) -> dict[str, tuple[list[int], str]]:
         """A resumed run's round before anything is loaded (SPEC §9.10 item 13): the ``expected``
         replicas that start together gather the steps whose files each may use (``saved``) and why
-        it can use none (``reason``, empty when it can); each member's, by peer id (gathered only).
+        it can use none (``reason``, empty when it can); each member's, by its contact and the end of
+        its peer id (its whole peer id when it has no contact; gathered only).
         ``expected`` 1: this replica starts its stage alone (no round)."""
         gather = {**self._gather([], 0.0, 0, contact, RESUME_STEP, 1), "saved": [int(s) for s in saved],
                   "why": str(reason)}
@@ -202,7 +205,9 @@ class ReplicaGradients:
             s, why = v.get("saved"), v.get("why")
             if not (isinstance(s, list) and all(type(n) is int and n >= 0 for n in s) and isinstance(why, str)):
                 raise MaplError(f"{where}: replica {peer} gathered no list of checkpoint steps in the resume round")
-            got[peer] = (sorted(set(s)), why)
+            contact = v.get("contact")
+            label = f"{contact} ({peer[-8:]})" if isinstance(contact, str) and contact else peer
+            got[label if label not in got else peer] = (sorted(set(s)), why)
         return got
 
     def _gather(self, micro: Sequence[int], loss_sum: float, epoch: int, contact: str, step: int,

@@ -206,6 +206,7 @@ class Rounds:
         c = self.c
         if c.phase is Phase.RESYNC:
             assert self._resync is not None
+            c.window.behind = False  # its projector versions are the stage's now
             c.projector_step = max(c.projector_step, int(got["projector"]))
             (round_, then), self._resync = self._resync, None
             self._resynced(round_, then)

@@ -130,6 +130,8 @@ class StepCore:
         self.cur = StepState(s.start_step)
         self.joined = -1
         """The step a joining replica downloaded its state for, until it completed it."""
+        self.behind = False
+        """This replica resumed behind its stage (:meth:`begin`)."""
         self.projector_step = -1
         """The step whose PROJ this stage loaded last."""
         self.woken = False
@@ -187,10 +189,12 @@ class StepCore:
         return self.woken or self.redo.resume or self.redo_due
 
     # ------------------------------------------------------------------ the driver's side
-    def begin(self, start_step: int | None, epoch: int = 0) -> None:
-        """Training starts at ``start_step`` (None: the settings') in run epoch ``epoch``."""
+    def begin(self, start_step: int | None, epoch: int = 0, *, behind: bool = False) -> None:
+        """Training starts at ``start_step`` (None: the settings') in run epoch ``epoch``; ``behind``:
+        this replica resumed without that step's file, so the sync round gives it a partner's state."""
         start = self.s.start_step if start_step is None else start_step
         self.s = replace(self.s, start_step=start)
+        self.behind = self.window.behind = behind
         self.window.begin(start, epoch)
         self.epoch = epoch
         self.cur = self.flow.new_step(start)
@@ -342,7 +346,7 @@ class StepCore:
         self.projector.send(self.s.start_step)
         if self.s.averaged:
             self.phase = Phase.SYNC
-            return self.rounds.start(do.Sync(self.members.starting, 0.0))
+            return self.rounds.start(do.Sync(self.members.starting, 0.0, self.behind))
         self.phase = Phase.BOUNDARY
         return None
 

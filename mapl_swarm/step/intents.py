@@ -208,10 +208,12 @@ class MeanLoss(Intent):
 @dataclass(frozen=True)
 class Sync(Intent):
     """The sync round before the first step among ``expected`` replicas (SPEC §9.10 item 2);
+    ``behind``: this replica resumed without the agreed step's file (it takes a partner's state);
     :meth:`~.core.StepCore.answer` (:meth:`~.averaging.Rounds.synced`) or :meth:`~.core.StepCore.failed`."""
 
     expected: int
     timeout_s: float
+    behind: bool = False
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,9 @@ class ReplicaStep:
     moment say so and the stage drains instead)."""
     drain: bool = False
     """A member asked the swarm to drain (stage 0 stops after the round's step)."""
+    behind: frozenset[str] = frozenset()
+    """The members that resumed behind their stage (a sync round's: they hold no file of the agreed
+    step, SPEC §9.10 item 13): they load a partner's state, whatever their digests."""
 
     @property
     def stops(self) -> bool:
@@ -81,10 +84,11 @@ class ReplicaStep:
     def reference(self) -> str:
         """The stage's digest when the members' differ (SPEC §9.10 item 6): the one most members
         hold; among as many, the one of the first member (in ``group`` order) holding one of them.
-        Every member reads the same."""
-        held = Counter(self.digests.values())
+        Members :attr:`behind` count only when every member is. Every member reads the same."""
+        current = [p for p in self.group if p not in self.behind] or list(self.group)
+        held = Counter(self.digests[p] for p in current)
         most = max(held.values())
-        return next(self.digests[p] for p in self.group if held[self.digests[p]] == most)
+        return next(self.digests[p] for p in current if held[self.digests[p]] == most)
 
     def problem(self, micro_batches: int) -> str | None:
         """Why the round cannot make the step (its members are in different epochs, a micro-batch
@@ -123,7 +127,8 @@ def read_round(me: str, data: dict[str, Any], sent: int = 0, received: int = 0) 
                        max(v["expected"] for v in data.values()),
                        frozenset(p for p, v in data.items() if v.get("leave") is True or v.get("going") is True),
                        frozenset(p for p, v in data.items() if v.get("going") is True),
-                       any(v.get("drain") is True for v in data.values()))
+                       any(v.get("drain") is True for v in data.values()),
+                       frozenset(p for p, v in data.items() if v.get("behind") is True))
 
 
 def round_counts(micro_batches: int, data: dict[str, Any]) -> bool:

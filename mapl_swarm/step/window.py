@@ -52,6 +52,9 @@ class StepWindow:
         self.joining = False
         """A replica that joins a running swarm, before its state came: any step of the run is
         admitted (what its neighbours send it of the step it joins at comes before it knows it)."""
+        self.behind = False
+        """A replica that resumed behind its stage, before a partner's state came (SPEC §9.10 item
+        13): its own projector versions are not the stage's, so they are not checked."""
 
     def begin(self, start_step: int, epoch: int) -> None:
         """Training starts at ``start_step`` in run epoch ``epoch``: the window follows them."""
@@ -70,7 +73,7 @@ class StepWindow:
         upstream = stage < self.stage
         trainable = self.projectors.takes if upstream else self.projectors.owns
         pver = None
-        if trainable:
+        if trainable and not self.behind:
             own = self.projectors.inbound_pver if upstream else self.projectors.outbound_pver
             pver = self.link_pver.get(stage, own)
         if self.joining:

@@ -1,7 +1,8 @@
 """A run with replicas resumes (SPEC §9.10 item 13), as real processes: two replicas of each of two
 stages train 3 steps, each saving its own checkpoints; one replica loses its newest file; the
-swarm started again with ``--resume`` and ``run.steps = 5`` agrees on the newest step every
-replica holds (2), every replica loads its own file of it, and steps 3..5 equal those of one
+swarm started again with ``--resume`` and ``run.steps = 5`` does not roll back to that replica:
+it resumes from the newest step (3) its stages' current replicas hold, the one behind loads a
+partner's state in the sync round, nothing is moved aside, and steps 4..5 equal those of one
 uninterrupted in-process run. A replica whose file holds other parameters than its partners'
 (SPEC §9.10 item 6) loads the state most of its stage's replicas hold instead of stopping the run."""
 
@@ -49,17 +50,20 @@ def test_replicas_resume_from_the_newest_step_every_replica_holds(tmp_path):
         for r in range(2):
             assert stage_steps(replica_out_dir(out, r), s) == [1, 2, 3], (s, r)
     lost = replica_out_dir(out, 1) / "checkpoints" / "step_00000003" / "stage_1.pt"
-    lost.unlink()  # the second replica of stage 1 lost its newest checkpoint: step 2 is the newest all hold
+    lost.unlink()  # the second replica of stage 1 lost its newest checkpoint: it is behind its partner
 
     resumed = resume(path, 5)
     results = {(s, r): json.loads((replica_out_dir(out, r) / f"peer_stage{s}.json").read_text())
                for s in range(2) for r in range(2)}
-    assert {res["start_step"] for res in results.values()} == {2}, results
+    assert {res["start_step"] for res in results.values()} == {3}, results
     assert all(res["end"] == "finished" and res["bad_frames"] == 0 for res in results.values())
-    assert resumed.train_losses == pytest.approx(reference_losses(tmp_path, path, 5)[2:], rel=1e-3)
-    for s in range(2):  # the stale step 3 went; every replica saved the resumed steps
+    assert [results[1, r]["averaging"].get("resyncs", 0) for r in range(2)] == [0, 1]  # the one behind
+    assert resumed.train_losses == pytest.approx(reference_losses(tmp_path, path, 5)[3:], rel=1e-3)
+    for s in range(2):  # nothing rolled back or moved aside; every replica saved the resumed steps
         for r in range(2):
             assert stage_steps(replica_out_dir(out, r), s) == [1, 2, 3, 4, 5], (s, r)
+            assert not (replica_out_dir(out, r) / "checkpoints.rolled_back").exists()
+    assert not lost.exists()  # the replica behind wrote nothing over the step it lacks
 
 
 def test_a_replica_whose_parameters_differ_loads_those_most_of_its_stage_hold(tmp_path):

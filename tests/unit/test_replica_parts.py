@@ -22,6 +22,7 @@ from mapl_swarm.step.flow import act_digest as _act_digest
 from mapl_swarm.step.router import Router
 from mapl_swarm.pipeline.stage import StageRuntime
 from mapl_swarm.replicas.gradients import ReplicaStep, round_counts
+from mapl_swarm.step.rounds import read_round
 from mapl_swarm.wire import Message, MessageType, WireTensor, decode, encode
 
 CONTACTS = [f"tcp://10.0.0.{i}:5000#" + f"{i:02x}" * 32 for i in (1, 2, 3)]
@@ -169,12 +170,19 @@ def test_a_round_is_whole_when_every_micro_batch_is_counted_once_in_one_epoch_wi
 
 
 def test_the_stages_digest_is_the_one_most_replicas_hold_else_the_first_members():
-    def reference(digests: dict) -> str:
-        return ReplicaStep("p1", tuple(sorted(digests)), digests, {p: () for p in digests}, 0.0).reference
+    def reference(digests: dict, behind: frozenset = frozenset()) -> str:
+        return ReplicaStep("p1", tuple(sorted(digests)), digests, {p: () for p in digests}, 0.0,
+                           behind=behind).reference
 
     assert reference({"p1": "x", "p2": "d", "p3": "d"}) == "d"  # the majority, wherever it sorts
     assert reference({"p1": "x", "p2": "d"}) == reference({"p2": "d", "p1": "x"}) == "x"  # a tie: p1's
     assert reference({"a": "e", "b": "d", "c": "d", "d": "e", "e": "f"}) == "e"  # two of 2: the first member's
+    # a replica that resumed behind its stage (SPEC §9.10 item 13) never holds the stage's digest
+    assert reference({"p1": "x", "p2": "d"}, frozenset({"p1"})) == "d"
+    assert reference({"p1": "x", "p2": "y", "p3": "y"}, frozenset({"p2", "p3"})) == "x"
+    assert reference({"p1": "x", "p2": "d"}, frozenset({"p1", "p2"})) == "x"  # all behind: as without
+    gathered = {"digest": "x", "micro": [], "loss": 0.0, "epoch": 0, "contact": "c", "step": -1, "expected": 2}
+    assert read_round("p1", {"p1": {**gathered, "behind": True}, "p2": {**gathered, "behind": 1}}).behind == {"p1"}
 
 
 def test_only_a_round_that_makes_the_step_runs_its_all_reduce():

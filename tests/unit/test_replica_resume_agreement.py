@@ -56,21 +56,28 @@ def grid(saved: list[list[list[int]]], reasons: dict[tuple[int, int], str] | Non
     return dict(zip(agreements, asyncio.run(main())))
 
 
-def test_every_replica_resumes_from_the_newest_step_all_of_them_hold(caplog):
+def test_every_replica_resumes_from_the_newest_step_its_stages_current_replicas_hold(caplog):
     with caplog.at_level("WARNING", logger="mapl_swarm.peer.replica_resume"):
         got = grid([[[2, 4, 6], [2, 4, 6]],
-                    [[2, 4, 6], [2, 4]],        # this replica lost its step 6
+                    [[2, 4, 6], [2, 4]],        # this replica lost its step 6: it is behind, not waited for
                     [[4, 6], [2, 4, 6]]])       # this one joined at step 4
-    assert set(got.values()) == {(4, 2)}, got  # the run epoch: the largest of all (stage 2's here)
-    # the replica that holds its stage back is named, at each replica of that stage (issue 45)
+    assert set(got.values()) == {(6, 2)}, got  # the run epoch: the largest of all (stage 2's here)
+    # the replica behind is named at each replica of its stage, with what happens to it (issue 45)
     said = {r.getMessage() for r in caplog.records if r.getMessage().startswith("stage1.")}
-    assert len(said) == 2 and all(
-        "the replicas of stage 1 do not hold the same newest checkpoint (replica peer1.0: 6, replica peer1.1: 4): "
-        "every replica loads the same step, so the swarm resumes from step 4 at the newest, held back by replica "
-        "peer1.1; each replica's later steps are kept in checkpoints.rolled_back/. To go on from a later step "
-        "instead, stop and start the run without the replica(s) behind (replicas.initial of stage 1 lowered by their "
-        "number, on every host) with --resume, then start them with --join" in m for m in said), said
+    assert len(said) == 2 and all(m.endswith(
+        ": replica(s) peer1.1 of stage 1 hold no checkpoint newer than step 4, the stage's current replica(s) hold "
+        "step 6: the swarm does not roll back to them; they take a current replica's state when the run starts "
+        "(their own files are kept)") for m in said), said
     assert not any(r.getMessage().startswith("stage2.") for r in caplog.records)  # stage 2 holds the same newest
+
+
+@pytest.mark.parametrize("stage1", [[[2, 4], []], [[], [2, 4], [2]]])
+def test_a_replica_without_files_beside_a_current_one_does_not_stop_the_resume(stage1):
+    """A replica started with --resume on a fresh host (no copy of its stage's folder) while a partner
+    holds the stage's files: the swarm resumes from the newest step; the bare replica loads a
+    partner's state in the sync round instead of making every peer exit (issue 45)."""
+    got = grid([[[2, 4]], stage1, [[2, 4]]])
+    assert set(got.values()) == {(4, 2)}, got
 
 
 def test_replicas_of_different_counts_per_stage_agree():
