@@ -367,6 +367,7 @@ class StepCore:
         self._asked.clear()
         if self.cur.step != step:  # else a fresh one (the start, a redo): it may hold readies already
             self.cur = self.flow.new_step(step)
+            self.repair.began(self.cur)
         self.phase = Phase.SERVE
         return None
 

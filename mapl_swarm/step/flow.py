@@ -318,6 +318,8 @@ class Flow:
                 cur.ready.sort(key=lambda name: c.links.named(name).contact or name)
             else:  # too late to be routed to: nothing of the step comes on it
                 c.spawn(do.SendRoute(link, msg.step, "end", acts=0))
+                if msg.step == cur.step and link not in cur.ready_late:
+                    cur.ready_late.append(link)
             return
         if phase == "reopen":
             c.repair.on_reopen(msg, link, cur)
@@ -434,6 +436,8 @@ class Flow:
             return
         if msg.epoch == c.epoch and (msg.step < cur.step or (msg.step == cur.step and cur.ended)):
             c.spawn(do.SendRoute(link, msg.step, "end", acts=0))
+            if msg.step == cur.step and link not in cur.ready_late:
+                cur.ready_late.append(link)
             return
         if msg.epoch == c.epoch and msg.step == cur.step:
             self.on_route(msg, link, cur)

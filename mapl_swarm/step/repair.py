@@ -13,7 +13,9 @@ is whole: "active") they repair it:
   one (the ``held`` of that replica's ``gone``), which gives the GRAD it computed again instead of
   computing it (:meth:`Repair.take_rerun`; its gradients count the micro-batch already);
 - what the gone replica had not passed on comes as new ACTs, which the next stage waits for
-  (:meth:`Repair.answer`: every live upstream replica says ``gone`` or ``reopen`` first).
+  (:meth:`Repair.answer`: every live upstream replica says ``gone`` or ``reopen`` first; one
+  that said so in an earlier step sent nothing of this one to it, so neighbours that find the
+  death a step apart still get each other's word).
 
 A replica that flushed already and gets a ``reopen`` before its round is whole serves the step
 again. Every micro-batch then counts once per stage and no step is redone. Otherwise (a stage-0
@@ -49,6 +51,12 @@ class Repair:
 
     def __init__(self, core: Core) -> None:
         self.c = core
+        self.said: dict[str, set[str]] = {}
+        """Upstream link -> the replicas of this stage it said ``gone`` or ``reopen`` of, in any step:
+        one it said so of in an earlier step sent nothing of a later step to them."""
+        self.early: list[tuple[Message, LinkView]] = []
+        """ROUTE ``gone`` of the step this replica moved to, come before it began serving it
+        (:meth:`began`)."""
 
     def replica_gone(self, link: LinkView, why: str, *, after: int | None = None) -> bool:
         """Neighbour replica ``link`` left (``why``: silent past its deadline, its BYE): True when its
@@ -151,6 +159,12 @@ class Repair:
             c.redo.soon(cur.step, f"the replica of stage {stage} that left took train micro-batch(es) of the step "
                                   f"this replica kept no copy of")
             return
+        for late in cur.ready_late:  # ended with 0 ACTs: a reopen routes to them too
+            if late not in cur.ready and c.flow.live(late):
+                cur.ready.append(late)
+                cur.sent[late] += 0
+        cur.ready_late.clear()
+        cur.ready.sort(key=lambda x: c.links.named(x).contact or x)
         cur.replayed.update(m for m in again if m in cur.done)
         cur.rerun.update(m for m in again if m not in cur.done)
         self.deadline(cur)  # what comes back of them (GRADs, PROJ_GRADs) comes in time, or the step is redone
@@ -176,9 +190,23 @@ class Repair:
         link to); ``gone`` of the current step also says which of its micro-batches the sender holds."""
         c = self.c
         contacts = self.named(msg)
-        if msg.meta["phase"] == "gone" and (msg.step, msg.epoch) == (c.step, c.epoch) and c.cur.step == msg.step:
-            self.on_gone(msg, link, contacts)
+        if link.stage == c.links.up:
+            self.said.setdefault(link.name, set()).update(contacts)
+        if msg.meta["phase"] == "gone" and (msg.step, msg.epoch) == (c.step, c.epoch):
+            if c.cur.step == msg.step:
+                self.on_gone(msg, link, contacts)
+            else:  # the step's state is made at its boundary: the notice counts in it then
+                self.early.append((msg, link))
         self.learn_gone(contacts)
+
+    def began(self, cur: StepState) -> None:
+        """The state of the current step was made: the ROUTE ``gone`` of it that came before count now
+        (a neighbour that asks for this replica's word on a partner it knew gone gets it)."""
+        c = self.c
+        early, self.early = self.early, []
+        for msg, link in early:
+            if (msg.step, msg.epoch) == (cur.step, c.epoch) and c.links.named(link.name) is not None:
+                self.on_gone(msg, link, self.named(msg))
 
     def on_gone(self, msg: Message, link: LinkView, contacts: list[str]) -> None:
         """ROUTE ``gone`` or ``reopen`` of the current step: a neighbour names replicas of this stage
@@ -195,6 +223,8 @@ class Repair:
         if fresh:
             self.deadline(cur)
         cur.partners_gone.update(fresh)
+        if link.stage == c.links.down:  # it waits for this replica's word on them, fresh or not
+            cur.asked.update(contacts)
         if fresh and link.stage == c.links.down:
             cur.told.setdefault(link.name, set()).update(fresh)
             held = msg.meta.get("held", [])
@@ -223,8 +253,8 @@ class Repair:
         downstream replica that found one of them gone before its ``end`` waits for this from every
         live upstream replica before it counts its ACTs of the step as all in."""
         c = self.c
-        due = sorted(cur.partners_gone - cur.answered_down)
-        if due and not c.last and self.upstream_answered(cur):
+        due = sorted((cur.partners_gone | cur.asked) - cur.answered_down)
+        if due and not c.last and self.upstream_answered(cur, due):
             cur.answered_down.update(due)
             for name in c.flow.down_links():
                 c.spawn(do.SendRoute(name, cur.step, "gone", gone=tuple(due), epoch=c.epoch))
@@ -238,9 +268,11 @@ class Repair:
         """A ROUTE ``reopen`` of the current step waits in the inbox."""
         return self.c.inbox.has(self.reopen_wanted)
 
-    def upstream_answered(self, cur: StepState) -> bool:
-        """Every live upstream link said ``gone`` or ``reopen`` in the step."""
-        return set(self.c.flow.up_links()) <= cur.answered
+    def upstream_answered(self, cur: StepState, contacts: Sequence[str] = ()) -> bool:
+        """Every live upstream link said ``gone`` or ``reopen`` in the step, or of every one of
+        ``contacts`` in an earlier step (it knew them gone before it began this one)."""
+        return all(name in cur.answered or (contacts and self.said.get(name, set()) >= set(contacts))
+                   for name in self.c.flow.up_links())
 
     def deadline(self, cur: StepState) -> None:
         """The repair this replica waits for (re-runs of what it holds, its upstream links' word, its

@@ -65,6 +65,9 @@ class StepState:
     # ---------------------------------------------------------------- downstream: what goes out
     ready: list[str] = field(default_factory=list)
     """Downstream links that said ``ready`` in time to be routed to (a chain's one link: at once)."""
+    ready_late: list[str] = field(default_factory=list)
+    """Downstream links that said ``ready`` once this replica had ended the step (answered ``end``
+    with 0 ACTs): a reopen routes to them too."""
     sent: Counter[str] = field(default_factory=Counter)
     """Downstream link -> train ACTs sent."""
     dest: dict[int, tuple[str, float]] = field(default_factory=dict)
@@ -107,6 +110,9 @@ class StepState:
     """Micro-batch -> the downstream link that holds it (its re-run goes there)."""
     answered_down: set[str] = field(default_factory=set)
     """Partners gone that this replica said ``gone`` of downstream."""
+    asked: set[str] = field(default_factory=set)
+    """Partners a downstream link said ``gone`` of in the step (gone before it or not): it waits
+    for this replica's word on them."""
     repair_by: float = 0.0
     """When the wait for a repair (re-runs, upstream word, downstream ``held``) gives up and the
     step is redone (0: none awaited)."""

@@ -424,7 +424,9 @@ class SimRounds:
         unsure, self.unsure_next = self.unsure_next, False
         odd, self.odd = self.odd, set()
         for n, (peer, intent, _) in enumerate(members):
-            digests = {q.peer_id: "odd" if q.key in odd else "d" for q, _, _ in members}
+            behind = {q.peer_id for q, i, _ in members if getattr(i, "behind", False)}
+            digests = {q.peer_id: "odd" if q.key in odd else f"behind:{q.peer_id}" if q.peer_id in behind else "d"
+                       for q, _, _ in members}
             round_ = ReplicaStep(peer.peer_id, group, digests, micro, loss,
                                  epochs={q.peer_id: (i.token.epoch if isinstance(i, do.Average) else q.core.epoch)
                                          for q, i, _ in members},
@@ -434,7 +436,8 @@ class SimRounds:
                                  leaving=frozenset(q.peer_id for q, i, _ in members
                                                    if getattr(i, "leave", False) or getattr(i, "going", False)),
                                  going=frozenset(q.peer_id for q, i, _ in members if getattr(i, "going", False)),
-                                 drain=any(getattr(i, "drain", False) for _, i, _ in members))
+                                 drain=any(getattr(i, "drain", False) for _, i, _ in members),
+                                 behind=frozenset(behind))
             peer.blocked = None
             if isinstance(intent, do.Sync):
                 peer.core.answer(intent, round_)
@@ -470,8 +473,8 @@ class SimSwarm:
         self.rounds = {k: SimRounds(self, k) for k in range(self.num_stages)}
         self.later: list[Callable[[], None]] = []
         self.downloads: dict[SimPeer, do.Download] = {}
-        self.detect: list[tuple[float, tuple[int, int]]] = []
-        """(when, dead replica): its neighbours find it gone then."""
+        self.detect: list[tuple] = []
+        """(when, dead replica[, neighbour]): its neighbours (that one) find it gone then."""
         self.lost: list[tuple[tuple[int, int], tuple[int, int]]] = []
         """(peer, neighbour) pairs where the neighbour was its stage's last replica (a re-form)."""
         for stage, n in enumerate(initial):
@@ -488,15 +491,19 @@ class SimSwarm:
         return [p for p in self.peers.values() if p.stage == stage and p.alive]
 
     # ------------------------------------------------------------------ faults
-    def kill(self, key: tuple[int, int]) -> None:
-        """Replica ``key`` dies now: it sends nothing more; its neighbours find it gone a few ticks later."""
+    def kill(self, key: tuple[int, int], found: dict[tuple[int, int], float] | None = None) -> None:
+        """Replica ``key`` dies now: it sends nothing more; its neighbours find it gone a few ticks
+        later, or neighbour n after ``found[n]`` seconds (each its own liveness deadline)."""
         peer = self.peers[key]
         peer.alive = False
         for (src, dst), queue in self.wire.items():
             if src == key:
                 queue.clear()
         self.rounds[peer.stage].died(key)
-        self.detect.append((self.now + DETECT_TICKS * TICK_S, key))
+        if found is None:
+            self.detect.append((self.now + DETECT_TICKS * TICK_S, key))
+        else:
+            self.detect.extend((self.now + after, key, by) for by, after in found.items())
 
     def join(self, stage: int) -> SimPeer:
         """One more replica of ``stage`` joins the running swarm (linked both ways at once)."""
@@ -541,9 +548,11 @@ class SimSwarm:
     def tick(self) -> bool:
         """One move of the swarm; False when nothing can move."""
         self.now += TICK_S
-        for when, key in [d for d in self.detect if d[0] <= self.now]:
-            self.detect.remove((when, key))
+        for when, key, *by in [d for d in self.detect if d[0] <= self.now]:
+            self.detect.remove((when, key, *by))
             for peer in self.peers.values():
+                if by and peer.key not in by:
+                    continue
                 link = peer.link_for(key)
                 if peer.alive and peer.done is None and link is not None:
                     if not peer.core.replica_gone(link, "silent"):
@@ -570,7 +579,7 @@ class SimSwarm:
             self.rng.choice(moves)()
             return True
         # nothing can move now: time goes on to the next deadline (a replica found gone, a wait's end)
-        deadlines = [when for when, _ in self.detect]
+        deadlines = [when for when, *_ in self.detect]
         deadlines += [d for d in (r.deadline() for r in self.rounds.values()) if d is not None]
         deadlines += [p.since + p.blocked.timeout_s for p in self.peers.values()
                       if p.alive and p.done is None and isinstance(p.blocked, do.Wait)]

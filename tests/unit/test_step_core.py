@@ -172,6 +172,62 @@ def test_a_replica_holding_other_parameters_loads_a_partners_and_the_step_is_red
     assert redone(sw)
 
 
+def test_a_replica_that_resumed_behind_its_stage_takes_a_current_partners_state():
+    """A replica that resumed without the agreed step's file (SPEC §9.10 item 13) says so in the sync
+    round: it loads a partner's state, even where its digest would win the tie (it sorts first), and
+    nothing is redone."""
+    sw = SimSwarm((1, 2, 1), M=4)
+    behind = min(sw.stage_peers(1), key=lambda p: p.peer_id)
+    behind.core.begin(0, 0, behind=True)
+    sw.run()
+    check_run(sw)
+    assert behind.downloads == ["resync"] and all(p.downloads == [] for p in sw.peers.values() if p is not behind)
+    assert not redone(sw)
+
+
+def _kill_middle_after(sw: SimSwarm, moves: int, found: dict) -> None:
+    """Run ``sw`` ``moves`` moves (or to stage 0's step 2), kill middle replica ``(1, seed % 2)``, each
+    neighbour finding it gone after ``found[neighbour]`` s, and run to the end."""
+    n = [0]
+
+    def until() -> bool:
+        n[0] += 1
+        return n[0] >= moves or sw.peers[0, 0].core.step >= 2
+
+    sw.run(until=until)
+    sw.kill((1, sw.seed % 2), found)
+    sw.run()
+
+
+@pytest.mark.parametrize("seed, moves, found", [
+    (0, 110, {(0, 0): 0.06, (2, 0): 0.06}),  # stage 0 still commits step 0 while the others begin step 1
+    (0, 95, {(0, 0): 0.05, (2, 0): 3.0}),  # stage 2 finds it gone a step after stage 0 did
+])
+def test_a_middle_replica_found_gone_at_different_steps_by_its_neighbours_is_not_a_redo(seed, moves, found):
+    """The operator's setting (one replica at stages 0 and 2, two at stage 1, two micro-batches): a
+    neighbour that finds the dead replica gone a step after the other asks the survivor's word on
+    it, and gets it (its upstream said so in an earlier step, or before the survivor began the
+    step): no step is redone (issue 45)."""
+    sw = SimSwarm((1, 2, 1), M=2, steps=4, seed=seed)
+    _kill_middle_after(sw, moves, found)
+    check_run(sw)
+    assert not redone(sw)
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("found", [{(0, 0): 0.06, (2, 0): 0.06}, {(0, 0): 0.05, (2, 0): 3.0},
+                                   {(0, 0): 3.0, (2, 0): 0.05}])
+def test_a_middle_replica_killed_at_any_moment_never_stalls_the_swarm(seed, found):
+    """Whenever one of two middle replicas dies and whichever neighbour finds it first, the swarm
+    finishes with every micro-batch once (repaired, or redone where the survivor's round cannot be
+    made whole): a ``ready`` answered ``end`` 0 before a reopen is routed to again, so the re-sends
+    never wait for a link that will not say ``ready`` again."""
+    for moves in range(5, 200, 8):
+        sw = SimSwarm((1, 2, 1), M=2, steps=4, seed=seed)
+        _kill_middle_after(sw, moves, found)
+        check_run(sw)
+
+
 def test_a_stages_last_replica_lost_is_the_peers_a_re_form():
     """A neighbour's death that leaves its stage without a replica is not the core's to repair: it says
     so (the peer pauses and the swarm re-forms from checkpoints, SPEC §9.10 item 10)."""
