@@ -206,7 +206,9 @@ class Rounds:
         c = self.c
         if c.phase is Phase.RESYNC:
             assert self._resync is not None
-            c.window.behind = False  # its projector versions are the stage's now
+            if c.window.behind:  # its projector versions are the stage's now: its PROJ goes
+                c.window.behind = False
+                c.projector.send(c.step)
             c.projector_step = max(c.projector_step, int(got["projector"]))
             (round_, then), self._resync = self._resync, None
             self._resynced(round_, then)

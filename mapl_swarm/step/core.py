@@ -343,7 +343,8 @@ class StepCore:
             self.phase = Phase.JOIN
             self.send(do.Abandon())
             return self.rounds.download("join")
-        self.projector.send(self.s.start_step)
+        if not self.behind:  # one behind sends the stage's projector once its partner's state came
+            self.projector.send(self.s.start_step)
         if self.s.averaged:
             self.phase = Phase.SYNC
             return self.rounds.start(do.Sync(self.members.starting, 0.0, self.behind))

@@ -1,0 +1,98 @@
+"""Replicas in an operator's hands (issue 45), as real processes: three stages with two replicas of
+stage 1, a certificate per host and one run folder per host, each peer started by hand.
+
+1. Ctrl-C (SIGINT) to one stage-1 replica: it leaves at a step boundary and exits 0; the stage goes
+   on with its partner and nothing is redone.
+2. Ctrl-C to every other peer: the swarm drains at one step every replica saves, every process
+   exits 0.
+3. The replica that left is now behind its partner. ``--resume`` on every host goes on from the
+   drained step, not the laggard's: no checkpoint anywhere is deleted or moved aside, the laggard
+   takes its partner's state in the first round (one re-sync), and the run ends at the losses of
+   one uninterrupted ``mapl-swarm train`` (the README's replica tolerance).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+
+from mapl_swarm.config import load_config
+from mapl_swarm.pipeline import checkpoint
+from mapl_swarm.pipeline.trainer import train
+
+from swarm_helpers import ReplicaSwarm, Watched, cli, steps_done, train_losses, wait_steps
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+
+STEPS = 40
+KEYS = [(0, 0), (1, 0), (1, 1), (2, 0)]
+
+
+def _host(swarm: ReplicaSwarm, key: tuple[int, int]):
+    return swarm.out.parent / f"host-{key[0]}-{key[1]}"
+
+
+def _start(swarm: ReplicaSwarm, key: tuple[int, int], *more: str) -> Watched:
+    stage, r = key
+    swarm.procs[key] = Watched(cli("peer", "--config", str(swarm.path), "--stage", str(stage), "--initial-peer",
+                                   swarm.maddr, *swarm.local.args(stage, r), "--quiet",
+                                   "--set", f"run.out_dir={json.dumps(str(_host(swarm, key)))}", *more))
+    return swarm.procs[key]
+
+
+def _result(swarm: ReplicaSwarm, key: tuple[int, int]) -> dict:
+    return json.loads((_host(swarm, key) / f"peer_stage{key[0]}.json").read_text())
+
+
+def _held(swarm: ReplicaSwarm) -> dict[tuple[int, int], list[int]]:
+    return {key: checkpoint.stage_steps(_host(swarm, key), key[0]) for key in KEYS}
+
+
+def test_an_operator_stops_one_replica_then_all_and_resumes_without_losing_a_step(tmp_path):
+    with ReplicaSwarm(tmp_path, "replica-operator", steps=STEPS, identities=[1, 2, 1], initial=(1, 2, 1)) as swarm:
+        swarm.path.write_text(swarm.path.read_text() + "\n[checkpoint]\ninterval_steps = 2\n")
+        stage0 = _host(swarm, (0, 0))
+        for key in KEYS:
+            _start(swarm, key)
+        wait_steps(stage0, 3, list(swarm.procs.values()), 240)
+
+        leaver = swarm.procs[1, 1]
+        leaver.proc.send_signal(signal.SIGINT)  # 1. one replica leaves
+        assert leaver.wait(120) == 0, leaver.output[-4000:]
+        left_at = steps_done(stage0)
+        wait_steps(stage0, left_at + 3, [swarm.procs[k] for k in KEYS if k != (1, 1)], 240)
+
+        for key in KEYS:  # 2. Ctrl-C to every other peer: the swarm drains
+            if key != (1, 1):
+                swarm.procs[key].proc.send_signal(signal.SIGINT)
+        codes = {key: swarm.procs[key].wait(120) for key in KEYS if key != (1, 1)}
+        assert all(code == 0 for code in codes.values()), {k: swarm.procs[k].output[-3000:] for k in codes}
+        for key in KEYS:
+            assert "is redone" not in swarm.procs[key].output, (key, swarm.procs[key].output[-3000:])
+        drained = {(_result(swarm, key)["end"], _result(swarm, key)["drained_at"]) for key in KEYS if key != (1, 1)}
+        assert len(drained) == 1 and next(iter(drained))[0] == "drained", drained
+        drained_at = drained.pop()[1]
+        before = _held(swarm)
+        assert all(drained_at in before[k] for k in KEYS if k != (1, 1)), before
+        assert max(before[1, 1]) < drained_at, before  # the replica that left is behind
+
+        for key in KEYS:  # 3. --resume on every host
+            _start(swarm, key, "--resume")
+        codes = {key: swarm.procs[key].wait(300) for key in KEYS}
+        assert all(code == 0 for code in codes.values()), {k: swarm.procs[k].output[-4000:] for k in codes}
+        results = {key: _result(swarm, key) for key in KEYS}
+        assert {res["start_step"] for res in results.values()} == {drained_at}, results
+        assert all(res["end"] == "finished" and res["bad_frames"] == 0 for res in results.values()), results
+        assert results[1, 1]["averaging"].get("resyncs", 0) == 1 and results[1, 0]["averaging"].get("resyncs", 0) == 0
+        after = _held(swarm)
+        assert all(set(before[k]) <= set(after[k]) for k in KEYS), (before, after)  # nothing deleted
+        assert not any((_host(swarm, k) / "checkpoints.rolled_back").exists() for k in KEYS)
+
+    records = [json.loads(line) for line in (stage0 / "metrics_stage0.jsonl").read_text().splitlines()]
+    losses = {r["step"]: r["loss"] for r in records if "loss" in r}
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    ref = tmp_path / "ref"
+    train(load_config(swarm.path, {"run": {"out_dir": str(ref)}, "checkpoint": {"interval_steps": 0}}), progress=False)
+    assert [losses[s] for s in sorted(losses)] == pytest.approx(train_losses(ref), rel=5e-3)
