@@ -507,6 +507,8 @@ class Schedule:
                     behind=intent.behind))
             else:
                 expected = core.rounds.expected(await self._announced())
+                log.debug("%s: averaging round of step %d: %d micro-batch(es), %d replica(s) expected", self.name,
+                          intent.token.step, len(intent.micro), expected)
                 round_ = await self.compute.wait(lambda: replicas.average(
                     list(intent.micro), step=intent.token.step, timeout=intent.timeout_s, loss_sum=intent.loss_sum,
                     epoch=intent.token.epoch, contact=core.flow.contact, expected=expected, leave=intent.leave,

@@ -148,6 +148,9 @@ class Commit:
         """A message taken while the commit is awaited: a BYE from upstream, or the re-run of a
         micro-batch taken from a replica that left (answered with the GRAD kept)."""
         c = self.c
+        if msg.type in (MT.GRAD, MT.PROJ_GRAD):  # of what went again after a replica left (Repair.replay)
+            log.debug("%s: %s of step %d from %s: counted here already", c.s.name, msg.type.name, msg.step, link)
+            return None
         if msg.type is not MT.BYE:
             c.repair.rerun_after_whole(msg, link)
             return None

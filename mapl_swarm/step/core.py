@@ -291,7 +291,7 @@ class StepCore:
         if msg.type is MT.PROJ:
             self.window.projector(view.stage, msg.pver)
         elif msg.type is MT.ROUTE and msg.meta.get("phase") == "reopen" and self.flow.live(link):
-            self.repair.learn_gone(self.repair.named(msg))
+            self.repair.said_gone(msg, link)
 
     def on_linked(self, link: str) -> None:
         """A neighbour replica linked while training (one that joins)."""
@@ -429,7 +429,8 @@ class StepCore:
         if waits is None:
             self.phase = Phase.STEP
             return do.TakeStep(self.step)
-        return self.take_message(lambda m: self.flow.bye_from_up(m) or self.repair.rerun_wanted(m), waits,
+        return self.take_message(lambda m: self.flow.bye_from_up(m) or self.repair.rerun_wanted(m)
+                                 or self.repair.replayed_reply(m), waits,
                                  self.commit.on_message, timeout_s=self.s.timeout_s + self.s.averaging_timeout_s)
 
     def _finish(self) -> do.Intent | None:

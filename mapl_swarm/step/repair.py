@@ -89,7 +89,7 @@ class Repair:
             c.wake()
         else:
             for other in c.links.of_stage(link.stage):
-                if flow.live(other.name):
+                if flow.live(other.name) and other.name not in cur.replayed_to:  # those had a reopen
                     c.spawn(do.SendRoute(other.name, c.step, "gone", gone=(link.contact,),
                                          held=None if downstream else tuple(held), epoch=c.epoch))
         if link.stage == 0:
@@ -150,6 +150,8 @@ class Repair:
                 del cur.hold_at[micro]
         c.validation.link_gone(name)
         if not c.active:
+            if c.committing and c.commit.awaiting == "reports":
+                self.replay(cur, name)
             return
         again = sorted(m for m, to in cur.via.items() if to == name)
         if not again:
@@ -177,6 +179,46 @@ class Repair:
                     "backwarded here already)", c.s.name, len(again), cur.step, name,
                     sum(m in cur.done for m in again))
 
+    def replay(self, cur: StepState, name: str) -> None:
+        """Link ``name``'s replica left while this replica's round is whole and nobody took the step
+        (its commit waits for the REPORTs): it may have died in its own round, before that was
+        whole, after every GRAD and PROJ_GRAD of what went to it came back here. Its partners'
+        round can still be made whole: every train ACT of the step that went to it goes again (ROUTE
+        ``reopen`` naming it, the ACTs with the bytes kept, a fresh ``end``) to the ready links, and
+        nothing of them is awaited back, as this replica's gradients, projector's included, count
+        them already (what comes back is dropped quietly, :meth:`replayed_reply`). A partner whose
+        round was whole already takes none of it."""
+        c = self.c
+        link = c.links.named(name)
+        again = sorted(m for m, to in cur.via.items() if to == name and m in cur.payloads)
+        targets = [x for x in dict.fromkeys([*cur.ready, *cur.ready_late]) if x != name and c.flow.live(x)]
+        if link is None or link.contact is None or not again or not targets:
+            return
+        by: dict[str, list[int]] = {}
+        for m in again:
+            held = cur.hold_at.get(m)
+            by.setdefault(held if held in targets else c.router.pick(targets, cur.step, m), []).append(m)
+        for to, micro in by.items():
+            c.spawn(do.SendRoute(to, cur.step, "reopen", gone=(link.contact,), epoch=c.epoch))
+            for m in micro:
+                c.spawn(do.SendAct(to, cur.step, m, cur.payloads[m], False, c.proj.outbound_pver))
+                cur.sent[to] += 1
+                cur.via[m] = to
+            c.spawn(do.SendRoute(to, cur.step, "end", acts=cur.sent[to], epoch=c.epoch))
+        cur.replayed.update(again)
+        cur.replayed_to.update(by)
+        log.warning("%s: %d train micro-batch(es) of step %d went through the replica at %s, which left before the "
+                    "step was taken: sent again for its partners' round (this stage's round counts them already)",
+                    c.s.name, len(again), cur.step, name)
+
+    def replayed_reply(self, msg: Message) -> bool:
+        """A GRAD of a micro-batch :meth:`replay` sent again, or a PROJ_GRAD once it sent some, of the
+        step being committed: this replica counts them already (the commit drops them quietly)."""
+        c = self.c
+        cur = c.cur
+        return (bool(cur.replayed_to) and msg.step == cur.step and msg.epoch == c.epoch
+                and ((msg.type is MT.GRAD and msg.micro in cur.replayed) or msg.type is MT.PROJ_GRAD))
+
     # ------------------------------------------------------------------ what neighbours say
     def named(self, msg: Message) -> list[str]:
         """The contacts a ROUTE names gone, but this replica's own and its links' (of its own links its
@@ -197,6 +239,13 @@ class Repair:
                 self.on_gone(msg, link, contacts)
             else:  # the step's state is made at its boundary: the notice counts in it then
                 self.early.append((msg, link))
+        self.learn_gone(contacts)
+
+    def said_gone(self, msg: Message, link: str) -> None:
+        """A ``reopen`` from upstream link ``link`` arrived: the replicas it names left (this stage's
+        rounds stop waiting for them at once), and that link said so (:attr:`said`)."""
+        contacts = self.named(msg)
+        self.said.setdefault(link, set()).update(contacts)
         self.learn_gone(contacts)
 
     def began(self, cur: StepState) -> None:

@@ -65,6 +65,8 @@ class StepState:
     # ---------------------------------------------------------------- downstream: what goes out
     ready: list[str] = field(default_factory=list)
     """Downstream links that said ``ready`` in time to be routed to (a chain's one link: at once)."""
+    replayed_to: set[str] = field(default_factory=set)
+    """Downstream links a replica whose round was whole sent ACTs again on (:meth:`~.repair.Repair.replay`)."""
     ready_late: list[str] = field(default_factory=list)
     """Downstream links that said ``ready`` once this replica had ended the step (answered ``end``
     with 0 ACTs): a reopen routes to them too."""

@@ -77,6 +77,30 @@ def test_killing_a_middle_replica_mid_step_repairs_the_step_and_counts_every_mic
     assert not any(REDONE in p.output for p in survivors.values()), redone
 
 
+def test_killing_a_middle_replica_in_its_averaging_round_is_repaired_by_the_sender(tmp_path):
+    """The operator's setting (one replica at stages 0 and 2, two at stage 1): a stage-1 replica killed
+    while it averages (every GRAD and PROJ_GRAD of its micro-batches reached stage 0, whose round
+    is its own) is repaired, not redone: stage 0 sends what went through it again for its partner's
+    round, which ends whole; the losses stay those of ``train`` (issue 45)."""
+    in_round = re.compile(r"averaging round of step [2-9]: [1-9] micro-batch")
+    with ReplicaSwarm(tmp_path, "replica-round-kill", steps=STEPS + 3, identities=[1, 2, 1],
+                      initial=(1, 2, 1)) as swarm:
+        for key in ((0, 0), (1, 0), (1, 1), (2, 0)):
+            swarm.start(*key, "--set", "net.heartbeat_interval_s=0.5", "--set", "net.liveness_floor_s=5.0",
+                        *(["--log-level", "DEBUG"] if key[0] == 1 else []))
+        wait_steps(swarm.out, 1, list(swarm.procs.values()), 180)
+        survivors = kill_when_logged(swarm.procs, ((1, 0), (1, 1)), in_round, "an averaging round at stage 1")
+    results = {key: swarm.result(*key) for key in survivors}
+    assert all(res["end"] == "finished" for res in results.values())
+    assert "sent again for its partners' round" in survivors[0, 0].output, survivors[0, 0].output[-3000:]
+    redone = [line for p in survivors.values() for line in p.output.splitlines() if "is redone" in line]
+    assert not redone, redone
+    ref = tmp_path / "ref"
+    train(load_config(swarm.path, {"run": {"out_dir": str(ref)}}), progress=False)
+    assert results[0, 0]["tokens"] == (STEPS + 3) * swarm.cfg.tokens_per_step
+    assert results[0, 0]["train_losses"] == pytest.approx(train_losses(ref), rel=1e-3)
+
+
 def test_killing_a_stage0_replica_mid_step_redoes_the_step_everywhere(tmp_path):
     _, survivors, _ = _kill_mid_step(tmp_path, "mapl", 0)
     assert all("left (silent" in survivors[1, r].output for r in range(2))

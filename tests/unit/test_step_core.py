@@ -214,6 +214,23 @@ def test_a_middle_replica_found_gone_at_different_steps_by_its_neighbours_is_not
     assert not redone(sw)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_middle_replica_that_dies_in_its_round_is_repaired_by_a_sender_waiting_for_the_commit(seed):
+    """It died in its averaging round, after every GRAD and PROJ_GRAD of its micro-batches reached
+    stage 0, whose own round is whole: stage 0 sends what went through it again (reopen, the kept
+    bytes, a fresh end) for its partner's round and awaits nothing of it back (its gradients,
+    projector's included, count them already). The partner's round becomes whole: no redo (issue
+    45: the operator's kill of a middle replica was redone)."""
+    sw = SimSwarm((1, 2, 1), M=2, steps=4, seed=seed)
+    victim = sw.peers[1, seed % 2]
+    sw.run(until=lambda: victim.core.phase is Phase.AVERAGE and victim.core.step == 1
+           and sw.peers[0, 0].core.phase is Phase.COMMIT)
+    sw.kill(victim.key, {(0, 0): 0.06, (2, 0): 0.06})
+    sw.run()
+    check_run(sw)
+    assert not redone(sw)
+
+
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("found", [{(0, 0): 0.06, (2, 0): 0.06}, {(0, 0): 0.05, (2, 0): 3.0},
                                    {(0, 0): 3.0, (2, 0): 0.05}])
