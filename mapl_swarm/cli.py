@@ -388,16 +388,16 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _status_line(p: Any, status_s: float) -> str:
-    """One peer of ``status``: its state, step, rate and queue, where it serves, and whether it is
-    heard (a killed peer goes silent within three status periods; its records lapse later)."""
+    """One peer of ``status``: its state, step, rate and queue, where it serves, and how old that is
+    (a killed peer goes silent within three status periods; its records lapse later)."""
     st = p.status
     figures = (f"{st.get('state', '?'):<11} step {st['step']:<6} {st['tokens_per_s']:>9,.0f} tok/s  queue "
                f"{st['queue']:<3}" if {"step", "tokens_per_s", "queue"} <= st.keys() else "no status record".ljust(46))
     where = p.contact.partition("#")[0] or "(withdrawn)"
     if p.silent(status_s):
         heard = f"SILENT for {p.heard_s:.0f} s: not serving (stopped or lost)"
-    else:
-        heard = "heard now" if p.heard_s is not None else "never heard"
+    else:  # a peer stores its record every status_s: its step is that old (a fast run is steps ahead)
+        heard = f"as of {p.heard_s:.1f} s ago" if p.heard_s is not None else "never heard"
     return f"{figures}  {where}  {heard}; its records lapse in {p.expires_in_s:.0f} s"
 
 

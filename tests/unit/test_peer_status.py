@@ -58,5 +58,6 @@ def test_status_marks_a_peer_that_stopped_storing_its_status_silent_and_not_serv
     live = StagePeer("12D3KooWlive", "tcp://10.0.0.2:5556#ab", 28.0, status, heard_s=1.5)
     killed = StagePeer("12D3KooWdead", "tcp://10.0.0.3:5556#cd", 21.0, status, heard_s=9.0)
     assert not live.silent(2.0) and killed.silent(2.0) and not StagePeer("x", "tcp://h:1", 5.0, {}).silent(2.0)
-    assert _status_line(live, 2.0).endswith("tcp://10.0.0.2:5556  heard now; its records lapse in 28 s")
+    # the step shown is as old as the record (a peer stores it every status_s): said, not hidden
+    assert _status_line(live, 2.0).endswith("tcp://10.0.0.2:5556  as of 1.5 s ago; its records lapse in 28 s")
     assert "SILENT for 9 s: not serving (stopped or lost); its records lapse in 21 s" in _status_line(killed, 2.0)
