@@ -227,7 +227,9 @@ class Linker:
         if self.one_per_stage:
             return f"no peer of stage {stage} welcomed this peer"
         return (f"{welcomed} of stage {stage}'s {want} replicas (replicas.initial, or those a re-formed swarm "
-                f"keeps) welcomed this peer")
+                f"keeps) welcomed this peer: start the missing ones; a replica whose host is gone for good is not "
+                f"waited for once replicas.initial of stage {stage} is lowered on every host (add a host later "
+                f"with --join)")
 
     def _unused(self) -> list[PeerLink]:
         """After the handshake, the links dropped: those not welcomed, and in a chain every link of a

@@ -139,6 +139,9 @@ class ReplicaGradients:
             if cancelled:
                 raise RoundCancelled(f"stage {self.runtime.stage}: the averaging round was cancelled",
                                      unsure=unsure) from None
+            if not unsure and "could not find a group" in str(exc):  # hivemind's words for a lone member
+                raise AveragingFailed(f"stage {self.runtime.stage}: no group of the stage's replicas formed within "
+                                      f"{min(timeout, self.find_s):g} s (a partner is not at this round yet)") from None
             raise AveragingFailed(f"stage {self.runtime.stage}: the averaging round failed"
                                   f"{' after its all-reduce began' if unsure else ''}: {type(exc).__name__}: {exc}",
                                   unsure=unsure) from None

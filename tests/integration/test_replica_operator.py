@@ -10,7 +10,9 @@ stage 1, a certificate per host and one run folder per host, each peer started b
    laggard takes its partner's state in the first round (one re-sync).
 4. kill -9 of the other stage-1 replica, and its replacement started at once with ``--join`` on a
    fresh host (before the neighbours noticed the death): the stage goes on with the laggard, the
-   joiner takes a live replica's state and trains to the end.
+   joiner takes a live replica's state and trains.
+5. The joiner's certificate revoked (the list replaced on every host): its neighbours cut off that
+   one replica, and its partner goes on; nobody pauses or calls it its stage's last replica.
 
 The run ends at the losses of one uninterrupted ``mapl-swarm train`` (the README's replica
 tolerance), and no process but the killed one exits with an error.
@@ -19,12 +21,12 @@ tolerance), and no process but the killed one exits with an error.
 from __future__ import annotations
 
 import json
-import re
 import signal
 
 import pytest
 
 from mapl_swarm.config import load_config
+from mapl_swarm.net.identity import CertificateBody, read_signed, revoke, write_signed
 from mapl_swarm.pipeline import checkpoint
 from mapl_swarm.pipeline.trainer import train
 
@@ -32,7 +34,7 @@ from swarm_helpers import ReplicaSwarm, Watched, cli, steps_done, train_losses, 
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
-STEPS = 40
+STEPS = 50
 KEYS = [(0, 0), (1, 0), (1, 1), (2, 0)]
 
 
@@ -40,12 +42,17 @@ def _host(swarm: ReplicaSwarm, key: tuple[int, int]):
     return swarm.out.parent / f"host-{key[0]}-{key[1]}"
 
 
+def _revoked(swarm: ReplicaSwarm):
+    return swarm.out.parent / "revoked.list"
+
+
 def _start(swarm: ReplicaSwarm, key: tuple[int, int], *more: str, host: tuple[int, int] | None = None) -> Watched:
     """Peer ``key`` (its certificate's stage and replica), on its own host or on ``host`` (another's)."""
     stage, r = key
     out = _host(swarm, host or key)
     proc = Watched(cli("peer", "--config", str(swarm.path), "--stage", str(stage), "--initial-peer", swarm.maddr,
-                       *swarm.local.args(stage, r), "--quiet", "--set", f"run.out_dir={json.dumps(str(out))}",
+                       *swarm.local.args(stage, r), "--revocations", str(_revoked(swarm)), "--quiet",
+                       "--set", f"run.out_dir={json.dumps(str(out))}",
                        "--set", "net.heartbeat_interval_s=0.5", "--set", "net.liveness_floor_s=5.0", *more))
     swarm.procs[host or key] = proc
     return proc
@@ -62,6 +69,7 @@ def _held(swarm: ReplicaSwarm) -> dict[tuple[int, int], list[int]]:
 def test_an_operator_stops_replicas_resumes_with_a_laggard_and_replaces_a_dead_one(tmp_path):
     with ReplicaSwarm(tmp_path, "replica-operator", steps=STEPS, identities=[1, 2, 1], initial=(1, 2, 1)) as swarm:
         swarm.path.write_text(swarm.path.read_text() + "\n[checkpoint]\ninterval_steps = 2\n")
+        write_signed(_revoked(swarm), revoke(swarm.local.authority, [], run_id="replica-operator", now=1000))
         stage0 = _host(swarm, (0, 0))
         for key in KEYS:
             _start(swarm, key)
@@ -97,16 +105,24 @@ def test_an_operator_stops_replicas_resumes_with_a_laggard_and_replaces_a_dead_o
         swarm.procs[1, 0].proc.kill()  # 4. kill -9, and the replacement at once
         assert swarm.procs[1, 0].wait(30) == -signal.SIGKILL
         joiner = _start(swarm, (1, 0), "--join", host=(1, 2))  # the dead one's certificate, a fresh host
+        m = joiner.wait_for(r"joined stage 1 at step (\d+)", 240)
+        assert int(m.group(1)) > drained_at + 3
         survivors = [(0, 0), (1, 1), (2, 0)]
-        codes = {key: swarm.procs[key].wait(300) for key in survivors} | {"joiner": joiner.wait(300)}
+        wait_steps(stage0, int(m.group(1)) + 3, [swarm.procs[k] for k in [*survivors, (1, 2)]], 240)
+
+        serial = CertificateBody.decode(read_signed(swarm.local.cert_file(1, 0), "certificate").body).serial  # 5.
+        write_signed(_revoked(swarm), revoke(swarm.local.authority, [serial], run_id="replica-operator",
+                                             previous=read_signed(_revoked(swarm), "revocations")), force=True)
+        joiner.wait_for(rf"certificate \(serial {serial}\) is revoked", 60)
+        codes = {key: swarm.procs[key].wait(300) for key in survivors}
         assert all(code == 0 for code in codes.values()), {k: swarm.procs[k].output[-4000:] for k in codes}
+        for key in survivors:
+            assert "last replica" not in swarm.procs[key].output and "pausing" not in swarm.procs[key].output, \
+                swarm.procs[key].output[-3000:]
         results = {key: _result(swarm, key) for key in survivors}
         assert {res["start_step"] for res in results.values()} == {drained_at}, results
         assert all(res["end"] == "finished" for res in results.values()), results
         assert results[1, 1]["averaging"].get("resyncs", 0) == 1
-        assert _result(swarm, (1, 2))["end"] == "finished"
-        m = re.search(r"joined stage 1 at step (\d+)", joiner.output)
-        assert m and int(m.group(1)) > drained_at + 3, joiner.output[-3000:]
         after = _held(swarm)
         assert all(set(before[k]) <= set(after[k]) for k in KEYS), (before, after)  # nothing deleted
         assert not any((_host(swarm, k) / "checkpoints.rolled_back").exists() for k in KEYS)

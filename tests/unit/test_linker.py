@@ -202,3 +202,13 @@ def test_a_joiner_that_finds_no_swarm_is_told_so_not_to_join():
     with pytest.raises(MaplError, match=r"no swarm of run 'r' runs to join \(it ended, or has not started") as got:
         asyncio.run(n.linker.link_all(n.me, "mem://me", joining=True))
     assert "--join" not in str(got.value)
+
+
+def test_a_replica_short_of_its_neighbour_stages_replicas_says_how_to_go_on_without_one():
+    """Issue 45: a resume started without one replica of a stage (its host gone) names what to do."""
+    n = Neighbours({0: ["a0", "dead0"], 2: ["c2"]}, live={"a0", "c2"}, timeout_s=1.0)
+    with pytest.raises(MaplError, match=r"1 of stage 0's 2 replicas \(replicas.initial, or those a re-formed swarm "
+                                        r"keeps\) welcomed this peer: start the missing ones; a replica whose host is "
+                                        r"gone for good is not waited for once replicas.initial of stage 0 is lowered "
+                                        r"on every host \(add a host later with --join\)"):
+        asyncio.run(n.handshake(lambda stage: 2 if stage == 0 else 1))
