@@ -145,8 +145,9 @@ class Commit:
                 c.send(do.SendRoute(name, step, "commit"))
 
     def on_message(self, msg: Message, link: str) -> do.Intent | None:
-        """A message taken while the commit is awaited: a BYE from upstream, or the re-run of a
-        micro-batch taken from a replica that left (answered with the GRAD kept)."""
+        """A message taken while the commit is awaited: a BYE from upstream, the re-run of a
+        micro-batch taken from a replica that left (answered with the GRAD kept), or what comes back
+        of ACTs this replica sent again after its round was whole (dropped: counted already)."""
         c = self.c
         if msg.type in (MT.GRAD, MT.PROJ_GRAD):  # of what went again after a replica left (Repair.replay)
             log.debug("%s: %s of step %d from %s: counted here already", c.s.name, msg.type.name, msg.step, link)

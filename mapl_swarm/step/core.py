@@ -130,8 +130,6 @@ class StepCore:
         self.cur = StepState(s.start_step)
         self.joined = -1
         """The step a joining replica downloaded its state for, until it completed it."""
-        self.behind = False
-        """This replica resumed behind its stage (:meth:`begin`)."""
         self.projector_step = -1
         """The step whose PROJ this stage loaded last."""
         self.woken = False
@@ -194,7 +192,7 @@ class StepCore:
         this replica resumed without that step's file, so the sync round gives it a partner's state."""
         start = self.s.start_step if start_step is None else start_step
         self.s = replace(self.s, start_step=start)
-        self.behind = self.window.behind = behind
+        self.window.behind = behind
         self.window.begin(start, epoch)
         self.epoch = epoch
         self.cur = self.flow.new_step(start)
@@ -343,11 +341,12 @@ class StepCore:
             self.phase = Phase.JOIN
             self.send(do.Abandon())
             return self.rounds.download("join")
-        if not self.behind:  # one behind sends the stage's projector once its partner's state came
+        behind = self.window.behind
+        if not behind:  # one behind sends the stage's projector once its partner's state came
             self.projector.send(self.s.start_step)
         if self.s.averaged:
             self.phase = Phase.SYNC
-            return self.rounds.start(do.Sync(self.members.starting, 0.0, self.behind))
+            return self.rounds.start(do.Sync(self.members.starting, 0.0, behind))
         self.phase = Phase.BOUNDARY
         return None
 

@@ -317,9 +317,7 @@ class Flow:
                 cur.ready.append(link)
                 cur.ready.sort(key=lambda name: c.links.named(name).contact or name)
             else:  # too late to be routed to: nothing of the step comes on it
-                c.spawn(do.SendRoute(link, msg.step, "end", acts=0))
-                if msg.step == cur.step and link not in cur.ready_late:
-                    cur.ready_late.append(link)
+                self._too_late(msg, link, cur)
             return
         if phase == "reopen":
             c.repair.on_reopen(msg, link, cur)
@@ -435,9 +433,7 @@ class Flow:
         if msg.epoch < c.epoch:
             return
         if msg.epoch == c.epoch and (msg.step < cur.step or (msg.step == cur.step and cur.ended)):
-            c.spawn(do.SendRoute(link, msg.step, "end", acts=0))
-            if msg.step == cur.step and link not in cur.ready_late:
-                cur.ready_late.append(link)
+            self._too_late(msg, link, cur)
             return
         if msg.epoch == c.epoch and msg.step == cur.step:
             self.on_route(msg, link, cur)
@@ -447,6 +443,13 @@ class Flow:
             c.reject("queue_full", link, f"{_LATER_READIES} ROUTE ready of later steps wait already")
             return
         self._later_readies.append((msg, link))
+
+    def _too_late(self, msg: Message, link: str, cur: StepState) -> None:
+        """A ``ready`` that came once this replica ended its step (or of an earlier one): ``end`` with 0
+        ACTs; one of the current step is routed to again if the step reopens (``ready_late``)."""
+        self.c.spawn(do.SendRoute(link, msg.step, "end", acts=0))
+        if msg.step == cur.step and link not in cur.ready_late:
+            cur.ready_late.append(link)
 
     def take_later_readies(self, cur: StepState) -> None:
         """The ``ready``s of ``cur``'s step (and run epoch) that came before it began."""

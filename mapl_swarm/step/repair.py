@@ -45,6 +45,10 @@ __all__ = ["Repair"]
 
 MT = MessageType
 
+EARLY_NOTICES = 64
+"""ROUTE ``gone`` of a step kept until the step begins here, at most (one per neighbour and gone
+replica is what honest neighbours send)."""
+
 
 class Repair:
     """What replicas that leave change in stage ``core.stage``'s step (module docstring)."""
@@ -164,7 +168,6 @@ class Repair:
         for late in cur.ready_late:  # ended with 0 ACTs: a reopen routes to them too
             if late not in cur.ready and c.flow.live(late):
                 cur.ready.append(late)
-                cur.sent[late] += 0
         cur.ready_late.clear()
         cur.ready.sort(key=lambda x: c.links.named(x).contact or x)
         cur.replayed.update(m for m in again if m in cur.done)
@@ -237,7 +240,7 @@ class Repair:
         if msg.meta["phase"] == "gone" and (msg.step, msg.epoch) == (c.step, c.epoch):
             if c.cur.step == msg.step:
                 self.on_gone(msg, link, contacts)
-            else:  # the step's state is made at its boundary: the notice counts in it then
+            elif len(self.early) < EARLY_NOTICES:  # the step's state is made at its boundary: it counts then
                 self.early.append((msg, link))
         self.learn_gone(contacts)
 
