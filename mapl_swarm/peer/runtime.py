@@ -88,7 +88,7 @@ def _rejoin_configured(cfg: TrainConfig, run_policy: PeerRunPolicy | None) -> bo
 _LAST_REPLICA_HINT = (
     "; it was its stage's last replica, so the run ends (without net.rejoin_timeout_s > 0 and checkpoints the swarm "
     "cannot wait for a replacement; SPEC §9.10 item 10). Start every replica of the run again with --resume: they go "
-    "on from the newest checkpoint every replica holds (a lost stage's replica from its checkpoint folder)")
+    "on from the newest checkpoint every current replica holds (a lost stage's replica from its checkpoint folder)")
 
 
 def _checkpoint_on(link: PeerLink, meta: dict) -> Awaitable[None]:
