@@ -401,6 +401,13 @@ def _status_line(p: Any, status_s: float) -> str:
     return f"{figures}  {where}  {heard}; its records lapse in {p.expires_in_s:.0f} s"
 
 
+def _local_revocations_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--revocations", metavar="FILE",
+                   help="the revocation list of this swarm's authority (RUN_DIR/identities/authority.key; "
+                        "`mapl-swarm keys revoke`), given to every peer, which re-reads it when it changes: replace "
+                        "the file to cut a peer off while the swarm runs")
+
+
 def _replicas_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", metavar="N",
                    help="peers per stage (SPEC §9.10: each micro-batch routed to one replica of the next stage, "
@@ -429,7 +436,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
     gpus = parse_gpus(args.gpus) if args.gpus else None
     s = launch(cfg, _config_args(args) + (["--resume"] if args.resume else []), progress=not args.quiet, gpus=gpus,
-               max_restarts=args.max_restarts)
+               max_restarts=args.max_restarts, revocations=args.revocations)
     if s.end_note:  # drained (SIGINT/SIGTERM): one line
         print(f"mapl-swarm: {s.end_note}")
         return 0
@@ -497,7 +504,7 @@ def _cmd_lab(args: argparse.Namespace) -> int:
     from mapl_swarm.lab.swarm import run_lab_swarm
 
     s = run_lab_swarm(cfg, _config_args(args) + (["--resume"] if args.resume else []), rate_mbit=args.rate_mbit,
-                      subnet=args.subnet, max_restarts=args.max_restarts)
+                      subnet=args.subnet, max_restarts=args.max_restarts, revocations=args.revocations)
     if s.end_note:  # drained (SIGINT/SIGTERM): one line
         print(f"mapl-swarm: {s.end_note}")
         return 0
@@ -822,6 +829,7 @@ def build_parser() -> argparse.ArgumentParser:
     _resume_arg(p, "every peer continues")
     _max_restarts_arg(p)
     _replicas_arg(p)
+    _local_revocations_arg(p)
     p.set_defaults(func=_cmd_lab)
 
     p = add("launch", "start a DHT and every stage peer on this machine",
@@ -836,6 +844,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: the visible GPUs, round-robin; none: the peers' environment is unchanged)")
     _max_restarts_arg(p)
     _replicas_arg(p)
+    _local_revocations_arg(p)
     p.set_defaults(func=_cmd_launch)
 
     p = add("export", "write a run's trained model as a Hugging Face model folder",

@@ -57,7 +57,7 @@ from mapl_swarm.data import prepare_data
 from mapl_swarm.errors import ConfigError, MaplError
 from mapl_swarm.net.dht_node import check_listen_address
 from mapl_swarm.net.discovery import Discovery, DiscoveryConfig, TrustedAuthority
-from mapl_swarm.net.identity import LocalIdentities, issue_local
+from mapl_swarm.net.identity import LocalIdentities, issue_local, read_signed, verify_revocations
 from mapl_swarm.peer.signals import Interrupted
 from mapl_swarm.procs import die_with_parent
 from mapl_swarm.pipeline.payload import BACKWARD_KINDS, FORWARD_KINDS, kind_bytes
@@ -318,6 +318,24 @@ def replica_counts(cfg: TrainConfig) -> list[int]:
     return [cfg.replicas_of(s) for s in range(cfg.pipeline.num_stages)]
 
 
+def revocation_args(path: str | os.PathLike[str] | None, local: LocalIdentities, run_id: str) -> list[str]:
+    """The ``peer`` options that give every peer of a local swarm the authority's revocation list at
+    ``path`` (each peer re-reads it when it changes: SPEC §7.2 item 8); checked first, so a wrong
+    file is named before any peer starts. None: no list."""
+    if path is None:
+        return []
+    file = Path(path).resolve()
+    if not file.is_file():
+        raise ConfigError(f"--revocations {path}: no such file (`mapl-swarm keys revoke --authority "
+                          f"{local.folder / 'authority.key'} ... --out {path}` writes one)")
+    try:
+        verify_revocations(read_signed(file, "revocations"), authority=local.authority.public, run_id=run_id)
+    except MaplError as exc:
+        raise ConfigError(f"--revocations {path}: not a revocation list of run {run_id!r} by this swarm's authority "
+                          f"({local.folder / 'authority.key'}): {exc}") from None
+    return ["--revocations", str(file)]
+
+
 def local_identities(cfg: TrainConfig) -> LocalIdentities:
     """The local swarm's authority and per-stage identities (module docstring), issued or kept."""
     local = issue_local(Path(cfg.run.out_dir) / IDENTITIES_DIR, run_id=cfg.run.run_id,
@@ -329,13 +347,14 @@ def local_identities(cfg: TrainConfig) -> LocalIdentities:
 
 def launch(cfg: TrainConfig, config_args: list[str], *, progress: bool = True,
            timeout_s: float | None = None, gpus: Sequence[str] | None = None,
-           max_restarts: int = 3) -> SwarmSummary:
+           max_restarts: int = 3, revocations: str | os.PathLike[str] | None = None) -> SwarmSummary:
     """Run the whole swarm locally (each peer gets ``config_args``, the options that produced
     ``cfg`` and the log level); raises MaplError naming the failed stage. The launcher prepares the
     data and runs the DHT bootstrap, and logs those once; its peers log them at DEBUG. ``gpus``
     (``--gpus``) are handed out round-robin, else the visible ones (:func:`gpu_plan`). A peer that
     dies is restarted with ``--resume``, at most ``max_restarts`` times per stage
-    (:class:`RestartPolicy`)."""
+    (:class:`RestartPolicy`). ``revocations``: the authority's revocation list, which every peer
+    reads and watches (:func:`revocation_args`)."""
     P = cfg.pipeline.num_stages
     counts = replica_counts(cfg)
     # before any work: a bad --max-restarts answers at once
@@ -351,6 +370,7 @@ def launch(cfg: TrainConfig, config_args: list[str], *, progress: bool = True,
             (replica_out_dir(cfg.run.out_dir, r) / f"peer_stage{s}.json").unlink(missing_ok=True)
     check_ports(cfg)  # a taken or clashing port answers at once, before data, DHT or peers
     local = local_identities(cfg)
+    revoked = revocation_args(revocations, local, cfg.run.run_id)
     prepare_data(cfg.data, progress=progress)  # once, here, rather than raced by every peer
     bootstrap = Discovery(cfg.run.run_id, DiscoveryConfig(host=cfg.net.dht_host, port=cfg.net.dht_port),
                           membership=TrustedAuthority(cfg.run.run_id, local.authority.public))
@@ -364,7 +384,7 @@ def launch(cfg: TrainConfig, config_args: list[str], *, progress: bool = True,
         layout = [(s, r) for s in range(P) for r in range(counts[s])]
         return supervise(cfg, swarm, peer_processes(P, config_args, maddr=maddr, threads=threads,
                                                     progress=progress, gpus=plan, environ=os.environ,
-                                                    member_args=[local.args(s, r) for s, r in layout],
+                                                    member_args=[[*local.args(s, r), *revoked] for s, r in layout],
                                                     net_port=cfg.net.port, dht_port=cfg.net.dht_port,
                                                     replicas=counts if cfg.replicas.enabled else (),
                                                     out_dir=cfg.run.out_dir), timeout_s)

@@ -26,7 +26,7 @@ from mapl_swarm.config import TrainConfig
 from mapl_swarm.data import prepare_data
 from mapl_swarm.lab.netns import NetnsLab
 from mapl_swarm.launch import (PeerProcess, RestartPolicy, Supervisor, SwarmSummary, local_identities, replica_counts,
-                               replica_out_dir, restarts_allowed, supervise)
+                               replica_out_dir, restarts_allowed, revocation_args, supervise)
 from mapl_swarm.procs import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -37,10 +37,12 @@ _DHT_GRACE_S = 30.0
 
 
 def run_lab_swarm(cfg: TrainConfig, config_args: list[str], *, rate_mbit: float, subnet: int = 77,
-                  timeout_s: float = 3600.0, threads: int = 1, max_restarts: int = 3) -> SwarmSummary:
+                  timeout_s: float = 3600.0, threads: int = 1, max_restarts: int = 3,
+                  revocations: str | os.PathLike[str] | None = None) -> SwarmSummary:
     """Train ``cfg`` with the DHT and each stage in its own namespace; returns the swarm summary
     (or, after Ctrl-C, the drained one with its ``end_note``). ``config_args`` (the options that
-    produced ``cfg``, with ``--log-level``) go to every peer; the DHT child gets the log level."""
+    produced ``cfg``, with ``--log-level``) go to every peer; the DHT child gets the log level.
+    ``revocations``: the authority's revocation list, read and watched by every peer."""
     P = cfg.pipeline.num_stages
     counts = replica_counts(cfg)
     policy = RestartPolicy(restarts_allowed(cfg, max_restarts))  # before any work: a bad --max-restarts answers at once
@@ -48,6 +50,7 @@ def run_lab_swarm(cfg: TrainConfig, config_args: list[str], *, rate_mbit: float,
     names = {(k, r): f"stage{k}" + (f"r{r}" if r else "") for k, r in layout}
     hosts = ["dht"] + [names[kr] for kr in layout]
     local = local_identities(cfg)
+    revoked = revocation_args(revocations, local, cfg.run.run_id)
     for k, r in layout:  # results of an earlier run must not be mistaken for this one's
         (replica_out_dir(cfg.run.out_dir, r) / f"peer_stage{k}.json").unlink(missing_ok=True)
     prepare_data(cfg.data, progress=False)  # once, here, rather than raced by every peer
@@ -66,7 +69,7 @@ def run_lab_swarm(cfg: TrainConfig, config_args: list[str], *, rate_mbit: float,
                 cmd = base + ["peer", *config_args, "--stage", str(k), "--initial-peers-file", maddr_file,
                               "--set", 'net.bind_host="0.0.0.0"', "--set", f'net.advertise_host="{addr}"',
                               "--set", f'net.dht_host="{addr}"', "--set", f"runtime.threads={threads}", "--quiet",
-                              "--launched", *local.args(k, r),
+                              "--launched", *local.args(k, r), *revoked,
                               *(["--set", f"run.out_dir={json.dumps(str(replica_out_dir(cfg.run.out_dir, r)))}"]
                                 if r else [])]
                 peers.append(PeerProcess(k, lab.command(names[k, r], cmd), dict(os.environ), None, r))
