@@ -154,7 +154,8 @@ class Admission:
     def __init__(self, settings: LinkSettings, links: Links, *, shapes: RunShapes, window: StepWindow,
                  rejects: RejectCounter, decoder: WorkerThread, deadline: Callable[[str], float],
                  clock: Callable[[], float], replies_on_link: bool, started: Callable[[], bool] = lambda: True,
-                 unknown_replica: Callable[[int], None] = lambda stage: None) -> None:
+                 unknown_replica: Callable[[int], None] = lambda stage: None,
+                 strike: Callable[[str, str, str], None] = lambda member, code, text: None) -> None:
         self.s = settings
         self.links = links
         self.shapes = shapes
@@ -174,6 +175,9 @@ class Admission:
         """This peer's training runs: before, pipeline messages are held (:class:`~.session.Early`)."""
         self.unknown_replica = unknown_replica
         """Told the stage of a HELLO from a replica this peer has no link to (it may be joining)."""
+        self.strike = strike
+        """``strike(link name, code, text)``: a message of a neighbour in session failed a content
+        check (:mod:`~.strikes`)."""
 
     # ------------------------------------------------------------------ the way in
     async def admit(self, arrival: Arrival) -> Admitted | None:
@@ -182,6 +186,7 @@ class Admission:
         :class:`~mapl_swarm.wire.VersionMismatch` (likewise), a pipeline message before training
         :class:`~.session.Early` (the caller holds it and admits it again once training starts)."""
         sender = arrival.sender
+        in_session = False
         try:
             link = self._link_of(arrival)
             header = self._header(arrival, link)
@@ -195,6 +200,7 @@ class Admission:
                 self.check_hello(header, link, sender, arrival.peer_key)
                 return Admitted(decode_tensors(header, arrival.frames, self.limits), link, sender)
             self._check_message(header, link, arrival)
+            in_session = True  # a member in session: what fails now is its own doing
             msg = await self._tensors(header, arrival.frames, link)
         except (HelloRefused, VersionMismatch, Early):
             raise
@@ -206,6 +212,8 @@ class Admission:
             return None
         except (Rejected, ContentError) as exc:
             self.rejects(exc.code, sender, exc.text)
+            if in_session and isinstance(exc, ContentError):
+                self.strike(link.name, exc.code, exc.text)
             return None
         except WireError as exc:
             self.rejects(exc.code, sender, f"{type(exc).__name__}: {exc}")

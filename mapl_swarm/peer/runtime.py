@@ -50,6 +50,7 @@ from mapl_swarm.peer.mailbox import Mailbox
 from mapl_swarm.peer.result import PeerResult, collect, write_result
 from mapl_swarm.peer.linker import Linker, Reform, candidates_of, starting_replicas
 from mapl_swarm.peer.replica_resume import ReplicaResume
+from mapl_swarm.peer.strikes import Strikes
 from mapl_swarm.peer.driver import NoRunHooks, Schedule
 from mapl_swarm.peer.signals import Interrupted
 from mapl_swarm.peer.vq_link import codebook_summary
@@ -215,7 +216,9 @@ class Peer:
             settings, self.links, shapes=run_shapes(cfg, stage), window=self.schedule.window, rejects=self.rejects,
             decoder=self.decoder, deadline=self.monitor.session_deadline_s, clock=time.monotonic, replies_on_link=False,
             started=lambda: self.ingress.started,
-            unknown_replica=self.linker.unknown)
+            unknown_replica=self.linker.unknown, strike=lambda member, code, text: self.strikes.count(member, code, text))
+        self.strikes = Strikes(self._struck_out)
+        """Neighbours in session whose messages keep failing the content checks (:mod:`~.strikes`)."""
         self.departures = Departures(self._on_departure)
         """Neighbours that went silent or left (:mod:`~.departures`)."""
         self.control = Control(
@@ -407,6 +410,18 @@ class Peer:
                 cert = link.peer_certificate
                 if cert is not None and cert.serial in identity.revoked and self.departures.gone(link.stage) is None:
                     self.cut_off(link, f"its certificate (serial {cert.serial}) is revoked")
+
+    def _struck_out(self, member: str, why: str) -> None:
+        """Neighbour ``member`` keeps sending what no honest peer sends: its certificate is refused from
+        now on, as if revoked (a new certificate has another serial), and it is cut off."""
+        link = self.links.named(member)
+        if link is None:
+            return
+        identity = self.admission.s.identity
+        cert = link.peer_certificate
+        if identity is not None and cert is not None:
+            identity.revoked.add(cert.serial)
+        self.cut_off(link, why)
 
     def cut_off(self, link: PeerLink, why: str) -> None:
         """Neighbour ``link`` is no longer let in: it departs (with replicas, while its stage keeps a
