@@ -13,9 +13,10 @@ stage 1, a certificate per host and one run folder per host, each peer started b
    joiner takes a live replica's state and trains.
 5. The joiner's certificate revoked (the list replaced on every host): its neighbours cut off that
    one replica, and its partner goes on; nobody pauses or calls it its stage's last replica.
+6. Ctrl-C to stage 0: the swarm drains, every process exits 0.
 
-The run ends at the losses of one uninterrupted ``mapl-swarm train`` (the README's replica
-tolerance), and no process but the killed one exits with an error.
+The run's losses stay within the README's band of one uninterrupted ``mapl-swarm train`` ("How
+close to train"), and no process but the killed one and the revoked one exits with an error.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from swarm_helpers import ReplicaSwarm, Watched, cli, steps_done, train_losses, 
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
-STEPS = 50
+STEPS = 1000
+"""More than the test runs: each phase waits for events, not for the run's end, and the last one drains."""
 KEYS = [(0, 0), (1, 0), (1, 1), (2, 0)]
 
 
@@ -114,6 +116,8 @@ def test_an_operator_stops_replicas_resumes_with_a_laggard_and_replaces_a_dead_o
         write_signed(_revoked(swarm), revoke(swarm.local.authority, [serial], run_id="replica-operator",
                                              previous=read_signed(_revoked(swarm), "revocations")), force=True)
         joiner.wait_for(rf"certificate \(serial {serial}\) is revoked", 60)
+        wait_steps(stage0, steps_done(stage0) + 3, [swarm.procs[k] for k in survivors], 240)
+        swarm.procs[0, 0].proc.send_signal(signal.SIGINT)  # 6. Ctrl-C to stage 0 drains the swarm
         codes = {key: swarm.procs[key].wait(300) for key in survivors}
         assert all(code == 0 for code in codes.values()), {k: swarm.procs[k].output[-4000:] for k in codes}
         for key in survivors:
@@ -121,7 +125,8 @@ def test_an_operator_stops_replicas_resumes_with_a_laggard_and_replaces_a_dead_o
                 swarm.procs[key].output[-3000:]
         results = {key: _result(swarm, key) for key in survivors}
         assert {res["start_step"] for res in results.values()} == {drained_at}, results
-        assert all(res["end"] == "finished" for res in results.values()), results
+        assert {(res["end"], res["drained_at"]) for res in results.values()} == {("drained", steps_done(stage0))}, \
+            results
         assert results[1, 1]["averaging"].get("resyncs", 0) == 1
         after = _held(swarm)
         assert all(set(before[k]) <= set(after[k]) for k in KEYS), (before, after)  # nothing deleted
@@ -129,7 +134,14 @@ def test_an_operator_stops_replicas_resumes_with_a_laggard_and_replaces_a_dead_o
 
     records = [json.loads(line) for line in (stage0 / "metrics_stage0.jsonl").read_text().splitlines()]
     losses = {r["step"]: r["loss"] for r in records if "loss" in r}
-    assert sorted(losses) == list(range(1, STEPS + 1))
+    done = len(losses)
+    assert sorted(losses) == list(range(1, done + 1))
     ref = tmp_path / "ref"
-    train(load_config(swarm.path, {"run": {"out_dir": str(ref)}, "checkpoint": {"interval_steps": 0}}), progress=False)
-    assert [losses[s] for s in sorted(losses)] == pytest.approx(train_losses(ref), rel=5e-3)
+    train(load_config(swarm.path, {"run": {"out_dir": str(ref), "steps": done}, "checkpoint": {"interval_steps": 0}}),
+          progress=False)
+    # the README's band for an honest replica run ("How close to train"): train's up to float rounding
+    # at first, then as far as train with its summation order changed (BENCHMARKS "Drift")
+    got, want = [losses[s] for s in sorted(losses)], train_losses(ref)
+    assert got[:5] == pytest.approx(want[:5], rel=1e-3)
+    assert max(abs(a - b) for a, b in zip(got, want)) < 0.2
+    assert sum(got[-20:]) / 20 == pytest.approx(sum(want[-20:]) / 20, abs=0.05)
