@@ -207,7 +207,7 @@ def test_launch_cli_option_reaches_launch(monkeypatch, tmp_path):
 
     got = {}
 
-    def fake_launch(cfg, config_args, *, progress, gpus, max_restarts):
+    def fake_launch(cfg, config_args, *, progress, gpus, max_restarts, revocations):
         got["gpus"] = gpus
         raise ConfigError("stop here")
 

@@ -81,7 +81,7 @@ def test_cli_flag_is_per_stage_defaults_to_3_and_reaches_launch(monkeypatch):
 
     got = {}
 
-    def fake_launch(cfg, config_args, *, progress, gpus, max_restarts):
+    def fake_launch(cfg, config_args, *, progress, gpus, max_restarts, revocations):
         got["max_restarts"] = max_restarts
         RestartPolicy(max_restarts)  # what launch() does first
         raise ConfigError("stop here")

@@ -36,3 +36,18 @@ def test_every_local_peer_gets_the_checked_list_and_a_wrong_one_is_named(tmp_pat
     write_signed(other_run, revoke(local.authority, [1], run_id="another-run"))
     with pytest.raises(ConfigError, match="not a revocation list of run 'revocations-run'"):
         revocation_args(other_run, local, RUN)
+
+
+def test_the_launch_option_reaches_launch(monkeypatch):
+    from mapl_swarm import cli
+    from mapl_swarm import launch as launch_mod
+
+    got = {}
+
+    def fake_launch(cfg, config_args, *, progress, gpus, max_restarts, revocations):
+        got["revocations"] = revocations
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(launch_mod, "launch", fake_launch)
+    assert cli.main(["launch", "--revocations", "revoked.list", "--quiet"]) == 2
+    assert got == {"revocations": "revoked.list"}
