@@ -81,7 +81,9 @@ def test_killing_a_middle_replica_in_its_averaging_round_is_repaired_by_the_send
     """The operator's setting (one replica at stages 0 and 2, two at stage 1): a stage-1 replica killed
     while it averages (every GRAD and PROJ_GRAD of its micro-batches reached stage 0, whose round
     is its own) is repaired, not redone: stage 0 sends what went through it again for its partner's
-    round, which ends whole; the losses stay those of ``train`` (issue 45)."""
+    round, which ends whole; the losses stay those of ``train`` (issue 45). A kill that lands in the
+    all-reduce itself leaves the partner unsure whether the dead one kept the round: that redo (SPEC
+    §9.10 item 6) is the only one allowed."""
     in_round = re.compile(r"averaging round of step [2-9]: [1-9] micro-batch")
     with ReplicaSwarm(tmp_path, "replica-round-kill", steps=STEPS + 3, identities=[1, 2, 1],
                       initial=(1, 2, 1)) as swarm:
@@ -94,7 +96,7 @@ def test_killing_a_middle_replica_in_its_averaging_round_is_repaired_by_the_send
     assert all(res["end"] == "finished" for res in results.values())
     assert "sent again for its partners' round" in survivors[0, 0].output, survivors[0, 0].output[-3000:]
     redone = [line for p in survivors.values() for line in p.output.splitlines() if "is redone" in line]
-    assert not redone, redone
+    assert all("a partner may have kept the round" in line for line in redone), redone
     ref = tmp_path / "ref"
     train(load_config(swarm.path, {"run": {"out_dir": str(ref)}}), progress=False)
     assert results[0, 0]["tokens"] == (STEPS + 3) * swarm.cfg.tokens_per_step
