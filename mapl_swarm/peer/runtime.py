@@ -212,13 +212,12 @@ class Peer:
             send=self._heartbeat, on_silent=self._on_silent)
         """Heartbeats to, round trips and silence of, each neighbour once it welcomed this peer
         (running while :meth:`serve` does)."""
+        self.strikes = Strikes(self._struck_out)
+        """Neighbours in session whose messages keep failing the content checks (:mod:`~.strikes`)."""
         self.admission = Admission(
             settings, self.links, shapes=run_shapes(cfg, stage), window=self.schedule.window, rejects=self.rejects,
             decoder=self.decoder, deadline=self.monitor.session_deadline_s, clock=time.monotonic, replies_on_link=False,
-            started=lambda: self.ingress.started,
-            unknown_replica=self.linker.unknown, strike=lambda member, code, text: self.strikes.count(member, code, text))
-        self.strikes = Strikes(self._struck_out)
-        """Neighbours in session whose messages keep failing the content checks (:mod:`~.strikes`)."""
+            started=lambda: self.ingress.started, unknown_replica=self.linker.unknown, strike=self.strikes.count)
         self.departures = Departures(self._on_departure)
         """Neighbours that went silent or left (:mod:`~.departures`)."""
         self.control = Control(

@@ -165,11 +165,7 @@ class Repair:
             c.redo.soon(cur.step, f"the replica of stage {stage} that left took train micro-batch(es) of the step "
                                   f"this replica kept no copy of")
             return
-        for late in cur.ready_late:  # ended with 0 ACTs: a reopen routes to them too
-            if late not in cur.ready and c.flow.live(late):
-                cur.ready.append(late)
-        cur.ready_late.clear()
-        cur.ready.sort(key=lambda x: c.links.named(x).contact or x)
+        self._ready_again(cur)
         cur.replayed.update(m for m in again if m in cur.done)
         cur.rerun.update(m for m in again if m not in cur.done)
         self.deadline(cur)  # what comes back of them (GRADs, PROJ_GRADs) comes in time, or the step is redone
@@ -181,6 +177,15 @@ class Repair:
         log.warning("%s: %d train micro-batch(es) of step %d went through the replica at %s: sent again (%d of them "
                     "backwarded here already)", c.s.name, len(again), cur.step, name,
                     sum(m in cur.done for m in again))
+
+    def _ready_again(self, cur: StepState) -> list[str]:
+        """The links a reopen routes to: the ready ones, and those whose ``ready`` came after this
+        replica's ``end`` (answered with 0 ACTs), live, in contact order (``cur.ready``)."""
+        c = self.c
+        cur.ready.extend(x for x in cur.ready_late if x not in cur.ready and c.flow.live(x))
+        cur.ready_late.clear()
+        cur.ready.sort(key=lambda x: c.links.named(x).contact or x)
+        return [x for x in cur.ready if c.flow.live(x)]
 
     def replay(self, cur: StepState, name: str) -> None:
         """Link ``name``'s replica left while this replica's round is whole and nobody took the step
@@ -194,7 +199,7 @@ class Repair:
         c = self.c
         link = c.links.named(name)
         again = sorted(m for m, to in cur.via.items() if to == name and m in cur.payloads)
-        targets = [x for x in dict.fromkeys([*cur.ready, *cur.ready_late]) if x != name and c.flow.live(x)]
+        targets = [x for x in self._ready_again(cur) if x != name]
         if link is None or link.contact is None or not again or not targets:
             return
         by: dict[str, list[int]] = {}
