@@ -42,3 +42,22 @@ def stdlib_run_config(cache, out, steps: int, **checkpoint) -> TrainConfig:
 @pytest.fixture
 def make_config():
     return micro_config
+
+
+def capture_launch(monkeypatch, *keys: str, first=None) -> dict:
+    """Replace ``mapl_swarm.launch.launch`` with a stand-in that records the ``keys`` of each call's
+    keyword arguments (what the CLI handed it), runs ``first(kwargs)`` (launch()'s own first checks),
+    then stops with a ConfigError; returns the record (cleared by the caller between calls)."""
+    from mapl_swarm import launch as launch_mod
+    from mapl_swarm.errors import ConfigError
+
+    got: dict = {}
+
+    def fake_launch(cfg, config_args, **kwargs):
+        got.update({k: kwargs[k] for k in keys})
+        if first is not None:
+            first(kwargs)
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(launch_mod, "launch", fake_launch)
+    return got

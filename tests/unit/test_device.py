@@ -15,6 +15,8 @@ from mapl_swarm.peer.compute import ComputeThread
 from mapl_swarm.launch import gpu_plan, parse_gpus, peer_processes, visible_gpus
 from mapl_swarm.pipeline.device import bind_device, resolve_device
 
+from conftest import capture_launch
+
 
 # ---------------------------------------------------------------- runtime.device values
 @pytest.mark.parametrize("value", ["auto", "cpu", "cuda", "cuda:0", "cuda:1", "cuda:15"])
@@ -203,15 +205,8 @@ def test_peer_processes_environment_per_child():
 def test_launch_cli_option_reaches_launch(monkeypatch, tmp_path):
     """``mapl-swarm launch --gpus 2,3`` hands ['2', '3'] to launch(); a bad list is a one-line error."""
     from mapl_swarm import cli
-    from mapl_swarm import launch as launch_mod
 
-    got = {}
-
-    def fake_launch(cfg, config_args, *, progress, gpus, max_restarts, revocations):
-        got["gpus"] = gpus
-        raise ConfigError("stop here")
-
-    monkeypatch.setattr(launch_mod, "launch", fake_launch)
+    got = capture_launch(monkeypatch, "gpus")
     assert cli.main(["launch", "--gpus", "2,3", "--quiet"]) == 2
     assert got["gpus"] == ["2", "3"]
     got.clear()

@@ -9,6 +9,8 @@ import pytest
 from mapl_swarm.errors import ConfigError
 from mapl_swarm.launch import PeerProcess, RestartPolicy, exit_text, resumed
 
+from conftest import capture_launch
+
 
 def test_each_stage_gets_its_own_restarts_then_stops_the_swarm():
     policy = RestartPolicy(2)
@@ -71,7 +73,6 @@ def test_a_restarted_peer_is_the_same_peer_with_resume_once():
 
 def test_cli_flag_is_per_stage_defaults_to_3_and_reaches_launch(monkeypatch):
     from mapl_swarm import cli
-    from mapl_swarm import launch as launch_mod
 
     parser = cli.build_parser()
     assert parser.parse_args(["launch"]).max_restarts == 3
@@ -79,14 +80,8 @@ def test_cli_flag_is_per_stage_defaults_to_3_and_reaches_launch(monkeypatch):
     launch_parser = parser._subparsers._group_actions[0].choices["launch"]
     assert "per stage" in launch_parser.format_help()
 
-    got = {}
-
-    def fake_launch(cfg, config_args, *, progress, gpus, max_restarts, revocations):
-        got["max_restarts"] = max_restarts
-        RestartPolicy(max_restarts)  # what launch() does first
-        raise ConfigError("stop here")
-
-    monkeypatch.setattr(launch_mod, "launch", fake_launch)
+    # what launch() does first: its restart policy
+    got = capture_launch(monkeypatch, "max_restarts", first=lambda kw: RestartPolicy(kw["max_restarts"]))
     assert cli.main(["launch", "--max-restarts", "5", "--quiet"]) == 2
     assert got == {"max_restarts": 5}
     assert cli.main(["launch", "--max-restarts", "-1", "--quiet"]) == 2

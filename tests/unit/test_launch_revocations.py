@@ -10,6 +10,8 @@ from mapl_swarm.errors import ConfigError
 from mapl_swarm.launch import peer_processes, revocation_args
 from mapl_swarm.net.identity import issue_local, revoke, write_signed
 
+from conftest import capture_launch
+
 RUN = "revocations-run"
 
 
@@ -40,14 +42,7 @@ def test_every_local_peer_gets_the_checked_list_and_a_wrong_one_is_named(tmp_pat
 
 def test_the_launch_option_reaches_launch(monkeypatch):
     from mapl_swarm import cli
-    from mapl_swarm import launch as launch_mod
 
-    got = {}
-
-    def fake_launch(cfg, config_args, *, progress, gpus, max_restarts, revocations):
-        got["revocations"] = revocations
-        raise ConfigError("stop here")
-
-    monkeypatch.setattr(launch_mod, "launch", fake_launch)
+    got = capture_launch(monkeypatch, "revocations")
     assert cli.main(["launch", "--revocations", "revoked.list", "--quiet"]) == 2
     assert got == {"revocations": "revoked.list"}
