@@ -114,7 +114,7 @@ class Rounds:
             self._differ(round_, f"at step {cur.step}", then=Phase.SERVE)
             return
         if problem is not None:
-            if (cur.partners_gone or cur.await_answers) and not c.first:
+            if (cur.partners_gone or cur.awaited) and not c.first:
                 c.phase, self._problem = Phase.REPAIR, problem
                 self._repair_until = c.clock() + c.s.timeout_s / 2
                 return
@@ -153,7 +153,7 @@ class Rounds:
         c = self.c
         cur = c.cur
         now = c.clock()
-        if c.repair.upstream_answered(cur) or now >= self._repair_until:
+        if c.repair.upstream_answered(cur, cur.partners_gone | cur.awaited) or now >= self._repair_until:
             if now >= self._repair_until:
                 log.warning("%s: step %d: not every upstream replica said within %g s whether what went through the "
                             "replica that left comes again", c.s.name, cur.step, c.s.timeout_s / 2)

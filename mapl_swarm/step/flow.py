@@ -140,7 +140,7 @@ class Flow:
         c = self.c
         repair = c.repair
         if cur.repair_by and now > cur.repair_by and (cur.held or cur.rerun & cur.dest.keys()
-                                                      or cur.await_answers and not repair.upstream_answered(cur)):
+                                                      or cur.awaited and not repair.upstream_answered(cur, cur.awaited)):
             c.redo.issue(cur.step, f"the repair after a replica left did not come within {c.s.timeout_s / 2:g} s "
                                    f"({len(cur.held)} re-run(s) awaited here, {len(cur.rerun & cur.dest.keys())} "
                                    f"GRAD(s) of ACTs sent again)")
@@ -486,7 +486,7 @@ class Flow:
         c = self.c
         if c.first:
             return not cur.todo and (c.s.replicas or cur.forwarded == c.s.M)
-        if cur.await_answers and not c.repair.upstream_answered(cur):
+        if cur.awaited and not c.repair.upstream_answered(cur, cur.awaited):
             return False  # what an upstream replica that left had not passed on may come again
         live = set(self.up_links())
         return set(cur.announced) >= cur.readied & live and cur.forwarded == cur.taken \

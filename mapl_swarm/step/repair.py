@@ -27,7 +27,7 @@ A stage whose last replica leaves is the peer's (the swarm re-forms, or the run 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from mapl_swarm.step import intents as do
@@ -50,14 +50,18 @@ EARLY_NOTICES = 64
 replica is what honest neighbours send)."""
 
 
+MAX_SAID = 1024
+"""Contacts kept of what one upstream link said gone, at most (departures over a whole run)."""
+
+
 class Repair:
     """What replicas that leave change in stage ``core.stage``'s step (module docstring)."""
 
     def __init__(self, core: Core) -> None:
         self.c = core
-        self.said: dict[str, set[str]] = {}
-        """Upstream link -> the replicas of this stage it said ``gone`` or ``reopen`` of, in any step:
-        one it said so of in an earlier step sent nothing of a later step to them."""
+        self.said: dict[str, dict[str, int]] = {}
+        """Upstream link -> the contacts it said ``gone`` or ``reopen`` of -> the first step it did:
+        of one it said so of in an earlier step it sent nothing of a later step to them."""
         self.early: list[tuple[Message, LinkView]] = []
         """ROUTE ``gone`` of the step this replica moved to, come before it began serving it
         (:meth:`began`)."""
@@ -101,8 +105,10 @@ class Repair:
                 # its share of the step's data is read by no other replica: stage 0 splits the step
                 # again among the replicas left (a redo), before this replica's round
                 c.redo.soon(c.step, "the replica of stage 0 that left had its share of the step's micro-batches")
-        elif active and not downstream and link.name not in cur.announced:
-            cur.await_answers = True
+        elif active and not downstream:
+            # what it had not passed on comes again through its partners, routed to any ready link
+            # (this one too, though its ``end`` came): its partners' word on it is awaited
+            cur.awaited.add(link.contact)
             self.deadline(cur)
         if link.stage != 0 and active and held:
             # what it accumulated of them is lost at its stage: their re-runs come through its
@@ -241,7 +247,7 @@ class Repair:
         c = self.c
         contacts = self.named(msg)
         if link.stage == c.links.up:
-            self.said.setdefault(link.name, set()).update(contacts)
+            self.say(link.name, msg)
         if msg.meta["phase"] == "gone" and (msg.step, msg.epoch) == (c.step, c.epoch):
             if c.cur.step == msg.step:
                 self.on_gone(msg, link, contacts)
@@ -252,9 +258,8 @@ class Repair:
     def said_gone(self, msg: Message, link: str) -> None:
         """A ``reopen`` from upstream link ``link`` arrived: the replicas it names left (this stage's
         rounds stop waiting for them at once), and that link said so (:attr:`said`)."""
-        contacts = self.named(msg)
-        self.said.setdefault(link, set()).update(contacts)
-        self.learn_gone(contacts)
+        self.say(link, msg)
+        self.learn_gone(self.named(msg))
 
     def began(self, cur: StepState) -> None:
         """The state of the current step was made: the ROUTE ``gone`` of it that came before count now
@@ -275,7 +280,7 @@ class Repair:
         c = self.c
         cur = c.cur
         if link.stage == c.links.up:
-            cur.answered.add(link.name)
+            cur.answered.setdefault(link.name, set()).update(self.c.members.named(msg.meta.get("gone", []), set()))
         fresh = [x for x in contacts if x not in cur.gone_before]  # not gone when this attempt began
         if fresh:
             self.deadline(cur)
@@ -307,14 +312,25 @@ class Repair:
     def answer(self, cur: StepState) -> None:
         """Once every live upstream replica said whether what went through this stage's replicas that
         left comes again (``gone`` or ``reopen``), say so downstream: ROUTE ``gone`` naming them. A
-        downstream replica that found one of them gone before its ``end`` waits for this from every
-        live upstream replica before it counts its ACTs of the step as all in."""
+        downstream replica that found one of them gone while active waits for this from every live
+        upstream replica before it counts its ACTs of the step as all in. While a ``reopen`` is to be
+        passed on, the word goes in it (:meth:`reopen`): a ``gone`` ahead of it would let a ready
+        link take the ACTs it has as all in before the ``reopen`` says more come."""
+        if cur.reopen and self.c.active:
+            return
+        word = self._word(cur)
+        for name in self.c.flow.down_links() if word else ():
+            self.c.spawn(do.SendRoute(name, cur.step, "gone", gone=word, epoch=self.c.epoch))
+
+    def _word(self, cur: StepState) -> tuple[str, ...]:
+        """The partners gone (or asked about) that every live upstream replica said its word on and
+        this replica has not yet said its own on downstream (marked said)."""
         c = self.c
         due = sorted((cur.partners_gone | cur.asked) - cur.answered_down)
-        if due and not c.last and self.upstream_answered(cur, due):
-            cur.answered_down.update(due)
-            for name in c.flow.down_links():
-                c.spawn(do.SendRoute(name, cur.step, "gone", gone=tuple(due), epoch=c.epoch))
+        if not due or c.last or not self.upstream_answered(cur, due):
+            return ()
+        cur.answered_down.update(due)
+        return tuple(due)
 
     def reopen_wanted(self, msg: Message) -> bool:
         """A ROUTE ``reopen`` of the current step and run epoch."""
@@ -325,11 +341,25 @@ class Repair:
         """A ROUTE ``reopen`` of the current step waits in the inbox."""
         return self.c.inbox.has(self.reopen_wanted)
 
-    def upstream_answered(self, cur: StepState, contacts: Sequence[str] = ()) -> bool:
-        """Every live upstream link said ``gone`` or ``reopen`` in the step, or of every one of
-        ``contacts`` in an earlier step (it knew them gone before it began this one)."""
-        return all(name in cur.answered or (contacts and self.said.get(name, set()) >= set(contacts))
-                   for name in self.c.flow.up_links())
+    def say(self, link: str, msg: Message) -> None:
+        """Upstream link ``link`` said ``gone`` or ``reopen`` in step ``msg.step`` of the contacts
+        ``msg`` names (as named, its own links' too: a receiver awaits its partners' word on an
+        upstream replica it lost)."""
+        said = self.said.setdefault(link, {})
+        for contact in self.c.members.named(msg.meta.get("gone", []), set()):
+            if len(said) < MAX_SAID or contact in said:
+                said[contact] = min(said.get(contact, msg.step), msg.step)
+
+    def upstream_answered(self, cur: StepState, contacts: Iterable[str]) -> bool:
+        """Every live upstream link said ``gone`` or ``reopen`` of every one of ``contacts``: in the
+        step, in the link's order (:meth:`on_gone`), or in an earlier step (then it knew them gone
+        before it began this one, and sent them nothing of it)."""
+        wanted = set(contacts)
+        for name in self.c.flow.up_links():
+            earlier = self.said.get(name, {})
+            if not all(x in cur.answered.get(name, ()) or earlier.get(x, cur.step) < cur.step for x in wanted):
+                return False
+        return True
 
     def deadline(self, cur: StepState) -> None:
         """The repair this replica waits for (re-runs of what it holds, its upstream links' word, its
@@ -348,12 +378,13 @@ class Repair:
         c = self.c
         notices, cur.notices = tuple(cur.notices), []
         relay, cur.reopen = cur.reopen, False
+        said = notices + self._word(cur)  # this replica's word on its partners gone goes with it (answer)
         for name in c.flow.down_links():
             if name in cur.ready and (relay or notices):
                 cur.reopened.add(name)
-                c.send(do.SendRoute(name, cur.step, "reopen", gone=notices))
-            elif notices:
-                c.send(do.SendRoute(name, cur.step, "gone", gone=notices))
+                c.send(do.SendRoute(name, cur.step, "reopen", gone=said))
+            elif said:
+                c.send(do.SendRoute(name, cur.step, "gone", gone=said))
         cur.waiting.extend(cur.resend)
         cur.resend.clear()
 

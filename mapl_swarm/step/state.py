@@ -49,11 +49,14 @@ class StepState:
     held_from: set[str] = field(default_factory=set)
     """Gone upstream links whose micro-batches this replica holds (their part of the inbound
     projector's gradient goes to a live one)."""
-    await_answers: bool = False
-    """An upstream replica left before its ``end``: every live upstream link says ``gone`` or
-    ``reopen`` before this replica counts its ACTs of the step as all in."""
-    answered: set[str] = field(default_factory=set)
-    """Upstream links that said ``gone`` or ``reopen`` in the step."""
+    awaited: set[str] = field(default_factory=set)
+    """Contacts of upstream replicas that left while this replica was active in the step: what they
+    had not passed on may come again through their partners, to any ready link, so every live
+    upstream link says ``gone`` or ``reopen`` of them before this replica counts its ACTs of the
+    step as all in."""
+    answered: dict[str, set[str]] = field(default_factory=dict)
+    """Upstream link -> the contacts it said ``gone`` or ``reopen`` of in the step (a ``reopen``
+    naming no one, passed on by a partner that was told one, is not its word on anyone)."""
     proj_sent: dict[str, tuple[int, Any]] = field(default_factory=dict)
     """Upstream link -> the ACTs and inbound projector gradient its PROJ_GRAD covered (a flush after
     a reopen sends the sum over all of them)."""

@@ -245,6 +245,34 @@ def test_a_middle_replica_killed_at_any_moment_never_stalls_the_swarm(seed, foun
         check_run(sw)
 
 
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("found", [{(0, 0): 3.0, (0, 1): 0.3, (2, 0): 0.05, (2, 1): 0.3},
+                                   {(0, 0): 1.0, (0, 1): 3.0, (2, 0): 0.3, (2, 1): 3.0},
+                                   {(0, 0): 3.0, (0, 1): 1.0, (2, 0): 0.3, (2, 1): 1.0}])
+def test_a_middle_replica_killed_while_it_serves_is_repaired_whoever_finds_it_when(seed, found):
+    """Two replicas at every stage (the slow process test's setting), the middle one killed at any
+    moment of a step before its round is whole, each neighbour finding it gone at its own time:
+    what it had not passed on comes again through its partner, routed to either next-stage
+    replica, so both wait for the partner's word on it (their ``end`` from the dead one came or
+    not), and the partner passes a ``reopen`` on before its word: no step is redone (issue 45)."""
+    for extra in range(0, 40, 3):
+        sw = SimSwarm((2, 2, 2), M=6, steps=4, seed=seed)
+        victim = sw.peers[1, seed % 2]
+        backwards = [0]
+
+        def until() -> bool:
+            backwards[0] += any(s >= 1 and op == "B" for s, op, *_ in victim.order)
+            return backwards[0] > extra
+
+        sw.run(until=until)
+        if victim.core.phase not in (Phase.SERVE, Phase.FLUSH, Phase.AVERAGE):
+            continue  # its round was whole: its partner serves nothing more of the step (at most a redo)
+        sw.kill(victim.key, found)
+        sw.run()
+        check_run(sw)
+        assert not redone(sw), (extra, victim.core.phase)
+
+
 def test_a_stages_last_replica_lost_is_the_peers_a_re_form():
     """A neighbour's death that leaves its stage without a replica is not the core's to repair: it says
     so (the peer pauses and the swarm re-forms from checkpoints, SPEC §9.10 item 10)."""
