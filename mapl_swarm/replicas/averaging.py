@@ -4,8 +4,8 @@ The replicas of stage k of a run share one averager prefix (:func:`~mapl_swarm.n
 and therefore hivemind's matchmaking key ``<prefix>.0b`` and state-download key
 ``<prefix>.all_averagers``. hivemind 1.1.12's averager authorizes nobody: any process that reaches
 its p2p daemon can join matchmaking, contribute a part of the average or download the state. Here
-every averager RPC (``rpc_join_group``, ``rpc_aggregate_part``, ``rpc_download_state``) is served
-only to a **member**: a peer whose libp2p peer id is a subkey of the stage's ``all_averagers`` key.
+every averager RPC (``rpc_join_group``, ``rpc_aggregate_part``, ``rpc_download_state``, and
+``rpc_kept_round`` of :mod:`.kept_round`) is served only to a **member**: a peer whose libp2p peer id is a subkey of the stage's ``all_averagers`` key.
 A certified DHT node accepts a record under that key only when the certificate it carries allows
 stage k and the subkey is the peer id of the certificate's own signing key
 (:class:`~mapl_swarm.net.dht_validation.CertifiedRecordValidator`, member keys), and libp2p proves a
@@ -24,13 +24,14 @@ forks a process: create it before ZeroMQ, the event loop and torch threads, as t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing as mp
 import os
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, AsyncIterator, Callable  # typing's: hivemind reads the RPC hints by their _name
 
 import torch
@@ -41,11 +42,12 @@ from hivemind.averaging.partition import AllreduceException
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import ValueWithExpiration, get_dht_time
-from hivemind.utils.asyncio import as_aiter, azip
+from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 
 from mapl_swarm.aio import within
 from mapl_swarm.net.discovery import averaging_prefix, member_keys
 from mapl_swarm.procs import set_parent_death_signal, watch_parent
+from mapl_swarm.replicas import kept_round
 from mapl_swarm.replicas.exact_allreduce import ExactAllReduceRunner
 from mapl_swarm.replicas.state import StateMismatch, flatten_state, restore_like
 
@@ -53,8 +55,8 @@ __all__ = ["StageAverager", "REFUSALS", "MEMBERS_CACHE_S", "GATHER_ONLY", "Usabl
 
 logger = logging.getLogger(__name__)
 
-REFUSALS = ("join_group", "aggregate_part", "download_state", "group")
-"""What a stage averager refuses to a non-member: its three RPCs, and a group assembled with one."""
+REFUSALS = ("join_group", "aggregate_part", "download_state", "kept_round", "group")
+"""What a stage averager refuses to a non-member: its four RPCs, and a group assembled with one."""
 STATE_KEY = "mapl_stage_state"
 """The metadata key of a stage state in a download (hivemind's own metadata is a dict too)."""
 GATHER_ONLY = "gather_only"
@@ -108,6 +110,8 @@ class StageAverager(DecentralizedAverager):
         self._members_read = -float("inf")
         self._refusals = mp.Array("q", len(REFUSALS))  # shared: the RPCs are served in the averager's process
         self._traffic = mp.Array("q", 2)  # tensor bytes sent, received by its all-reduces (that process too)
+        self._fills = mp.Value("q", 0)  # how often the host filled the tensors for a round
+        self._outcomes = kept_round.Outcomes()  # the averager process's (kept_round)
         self._refused_logged: set[tuple[str, PeerID]] = set()
         super().__init__(averaged_tensors, dht, prefix=averaging_prefix(run_id, stage), target_group_size=replicas,
                          min_group_size=2, initial_group_bits="", min_matchmaking_time=min_matchmaking_time,
@@ -160,6 +164,15 @@ class StageAverager(DecentralizedAverager):
             signal.signal(signal.SIGINT, previous)
         if await_ready:
             self.wait_until_ready(timeout)
+
+    @contextlib.contextmanager
+    def filling(self) -> Iterator[Sequence[torch.Tensor]]:
+        """The averaged tensors, for the host to fill for its next round: a result kept for a
+        partner (:mod:`.kept_round`) is no longer served from them."""
+        with self.get_tensors() as tensors:
+            with self._fills.get_lock():
+                self._fills.value += 1
+            yield tensors
 
     @property
     def traffic(self) -> tuple[int, int]:
@@ -238,6 +251,49 @@ class StageAverager(DecentralizedAverager):
         async for message in super().rpc_download_state(request, context):
             yield message
 
+    async def rpc_kept_round(self, request: averaging_pb2.AveragingData,
+                             context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """A partner whose all-reduce of group ``request.group_id`` broke asks for this member's result
+        (:mod:`.kept_round`): the averaged tensors if this member kept that round, else a refusal."""
+        if not await self._is_member(context.remote_id, "kept_round"):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        fill = await self._outcomes.kept(request.group_id, context.remote_id, 2 * self.next_chunk_timeout)
+        answer: list[averaging_pb2.AveragingData] = []
+        if fill is not None:
+            async with enter_asynchronously(self.get_tensors()) as tensors:
+                if self._fills.value == fill:  # not filled for another round since
+                    answer = list(await asyncio.get_running_loop().run_in_executor(
+                        None, lambda: list(kept_round.parts(tensors))))
+        if not answer:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.CANCELLED)
+        for message in answer:
+            yield message
+
+    async def _take_kept(self, group_info: GroupInfo) -> PeerID | None:
+        """This member's all-reduce of ``group_info`` broke: the averaged tensors of a partner that
+        kept the round, written into this member's; that partner, or None when none kept it."""
+        for peer in group_info.peer_ids:
+            if peer == self.peer_id:
+                continue
+            try:
+                stub = type(self).get_stub(self._p2p, peer, namespace=self.prefix)
+                async with enter_asynchronously(self.get_tensors()) as tensors:  # shapes and dtypes only
+                    like = list(tensors)
+                got = await within(kept_round.take(
+                    await stub.rpc_kept_round(averaging_pb2.AveragingData(group_id=group_info.group_id)), like),
+                    3 * self.next_chunk_timeout)
+            except Exception as exc:  # a partner gone, or a broken answer: ask the next one
+                logger.debug("stage %d averaging: no kept round from %s: %r", self.stage, peer, exc)
+                continue
+            if got is None:
+                continue
+            async with enter_asynchronously(self.get_tensors()) as tensors:
+                for tensor, averaged in zip(tensors, got):
+                    tensor.copy_(averaged)
+            return peer
+        return None
+
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
         strangers = [p for p in group_info.peer_ids if not await self._is_member(p, "group")]
         if strangers:
@@ -253,7 +309,17 @@ class StageAverager(DecentralizedAverager):
             # every member reads the same gathered data, so all of them skip the all-reduce alike
             self._running_groups[group_info.group_id].cancel()  # no runner: no part is sent or awaited
             return gathered
-        return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        try:
+            return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        except MatchmakingException as exc:
+            if not self._outcomes.ran(group_info.group_id):
+                raise
+            kept_by = await self._take_kept(group_info)
+            if kept_by is None:
+                raise
+            logger.warning("stage %d averaging: the all-reduce broke here after it began (%s); took the round's "
+                           "result from %s, which kept it", self.stage, exc, kept_by)
+            return gathered
 
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
                                       group_id: bytes | None = None, **kwargs: Any) -> None:
@@ -264,13 +330,23 @@ class StageAverager(DecentralizedAverager):
                                       group_id=group_id, ordered_peer_ids=group_info.peer_ids,
                                       traffic=self._traffic, **kwargs)
         self._running_groups[group_id].set_result(runner)
-        async for tensor, averaged in azip(as_aiter(*tensors), runner):
-            tensor.copy_(averaged)
-            self.last_updated = get_dht_time()
-            self._state_updated.set()
-        # hivemind keeps this peer's own values for the parts that did not come, and averages the
-        # parts it reduces without a sender whose stream broke: neither is the group's average, so
-        # the round fails here (and, through the broken streams, at the other members too)
+        self._outcomes.began(group_id, group_info.peer_ids)
+        try:
+            async for tensor, averaged in azip(as_aiter(*tensors), runner):
+                tensor.copy_(averaged)
+                self.last_updated = get_dht_time()
+                self._state_updated.set()
+            self._check_whole(runner, tensors)
+        except BaseException:
+            self._outcomes.ended(group_id, kept=False)
+            raise
+        self._outcomes.ended(group_id, kept=True, fill=self._fills.value)
+
+    def _check_whole(self, runner: ExactAllReduceRunner, tensors: Sequence[torch.Tensor]) -> None:
+        """Raise :class:`AllreduceException` unless ``runner`` left ``tensors`` the group's average.
+        hivemind keeps this peer's own values for the parts that did not come, and averages the
+        parts it reduces without a sender whose stream broke: neither is the group's average, so the
+        round fails here (and, through the broken streams, at the other members too)."""
         failed = runner.tensor_part_container.failed_size
         if failed or runner.banned_senders:
             raise AllreduceException(f"{failed} of {runner.tensor_part_container.total_size} averaged values did not "

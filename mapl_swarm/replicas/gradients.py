@@ -23,9 +23,9 @@ once and every digest is equal (:meth:`ReplicaStep.problem`); its sorted peer id
 replicas for the next step (stage 0 splits the data by them). The runtime's parameters receive the
 average only from a round that counts: a round that failed or was cancelled
 (:meth:`ReplicaGradients.cancel`, a replica of the stage left) leaves the replica's own gradients
-in place. One that failed after its all-reduce began is *unsure* (:class:`AveragingFailed`
-``unsure``): a partner may have received every part and kept it, so only a redo of the step by all
-replicas is safe. A stage with one
+in place. A member whose all-reduce broke after it began takes the result of a partner that kept
+the round (:mod:`.kept_round`); when none did, it is *unsure* (:class:`AveragingFailed`
+``unsure``) and the step is redone by all replicas. A stage with one
 live replica takes its step alone (``expected`` 1: no round). Before the first step a
 :meth:`ReplicaGradients.sync` round (nothing averaged) finds the replicas that start together and
 checks that they hold the same parameters.
@@ -239,7 +239,7 @@ class ReplicaGradients:
         n = len(micro)
         scale = self.runtime.cfg.pipeline.num_micro_batches / n if n else 0.0
         stats = self.runtime.step_statistics()  # the same tensors as self.stats, filled in for the step
-        with self.averager.get_tensors() as buffers, torch.no_grad():
+        with self.averager.filling() as buffers, torch.no_grad():
             for buf, t in zip(buffers, [*(p.grad for p in self.params), *stats], strict=True):
                 if t is None or not n:
                     buf.zero_()

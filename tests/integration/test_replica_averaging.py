@@ -59,7 +59,36 @@ async def attack(target: bytes, prefix: str, _dht: Any, node: Any) -> dict[str, 
                 schema_hash=b"x", expiration=get_dht_time() + 10)),
             "part": await answers(stub.rpc_aggregate_part, as_aiter(averaging_pb2.AveragingData(
                 code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"g"))),
-            "state": await answers(stub.rpc_download_state, averaging_pb2.DownloadRequest(), code=False)}
+            "state": await answers(stub.rpc_download_state, averaging_pb2.DownloadRequest(), code=False),
+            "kept": await answers(stub.rpc_kept_round, averaging_pb2.AveragingData(group_id=b"g"))}
+
+
+def breakable() -> type:
+    """A stage averager whose all-reduce breaks on demand (``breaks`` set) once it ran, as a stream
+    from a partner's reducer that ends a part early leaves it: its values not the average, the round
+    failed here while the partner may have kept it (``broke`` counts those)."""
+    import multiprocessing as mp
+
+    from hivemind.averaging.partition import AllreduceException
+
+    from mapl_swarm.replicas.averaging import StageAverager
+
+    class Breakable(StageAverager):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.breaks, self.broke = mp.Value("i", 0), mp.Value("i", 0)
+            super().__init__(*args, **kwargs)
+
+        def _check_whole(self, runner: Any, tensors: Any) -> None:
+            super()._check_whole(runner, tensors)
+            if self.breaks.value:
+                for tensor in tensors:
+                    tensor.zero_()
+                with self.broke.get_lock():
+                    self.broke.value += 1
+                raise AllreduceException("peer sent 6 parts, but we expected 7 (broken on purpose)")
+
+    Breakable.__name__ = StageAverager.__name__  # hivemind names RPC handlers after the class: the same ones
+    return Breakable
 
 
 def scenario(bootstrap_dht: Any, maddrs: list[str], ids: list) -> None:
@@ -69,6 +98,8 @@ def scenario(bootstrap_dht: Any, maddrs: list[str], ids: list) -> None:
     from hivemind.utils.timed_storage import get_dht_time
 
     from mapl_swarm.replicas.averaging import StageAverager
+
+    Breakable = breakable()
 
     replica_a, replica_b, member = ids
     averagers: dict[str, Any] = {}
@@ -89,8 +120,9 @@ def scenario(bootstrap_dht: Any, maddrs: list[str], ids: list) -> None:
             previous = signal.signal(signal.SIGINT, sigint)
             try:
                 for name, disc in (("a", a), ("b", b), ("m", m), ("o", outsider)):
-                    averagers[name] = StageAverager(tensors[name], disc.dht, run_id=RUN, stage=1, replicas=2,
-                                                    state=states.get(name), start=True)
+                    kind = Breakable if name in ("a", "b") else StageAverager
+                    averagers[name] = kind(tensors[name], disc.dht, run_id=RUN, stage=1, replicas=2,
+                                           state=states.get(name), start=True)
                 kept = signal.getsignal(signal.SIGINT)
             finally:
                 signal.signal(signal.SIGINT, previous)
@@ -101,9 +133,10 @@ def scenario(bootstrap_dht: Any, maddrs: list[str], ids: list) -> None:
                 got = averagers[attacker].dht.run_coroutine(
                     functools.partial(attack, avg_a.peer_id.to_bytes(), prefix))
                 refused = ([averaging_pb2.PROTOCOL_VIOLATION], [], ["closed"])  # never a group, a part or a state
-                assert got["join"] in refused and got["part"] in refused and got["state"] in ([], ["closed"]), \
-                    (attacker, got)
-            assert avg_a.refused == {"join_group": 2, "aggregate_part": 2, "download_state": 2, "group": 0}
+                assert got["join"] in refused and got["part"] in refused and got["state"] in ([], ["closed"]) \
+                    and got["kept"] in refused, (attacker, got)
+            assert avg_a.refused == {"join_group": 2, "aggregate_part": 2, "download_state": 2, "kept_round": 2,
+                                     "group": 0}
 
             # a group a member's leader assembled with a stranger is refused before any tensor is sent
             stranger = averagers["o"].peer_id
@@ -123,6 +156,28 @@ def scenario(bootstrap_dht: Any, maddrs: list[str], ids: list) -> None:
             for s in intruders:
                 with pytest.raises(Exception):
                     s.result(timeout=20)
+
+            # b's all-reduce breaks after a kept the round: b takes a's result, and the round counts at both
+            for avg, value in ((avg_a, 2.0), (avg_b, 6.0)):
+                with avg.filling() as t:
+                    t[0].fill_(value)
+            avg_b.breaks.value = 1
+            steps = [avg_a.step(weight=1.0, timeout=30, wait=False, allow_retries=False),
+                     avg_b.step(weight=3.0, timeout=30, wait=False, allow_retries=False)]
+            groups = [s.result(timeout=80) for s in steps]
+            assert all(g is not None and set(g) == {avg_a.peer_id, avg_b.peer_id} for g in groups), groups
+            assert avg_b.broke.value == 1
+            with avg_a.get_tensors() as ta, avg_b.get_tensors() as tb:
+                assert torch.equal(ta[0], tb[0]) and torch.allclose(ta[0], torch.full((64,), 5.0))  # (2 + 18) / 4
+            # both break: neither kept the round, so it fails at both
+            avg_a.breaks.value = 1
+            steps = [avg_a.step(weight=1.0, timeout=30, wait=False, allow_retries=False),
+                     avg_b.step(weight=3.0, timeout=30, wait=False, allow_retries=False)]
+            for s in steps:
+                with pytest.raises(Exception):
+                    s.result(timeout=80)
+            assert (avg_a.broke.value, avg_b.broke.value) == (1, 2)
+            avg_a.breaks.value = avg_b.breaks.value = 0
 
             # a replica downloads another's stage state; certified nodes hold no intruder under stage 1's keys
             like = {"modules": {"w": torch.zeros(3, 4, dtype=torch.bfloat16)}, "step": 0, "data": {"cursor": 0}}

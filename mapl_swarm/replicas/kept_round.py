@@ -1,0 +1,117 @@
+"""A round whose all-reduce broke at one member after a partner kept it: that member takes the
+partner's result instead of failing.
+
+hivemind's all-reduce ends separately at each member. A member whose stream from a partner's
+reducer breaks after that partner has every part it needs (seen about once in 2,400–5,000 rounds
+on a loaded 2-core host: "peer X sent 6 parts, but we expected 7") fails while the partner keeps
+the round; this member cannot tell, so the whole swarm would redo the step (SPEC §9.10 item 6).
+Every member that keeps a round holds the group's averaged bytes (:mod:`.exact_allreduce`), so the
+one that failed asks its partners for them (``rpc_kept_round``, members of that group only): a
+partner answers once its own all-reduce of that group ended, with its averaged tensors if it kept
+the round, and with a refusal if it failed too or has since begun filling its tensors for another
+round. The first partner that kept it gives this member the same bytes, and its round counts; when
+none did, the round fails as before (``unsure``: nobody kept it, so the step is redone).
+
+:class:`Outcomes` is the keeping side's record (in the averager process), :func:`parts` and
+:func:`take` the answer's stream of serialized tensors (hivemind's chunks) and its checked reading.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Iterator, Sequence
+
+import torch
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+
+from mapl_swarm.aio import within
+
+__all__ = ["Outcomes", "parts", "take", "KEPT_GROUPS", "CHUNK_BYTES"]
+
+KEPT_GROUPS = 4
+"""Groups whose outcome an averager remembers (the current round's, and a few before it)."""
+CHUNK_BYTES = 1 << 19
+"""Bytes of a tensor per message of an answer (hivemind's all-reduce parts are as large)."""
+
+
+class Outcomes:
+    """Whether this member kept each of its last :data:`KEPT_GROUPS` groups' all-reduce, and at which
+    fill of its tensors (a result is served only while the tensors still hold it)."""
+
+    def __init__(self) -> None:
+        self._ended: OrderedDict[bytes, tuple[asyncio.Future[bool], frozenset[PeerID]]] = OrderedDict()
+        self._fill: dict[bytes, int] = {}
+
+    def began(self, group_id: bytes, members: Sequence[PeerID]) -> None:
+        """This member's all-reduce of ``group_id`` among ``members`` began."""
+        self._ended[group_id] = (asyncio.get_running_loop().create_future(), frozenset(members))
+        while len(self._ended) > KEPT_GROUPS:
+            old, _ = self._ended.popitem(last=False)
+            self._fill.pop(old, None)
+
+    def ended(self, group_id: bytes, kept: bool, fill: int = -1) -> None:
+        """That all-reduce ended; ``kept``: with every averaged value, its tensors at ``fill``."""
+        entry = self._ended.get(group_id)
+        if entry is not None and not entry[0].done():
+            entry[0].set_result(kept)
+            if kept:
+                self._fill[group_id] = fill
+
+    def ran(self, group_id: bytes) -> bool:
+        """This member's all-reduce of ``group_id`` began (so a partner may have kept it)."""
+        return group_id in self._ended
+
+    async def kept(self, group_id: bytes, asker: PeerID, timeout: float) -> int | None:
+        """The fill at which this member kept ``group_id`` for ``asker``, a member of that group,
+        once its own all-reduce ended (``timeout`` s at most); None when it did not keep it."""
+        entry = self._ended.get(group_id)
+        if entry is None or asker not in entry[1]:
+            return None
+        try:
+            kept = await within(asyncio.shield(entry[0]), timeout)
+        except TimeoutError:
+            return None
+        return self._fill.get(group_id) if kept else None
+
+
+def parts(tensors: Sequence[torch.Tensor]) -> Iterator[averaging_pb2.AveragingData]:
+    """The answer to a partner: ``tensors`` as hivemind's chunks of serialized tensors (a tensor's
+    first chunk carries its dtype)."""
+    for tensor in tensors:
+        for chunk in split_for_streaming(serialize_torch_tensor(tensor), CHUNK_BYTES):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=chunk)
+
+
+async def take(answer: AsyncIterator[averaging_pb2.AveragingData], like: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+    """The tensors of a partner's answer, when it kept the round and they have the shapes and dtypes
+    of ``like`` (this member's, read for those only); None otherwise. Reads no more than a MiB over
+    what ``like`` holds."""
+    limit = sum(t.numel() * t.element_size() for t in like) + (1 << 20)
+    got: list[torch.Tensor] = []
+    chunks: list = []
+    size = 0
+
+    def close() -> bool:
+        if chunks:
+            got.append(deserialize_torch_tensor(combine_from_streaming(chunks)))
+            chunks.clear()
+            i = len(got) - 1
+            return i < len(like) and got[i].shape == like[i].shape and got[i].dtype == like[i].dtype
+        return True
+
+    async for message in answer:
+        if message.code != averaging_pb2.AVERAGED_PART:
+            return None
+        size += len(message.tensor_part.buffer)
+        if size > limit:
+            return None
+        if message.tensor_part.dtype and not close():
+            return None
+        chunks.append(message.tensor_part)
+    if not close() or len(got) != len(like):
+        return None
+    return got

@@ -1,0 +1,64 @@
+"""A member whose all-reduce broke takes a partner's kept result (:mod:`mapl_swarm.replicas.kept_round`):
+the keeping side's record (which group, which asker, until when) and the answer's stream, read
+with its shapes and size checked. The RPC between real averagers: tests/integration/test_replica_averaging.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import as_aiter
+
+from mapl_swarm.replicas.kept_round import CHUNK_BYTES, KEPT_GROUPS, Outcomes, parts, take
+
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+
+A, B, C = (PeerID(bytes([i]) * 34) for i in (1, 2, 3))
+
+
+@pytest.mark.asyncio
+async def test_a_kept_round_is_served_to_its_own_members_once_it_ended_and_only_then():
+    outcomes = Outcomes()
+    outcomes.began(b"g1", [A, B])
+    assert outcomes.ran(b"g1") and not outcomes.ran(b"g0")
+    assert await outcomes.kept(b"g1", B, timeout=0.01) is None  # not ended yet: nothing within the wait
+    waiting = asyncio.ensure_future(outcomes.kept(b"g1", B, timeout=5))
+    await asyncio.sleep(0)
+    outcomes.ended(b"g1", kept=True, fill=7)
+    assert await waiting == 7
+    assert await outcomes.kept(b"g1", C, timeout=1) is None  # a member of another group
+    assert await outcomes.kept(b"g0", B, timeout=1) is None  # a group this member was not in
+    outcomes.began(b"g2", [A, B])
+    outcomes.ended(b"g2", kept=False)
+    assert await outcomes.kept(b"g2", B, timeout=1) is None  # it failed here too
+    outcomes.ended(b"g2", kept=True, fill=9)  # an outcome is final
+    assert await outcomes.kept(b"g2", B, timeout=1) is None
+
+
+@pytest.mark.asyncio
+async def test_only_the_last_groups_are_remembered():
+    outcomes = Outcomes()
+    for i in range(KEPT_GROUPS + 2):
+        outcomes.began(bytes([i]), [A, B])
+        outcomes.ended(bytes([i]), kept=True, fill=i)
+    assert not outcomes.ran(bytes([0])) and not outcomes.ran(bytes([1]))
+    assert await outcomes.kept(bytes([KEPT_GROUPS + 1]), A, timeout=1) == KEPT_GROUPS + 1
+
+
+@pytest.mark.asyncio
+async def test_an_answer_gives_back_the_same_bytes_and_a_wrong_one_gives_nothing():
+    torch.manual_seed(0)
+    tensors = [torch.randn(3, 5), torch.randn(CHUNK_BYTES // 2), torch.randn(7)]  # one tensor in two chunks
+    answer = list(parts(tensors))
+    assert len(answer) == 4
+    got = await take(as_aiter(*answer), tensors)
+    assert got is not None and all(torch.equal(g, t) for g, t in zip(got, tensors))
+    # shapes that differ, a missing tensor, a refusal, or more bytes than the tensors hold
+    assert await take(as_aiter(*answer), [torch.zeros(5, 3), *tensors[1:]]) is None
+    assert await take(as_aiter(*answer), tensors[:2]) is None
+    assert await take(as_aiter(*answer[:-1]), tensors) is None
+    assert await take(as_aiter(averaging_pb2.AveragingData(code=averaging_pb2.CANCELLED)), tensors) is None
+    assert await take(as_aiter(*parts([torch.zeros(CHUNK_BYTES)])), [torch.zeros(4)]) is None
