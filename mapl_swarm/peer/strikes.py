@@ -24,7 +24,7 @@ __all__ = ["Strikes", "STRIKES", "STRIKE_CODES"]
 log = logging.getLogger(__name__)
 
 STRIKE_CODES = frozenset({"wrong_shape", "wrong_dtype", "id_out_of_range", "code_out_of_range", "non_finite",
-                          "size_mismatch", "not_orthonormal"})
+                          "value_out_of_range", "size_mismatch", "not_orthonormal"})
 """SPEC §6.1 codes only a broken or dishonest sender causes (module docstring)."""
 
 STRIKES = 8

@@ -71,6 +71,7 @@ CONTENT_CODES: tuple[str, ...] = (
     "stale_epoch",
     "not_orthonormal",
     "implausible",
+    "value_out_of_range",
 )
 """Stable codes of SPEC §6.1. :func:`check_content` / :func:`check_sender` / :func:`check_declared`
 raise the first nine, ``size_mismatch``, ``not_orthonormal`` and ``implausible`` (a REPORT's
@@ -393,6 +394,15 @@ def _non_finite(tag: str, a: np.ndarray) -> bool:
     return not bool(np.isfinite(a).all())
 
 
+def _too_large(tag: str, a: np.ndarray) -> bool:
+    """A finite value of magnitude :data:`~.spec.VALUE_BOUND` (2^24) or more (fp16 cannot hold one)."""
+    if tag == "bf16":  # raw bit patterns: the biased exponent of 2^24 is 127 + 24
+        return bool(np.any(((a >> np.uint16(7)) & np.uint16(0xFF)) >= np.uint16(151)))
+    if tag == "fp16":
+        return False
+    return bool(np.abs(a).max() >= spec.VALUE_BOUND)
+
+
 def _values(msg: Message, shapes: RunShapes) -> None:
     K = shapes.vq_codebook_size
     for name, t in msg.tensors.items():
@@ -410,6 +420,9 @@ def _values(msg: Message, shapes: RunShapes) -> None:
                 raise ContentError("code_out_of_range", f"{msg.type.name} {name} value {top} outside 0..{K - 1}")
         elif t.dtype in spec.FLOAT_DTYPES and _non_finite(t.dtype, a):
             raise ContentError("non_finite", f"{msg.type.name} tensor {name!r} holds NaN or Inf")
+        elif t.dtype in spec.FLOAT_DTYPES and _too_large(t.dtype, a):
+            raise ContentError("value_out_of_range", f"{msg.type.name} tensor {name!r} holds a value of magnitude "
+                                                     f"2^24 or more (SPEC §6.1: no honest value comes near)")
 
 
 def orthonormal_error(a: np.ndarray) -> float:
@@ -461,7 +474,7 @@ def check_content(msg: Message, shapes: RunShapes, window: Window) -> None:
     sender (``not_allowed``), step and micro window (``out_of_window``), projector version
     (``stale_projector``), tensor names (``wrong_shape``), dtypes (``wrong_dtype``), shapes
     (``wrong_shape``), then values: ids (``id_out_of_range``), codes and slice indices
-    (``code_out_of_range``), floats (``non_finite``), a REPORT's numbers (``non_finite``, then
+    (``code_out_of_range``), floats (``non_finite``, then ``value_out_of_range``), a REPORT's numbers (``non_finite``, then
     ``implausible``), and a PROJ's columns (``not_orthonormal``, unless the run's projector
     learns unconstrained).
     Types without content rules (HEARTBEAT, BYE, ...) pass after the sender check.

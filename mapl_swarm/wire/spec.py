@@ -41,6 +41,7 @@ __all__ = [
     "CODE_DTYPES",
     "PROJ_ORTHONORMAL_TOL",
     "REPORT_LOSS_BOUND",
+    "VALUE_BOUND",
     "TENSOR_TYPES",
     "MODES",
     "STREAMS",
@@ -217,7 +218,7 @@ CODE_DTYPES: tuple[str, ...] = ("uint8", "uint16")
 
 PROJ_ORTHONORMAL_TOL = 1e-3
 """Largest ``‖AᵀA − I_r‖_F`` (computed in fp64) of a PROJ's ``proj`` in a run whose projector stays on
-St(d, r); above it the PROJ is dropped as ``not_orthonormal`` (SPEC §6.1 rule 14).
+St(d, r); above it the PROJ is dropped as ``not_orthonormal`` (SPEC §6.1 rule 15).
 
 A PROJ is always fp32 (:data:`FP32_ONLY_TYPES`: any other dtype is ``BadDtype`` before the content
 rules), and SPEL retracts in fp32, so a legitimate projector sits at the fp32 floor: measured with
@@ -228,8 +229,18 @@ an orthonormal matrix is already 5e-3 (64×16) to 3.8e-2 (4096×1024) off, and a
 or tampering worth the name is far above it. A constant rather than a function of r: the fp32 floor
 reaches 1e-3 only near r ~ 10^7."""
 
+VALUE_BOUND = 2.0**24
+"""(SPEC §6.1 rule 14) The largest magnitude of a value in a float tensor (an ACT's ``z``, a GRAD's
+``dz``, a projector, a PROJ_GRAD, codebook codes): a larger one is ``value_out_of_range``. Honest
+values are orders of magnitude below: activations, even the "massive" ones of large language
+models (~1e4), projected onto r orthonormal columns grow by at most sqrt(d) (~1e6 at d = 8192), and
+gradients of a mean loss are far smaller. A neighbour's finite 1e30 would overflow the receiver's
+own sums instead (a gradient's squared norm passes the fp32 range at ~1.8e19 per value), making
+the peer's own step non-finite, which stops it; 2^24 keeps every sum this peer forms from what it
+received well inside that range."""
+
 REPORT_LOSS_BOUND = 10.0
-"""(SPEC §6.1 rule 15) A REPORT's ``loss`` is a mean cross-entropy in nats: at least 0 and at
+"""(SPEC §6.1 rule 16) A REPORT's ``loss`` is a mean cross-entropy in nats: at least 0 and at
 most this many times ln V, the loss of a uniform guess over the vocabulary (a freshly initialised
 model reports about 1 x ln V): a larger or negative one is ``implausible``."""
 

@@ -363,7 +363,7 @@ def test_well_formed_messages_that_do_not_fit_the_run_are_dropped_before_compute
 
 def test_a_proj_that_is_not_orthonormal_is_dropped_and_the_old_projector_kept(clean):
     """A key holder upstream sends, through its real session, its projector scaled by 2 as a re-send
-    of the current version and one with a column repeated as the next version (SPEC §6.1 rule 14,
+    of the current version and one with a column repeated as the next version (SPEC §6.1 rule 15,
     1.5): both are dropped as ``not_orthonormal`` on the decode thread, stage 1 installs only the
     real (orthonormal) projectors, and training is unchanged."""
     from mapl_swarm.wire.content import orthonormal_error

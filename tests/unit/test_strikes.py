@@ -33,11 +33,13 @@ def test_only_codes_no_honest_peer_causes_count_and_a_member_is_cut_off_once():
     assert cut == [("a", "3 of its messages failed the content checks (the last: id_out_of_range: ids)")]
 
 
-def test_a_member_that_keeps_sending_nan_acts_is_cut_off_before_the_run_ends():
-    """Stage 0, a certified member running modified code, sends NaN ACTs through its real session:
-    each is dropped before compute (``non_finite``), and at :data:`STRIKES` stage 1 cuts it off as a
-    departure naming why (here, a chain without rejoin: stage 1 ends saying so) instead of waiting
-    for what it owes."""
+@pytest.mark.parametrize("poison, code", [(float("nan"), "non_finite"), (1e30, "value_out_of_range")])
+def test_a_member_that_keeps_sending_bad_acts_is_cut_off_before_the_run_ends(poison, code):
+    """Stage 0, a certified member running modified code, sends ACTs of NaNs, or of finite values
+    around 1e30 (which used to overflow the receiver's own step and stop it), through its real
+    session: each is dropped before compute (``non_finite``, ``value_out_of_range``), and at
+    :data:`STRIKES` stage 1 cuts it off as a departure naming why (here, a chain without rejoin:
+    stage 1 ends saying so) instead of waiting for what it owes."""
     cfg = swarm_config(run={"steps": 40, "run_id": "mem"})
     B, T, r = cfg.pipeline.micro_batch_size, cfg.model.context_length, cfg.compression.rank
     ids = torch.zeros((B, T + 1), dtype=torch.uint16)
@@ -50,7 +52,7 @@ def test_a_member_that_keeps_sending_nan_acts_is_cut_off_before_the_run_ends():
         async def act(step, micro, payload, *, eval_mode, pver):
             if step >= 1:  # from the second step on, every ACT goes with a NaN one
                 await down.send(MT.ACT, step=step, micro=micro, pver=pver, meta={"mode": "train"},
-                                tensors={"z": torch.full((B, T, r), float("nan"), dtype=torch.bfloat16), "ids": ids},
+                                tensors={"z": torch.full((B, T, r), poison, dtype=torch.bfloat16), "ids": ids},
                                 kinds={"z": "act", "ids": "act"})
             await send_act(step, micro, payload, eval_mode=eval_mode, pver=pver)
 
@@ -60,7 +62,7 @@ def test_a_member_that_keeps_sending_nan_acts_is_cut_off_before_the_run_ends():
 
     (r0, r1), peers = asyncio.run(main())
     assert isinstance(r1, MaplError) and f"{STRIKES} of its messages failed the content checks" in str(r1), r1
-    assert peers[1].result.rejects["non_finite"] == STRIKES
+    assert peers[1].result.rejects[code] == STRIKES
     assert peers[1].rt.step_count < cfg.run.steps  # cut off mid-run, not at the end
 
 

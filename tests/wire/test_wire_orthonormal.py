@@ -1,4 +1,4 @@
-"""SPEC §6.1 rule 14 (1.5): a PROJ whose projector is not orthonormal is dropped as ``not_orthonormal``."""
+"""SPEC §6.1 rule 15 (1.5; rule 14 before 2.1): a PROJ whose projector is not orthonormal is dropped as ``not_orthonormal``."""
 
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def test_a_spel_updated_projector_is_accepted():
 
 
 def test_an_unconstrained_run_takes_any_finite_projector():
-    """``naive`` learns its projector off the manifold: rule 14 does not apply to its runs."""
+    """``naive`` learns its projector off the manifold: rule 15 does not apply to its runs."""
     a = np.random.default_rng(5).standard_normal((8, 4))
     assert outcome(a, UNCONSTRAINED_RUN) == "accept"
     assert outcome(STIEFEL * 1000, UNCONSTRAINED_RUN) == "accept"
@@ -167,7 +167,7 @@ def test_earlier_rules_decide_first():
     assert outcome_of(proj(bad, pver=14)) == "stale_projector"  # rule 6
     nan = bad.copy()
     nan[0, 0] = np.nan
-    assert outcome_of(proj(nan)) == "non_finite"  # rule 13 before 14
+    assert outcome_of(proj(nan)) == "non_finite"  # rule 13 before 15
     assert outcome_of(proj(bad.T)) == "wrong_shape"  # rule 10
     fixed = replace(RUN, trainable_projector=False)
     assert outcome_of(proj(bad), fixed) == "not_allowed"  # rule 1

@@ -264,6 +264,14 @@ def content_cases() -> list[tuple[str, list[bytes], str, RunShapes, Window, str]
          "ACT z with one bf16 +Inf", RUN, W, "non_finite"),
         ("grad_nan", _grad(tensors={"dz": _bf16_with(BF16_NAN | 0x8000)}), "GRAD dz with a negative NaN",
          RUN, W, "non_finite"),
+        ("grad_dz_huge", _grad(tensors={"dz": _bf16_with(0x7149)}), "GRAD dz with a finite bf16 ~1e30",
+         RUN, W, "value_out_of_range"),
+        ("act_z_2p24", _act(tensors={"ids": WireTensor("uint16", _ids()), "z": _bf16_with(0xCB80)}),
+         "ACT z with -2^24 (bf16 0xCB80): the bound itself", RUN, W, "value_out_of_range"),
+        ("act_z_below_2p24", _act(tensors={"ids": WireTensor("uint16", _ids()), "z": _bf16_with(0x4B7F)}),
+         "ACT z with 16,711,680 (bf16 0x4B7F), just below 2^24", RUN, W, "accept"),
+        ("proj_grad_huge", _proj_grad(tensor=_fp32(60, poison=3e19)), "PROJ_GRAD with a finite 3e19", RUN, W,
+         "value_out_of_range"),
         ("proj_nan", _proj(tensor=_fp32(58, poison=float("nan"))), "PROJ with a NaN at the current version",
          RUN, W, "non_finite"),
         ("proj_grad_inf", _proj_grad(tensor=_fp32(59, poison=float("-inf"))), "PROJ_GRAD with -Inf", RUN, W,
@@ -300,7 +308,7 @@ def content_cases() -> list[tuple[str, list[bytes], str, RunShapes, Window, str]
     ]
     dup = STIEFEL.copy()
     dup[:, 1] = dup[:, 0]  # rank 3: ‖AᵀA − I‖_F = sqrt(2)
-    cases += [  # rule 14, PROJ_ORTHONORMAL_TOL = 1e-3
+    cases += [  # rule 15, PROJ_ORTHONORMAL_TOL = 1e-3
         ("proj_scaled_by_2", _stiefel_proj(STIEFEL * 2),
          "PROJ of 2x an orthonormal projector: ||A^T A - I||_F = 6", RUN, W, "not_orthonormal"),
         ("proj_duplicate_column", _stiefel_proj(dup),
