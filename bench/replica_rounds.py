@@ -67,7 +67,7 @@ def main() -> int:
                 examples.setdefault(name, [])
                 if len(examples[name]) < 5:
                     examples[name].append(line.strip()[-300:])
-    rounds = args.steps * sum(initial)
+    rounds = args.steps * sum(1 for n in initial if n >= 2)  # one round per step of each stage with replicas
     result = {"command": "python bench/replica_rounds.py " + " ".join(sys.argv[1:]), "exit_status": rc,
               "steps": args.steps, "initial": initial, "rounds": rounds,
               "machine": f"{platform.node()} {platform.machine()}, {platform.python_version()}",
@@ -75,7 +75,7 @@ def main() -> int:
               "counts": {name: counts[name] for name in PATTERNS}, "examples": examples}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
-    print(f"launch exited {rc} after {result['seconds']} s; {args.steps} steps, {rounds} replica rounds")
+    print(f"launch exited {rc} after {result['seconds']} s; {args.steps} steps, {rounds} averaging rounds")
     for name in PATTERNS:
         print(f"  {name:18s} {counts[name]}")
         for line in examples.get(name, []):

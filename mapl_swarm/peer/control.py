@@ -216,6 +216,13 @@ class Control:
             log.warning("%s: stage %d left before training (%s); waiting for another stage %d peer", peer.name,
                         msg.src, reason, msg.src)
             return
+        if link.is_upstream and peer.started and self.ingress().premature_finish(msg):
+            # only the run's last step ends it: a neighbour that says so earlier leaves (a departure)
+            self.rejects("implausible", link.name, f"BYE '{reason}' at step {msg.step}, but the run ends at step "
+                                                   f"{self.cfg.run.steps}")
+            peer.depart(link, "left", f"it said the training finished at step {msg.step}, before the run's last "
+                                      f"step {self.cfg.run.steps}")
+            return
         if reason == REJOIN_REASON:
             lost = msg.meta.get("lost")
             if self._implausible_reform(msg, epoch=None, lost=lost):

@@ -39,7 +39,7 @@ from mapl_swarm.peer.admission import Admission, Admitted, Arrival, RejectCounte
 from mapl_swarm.peer.link import Links, PeerLink, Reply, stage_of
 from mapl_swarm.peer.session import Early, HelloRefused, Rejected
 from mapl_swarm.wire import Message, MessageType, VersionMismatch
-from mapl_swarm.wire.spec import REJOIN_REASON
+from mapl_swarm.wire.spec import FINISHED_REASON, REJOIN_REASON
 
 if TYPE_CHECKING:
     from mapl_swarm.net.heartbeat import HeartbeatMonitor
@@ -101,7 +101,7 @@ class Ingress:
 
     def __init__(self, name: str, links: Links, admission: Admission, monitor: HeartbeatMonitor,
                  rejects: RejectCounter, arrived: Callable[[Message, PeerLink], None], mailbox: Mailbox, *,
-                 handle: Handle, spawn: Callable[[Awaitable[None]], Any], held_bound: int) -> None:
+                 handle: Handle, spawn: Callable[[Awaitable[None]], Any], held_bound: int, run_steps: int) -> None:
         self.name, self.links, self.admission, self.monitor = name, links, admission, monitor
         self.rejects, self.arrived, self.mailbox, self.handle, self.spawn = rejects, arrived, mailbox, handle, spawn
         """``arrived(msg, link)``: the step core hears of every admitted pipeline message as it comes
@@ -113,6 +113,8 @@ class Ingress:
         """Pipeline messages that came before training started, in arrival order (their ``seq``
         accepted then), taken again by :meth:`start`."""
         self.held_bound = held_bound
+        self.run_steps = run_steps
+        """The run's last step (``run.steps``): a BYE ``"training finished"`` of another step ends nothing."""
         self._dispatching = False
         """The dispatcher handles a control message now."""
         self._answering = 0
@@ -214,7 +216,13 @@ class Ingress:
             return msg.meta.get("phase") in ("end", "reopen")
         if msg.type in SCHEDULE_TYPES:
             return True
-        return msg.type is MT.BYE and link.is_upstream and self.started and msg.meta.get("reason") != REJOIN_REASON
+        return msg.type is MT.BYE and link.is_upstream and self.started and msg.meta.get("reason") != REJOIN_REASON \
+            and not self.premature_finish(msg)
+
+    def premature_finish(self, msg: Message) -> bool:
+        """A BYE ``"training finished"`` of a step other than the run's last: not the run's end (the
+        dispatcher takes it as its sender's departure)."""
+        return msg.type is MT.BYE and msg.meta.get("reason") == FINISHED_REASON and msg.step != self.run_steps
 
     async def take(self, arrival: Arrival, transport: Any, *, dispatch: bool = True) -> Answer | None:
         """The one step of the module docstring, on the receive loop (``dispatch`` False: a control

@@ -228,7 +228,7 @@ class Peer:
         """The handlers of admitted control messages, by type."""
         self.ingress = Ingress(self.name, self.links, self.admission, self.monitor, self.rejects,
                                self.schedule.arrived, self.mailbox, handle=self.control.handle, spawn=self.tasks.spawn,
-                               held_bound=4 * mailbox_bound(cfg) + 64)
+                               held_bound=4 * mailbox_bound(cfg) + 64, run_steps=cfg.run.steps)
         self.receive = self.ingress.receive
         """Admit one received message and handle it at once (tests; the receive loops queue instead)."""
         self.stop_reason: BaseException | None = None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-from dataclasses import replace
 
 import pytest
 
@@ -92,11 +91,11 @@ def test_a_neighbour_without_the_capability_cannot_be_asked():
 
 
 # ---------------------------------------------------------------------- real peers in memory
-def _swarm(tmp_path, *, stages: int = 3, interval: int = 1000, **net):
+def _swarm(tmp_path, *, stages: int = 3, interval: int = 1000, steps: int = 10_000, **net):
     """Peers of ``stages`` stages with run policies (checkpoints every ``interval`` steps, i.e. only
     when drained) on a FakeNet; ``losses`` is set once stage 0 recorded 3 losses."""
     cfg = swarm_config(pipeline={"num_stages": stages},
-                       run={"steps": 10_000, "run_id": "mem", "out_dir": str(tmp_path)},
+                       run={"steps": steps, "run_id": "mem", "out_dir": str(tmp_path)},
                        checkpoint={"interval_steps": interval}, net=net)
     _, peers, transports = policy_swarm(cfg)
     losses = asyncio.Event()
@@ -170,9 +169,8 @@ def test_a_step_longer_than_the_deadline_is_survived(tmp_path):
     import time
 
     async def main():
-        peers, transports, _ = _swarm(tmp_path, heartbeat_interval_s=0.1, liveness_floor_s=1.0,
+        peers, transports, _ = _swarm(tmp_path, steps=3, heartbeat_interval_s=0.1, liveness_floor_s=1.0,
                                       liveness_ceiling_s=1.0)
-        peers[0].schedule.core.s = replace(peers[0].schedule.core.s, steps=3)  # stage 0 ends the run at 3
         forward, slow = peers[1].rt.forward, []
 
         def long_forward(micro, **kw):

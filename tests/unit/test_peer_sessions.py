@@ -418,7 +418,7 @@ def test_a_flood_of_upstream_byes_is_dropped_as_queue_full_and_the_peer_serves_o
     async def scenario(m):
         await m.handshake()
         for seq in range(1, bound + 3):  # BYE from upstream goes to the schedule's mailbox, bounded like the rest
-            await m.feed(UP, msg(MT.BYE, src=0, seq=seq, meta={"reason": "training finished"}))
+            await m.feed(UP, msg(MT.BYE, src=0, seq=seq, step=_cfg().run.steps, meta={"reason": "training finished"}))
     m = run(scenario)
     assert m.peer.mailbox.queued(0) == bound and m.rejects == {"queue_full": 2} and m.peer.stop_reason is None
 
