@@ -18,6 +18,13 @@ MAX_CONTACT = 512
 beyond them are not read)."""
 
 
+def member_of(contact: str) -> str:
+    """Who announced ``contact``: a certified peer's contact ends in its certificate's CURVE key
+    (``#`` and 64 hex digits), the same whatever host and port it serves on; an insecure one is
+    known by its contact only."""
+    return contact.rpartition("#")[2] or contact
+
+
 class Members:
     """The replicas of this peer's stage (``starting``: how many start together) and every replica of
     any stage known gone, by contact. ``timeout_s``: how long a replica announced in the DHT is
@@ -37,8 +44,8 @@ class Members:
         self.hint: list[str] = []
         """A joining replica's partners before its first round: the contacts its state's sender named."""
         self.announced: dict[str, float] = {}
-        """Contacts of this stage's DHT records not in a round yet: when this replica first saw each
-        (-1 once it stopped waiting for it)."""
+        """Members (:func:`member_of` their contacts) of this stage's DHT records not in a round yet:
+        when this replica first saw one of the member's records (-1 once it stopped waiting for it)."""
         self.members_text = ""
         self.gone_text = ""
         """The stage's live replicas and those gone (contacts, one per line), for a joiner's download
@@ -54,9 +61,12 @@ class Members:
         return [p for p in r.group if p == r.me or r.contacts.get(p) not in self.gone]
 
     def ranked(self, round_: ReplicaStep) -> None:
-        """``round_`` ranks the stage's replicas for the next step."""
+        """``round_`` ranks the stage's replicas for the next step; its members' records are waited
+        for afresh should they announce new ones later (a replica restarted on another port)."""
         self.round = round_
         self.rerank()
+        for contact in round_.contacts.values():
+            self.announced.pop(member_of(contact), None)
         self.members_text = "\n".join(round_.contacts.get(p, "") for p in self.live())
 
     def rerank(self) -> None:
@@ -101,18 +111,22 @@ class Members:
         """How many replicas this stage's round needs (SPEC §9.10 items 6, 11), counted by contact:
         its live ones (the last round's, or a joining replica's partners as its state's sender named
         them, less those gone) and any replica of the stage ``announced`` in the DHT since (one that
-        joins), for ``timeout_s`` from when this replica first saw its record: one that has not come
-        to a round by then (a stale record, or a member that announces itself and never joins) is
-        not waited for any longer."""
+        joins), for ``timeout_s`` from when this replica first saw a record of that member: one
+        that has not come to a round by then (a stale record, or a member that announces itself and
+        never joins) is not waited for any longer, whatever new records (other ports) it announces,
+        until it takes part in a round."""
         r = self.round
         live = {r.contacts.get(p, p) for p in self.live()} if r is not None else {*self.hint, contact} - self.gone
+        members = {member_of(c) for c in live}
         for c in announced:
-            if c and c not in self.gone and c not in live:
-                since = self.announced.setdefault(c, now)
+            member = member_of(c)
+            if c and c not in self.gone and member not in members:
+                since = self.announced.setdefault(member, now)
                 if now - since <= self.timeout_s:
                     live.add(c)
+                    members.add(member)
                 elif since > 0:
-                    self.announced[c] = -1.0  # said once
+                    self.announced[member] = -1.0  # said once
                     log.warning("%s: the replica of stage %d at %s announced itself %.0f s ago and has not come to "
                                 "a round: not waited for", self.name, self.stage, c, now - since)
         return len(live)
