@@ -28,6 +28,7 @@ from mapl_swarm.errors import MaplError
 from mapl_swarm.wire import Message, MessageType
 from mapl_swarm.wire.spec import DRAIN_PHASES, DRAIN_REASON, LEAVE_REASON, REJOIN_REASON
 from mapl_swarm.peer.link import CONFIG_REFUSALS, stage_name
+from mapl_swarm.peer.reforms import BURST, ReformCredit
 
 if TYPE_CHECKING:
     from mapl_swarm.config import TrainConfig
@@ -61,10 +62,13 @@ class Control:
     def __init__(self, peer: Lifecycle, cfg: TrainConfig, *, links: Links, linker: Linker, monitor: HeartbeatMonitor,
                  schedule: Schedule, agreement: CheckpointAgreement, ingress: Callable[[], Ingress],
                  rejects: RejectCounter, result: PeerResult, clock: Callable[[], float],
-                 replica_resume: Callable[[], ReplicaResume | None]) -> None:
+                 replica_resume: Callable[[], ReplicaResume | None], reforms: ReformCredit,
+                 step: Callable[[], int]) -> None:
         self.peer, self.cfg, self.links, self.linker, self.monitor = peer, cfg, links, linker, monitor
         self.schedule, self.agreement, self.ingress, self.rejects = schedule, agreement, ingress, rejects
         self.result, self.clock, self.replica_resume = result, clock, replica_resume
+        self.reforms, self.step = reforms, step
+        """Each member's credit of re-forms (:mod:`~.reforms`, the process's), and this session's step."""
         self.replicas = cfg.replicas.enabled
         self._handlers: dict[MessageType, Callable[[Message, PeerLink], Awaitable[None]]] = {
             MT.WELCOME: self._on_welcome, MT.REJECT: self._on_reject, MT.ERROR: self._on_error, MT.BYE: self._on_bye,
@@ -86,7 +90,7 @@ class Control:
         if peer.started and msg.epoch > peer.epoch:
             # a neighbour re-forms the swarm (it lost its other neighbour); not answered: it repeats
             # its HELLO to this peer's next session
-            if not self._implausible_reform(msg, epoch=msg.epoch, lost=None):
+            if not self._implausible_reform(msg, epoch=msg.epoch, lost=None) and self._has_credit(got.link, msg):
                 peer.pause(f"stage {msg.src} re-forms the swarm (its HELLO of run epoch {msg.epoch})",
                            epoch=msg.epoch, lost=None, told_by=msg.src)
             return
@@ -115,6 +119,20 @@ class Control:
         if why is not None:
             self.rejects("implausible", stage_name(src), f"{msg.type.name}: stage {src} re-forms the swarm: {why}")
         return why is not None
+
+    def _has_credit(self, link: PeerLink, msg: Message) -> bool:
+        """A plausible word that the swarm re-forms, from a member with re-forms' credit left
+        (:mod:`~.reforms`); one without is dropped (``implausible``) and the member excluded."""
+        self.reforms.reached(self.step())
+        cert = link.peer_certificate
+        member = f"the member of certificate serial {cert.serial}" if cert is not None else f"stage {link.stage}"
+        if self.reforms.spend(member):
+            return True
+        why = (f"{member} made the swarm re-form {BURST} times and again before it regained the steps lost "
+               f"(SPEC §7.2 item 11)")
+        self.rejects("implausible", link.name, f"{msg.type.name}: {why}")
+        self.peer.exclude(link, why)
+        return False
 
     def _must_resume(self, msg: Message) -> bool:
         """A HELLO or WELCOME from a swarm that re-forms after a departure (run epoch > 0) while this
@@ -225,7 +243,7 @@ class Control:
             return
         if reason == REJOIN_REASON:
             lost = msg.meta.get("lost")
-            if self._implausible_reform(msg, epoch=None, lost=lost):
+            if self._implausible_reform(msg, epoch=None, lost=lost) or not self._has_credit(link, msg):
                 return
             departed = f" (stage {lost} departed)" if lost is not None else ""
             peer.pause(f"stage {msg.src} re-forms the swarm{departed}", epoch=max(peer.epoch + 1, msg.epoch),

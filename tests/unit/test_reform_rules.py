@@ -85,3 +85,35 @@ def test_in_a_two_stage_swarm_a_neighbour_can_tell_only_of_this_peers_departure(
 
 def test_re_forms_without_a_step_in_between_wait_longer_each_time_up_to_a_bound():
     assert [reform_wait_s(n) for n in range(6)] == [0.0, 1.0, 2.0, 4.0, 8.0, 8.0]
+
+
+def test_a_member_that_keeps_re_forming_the_swarm_runs_out_of_credit_and_is_excluded(tmp_path):
+    """Stage 1 tells stage 0 of a plausible re-form (stage 2 left) again and again without the swarm
+    regaining the steps each rolled back (SPEC §7.2 item 11): the first three pause stage 0, each a
+    session of its process, which keeps the credit; the fourth is dropped as ``implausible`` and
+    stage 1 is cut off as a departure (with a certificate, its serial refused from then on). New
+    progress earns credit back: a teller of real departures between stretches of training is
+    believed."""
+    from mapl_swarm.peer.reforms import BURST, ReformCredit
+
+    credit = ReformCredit(steps_per_credit=10)
+
+    def told() -> tuple[dict, int | None, bool]:
+        peers, _, _ = _swarm(tmp_path, stages=3)
+        peer = peers[0]
+        peer.state = PeerState.TRAINING
+        peer.control.reforms = credit
+        for link in peer.links:
+            link.capabilities = frozenset({REJOIN_CAPABILITY})
+        link = next(link for link in peer.links if link.stage == 1)
+        msg = Message(type=MT.BYE, run_id="mem", src=1, dst=0, meta={"reason": "rejoin", "lost": 2})
+        asyncio.run(peer.control.handle(Admitted(msg, link, link.name), None, None))
+        stop = peer.stop_reason
+        return dict(peer.result.rejects), getattr(stop, "told_by", None), peer.departures.gone(1) is not None
+
+    for _ in range(BURST):
+        assert told() == ({}, 1, False)  # paused, told by stage 1
+    rejects, told_by, departed = told()
+    assert rejects == {"implausible": 1} and told_by is None and departed
+    credit.reached(credit.furthest + 10)  # the swarm trained ten steps past where it had been
+    assert told() == ({}, 1, False)

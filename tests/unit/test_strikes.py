@@ -77,6 +77,7 @@ def test_a_struck_out_members_certificate_is_refused_from_then_on_as_if_revoked(
     peer = SimpleNamespace(links=SimpleNamespace(named=lambda name: link if name == link.name else None),
                            admission=SimpleNamespace(s=SimpleNamespace(identity=SimpleNamespace(revoked=revoked))),
                            cut_off=lambda lk, why: cut.append((lk.name, why)))
+    peer.exclude = lambda lk, why: Peer.exclude(peer, lk, why)
     Peer._struck_out(peer, "stage0@x", "8 of its messages failed the content checks")
     Peer._struck_out(peer, "gone@y", "a link no longer there")
     assert revoked == {42} and cut == [("stage0@x", "8 of its messages failed the content checks")]
