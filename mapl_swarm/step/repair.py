@@ -280,7 +280,7 @@ class Repair:
         c = self.c
         cur = c.cur
         if link.stage == c.links.up:
-            cur.answered.setdefault(link.name, set()).update(self.c.members.named(msg.meta.get("gone", []), set()))
+            cur.answered.setdefault(link.name, set()).update(self.word_of(msg))
         fresh = [x for x in contacts if x not in cur.gone_before]  # not gone when this attempt began
         if fresh:
             self.deadline(cur)
@@ -341,12 +341,16 @@ class Repair:
         """A ROUTE ``reopen`` of the current step waits in the inbox."""
         return self.c.inbox.has(self.reopen_wanted)
 
+    def word_of(self, msg: Message) -> list[str]:
+        """The contacts a ROUTE ``gone`` or ``reopen`` from upstream is its sender's word on (bounded),
+        this replica's own links' too: a receiver awaits its partners' word on an upstream replica
+        it lost itself."""
+        return self.c.members.named(msg.meta.get("gone", []), set())
+
     def say(self, link: str, msg: Message) -> None:
-        """Upstream link ``link`` said ``gone`` or ``reopen`` in step ``msg.step`` of the contacts
-        ``msg`` names (as named, its own links' too: a receiver awaits its partners' word on an
-        upstream replica it lost)."""
+        """Upstream link ``link`` said ``gone`` or ``reopen`` in step ``msg.step`` (:meth:`word_of`)."""
         said = self.said.setdefault(link, {})
-        for contact in self.c.members.named(msg.meta.get("gone", []), set()):
+        for contact in self.word_of(msg):
             if len(said) < MAX_SAID or contact in said:
                 said[contact] = min(said.get(contact, msg.step), msg.step)
 
