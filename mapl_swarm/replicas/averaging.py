@@ -5,7 +5,8 @@ and therefore hivemind's matchmaking key ``<prefix>.0b`` and state-download key
 ``<prefix>.all_averagers``. hivemind 1.1.12's averager authorizes nobody: any process that reaches
 its p2p daemon can join matchmaking, contribute a part of the average or download the state. Here
 every averager RPC (``rpc_join_group``, ``rpc_aggregate_part``, ``rpc_download_state``, and
-``rpc_kept_round`` of :mod:`.kept_round`) is served only to a **member**: a peer whose libp2p peer id is a subkey of the stage's ``all_averagers`` key.
+``rpc_kept_round`` of :mod:`.kept_round`) is served only to a **member**: a peer whose libp2p peer
+id is a subkey of the stage's ``all_averagers`` key.
 A certified DHT node accepts a record under that key only when the certificate it carries allows
 stage k and the subkey is the peer id of the certificate's own signing key
 (:class:`~mapl_swarm.net.dht_validation.CertifiedRecordValidator`, member keys), and libp2p proves a
