@@ -56,7 +56,7 @@ __all__ = [
     "MAX_VALIDITY_S", "MAX_REVOKED", "Authority", "PeerKey", "RequestBody", "CertificateBody", "RevocationsBody",
     "Signed", "CertificateError", "load_authority", "create_authority", "load_peer_key", "create_peer_key",
     "make_request", "verify_request", "issue", "revoke", "verify_certificate", "verify_revocations", "read_signed", "write_signed", "signed_text", "parse_signed",
-    "libp2p_peer_id", "CurveKeys", "PeerIdentity", "load_identity", "LocalIdentities", "issue_local", "RevocationWatch", "REVOCATION_POLL_S",
+    "libp2p_peer_id", "CurveKeys", "PeerIdentity", "drain_statement", "DRAIN_CONTEXT", "load_identity", "LocalIdentities", "issue_local", "RevocationWatch", "REVOCATION_POLL_S",
 ]
 
 AUTHORITY_HEADER = "mapl-run-authority v1"
@@ -71,6 +71,15 @@ SIGNING_CONTEXT: dict[str, bytes] = {"request": b"mapl-cert-request v1\x00", "ce
 """Prefixed to a body before it is signed: a request's signature never verifies as a certificate's."""
 _HEADERS: dict[str, str] = {"request": REQUEST_HEADER, "certificate": CERTIFICATE_HEADER,
                             "revocations": REVOCATIONS_HEADER}
+
+DRAIN_CONTEXT = b"mapl-drain v1\x00"
+"""Prefixed to what stage 0 signs when it decides a drain (:func:`drain_statement`)."""
+
+
+def drain_statement(run_id: str, epoch: int, step: int) -> bytes:
+    """What stage 0 signs when it decides the swarm drains at ``step`` of run epoch ``epoch``."""
+    return DRAIN_CONTEXT + msgpack.packb([run_id, epoch, step], use_bin_type=True)
+
 
 ROLES = frozenset({"drain"})
 """What a certificate may allow beyond serving its stages: ``drain`` (ask the whole swarm to drain)."""
@@ -586,6 +595,27 @@ class PeerIdentity:
     def describe(self) -> str:
         return (f"certified as {self.body.name!r} (peer key {self.key_id}, stage(s) {list(self.body.stages)}, "
                 f"authority {key_id(self.authority)})")
+
+    def sign_drain(self, epoch: int, step: int) -> dict[str, bytes]:
+        """Stage 0's proof that it decided the swarm drains at ``step`` of run epoch ``epoch``: its
+        certificate and its key's signature of that decision (CHECKPOINT ``drain``, SPEC §5.2)."""
+        return {"cert": self.encoded_cert, "sig": self.key.sign(drain_statement(self.run_id, epoch, step))}
+
+    def verify_drain(self, meta: dict[str, Any], *, epoch: int, step: int, now: float | None = None) -> CertificateBody:
+        """The body of the certificate whose key signed the drain at ``step`` of run epoch ``epoch``
+        that ``meta`` carries, when this run's authority certified it for stage 0; else
+        :class:`CertificateError` (``unsigned`` when ``meta`` carries no proof)."""
+        if not isinstance(meta.get("cert"), bytes) or not isinstance(meta.get("sig"), bytes):
+            raise CertificateError("unsigned", "a drain decision without stage 0's certificate and signature")
+        body = verify_certificate(Signed.decode("certificate", meta["cert"]), authority=self.authority,
+                                  run_id=self.run_id, stage=0, now=now, revoked=self.revoked)
+        try:
+            Ed25519PublicKey.from_public_bytes(body.sign_key).verify(meta["sig"],
+                                                                     drain_statement(self.run_id, epoch, step))
+        except (InvalidSignature, ValueError):
+            raise CertificateError("bad_signature", f"the drain decision's signature is not {body.name!r}'s for step "
+                                                    f"{step} of run epoch {epoch}") from None
+        return body
 
     def verify_peer(self, data: Any, *, stage: int, curve_key: bytes | None,
                     now: float | None = None) -> CertificateBody:

@@ -60,6 +60,8 @@ Send = Callable[[int, dict[str, Any]], Awaitable[None]]
 _PHASE_CAPABILITY = {"unsaved": CHECKPOINT_UNSAVED_CAPABILITY, "abandoned": CHECKPOINT_ABANDONED_CAPABILITY,
                      "drain": DRAIN_CAPABILITY, "drain_request": DRAIN_CAPABILITY}
 """The capability a neighbour advertises to take a phase; every other phase: ``checkpoint_agreement``."""
+DRAIN_PROOF = ("cert", "sig")
+"""CHECKPOINT ``drain`` fields that prove stage 0 decided it (certified runs, SPEC §5.2), passed on as they came."""
 
 
 class CheckpointAgreement:
@@ -75,6 +77,8 @@ class CheckpointAgreement:
         self.send = send
         """``send(dst, meta)``: a CHECKPOINT to a neighbour (set by the peer)."""
         self.on_drain = on_drain
+        self.prove: Callable[[int], dict[str, Any]] | None = None
+        """Stage 0 of a certified run: ``prove(step)``, its signed proof of a drain decided at ``step``."""
         self.caps: dict[int, frozenset[str]] | None = None
         """Each neighbour's capabilities, once its handshake is done (None: not known, all assumed)."""
         self.capabilities = [*((CHECKPOINT_CAPABILITY, CHECKPOINT_UNSAVED_CAPABILITY, CHECKPOINT_ABANDONED_CAPABILITY)
@@ -142,7 +146,8 @@ class CheckpointAgreement:
                 except MaplError as exc:  # the upstream neighbour does not take part in drains
                     log.warning("%s", exc)
         elif phase == "drain":
-            await self.decide(int(meta["step"]), str(meta.get("reason") or ""))
+            await self.decide(int(meta["step"]), str(meta.get("reason") or ""),
+                              {k: meta[k] for k in DRAIN_PROOF if k in meta})
         elif phase == "saved":
             self._downstream_saved.add(meta["step"])
             await self._advance(meta["step"])
@@ -261,15 +266,19 @@ class CheckpointAgreement:
         """Stage 0, at a step boundary: whether to stop here."""
         return self.requested is not None
 
-    async def decide(self, step: int, reason: str | None = None) -> None:
-        """The swarm drains at ``step`` (stage 0: the steps completed, for the reason it was asked;
-        another stage: told by upstream), once; tell the stages downstream."""
+    async def decide(self, step: int, reason: str | None = None, proof: dict[str, Any] | None = None) -> None:
+        """The swarm drains at ``step`` (stage 0: the steps completed, for the reason it was asked,
+        signed by :attr:`prove`; another stage: told by upstream with stage 0's ``proof``), once;
+        tell the stages downstream."""
         if self.drain_step is not None:
             return
         reason = (self.requested or "") if reason is None else reason
+        if self.up is None and self.prove is not None:
+            proof = self.prove(step)
         self.drain_step, self.drain_reason = step, reason
         log.info("stage %d: the swarm drains at step %d (%s)", self.stage, step, reason or "no reason given")
-        await self._tell(self.down, {"phase": "drain", "step": step, **({"reason": reason} if reason else {})})
+        await self._tell(self.down, {"phase": "drain", "step": step, **({"reason": reason} if reason else {}),
+                                     **(proof or {})})
         if self.on_drain is not None:
             await self.on_drain(step)
 

@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from mapl_swarm.errors import MaplError
+from mapl_swarm.net.identity import CertificateError
 from mapl_swarm.wire import Message, MessageType
 from mapl_swarm.wire.spec import DRAIN_PHASES, DRAIN_REASON, LEAVE_REASON, REJOIN_REASON
 from mapl_swarm.peer.link import CONFIG_REFUSALS, stage_name
@@ -33,6 +34,7 @@ from mapl_swarm.peer.reforms import BURST, ReformCredit
 if TYPE_CHECKING:
     from mapl_swarm.config import TrainConfig
     from mapl_swarm.net.heartbeat import HeartbeatMonitor
+    from mapl_swarm.net.transport import Membership
     from mapl_swarm.peer.admission import Admitted, Arrival, RejectCounter
     from mapl_swarm.peer.checkpoints import CheckpointAgreement
     from mapl_swarm.peer.replica_resume import ReplicaResume
@@ -258,12 +260,26 @@ class Control:
         elif (why := link.codebooks.on_resync(msg)) is not None:
             self.rejects("implausible", link.name, why)
 
+    @staticmethod
+    def _unproven_drain(msg: Message, identity: Membership) -> str | None:
+        """Why a CHECKPOINT ``drain`` does not prove that stage 0 decided it (a certified run: its
+        certificate and signature of the step and run epoch, passed on unchanged, SPEC §5.2), or None."""
+        step = msg.meta.get("step")
+        try:
+            identity.verify_drain(dict(msg.meta), epoch=msg.epoch, step=step if isinstance(step, int) else -1)
+        except CertificateError as exc:
+            return f"a drain decision stage 0 did not sign ({exc.code}: {exc})"
+        return None
+
     async def _on_checkpoint(self, msg: Message, link: PeerLink) -> None:
         phase = msg.meta["phase"]
-        if phase == "drain_request" and link.settings.identity is not None \
+        identity = link.settings.identity
+        if phase == "drain_request" and identity is not None \
                 and "drain" not in getattr(link.peer_certificate, "roles", ()):
             self.rejects("not_allowed", link.name, f"drain request from stage {link.stage}, whose certificate "
                                                    f"does not allow it (role drain; SPEC §7.2)")
+        elif phase == "drain" and identity is not None and (why := self._unproven_drain(msg, identity)) is not None:
+            self.rejects("not_allowed", link.name, why)
         elif self.replicas and phase == "drain_request":  # SPEC §9.10 item 14
             if link.is_upstream or not self.peer.started:
                 self.rejects("not_allowed", link.name, "drain request from upstream, or before training")

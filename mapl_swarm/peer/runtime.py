@@ -165,6 +165,8 @@ class Peer:
         self.agreement = run_policy.agreement if run_policy is not None else CheckpointAgreement(None, stage, P)
         """Every CHECKPOINT phase: checkpoint agreement and the drain (:meth:`request_drain`: a signal)."""
         self.agreement.send, self.agreement.on_drain = self._send_checkpoint, self._drain_decided
+        if membership is not None and stage == 0:
+            self.agreement.prove = lambda step: membership.sign_drain(self.epoch, step)
         self.replicas_on = cfg.replicas.enabled
         """Several peers per stage (SPEC §9.10): a link per neighbour replica, ROUTE, rounds and commits;
         checkpoints agreed on resume only, no drain (a signal stops this replica); a neighbour

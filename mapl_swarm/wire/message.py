@@ -174,7 +174,8 @@ META_SCHEMA: dict[MessageType, tuple[dict[str, str], dict[str, str]]] = {
     MessageType.BYE: ({}, {"reason": "str", "lost": "uint"}),
     MessageType.ERROR: ({"code": "str", "message": "str"}, {"ref_seq": "uint"}),
     MessageType.CHECKPOINT: ({"phase": "phase"}, {"step": "uint_or_nil", "steps": "uints", "have": "have",
-                                                  "reason": "str", "epoch": "uint", "missing": "uints"}),
+                                                  "reason": "str", "epoch": "uint", "missing": "uints",
+                                                  "cert": "cert", "sig": "sig"}),
     MessageType.ROUTE: ({"phase": "route_phase"}, {"acts": "uint", "gone": "strs", "held": "uints"}),
 }
 """(required, optional) typed ``meta`` fields per message type (SPEC §5); other types have none."""
@@ -199,6 +200,8 @@ def _kind_ok(kind: str, v: Any) -> bool:
         return isinstance(v, bytes) and len(v) == spec.NONCE_BYTES
     if kind == "cert":
         return isinstance(v, bytes) and 0 < len(v) <= spec.MAX_CERT_BYTES
+    if kind == "sig":
+        return isinstance(v, bytes) and len(v) == spec.SIG_BYTES
     if kind == "float":
         return type(v) is float
     if kind == "mode":
@@ -232,6 +235,7 @@ _KIND_TEXT = {
     "count": "a positive integer",
     "nonce": f"a bin of {spec.NONCE_BYTES} bytes",
     "cert": f"a bin of 1 to {spec.MAX_CERT_BYTES} bytes",
+    "sig": f"a bin of {spec.SIG_BYTES} bytes",
     "float": "a float",
     "mode": "'train' or 'eval'",
     "stream": "'act' or 'grad'",

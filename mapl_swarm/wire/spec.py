@@ -32,6 +32,7 @@ __all__ = [
     "HANDSHAKE_TYPES",
     "WINDOW_TYPES",
     "NONCE_BYTES",
+    "SIG_BYTES",
     "DType",
     "DTYPES",
     "FLOAT_DTYPES",
@@ -165,6 +166,8 @@ NONCE_BYTES = 16
 and REJECT's ``hello_nonce`` names the HELLO they answer."""
 MAX_CERT_BYTES = 4096
 """Largest ``meta.cert`` of a HELLO or WELCOME (a certified peer's certificate, SPEC §7.1, §7.2)."""
+SIG_BYTES = 64
+"""An Ed25519 signature's bytes (``meta.sig`` of a CHECKPOINT ``drain``, SPEC §5.2)."""
 
 
 @dataclass(frozen=True)

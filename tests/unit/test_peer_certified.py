@@ -325,3 +325,39 @@ def test_a_revoked_replica_departs_alone_while_its_stage_keeps_a_live_replica():
         peer.compute.close()
 
     asyncio.run(main())
+
+
+def test_a_drain_decision_counts_only_signed_by_stage_0_and_passes_through_any_stage(tmp_path):
+    """A certified 3-stage swarm (SPEC §5.2): stage 0 signs its drain decision, which stage 1 (whose
+    certificate has no drain role) passes on unchanged, so stage 2 drains at the same step. A
+    member of stage 1 running modified code that tells stage 2 the swarm drains, unsigned or
+    signed with its own certificate, is refused (``not_allowed``) and the run trains on to its end
+    (a CHECKPOINT ``drain`` from any neighbour used to be obeyed)."""
+    local = issue_local(tmp_path, run_id="mem", num_stages=3, roles=())
+    ids = [load_identity(local.key_file(s), local.cert_file(s), run_id="mem", stage=s) for s in range(3)]
+    cfg = swarm_config(pipeline={"num_stages": 3}, run={"steps": 6, "run_id": "mem"})
+
+    def run(setup):
+        async def main():
+            net, peers, transports = fake_swarm(cfg, identities=ids)
+            setup(net, peers)
+            return await run_swarm(peers, transports)
+        return asyncio.run(main())
+
+    def forged(net, peers):
+        async def lie():
+            await peers[1].agreement.send(2, {"phase": "drain", "step": 2})
+            await peers[1].agreement.send(2, {"phase": "drain", "step": 3, **ids[1].sign_drain(0, 3)})
+        on_first(net, "stage1", MT.ACT, lambda _: asyncio.get_running_loop().create_task(lie()))
+
+    results = run(forged)
+    assert results[2].rejects == {"not_allowed": 2}, results[2].rejects
+    assert all(r.end == "finished" for r in results) and len(results[0].train_losses) == 6
+
+    def asked(net, peers):  # stage 0 itself is asked (as its SIGINT would): its decision travels signed
+        on_first(net, "stage0", MT.ACT,
+                 lambda _: asyncio.get_running_loop().create_task(peers[0].agreement.request("SIGINT at stage 0")))
+
+    drained = run(asked)
+    assert all(r.rejects == {} for r in drained), [r.rejects for r in drained]
+    assert [r.end for r in drained] == ["drained"] * 3 and len({r.drained_at for r in drained}) == 1

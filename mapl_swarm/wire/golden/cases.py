@@ -144,6 +144,9 @@ def _valid(v: dict[str, list[bytes]]) -> list[Case]:
                          "sent_ns held 1.25 s",
         "checkpoint_drain_request": "CHECKPOINT drain_request from the last stage (capability drain)",
         "checkpoint_drain": "CHECKPOINT drain: every stage stops after step 42 and saves it",
+        "checkpoint_drain_signed": "2.1: CHECKPOINT drain relayed by stage 1 with stage 0's certificate and "
+                                   "signature of the decision (a certified run; the bytes here are placeholders: "
+                                   "the wire checks only their kinds)",
         "bye_drain": "BYE reason drain after 42 steps: a planned departure",
         "hello_rejoin": "HELLO of a re-formed peer at epoch 2 advertising rejoin",
         "act_epoch": "ACT at epoch 3: epoch right after cver",
@@ -375,6 +378,8 @@ def _invalid(v: dict[str, list[bytes]]) -> list[Case]:
          "CHECKPOINT drain without a step"),
         ("checkpoint_drain_nil_step", _edit(v["checkpoint_drain"], _meta(step=None)), IM,
          "CHECKPOINT drain with step nil"),
+        ("checkpoint_drain_sig_short", _edit(v["checkpoint_drain_signed"], _meta(sig=bytes(63))), IM,
+         "2.1: CHECKPOINT drain whose sig is 63 bytes, not an Ed25519 signature's 64"),
         ("heartbeat_echo_negative", _edit(v["heartbeat_rtt"], _meta(echo_ns=-5)), IM,
          "HEARTBEAT echo_ns negative"),
         ("heartbeat_held_float", _edit(v["heartbeat_rtt"], _meta(held_ns=1.25)), IM,

@@ -364,6 +364,10 @@ def _drain_samples() -> dict[str, Message]:
         "checkpoint_drain": Message(src=0, dst=1, step=42, seq=410, meta={"phase": "drain", "step": 42,
                                                                           "reason": "SIGTERM at stage 2"},
                                     **checkpoint),
+        "checkpoint_drain_signed": Message(src=1, dst=2, step=42, seq=411, meta={
+            "phase": "drain", "step": 42, "reason": "SIGTERM at stage 2",
+            "cert": b"\x82\xa4body\xc4\x03abc\xa3sig\xc4\x40" + bytes(64), "sig": bytes(range(64))},
+            **checkpoint),
         "bye_drain": Message(type=MessageType.BYE, run_id=RUN_ID, src=0, dst=1, step=42, seq=412,
                              meta={"reason": "drain"}),
     }
