@@ -90,6 +90,7 @@ class StageAverager(DecentralizedAverager):
 
     ``replicas``: how many replicas a step averages among (hivemind's ``target_group_size``: a
     group forms as soon as that many are in, without waiting ``min_matchmaking_time`` out).
+    ``aggregation``: ``"mean"`` (weighted) or ``"centered_clip"`` (:mod:`.robust`, per part).
     ``state``: the stage's whole state (:mod:`.state`), what :meth:`download_state` of a joining
     replica receives. A round in which a member gathered :data:`GATHER_ONLY` runs no all-reduce and
     leaves the tensors as they are; so does one that ``usable`` (:data:`Usable`, called in the
@@ -97,12 +98,15 @@ class StageAverager(DecentralizedAverager):
     (``averaged_tensors``, ``dht``, ``start``, ``step(weight=...)``)."""
 
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: Any, *, run_id: str, stage: int,
-                 replicas: int, state: Callable[[], Any] | None = None, usable: Usable | None = None,
+                 replicas: int, aggregation: str = "mean", state: Callable[[], Any] | None = None,
+                 usable: Usable | None = None,
                  min_matchmaking_time: float = 2.0, request_timeout: float = 1.0, declare_state_period: float = 10.0,
                  next_chunk_timeout: float = PART_TIMEOUT_S, **kwargs: Any) -> None:
         if replicas < 2:
             raise ValueError(f"averaging needs at least 2 replicas, got {replicas}")
         self.run_id, self.stage = run_id, stage
+        self.aggregation = aggregation
+        """``replicas.aggregation``: the weighted mean, or CenteredClip per part (:mod:`.robust`)."""
         self._state = state
         """What a joining replica downloads: the stage's state, read in this (the host) process."""
         self._usable = usable
@@ -329,7 +333,7 @@ class StageAverager(DecentralizedAverager):
         group_id = group_info.group_id if group_id is None else group_id
         runner = ExactAllReduceRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
                                       group_id=group_id, ordered_peer_ids=group_info.peer_ids,
-                                      traffic=self._traffic, **kwargs)
+                                      traffic=self._traffic, robust=self.aggregation == "centered_clip", **kwargs)
         self._running_groups[group_id].set_result(runner)
         self._outcomes.began(group_id, group_info.peer_ids)
         try:

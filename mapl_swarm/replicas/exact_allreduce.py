@@ -19,23 +19,67 @@ import asyncio
 import logging
 from typing import Any, AsyncIterator
 
+import torch
 from hivemind.averaging.allreduce import AllReduceRunner
-from hivemind.averaging.partition import AllreduceException, BannedException
+from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
+
+from mapl_swarm.replicas.robust import centered_clip
 
 __all__ = ["ExactAllReduceRunner"]
 
 logger = logging.getLogger(__name__)
 
 
-class ExactAllReduceRunner(AllReduceRunner):
-    """An ``AllReduceRunner`` whose output tensors are the averages (module docstring)."""
+class ClippingPartReducer(TensorPartReducer):
+    """hivemind 1.1.12's part reducer, keeping every sender's share of the current part and returning
+    their CenteredClip (:func:`~.robust.centered_clip`) instead of the weighted mean."""
 
-    def __init__(self, *args: Any, traffic: Any = None, **kwargs: Any) -> None:
+    def reset_accumulators(self) -> None:
+        self.shares: list[tuple[torch.Tensor, float]] = []
+        super().reset_accumulators()
+
+    async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
+                              weight: float = 1.0) -> torch.Tensor:
+        assert 0 <= sender_index < self.num_senders, "invalid sender index"
+        assert 0 <= part_index < self.num_parts, "invalid part index"
+        self.num_parts_received[sender_index] += 1
+        while part_index > self.current_part_index:
+            await asyncio.wait({self.current_part_future, asyncio.create_task(self.finished.wait())},
+                               return_when=asyncio.FIRST_COMPLETED)
+            if self.finished.is_set():
+                raise AllreduceException(f"attempted to aggregate part in a finalized {self.__class__.__name__}")
+        if self.sender_failed_after[sender_index] != float("inf"):
+            raise BannedException(f"sender {sender_index} was banned in background")
+        assert part_index == self.current_part_index
+        current_part_future = self.current_part_future
+        if part_index < self.sender_failed_after[sender_index]:
+            self.shares.append((tensor_part, weight))
+            self.current_part_accumulated_from += 1
+            self.check_current_part_finished()
+        return await current_part_future
+
+    def check_current_part_finished(self) -> None:
+        assert self.current_part_accumulated_from <= self.num_current_senders
+        if self.current_part_accumulated_from == self.num_current_senders:
+            # one reducer per part: every member receives its bytes, whatever the arrival order
+            self.current_part_future.set_result(centered_clip([x for x, _ in self.shares],
+                                                              [w for _, w in self.shares]))
+            self.reset_accumulators()
+
+
+class ExactAllReduceRunner(AllReduceRunner):
+    """An ``AllReduceRunner`` whose output tensors are the averages (module docstring); ``robust``:
+    each part's reducer returns CenteredClip (:class:`ClippingPartReducer`) instead."""
+
+    def __init__(self, *args: Any, traffic: Any = None, robust: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if robust:
+            reducer = self.tensor_part_reducer
+            self.tensor_part_reducer = ClippingPartReducer(reducer.part_shapes, reducer.num_senders)
         self.tensor_part_container.return_deltas = False  # outputs are averages; a failed part keeps its own
         self.traffic = traffic
         """Tensor bytes sent and received, ``[sent, received]`` (shared with the host process; None: not counted)."""

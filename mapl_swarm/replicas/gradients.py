@@ -78,7 +78,8 @@ class ReplicaGradients:
         buffers = [torch.zeros(t.shape, dtype=torch.float32) for t in [*self.params, *self.stats]]  # contiguous
         self._served: Callable[[], Any] = lambda: self.runtime.state_dict()
         self.averager = StageAverager(buffers, dht, run_id=run_id, stage=runtime.stage, replicas=replicas,
-                                      state=lambda: self._served(), start=True,
+                                      aggregation=runtime.cfg.replicas.aggregation, state=lambda: self._served(),
+                                      start=True,
                                       usable=partial(round_counts, runtime.cfg.pipeline.num_micro_batches),
                                       **averager_kwargs)
         self.me = str(self.averager.peer_id)

@@ -204,3 +204,52 @@ def test_only_certified_replicas_of_a_stage_average_and_share_state(tmp_path, mo
            load_identity(tmp_path / "ids" / "stage1b.key", tmp_path / "ids" / "stage1b.cert", run_id=RUN, stage=1),
            load_identity(local.key_file(2), local.cert_file(2), run_id=RUN, stage=2)]
     with_bootstrap(monkeypatch, TrustedAuthority(RUN, local.authority.public), functools.partial(scenario, ids=ids))
+
+
+def robust_scenario(_bootstrap: Any, maddrs: list[str], ids: list) -> None:
+    """Three replicas of stage 1 average with CenteredClip; one sends its share scaled by -10."""
+    from mapl_swarm.replicas.averaging import StageAverager
+    from mapl_swarm.replicas.robust import centered_clip
+
+    gen = torch.Generator().manual_seed(0)
+    common = torch.randn(4096, generator=gen)
+    shares = [common + 0.1 * torch.randn(4096, generator=gen) for _ in range(2)]
+    shares.append(-10 * shares[0])
+    averagers: list[Any] = []
+    try:
+        with Discovery(RUN, config(maddrs), membership=ids[0]) as a, \
+                Discovery(RUN, config(maddrs), membership=ids[1]) as b, \
+                Discovery(RUN, config(maddrs), membership=ids[2]) as c:
+            for disc, share in zip((a, b, c), shares):
+                averagers.append(StageAverager([share.clone()], disc.dht, run_id=RUN, stage=1, replicas=3,
+                                               aggregation="centered_clip", start=True))
+            steps = [avg.step(weight=1.0, timeout=40, wait=False, allow_retries=False) for avg in averagers]
+            groups = [s.result(timeout=80) for s in steps]
+            assert all(g is not None and len(g) == 3 for g in groups), groups
+            results = []
+            for avg in averagers:
+                with avg.get_tensors() as t:
+                    results.append(t[0].clone())
+            assert all(torch.equal(r, results[0]) for r in results)  # every replica holds the same bytes
+            honest = (shares[0] + shares[1]) / 2
+            mean = sum(shares) / 3
+            # the reducers clip per part, so not exactly centered_clip of the whole vector: close to it,
+            # and far nearer the honest mean than the mean is
+            assert float((results[0] - honest).norm()) < 0.2 * float((mean - honest).norm())
+            whole = centered_clip(shares, [1.0, 1.0, 1.0])
+            assert float((results[0] - whole).norm()) < float((mean - honest).norm())
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_with_centered_clip_a_replicas_share_scaled_by_minus_ten_barely_moves_the_stages_update(
+        tmp_path, monkeypatch) -> None:
+    """Issue 46 item 2: three certified replicas of a stage on real averagers, one sending its
+    gradient share scaled by -10: with ``replicas.aggregation = "centered_clip"`` the three end with
+    the same bytes, within a fifth of the distance the plain mean would be from the honest mean."""
+    local = issue_local(tmp_path / "ids", run_id=RUN, num_stages=3, replicas=[1, 3, 1])
+    ids = [load_identity(local.key_file(1, r), local.cert_file(1, r), run_id=RUN, stage=1) for r in range(3)]
+    with_bootstrap(monkeypatch, TrustedAuthority(RUN, local.authority.public),
+                   functools.partial(robust_scenario, ids=ids))
