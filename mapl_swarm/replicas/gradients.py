@@ -170,12 +170,18 @@ class ReplicaGradients:
         """The round before the first step: the ``expected`` replicas that start together, each one's
         parameter digest (gathered only: no all-reduce, whose failure at one member could leave
         another past the round). ``expected`` 1: this replica starts its stage alone (no round).
-        ``behind``: this replica resumed without the agreed step's file (gathered as ``behind``)."""
-        gather = {**self._gather([], 0.0, epoch, contact, SYNC_STEP, 1), **({"behind": True} if behind else {})}
+        ``behind``: this replica resumed without the agreed step's file (gathered as ``behind``). A
+        group of fewer than ``expected`` (hivemind forms one of 2 once its matchmaking time passed)
+        is refused by every member alike, which all try again: the one left out would otherwise
+        average alone for good."""
+        gather = {**self._gather([], 0.0, epoch, contact, SYNC_STEP, expected), **({"behind": True} if behind else {})}
         if expected <= 1:
             return self._result({self.me: gather})
         self.averager.set_group_size(expected)
         round_ = self._round(1.0, {**gather, GATHER_ONLY: True}, timeout)
+        if round_.group_size < round_.expected:
+            raise AveragingFailed(f"stage {self.runtime.stage}: a sync round of {round_.group_size} of the "
+                                  f"{round_.expected} replicas that start together")
         if RESUME_STEP in round_.steps.values():
             raise MaplError(f"stage {self.runtime.stage}: another replica of the stage resumes (--resume) and this "
                             f"one starts fresh: start every replica of the run with --resume, or none")

@@ -267,3 +267,30 @@ def test_the_summary_adds_every_replicas_bytes_per_boundary(tmp_path):
     assert link["forward_wire"] == pytest.approx(30 / 100)
     # one step (one loss), 40 averaging bytes against 6 links x 10 wire bytes
     assert summary.averaging == {"bytes_per_step": 40.0, "share": pytest.approx(40 / 100)}
+
+
+def test_a_sync_round_of_fewer_than_the_starting_replicas_is_refused_by_every_member():
+    """Three replicas start a stage; hivemind forms a group of 2 once its matchmaking time passed
+    (a third started a moment late): each member of that group gathered the 3 it expects, so every
+    one refuses the round and tries again, instead of training as "replica x of 2" while the third
+    averages alone for good (seen with a replica started a second after its partners)."""
+    from types import SimpleNamespace
+
+    from mapl_swarm.replicas.gradients import AveragingFailed, ReplicaGradients
+
+    grads = object.__new__(ReplicaGradients)
+    grads.me = "p1"
+    grads.runtime = SimpleNamespace(stage=1, modules=torch.nn.Linear(2, 2), codec=SimpleNamespace(
+        replicated_state=lambda: {}))
+    grads.averager = SimpleNamespace(set_group_size=lambda n: None)
+    seen = []
+
+    def gathered(weight, gather, timeout):
+        seen.append(gather["expected"])
+        return {"p1": gather, "p2": {**gather, "contact": "other"}}, 0, 0
+
+    grads._gathered = gathered
+    with pytest.raises(AveragingFailed, match="a sync round of 2 of the 3 replicas that start together"):
+        grads.sync(timeout=5.0, contact="mine", expected=3)
+    assert seen == [3]
+    assert grads.sync(timeout=5.0, contact="mine", expected=2).group_size == 2
