@@ -26,8 +26,6 @@ __all__ = ["ReformCredit", "BURST", "reform_credit_steps", "STEPS_PER_CREDIT"]
 BURST = 3
 """Re-forms one member may tell of before any new progress: a neighbour whose own neighbour left
 twice in a row (a replacement that failed to start) still gets through; a fourth is refused."""
-
-
 STEPS_PER_CREDIT = 100
 """New progress that earns a re-form's credit back in a run without periodic checkpoints."""
 
