@@ -264,9 +264,8 @@ class Control:
     def _unproven_drain(msg: Message, identity: Membership) -> str | None:
         """Why a CHECKPOINT ``drain`` does not prove that stage 0 decided it (a certified run: its
         certificate and signature of the step and run epoch, passed on unchanged, SPEC §5.2), or None."""
-        step = msg.meta.get("step")
-        try:
-            identity.verify_drain(dict(msg.meta), epoch=msg.epoch, step=step if isinstance(step, int) else -1)
+        try:  # the decoder made sure a drain has a uint step
+            identity.verify_drain(dict(msg.meta), epoch=msg.epoch, step=msg.meta["step"])
         except CertificateError as exc:
             return f"a drain decision stage 0 did not sign ({exc.code}: {exc})"
         return None

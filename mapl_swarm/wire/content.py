@@ -386,21 +386,16 @@ def _shape_fits(got: tuple[int, ...], want: tuple[int, ...]) -> bool:
     return len(got) == len(want) and all(w == -1 or g == w for g, w in zip(got, want))
 
 
-def _non_finite(tag: str, a: np.ndarray) -> bool:
-    if a.size == 0:
-        return False
-    if tag == "bf16":  # raw bit patterns: exponent all ones is Inf or NaN
-        return bool(np.any((a & np.uint16(0x7F80)) == np.uint16(0x7F80)))
-    return not bool(np.isfinite(a).all())
-
-
-def _too_large(tag: str, a: np.ndarray) -> bool:
-    """A finite value of magnitude :data:`~.spec.VALUE_BOUND` (2^24) or more (fp16 cannot hold one)."""
-    if tag == "bf16":  # raw bit patterns: the biased exponent of 2^24 is 127 + 24
-        return bool(np.any(((a >> np.uint16(7)) & np.uint16(0xFF)) >= np.uint16(151)))
-    if tag == "fp16":
-        return False
-    return bool(np.abs(a).max() >= spec.VALUE_BOUND)
+def _largest(tag: str, a: np.ndarray) -> float:
+    """The largest magnitude in a non-empty float array, ``inf`` when it holds a NaN or an Inf (one
+    pass decides ``non_finite`` and ``value_out_of_range``). bf16 comes as raw bit patterns: its
+    largest biased exponent, all ones for Inf and NaN, gives a power of two at most the magnitude,
+    2^24 exactly when the value is 2^24 or more."""
+    if tag == "bf16":
+        exponent = int(((a >> np.uint16(7)) & np.uint16(0xFF)).max())
+        return math.inf if exponent == 0xFF else 2.0 ** (exponent - 127)
+    top = float(np.abs(a).max())  # NaN propagates through max
+    return top if math.isfinite(top) else math.inf
 
 
 def _values(msg: Message, shapes: RunShapes) -> None:
@@ -418,11 +413,13 @@ def _values(msg: Message, shapes: RunShapes) -> None:
             top = int(a.max())
             if top >= K:
                 raise ContentError("code_out_of_range", f"{msg.type.name} {name} value {top} outside 0..{K - 1}")
-        elif t.dtype in spec.FLOAT_DTYPES and _non_finite(t.dtype, a):
-            raise ContentError("non_finite", f"{msg.type.name} tensor {name!r} holds NaN or Inf")
-        elif t.dtype in spec.FLOAT_DTYPES and _too_large(t.dtype, a):
-            raise ContentError("value_out_of_range", f"{msg.type.name} tensor {name!r} holds a value of magnitude "
-                                                     f"2^24 or more (SPEC §6.1: no honest value comes near)")
+        elif t.dtype in spec.FLOAT_DTYPES:
+            largest = _largest(t.dtype, a)
+            if largest == math.inf:
+                raise ContentError("non_finite", f"{msg.type.name} tensor {name!r} holds NaN or Inf")
+            if largest >= spec.VALUE_BOUND:
+                raise ContentError("value_out_of_range", f"{msg.type.name} tensor {name!r} holds a value of "
+                                                         f"magnitude 2^24 or more (SPEC §6.1: no honest value comes near)")
 
 
 def orthonormal_error(a: np.ndarray) -> float:
