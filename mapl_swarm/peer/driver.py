@@ -551,7 +551,8 @@ class Schedule:
         deadline = time.monotonic() + self.core.s.timeout_s
         got = None
         while (left := deadline - time.monotonic()) > 0:
-            got = await self.compute.wait(lambda: replicas.download(like, timeout=min(left, 30.0)))
+            got = await self.compute.wait(lambda: replicas.download(like, timeout=min(left, 30.0),
+                                                                    sources=intent.sources))
             if got is not None and intent.good(got):
                 break
             got = None

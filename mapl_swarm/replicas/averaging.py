@@ -29,6 +29,7 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
+import random
 import signal
 import threading
 import time
@@ -42,8 +43,10 @@ from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils import ValueWithExpiration, get_dht_time
-from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
+from hivemind.compression import deserialize_torch_tensor
+from hivemind.utils import MPFuture, ValueWithExpiration, get_dht_time
+from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip, enter_asynchronously
+from hivemind.utils.streaming import combine_from_streaming
 
 from mapl_swarm.aio import within
 from mapl_swarm.net.discovery import averaging_prefix, member_keys
@@ -383,15 +386,53 @@ class StageAverager(DecentralizedAverager):
         skeleton, tensors = flatten_state(self._state())
         return {STATE_KEY: skeleton}, tensors, None
 
-    def download_state(self, like: Any, *, timeout: float) -> Any | None:
-        """The stage's state from a live replica (a certified member: hivemind picks it among the
-        ``all_averagers`` subkeys), checked against ``like`` (this replica's own state:
+    def download_state(self, like: Any, *, timeout: float, sources: Sequence[str] = ()) -> Any | None:
+        """The stage's state from a live replica, checked against ``like`` (this replica's own state:
         :func:`~.state.restore_like`); None when no replica answered. A state that does not fit
-        raises :class:`~.state.StateMismatch`."""
-        got = self.load_state_from_peers(timeout=timeout)
+        raises :class:`~.state.StateMismatch`. ``sources``: only these members (peer ids as
+        text; a re-sync's, those holding the stage's digest); none given: any member."""
+        future = MPFuture()
+        self._outer_pipe.send(("_load_state_from_peers", [], dict(timeout=timeout, future=future,
+                                                                  sources=tuple(sources))))
+        got = future.result(timeout=timeout)
         if got is None:
             return None
         metadata, tensors = got
         if not isinstance(metadata, dict) or STATE_KEY not in metadata:
             raise StateMismatch("the replica sent no stage state")
         return restore_like(metadata[STATE_KEY], tensors, like)
+
+    async def _load_state_from_peers(self, future: MPFuture, timeout: float | None = None,
+                                     sources: Sequence[str] = ()) -> None:
+        """hivemind's download (in the averager process), asking members in random order: hivemind
+        1.1.12 asks the peer that declared the highest priority first, which any member may declare,
+        and offers no way to ask only some (a re-sync must load the stage's digest)."""
+        chunk_timeout = self.next_chunk_timeout or self.request_timeout
+        try:
+            peers = [p for p in await self.members(fresh=True) if p != self.peer_id]
+            if sources:
+                peers = [p for p in peers if p.to_base58() in sources]
+            random.shuffle(peers)
+            for peer in peers:
+                try:
+                    stream = await self.get_stub(self._p2p, peer, namespace=self.prefix).rpc_download_state(
+                        averaging_pb2.DownloadRequest())
+                    metadata, tensors, parts = None, [], []
+                    async for message in aiter_with_timeout(stream, timeout=chunk_timeout):
+                        if message.metadata:
+                            metadata = self.serializer.loads(message.metadata)
+                        if message.tensor_part.dtype and parts:  # a new tensor begins
+                            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                            parts = []
+                        parts.append(message.tensor_part)
+                    if parts:
+                        tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                    if metadata:
+                        future.set_result((metadata, tensors))
+                        return
+                    logger.debug("stage %d: %s sent no state", self.stage, peer)
+                except Exception as e:
+                    logger.warning("stage %d: downloading the state from %s failed: %r", self.stage, peer, e)
+        finally:
+            if not future.done():
+                future.set_result(None)

@@ -34,6 +34,7 @@ checks that they hold the same parameters.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import threading
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -45,7 +46,8 @@ from mapl_swarm.errors import MaplError
 from mapl_swarm.replicas.averaging import GATHER_ONLY, StageAverager
 from mapl_swarm.replicas.errors import AveragingFailed, Behind, RoundCancelled
 from mapl_swarm.replicas.state import state_digest
-from mapl_swarm.step.rounds import RESUME_STEP, SYNC_STEP, ReplicaStep, read_round, round_counts
+from mapl_swarm.step.rounds import (NONCE_BYTES, RESUME_STEP, SYNC_STEP, ReplicaStep, commitment, read_round,
+                                    round_counts)
 
 __all__ = ["ReplicaGradients", "ReplicaStep", "read_round", "round_counts", "AveragingFailed", "Behind",
            "RoundCancelled", "SYNC_STEP", "RESUME_STEP"]
@@ -83,6 +85,10 @@ class ReplicaGradients:
                                       usable=partial(round_counts, runtime.cfg.pipeline.num_micro_batches),
                                       **averager_kwargs)
         self.me = str(self.averager.peer_id)
+        self._nonce = secrets.token_bytes(NONCE_BYTES)
+        """Committed to in the rounds until one goes to the core (:meth:`_delivered`)."""
+        self._revealed: bytes | None = None
+        """The nonce of the last round that went to the core, revealed in the next."""
         self._lock = threading.Lock()
         self._control: Any = None
         self._cancelled = False
@@ -101,10 +107,10 @@ class ReplicaGradients:
         of this process; a consistent copy, see :mod:`.state`)."""
         self._served = state
 
-    def download(self, like: Any, *, timeout: float) -> Any | None:
+    def download(self, like: Any, *, timeout: float, sources: Sequence[str] = ()) -> Any | None:
         """The stage's state from a live replica, checked against ``like`` (this replica's own, of
         what :meth:`serve` gives); None when no replica answered within ``timeout`` s."""
-        return self.averager.download_state(like, timeout=timeout)
+        return self.averager.download_state(like, timeout=timeout, sources=sources)
 
     def cancel(self) -> None:
         """Make the round in progress give up with :class:`RoundCancelled` once it stops looking
@@ -176,7 +182,7 @@ class ReplicaGradients:
         average alone for good."""
         gather = {**self._gather([], 0.0, epoch, contact, SYNC_STEP, expected), **({"behind": True} if behind else {})}
         if expected <= 1:
-            return self._result({self.me: gather})
+            return self._delivered(self._result({self.me: gather}))
         self.averager.set_group_size(expected)
         round_ = self._round(1.0, {**gather, GATHER_ONLY: True}, timeout)
         if round_.group_size < round_.expected:
@@ -185,7 +191,7 @@ class ReplicaGradients:
         if RESUME_STEP in round_.steps.values():
             raise MaplError(f"stage {self.runtime.stage}: another replica of the stage resumes (--resume) and this "
                             f"one starts fresh: start every replica of the run with --resume, or none")
-        return round_
+        return self._delivered(round_)
 
     def resume_round(self, saved: Sequence[int], reason: str, *, timeout: float, contact: str = "",
                      expected: int = 2) -> dict[str, tuple[list[int], str]]:
@@ -222,10 +228,18 @@ class ReplicaGradients:
 
     def _gather(self, micro: Sequence[int], loss_sum: float, epoch: int, contact: str, step: int,
                 expected: int, *, leave: bool = False, going: bool = False, drain: bool = False) -> dict[str, Any]:
+        reveal = {"reveal": self._revealed.hex()} if self._revealed is not None else {}
         state = {"modules": self.runtime.modules.state_dict(), "codec": self.runtime.codec.replicated_state()}
         return {"digest": state_digest(state), "micro": [int(m) for m in micro],
                 "loss": float(loss_sum), "epoch": int(epoch), "contact": contact, "step": int(step),
-                "expected": int(expected), **{k: True for k, on in (("leave", leave), ("going", going), ("drain", drain)) if on}}
+                "expected": int(expected), "commit": commitment(self._nonce), **reveal,
+                **{k: True for k, on in (("leave", leave), ("going", going), ("drain", drain)) if on}}
+
+    def _delivered(self, round_: ReplicaStep) -> ReplicaStep:
+        """``round_`` goes to the step core: its nonce is revealed in the next round, which commits
+        to a fresh one (a failed attempt's commitment is the same nonce's)."""
+        self._revealed, self._nonce = self._nonce, secrets.token_bytes(NONCE_BYTES)
+        return round_
 
     def average(self, micro: Sequence[int], *, step: int, timeout: float, loss_sum: float = 0.0, epoch: int = 0,
                 contact: str = "", expected: int = 2, leave: bool = False, going: bool = False,
@@ -241,7 +255,7 @@ class ReplicaGradients:
         gather = self._gather(micro, loss_sum, epoch, contact, step, expected, leave=leave, going=going,
                               drain=drain)
         if expected <= 1:
-            return self._result({self.me: gather})
+            return self._delivered(self._result({self.me: gather}))
         self.averager.set_group_size(expected)
         n = len(micro)
         scale = self.runtime.cfg.pipeline.num_micro_batches / n if n else 0.0
@@ -263,13 +277,13 @@ class ReplicaGradients:
             raise error(f"stage {self.runtime.stage}: a round with replicas of steps {sorted(steps)} and run epochs "
                         f"{sorted(epochs)}, this one is at step {step}, epoch {epoch}")
         if round_.problem(self.runtime.cfg.pipeline.num_micro_batches) is not None:
-            return round_  # it ran no all-reduce (round_counts): the caller redoes the step or stops
+            return self._delivered(round_)  # it ran no all-reduce (round_counts): the caller redoes the step or stops
         with self.averager.get_tensors() as buffers, torch.no_grad():
             for buf, p in zip(buffers, self.params):
                 p.grad = buf.to(p.device, p.dtype, copy=True)
             for buf, t in zip(buffers[len(self.params):], stats, strict=True):
                 t.copy_(buf)
-        return round_
+        return self._delivered(round_)
 
     def shutdown(self) -> None:
         self.averager.shutdown()

@@ -47,6 +47,8 @@ class Rounds:
         self._repair_until = 0.0
         self._problem = ""
         self._resync: tuple[ReplicaStep, Phase] | None = None
+        self._prior: ReplicaStep | None = None
+        """This replica's last round (its commitments settle a tie of digests in the next)."""
 
     # ------------------------------------------------------------------ attempts
     def start(self, intent: do.Sync | do.Average) -> do.Intent:
@@ -87,7 +89,8 @@ class Rounds:
         """The sync round before the first step (SPEC §9.10 item 2) gave ``round_``."""
         c = self.c
         self.in_round = False
-        if not round_.in_sync and self._differ(round_, "before the first step", then=Phase.BOUNDARY):
+        prior, self._prior = self._prior, round_
+        if not round_.in_sync and self._differ(round_, prior, "before the first step", then=Phase.BOUNDARY):
             return
         c.members.ranked(round_)
         log.info("%s: replica %d of %d of stage %d", c.s.name, c.members.rank, c.members.count, c.stage)
@@ -98,6 +101,7 @@ class Rounds:
         repaired (a reopen serves it again) or redone; differing digests re-sync first."""
         c = self.c
         self.in_round = False
+        prior, self._prior = self._prior, round_
         cur = c.cur
         if c.redo_due:
             return
@@ -111,7 +115,7 @@ class Rounds:
                 c.spawn(do.SendRoute(name, cur.step, "gone", gone=notices, epoch=c.epoch))
         if not round_.in_sync:
             self._problem = problem or ""
-            self._differ(round_, f"at step {cur.step}", then=Phase.SERVE)
+            self._differ(round_, prior, f"at step {cur.step}", then=Phase.SERVE)
             return
         if problem is not None:
             if (cur.partners_gone or cur.awaited) and not c.first:
@@ -163,32 +167,43 @@ class Rounds:
                        c.flow.up_links(), fatal=False)
 
     # ------------------------------------------------------------------ downloads
-    def download(self, kind: str) -> do.Download:
+    def download(self, kind: str, round_: ReplicaStep | None = None, digest: str = "") -> do.Download:
         """Ask for the stage's state: a joiner's (``join``: one whose projector is its step's) or a
-        re-sync's (``resync``: of this replica's step)."""
+        re-sync's (``resync``: of this replica's step, from a member of ``round_`` holding
+        ``digest``, the stage's)."""
         c = self.c
         step = c.step
         if kind == "join":
             takes = c.proj.takes
             return do.Download(kind, step, lambda got: got["projector"] >= got["step"] or not takes, "its state")
-        return do.Download(kind, step, lambda got: int(got["step"]) == step, f"its state of step {step} (to re-sync)")
+        assert round_ is not None
+        return do.Download(kind, step, lambda got: int(got["step"]) == step, f"its state of step {step} (to re-sync)",
+                           sources=tuple(round_.holders(digest)))
 
-    def _differ(self, round_: ReplicaStep, when: str, *, then: Phase) -> bool:
+    def _differ(self, round_: ReplicaStep, prior: ReplicaStep | None, when: str, *, then: Phase) -> bool:
         """The replicas of this stage hold different parameters (the round's digests, SPEC §9.10 item
-        6): one that does not hold the stage's (:attr:`ReplicaStep.reference`) loads the state of a
-        partner; the others go on. True when this one downloads (the phase waits for it)."""
+        6): one that does not hold the stage's (:meth:`ReplicaStep.reference`, ``prior`` this
+        replica's round before) loads the state of a partner that does; the others go on; a tie
+        nobody's word decides waits for the next round's draw (nobody loads anything now). True
+        when this one downloads (the phase waits for it)."""
         c = self.c
         held = len(set(round_.digests.values()))
-        if round_.digests[round_.me] == round_.reference:
+        reference = round_.reference(prior)
+        if reference is None:
+            log.warning("%s: the replicas of stage %d hold %d different parameter digests %s, as many replicas "
+                        "each: the draw of the next round decides which the stage keeps", c.s.name, c.stage, held, when)
+            self._resynced(round_, then)
+            return False
+        if round_.digests[round_.me] == reference:
             log.warning("%s: the replicas of stage %d hold %d different parameter digests %s; this one holds the "
-                        "stage's (most replicas'): the others load a partner's state", c.s.name, c.stage, held, when)
+                        "stage's: the others load a partner's state", c.s.name, c.stage, held, when)
             self._resynced(round_, then)
             return False
         log.warning("%s: this replica's parameters differ from the stage's (%d digests among %d replicas %s): "
                     "loading a partner's state", c.s.name, held, round_.group_size, when)
         c.phase = Phase.RESYNC
         self._resync = (round_, then)
-        c.send(self.download("resync"))
+        c.send(self.download("resync", round_, reference))
         return True
 
     def _resynced(self, round_: ReplicaStep, then: Phase) -> None:

@@ -244,13 +244,15 @@ class CancelRound(Intent):
 class Download(Intent):
     """The stage's state from a live replica (SPEC §9.10 item 11): ``join`` (a joining replica's,
     or a step-old joiner's again) or ``resync`` (a replica whose parameters differ, the state of
-    step ``step``), asked for again until one answers with a state ``good`` takes (``what`` is
-    awaited); :meth:`~.core.StepCore.answer` (:meth:`~.averaging.Rounds.downloaded`)."""
+    step ``step``, from one of ``sources``, the members holding the stage's digest), asked for
+    again until one answers with a state ``good`` takes (``what`` is awaited);
+    :meth:`~.core.StepCore.answer` (:meth:`~.averaging.Rounds.downloaded`)."""
 
     kind: str
     step: int
     good: Callable[[dict], bool]
     what: str
+    sources: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -7,16 +7,35 @@ builds a :class:`ReplicaStep` from what the round's members gathered, and the st
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ReplicaStep", "read_round", "round_counts", "SYNC_STEP", "RESUME_STEP"]
+__all__ = ["ReplicaStep", "read_round", "round_counts", "SYNC_STEP", "RESUME_STEP", "NONCE_BYTES", "commitment"]
 
 SYNC_STEP = -1
 """The step a sync round gathers (it comes before the first step)."""
 RESUME_STEP = -2
 """The step a resume round gathers (a resumed run's, before its replicas load a checkpoint)."""
+NONCE_BYTES = 32
+"""A round's nonce: a member commits to a fresh one in each round and reveals it in its next
+(SPEC §9.10 item 6: the draw that settles a tie among digests)."""
+
+
+def commitment(nonce: bytes) -> str:
+    """What a member gathers as ``commit`` for ``nonce``: its SHA-256, hex."""
+    return hashlib.sha256(nonce).hexdigest()
+
+
+def _nonce(text: Any) -> bytes | None:
+    """A gathered ``reveal``: a hex nonce of :data:`NONCE_BYTES`, else None."""
+    if not isinstance(text, str) or len(text) != 2 * NONCE_BYTES:
+        return None
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -55,6 +74,10 @@ class ReplicaStep:
     behind: frozenset[str] = frozenset()
     """The members that resumed behind their stage (a sync round's: they hold no file of the agreed
     step, SPEC §9.10 item 13): they load a partner's state, whatever their digests."""
+    commits: dict[str, str] = field(default_factory=dict)
+    """Each member's commitment to its nonce of this round (:func:`commitment`, hex)."""
+    reveals: dict[str, bytes] = field(default_factory=dict)
+    """Each member's nonce of its previous round, where it gathered a well-formed one."""
 
     @property
     def stops(self) -> bool:
@@ -80,15 +103,41 @@ class ReplicaStep:
         """Every member started the step from the parameters this replica holds."""
         return len(set(self.digests.values())) == 1
 
+    def _current(self) -> list[str]:
+        """The members whose digests count: those not :attr:`behind`, unless every member is."""
+        return [p for p in self.group if p not in self.behind] or list(self.group)
+
     @property
-    def reference(self) -> str:
-        """The stage's digest when the members' differ (SPEC §9.10 item 6): the one most members
-        hold; among as many, the one of the first member (in ``group`` order) holding one of them.
-        Members :attr:`behind` count only when every member is. Every member reads the same."""
-        current = [p for p in self.group if p not in self.behind] or list(self.group)
-        held = Counter(self.digests[p] for p in current)
+    def tied(self) -> list[str]:
+        """The digests the most counting members hold (sorted): one, unless several tie."""
+        held = Counter(self.digests[p] for p in self._current())
         most = max(held.values())
-        return next(self.digests[p] for p in current if held[self.digests[p]] == most)
+        return sorted(d for d, n in held.items() if n == most)
+
+    def holders(self, digest: str) -> list[str]:
+        """The members holding ``digest``."""
+        return [p for p in self.group if self.digests[p] == digest]
+
+    def reference(self, prior: ReplicaStep | None = None) -> str | None:
+        """The stage's digest when the members' differ (SPEC §9.10 item 6): the one most members
+        hold (members :attr:`behind` count only when every member is). Among as many, nobody's
+        word decides: the tie is drawn in the members' next round (``prior`` is this replica's
+        round before this one): with the same members, tied there too, each member's nonce
+        revealed here that matches its commitment there enters the draw, ``sha256`` of those
+        nonces in ``group`` order picks among the tied digests still held by a member that held
+        it then and revealed. None: undecided (no such prior round: this round's commitments
+        decide the next). Every member reads the same."""
+        tied = self.tied
+        if len(tied) == 1:
+            return tied[0]
+        if prior is None or prior.group != self.group or len(prior.tied) < 2:
+            return None
+        fair = [p for p in self.group if p in self.reveals and commitment(self.reveals[p]) == prior.commits.get(p)]
+        candidates = [d for d in prior.tied if any(prior.digests[p] == d == self.digests[p] for p in fair)]
+        if not candidates:
+            return None
+        draw = hashlib.sha256(b"".join(self.reveals[p] for p in fair)).digest()
+        return candidates[int.from_bytes(draw[:8], "big") % len(candidates)]
 
     def problem(self, micro_batches: int) -> str | None:
         """Why the round cannot make the step (its members are in different epochs, a micro-batch
@@ -128,7 +177,9 @@ def read_round(me: str, data: dict[str, Any], sent: int = 0, received: int = 0) 
                        frozenset(p for p, v in data.items() if v.get("leave") is True or v.get("going") is True),
                        frozenset(p for p, v in data.items() if v.get("going") is True),
                        any(v.get("drain") is True for v in data.values()),
-                       frozenset(p for p, v in data.items() if v.get("behind") is True))
+                       frozenset(p for p, v in data.items() if v.get("behind") is True),
+                       {p: v["commit"] for p, v in data.items() if isinstance(v.get("commit"), str)},
+                       {p: n for p, v in data.items() if (n := _nonce(v.get("reveal"))) is not None})
 
 
 def round_counts(micro_batches: int, data: dict[str, Any]) -> bool:

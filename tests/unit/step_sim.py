@@ -29,7 +29,7 @@ import numpy as np
 from mapl_swarm.replicas.errors import AveragingFailed, RoundCancelled
 from mapl_swarm.step import intents as do
 from mapl_swarm.step.core import CoreSettings, Phase, StepCore
-from mapl_swarm.step.rounds import ReplicaStep
+from mapl_swarm.step.rounds import NONCE_BYTES, ReplicaStep, commitment
 from mapl_swarm.wire import Message, MessageType, WireTensor
 
 MT = MessageType
@@ -141,6 +141,9 @@ class SimPeer:
         """(step, "F" or "B", micro-batch) of every train forward and backward, in the order computed."""
         self.downloads: list[str] = []
         """The kinds of state downloads this replica made (``join``, ``resync``)."""
+        self.nonces = random.Random(f"nonce/{swarm.seed}/{stage}/{replica}")  # not the swarm's: its moves stay
+        self.nonce, self.revealed = self.nonces.randbytes(NONCE_BYTES), None
+        """As :class:`~mapl_swarm.replicas.gradients.ReplicaGradients`: committed to, and revealed in the next round."""
         self.alive = True
         self.done: dict | None = None
         self.blocked: do.Intent | None = None
@@ -165,6 +168,10 @@ class SimPeer:
     @property
     def peer_id(self) -> str:
         return f"peer-{self.stage}-{self.replica}"
+
+    def delivered(self) -> None:
+        """A round goes to the core: its nonce is revealed in the next, which commits to a fresh one."""
+        self.revealed, self.nonce = self.nonce, self.nonces.randbytes(NONCE_BYTES)
 
     def link_to(self, other: SimPeer) -> None:
         """A link to ``other``, speaking this peer's run epoch from the start (a link made while
@@ -366,6 +373,8 @@ class SimRounds:
         """Fault: the next round's all-reduce breaks at its first member after it began (the others keep it)."""
         self.odd: set[tuple[int, int]] = set()
         """Fault: these replicas hold other parameters (their digest differs) in the next round."""
+        self.diverged: dict[tuple[int, int], str] = {}
+        """Fault: these replicas hold other parameters (digest) until they load a partner's state."""
 
     def ask(self, peer: SimPeer, intent: do.Intent) -> None:
         if peer.key in self.cancelled:
@@ -423,10 +432,12 @@ class SimRounds:
         union = sorted(m for ms in micro.values() for m in ms)
         unsure, self.unsure_next = self.unsure_next, False
         odd, self.odd = self.odd, set()
+        commits = {q.peer_id: commitment(q.nonce) for q, _, _ in members}
+        reveals = {q.peer_id: q.revealed for q, _, _ in members if q.revealed is not None}
         for n, (peer, intent, _) in enumerate(members):
             behind = {q.peer_id for q, i, _ in members if getattr(i, "behind", False)}
-            digests = {q.peer_id: "odd" if q.key in odd else f"behind:{q.peer_id}" if q.peer_id in behind else "d"
-                       for q, _, _ in members}
+            digests = {q.peer_id: "odd" if q.key in odd else f"behind:{q.peer_id}" if q.peer_id in behind
+                       else self.diverged.get(q.key, "d") for q, _, _ in members}
             round_ = ReplicaStep(peer.peer_id, group, digests, micro, loss,
                                  epochs={q.peer_id: (i.token.epoch if isinstance(i, do.Average) else q.core.epoch)
                                          for q, i, _ in members},
@@ -437,9 +448,11 @@ class SimRounds:
                                                    if getattr(i, "leave", False) or getattr(i, "going", False)),
                                  going=frozenset(q.peer_id for q, i, _ in members if getattr(i, "going", False)),
                                  drain=any(getattr(i, "drain", False) for _, i, _ in members),
-                                 behind=frozenset(behind))
+                                 behind=frozenset(behind),
+                                 commits=commits, reveals=reveals)
             peer.blocked = None
             if isinstance(intent, do.Sync):
+                peer.delivered()
                 peer.core.answer(intent, round_)
             elif unsure and n == 0:  # its all-reduce broke after it began; the others completed it
                 peer.core.failed(intent, unsure=True, why="the all-reduce failed after it began")
@@ -448,6 +461,7 @@ class SimRounds:
             else:
                 if round_.problem(self.swarm.M) is None:
                     peer.rt.accumulated = list(union)  # the average: the whole batch's gradient
+                peer.delivered()
                 peer.core.answer(intent, round_)
             peer.drain_urgent()
         return True
@@ -531,11 +545,20 @@ class SimSwarm:
         return [p for p in self.stage_peers(peer.stage) if p is not peer and p.done is None
                 and p.core.phase not in (Phase.START, Phase.JOIN)]
 
+    def _sources(self, peer: SimPeer, intent: do.Download) -> list[SimPeer]:
+        return [p for p in self._partners(peer) if intent.good(self._served(p))
+                and (not intent.sources or p.peer_id in intent.sources)]
+
     def _downloadable(self, peer: SimPeer, intent: do.Download) -> bool:
-        return peer.alive and any(intent.good(self._served(p)) for p in self._partners(peer))
+        return peer.alive and bool(self._sources(peer, intent))
 
     def _download(self, peer: SimPeer, intent: do.Download) -> None:
-        partner = next(p for p in self._partners(peer) if intent.good(self._served(p)))
+        partner = self._sources(peer, intent)[0]
+        diverged = self.rounds[peer.stage].diverged
+        if partner.key in diverged:
+            diverged[peer.key] = diverged[partner.key]
+        else:
+            diverged.pop(peer.key, None)
         del self.downloads[peer]
         peer.downloads.append(intent.kind)
         peer.blocked = None

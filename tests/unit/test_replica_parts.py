@@ -5,6 +5,7 @@ rule, a local swarm's replica processes, identities and summary, and ``launch --
 from __future__ import annotations
 
 import json
+import random
 from collections import Counter
 
 import numpy as np
@@ -22,7 +23,7 @@ from mapl_swarm.step.flow import act_digest as _act_digest
 from mapl_swarm.step.router import Router
 from mapl_swarm.pipeline.stage import StageRuntime
 from mapl_swarm.replicas.gradients import ReplicaStep, round_counts
-from mapl_swarm.step.rounds import read_round
+from mapl_swarm.step.rounds import commitment, read_round
 from mapl_swarm.wire import Message, MessageType, WireTensor, decode, encode
 
 CONTACTS = [f"tcp://10.0.0.{i}:5000#" + f"{i:02x}" * 32 for i in (1, 2, 3)]
@@ -169,20 +170,50 @@ def test_a_round_is_whole_when_every_micro_batch_is_counted_once_in_one_epoch_wi
     assert "different epochs" in round_({"p1": (0, 1), "p2": (2,)}, epochs={"p1": 0, "p2": 1}).problem(3)
 
 
-def test_the_stages_digest_is_the_one_most_replicas_hold_else_the_first_members():
-    def reference(digests: dict, behind: frozenset = frozenset()) -> str:
-        return ReplicaStep("p1", tuple(sorted(digests)), digests, {p: () for p in digests}, 0.0,
-                           behind=behind).reference
+def test_the_stages_digest_is_the_one_most_replicas_hold_and_a_tie_is_drawn_in_the_next_round():
+    def round_(digests: dict, behind: frozenset = frozenset(), **kw) -> ReplicaStep:
+        return ReplicaStep("p1", tuple(sorted(digests)), digests, {p: () for p in digests}, 0.0, behind=behind, **kw)
 
-    assert reference({"p1": "x", "p2": "d", "p3": "d"}) == "d"  # the majority, wherever it sorts
-    assert reference({"p1": "x", "p2": "d"}) == reference({"p2": "d", "p1": "x"}) == "x"  # a tie: p1's
-    assert reference({"a": "e", "b": "d", "c": "d", "d": "e", "e": "f"}) == "e"  # two of 2: the first member's
+    assert round_({"p1": "x", "p2": "d", "p3": "d"}).reference() == "d"  # the majority, wherever it sorts
+    assert round_({"p1": "x", "p2": "d"}).reference() is None  # a tie: nobody's word (nor key) decides it now
+    assert round_({"a": "e", "b": "d", "c": "d", "d": "e", "e": "f"}).tied == ["d", "e"]
     # a replica that resumed behind its stage (SPEC §9.10 item 13) never holds the stage's digest
-    assert reference({"p1": "x", "p2": "d"}, frozenset({"p1"})) == "d"
-    assert reference({"p1": "x", "p2": "y", "p3": "y"}, frozenset({"p2", "p3"})) == "x"
-    assert reference({"p1": "x", "p2": "d"}, frozenset({"p1", "p2"})) == "x"  # all behind: as without
+    assert round_({"p1": "x", "p2": "d"}, frozenset({"p1"})).reference() == "d"
+    assert round_({"p1": "x", "p2": "y", "p3": "y"}, frozenset({"p2", "p3"})).reference() == "x"
+    assert round_({"p1": "x", "p2": "d"}, frozenset({"p1", "p2"})).reference() is None  # all behind: as without
     gathered = {"digest": "x", "micro": [], "loss": 0.0, "epoch": 0, "contact": "c", "step": -1, "expected": 2}
     assert read_round("p1", {"p1": {**gathered, "behind": True}, "p2": {**gathered, "behind": 1}}).behind == {"p1"}
+    n1, n2 = bytes(32), bytes([7]) * 32
+    got = read_round("p1", {"p1": {**gathered, "commit": commitment(n1), "reveal": n2.hex()},
+                            "p2": {**gathered, "commit": 5, "reveal": "zz" * 32}})
+    assert got.commits == {"p1": commitment(n1)} and got.reveals == {"p1": n2}  # malformed ones are none
+
+
+def test_a_tie_of_digests_is_won_by_the_draw_not_by_a_chosen_key_or_digest():
+    """Two replicas hold different parameters: the next round's revealed nonces, committed to in the
+    tied round, decide; each holder wins about half the draws whatever its peer id; a member that
+    reveals no nonce of its commitment, or no longer holds its digest, cannot win."""
+    rng = random.Random(3)
+
+    def draw(ids: tuple[str, str], *, reveal_b: bool = True, b_now: str = "b") -> str | None:
+        a, b = ids
+        nonces = {a: rng.randbytes(32), b: rng.randbytes(32)}
+        digests = {a: "A", b: "B"}
+        tied = ReplicaStep(a, tuple(sorted(ids)), digests, {a: (), b: ()}, 0.0,
+                           commits={p: commitment(n) for p, n in nonces.items()})
+        reveals = {a: nonces[a], b: nonces[b] if reveal_b else rng.randbytes(32)}
+        nxt = ReplicaStep(a, tuple(sorted(ids)), {a: "A", b: "B" if b_now == "b" else "C"}, {a: (), b: ()}, 0.0,
+                          reveals=reveals)
+        assert tied.reference() is None
+        return nxt.reference(tied)
+
+    for ids in (("p1", "p2"), ("p2", "p1"), ("00000000ground", "zzz")):
+        wins = Counter(draw(ids) for _ in range(400))
+        assert set(wins) == {"A", "B"} and 140 < wins["B"] < 260, (ids, wins)
+    assert {draw(("p1", "p2"), reveal_b=False) for _ in range(50)} == {"A"}  # a broken reveal forfeits
+    assert {draw(("p1", "p2"), b_now="c") for _ in range(50)} == {"A"}  # its digest changed since: not a candidate
+    other = ReplicaStep("p1", ("p1", "p2", "p3"), {"p1": "A", "p2": "B", "p3": "B"}, {}, 0.0)
+    assert other.reference(ReplicaStep("p1", ("p1", "p2"), {"p1": "A", "p2": "B"}, {}, 0.0)) == "B"  # a majority now
 
 
 def test_only_a_round_that_makes_the_step_runs_its_all_reduce():
@@ -283,10 +314,12 @@ def test_a_sync_round_of_fewer_than_the_starting_replicas_is_refused_by_every_me
     grads.runtime = SimpleNamespace(stage=1, modules=torch.nn.Linear(2, 2), codec=SimpleNamespace(
         replicated_state=lambda: {}))
     grads.averager = SimpleNamespace(set_group_size=lambda n: None)
-    seen = []
+    grads._nonce, grads._revealed = bytes(32), None
+    seen, commits = [], []
 
     def gathered(weight, gather, timeout):
         seen.append(gather["expected"])
+        commits.append((gather["commit"], gather.get("reveal")))
         return {"p1": gather, "p2": {**gather, "contact": "other"}}, 0, 0
 
     grads._gathered = gathered
@@ -294,3 +327,7 @@ def test_a_sync_round_of_fewer_than_the_starting_replicas_is_refused_by_every_me
         grads.sync(timeout=5.0, contact="mine", expected=3)
     assert seen == [3]
     assert grads.sync(timeout=5.0, contact="mine", expected=2).group_size == 2
+    # a refused round keeps its commitment; one that went to the core is revealed in the next
+    grads.sync(timeout=5.0, contact="mine", expected=2)
+    assert commits[0] == commits[1] == (commitment(bytes(32)), None)
+    assert commits[2][1] == bytes(32).hex() and commits[2][0] != commits[1][0]

@@ -172,6 +172,33 @@ def test_a_replica_holding_other_parameters_loads_a_partners_and_the_step_is_red
     assert redone(sw)
 
 
+def test_a_replica_whose_parameters_stay_other_loads_the_majoritys_from_a_holder_of_it():
+    """Three replicas, one holding other parameters until it loads a partner's state: it loads the
+    state of a replica holding the stage's digest (never its own kind's), the step is redone."""
+    sw = SimSwarm((1, 3, 1), M=3, steps=3)
+    sw.run(until=lambda: sw.peers[1, 0].core.step == 1)
+    sw.rounds[1].diverged = {(1, 1): "x", (1, 2): "d"}
+    sw.run()
+    check_run(sw)
+    assert sw.peers[1, 1].downloads == ["resync"] and sw.rounds[1].diverged == {(1, 2): "d"}
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_tie_of_two_replicas_holding_other_parameters_is_settled_by_the_next_rounds_draw(seed):
+    """Two replicas of a stage hold different parameters for good (one changed its own): the round
+    that finds them tied loads nothing; the next round's draw (nonces committed in the tied round)
+    picks one digest, the other replica loads it, and the run ends with every step taken once."""
+    sw = SimSwarm((1, 2, 1), M=2, steps=4, seed=seed)
+    sw.run(until=lambda: sw.peers[1, 0].core.step == 1)
+    sw.rounds[1].diverged = {(1, 1): "x"}
+    sw.run()
+    check_run(sw)
+    loaded = [p.key for p in sw.stage_peers(1) if p.downloads]
+    assert len(loaded) == 1 and all(len(p.downloads) <= 1 for p in sw.stage_peers(1)), loaded
+    assert len(set(sw.rounds[1].diverged.get(p.key, "d") for p in sw.stage_peers(1))) == 1  # equal again
+    assert all(epoch == 2 for step, epoch, _ in sw.taken[0, 0] if step == 1)  # tied, then drawn: two redos
+
+
 def test_a_replica_that_resumed_behind_its_stage_takes_a_current_partners_state():
     """A replica that resumed without the agreed step's file (SPEC §9.10 item 13) says so in the sync
     round: it loads a partner's state, even where its digest would win the tie (it sorts first), and
