@@ -244,8 +244,10 @@ class VQSender:
         return self.s.update == "step"
 
     def request_resync(self) -> None:
-        """The receiver asked for a RESYNC: the next encode sends a full slice first (``update =
-        step``: whoever delivers sends :meth:`full_slice` again; nothing changes here)."""
+        """The receiver asked for a RESYNC: the next encode sends the mirror whole at its version
+        first, then its own slice as without the RESYNC (``update = step``: whoever delivers sends
+        :meth:`full_slice` again; nothing changes here). So a RESYNC, honest or not, changes no
+        codebook: the stream is the one a run without it sends, with one more slice."""
         self.resync_pending = not self.per_step
 
     def full_slice(self) -> CodebookSlice:
@@ -342,14 +344,17 @@ class VQSender:
             self._kmeans_init(x)
             self.init_done += 1
             self._emit(0, s.codebook_size, True)
-        elif self.resync_pending or (learn and s.sync == "full"):
-            self._emit(0, s.codebook_size, True)
-        elif learn and s.slice_order == "priority":
-            self._emit_priority(s.slice_codes)
-        elif learn:
-            n = min(s.slice_codes, s.codebook_size - self.cursor)
-            self._emit(self.cursor, n, False)
-            self.cursor = (self.cursor + n) % s.codebook_size
+        else:
+            if self.resync_pending:  # the mirror whole as it is; the stream goes on as it would have without
+                self._queue(CodebookSlice(self.stream, self.version, 0, True, self.mirror.clone()))
+            if learn and s.sync == "full":
+                self._emit(0, s.codebook_size, True)
+            elif learn and s.slice_order == "priority":
+                self._emit_priority(s.slice_codes)
+            elif learn:
+                n = min(s.slice_codes, s.codebook_size - self.cursor)
+                self._emit(self.cursor, n, False)
+                self.cursor = (self.cursor + n) % s.codebook_size
         if init or self.resync_pending:
             self.resync_pending = False
         codes, residuals = quantize(x, self.mirror, self.distance_bytes, fused=s.compile)  # (N, R, NG)

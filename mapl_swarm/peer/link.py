@@ -289,9 +289,12 @@ class PeerLink:
         self._transport: Transport | None = None
 
     def use_codebooks(self, runtime: StageRuntime, compute: ComputeThread, *,
-                      spawn: Callable[[Awaitable[Any]], None]) -> None:
-        """Stream the runtime's VQ codebooks on this link (mapl_vq)."""
-        self.codebooks = CodebookLink(self, runtime, compute, spawn=spawn, on_bad_frame=self._on_bad_frame)
+                      spawn: Callable[[Awaitable[Any]], None],
+                      strike: Callable[[str, str, str], None] = lambda member, code, text: None) -> None:
+        """Stream the runtime's VQ codebooks on this link (mapl_vq); ``strike`` counts a rejected
+        slice against the member that sent it."""
+        self.codebooks = CodebookLink(self, runtime, compute, spawn=spawn, on_bad_frame=self._on_bad_frame,
+                                      strike=strike)
 
     # ------------------------------------------------------------------ transport
     def connect(self, transport: Transport, endpoint: str, config: LinkConfig) -> None:

@@ -207,7 +207,8 @@ class Peer:
             shaping=LinkConfig(bandwidth_mbps=net.bandwidth_mbps, latency_ms=net.latency_ms),
             gone=lambda: self.schedule.gone, epoch=lambda: self.schedule.epoch if self.replicas_on else self.epoch,
             one_per_stage=not self.replicas_on,
-            prepare=lambda link: link.use_codebooks(runtime, self.compute, spawn=self.tasks.spawn) if vq else None)
+            prepare=lambda link: link.use_codebooks(runtime, self.compute, spawn=self.tasks.spawn,
+                                                    strike=lambda *a: self.strikes.count(*a)) if vq else None)
         """The links to the neighbour stages' peers and the handshake (with replicas, new ones while training too)."""
         self.monitor = HeartbeatMonitor(
             HeartbeatConfig(interval_s=net.heartbeat_interval_s, timeout_s=net.liveness_ceiling,

@@ -24,8 +24,10 @@ __all__ = ["Strikes", "STRIKES", "STRIKE_CODES"]
 log = logging.getLogger(__name__)
 
 STRIKE_CODES = frozenset({"wrong_shape", "wrong_dtype", "id_out_of_range", "code_out_of_range", "non_finite",
-                          "value_out_of_range", "size_mismatch", "not_orthonormal"})
-"""SPEC §6.1 codes only a broken or dishonest sender causes (module docstring)."""
+                          "value_out_of_range", "size_mismatch", "not_orthonormal",
+                          "slice_malformed", "slice_shape_mismatch", "slice_index_out_of_range", "future_full_slice"})
+"""SPEC §6.1 codes, and the codebook receiver's (§5.1; ``future_full_slice``: a ``future_slice`` of a
+full slice), only a broken or dishonest sender causes (module docstring)."""
 
 STRIKES = 8
 """Such messages from one member that cut it off: a few, so that one bad step's worth of a broken

@@ -105,8 +105,11 @@ class CodebookLink:
     """Codebook slices, RESYNC, retransmission and their counters on one link (mapl_vq only)."""
 
     def __init__(self, link: LinkEnd, runtime: StageRuntime, compute: ComputeThread, *,
-                 spawn: Callable[[Awaitable[Any]], None], on_bad_frame: Callable[[str, str], None]) -> None:
+                 spawn: Callable[[Awaitable[Any]], None], on_bad_frame: Callable[[str, str], None],
+                 strike: Callable[[str, str, str], None] = lambda member, code, text: None) -> None:
         self.link = link
+        self._strike = strike
+        """Counts a rejected slice against the member that sent it (:mod:`~.strikes`)."""
         self.rt = runtime
         self.host = HostRuntime(runtime)
         """The runtime's tensor calls, made on the compute thread."""
@@ -153,14 +156,19 @@ class CodebookLink:
             self.sent_version = sl.version
 
     async def on_slice(self, msg: Message) -> None:
-        """Apply a received slice; rejections are counted and logged, a gap asks for a RESYNC."""
+        """Apply a received slice; rejections are counted and logged, a gap asks for a RESYNC unless
+        one is awaited already (a spray of far slices would otherwise send one each, beyond what the
+        sender answers in a step, and its answer to a retransmission request could be the one dropped)."""
         try:
             outcome = await self.compute.run(self.host.apply_slice, msg)
         except CodebookError as exc:
             self.stats["rejected"][exc.code] += 1
             log.warning("%s: rejected a codebook slice from stage %d: %s: %s", self.link.local_name, msg.src,
                         type(exc).__name__, exc)
-            if isinstance(exc, FutureSlice):
+            full = msg.meta.get("full") is True
+            self._strike(self.link.name, "future_full_slice" if isinstance(exc, FutureSlice) and full else exc.code,
+                         str(exc))
+            if isinstance(exc, FutureSlice) and not self.rt.vq.rx[self.rx].awaiting_resync:
                 await self.request_resync(exc.code)
             return
         self.stats["applied" if outcome == "apply" else "ignored"] += 1

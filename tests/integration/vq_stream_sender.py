@@ -7,7 +7,7 @@ Binds a transport on port 0 and prints ``ENDPOINT tcp://...``. Answers every HEL
 its CODEBOOK_SLICE then an ACT with VQ codes), then waits. On the second HELLO (the receiver
 reconnected with fresh state) it streams PRE micro-batches without reading its inbox, then reads
 the receiver's RESYNC and streams PHASE2 more, then a BYE carrying its mirror digest and version.
-Every slice carries ``meta.sha`` (the mirror digest after it) and every ACT ``meta.decoded_sha``
+Each encode's own slice carries ``meta.sha`` (the mirror digest after it) and every ACT ``meta.decoded_sha``
 (SHA-256 of what the codes decode to with the mirror), so the receiver can check both.
 """
 
@@ -58,9 +58,11 @@ class Sender:
 
     async def micro_batch(self) -> None:
         codes = self.tx.encode(batch(self.gen, self.centers), learn=True)
-        for sl in self.tx.take_slices():
+        slices = self.tx.take_slices()
+        for n, sl in enumerate(slices, 1):
             msg = sl.to_message(run_id=RUN, src=0, dst=1, micro=self.micro)
-            msg.meta["sha"] = self.tx.digest()  # one slice per encode: the mirror right after it
+            if n == len(slices):  # the encode's own slice (a RESYNC's whole mirror comes before it)
+                msg.meta["sha"] = self.tx.digest()
             await self.send(msg)
         decoded = decode_codes(codes, self.tx.mirror).numpy().tobytes()
         await self.send(Message(type=MessageType.ACT, run_id=RUN, src=0, dst=1, micro=self.micro,

@@ -111,6 +111,36 @@ def test_mirror_and_receiver_identical_after_every_slice_and_resync():
     assert torch.equal(fresh.decode(codes, tx.version), decode_codes(codes, tx.mirror))
 
 
+@pytest.mark.parametrize("order", ["round_robin", "priority"])
+def test_a_resync_changes_no_codebook_and_no_code_of_the_stream(order):
+    """A RESYNC (honest, or a neighbour's flood of them) brings the mirror whole at its version
+    before the encode's own slice; the codes, the learned codebooks and the mirror are those of a
+    sender that was never asked, and a receiver that lost its state is whole again."""
+    s = _settings(slice_order=order)
+    asked, quiet = (VQSender(s, "act", stream_generator(0, 0, "act")) for _ in range(2))
+    rx, fresh = VQReceiver(s, "act"), VQReceiver(s, "act")
+    gen = torch.Generator().manual_seed(5)
+    centers = torch.randn(16, 8, generator=gen)
+    for i in range(30):
+        z = _mixture(gen, 64, centers)
+        if i >= 5 and i % 2:
+            asked.request_resync()
+        codes = asked.encode(z, learn=True)
+        assert torch.equal(codes, quiet.encode(z, learn=True)), i
+        assert torch.equal(asked.mirror, quiet.mirror) and asked.version == quiet.version, i
+        assert torch.equal(asked.learner.live, quiet.learner.live), i
+        slices, honest = asked.take_slices(), quiet.take_slices()
+        assert len(slices) == len(honest) + (1 if i >= 5 and i % 2 else 0), i
+        if i == 20:
+            fresh.request_resync()
+        for sl in slices:
+            assert rx.apply(sl) in ("apply", "ignore")
+            if i >= 20:
+                fresh.apply(sl)
+        assert rx.digest() == asked.digest() and torch.equal(rx.decode(codes, asked.version), decode_codes(codes, asked.mirror))
+    assert fresh.digest() == asked.digest()
+
+
 def test_bad_slices_are_rejected_by_name_and_never_corrupt_the_codebooks():
     s = _settings()
     tx, rx = _pair(s)
