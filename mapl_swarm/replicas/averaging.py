@@ -38,6 +38,7 @@ from typing import Any, AsyncIterator, Callable  # typing's: hivemind reads the 
 
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException
@@ -308,10 +309,16 @@ class StageAverager(DecentralizedAverager):
             raise MatchmakingException(f"a group with {len(strangers)} peer(s) that are no replicas of stage "
                                          f"{self.stage}: {strangers}")
         try:
-            gathered = {peer: self.serializer.loads(self.serializer.loads(blob)[2])
-                        for peer, blob in zip(group_info.peer_ids, group_info.gathered)}
+            declared = {peer: self.serializer.loads(blob) for peer, blob in zip(group_info.peer_ids, group_info.gathered)}
+            gathered = {peer: self.serializer.loads(d[2]) for peer, d in declared.items()}
         except Exception as exc:  # hivemind's own would fail alike: the round fails
             raise MatchmakingException(f"unreadable gathered data: {type(exc).__name__}: {exc}") from None
+        # hivemind sizes each member's part by the bandwidth it declares: one declaring a huge one
+        # would reduce (and so choose) nearly all of the stage's update; replicas reduce equal parts
+        odd = {str(p): d[:2] for p, d in declared.items() if d[0] is not None or d[1] != AveragingMode.NODE.value}
+        if odd:
+            raise MatchmakingException(f"member(s) declared a bandwidth or mode of their own (bandwidth, mode): {odd}; "
+                                       f"the replicas of a stage reduce equal parts")
         if any(isinstance(v, dict) and v.get(GATHER_ONLY) is True for v in gathered.values()) or (
                 self._usable is not None and not self._usable({str(p): v for p, v in gathered.items()})):
             # every member reads the same gathered data, so all of them skip the all-reduce alike

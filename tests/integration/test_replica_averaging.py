@@ -92,6 +92,7 @@ def breakable() -> type:
 
 
 def scenario(bootstrap_dht: Any, maddrs: list[str], ids: list) -> None:
+    from hivemind.averaging.allreduce import AveragingMode
     from hivemind.averaging.group_info import GroupInfo
     from hivemind.averaging.matchmaking import MatchmakingException
     from hivemind.proto import averaging_pb2
@@ -143,6 +144,12 @@ def scenario(bootstrap_dht: Any, maddrs: list[str], ids: list) -> None:
             with pytest.raises(MatchmakingException, match="no replicas of stage 1"):
                 asyncio.run(avg_a._aggregate_with_group(GroupInfo(b"g", (avg_a.peer_id, stranger), (b"", b"")), 0))
             assert avg_a.refused["group"] == 1
+            # a member declaring a bandwidth of its own would reduce nearly all of the update: refused
+            pack = avg_a.serializer.dumps
+            fair, greedy = (pack([bw, AveragingMode.NODE.value, pack({"step": 1})]) for bw in (None, 1e9))
+            with pytest.raises(MatchmakingException, match="declared a bandwidth or mode of their own"):
+                asyncio.run(avg_a._aggregate_with_group(GroupInfo(b"g", (avg_a.peer_id, avg_b.peer_id),
+                                                                  (fair, greedy)), 0))
 
             # the intruders' averagers also look for a group, while the replicas average
             intruders = [averagers[x].step(weight=1.0, timeout=8, wait=False, allow_retries=False)
