@@ -56,7 +56,7 @@ __all__ = [
     "MAX_VALIDITY_S", "MAX_REVOKED", "Authority", "PeerKey", "RequestBody", "CertificateBody", "RevocationsBody",
     "Signed", "CertificateError", "load_authority", "create_authority", "load_peer_key", "create_peer_key",
     "make_request", "verify_request", "issue", "revoke", "verify_certificate", "verify_revocations", "read_signed", "write_signed", "signed_text", "parse_signed",
-    "libp2p_peer_id", "CurveKeys", "PeerIdentity", "drain_statement", "DRAIN_CONTEXT", "load_identity", "LocalIdentities", "issue_local", "RevocationWatch", "REVOCATION_POLL_S",
+    "libp2p_peer_id", "CurveKeys", "PeerIdentity", "drain_statement", "DRAIN_CONTEXT", "redo_statement", "REDO_CONTEXT", "load_identity", "LocalIdentities", "issue_local", "RevocationWatch", "REVOCATION_POLL_S",
 ]
 
 AUTHORITY_HEADER = "mapl-run-authority v1"
@@ -74,11 +74,18 @@ _HEADERS: dict[str, str] = {"request": REQUEST_HEADER, "certificate": CERTIFICAT
 
 DRAIN_CONTEXT = b"mapl-drain v1\x00"
 """Prefixed to what stage 0 signs when it decides a drain (:func:`drain_statement`)."""
+REDO_CONTEXT = b"mapl-redo v1\x00"
+"""Prefixed to what a member signs when it decides a step is redone (:func:`redo_statement`)."""
 
 
 def drain_statement(run_id: str, epoch: int, step: int) -> bytes:
     """What stage 0 signs when it decides the swarm drains at ``step`` of run epoch ``epoch``."""
     return DRAIN_CONTEXT + msgpack.packb([run_id, epoch, step], use_bin_type=True)
+
+
+def redo_statement(run_id: str, epoch: int, step: int) -> bytes:
+    """What a member signs when it decides ``step`` is redone in run epoch ``epoch``."""
+    return REDO_CONTEXT + msgpack.packb([run_id, epoch, step], use_bin_type=True)
 
 
 ROLES = frozenset({"drain"})
@@ -605,16 +612,31 @@ class PeerIdentity:
         """The body of the certificate whose key signed the drain at ``step`` of run epoch ``epoch``
         that ``meta`` carries, when this run's authority certified it for stage 0; else
         :class:`CertificateError` (``unsigned`` when ``meta`` carries no proof)."""
+        return self._verify_decision(meta, drain_statement(self.run_id, epoch, step), "drain", stage=0, now=now,
+                                     what=f"step {step} of run epoch {epoch}")
+
+    def sign_redo(self, epoch: int, step: int) -> dict[str, bytes]:
+        """This member's proof that it decided ``step`` is redone in run epoch ``epoch`` (ROUTE
+        ``redo``, SPEC §9.10 item 10): its certificate and its key's signature of that decision."""
+        return {"cert": self.encoded_cert, "sig": self.key.sign(redo_statement(self.run_id, epoch, step))}
+
+    def verify_redo(self, meta: dict[str, Any], *, epoch: int, step: int, now: float | None = None) -> CertificateBody:
+        """The body of the certificate (of this run, any stage) whose key signed the redo of ``step``
+        in run epoch ``epoch`` that ``meta`` carries; else :class:`CertificateError`."""
+        return self._verify_decision(meta, redo_statement(self.run_id, epoch, step), "redo", stage=None, now=now,
+                                     what=f"step {step} in run epoch {epoch}")
+
+    def _verify_decision(self, meta: dict[str, Any], statement: bytes, kind: str, *, stage: int | None,
+                         now: float | None, what: str) -> CertificateBody:
         if not isinstance(meta.get("cert"), bytes) or not isinstance(meta.get("sig"), bytes):
-            raise CertificateError("unsigned", "a drain decision without stage 0's certificate and signature")
+            raise CertificateError("unsigned", f"a {kind} decision without its maker's certificate and signature")
         body = verify_certificate(Signed.decode("certificate", meta["cert"]), authority=self.authority,
-                                  run_id=self.run_id, stage=0, now=now, revoked=self.revoked)
+                                  run_id=self.run_id, stage=stage, now=now, revoked=self.revoked)
         try:
-            Ed25519PublicKey.from_public_bytes(body.sign_key).verify(meta["sig"],
-                                                                     drain_statement(self.run_id, epoch, step))
+            Ed25519PublicKey.from_public_bytes(body.sign_key).verify(meta["sig"], statement)
         except (InvalidSignature, ValueError):
-            raise CertificateError("bad_signature", f"the drain decision's signature is not {body.name!r}'s for step "
-                                                    f"{step} of run epoch {epoch}") from None
+            raise CertificateError("bad_signature", f"the {kind} decision's signature is not {body.name!r}'s for "
+                                                    f"{what}") from None
         return body
 
     def verify_peer(self, data: Any, *, stage: int, curve_key: bytes | None,

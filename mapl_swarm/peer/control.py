@@ -29,7 +29,7 @@ from mapl_swarm.net.identity import CertificateError
 from mapl_swarm.wire import Message, MessageType
 from mapl_swarm.wire.spec import DRAIN_PHASES, DRAIN_REASON, LEAVE_REASON, REJOIN_REASON
 from mapl_swarm.peer.link import CONFIG_REFUSALS, stage_name
-from mapl_swarm.peer.reforms import BURST, ReformCredit
+from mapl_swarm.peer.credits import Credits
 
 if TYPE_CHECKING:
     from mapl_swarm.config import TrainConfig
@@ -64,20 +64,20 @@ class Control:
     def __init__(self, peer: Lifecycle, cfg: TrainConfig, *, links: Links, linker: Linker, monitor: HeartbeatMonitor,
                  schedule: Schedule, agreement: CheckpointAgreement, ingress: Callable[[], Ingress],
                  rejects: RejectCounter, result: PeerResult, clock: Callable[[], float],
-                 replica_resume: Callable[[], ReplicaResume | None], reforms: ReformCredit,
+                 replica_resume: Callable[[], ReplicaResume | None], credits: Credits,
                  step: Callable[[], int]) -> None:
         self.peer, self.cfg, self.links, self.linker, self.monitor = peer, cfg, links, linker, monitor
         self.schedule, self.agreement, self.ingress, self.rejects = schedule, agreement, ingress, rejects
         self.result, self.clock, self.replica_resume = result, clock, replica_resume
-        self.reforms, self.step = reforms, step
-        """Each member's credit of re-forms (:mod:`~.reforms`, the process's), and this session's step."""
+        self.credits, self.step = credits, step
+        """Each member's credit of re-forms and redos (:mod:`~.credits`, the process's), and this session's step."""
         self.replicas = cfg.replicas.enabled
         self._handlers: dict[MessageType, Callable[[Message, PeerLink], Awaitable[None]]] = {
             MT.WELCOME: self._on_welcome, MT.REJECT: self._on_reject, MT.ERROR: self._on_error, MT.BYE: self._on_bye,
             MT.RESYNC: self._on_resync, MT.CHECKPOINT: self._on_checkpoint,
             # REPORT and ROUTE ready/commit/taken/gone/redo are the step core's (SPEC §9.10; ROUTE end
             # and reopen come in their link's order through the schedule's queue)
-            MT.REPORT: schedule.on_control, MT.ROUTE: schedule.on_control,
+            MT.REPORT: schedule.on_control, MT.ROUTE: self._on_route,
         }
 
     async def handle(self, got: Admitted, arrival: Arrival, transport: Any) -> None:
@@ -124,17 +124,42 @@ class Control:
 
     def _has_credit(self, link: PeerLink, msg: Message) -> bool:
         """A plausible word that the swarm re-forms, from a member with re-forms' credit left
-        (:mod:`~.reforms`); one without is dropped (``implausible``) and the member excluded."""
-        self.reforms.reached(self.step())
+        (:mod:`~.credits`); one without is dropped (``implausible``) and the member excluded."""
         cert = link.peer_certificate
         member = f"the member of certificate serial {cert.serial}" if cert is not None else f"stage {link.stage}"
-        if self.reforms.spend(member):
+        return self._spend("reforms", member, msg, link, "made the swarm re-form", "SPEC §7.2 item 11")
+
+    def _spend(self, kind: str, member: str, msg: Message, link: PeerLink, did: str, where: str, *,
+               own: bool = True) -> bool:
+        """``member`` spends one of its ``kind`` credit (:mod:`~.credits`); without one left its word
+        ``msg`` (come on ``link``) is dropped (``implausible``), and ``link`` excluded when ``own``
+        (the member is that neighbour, not one passing its word on)."""
+        self.credits.reached(self.step())
+        credit = getattr(self.credits, kind)
+        if credit.spend(member):
             return True
-        why = (f"{member} made the swarm re-form {BURST} times and again before it regained the steps lost "
-               f"(SPEC §7.2 item 11)")
+        why = f"{member} {did} {credit.burst} times and again before the swarm regained that many steps ({where})"
         self.rejects("implausible", link.name, f"{msg.type.name}: {why}")
-        self.peer.exclude(link, why)
+        if own:
+            self.peer.exclude(link, why)
         return False
+
+    async def _on_route(self, msg: Message, link: PeerLink) -> None:
+        """A ROUTE of the dispatcher's goes to the schedule; a ``redo`` the schedule would carry out
+        only when, in a certified run, its maker signed it and has redos' credit left (SPEC §9.10
+        item 10): passed on by every stage, it costs the whole swarm the step."""
+        identity = link.settings.identity
+        if msg.meta.get("phase") == "redo" and identity is not None and self.schedule.core.redo.news(msg):
+            try:
+                maker = identity.verify_redo(dict(msg.meta), epoch=msg.epoch, step=msg.step)
+            except CertificateError as exc:
+                self.rejects("not_allowed", link.name, f"ROUTE redo its maker did not sign ({exc.code}: {exc})")
+                return
+            own = link.peer_certificate is not None and link.peer_certificate.serial == maker.serial
+            if not self._spend("redos", f"the member of certificate serial {maker.serial}", msg, link,
+                               "made a step be redone", "SPEC §9.10 item 10", own=own):
+                return
+        await self.schedule.on_control(msg, link)
 
     def _must_resume(self, msg: Message) -> bool:
         """A HELLO or WELCOME from a swarm that re-forms after a departure (run epoch > 0) while this

@@ -304,11 +304,11 @@ class Schedule:
                 await links.named(link).send_act(step, micro, payload, eval_mode=eval_mode, pver=pver)
             case do.SendGrad(link, step, micro, payload, pver):
                 await links.named(link).send_grad(step, micro, payload, pver=pver)
-            case do.SendRoute(link, step, phase, acts, gone, held, epoch):
+            case do.SendRoute(link, step, phase, acts, gone, held, epoch, proof):
                 target = links.named(link)
                 if target is not None:
                     await target.send_route(step, phase, acts=acts, gone=None if gone is None else list(gone),
-                                            epoch=epoch, held=None if held is None else list(held))
+                                            epoch=epoch, held=None if held is None else list(held), proof=proof)
             case do.SendReport(link, step, meta):
                 await links.named(link).send_report(step, meta)
             case do.SendBye(link, step, meta):

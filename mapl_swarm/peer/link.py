@@ -464,13 +464,16 @@ class PeerLink:
                         tensors={WireName.PROJ_GRAD: grad}, kinds={WireName.PROJ_GRAD: LinkKind.PROJ_GRAD})
 
     async def send_route(self, step: int, phase: str, *, acts: int | None = None, gone: list[str] | None = None,
-                         epoch: int | None = None, held: list[int] | None = None) -> None:
+                         epoch: int | None = None, held: list[int] | None = None,
+                         proof: tuple[bytes, bytes] | None = None) -> None:
         """ROUTE (SPEC §9.10): ``ready`` upstream (this peer takes the link's train ACTs of ``step``),
         ``end`` downstream (``acts``: the train ACTs of ``step`` the link carried; no more),
         ``commit`` downstream (every stage may take ``step``), ``reopen`` downstream (more train ACTs
         of ``step`` come after the link's end), ``gone`` and ``redo`` either way (``gone``: contacts
         of replicas that left, ``held``: with ``gone`` upstream, the micro-batches this peer took
-        from them; ``redo`` runs ``step`` again in run epoch ``epoch``)."""
+        from them; ``redo`` runs ``step`` again in run epoch ``epoch``, with its maker's proof: a
+        relayed one's ``proof``, else, certified, this peer's own signature of the decision)."""
+        epoch = self.epoch if epoch is None else epoch
         meta: dict = {"phase": phase}
         if acts is not None:
             meta["acts"] = acts
@@ -478,6 +481,10 @@ class PeerLink:
             meta["gone"] = gone
         if held is not None:
             meta["held"] = held
+        if phase == "redo" and proof is not None:
+            meta["cert"], meta["sig"] = proof
+        elif phase == "redo" and self.settings.identity is not None:
+            meta.update(self.settings.identity.sign_redo(epoch, step))
         await self.send(MT.ROUTE, step=step, meta=meta, epoch=epoch)
 
     async def send_report(self, step: int, meta: dict) -> None:

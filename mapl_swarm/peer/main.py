@@ -114,7 +114,7 @@ def peer_assets(cfg: TrainConfig) -> PeerAssets:
 def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool = False, progress: bool = True,
                membership: Membership | None = None, assets: PeerAssets | None = None, epoch: int = 0,
                rejoining: bool = False, runtime: Any = None, replicas: Any = None, joining: bool = False,
-               reform: Any = None, reforms: Any = None):
+               reform: Any = None, credits: Any = None):
     """The :class:`~mapl_swarm.peer.runtime.Peer` of stage ``stage``: its data (stage 1), its
     StageRuntime (built from the config's seed) and run policy. With ``resume`` the peer resumes,
     after the handshake, from the newest step every stage has (agreed by messages, SPEC §5.2).
@@ -127,8 +127,8 @@ def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool 
     when built already (else built here); ``replicas``: the stage's averaging with its other
     replicas (:func:`stage_replicas`), which this session's stage is attached to; ``joining``: the
     replica joins a running swarm (its state is downloaded from a live replica of its stage);
-    ``reform``: with replicas, a session that re-forms the swarm (:class:`~.linker.Reform`); ``reforms``:
-    each member's credit of re-forms, kept across the process's sessions (:mod:`~.reforms`)."""
+    ``reform``: with replicas, a session that re-forms the swarm (:class:`~.linker.Reform`); ``credits``:
+    each member's credit of re-forms and redos, kept across the process's sessions (:mod:`~.credits`)."""
     from mapl_swarm.data import BatchSampler, validation_batches
     from mapl_swarm.peer.checkpoints import PeerRunPolicy
     from mapl_swarm.peer.compute import ComputeThread
@@ -152,7 +152,7 @@ def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool 
     return Peer(cfg, stage, rt, fingerprint=fingerprint, config=assets.config, resolve=resolve, announce=announce,
                 sampler=sampler, val_batches=val, progress=progress and stage == 0, compute=compute, run_policy=policy,
                 membership=membership, epoch=epoch, rejoining=rejoining, replicas=replicas, joining=joining,
-                reform=reform, reforms=reforms)
+                reform=reform, credits=credits)
 
 
 def stage_replicas(cfg: TrainConfig, stage: int, dht: Any, device: Any) -> tuple[Any, Any]:
@@ -240,13 +240,13 @@ def run_peer(cfg: TrainConfig, stage: int | None, *, membership: Membership | No
             async def announce(endpoint: str) -> None:
                 await asyncio.get_running_loop().run_in_executor(None, discovery.announce, stage, endpoint)
 
-            def session(*, resume: bool, epoch: int, rejoining: bool, reform: Any, reforms: Any):
+            def session(*, resume: bool, epoch: int, rejoining: bool, reform: Any, credits: Any):
                 nonlocal runtime
                 first, runtime = runtime, None  # the stage built with the averaging serves the first session
                 status.peer = build_peer(cfg, stage, resolve=discovery.lookup_all_async, announce=announce,
                                          resume=resume, progress=progress, membership=membership, assets=assets,
                                          epoch=epoch, rejoining=rejoining, runtime=first, replicas=replicas,
-                                         joining=joining, reform=reform, reforms=reforms)
+                                         joining=joining, reform=reform, credits=credits)
                 return status.peer
 
             try:

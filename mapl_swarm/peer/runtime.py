@@ -50,7 +50,7 @@ from mapl_swarm.peer.mailbox import Mailbox
 from mapl_swarm.peer.result import PeerResult, collect, write_result
 from mapl_swarm.peer.linker import Linker, Reform, candidates_of, starting_replicas
 from mapl_swarm.peer.replica_resume import ReplicaResume
-from mapl_swarm.peer.reforms import ReformCredit, reform_credit_steps
+from mapl_swarm.peer.credits import Credits
 from mapl_swarm.peer.strikes import Strikes
 from mapl_swarm.peer.driver import NoRunHooks, Schedule
 from mapl_swarm.peer.signals import Interrupted
@@ -133,7 +133,7 @@ class Peer:
                  run_policy: PeerRunPolicy | None = None,
                  wait_log_interval_s: float = WAIT_LOG_INTERVAL_S, membership: Membership | None = None,
                  epoch: int = 0, rejoining: bool = False, replicas: ReplicaGradients | None = None,
-                 joining: bool = False, reform: Reform | None = None, reforms: ReformCredit | None = None) -> None:
+                 joining: bool = False, reform: Reform | None = None, credits: Credits | None = None) -> None:
         self.cfg, self.stage, self.rt, self.run_policy = cfg, stage, runtime, run_policy
         self.epoch = epoch
         """This peer's run epoch (SPEC "Rejoin"): the swarm's once the start step is agreed."""
@@ -229,7 +229,7 @@ class Peer:
             agreement=self.agreement, ingress=lambda: self.ingress, rejects=self.rejects, result=self.result,
             clock=self.admission.clock,
             replica_resume=lambda: run_policy.replica_resume if run_policy is not None else None,
-            reforms=reforms or ReformCredit(steps_per_credit=reform_credit_steps(cfg)),
+            credits=credits or Credits.of(cfg),
             step=lambda: self.schedule.step)
         """The handlers of admitted control messages, by type."""
         self.ingress = Ingress(self.name, self.links, self.admission, self.monitor, self.rejects,

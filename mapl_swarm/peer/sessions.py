@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from mapl_swarm.config import TrainConfig
 from mapl_swarm.net.transport import Transport, TransportConfig
 from mapl_swarm.peer.link import stage_name
-from mapl_swarm.peer.reforms import ReformCredit, reform_credit_steps
+from mapl_swarm.peer.credits import Credits
 from mapl_swarm.peer.result import PeerResult
 
 if TYPE_CHECKING:
@@ -104,17 +104,17 @@ async def serve_until_signalled(peer: Peer, transport: Transport | None = None) 
 async def serve_sessions(new_session: Callable[..., Peer], cfg: TrainConfig, stage: int, *,
                          membership: Membership | None, resume: bool) -> PeerResult:
     """Run sessions of stage ``stage`` on one transport until one ends otherwise than by a rejoin
-    (see the module docstring); ``new_session(resume=, epoch=, rejoining=, reform=, reforms=)``
+    (see the module docstring); ``new_session(resume=, epoch=, rejoining=, reform=, credits=)``
     builds each one's peer (``reform``: with replicas, what the session before knew at its pause;
-    ``reforms``: each member's credit of re-forms, the process's, :mod:`~.reforms`).
+    ``credits``: each member's credit of re-forms and redos, the process's, :mod:`~.credits`).
     SIGINT/SIGTERM drain the swarm as in a single session."""
     result: PeerResult | None = None
     epoch, rejoining, idle, reform = 0, False, 0, None
-    reforms = ReformCredit(steps_per_credit=reform_credit_steps(cfg))
+    credits = Credits.of(cfg)
     async with Transport(stage_name(stage), TransportConfig.for_run(cfg, membership)) as transport:
         while True:
             peer = new_session(resume=resume or rejoining, epoch=epoch, rejoining=rejoining, reform=reform,
-                               reforms=reforms)
+                               credits=credits)
             session = await serve_until_signalled(peer, transport)
             result = merge(result, session)
             if result.end != REJOIN_END:

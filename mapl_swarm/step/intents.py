@@ -60,7 +60,9 @@ class SendGrad(Intent):
 @dataclass(frozen=True)
 class SendRoute(Intent):
     """ROUTE ``phase`` (SPEC §9.10): ``acts`` with ``end``, ``gone`` contacts with ``gone``,
-    ``reopen`` and ``redo``, ``held`` micro-batches with ``gone`` upstream; ``epoch`` None: the link's."""
+    ``reopen`` and ``redo``, ``held`` micro-batches with ``gone`` upstream; ``epoch`` None: the link's.
+    ``proof``: a relayed ``redo``'s (its maker's ``cert`` and ``sig``, passed on unchanged); None:
+    this peer's own decision (a certified peer signs it)."""
 
     link: str
     step: int
@@ -69,6 +71,7 @@ class SendRoute(Intent):
     gone: tuple[str, ...] | None = None
     held: tuple[int, ...] | None = None
     epoch: int | None = None
+    proof: tuple[bytes, bytes] | None = None
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,9 @@ class Redo:
         self.c = core
         self.pending: tuple[int, int] | None = None
         """(step, run epoch) of a redo this peer was told of and has not carried out yet."""
+        self.proof: tuple[bytes, bytes] | None = None
+        """The pending redo's maker's proof when another peer decided it (passed on unchanged);
+        None: this peer decided it (its own signature goes)."""
         self.count = 0
         """Redos of the current step so far."""
         self.resume = False
@@ -50,7 +53,7 @@ class Redo:
         if self.count >= c.s.max_redos:
             raise MaplError(f"{c.s.name}: step {step} cannot be taken after {self.count} redos: {problem}")
         log.warning("%s: step %d is redone (run epoch %d): %s", c.s.name, step, c.epoch + 1, problem)
-        self.pending = (step, c.epoch + 1)
+        self.pending, self.proof = (step, c.epoch + 1), None
 
     def soon(self, step: int, problem: str) -> None:
         """:meth:`issue` from a control message: nothing when a redo of the step (or a later one) is on
@@ -60,24 +63,33 @@ class Redo:
         log.warning("%s: step %d is redone (run epoch %d): %s", self.c.s.name, step, self.c.epoch + 1, problem)
         self.take(step, self.c.epoch + 1)
 
-    def take(self, step: int, epoch: int) -> None:
-        """Note a redo of ``step`` in run ``epoch``; a round of the current step in progress gives up."""
-        self.pending = (step, epoch)
+    def take(self, step: int, epoch: int, proof: tuple[bytes, bytes] | None = None) -> None:
+        """Note a redo of ``step`` in run ``epoch`` (``proof``: its maker's, another peer's); a round
+        of the current step in progress gives up."""
+        self.pending, self.proof = (step, epoch), proof
         if step == self.c.step:
             self.c.rounds.cancel()
         self.c.wake()
+
+    def news(self, msg: Message) -> bool:
+        """ROUTE ``redo`` ``msg`` is one this replica would carry out: of a later run epoch than its
+        own and any pending, for its step or a later one."""
+        c = self.c
+        pending = self.pending[1] if self.pending is not None else -1
+        return msg.epoch > max(c.epoch, pending) and msg.step >= c.step
 
     def on_route(self, msg: Message, link: str) -> None:
         """ROUTE ``redo`` of a later run epoch than this replica's: passed on first (nothing of the new
         epoch before it), then carried out."""
         c = self.c
-        pending = self.pending[1] if self.pending is not None else -1
-        if msg.epoch > max(c.epoch, pending) and msg.step >= c.step:
+        if self.news(msg):
+            cert, sig = msg.meta.get("cert"), msg.meta.get("sig")
+            proof = (cert, sig) if isinstance(cert, bytes) and isinstance(sig, bytes) else None
             for other in c.links:
                 if other.name != link and c.flow.live(other.name):
                     c.spawn(do.SendRoute(other.name, msg.step, "redo", gone=tuple(sorted(c.members.gone)),
-                                         epoch=msg.epoch))
-            self.take(msg.step, msg.epoch)
+                                         epoch=msg.epoch, proof=proof))
+            self.take(msg.step, msg.epoch, proof)
 
     def restart(self) -> None:
         """Carry out the pending redo of the current step: a new run epoch, the neighbours told, the
@@ -85,13 +97,13 @@ class Redo:
         c = self.c
         assert self.pending is not None
         step, epoch = self.pending
-        self.pending, self.resume = None, False
+        proof, self.pending, self.proof, self.resume = self.proof, None, None, False
         self.count += 1
         c.restarted(step, epoch)  # at once: what the control messages answer meanwhile answers for it
         c.send(do.Redo(step, epoch))
         for link in c.links:
             if c.flow.live(link.name):
-                c.send(do.SendRoute(link.name, step, "redo", gone=tuple(sorted(c.members.gone))))
+                c.send(do.SendRoute(link.name, step, "redo", gone=tuple(sorted(c.members.gone)), proof=proof))
         c.send(do.Abandon())
 
     # ------------------------------------------------------------------ serving again

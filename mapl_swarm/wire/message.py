@@ -176,7 +176,8 @@ META_SCHEMA: dict[MessageType, tuple[dict[str, str], dict[str, str]]] = {
     MessageType.CHECKPOINT: ({"phase": "phase"}, {"step": "uint_or_nil", "steps": "uints", "have": "have",
                                                   "reason": "str", "epoch": "uint", "missing": "uints",
                                                   "cert": "cert", "sig": "sig"}),
-    MessageType.ROUTE: ({"phase": "route_phase"}, {"acts": "uint", "gone": "strs", "held": "uints"}),
+    MessageType.ROUTE: ({"phase": "route_phase"}, {"acts": "uint", "gone": "strs", "held": "uints", "cert": "cert",
+                                                   "sig": "sig"}),
 }
 """(required, optional) typed ``meta`` fields per message type (SPEC §5); other types have none."""
 
@@ -285,6 +286,8 @@ def check_type_rules(mtype: MessageType, meta: Mapping[str, Any], dtypes: Iterab
         raise InvalidMessage(f"ROUTE {meta['phase']} needs gone")
     if mtype is MessageType.ROUTE and "held" in meta and meta["phase"] != "gone":
         raise InvalidMessage(f"ROUTE {meta['phase']} takes no held (only gone does)")
+    if mtype is MessageType.ROUTE and ("cert" in meta or "sig" in meta) and meta["phase"] != "redo":
+        raise InvalidMessage(f"ROUTE {meta['phase']} takes no cert or sig (only redo does)")
 
 
 def _check_checkpoint(meta: Mapping[str, Any]) -> None:

@@ -224,7 +224,7 @@ class SimPeer:
                           meta={"mode": "eval" if eval_mode else "train"}, tensors=_tensor(*payload))
             case do.SendGrad(link, step, micro, payload, pver):
                 self.send(link, MT.GRAD, step=step, micro=micro, pver=pver, tensors=_tensor(*payload))
-            case do.SendRoute(link, step, phase, acts, gone, held, epoch):
+            case do.SendRoute(link, step, phase, acts, gone, held, epoch, proof):
                 meta: dict = {"phase": phase}
                 if acts is not None:
                     meta["acts"] = acts
@@ -232,6 +232,9 @@ class SimPeer:
                     meta["gone"] = list(gone)
                 if held is not None:
                     meta["held"] = list(held)
+                if phase == "redo":  # as a certified peer: its own decision signed, another's passed on
+                    meta["cert"], meta["sig"] = proof or (self.peer_id.encode(), bytes(64))
+                    self.swarm.redo_makers.append(meta["cert"].decode())
                 self.send(link, MT.ROUTE, step=step, meta=meta, epoch=epoch)
             case do.SendReport(link, step, meta):
                 self.send(link, MT.REPORT, step=step, meta=dict(meta))
@@ -485,6 +488,8 @@ class SimSwarm:
         self.wire: dict[tuple[tuple[int, int], tuple[int, int]], deque[Message]] = defaultdict(deque)
         self.taken: dict[tuple[int, int], list[tuple[int, int, tuple[int, ...]]]] = defaultdict(list)
         self.rounds = {k: SimRounds(self, k) for k in range(self.num_stages)}
+        self.redo_makers: list[str] = []
+        """The maker (its peer id) each ROUTE ``redo`` sent names, in order."""
         self.later: list[Callable[[], None]] = []
         self.downloads: dict[SimPeer, do.Download] = {}
         self.detect: list[tuple] = []

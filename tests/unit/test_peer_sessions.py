@@ -465,7 +465,7 @@ def test_with_replicas_a_later_run_epoch_is_a_redo_a_joining_replica_takes_with_
     peer = SimpleNamespace(started=False, resuming=False, joining=joining, stage=1, stop=stopped.append)
     control = Control(peer, SimpleNamespace(replicas=SimpleNamespace(enabled=True)), links=None, linker=None,
                       monitor=None, schedule=SimpleNamespace(on_control=None), agreement=None, ingress=None,
-                      rejects=None, result=None, clock=None, replica_resume=lambda: None, reforms=None, step=None)
+                      rejects=None, result=None, clock=None, replica_resume=lambda: None, credits=None, step=None)
     must = control._must_resume(Message(type=MT.WELCOME, run_id="mem", src=0, dst=1, epoch=3))
     assert must is not joining
     if joining:

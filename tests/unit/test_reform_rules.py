@@ -94,15 +94,15 @@ def test_a_member_that_keeps_re_forming_the_swarm_runs_out_of_credit_and_is_excl
     stage 1 is cut off as a departure (with a certificate, its serial refused from then on). New
     progress earns credit back: a teller of real departures between stretches of training is
     believed."""
-    from mapl_swarm.peer.reforms import BURST, ReformCredit
+    from mapl_swarm.peer.credits import REFORM_BURST, Credit, Credits
 
-    credit = ReformCredit(steps_per_credit=10)
+    credit = Credit(REFORM_BURST, steps_per_credit=10)
 
     def told() -> tuple[dict, int | None, bool]:
         peers, _, _ = _swarm(tmp_path, stages=3)
         peer = peers[0]
         peer.state = PeerState.TRAINING
-        peer.control.reforms = credit
+        peer.control.credits = Credits(reforms=credit, redos=Credit(3, 20))
         for link in peer.links:
             link.capabilities = frozenset({REJOIN_CAPABILITY})
         link = next(link for link in peer.links if link.stage == 1)
@@ -111,9 +111,63 @@ def test_a_member_that_keeps_re_forming_the_swarm_runs_out_of_credit_and_is_excl
         stop = peer.stop_reason
         return dict(peer.result.rejects), getattr(stop, "told_by", None), peer.departures.gone(1) is not None
 
-    for _ in range(BURST):
+    for _ in range(REFORM_BURST):
         assert told() == ({}, 1, False)  # paused, told by stage 1
     rejects, told_by, departed = told()
     assert rejects == {"implausible": 1} and told_by is None and departed
     credit.reached(credit.furthest + 10)  # the swarm trained ten steps past where it had been
     assert told() == ({}, 1, False)
+
+
+def test_a_member_that_keeps_redoing_steps_runs_out_of_credit_and_is_excluded(tmp_path):
+    """ROUTE ``redo`` (SPEC §9.10 item 10) carries its maker's certificate and signature of the
+    step and run epoch, passed on unchanged: a certified peer carries out only a signed one, and
+    only within its maker's redos' credit (the redos one step may take, then one per 20 steps of
+    new progress: a member sending one every few steps had the swarm redo 38 steps of 120). Beyond
+    it the redo is dropped (``implausible``); a maker that is the neighbour is excluded, a relaying
+    neighbour is not."""
+    from types import SimpleNamespace
+
+    from mapl_swarm.net.identity import issue_local, load_identity
+    from mapl_swarm.peer.control import Control
+    from mapl_swarm.peer.credits import Credit, Credits
+
+    local = issue_local(tmp_path / "ids", run_id="mem", num_stages=3, replicas=[1, 2, 1])
+    me = load_identity(local.key_file(0), local.cert_file(0), run_id="mem", stage=0)
+    maker = load_identity(local.key_file(1, 1), local.cert_file(1, 1), run_id="mem", stage=1)
+    other = load_identity(local.key_file(1), local.cert_file(1), run_id="mem", stage=1)
+    passed, excluded, rejects, step = [], [], [], [10]
+
+    async def on_control(msg, link):
+        passed.append(msg.epoch)
+
+    schedule = SimpleNamespace(core=SimpleNamespace(redo=SimpleNamespace(news=lambda msg: True)), on_control=on_control)
+    control = Control(SimpleNamespace(exclude=lambda link, why: excluded.append((link.name, why))),
+                      SimpleNamespace(replicas=SimpleNamespace(enabled=True)), links=None, linker=None, monitor=None,
+                      schedule=schedule, agreement=None, ingress=None,
+                      rejects=lambda code, who, text: rejects.append((code, who)), result=None, clock=None,
+                      replica_resume=lambda: None, credits=Credits(reforms=Credit(3, 100), redos=Credit(3, 20)),
+                      step=lambda: step[0])
+
+    def redo(epoch: int, by=maker, via=maker, *, signed_step: int = 10) -> None:
+        link = SimpleNamespace(name=f"stage1@{via.body.name}", stage=1, settings=SimpleNamespace(identity=me),
+                               peer_certificate=via.body)
+        proof = by.sign_redo(epoch, signed_step) if by is not None else {}
+        msg = Message(type=MT.ROUTE, run_id="mem", src=1, dst=0, step=10, epoch=epoch,
+                      meta={"phase": "redo", "gone": [], **proof})
+        asyncio.run(control.handle(Admitted(msg, link, link.name), None, None))
+
+    redo(1, by=None)  # unsigned
+    redo(1, signed_step=9)  # signed for another step
+    assert passed == [] and [code for code, _ in rejects] == ["not_allowed", "not_allowed"]
+    for epoch in (1, 2, 3):
+        redo(epoch)
+    assert passed == [1, 2, 3] and excluded == []
+    redo(4, via=other)  # relayed by a partner, beyond its maker's credit: dropped, the relayer stays
+    assert passed == [1, 2, 3] and excluded == [] and rejects[-1] == ("implausible", "stage1@stage1")
+    redo(5)  # from its maker itself: dropped and the maker excluded
+    assert passed == [1, 2, 3] and [who for who, _ in excluded] == ["stage1@stage1r1"]
+    assert "made a step be redone 3 times" in excluded[0][1]
+    step[0] += 20  # new progress earns one back
+    redo(6)
+    assert passed == [1, 2, 3, 6]

@@ -162,6 +162,17 @@ def test_an_all_reduce_that_breaks_after_it_began_redoes_the_step(seed):
     assert all(epoch == 1 for key, steps in sw.taken.items() for step, epoch, _ in steps if step == 1)
 
 
+def test_a_redo_names_the_replica_that_decided_it_wherever_it_is_carried_out():
+    """ROUTE ``redo`` carries its maker's proof (SPEC §9.10 item 10), which every peer that passes it
+    on or carries it out sends unchanged: the redo a stage-1 replica decided after its all-reduce
+    broke names a stage-1 replica on every link it crosses, so a neighbour's credit of redos is
+    spent by their maker, never by the peers that merely obeyed."""
+    sw = SimSwarm((2, 2, 2), M=4, seed=1)
+    inject(sw, Fault.UNSURE_ALLREDUCE)
+    check_run(sw)
+    assert sw.redo_makers and {m.rsplit("-", 2)[1] for m in sw.redo_makers} == {"1"}, sw.redo_makers
+
+
 def test_a_replica_holding_other_parameters_loads_a_partners_and_the_step_is_redone():
     sw = SimSwarm((2, 3, 2), M=4)
     sw.run(until=lambda: sw.peers[1, 0].core.step == 1)

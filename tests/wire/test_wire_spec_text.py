@@ -106,7 +106,8 @@ def test_one_major_and_no_1x_history():
     assert re.findall(gone, SPEC) == []
     assert "peer speaks 1.9, this peer speaks 2.0" in SPEC
     headings = re.findall(r"^### (7\.\d) (.+)$", SPEC, re.M)
-    assert headings == [("7.1", "Per-peer identities"), ("7.2", "Certified peers")]
+    assert headings == [("7.1", "Per-peer identities"), ("7.2", "Certified peers"),
+                        ("7.3", "What a dishonest party can still do (informative)")]
     assert "`auth` is no key of this version" in section("## 2. Header", "## 3.")
     readme = (PROTOCOL / "README.md").read_text(encoding="utf-8")
     assert set(re.findall(r"vectors/v(\d+)", readme)) == {"2"}

@@ -172,6 +172,8 @@ def _valid(v: dict[str, list[bytes]]) -> list[Case]:
         "route_commit": "2.1: ROUTE commit from stage 0: its round of step 12 and every downstream replica's are "
                         "whole (to stage 1; from stage 1 on: step 12 is taken)",
         "route_redo": "2.1: ROUTE redo from stage 2: step 12 runs again in run epoch 1, without the replica gone",
+        "route_redo_signed": "2.1: ROUTE redo relayed by stage 2 with its maker's certificate and signature of "
+                             "the decision (§9.10 item 10; the bytes are the peer's to check, not the decoder's)",
         "route_taken": "2.1: ROUTE taken from stage 1 to stage 0: step 12 (run epoch 1) is taken",
         "route_gone_held": "2.1: ROUTE gone from stage 2: the replica at the contact left; this stage-2 replica "
                            "holds micro-batches 3 and 8 of step 12 that came through it",
@@ -459,6 +461,10 @@ def _invalid_replicas(v: dict[str, list[bytes]]) -> list[Case]:
          "negative held micro-batch"),
         ("route_gone_not_strings", _edit(v["route_redo"], _meta(phase="gone", gone=[7])), IM,
          "2.1: ROUTE gone listing a number, not a contact"),
+        ("route_redo_sig_short", _edit(v["route_redo_signed"], _meta(sig=bytes(63))), IM,
+         "2.1: ROUTE redo whose sig is 63 bytes, not an Ed25519 signature's 64"),
+        ("route_ready_signed", _edit(v["route_redo_signed"], _meta(phase="ready", gone=_DROP)), IM,
+         "2.1: ROUTE ready with a cert and sig (only redo carries a decision's proof)"),
         ("hello_contact_bin", _edit(v["hello_replica"], _meta(contact=b"tcp://10.0.0.2:5002")), IM,
          "2.1: HELLO contact is a bin, not a string"),
         ("hello_stage_replicas_zero", _edit(v["hello_reform"], _meta(stage_replicas=0)), IM,
@@ -616,7 +622,8 @@ CASES_2_1 = frozenset({"hello_replica", "route_ready", "route_end", "route_phase
                        "route_redo_from_downstream_fits", "route_taken", "route_taken_fits",
                        "route_taken_from_upstream", "route_gone_held", "route_reopen", "route_held_not_gone",
                        "route_held_not_uints", "route_reopen_from_downstream", "hello_reform",
-                       "hello_stage_replicas_zero", "bye_leave"})
+                       "hello_stage_replicas_zero", "bye_leave", "route_redo_signed", "route_redo_sig_short",
+                       "route_ready_signed"})
 """The vectors protocol 2.1 added (at version 2.1; the others stay at 2.0)."""
 
 _V2_1 = b"\xa1v\x92\x02\x01"
