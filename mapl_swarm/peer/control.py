@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 __all__ = ["Control", "PeerRejected"]
 
 MT = MessageType
+REDOS_KEPT = 64
+"""Recent redos whose makers a peer remembers (a redo's copies arrive within its step)."""
 
 
 class PeerRejected(MaplError):
@@ -70,6 +72,8 @@ class Control:
         self.schedule, self.agreement, self.ingress, self.rejects = schedule, agreement, ingress, rejects
         self.result, self.clock, self.replica_resume = result, clock, replica_resume
         self.credits, self.step = credits, step
+        self._redo_makers: dict[tuple[int, int], list[str]] = {}
+        """(step, run epoch) of each recent redo -> the members that decided it (:meth:`_corroborate`)."""
         """Each member's credit of re-forms and redos (:mod:`~.credits`, the process's), and this session's step."""
         self.replicas = cfg.replicas.enabled
         self._handlers: dict[MessageType, Callable[[Message, PeerLink], Awaitable[None]]] = {
@@ -145,21 +149,37 @@ class Control:
         return False
 
     async def _on_route(self, msg: Message, link: PeerLink) -> None:
-        """A ROUTE of the dispatcher's goes to the schedule; a ``redo`` the schedule would carry out
-        only when, in a certified run, its maker signed it and has redos' credit left (SPEC §9.10
-        item 10): passed on by every stage, it costs the whole swarm the step."""
+        """A ROUTE of the dispatcher's goes to the schedule; a ``redo`` only when, in a certified
+        run, its maker signed it, and one the schedule would carry out only when its maker has redos'
+        credit left (SPEC §9.10 item 10): passed on by every stage, it costs the whole swarm the step."""
         identity = link.settings.identity
-        if msg.meta.get("phase") == "redo" and identity is not None and self.schedule.core.redo.news(msg):
+        if msg.meta.get("phase") == "redo" and identity is not None:
             try:
                 maker = identity.verify_redo(dict(msg.meta), epoch=msg.epoch, step=msg.step)
             except CertificateError as exc:
                 self.rejects("not_allowed", link.name, f"ROUTE redo its maker did not sign ({exc.code}: {exc})")
                 return
+            member = f"the member of certificate serial {maker.serial}"
             own = link.peer_certificate is not None and link.peer_certificate.serial == maker.serial
-            if not self._spend("redos", f"the member of certificate serial {maker.serial}", msg, link,
-                               "made a step be redone", "SPEC §9.10 item 10", own=own):
+            if self.schedule.core.redo.news(msg) and not self._spend(
+                    "redos", member, msg, link, "made a step be redone", "SPEC §9.10 item 10", own=own):
                 return
+            self._corroborate((msg.step, msg.epoch), member)
         await self.schedule.on_control(msg, link)
+
+    def _corroborate(self, redo: tuple[int, int], member: str) -> None:
+        """``member`` decided the redo ``redo`` (step, run epoch) too. Replicas of a stage that read
+        the same round decide the same redo, each signing its own: a redo two members decided is
+        not one member's word, and each of its makers gets its credit back (a member that lied in
+        a round would otherwise spend its honest partners' credit)."""
+        makers = self._redo_makers.setdefault(redo, [])
+        if member in makers:
+            return
+        makers.append(member)
+        for m in (makers if len(makers) == 2 else [member] if len(makers) > 2 else []):
+            self.credits.redos.refund(m)
+        while len(self._redo_makers) > REDOS_KEPT:
+            self._redo_makers.pop(next(iter(self._redo_makers)))
 
     def _must_resume(self, msg: Message) -> bool:
         """A HELLO or WELCOME from a swarm that re-forms after a departure (run epoch > 0) while this

@@ -11,7 +11,9 @@ over a run (a step is redone at most ``max(3, sum(replicas.initial))`` times, bu
 So each member (its certificate's serial; in an insecure run, its stage) has a credit of each: a
 burst, and one more for every stretch of steps past the furthest step this peer had reached. An
 honest member tells of real departures and failed rounds, between which the swarm trains on; one
-that re-forms the swarm or redoes steps faster runs out. Beyond its credit, its word is dropped as
+that re-forms the swarm or redoes steps faster runs out. A redo that two members decided (the
+replicas of a stage reading the same failed round) is corroborated: its makers get the credit
+back, so a member that makes its stage's rounds fail spends none of its honest partners' credit. Beyond its credit, its word is dropped as
 ``implausible`` and the member is cut off and refused from then on, as if revoked (a new
 certificate has another serial). The credits last the peer process (every session of it), as the
 refusal does.
@@ -62,6 +64,11 @@ class Credit:
             return False
         self._credit[member] = (credit - 1.0, self.furthest)
         return True
+
+    def refund(self, member: str) -> None:
+        """Give ``member`` back one credit (at most its burst): what it said was corroborated."""
+        credit, at = self._credit.get(member, (float(self.burst), self.furthest))
+        self._credit[member] = (min(float(self.burst), credit + 1.0), at)
 
 
 @dataclass

@@ -139,9 +139,11 @@ def test_a_member_that_keeps_redoing_steps_runs_out_of_credit_and_is_excluded(tm
     passed, excluded, rejects, step = [], [], [], [10]
 
     async def on_control(msg, link):
-        passed.append(msg.epoch)
+        if msg.epoch > max(passed, default=0):
+            passed.append(msg.epoch)
 
-    schedule = SimpleNamespace(core=SimpleNamespace(redo=SimpleNamespace(news=lambda msg: True)), on_control=on_control)
+    news = SimpleNamespace(news=lambda msg: msg.epoch > max(passed, default=0))  # the core's: a later epoch
+    schedule = SimpleNamespace(core=SimpleNamespace(redo=news), on_control=on_control)
     control = Control(SimpleNamespace(exclude=lambda link, why: excluded.append((link.name, why))),
                       SimpleNamespace(replicas=SimpleNamespace(enabled=True)), links=None, linker=None, monitor=None,
                       schedule=schedule, agreement=None, ingress=None,
@@ -171,3 +173,9 @@ def test_a_member_that_keeps_redoing_steps_runs_out_of_credit_and_is_excluded(tm
     step[0] += 20  # new progress earns one back
     redo(6)
     assert passed == [1, 2, 3, 6]
+    # a redo two members decided (partners reading the same failed round) is corroborated: its
+    # makers get their credit back, so a member failing its stage's rounds spends none of theirs
+    for epoch in range(7, 17):
+        redo(epoch, by=other, via=other)
+        redo(epoch, by=maker, via=other)
+    assert passed == [1, 2, 3, 6, *range(7, 17)] and len(excluded) == 1
