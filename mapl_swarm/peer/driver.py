@@ -547,11 +547,11 @@ class Schedule:
         replicas = self.replicas
         if replicas is None:
             raise MaplError(f"{self.name}: a replica joins a run with replicas (replicas.enabled = true)")
-        like = await self.compute.run(self._join_template)
+        likes = await self.compute.run(self._join_templates)
         deadline = time.monotonic() + self.core.s.timeout_s
         got = None
         while (left := deadline - time.monotonic()) > 0:
-            got = await self.compute.wait(lambda: replicas.download(like, timeout=min(left, 30.0),
+            got = await self.compute.wait(lambda: replicas.download(likes, timeout=min(left, 30.0),
                                                                     sources=intent.sources))
             if got is not None and intent.good(got):
                 break
@@ -572,11 +572,14 @@ class Schedule:
             self.rt.load_state_dict(got["runtime"])
             self._projector_step = max(self._projector_step, int(got["projector"]))
 
-    def _join_template(self) -> dict:
-        """This replica's own served state, with optimizer state entries as a stepped one holds (what
-        a downloaded state must match, :func:`~mapl_swarm.replicas.state.restore_like`)."""
+    def _join_templates(self) -> tuple[dict, dict]:
+        """The forms a downloaded state may have (:func:`~mapl_swarm.replicas.state.restore_like`):
+        this replica's own served state with optimizer state entries as a stepped one holds, and as
+        one that never stepped (a re-sync before the stage's first step)."""
+        fresh = self._served_state() if not any(opt.state for opt in self.rt.optimizers) else None
         prime_optimizers(self.rt.optimizers)
-        return self._served_state()
+        stepped = self._served_state()
+        return (stepped,) if fresh is None else (stepped, fresh)
 
     def _served_state(self) -> dict:
         """What a joining replica downloads (SPEC §9.10 item 11; read in a thread of this process): a

@@ -393,11 +393,12 @@ class StageAverager(DecentralizedAverager):
         skeleton, tensors = flatten_state(self._state())
         return {STATE_KEY: skeleton}, tensors, None
 
-    def download_state(self, like: Any, *, timeout: float, sources: Sequence[str] = ()) -> Any | None:
+    def download_state(self, like: Any, *likes: Any, timeout: float, sources: Sequence[str] = ()) -> Any | None:
         """The stage's state from a live replica, checked against ``like`` (this replica's own state:
-        :func:`~.state.restore_like`); None when no replica answered. A state that does not fit
-        raises :class:`~.state.StateMismatch`. ``sources``: only these members (peer ids as
-        text; a re-sync's, those holding the stage's digest); none given: any member."""
+        :func:`~.state.restore_like`), else against each of ``likes`` (other forms it may have);
+        None when no replica answered. A state that fits none raises :class:`~.state.StateMismatch`
+        (``like``'s). ``sources``: only these members (peer ids as text; a re-sync's, those holding
+        the stage's digest); none given: any member."""
         future = MPFuture()
         self._outer_pipe.send(("_load_state_from_peers", [], dict(timeout=timeout, future=future,
                                                                   sources=tuple(sources))))
@@ -407,7 +408,13 @@ class StageAverager(DecentralizedAverager):
         metadata, tensors = got
         if not isinstance(metadata, dict) or STATE_KEY not in metadata:
             raise StateMismatch("the replica sent no stage state")
-        return restore_like(metadata[STATE_KEY], tensors, like)
+        try:
+            return restore_like(metadata[STATE_KEY], tensors, like)
+        except StateMismatch:
+            for other in likes:
+                with contextlib.suppress(StateMismatch):
+                    return restore_like(metadata[STATE_KEY], tensors, other)
+            raise
 
     async def _load_state_from_peers(self, future: MPFuture, timeout: float | None = None,
                                      sources: Sequence[str] = ()) -> None:

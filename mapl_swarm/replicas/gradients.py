@@ -107,10 +107,11 @@ class ReplicaGradients:
         of this process; a consistent copy, see :mod:`.state`)."""
         self._served = state
 
-    def download(self, like: Any, *, timeout: float, sources: Sequence[str] = ()) -> Any | None:
-        """The stage's state from a live replica, checked against ``like`` (this replica's own, of
-        what :meth:`serve` gives); None when no replica answered within ``timeout`` s."""
-        return self.averager.download_state(like, timeout=timeout, sources=sources)
+    def download(self, likes: Sequence[Any], *, timeout: float, sources: Sequence[str] = ()) -> Any | None:
+        """The stage's state from a live replica, checked against the first of ``likes`` (forms of
+        this replica's own, of what :meth:`serve` gives) it fits; None when no replica answered
+        within ``timeout`` s."""
+        return self.averager.download_state(*likes, timeout=timeout, sources=sources)
 
     def cancel(self) -> None:
         """Make the round in progress give up with :class:`RoundCancelled` once it stops looking
