@@ -45,7 +45,7 @@ import torch
 from mapl_swarm.errors import MaplError
 from mapl_swarm.replicas.averaging import GATHER_ONLY, StageAverager
 from mapl_swarm.replicas.errors import AveragingFailed, Behind, RoundCancelled
-from mapl_swarm.replicas.state import state_digest
+from mapl_swarm.replicas.state import state_summary
 from mapl_swarm.step.rounds import (NONCE_BYTES, RESUME_STEP, SYNC_STEP, ReplicaStep, commitment, read_round,
                                     round_counts)
 
@@ -231,7 +231,8 @@ class ReplicaGradients:
                 expected: int, *, leave: bool = False, going: bool = False, drain: bool = False) -> dict[str, Any]:
         reveal = {"reveal": self._revealed.hex()} if self._revealed is not None else {}
         state = {"modules": self.runtime.modules.state_dict(), "codec": self.runtime.codec.replicated_state()}
-        return {"digest": state_digest(state), "micro": [int(m) for m in micro],
+        digest, frame, sketch = state_summary(state)
+        return {"digest": digest, "frame": frame, "sketch": sketch, "micro": [int(m) for m in micro],
                 "loss": float(loss_sum), "epoch": int(epoch), "contact": contact, "step": int(step),
                 "expected": int(expected), "commit": commitment(self._nonce), **reveal,
                 **{k: True for k, on in (("leave", leave), ("going", going), ("drain", drain)) if on}}

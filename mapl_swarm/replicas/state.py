@@ -9,7 +9,8 @@ the receiver's own state: the same tree (keys, list lengths, kinds of value), ev
 same dtype and shape, and finite; each tensor is rebuilt in the memory layout of the receiver's.
 So a replica takes nothing from the network that its own model and optimizer could not hold; values themselves cannot be checked (a replica of the stage is
 trusted with them, as with its gradients). :func:`state_digest` is what replicas compare to know
-they hold the same parameters.
+they hold the same parameters, and :func:`state_summary` what tells replicas on other kernels
+apart from replicas that diverged.
 
 Skeleton nodes are ``[tag, payload]`` lists: ``d`` a dict (a list of ``[key, node]`` pairs, keys
 str or int, in order), ``l`` a list and ``u`` a tuple (lists of nodes), ``t`` a tensor (its index in
@@ -27,7 +28,7 @@ import torch
 
 from mapl_swarm.errors import MaplError
 
-__all__ = ["StateMismatch", "flatten_state", "prime_optimizers", "restore_like", "state_digest"]
+__all__ = ["StateMismatch", "flatten_state", "prime_optimizers", "restore_like", "state_digest", "state_summary"]
 
 _PLAIN = (type(None), bool, int, float, str, bytes)
 
@@ -112,12 +113,30 @@ def restore_like(skeleton: Any, tensors: Sequence[Any], like: Any) -> Any:
 def state_digest(state: Any) -> str:
     """SHA-256 (hex) of ``state``'s skeleton and every tensor's dtype, shape and bytes: equal for
     two replicas exactly when they hold the same state."""
+    return state_summary(state)[0]
+
+
+def state_summary(state: Any) -> tuple[str, str, list[float]]:
+    """``state``'s digest (:func:`state_digest`), frame and sketch. The frame is SHA-256 (hex) of
+    the skeleton, every tensor's dtype and shape and every non-floating tensor's bytes; the sketch,
+    for each floating tensor in order, its sum and its sum of squares (float64). Replicas whose
+    kernels round differently (another CPU instruction set, another GPU) step to other last bits:
+    they hold the same frame and sketches within :data:`~mapl_swarm.step.rounds.SKETCH_TOLERANCE`."""
     skeleton, tensors = flatten_state(state)
-    h = hashlib.sha256(repr(skeleton).encode())
+    digest, frame = hashlib.sha256(repr(skeleton).encode()), hashlib.sha256(repr(skeleton).encode())
+    sketch: list[float] = []
     for t in tensors:
-        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+        kind = f"{t.dtype}{tuple(t.shape)}".encode()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        digest.update(kind)
+        digest.update(raw)
+        frame.update(kind)
+        if t.is_floating_point():
+            x = t.to(torch.float64)
+            sketch += [float(x.sum()), float(x.pow(2).sum())]
+        else:
+            frame.update(raw)
+    return digest.hexdigest(), frame.hexdigest(), sketch
 
 
 @torch.no_grad()

@@ -90,7 +90,7 @@ class Rounds:
         c = self.c
         self.in_round = False
         prior, self._prior = self._prior, round_
-        if not round_.in_sync and self._differ(round_, prior, "before the first step", then=Phase.BOUNDARY):
+        if not round_.agrees and self._differ(round_, prior, "before the first step", then=Phase.BOUNDARY):
             return
         c.members.ranked(round_)
         log.info("%s: replica %d of %d of stage %d", c.s.name, c.members.rank, c.members.count, c.stage)
@@ -113,7 +113,7 @@ class Rounds:
             notices, cur.notices = tuple(cur.notices), []
             for name in c.flow.down_links() if notices else ():
                 c.spawn(do.SendRoute(name, cur.step, "gone", gone=notices, epoch=c.epoch))
-        if not round_.in_sync:
+        if not round_.agrees:
             self._problem = problem or ""
             self._differ(round_, prior, f"at step {cur.step}", then=Phase.SERVE)
             return

@@ -8,16 +8,22 @@ builds a :class:`ReplicaStep` from what the round's members gathered, and the st
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ReplicaStep", "read_round", "round_counts", "SYNC_STEP", "RESUME_STEP", "NONCE_BYTES", "commitment"]
+__all__ = ["ReplicaStep", "read_round", "round_counts", "SYNC_STEP", "RESUME_STEP", "NONCE_BYTES", "commitment",
+           "SKETCH_TOLERANCE"]
 
 SYNC_STEP = -1
 """The step a sync round gathers (it comes before the first step)."""
 RESUME_STEP = -2
 """The step a resume round gathers (a resumed run's, before its replicas load a checkpoint)."""
+SKETCH_TOLERANCE = 1e-5
+"""How far apart replicas on other kernels may hold their parameters and still count as holding
+the same (SPEC §9.10 item 6): relative to each tensor's magnitude, far above what rounding
+differences add up to and far below what training moves in a step."""
 NONCE_BYTES = 32
 """A round's nonce: a member commits to a fresh one in each round and reveals it in its next
 (SPEC §9.10 item 6: the draw that settles a tie among digests)."""
@@ -26,6 +32,12 @@ NONCE_BYTES = 32
 def commitment(nonce: bytes) -> str:
     """What a member gathers as ``commit`` for ``nonce``: its SHA-256, hex."""
     return hashlib.sha256(nonce).hexdigest()
+
+
+def _sketch(value: Any) -> bool:
+    """A gathered ``sketch``: pairs of finite floats."""
+    return (isinstance(value, list) and len(value) % 2 == 0
+            and all(type(x) is float and math.isfinite(x) for x in value))
 
 
 def _nonce(text: Any) -> bytes | None:
@@ -78,6 +90,10 @@ class ReplicaStep:
     """Each member's commitment to its nonce of this round (:func:`commitment`, hex)."""
     reveals: dict[str, bytes] = field(default_factory=dict)
     """Each member's nonce of its previous round, where it gathered a well-formed one."""
+    frames: dict[str, str] = field(default_factory=dict)
+    sketches: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    """Each member's state frame and sketch (:func:`~mapl_swarm.replicas.state.state_summary`), where
+    it gathered well-formed ones."""
 
     @property
     def stops(self) -> bool:
@@ -100,8 +116,29 @@ class ReplicaStep:
 
     @property
     def in_sync(self) -> bool:
-        """Every member started the step from the parameters this replica holds."""
+        """Every member started the step from the parameters this replica holds, bit for bit."""
         return len(set(self.digests.values())) == 1
+
+    @property
+    def close(self) -> bool:
+        """Every member holds the same frame and a sketch within :data:`SKETCH_TOLERANCE` of the
+        first member's (replicas on other kernels: SPEC §9.10 item 6)."""
+        if set(self.frames) != set(self.group) or set(self.sketches) != set(self.group) \
+                or len(set(self.frames.values())) != 1 or len({len(v) for v in self.sketches.values()}) != 1:
+            return False
+        first = self.sketches[self.group[0]]
+        for other in self.sketches.values():
+            for k in range(0, len(first), 2):  # (sum, sum of squares) of each tensor, against ||x|| and ||x||^2
+                squares = max(first[k + 1], 1e-30)
+                if abs(other[k + 1] - first[k + 1]) > SKETCH_TOLERANCE * squares \
+                        or abs(other[k] - first[k]) > SKETCH_TOLERANCE * math.sqrt(squares):
+                    return False
+        return True
+
+    @property
+    def agrees(self) -> bool:
+        """The members hold the same parameters: bit for bit, or :attr:`close`."""
+        return self.in_sync or self.close
 
     def _current(self) -> list[str]:
         """The members whose digests count: those not :attr:`behind`, unless every member is."""
@@ -153,7 +190,7 @@ class ReplicaStep:
             return (f"the replicas' micro-batches add up to {counted}, not the step's {micro_batches} once each "
                     f"({len(missing)} missing, {len(twice)} counted twice or out of range; "
                     f"{', '.join(f'{p[-8:]}: {n}' for p, n in sorted(self.counts.items()))})")
-        if not self.in_sync:
+        if not self.agrees:
             return f"the replicas held different parameters before the step ({len(set(self.digests.values()))} digests)"
         return None
 
@@ -179,7 +216,9 @@ def read_round(me: str, data: dict[str, Any], sent: int = 0, received: int = 0) 
                        any(v.get("drain") is True for v in data.values()),
                        frozenset(p for p, v in data.items() if v.get("behind") is True),
                        {p: v["commit"] for p, v in data.items() if isinstance(v.get("commit"), str)},
-                       {p: n for p, v in data.items() if (n := _nonce(v.get("reveal"))) is not None})
+                       {p: n for p, v in data.items() if (n := _nonce(v.get("reveal"))) is not None},
+                       {p: v["frame"] for p, v in data.items() if isinstance(v.get("frame"), str)},
+                       {p: tuple(v["sketch"]) for p, v in data.items() if _sketch(v.get("sketch"))})
 
 
 def round_counts(micro_batches: int, data: dict[str, Any]) -> bool:

@@ -331,3 +331,40 @@ def test_a_sync_round_of_fewer_than_the_starting_replicas_is_refused_by_every_me
     grads.sync(timeout=5.0, contact="mine", expected=2)
     assert commits[0] == commits[1] == (commitment(bytes(32)), None)
     assert commits[2][1] == bytes(32).hex() and commits[2][0] != commits[1][0]
+
+
+def test_replicas_on_other_kernels_hold_close_parameters_and_their_round_is_whole():
+    """Two CPU instruction sets step AdamW to other last bits (ATEN_CPU_CAPABILITY default against
+    AVX2, measured), so replicas on mixed hardware hold other digests after every step: their round
+    is whole when the frames are equal and the sketches within SKETCH_TOLERANCE (SPEC §9.10 item 6);
+    a real divergence, another frame or a malformed sketch is not close."""
+    from mapl_swarm.replicas.state import state_summary
+    from mapl_swarm.step.rounds import SKETCH_TOLERANCE
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ulp = {k: v * (1 + torch.randn_like(v) * 6e-8) for k, v in state.items()}  # last-bit differences
+    drifted = {k: v + 1e-3 * torch.randn_like(v) for k, v in state.items()}  # another state
+    cast = {k: v.to(torch.float64) for k, v in state.items()}  # another frame
+
+    def gathered(s: dict) -> dict:
+        digest, frame, sketch = state_summary(s)
+        return {"digest": digest, "frame": frame, "sketch": sketch, "micro": [0], "loss": 0.0, "epoch": 0,
+                "contact": "c", "step": 3, "expected": 2}
+
+    def round_(a: dict, b: dict) -> ReplicaStep:
+        got = read_round("p1", {"p1": a, "p2": {**b, "micro": [1]}})
+        assert got is not None
+        return got
+
+    base = gathered(state)
+    near = round_(base, gathered(ulp))
+    assert not near.in_sync and near.close and near.agrees and near.problem(2) is None
+    assert round_counts(2, {"p1": base, "p2": {**gathered(ulp), "micro": [1]}})  # its all-reduce runs
+    far = round_(base, gathered(drifted))
+    assert not far.close and "different parameters" in far.problem(2)
+    assert not round_(base, gathered(cast)).close
+    assert not round_(base, {**gathered(ulp), "sketch": [1.0, float("nan")]}).close
+    assert not round_(base, {k: v for k, v in gathered(ulp).items() if k != "sketch"}).close
+    assert SKETCH_TOLERANCE < 1e-3
