@@ -72,9 +72,9 @@ class Control:
         self.schedule, self.agreement, self.ingress, self.rejects = schedule, agreement, ingress, rejects
         self.result, self.clock, self.replica_resume = result, clock, replica_resume
         self.credits, self.step = credits, step
+        """Each member's credit of re-forms and redos (:mod:`~.credits`, the process's), and this session's step."""
         self._redo_makers: dict[tuple[int, int], list[str]] = {}
         """(step, run epoch) of each recent redo -> the members that decided it (:meth:`_corroborate`)."""
-        """Each member's credit of re-forms and redos (:mod:`~.credits`, the process's), and this session's step."""
         self.replicas = cfg.replicas.enabled
         self._handlers: dict[MessageType, Callable[[Message, PeerLink], Awaitable[None]]] = {
             MT.WELCOME: self._on_welcome, MT.REJECT: self._on_reject, MT.ERROR: self._on_error, MT.BYE: self._on_bye,

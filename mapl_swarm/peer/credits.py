@@ -11,12 +11,12 @@ over a run (a step is redone at most ``max(3, sum(replicas.initial))`` times, bu
 So each member (its certificate's serial; in an insecure run, its stage) has a credit of each: a
 burst, and one more for every stretch of steps past the furthest step this peer had reached. An
 honest member tells of real departures and failed rounds, between which the swarm trains on; one
-that re-forms the swarm or redoes steps faster runs out. A redo that two members decided (the
-replicas of a stage reading the same failed round) is corroborated: its makers get the credit
-back, so a member that makes its stage's rounds fail spends none of its honest partners' credit. Beyond its credit, its word is dropped as
+that re-forms the swarm or redoes steps faster runs out. Beyond its credit, its word is dropped as
 ``implausible`` and the member is cut off and refused from then on, as if revoked (a new
-certificate has another serial). The credits last the peer process (every session of it), as the
-refusal does.
+certificate has another serial). A redo that two members decided (the replicas of a stage reading
+the same failed round) is corroborated: its makers get the credit back, so a member that makes its
+stage's rounds fail spends none of its honest partners' credit. The credits last the peer process
+(every session of it), as the refusal does.
 """
 
 from __future__ import annotations

@@ -572,7 +572,7 @@ class Schedule:
             self.rt.load_state_dict(got["runtime"])
             self._projector_step = max(self._projector_step, int(got["projector"]))
 
-    def _join_templates(self) -> tuple[dict, dict]:
+    def _join_templates(self) -> tuple[dict, ...]:
         """The forms a downloaded state may have (:func:`~mapl_swarm.replicas.state.restore_like`):
         this replica's own served state with optimizer state entries as a stepped one holds, and as
         one that never stepped (a re-sync before the stage's first step)."""

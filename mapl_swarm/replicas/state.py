@@ -123,7 +123,8 @@ def state_summary(state: Any) -> tuple[str, str, list[float]]:
     kernels round differently (another CPU instruction set, another GPU) step to other last bits:
     they hold the same frame and sketches within :data:`~mapl_swarm.step.rounds.SKETCH_TOLERANCE`."""
     skeleton, tensors = flatten_state(state)
-    digest, frame = hashlib.sha256(repr(skeleton).encode()), hashlib.sha256(repr(skeleton).encode())
+    head = repr(skeleton).encode()
+    digest, frame = hashlib.sha256(head), hashlib.sha256(head)
     sketch: list[float] = []
     for t in tensors:
         kind = f"{t.dtype}{tuple(t.shape)}".encode()

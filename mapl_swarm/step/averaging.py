@@ -6,8 +6,9 @@ A round that formed no group, or failed before its all-reduce began, is run agai
 partner: the step is redone. A whole round (every micro-batch once, equal digests) commits; one
 that is not whole after a replica left during the step waits for word whether the gone replica's
 work comes again (a ``reopen``: the step is served again), else the step is redone. Different
-digests are re-synced: a replica that does not hold the stage's loads a partner's state (and
-after a step's round the step is redone). A joiner whose round meets replicas a step ahead
+parameters (digests that differ beyond what other kernels' rounding makes) are re-synced: a
+replica that does not hold the stage's loads a partner's state (and after a step's round the step
+is redone); a tie is drawn in the next round. A joiner whose round meets replicas a step ahead
 downloads again.
 """
 

@@ -22,8 +22,9 @@ RESUME_STEP = -2
 """The step a resume round gathers (a resumed run's, before its replicas load a checkpoint)."""
 SKETCH_TOLERANCE = 1e-5
 """How far apart replicas on other kernels may hold their parameters and still count as holding
-the same (SPEC §9.10 item 6): relative to each tensor's magnitude, far above what rounding
-differences add up to and far below what training moves in a step."""
+the same (SPEC §9.10 item 6), relative to each tensor's magnitude: the rounding differences of a
+stage on mixed CPU kernels stayed below it for 200 steps, or crossed it twice in 200
+(``bench/mixed_kernels.py``), and a replica that drifts past it re-syncs."""
 NONCE_BYTES = 32
 """A round's nonce: a member commits to a fresh one in each round and reveals it in its next
 (SPEC §9.10 item 6: the draw that settles a tie among digests)."""
