@@ -212,7 +212,7 @@ def test_a_tie_of_two_replicas_holding_other_parameters_is_settled_by_the_next_r
 
 def test_a_replica_that_resumed_behind_its_stage_takes_a_current_partners_state():
     """A replica that resumed without the agreed step's file (SPEC §9.10 item 13) says so in the sync
-    round: it loads a partner's state, even where its digest would win the tie (it sorts first), and
+    round: it loads a partner's state (a tie with it is no tie: its digest does not count), and
     nothing is redone."""
     sw = SimSwarm((1, 2, 1), M=4)
     behind = min(sw.stage_peers(1), key=lambda p: p.peer_id)
