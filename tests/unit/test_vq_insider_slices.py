@@ -16,17 +16,29 @@ import torch
 
 from mapl_swarm.peer.departures import NeighbourLost
 from mapl_swarm.wire import MessageType
-from mapl_swarm.wire.codebook import slice_parts
+from mapl_swarm.wire.codebook import resync_meta, slice_parts
 
 from peer_fakes import fake_swarm, run_swarm, swarm_config
 
 MT = MessageType
 
 
-def _run(attack: bool, spray: int = 0):
+def _run(attack: bool, spray: int = 0, flood: int = 0):
     async def main():
         cfg = swarm_config(compression={"codec": "mapl_vq"}, run={"steps": 4})
         _, peers, transports = fake_swarm(cfg)
+        if flood:  # the receiver of the act stream asks for RESYNCs it does not need, each step
+            up = peers[1].links.upstream
+            on_slice, flooded = up.codebooks.on_slice, set()
+
+            async def flooding(msg) -> None:
+                await on_slice(msg)
+                if msg.step not in flooded:
+                    flooded.add(msg.step)
+                    for _ in range(flood):
+                        await up.send(MT.RESYNC, step=msg.step, meta=resync_meta("act", msg.cver, "flood"))
+
+            up.codebooks.on_slice = flooding
         if attack:
             link = peers[0].links.downstream
             send_slices, fired = link.codebooks.send_slices, []
@@ -65,3 +77,13 @@ def test_a_neighbours_far_version_and_absurd_slices_are_rejected_and_training_is
 def test_a_spray_of_far_full_slices_cuts_the_sender_off_at_the_eighth():
     with pytest.raises(NeighbourLost, match="8 of its messages failed the content checks .*future_full_slice"):
         _run(True, spray=40)
+
+
+def test_a_neighbours_resync_flood_changes_no_loss():
+    """The receiver of a stream floods its sender with RESYNCs each step (SPEC §5.1): those within
+    the step's bound bring the sender's mirror whole, the rest are dropped as ``implausible``, and
+    the losses are the clean run's, bit for bit (the flood used to make the sender promote its
+    learned codebooks early, which changed every later code)."""
+    clean, flooded = _run(False), _run(False, flood=12)
+    assert flooded[0].codebooks["resyncs_received"] > 0 and flooded[0].rejects.get("implausible", 0) > 0
+    assert flooded[0].train_losses == clean[0].train_losses
