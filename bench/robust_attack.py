@@ -1,12 +1,13 @@
-"""A dishonest replica among three: what it does to training with the mean and with CenteredClip.
+"""A dishonest replica among three: what it does to training with the mean, CenteredClip and a trimmed mean.
 
-    python bench/robust_attack.py [--steps 200] [--scale -10] [--out bench/results/robust_attack.json]
+    python bench/robust_attack.py [--steps 200] [--scale -10] [--aggregations mean,centered_clip,trimmed_mean]
+                                  [--out bench/results/robust_attack.json]
 
 A 3-stage ``mapl`` swarm of real processes (the slow tests' ``ReplicaSwarm``: tiny model, M = 6,
 uniform routing, certified peers) with three replicas of stage 1 trains ``--steps`` steps four
 times: honest and with replica 2 of stage 1 dishonest (its gradient share multiplied by
 ``--scale`` before each round: modified peer code, ``bench/dishonest_replica.py``), each with
-``replicas.aggregation`` ``mean`` and ``centered_clip``. Printed and written: each run's mean loss
+every ``replicas.aggregation`` of ``--aggregations``. Printed and written: each run's mean loss
 of the last 20 steps and its final loss, and the attacked runs' difference from the honest run of
 the same aggregation, in percent.
 """
@@ -57,6 +58,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--scale", type=float, default=-10.0)
+    ap.add_argument("--aggregations", default="mean,centered_clip,trimmed_mean")
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/robust_attack.json")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # AGGREGATION-honest|attacked: one run, its losses to --out
     args = ap.parse_args()
@@ -69,7 +71,7 @@ def main() -> int:
     t0 = time.time()
     runs: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp_name:
-        for aggregation in ("mean", "centered_clip"):
+        for aggregation in args.aggregations.split(","):
             for kind in ("honest", "attacked"):
                 name = f"{aggregation}-{kind}"
                 out = Path(tmp_name) / f"{name}.json"
@@ -81,7 +83,7 @@ def main() -> int:
                       f"({time.time() - t0:.0f} s so far)", flush=True)
     last20 = {k: sum(v[-20:]) / len(v[-20:]) for k, v in runs.items()}
     effect = {agg: 100.0 * (last20[f"{agg}-attacked"] - last20[f"{agg}-honest"]) / last20[f"{agg}-honest"]
-              for agg in ("mean", "centered_clip")}
+              for agg in args.aggregations.split(",")}
     result = {"command": "python bench/robust_attack.py " + " ".join(sys.argv[1:]), "steps": args.steps,
               "scale": args.scale, "machine": f"{platform.node()} {platform.machine()}, {platform.python_version()}",
               "date": time.strftime("%Y-%m-%d"), "seconds": round(time.time() - t0),

@@ -256,12 +256,13 @@ class ReplicasConfig:
     initial: tuple[int, ...] = ()
     """Replicas of each stage that start the run together (one entry per stage; empty: one each):
     each stage's first averaging round waits for that many."""
-    aggregation: Literal["mean", "centered_clip"] = "mean"
-    """How a stage's replicas combine their gradient shares: their weighted mean, or CenteredClip per
-    all-reduce part (``mapl_swarm.replicas.robust``: with 3 replicas or more one replica's share,
-    however wrong, moves the update by a bound of the order of the honest replicas' spread; honest
-    shares within that spread give the mean). Every replica of a stage must agree (the config
-    fingerprint)."""
+    aggregation: Literal["mean", "centered_clip", "trimmed_mean"] = "mean"
+    """How a stage's replicas combine their gradient shares, per all-reduce part: their weighted
+    mean; CenteredClip (with 3 replicas or more one replica's share, however wrong, moves the update
+    by a bound of the order of the honest replicas' spread; honest shares within it give the mean);
+    or the coordinate-wise trimmed mean (each coordinate's largest and smallest dropped: with one
+    dishonest replica every coordinate stays within the honest shares' range). See
+    ``mapl_swarm.replicas.robust``. Every replica of a stage must agree (the config fingerprint)."""
 
     def __post_init__(self) -> None:
         _check_choices(self)

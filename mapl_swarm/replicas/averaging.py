@@ -94,7 +94,7 @@ class StageAverager(DecentralizedAverager):
 
     ``replicas``: how many replicas a step averages among (hivemind's ``target_group_size``: a
     group forms as soon as that many are in, without waiting ``min_matchmaking_time`` out).
-    ``aggregation``: ``"mean"`` (weighted) or ``"centered_clip"`` (:mod:`.robust`, per part).
+    ``aggregation``: ``"mean"`` (weighted), ``"centered_clip"`` or ``"trimmed_mean"`` (:mod:`.robust`, per part).
     ``state``: the stage's whole state (:mod:`.state`), what :meth:`download_state` of a joining
     replica receives. A round in which a member gathered :data:`GATHER_ONLY` runs no all-reduce and
     leaves the tensors as they are; so does one that ``usable`` (:data:`Usable`, called in the
@@ -110,7 +110,7 @@ class StageAverager(DecentralizedAverager):
             raise ValueError(f"averaging needs at least 2 replicas, got {replicas}")
         self.run_id, self.stage = run_id, stage
         self.aggregation = aggregation
-        """``replicas.aggregation``: the weighted mean, or CenteredClip per part (:mod:`.robust`)."""
+        """``replicas.aggregation``: the weighted mean, or a robust aggregate per part (:mod:`.robust`)."""
         self._state = state
         """What a joining replica downloads: the stage's state, read in this (the host) process."""
         self._usable = usable
@@ -343,7 +343,7 @@ class StageAverager(DecentralizedAverager):
         group_id = group_info.group_id if group_id is None else group_id
         runner = ExactAllReduceRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
                                       group_id=group_id, ordered_peer_ids=group_info.peer_ids,
-                                      traffic=self._traffic, robust=self.aggregation == "centered_clip", **kwargs)
+                                      traffic=self._traffic, aggregation=self.aggregation, **kwargs)
         self._running_groups[group_id].set_result(runner)
         self._outcomes.began(group_id, group_info.peer_ids)
         try:

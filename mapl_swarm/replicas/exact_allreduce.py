@@ -27,16 +27,20 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
-from mapl_swarm.replicas.robust import centered_clip
+from mapl_swarm.replicas.robust import AGGREGATES
 
 __all__ = ["ExactAllReduceRunner"]
 
 logger = logging.getLogger(__name__)
 
 
-class ClippingPartReducer(TensorPartReducer):
+class RobustPartReducer(TensorPartReducer):
     """hivemind 1.1.12's part reducer, keeping every sender's share of the current part and returning
-    their CenteredClip (:func:`~.robust.centered_clip`) instead of the weighted mean."""
+    ``aggregate`` of them (:mod:`.robust`) instead of the weighted mean."""
+
+    def __init__(self, *args: Any, aggregate: Any, **kwargs: Any) -> None:
+        self.aggregate = aggregate
+        super().__init__(*args, **kwargs)
 
     def reset_accumulators(self) -> None:
         self.shares: list[tuple[torch.Tensor, float]] = []
@@ -66,20 +70,22 @@ class ClippingPartReducer(TensorPartReducer):
         assert self.current_part_accumulated_from <= self.num_current_senders
         if self.current_part_accumulated_from == self.num_current_senders:
             # one reducer per part: every member receives its bytes, whatever the arrival order
-            self.current_part_future.set_result(centered_clip([x for x, _ in self.shares],
-                                                              [w for _, w in self.shares]))
+            self.current_part_future.set_result(self.aggregate([x for x, _ in self.shares],
+                                                               [w for _, w in self.shares]))
             self.reset_accumulators()
 
 
 class ExactAllReduceRunner(AllReduceRunner):
-    """An ``AllReduceRunner`` whose output tensors are the averages (module docstring); ``robust``:
-    each part's reducer returns CenteredClip (:class:`ClippingPartReducer`) instead."""
+    """An ``AllReduceRunner`` whose output tensors are the averages (module docstring); ``aggregation``
+    other than ``"mean"``: each part's reducer returns that robust aggregate (:class:`RobustPartReducer`,
+    :data:`~.robust.AGGREGATES`) instead."""
 
-    def __init__(self, *args: Any, traffic: Any = None, robust: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, traffic: Any = None, aggregation: str = "mean", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if robust:
+        if aggregation != "mean":
             reducer = self.tensor_part_reducer
-            self.tensor_part_reducer = ClippingPartReducer(reducer.part_shapes, reducer.num_senders)
+            self.tensor_part_reducer = RobustPartReducer(reducer.part_shapes, reducer.num_senders,
+                                                         aggregate=AGGREGATES[aggregation])
         self.tensor_part_container.return_deltas = False  # outputs are averages; a failed part keeps its own
         self.traffic = traffic
         """Tensor bytes sent and received, ``[sent, received]`` (shared with the host process; None: not counted)."""

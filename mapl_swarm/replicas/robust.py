@@ -1,9 +1,11 @@
-"""Robust aggregation of a stage's replicas' gradient shares: CenteredClip per all-reduce part.
+"""Robust aggregation of a stage's replicas' gradient shares, per all-reduce part: CenteredClip or a trimmed mean.
 
-With ``replicas.aggregation = "centered_clip"`` the reducer of each part of the stage's all-reduce
-(:mod:`.exact_allreduce`) keeps every member's share of that part and returns CenteredClip
-(Karimireddy, He and Jaggi, ICML 2021; per all-reduce partition as BTARD, Gorbunov et al., ICML
-2022, does) instead of the weighted mean:
+With ``replicas.aggregation = "centered_clip"`` or ``"trimmed_mean"`` the reducer of each part of
+the stage's all-reduce (:mod:`.exact_allreduce`) keeps every member's share of that part and
+returns :data:`AGGREGATES`' function of them instead of the weighted mean.
+
+**CenteredClip** (Karimireddy, He and Jaggi, ICML 2021; per all-reduce partition as BTARD, Gorbunov
+et al., ICML 2022, does):
 
     v_0 = the coordinate-wise median of the members' shares (members of weight 0 left out),
     τ = CLIP_SCALE × the median over members of ‖x_i − v_0‖,
@@ -23,6 +25,15 @@ from v_0) to each part: of the order of the honest members' spread, not of the a
 result is the weighted mean to floating-point rounding (the first iteration from v_0 reaches it);
 a member beyond τ (an honest outlier of sampling) pulls less than its weight. With fewer than 3
 members of positive weight a median is no defence: the weighted mean is returned.
+
+**Trimmed mean** (coordinate-wise; Yin et al., ICML 2018): of the members of positive weight, each
+coordinate's largest and smallest values are dropped and the rest averaged (each share is already
+scaled to the whole batch, so they count alike). **The bound.** With one dishonest member, every
+coordinate of the result lies between the smallest and the largest honest value of that
+coordinate, whatever it sends: it can pick where in the honest members' range each coordinate
+falls, not leave it. With 3 replicas that is the coordinate-wise median. **Honest members.** It
+is not their mean: each coordinate drops two honest values, so the result moves by up to the
+honest spread (the price of the bound). Fewer than 3 members of positive weight: the weighted mean.
 """
 
 from __future__ import annotations
@@ -31,7 +42,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["centered_clip", "CLIP_SCALE", "ITERATIONS"]
+__all__ = ["centered_clip", "trimmed_mean", "AGGREGATES", "CLIP_SCALE", "ITERATIONS"]
 
 CLIP_SCALE = 2.0
 """τ in units of the members' median distance from the coordinate-wise median."""
@@ -63,3 +74,20 @@ def centered_clip(shares: Sequence[torch.Tensor], weights: Sequence[float]) -> t
         scale = torch.clamp(tau / torch.clamp(norms, min=1e-30), max=1.0)
         v = v + (diff * (ws * scale).view(shape)).sum(0) / total
     return v
+
+
+def trimmed_mean(shares: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """The coordinate-wise trimmed mean of ``shares`` of positive ``weights`` (module docstring), in
+    fp32, deterministic for the same inputs."""
+    kept = [x.float() for x, w in zip(shares, weights, strict=True) if w > 0]
+    if not kept:
+        return torch.zeros_like(shares[0], dtype=torch.float32)
+    if len(kept) < 3:
+        ws = [float(w) for w in weights if w > 0]
+        return sum(x * (w / sum(ws)) for x, w in zip(kept, ws))
+    xs = torch.stack(kept).sort(dim=0).values
+    return xs[1:-1].mean(dim=0)
+
+
+AGGREGATES = {"centered_clip": centered_clip, "trimmed_mean": trimmed_mean}
+"""``replicas.aggregation`` -> the function a reducer returns of its part's shares (``"mean"``: hivemind's own)."""

@@ -1,6 +1,8 @@
-"""CenteredClip of a stage's replicas' shares (issue 46 item 2, :mod:`mapl_swarm.replicas.robust`):
-honest shares give their weighted mean; one dishonest share of three moves the result by a bound of
-the order of the honest spread, whatever its size; the part reducer returns it to every member."""
+"""Robust aggregation of a stage's replicas' shares (issue 46 item 2, :mod:`mapl_swarm.replicas.robust`).
+CenteredClip: honest shares give their weighted mean; one dishonest share of three moves the result
+by a bound of the order of the honest spread, whatever its size. Trimmed mean: with one dishonest
+share every coordinate stays within the honest shares' range. The part reducer returns the
+aggregate to every member."""
 
 from __future__ import annotations
 
@@ -9,8 +11,8 @@ import asyncio
 import pytest
 import torch
 
-from mapl_swarm.replicas.exact_allreduce import ClippingPartReducer
-from mapl_swarm.replicas.robust import CLIP_SCALE, ITERATIONS, centered_clip
+from mapl_swarm.replicas.exact_allreduce import RobustPartReducer
+from mapl_swarm.replicas.robust import CLIP_SCALE, ITERATIONS, centered_clip, trimmed_mean
 
 
 def _honest(n: int = 3, size: int = 4096, seed: int = 0) -> list[torch.Tensor]:
@@ -47,7 +49,7 @@ def test_one_dishonest_share_of_three_moves_the_result_by_a_bounded_amount(attac
 
 def test_the_part_reducer_returns_the_clipped_aggregate_of_every_senders_share():
     async def main():
-        reducer = ClippingPartReducer([torch.Size([8]), torch.Size([8])], num_senders=3)
+        reducer = RobustPartReducer([torch.Size([8]), torch.Size([8])], num_senders=3, aggregate=centered_clip)
         parts = [[torch.full((8,), float(v)) for v in (s, s + 1)] for s in (1.0, 1.1, 50.0)]
         got = await asyncio.gather(*(reducer.accumulate_part(i, p, parts[i][p]) for p in range(2) for i in range(3)))
         return parts, got
@@ -57,3 +59,18 @@ def test_the_part_reducer_returns_the_clipped_aggregate_of_every_senders_share()
         expected = centered_clip([parts[i][p] for i in range(3)], [1.0, 1.0, 1.0])
         assert all(torch.equal(g, expected) for g in got[3 * p:3 * p + 3])  # every sender gets the same bytes
         assert float(expected.max()) < 5.0  # the outlier (50) is clipped
+
+
+@pytest.mark.parametrize("attack", ["scaled_-10", "sign_flip", "noise", "bias"])
+def test_with_one_dishonest_share_the_trimmed_mean_stays_within_the_honest_range(attack):
+    honest = _honest(3)
+    x = honest[0]
+    bad = {"scaled_-10": -10 * x, "sign_flip": -x, "noise": torch.randn(x.shape) * 100,
+           "bias": x + 0.1 * x.norm() * torch.ones_like(x) / x.numel() ** 0.5}[attack]
+    got = trimmed_mean([*honest, bad], [1.0, 1.0, 1.0, 1.0])
+    low, high = torch.stack(honest).min(dim=0).values, torch.stack(honest).max(dim=0).values
+    assert bool(((got >= low) & (got <= high)).all())
+    # three shares: the coordinate-wise median; under three, or with weight 0, the weighted mean
+    assert torch.equal(trimmed_mean(honest, [1.0, 1.0, 1.0]), torch.stack(honest).median(dim=0).values)
+    assert torch.equal(trimmed_mean([x, bad], [1.0, 0.0]), x)
+    assert torch.allclose(trimmed_mean(honest[:2], [1.0, 3.0]), (honest[0] + 3 * honest[1]) / 4)
