@@ -4,8 +4,10 @@ AdamW steps to other last bits on ``ATEN_CPU_CAPABILITY=default`` than on this m
 instruction set, so replicas on mixed hardware never hold equal parameter digests. Three replicas
 of stage 1, real processes, the third on the default kernels: every round is whole (their
 parameters are close: the same frame, per-tensor sums within 1e-5), no step is redone and no state
-downloaded, and the run ends as one on uniform hardware does. Before the closeness rule the
-default-kernel replica re-synced at every step and the stage redid nearly every step.
+downloaded, and the run ends as one on uniform hardware does; with MAPL+VQ the neighbours take
+the replicas' full codebook slices of a version as the same slice (SPEC §5.1). Before the
+closeness rule the default-kernel replica re-synced at every step and the stage redid nearly every
+step; before the rounding allowance the neighbours counted every other replica's slice as stale.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 STEPS = 30
 
 
-def test_replicas_on_other_cpu_kernels_take_every_step_without_a_resync(tmp_path):
-    with ReplicaSwarm(tmp_path, "replica-kernels", steps=STEPS, identities=[1, 3, 1], initial=(1, 3, 1)) as swarm:
+@pytest.mark.parametrize("codec", ["mapl", "mapl_vq"])
+def test_replicas_on_other_cpu_kernels_take_every_step_without_a_resync(tmp_path, codec):
+    with ReplicaSwarm(tmp_path, "replica-kernels", steps=STEPS, identities=[1, 3, 1], initial=(1, 3, 1),
+                      codec=codec) as swarm:
         for key in [(0, 0), (1, 0), (1, 1), (2, 0)]:
             swarm.start(*key)
         other = cli("peer", "--config", str(swarm.path), "--stage", "1", "--initial-peer", swarm.maddr,
@@ -41,6 +45,8 @@ def test_replicas_on_other_cpu_kernels_take_every_step_without_a_resync(tmp_path
             assert res["averaging"].get("resyncs", 0) == 0, res["averaging"]
         for key, proc in swarm.procs.items():
             assert "is redone" not in proc.output, (key, proc.output[-3000:])
+        for stage in (0, 2):  # MAPL+VQ: the replicas' full slices of a version are the same to rounding
+            assert not swarm.result(stage, 0)["codebooks"].get("rejected"), swarm.result(stage, 0)["codebooks"]
         # the kernels did round differently: the replicas' final parameters differ, and only in rounding
         ours, theirs = (checkpoint.load_stage(replica_out_dir(swarm.out, r), STEPS, 1)["modules"] for r in (0, 2))
         floats = [k for k, v in ours.items() if v.is_floating_point()]

@@ -141,6 +141,26 @@ def test_a_resync_changes_no_codebook_and_no_code_of_the_stream(order):
     assert fresh.digest() == asked.digest()
 
 
+def test_a_full_slice_of_the_receivers_version_and_codebooks_to_rounding_is_the_same_slice():
+    """Replicas upstream each send their full slice of a version (SPEC §9.10 item 12); on other
+    kernels they learned it to other last bits. A full slice at the receiver's version whose codes
+    are its codebooks within rounding is ignored, not applied nor rejected; one that differs more
+    is a stale slice."""
+    s = _settings()
+    tx, rx = _pair(s)
+    gen = torch.Generator().manual_seed(6)
+    tx.encode(torch.randn(1, 64, 8, generator=gen), learn=True)
+    for sl in tx.take_slices():
+        rx.apply(sl)
+    held, v = rx.codebooks.clone(), rx.version
+    rounded = held * (1 + 6e-8 * torch.randn(held.shape, generator=gen))
+    assert not torch.equal(rounded, held)
+    assert rx.apply(CodebookSlice("act", v, 0, True, rounded)) == "ignore" and torch.equal(rx.codebooks, held)
+    with pytest.raises(StaleSlice):
+        rx.apply(CodebookSlice("act", v, 0, True, held + 1e-2))
+    assert torch.equal(rx.codebooks, held) and rx.version == v
+
+
 def test_bad_slices_are_rejected_by_name_and_never_corrupt_the_codebooks():
     s = _settings()
     tx, rx = _pair(s)
