@@ -42,21 +42,29 @@ most one step in this many (a redo costs the step's compute, not a rollback)."""
 @dataclass
 class Credit:
     """Each member's credit of one kind of word (module docstring): ``burst`` at first and at most,
-    one more per ``steps_per_credit`` steps past the furthest one reached."""
+    one more per ``steps_per_credit`` steps past the furthest one reached. ``free_before_progress``:
+    a peer that has not gone past the step it started from spends none (it has nothing to lose)."""
 
     burst: int
     steps_per_credit: int
+    free_before_progress: bool = False
     furthest: int = 0
     """The furthest step this peer reached in any session."""
+    start: int | None = None
+    """The step this peer process started from (its first session's)."""
     _credit: dict[str, tuple[float, int]] = field(default_factory=dict)
     """Member -> (credit, the furthest step when it was last counted)."""
 
     def reached(self, step: int) -> None:
         """This peer reached ``step`` (it may have rolled back since)."""
+        if self.start is None:
+            self.start = step
         self.furthest = max(self.furthest, step)
 
     def spend(self, member: str) -> bool:
         """``member`` says it: True when it had credit left (one is spent), False when not."""
+        if self.free_before_progress and self.furthest == self.start:
+            return True
         credit, at = self._credit.get(member, (float(self.burst), self.furthest))
         credit = min(float(self.burst), credit + (self.furthest - at) / max(1, self.steps_per_credit))
         if credit < 1.0:
@@ -81,10 +89,13 @@ class Credits:
     @classmethod
     def of(cls, cfg: TrainConfig) -> Credits:
         """Re-forms: 3, one back per checkpoint interval of new progress (a re-form rolls back at most
-        that far; :data:`STEPS_PER_REFORM` without periodic checkpoints). Redos: the redos one step
+        that far; :data:`STEPS_PER_REFORM` without periodic checkpoints), none spent while this
+        process has not trained past its first step (a replacement joining a swarm that re-forms
+        around it loses nothing, and excluding the teller would leave it waiting for good). Redos: the redos one step
         may take (``max(3, sum(replicas.initial))``, a fault's worth), one back per
         :data:`REDO_STEPS_PER_CREDIT` steps."""
-        return cls(reforms=Credit(REFORM_BURST, cfg.checkpoint.interval_steps or STEPS_PER_REFORM),
+        return cls(reforms=Credit(REFORM_BURST, cfg.checkpoint.interval_steps or STEPS_PER_REFORM,
+                                  free_before_progress=True),
                    redos=Credit(max(3, sum(cfg.replicas.initial)), REDO_STEPS_PER_CREDIT))
 
     def reached(self, step: int) -> None:

@@ -179,3 +179,18 @@ def test_a_member_that_keeps_redoing_steps_runs_out_of_credit_and_is_excluded(tm
         redo(epoch, by=other, via=other)
         redo(epoch, by=maker, via=other)
     assert passed == [1, 2, 3, 6, *range(7, 17)] and len(excluded) == 1
+
+
+def test_a_peer_that_has_not_trained_past_its_start_spends_no_re_form_credit():
+    """A replacement joining a swarm that re-forms around it (each of its paused sessions a
+    departure the others re-form for) has nothing to lose: the re-forms it is told of cost its
+    tellers no credit until it trains past the step it started from; excluding them there left it
+    waiting for good (seen under load in the operator-faults test)."""
+    from mapl_swarm.config import config_from_dict
+    from mapl_swarm.peer.credits import REFORM_BURST, Credits
+
+    reforms = Credits.of(config_from_dict({})).reforms
+    reforms.reached(6)  # a resumed session's first step
+    assert all(reforms.spend("stage 0") for _ in range(3 * REFORM_BURST))
+    reforms.reached(7)  # trained a step: re-forms roll back its work from now on
+    assert [reforms.spend("stage 0") for _ in range(REFORM_BURST + 1)] == [True] * REFORM_BURST + [False]
