@@ -24,9 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests" / "integration"), str(ROOT / "tests")]
 
-from swarm_helpers import ReplicaSwarm, Watched, cli  # noqa: E402 - the tests' real-process swarm
-
-from mapl_swarm.launch import replica_out_dir  # noqa: E402
+from swarm_helpers import ReplicaSwarm  # noqa: E402 - the tests' real-process swarm
 
 
 def main() -> int:
@@ -42,9 +40,7 @@ def main() -> int:
                          initial=(1, R, 1)) as swarm:
         for key in [(0, 0), *[(1, r) for r in range(R - 1)], (2, 0)]:
             swarm.start(*key)
-        other = ["peer", "--config", str(swarm.path), "--stage", "1", "--initial-peer", swarm.maddr,
-                 *swarm.local.args(1, R - 1), "--set", f"run.out_dir={json.dumps(str(replica_out_dir(swarm.out, R - 1)))}"]
-        swarm.procs[1, R - 1] = Watched(cli(*other), env=dict(os.environ, ATEN_CPU_CAPABILITY=args.capability))
+        swarm.start(1, R - 1, env=dict(os.environ, ATEN_CPU_CAPABILITY=args.capability))
         codes = {f"{s}.{r}": p.proc.wait(3600) for (s, r), p in swarm.procs.items()}
         replicas = []
         for r in range(R):

@@ -290,15 +290,16 @@ class ReplicaSwarm:
         self.procs: dict[tuple[int, int], Watched] = {}
         self.dht, self.maddr = start_dht(self.path)
 
-    def start(self, stage: int, r: int, *more: str, pick: bool = False) -> Watched:
-        """Replica ``r`` of ``stage`` (``pick``: started without ``--stage``), in its own run folder."""
+    def start(self, stage: int, r: int, *more: str, pick: bool = False, env: dict[str, str] | None = None) -> Watched:
+        """Replica ``r`` of ``stage`` (``pick``: started without ``--stage``; ``env``: its environment),
+        in its own run folder."""
         from mapl_swarm.launch import replica_out_dir
 
         args = ["peer", "--config", str(self.path), *([] if pick else ["--stage", str(stage)]), "--initial-peer",
                 self.maddr, *self.local.args(stage, r), *more]
         if r:
             args += ["--set", f"run.out_dir={json.dumps(str(replica_out_dir(self.out, r)))}"]
-        self.procs[stage, r] = Watched(cli(*args))
+        self.procs[stage, r] = Watched(cli(*args), **({"env": env} if env is not None else {}))
         return self.procs[stage, r]
 
     def result(self, stage: int, r: int) -> dict:

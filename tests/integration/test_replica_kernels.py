@@ -12,7 +12,6 @@ step; before the rounding allowance the neighbours counted every other replica's
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -21,7 +20,7 @@ import torch
 from mapl_swarm.launch import replica_out_dir
 from mapl_swarm.pipeline import checkpoint
 
-from swarm_helpers import ReplicaSwarm, Watched, cli
+from swarm_helpers import ReplicaSwarm
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 
@@ -34,9 +33,7 @@ def test_replicas_on_other_cpu_kernels_take_every_step_without_a_resync(tmp_path
                       codec=codec) as swarm:
         for key in [(0, 0), (1, 0), (1, 1), (2, 0)]:
             swarm.start(*key)
-        other = cli("peer", "--config", str(swarm.path), "--stage", "1", "--initial-peer", swarm.maddr,
-                    *swarm.local.args(1, 2), "--set", f"run.out_dir={json.dumps(str(replica_out_dir(swarm.out, 2)))}")
-        swarm.procs[1, 2] = Watched(other, env=dict(os.environ, ATEN_CPU_CAPABILITY="default"))
+        swarm.start(1, 2, env=dict(os.environ, ATEN_CPU_CAPABILITY="default"))
         codes = {key: p.proc.wait(360) for key, p in swarm.procs.items()}
         assert all(code == 0 for code in codes.values()), {k: p.output[-3000:] for k, p in swarm.procs.items()}
         for r in range(3):
