@@ -1,12 +1,18 @@
-"""A dishonest replica for benchmarks: ``mapl-swarm`` whose gradient share is scaled before each round.
+"""A dishonest replica for benchmarks and tests: ``mapl-swarm`` whose gradient share is altered before each round.
 
-    python bench/dishonest_replica.py SCALE peer --config ... --stage K ...
+    python bench/dishonest_replica.py ATTACK peer --config ... --stage K ...
 
 Runs the real peer (``python -m mapl_swarm`` with the remaining arguments) with one change, as a
 certified member running modified code would: before each averaging round its accumulated
-gradients are multiplied by SCALE (−10: a share scaled by −10; −1: a sign flip). Everything it
-sends is well-formed; only its share is wrong. For ``bench/robust_attack.py``; never a peer of a
-real run.
+gradients (each tensor g) are altered by ATTACK:
+
+- a number S: g × S (−10: a share scaled by −10; −1: a sign flip);
+- ``sign``: g × −1;
+- ``noise``: g replaced by Gaussian noise of g's norm;
+- ``bias``: g + 0.1 ‖g‖ u, u a fixed unit direction per tensor (a 10% bias toward it).
+
+Everything it sends is well-formed; only its share is wrong. For ``bench/robust_attack.py``,
+``bench/checking.py`` and the slow tests; never a peer of a real run.
 """
 
 from __future__ import annotations
@@ -17,16 +23,42 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+def alter(attack: str):
+    """The change ATTACK makes to one gradient tensor (in place)."""
+    import torch
+
+    directions: dict[int, torch.Tensor] = {}
+
+    def bias(i: int, g: torch.Tensor) -> None:
+        if i not in directions:
+            u = torch.randn(g.shape, generator=torch.Generator().manual_seed(1000 + i)).to(g.device, g.dtype)
+            directions[i] = u / u.norm()
+        g.add_(directions[i], alpha=0.1 * float(g.norm()))
+
+    def noise(_i: int, g: torch.Tensor) -> None:
+        n = torch.randn_like(g)
+        g.copy_(n * (g.norm() / n.norm().clamp_min(1e-30)))
+
+    if attack == "sign":
+        return lambda _i, g: g.mul_(-1.0)
+    if attack == "noise":
+        return noise
+    if attack == "bias":
+        return bias
+    scale = float(attack)
+    return lambda _i, g: g.mul_(scale)
+
+
 def main() -> None:
-    scale = float(sys.argv[1])
+    change = alter(sys.argv[1])
     from mapl_swarm.replicas.gradients import ReplicaGradients
 
     honest = ReplicaGradients.average
 
     def average(self, micro, **kwargs):
-        for p in self.params:
+        for i, p in enumerate(self.params):
             if p.grad is not None:
-                p.grad.mul_(scale)
+                change(i, p.grad)
         return honest(self, micro, **kwargs)
 
     ReplicaGradients.average = average

@@ -263,6 +263,15 @@ class ReplicasConfig:
     or the coordinate-wise trimmed mean (each coordinate's largest and smallest dropped: with one
     dishonest replica every coordinate stays within the honest shares' range). See
     ``mapl_swarm.replicas.robust``. Every replica of a stage must agree (the config fingerprint)."""
+    check_fraction: float = 0.0
+    """How often a replica's work is checked (0: never): after each step, each replica's gradient
+    share of the step is drawn with this probability (from nonces the replicas revealed only after
+    the shares were sent), and every other replica of the stage recomputes it from the inputs the
+    replica took (its ACTs and GRADs) and compares it with its own part of the all-reduce. A share
+    that a majority of the stage's replicas find wrong excludes its replica (SPEC §9.10 item 16).
+    About this fraction of every replica's compute, times the replicas of its stage less one, is
+    spent on checking. Needs a codec without streamed codebooks (a checker cannot rebuild another
+    replica's mid-step codebooks)."""
 
     def __post_init__(self) -> None:
         _check_choices(self)
@@ -276,6 +285,8 @@ class ReplicasConfig:
         _check(math.isfinite(self.averaging_timeout_s) and self.averaging_timeout_s > self.matchmaking_s,
                f"replicas.averaging_timeout_s ({self.averaging_timeout_s}) must exceed replicas.matchmaking_s "
                f"({self.matchmaking_s})")
+        _check(0.0 <= self.check_fraction <= 1.0,
+               f"replicas.check_fraction must be a number within 0..1 (0: off), got {self.check_fraction!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -318,6 +329,9 @@ class TrainConfig:
                f"replicas.enabled with compression.codec = {c.codec!r} needs compression.vq.update = 'step' (the "
                f"replicas of a stage then learn the same codebooks from the step's averaged statistics), got "
                f"{c.vq.update!r}")
+        _check(not (r.check_fraction and codec_info(c.codec).quantized),
+               f"replicas.check_fraction with compression.codec = {c.codec!r}: a checker cannot rebuild another "
+               f"replica's streamed codebooks; use a codec without VQ or check_fraction = 0")
 
     def check_stage(self, stage: int) -> None:
         """A peer's ``--stage``: ConfigError unless the pipeline has it."""

@@ -73,6 +73,8 @@ class Control:
         self.result, self.clock, self.replica_resume = result, clock, replica_resume
         self.credits, self.step = credits, step
         """Each member's credit of re-forms and redos (:mod:`~.credits`, the process's), and this session's step."""
+        self._exclusions: dict[str, set[str]] = {}
+        """Each named replica's contact -> the links of its stage that said ROUTE ``exclude`` of it."""
         self._redo_makers: dict[tuple[int, int], list[str]] = {}
         """(step, run epoch) of each recent redo -> the members that decided it (:meth:`_corroborate`)."""
         self.replicas = cfg.replicas.enabled
@@ -153,6 +155,9 @@ class Control:
         run, its maker signed it, and one the schedule would carry out only when its maker has redos'
         credit left (SPEC §9.10 item 10): passed on by every stage, it costs the whole swarm the step."""
         identity = link.settings.identity
+        if msg.meta.get("phase") == "exclude":
+            self._on_exclude(msg, link)
+            return
         if msg.meta.get("phase") == "redo" and identity is not None:
             try:
                 maker = identity.verify_redo(dict(msg.meta), epoch=msg.epoch, step=msg.step)
@@ -166,6 +171,29 @@ class Control:
                 return
             self._corroborate((msg.step, msg.epoch), member)
         await self.schedule.on_control(msg, link)
+
+    def _on_exclude(self, msg: Message, link: PeerLink) -> None:
+        """ROUTE ``exclude`` (SPEC §9.10 item 16): the rounds of ``link``'s stage found the work of the
+        replicas it names wrong, and ``link``'s replica is among those that found so. A named
+        replica is cut off and refused (as its certificate were revoked) once more than half of this
+        peer's live links to that stage said so: one dishonest replica cannot have a partner cut
+        off, and the word of a stage's majority needs no proof a neighbour could check."""
+        live = [other for other in self.links.of_stage(link.stage) if other.welcomed]
+        for contact in msg.meta["gone"]:
+            target = self.links.by_contact(link.stage, contact) if self.peer.started else None
+            if target is None or target is link or target not in live:
+                self.rejects("implausible", link.name, f"ROUTE exclude naming {contact!r:.80}, which is "
+                             f"{'the sender itself' if target is link else 'no live partner of the sender here'}")
+                continue
+            votes = self._exclusions.setdefault(contact, set())
+            votes.add(link.name)
+            log.warning("%s: %s says its stage's replicas found the work of %s wrong (%d of the %d live replicas of "
+                        "stage %d say so)", self.peer.name, link.name, target.name, len(votes), len(live), link.stage)
+            if 2 * len(votes) > len(live):
+                cert = target.peer_certificate
+                self.peer.exclude(target, f"{len(votes)} of the {len(live)} replicas of stage {link.stage} found its "
+                                          f"gradient share not its work (SPEC §9.10 item 16)"
+                                          + (f"; revoke certificate serial {cert.serial}" if cert is not None else ""))
 
     def _corroborate(self, redo: tuple[int, int], member: str) -> None:
         """``member`` decided the redo ``redo`` (step, run epoch) too. Replicas of a stage that read

@@ -520,6 +520,10 @@ class Schedule:
             core.answer(intent, round_)
             return
         self._count(sent_bytes=round_.sent_bytes, received_bytes=round_.received_bytes)
+        for _peer, contact, _step, _accusers in replicas.take_excluded():
+            for link in list(self.links):  # SPEC §9.10 item 16: the neighbours cut it off on most partners' word
+                if contact and link.welcomed and link.contact is not None:
+                    await self._do(do.SendRoute(link.name, intent.token.step, "exclude", gone=(contact,)))
         core.answer(intent, round_)
         if core.rounds.round is round_:  # whole: the step's round (one that is retried, repaired or redone is not)
             self._count(rounds=1)

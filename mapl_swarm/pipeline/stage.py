@@ -53,7 +53,13 @@ from mapl_swarm.pipeline.probe import BoundaryProbe
 
 log = logging.getLogger(__name__)
 
-__all__ = ["StageRuntime", "ForwardResult", "loss_values", "mean_loss", "check_finite"]
+__all__ = ["StageRuntime", "ForwardResult", "loss_values", "mean_loss", "check_finite", "KEPT_STEPS"]
+
+KEPT_STEPS = 6
+"""Steps whose inputs a recording stage keeps: a step's share is drawn for checking in the next
+round, and its checkers ask for the inputs while this replica serves the steps after that (a
+checker that comes later gives no verdict: it cannot tell a member that kept nothing from one
+that withholds)."""
 
 
 @dataclass
@@ -126,6 +132,14 @@ class StageRuntime:
         """Last stage: the current step's training losses (on the device), checked by :meth:`step`."""
         self.probe = BoundaryProbe(cfg.metrics.health_interval_steps)
         """Compression health metrics (metrics.health_interval_steps); see :mod:`.probe`."""
+        self.recording = cfg.replicas.check_fraction > 0
+        """Keep each train micro-batch's inputs (replicas that check each other's work, SPEC §9.10
+        item 16): a partner recomputes this replica's gradient share of a step from them."""
+        self._inputs: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
+        self.kept_inputs: dict[int, dict[int, dict[str, dict[str, torch.Tensor]]]] = {}
+        """With :attr:`recording`: the inputs of the last :data:`KEPT_STEPS` steps taken, by step,
+        then micro-batch: ``"fwd"`` (stage 0: ``{"ids": ...}``, else the ACT payload) and ``"bwd"``
+        (the GRAD payload; none on the last stage)."""
 
     @property
     def vq(self) -> StageVQ | None:
@@ -165,6 +179,8 @@ class StageRuntime:
                 raise ValueError(f"stage {self.stage} needs an ACT payload")
             host_ids = payload["ids"]  # (B, T+1) wire dtype, on the CPU (pinned on CUDA peers)
         # the device copy computes; the host ids go on to the next stage (no device round trip)
+        if train and self.recording:
+            self._inputs[micro] = {"fwd": {"ids": ids} if self.is_first else dict(payload)}
         all_ids = host_ids.to(self.device, non_blocking=True).long()
         tokens_in = all_ids[:, :-1]  # (B, T) inputs; labels are all_ids[:, 1:]
         probe_due = self.probe.due(self.step_count, micro, train)
@@ -218,6 +234,8 @@ class StageRuntime:
             if grad.shape != out.shape:
                 raise ValueError(f"GRAD shape {tuple(grad.shape)} != activation shape {tuple(out.shape)}")
         del self._saved[micro]
+        if self.recording and payload is not None and micro in self._inputs:
+            self._inputs[micro]["bwd"] = dict(payload)
         b = self.inbound
         split = origin is not None and b is not None and b.trainable
         before = b.projector.grad if split else None
@@ -305,6 +323,7 @@ class StageRuntime:
         self._saved.clear()
         self._origin_grads.clear()
         self._step_losses.clear()
+        self._inputs = {}
         for p in [*self.modules.parameters(), *self.optimized_parameters()]:
             p.grad = None
         self.codec.abandon_step()
@@ -335,6 +354,10 @@ class StageRuntime:
             self.outbound.version += 1
         self.codec.after_step()
         metrics.update(self.codec.step_metrics())
+        if self.recording:
+            self.kept_inputs[self.step_count], self._inputs = self._inputs, {}
+            for old in sorted(self.kept_inputs)[:-KEPT_STEPS]:
+                del self.kept_inputs[old]
         self.step_count += 1
         return metrics
 

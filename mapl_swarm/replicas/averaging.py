@@ -52,7 +52,7 @@ from hivemind.utils.streaming import combine_from_streaming
 from mapl_swarm.aio import within
 from mapl_swarm.net.discovery import averaging_prefix, member_keys
 from mapl_swarm.procs import set_parent_death_signal, watch_parent
-from mapl_swarm.replicas import kept_round
+from mapl_swarm.replicas import kept_round, work
 from mapl_swarm.replicas.exact_allreduce import ExactAllReduceRunner
 from mapl_swarm.replicas.state import StateMismatch, flatten_state, restore_like
 
@@ -60,8 +60,8 @@ __all__ = ["StageAverager", "REFUSALS", "MEMBERS_CACHE_S", "GATHER_ONLY", "Usabl
 
 logger = logging.getLogger(__name__)
 
-REFUSALS = ("join_group", "aggregate_part", "download_state", "kept_round", "group")
-"""What a stage averager refuses to a non-member: its four RPCs, and a group assembled with one."""
+REFUSALS = ("join_group", "aggregate_part", "download_state", "kept_round", "work_inputs", "group")
+"""What a stage averager refuses to a non-member: its five RPCs, and a group assembled with one."""
 STATE_KEY = "mapl_stage_state"
 """The metadata key of a stage state in a download (hivemind's own metadata is a dict too)."""
 GATHER_ONLY = "gather_only"
@@ -103,7 +103,7 @@ class StageAverager(DecentralizedAverager):
 
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: Any, *, run_id: str, stage: int,
                  replicas: int, aggregation: str = "mean", state: Callable[[], Any] | None = None,
-                 usable: Usable | None = None,
+                 usable: Usable | None = None, inputs: work.InputsOf | None = None,
                  min_matchmaking_time: float = 2.0, request_timeout: float = 1.0, declare_state_period: float = 10.0,
                  next_chunk_timeout: float = PART_TIMEOUT_S, **kwargs: Any) -> None:
         if replicas < 2:
@@ -114,6 +114,13 @@ class StageAverager(DecentralizedAverager):
         self._state = state
         """What a joining replica downloads: the stage's state, read in this (the host) process."""
         self._usable = usable
+        self._checking = inputs is not None
+        """Replicas check each other's work (:mod:`.work`): this member keeps the parts it reduced
+        of its partners' shares for :data:`work.KEPT_ROUNDS` rounds and serves its inputs."""
+        self._kept_parts: dict[tuple[int, int], work.KeptParts] = {}  # the averager process's
+        self._excluded: set[PeerID] = set()  # the averager process's: members whose work failed
+        self._round_key: tuple[int, int] | None = None
+        self._work_pipe = work.serve_inputs(inputs) if inputs is not None else None
         self._members_key = member_keys(run_id, stage)[1]
         self._members: frozenset[PeerID] = frozenset()
         self._members_read = -float("inf")
@@ -223,8 +230,18 @@ class StageAverager(DecentralizedAverager):
             self._members_read = time.monotonic()
         return self._members
 
+    def exclude(self, peer: str) -> None:
+        """Refuse member ``peer`` (peer id as text) from now on, as a non-member: the stage's rounds
+        found its work wrong (:mod:`.work`)."""
+        self._outer_pipe.send(("_exclude", [peer], {}))
+
+    async def _exclude(self, peer: str) -> None:
+        self._excluded.add(PeerID.from_base58(peer))
+
     async def _is_member(self, peer: PeerID, rpc: str) -> bool:
-        if peer == self.peer_id or peer in await self.members() or peer in await self.members(fresh=True):
+        if peer != self.peer_id and peer in self._excluded:
+            pass  # refused below, as a stranger
+        elif peer == self.peer_id or peer in await self.members() or peer in await self.members(fresh=True):
             return True
         with self._refusals.get_lock():
             self._refusals[REFUSALS.index(rpc)] += 1
@@ -324,6 +341,8 @@ class StageAverager(DecentralizedAverager):
             # every member reads the same gathered data, so all of them skip the all-reduce alike
             self._running_groups[group_info.group_id].cancel()  # no runner: no part is sent or awaited
             return gathered
+        mine = gathered.get(self.peer_id)
+        self._round_key = work.round_key(mine) if self._checking else None
         try:
             return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         except MatchmakingException as exc:
@@ -341,9 +360,11 @@ class StageAverager(DecentralizedAverager):
         """hivemind's, with :class:`~.exact_allreduce.ExactAllReduceRunner`: every replica of the
         group ends with the same bytes (hivemind's adds a difference back, which rounds)."""
         group_id = group_info.group_id if group_id is None else group_id
+        key, self._round_key = self._round_key, None
         runner = ExactAllReduceRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
                                       group_id=group_id, ordered_peer_ids=group_info.peer_ids,
-                                      traffic=self._traffic, aggregation=self.aggregation, **kwargs)
+                                      traffic=self._traffic, aggregation=self.aggregation,
+                                      keep_parts=key is not None, **kwargs)
         self._running_groups[group_id].set_result(runner)
         self._outcomes.began(group_id, group_info.peer_ids)
         try:
@@ -356,6 +377,10 @@ class StageAverager(DecentralizedAverager):
             self._outcomes.ended(group_id, kept=False)
             raise
         self._outcomes.ended(group_id, kept=True, fill=self._fills.value)
+        if key is not None and runner.kept_parts is not None:
+            self._kept_parts[key] = runner.kept_parts
+            for old in sorted(self._kept_parts)[:-work.KEPT_ROUNDS]:
+                del self._kept_parts[old]
 
     def _check_whole(self, runner: ExactAllReduceRunner, tensors: Sequence[torch.Tensor]) -> None:
         """Raise :class:`AllreduceException` unless ``runner`` left ``tensors`` the group's average.
@@ -384,6 +409,63 @@ class StageAverager(DecentralizedAverager):
                 await within(self._state_updated.wait(), period)
             except TimeoutError:
                 pass
+
+    # ------------------------------------------------------------------ checking a partner's work (:mod:`.work`)
+    async def rpc_work_inputs(self, request: averaging_pb2.AveragingData,
+                              context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """A partner checking this member's share of a step asks for the inputs it took in that step
+        (``request.group_id``: :func:`work.request`); none kept: an empty answer."""
+        if self._work_pipe is None or not await self._is_member(context.remote_id, "work_inputs"):
+            return
+        asked = work.read_request(request.group_id)
+        if asked is None:
+            return
+        future = MPFuture()
+        self._work_pipe.send((*asked, future))
+        try:
+            got = await within(future, self.next_chunk_timeout or 20.0)
+        except Exception as exc:
+            logger.warning("stage %d: the host kept no inputs for step %s: %r", self.stage, asked, exc)
+            return
+        if got is None:
+            return
+        metadata, tensors = got
+        for message in work.answer(self.serializer.dumps(metadata), tensors):
+            yield message
+
+    def fetch_inputs(self, peer: str, step: int, epoch: int, *, timeout: float) -> tuple[Any, list[torch.Tensor]] | None:
+        """The inputs member ``peer`` (its peer id as text) took in ``step`` of run epoch ``epoch``, as it
+        answers (metadata, tensors); None when it answered none. Raises :class:`ConnectionError`
+        when no answer came within ``timeout`` s (the member, or the way to it, failed)."""
+        future = MPFuture()
+        self._outer_pipe.send(("_fetch_inputs", [], dict(peer=peer, step=step, epoch=epoch, timeout=timeout,
+                                                         future=future)))
+        return future.result(timeout=timeout + 5.0)
+
+    async def _fetch_inputs(self, peer: str, step: int, epoch: int, timeout: float, future: MPFuture) -> None:
+        try:
+            stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
+            stream = await stub.rpc_work_inputs(averaging_pb2.AveragingData(group_id=work.request(step, epoch)))
+            future.set_result(await within(work.receive(stream, self.serializer,
+                                                         self.next_chunk_timeout or timeout), timeout))
+        except Exception as exc:
+            if not future.done():
+                future.set_exception(ConnectionError(f"no answer from {peer}: {type(exc).__name__}: {exc}"))
+
+    def compare_share(self, peer: str, step: int, epoch: int, recomputed: torch.Tensor,
+                      skip: Sequence[tuple[int, int]] = (), *, timeout: float = 30.0) -> work.Comparison | None:
+        """How member ``peer``'s share in the round of ``step`` and ``epoch``, in the part this member
+        reduced, differs from ``recomputed`` (the whole flat vector; ``skip``: ranges not compared);
+        None when this member kept no part of it."""
+        future = MPFuture()
+        self._outer_pipe.send(("_compare_share", [], dict(peer=peer, key=(step, epoch), recomputed=recomputed,
+                                                          skip=tuple(skip), future=future)))
+        return future.result(timeout=timeout)
+
+    async def _compare_share(self, peer: str, key: tuple[int, int], recomputed: torch.Tensor,
+                             skip: Sequence[tuple[int, int]], future: MPFuture) -> None:
+        kept = self._kept_parts.get(tuple(key))
+        future.set_result(None if kept is None else kept.compare(peer, recomputed, skip))
 
     # ------------------------------------------------------------------ state download (a joining replica)
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Any]:

@@ -28,6 +28,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
 from mapl_swarm.replicas.robust import AGGREGATES
+from mapl_swarm.replicas.work import KeptParts
 
 __all__ = ["ExactAllReduceRunner"]
 
@@ -80,8 +81,17 @@ class ExactAllReduceRunner(AllReduceRunner):
     other than ``"mean"``: each part's reducer returns that robust aggregate (:class:`RobustPartReducer`,
     :data:`~.robust.AGGREGATES`) instead."""
 
-    def __init__(self, *args: Any, traffic: Any = None, aggregation: str = "mean", **kwargs: Any) -> None:
+    def __init__(self, *args: Any, traffic: Any = None, aggregation: str = "mean", keep_parts: bool = False,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.kept_parts: KeptParts | None = None
+        """With ``keep_parts``: every other sender's values of the part this peer reduces, as they
+        came (partners check a share against them, :mod:`.work`)."""
+        if keep_parts:
+            me = self.ordered_peer_ids.index(self.peer_id)
+            parts = self.tensor_part_container._input_parts_by_peer  # hivemind 1.1.12's split, contiguous by peer
+            start = sum(int(part.numel()) for peer in parts[:me] for part, _ in peer)
+            self.kept_parts = KeptParts(start, {})
         if aggregation != "mean":
             reducer = self.tensor_part_reducer
             self.tensor_part_reducer = RobustPartReducer(reducer.part_shapes, reducer.num_senders,
@@ -149,6 +159,9 @@ class ExactAllReduceRunner(AllReduceRunner):
 
             async for tensor_part, weight, part_compression in amap_in_executor(
                     deserialize, stream, max_prefetch=self.tensor_part_container.prefetch):
+                if self.kept_parts is not None:
+                    self.kept_parts.shares.setdefault(self.sender_peer_ids[sender_index].to_base58(),
+                                                      []).append(tensor_part)
                 try:
                     averaged_part = await self.tensor_part_reducer.accumulate_part(
                         sender_index, part_index, tensor_part, weight=weight)

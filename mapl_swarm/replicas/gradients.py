@@ -34,6 +34,7 @@ checks that they hold the same parameters.
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import threading
 from collections.abc import Callable, Sequence
@@ -44,13 +45,17 @@ import torch
 
 from mapl_swarm.errors import MaplError
 from mapl_swarm.replicas.averaging import GATHER_ONLY, StageAverager
+from mapl_swarm.replicas.checker import Check, ShareChecker
 from mapl_swarm.replicas.errors import AveragingFailed, Behind, RoundCancelled
 from mapl_swarm.replicas.state import state_summary
+from mapl_swarm.step.checking import Accusations, drawn
 from mapl_swarm.step.rounds import (NONCE_BYTES, RESUME_STEP, SYNC_STEP, ReplicaStep, commitment, read_round,
                                     round_counts)
 
 __all__ = ["ReplicaGradients", "ReplicaStep", "read_round", "round_counts", "AveragingFailed", "Behind",
            "RoundCancelled", "SYNC_STEP", "RESUME_STEP"]
+
+log = logging.getLogger(__name__)
 
 FIND_GROUP_S = 5.0
 """Least seconds one attempt of a round looks for its group (three matchmakings when longer): a
@@ -79,11 +84,26 @@ class ReplicaGradients:
         """The codec's step statistics (MAPL+VQ ``update = step``), averaged like the gradients."""
         buffers = [torch.zeros(t.shape, dtype=torch.float32) for t in [*self.params, *self.stats]]  # contiguous
         self._served: Callable[[], Any] = lambda: self.runtime.state_dict()
+        self.check_fraction = runtime.cfg.replicas.check_fraction
+        self.checker = ShareChecker(runtime, partial(type(runtime), runtime.cfg, runtime.stage, runtime.device)) \
+            if self.check_fraction > 0 else None
+        """Checks the partners' shares (SPEC §9.10 item 16; ``replicas.check_fraction`` above 0)."""
+        self.accusations = Accusations()
+        self._checked: ReplicaStep | None = None
+        """The last round whose all-reduce ran and whose shares are not drawn yet."""
+        self.excluded: list[tuple[str, str, int, frozenset[str]]] = []
+        """(peer id, contact, step, accusers) of each member the stage's rounds excluded, in order
+        (:meth:`take_excluded`)."""
+        self._told = 0
         self.averager = StageAverager(buffers, dht, run_id=run_id, stage=runtime.stage, replicas=replicas,
                                       aggregation=runtime.cfg.replicas.aggregation, state=lambda: self._served(),
                                       start=True,
                                       usable=partial(round_counts, runtime.cfg.pipeline.num_micro_batches),
+                                      inputs=(lambda step, epoch: self.checker.inputs_of(step, epoch))
+                                      if self.checker is not None else None,
                                       **averager_kwargs)
+        if self.checker is not None:
+            self.checker.averager = self.averager
         self.me = str(self.averager.peer_id)
         self._nonce = secrets.token_bytes(NONCE_BYTES)
         """Committed to in the rounds until one goes to the core (:meth:`_delivered`)."""
@@ -101,6 +121,8 @@ class ReplicaGradients:
         if [p.shape for p in [*params, *stats]] != [p.shape for p in [*self.params, *self.stats]]:
             raise ValueError(f"stage {runtime.stage}: another runtime's parameters")
         self.runtime, self.params, self.stats = runtime, params, stats
+        if self.checker is not None:
+            self.checker.runtime = runtime
 
     def serve(self, state: Callable[[], Any]) -> None:
         """What a joining replica downloads from this one from now on: ``state()`` (read in a thread
@@ -235,13 +257,43 @@ class ReplicaGradients:
         return {"digest": digest, "frame": frame, "sketch": sketch, "micro": [int(m) for m in micro],
                 "loss": float(loss_sum), "epoch": int(epoch), "contact": contact, "step": int(step),
                 "expected": int(expected), "commit": commitment(self._nonce), **reveal,
+                **({"audit": self.checker.gathered()} if self.checker is not None else {}),
                 **{k: True for k, on in (("leave", leave), ("going", going), ("drain", drain)) if on}}
 
-    def _delivered(self, round_: ReplicaStep) -> ReplicaStep:
+    def _delivered(self, round_: ReplicaStep, *, reduced: bool = False) -> ReplicaStep:
         """``round_`` goes to the step core: its nonce is revealed in the next round, which commits
-        to a fresh one (a failed attempt's commitment is the same nonce's)."""
+        to a fresh one (a failed attempt's commitment is the same nonce's). ``reduced``: its
+        all-reduce ran (its shares may be drawn for checking in the next round)."""
         self._revealed, self._nonce = self._nonce, secrets.token_bytes(NONCE_BYTES)
+        self._check(round_, reduced)
         return round_
+
+    def _check(self, round_: ReplicaStep, reduced: bool) -> None:
+        """What ``round_`` decides of SPEC §9.10 item 16: the shares of the last round whose
+        all-reduce ran (its members reveal their nonces of it here) that are drawn for checking,
+        queued to :attr:`checker`, and the members its verdicts exclude (:attr:`on_excluded`)."""
+        prior, self._checked = self._checked, round_ if reduced else None
+        if round_.steps.get(self.me, SYNC_STEP) < 0:
+            return
+        if self.checker is not None:
+            self.checker.delivered()
+            for peer in drawn(prior, round_, self.check_fraction) if prior is not None else ():
+                if peer != self.me:
+                    self.checker.queue(Check(peer, prior.contacts.get(peer, ""), prior.steps[peer],
+                                             prior.epochs[peer], prior.micro[peer]))
+        for peer, step, accusers in self.accusations.add(round_):
+            self.averager.exclude(peer)
+            contact = round_.contacts.get(peer, "")
+            self.excluded.append((peer, contact, step, accusers))
+            log.error("stage %d: replica %s (peer id %s) is excluded: %d of the round's %d replicas found its gradient "
+                      "share of step %d not its work (SPEC §9.10 item 16); its partners refuse it and tell the "
+                      "neighbour stages. Its certificate can be revoked (mapl-swarm keys revoke)",
+                      self.runtime.stage, contact or "?", peer, len(accusers), round_.group_size, step)
+
+    def take_excluded(self) -> list[tuple[str, str, int, frozenset[str]]]:
+        """The members excluded since the last call."""
+        out, self._told = self.excluded[self._told:], len(self.excluded)
+        return out
 
     def average(self, micro: Sequence[int], *, step: int, timeout: float, loss_sum: float = 0.0, epoch: int = 0,
                 contact: str = "", expected: int = 2, leave: bool = False, going: bool = False,
@@ -285,7 +337,11 @@ class ReplicaGradients:
                 p.grad = buf.to(p.device, p.dtype, copy=True)
             for buf, t in zip(buffers[len(self.params):], stats, strict=True):
                 t.copy_(buf)
-        return self._delivered(round_)
+        if self.checker is not None:
+            self.checker.keep_state(step)
+        return self._delivered(round_, reduced=True)
 
     def shutdown(self) -> None:
+        if self.checker is not None:
+            self.checker.close()
         self.averager.shutdown()

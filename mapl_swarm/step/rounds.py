@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ReplicaStep", "read_round", "round_counts", "SYNC_STEP", "RESUME_STEP", "NONCE_BYTES", "commitment",
+__all__ = ["ReplicaStep", "Verdict", "read_verdicts", "read_round", "round_counts", "SYNC_STEP", "RESUME_STEP", "NONCE_BYTES", "commitment",
            "SKETCH_TOLERANCE"]
 
 SYNC_STEP = -1
@@ -49,6 +49,31 @@ def _nonce(text: Any) -> bytes | None:
         return bytes.fromhex(text)
     except ValueError:
         return None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One checker's finding on one member's share of one step."""
+
+    peer: str
+    step: int
+    ok: bool
+
+    def gathered(self) -> list:
+        return [self.peer, self.step, self.ok]
+
+
+def read_verdicts(value: object) -> tuple[Verdict, ...] | None:
+    """A member's gathered ``audit``, or None when it is not a list of ``[peer, step, ok]``."""
+    if not isinstance(value, list) or len(value) > 64:
+        return None
+    out = []
+    for v in value:
+        if not (isinstance(v, list) and len(v) == 3 and isinstance(v[0], str) and type(v[1]) is int
+                and v[1] >= 0 and isinstance(v[2], bool)):
+            return None
+        out.append(Verdict(v[0], v[1], v[2]))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -95,6 +120,9 @@ class ReplicaStep:
     sketches: dict[str, tuple[float, ...]] = field(default_factory=dict)
     """Each member's state frame and sketch (:func:`~mapl_swarm.replicas.state.state_summary`), where
     it gathered well-formed ones."""
+    verdicts: dict[str, tuple[Verdict, ...]] = field(default_factory=dict)
+    """Each member's findings on its partners' shares (:class:`Verdict`), where it
+    gathered a well-formed ``audit`` (replicas that check each other's work, SPEC §9.10 item 16)."""
 
     @property
     def stops(self) -> bool:
@@ -219,7 +247,8 @@ def read_round(me: str, data: dict[str, Any], sent: int = 0, received: int = 0) 
                        {p: v["commit"] for p, v in data.items() if isinstance(v.get("commit"), str)},
                        {p: n for p, v in data.items() if (n := _nonce(v.get("reveal"))) is not None},
                        {p: v["frame"] for p, v in data.items() if isinstance(v.get("frame"), str)},
-                       {p: tuple(v["sketch"]) for p, v in data.items() if _sketch(v.get("sketch"))})
+                       {p: tuple(v["sketch"]) for p, v in data.items() if _sketch(v.get("sketch"))},
+                       {p: found for p, v in data.items() if (found := read_verdicts(v.get("audit"))) is not None})
 
 
 def round_counts(micro_batches: int, data: dict[str, Any]) -> bool:

@@ -245,7 +245,7 @@ _KIND_TEXT = {
     "map": "a map",
     "metrics": "a map of numbers",
     "phase": "'saved', 'complete', 'offer', 'resume', 'drain_request', 'drain', 'unsaved' or 'abandoned'",
-    "route_phase": "'ready', 'end', 'commit', 'gone', 'redo', 'taken' or 'reopen'",
+    "route_phase": "'ready', 'end', 'commit', 'gone', 'redo', 'taken', 'reopen' or 'exclude'",
     "uint_or_nil": "a non-negative integer or nil",
     "uints": "an array of non-negative integers",
     "have": "a map of arrays of non-negative integers",
@@ -282,7 +282,7 @@ def check_type_rules(mtype: MessageType, meta: Mapping[str, Any], dtypes: Iterab
         _check_checkpoint(meta)
     if mtype is MessageType.ROUTE and meta["phase"] == "end" and "acts" not in meta:
         raise InvalidMessage("ROUTE end needs acts")
-    if mtype is MessageType.ROUTE and meta["phase"] in ("gone", "redo") and "gone" not in meta:
+    if mtype is MessageType.ROUTE and meta["phase"] in ("gone", "redo", "exclude") and "gone" not in meta:
         raise InvalidMessage(f"ROUTE {meta['phase']} needs gone")
     if mtype is MessageType.ROUTE and "held" in meta and meta["phase"] != "gone":
         raise InvalidMessage(f"ROUTE {meta['phase']} takes no held (only gone does)")

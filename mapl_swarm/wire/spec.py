@@ -140,9 +140,9 @@ REJOIN_CAPABILITY = "rejoin"
 REPLICAS_CAPABILITY = "replicas"
 """HELLO/WELCOME capability of the peers of a run with several peers per stage (2.1, SPEC §9.10)."""
 
-ROUTE_PHASES: tuple[str, ...] = ("ready", "end", "commit", "gone", "redo", "taken", "reopen")
+ROUTE_PHASES: tuple[str, ...] = ("ready", "end", "commit", "gone", "redo", "taken", "reopen", "exclude")
 """Values of a ROUTE's ``meta["phase"]`` (SPEC §9.10): ``ready`` and ``taken`` travel upstream,
-``end``, ``commit`` and ``reopen`` downstream, ``gone`` and ``redo`` either way."""
+``end``, ``commit`` and ``reopen`` downstream, ``gone``, ``redo`` and ``exclude`` either way."""
 ROUTE_UPSTREAM_PHASES: frozenset[str] = frozenset({"ready", "taken"})
 """ROUTE phases a peer takes only from downstream (s + 1)."""
 ROUTE_DOWNSTREAM_PHASES: frozenset[str] = frozenset({"end", "commit", "reopen"})

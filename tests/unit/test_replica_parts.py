@@ -315,6 +315,7 @@ def test_a_sync_round_of_fewer_than_the_starting_replicas_is_refused_by_every_me
         replicated_state=lambda: {}))
     grads.averager = SimpleNamespace(set_group_size=lambda n: None)
     grads._nonce, grads._revealed = bytes(32), None
+    grads.checker, grads._checked = None, None
     seen, commits = [], []
 
     def gathered(weight, gather, timeout):

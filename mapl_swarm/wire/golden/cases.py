@@ -174,6 +174,8 @@ def _valid(v: dict[str, list[bytes]]) -> list[Case]:
         "route_redo": "2.1: ROUTE redo from stage 2: step 12 runs again in run epoch 1, without the replica gone",
         "route_redo_signed": "2.1: ROUTE redo relayed by stage 2 with its maker's certificate and signature of "
                              "the decision (§9.10 item 10; the bytes are the peer's to check, not the decoder's)",
+        "route_exclude": "2.1: ROUTE exclude from stage 1: this replica and most of its partners found the "
+                         "replica at the contact's gradient share wrong (it is excluded)",
         "route_taken": "2.1: ROUTE taken from stage 1 to stage 0: step 12 (run epoch 1) is taken",
         "route_gone_held": "2.1: ROUTE gone from stage 2: the replica at the contact left; this stage-2 replica "
                            "holds micro-batches 3 and 8 of step 12 that came through it",
@@ -455,6 +457,7 @@ def _invalid_replicas(v: dict[str, list[bytes]]) -> list[Case]:
         ("route_acts_negative", _edit(v["route_end"], _meta(acts=-3)), IM, "2.1: ROUTE end with acts -3"),
         ("route_with_tensor", _edit([*v["route_ready"], b"\x07"], route_tensor), IM, "2.1: ROUTE carrying a tensor"),
         ("route_redo_no_gone", _edit(v["route_redo"], _meta(gone=_DROP)), IM, "2.1: ROUTE redo without gone"),
+        ("route_exclude_no_gone", _edit(v["route_exclude"], _meta(gone=_DROP)), IM, "2.1: ROUTE exclude without gone"),
         ("route_held_not_gone", _edit(v["route_redo"], _meta(held=[3])), IM, "2.1: ROUTE redo with held "
          "(only gone names held micro-batches)"),
         ("route_held_not_uints", _edit(v["route_gone_held"], _meta(held=[-1])), IM, "2.1: ROUTE gone with a "

@@ -314,6 +314,8 @@ def _replica_samples() -> dict[str, Message]:
                                      meta={"phase": "redo", "gone": [],
                                            "cert": b"\x82\xa4body\xc4\x03abc\xa3sig\xc4\x40" + bytes(64),
                                            "sig": bytes(range(64, 128))}),
+        "route_exclude": Message(type=MessageType.ROUTE, run_id=RUN_ID, src=1, dst=2, step=12, seq=45, epoch=0,
+                                 meta={"phase": "exclude", "gone": ["tcp://10.0.0.9:5001#" + "ef" * 32]}),
         "route_taken": Message(type=MessageType.ROUTE, run_id=RUN_ID, src=1, dst=0, step=12, seq=44, epoch=1,
                                meta={"phase": "taken"}),
         "route_gone_held": Message(type=MessageType.ROUTE, run_id=RUN_ID, src=2, dst=1, step=12, seq=45,

@@ -1,0 +1,233 @@
+"""A replica that checks its partners' gradient shares by recomputing them (SPEC §9.10 item 16).
+
+The host side of :mod:`.work`: the replica keeps its stage's parameters of each step it averaged
+(before the step was taken) and, with its runtime, the inputs it took; a share drawn for checking
+(:func:`~mapl_swarm.step.checking.drawn`) is recomputed in a thread of its own, on a second
+runtime of the stage (the *shadow*, loaded with the kept parameters), from the inputs the checked
+member gives (``work_inputs``), exactly as :meth:`~.gradients.ReplicaGradients.average` forms a
+share (the accumulated gradients scaled by M / n, in fp32), and compared with the part of that
+share this replica reduced. Not compared: the outbound projector's gradient, which holds the
+PROJ_GRADs the member received from downstream (not among its inputs), and the codec's step
+statistics (none in a codec that can be checked).
+
+A member that gives no inputs within the deadline, or inputs of other micro-batches than it
+gathered, fails its check as a wrong share does. What a check costs is counted
+(:attr:`ShareChecker.counters`): shares checked, micro-batches recomputed, seconds, input bytes.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mapl_swarm.pipeline.stage import KEPT_STEPS
+from mapl_swarm.step.checking import SHARE_TOLERANCE, Verdict
+
+__all__ = ["ShareChecker", "Check", "pack_inputs", "unpack_inputs"]
+
+log = logging.getLogger(__name__)
+
+INPUTS_TIMEOUT_S = 30.0
+"""How long a checker waits for a member's inputs."""
+VERDICT_ROUNDS = 3
+"""Rounds a verdict is gathered in (a round whose attempt failed gathers it again)."""
+KEPT_STATES = KEPT_STEPS
+"""Steps whose parameters a checking replica keeps."""
+
+
+@dataclass(frozen=True)
+class Check:
+    """A share to check: member ``peer`` (``contact``) at ``step`` of run epoch ``epoch``, over its
+    micro-batches ``micro``."""
+
+    peer: str
+    contact: str
+    step: int
+    epoch: int
+    micro: tuple[int, ...]
+
+
+def pack_inputs(inputs: dict[int, dict[str, dict[str, torch.Tensor]]]) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """A step's kept inputs (:attr:`~mapl_swarm.pipeline.stage.StageRuntime.kept_inputs`) as
+    ``work_inputs`` metadata (``fields``: ``[micro, "fwd"|"bwd", name]`` per tensor) and tensors."""
+    fields, tensors = [], []
+    for micro in sorted(inputs):
+        for kind in ("fwd", "bwd"):
+            for name, t in inputs[micro].get(kind, {}).items():
+                fields.append([int(micro), kind, str(name)])
+                tensors.append(t.detach().cpu())
+    return {"fields": fields}, tensors
+
+
+def unpack_inputs(metadata: Any, tensors: list[torch.Tensor]) -> dict[int, dict[str, dict[str, torch.Tensor]]] | None:
+    """:func:`pack_inputs` read back; None when malformed."""
+    fields = metadata.get("fields") if isinstance(metadata, dict) else None
+    if not isinstance(fields, list) or len(fields) != len(tensors):
+        return None
+    out: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
+    for f, t in zip(fields, tensors):
+        if not (isinstance(f, list) and len(f) == 3 and type(f[0]) is int and f[1] in ("fwd", "bwd")
+                and isinstance(f[2], str)):
+            return None
+        out.setdefault(f[0], {}).setdefault(f[1], {})[f[2]] = t
+    return out
+
+
+class ShareChecker:
+    """Checks the shares of ``runtime``'s partners (a :class:`~mapl_swarm.pipeline.stage.StageRuntime`
+    of a stage whose replicas check each other); ``averager``: the stage's
+    :class:`~.averaging.StageAverager` (set once it exists); ``build``: a fresh runtime of the stage
+    (the shadow, built at the first check)."""
+
+    def __init__(self, runtime: Any, build: Callable[[], Any]) -> None:
+        self.runtime = runtime
+        self.averager: Any = None
+        self._build = build
+        self._shadow: Any = None
+        self._states: dict[int, dict[str, torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self._verdicts: list[tuple[Verdict, int]] = []  # with the rounds left to gather it in
+        self._jobs: queue.Queue[Check | None] = queue.Queue()
+        self._pending = 0
+        self._done = threading.Condition(self._lock)
+        self.counters = {"shares_checked": 0, "micro_batches_recomputed": 0, "check_s": 0.0, "input_bytes": 0,
+                         "shares_wrong": 0}
+        threading.Thread(target=self._work, name="share-checker", daemon=True).start()
+
+    # ------------------------------------------------------------------ what this replica keeps
+    def keep_state(self, step: int) -> None:
+        """The stage's parameters now, before ``step`` is taken (call after its round)."""
+        state = {k: v.detach().clone() for k, v in self.runtime.modules.state_dict().items()}
+        with self._lock:
+            self._states[step] = state
+            for old in sorted(self._states)[:-KEPT_STATES]:
+                del self._states[old]
+
+    def inputs_of(self, step: int, epoch: int) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
+        """This replica's inputs of ``step`` (``work_inputs``; the attempt its step was taken with)."""
+        kept = self.runtime.kept_inputs.get(step)
+        return None if kept is None else pack_inputs(kept)
+
+    # ------------------------------------------------------------------ verdicts
+    def gathered(self) -> list[list]:
+        """The verdicts to gather in the next round."""
+        with self._lock:
+            return [v.gathered() for v, _ in self._verdicts]
+
+    def delivered(self) -> None:
+        """A round went to the step logic: each verdict is gathered in fewer rounds more."""
+        with self._lock:
+            self._verdicts = [(v, n - 1) for v, n in self._verdicts if n > 1]
+
+    def queue(self, check: Check) -> None:
+        with self._lock:
+            self._pending += 1
+        self._jobs.put(check)
+
+    def settled(self, timeout: float) -> bool:
+        """Wait until every queued check has its verdict (or failed here); False after ``timeout`` s."""
+        with self._done:
+            return self._done.wait_for(lambda: self._pending == 0, timeout)
+
+    def close(self) -> None:
+        self._jobs.put(None)
+
+    # ------------------------------------------------------------------ the checks (their thread)
+    def _work(self) -> None:
+        while (check := self._jobs.get()) is not None:
+            try:
+                self._run(check)
+            finally:
+                with self._done:
+                    self._pending -= 1
+                    self._done.notify_all()
+
+    def _run(self, check: Check) -> None:
+        t0 = time.perf_counter()
+        try:
+            ok, why = self._check(check)
+        except Exception as exc:  # a fault of this replica's, not the member's: no verdict
+            log.warning("stage %d: checking the share of %s for step %d failed here: %r",
+                        self.runtime.stage, check.contact, check.step, exc)
+            return
+        with self._lock:
+            self.counters["shares_checked"] += 1
+            self.counters["check_s"] += time.perf_counter() - t0
+            self.counters["shares_wrong"] += not ok
+            self._verdicts.append((Verdict(check.peer, check.step, ok), VERDICT_ROUNDS))
+        if ok:
+            log.info("stage %d: the share of %s for step %d checks out (%s)", self.runtime.stage, check.contact,
+                     check.step, why)
+        else:
+            log.warning("stage %d: the gradient share of replica %s (peer id %s) for step %d is not its work: "
+                        "%s", self.runtime.stage, check.contact, check.peer, check.step, why)
+
+    def _check(self, check: Check) -> tuple[bool, str]:
+        with self._lock:
+            state = self._states.get(check.step)
+        if state is None or self.runtime.step_count - check.step > KEPT_STEPS - 1:
+            # too late: the member may no longer keep its inputs of the step (so no verdict either way)
+            raise RuntimeError(f"step {check.step} is too far behind this replica's {self.runtime.step_count}")
+        got = self.averager.fetch_inputs(check.peer, check.step, check.epoch, timeout=INPUTS_TIMEOUT_S)
+        if got is None:
+            return False, "it answered no inputs of the step (it keeps those of its last steps)"
+        inputs = unpack_inputs(*got)
+        with self._lock:
+            self.counters["input_bytes"] += sum(t.numel() * t.element_size() for t in got[1])
+        if inputs is None or sorted(inputs) != sorted(check.micro):
+            return False, (f"its inputs name micro-batches {sorted(inputs or [])}, its round named "
+                           f"{sorted(check.micro)}")
+        try:
+            flat, skip = self._recompute(state, inputs, check.micro)
+        except (KeyError, ValueError, RuntimeError, IndexError) as exc:  # inputs of the wrong shape or kind
+            return False, f"its inputs do not run: {type(exc).__name__}: {exc}"
+        with self._lock:
+            self.counters["micro_batches_recomputed"] += len(check.micro)
+        found = self.averager.compare_share(check.peer, check.step, check.epoch, flat, skip)
+        if found is None:
+            raise RuntimeError(f"no part of its share of step {check.step} is kept here")
+        how = (f"its part reduced here ({found.values} values) is {found.relative:.3g} of the recomputation's norm "
+               f"away from it, over its {len(check.micro)} micro-batch(es); tolerance {SHARE_TOLERANCE:g}")
+        return found.relative <= SHARE_TOLERANCE, how
+
+    def _recompute(self, state: dict[str, torch.Tensor], inputs: dict[int, dict[str, dict[str, torch.Tensor]]],
+                   micro: tuple[int, ...]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """The share ``micro`` give from ``inputs`` with the parameters ``state``, as one flat fp32
+        vector in the all-reduce's order, and the ranges not compared."""
+        if self._shadow is None:
+            self._shadow = self._build()
+            self._shadow.recording = False
+        shadow = self._shadow
+        shadow.abandon_step()
+        shadow.modules.load_state_dict(copy.copy(state))
+        with torch.enable_grad():
+            for m in micro:
+                fwd = inputs[m]["fwd"]
+                if shadow.is_first:
+                    shadow.forward(m, ids=fwd["ids"])
+                else:
+                    shadow.forward(m, payload=fwd)
+                shadow.backward(m, None if shadow.is_last else inputs[m]["bwd"])
+        scale = shadow.cfg.pipeline.num_micro_batches / len(micro)
+        parts, skip, at = [], [], 0
+        outbound = shadow.outbound.projector if shadow.outbound is not None and shadow.outbound.trainable else None
+        for p in shadow.optimized_parameters():
+            g = torch.zeros(p.numel()) if p.grad is None else p.grad.detach().to("cpu", torch.float32).reshape(-1) * scale
+            if p is outbound:
+                skip.append((at, at + p.numel()))
+            parts.append(g)
+            at += p.numel()
+        for t in shadow.step_statistics():
+            skip.append((at, at + t.numel()))
+            parts.append(torch.zeros(t.numel()))
+            at += t.numel()
+        shadow.abandon_step()
+        return torch.cat(parts), skip
