@@ -56,7 +56,7 @@ __all__ = [
     "MAX_VALIDITY_S", "MAX_REVOKED", "Authority", "PeerKey", "RequestBody", "CertificateBody", "RevocationsBody",
     "Signed", "CertificateError", "load_authority", "create_authority", "load_peer_key", "create_peer_key",
     "make_request", "verify_request", "issue", "revoke", "verify_certificate", "verify_revocations", "read_signed", "write_signed", "signed_text", "parse_signed",
-    "libp2p_peer_id", "CurveKeys", "PeerIdentity", "drain_statement", "DRAIN_CONTEXT", "redo_statement", "REDO_CONTEXT", "load_identity", "LocalIdentities", "issue_local", "RevocationWatch", "REVOCATION_POLL_S",
+    "libp2p_peer_id", "CurveKeys", "PeerIdentity", "drain_statement", "DRAIN_CONTEXT", "redo_statement", "REDO_CONTEXT", "work_statement", "WORK_CONTEXT", "load_identity", "LocalIdentities", "issue_local", "RevocationWatch", "REVOCATION_POLL_S",
 ]
 
 AUTHORITY_HEADER = "mapl-run-authority v1"
@@ -86,6 +86,17 @@ def drain_statement(run_id: str, epoch: int, step: int) -> bytes:
 def redo_statement(run_id: str, epoch: int, step: int) -> bytes:
     """What a member signs when it decides ``step`` is redone in run epoch ``epoch``."""
     return REDO_CONTEXT + msgpack.packb([run_id, epoch, step], use_bin_type=True)
+
+
+WORK_CONTEXT = b"mapl-work v1\x00"
+"""Prefixed to what a member signs of each train ACT and GRAD it sends in a run whose replicas
+check each other's work (:func:`work_statement`)."""
+
+
+def work_statement(run_id: str, kind: str, step: int, micro: int, digest: bytes) -> bytes:
+    """What a member signs of the train ``kind`` (``"ACT"`` or ``"GRAD"``) of micro-batch ``micro``
+    of ``step`` whose tensors have ``digest`` (:func:`~mapl_swarm.wire.message.payload_digest`)."""
+    return WORK_CONTEXT + msgpack.packb([run_id, kind, step, micro, digest], use_bin_type=True)
 
 
 ROLES = frozenset({"drain"})
@@ -626,12 +637,26 @@ class PeerIdentity:
         return self._verify_decision(meta, redo_statement(self.run_id, epoch, step), "redo", stage=None, now=now,
                                      what=f"step {step} in run epoch {epoch}")
 
+    def sign_work(self, kind: str, step: int, micro: int, digest: bytes) -> bytes:
+        """This member's signature of a train ACT or GRAD it sends (:func:`work_statement`)."""
+        return self.key.sign(work_statement(self.run_id, kind, step, micro, digest))
+
+    def verify_work(self, proof: dict[str, Any], *, kind: str, step: int, micro: int, digest: bytes,
+                    stage: int, now: float | None = None) -> CertificateBody:
+        """The body of the certificate (of this run, for ``stage``) whose key signed the train ``kind``
+        of ``micro`` in ``step`` with ``digest`` that ``proof`` (``cert``, ``sig``) carries; else
+        :class:`CertificateError`. A certificate revoked since still proves what its member sent."""
+        return self._verify_decision(proof, work_statement(self.run_id, kind, step, micro, digest), "work",
+                                     stage=stage, now=now, what=f"the {kind} of micro-batch {micro} of step {step}",
+                                     revoked=frozenset())
+
     def _verify_decision(self, meta: dict[str, Any], statement: bytes, kind: str, *, stage: int | None,
-                         now: float | None, what: str) -> CertificateBody:
+                         now: float | None, what: str, revoked: Any = None) -> CertificateBody:
         if not isinstance(meta.get("cert"), bytes) or not isinstance(meta.get("sig"), bytes):
             raise CertificateError("unsigned", f"a {kind} decision without its maker's certificate and signature")
         body = verify_certificate(Signed.decode("certificate", meta["cert"]), authority=self.authority,
-                                  run_id=self.run_id, stage=stage, now=now, revoked=self.revoked)
+                                  run_id=self.run_id, stage=stage, now=now,
+                                  revoked=self.revoked if revoked is None else revoked)
         try:
             Ed25519PublicKey.from_public_bytes(body.sign_key).verify(meta["sig"], statement)
         except (InvalidSignature, ValueError):

@@ -321,6 +321,7 @@ class Admission:
                 f"this peer is in session with its peer at {link.contact}" if other else
                 f"its session is alive (heard {self.clock() - link.rx.heard_at:.0f} s ago)"), nonce)
         link.peer_certificate = certificate
+        link.peer_cert = h.meta.get("cert") if certificate is not None else None
 
     def _check_message(self, h: Header, link: PeerLink, arrival: Arrival) -> None:
         """SPEC §6.1 rules 1-6 on the authenticated header of anything but HELLO."""

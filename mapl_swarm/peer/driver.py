@@ -380,6 +380,14 @@ class Schedule:
             case _:
                 raise TypeError(f"{self.name}: no way to carry out {intent!r}")
 
+    def _proof(self, msg: Message, link: str) -> dict[str, bytes] | None:
+        """Who sent the train ACT or GRAD ``msg`` (its signature, checked on arrival, and the sender's
+        certificate), kept with its inputs for the replicas that check this one's work."""
+        sig, sender = msg.meta.get("sig"), self.links.named(link)
+        if not isinstance(sig, bytes) or sender is None or sender.peer_cert is None:
+            return None
+        return {"cert": sender.peer_cert, "sig": sig}
+
     async def _compute(self, intent: do.Intent) -> None:
         """A forward or backward on the compute thread, its result to the core (a message whose codes
         need a retransmission is dropped: its copy follows on the link)."""
@@ -393,7 +401,8 @@ class Schedule:
                 res = await compute.run(host.forward, micro, ids=ids, train=True)
                 core.answer(intent, res.payload, res.loss, res.tokens)
             case do.Forward(_, msg, link):
-                work = compute.run(host.forward, msg.micro, wire=_payload(msg, ACT_WIRE), train=True, cver=msg.cver)
+                work = compute.run(host.forward, msg.micro, wire=_payload(msg, ACT_WIRE), train=True, cver=msg.cver,
+                                   proof=self._proof(msg, link))
                 try:
                     res = await self.links.named(link).decoded(work, msg)
                 except Retransmitting:
@@ -402,7 +411,8 @@ class Schedule:
                 core.answer(intent, res.payload, res.loss, res.tokens)
             case do.Backward(_, micro, msg, link, origin):
                 work = compute.run(host.backward, micro, None if msg is None else _payload(msg, GRAD_WIRE),
-                                   cver=None if msg is None else msg.cver, origin=origin)
+                                   cver=None if msg is None else msg.cver, origin=origin,
+                                   proof=None if msg is None else self._proof(msg, link))
                 try:
                     grad = await (work if msg is None else self.links.named(link).decoded(work, msg))
                 except Retransmitting:
@@ -520,6 +530,9 @@ class Schedule:
             core.answer(intent, round_)
             return
         self._count(sent_bytes=round_.sent_bytes, received_bytes=round_.received_bytes)
+        if replicas.checker is not None:
+            self.result.checking = {**replicas.checker.report(),
+                                    "excluded": [[c, s] for _, c, s, _ in replicas.excluded]}
         for _peer, contact, _step, _accusers in replicas.take_excluded():
             for link in list(self.links):  # SPEC §9.10 item 16: the neighbours cut it off on most partners' word
                 if contact and link.welcomed and link.contact is not None:

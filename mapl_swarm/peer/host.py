@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from mapl_swarm.compress.codebook_sync import CodebookSlice
-from mapl_swarm.peer.tensors import from_wire
+from mapl_swarm.pipeline.tensors import from_wire
 from mapl_swarm.pipeline.stage import check_finite
 
 if TYPE_CHECKING:
@@ -118,11 +118,13 @@ class HostRuntime:
     # ------------------------------------------------------------------ payloads
     def forward(self, micro: int, *, ids: torch.Tensor | None = None,
                 wire: Mapping[str, WireTensor] | None = None, train: bool = True,
-                cver: int | None = None) -> ForwardResult:
+                cver: int | None = None, proof: Mapping[str, bytes] | None = None) -> ForwardResult:
         """:meth:`StageRuntime.forward` of stage 0's ``ids`` or of a received ACT payload (``wire``,
-        by payload key); the ACT payload it returns is in host memory (the loss stays on the device)."""
+        by payload key; ``proof``: its sender's, kept with it); the ACT payload it returns is in host
+        memory (the loss stays on the device)."""
         payload = None if wire is None else self.received(wire)
-        res = self.rt.forward(micro, ids=ids, payload=payload, train=train, cver=cver)
+        res = self.rt.forward(micro, ids=ids, payload=payload, train=train, cver=cver,
+                              **({"proof": proof} if proof is not None else {}))
         if res.payload is None:
             return res
         payload = tensors_to_host(res.payload)
@@ -130,11 +132,14 @@ class HostRuntime:
         return dataclasses.replace(res, payload=payload)
 
     def backward(self, micro: int, wire: Mapping[str, WireTensor] | None = None,
-                 cver: int | None = None, origin: str | None = None) -> dict[str, torch.Tensor] | None:
-        """:meth:`StageRuntime.backward` of a received GRAD payload (``wire``; None on the last stage);
-        the GRAD payload it returns is in host memory. ``origin``: the upstream replica of its ACT."""
+                 cver: int | None = None, origin: str | None = None,
+                 proof: Mapping[str, bytes] | None = None) -> dict[str, torch.Tensor] | None:
+        """:meth:`StageRuntime.backward` of a received GRAD payload (``wire``; None on the last stage;
+        ``proof``: its sender's); the GRAD payload it returns is in host memory. ``origin``: the
+        upstream replica of its ACT."""
         grad = self.rt.backward(micro, None if wire is None else self.received(wire), cver=cver,
-                                **({"origin": origin} if origin is not None else {}))
+                                **({"origin": origin} if origin is not None else {}),
+                                **({"proof": proof} if proof is not None else {}))
         if grad is None:
             return None
         grad = tensors_to_host(grad)

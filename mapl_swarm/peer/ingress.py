@@ -257,6 +257,8 @@ class Ingress:
             self.monitor.on_heartbeat(got.link.name, got.msg.meta)  # its round-trip timestamps
             got.link.peer_anchored = got.link.peer_anchored or got.msg.meta.get("anchored") is True
             return None
+        if self._unsigned_work(got.msg, got.link):
+            return None
         try:
             if self.for_schedule(got.msg, got.link):
                 self.arrived(got.msg, got.link)
@@ -268,6 +270,19 @@ class Ingress:
         except Rejected as exc:  # queue_full
             self.rejects(exc.code, arrival.sender, exc.text)
         return None
+
+    def _unsigned_work(self, msg: Message, link: PeerLink) -> bool:
+        """A train ACT or GRAD that its sender did not sign, in a run whose replicas check each other's
+        work (SPEC §9.10 item 16): dropped (``not_allowed``), since this peer could not show a checker
+        what it was given. True when dropped."""
+        if not (link.settings.sign_work and link.settings.identity is not None
+                and (msg.type is MT.GRAD or (msg.type is MT.ACT and msg.meta.get("mode") == "train"))):
+            return False
+        if link.work_proof(msg) is not None:
+            return False
+        self.rejects("not_allowed", link.name, f"{msg.type.name} of step {msg.step} micro-batch {msg.micro} without "
+                                               f"its sender's signature (SPEC §9.10 item 16)")
+        return True
 
     def _hold(self, arrival: Arrival, link: str) -> None:
         self.monitor.heard(link)  # authenticated and in sequence: a sign of life

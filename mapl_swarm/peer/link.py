@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from mapl_swarm.net.emulator import LinkConfig
 from mapl_swarm.peer.session import RxSession
-from mapl_swarm.peer.tensors import to_wire
+from mapl_swarm.pipeline.tensors import to_wire
 from mapl_swarm.peer.vq_link import CodebookLink
 from mapl_swarm.pipeline.payload import (
     ACT_WIRE,
@@ -44,7 +44,9 @@ from mapl_swarm.pipeline.payload import (
     WireName,
     act_kind,
 )
+from mapl_swarm.net.identity import CertificateError
 from mapl_swarm.wire import Message, MessageType, encode, new_nonce
+from mapl_swarm.wire.message import payload_digest
 from mapl_swarm.wire.spec import NONCE_BYTES, REPLICAS_CAPABILITY
 
 if TYPE_CHECKING:
@@ -124,6 +126,9 @@ class LinkSettings:
     must share it (checked at the handshake when both send it, 1.6); 0: not sent."""
     identity: PeerIdentity | None = None
     """A certified peer's identity (SPEC §7.2): its certificate goes in its HELLO, others' are checked."""
+    sign_work: bool = False
+    """Replicas check each other's work (``replicas.check_fraction``, SPEC §9.10 item 16): a certified
+    peer signs every train ACT and GRAD it sends, and takes only signed ones."""
     compress_ids: bool = True
     """lz4 on integer tensors (ids, codes) when it helps; False sends every tensor raw."""
     max_frame_bytes: int
@@ -263,6 +268,8 @@ class PeerLink:
         self.peer_anchored = False
         """The neighbour said it is anchored (SPEC §9.2, 1.6): it holds stage 0's configuration."""
         self.peer_certificate: CertificateBody | None = None
+        self.peer_cert: bytes | None = None
+        """The neighbour's certificate as its HELLO carried it (what proves its signatures to a third party)."""
         """The certificate of the neighbour whose HELLO passed last (SPEC §7.2: its key and roles)."""
         self._hello_nonce: bytes | None = None
         self._older_nonces: deque[bytes] = deque(maxlen=_OLDER_HELLOS)
@@ -438,8 +445,9 @@ class PeerLink:
             cver = self.codebooks.tx_version()
         tensors = {ACT_WIRE[k]: v for k, v in payload.items()}
         kinds = {ACT_WIRE[k]: act_kind(k, eval_mode=eval_mode) for k in payload}
-        await self.send(MT.ACT, step=step, micro=micro, pver=pver, meta={"mode": mode}, tensors=tensors,
-                        kinds=kinds, cver=cver)
+        await self.send(MT.ACT, step=step, micro=micro, pver=pver, meta={"mode": mode, **(
+            self._signed("ACT", step, micro, tensors) if not eval_mode else {})}, tensors=tensors, kinds=kinds,
+                        cver=cver)
 
     async def send_grad(self, step: int, micro: int, payload: Mapping[str, torch.Tensor], *, pver: int) -> None:
         """GRAD (a backward payload) upstream, after the codebook slices it needs (mapl_vq); ``pver``
@@ -450,8 +458,31 @@ class PeerLink:
             self.codebooks.remember("train", step, micro, payload, pver)
             cver = self.codebooks.tx_version()
         tensors = {GRAD_WIRE[k]: v for k, v in payload.items()}
-        await self.send(MT.GRAD, step=step, micro=micro, pver=pver, tensors=tensors,
-                        kinds={name: LinkKind.GRAD for name in tensors}, cver=cver)
+        await self.send(MT.GRAD, step=step, micro=micro, pver=pver, tensors=tensors, meta=self._signed(
+            "GRAD", step, micro, tensors), kinds={name: LinkKind.GRAD for name in tensors}, cver=cver)
+
+    def _signed(self, kind: str, step: int, micro: int, tensors: Mapping[str, torch.Tensor]) -> dict[str, bytes]:
+        """``sig`` of a train ACT or GRAD (SPEC §9.10 item 16), when this peer signs its work."""
+        identity = self.settings.identity
+        if not self.settings.sign_work or identity is None:
+            return {}
+        digest = payload_digest({name: to_wire(t.contiguous()) for name, t in tensors.items()})
+        return {"sig": identity.sign_work(kind, step, micro, digest)}
+
+    def work_proof(self, msg: Message) -> dict[str, bytes] | None:
+        """What proves that this link's peer sent ``msg``, a train ACT or GRAD (``cert``, ``sig``);
+        None when this peer does not check signatures (insecure, or no checking) or ``msg`` does not
+        verify (``sig`` missing or not its sender's: the message must be dropped)."""
+        identity = self.settings.identity
+        if not self.settings.sign_work or identity is None:
+            return None
+        proof = {"cert": self.peer_cert, "sig": msg.meta.get("sig")}
+        try:
+            identity.verify_work(proof, kind=msg.type.name, step=msg.step, micro=msg.micro,
+                                 digest=payload_digest(msg.tensors), stage=self.stage)
+        except CertificateError:
+            return None
+        return proof
 
     async def send_projector(self, step: int, projector: torch.Tensor, pver: int) -> None:
         """PROJ of ``step`` (the step whose ACTs it precedes) downstream, at projector version ``pver``."""

@@ -155,7 +155,8 @@ def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool 
                 reform=reform, credits=credits)
 
 
-def stage_replicas(cfg: TrainConfig, stage: int, dht: Any, device: Any) -> tuple[Any, Any]:
+def stage_replicas(cfg: TrainConfig, stage: int, dht: Any, device: Any, membership: Membership | None = None
+                   ) -> tuple[Any, Any]:
     """With replicas (``replicas.enabled``): its stage, built, and the averaging with the stage's
     other replicas (:class:`~mapl_swarm.replicas.gradients.ReplicaGradients` on the peer's DHT
     node; a stage that starts with one replica has it too, so a replica may join it); (None, None)
@@ -169,6 +170,7 @@ def stage_replicas(cfg: TrainConfig, stage: int, dht: Any, device: Any) -> tuple
     rt = StageRuntime(cfg, stage, device)
     r = cfg.replicas
     averaging = ReplicaGradients(rt, dht, run_id=cfg.run.run_id, replicas=max(2, cfg.replicas_of(stage)),
+                                 identity=membership,
                                  min_matchmaking_time=r.matchmaking_s, request_timeout=min(1.0, r.matchmaking_s / 2))
     return rt, averaging
 
@@ -233,7 +235,8 @@ def run_peer(cfg: TrainConfig, stage: int | None, *, membership: Membership | No
                 from mapl_swarm.peer.status import StatusSource
 
                 assets = peer_assets(cfg)
-            runtime, replicas = stage_replicas(cfg, stage, discovery.dht, assets.device)  # forks: before the loop
+            runtime, replicas = stage_replicas(cfg, stage, discovery.dht, assets.device,  # forks: before the loop
+                                               membership)
             status = StatusSource()
             discovery.publish_status(stage, status)
 

@@ -181,6 +181,7 @@ class Peer:
                           *((REPLICAS_CAPABILITY,) if self.replicas_on else self.agreement.capabilities)),
             num_micro_batches=cfg.pipeline.num_micro_batches, micro_batch_size=cfg.pipeline.micro_batch_size,
             eval_batches=cfg.eval.batches, max_in_flight=net.max_in_flight or P, identity=membership,
+            sign_work=self.replicas_on and cfg.replicas.check_fraction > 0,
             compress_ids=net.compress_ids, max_frame_bytes=net.max_frame_bytes, replicas=self.replicas_on,
             stage_replicas=reform.replicas if reform is not None else 0, lost=reform.lost if reform else None)
         self.settings = settings

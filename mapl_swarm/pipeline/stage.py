@@ -36,6 +36,7 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -135,11 +136,12 @@ class StageRuntime:
         self.recording = cfg.replicas.check_fraction > 0
         """Keep each train micro-batch's inputs (replicas that check each other's work, SPEC §9.10
         item 16): a partner recomputes this replica's gradient share of a step from them."""
-        self._inputs: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
-        self.kept_inputs: dict[int, dict[int, dict[str, dict[str, torch.Tensor]]]] = {}
+        self._inputs: dict[int, dict[str, dict[str, Any]]] = {}
+        self.kept_inputs: dict[int, dict[int, dict[str, dict[str, Any]]]] = {}
         """With :attr:`recording`: the inputs of the last :data:`KEPT_STEPS` steps taken, by step,
         then micro-batch: ``"fwd"`` (stage 0: ``{"ids": ...}``, else the ACT payload) and ``"bwd"``
-        (the GRAD payload; none on the last stage)."""
+        (the GRAD payload; none on the last stage), each with its sender's proof where one came
+        (``"fwd_proof"``, ``"bwd_proof"``: ``cert`` and ``sig``)."""
 
     @property
     def vq(self) -> StageVQ | None:
@@ -165,11 +167,13 @@ class StageRuntime:
 
     def forward(self, micro: int, *, ids: torch.Tensor | None = None,
                 payload: dict[str, torch.Tensor] | None = None, train: bool = True,
-                cver: int | None = None, keep_logits: bool = False) -> ForwardResult:
+                cver: int | None = None, keep_logits: bool = False, proof: Mapping[str, bytes] | None = None
+                ) -> ForwardResult:
         """Run micro-batch ``micro``. Stage 0 takes ``ids`` (B, T+1); later stages take the ACT
         payload of the previous stage (mapl_vq: encoded at codebook version ``cver``; None skips
         the check). With ``train`` the graph is kept for :meth:`backward`; with ``keep_logits`` the
-        last stage also returns its logits (the exported model is checked against them)."""
+        last stage also returns its logits (the exported model is checked against them).
+        ``proof``: what shows who sent the payload (kept with it, :attr:`kept_inputs`)."""
         if self.is_first:
             if ids is None:
                 raise ValueError("the first stage needs token ids")
@@ -180,7 +184,8 @@ class StageRuntime:
             host_ids = payload["ids"]  # (B, T+1) wire dtype, on the CPU (pinned on CUDA peers)
         # the device copy computes; the host ids go on to the next stage (no device round trip)
         if train and self.recording:
-            self._inputs[micro] = {"fwd": {"ids": ids} if self.is_first else dict(payload)}
+            self._inputs[micro] = {"fwd": {"ids": ids} if self.is_first else dict(payload),
+                                   **({"fwd_proof": dict(proof)} if proof is not None else {})}
         all_ids = host_ids.to(self.device, non_blocking=True).long()
         tokens_in = all_ids[:, :-1]  # (B, T) inputs; labels are all_ids[:, 1:]
         probe_due = self.probe.due(self.step_count, micro, train)
@@ -216,12 +221,13 @@ class StageRuntime:
         return ForwardResult(out, None, tokens_in.numel())
 
     def backward(self, micro: int, payload: dict[str, torch.Tensor] | None = None,
-                 cver: int | None = None, origin: str | None = None) -> dict[str, torch.Tensor] | None:
+                 cver: int | None = None, origin: str | None = None,
+                 proof: Mapping[str, bytes] | None = None) -> dict[str, torch.Tensor] | None:
         """Backward of micro-batch ``micro`` given the next stage's GRAD payload (None on the last
         stage; mapl_vq: codes at version ``cver``); returns the GRAD payload for the previous stage
         (None on the first). ``origin``: the upstream replica the micro-batch's ACT came from (SPEC
         §9.10): the inbound projector's gradient of this micro-batch is kept apart, by origin, for
-        :meth:`take_inbound_projector_grad`."""
+        :meth:`take_inbound_projector_grad`. ``proof``: as :meth:`forward`'s, of the GRAD."""
         if micro not in self._saved:
             raise KeyError(f"stage {self.stage}: no saved forward for micro-batch {micro}")
         out, z_in = self._saved[micro]
@@ -236,6 +242,8 @@ class StageRuntime:
         del self._saved[micro]
         if self.recording and payload is not None and micro in self._inputs:
             self._inputs[micro]["bwd"] = dict(payload)
+            if proof is not None:
+                self._inputs[micro]["bwd_proof"] = dict(proof)
         b = self.inbound
         split = origin is not None and b is not None and b.trainable
         before = b.projector.grad if split else None

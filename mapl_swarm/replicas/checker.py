@@ -28,10 +28,14 @@ from typing import Any
 
 import torch
 
+from mapl_swarm.net.identity import CertificateError
+from mapl_swarm.pipeline.tensors import to_wire
+from mapl_swarm.pipeline.payload import ACT_WIRE, GRAD_WIRE
 from mapl_swarm.pipeline.stage import KEPT_STEPS
+from mapl_swarm.wire.message import payload_digest
 from mapl_swarm.step.checking import SHARE_TOLERANCE, Verdict
 
-__all__ = ["ShareChecker", "Check", "pack_inputs", "unpack_inputs"]
+__all__ = ["ShareChecker", "Check", "Inputs", "pack_inputs", "unpack_inputs", "unproven"]
 
 log = logging.getLogger(__name__)
 
@@ -55,30 +59,65 @@ class Check:
     micro: tuple[int, ...]
 
 
-def pack_inputs(inputs: dict[int, dict[str, dict[str, torch.Tensor]]]) -> tuple[dict[str, Any], list[torch.Tensor]]:
+Inputs = dict[int, dict[str, dict[str, Any]]]
+"""A step's inputs by micro-batch: ``"fwd"``/``"bwd"`` tensors by payload key, and their senders'
+proofs ``"fwd_proof"``/``"bwd_proof"`` (``cert``, ``sig``) where they came with one."""
+
+
+def pack_inputs(inputs: Inputs) -> tuple[dict[str, Any], list[torch.Tensor]]:
     """A step's kept inputs (:attr:`~mapl_swarm.pipeline.stage.StageRuntime.kept_inputs`) as
-    ``work_inputs`` metadata (``fields``: ``[micro, "fwd"|"bwd", name]`` per tensor) and tensors."""
-    fields, tensors = [], []
+    ``work_inputs`` metadata (``fields``: ``[micro, "fwd"|"bwd", name]`` per tensor; ``proofs``:
+    ``[micro, "fwd"|"bwd", cert, sig]``) and tensors."""
+    fields, tensors, proofs = [], [], []
     for micro in sorted(inputs):
         for kind in ("fwd", "bwd"):
             for name, t in inputs[micro].get(kind, {}).items():
                 fields.append([int(micro), kind, str(name)])
                 tensors.append(t.detach().cpu())
-    return {"fields": fields}, tensors
+            proof = inputs[micro].get(f"{kind}_proof")
+            if proof is not None:
+                proofs.append([int(micro), kind, proof["cert"], proof["sig"]])
+    return {"fields": fields, "proofs": proofs}, tensors
 
 
-def unpack_inputs(metadata: Any, tensors: list[torch.Tensor]) -> dict[int, dict[str, dict[str, torch.Tensor]]] | None:
+def unpack_inputs(metadata: Any, tensors: list[torch.Tensor]) -> Inputs | None:
     """:func:`pack_inputs` read back; None when malformed."""
     fields = metadata.get("fields") if isinstance(metadata, dict) else None
-    if not isinstance(fields, list) or len(fields) != len(tensors):
+    proofs = metadata.get("proofs", []) if isinstance(metadata, dict) else None
+    if not isinstance(fields, list) or len(fields) != len(tensors) or not isinstance(proofs, list):
         return None
-    out: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
+    out: Inputs = {}
     for f, t in zip(fields, tensors):
         if not (isinstance(f, list) and len(f) == 3 and type(f[0]) is int and f[1] in ("fwd", "bwd")
                 and isinstance(f[2], str)):
             return None
         out.setdefault(f[0], {}).setdefault(f[1], {})[f[2]] = t
+    for p in proofs:
+        if not (isinstance(p, list) and len(p) == 4 and p[0] in out and p[1] in ("fwd", "bwd")
+                and isinstance(p[2], bytes) and isinstance(p[3], bytes)):
+            return None
+        out[p[0]][f"{p[1]}_proof"] = {"cert": p[2], "sig": p[3]}
     return out
+
+
+def unproven(inputs: Inputs, identity: Any, *, stage: int, last: bool, step: int) -> str | None:
+    """Why ``inputs`` of ``step`` at ``stage`` are not what the neighbour stages' members sent (each
+    ACT signed by a member of ``stage`` − 1, each GRAD by one of ``stage`` + 1, over its micro-batch
+    and bytes: SPEC §9.10 item 16), or None."""
+    for micro, got in sorted(inputs.items()):
+        for side, kind, wire, sender, needed in (("fwd", "ACT", ACT_WIRE, stage - 1, stage > 0),
+                                                 ("bwd", "GRAD", GRAD_WIRE, stage + 1, not last)):
+            if not needed:
+                continue
+            proof, tensors = got.get(f"{side}_proof"), got.get(side)
+            if proof is None or not tensors:
+                return f"its {kind} of micro-batch {micro} came without its sender's proof"
+            try:
+                digest = payload_digest({wire[key]: to_wire(t.contiguous()) for key, t in tensors.items()})
+                identity.verify_work(proof, kind=kind, step=step, micro=micro, digest=digest, stage=sender)
+            except (CertificateError, KeyError, ValueError) as exc:
+                return f"its {kind} of micro-batch {micro} is not what a member of stage {sender} signed ({exc})"
+    return None
 
 
 class ShareChecker:
@@ -87,8 +126,11 @@ class ShareChecker:
     :class:`~.averaging.StageAverager` (set once it exists); ``build``: a fresh runtime of the stage
     (the shadow, built at the first check)."""
 
-    def __init__(self, runtime: Any, build: Callable[[], Any]) -> None:
+    def __init__(self, runtime: Any, build: Callable[[], Any], identity: Any = None) -> None:
         self.runtime = runtime
+        self.identity = identity
+        """This replica's certified identity: a checked member's inputs must carry its neighbours'
+        signatures (:func:`unproven`). None (an insecure run): inputs are taken as given."""
         self.averager: Any = None
         self._build = build
         self._shadow: Any = None
@@ -98,8 +140,9 @@ class ShareChecker:
         self._jobs: queue.Queue[Check | None] = queue.Queue()
         self._pending = 0
         self._done = threading.Condition(self._lock)
-        self.counters = {"shares_checked": 0, "micro_batches_recomputed": 0, "check_s": 0.0, "input_bytes": 0,
-                         "shares_wrong": 0}
+        self.counters = {"shares_checked": 0, "shares_wrong": 0, "micro_batches_recomputed": 0, "check_s": 0.0,
+                         "input_bytes": 0, "served_input_bytes": 0}
+        """What checking cost and found so far (read with :meth:`report`)."""
         threading.Thread(target=self._work, name="share-checker", daemon=True).start()
 
     # ------------------------------------------------------------------ what this replica keeps
@@ -114,7 +157,17 @@ class ShareChecker:
     def inputs_of(self, step: int, epoch: int) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
         """This replica's inputs of ``step`` (``work_inputs``; the attempt its step was taken with)."""
         kept = self.runtime.kept_inputs.get(step)
-        return None if kept is None else pack_inputs(kept)
+        if kept is None:
+            return None
+        metadata, tensors = pack_inputs(kept)
+        with self._lock:
+            self.counters["served_input_bytes"] += sum(t.numel() * t.element_size() for t in tensors)
+        return metadata, tensors
+
+    def report(self) -> dict[str, Any]:
+        """A copy of :attr:`counters`."""
+        with self._lock:
+            return dict(self.counters)
 
     # ------------------------------------------------------------------ verdicts
     def gathered(self) -> list[list]:
@@ -185,6 +238,9 @@ class ShareChecker:
         if inputs is None or sorted(inputs) != sorted(check.micro):
             return False, (f"its inputs name micro-batches {sorted(inputs or [])}, its round named "
                            f"{sorted(check.micro)}")
+        if self.identity is not None and (why := unproven(inputs, self.identity, stage=self.runtime.stage,
+                                                           last=self.runtime.is_last, step=check.step)) is not None:
+            return False, why
         try:
             flat, skip = self._recompute(state, inputs, check.micro)
         except (KeyError, ValueError, RuntimeError, IndexError) as exc:  # inputs of the wrong shape or kind
@@ -198,8 +254,7 @@ class ShareChecker:
                f"away from it, over its {len(check.micro)} micro-batch(es); tolerance {SHARE_TOLERANCE:g}")
         return found.relative <= SHARE_TOLERANCE, how
 
-    def _recompute(self, state: dict[str, torch.Tensor], inputs: dict[int, dict[str, dict[str, torch.Tensor]]],
-                   micro: tuple[int, ...]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    def _recompute(self, state: dict[str, torch.Tensor], inputs: Inputs, micro: tuple[int, ...]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """The share ``micro`` give from ``inputs`` with the parameters ``state``, as one flat fp32
         vector in the all-reduce's order, and the ranges not compared."""
         if self._shadow is None:

@@ -74,10 +74,12 @@ def _stop(control: Any) -> None:
 class ReplicaGradients:
     """The gradients of stage replica ``runtime`` (a :class:`~mapl_swarm.pipeline.stage.StageRuntime`),
     averaged among the replicas of its stage in run ``run_id`` through ``dht`` (the replica's
-    certified DHT node); a round starts at once when ``replicas`` are in. Create it before the event
+    certified DHT node); a round starts at once when ``replicas`` are in. ``identity``: the
+    replica's certified identity, with which it checks its partners' inputs (SPEC §9.10 item 16). Create it before the event
     loop and torch threads (it forks); :meth:`attach` a session's runtime of the same shapes."""
 
-    def __init__(self, runtime: Any, dht: Any, *, run_id: str, replicas: int, **averager_kwargs: Any) -> None:
+    def __init__(self, runtime: Any, dht: Any, *, run_id: str, replicas: int, identity: Any = None,
+                 **averager_kwargs: Any) -> None:
         self.runtime = runtime
         self.params = list(runtime.optimized_parameters())
         self.stats = list(runtime.step_statistics())
@@ -85,8 +87,8 @@ class ReplicaGradients:
         buffers = [torch.zeros(t.shape, dtype=torch.float32) for t in [*self.params, *self.stats]]  # contiguous
         self._served: Callable[[], Any] = lambda: self.runtime.state_dict()
         self.check_fraction = runtime.cfg.replicas.check_fraction
-        self.checker = ShareChecker(runtime, partial(type(runtime), runtime.cfg, runtime.stage, runtime.device)) \
-            if self.check_fraction > 0 else None
+        self.checker = ShareChecker(runtime, partial(type(runtime), runtime.cfg, runtime.stage, runtime.device),
+                                    identity) if self.check_fraction > 0 else None
         """Checks the partners' shares (SPEC §9.10 item 16; ``replicas.check_fraction`` above 0)."""
         self.accusations = Accusations()
         self._checked: ReplicaStep | None = None
@@ -282,6 +284,11 @@ class ReplicaGradients:
                     self.checker.queue(Check(peer, prior.contacts.get(peer, ""), prior.steps[peer],
                                              prior.epochs[peer], prior.micro[peer]))
         for peer, step, accusers in self.accusations.add(round_):
+            if peer == self.me:
+                log.error("stage %d: %d of the round's %d replicas found this replica's gradient share of step %d not "
+                          "its work: they exclude it (SPEC §9.10 item 16)", self.runtime.stage, len(accusers),
+                          round_.group_size, step)
+                continue
             self.averager.exclude(peer)
             contact = round_.contacts.get(peer, "")
             self.excluded.append((peer, contact, step, accusers))

@@ -6,9 +6,11 @@ A :class:`WireTensor` pairs a dtype tag with a numpy array holding the elements 
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+import msgpack
 import numpy as np
 
 from . import spec
@@ -154,6 +156,19 @@ class Message:
         self.version = tuple(self.version)  # type: ignore[assignment]
 
 
+def payload_digest(tensors: Mapping[str, "WireTensor"]) -> bytes:
+    """SHA-256 of a message's tensors as they travel (SPEC §9.10 item 16): for each tensor, by
+    name in sorted order, msgpack ``[name, dtype tag, shape]`` then its elements' little-endian
+    bytes. What a run whose replicas check each other's work signs of each train ACT and GRAD."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name]
+        arr = t.wire_array()
+        h.update(msgpack.packb([name, t.dtype, list(arr.shape)]))
+        h.update(np.ascontiguousarray(arr).tobytes())
+    return h.digest()
+
+
 _HELLO_REQUIRED = {"fingerprint": "str", "num_stages": "uint", "capabilities": "strs", "nonce": "nonce",
                    "num_micro_batches": "count", "micro_batch_size": "count", "eval_batches": "uint"}
 _HELLO_OPTIONAL = {"components": "map", "peer": "str", "config": "map", "anchored": "bool", "max_in_flight": "count",
@@ -163,7 +178,8 @@ META_SCHEMA: dict[MessageType, tuple[dict[str, str], dict[str, str]]] = {
     MessageType.WELCOME: ({**_HELLO_REQUIRED, "hello_nonce": "nonce"}, _HELLO_OPTIONAL),
     MessageType.REJECT: ({"code": "str", "reason": "str"}, {"local": "any", "remote": "any", "hello_nonce": "nonce",
                                                              "anchored": "bool"}),
-    MessageType.ACT: ({"mode": "mode"}, {}),
+    MessageType.ACT: ({"mode": "mode"}, {"sig": "sig"}),
+    MessageType.GRAD: ({}, {"sig": "sig"}),
     MessageType.PROJ_GRAD: ({}, {"micro_batches": "uint"}),
     MessageType.REPORT: ({"loss": "float", "tokens": "uint"}, {"mode": "mode", "metrics": "metrics"}),
     MessageType.CODEBOOK_SLICE: ({}, {"stream": "stream", "start": "uint", "full": "bool"}),

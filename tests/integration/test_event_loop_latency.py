@@ -7,7 +7,7 @@ does); meanwhile the loop (a) runs a 20 ms periodic timer and (b) receives times
 that "another peer" (a thread with its own event loop and :class:`Transport`) sends over real
 ZeroMQ sockets on loopback every 20 ms. The worst timer lateness and the worst receive latency of
 the messages sent during the compute must stay far below the compute's length; afterwards the
-loop wraps the host payload for the wire (:func:`~mapl_swarm.peer.tensors.to_wire`, ``encode``).
+loop wraps the host payload for the wire (:func:`~mapl_swarm.pipeline.tensors.to_wire`, ``encode``).
 
 Running the compute on the loop instead (``python tests/integration/test_event_loop_latency.py``
 prints both variants) makes both figures about the compute's length: that is the failure this
@@ -28,7 +28,7 @@ import torch
 from mapl_swarm.net.transport import Transport, TransportConfig
 from mapl_swarm.peer.compute import ComputeThread
 from mapl_swarm.peer.host import tensors_to_host
-from mapl_swarm.peer.tensors import to_wire
+from mapl_swarm.pipeline.tensors import to_wire
 from mapl_swarm.wire import Message, MessageType, encode
 
 pytestmark = pytest.mark.timeout(120)

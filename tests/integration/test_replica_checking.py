@@ -1,12 +1,15 @@
 """Replicas check each other's work (issue 46 item 3, SPEC §9.10 item 16), on real hivemind averagers.
 
 Three certified replicas of the middle stage of a 3-stage MAPL pipeline (stages 0 and 2 one
-runtime each, in this process) train with ``replicas.check_fraction = 1``: every step each
-replica's share is recomputed by both partners from the inputs it took (ACTs and GRADs, asked of
-it through the averager's ``work_inputs`` call) and compared with the parts they reduced. Honest
-replicas' shares check out; one replica whose share is scaled by −10 before its rounds (modified
-code) is found wrong by both partners, excluded by both (its partners' averagers refuse it), and
-the two honest replicas average on without it, refusing its calls as a stranger's.
+runtime each, in this process, signing every ACT and GRAD as their links do) train with
+``replicas.check_fraction = 1``: every step each replica's share is recomputed by both partners
+from the inputs it took (ACTs and GRADs with their senders' signatures, asked of it through the
+averager's ``work_inputs`` call) and compared with the parts they reduced. Honest replicas' shares
+check out. One replica runs modified code: its share is scaled by −10 before its rounds, and, in
+the second case, the GRADs it hands its checkers are scaled too, so that they recompute its share
+as it sent it; the scaled share, or the GRADs its neighbour never signed, are found out by both
+partners, which exclude it (their averagers refuse it), and the two honest replicas average on
+without it, refusing its calls as a stranger's.
 """
 
 from __future__ import annotations
@@ -20,8 +23,11 @@ import torch
 
 from mapl_swarm.net.discovery import Discovery, TrustedAuthority
 from mapl_swarm.net.identity import issue_local, load_identity
+from mapl_swarm.pipeline.tensors import to_wire
+from mapl_swarm.pipeline.payload import ACT_WIRE, GRAD_WIRE
 from mapl_swarm.pipeline.stage import StageRuntime
 from mapl_swarm.step.assignment import replica_share
+from mapl_swarm.wire.message import payload_digest
 
 from conftest import micro_config
 from test_dht_certified import config, with_bootstrap
@@ -33,24 +39,33 @@ M = 6
 DISHONEST = 2
 
 
+def proof(identity: Any, kind: str, step: int, micro: int, payload: dict[str, torch.Tensor]) -> dict[str, bytes]:
+    """What the sender's link signs of a train ACT or GRAD (SPEC §9.10 item 16)."""
+    wire = ACT_WIRE if kind == "ACT" else GRAD_WIRE
+    digest = payload_digest({wire[k]: to_wire(t.contiguous()) for k, t in payload.items()})
+    return {"cert": identity.encoded_cert, "sig": identity.sign_work(kind, step, micro, digest)}
+
+
 def serve_step(step: int, first: StageRuntime, middle: list[StageRuntime], last: StageRuntime,
-               batches: list[torch.Tensor], live: list[int]) -> dict[int, list[int]]:
-    """Stage 0 -> the live middle replicas (each its share of the step) -> stage 2 and back; the
-    micro-batches each live replica took; the PROJ_GRADs to their senders."""
+               batches: list[torch.Tensor], live: list[int], signers: tuple[Any, Any]) -> dict[int, list[int]]:
+    """Stage 0 -> the live middle replicas (each its share of the step) -> stage 2 and back, the
+    ACTs and GRADs signed by ``signers`` (stage 0's and stage 2's identities); the micro-batches
+    each live replica took; the PROJ_GRADs to their senders."""
     took = {}
     for i, r in enumerate(live):
         took[r] = [g - step * M for g in replica_share(step, M, i, len(live))]
         for m in took[r]:
             act = first.forward(m, ids=batches[m]).payload
-            mid = middle[r].forward(m, payload=act).payload
+            mid = middle[r].forward(m, payload=act, proof=proof(signers[0], "ACT", step, m, act)).payload
             last.forward(m, payload=mid)
-            first.backward(m, middle[r].backward(m, last.backward(m, origin=str(r))))
+            grad = last.backward(m, origin=str(r))
+            first.backward(m, middle[r].backward(m, grad, proof=proof(signers[1], "GRAD", step, m, grad)))
         middle[r].add_outbound_projector_grad(last.take_inbound_projector_grad(str(r)))
     first.add_outbound_projector_grad(sum(middle[r].take_inbound_projector_grad() for r in live))
     return took
 
 
-def scenario(_bootstrap: Any, maddrs: list[str], ids: list) -> None:
+def scenario(_bootstrap: Any, maddrs: list[str], ids: list, signers: tuple[Any, Any], forged: bool, caplog: Any) -> None:
     from mapl_swarm.replicas.gradients import ReplicaGradients
 
     cfg = micro_config(pipeline={"num_stages": 3, "micro_batch_size": 2, "num_micro_batches": M},
@@ -62,17 +77,20 @@ def scenario(_bootstrap: Any, maddrs: list[str], ids: list) -> None:
     grads: list[Any] = []
     try:
         for r, disc in enumerate(discs):
-            grads.append(ReplicaGradients(middle[r], disc.dht, run_id=RUN, replicas=3))
+            grads.append(ReplicaGradients(middle[r], disc.dht, run_id=RUN, replicas=3, identity=ids[r]))
         peer = [g.me for g in grads]
         live = [0, 1, 2]
         with ThreadPoolExecutor(3) as pool:
             for step in range(5):
                 batches = [torch.randint(0, 256, (2, 17), generator=gen) for _ in range(M)]
-                took = serve_step(step, first, middle, last, batches, live)
+                took = serve_step(step, first, middle, last, batches, live, signers)
                 if DISHONEST in live:
                     for p in grads[DISHONEST].params:  # its share, scaled: the rest of what it sends is honest
                         if p.grad is not None:
                             p.grad.mul_(-10.0)
+                    if forged:  # and the GRADs it will hand over, to match (its neighbour signed others)
+                        for kept in middle[DISHONEST]._inputs.values():
+                            kept["bwd"]["grad"] = kept["bwd"]["grad"] * -10
                 rounds = dict(zip(live, pool.map(lambda r: grads[r].average(
                     took[r], step=step, timeout=60, expected=len(live)), live)))
                 assert all(x.group_size == len(live) and x.problem(M) is None for x in rounds.values()), rounds
@@ -98,10 +116,15 @@ def scenario(_bootstrap: Any, maddrs: list[str], ids: list) -> None:
                 assert grads[r].checker.counters["shares_checked"] > grads[r].checker.counters["shares_wrong"]
                 for s in range(step + 1):
                     assert not grads[r].accusations.accusers(peer[1 - r], s)
+            # what found it out: the recomputation, or (its GRADs forged to match) their signatures
+            found = [r.getMessage() for r in caplog.records
+                     if "is not its work" in r.getMessage() and peer[DISHONEST] in r.getMessage()]
+            why = "is not what a member of stage 2 signed" if forged else "of the recomputation's norm away"
+            assert found and all(why in m for m in found), found
             # the honest two average on without it: it is refused as a stranger
             live = [0, 1]
             took = serve_step(step + 1, first, middle, last, [torch.randint(0, 256, (2, 17), generator=gen)
-                                                              for _ in range(M)], live)
+                                                              for _ in range(M)], live, signers)
             rounds = dict(zip(live, pool.map(lambda r: grads[r].average(
                 took[r], step=step + 1, timeout=60, expected=2), live)))
             assert all(x.group == tuple(sorted(peer[:2])) and x.problem(M) is None for x in rounds.values())
@@ -117,7 +140,11 @@ def scenario(_bootstrap: Any, maddrs: list[str], ids: list) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_partners_recompute_each_share_and_exclude_a_replica_whose_share_is_not_its_work(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("forged", [False, True], ids=["scaled-share", "scaled-share-and-inputs"])
+def test_partners_recompute_each_share_and_exclude_a_replica_whose_share_is_not_its_work(
+        tmp_path, monkeypatch, caplog, forged) -> None:
     local = issue_local(tmp_path / "ids", run_id=RUN, num_stages=3, replicas=[1, 3, 1])
     ids = [load_identity(local.key_file(1, r), local.cert_file(1, r), run_id=RUN, stage=1) for r in range(3)]
-    with_bootstrap(monkeypatch, TrustedAuthority(RUN, local.authority.public), functools.partial(scenario, ids=ids))
+    signers = tuple(load_identity(local.key_file(s), local.cert_file(s), run_id=RUN, stage=s) for s in (0, 2))
+    with_bootstrap(monkeypatch, TrustedAuthority(RUN, local.authority.public),
+                   functools.partial(scenario, ids=ids, signers=signers, forged=forged, caplog=caplog))

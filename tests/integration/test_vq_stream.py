@@ -16,7 +16,7 @@ import pytest
 
 from mapl_swarm.compress.codebook_sync import CodebookSlice, VQReceiver
 from mapl_swarm.net.transport import Transport, TransportConfig
-from mapl_swarm.peer.tensors import from_wire
+from mapl_swarm.pipeline.tensors import from_wire
 from mapl_swarm.wire import Message, MessageType, decode, encode
 from mapl_swarm.wire.codebook import CodebookVersionMismatch, resync_message
 from mapl_swarm.wire.session import new_nonce

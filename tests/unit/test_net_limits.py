@@ -13,7 +13,7 @@ import torch
 from mapl_swarm.config import config_from_dict
 from mapl_swarm.net.limits import SLACK_FRACTION, derived_max_message_bytes, max_message_bytes, payload_bounds
 from mapl_swarm.net.transport import TransportConfig
-from mapl_swarm.peer.tensors import to_wire
+from mapl_swarm.pipeline.tensors import to_wire
 from mapl_swarm.pipeline.payload import ACT_WIRE, GRAD_WIRE, WireName
 from mapl_swarm.pipeline.stage import StageRuntime
 from mapl_swarm.wire import Message, MessageType as MT, encode

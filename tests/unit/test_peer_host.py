@@ -13,7 +13,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from mapl_swarm.compress.codebook_sync import CodebookSlice
 from mapl_swarm.peer.host import HostRuntime, slices_to_host, tensors_to_host, to_host
-from mapl_swarm.peer.tensors import from_wire, to_wire
+from mapl_swarm.pipeline.tensors import from_wire, to_wire
 from mapl_swarm.pipeline.stage import ForwardResult
 from mapl_swarm.wire import Message, MessageType, decode, encode
 

@@ -112,6 +112,8 @@ def _valid(v: dict[str, list[bytes]]) -> list[Case]:
         "act_eval": "ACT eval: int32 ids (lz4) and fp16 z (raw)",
         "act_vq": "ACT with uint8 VQ codes (lz4 does not pay: sent raw)",
         "grad": "GRAD with bf16 dz",
+        "act_train_signed": "2.1: ACT train with its sender's sig (replicas.check_fraction: Ed25519 over \"mapl-work "
+                            "v1\\0\" + msgpack [run, \"ACT\", step, micro, SHA-256 of the tensors, SPEC §9.10 item 16])",
         "proj_grad": "PROJ_GRAD with fp32 (8, 4) gradient",
         "proj": "PROJ with fp32 (8, 4) projector, pver 13",
         "report": "REPORT loss, tokens, mode and metrics",
@@ -457,6 +459,7 @@ def _invalid_replicas(v: dict[str, list[bytes]]) -> list[Case]:
         ("route_acts_negative", _edit(v["route_end"], _meta(acts=-3)), IM, "2.1: ROUTE end with acts -3"),
         ("route_with_tensor", _edit([*v["route_ready"], b"\x07"], route_tensor), IM, "2.1: ROUTE carrying a tensor"),
         ("route_redo_no_gone", _edit(v["route_redo"], _meta(gone=_DROP)), IM, "2.1: ROUTE redo without gone"),
+        ("act_sig_short", _edit(v["act_train_signed"], _meta(sig=bytes(63))), IM, "2.1: ACT with a 63-byte sig"),
         ("route_exclude_no_gone", _edit(v["route_exclude"], _meta(gone=_DROP)), IM, "2.1: ROUTE exclude without gone"),
         ("route_held_not_gone", _edit(v["route_redo"], _meta(held=[3])), IM, "2.1: ROUTE redo with held "
          "(only gone names held micro-batches)"),

@@ -152,6 +152,14 @@ def samples() -> dict[str, Message]:
         tensors={"ids": WireTensor("int64", sample_ids(b, t + 1)), "z": WireTensor("bf16", z)},
         **common,
     )
+    out["act_train_signed"] = Message(
+        type=MessageType.ACT,
+        src=0,
+        dst=1,
+        meta={"mode": "train", "sig": bytes(range(128, 192))},
+        tensors={"ids": WireTensor("int64", sample_ids(b, t + 1)), "z": WireTensor("bf16", z)},
+        **common,
+    )
     out["act_eval"] = Message(
         type=MessageType.ACT,
         src=1,

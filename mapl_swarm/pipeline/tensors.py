@@ -4,10 +4,12 @@ Stage payloads (see :mod:`mapl_swarm.pipeline.stage`) already hold wire dtypes; 
 :class:`~mapl_swarm.wire.WireTensor` s and back, bit for bit. bf16 travels as its raw uint16
 patterns.
 
-Threads: :func:`to_wire` runs on the event loop (in :meth:`~.link.PeerLink.send`) and only wraps
-memory: it takes host tensors that the compute thread already brought to the host
-(:mod:`.host`) and refuses any other. :func:`from_wire` copies a received frame once into torch
-memory (pinned on request) and runs on the compute thread (:class:`~.host.HostRuntime`).
+Threads: :func:`to_wire` runs on the event loop (in
+:meth:`~mapl_swarm.peer.link.PeerLink.send`) and only wraps memory: it takes host tensors that the
+compute thread already brought to the host (:mod:`mapl_swarm.peer.host`) and refuses any other.
+:func:`from_wire` copies a received frame once into torch memory (pinned on request) and runs on
+the compute thread (:class:`~mapl_swarm.peer.host.HostRuntime`); the replicas that check a
+partner's work (:mod:`mapl_swarm.replicas.checker`) digest its inputs through :func:`to_wire` too.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def to_wire(t: torch.Tensor) -> WireTensor:
     """A WireTensor viewing the memory of ``t``, a contiguous CPU tensor (no copy, no device work).
 
     Raises ValueError for a tensor on another device or a non-contiguous one: bringing tensors to
-    the host is the compute thread's job (:func:`~.host.to_host`), never the event loop's.
+    the host is the compute thread's job (:func:`~mapl_swarm.peer.host.to_host`), never the event loop's.
 
     Ownership until ZeroMQ has sent the bytes (pinned buffers included; nothing here copies):
     the numpy array from ``Tensor.numpy()`` has as ``.base`` a torch Tensor sharing ``t``'s
@@ -49,7 +51,7 @@ def to_wire(t: torch.Tensor) -> WireTensor:
     (smaller frames are copied by pyzmq). So frame -> array view -> array -> base tensor ->
     storage, and the storage is freed (a pinned block goes back to torch's host cache) only after
     the send has completed. The tensor must not be written meanwhile: the compute thread hands
-    fresh buffers to the wire (see :mod:`.host`).
+    fresh buffers to the wire (see :mod:`mapl_swarm.peer.host`).
     """
     tag = TORCH_TO_TAG.get(t.dtype)
     if tag is None:

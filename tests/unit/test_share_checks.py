@@ -114,3 +114,25 @@ def test_check_fraction_is_a_probability_and_needs_a_codec_without_streamed_code
     with pytest.raises(ConfigError, match="streamed codebooks"):
         micro_config(replicas={"enabled": True, "check_fraction": 0.1},
                      compression={"codec": "mapl_vq", "vq": {"update": "step"}})
+
+
+def test_the_payload_digest_is_pinned_and_a_signed_work_verifies_only_as_what_was_sent(tmp_path):
+    """SPEC §9.10 item 16: the digest of the ``act_train_signed`` vector's tensors (what an
+    independent client must compute), and a member's signature of its ACT, which verifies for its
+    stage, kind, step, micro-batch and bytes only."""
+    from mapl_swarm.net.identity import CertificateError, issue_local, load_identity
+    from mapl_swarm.wire.golden.samples import samples
+    from mapl_swarm.wire.message import payload_digest
+
+    act = samples()["act_train_signed"]
+    digest = payload_digest(act.tensors)
+    assert digest.hex() == "7e130b2a048dd1ea33206addf3639557be4e4002e8af181b17469cc6adb33f2c"
+    local = issue_local(tmp_path, run_id="run-work", num_stages=2)
+    sender, checker = (load_identity(local.key_file(s), local.cert_file(s), run_id="run-work", stage=s) for s in (0, 1))
+    proof = {"cert": sender.encoded_cert, "sig": sender.sign_work("ACT", 12, 3, digest)}
+    assert checker.verify_work(proof, kind="ACT", step=12, micro=3, digest=digest, stage=0).name == sender.body.name
+    for wrong in (dict(kind="GRAD"), dict(step=13), dict(micro=4), dict(digest=bytes(32)), dict(stage=1)):
+        with pytest.raises(CertificateError):
+            checker.verify_work(proof, **{**dict(kind="ACT", step=12, micro=3, digest=digest, stage=0), **wrong})
+    checker.revoked.add(sender.body.serial)  # revoked since: what it sent is still its word
+    assert checker.verify_work(proof, kind="ACT", step=12, micro=3, digest=digest, stage=0)
