@@ -292,10 +292,11 @@ class ReplicaGradients:
             self.averager.exclude(peer)
             contact = round_.contacts.get(peer, "")
             self.excluded.append((peer, contact, step, accusers))
-            log.error("stage %d: replica %s (peer id %s) is excluded: %d of the round's %d replicas found its gradient "
-                      "share of step %d not its work (SPEC §9.10 item 16); its partners refuse it and tell the "
-                      "neighbour stages. Its certificate can be revoked (mapl-swarm keys revoke)",
-                      self.runtime.stage, contact or "?", peer, len(accusers), round_.group_size, step)
+            log.error("stage %d: replica %s (peer id %s) is excluded in the round of step %d: %d of the round's %d "
+                      "replicas found its gradient share of step %d not its work (SPEC §9.10 item 16); its partners "
+                      "refuse it and tell the neighbour stages. Its certificate can be revoked (mapl-swarm keys "
+                      "revoke)", self.runtime.stage, contact or "?", peer, round_.steps.get(self.me, -1),
+                      len(accusers), round_.group_size, step)
 
     def take_excluded(self) -> list[tuple[str, str, int, frozenset[str]]]:
         """The members excluded since the last call."""

@@ -43,13 +43,13 @@ def test_partners_find_a_wrong_share_and_the_neighbours_cut_its_replica_off(tmp_
         codes = {key: p.wait(600) for key, p in honest.items()}
         assert not any(codes.values()), {key: honest[key].output[-3000:] for key, c in codes.items() if c}
 
-        excluded = re.compile(r"replica (\S+) \(peer id \S+\) is excluded: (\d) of the round's 3 replicas found its "
-                              r"gradient share of step (\d+) not its work")
+        excluded = re.compile(r"replica (\S+) \(peer id \S+\) is excluded in the round of step (\d+): (\d) of the "
+                              r"round's 3 replicas found its gradient share of step \d+ not its work")
         found = [excluded.search(honest[key].output) for key in ((1, 0), (1, 1))]
         assert all(found), [honest[key].output[-3000:] for key in ((1, 0), (1, 1))]
         contact = found[0].group(1)
-        assert all(f.group(1) == contact and f.group(2) in "23" for f in found)
-        assert int(found[0].group(3)) < EXCLUDED_BY, found[0].group(0)
+        assert all(f.group(1) == contact and f.group(3) in "23" for f in found)
+        assert int(found[0].group(2)) < EXCLUDED_BY, found[0].group(0)
         # the neighbours cut it off on its stage's word, and never an honest partner
         for key in ((0, 0), (2, 0)):
             out = honest[key].output
