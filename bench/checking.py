@@ -83,6 +83,7 @@ def _run(tmp: Path, name: str, steps: int, fraction: float, attack: str | None, 
             "check_s": sum(c.get("check_s", 0.0) for c in checking),
             "shares_checked": sum(c.get("shares_checked", 0) for c in checking),
             "shares_wrong": sum(c.get("shares_wrong", 0) for c in checking),
+            "largest_ok_difference": max((c.get("largest_ok_difference", 0.0) for c in checking), default=0.0),
             "excluded": [{"round_step": int(a), "accusers": int(b), "share_step": int(c)} for a, b, c in excluded],
         }
 
@@ -93,7 +94,8 @@ def main() -> int:
     ap.add_argument("--fractions", default="0,0.05,0.2")
     ap.add_argument("--attacks", default="-10,sign,noise,bias")
     ap.add_argument("--attack-fraction", type=float, default=0.2)
-    ap.add_argument("--kernel", default="default", help="ATEN_CPU_CAPABILITY of replica 2 in the mixed-kernel run")
+    ap.add_argument("--kernel", default="default",
+                    help="ATEN_CPU_CAPABILITY of replica 2 in the mixed-kernel run (empty: no such run)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/checking.json")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # NAME FRACTION ATTACK|- KERNEL|-: one run, to --out
     args = ap.parse_args()
@@ -107,7 +109,7 @@ def main() -> int:
     t0 = time.time()
     plan = [(f"honest-{f}", f, "-", "-") for f in args.fractions.split(",")]
     plan += [(f"attack{a}", str(args.attack_fraction), a, "-") for a in args.attacks.split(",") if a]
-    plan += [(f"mixed-{args.kernel}", str(args.attack_fraction), "-", args.kernel)]
+    plan += [(f"mixed-{args.kernel}", str(args.attack_fraction), "-", args.kernel)] if args.kernel else []
     runs: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp_name:
         for name, fraction, attack, kernel in plan:
@@ -119,8 +121,7 @@ def main() -> int:
             print(f"{name}: {len(r['losses'])} steps, {r['tokens_per_s']:.0f} tok/s, bytes/step "
                   f"{ {k: round(v) for k, v in r['bytes_per_step'].items()} }, excluded {r['excluded']} "
                   f"({time.time() - t0:.0f} s so far)", flush=True)
-    ref = runs[f"honest-{args.attack_fraction:g}"] if f"honest-{args.attack_fraction:g}" in runs else \
-        runs[f"honest-{args.attack_fraction}"]
+    ref = runs.get(f"honest-{args.attack_fraction:g}") or runs.get(f"honest-{args.attack_fraction}")
 
     def last20(losses: list[float]) -> float:
         return sum(losses[-20:]) / len(losses[-20:])
@@ -133,13 +134,14 @@ def main() -> int:
                             "recomputed_per_trained": r["recomputed_per_trained"], "check_s": r["check_s"],
                             "excluded": r["excluded"]}
                      for name, r in runs.items() if name.startswith("honest")},
-        "attacks": {name: {"excluded": r["excluded"], "final_loss": r["losses"][-1],
+        "attacks": {} if ref is None else {name: {"excluded": r["excluded"], "final_loss": r["losses"][-1],
                            "final_vs_honest_pct": 100 * (r["losses"][-1] - ref["losses"][-1]) / ref["losses"][-1],
                            "last20_vs_honest_pct": 100 * (last20(r["losses"]) - last20(ref["losses"]))
                            / last20(ref["losses"])}
                     for name, r in runs.items() if name.startswith("attack")},
         "mixed_kernels": {name: {"excluded": r["excluded"], "shares_checked": r["shares_checked"],
-                                 "shares_wrong": r["shares_wrong"]}
+                                 "shares_wrong": r["shares_wrong"],
+                                 "largest_ok_difference": r.get("largest_ok_difference")}
                           for name, r in runs.items() if name.startswith("mixed")},
     }
     result = {"command": " ".join(["python", "bench/checking.py", *sys.argv[1:]]),

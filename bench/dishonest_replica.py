@@ -9,9 +9,11 @@ gradients (each tensor g) are altered by ATTACK:
 - a number S: g × S (−10: a share scaled by −10; −1: a sign flip);
 - ``sign``: g × −1;
 - ``noise``: g replaced by Gaussian noise of g's norm;
-- ``bias``: g + 0.1 ‖g‖ u, u a fixed unit direction per tensor (a 10% bias toward it).
+- ``bias``: g + 0.1 ‖g‖ u, u a fixed unit direction per tensor (a 10% bias toward it);
+- ``digest``: its share is honest, but every round it gathers a random parameter digest and a
+  sketch 1.5 times its own (it lies about the parameters it holds).
 
-Everything it sends is well-formed; only its share is wrong. For ``bench/robust_attack.py``,
+Everything it sends is well-formed; only its share (or its word on its parameters) is wrong. For ``bench/robust_attack.py``,
 ``bench/checking.py`` and the slow tests; never a peer of a real run.
 """
 
@@ -49,7 +51,27 @@ def alter(attack: str):
     return lambda _i, g: g.mul_(scale)
 
 
+def lie_about_digest() -> None:
+    """Every round gathers a random digest and a sketch that is not close to the stage's."""
+    import secrets
+
+    from mapl_swarm.replicas.gradients import ReplicaGradients
+
+    honest = ReplicaGradients._gather
+
+    def gather(self, *args, **kwargs):
+        data = honest(self, *args, **kwargs)
+        return {**data, "digest": secrets.token_hex(32), "sketch": [x * 1.5 for x in data["sketch"]]}
+
+    ReplicaGradients._gather = gather
+
+
 def main() -> None:
+    if sys.argv[1] == "digest":
+        lie_about_digest()
+        from mapl_swarm.cli import main as cli_main
+
+        sys.exit(cli_main(sys.argv[2:]))
     change = alter(sys.argv[1])
     from mapl_swarm.replicas.gradients import ReplicaGradients
 

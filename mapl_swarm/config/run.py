@@ -268,7 +268,7 @@ class ReplicasConfig:
     share of the step is drawn with this probability (from nonces the replicas revealed only after
     the shares were sent), and every other replica of the stage recomputes it from the inputs the
     replica took (its ACTs and GRADs) and compares it with its own part of the all-reduce. A share
-    that a majority of the stage's replicas find wrong excludes its replica (SPEC §9.10 item 16).
+    that a majority of the stage's replicas find wrong excludes its replica (SPEC §9.10 item 15).
     About this fraction of every replica's compute, times the replicas of its stage less one, is
     spent on checking. Needs a codec without streamed codebooks (a checker cannot rebuild another
     replica's mid-step codebooks)."""

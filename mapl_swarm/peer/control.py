@@ -173,7 +173,7 @@ class Control:
         await self.schedule.on_control(msg, link)
 
     def _on_exclude(self, msg: Message, link: PeerLink) -> None:
-        """ROUTE ``exclude`` (SPEC §9.10 item 16): the rounds of ``link``'s stage found the work of the
+        """ROUTE ``exclude`` (SPEC §9.10 item 15): the rounds of ``link``'s stage found the work of the
         replicas it names wrong, and ``link``'s replica is among those that found so. A named
         replica is cut off and refused (as its certificate were revoked) once more than half of this
         peer's live links to that stage said so: one dishonest replica cannot have a partner cut
@@ -192,7 +192,7 @@ class Control:
             if 2 * len(votes) > len(live):
                 cert = target.peer_certificate
                 self.peer.exclude(target, f"{len(votes)} of the {len(live)} replicas of stage {link.stage} found its "
-                                          f"gradient share not its work (SPEC §9.10 item 16)"
+                                          f"work wrong (SPEC §9.10 item 15)"
                                           + (f"; revoke certificate serial {cert.serial}" if cert is not None else ""))
 
     def _corroborate(self, redo: tuple[int, int], member: str) -> None:

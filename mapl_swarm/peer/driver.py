@@ -534,7 +534,7 @@ class Schedule:
             self.result.checking = {**replicas.checker.report(),
                                     "excluded": [[c, s] for _, c, s, _ in replicas.excluded]}
         for _peer, contact, _step, _accusers in replicas.take_excluded():
-            for link in list(self.links):  # SPEC §9.10 item 16: the neighbours cut it off on most partners' word
+            for link in list(self.links):  # SPEC §9.10 item 15: the neighbours cut it off on most partners' word
                 if contact and link.welcomed and link.contact is not None:
                     await self._do(do.SendRoute(link.name, intent.token.step, "exclude", gone=(contact,)))
         core.answer(intent, round_)

@@ -273,7 +273,7 @@ class Ingress:
 
     def _unsigned_work(self, msg: Message, link: PeerLink) -> bool:
         """A train ACT or GRAD that its sender did not sign, in a run whose replicas check each other's
-        work (SPEC §9.10 item 16): dropped (``not_allowed``), since this peer could not show a checker
+        work (SPEC §9.10 item 15): dropped (``not_allowed``), since this peer could not show a checker
         what it was given. True when dropped."""
         if not (link.settings.sign_work and link.settings.identity is not None
                 and (msg.type is MT.GRAD or (msg.type is MT.ACT and msg.meta.get("mode") == "train"))):
@@ -281,7 +281,7 @@ class Ingress:
         if link.work_proof(msg) is not None:
             return False
         self.rejects("not_allowed", link.name, f"{msg.type.name} of step {msg.step} micro-batch {msg.micro} without "
-                                               f"its sender's signature (SPEC §9.10 item 16)")
+                                               f"its sender's signature (SPEC §9.10 item 15)")
         return True
 
     def _hold(self, arrival: Arrival, link: str) -> None:

@@ -127,7 +127,7 @@ class LinkSettings:
     identity: PeerIdentity | None = None
     """A certified peer's identity (SPEC §7.2): its certificate goes in its HELLO, others' are checked."""
     sign_work: bool = False
-    """Replicas check each other's work (``replicas.check_fraction``, SPEC §9.10 item 16): a certified
+    """Replicas check each other's work (``replicas.check_fraction``, SPEC §9.10 item 15): a certified
     peer signs every train ACT and GRAD it sends, and takes only signed ones."""
     compress_ids: bool = True
     """lz4 on integer tensors (ids, codes) when it helps; False sends every tensor raw."""
@@ -462,7 +462,7 @@ class PeerLink:
             "GRAD", step, micro, tensors), kinds={name: LinkKind.GRAD for name in tensors}, cver=cver)
 
     def _signed(self, kind: str, step: int, micro: int, tensors: Mapping[str, torch.Tensor]) -> dict[str, bytes]:
-        """``sig`` of a train ACT or GRAD (SPEC §9.10 item 16), when this peer signs its work."""
+        """``sig`` of a train ACT or GRAD (SPEC §9.10 item 15), when this peer signs its work."""
         identity = self.settings.identity
         if not self.settings.sign_work or identity is None:
             return {}

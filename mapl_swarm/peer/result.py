@@ -41,7 +41,7 @@ class PeerResult:
     """With replicas (SPEC §9.10): this replica's averaging rounds and the tensor bytes their
     all-reduces sent and received (``rounds``, ``sent_bytes``, ``received_bytes``)."""
     checking: dict[str, Any] = field(default_factory=dict)
-    """With ``replicas.check_fraction`` (SPEC §9.10 item 16): what checking the partners' work cost
+    """With ``replicas.check_fraction`` (SPEC §9.10 item 15): what checking the partners' work cost
     and found (:attr:`~mapl_swarm.replicas.checker.ShareChecker.counters`: shares checked and found
     wrong, micro-batches recomputed, seconds, inputs' bytes received and served) and the members
     the stage's rounds excluded (``excluded``: contact, step)."""

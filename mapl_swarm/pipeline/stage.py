@@ -135,7 +135,7 @@ class StageRuntime:
         """Compression health metrics (metrics.health_interval_steps); see :mod:`.probe`."""
         self.recording = cfg.replicas.check_fraction > 0
         """Keep each train micro-batch's inputs (replicas that check each other's work, SPEC §9.10
-        item 16): a partner recomputes this replica's gradient share of a step from them."""
+        item 15): a partner recomputes this replica's gradient share of a step from them."""
         self._inputs: dict[int, dict[str, dict[str, Any]]] = {}
         self.kept_inputs: dict[int, dict[int, dict[str, dict[str, Any]]]] = {}
         """With :attr:`recording`: the inputs of the last :data:`KEPT_STEPS` steps taken, by step,

@@ -433,7 +433,8 @@ class StageAverager(DecentralizedAverager):
         for message in work.answer(self.serializer.dumps(metadata), tensors):
             yield message
 
-    def fetch_inputs(self, peer: str, step: int, epoch: int, *, timeout: float) -> tuple[Any, list[torch.Tensor]] | None:
+    def fetch_inputs(self, peer: str, step: int, epoch: int, *,
+                     timeout: float) -> tuple[Any, list[torch.Tensor]] | None:
         """The inputs member ``peer`` (its peer id as text) took in ``step`` of run epoch ``epoch``, as it
         answers (metadata, tensors); None when it answered none. Raises :class:`ConnectionError`
         when no answer came within ``timeout`` s (the member, or the way to it, failed)."""

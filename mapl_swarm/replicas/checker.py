@@ -1,4 +1,4 @@
-"""A replica that checks its partners' gradient shares by recomputing them (SPEC §9.10 item 16).
+"""A replica that checks its partners' gradient shares by recomputing them (SPEC §9.10 item 15).
 
 The host side of :mod:`.work`: the replica keeps its stage's parameters of each step it averaged
 (before the step was taken) and, with its runtime, the inputs it took; a share drawn for checking
@@ -10,14 +10,15 @@ share this replica reduced. Not compared: the outbound projector's gradient, whi
 PROJ_GRADs the member received from downstream (not among its inputs), and the codec's step
 statistics (none in a codec that can be checked).
 
-A member that gives no inputs within the deadline, or inputs of other micro-batches than it
-gathered, fails its check as a wrong share does. What a check costs is counted
-(:attr:`ShareChecker.counters`): shares checked, micro-batches recomputed, seconds, input bytes.
+A member that answers no inputs, inputs missing a micro-batch its round named, or inputs its
+neighbours did not sign (a certified run: :func:`unproven`) fails its check as a wrong share does;
+a checker that cannot ask or compare (no answer at all, its own kept state gone) gives no verdict.
+What a check costs is counted (:attr:`ShareChecker.counters`): shares checked and found wrong,
+micro-batches recomputed, seconds, input bytes received and served.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import queue
 import threading
@@ -43,8 +44,9 @@ INPUTS_TIMEOUT_S = 30.0
 """How long a checker waits for a member's inputs."""
 VERDICT_ROUNDS = 3
 """Rounds a verdict is gathered in (a round whose attempt failed gathers it again)."""
-KEPT_STATES = KEPT_STEPS
-"""Steps whose parameters a checking replica keeps."""
+KEPT_STATES = 3
+"""Steps whose parameters a checking replica keeps (in host memory): a share is drawn in the next
+round and checked at once, unless the checker's thread is behind (then it gives no verdict)."""
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,7 @@ def unpack_inputs(metadata: Any, tensors: list[torch.Tensor]) -> Inputs | None:
 def unproven(inputs: Inputs, identity: Any, *, stage: int, last: bool, step: int) -> str | None:
     """Why ``inputs`` of ``step`` at ``stage`` are not what the neighbour stages' members sent (each
     ACT signed by a member of ``stage`` − 1, each GRAD by one of ``stage`` + 1, over its micro-batch
-    and bytes: SPEC §9.10 item 16), or None."""
+    and bytes: SPEC §9.10 item 15), or None."""
     for micro, got in sorted(inputs.items()):
         for side, kind, wire, sender, needed in (("fwd", "ACT", ACT_WIRE, stage - 1, stage > 0),
                                                  ("bwd", "GRAD", GRAD_WIRE, stage + 1, not last)):
@@ -141,14 +143,14 @@ class ShareChecker:
         self._pending = 0
         self._done = threading.Condition(self._lock)
         self.counters = {"shares_checked": 0, "shares_wrong": 0, "micro_batches_recomputed": 0, "check_s": 0.0,
-                         "input_bytes": 0, "served_input_bytes": 0}
+                         "input_bytes": 0, "served_input_bytes": 0, "largest_ok_difference": 0.0}
         """What checking cost and found so far (read with :meth:`report`)."""
         threading.Thread(target=self._work, name="share-checker", daemon=True).start()
 
     # ------------------------------------------------------------------ what this replica keeps
     def keep_state(self, step: int) -> None:
         """The stage's parameters now, before ``step`` is taken (call after its round)."""
-        state = {k: v.detach().clone() for k, v in self.runtime.modules.state_dict().items()}
+        state = {k: v.detach().to("cpu", copy=True) for k, v in self.runtime.modules.state_dict().items()}
         with self._lock:
             self._states[step] = state
             for old in sorted(self._states)[:-KEPT_STATES]:
@@ -235,15 +237,16 @@ class ShareChecker:
         inputs = unpack_inputs(*got)
         with self._lock:
             self.counters["input_bytes"] += sum(t.numel() * t.element_size() for t in got[1])
-        if inputs is None or sorted(inputs) != sorted(check.micro):
+        if inputs is None or not set(check.micro) <= set(inputs):
             return False, (f"its inputs name micro-batches {sorted(inputs or [])}, its round named "
                            f"{sorted(check.micro)}")
+        inputs = {m: inputs[m] for m in check.micro}
         if self.identity is not None and (why := unproven(inputs, self.identity, stage=self.runtime.stage,
                                                            last=self.runtime.is_last, step=check.step)) is not None:
             return False, why
         try:
             flat, skip = self._recompute(state, inputs, check.micro)
-        except (KeyError, ValueError, RuntimeError, IndexError) as exc:  # inputs of the wrong shape or kind
+        except (KeyError, ValueError) as exc:  # a payload missing, or of the wrong shape (others: this replica's)
             return False, f"its inputs do not run: {type(exc).__name__}: {exc}"
         with self._lock:
             self.counters["micro_batches_recomputed"] += len(check.micro)
@@ -252,9 +255,14 @@ class ShareChecker:
             raise RuntimeError(f"no part of its share of step {check.step} is kept here")
         how = (f"its part reduced here ({found.values} values) is {found.relative:.3g} of the recomputation's norm "
                f"away from it, over its {len(check.micro)} micro-batch(es); tolerance {SHARE_TOLERANCE:g}")
-        return found.relative <= SHARE_TOLERANCE, how
+        ok = found.relative <= SHARE_TOLERANCE
+        if ok:
+            with self._lock:  # how close honest work came to the tolerance
+                self.counters["largest_ok_difference"] = max(self.counters["largest_ok_difference"], found.relative)
+        return ok, how
 
-    def _recompute(self, state: dict[str, torch.Tensor], inputs: Inputs, micro: tuple[int, ...]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    def _recompute(self, state: dict[str, torch.Tensor], inputs: Inputs,
+                   micro: tuple[int, ...]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """The share ``micro`` give from ``inputs`` with the parameters ``state``, as one flat fp32
         vector in the all-reduce's order, and the ranges not compared."""
         if self._shadow is None:
@@ -262,7 +270,7 @@ class ShareChecker:
             self._shadow.recording = False
         shadow = self._shadow
         shadow.abandon_step()
-        shadow.modules.load_state_dict(copy.copy(state))
+        shadow.modules.load_state_dict(state)
         with torch.enable_grad():
             for m in micro:
                 fwd = inputs[m]["fwd"]
@@ -275,7 +283,8 @@ class ShareChecker:
         parts, skip, at = [], [], 0
         outbound = shadow.outbound.projector if shadow.outbound is not None and shadow.outbound.trainable else None
         for p in shadow.optimized_parameters():
-            g = torch.zeros(p.numel()) if p.grad is None else p.grad.detach().to("cpu", torch.float32).reshape(-1) * scale
+            g = torch.zeros(p.numel()) if p.grad is None else \
+                p.grad.detach().to("cpu", torch.float32).reshape(-1) * scale
             if p is outbound:
                 skip.append((at, at + p.numel()))
             parts.append(g)

@@ -48,7 +48,7 @@ from mapl_swarm.replicas.averaging import GATHER_ONLY, StageAverager
 from mapl_swarm.replicas.checker import Check, ShareChecker
 from mapl_swarm.replicas.errors import AveragingFailed, Behind, RoundCancelled
 from mapl_swarm.replicas.state import state_summary
-from mapl_swarm.step.checking import Accusations, drawn
+from mapl_swarm.step.checking import Accusations, divergent, drawn, stubborn
 from mapl_swarm.step.rounds import (NONCE_BYTES, RESUME_STEP, SYNC_STEP, ReplicaStep, commitment, read_round,
                                     round_counts)
 
@@ -75,8 +75,9 @@ class ReplicaGradients:
     """The gradients of stage replica ``runtime`` (a :class:`~mapl_swarm.pipeline.stage.StageRuntime`),
     averaged among the replicas of its stage in run ``run_id`` through ``dht`` (the replica's
     certified DHT node); a round starts at once when ``replicas`` are in. ``identity``: the
-    replica's certified identity, with which it checks its partners' inputs (SPEC §9.10 item 16). Create it before the event
-    loop and torch threads (it forks); :meth:`attach` a session's runtime of the same shapes."""
+    replica's certified identity, with which it checks its partners' inputs (SPEC §9.10 item 15).
+    Create it before the event loop and torch threads (it forks); :meth:`attach` a session's
+    runtime of the same shapes."""
 
     def __init__(self, runtime: Any, dht: Any, *, run_id: str, replicas: int, identity: Any = None,
                  **averager_kwargs: Any) -> None:
@@ -89,10 +90,13 @@ class ReplicaGradients:
         self.check_fraction = runtime.cfg.replicas.check_fraction
         self.checker = ShareChecker(runtime, partial(type(runtime), runtime.cfg, runtime.stage, runtime.device),
                                     identity) if self.check_fraction > 0 else None
-        """Checks the partners' shares (SPEC §9.10 item 16; ``replicas.check_fraction`` above 0)."""
+        """Checks the partners' shares (SPEC §9.10 item 15; ``replicas.check_fraction`` above 0)."""
         self.accusations = Accusations()
         self._checked: ReplicaStep | None = None
         """The last round whose all-reduce ran and whose shares are not drawn yet."""
+        self._previous: ReplicaStep | None = None
+        """The last step round that went to the core (a member stubbornly divergent in it and the next
+        is excluded)."""
         self.excluded: list[tuple[str, str, int, frozenset[str]]] = []
         """(peer id, contact, step, accusers) of each member the stage's rounds excluded, in order
         (:meth:`take_excluded`)."""
@@ -271,32 +275,41 @@ class ReplicaGradients:
         return round_
 
     def _check(self, round_: ReplicaStep, reduced: bool) -> None:
-        """What ``round_`` decides of SPEC §9.10 item 16: the shares of the last round whose
+        """What ``round_`` decides of SPEC §9.10 item 15: the shares of the last round whose
         all-reduce ran (its members reveal their nonces of it here) that are drawn for checking,
-        queued to :attr:`checker`, and the members its verdicts exclude (:attr:`on_excluded`)."""
+        queued to :attr:`checker`, and the members its verdicts exclude (:attr:`excluded`)."""
         prior, self._checked = self._checked, round_ if reduced else None
-        if round_.steps.get(self.me, SYNC_STEP) < 0:
+        step = round_.steps.get(self.me, SYNC_STEP)
+        if step < 0:
             return
+        previous, self._previous = self._previous, round_
+        # only a step that was taken is checked: a redone one's inputs were forgotten with its work
+        taken = prior is not None and step > prior.steps.get(self.me, step)
         if self.checker is not None:
             self.checker.delivered()
-            for peer in drawn(prior, round_, self.check_fraction) if prior is not None else ():
+            for peer in drawn(prior, round_, self.check_fraction) if taken else ():
                 if peer != self.me:
                     self.checker.queue(Check(peer, prior.contacts.get(peer, ""), prior.steps[peer],
                                              prior.epochs[peer], prior.micro[peer]))
-        for peer, step, accusers in self.accusations.add(round_):
+        n = round_.group_size
+        why = {peer: (f"{len(accusers)} of the round's {n} replicas found its gradient share of step {wrong} not its "
+                      f"work", wrong, accusers) for peer, wrong, accusers in self.accusations.add(round_)}
+        for peer in stubborn(round_, previous) if self.checker is not None else ():
+            if self.accusations.exclude(peer):
+                holders = frozenset(p for p in round_.group if p not in divergent(round_))
+                why[peer] = (f"it held other parameters than {len(holders)} of the round's {n} replicas in two rounds "
+                             f"in a row, the second after it was to load their state", step, holders)
+        for peer, (reason, wrong, accusers) in why.items():
             if peer == self.me:
-                log.error("stage %d: %d of the round's %d replicas found this replica's gradient share of step %d not "
-                          "its work: they exclude it (SPEC §9.10 item 16)", self.runtime.stage, len(accusers),
-                          round_.group_size, step)
+                log.error("stage %d: this replica is excluded by its partners: %s (SPEC §9.10 item 15)",
+                          self.runtime.stage, reason)
                 continue
             self.averager.exclude(peer)
             contact = round_.contacts.get(peer, "")
-            self.excluded.append((peer, contact, step, accusers))
-            log.error("stage %d: replica %s (peer id %s) is excluded in the round of step %d: %d of the round's %d "
-                      "replicas found its gradient share of step %d not its work (SPEC §9.10 item 16); its partners "
-                      "refuse it and tell the neighbour stages. Its certificate can be revoked (mapl-swarm keys "
-                      "revoke)", self.runtime.stage, contact or "?", peer, round_.steps.get(self.me, -1),
-                      len(accusers), round_.group_size, step)
+            self.excluded.append((peer, contact, wrong, accusers))
+            log.error("stage %d: replica %s (peer id %s) is excluded in the round of step %d: %s (SPEC §9.10 item "
+                      "15); its partners refuse it and tell the neighbour stages. Its certificate can be revoked "
+                      "(mapl-swarm keys revoke)", self.runtime.stage, contact or "?", peer, step, reason)
 
     def take_excluded(self) -> list[tuple[str, str, int, frozenset[str]]]:
         """The members excluded since the last call."""

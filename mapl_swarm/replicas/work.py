@@ -1,4 +1,4 @@
-"""The averager's side of replicas checking each other's work (SPEC §9.10 item 16).
+"""The averager's side of replicas checking each other's work (SPEC §9.10 item 15).
 
 A member whose share of a step is drawn for checking is recomputed by each of its partners from
 the inputs it took in that step (its ACT and GRAD payloads, stage 0's token ids), asked of it

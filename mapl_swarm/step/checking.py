@@ -1,4 +1,4 @@
-"""Replicas check each other's work: which shares are drawn and who is excluded (SPEC §9.10 item 16).
+"""Replicas check each other's work: which shares are drawn and who is excluded (SPEC §9.10 item 15).
 
 Pure data and decisions (no hivemind, no torch), read from what every member of a stage's rounds
 gathered, so every member decides alike:
@@ -14,6 +14,11 @@ gathered, so every member decides alike:
 - **Exclusion.** A member that more than half of a round's members found wrong (for one step) is
   excluded: so one dishonest checker cannot exclude an honest member, and with two replicas
   nobody can settle a dispute (it is logged, not acted on).
+- **Stubborn parameters.** A member whose digest differs from the one most members hold in two
+  step rounds in a row is excluded too: after the first it loaded a partner's state (SPEC §9.10
+  item 6), so an honest replica holds the stage's parameters in the next round; one that lies
+  about its digest, or changes its parameters again, would otherwise have every step redone until
+  the run ends.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ import hashlib
 
 from mapl_swarm.step.rounds import ReplicaStep, Verdict, commitment, read_verdicts
 
-__all__ = ["SHARE_TOLERANCE", "Verdict", "drawn", "read_verdicts", "Accusations", "DRAW_CONTEXT"]
+__all__ = ["SHARE_TOLERANCE", "Verdict", "drawn", "read_verdicts", "Accusations", "DRAW_CONTEXT", "divergent",
+           "stubborn"]
 
 SHARE_TOLERANCE = 1e-2
 """How far (‖share − recomputed‖ / ‖recomputed‖, over a checker's part) a share may be from its
@@ -84,5 +90,29 @@ class Accusations:
             del self._by[key]
         return out
 
+    def exclude(self, peer: str) -> bool:
+        """Exclude ``peer`` for another reason (:func:`stubborn`); False when it was already."""
+        if peer in self.excluded:
+            return False
+        self.excluded.add(peer)
+        return True
+
     def accusers(self, peer: str, step: int) -> frozenset[str]:
         return frozenset(self._by.get((peer, step), ()))
+
+
+def divergent(round_: ReplicaStep) -> set[str]:
+    """The members of ``round_`` (a step's round) that hold another digest than the one most of its
+    members hold (none when the members agree, or when digests tie: nobody's is the stage's)."""
+    if round_.agrees:
+        return set()
+    tied = round_.tied
+    return {p for p in round_.group if round_.digests[p] != tied[0]} if len(tied) == 1 else set()
+
+
+def stubborn(round_: ReplicaStep, previous: ReplicaStep | None) -> list[str]:
+    """The members divergent in ``round_`` and in ``previous`` (the stage's step round before it, in
+    which they were told to load a partner's state), in peer-id order."""
+    if previous is None:
+        return []
+    return sorted(divergent(round_) & divergent(previous))

@@ -122,7 +122,7 @@ class ReplicaStep:
     it gathered well-formed ones."""
     verdicts: dict[str, tuple[Verdict, ...]] = field(default_factory=dict)
     """Each member's findings on its partners' shares (:class:`Verdict`), where it
-    gathered a well-formed ``audit`` (replicas that check each other's work, SPEC §9.10 item 16)."""
+    gathered a well-formed ``audit`` (replicas that check each other's work, SPEC §9.10 item 15)."""
 
     @property
     def stops(self) -> bool:

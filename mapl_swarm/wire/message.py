@@ -157,7 +157,7 @@ class Message:
 
 
 def payload_digest(tensors: Mapping[str, "WireTensor"]) -> bytes:
-    """SHA-256 of a message's tensors as they travel (SPEC §9.10 item 16): for each tensor, by
+    """SHA-256 of a message's tensors as they travel (SPEC §9.10 item 15): for each tensor, by
     name in sorted order, msgpack ``[name, dtype tag, shape]`` then its elements' little-endian
     bytes. What a run whose replicas check each other's work signs of each train ACT and GRAD."""
     h = hashlib.sha256()

@@ -1,4 +1,4 @@
-"""Replicas check each other's work (issue 46 item 3, SPEC §9.10 item 16), on real hivemind averagers.
+"""Replicas check each other's work (issue 46 item 3, SPEC §9.10 item 15), on real hivemind averagers.
 
 Three certified replicas of the middle stage of a 3-stage MAPL pipeline (stages 0 and 2 one
 runtime each, in this process, signing every ACT and GRAD as their links do) train with
@@ -40,7 +40,7 @@ DISHONEST = 2
 
 
 def proof(identity: Any, kind: str, step: int, micro: int, payload: dict[str, torch.Tensor]) -> dict[str, bytes]:
-    """What the sender's link signs of a train ACT or GRAD (SPEC §9.10 item 16)."""
+    """What the sender's link signs of a train ACT or GRAD (SPEC §9.10 item 15)."""
     wire = ACT_WIRE if kind == "ACT" else GRAD_WIRE
     digest = payload_digest({wire[k]: to_wire(t.contiguous()) for k, t in payload.items()})
     return {"cert": identity.encoded_cert, "sig": identity.sign_work(kind, step, micro, digest)}

@@ -194,3 +194,44 @@ def test_a_peer_that_has_not_trained_past_its_start_spends_no_re_form_credit():
     assert all(reforms.spend("stage 0") for _ in range(3 * REFORM_BURST))
     reforms.reached(7)  # trained a step: re-forms roll back its work from now on
     assert [reforms.spend("stage 0") for _ in range(REFORM_BURST + 1)] == [True] * REFORM_BURST + [False]
+
+
+def test_a_replica_is_cut_off_on_the_exclude_of_most_of_its_stage_and_never_on_ones():
+    """ROUTE ``exclude`` (SPEC §9.10 item 15): a peer cuts off a neighbour replica once more than
+    half of its live links to that replica's stage said its stage's rounds found it wrong; one
+    partner's word is not enough (with three replicas), a replica naming itself or a stranger is
+    ``implausible``, and a repeated word from one link counts once."""
+    from types import SimpleNamespace
+
+    from mapl_swarm.peer.control import Control
+    from mapl_swarm.peer.credits import Credit, Credits
+
+    replicas = {name: SimpleNamespace(name=f"stage1@{name}", stage=1, contact=f"tcp://{name}", welcomed=True,
+                                      peer_certificate=SimpleNamespace(serial=i), settings=SimpleNamespace(identity=None))
+                for i, name in enumerate(("a", "b", "c"))}
+    links = SimpleNamespace(of_stage=lambda stage: list(replicas.values()) if stage == 1 else [],
+                            by_contact=lambda stage, c: next((x for x in replicas.values() if x.contact == c), None))
+    excluded, rejects = [], []
+    control = Control(SimpleNamespace(exclude=lambda link, why: excluded.append((link.name, why)), started=True,
+                                      name="stage0"),
+                      SimpleNamespace(replicas=SimpleNamespace(enabled=True)), links=links, linker=None, monitor=None,
+                      schedule=SimpleNamespace(on_control=None), agreement=None, ingress=None,
+                      rejects=lambda code, who, text: rejects.append((code, who)), result=None, clock=None,
+                      replica_resume=lambda: None, credits=Credits(reforms=Credit(3, 100), redos=Credit(3, 20)),
+                      step=lambda: 10)
+
+    def exclude(by: str, named: str) -> None:
+        link = replicas[by]
+        msg = Message(type=MT.ROUTE, run_id="mem", src=1, dst=0, step=10, meta={"phase": "exclude",
+                                                                                "gone": [f"tcp://{named}"]})
+        asyncio.run(control.handle(Admitted(msg, link, link.name), None, None))
+
+    exclude("a", "c")
+    exclude("a", "c")  # once per link
+    assert excluded == [] and rejects == []
+    exclude("a", "a")  # itself
+    exclude("b", "x")  # no partner of it
+    assert rejects == [("implausible", "stage1@a"), ("implausible", "stage1@b")] and excluded == []
+    exclude("b", "c")
+    assert [who for who, _ in excluded] == ["stage1@c"]
+    assert "2 of the 3 replicas of stage 1 found its work wrong" in excluded[0][1] and "serial 2" in excluded[0][1]

@@ -1,4 +1,4 @@
-"""Replicas check each other's work: the draw, the verdicts, the exclusion, the comparison (SPEC §9.10 item 16)."""
+"""Replicas check each other's work: the draw, the verdicts, the exclusion, the comparison (SPEC §9.10 item 15)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from mapl_swarm.errors import ConfigError
 from mapl_swarm.replicas.checker import pack_inputs, unpack_inputs
 from mapl_swarm.replicas.work import KeptParts, read_request, request
-from mapl_swarm.step.checking import Accusations, drawn
+from mapl_swarm.step.checking import Accusations, divergent, drawn, stubborn
 from mapl_swarm.step.rounds import ReplicaStep, Verdict, commitment, read_round, read_verdicts
 
 from conftest import micro_config
@@ -117,7 +117,7 @@ def test_check_fraction_is_a_probability_and_needs_a_codec_without_streamed_code
 
 
 def test_the_payload_digest_is_pinned_and_a_signed_work_verifies_only_as_what_was_sent(tmp_path):
-    """SPEC §9.10 item 16: the digest of the ``act_train_signed`` vector's tensors (what an
+    """SPEC §9.10 item 15: the digest of the ``act_train_signed`` vector's tensors (what an
     independent client must compute), and a member's signature of its ACT, which verifies for its
     stage, kind, step, micro-batch and bytes only."""
     from mapl_swarm.net.identity import CertificateError, issue_local, load_identity
@@ -136,3 +136,17 @@ def test_the_payload_digest_is_pinned_and_a_signed_work_verifies_only_as_what_wa
             checker.verify_work(proof, **{**dict(kind="ACT", step=12, micro=3, digest=digest, stage=0), **wrong})
     checker.revoked.add(sender.body.serial)  # revoked since: what it sent is still its word
     assert checker.verify_work(proof, kind="ACT", step=12, micro=3, digest=digest, stage=0)
+
+
+def test_a_member_that_holds_other_parameters_in_two_rounds_in_a_row_is_stubborn():
+    def digests(**held: str) -> ReplicaStep:
+        r = round_of(5)
+        return ReplicaStep("p1", PEERS, {p: held.get(p, "d") for p in PEERS}, r.micro, 0.0, steps=r.steps,
+                           epochs=r.epochs, contacts=r.contacts)
+
+    once, again, fixed = digests(p3="x"), digests(p3="y"), digests()
+    assert divergent(once) == {"p3"} and divergent(fixed) == set()
+    assert stubborn(again, once) == ["p3"]  # it was to load the stage's state after the first
+    assert stubborn(fixed, once) == [] and stubborn(once, fixed) == [] and stubborn(once, None) == []
+    tie = ReplicaStep("p1", ("p1", "p2"), {"p1": "a", "p2": "b"}, {"p1": (0,), "p2": (1,)}, 0.0)
+    assert divergent(tie) == set()  # nobody's digest is the stage's: no exclusion with two replicas

@@ -113,7 +113,7 @@ def _valid(v: dict[str, list[bytes]]) -> list[Case]:
         "act_vq": "ACT with uint8 VQ codes (lz4 does not pay: sent raw)",
         "grad": "GRAD with bf16 dz",
         "act_train_signed": "2.1: ACT train with its sender's sig (replicas.check_fraction: Ed25519 over \"mapl-work "
-                            "v1\\0\" + msgpack [run, \"ACT\", step, micro, SHA-256 of the tensors, SPEC §9.10 item 16])",
+                            "v1\\0\" + msgpack [run, \"ACT\", step, micro, SHA-256 of the tensors, SPEC §9.10 item 15])",
         "proj_grad": "PROJ_GRAD with fp32 (8, 4) gradient",
         "proj": "PROJ with fp32 (8, 4) projector, pver 13",
         "report": "REPORT loss, tokens, mode and metrics",
