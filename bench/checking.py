@@ -97,12 +97,15 @@ def main() -> int:
     ap.add_argument("--kernel", default="default",
                     help="ATEN_CPU_CAPABILITY of replica 2 in the mixed-kernel run (empty: no such run)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/checking.json")
+    ap.add_argument("--keep", help="with --one: run in this folder and keep its peers' logs")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # NAME FRACTION ATTACK|- KERNEL|-: one run, to --out
     args = ap.parse_args()
     if args.one:
         name, fraction, attack, kernel = args.one.split(" ")
         with tempfile.TemporaryDirectory() as tmp_name:
-            got = _run(Path(tmp_name), name, args.steps, float(fraction), None if attack == "-" else attack,
+            folder = Path(args.keep or tmp_name)
+            folder.mkdir(parents=True, exist_ok=True)
+            got = _run(folder, name, args.steps, float(fraction), None if attack == "-" else attack,
                        None if kernel == "-" else kernel)
         args.out.write_text(json.dumps(got))
         return 0

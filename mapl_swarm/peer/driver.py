@@ -524,22 +524,32 @@ class Schedule:
                     epoch=intent.token.epoch, contact=core.flow.contact, expected=expected, leave=intent.leave,
                     going=intent.going, drain=intent.drain))
         except AveragingFailed as exc:
+            if isinstance(intent, do.Average):
+                await self._checked(intent.token.step)
             core.failed(intent, unsure=exc.unsure, behind=isinstance(exc, Behind), why=str(exc))
             return
         if isinstance(intent, do.Sync):
             core.answer(intent, round_)
             return
         self._count(sent_bytes=round_.sent_bytes, received_bytes=round_.received_bytes)
+        await self._checked(intent.token.step)
+        core.answer(intent, round_)
+        if core.rounds.round is round_:  # whole: the step's round (one that is retried, repaired or redone is not)
+            self._count(rounds=1)
+
+    async def _checked(self, step: int) -> None:
+        """After a round of ``step`` (SPEC §9.10 item 15): what checking cost and found, to the result;
+        each member the stage's rounds excluded since, named in ROUTE ``exclude`` on every link (the
+        neighbours cut it off on the word of most of its stage)."""
+        replicas = self.replicas
+        assert replicas is not None
         if replicas.checker is not None:
             self.result.checking = {**replicas.checker.report(),
                                     "excluded": [[c, s] for _, c, s, _ in replicas.excluded]}
         for _peer, contact, _step, _accusers in replicas.take_excluded():
-            for link in list(self.links):  # SPEC §9.10 item 15: the neighbours cut it off on most partners' word
+            for link in list(self.links):
                 if contact and link.welcomed and link.contact is not None:
-                    await self._do(do.SendRoute(link.name, intent.token.step, "exclude", gone=(contact,)))
-        core.answer(intent, round_)
-        if core.rounds.round is round_:  # whole: the step's round (one that is retried, repaired or redone is not)
-            self._count(rounds=1)
+                    await self._do(do.SendRoute(link.name, step, "exclude", gone=(contact,)))
 
     def _count(self, **added: int) -> None:
         """Add to the result's averaging counters (rounds, bytes, re-syncs)."""

@@ -141,7 +141,9 @@ class StageRuntime:
         """With :attr:`recording`: the inputs of the last :data:`KEPT_STEPS` steps taken, by step,
         then micro-batch: ``"fwd"`` (stage 0: ``{"ids": ...}``, else the ACT payload) and ``"bwd"``
         (the GRAD payload; none on the last stage), each with its sender's proof where one came
-        (``"fwd_proof"``, ``"bwd_proof"``: ``cert`` and ``sig``)."""
+        (``"fwd_proof"``, ``"bwd_proof"``: ``cert`` and ``sig``), and what it made of them: the ACT
+        payload it passed on (``"out"``, none on the last stage) and the GRAD payload it returned
+        (``"back"``, none on stage 0)."""
 
     @property
     def vq(self) -> StageVQ | None:
@@ -218,6 +220,8 @@ class StageRuntime:
         if train:
             self._saved[micro] = (z, z_in)
         out = {**self.codec.encode_act(z, train=train, micro=micro), "ids": host_ids.to("cpu", self.codec.id_dtype)}
+        if train and micro in self._inputs:  # recording: what this replica passes on is checked too
+            self._inputs[micro]["out"] = dict(out)
         return ForwardResult(out, None, tokens_in.numel())
 
     def backward(self, micro: int, payload: dict[str, torch.Tensor] | None = None,
@@ -257,7 +261,10 @@ class StageRuntime:
                 self._origin_grads[origin] = part if kept is None else kept + part
         if z_in is None:
             return None
-        return self.codec.encode_grad(z_in.grad, micro=micro)
+        grad_out = self.codec.encode_grad(z_in.grad, micro=micro)
+        if micro in self._inputs:
+            self._inputs[micro]["back"] = dict(grad_out)
+        return grad_out
 
     # ------------------------------------------------------------------ codebook streams (mapl_vq)
     def take_slices(self, stream: str) -> list[CodebookSlice]:

@@ -126,6 +126,7 @@ class StageAverager(DecentralizedAverager):
         self._members_read = -float("inf")
         self._refusals = mp.Array("q", len(REFUSALS))  # shared: the RPCs are served in the averager's process
         self._traffic = mp.Array("q", 2)  # tensor bytes sent, received by its all-reduces (that process too)
+        self._culprits = mp.Array("c", 4096)  # who broke its last all-reduce, if it failed (that process too)
         self._fills = mp.Value("q", 0)  # how often the host filled the tensors for a round
         self._outcomes = kept_round.Outcomes()  # the averager process's (kept_round)
         self._refused_logged: set[tuple[str, PeerID]] = set()
@@ -195,6 +196,13 @@ class StageAverager(DecentralizedAverager):
         """Tensor bytes this replica's all-reduces sent and received so far (protobuf-serialized parts)."""
         with self._traffic.get_lock():
             return int(self._traffic[0]), int(self._traffic[1])
+
+    @property
+    def culprits(self) -> list[str]:
+        """The members (peer ids as text) whose parts, or averaged parts, did not come in this
+        member's last all-reduce, when it failed (empty after one that completed)."""
+        raw = self._culprits.value.decode()
+        return [p for p in raw.split(",") if p]
 
     @property
     def refused(self) -> dict[str, int]:
@@ -375,7 +383,10 @@ class StageAverager(DecentralizedAverager):
             self._check_whole(runner, tensors)
         except BaseException:
             self._outcomes.ended(group_id, kept=False)
+            broke = {p.to_base58() for p in runner.banned_senders | runner.failed_reducers if p != self.peer_id}
+            self._culprits.value = ",".join(sorted(broke)).encode()[:4095]
             raise
+        self._culprits.value = b""
         self._outcomes.ended(group_id, kept=True, fill=self._fills.value)
         if key is not None and runner.kept_parts is not None:
             self._kept_parts[key] = runner.kept_parts

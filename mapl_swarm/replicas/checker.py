@@ -36,7 +36,7 @@ from mapl_swarm.pipeline.stage import KEPT_STEPS
 from mapl_swarm.wire.message import payload_digest
 from mapl_swarm.step.checking import SHARE_TOLERANCE, Verdict
 
-__all__ = ["ShareChecker", "Check", "Inputs", "pack_inputs", "unpack_inputs", "unproven"]
+__all__ = ["ShareChecker", "Check", "Inputs", "pack_inputs", "unpack_inputs", "unproven", "differing_outputs"]
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,14 @@ class Check:
 
 
 Inputs = dict[int, dict[str, dict[str, Any]]]
-"""A step's inputs by micro-batch: ``"fwd"``/``"bwd"`` tensors by payload key, and their senders'
-proofs ``"fwd_proof"``/``"bwd_proof"`` (``cert``, ``sig``) where they came with one."""
+"""A step's work by micro-batch: its inputs ``"fwd"``/``"bwd"`` (tensors by payload key) with their
+senders' proofs ``"fwd_proof"``/``"bwd_proof"`` (``cert``, ``sig``) where they came with one, and its
+outputs ``"out"`` (the ACT passed on) and ``"back"`` (the GRAD returned)."""
+SIDES = ("fwd", "bwd", "out", "back")
+OUTPUT_TOLERANCE = 1e-2
+"""How far (‖sent − recomputed‖ / ‖recomputed‖, per tensor) an ACT passed on or a GRAD returned may be
+from its recomputation: both are in the wire dtype (bf16: 2^-9 of each value), computed on other
+kernels."""
 
 
 def pack_inputs(inputs: Inputs) -> tuple[dict[str, Any], list[torch.Tensor]]:
@@ -72,7 +78,7 @@ def pack_inputs(inputs: Inputs) -> tuple[dict[str, Any], list[torch.Tensor]]:
     ``[micro, "fwd"|"bwd", cert, sig]``) and tensors."""
     fields, tensors, proofs = [], [], []
     for micro in sorted(inputs):
-        for kind in ("fwd", "bwd"):
+        for kind in SIDES:
             for name, t in inputs[micro].get(kind, {}).items():
                 fields.append([int(micro), kind, str(name)])
                 tensors.append(t.detach().cpu())
@@ -90,7 +96,7 @@ def unpack_inputs(metadata: Any, tensors: list[torch.Tensor]) -> Inputs | None:
         return None
     out: Inputs = {}
     for f, t in zip(fields, tensors):
-        if not (isinstance(f, list) and len(f) == 3 and type(f[0]) is int and f[1] in ("fwd", "bwd")
+        if not (isinstance(f, list) and len(f) == 3 and type(f[0]) is int and f[1] in SIDES
                 and isinstance(f[2], str)):
             return None
         out.setdefault(f[0], {}).setdefault(f[1], {})[f[2]] = t
@@ -100,6 +106,28 @@ def unpack_inputs(metadata: Any, tensors: list[torch.Tensor]) -> Inputs | None:
             return None
         out[p[0]][f"{p[1]}_proof"] = {"cert": p[2], "sig": p[3]}
     return out
+
+
+def differing_outputs(sent: Inputs, recomputed: Inputs) -> str | None:
+    """Why the ACTs a member passed on or the GRADs it returned (``sent``'s ``"out"``, ``"back"``)
+    are not what its inputs give (``recomputed``): a tensor missing, of another shape or dtype, ids
+    not equal, or floats off by more than :data:`OUTPUT_TOLERANCE`; None when they are."""
+    for micro, want in sorted(recomputed.items()):
+        for side, what in (("out", "ACT it passed on"), ("back", "GRAD it returned")):
+            for key, t in want.get(side, {}).items():
+                got = sent[micro].get(side, {}).get(key)
+                if got is None or got.shape != t.shape or got.dtype != t.dtype:
+                    return f"the {what} for micro-batch {micro} has no {key!r} of its inputs' shape"
+                if not t.is_floating_point():
+                    if not torch.equal(got, t):
+                        return f"the {what} for micro-batch {micro} carries other {key!r} than its inputs"
+                    continue
+                norm = float(t.float().norm())
+                off = float((got.float() - t.float()).norm())
+                if off > OUTPUT_TOLERANCE * norm:
+                    return (f"the {what} for micro-batch {micro} is {off / max(norm, 1e-30):.3g} of its "
+                            f"recomputation's norm away from it ({key!r}; tolerance {OUTPUT_TOLERANCE:g})")
+    return None
 
 
 def unproven(inputs: Inputs, identity: Any, *, stage: int, last: bool, step: int) -> str | None:
@@ -245,9 +273,11 @@ class ShareChecker:
                                                            last=self.runtime.is_last, step=check.step)) is not None:
             return False, why
         try:
-            flat, skip = self._recompute(state, inputs, check.micro)
+            flat, skip, outputs = self._recompute(state, inputs, check.micro)
         except (KeyError, ValueError) as exc:  # a payload missing, or of the wrong shape (others: this replica's)
             return False, f"its inputs do not run: {type(exc).__name__}: {exc}"
+        if (why := differing_outputs(inputs, outputs)) is not None:
+            return False, why
         with self._lock:
             self.counters["micro_batches_recomputed"] += len(check.micro)
         found = self.averager.compare_share(check.peer, check.step, check.epoch, flat, skip)
@@ -261,24 +291,25 @@ class ShareChecker:
                 self.counters["largest_ok_difference"] = max(self.counters["largest_ok_difference"], found.relative)
         return ok, how
 
-    def _recompute(self, state: dict[str, torch.Tensor], inputs: Inputs,
-                   micro: tuple[int, ...]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    def _recompute(self, state: dict[str, torch.Tensor], inputs: Inputs, micro: tuple[int, ...]
+                   ) -> tuple[torch.Tensor, list[tuple[int, int]], Inputs]:
         """The share ``micro`` give from ``inputs`` with the parameters ``state``, as one flat fp32
-        vector in the all-reduce's order, and the ranges not compared."""
+        vector in the all-reduce's order, the ranges not compared, and each micro-batch's outputs
+        (``"out"``, ``"back"``, as the member's)."""
         if self._shadow is None:
             self._shadow = self._build()
             self._shadow.recording = False
         shadow = self._shadow
         shadow.abandon_step()
         shadow.modules.load_state_dict(state)
+        outputs: Inputs = {}
         with torch.enable_grad():
             for m in micro:
                 fwd = inputs[m]["fwd"]
-                if shadow.is_first:
-                    shadow.forward(m, ids=fwd["ids"])
-                else:
-                    shadow.forward(m, payload=fwd)
-                shadow.backward(m, None if shadow.is_last else inputs[m]["bwd"])
+                out = shadow.forward(m, ids=fwd["ids"]) if shadow.is_first else shadow.forward(m, payload=fwd)
+                back = shadow.backward(m, None if shadow.is_last else inputs[m]["bwd"])
+                outputs[m] = {side: {k: t.detach().cpu() for k, t in got.items()}
+                              for side, got in (("out", out.payload), ("back", back)) if got is not None}
         scale = shadow.cfg.pipeline.num_micro_batches / len(micro)
         parts, skip, at = [], [], 0
         outbound = shadow.outbound.projector if shadow.outbound is not None and shadow.outbound.trainable else None
@@ -294,4 +325,4 @@ class ShareChecker:
             parts.append(torch.zeros(t.numel()))
             at += t.numel()
         shadow.abandon_step()
-        return torch.cat(parts), skip
+        return torch.cat(parts), skip, outputs

@@ -99,6 +99,9 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.tensor_part_container.return_deltas = False  # outputs are averages; a failed part keeps its own
         self.traffic = traffic
         """Tensor bytes sent and received, ``[sent, received]`` (shared with the host process; None: not counted)."""
+        self.failed_reducers: set[PeerID] = set()
+        """Members whose averaged part did not come back (with hivemind's ``banned_senders``, whose
+        parts did not come: who broke a failed round, as this member saw it)."""
 
     def _count(self, sent: int = 0, received: int = 0) -> None:
         if self.traffic is not None:
@@ -145,6 +148,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             if isinstance(e, Exception):
                 # the round fails (its values are not the average): say why; on a busy link it is not always a death
                 logger.warning("all-reduce with %s failed: %r", peer_id, e)
+            self.failed_reducers.add(peer_id)
             self.tensor_part_container.register_failed_reducer(peer_index)
             raise
 

@@ -57,6 +57,9 @@ __all__ = ["ReplicaGradients", "ReplicaStep", "read_round", "round_counts", "Ave
 
 log = logging.getLogger(__name__)
 
+BROKEN_ROUNDS = 2
+"""All-reduces in a row whose parts a member did not send that exclude it (replicas that check each
+other's work): an honest replica that breaks one by leaving is gone before the next."""
 FIND_GROUP_S = 5.0
 """Least seconds one attempt of a round looks for its group (three matchmakings when longer): a
 replica that left is counted out of the round at the next attempt."""
@@ -94,6 +97,8 @@ class ReplicaGradients:
         self.accusations = Accusations()
         self._checked: ReplicaStep | None = None
         """The last round whose all-reduce ran and whose shares are not drawn yet."""
+        self._breaks: dict[str, int] = {}
+        """Each member's all-reduces of this replica broken in a row (:meth:`_broken`)."""
         self._previous: ReplicaStep | None = None
         """The last step round that went to the core (a member stubbornly divergent in it and the next
         is excluded)."""
@@ -175,6 +180,8 @@ class ReplicaGradients:
             if cancelled:
                 raise RoundCancelled(f"stage {self.runtime.stage}: the averaging round was cancelled",
                                      unsure=unsure) from None
+            if unsure and self.checker is not None:
+                self._broken(self.averager.culprits, int(gather.get("step", SYNC_STEP)))
             if not unsure and "could not find a group" in str(exc):  # hivemind's words for a lone member
                 raise AveragingFailed(f"stage {self.runtime.stage}: no group of the stage's replicas formed within "
                                       f"{min(timeout, self.find_s):g} s (a partner is not at this round yet)") from None
@@ -283,6 +290,9 @@ class ReplicaGradients:
         if step < 0:
             return
         previous, self._previous = self._previous, round_
+        if reduced:  # its members completed an all-reduce
+            for peer in round_.group:
+                self._breaks.pop(peer, None)
         # only a step that was taken is checked: a redone one's inputs were forgotten with its work
         taken = prior is not None and step > prior.steps.get(self.me, step)
         if self.checker is not None:
@@ -293,23 +303,36 @@ class ReplicaGradients:
                                              prior.epochs[peer], prior.micro[peer]))
         n = round_.group_size
         why = {peer: (f"{len(accusers)} of the round's {n} replicas found its gradient share of step {wrong} not its "
-                      f"work", wrong, accusers) for peer, wrong, accusers in self.accusations.add(round_)}
+                      f"work", accusers) for peer, wrong, accusers in self.accusations.add(round_)}
         for peer in stubborn(round_, previous) if self.checker is not None else ():
             if self.accusations.exclude(peer):
                 holders = frozenset(p for p in round_.group if p not in divergent(round_))
                 why[peer] = (f"it held other parameters than {len(holders)} of the round's {n} replicas in two rounds "
-                             f"in a row, the second after it was to load their state", step, holders)
-        for peer, (reason, wrong, accusers) in why.items():
+                             f"in a row, the second after it was to load their state", holders)
+        for peer, (reason, accusers) in why.items():
             if peer == self.me:
                 log.error("stage %d: this replica is excluded by its partners: %s (SPEC §9.10 item 15)",
                           self.runtime.stage, reason)
-                continue
-            self.averager.exclude(peer)
-            contact = round_.contacts.get(peer, "")
-            self.excluded.append((peer, contact, wrong, accusers))
-            log.error("stage %d: replica %s (peer id %s) is excluded in the round of step %d: %s (SPEC §9.10 item "
-                      "15); its partners refuse it and tell the neighbour stages. Its certificate can be revoked "
-                      "(mapl-swarm keys revoke)", self.runtime.stage, contact or "?", peer, step, reason)
+            else:
+                self._exclude(peer, round_.contacts.get(peer, ""), reason, step, accusers)
+
+    def _broken(self, culprits: Sequence[str], step: int) -> None:
+        """This replica's all-reduce broke, ``culprits``' parts missing: a member that broke two in a
+        row (no round it completed between) is excluded (SPEC §9.10 item 15), so that one member
+        cannot have a step redone until the run ends."""
+        for peer in culprits:
+            self._breaks[peer] = self._breaks.get(peer, 0) + 1
+            if self._breaks[peer] >= BROKEN_ROUNDS and self.accusations.exclude(peer):
+                contact = self._previous.contacts.get(peer, "") if self._previous is not None else ""
+                self._exclude(peer, contact, f"it broke {BROKEN_ROUNDS} of the stage's all-reduces in a row (its "
+                                             f"parts did not come)", step, frozenset({self.me}))
+
+    def _exclude(self, peer: str, contact: str, reason: str, step: int, accusers: frozenset[str]) -> None:
+        self.averager.exclude(peer)
+        self.excluded.append((peer, contact, step, accusers))
+        log.error("stage %d: replica %s (peer id %s) is excluded in the round of step %d: %s (SPEC §9.10 item "
+                  "15); its partners refuse it and tell the neighbour stages. Its certificate can be revoked "
+                  "(mapl-swarm keys revoke)", self.runtime.stage, contact or "?", peer, step, reason)
 
     def take_excluded(self) -> list[tuple[str, str, int, frozenset[str]]]:
         """The members excluded since the last call."""

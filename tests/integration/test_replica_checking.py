@@ -5,11 +5,12 @@ runtime each, in this process, signing every ACT and GRAD as their links do) tra
 ``replicas.check_fraction = 1``: every step each replica's share is recomputed by both partners
 from the inputs it took (ACTs and GRADs with their senders' signatures, asked of it through the
 averager's ``work_inputs`` call) and compared with the parts they reduced. Honest replicas' shares
-check out. One replica runs modified code: its share is scaled by −10 before its rounds, and, in
-the second case, the GRADs it hands its checkers are scaled too, so that they recompute its share
-as it sent it; the scaled share, or the GRADs its neighbour never signed, are found out by both
-partners, which exclude it (their averagers refuse it), and the two honest replicas average on
-without it, refusing its calls as a stranger's.
+check out. One replica runs modified code: its share is scaled by −10 before its rounds; or its
+share is scaled and the GRADs it hands its checkers too, so that they recompute its share as it
+sent it; or its share is honest but the ACTs it passes on are doubled. The scaled share, the GRADs
+its neighbour never signed, or the ACTs its inputs do not give are found out by both partners,
+which exclude it (their averagers refuse it), and the two honest replicas average on without it,
+refusing its calls as a stranger's.
 """
 
 from __future__ import annotations
@@ -47,16 +48,20 @@ def proof(identity: Any, kind: str, step: int, micro: int, payload: dict[str, to
 
 
 def serve_step(step: int, first: StageRuntime, middle: list[StageRuntime], last: StageRuntime,
-               batches: list[torch.Tensor], live: list[int], signers: tuple[Any, Any]) -> dict[int, list[int]]:
+               batches: list[torch.Tensor], live: list[int], signers: tuple[Any, Any],
+               doubled: int | None = None) -> dict[int, list[int]]:
     """Stage 0 -> the live middle replicas (each its share of the step) -> stage 2 and back, the
     ACTs and GRADs signed by ``signers`` (stage 0's and stage 2's identities); the micro-batches
-    each live replica took; the PROJ_GRADs to their senders."""
+    each live replica took; the PROJ_GRADs to their senders. ``doubled``: that replica doubles the
+    ACTs it passes on (what it keeps of them too)."""
     took = {}
     for i, r in enumerate(live):
         took[r] = [g - step * M for g in replica_share(step, M, i, len(live))]
         for m in took[r]:
             act = first.forward(m, ids=batches[m]).payload
             mid = middle[r].forward(m, payload=act, proof=proof(signers[0], "ACT", step, m, act)).payload
+            if r == doubled:
+                mid["act"].mul_(2)
             last.forward(m, payload=mid)
             grad = last.backward(m, origin=str(r))
             first.backward(m, middle[r].backward(m, grad, proof=proof(signers[1], "GRAD", step, m, grad)))
@@ -65,7 +70,8 @@ def serve_step(step: int, first: StageRuntime, middle: list[StageRuntime], last:
     return took
 
 
-def scenario(_bootstrap: Any, maddrs: list[str], ids: list, signers: tuple[Any, Any], forged: bool, caplog: Any) -> None:
+def scenario(_bootstrap: Any, maddrs: list[str], ids: list, signers: tuple[Any, Any], attack: str,
+             caplog: Any) -> None:
     from mapl_swarm.replicas.gradients import ReplicaGradients
 
     cfg = micro_config(pipeline={"num_stages": 3, "micro_batch_size": 2, "num_micro_batches": M},
@@ -83,12 +89,13 @@ def scenario(_bootstrap: Any, maddrs: list[str], ids: list, signers: tuple[Any, 
         with ThreadPoolExecutor(3) as pool:
             for step in range(5):
                 batches = [torch.randint(0, 256, (2, 17), generator=gen) for _ in range(M)]
-                took = serve_step(step, first, middle, last, batches, live, signers)
-                if DISHONEST in live:
+                took = serve_step(step, first, middle, last, batches, live, signers,
+                                  DISHONEST if attack == "act" and DISHONEST in live else None)
+                if DISHONEST in live and attack != "act":
                     for p in grads[DISHONEST].params:  # its share, scaled: the rest of what it sends is honest
                         if p.grad is not None:
                             p.grad.mul_(-10.0)
-                    if forged:  # and the GRADs it will hand over, to match (its neighbour signed others)
+                    if attack == "share-and-inputs":  # and the GRADs it hands over, to match (unsigned)
                         for kept in middle[DISHONEST]._inputs.values():
                             kept["bwd"]["grad"] = kept["bwd"]["grad"] * -10
                 rounds = dict(zip(live, pool.map(lambda r: grads[r].average(
@@ -119,7 +126,8 @@ def scenario(_bootstrap: Any, maddrs: list[str], ids: list, signers: tuple[Any, 
             # what found it out: the recomputation, or (its GRADs forged to match) their signatures
             found = [r.getMessage() for r in caplog.records
                      if "is not its work" in r.getMessage() and peer[DISHONEST] in r.getMessage()]
-            why = "is not what a member of stage 2 signed" if forged else "of the recomputation's norm away"
+            why = {"share": "of the recomputation's norm away", "share-and-inputs": "is not what a member of stage 2 "
+                   "signed", "act": "the ACT it passed on for micro-batch"}[attack]
             assert found and all(why in m for m in found), found
             # the honest two average on without it: it is refused as a stranger
             live = [0, 1]
@@ -140,11 +148,78 @@ def scenario(_bootstrap: Any, maddrs: list[str], ids: list, signers: tuple[Any, 
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("forged", [False, True], ids=["scaled-share", "scaled-share-and-inputs"])
+@pytest.mark.parametrize("attack", ["share", "share-and-inputs", "act"])
 def test_partners_recompute_each_share_and_exclude_a_replica_whose_share_is_not_its_work(
-        tmp_path, monkeypatch, caplog, forged) -> None:
+        tmp_path, monkeypatch, caplog, attack) -> None:
     local = issue_local(tmp_path / "ids", run_id=RUN, num_stages=3, replicas=[1, 3, 1])
     ids = [load_identity(local.key_file(1, r), local.cert_file(1, r), run_id=RUN, stage=1) for r in range(3)]
     signers = tuple(load_identity(local.key_file(s), local.cert_file(s), run_id=RUN, stage=s) for s in (0, 2))
     with_bootstrap(monkeypatch, TrustedAuthority(RUN, local.authority.public),
-                   functools.partial(scenario, ids=ids, signers=signers, forged=forged, caplog=caplog))
+                   functools.partial(scenario, ids=ids, signers=signers, attack=attack, caplog=caplog))
+
+
+def breaking_scenario(_bootstrap: Any, maddrs: list[str], ids: list, signers: tuple[Any, Any],
+                      monkeypatch: Any) -> None:
+    """Replica 2's averager joins every group and sends none of its parts (modified code): each
+    round's all-reduce breaks at its partners (its parts time out), who exclude it at the second
+    in a row and then average without it."""
+    import mapl_swarm.replicas.gradients as gradients_module
+    from mapl_swarm.replicas.averaging import StageAverager
+    from mapl_swarm.replicas.errors import AveragingFailed
+
+    class Silent(StageAverager):
+        async def _run_allreduce_inplace_(self, tensors: Any, group_info: Any, group_id: Any = None, **kwargs: Any):
+            raise ConnectionError("sends no part (on purpose)")
+
+    Silent.__name__ = StageAverager.__name__  # hivemind names the RPC handlers after the class
+
+    cfg = micro_config(pipeline={"num_stages": 3, "micro_batch_size": 2, "num_micro_batches": M},
+                       compression={"codec": "mapl"}, replicas={"enabled": True, "check_fraction": 0.01})
+    gen = torch.Generator().manual_seed(6)
+    first, last = StageRuntime(cfg, 0), StageRuntime(cfg, 2)
+    middle = [StageRuntime(cfg, 1) for _ in range(3)]
+    discs = [Discovery(RUN, config(maddrs), membership=ident).start() for ident in ids]
+    grads: list[Any] = []
+    try:
+        for r, disc in enumerate(discs):
+            with monkeypatch.context() as patch:
+                if r == DISHONEST:
+                    patch.setattr(gradients_module, "StageAverager", Silent)
+                grads.append(gradients_module.ReplicaGradients(middle[r], disc.dht, run_id=RUN, replicas=3,
+                                                               identity=ids[r], next_chunk_timeout=3.0))
+        peer = [g.me for g in grads]
+        batches = [torch.randint(0, 256, (2, 17), generator=gen) for _ in range(M)]
+        with ThreadPoolExecutor(3) as pool:
+            for attempt in range(2):  # the step, and its redo: each round's all-reduce breaks
+                for rt in middle:
+                    rt.abandon_step()
+                took = serve_step(0, first, middle, last, batches, [0, 1, 2], signers)
+                futures = [pool.submit(grads[r].average, took[r], step=0, epoch=attempt, timeout=60, expected=3)
+                           for r in range(3)]
+                for f in futures:
+                    with pytest.raises(AveragingFailed):
+                        f.result()
+                assert all(not grads[r].excluded for r in (0, 1)) == (attempt == 0)
+            for r in (0, 1):
+                assert [(p, s) for p, _c, s, _a in grads[r].take_excluded()] == [(peer[DISHONEST], 0)]
+            # the honest two average without it
+            for rt in middle:
+                rt.abandon_step()
+            took = serve_step(0, first, middle, last, batches, [0, 1], signers)
+            rounds = list(pool.map(lambda r: grads[r].average(took[r], step=0, epoch=2, timeout=60, expected=2),
+                                   (0, 1)))
+            assert all(x.group == tuple(sorted(peer[:2])) and x.problem(M) is None for x in rounds)
+    finally:
+        for disc in discs:
+            disc.close()
+        for g in grads:
+            g.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_a_replica_that_breaks_its_stages_all_reduce_twice_in_a_row_is_excluded(tmp_path, monkeypatch) -> None:
+    local = issue_local(tmp_path / "ids", run_id=RUN, num_stages=3, replicas=[1, 3, 1])
+    ids = [load_identity(local.key_file(1, r), local.cert_file(1, r), run_id=RUN, stage=1) for r in range(3)]
+    signers = tuple(load_identity(local.key_file(s), local.cert_file(s), run_id=RUN, stage=s) for s in (0, 2))
+    with_bootstrap(monkeypatch, TrustedAuthority(RUN, local.authority.public),
+                   functools.partial(breaking_scenario, ids=ids, signers=signers, monkeypatch=monkeypatch))
