@@ -70,15 +70,37 @@ def serve_step(step: int, first: StageRuntime, middle: list[StageRuntime], last:
     return took
 
 
+def pipeline(check_fraction: float) -> tuple[StageRuntime, list[StageRuntime], StageRuntime]:
+    """Stage 0, three replicas of stage 1 and stage 2 of a 3-stage MAPL run that checks at ``check_fraction``."""
+    cfg = micro_config(pipeline={"num_stages": 3, "micro_batch_size": 2, "num_micro_batches": M},
+                       compression={"codec": "mapl"}, replicas={"enabled": True, "check_fraction": check_fraction})
+    return StageRuntime(cfg, 0), [StageRuntime(cfg, 1) for _ in range(3)], StageRuntime(cfg, 2)
+
+
+def close(discs: list[Any], grads: list[Any]) -> None:
+    """The DHT nodes first: an averager gone first leaves its requests in its node's pipe."""
+    for disc in discs:
+        disc.close()
+    for g in grads:
+        g.shutdown()
+
+
+def run(tmp_path: Any, patch: Any, scenario_fn: Any, **kwargs: Any) -> None:
+    """``scenario_fn`` with the three stage-1 replicas' identities (``ids``) and stages 0's and 2's
+    (``signers``), inside a certified bootstrap node."""
+    local = issue_local(tmp_path / "ids", run_id=RUN, num_stages=3, replicas=[1, 3, 1])
+    ids = [load_identity(local.key_file(1, r), local.cert_file(1, r), run_id=RUN, stage=1) for r in range(3)]
+    signers = tuple(load_identity(local.key_file(s), local.cert_file(s), run_id=RUN, stage=s) for s in (0, 2))
+    with_bootstrap(patch, TrustedAuthority(RUN, local.authority.public),
+                   functools.partial(scenario_fn, ids=ids, signers=signers, **kwargs))
+
+
 def scenario(_bootstrap: Any, maddrs: list[str], ids: list, signers: tuple[Any, Any], attack: str,
              caplog: Any) -> None:
     from mapl_swarm.replicas.gradients import ReplicaGradients
 
-    cfg = micro_config(pipeline={"num_stages": 3, "micro_batch_size": 2, "num_micro_batches": M},
-                       compression={"codec": "mapl"}, replicas={"enabled": True, "check_fraction": 1.0})
+    first, middle, last = pipeline(1.0)
     gen = torch.Generator().manual_seed(5)
-    first, last = StageRuntime(cfg, 0), StageRuntime(cfg, 2)
-    middle = [StageRuntime(cfg, 1) for _ in range(3)]
     discs = [Discovery(RUN, config(maddrs), membership=ident).start() for ident in ids]
     grads: list[Any] = []
     try:
@@ -141,21 +163,14 @@ def scenario(_bootstrap: Any, maddrs: list[str], ids: list, signers: tuple[Any, 
             assert grads[DISHONEST].averager.fetch_inputs(peer[0], step, 0, timeout=10) is None
             assert grads[0].averager.refused["work_inputs"] == refused + 1
     finally:
-        for disc in discs:
-            disc.close()
-        for g in grads:
-            g.shutdown()
+        close(discs, grads)
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("attack", ["share", "share-and-inputs", "act"])
 def test_partners_recompute_each_share_and_exclude_a_replica_whose_share_is_not_its_work(
         tmp_path, monkeypatch, caplog, attack) -> None:
-    local = issue_local(tmp_path / "ids", run_id=RUN, num_stages=3, replicas=[1, 3, 1])
-    ids = [load_identity(local.key_file(1, r), local.cert_file(1, r), run_id=RUN, stage=1) for r in range(3)]
-    signers = tuple(load_identity(local.key_file(s), local.cert_file(s), run_id=RUN, stage=s) for s in (0, 2))
-    with_bootstrap(monkeypatch, TrustedAuthority(RUN, local.authority.public),
-                   functools.partial(scenario, ids=ids, signers=signers, attack=attack, caplog=caplog))
+    run(tmp_path, monkeypatch, scenario, attack=attack, caplog=caplog)
 
 
 def breaking_scenario(_bootstrap: Any, maddrs: list[str], ids: list, signers: tuple[Any, Any],
@@ -168,16 +183,14 @@ def breaking_scenario(_bootstrap: Any, maddrs: list[str], ids: list, signers: tu
     from mapl_swarm.replicas.errors import AveragingFailed
 
     class Silent(StageAverager):
-        async def _run_allreduce_inplace_(self, tensors: Any, group_info: Any, group_id: Any = None, **kwargs: Any):
+        async def _run_allreduce_inplace_(self, tensors: Any, group_info: Any, group_id: Any = None,
+                                          **kwargs: Any) -> None:
             raise ConnectionError("sends no part (on purpose)")
 
     Silent.__name__ = StageAverager.__name__  # hivemind names the RPC handlers after the class
 
-    cfg = micro_config(pipeline={"num_stages": 3, "micro_batch_size": 2, "num_micro_batches": M},
-                       compression={"codec": "mapl"}, replicas={"enabled": True, "check_fraction": 0.01})
+    first, middle, last = pipeline(0.01)
     gen = torch.Generator().manual_seed(6)
-    first, last = StageRuntime(cfg, 0), StageRuntime(cfg, 2)
-    middle = [StageRuntime(cfg, 1) for _ in range(3)]
     discs = [Discovery(RUN, config(maddrs), membership=ident).start() for ident in ids]
     grads: list[Any] = []
     try:
@@ -210,16 +223,9 @@ def breaking_scenario(_bootstrap: Any, maddrs: list[str], ids: list, signers: tu
                                    (0, 1)))
             assert all(x.group == tuple(sorted(peer[:2])) and x.problem(M) is None for x in rounds)
     finally:
-        for disc in discs:
-            disc.close()
-        for g in grads:
-            g.shutdown()
+        close(discs, grads)
 
 
 @pytest.mark.timeout(300)
 def test_a_replica_that_breaks_its_stages_all_reduce_twice_in_a_row_is_excluded(tmp_path, monkeypatch) -> None:
-    local = issue_local(tmp_path / "ids", run_id=RUN, num_stages=3, replicas=[1, 3, 1])
-    ids = [load_identity(local.key_file(1, r), local.cert_file(1, r), run_id=RUN, stage=1) for r in range(3)]
-    signers = tuple(load_identity(local.key_file(s), local.cert_file(s), run_id=RUN, stage=s) for s in (0, 2))
-    with_bootstrap(monkeypatch, TrustedAuthority(RUN, local.authority.public),
-                   functools.partial(breaking_scenario, ids=ids, signers=signers, monkeypatch=monkeypatch))
+    run(tmp_path, monkeypatch, breaking_scenario, monkeypatch=monkeypatch)
