@@ -4,9 +4,10 @@ The replicas of stage k of a run share one averager prefix (:func:`~mapl_swarm.n
 and therefore hivemind's matchmaking key ``<prefix>.0b`` and state-download key
 ``<prefix>.all_averagers``. hivemind 1.1.12's averager authorizes nobody: any process that reaches
 its p2p daemon can join matchmaking, contribute a part of the average or download the state. Here
-every averager RPC (``rpc_join_group``, ``rpc_aggregate_part``, ``rpc_download_state``, and
-``rpc_kept_round`` of :mod:`.kept_round`) is served only to a **member**: a peer whose libp2p peer
-id is a subkey of the stage's ``all_averagers`` key.
+every averager RPC (``rpc_join_group``, ``rpc_aggregate_part``, ``rpc_download_state``,
+``rpc_kept_round`` of :mod:`.kept_round` and ``rpc_work_inputs`` of :mod:`.work`) is served only to
+a **member**: a peer whose libp2p peer id is a subkey of the stage's ``all_averagers`` key and
+that the stage's rounds did not exclude.
 A certified DHT node accepts a record under that key only when the certificate it carries allows
 stage k and the subkey is the peer id of the certificate's own signing key
 (:class:`~mapl_swarm.net.dht_validation.CertifiedRecordValidator`, member keys), and libp2p proves a
@@ -426,7 +427,7 @@ class StageAverager(DecentralizedAverager):
                               context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
         """A partner checking this member's share of a step asks for the inputs it took in that step
         (``request.group_id``: :func:`work.request`); none kept: an empty answer."""
-        if self._work_pipe is None or not await self._is_member(context.remote_id, "work_inputs"):
+        if not await self._is_member(context.remote_id, "work_inputs") or self._work_pipe is None:
             return
         asked = work.read_request(request.group_id)
         if asked is None:

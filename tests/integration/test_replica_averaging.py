@@ -1,12 +1,13 @@
 """Members-only averaging among a stage's replicas, on real hivemind DHT nodes and averagers.
 
 Two replicas certified for stage 1 average their tensors (weighted by samples, hivemind's
-all-reduce) and one downloads the other's stage state (checked against its own before use). A member certified for stage 2 and an outsider
-without a certificate both address the replicas' real averager RPCs directly — join the group,
-send a part, download the state — and run an averager of their own under stage 1's prefix: every
-request is refused and counted, their DHT records under stage 1's averaging keys are dropped by
-every certified node, and the replicas' average is exactly the two replicas'. One set of nodes for
-every check (DHT and averager starts are slow), all started from the main thread.
+all-reduce) and one downloads the other's stage state (checked against its own before use). A
+member certified for stage 2 and an outsider without a certificate both address the replicas'
+real averager RPCs directly — join the group, send a part, download the state, ask for a step's
+inputs — and run an averager of their own under stage 1's prefix: every request is refused and
+counted, their DHT records under stage 1's averaging keys are dropped by every certified node,
+and the replicas' average is exactly the two replicas'. One set of nodes for every check (DHT and
+averager starts are slow), all started from the main thread.
 """
 
 from __future__ import annotations
@@ -60,7 +61,9 @@ async def attack(target: bytes, prefix: str, _dht: Any, node: Any) -> dict[str, 
             "part": await answers(stub.rpc_aggregate_part, as_aiter(averaging_pb2.AveragingData(
                 code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"g"))),
             "state": await answers(stub.rpc_download_state, averaging_pb2.DownloadRequest(), code=False),
-            "kept": await answers(stub.rpc_kept_round, averaging_pb2.AveragingData(group_id=b"g"))}
+            "kept": await answers(stub.rpc_kept_round, averaging_pb2.AveragingData(group_id=b"g")),
+            "inputs": await answers(stub.rpc_work_inputs, averaging_pb2.AveragingData(group_id=b"\x92\x00\x00"),
+                                    code=False)}
 
 
 def breakable() -> type:
@@ -135,9 +138,9 @@ def scenario(bootstrap_dht: Any, maddrs: list[str], ids: list) -> None:
                     functools.partial(attack, avg_a.peer_id.to_bytes(), prefix))
                 refused = ([averaging_pb2.PROTOCOL_VIOLATION], [], ["closed"])  # never a group, a part or a state
                 assert got["join"] in refused and got["part"] in refused and got["state"] in ([], ["closed"]) \
-                    and got["kept"] in refused, (attacker, got)
+                    and got["kept"] in refused and got["inputs"] in ([], ["closed"]), (attacker, got)
             assert avg_a.refused == {"join_group": 2, "aggregate_part": 2, "download_state": 2, "kept_round": 2,
-                                     "group": 0}
+                                     "work_inputs": 2, "group": 0}
 
             # a group a member's leader assembled with a stranger is refused before any tensor is sent
             stranger = averagers["o"].peer_id
