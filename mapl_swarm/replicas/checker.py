@@ -6,9 +6,11 @@ The host side of :mod:`.work`: the replica keeps its stage's parameters of each 
 runtime of the stage (the *shadow*, loaded with the kept parameters), from the inputs the checked
 member gives (``work_inputs``), exactly as :meth:`~.gradients.ReplicaGradients.average` forms a
 share (the accumulated gradients scaled by M / n, in fp32), and compared with the part of that
-share this replica reduced. Not compared: the outbound projector's gradient, which holds the
-PROJ_GRADs the member received from downstream (not among its inputs), and the codec's step
-statistics (none in a codec that can be checked).
+share this replica reduced; the ACTs the member passed on and the GRADs it returned (which it
+hands over with its inputs) are compared with the shadow's (:func:`differing_outputs`). Not
+compared: the outbound projector's gradient, which holds the PROJ_GRADs the member received from
+downstream (not among its inputs), and the codec's step statistics (none in a codec that can be
+checked).
 
 A member that answers no inputs, inputs missing a micro-batch its round named, or inputs its
 neighbours did not sign (a certified run: :func:`unproven`) fails its check as a wrong share does;
@@ -42,6 +44,11 @@ log = logging.getLogger(__name__)
 
 INPUTS_TIMEOUT_S = 30.0
 """How long a checker waits for a member's inputs."""
+INPUT_ASKS = 4
+INPUT_ASK_GAP_S = 3.0
+"""A member that answers no inputs is asked again after this many seconds, :data:`INPUT_ASKS` times in
+all: an empty answer is also what a member gives a caller it does not see as a member yet (its read
+of the stage's DHT records lags under load), and an honest share must not be found wrong for it."""
 VERDICT_ROUNDS = 3
 """Rounds a verdict is gathered in (a round whose attempt failed gathers it again)."""
 KEPT_STATES = 3
@@ -73,9 +80,9 @@ kernels."""
 
 
 def pack_inputs(inputs: Inputs) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """A step's kept inputs (:attr:`~mapl_swarm.pipeline.stage.StageRuntime.kept_inputs`) as
-    ``work_inputs`` metadata (``fields``: ``[micro, "fwd"|"bwd", name]`` per tensor; ``proofs``:
-    ``[micro, "fwd"|"bwd", cert, sig]``) and tensors."""
+    """A step's kept work (:attr:`~mapl_swarm.pipeline.stage.StageRuntime.kept_inputs`) as
+    ``work_inputs`` metadata (``fields``: ``[micro, side, name]`` per tensor, ``side`` one of
+    :data:`SIDES`; ``proofs``: ``[micro, "fwd"|"bwd", cert, sig]``) and tensors."""
     fields, tensors, proofs = [], [], []
     for micro in sorted(inputs):
         for kind in SIDES:
@@ -259,9 +266,16 @@ class ShareChecker:
         if state is None or self.runtime.step_count - check.step > KEPT_STEPS - 1:
             # too late: the member may no longer keep its inputs of the step (so no verdict either way)
             raise RuntimeError(f"step {check.step} is too far behind this replica's {self.runtime.step_count}")
-        got = self.averager.fetch_inputs(check.peer, check.step, check.epoch, timeout=INPUTS_TIMEOUT_S)
+        got = None
+        for attempt in range(INPUT_ASKS):
+            got = self.averager.fetch_inputs(check.peer, check.step, check.epoch, timeout=INPUTS_TIMEOUT_S)
+            if got is not None:
+                break
+            if attempt + 1 < INPUT_ASKS:
+                time.sleep(INPUT_ASK_GAP_S)  # an answer refused while it does not see this one as a member yet
         if got is None:
-            return False, "it answered no inputs of the step (it keeps those of its last steps)"
+            return False, (f"it answered no inputs of the step, asked {INPUT_ASKS} times in "
+                           f"{(INPUT_ASKS - 1) * INPUT_ASK_GAP_S:g} s (it keeps those of its last steps)")
         inputs = unpack_inputs(*got)
         with self._lock:
             self.counters["input_bytes"] += sum(t.numel() * t.element_size() for t in got[1])

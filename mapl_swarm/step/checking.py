@@ -19,6 +19,10 @@ gathered, so every member decides alike:
   item 6), so an honest replica holds the stage's parameters in the next round; one that lies
   about its digest, or changes its parameters again, would otherwise have every step redone until
   the run ends.
+
+A member whose all-reduce parts do not come twice in a row is excluded as well; each replica
+judges that by what came to it (:meth:`~mapl_swarm.replicas.gradients.ReplicaGradients._broken`),
+not from gathered data.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ refusing its calls as a stranger's.
 from __future__ import annotations
 
 import functools
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -131,7 +132,7 @@ def scenario(_bootstrap: Any, maddrs: list[str], ids: list, signers: tuple[Any, 
                 for r in range(3):
                     middle[r].load_inbound_projector(*proj)
                 last.load_inbound_projector(*middle[0].outbound_projector())
-                for r in live:  # each share of the step is checked before the next round gathers the verdicts
+                for r in (0, 1):  # each honest check of the step ends before the next round gathers the verdicts
                     assert grads[r].checker.settled(60)
                 if any(grads[r].excluded for r in live if r != DISHONEST):
                     break
@@ -170,7 +171,9 @@ def scenario(_bootstrap: Any, maddrs: list[str], ids: list, signers: tuple[Any, 
 @pytest.mark.parametrize("attack", ["share", "share-and-inputs", "act"])
 def test_partners_recompute_each_share_and_exclude_a_replica_whose_share_is_not_its_work(
         tmp_path, monkeypatch, caplog, attack) -> None:
-    run(tmp_path, monkeypatch, scenario, attack=attack, caplog=caplog)
+    # the checkers' findings are logged: captured whatever level an earlier in-process peer set
+    with caplog.at_level(logging.INFO, logger="mapl_swarm.replicas.checker"):
+        run(tmp_path, monkeypatch, scenario, attack=attack, caplog=caplog)
 
 
 def breaking_scenario(_bootstrap: Any, maddrs: list[str], ids: list, signers: tuple[Any, Any],
