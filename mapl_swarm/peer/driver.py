@@ -380,14 +380,6 @@ class Schedule:
             case _:
                 raise TypeError(f"{self.name}: no way to carry out {intent!r}")
 
-    def _proof(self, msg: Message, link: str) -> dict[str, bytes] | None:
-        """Who sent the train ACT or GRAD ``msg`` (its signature, checked on arrival, and the sender's
-        certificate), kept with its inputs for the replicas that check this one's work."""
-        sig, sender = msg.meta.get("sig"), self.links.named(link)
-        if not isinstance(sig, bytes) or sender is None or sender.peer_cert is None:
-            return None
-        return {"cert": sender.peer_cert, "sig": sig}
-
     async def _compute(self, intent: do.Intent) -> None:
         """A forward or backward on the compute thread, its result to the core (a message whose codes
         need a retransmission is dropped: its copy follows on the link)."""
@@ -402,7 +394,7 @@ class Schedule:
                 core.answer(intent, res.payload, res.loss, res.tokens)
             case do.Forward(_, msg, link):
                 work = compute.run(host.forward, msg.micro, wire=_payload(msg, ACT_WIRE), train=True, cver=msg.cver,
-                                   proof=self._proof(msg, link))
+                                   proof=self.links.named(link).proof_of(msg))
                 try:
                     res = await self.links.named(link).decoded(work, msg)
                 except Retransmitting:
@@ -412,7 +404,7 @@ class Schedule:
             case do.Backward(_, micro, msg, link, origin):
                 work = compute.run(host.backward, micro, None if msg is None else _payload(msg, GRAD_WIRE),
                                    cver=None if msg is None else msg.cver, origin=origin,
-                                   proof=None if msg is None else self._proof(msg, link))
+                                   proof=None if msg is None else self.links.named(link).proof_of(msg))
                 try:
                     grad = await (work if msg is None else self.links.named(link).decoded(work, msg))
                 except Retransmitting:

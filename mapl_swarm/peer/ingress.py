@@ -278,7 +278,7 @@ class Ingress:
         if not (link.settings.sign_work and link.settings.identity is not None
                 and (msg.type is MT.GRAD or (msg.type is MT.ACT and msg.meta.get("mode") == "train"))):
             return False
-        if link.work_proof(msg) is not None:
+        if link.signed_work(msg):
             return False
         self.rejects("not_allowed", link.name, f"{msg.type.name} of step {msg.step} micro-batch {msg.micro} without "
                                                f"its sender's signature (SPEC §9.10 item 15)")

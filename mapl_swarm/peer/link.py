@@ -469,20 +469,26 @@ class PeerLink:
         digest = payload_digest({name: to_wire(t.contiguous()) for name, t in tensors.items()})
         return {"sig": identity.sign_work(kind, step, micro, digest)}
 
-    def work_proof(self, msg: Message) -> dict[str, bytes] | None:
-        """What proves that this link's peer sent ``msg``, a train ACT or GRAD (``cert``, ``sig``);
-        None when this peer does not check signatures (insecure, or no checking) or ``msg`` does not
-        verify (``sig`` missing or not its sender's: the message must be dropped)."""
+    def proof_of(self, msg: Message) -> dict[str, bytes] | None:
+        """What shows that this link's peer sent ``msg`` (its ``sig`` and the certificate its HELLO
+        carried), kept with a train ACT's or GRAD's inputs for the replicas that check this one's
+        work; None when ``msg`` carries no signature or the peer no certificate."""
+        sig = msg.meta.get("sig")
+        return {"cert": self.peer_cert, "sig": sig} if isinstance(sig, bytes) and self.peer_cert is not None else None
+
+    def signed_work(self, msg: Message) -> bool:
+        """``msg``, a train ACT or GRAD, carries its sender's signature of its micro-batch and bytes
+        (SPEC §9.10 item 15); True too when this peer checks none (insecure, or no checking)."""
         identity = self.settings.identity
         if not self.settings.sign_work or identity is None:
-            return None
-        proof = {"cert": self.peer_cert, "sig": msg.meta.get("sig")}
+            return True
+        proof = self.proof_of(msg)
         try:
-            identity.verify_work(proof, kind=msg.type.name, step=msg.step, micro=msg.micro,
+            identity.verify_work(proof or {}, kind=msg.type.name, step=msg.step, micro=msg.micro,
                                  digest=payload_digest(msg.tensors), stage=self.stage)
         except CertificateError:
-            return None
-        return proof
+            return False
+        return True
 
     async def send_projector(self, step: int, projector: torch.Tensor, pver: int) -> None:
         """PROJ of ``step`` (the step whose ACTs it precedes) downstream, at projector version ``pver``."""
