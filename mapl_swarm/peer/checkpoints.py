@@ -400,9 +400,12 @@ class PeerRunPolicy:
     It reports what the schedule's :class:`~.schedule.NoRunHooks` describe."""
 
     def __init__(self, cfg: TrainConfig, stage: int, data: "PreparedData", fingerprint: str, *, resume: bool,
-                 runtime: "StageRuntime", compute: "ComputeThread", sampler: Any = None) -> None:
+                 runtime: "StageRuntime", compute: "ComputeThread", sampler: Any = None, averaging: Any = None) -> None:
         self.cfg, self.stage, self.data, self.fingerprint, self.resume = cfg, stage, data, fingerprint, resume
         self.rt, self.compute, self.sampler = runtime, compute, sampler
+        self.averaging = averaging
+        """With replicas: the replica's averaging, whose own state (PowerSGD's error feedback and
+        factors) is saved with each checkpoint (:meth:`~mapl_swarm.replicas.gradients.ReplicaGradients.own_state`)."""
         self.store = self._new_store()
         self.agreement = CheckpointAgreement(self.store, stage, cfg.pipeline.num_stages)
         if stage == 0 and cfg.pipeline.num_stages > 1:  # its losses come from the last stage (REPORT)
@@ -480,11 +483,15 @@ class PeerRunPolicy:
         self.rt.load_state_dict(state)
         if self.sampler is not None:
             self.sampler.load_state_dict(state["data"])
+        if self.averaging is not None:
+            self.averaging.load_own_state(state.get("averaging"))
 
     def _save(self, step: int) -> bool:
         state = self.rt.state_dict()
         if self.sampler is not None:
             state["data"] = self.sampler.state_dict()
+        if self.averaging is not None:
+            state["averaging"] = self.averaging.own_state()
         saved = self.store.save(step, state)  # False: a full disk (warned); the step never completes
         if not saved:
             self._unsaved[step] = self._why_unsaved(step)

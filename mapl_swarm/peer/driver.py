@@ -474,7 +474,10 @@ class Schedule:
     def _take_step(self) -> dict:
         """The optimizer step (compute thread), under the served state's lock."""
         with self._state_lock:
-            return self.rt.step()
+            metrics = self.rt.step()
+        if self.replicas is not None and self.replicas.errors is not None:
+            metrics["averaging_error_norm"] = round(self.replicas.error_norm, 6)
+        return metrics
 
     def _load_projector(self, step: int, tensor: Any, pver: int) -> None:
         """The inbound projector of ``step`` (compute thread), under the served state's lock."""

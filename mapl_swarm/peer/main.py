@@ -148,7 +148,7 @@ def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool 
         val = validation_batches(data.val, cfg.pipeline.micro_batch_size, cfg.model.context_length, cfg.eval.batches)
     compute = ComputeThread(f"stage{stage}", initializer=functools.partial(bind_device, device))
     policy = PeerRunPolicy(cfg, stage, data, fingerprint, resume=resume, runtime=rt, compute=compute,
-                           sampler=sampler)  # resume: agreed after the handshake
+                           sampler=sampler, averaging=replicas)  # resume: agreed after the handshake
     return Peer(cfg, stage, rt, fingerprint=fingerprint, config=assets.config, resolve=resolve, announce=announce,
                 sampler=sampler, val_batches=val, progress=progress and stage == 0, compute=compute, run_policy=policy,
                 membership=membership, epoch=epoch, rejoining=rejoining, replicas=replicas, joining=joining,

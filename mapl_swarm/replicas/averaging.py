@@ -55,6 +55,7 @@ from mapl_swarm.net.discovery import averaging_prefix, member_keys
 from mapl_swarm.procs import set_parent_death_signal, watch_parent
 from mapl_swarm.replicas import kept_round, work
 from mapl_swarm.replicas.exact_allreduce import ExactAllReduceRunner
+from mapl_swarm.replicas.schemes import LowRank, orthonormal, part_compression, product
 from mapl_swarm.replicas.state import StateMismatch, flatten_state, restore_like
 
 __all__ = ["StageAverager", "REFUSALS", "MEMBERS_CACHE_S", "GATHER_ONLY", "Usable"]
@@ -72,6 +73,8 @@ nothing; a round whose all-reduce broke at one member and not at another could s
 Usable = Callable[[dict[str, Any]], bool]
 """Whether a round whose members gathered this (peer id as text -> gathered data) can count: one it
 cannot runs no all-reduce (as :data:`GATHER_ONLY`), so a doomed round sends no tensor bytes."""
+PHASES = (b".P", b".Q")
+"""The suffixes of a PowerSGD round's two all-reduces' group ids (after the group's own id)."""
 MEMBERS_CACHE_S = 1.0
 """How long a read of the stage's members is reused before the DHT is asked again."""
 MEMBERS_REREAD_S = 0.2
@@ -96,6 +99,9 @@ class StageAverager(DecentralizedAverager):
     ``replicas``: how many replicas a step averages among (hivemind's ``target_group_size``: a
     group forms as soon as that many are in, without waiting ``min_matchmaking_time`` out).
     ``aggregation``: ``"mean"`` (weighted), ``"centered_clip"`` or ``"trimmed_mean"`` (:mod:`.robust`, per part).
+    ``scheme``: ``replicas.averaging`` (:mod:`.schemes`); with ``powersgd``, ``low_rank`` says
+    which averaged tensors are compressed, and the averaged tensors end with one warm-start factor
+    Q per compressed matrix, which only the rounds write.
     ``state``: the stage's whole state (:mod:`.state`), what :meth:`download_state` of a joining
     replica receives. A round in which a member gathered :data:`GATHER_ONLY` runs no all-reduce and
     leaves the tensors as they are; so does one that ``usable`` (:data:`Usable`, called in the
@@ -103,7 +109,8 @@ class StageAverager(DecentralizedAverager):
     (``averaged_tensors``, ``dht``, ``start``, ``step(weight=...)``)."""
 
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: Any, *, run_id: str, stage: int,
-                 replicas: int, aggregation: str = "mean", state: Callable[[], Any] | None = None,
+                 replicas: int, aggregation: str = "mean", scheme: str = "fp32", low_rank: LowRank | None = None,
+                 state: Callable[[], Any] | None = None,
                  usable: Usable | None = None, inputs: work.InputsOf | None = None,
                  min_matchmaking_time: float = 2.0, request_timeout: float = 1.0, declare_state_period: float = 10.0,
                  next_chunk_timeout: float = PART_TIMEOUT_S, **kwargs: Any) -> None:
@@ -111,6 +118,11 @@ class StageAverager(DecentralizedAverager):
             raise ValueError(f"averaging needs at least 2 replicas, got {replicas}")
         self.run_id, self.stage = run_id, stage
         self.aggregation = aggregation
+        if (scheme == "powersgd") != (low_rank is not None):
+            raise ValueError(f"averaging scheme {scheme!r} with low-rank plan {low_rank!r}")
+        self.scheme, self._low_rank = scheme, low_rank
+        self._runner: ExactAllReduceRunner | None = None
+        """The all-reduce running or last run (who broke it, when it failed)."""
         """``replicas.aggregation``: the weighted mean, or a robust aggregate per part (:mod:`.robust`)."""
         self._state = state
         """What a joining replica downloads: the stage's state, read in this (the host) process."""
@@ -134,7 +146,8 @@ class StageAverager(DecentralizedAverager):
         super().__init__(averaged_tensors, dht, prefix=averaging_prefix(run_id, stage), target_group_size=replicas,
                          min_group_size=2, initial_group_bits="", min_matchmaking_time=min_matchmaking_time,
                          request_timeout=request_timeout, declare_state_period=declare_state_period,
-                         next_chunk_timeout=next_chunk_timeout, allow_state_sharing=True, **kwargs)
+                         next_chunk_timeout=next_chunk_timeout, allow_state_sharing=True,
+                         compression=part_compression(scheme), **kwargs)
 
     def start(self) -> None:
         self._parent_pid_seen = os.getpid()
@@ -348,7 +361,8 @@ class StageAverager(DecentralizedAverager):
         if any(isinstance(v, dict) and v.get(GATHER_ONLY) is True for v in gathered.values()) or (
                 self._usable is not None and not self._usable({str(p): v for p, v in gathered.items()})):
             # every member reads the same gathered data, so all of them skip the all-reduce alike
-            self._running_groups[group_info.group_id].cancel()  # no runner: no part is sent or awaited
+            for group_id in self._group_ids(group_info):
+                self._running_groups[group_id].cancel()  # no runner: no part is sent or awaited
             return gathered
         mine = gathered.get(self.peer_id)
         self._round_key = work.round_key(mine) if self._checking else None
@@ -364,27 +378,47 @@ class StageAverager(DecentralizedAverager):
                            "result from %s, which kept it", self.stage, exc, kept_by)
             return gathered
 
+    def _group_ids(self, group_info: GroupInfo) -> list[bytes]:
+        """The ids of the all-reduces one round of ``group_info`` runs: the group's own, or with
+        PowerSGD one per phase (:data:`PHASES`)."""
+        if self._low_rank is None:
+            return [group_info.group_id]
+        return [group_info.group_id + phase for phase in PHASES]
+
+    @contextlib.contextmanager
+    def _register_allreduce_group(self, group_info: GroupInfo) -> Iterator[None]:
+        """hivemind's, registering each of the round's all-reduces (:meth:`_group_ids`), as its
+        ``PowerSGDGradientAverager`` does."""
+        ids = self._group_ids(group_info)
+        try:
+            for group_id in ids:
+                self._running_groups[group_id] = asyncio.Future()
+            self._pending_groups_registered.set()
+            yield
+        finally:
+            for group_id in ids:
+                self._running_groups.pop(group_id, None)
+            self._pending_groups_registered.set()
+
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
                                       group_id: bytes | None = None, **kwargs: Any) -> None:
-        """hivemind's, with :class:`~.exact_allreduce.ExactAllReduceRunner`: every replica of the
-        group ends with the same bytes (hivemind's adds a difference back, which rounds)."""
+        """The round's all-reduce with :class:`~.exact_allreduce.ExactAllReduceRunner` (every replica
+        of the group ends with the same bytes; hivemind's adds a difference back, which rounds), or
+        PowerSGD's two (:meth:`_low_rank_round`)."""
         group_id = group_info.group_id if group_id is None else group_id
         key, self._round_key = self._round_key, None
-        runner = ExactAllReduceRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
-                                      group_id=group_id, ordered_peer_ids=group_info.peer_ids,
-                                      traffic=self._traffic, aggregation=self.aggregation,
-                                      keep_parts=key is not None, **kwargs)
-        self._running_groups[group_id].set_result(runner)
+        self._runner = None
         self._outcomes.began(group_id, group_info.peer_ids)
         try:
-            async for tensor, averaged in azip(as_aiter(*tensors), runner):
-                tensor.copy_(averaged)
-                self.last_updated = get_dht_time()
-                self._state_updated.set()
-            self._check_whole(runner, tensors)
+            if self._low_rank is None:
+                runner = await self._allreduce(tensors, group_info, group_id, keep_parts=key is not None, **kwargs)
+            else:
+                runner = await self._low_rank_round(tensors, group_info, group_id, **kwargs)
         except BaseException:
             self._outcomes.ended(group_id, kept=False)
-            broke = {p.to_base58() for p in runner.banned_senders | runner.failed_reducers if p != self.peer_id}
+            runner = self._runner
+            broke = {p.to_base58() for p in runner.banned_senders | runner.failed_reducers
+                     if p != self.peer_id} if runner is not None else set()
             self._culprits.value = ",".join(sorted(broke)).encode()[:4095]
             raise
         self._culprits.value = b""
@@ -393,6 +427,46 @@ class StageAverager(DecentralizedAverager):
             self._kept_parts[key] = runner.kept_parts
             for old in sorted(self._kept_parts)[:-work.KEPT_ROUNDS]:
                 del self._kept_parts[old]
+
+    async def _allreduce(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes, *,
+                         keep_parts: bool = False, **kwargs: Any) -> ExactAllReduceRunner:
+        """One all-reduce of ``tensors`` among the group, in place; raises unless every value of
+        them is the group's average (:meth:`_check_whole`)."""
+        self._runner = runner = ExactAllReduceRunner(
+            p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids, traffic=self._traffic, aggregation=self.aggregation,
+            keep_parts=keep_parts, **kwargs)
+        self._running_groups[group_id].set_result(runner)
+        async for tensor, averaged in azip(as_aiter(*tensors), runner):
+            tensor.copy_(averaged)
+            self.last_updated = get_dht_time()
+            self._state_updated.set()
+        self._check_whole(runner, tensors)
+        return runner
+
+    async def _low_rank_round(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes,
+                              **kwargs: Any) -> ExactAllReduceRunner:
+        """PowerSGD's round (:mod:`.schemes`) on ``tensors``: the host filled M (with its error
+        feedback) into the compressed ones, which end as P̂ Q̂ᵀ, the rest exact; the warm-start
+        factors (the last tensors) end as Q̂. A round that fails leaves the factors and M as they
+        were (the exact tensors may be partly averaged: the host fills them again)."""
+        plan = self._low_rank
+        assert plan is not None
+        kwargs.pop("tensor_infos", None)  # they describe the averaged tensors, not the factors
+        filled = len(tensors) - len(plan.matrices)
+        factors = tensors[filled:]
+        ms = [tensors[i].view(rows, cols) for i, (rows, cols) in zip(plan.matrices, plan.views)]
+        ps = [m @ q for m, q in zip(ms, factors)]
+        if ps:  # every member has the same plan, so all skip it alike
+            await self._allreduce(ps, group_info, group_id + PHASES[0], **kwargs)
+        ps = [orthonormal(p) for p in ps]
+        qs = [m.t() @ p for m, p in zip(ms, ps)]
+        runner = await self._allreduce([*qs, *(tensors[i] for i in plan.exact(filled))], group_info,
+                                       group_id + PHASES[1], **kwargs)
+        for m, p, q, factor in zip(ms, ps, qs, factors):
+            m.copy_(product(p, q))
+            factor.copy_(q)
+        return runner
 
     def _check_whole(self, runner: ExactAllReduceRunner, tensors: Sequence[torch.Tensor]) -> None:
         """Raise :class:`AllreduceException` unless ``runner`` left ``tensors`` the group's average.

@@ -5,7 +5,9 @@ and that peer's own part, which the peer adds back: ``x + (avg - x)`` is the ave
 rounding, not its bytes, so two replicas would step from gradients that differ in the last bit and
 drift apart. :class:`ExactAllReduceRunner` changes the two places where hivemind subtracts (the
 part this peer reduces itself, and the answer to a peer's part) to send the average, and turns the
-part container's deltas off, so every peer of a group ends with the same bytes; a failed part
+part container's deltas off, so every peer of a group ends with the same bytes (with a lossy part
+compression, ``replicas.averaging = "fp16"``, a reducer answers every peer in that compression,
+whatever a peer's parts came in, and keeps for itself its average as the peers decode it); a failed part
 keeps the peer's own values, as hivemind's zero delta does (and
 :class:`~.averaging.StageAverager` then fails the round: its values are not the average). The two methods are hivemind 1.1.12's
 with that one change (hivemind is pinned: ``pyproject.toml``); every peer of a group must run this
@@ -22,7 +24,7 @@ from typing import Any, AsyncIterator
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression import CompressionInfo, NoCompression, deserialize_torch_tensor
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
@@ -103,6 +105,16 @@ class ExactAllReduceRunner(AllReduceRunner):
         """Members whose averaged part did not come back (with hivemind's ``banned_senders``, whose
         parts did not come: who broke a failed round, as this member saw it)."""
 
+    def _encode(self, averaged: torch.Tensor) -> Any:
+        """An averaged part as it is sent back: in this round's part compression."""
+        return self.tensor_part_container.compression.compress(averaged, CompressionInfo.from_tensor(averaged))
+
+    def _as_sent(self, averaged: torch.Tensor) -> torch.Tensor:
+        """An averaged part as the peers decode it (itself, without lossy compression)."""
+        if isinstance(self.tensor_part_container.compression, NoCompression):
+            return averaged
+        return deserialize_torch_tensor(self._encode(averaged))
+
     def _count(self, sent: int = 0, received: int = 0) -> None:
         if self.traffic is not None:
             with self.traffic.get_lock():
@@ -121,7 +133,8 @@ class ExactAllReduceRunner(AllReduceRunner):
             for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
                 averaged_part = await self.tensor_part_reducer.accumulate_part(
                     sender_index, part_index, tensor_part, weight=self.weight)
-                self.tensor_part_container.register_processed_part(peer_index, part_index, averaged_part)
+                self.tensor_part_container.register_processed_part(peer_index, part_index,
+                                                                   self._as_sent(averaged_part))
             return
         try:
             done_sending = asyncio.Event()
@@ -161,7 +174,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                 self._count(received=msg.tensor_part.ByteSize())
                 return deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression
 
-            async for tensor_part, weight, part_compression in amap_in_executor(
+            async for tensor_part, weight, _ in amap_in_executor(
                     deserialize, stream, max_prefetch=self.tensor_part_container.prefetch):
                 if self.kept_parts is not None:
                     self.kept_parts.shares.setdefault(self.sender_peer_ids[sender_index].to_base58(),
@@ -172,8 +185,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                     part_index += 1
                 except BannedException:
                     break  # the sender was banned: its parts are no longer aggregated
-                serialized = await loop.run_in_executor(
-                    None, lambda: serialize_torch_tensor(averaged_part, part_compression))
+                serialized = await loop.run_in_executor(None, self._encode, averaged_part)
                 self._count(sent=serialized.ByteSize())
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
         finally:

@@ -47,7 +47,9 @@ from mapl_swarm.errors import MaplError
 from mapl_swarm.replicas.averaging import GATHER_ONLY, StageAverager
 from mapl_swarm.replicas.checker import Check, ShareChecker
 from mapl_swarm.replicas.errors import AveragingFailed, Behind, RoundCancelled
+from mapl_swarm.replicas.schemes import LowRank, initial_factors, low_rank_plan
 from mapl_swarm.replicas.state import state_summary
+from mapl_swarm.rng import derive_seed
 from mapl_swarm.step.checking import Accusations, divergent, drawn, stubborn
 from mapl_swarm.step.rounds import (NONCE_BYTES, RESUME_STEP, SYNC_STEP, ReplicaStep, commitment, read_round,
                                     round_counts)
@@ -88,7 +90,17 @@ class ReplicaGradients:
         self.params = list(runtime.optimized_parameters())
         self.stats = list(runtime.step_statistics())
         """The codec's step statistics (MAPL+VQ ``update = step``), averaged like the gradients."""
-        buffers = [torch.zeros(t.shape, dtype=torch.float32) for t in [*self.params, *self.stats]]  # contiguous
+        r = runtime.cfg.replicas
+        shapes = [tuple(t.shape) for t in [*self.params, *self.stats]]
+        self.low_rank: LowRank | None = low_rank_plan(shapes, r.averaging_rank, exact=self._exact(runtime)) \
+            if r.averaging == "powersgd" else None
+        """With ``replicas.averaging = "powersgd"``: which averaged tensors are compressed (:mod:`.schemes`)."""
+        factors = initial_factors(self.low_rank, derive_seed(runtime.cfg.run.seed, "powersgd", runtime.stage)) \
+            if self.low_rank is not None else []
+        buffers = [torch.zeros(shape, dtype=torch.float32) for shape in shapes] + factors  # contiguous
+        self.errors: list[torch.Tensor] | None = [torch.zeros(shapes[i]) for i in self.low_rank.matrices] \
+            if self.low_rank is not None and r.error_feedback else None
+        """This replica's error feedback, one buffer per compressed matrix (its own; checkpointed)."""
         self._served: Callable[[], Any] = lambda: self.runtime.state_dict()
         self.check_fraction = runtime.cfg.replicas.check_fraction
         self.checker = ShareChecker(runtime, partial(type(runtime), runtime.cfg, runtime.stage, runtime.device),
@@ -107,7 +119,8 @@ class ReplicaGradients:
         (:meth:`take_excluded`)."""
         self._told = 0
         self.averager = StageAverager(buffers, dht, run_id=run_id, stage=runtime.stage, replicas=replicas,
-                                      aggregation=runtime.cfg.replicas.aggregation, state=lambda: self._served(),
+                                      aggregation=r.aggregation, scheme=r.averaging, low_rank=self.low_rank,
+                                      state=lambda: self._served(),
                                       start=True,
                                       usable=partial(round_counts, runtime.cfg.pipeline.num_micro_batches),
                                       inputs=(lambda step, epoch: self.checker.inputs_of(step, epoch))
@@ -125,6 +138,49 @@ class ReplicaGradients:
         self._cancelled = False
         self.find_s = max(FIND_GROUP_S, 3 * averager_kwargs.get("min_matchmaking_time", 2.0))
         """Seconds one attempt of a round looks for its group (:meth:`cancel` says why it is bounded)."""
+
+    def _exact(self, runtime: Any) -> list[int]:
+        """The averaged tensors PowerSGD leaves exact whatever their shape: the MAPL projectors'
+        gradients and the codec's step statistics."""
+        projectors = [b.projector for b in (runtime.inbound, runtime.outbound)
+                      if b is not None and getattr(b, "projector", None) is not None]
+        return [i for i, p in enumerate(self.params) if any(p is q for q in projectors)] + \
+            list(range(len(self.params), len(self.params) + len(self.stats)))
+
+    def own_state(self) -> dict[str, Any]:
+        """What of the averaging is this replica's own and goes into its checkpoints: the scheme,
+        its error feedback and the warm-start factors (empty lists without PowerSGD)."""
+        factors: list[torch.Tensor] = []
+        if self.low_rank is not None:
+            with self.averager.get_tensors() as buffers:
+                factors = [t.clone() for t in buffers[len(buffers) - len(self.low_rank.matrices):]]
+        return {"scheme": self.runtime.cfg.replicas.averaging,
+                "errors": [e.clone() for e in self.errors] if self.errors is not None else [], "factors": factors}
+
+    def load_own_state(self, state: dict[str, Any] | None) -> None:
+        """Continue from :meth:`own_state` of a checkpoint (None, or one of another scheme or
+        shapes: the error feedback starts at zero and the factors where they are)."""
+        if not isinstance(state, dict) or state.get("scheme") != self.runtime.cfg.replicas.averaging:
+            if self.errors is not None:
+                for e in self.errors:
+                    e.zero_()
+            return
+        errors, factors = state.get("errors", []), state.get("factors", [])
+        if self.errors is not None and [tuple(t.shape) for t in errors] == [tuple(e.shape) for e in self.errors]:
+            for e, saved in zip(self.errors, errors):
+                e.copy_(saved)
+        if self.low_rank is not None and len(factors) == len(self.low_rank.matrices):
+            with self.averager.get_tensors() as buffers:
+                for slot, saved in zip(buffers[len(buffers) - len(factors):], factors):
+                    if slot.shape == saved.shape:
+                        slot.copy_(saved)
+
+    @property
+    def error_norm(self) -> float:
+        """The norm of this replica's error feedback (0 without it)."""
+        if not self.errors:
+            return 0.0
+        return float(torch.sqrt(sum(e.double().pow(2).sum() for e in self.errors)))
 
     def attach(self, runtime: Any) -> None:
         """Average ``runtime``'s gradients from now on (a new session's stage, built the same way)."""
@@ -358,12 +414,14 @@ class ReplicaGradients:
         n = len(micro)
         scale = self.runtime.cfg.pipeline.num_micro_batches / n if n else 0.0
         stats = self.runtime.step_statistics()  # the same tensors as self.stats, filled in for the step
+        filled = [*(p.grad for p in self.params), *stats]
         with self.averager.filling() as buffers, torch.no_grad():
-            for buf, t in zip(buffers, [*(p.grad for p in self.params), *stats], strict=True):
+            for buf, t in zip(buffers, filled):
                 if t is None or not n:
                     buf.zero_()
                 else:
                     buf.copy_(t.detach().to("cpu", torch.float32)).mul_(scale)
+            ms = self._with_feedback(buffers)
         round_ = self._round(float(n), gather, timeout)
         # every check below reads only what every member gathered, so all of them decide alike
         if round_.group_size < round_.expected:  # a partner not in it yet, or gone without one knowing
@@ -379,11 +437,26 @@ class ReplicaGradients:
         with self.averager.get_tensors() as buffers, torch.no_grad():
             for buf, p in zip(buffers, self.params):
                 p.grad = buf.to(p.device, p.dtype, copy=True)
-            for buf, t in zip(buffers[len(self.params):], stats, strict=True):
+            for buf, t in zip(buffers[len(self.params):len(filled)], stats, strict=True):
                 t.copy_(buf)
+            if ms is not None and n:  # what compression left out of this replica's M, for its next step
+                for e, m, i in zip(self.errors, ms, self.low_rank.matrices):
+                    torch.sub(m, buffers[i], out=e)
         if self.checker is not None:
             self.checker.keep_state(step)
         return self._delivered(round_, reduced=True)
+
+    def _with_feedback(self, buffers: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Add this replica's error feedback to the compressed gradients just filled into
+        ``buffers`` (M = e + g, what PowerSGD averages); those M, kept for the buffers' update
+        (None without error feedback)."""
+        if self.errors is None:
+            return None
+        ms = []
+        for e, i in zip(self.errors, self.low_rank.matrices):
+            buffers[i].add_(e)
+            ms.append(buffers[i].clone())
+        return ms
 
     def shutdown(self) -> None:
         if self.checker is not None:

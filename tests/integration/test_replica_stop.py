@@ -49,8 +49,11 @@ def test_ctrl_c_drains_every_replica_at_one_step_and_the_resumed_run_matches_tra
     for s in range(3):  # every replica saved the drain step, not a checkpoint interval's
         for r in range(2):
             assert checkpoint.stage_steps(replica_out_dir(out, r), s) == [step], (s, r)
-    resumed = subprocess.run([sys.executable, "-m", "mapl_swarm", "launch", "--config", str(path), "--resume",
-                              "--quiet"], capture_output=True, text=True, timeout=240)
+    try:
+        resumed = subprocess.run([sys.executable, "-m", "mapl_swarm", "launch", "--config", str(path), "--resume",
+                                  "--quiet"], capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired as hung:
+        pytest.fail(f"the resumed swarm did not end in 240 s:\n{(hung.stderr or b'').decode(errors='replace')[-12000:]}")
     assert resumed.returncode == 0, resumed.stderr[-6000:]
     records = [json.loads(line) for line in (out / "metrics_stage0.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]

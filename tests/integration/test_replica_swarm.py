@@ -99,6 +99,38 @@ def check_codebooks(results: dict) -> None:
                     assert book["digests"][f"rx_{stream}"] == digest
 
 
+def test_with_powersgd_averaging_the_replicas_of_each_stage_stay_bitwise_equal(tmp_path, cache):
+    """``replicas.averaging = "powersgd"`` (SPEC §9.10 item 16) in a launched swarm: every replica of a
+    stage saves the same parameters, optimizer state and warm-start factors; each keeps its own
+    error feedback; the first step's loss (before any update) is ``train``'s; an averaging round
+    sends a small fraction of the stage's fp32 gradient bytes."""
+    path = write_config(tmp_path / "powersgd.toml", codec="mapl", stages=3, steps=STEPS, cache=cache,
+                        out=tmp_path / "swarm", run_id="replicas-powersgd")
+    path.write_text(path.read_text() + "\n[replicas]\nenabled = true\ninitial = [2, 2, 2]\nmatchmaking_s = 1.0\n"
+                    'averaging = "powersgd"\naveraging_rank = 2\n')
+    summary = launch(load_config(path), ["--config", str(path)], progress=False, timeout_s=240)
+    train(load_config(path, {"run": {"out_dir": str(tmp_path / "ref")}}), progress=False)
+    ref = train_losses(tmp_path / "ref")
+    assert summary.train_losses[0] == pytest.approx(ref[0], rel=1e-3)
+    assert len(summary.train_losses) == STEPS and summary.train_losses[-1] < summary.train_losses[0]
+    folders = [replica_out_dir(tmp_path / "swarm", r) for r in range(2)]
+    for s in range(3):
+        states = [load_stage(folder, STEPS, s) for folder in folders]
+        flat = [{k: v for k, v in _tensors(st).items() if not k.startswith(("/rng", "/averaging/errors"))}
+                for st in states]
+        assert flat[0].keys() == flat[1].keys() and any(k.startswith("/averaging/factors") for k in flat[0])
+        assert all(torch.equal(flat[0][k], flat[1][k]) for k in flat[0]), s
+        # each replica's own error feedback (zero only for one that computed no micro-batch yet)
+        assert all(st["averaging"]["scheme"] == "powersgd" and st["averaging"]["errors"] for st in states)
+        assert any(float(e.norm()) > 0 for st in states for e in st["averaging"]["errors"])
+        dense = 4 * sum(v.numel() for k, v in _tensors(states[0]["modules"]).items())
+        records = [json.loads(line) for folder in folders
+                   for line in (folder / f"metrics_stage{s}.jsonl").read_text().splitlines()]
+        sent = [r["averaging_sent_bytes"] for r in records if "averaging_sent_bytes" in r]
+        assert sent and max(sent) < 0.25 * dense, (s, sent, dense)
+        assert any(r.get("averaging_error_norm", 0) > 0 for r in records)
+
+
 def check_any_replica_exports(tmp_path: Path) -> None:
     """Each replica saved its stage in its own folder, bit for bit the other replica's state
     (parameters, optimizer, projector); `export` takes any one replica per stage. The RNG states

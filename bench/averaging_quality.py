@@ -1,0 +1,187 @@
+"""What compressed averaging among replicas costs in quality (``replicas.averaging``, SPEC §9.10 item 16).
+
+    python bench/averaging_quality.py [--steps 150] [--replicas 2] [--seeds 0,1,2]
+                                      [--schemes fp32,fp16,powersgd:1,powersgd:4,powersgd:16]
+                                      [--out bench/results/averaging_quality.json]
+
+R replicas per stage are emulated in one process, with the compression code the peers run: the
+tiny preset (P = 4, ``mapl``) trains ``--steps`` steps; each step's micro-batches are split among
+the R replicas as stage 0 splits them in a swarm (``replica_share``); each replica's gradients
+(scaled to the whole batch, with its own error feedback under PowerSGD) are kept apart, then
+combined per stage as its scheme does: ``fp32`` the weighted mean; ``fp16`` every share and the
+mean rounded through hivemind's ``Float16Compression``; ``powersgd:R`` at rank R with
+:func:`mapl_swarm.replicas.schemes.emulate` (the averager's arithmetic, each all-reduce a weighted
+mean), projector gradients exact. Equal token budget for all; printed and written: each run's
+final validation loss, and per scheme the mean over seeds of its Δ% against ``fp32`` at the same
+seed, with the averaging values each scheme sends per step against fp32's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mapl_swarm.config import config_from_dict  # noqa: E402
+from mapl_swarm.data import BatchSampler, prepare_data, validation_batches  # noqa: E402
+from mapl_swarm.pipeline.inprocess import InProcessPipeline  # noqa: E402
+from mapl_swarm.replicas.schemes import (emulate, initial_factors, low_rank_plan,  # noqa: E402
+                                         part_compression)
+from mapl_swarm.rng import derive_seed  # noqa: E402
+from mapl_swarm.step.assignment import replica_share  # noqa: E402
+
+from hivemind.compression import CompressionInfo, deserialize_torch_tensor  # noqa: E402
+
+
+def _fp16(t: torch.Tensor) -> torch.Tensor:
+    c = part_compression("fp16")
+    return deserialize_torch_tensor(c.compress(t, CompressionInfo.from_tensor(t)))
+
+
+class StageAveraging:
+    """One stage's averaging among R emulated replicas: its plan, warm-start factors and each
+    replica's error feedback."""
+
+    def __init__(self, stage, scheme: str, rank: int, replicas: int, seed: int) -> None:
+        self.stage, self.scheme = stage, scheme
+        self.params = list(stage.optimized_parameters())
+        projectors = [b.projector for b in (stage.inbound, stage.outbound)
+                      if b is not None and getattr(b, "projector", None) is not None]
+        exact = [i for i, p in enumerate(self.params) if any(p is q for q in projectors)]
+        self.plan = low_rank_plan([tuple(p.shape) for p in self.params], rank, exact=exact) \
+            if scheme == "powersgd" else None
+        self.factors = initial_factors(self.plan, derive_seed(seed, "powersgd", stage.stage)) if self.plan else []
+        self.errors = [[torch.zeros(self.params[i].shape) for i in self.plan.matrices] for _ in range(replicas)] \
+            if self.plan else None
+        self.shares: list[tuple[list[torch.Tensor], float]] = []
+
+    def keep(self, replica: int, n: int, num_micro_batches: int) -> None:
+        """Replica ``replica`` computed ``n`` micro-batches: keep its filled tensors, clear the grads."""
+        scale = num_micro_batches / n
+        filled = [(p.grad.detach().float() * scale) if p.grad is not None else torch.zeros(p.shape)
+                  for p in self.params]
+        if self.errors is not None:
+            for e, i in zip(self.errors[replica], self.plan.matrices):
+                filled[i] = filled[i] + e
+        self.shares.append((filled, float(n)))
+        for p in self.params:
+            p.grad = None
+
+    def combine(self) -> None:
+        """Set every parameter's gradient to the scheme's average of the kept shares."""
+        ms, weights = [s for s, _ in self.shares], [w for _, w in self.shares]
+        total = sum(weights)
+        if self.scheme == "powersgd":
+            out = emulate(ms, weights, self.plan, self.factors)
+            for r, m in enumerate(ms):
+                for e, i in zip(self.errors[r], self.plan.matrices):
+                    e.copy_(m[i] - out[i])
+        elif self.scheme == "fp16":
+            out = [_fp16(sum(_fp16(m[i]) * (w / total) for m, w in zip(ms, weights))) for i in range(len(ms[0]))]
+        else:
+            out = [sum(m[i] * (w / total) for m, w in zip(ms, weights)) for i in range(len(ms[0]))]
+        for p, g in zip(self.params, out):
+            p.grad = g.to(p.dtype)
+        self.shares = []
+
+    def values(self) -> tuple[int, int]:
+        """(values this scheme's round sends for the stage, values fp32's sends)."""
+        counts = [p.numel() for p in self.params]
+        if self.plan is None:
+            return sum(counts), sum(counts)
+        return self.plan.values(counts)
+
+
+def run(scheme_label: str, seed: int, args: argparse.Namespace, data) -> dict:
+    scheme, _, rank = scheme_label.partition(":")
+    cfg = config_from_dict({"preset": "tiny", "compression": {"codec": "mapl"},
+                            "optim": {"warmup_steps": max(1, args.steps // 20)},
+                            "run": {"steps": args.steps, "seed": seed, "out_dir": "runs/bench-averaging-quality"},
+                            "pipeline": {"num_stages": 4, "micro_batch_size": 4, "num_micro_batches": args.micro},
+                            "runtime": {"threads": 1}}, "bench")
+    torch.manual_seed(seed)
+    pipe = InProcessPipeline(cfg)
+    stages = [StageAveraging(s, scheme, int(rank or 4), args.replicas, seed) for s in pipe.stages]
+    T, M = cfg.model.context_length, cfg.pipeline.num_micro_batches
+    sampler = BatchSampler(data.train, cfg.pipeline.micro_batch_size, T, seed)
+    val = validation_batches(data.val, cfg.pipeline.micro_batch_size, T, cfg.eval.batches)
+    losses = []
+    for step in range(args.steps):
+        batches = [next(sampler) for _ in range(M)]
+        step_losses = []
+        for r in range(args.replicas):
+            share = [g - step * M for g in replica_share(step, M, r, args.replicas)]
+            got, _ = pipe.accumulate([batches[g] for g in share])
+            step_losses += got
+            for b in range(len(pipe.stages) - 1):
+                g = pipe.stages[b + 1].take_inbound_projector_grad()
+                if g is not None:
+                    pipe.stages[b].add_outbound_projector_grad(g)
+            for st in stages:
+                st.keep(r, len(share), M)
+        for st in stages:
+            st.combine()
+        codecs = [s.codec for s in pipe.stages]
+        codecs[0].before_pipeline_step(codecs, pipe.stages[0].step_count)
+        for s in pipe.stages:
+            s.step()
+        pipe.sync_projectors()
+        losses.append(sum(step_losses) / len(step_losses))
+    sent, dense = (sum(x) for x in zip(*(st.values() for st in stages)))
+    return {"scheme": scheme_label, "seed": seed, "final_val_loss": pipe.evaluate(val),
+            "mean_train_loss_last_20": sum(losses[-20:]) / len(losses[-20:]), "values_per_round": sent,
+            "fp32_values_per_round": dense}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--micro", type=int, default=8, help="micro-batches per step (split among the replicas)")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--schemes", default="fp32,fp16,powersgd:1,powersgd:4,powersgd:16")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench/results/averaging_quality.json")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    data = prepare_data(config_from_dict({"preset": "tiny"}, "bench").data, progress=False)
+    t0 = time.time()
+    runs = []
+    for seed in map(int, args.seeds.split(",")):
+        for label in args.schemes.split(","):
+            runs.append(run(label, seed, args, data))
+            r = runs[-1]
+            print(f"{label:14s} seed {seed}: val {r['final_val_loss']:.4f}, train (last 20) "
+                  f"{r['mean_train_loss_last_20']:.4f}  ({time.time() - t0:.0f} s)", flush=True)
+    base = {r["seed"]: r["final_val_loss"] for r in runs if r["scheme"] == "fp32"}
+    summary = {}
+    for label in args.schemes.split(","):
+        mine = [r for r in runs if r["scheme"] == label]
+        deltas = [100.0 * (r["final_val_loss"] - base[r["seed"]]) / base[r["seed"]] for r in mine if r["seed"] in base]
+        summary[label] = {"val_loss_delta_pct_mean": sum(deltas) / len(deltas) if deltas else None,
+                          "val_loss_delta_pct": deltas,
+                          "bytes_vs_fp32": (mine[0]["values_per_round"] * (2 if label == "fp16" else 4))
+                          / (4 * mine[0]["fp32_values_per_round"])}
+        print(f"{label:14s} Δ val loss vs fp32 {summary[label]['val_loss_delta_pct_mean']:+.2f}% "
+              f"(per seed {', '.join(f'{d:+.2f}' for d in deltas)}), averaging bytes "
+              f"{summary[label]['bytes_vs_fp32']:.4f} of fp32's")
+    result = {"command": "python bench/averaging_quality.py " + " ".join(sys.argv[1:]), "steps": args.steps,
+              "replicas": args.replicas, "micro_batches": args.micro,
+              "machine": f"{platform.node()} {platform.machine()}, {platform.python_version()}, 1 torch thread",
+              "date": time.strftime("%Y-%m-%d"), "seconds": round(time.time() - t0), "summary": summary,
+              "runs": runs}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

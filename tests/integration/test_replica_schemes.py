@@ -1,0 +1,151 @@
+"""Compressed averaging among a stage's replicas (``replicas.averaging``, SPEC §9.10 item 16) through
+the real members-only hivemind averagers: two replicas of each stage of a 2-stage MAPL pipeline,
+each feeding its share of every step's micro-batches, for 3 steps.
+
+- ``fp16``: every replica of a stage holds the same bytes after each step (the reducers answer in
+  fp16 and keep their own part as the partners decode it); the averaged gradient is the fp32 one
+  within fp16's rounding; a round sends about half of fp32's tensor bytes (measured here).
+- ``powersgd``: every replica of a stage holds the same bytes after each step; the averaged
+  gradients are exactly what :func:`~mapl_swarm.replicas.schemes.emulate` computes in one process
+  from the replicas' gradients plus their error feedback (the quality benchmark's emulation runs
+  the same arithmetic); the projector's gradient is the exact mean; each replica's error feedback
+  is what compression left out of its own M, survives ``own_state``/``load_own_state``, and a
+  round sends well under a tenth of fp32's bytes.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import torch
+
+from mapl_swarm.net.discovery import Discovery, TrustedAuthority
+from mapl_swarm.net.identity import create_peer_key, issue, issue_local, load_identity, make_request, write_signed
+from mapl_swarm.pipeline.stage import StageRuntime
+from mapl_swarm.replicas.schemes import emulate
+from mapl_swarm.step.assignment import replica_share
+
+from conftest import micro_config
+from test_dht_certified import config, with_bootstrap
+from test_replica_gradients import install_projector, params, pipeline_pass
+
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+
+RUN = "run-replica-schemes"
+M, STEPS = 4, 3
+FP32_ROUND_BYTES: dict[int, int] = {}
+"""Tensor bytes one replica of each stage sent in an fp32 round (measured by the ``fp32`` case)."""
+
+
+def filled(g: Any, micro: list[int]) -> list[torch.Tensor]:
+    """What replica ``g`` fills into its averaged tensors for a round over ``micro`` (its gradients
+    scaled to the whole batch, its step statistics, its error feedback added), computed apart."""
+    scale = M / len(micro)
+    out = [(p.grad.detach().float() * scale) if p.grad is not None else torch.zeros(p.shape) for p in g.params]
+    out += [t.detach().float() * scale for t in g.runtime.step_statistics()]
+    if g.errors is not None:
+        for e, i in zip(g.errors, g.low_rank.matrices):
+            out[i] = out[i] + e
+    return out
+
+
+def scenario(_bootstrap: Any, maddrs: list[str], ids: dict, scheme: str) -> None:
+    from mapl_swarm.replicas.gradients import ReplicaGradients
+
+    cfg = micro_config(pipeline={"num_stages": 2, "micro_batch_size": 2, "num_micro_batches": M},
+                       compression={"codec": "mapl"}, replicas={"averaging": scheme, "averaging_rank": 2})
+    gen = torch.Generator().manual_seed(5)
+    data = [[torch.randint(0, 256, (2, 17), generator=gen) for _ in range(M)] for _ in range(STEPS)]
+    pairs = [(StageRuntime(cfg, 0), StageRuntime(cfg, 1)) for _ in range(2)]
+    discs = {key: Discovery(RUN, config(maddrs), membership=ident).start() for key, ident in ids.items()}
+    grads: dict[tuple[int, int], Any] = {}
+    try:
+        for (stage, r), disc in discs.items():
+            grads[stage, r] = ReplicaGradients(pairs[r][stage], disc.dht, run_id=RUN, replicas=2)
+        with ThreadPoolExecutor(4) as pool:
+            for step in range(STEPS):
+                shares = {r: [g - step * M for g in replica_share(step, M, r, 2)] for r in range(2)}
+                for r, (first, last) in enumerate(pairs):
+                    pipeline_pass(first, last, [data[step][g] for g in shares[r]])
+                before = {key: filled(g, shares[key[1]]) for key, g in grads.items()}
+                errors = {key: [e.clone() for e in g.errors] if g.errors is not None else None
+                          for key, g in grads.items()}
+                factors = {}
+                for stage in (0, 1):
+                    g = grads[stage, 0]
+                    if g.low_rank is not None:
+                        with g.averager.get_tensors() as bufs:
+                            factors[stage] = [t.clone() for t in bufs[len(bufs) - len(g.low_rank.matrices):]]
+                rounds = dict(zip(grads, pool.map(lambda key: grads[key].average(
+                    shares[key[1]], step=step, timeout=60, expected=2), grads)))
+                assert all(x.group_size == 2 and x.in_sync for x in rounds.values()), rounds
+                for stage in (0, 1):
+                    averaged = [p.grad.clone() for p in grads[stage, 0].params]
+                    assert all(torch.equal(a, p.grad) for a, p in zip(averaged, grads[stage, 1].params)), \
+                        f"step {step}: stage {stage}: the replicas' averaged gradients differ"
+                    weights = [float(len(shares[r])) for r in range(2)]
+                    exact = [sum(before[stage, r][i] * (w / sum(weights)) for r, w in enumerate(weights))
+                             for i in range(len(averaged))]
+                    g = grads[stage, 0]
+                    if scheme == "fp16":
+                        for a, x in zip(averaged, exact):
+                            torch.testing.assert_close(a, x, rtol=2e-3, atol=1e-5)
+                    elif scheme == "powersgd":
+                        expected = emulate([before[stage, r] for r in range(2)], weights, g.low_rank, factors[stage])
+                        for i, (a, x) in enumerate(zip(averaged, expected)):
+                            torch.testing.assert_close(a, x, rtol=1e-3, atol=1e-6, msg=f"tensor {i}")
+                        for i in g.low_rank.exact(len(averaged)):  # the projector's gradient among them
+                            torch.testing.assert_close(averaged[i], exact[i], rtol=1e-5, atol=1e-7)
+                        for r in range(2):
+                            mine = grads[stage, r]
+                            for e, i in zip(mine.errors, mine.low_rank.matrices):
+                                assert torch.equal(e, before[stage, r][i] - averaged[i])
+                            assert mine.error_norm > 0
+                    sent = rounds[stage, 0].sent_bytes
+                    if scheme == "fp32":
+                        FP32_ROUND_BYTES[stage] = sent
+                    elif stage in FP32_ROUND_BYTES:
+                        limit = 0.55 if scheme == "fp16" else 0.1
+                        assert sent <= limit * FP32_ROUND_BYTES[stage], (scheme, sent, FP32_ROUND_BYTES[stage])
+                for first, last in pairs:
+                    first.step()
+                    last.step()
+                install_projector(pairs[0][0], [last for _, last in pairs])
+                for stage in (0, 1):
+                    assert all(torch.equal(x, y) for x, y in zip(params(pairs[0][stage]), params(pairs[1][stage])))
+            if scheme == "powersgd":  # a checkpoint's own state: error feedback and factors come back
+                g = grads[1, 1]
+                saved = copy.deepcopy(g.own_state())
+                assert saved["scheme"] == "powersgd" and len(saved["errors"]) == len(g.low_rank.matrices)
+                for e in g.errors:
+                    e.zero_()
+                g.load_own_state(saved)
+                assert all(torch.equal(a, b) for a, b in zip(g.errors, saved["errors"]))
+                g.load_own_state({"scheme": "fp32", "errors": [], "factors": []})  # another scheme's: from zero
+                assert g.error_norm == 0.0
+            del errors
+    finally:
+        for disc in discs.values():
+            disc.close()
+        for g in grads.values():
+            g.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_compressed_averaging_keeps_replicas_bitwise_equal(tmp_path, monkeypatch) -> None:
+    local = issue_local(tmp_path / "ids", run_id=RUN, num_stages=2)
+    ids = {}
+    for stage in (0, 1):
+        ids[stage, 0] = load_identity(local.key_file(stage), local.cert_file(stage), run_id=RUN, stage=stage)
+        name = tmp_path / "ids" / f"stage{stage}r1"
+        key = create_peer_key(name.with_suffix(".key"))
+        write_signed(name.with_suffix(".cert"), issue(local.authority, make_request(key, name.name, [stage]),
+                                                      run_id=RUN, valid_s=3600))
+        ids[stage, 1] = load_identity(name.with_suffix(".key"), name.with_suffix(".cert"), run_id=RUN, stage=stage)
+    for scheme in ("fp32", "fp16", "powersgd"):
+        with_bootstrap(monkeypatch, TrustedAuthority(RUN, local.authority.public),
+                       functools.partial(scenario, ids=ids, scheme=scheme))

@@ -1,0 +1,106 @@
+"""``replicas.averaging`` (SPEC §9.10 item 16): which tensors PowerSGD compresses, its arithmetic,
+and the configs it refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mapl_swarm.config import load_config
+from mapl_swarm.errors import ConfigError
+from mapl_swarm.pipeline.stage import StageRuntime
+from mapl_swarm.replicas.schemes import (emulate, initial_factors, low_rank_plan, matrix_view, orthonormal,
+                                         part_compression, product)
+
+from conftest import micro_config
+
+
+def test_the_plan_compresses_matrices_whose_factors_save_half_and_leaves_the_rest_exact() -> None:
+    shapes = [(64, 64), (64,), (256, 8), (4, 4, 16), (16, 64), (3, 3)]
+    plan = low_rank_plan(shapes, 4, exact=[4])
+    # (64,64): 4*128 <= 2048; (256,8): 4*264 > 1024; (4,4,16) -> 16 x 16: 4*32 <= 128; (3,3): too small
+    assert plan.matrices == (0, 3) and plan.views == ((64, 64), (16, 16))
+    assert plan.exact(len(shapes)) == [1, 2, 4, 5]
+    assert plan.factor_shapes == [(64, 4), (16, 4)]
+    sent, dense = plan.values([64 * 64, 64, 256 * 8, 256, 16 * 64, 9])
+    assert sent == 4 * 128 + 4 * 32 + 64 + 256 * 8 + 16 * 64 + 9 and dense == 4096 + 64 + 2048 + 256 + 1024 + 9
+    assert matrix_view((2, 3, 5, 7)) == (30, 7)  # hivemind merges the adjacent pair of smallest product
+    with pytest.raises(ValueError, match="rank must be >= 1"):
+        low_rank_plan(shapes, 0)
+
+
+def test_the_first_factors_are_the_same_for_every_replica_of_a_run() -> None:
+    plan = low_rank_plan([(32, 32), (32, 16)], 2)
+    a, b = initial_factors(plan, 7), initial_factors(plan, 7)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(a[0], initial_factors(plan, 8)[0])
+
+
+def test_orthonormal_and_product_are_float64_rounded() -> None:
+    gen = torch.Generator().manual_seed(0)
+    p = torch.randn(50, 3, generator=gen)
+    o = orthonormal(p)
+    assert o.dtype == torch.float32
+    torch.testing.assert_close(o.t() @ o, torch.eye(3), atol=1e-5, rtol=0)
+    q = torch.randn(20, 3, generator=gen)
+    assert torch.equal(product(o, q), (o.double() @ q.double().t()).float())
+
+
+def test_a_rank_r_round_reproduces_a_mean_of_rank_r_and_error_feedback_recovers_what_it_left_out() -> None:
+    gen = torch.Generator().manual_seed(1)
+    u, v = torch.randn(40, 2, generator=gen), torch.randn(2, 30, generator=gen)
+    low = u @ v  # rank 2: a rank-2 power iteration from any start captures it
+    plan = low_rank_plan([(40, 30), (30,)], 2)
+    qs = initial_factors(plan, 0)
+    shares = [[low * 0.5, torch.ones(30)], [low * 1.5, torch.zeros(30)]]
+    out = emulate(shares, [1.0, 1.0], plan, qs)
+    torch.testing.assert_close(out[0], low, rtol=1e-4, atol=1e-4)
+    assert torch.equal(out[1], torch.full((30,), 0.5))
+    # a full-rank gradient: error feedback makes the running sum of what was applied track the true one
+    g = torch.randn(40, 30, generator=gen)
+    plan = low_rank_plan([(40, 30)], 2)
+    for feedback, bound in ((True, lambda x: x < 0.05), (False, lambda x: x > 0.5)):
+        qs, err, applied = initial_factors(plan, 0), torch.zeros(40, 30), torch.zeros(40, 30)
+        for _ in range(200):
+            m = g + err
+            approx = emulate([[m]], [1.0], plan, qs)[0]
+            err = m - approx if feedback else err
+            applied += approx
+        assert bound(float((applied / 200 - g).norm() / g.norm())), feedback
+
+
+def test_part_compression_per_scheme() -> None:
+    assert type(part_compression("fp16")).__name__ == "Float16Compression"
+    assert type(part_compression("powersgd")).__name__ == type(part_compression("fp32")).__name__ == "NoCompression"
+    with pytest.raises(ValueError, match="unknown averaging scheme"):
+        part_compression("int4")
+
+
+def test_a_stage_keeps_its_projector_gradient_and_statistics_exact() -> None:
+    cfg = micro_config(pipeline={"num_stages": 2, "micro_batch_size": 2, "num_micro_batches": 2},
+                       compression={"codec": "mapl"})
+    rt = StageRuntime(cfg, 0)
+    from mapl_swarm.replicas.gradients import ReplicaGradients
+
+    params = list(rt.optimized_parameters())
+    holder = ReplicaGradients.__new__(ReplicaGradients)
+    holder.params, holder.stats = params, list(rt.step_statistics())
+    exact = holder._exact(rt)
+    assert [i for i, p in enumerate(params) if p is rt.outbound.projector] == exact[:1]
+    plan = low_rank_plan([tuple(p.shape) for p in params], 4, exact=exact)
+    assert exact[0] not in plan.matrices and plan.matrices  # the weight matrices are compressed
+
+
+@pytest.mark.parametrize("setting, message", [
+    ('averaging_rank = 0', "replicas.averaging_rank must be an integer >= 1"),
+    ('averaging = "int4"', "replicas.averaging must be one of"),
+    ('error_feedback = "yes"', "error_feedback must be bool"),
+    ('averaging = "fp16"\ncheck_fraction = 0.5', "replicas.check_fraction needs replicas.averaging = 'fp32'"),
+    ('averaging = "powersgd"\naggregation = "centered_clip"', "needs dense averaging"),
+])
+def test_bad_averaging_settings_are_one_line_config_errors(tmp_path, setting, message) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(f"[replicas]\nenabled = true\n{setting}\n[pipeline]\nnum_stages = 2\n")
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config(path)
+    assert "\n" not in str(err.value)
