@@ -1,7 +1,7 @@
 """What compressed averaging among replicas costs in quality (``replicas.averaging``, SPEC §9.10 item 16).
 
     python bench/averaging_quality.py [--steps 150] [--replicas 2] [--seeds 0,1,2]
-                                      [--schemes fp32,fp16,powersgd:1,powersgd:4,powersgd:16]
+                                      [--schemes fp32,fp16,powersgd:1,powersgd:4,topk:0.01]
                                       [--out bench/results/averaging_quality.json]
 
 R replicas per stage are emulated in one process, with the compression code the peers run: the
@@ -11,7 +11,9 @@ the R replicas as stage 0 splits them in a swarm (``replica_share``); each repli
 combined per stage as its scheme does: ``fp32`` the weighted mean; ``fp16`` every share and the
 mean rounded through hivemind's ``Float16Compression``; ``powersgd:R`` at rank R with
 :func:`mapl_swarm.replicas.schemes.emulate` (the averager's arithmetic, each all-reduce a weighted
-mean), projector gradients exact. Equal token budget for all; printed and written: each run's
+mean), ``topk:F`` with F of each matrix's values (:func:`~mapl_swarm.replicas.schemes.sparse_share`
+and ``sparse_sum``, each replica's error feedback its M less its own share), projector
+gradients exact. Equal token budget for all; printed and written: each run's
 final validation loss, and per scheme the mean over seeds of its Δ% against ``fp32`` at the same
 seed, with the averaging values each scheme sends per step against fp32's.
 """
@@ -34,7 +36,7 @@ from mapl_swarm.config import config_from_dict  # noqa: E402
 from mapl_swarm.data import BatchSampler, prepare_data, validation_batches  # noqa: E402
 from mapl_swarm.pipeline.inprocess import InProcessPipeline  # noqa: E402
 from mapl_swarm.replicas.schemes import (emulate, initial_factors, low_rank_plan,  # noqa: E402
-                                         part_compression)
+                                         part_compression, sparse_decoded, sparse_plan, sparse_share, sparse_sum)
 from mapl_swarm.rng import derive_seed  # noqa: E402
 from mapl_swarm.step.assignment import replica_share  # noqa: E402
 
@@ -50,17 +52,19 @@ class StageAveraging:
     """One stage's averaging among R emulated replicas: its plan, warm-start factors and each
     replica's error feedback."""
 
-    def __init__(self, stage, scheme: str, rank: int, replicas: int, seed: int) -> None:
+    def __init__(self, stage, scheme: str, parameter: str, replicas: int, seed: int) -> None:
         self.stage, self.scheme = stage, scheme
         self.params = list(stage.optimized_parameters())
         projectors = [b.projector for b in (stage.inbound, stage.outbound)
                       if b is not None and getattr(b, "projector", None) is not None]
         exact = [i for i, p in enumerate(self.params) if any(p is q for q in projectors)]
-        self.plan = low_rank_plan([tuple(p.shape) for p in self.params], rank, exact=exact) \
-            if scheme == "powersgd" else None
+        shapes = [tuple(p.shape) for p in self.params]
+        self.plan = low_rank_plan(shapes, int(parameter or 4), exact=exact) if scheme == "powersgd" else None
+        self.sparse = sparse_plan(shapes, float(parameter or 0.01), exact=exact) if scheme == "topk" else None
+        self.compressed = self.plan.matrices if self.plan else self.sparse.tensors if self.sparse else ()
         self.factors = initial_factors(self.plan, derive_seed(seed, "powersgd", stage.stage)) if self.plan else []
-        self.errors = [[torch.zeros(self.params[i].shape) for i in self.plan.matrices] for _ in range(replicas)] \
-            if self.plan else None
+        self.errors = [[torch.zeros(shapes[i]) for i in self.compressed] for _ in range(replicas)] \
+            if self.compressed else None
         self.shares: list[tuple[list[torch.Tensor], float]] = []
 
     def keep(self, replica: int, n: int, num_micro_batches: int) -> None:
@@ -69,7 +73,7 @@ class StageAveraging:
         filled = [(p.grad.detach().float() * scale) if p.grad is not None else torch.zeros(p.shape)
                   for p in self.params]
         if self.errors is not None:
-            for e, i in zip(self.errors[replica], self.plan.matrices):
+            for e, i in zip(self.errors[replica], self.compressed):
                 filled[i] = filled[i] + e
         self.shares.append((filled, float(n)))
         for p in self.params:
@@ -84,6 +88,13 @@ class StageAveraging:
             for r, m in enumerate(ms):
                 for e, i in zip(self.errors[r], self.plan.matrices):
                     e.copy_(m[i] - out[i])
+        elif self.scheme == "topk":
+            out = [sum(m[i] * (w / total) for m, w in zip(ms, weights)) for i in range(len(ms[0]))]
+            for i, k in zip(self.sparse.tensors, self.sparse.counts):
+                shares = [sparse_share(m[i], k) for m in ms]
+                out[i] = sparse_sum([(*sh, w) for sh, w in zip(shares, weights)], ms[0][i])
+                for r, (m, sh) in enumerate(zip(ms, shares)):
+                    self.errors[r][self.sparse.tensors.index(i)].copy_(m[i] - sparse_decoded(*sh, m[i]))
         elif self.scheme == "fp16":
             out = [_fp16(sum(_fp16(m[i]) * (w / total) for m, w in zip(ms, weights))) for i in range(len(ms[0]))]
         else:
@@ -95,13 +106,12 @@ class StageAveraging:
     def values(self) -> tuple[int, int]:
         """(values this scheme's round sends for the stage, values fp32's sends)."""
         counts = [p.numel() for p in self.params]
-        if self.plan is None:
-            return sum(counts), sum(counts)
-        return self.plan.values(counts)
+        plan = self.plan or self.sparse
+        return plan.values(counts) if plan is not None else (sum(counts), sum(counts))
 
 
 def run(scheme_label: str, seed: int, args: argparse.Namespace, data) -> dict:
-    scheme, _, rank = scheme_label.partition(":")
+    scheme, _, parameter = scheme_label.partition(":")
     cfg = config_from_dict({"preset": "tiny", "compression": {"codec": "mapl"},
                             "optim": {"warmup_steps": max(1, args.steps // 20)},
                             "run": {"steps": args.steps, "seed": seed, "out_dir": "runs/bench-averaging-quality"},
@@ -109,7 +119,7 @@ def run(scheme_label: str, seed: int, args: argparse.Namespace, data) -> dict:
                             "runtime": {"threads": 1}}, "bench")
     torch.manual_seed(seed)
     pipe = InProcessPipeline(cfg)
-    stages = [StageAveraging(s, scheme, int(rank or 4), args.replicas, seed) for s in pipe.stages]
+    stages = [StageAveraging(s, scheme, parameter, args.replicas, seed) for s in pipe.stages]
     T, M = cfg.model.context_length, cfg.pipeline.num_micro_batches
     sampler = BatchSampler(data.train, cfg.pipeline.micro_batch_size, T, seed)
     val = validation_batches(data.val, cfg.pipeline.micro_batch_size, T, cfg.eval.batches)
@@ -147,7 +157,7 @@ def main() -> int:
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--micro", type=int, default=8, help="micro-batches per step (split among the replicas)")
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--schemes", default="fp32,fp16,powersgd:1,powersgd:4,powersgd:16")
+    ap.add_argument("--schemes", default="fp32,fp16,powersgd:1,powersgd:4,topk:0.01")
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/averaging_quality.json")
     args = ap.parse_args()
     torch.set_num_threads(1)

@@ -3,10 +3,12 @@ peer in its own network namespace behind its own kernel-shaped (tbf) link, so th
 averaging traffic is shaped like the pipeline's.
 
     sudo python bench/replica_lab.py [--rate-mbit 20] [--steps 4] [--stages 4] [--micro-batches 16]
-                                     [--codec none] [--replicas 1,2] [--out bench/results/replica_lab.json]
+                                     [--codec none] [--replicas 1,2] [--averaging fp32,powersgd]
+                                     [--averaging-rank 4] [--out bench/results/replica_lab.json]
 
 Per replica count it runs ``mapl-swarm lab`` (:func:`~mapl_swarm.lab.swarm.run_lab_swarm`, tiny
-preset, T=128, micro-batches of 4, 1 torch thread per peer) and records:
+preset, T=128, micro-batches of 4, 1 torch thread per peer) and, for replica counts above 1, once
+per ``replicas.averaging`` scheme of ``--averaging`` (in the same session), records:
 
 - steady-state tokens/s: tokens of steps 2..N over the time between the first and the last step's
   REPORT at stage 0 (the first step holds the start-up and the first averaging rounds);
@@ -55,7 +57,7 @@ cache_dir = "{cache}"
 [run]
 steps = {steps}
 out_dir = "{out}"
-run_id = "bench-replica-lab-{replicas}"
+run_id = "bench-replica-lab-{replicas}-{scheme}"
 
 [pipeline]
 num_stages = {stages}
@@ -95,16 +97,16 @@ def kill_replica(metrics: Path, after_steps: int, delay_s: float, killed: dict) 
     killed.update(time=time.time(), pids=found)
 
 
-def run_one(args: argparse.Namespace, replicas: int, work: Path, subnet: int) -> dict:
+def run_one(args: argparse.Namespace, replicas: int, work: Path, subnet: int, scheme: str = "fp32") -> dict:
     from mapl_swarm.config import load_config
     from mapl_swarm.lab.swarm import run_lab_swarm
 
-    path = work / f"r{replicas}.toml"
-    text = CONFIG.format(codec=args.codec, cache=work / "cache", steps=args.steps, out=work / f"run{replicas}",
-                         replicas=replicas, stages=args.stages, micro=args.micro_batches)
+    path = work / f"r{replicas}-{scheme}.toml"
+    text = CONFIG.format(codec=args.codec, cache=work / "cache", steps=args.steps, out=work / f"run{replicas}-{scheme}",
+                         replicas=replicas, scheme=scheme, stages=args.stages, micro=args.micro_batches)
     if replicas > 1:
         text += f"\n[replicas]\nenabled = true\ninitial = {[replicas] * args.stages}\nmatchmaking_s = 1.0\n"
-        text += "averaging_timeout_s = 600.0\n"
+        text += f'averaging_timeout_s = 600.0\naveraging = "{scheme}"\naveraging_rank = {args.averaging_rank}\n'
     path.write_text(text)
     cfg = load_config(path)
     killed: dict = {}
@@ -134,7 +136,8 @@ def run_one(args: argparse.Namespace, replicas: int, work: Path, subnet: int) ->
                  "liveness_deadline_s": cfg.net.liveness_floor_s,
                  "connection_grace_s": 2 * cfg.net.heartbeat_interval_s,
                  "step_walls": walls, "kill_wall": killed["time"]}
-    return {"replicas": replicas, "peers": replicas * args.stages, "steps": len(s.train_losses),
+    return {"replicas": replicas, "averaging": scheme if replicas > 1 else "-", "peers": replicas * args.stages,
+            "steps": len(s.train_losses),
             "tokens_per_step": cfg.tokens_per_step, "tokens_per_s": steady, "wall_s": wall,
             "report_times_s": times, "train_losses": s.train_losses,
             "averaging_bytes_per_step": s.averaging.get("bytes_per_step", 0.0),
@@ -144,10 +147,11 @@ def run_one(args: argparse.Namespace, replicas: int, work: Path, subnet: int) ->
 
 def table(rows: list[dict]) -> str:
     base = rows[0]["tokens_per_s"]
-    out = ["| replicas per stage | peers | tokens/step | tokens/s (steps 2..N) | vs 1 replica | averaging MB/step "
-           "| averaging share of bytes sent | last train loss |", "|---|---|---|---|---|---|---|---|"]
+    out = ["| replicas per stage | averaging | peers | tokens/step | tokens/s (steps 2..N) | vs 1 replica "
+           "| averaging MB/step | averaging share of bytes sent | last train loss |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r['replicas']} | {r['peers']} | {r['tokens_per_step']:,} | {r['tokens_per_s']:.0f} | "
+        out.append(f"| {r['replicas']} | {r['averaging']} | {r['peers']} | {r['tokens_per_step']:,} | "
+                   f"{r['tokens_per_s']:.0f} | "
                    f"{r['tokens_per_s'] / base:.2f}x | {r['averaging_bytes_per_step'] / 1e6:.2f} | "
                    f"{100 * r['averaging_share']:.1f}% | {r['train_losses'][-1]:.4f} |")
     return "\n".join(out)
@@ -161,6 +165,8 @@ def main() -> int:
     p.add_argument("--micro-batches", type=int, default=16)
     p.add_argument("--codec", default="none")
     p.add_argument("--replicas", default="1,2")
+    p.add_argument("--averaging", default="fp32", help="replicas.averaging schemes to run (replica counts > 1)")
+    p.add_argument("--averaging-rank", type=int, default=4)
     p.add_argument("--timeout-s", type=float, default=3000.0)
     p.add_argument("--kill-after-steps", type=int, default=0)
     p.add_argument("--kill-delay-s", type=float, default=5.0)
@@ -168,9 +174,12 @@ def main() -> int:
     args = p.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for i, n in enumerate(int(x) for x in args.replicas.split(",")):
-            rows.append(run_one(args, n, Path(tmp), subnet=78 + i))
-            print(f"{n} replica(s) per stage: {rows[-1]['tokens_per_s']:.0f} tokens/s", flush=True)
+        runs = [(n, scheme) for n in (int(x) for x in args.replicas.split(","))
+                for scheme in (args.averaging.split(",") if n > 1 else ["fp32"])]
+        for i, (n, scheme) in enumerate(runs):
+            rows.append(run_one(args, n, Path(tmp), subnet=78 + i, scheme=scheme))
+            print(f"{n} replica(s) per stage ({scheme if n > 1 else 'alone'}): {rows[-1]['tokens_per_s']:.0f} "
+                  f"tokens/s", flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     import torch
@@ -178,7 +187,7 @@ def main() -> int:
     result = {"command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d"), "commit": commit,
               "machine": f"{platform.machine()} {platform.system()} {platform.release()}, "
                          f"{os.cpu_count()} cores, torch {torch.__version__}",
-              "rate_mbit": args.rate_mbit, "codec": args.codec, "rows": rows}
+              "rate_mbit": args.rate_mbit, "codec": args.codec, "averaging_rank": args.averaging_rank, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(table(rows))

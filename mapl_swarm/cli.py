@@ -393,6 +393,8 @@ def _status_line(p: Any, status_s: float) -> str:
     st = p.status
     figures = (f"{st.get('state', '?'):<11} step {st['step']:<6} {st['tokens_per_s']:>9,.0f} tok/s  queue "
                f"{st['queue']:<3}" if {"step", "tokens_per_s", "queue"} <= st.keys() else "no status record".ljust(46))
+    if "averaging" in st:  # a replica: its scheme and the bytes its last averaging round sent
+        figures += f"  averaging {st['averaging']} {st.get('averaging_bytes', 0) / 1e6:.2f} MB/step"
     where = p.contact.partition("#")[0] or "(withdrawn)"
     if p.silent(status_s):
         heard = f"SILENT for {p.heard_s:.0f} s: not serving (stopped or lost)"

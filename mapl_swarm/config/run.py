@@ -273,18 +273,22 @@ class ReplicasConfig:
     spent on checking. Needs a codec without streamed codebooks (a checker cannot rebuild another
     replica's mid-step codebooks)."""
 
-    averaging: Literal["fp32", "fp16", "powersgd"] = "fp32"
+    averaging: Literal["fp32", "fp16", "powersgd", "topk"] = "fp32"
     """What a stage's replicas send to average their gradients (``mapl_swarm.replicas.schemes``):
     ``fp32``, every value as it is; ``fp16``, every all-reduce part as hivemind's
     ``Float16Compression`` (half the bytes); ``powersgd``, each
     weight matrix's gradient as two rank-``averaging_rank`` factors (PowerSGD, as hivemind's
-    ``PowerSGDGradientAverager``), with error feedback. Projector gradients and the codec's step
-    statistics are averaged exactly in every scheme; every replica applies the same bytes."""
+    ``PowerSGDGradientAverager``), with error feedback; ``topk``, each weight matrix's gradient as its
+    ``topk_fraction`` largest values (int32 index and float16 value each), with error feedback.
+    Projector gradients, vectors and the codec's step statistics are averaged exactly in every
+    scheme; every replica applies the same bytes."""
     averaging_rank: int = 4
     """The rank of PowerSGD's factors (``averaging = "powersgd"``): a d x n gradient costs r(d + n)
     values instead of d n."""
+    topk_fraction: float = 0.01
+    """The fraction of each weight matrix's gradient values ``topk`` sends (0 < f <= 1)."""
     error_feedback: bool = True
-    """``powersgd``: what compression left out of a replica's gradient is added to its next one
+    """``powersgd`` and ``topk``: what compression left out of a replica's gradient is added to its next one
     (each replica's own buffer, saved in its checkpoints; a joining replica starts it at zero)."""
 
     def __post_init__(self) -> None:
@@ -294,12 +298,14 @@ class ReplicasConfig:
                f"replicas.error_feedback must be true or false, got {self.error_feedback!r}")
         _check(type(self.averaging_rank) is int and self.averaging_rank >= 1,
                f"replicas.averaging_rank must be an integer >= 1, got {self.averaging_rank!r}")
+        _check(isinstance(self.topk_fraction, (int, float)) and 0.0 < self.topk_fraction <= 1.0,
+               f"replicas.topk_fraction must be a number within (0, 1], got {self.topk_fraction!r}")
         _check(not (self.check_fraction and self.averaging != "fp32"),
                f"replicas.check_fraction needs replicas.averaging = 'fp32' (a checker compares a share with "
                f"the values its partner sent), got {self.averaging!r}")
-        _check(self.aggregation == "mean" or self.averaging != "powersgd",
-               f"replicas.aggregation = {self.aggregation!r} needs dense averaging (fp32 or fp16): a robust "
-               f"aggregate of PowerSGD's factors bounds nothing")
+        _check(self.aggregation == "mean" or self.averaging in ("fp32", "fp16"),
+               f"replicas.aggregation = {self.aggregation!r} needs dense averaging (fp32 or fp16), got "
+               f"replicas.averaging = {self.averaging!r}: a robust aggregate of factors or sparse shares bounds nothing")
         if isinstance(self.initial, list):  # TOML arrays arrive as lists
             object.__setattr__(self, "initial", tuple(self.initial))
         _check(all(type(n) is int and n >= 1 for n in self.initial),

@@ -112,7 +112,8 @@ def dht_validators(membership: Any) -> list[Any]:
                                      revocations=None if watch is None else watch.path)]
 
 
-STATUS_FIELDS: dict[str, type] = {"state": str, "step": int, "tokens_per_s": float, "queue": int, "capacity": float}
+STATUS_FIELDS: dict[str, type] = {"state": str, "step": int, "tokens_per_s": float, "queue": int, "capacity": float,
+                                  "averaging": str, "averaging_bytes": int}
 """A status record's fields and their types (SPEC §9.1 "Status records"); a reader keeps only these."""
 
 

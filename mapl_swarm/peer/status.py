@@ -43,5 +43,8 @@ class StatusSource:
         then, before, busy_before = self._samples[0]
         rate = (tokens - before) / (now - then) if now > then else 0.0
         capacity = (tokens - before) / (busy - busy_before) if busy > busy_before else 0.0
+        averaging = getattr(peer.schedule, "replicas", None)
         return {"state": peer.state.value, "step": int(peer.schedule.step), "tokens_per_s": round(rate, 1),
-                "queue": peer.mailbox.waiting, "capacity": round(capacity, 1)}
+                "queue": peer.mailbox.waiting, "capacity": round(capacity, 1),
+                **({"averaging": averaging.scheme, "averaging_bytes": int(averaging.last_sent)}
+                   if averaging is not None else {})}

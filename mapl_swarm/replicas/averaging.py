@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import multiprocessing as mp
 import os
 import random
@@ -55,15 +56,16 @@ from mapl_swarm.net.discovery import averaging_prefix, member_keys
 from mapl_swarm.procs import set_parent_death_signal, watch_parent
 from mapl_swarm.replicas import kept_round, work
 from mapl_swarm.replicas.exact_allreduce import ExactAllReduceRunner
-from mapl_swarm.replicas.schemes import LowRank, orthonormal, part_compression, product
+from mapl_swarm.replicas.schemes import (LowRank, Sparse, check_share, orthonormal, part_compression, product,
+                                         sparse_share, sparse_sum)
 from mapl_swarm.replicas.state import StateMismatch, flatten_state, restore_like
 
 __all__ = ["StageAverager", "REFUSALS", "MEMBERS_CACHE_S", "GATHER_ONLY", "Usable"]
 
 logger = logging.getLogger(__name__)
 
-REFUSALS = ("join_group", "aggregate_part", "download_state", "kept_round", "work_inputs", "group")
-"""What a stage averager refuses to a non-member: its five RPCs, and a group assembled with one."""
+REFUSALS = ("join_group", "aggregate_part", "download_state", "kept_round", "work_inputs", "sparse_share", "group")
+"""What a stage averager refuses to a non-member: its six RPCs, and a group assembled with one."""
 STATE_KEY = "mapl_stage_state"
 """The metadata key of a stage state in a download (hivemind's own metadata is a dict too)."""
 GATHER_ONLY = "gather_only"
@@ -75,6 +77,9 @@ Usable = Callable[[dict[str, Any]], bool]
 cannot runs no all-reduce (as :data:`GATHER_ONLY`), so a doomed round sends no tensor bytes."""
 PHASES = (b".P", b".Q")
 """The suffixes of a PowerSGD round's two all-reduces' group ids (after the group's own id)."""
+SPARSE_PHASES = (b".S", b".X")
+"""The suffixes of a ``topk`` round's group ids: its all-gather of sparse shares, its all-reduce of
+the exact tensors."""
 MEMBERS_CACHE_S = 1.0
 """How long a read of the stage's members is reused before the DHT is asked again."""
 MEMBERS_REREAD_S = 0.2
@@ -101,7 +106,8 @@ class StageAverager(DecentralizedAverager):
     ``aggregation``: ``"mean"`` (weighted), ``"centered_clip"`` or ``"trimmed_mean"`` (:mod:`.robust`, per part).
     ``scheme``: ``replicas.averaging`` (:mod:`.schemes`); with ``powersgd``, ``low_rank`` says
     which averaged tensors are compressed, and the averaged tensors end with one warm-start factor
-    Q per compressed matrix, which only the rounds write.
+    Q per compressed matrix, which only the rounds write; with ``topk``, ``sparse`` says which
+    are sent sparse.
     ``state``: the stage's whole state (:mod:`.state`), what :meth:`download_state` of a joining
     replica receives. A round in which a member gathered :data:`GATHER_ONLY` runs no all-reduce and
     leaves the tensors as they are; so does one that ``usable`` (:data:`Usable`, called in the
@@ -110,6 +116,7 @@ class StageAverager(DecentralizedAverager):
 
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: Any, *, run_id: str, stage: int,
                  replicas: int, aggregation: str = "mean", scheme: str = "fp32", low_rank: LowRank | None = None,
+                 sparse: Sparse | None = None,
                  state: Callable[[], Any] | None = None,
                  usable: Usable | None = None, inputs: work.InputsOf | None = None,
                  min_matchmaking_time: float = 2.0, request_timeout: float = 1.0, declare_state_period: float = 10.0,
@@ -118,9 +125,13 @@ class StageAverager(DecentralizedAverager):
             raise ValueError(f"averaging needs at least 2 replicas, got {replicas}")
         self.run_id, self.stage = run_id, stage
         self.aggregation = aggregation
-        if (scheme == "powersgd") != (low_rank is not None):
-            raise ValueError(f"averaging scheme {scheme!r} with low-rank plan {low_rank!r}")
-        self.scheme, self._low_rank = scheme, low_rank
+        if (scheme == "powersgd") != (low_rank is not None) or (scheme == "topk") != (sparse is not None):
+            raise ValueError(f"averaging scheme {scheme!r} with low-rank plan {low_rank!r} and sparse plan {sparse!r}")
+        self.scheme, self._low_rank, self._sparse = scheme, low_rank, sparse
+        self._shares: dict[bytes, tuple[asyncio.Future, frozenset[PeerID]]] = {}
+        """``topk``: this member's sparse share of each running group (the averager process's)."""
+        self._share_culprits: set[PeerID] = set()
+        """``topk``: the members whose shares did not come, or came wrong, in the last round."""
         self._runner: ExactAllReduceRunner | None = None
         """The all-reduce running or last run (who broke it, when it failed)."""
         """``replicas.aggregation``: the weighted mean, or a robust aggregate per part (:mod:`.robust`)."""
@@ -381,23 +392,31 @@ class StageAverager(DecentralizedAverager):
     def _group_ids(self, group_info: GroupInfo) -> list[bytes]:
         """The ids of the all-reduces one round of ``group_info`` runs: the group's own, or with
         PowerSGD one per phase (:data:`PHASES`)."""
-        if self._low_rank is None:
-            return [group_info.group_id]
-        return [group_info.group_id + phase for phase in PHASES]
+        if self._low_rank is not None:
+            return [group_info.group_id + phase for phase in PHASES]
+        if self._sparse is not None:
+            return [group_info.group_id + SPARSE_PHASES[1]]
+        return [group_info.group_id]
 
     @contextlib.contextmanager
     def _register_allreduce_group(self, group_info: GroupInfo) -> Iterator[None]:
         """hivemind's, registering each of the round's all-reduces (:meth:`_group_ids`), as its
         ``PowerSGDGradientAverager`` does."""
         ids = self._group_ids(group_info)
+        share_id = group_info.group_id + SPARSE_PHASES[0]
         try:
             for group_id in ids:
                 self._running_groups[group_id] = asyncio.Future()
+            if self._sparse is not None:
+                self._shares[share_id] = (asyncio.get_running_loop().create_future(), frozenset(group_info.peer_ids))
             self._pending_groups_registered.set()
             yield
         finally:
             for group_id in ids:
                 self._running_groups.pop(group_id, None)
+            share = self._shares.pop(share_id, None)
+            if share is not None and not share[0].done():
+                share[0].cancel()
             self._pending_groups_registered.set()
 
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
@@ -408,17 +427,20 @@ class StageAverager(DecentralizedAverager):
         group_id = group_info.group_id if group_id is None else group_id
         key, self._round_key = self._round_key, None
         self._runner = None
+        self._share_culprits = set()
         self._outcomes.began(group_id, group_info.peer_ids)
         try:
-            if self._low_rank is None:
-                runner = await self._allreduce(tensors, group_info, group_id, keep_parts=key is not None, **kwargs)
-            else:
+            if self._low_rank is not None:
                 runner = await self._low_rank_round(tensors, group_info, group_id, **kwargs)
+            elif self._sparse is not None:
+                runner = await self._sparse_round(tensors, group_info, group_id, **kwargs)
+            else:
+                runner = await self._allreduce(tensors, group_info, group_id, keep_parts=key is not None, **kwargs)
         except BaseException:
             self._outcomes.ended(group_id, kept=False)
             runner = self._runner
-            broke = {p.to_base58() for p in runner.banned_senders | runner.failed_reducers
-                     if p != self.peer_id} if runner is not None else set()
+            broke = {p.to_base58() for p in (runner.banned_senders | runner.failed_reducers if runner is not None
+                                             else set()) | self._share_culprits if p != self.peer_id}
             self._culprits.value = ",".join(sorted(broke)).encode()[:4095]
             raise
         self._culprits.value = b""
@@ -467,6 +489,87 @@ class StageAverager(DecentralizedAverager):
             m.copy_(product(p, q))
             factor.copy_(q)
         return runner
+
+    async def _sparse_round(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes, *,
+                            weight: float = 1.0, **kwargs: Any) -> ExactAllReduceRunner | None:
+        """``topk``'s round (:mod:`.schemes`) on ``tensors``: the host filled M (with its error
+        feedback) into the sparse ones, which end as the members' shares summed, weighted, in the
+        group's order; the exact ones are all-reduced. A member whose share does not come, or
+        comes malformed, fails the round (and is named among its culprits)."""
+        plan = self._sparse
+        assert plan is not None
+        kwargs.pop("tensor_infos", None)
+        mine: list[torch.Tensor] = []
+        for i, k in zip(plan.tensors, plan.counts):
+            mine.extend(sparse_share(tensors[i], k))
+        mine.append(torch.tensor([float(weight)], dtype=torch.float32))
+        share_id = group_info.group_id + SPARSE_PHASES[0]
+        future, _ = self._shares[share_id]
+        future.set_result(mine)
+        exact = [tensors[i] for i in plan.exact(len(tensors))]
+        runner = await self._allreduce(exact, group_info, group_id + SPARSE_PHASES[1], weight=weight, **kwargs) \
+            if exact else None
+        theirs = await asyncio.gather(*(self._fetch_share(peer, share_id, mine, tensors)
+                                        for peer in group_info.peer_ids if peer != self.peer_id))
+        shares = iter(theirs)
+        ordered = [mine if peer == self.peer_id else next(shares) for peer in group_info.peer_ids]
+        for j, (i, k) in enumerate(zip(plan.tensors, plan.counts)):
+            summed = sparse_sum([(s[2 * j], s[2 * j + 1], float(s[-1][0])) for s in ordered], tensors[i])
+            tensors[i].copy_(summed)
+        return runner
+
+    async def _fetch_share(self, peer: PeerID, share_id: bytes, like: Sequence[torch.Tensor],
+                           tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Member ``peer``'s sparse share of the round ``share_id``, checked (:func:`~.schemes.check_share`)."""
+        plan = self._sparse
+        assert plan is not None
+        why = "no share came"
+        try:
+            stub = type(self).get_stub(self._p2p, peer, namespace=self.prefix)
+            got = await within(kept_round.take(
+                await stub.rpc_sparse_share(averaging_pb2.AveragingData(group_id=share_id)), like),
+                3 * (self.next_chunk_timeout or PART_TIMEOUT_S))
+        except Exception as exc:  # gone, or a broken stream
+            got, why = None, f"{type(exc).__name__}: {exc}"
+        if got is not None:
+            self._count_traffic(received=sum(t.numel() * t.element_size() for t in got))
+            weight = float(got[-1][0])
+            problems = [check_share(got[2 * j], got[2 * j + 1], k, tensors[i].numel())
+                        for j, (i, k) in enumerate(zip(plan.tensors, plan.counts))]
+            problems += [] if math.isfinite(weight) and weight >= 0 else [f"weight {weight}"]
+            bad = next((p for p in problems if p is not None), None)
+            if bad is None:
+                return got
+            why = bad
+        self._share_culprits.add(peer)
+        raise AllreduceException(f"stage {self.stage}: the sparse share of {peer} cannot be summed: {why}")
+
+    def _count_traffic(self, sent: int = 0, received: int = 0) -> None:
+        with self._traffic.get_lock():
+            self._traffic[0] += sent
+            self._traffic[1] += received
+
+    async def rpc_sparse_share(self, request: averaging_pb2.AveragingData,
+                               context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """A member of a ``topk`` round's group asks for this member's sparse share of it
+        (``request.group_id``: the group's id and ``.S``), served once this member computed it."""
+        if not await self._is_member(context.remote_id, "sparse_share"):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        if request.group_id not in self._shares:  # the group assembled there before here
+            with contextlib.suppress(TimeoutError):
+                await within(self._pending_groups_registered.wait(), self.next_chunk_timeout or PART_TIMEOUT_S)
+        entry = self._shares.get(request.group_id)
+        share = None
+        if entry is not None and context.remote_id in entry[1]:
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                share = await within(asyncio.shield(entry[0]), self.next_chunk_timeout or PART_TIMEOUT_S)
+        if share is None:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.CANCELLED)
+            return
+        self._count_traffic(sent=sum(t.numel() * t.element_size() for t in share))
+        for message in kept_round.parts(share):
+            yield message
 
     def _check_whole(self, runner: ExactAllReduceRunner, tensors: Sequence[torch.Tensor]) -> None:
         """Raise :class:`AllreduceException` unless ``runner`` left ``tensors`` the group's average.

@@ -47,7 +47,8 @@ from mapl_swarm.errors import MaplError
 from mapl_swarm.replicas.averaging import GATHER_ONLY, StageAverager
 from mapl_swarm.replicas.checker import Check, ShareChecker
 from mapl_swarm.replicas.errors import AveragingFailed, Behind, RoundCancelled
-from mapl_swarm.replicas.schemes import LowRank, initial_factors, low_rank_plan
+from mapl_swarm.replicas.schemes import (LowRank, Sparse, initial_factors, low_rank_plan, sparse_decoded,
+                                         sparse_plan, sparse_share)
 from mapl_swarm.replicas.state import state_summary
 from mapl_swarm.rng import derive_seed
 from mapl_swarm.step.checking import Accusations, divergent, drawn, stubborn
@@ -92,15 +93,24 @@ class ReplicaGradients:
         """The codec's step statistics (MAPL+VQ ``update = step``), averaged like the gradients."""
         r = runtime.cfg.replicas
         shapes = [tuple(t.shape) for t in [*self.params, *self.stats]]
-        self.low_rank: LowRank | None = low_rank_plan(shapes, r.averaging_rank, exact=self._exact(runtime)) \
+        exact = self._exact(runtime)
+        self.scheme = r.averaging
+        """``replicas.averaging``: what this replica sends to average (:mod:`.schemes`)."""
+        self.last_sent = 0
+        """Tensor bytes this replica's last counted averaging round sent (its status record shows it)."""
+        self.low_rank: LowRank | None = low_rank_plan(shapes, r.averaging_rank, exact=exact) \
             if r.averaging == "powersgd" else None
         """With ``replicas.averaging = "powersgd"``: which averaged tensors are compressed (:mod:`.schemes`)."""
+        self.sparse: Sparse | None = sparse_plan(shapes, r.topk_fraction, exact=exact) if r.averaging == "topk" else None
+        """With ``replicas.averaging = "topk"``: which averaged tensors are sent sparse (:mod:`.schemes`)."""
+        self._compressed = self.low_rank.matrices if self.low_rank is not None else \
+            self.sparse.tensors if self.sparse is not None else ()
         factors = initial_factors(self.low_rank, derive_seed(runtime.cfg.run.seed, "powersgd", runtime.stage)) \
             if self.low_rank is not None else []
         buffers = [torch.zeros(shape, dtype=torch.float32) for shape in shapes] + factors  # contiguous
-        self.errors: list[torch.Tensor] | None = [torch.zeros(shapes[i]) for i in self.low_rank.matrices] \
-            if self.low_rank is not None and r.error_feedback else None
-        """This replica's error feedback, one buffer per compressed matrix (its own; checkpointed)."""
+        self.errors: list[torch.Tensor] | None = [torch.zeros(shapes[i]) for i in self._compressed] \
+            if self._compressed and r.error_feedback else None
+        """This replica's error feedback, one buffer per compressed tensor (its own; checkpointed)."""
         self._served: Callable[[], Any] = lambda: self.runtime.state_dict()
         self.check_fraction = runtime.cfg.replicas.check_fraction
         self.checker = ShareChecker(runtime, partial(type(runtime), runtime.cfg, runtime.stage, runtime.device),
@@ -120,6 +130,7 @@ class ReplicaGradients:
         self._told = 0
         self.averager = StageAverager(buffers, dht, run_id=run_id, stage=runtime.stage, replicas=replicas,
                                       aggregation=r.aggregation, scheme=r.averaging, low_rank=self.low_rank,
+                                      sparse=self.sparse,
                                       state=lambda: self._served(),
                                       start=True,
                                       usable=partial(round_counts, runtime.cfg.pipeline.num_micro_batches),
@@ -154,13 +165,13 @@ class ReplicaGradients:
         if self.low_rank is not None:
             with self.averager.get_tensors() as buffers:
                 factors = [t.clone() for t in buffers[len(buffers) - len(self.low_rank.matrices):]]
-        return {"scheme": self.runtime.cfg.replicas.averaging,
+        return {"scheme": self.scheme,
                 "errors": [e.clone() for e in self.errors] if self.errors is not None else [], "factors": factors}
 
     def load_own_state(self, state: dict[str, Any] | None) -> None:
         """Continue from :meth:`own_state` of a checkpoint (None, or one of another scheme or
         shapes: the error feedback starts at zero and the factors where they are)."""
-        if not isinstance(state, dict) or state.get("scheme") != self.runtime.cfg.replicas.averaging:
+        if not isinstance(state, dict) or state.get("scheme") != self.scheme:
             if self.errors is not None:
                 for e in self.errors:
                     e.zero_()
@@ -440,10 +451,11 @@ class ReplicaGradients:
             for buf, t in zip(buffers[len(self.params):len(filled)], stats, strict=True):
                 t.copy_(buf)
             if ms is not None and n:  # what compression left out of this replica's M, for its next step
-                for e, m, i in zip(self.errors, ms, self.low_rank.matrices):
-                    torch.sub(m, buffers[i], out=e)
+                for e, m, i in zip(self.errors, ms, self._compressed):
+                    torch.sub(m, self._sent(m, i, buffers), out=e)
         if self.checker is not None:
             self.checker.keep_state(step)
+        self.last_sent = round_.sent_bytes
         return self._delivered(round_, reduced=True)
 
     def _with_feedback(self, buffers: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
@@ -453,10 +465,17 @@ class ReplicaGradients:
         if self.errors is None:
             return None
         ms = []
-        for e, i in zip(self.errors, self.low_rank.matrices):
+        for e, i in zip(self.errors, self._compressed):
             buffers[i].add_(e)
             ms.append(buffers[i].clone())
         return ms
+
+    def _sent(self, m: torch.Tensor, i: int, buffers: Sequence[torch.Tensor]) -> torch.Tensor:
+        """What of ``m`` (this replica's M of averaged tensor ``i``) the round kept: PowerSGD's
+        P̂ Q̂ᵀ (the averaged tensor), top-k's own share decoded."""
+        if self.sparse is None:
+            return buffers[i]
+        return sparse_decoded(*sparse_share(m, self.sparse.counts[self.sparse.tensors.index(i)]), m)
 
     def shutdown(self) -> None:
         if self.checker is not None:

@@ -25,6 +25,13 @@ and, with ``powersgd``, one warm-start factor Q per compressed matrix.
   float32, so that hosts whose float32 kernels sum in another order still end with the same bytes
   (a float64 result within 2^-29 of a float32 rounding boundary is the exception the stage's
   digest check then catches).
+- ``topk`` (sparse, with error feedback, as SparseLoCo and DGC): of each compressed tensor (the
+  same ones as PowerSGD's rule picks, without the saving test) a replica sends the ``k = ⌈f n⌉``
+  values of largest magnitude of its M (indices as int32, ascending; values as float16) and its
+  weight; every member fetches every other member's share (an all-gather, the averager's
+  ``sparse_share`` call) and sums them, weighted, in the group's order, so every member holds the
+  same bytes; the exact tensors go through one all-reduce. Error feedback: e ← M − (its own share,
+  decoded), since a replica's own share is what it contributed.
 
 :func:`emulate` runs the same arithmetic for R replicas in one process (the quality benchmark).
 """
@@ -40,9 +47,10 @@ from hivemind.compression import CompressionBase, Float16Compression, NoCompress
 from hivemind.utils.math import get_flatten_greedy_dims
 
 __all__ = ["SCHEMES", "part_compression", "LowRank", "low_rank_plan", "matrix_view", "initial_factors",
-           "orthonormal", "product", "emulate", "MIN_SAVING"]
+           "orthonormal", "product", "emulate", "MIN_SAVING", "Sparse", "sparse_plan", "sparse_share",
+           "sparse_decoded", "sparse_sum", "check_share"]
 
-SCHEMES = ("fp32", "fp16", "powersgd")
+SCHEMES = ("fp32", "fp16", "powersgd", "topk")
 MIN_SAVING = 0.5
 """A matrix is compressed only when its factors are at most this fraction of its values (hivemind's
 ``min_compression_ratio``)."""
@@ -52,7 +60,7 @@ def part_compression(scheme: str) -> CompressionBase:
     """The hivemind compression every all-reduce part of ``scheme`` crosses in."""
     if scheme == "fp16":
         return Float16Compression()
-    if scheme in ("fp32", "powersgd"):
+    if scheme in ("fp32", "powersgd", "topk"):
         return NoCompression()
     raise ValueError(f"unknown averaging scheme {scheme!r}; one of {SCHEMES}")
 
@@ -106,6 +114,76 @@ def low_rank_plan(shapes: Sequence[Sequence[int]], rank: int, exact: Sequence[in
             matrices.append(i)
             views.append((rows, cols))
     return LowRank(rank, tuple(matrices), tuple(views))
+
+
+@dataclass(frozen=True)
+class Sparse:
+    """Which averaged tensors ``topk`` sends sparse (``tensors``: indices among the averaged
+    tensors) and how many values of each (``counts``)."""
+
+    fraction: float
+    tensors: tuple[int, ...]
+    counts: tuple[int, ...]
+
+    def exact(self, count: int) -> list[int]:
+        """The indices, among ``count`` averaged tensors, averaged exactly."""
+        chosen = set(self.tensors)
+        return [i for i in range(count) if i not in chosen]
+
+    def values(self, count_of: Sequence[int]) -> tuple[int, int]:
+        """(4-byte words one member's share and exact tensors take, values fp32 would send): a
+        sparse value takes an int32 index and a float16 value, 1.5 words."""
+        sparse = math.ceil(1.5 * sum(self.counts)) + 1
+        exact = sum(count_of[i] for i in self.exact(len(count_of)))
+        return sparse + exact, sum(count_of)
+
+
+def sparse_plan(shapes: Sequence[Sequence[int]], fraction: float, exact: Sequence[int] = ()) -> Sparse:
+    """The :class:`Sparse` of averaged tensors of ``shapes``: every tensor of 2 dimensions or more
+    not in ``exact``, ``⌈fraction × its values⌉`` of it."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"a top-k fraction must be within (0, 1], got {fraction}")
+    chosen = [i for i, shape in enumerate(shapes) if len(shape) >= 2 and i not in exact]
+    return Sparse(fraction, tuple(chosen), tuple(math.ceil(fraction * math.prod(shapes[i])) for i in chosen))
+
+
+def sparse_share(m: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` values of ``m`` of largest magnitude: (their flat indices, int32 ascending; the
+    values, float16)."""
+    flat = m.reshape(-1)
+    idx = torch.topk(flat.abs(), k, sorted=False).indices.sort().values
+    return idx.to(torch.int32), flat[idx].to(torch.float16)
+
+
+def sparse_decoded(idx: torch.Tensor, values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A share as the dense tensor of ``like``'s shape it stands for (float32)."""
+    out = torch.zeros(like.numel(), dtype=torch.float32)
+    out[idx.long()] = values.float()
+    return out.reshape(like.shape)
+
+
+def sparse_sum(shares: Sequence[tuple[torch.Tensor, torch.Tensor, float]], like: torch.Tensor) -> torch.Tensor:
+    """The weighted mean of members' shares ``(indices, values, weight)`` in the given order (the
+    group's: every member adds in the same order, so all hold the same bytes); weight-0 ones
+    contribute nothing."""
+    total = sum(w for _, _, w in shares)
+    out = torch.zeros(like.numel(), dtype=torch.float32)
+    for idx, values, w in shares:
+        if w > 0:
+            out.index_add_(0, idx.long(), values.float() * (w / total))
+    return out.reshape(like.shape)
+
+
+def check_share(idx: torch.Tensor, values: torch.Tensor, k: int, numel: int) -> str | None:
+    """Why a member's sparse share of a tensor of ``numel`` values cannot be summed, or None:
+    ``k`` int32 indices, strictly ascending, within range; ``k`` finite float16 values."""
+    if idx.dtype != torch.int32 or values.dtype != torch.float16 or idx.shape != (k,) or values.shape != (k,):
+        return f"a share of {tuple(idx.shape)} {idx.dtype} indices and {tuple(values.shape)} {values.dtype} values"
+    if k and (int(idx[0]) < 0 or int(idx[-1]) >= numel or (k > 1 and not bool((idx[1:] > idx[:-1]).all()))):
+        return "indices out of range or not strictly ascending"
+    if not bool(torch.isfinite(values).all()):
+        return "values that are not finite"
+    return None
 
 
 def initial_factors(plan: LowRank, seed: int) -> list[torch.Tensor]:

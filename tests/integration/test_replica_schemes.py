@@ -11,6 +11,9 @@ each feeding its share of every step's micro-batches, for 3 steps.
   the same arithmetic); the projector's gradient is the exact mean; each replica's error feedback
   is what compression left out of its own M, survives ``own_state``/``load_own_state``, and a
   round sends well under a tenth of fp32's bytes.
+- ``topk``: every replica of a stage holds the same bytes after each step; the averaged gradient
+  of each sparse tensor is the weighted sum of the replicas' top-k shares of their M (computed here
+  apart), the exact ones the exact mean; each replica's error feedback is its M less its own share.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 from mapl_swarm.net.discovery import Discovery, TrustedAuthority
 from mapl_swarm.net.identity import create_peer_key, issue, issue_local, load_identity, make_request, write_signed
 from mapl_swarm.pipeline.stage import StageRuntime
-from mapl_swarm.replicas.schemes import emulate
+from mapl_swarm.replicas.schemes import emulate, sparse_decoded, sparse_share, sparse_sum
 from mapl_swarm.step.assignment import replica_share
 
 from conftest import micro_config
@@ -48,7 +51,7 @@ def filled(g: Any, micro: list[int]) -> list[torch.Tensor]:
     out = [(p.grad.detach().float() * scale) if p.grad is not None else torch.zeros(p.shape) for p in g.params]
     out += [t.detach().float() * scale for t in g.runtime.step_statistics()]
     if g.errors is not None:
-        for e, i in zip(g.errors, g.low_rank.matrices):
+        for e, i in zip(g.errors, g._compressed):
             out[i] = out[i] + e
     return out
 
@@ -57,7 +60,8 @@ def scenario(_bootstrap: Any, maddrs: list[str], ids: dict, scheme: str) -> None
     from mapl_swarm.replicas.gradients import ReplicaGradients
 
     cfg = micro_config(pipeline={"num_stages": 2, "micro_batch_size": 2, "num_micro_batches": M},
-                       compression={"codec": "mapl"}, replicas={"averaging": scheme, "averaging_rank": 2})
+                       compression={"codec": "mapl"},
+                       replicas={"averaging": scheme, "averaging_rank": 2, "topk_fraction": 0.02})
     gen = torch.Generator().manual_seed(5)
     data = [[torch.randint(0, 256, (2, 17), generator=gen) for _ in range(M)] for _ in range(STEPS)]
     pairs = [(StageRuntime(cfg, 0), StageRuntime(cfg, 1)) for _ in range(2)]
@@ -105,11 +109,25 @@ def scenario(_bootstrap: Any, maddrs: list[str], ids: dict, scheme: str) -> None
                             for e, i in zip(mine.errors, mine.low_rank.matrices):
                                 assert torch.equal(e, before[stage, r][i] - averaged[i])
                             assert mine.error_norm > 0
+                    elif scheme == "topk":
+                        plan = g.sparse
+                        for i, a in enumerate(averaged):
+                            if i in plan.tensors:
+                                k = plan.counts[plan.tensors.index(i)]
+                                shares = [(*sparse_share(before[stage, r][i], k), weights[r]) for r in range(2)]
+                                # the group's order is hivemind's; a sum of two shares is the same either way
+                                torch.testing.assert_close(a, sparse_sum(shares, a), rtol=1e-6, atol=1e-9)
+                                for r in range(2):
+                                    m = before[stage, r][i]
+                                    e = grads[stage, r].errors[plan.tensors.index(i)]
+                                    assert torch.equal(e, m - sparse_decoded(*sparse_share(m, k), m))
+                            else:
+                                torch.testing.assert_close(a, exact[i], rtol=1e-5, atol=1e-7)
                     sent = rounds[stage, 0].sent_bytes
                     if scheme == "fp32":
                         FP32_ROUND_BYTES[stage] = sent
                     elif stage in FP32_ROUND_BYTES:
-                        limit = 0.55 if scheme == "fp16" else 0.1
+                        limit = {"fp16": 0.55, "powersgd": 0.1, "topk": 0.25}[scheme]
                         assert sent <= limit * FP32_ROUND_BYTES[stage], (scheme, sent, FP32_ROUND_BYTES[stage])
                 for first, last in pairs:
                     first.step()
@@ -146,6 +164,6 @@ def test_compressed_averaging_keeps_replicas_bitwise_equal(tmp_path, monkeypatch
         write_signed(name.with_suffix(".cert"), issue(local.authority, make_request(key, name.name, [stage]),
                                                       run_id=RUN, valid_s=3600))
         ids[stage, 1] = load_identity(name.with_suffix(".key"), name.with_suffix(".cert"), run_id=RUN, stage=stage)
-    for scheme in ("fp32", "fp16", "powersgd"):
+    for scheme in ("fp32", "fp16", "powersgd", "topk"):
         with_bootstrap(monkeypatch, TrustedAuthority(RUN, local.authority.public),
                        functools.partial(scenario, ids=ids, scheme=scheme))

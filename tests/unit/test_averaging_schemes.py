@@ -3,14 +3,17 @@ and the configs it refuses."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from mapl_swarm.config import load_config
 from mapl_swarm.errors import ConfigError
 from mapl_swarm.pipeline.stage import StageRuntime
-from mapl_swarm.replicas.schemes import (emulate, initial_factors, low_rank_plan, matrix_view, orthonormal,
-                                         part_compression, product)
+from mapl_swarm.replicas.schemes import (check_share, emulate, initial_factors, low_rank_plan, matrix_view,
+                                         orthonormal, part_compression, product, sparse_decoded, sparse_plan,
+                                         sparse_share, sparse_sum)
 
 from conftest import micro_config
 
@@ -69,9 +72,30 @@ def test_a_rank_r_round_reproduces_a_mean_of_rank_r_and_error_feedback_recovers_
         assert bound(float((applied / 200 - g).norm() / g.norm())), feedback
 
 
+def test_topk_sends_the_largest_values_of_every_matrix_and_sums_shares_in_order() -> None:
+    plan = sparse_plan([(10, 10), (10,), (4, 5), (3, 3)], 0.05, exact=[3])
+    assert plan.tensors == (0, 2) and plan.counts == (5, 1) and plan.exact(4) == [1, 3]
+    assert plan.values([100, 10, 20, 9]) == (math.ceil(1.5 * 6) + 1 + 19, 139)
+    m = torch.tensor([[0.1, -5.0, 0.2], [3.0, 0.0, -0.3]])
+    idx, values = sparse_share(m, 2)
+    assert idx.tolist() == [1, 3] and idx.dtype == torch.int32 and values.dtype == torch.float16
+    assert values.tolist() == [-5.0, 3.0]
+    assert torch.equal(sparse_decoded(idx, values, m), torch.tensor([[0.0, -5.0, 0.0], [3.0, 0.0, 0.0]]))
+    other = (torch.tensor([1, 5], dtype=torch.int32), torch.tensor([1.0, 2.0], dtype=torch.float16))
+    out = sparse_sum([(idx, values, 3.0), (*other, 1.0), (*other, 0.0)], m)  # weight 0: nothing
+    assert torch.equal(out, torch.tensor([[0.0, -5.0 * 0.75 + 0.25, 0.0], [2.25, 0.0, 0.5]]))
+    assert check_share(idx, values, 2, 6) is None
+    assert "out of range" in check_share(torch.tensor([1, 6], dtype=torch.int32), values, 2, 6)
+    assert "ascending" in check_share(torch.tensor([3, 3], dtype=torch.int32), values, 2, 6)
+    assert "not finite" in check_share(idx, torch.tensor([1.0, float("inf")], dtype=torch.float16), 2, 6)
+    assert "share of" in check_share(idx.long(), values, 2, 6)
+    with pytest.raises(ValueError, match="within"):
+        sparse_plan([(4, 4)], 1.5)
+
+
 def test_part_compression_per_scheme() -> None:
     assert type(part_compression("fp16")).__name__ == "Float16Compression"
-    assert type(part_compression("powersgd")).__name__ == type(part_compression("fp32")).__name__ == "NoCompression"
+    assert {type(part_compression(s)).__name__ for s in ("fp32", "powersgd", "topk")} == {"NoCompression"}
     with pytest.raises(ValueError, match="unknown averaging scheme"):
         part_compression("int4")
 
@@ -97,6 +121,9 @@ def test_a_stage_keeps_its_projector_gradient_and_statistics_exact() -> None:
     ('error_feedback = "yes"', "error_feedback must be bool"),
     ('averaging = "fp16"\ncheck_fraction = 0.5', "replicas.check_fraction needs replicas.averaging = 'fp32'"),
     ('averaging = "powersgd"\naggregation = "centered_clip"', "needs dense averaging"),
+    ('averaging = "topk"\naggregation = "trimmed_mean"', "needs dense averaging"),
+    ('topk_fraction = 1.5', "replicas.topk_fraction must be a number within"),
+    ('topk_fraction = 0.0', "replicas.topk_fraction must be a number within"),
 ])
 def test_bad_averaging_settings_are_one_line_config_errors(tmp_path, setting, message) -> None:
     path = tmp_path / "bad.toml"

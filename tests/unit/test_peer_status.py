@@ -36,7 +36,8 @@ def test_the_source_reports_state_step_queue_and_a_windowed_token_rate(monkeypat
         peer.rt.tokens_trained += 2000
         peer.compute.busy_s += 1.0
     status = source()
-    assert set(status) == set(STATUS_FIELDS) and status["state"] == "training" and status["step"] == 4
+    replica_only = {"averaging", "averaging_bytes"}
+    assert set(status) == set(STATUS_FIELDS) - replica_only and status["state"] == "training" and status["step"] == 4
     assert status["tokens_per_s"] == pytest.approx(1000.0)
     assert status["capacity"] == pytest.approx(2000.0)  # what it would train never waiting
     now[0] += 2.0  # a stall: the rate falls, over the window
@@ -45,6 +46,11 @@ def test_the_source_reports_state_step_queue_and_a_windowed_token_rate(monkeypat
     peer.rt = SimpleNamespace(tokens_trained=0)  # a re-formed session's new stage runtime
     now[0] += 2.0
     assert source()["tokens_per_s"] == 0.0
+    # a replica also says how it averages and what its last round sent (SPEC §9.10 item 16)
+    peer.schedule.replicas = SimpleNamespace(scheme="powersgd", last_sent=123_456)
+    status = source()
+    assert set(status) == set(STATUS_FIELDS) and status["averaging"] == "powersgd"
+    assert _checked_status(status)["averaging_bytes"] == 123_456
 
 
 def test_status_marks_a_peer_that_stopped_storing_its_status_silent_and_not_serving():
@@ -61,3 +67,6 @@ def test_status_marks_a_peer_that_stopped_storing_its_status_silent_and_not_serv
     # the step shown is as old as the record (a peer stores it every status_s): said, not hidden
     assert _status_line(live, 2.0).endswith("tcp://10.0.0.2:5556  as of 1.5 s ago; its records lapse in 28 s")
     assert "SILENT for 9 s: not serving (stopped or lost); its records lapse in 21 s" in _status_line(killed, 2.0)
+    replica = StagePeer("12D3KooWrep", "tcp://10.0.0.4:5556#ef", 28.0,
+                        {**status, "averaging": "topk", "averaging_bytes": 250_000}, heard_s=1.0)
+    assert "queue 0    averaging topk 0.25 MB/step  tcp://10.0.0.4:5556" in _status_line(replica, 2.0)
