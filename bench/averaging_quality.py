@@ -74,7 +74,7 @@ class StageAveraging:
                   for p in self.params]
         if self.errors is not None:
             for e, i in zip(self.errors[replica], self.compressed):
-                filled[i] = filled[i] + e
+                filled[i] = filled[i] + e * scale
         self.shares.append((filled, float(n)))
         for p in self.params:
             p.grad = None
@@ -87,14 +87,15 @@ class StageAveraging:
             out = emulate(ms, weights, self.plan, self.factors)
             for r, m in enumerate(ms):
                 for e, i in zip(self.errors[r], self.plan.matrices):
-                    e.copy_(m[i] - out[i])
+                    e.copy_((m[i] - out[i]) * (weights[r] / total))
         elif self.scheme == "topk":
             out = [sum(m[i] * (w / total) for m, w in zip(ms, weights)) for i in range(len(ms[0]))]
             for i, k in zip(self.sparse.tensors, self.sparse.counts):
                 shares = [sparse_share(m[i], k) for m in ms]
                 out[i] = sparse_sum([(*sh, w) for sh, w in zip(shares, weights)], ms[0][i])
                 for r, (m, sh) in enumerate(zip(ms, shares)):
-                    self.errors[r][self.sparse.tensors.index(i)].copy_(m[i] - sparse_decoded(*sh, m[i]))
+                    self.errors[r][self.sparse.tensors.index(i)].copy_(
+                        (m[i] - sparse_decoded(*sh, m[i])) * (weights[r] / total))
         elif self.scheme == "fp16":
             out = [_fp16(sum(_fp16(m[i]) * (w / total) for m, w in zip(ms, weights))) for i in range(len(ms[0]))]
         else:

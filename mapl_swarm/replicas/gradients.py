@@ -432,7 +432,7 @@ class ReplicaGradients:
                     buf.zero_()
                 else:
                     buf.copy_(t.detach().to("cpu", torch.float32)).mul_(scale)
-            ms = self._with_feedback(buffers)
+            ms = self._with_feedback(buffers, n)
         round_ = self._round(float(n), gather, timeout)
         # every check below reads only what every member gathered, so all of them decide alike
         if round_.group_size < round_.expected:  # a partner not in it yet, or gone without one knowing
@@ -452,21 +452,27 @@ class ReplicaGradients:
                 t.copy_(buf)
             if ms is not None and n:  # what compression left out of this replica's M, for its next step
                 for e, m, i in zip(self.errors, ms, self._compressed):
-                    torch.sub(m, self._sent(m, i, buffers), out=e)
+                    torch.sub(m, self._sent(m, i, buffers), out=e).mul_(n / self.runtime.cfg.pipeline.num_micro_batches)
         if self.checker is not None:
             self.checker.keep_state(step)
         self.last_sent = round_.sent_bytes
         return self._delivered(round_, reduced=True)
 
-    def _with_feedback(self, buffers: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+    def _with_feedback(self, buffers: Sequence[torch.Tensor], n: int) -> list[torch.Tensor] | None:
         """Add this replica's error feedback to the compressed gradients just filled into
-        ``buffers`` (M = e + g, what PowerSGD averages); those M, kept for the buffers' update
-        (None without error feedback)."""
-        if self.errors is None:
+        ``buffers`` for a round over ``n`` micro-batches; those M, kept for the feedback's update
+        (None without error feedback, or with no micro-batch: weight 0, its feedback waits).
+
+        The feedback e is kept as this replica's part of the step's average (what it left out,
+        times n / M), and enters as M = g + e M / n: a replica's weight changes from step to step
+        with the routing, and so the stage's whole feedback, the sum of its replicas', enters
+        every average whole (PowerSGD's round then sees only the stage's sums, whoever computed
+        which micro-batch)."""
+        if self.errors is None or not n:
             return None
         ms = []
         for e, i in zip(self.errors, self._compressed):
-            buffers[i].add_(e)
+            buffers[i].add_(e, alpha=self.runtime.cfg.pipeline.num_micro_batches / n)
             ms.append(buffers[i].clone())
         return ms
 

@@ -17,8 +17,12 @@ and, with ``powersgd``, one warm-start factor Q per compressed matrix.
   (:func:`low_rank_plan`), except the MAPL projectors' (small, and the manifold step wants them
   exact); vectors (norms, biases) and the codec's statistics are averaged exactly.
   **Error feedback:** each replica adds to its gradient what compression left out of its previous
-  ones (M = e + g; e ← M − P̂ Q̂ᵀ when the round counts and the replica computed micro-batches): a
-  buffer of the replica's own, in its checkpoints, zero for a joining replica. The host fills M into
+  ones. The buffer e holds the replica's part of the stage's average that was left out, so a
+  replica of n of the step's M micro-batches sends M = g + e·M/n and, when the round counts, keeps
+  e ← (n/M)(M − P̂ Q̂ᵀ); a replica of no micro-batch sends zeros with weight 0 and keeps its e for
+  a later step. The stage's whole feedback, the sum of its replicas' e, so enters every average
+  whatever the routing gave each replica (PowerSGD's round then sees only the stage's sums). The
+  buffer is the replica's own, in its checkpoints, zero for a joining replica. The host fills M into
   the averaged tensors, so a round that fails changes no buffer and is simply tried again.
   **Same bytes everywhere:** the averaged factors are the same bytes at every member (exact
   all-reduces); the orthonormalization and the product are computed in float64 and rounded to
@@ -30,8 +34,8 @@ and, with ``powersgd``, one warm-start factor Q per compressed matrix.
   values of largest magnitude of its M (indices as int32, ascending; values as float16) and its
   weight; every member fetches every other member's share (an all-gather, the averager's
   ``sparse_share`` call) and sums them, weighted, in the group's order, so every member holds the
-  same bytes; the exact tensors go through one all-reduce. Error feedback: e ← M − (its own share,
-  decoded), since a replica's own share is what it contributed.
+  same bytes; the exact tensors go through one all-reduce. Error feedback as PowerSGD's, with the
+  replica's own share (decoded) in place of P̂ Q̂ᵀ: its own share is what it contributed.
 
 :func:`emulate` runs the same arithmetic for R replicas in one process (the quality benchmark).
 """

@@ -52,7 +52,7 @@ def filled(g: Any, micro: list[int]) -> list[torch.Tensor]:
     out += [t.detach().float() * scale for t in g.runtime.step_statistics()]
     if g.errors is not None:
         for e, i in zip(g.errors, g._compressed):
-            out[i] = out[i] + e
+            out[i] = out[i] + e * scale
     return out
 
 
@@ -107,20 +107,22 @@ def scenario(_bootstrap: Any, maddrs: list[str], ids: dict, scheme: str) -> None
                         for r in range(2):
                             mine = grads[stage, r]
                             for e, i in zip(mine.errors, mine.low_rank.matrices):
-                                assert torch.equal(e, before[stage, r][i] - averaged[i])
+                                torch.testing.assert_close(e, (before[stage, r][i] - averaged[i]) * (weights[r] / M),
+                                                           rtol=1e-6, atol=1e-9)
                             assert mine.error_norm > 0
                     elif scheme == "topk":
                         plan = g.sparse
                         for i, a in enumerate(averaged):
                             if i in plan.tensors:
                                 k = plan.counts[plan.tensors.index(i)]
-                                shares = [(*sparse_share(before[stage, r][i], k), weights[r]) for r in range(2)]
+                                sent = [(*sparse_share(before[stage, r][i], k), weights[r]) for r in range(2)]
                                 # the group's order is hivemind's; a sum of two shares is the same either way
-                                torch.testing.assert_close(a, sparse_sum(shares, a), rtol=1e-6, atol=1e-9)
+                                torch.testing.assert_close(a, sparse_sum(sent, a), rtol=1e-6, atol=1e-9)
                                 for r in range(2):
                                     m = before[stage, r][i]
                                     e = grads[stage, r].errors[plan.tensors.index(i)]
-                                    assert torch.equal(e, m - sparse_decoded(*sparse_share(m, k), m))
+                                    torch.testing.assert_close(e, (m - sparse_decoded(*sparse_share(m, k), m)) *
+                                                               (weights[r] / M), rtol=1e-6, atol=1e-9)
                             else:
                                 torch.testing.assert_close(a, exact[i], rtol=1e-5, atol=1e-7)
                     sent = rounds[stage, 0].sent_bytes

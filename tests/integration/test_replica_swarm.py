@@ -99,15 +99,16 @@ def check_codebooks(results: dict) -> None:
                     assert book["digests"][f"rx_{stream}"] == digest
 
 
-def test_with_powersgd_averaging_the_replicas_of_each_stage_stay_bitwise_equal(tmp_path, cache):
-    """``replicas.averaging = "powersgd"`` (SPEC §9.10 item 16) in a launched swarm: every replica of a
-    stage saves the same parameters, optimizer state and warm-start factors; each keeps its own
-    error feedback; the first step's loss (before any update) is ``train``'s; an averaging round
-    sends a small fraction of the stage's fp32 gradient bytes."""
-    path = write_config(tmp_path / "powersgd.toml", codec="mapl", stages=3, steps=STEPS, cache=cache,
-                        out=tmp_path / "swarm", run_id="replicas-powersgd")
+@pytest.mark.parametrize("scheme", ["powersgd", pytest.param("topk", marks=pytest.mark.slow)])
+def test_with_compressed_averaging_the_replicas_of_each_stage_stay_bitwise_equal(tmp_path, cache, scheme):
+    """``replicas.averaging`` ``powersgd`` and ``topk`` (SPEC §9.10 item 16) in a launched swarm:
+    every replica of a stage saves the same parameters, optimizer state (and PowerSGD's warm-start
+    factors); each keeps its own error feedback; the first step's loss (before any update) is
+    ``train``'s; an averaging round sends a small fraction of the stage's fp32 gradient bytes."""
+    path = write_config(tmp_path / f"{scheme}.toml", codec="mapl", stages=3, steps=STEPS, cache=cache,
+                        out=tmp_path / "swarm", run_id=f"replicas-{scheme}")
     path.write_text(path.read_text() + "\n[replicas]\nenabled = true\ninitial = [2, 2, 2]\nmatchmaking_s = 1.0\n"
-                    'averaging = "powersgd"\naveraging_rank = 2\n')
+                    f'averaging = "{scheme}"\naveraging_rank = 2\ntopk_fraction = 0.02\n')
     summary = launch(load_config(path), ["--config", str(path)], progress=False, timeout_s=240)
     train(load_config(path, {"run": {"out_dir": str(tmp_path / "ref")}}), progress=False)
     ref = train_losses(tmp_path / "ref")
@@ -118,10 +119,11 @@ def test_with_powersgd_averaging_the_replicas_of_each_stage_stay_bitwise_equal(t
         states = [load_stage(folder, STEPS, s) for folder in folders]
         flat = [{k: v for k, v in _tensors(st).items() if not k.startswith(("/rng", "/averaging/errors"))}
                 for st in states]
-        assert flat[0].keys() == flat[1].keys() and any(k.startswith("/averaging/factors") for k in flat[0])
+        assert flat[0].keys() == flat[1].keys()
+        assert any(k.startswith("/averaging/factors") for k in flat[0]) == (scheme == "powersgd")
         assert all(torch.equal(flat[0][k], flat[1][k]) for k in flat[0]), s
         # each replica's own error feedback (zero only for one that computed no micro-batch yet)
-        assert all(st["averaging"]["scheme"] == "powersgd" and st["averaging"]["errors"] for st in states)
+        assert all(st["averaging"]["scheme"] == scheme and st["averaging"]["errors"] for st in states)
         assert any(float(e.norm()) > 0 for st in states for e in st["averaging"]["errors"])
         dense = 4 * sum(v.numel() for k, v in _tensors(states[0]["modules"]).items())
         records = [json.loads(line) for folder in folders

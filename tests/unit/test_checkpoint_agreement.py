@@ -680,3 +680,30 @@ def test_a_stage_whose_disk_stays_full_is_named_everywhere_and_the_others_keep_o
         assert checkpoint.stage_steps(tmp_path, s) == [1, 2], s
         assert r.checkpoint_note.startswith("checkpoint of step 7 is not complete (stage 1: ") and \
             "the newest complete checkpoint is step 2" in r.checkpoint_note, r.checkpoint_note
+
+
+def test_a_replicas_own_averaging_state_is_saved_and_loaded_with_its_checkpoint(tmp_path, make_config):
+    """SPEC §9.10 item 16: a replica's error feedback and PowerSGD factors (its averaging's
+    ``own_state``) go into each of its checkpoints, and loading a step hands them back."""
+    from types import SimpleNamespace
+
+    from mapl_swarm.peer.checkpoints import PeerRunPolicy
+    from mapl_swarm.peer.compute import ComputeThread
+
+    cfg = make_config(run={"out_dir": str(tmp_path)}, pipeline={"num_stages": 2}, checkpoint={"interval_steps": 1})
+    data = SimpleNamespace(meta={}, tokenizer=SimpleNamespace(file_hash="h"))
+    loaded: list = []
+    runtime = SimpleNamespace(state_dict=lambda: {"x": torch.zeros(1)}, load_state_dict=lambda state: None)
+    own = {"scheme": "powersgd", "errors": [torch.full((2, 2), 3.0)], "factors": [torch.ones(2, 1)]}
+    averaging = SimpleNamespace(own_state=lambda: own, load_own_state=loaded.append)
+    compute = ComputeThread("stage1")
+    try:
+        policy = PeerRunPolicy(cfg, 1, data, "f" * 32, resume=False, runtime=runtime, compute=compute,
+                               averaging=averaging)
+        assert policy._save(3)
+        policy._load(3)
+    finally:
+        compute.close()
+    assert checkpoint.load_stage(tmp_path, 3, 1)["averaging"]["scheme"] == "powersgd"
+    assert len(loaded) == 1 and torch.equal(loaded[0]["errors"][0], own["errors"][0])
+    assert torch.equal(loaded[0]["factors"][0], own["factors"][0])
