@@ -35,6 +35,7 @@ import random
 import signal
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any, AsyncIterator, Callable  # typing's: hivemind reads the RPC hints by their _name
 
@@ -125,16 +126,17 @@ class StageAverager(DecentralizedAverager):
             raise ValueError(f"averaging needs at least 2 replicas, got {replicas}")
         self.run_id, self.stage = run_id, stage
         self.aggregation = aggregation
+        """``replicas.aggregation``: the weighted mean, or a robust aggregate per part (:mod:`.robust`)."""
         if (scheme == "powersgd") != (low_rank is not None) or (scheme == "topk") != (sparse is not None):
             raise ValueError(f"averaging scheme {scheme!r} with low-rank plan {low_rank!r} and sparse plan {sparse!r}")
         self.scheme, self._low_rank, self._sparse = scheme, low_rank, sparse
-        self._shares: dict[bytes, tuple[asyncio.Future, frozenset[PeerID]]] = {}
-        """``topk``: this member's sparse share of each running group (the averager process's)."""
+        self._shares: OrderedDict[bytes, tuple[asyncio.Future, frozenset[PeerID]]] = OrderedDict()
+        """``topk``: this member's sparse share of its last :data:`~.kept_round.KEPT_GROUPS` groups
+        (the averager process's): a partner may ask for it after this member's round ended."""
         self._share_culprits: set[PeerID] = set()
         """``topk``: the members whose shares did not come, or came wrong, in the last round."""
         self._runner: ExactAllReduceRunner | None = None
         """The all-reduce running or last run (who broke it, when it failed)."""
-        """``replicas.aggregation``: the weighted mean, or a robust aggregate per part (:mod:`.robust`)."""
         self._state = state
         """What a joining replica downloads: the stage's state, read in this (the host) process."""
         self._usable = usable
@@ -326,6 +328,7 @@ class StageAverager(DecentralizedAverager):
                         None, lambda: list(kept_round.parts(tensors))))
         if not answer:
             yield averaging_pb2.AveragingData(code=averaging_pb2.CANCELLED)
+        self._count_traffic(sent=sum(m.tensor_part.ByteSize() for m in answer))  # a round's bytes too
         for message in answer:
             yield message
 
@@ -347,6 +350,7 @@ class StageAverager(DecentralizedAverager):
                 continue
             if got is None:
                 continue
+            self._count_traffic(received=sum(t.numel() * t.element_size() for t in got))
             async with enter_asynchronously(self.get_tensors()) as tensors:
                 for tensor, averaged in zip(tensors, got):
                     tensor.copy_(averaged)
@@ -409,21 +413,23 @@ class StageAverager(DecentralizedAverager):
                 self._running_groups[group_id] = asyncio.Future()
             if self._sparse is not None:
                 self._shares[share_id] = (asyncio.get_running_loop().create_future(), frozenset(group_info.peer_ids))
+                while len(self._shares) > kept_round.KEPT_GROUPS:
+                    self._shares.popitem(last=False)
             self._pending_groups_registered.set()
             yield
         finally:
             for group_id in ids:
                 self._running_groups.pop(group_id, None)
-            share = self._shares.pop(share_id, None)
+            share = self._shares.get(share_id)
             if share is not None and not share[0].done():
-                share[0].cancel()
+                share[0].cancel()  # this member made none: an asker is refused at once
             self._pending_groups_registered.set()
 
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
                                       group_id: bytes | None = None, **kwargs: Any) -> None:
         """The round's all-reduce with :class:`~.exact_allreduce.ExactAllReduceRunner` (every replica
         of the group ends with the same bytes; hivemind's adds a difference back, which rounds), or
-        PowerSGD's two (:meth:`_low_rank_round`)."""
+        PowerSGD's two (:meth:`_low_rank_round`), or top-k's all-gather (:meth:`_sparse_round`)."""
         group_id = group_info.group_id if group_id is None else group_id
         key, self._round_key = self._round_key, None
         self._runner = None

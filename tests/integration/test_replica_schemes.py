@@ -9,11 +9,14 @@ each feeding its share of every step's micro-batches, for 3 steps.
   gradients are exactly what :func:`~mapl_swarm.replicas.schemes.emulate` computes in one process
   from the replicas' gradients plus their error feedback (the quality benchmark's emulation runs
   the same arithmetic); the projector's gradient is the exact mean; each replica's error feedback
-  is what compression left out of its own M, survives ``own_state``/``load_own_state``, and a
+  is its part of what compression left out, survives ``own_state``/``load_own_state``, and a
   round sends well under a tenth of fp32's bytes.
 - ``topk``: every replica of a stage holds the same bytes after each step; the averaged gradient
   of each sparse tensor is the weighted sum of the replicas' top-k shares of their M (computed here
-  apart), the exact ones the exact mean; each replica's error feedback is its M less its own share.
+  apart), the exact ones the exact mean; each replica's error feedback is its part of its M less
+  its own share.
+- ``fp32``, ``powersgd``, ``topk``: then a third replica of each stage joins (state download, zero
+  feedback, PowerSGD's first factors) and after one more step all three hold the same bytes.
 """
 
 from __future__ import annotations
@@ -69,15 +72,14 @@ def scenario(_bootstrap: Any, maddrs: list[str], ids: dict, scheme: str) -> None
     grads: dict[tuple[int, int], Any] = {}
     try:
         for (stage, r), disc in discs.items():
-            grads[stage, r] = ReplicaGradients(pairs[r][stage], disc.dht, run_id=RUN, replicas=2)
-        with ThreadPoolExecutor(4) as pool:
+            if r < 2:
+                grads[stage, r] = ReplicaGradients(pairs[r][stage], disc.dht, run_id=RUN, replicas=2)
+        with ThreadPoolExecutor(6) as pool:
             for step in range(STEPS):
                 shares = {r: [g - step * M for g in replica_share(step, M, r, 2)] for r in range(2)}
                 for r, (first, last) in enumerate(pairs):
                     pipeline_pass(first, last, [data[step][g] for g in shares[r]])
                 before = {key: filled(g, shares[key[1]]) for key, g in grads.items()}
-                errors = {key: [e.clone() for e in g.errors] if g.errors is not None else None
-                          for key, g in grads.items()}
                 factors = {}
                 for stage in (0, 1):
                     g = grads[stage, 0]
@@ -147,12 +149,41 @@ def scenario(_bootstrap: Any, maddrs: list[str], ids: dict, scheme: str) -> None
                 assert all(torch.equal(a, b) for a, b in zip(g.errors, saved["errors"]))
                 g.load_own_state({"scheme": "fp32", "errors": [], "factors": []})  # another scheme's: from zero
                 assert g.error_norm == 0.0
-            del errors
+            if scheme != "fp16":  # a third replica of each stage joins: zero feedback, its own factors
+                join(cfg, pairs, grads, discs, pool)
     finally:
         for disc in discs.values():
             disc.close()
         for g in grads.values():
             g.shutdown()
+
+
+def join(cfg: Any, pairs: list, grads: dict, discs: dict, pool: ThreadPoolExecutor) -> None:
+    """A third replica of each stage downloads its stage's state and averages one step with the
+    others: all three hold the same bytes after it (any warm-start factors give the same round)."""
+    from mapl_swarm.replicas.gradients import ReplicaGradients
+    from mapl_swarm.replicas.state import prime_optimizers
+
+    joiners = (StageRuntime(cfg, 0), StageRuntime(cfg, 1))
+    for stage in (0, 1):
+        grads[stage, 2] = g = ReplicaGradients(joiners[stage], discs[stage, 2].dht, run_id=RUN, replicas=3)
+        prime_optimizers(joiners[stage].optimizers)
+        joiners[stage].load_state_dict(g.averager.download_state(joiners[stage].state_dict(), timeout=20))
+        assert g.error_norm == 0.0
+    pairs.append(joiners)
+    gen = torch.Generator().manual_seed(9)
+    data = [torch.randint(0, 256, (2, 17), generator=gen) for _ in range(M)]
+    shares = {r: [g - STEPS * M for g in replica_share(STEPS, M, r, 3)] for r in range(3)}
+    for r, (first, last) in enumerate(pairs):
+        pipeline_pass(first, last, [data[g] for g in shares[r]])
+    rounds = list(pool.map(lambda key: grads[key].average(shares[key[1]], step=STEPS, timeout=60, expected=3), grads))
+    assert all(x.group_size == 3 and x.in_sync for x in rounds), rounds
+    for first, last in pairs:
+        first.step()
+        last.step()
+    for stage in (0, 1):
+        ref = params(pairs[0][stage])
+        assert all(all(torch.equal(x, y) for x, y in zip(ref, params(pair[stage]))) for pair in pairs[1:]), stage
 
 
 @pytest.mark.timeout(300)
@@ -161,11 +192,13 @@ def test_compressed_averaging_keeps_replicas_bitwise_equal(tmp_path, monkeypatch
     ids = {}
     for stage in (0, 1):
         ids[stage, 0] = load_identity(local.key_file(stage), local.cert_file(stage), run_id=RUN, stage=stage)
-        name = tmp_path / "ids" / f"stage{stage}r1"
-        key = create_peer_key(name.with_suffix(".key"))
-        write_signed(name.with_suffix(".cert"), issue(local.authority, make_request(key, name.name, [stage]),
-                                                      run_id=RUN, valid_s=3600))
-        ids[stage, 1] = load_identity(name.with_suffix(".key"), name.with_suffix(".cert"), run_id=RUN, stage=stage)
+        for r in (1, 2):
+            name = tmp_path / "ids" / f"stage{stage}r{r}"
+            key = create_peer_key(name.with_suffix(".key"))
+            write_signed(name.with_suffix(".cert"), issue(local.authority, make_request(key, name.name, [stage]),
+                                                          run_id=RUN, valid_s=3600))
+            ids[stage, r] = load_identity(name.with_suffix(".key"), name.with_suffix(".cert"), run_id=RUN,
+                                          stage=stage)
     for scheme in ("fp32", "fp16", "powersgd", "topk"):
         with_bootstrap(monkeypatch, TrustedAuthority(RUN, local.authority.public),
                        functools.partial(scenario, ids=ids, scheme=scheme))
