@@ -63,7 +63,8 @@ async def attack(target: bytes, prefix: str, _dht: Any, node: Any) -> dict[str, 
             "state": await answers(stub.rpc_download_state, averaging_pb2.DownloadRequest(), code=False),
             "kept": await answers(stub.rpc_kept_round, averaging_pb2.AveragingData(group_id=b"g")),
             "inputs": await answers(stub.rpc_work_inputs, averaging_pb2.AveragingData(group_id=b"\x92\x00\x00"),
-                                    code=False)}
+                                    code=False),
+            "share": await answers(stub.rpc_sparse_share, averaging_pb2.AveragingData(group_id=b"g.S"))}
 
 
 def breakable() -> type:
@@ -138,9 +139,10 @@ def scenario(bootstrap_dht: Any, maddrs: list[str], ids: list) -> None:
                     functools.partial(attack, avg_a.peer_id.to_bytes(), prefix))
                 refused = ([averaging_pb2.PROTOCOL_VIOLATION], [], ["closed"])  # never a group, a part or a state
                 assert got["join"] in refused and got["part"] in refused and got["state"] in ([], ["closed"]) \
-                    and got["kept"] in refused and got["inputs"] in ([], ["closed"]), (attacker, got)
+                    and got["kept"] in refused and got["inputs"] in ([], ["closed"]) and got["share"] in refused, \
+                    (attacker, got)
             assert avg_a.refused == {"join_group": 2, "aggregate_part": 2, "download_state": 2, "kept_round": 2,
-                                     "work_inputs": 2, "group": 0}
+                                     "work_inputs": 2, "sparse_share": 2, "group": 0}
 
             # a group a member's leader assembled with a stranger is refused before any tensor is sent
             stranger = averagers["o"].peer_id
