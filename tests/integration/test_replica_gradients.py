@@ -146,16 +146,24 @@ def scenario(_bootstrap: Any, maddrs: list[str], ids: dict) -> None:
             g.shutdown()
 
 
-@pytest.mark.timeout(240)
-def test_replicas_average_to_the_global_batch_step_stay_bitwise_equal_and_a_joiner_catches_up(tmp_path, monkeypatch) -> None:
-    local = issue_local(tmp_path / "ids", run_id=RUN, num_stages=2)
+def replica_identities(folder: Any, run_id: str, replicas: int = 3) -> tuple[Any, dict]:
+    """A local authority of ``run_id`` with 2 stages and certified identities of ``replicas``
+    replicas of each, by (stage, replica)."""
+    local = issue_local(folder, run_id=run_id, num_stages=2)
     ids = {}
     for stage in (0, 1):
-        ids[stage, 0] = load_identity(local.key_file(stage), local.cert_file(stage), run_id=RUN, stage=stage)
-        for r in (1, 2):
-            name = tmp_path / "ids" / f"stage{stage}r{r}"
+        ids[stage, 0] = load_identity(local.key_file(stage), local.cert_file(stage), run_id=run_id, stage=stage)
+        for r in range(1, replicas):
+            name = folder / f"stage{stage}r{r}"
             key = create_peer_key(name.with_suffix(".key"))
             write_signed(name.with_suffix(".cert"), issue(local.authority, make_request(key, name.name, [stage]),
-                                                          run_id=RUN, valid_s=3600))
-            ids[stage, r] = load_identity(name.with_suffix(".key"), name.with_suffix(".cert"), run_id=RUN, stage=stage)
+                                                          run_id=run_id, valid_s=3600))
+            ids[stage, r] = load_identity(name.with_suffix(".key"), name.with_suffix(".cert"), run_id=run_id,
+                                          stage=stage)
+    return local, ids
+
+
+@pytest.mark.timeout(240)
+def test_replicas_average_to_the_global_batch_step_stay_bitwise_equal_and_a_joiner_catches_up(tmp_path, monkeypatch) -> None:
+    local, ids = replica_identities(tmp_path / "ids", RUN)
     with_bootstrap(monkeypatch, TrustedAuthority(RUN, local.authority.public), functools.partial(scenario, ids=ids))

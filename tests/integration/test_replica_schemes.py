@@ -30,14 +30,13 @@ import pytest
 import torch
 
 from mapl_swarm.net.discovery import Discovery, TrustedAuthority
-from mapl_swarm.net.identity import create_peer_key, issue, issue_local, load_identity, make_request, write_signed
 from mapl_swarm.pipeline.stage import StageRuntime
 from mapl_swarm.replicas.schemes import emulate, sparse_decoded, sparse_share, sparse_sum
 from mapl_swarm.step.assignment import replica_share
 
 from conftest import micro_config
 from test_dht_certified import config, with_bootstrap
-from test_replica_gradients import install_projector, params, pipeline_pass
+from test_replica_gradients import install_projector, params, pipeline_pass, replica_identities
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 
@@ -188,17 +187,7 @@ def join(cfg: Any, pairs: list, grads: dict, discs: dict, pool: ThreadPoolExecut
 
 @pytest.mark.timeout(300)
 def test_compressed_averaging_keeps_replicas_bitwise_equal(tmp_path, monkeypatch) -> None:
-    local = issue_local(tmp_path / "ids", run_id=RUN, num_stages=2)
-    ids = {}
-    for stage in (0, 1):
-        ids[stage, 0] = load_identity(local.key_file(stage), local.cert_file(stage), run_id=RUN, stage=stage)
-        for r in (1, 2):
-            name = tmp_path / "ids" / f"stage{stage}r{r}"
-            key = create_peer_key(name.with_suffix(".key"))
-            write_signed(name.with_suffix(".cert"), issue(local.authority, make_request(key, name.name, [stage]),
-                                                          run_id=RUN, valid_s=3600))
-            ids[stage, r] = load_identity(name.with_suffix(".key"), name.with_suffix(".cert"), run_id=RUN,
-                                          stage=stage)
+    local, ids = replica_identities(tmp_path / "ids", RUN)
     for scheme in ("fp32", "fp16", "powersgd", "topk"):
         with_bootstrap(monkeypatch, TrustedAuthority(RUN, local.authority.public),
                        functools.partial(scenario, ids=ids, scheme=scheme))
