@@ -1,7 +1,7 @@
 """What compressed averaging among replicas costs in quality (``replicas.averaging``, SPEC §9.10 item 16).
 
-    python bench/averaging_quality.py [--steps 150] [--replicas 2] [--seeds 0,1,2]
-                                      [--schemes fp32,fp16,powersgd:1,powersgd:4,topk:0.01]
+    python bench/averaging_quality.py [--steps 100] [--micro 4] [--replicas 2] [--seeds 0,1]
+                                      [--schemes fp32,powersgd:4,powersgd:16,topk:0.01,topk:0.05]
                                       [--out bench/results/averaging_quality.json]
 
 R replicas per stage are emulated in one process, with the compression code the peers run: the
@@ -152,37 +152,18 @@ def run(scheme_label: str, seed: int, args: argparse.Namespace, data) -> dict:
             "fp32_values_per_round": dense}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--replicas", type=int, default=2)
-    ap.add_argument("--micro", type=int, default=8, help="micro-batches per step (split among the replicas)")
-    ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--schemes", default="fp32,fp16,powersgd:1,powersgd:4,topk:0.01")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench/results/averaging_quality.json")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    data = prepare_data(config_from_dict({"preset": "tiny"}, "bench").data, progress=False)
-    t0 = time.time()
-    runs = []
-    for seed in map(int, args.seeds.split(",")):
-        for label in args.schemes.split(","):
-            runs.append(run(label, seed, args, data))
-            r = runs[-1]
-            print(f"{label:14s} seed {seed}: val {r['final_val_loss']:.4f}, train (last 20) "
-                  f"{r['mean_train_loss_last_20']:.4f}  ({time.time() - t0:.0f} s)", flush=True)
+def write(args: argparse.Namespace, runs: list[dict], t0: float) -> dict:
+    """Write the runs so far and their summary to ``args.out``; the summary (per scheme: the mean
+    Δ% of val loss against ``fp32`` at the same seed, and averaging bytes against fp32's)."""
     base = {r["seed"]: r["final_val_loss"] for r in runs if r["scheme"] == "fp32"}
     summary = {}
-    for label in args.schemes.split(","):
+    for label in dict.fromkeys(r["scheme"] for r in runs):
         mine = [r for r in runs if r["scheme"] == label]
         deltas = [100.0 * (r["final_val_loss"] - base[r["seed"]]) / base[r["seed"]] for r in mine if r["seed"] in base]
-        summary[label] = {"val_loss_delta_pct_mean": sum(deltas) / len(deltas) if deltas else None,
+        summary[label] = {"val_loss_delta_pct_mean": sum(deltas) / len(deltas) if deltas else float("nan"),
                           "val_loss_delta_pct": deltas,
                           "bytes_vs_fp32": (mine[0]["values_per_round"] * (2 if label == "fp16" else 4))
                           / (4 * mine[0]["fp32_values_per_round"])}
-        print(f"{label:14s} Δ val loss vs fp32 {summary[label]['val_loss_delta_pct_mean']:+.2f}% "
-              f"(per seed {', '.join(f'{d:+.2f}' for d in deltas)}), averaging bytes "
-              f"{summary[label]['bytes_vs_fp32']:.4f} of fp32's")
     result = {"command": "python bench/averaging_quality.py " + " ".join(sys.argv[1:]), "steps": args.steps,
               "replicas": args.replicas, "micro_batches": args.micro,
               "machine": f"{platform.node()} {platform.machine()}, {platform.python_version()}, 1 torch thread",
@@ -190,6 +171,33 @@ def main() -> int:
               "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
+    return summary
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--micro", type=int, default=4, help="micro-batches per step (split among the replicas)")
+    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--schemes", default="fp32,powersgd:4,powersgd:16,topk:0.01,topk:0.05")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench/results/averaging_quality.json")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    data = prepare_data(config_from_dict({"preset": "tiny"}, "bench").data, progress=False)
+    t0 = time.time()
+    runs: list[dict] = []
+    for seed in map(int, args.seeds.split(",")):
+        for label in args.schemes.split(","):
+            runs.append(run(label, seed, args, data))
+            r = runs[-1]
+            print(f"{label:14s} seed {seed}: val {r['final_val_loss']:.4f}, train (last 20) "
+                  f"{r['mean_train_loss_last_20']:.4f}  ({time.time() - t0:.0f} s)", flush=True)
+            summary = write(args, runs, t0)  # after every run: a long benchmark stopped keeps what it measured
+    for label, got in summary.items():
+        print(f"{label:14s} Δ val loss vs fp32 {got['val_loss_delta_pct_mean']:+.2f}% (per seed "
+              f"{', '.join(f'{d:+.2f}' for d in got['val_loss_delta_pct'])}), averaging bytes "
+              f"{got['bytes_vs_fp32']:.4f} of fp32's")
     print(f"wrote {args.out}")
     return 0
 
