@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import multiprocessing as mp
 import os
 import random
@@ -133,6 +132,9 @@ class StageAverager(DecentralizedAverager):
         self._shares: OrderedDict[bytes, tuple[asyncio.Future, frozenset[PeerID]]] = OrderedDict()
         """``topk``: this member's sparse share of its last :data:`~.kept_round.KEPT_GROUPS` groups
         (the averager process's): a partner may ask for it after this member's round ended."""
+        self._weights: dict[PeerID, float] = {}
+        """Each member's weight in the round running: the micro-batches it gathered (``topk``
+        checks a share's weight against it)."""
         self._share_culprits: set[PeerID] = set()
         """``topk``: the members whose shares did not come, or came wrong, in the last round."""
         self._runner: ExactAllReduceRunner | None = None
@@ -381,6 +383,8 @@ class StageAverager(DecentralizedAverager):
             return gathered
         mine = gathered.get(self.peer_id)
         self._round_key = work.round_key(mine) if self._checking else None
+        self._weights = {peer: float(len(v["micro"])) for peer, v in gathered.items()
+                         if isinstance(v, dict) and isinstance(v.get("micro"), list)}
         try:
             return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         except MatchmakingException as exc:
@@ -501,7 +505,8 @@ class StageAverager(DecentralizedAverager):
         """``topk``'s round (:mod:`.schemes`) on ``tensors``: the host filled M (with its error
         feedback) into the sparse ones, which end as the members' shares summed, weighted, in the
         group's order; the exact ones are all-reduced. A member whose share does not come, or
-        comes malformed, fails the round (and is named among its culprits)."""
+        comes malformed or with another weight than the micro-batches it gathered, fails the round
+        (and is named among its culprits)."""
         plan = self._sparse
         assert plan is not None
         kwargs.pop("tensor_infos", None)
@@ -542,7 +547,8 @@ class StageAverager(DecentralizedAverager):
             weight = float(got[-1][0])
             problems = [check_share(got[2 * j], got[2 * j + 1], k, tensors[i].numel())
                         for j, (i, k) in enumerate(zip(plan.tensors, plan.counts))]
-            problems += [] if math.isfinite(weight) and weight >= 0 else [f"weight {weight}"]
+            gathered = self._weights.get(peer)
+            problems += [] if weight == gathered else [f"weight {weight}, not the {gathered} micro-batches it gathered"]
             bad = next((p for p in problems if p is not None), None)
             if bad is None:
                 return got
