@@ -136,6 +136,9 @@ class StageAverager(DecentralizedAverager):
         """Each member's weight in the round running: the micro-batches it gathered (``topk``
         checks a share's weight against it)."""
         self._share_culprits: set[PeerID] = set()
+        self._share_wrong = False
+        """``topk``: a share of the last round came wrong (not merely late): its round fails here
+        without asking a partner for the result (the sender of a wrong share would be one)."""
         """``topk``: the members whose shares did not come, or came wrong, in the last round."""
         self._runner: ExactAllReduceRunner | None = None
         """The all-reduce running or last run (who broke it, when it failed)."""
@@ -388,8 +391,8 @@ class StageAverager(DecentralizedAverager):
         try:
             return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         except MatchmakingException as exc:
-            if not self._outcomes.ran(group_info.group_id):
-                raise
+            if not self._outcomes.ran(group_info.group_id) or self._share_wrong:
+                raise  # a member that sent a wrong share is not asked for the round's result
             kept_by = await self._take_kept(group_info)
             if kept_by is None:
                 raise
@@ -437,7 +440,7 @@ class StageAverager(DecentralizedAverager):
         group_id = group_info.group_id if group_id is None else group_id
         key, self._round_key = self._round_key, None
         self._runner = None
-        self._share_culprits = set()
+        self._share_culprits, self._share_wrong = set(), False
         self._outcomes.began(group_id, group_info.peer_ids)
         try:
             if self._low_rank is not None:
@@ -552,7 +555,7 @@ class StageAverager(DecentralizedAverager):
             bad = next((p for p in problems if p is not None), None)
             if bad is None:
                 return got
-            why = bad
+            why, self._share_wrong = bad, True
         self._share_culprits.add(peer)
         raise AllreduceException(f"stage {self.stage}: the sparse share of {peer} cannot be summed: {why}")
 

@@ -17,6 +17,8 @@ each feeding its share of every step's micro-batches, for 3 steps.
   its own share.
 - ``fp32``, ``powersgd``, ``topk``: then a third replica of each stage joins (state download, zero
   feedback, PowerSGD's first factors) and after one more step all three hold the same bytes.
+- ``topk`` with a member that claims ten times its micro-batches in its share: its partner's round
+  fails naming it, without taking the result it kept.
 """
 
 from __future__ import annotations
@@ -185,9 +187,60 @@ def join(cfg: Any, pairs: list, grads: dict, discs: dict, pool: ThreadPoolExecut
         assert all(all(torch.equal(x, y) for x, y in zip(ref, params(pair[stage]))) for pair in pairs[1:]), stage
 
 
+def liar_scenario(_bootstrap: Any, maddrs: list[str], ids: dict) -> None:
+    from unittest import mock
+
+    from mapl_swarm.replicas import gradients
+    from mapl_swarm.replicas.averaging import StageAverager
+    from mapl_swarm.replicas.errors import AveragingFailed
+
+    class Heavier(StageAverager):  # modified peer code: its share outweighs its partner's
+        async def _sparse_round(self, *args: Any, weight: float = 1.0, **kwargs: Any) -> Any:
+            return await super()._sparse_round(*args, weight=10 * weight, **kwargs)
+
+    Heavier.__name__ = StageAverager.__name__  # hivemind names RPC handlers after the class: the same ones
+
+    cfg = micro_config(pipeline={"num_stages": 2, "micro_batch_size": 2, "num_micro_batches": M},
+                       compression={"codec": "mapl"}, replicas={"averaging": "topk", "topk_fraction": 0.02})
+    runtimes = [StageRuntime(cfg, 0) for _ in range(2)]
+    discs = [Discovery(RUN, config(maddrs), membership=ids[0, r]).start() for r in range(2)]
+    grads = []
+    try:
+        grads.append(gradients.ReplicaGradients(runtimes[0], discs[0].dht, run_id=RUN, replicas=2))
+        with mock.patch.object(gradients, "StageAverager", Heavier):
+            grads.append(gradients.ReplicaGradients(runtimes[1], discs[1].dht, run_id=RUN, replicas=2))
+        gen = torch.Generator().manual_seed(2)
+        for rt in runtimes:
+            for p in rt.optimized_parameters():
+                p.grad = torch.randn(p.shape, generator=gen)
+        before = [p.grad.clone() for p in runtimes[0].optimized_parameters()]
+        def average(r: int) -> Any:  # as the peer does: a round that formed no group is tried again
+            for _ in range(10):
+                try:
+                    return grads[r].average([2 * r, 2 * r + 1], step=0, timeout=60, expected=2)
+                except AveragingFailed as exc:
+                    if exc.unsure:
+                        raise
+            raise AssertionError("no group formed in 10 tries")
+
+        with ThreadPoolExecutor(2) as pool:
+            honest, liar = (pool.submit(average, r) for r in range(2))
+            with pytest.raises(AveragingFailed, match="after its all-reduce began"):
+                honest.result()
+            liar.result()  # its own round counted: it summed with the weight it claimed
+        assert grads[0].averager.culprits == [grads[1].me]
+        assert all(torch.equal(a, p.grad) for a, p in zip(before, runtimes[0].optimized_parameters()))
+    finally:
+        for disc in discs:
+            disc.close()
+        for g in grads:
+            g.shutdown()
+
+
 @pytest.mark.timeout(300)
 def test_compressed_averaging_keeps_replicas_bitwise_equal(tmp_path, monkeypatch) -> None:
     local, ids = replica_identities(tmp_path / "ids", RUN)
     for scheme in ("fp32", "fp16", "powersgd", "topk"):
         with_bootstrap(monkeypatch, TrustedAuthority(RUN, local.authority.public),
                        functools.partial(scenario, ids=ids, scheme=scheme))
+    with_bootstrap(monkeypatch, TrustedAuthority(RUN, local.authority.public), functools.partial(liar_scenario, ids=ids))
