@@ -148,7 +148,8 @@ def run_one(args: argparse.Namespace, replicas: int, work: Path, subnet: int, sc
 def table(rows: list[dict]) -> str:
     base = rows[0]["tokens_per_s"]
     out = ["| replicas per stage | averaging | peers | tokens/step | tokens/s (steps 2..N) | vs 1 replica "
-           "| averaging MB/step | averaging share of bytes sent | last train loss |", "|---|---|---|---|---|---|---|---|---|"]
+           "| averaging MB/step | averaging share of bytes sent | last train loss |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['replicas']} | {r['averaging']} | {r['peers']} | {r['tokens_per_step']:,} | "
                    f"{r['tokens_per_s']:.0f} | "

@@ -305,7 +305,8 @@ class ReplicasConfig:
                f"the values its partner sent), got {self.averaging!r}")
         _check(self.aggregation == "mean" or self.averaging in ("fp32", "fp16"),
                f"replicas.aggregation = {self.aggregation!r} needs dense averaging (fp32 or fp16), got "
-               f"replicas.averaging = {self.averaging!r}: a robust aggregate of factors or sparse shares bounds nothing")
+               f"replicas.averaging = {self.averaging!r}: a robust aggregate of factors or sparse shares bounds "
+               f"nothing")
         if isinstance(self.initial, list):  # TOML arrays arrive as lists
             object.__setattr__(self, "initial", tuple(self.initial))
         _check(all(type(n) is int and n >= 1 for n in self.initial),

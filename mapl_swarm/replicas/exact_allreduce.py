@@ -5,12 +5,12 @@ and that peer's own part, which the peer adds back: ``x + (avg - x)`` is the ave
 rounding, not its bytes, so two replicas would step from gradients that differ in the last bit and
 drift apart. :class:`ExactAllReduceRunner` changes the two places where hivemind subtracts (the
 part this peer reduces itself, and the answer to a peer's part) to send the average, and turns the
-part container's deltas off, so every peer of a group ends with the same bytes (with a lossy part
-compression, ``replicas.averaging = "fp16"``, a reducer answers every peer in that compression,
-whatever a peer's parts came in, and keeps for itself its average as the peers decode it); a failed part
-keeps the peer's own values, as hivemind's zero delta does (and
-:class:`~.averaging.StageAverager` then fails the round: its values are not the average). The two methods are hivemind 1.1.12's
-with that one change (hivemind is pinned: ``pyproject.toml``); every peer of a group must run this
+part container's deltas off, so every peer of a group ends with the same bytes; a failed part
+keeps the peer's own values, as hivemind's zero delta does (and :class:`~.averaging.StageAverager`
+then fails the round: its values are not the average). With a lossy part compression
+(``replicas.averaging = "fp16"``) a reducer answers every peer in that compression, whatever a
+peer's parts came in, and keeps for itself its average as the peers decode it. The two methods
+are hivemind 1.1.12's with those changes (hivemind is pinned: ``pyproject.toml``); every peer of a group must run this
 runner (a stage's replicas all run :class:`~.averaging.StageAverager`). It also counts the tensor
 bytes it sends and receives (``traffic``), what a stage's averaging costs on its links.
 """

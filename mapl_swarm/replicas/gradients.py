@@ -6,7 +6,10 @@ gradient is its share of the global one. At the step's end each replica pre-scal
 the mean over its own micro-batches (``× num_micro_batches / n``; a replica that computed none sends
 zeros with weight 0) and averages them with the other replicas weighted by ``n`` (hivemind's
 all-reduce through :class:`~.averaging.StageAverager`): the result is the global batch's gradient,
-the same bytes on every replica, and every replica takes the same optimizer step. A sender's
+the same bytes on every replica, and every replica takes the same optimizer step. With
+``replicas.averaging`` other than ``fp32`` what crosses is compressed (:mod:`.schemes`): the
+result is then the scheme's approximation of that gradient, still the same bytes everywhere, and
+each replica keeps its own error feedback (:meth:`ReplicaGradients.own_state`). A sender's
 projector gradient holds what its receivers sent it (PROJ_GRAD), so it is averaged with the rest:
 every replica of the sender applies the same SPEL step and sends the same next projector version.
 The codec's step statistics (MAPL+VQ with ``compression.vq.update = step``: each codebook sender's
@@ -101,7 +104,8 @@ class ReplicaGradients:
         self.low_rank: LowRank | None = low_rank_plan(shapes, r.averaging_rank, exact=exact) \
             if r.averaging == "powersgd" else None
         """With ``replicas.averaging = "powersgd"``: which averaged tensors are compressed (:mod:`.schemes`)."""
-        self.sparse: Sparse | None = sparse_plan(shapes, r.topk_fraction, exact=exact) if r.averaging == "topk" else None
+        self.sparse: Sparse | None = sparse_plan(shapes, r.topk_fraction, exact=exact) \
+            if r.averaging == "topk" else None
         """With ``replicas.averaging = "topk"``: which averaged tensors are sent sparse (:mod:`.schemes`)."""
         self._compressed = self.low_rank.matrices if self.low_rank is not None else \
             self.sparse.tensors if self.sparse is not None else ()
@@ -151,7 +155,7 @@ class ReplicaGradients:
         """Seconds one attempt of a round looks for its group (:meth:`cancel` says why it is bounded)."""
 
     def _exact(self, runtime: Any) -> list[int]:
-        """The averaged tensors PowerSGD leaves exact whatever their shape: the MAPL projectors'
+        """The averaged tensors compression leaves exact whatever their shape: the MAPL projectors'
         gradients and the codec's step statistics."""
         projectors = [b.projector for b in (runtime.inbound, runtime.outbound)
                       if b is not None and getattr(b, "projector", None) is not None]
@@ -450,9 +454,10 @@ class ReplicaGradients:
                 p.grad = buf.to(p.device, p.dtype, copy=True)
             for buf, t in zip(buffers[len(self.params):len(filled)], stats, strict=True):
                 t.copy_(buf)
-            if ms is not None and n:  # what compression left out of this replica's M, for its next step
+            if ms is not None:  # this replica's part of what compression left out, for its next steps
+                part = n / self.runtime.cfg.pipeline.num_micro_batches
                 for e, m, i in zip(self.errors, ms, self._compressed):
-                    torch.sub(m, self._sent(m, i, buffers), out=e).mul_(n / self.runtime.cfg.pipeline.num_micro_batches)
+                    torch.sub(m, self._sent(m, i, buffers), out=e).mul_(part)
         if self.checker is not None:
             self.checker.keep_state(step)
         self.last_sent = round_.sent_bytes

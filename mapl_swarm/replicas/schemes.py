@@ -6,8 +6,9 @@ and, with ``powersgd``, one warm-start factor Q per compressed matrix.
 
 - ``fp32``: every part of hivemind's all-reduce crosses as it is (4 bytes a value).
 - ``fp16``: every part crosses as hivemind's ``Float16Compression`` (2 bytes a value), and so does
-  each reducer's average on its way back; the reducer keeps, for its own part, the average as its partners decode it, so every member
-  holds the same bytes (:class:`~.exact_allreduce.ExactAllReduceRunner`).
+  each reducer's average on its way back; the reducer keeps, for its own part, the average as its
+  partners decode it, so every member holds the same bytes
+  (:class:`~.exact_allreduce.ExactAllReduceRunner`).
 - ``powersgd`` (Vogels et al., NeurIPS 2019; hivemind's ``PowerSGDGradientAverager``, one power
   iteration with a warm start): a gradient matrix M (d x n; :func:`matrix_view`) crosses as two
   all-reduces of rank-r factors, P = M Q (d x r), orthonormalized once averaged, and then

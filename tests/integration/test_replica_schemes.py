@@ -243,4 +243,5 @@ def test_compressed_averaging_keeps_replicas_bitwise_equal(tmp_path, monkeypatch
     for scheme in ("fp32", "fp16", "powersgd", "topk"):
         with_bootstrap(monkeypatch, TrustedAuthority(RUN, local.authority.public),
                        functools.partial(scenario, ids=ids, scheme=scheme))
-    with_bootstrap(monkeypatch, TrustedAuthority(RUN, local.authority.public), functools.partial(liar_scenario, ids=ids))
+    with_bootstrap(monkeypatch, TrustedAuthority(RUN, local.authority.public),
+                   functools.partial(liar_scenario, ids=ids))
