@@ -8,8 +8,8 @@ R replicas per stage are emulated in one process, with the compression code the 
 tiny preset (P = 4, ``mapl``) trains ``--steps`` steps; each step's micro-batches are split among
 the R replicas as stage 0 splits them in a swarm (``replica_share``); each replica's gradients
 (scaled to the whole batch, with its own error feedback under PowerSGD) are kept apart, then
-combined per stage as its scheme does: ``fp32`` the weighted mean; ``fp16`` every share and the
-mean rounded through hivemind's ``Float16Compression``; ``powersgd:R`` at rank R with
+combined per stage as its scheme does: ``fp32`` the weighted mean; ``fp16`` the weight matrices'
+shares and their mean rounded through hivemind's ``Float16Compression``; ``powersgd:R`` at rank R with
 :func:`mapl_swarm.replicas.schemes.emulate` (the averager's arithmetic, each all-reduce a weighted
 mean), ``topk:F`` with F of each matrix's values (:func:`~mapl_swarm.replicas.schemes.sparse_share`
 and ``sparse_sum``, each replica's error feedback its M less its own share), projector
@@ -36,7 +36,8 @@ from mapl_swarm.config import config_from_dict  # noqa: E402
 from mapl_swarm.data import BatchSampler, prepare_data, validation_batches  # noqa: E402
 from mapl_swarm.pipeline.inprocess import InProcessPipeline  # noqa: E402
 from mapl_swarm.replicas.schemes import (emulate, initial_factors, low_rank_plan,  # noqa: E402
-                                         part_compression, sparse_decoded, sparse_plan, sparse_share, sparse_sum)
+                                         compressible, part_compression, sparse_decoded, sparse_plan,
+                                         sparse_share, sparse_sum)
 from mapl_swarm.rng import derive_seed  # noqa: E402
 from mapl_swarm.step.assignment import replica_share  # noqa: E402
 
@@ -61,6 +62,7 @@ class StageAveraging:
         shapes = [tuple(p.shape) for p in self.params]
         self.plan = low_rank_plan(shapes, int(parameter or 4), exact=exact) if scheme == "powersgd" else None
         self.sparse = sparse_plan(shapes, float(parameter or 0.01), exact=exact) if scheme == "topk" else None
+        self.half = compressible(shapes, exact) if scheme == "fp16" else ()
         self.compressed = self.plan.matrices if self.plan else self.sparse.tensors if self.sparse else ()
         self.factors = initial_factors(self.plan, derive_seed(seed, "powersgd", stage.stage)) if self.plan else []
         self.errors = [[torch.zeros(shapes[i]) for i in self.compressed] for _ in range(replicas)] \
@@ -97,7 +99,9 @@ class StageAveraging:
                     self.errors[r][self.sparse.tensors.index(i)].copy_(
                         (m[i] - sparse_decoded(*sh, m[i])) * (weights[r] / total))
         elif self.scheme == "fp16":
-            out = [_fp16(sum(_fp16(m[i]) * (w / total) for m, w in zip(ms, weights))) for i in range(len(ms[0]))]
+            out = [sum(m[i] * (w / total) for m, w in zip(ms, weights)) for i in range(len(ms[0]))]
+            for i in self.half:
+                out[i] = _fp16(sum(_fp16(m[i]) * (w / total) for m, w in zip(ms, weights)))
         else:
             out = [sum(m[i] * (w / total) for m, w in zip(ms, weights)) for i in range(len(ms[0]))]
         for p, g in zip(self.params, out):

@@ -46,7 +46,7 @@ from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.compression import deserialize_torch_tensor
+from hivemind.compression import NoCompression, deserialize_torch_tensor
 from hivemind.utils import MPFuture, ValueWithExpiration, get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip, enter_asynchronously
 from hivemind.utils.streaming import combine_from_streaming
@@ -77,6 +77,8 @@ Usable = Callable[[dict[str, Any]], bool]
 cannot runs no all-reduce (as :data:`GATHER_ONLY`), so a doomed round sends no tensor bytes."""
 PHASES = (b".P", b".Q")
 """The suffixes of a PowerSGD round's two all-reduces' group ids (after the group's own id)."""
+HALF_PHASES = (b".H", b".X")
+"""The suffixes of an ``fp16`` round's group ids: its all-reduce in float16, its exact one."""
 SPARSE_PHASES = (b".S", b".X")
 """The suffixes of a ``topk`` round's group ids: its all-gather of sparse shares, its all-reduce of
 the exact tensors."""
@@ -107,7 +109,7 @@ class StageAverager(DecentralizedAverager):
     ``scheme``: ``replicas.averaging`` (:mod:`.schemes`); with ``powersgd``, ``low_rank`` says
     which averaged tensors are compressed, and the averaged tensors end with one warm-start factor
     Q per compressed matrix, which only the rounds write; with ``topk``, ``sparse`` says which
-    are sent sparse.
+    are sent sparse; with ``fp16``, ``half`` which cross in float16.
     ``state``: the stage's whole state (:mod:`.state`), what :meth:`download_state` of a joining
     replica receives. A round in which a member gathered :data:`GATHER_ONLY` runs no all-reduce and
     leaves the tensors as they are; so does one that ``usable`` (:data:`Usable`, called in the
@@ -116,7 +118,7 @@ class StageAverager(DecentralizedAverager):
 
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: Any, *, run_id: str, stage: int,
                  replicas: int, aggregation: str = "mean", scheme: str = "fp32", low_rank: LowRank | None = None,
-                 sparse: Sparse | None = None,
+                 sparse: Sparse | None = None, half: Sequence[int] | None = None,
                  state: Callable[[], Any] | None = None,
                  usable: Usable | None = None, inputs: work.InputsOf | None = None,
                  min_matchmaking_time: float = 2.0, request_timeout: float = 1.0, declare_state_period: float = 10.0,
@@ -126,9 +128,12 @@ class StageAverager(DecentralizedAverager):
         self.run_id, self.stage = run_id, stage
         self.aggregation = aggregation
         """``replicas.aggregation``: the weighted mean, or a robust aggregate per part (:mod:`.robust`)."""
-        if (scheme == "powersgd") != (low_rank is not None) or (scheme == "topk") != (sparse is not None):
-            raise ValueError(f"averaging scheme {scheme!r} with low-rank plan {low_rank!r} and sparse plan {sparse!r}")
+        if (scheme == "powersgd") != (low_rank is not None) or (scheme == "topk") != (sparse is not None) or \
+                (scheme == "fp16") != (half is not None):
+            raise ValueError(f"averaging scheme {scheme!r} with low-rank plan {low_rank!r}, sparse plan {sparse!r} "
+                             f"and float16 tensors {half!r}")
         self.scheme, self._low_rank, self._sparse = scheme, low_rank, sparse
+        self._half = None if half is None else tuple(half)
         self._shares: OrderedDict[bytes, tuple[asyncio.Future, frozenset[PeerID]]] = OrderedDict()
         """``topk``: this member's sparse share of its last :data:`~.kept_round.KEPT_GROUPS` groups
         (the averager process's): a partner may ask for it after this member's round ended."""
@@ -164,8 +169,7 @@ class StageAverager(DecentralizedAverager):
         super().__init__(averaged_tensors, dht, prefix=averaging_prefix(run_id, stage), target_group_size=replicas,
                          min_group_size=2, initial_group_bits="", min_matchmaking_time=min_matchmaking_time,
                          request_timeout=request_timeout, declare_state_period=declare_state_period,
-                         next_chunk_timeout=next_chunk_timeout, allow_state_sharing=True,
-                         compression=part_compression(scheme), **kwargs)
+                         next_chunk_timeout=next_chunk_timeout, allow_state_sharing=True, **kwargs)
 
     def start(self) -> None:
         self._parent_pid_seen = os.getpid()
@@ -407,6 +411,8 @@ class StageAverager(DecentralizedAverager):
             return [group_info.group_id + phase for phase in PHASES]
         if self._sparse is not None:
             return [group_info.group_id + SPARSE_PHASES[1]]
+        if self._half is not None:
+            return [group_info.group_id + phase for phase in HALF_PHASES]
         return [group_info.group_id]
 
     @contextlib.contextmanager
@@ -447,6 +453,8 @@ class StageAverager(DecentralizedAverager):
                 runner = await self._low_rank_round(tensors, group_info, group_id, **kwargs)
             elif self._sparse is not None:
                 runner = await self._sparse_round(tensors, group_info, group_id, **kwargs)
+            elif self._half is not None:
+                runner = await self._half_round(tensors, group_info, group_id, **kwargs)
             else:
                 runner = await self._allreduce(tensors, group_info, group_id, keep_parts=key is not None, **kwargs)
         except BaseException:
@@ -502,6 +510,23 @@ class StageAverager(DecentralizedAverager):
             m.copy_(product(p, q))
             factor.copy_(q)
         return runner
+
+    async def _half_round(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes,
+                          **kwargs: Any) -> ExactAllReduceRunner | None:
+        """``fp16``'s round: the weight matrices' gradients all-reduced in float16, then the exact
+        tensors as they are (projector gradients and statistics stay float32, :mod:`.schemes`)."""
+        assert self._half is not None
+        kwargs.pop("tensor_infos", None)
+        kwargs.pop("compression", None)
+        half = [tensors[i] for i in self._half]
+        exact = [t for i, t in enumerate(tensors) if i not in self._half]
+        if half:
+            await self._allreduce(half, group_info, group_id + HALF_PHASES[0], compression=part_compression("fp16"),
+                                  **kwargs)
+        if not exact:
+            return None
+        return await self._allreduce(exact, group_info, group_id + HALF_PHASES[1], compression=NoCompression(),
+                                     **kwargs)
 
     async def _sparse_round(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes, *,
                             weight: float = 1.0, **kwargs: Any) -> ExactAllReduceRunner | None:

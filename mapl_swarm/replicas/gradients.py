@@ -50,8 +50,8 @@ from mapl_swarm.errors import MaplError
 from mapl_swarm.replicas.averaging import GATHER_ONLY, StageAverager
 from mapl_swarm.replicas.checker import Check, ShareChecker
 from mapl_swarm.replicas.errors import AveragingFailed, Behind, RoundCancelled
-from mapl_swarm.replicas.schemes import (LowRank, Sparse, initial_factors, low_rank_plan, sparse_decoded,
-                                         sparse_plan, sparse_share)
+from mapl_swarm.replicas.schemes import (LowRank, Sparse, compressible, initial_factors, low_rank_plan,
+                                         sparse_decoded, sparse_plan, sparse_share)
 from mapl_swarm.replicas.state import state_summary
 from mapl_swarm.rng import derive_seed
 from mapl_swarm.step.checking import Accusations, divergent, drawn, stubborn
@@ -135,6 +135,7 @@ class ReplicaGradients:
         self.averager = StageAverager(buffers, dht, run_id=run_id, stage=runtime.stage, replicas=replicas,
                                       aggregation=r.aggregation, scheme=r.averaging, low_rank=self.low_rank,
                                       sparse=self.sparse,
+                                      half=compressible(shapes, exact) if r.averaging == "fp16" else None,
                                       state=lambda: self._served(),
                                       start=True,
                                       usable=partial(round_counts, runtime.cfg.pipeline.num_micro_batches),

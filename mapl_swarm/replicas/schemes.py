@@ -5,10 +5,11 @@ The averaged tensors of a stage replica are, in order, the gradients of its opti
 and, with ``powersgd``, one warm-start factor Q per compressed matrix.
 
 - ``fp32``: every part of hivemind's all-reduce crosses as it is (4 bytes a value).
-- ``fp16``: every part crosses as hivemind's ``Float16Compression`` (2 bytes a value), and so does
-  each reducer's average on its way back; the reducer keeps, for its own part, the average as its
-  partners decode it, so every member holds the same bytes
-  (:class:`~.exact_allreduce.ExactAllReduceRunner`).
+- ``fp16``: the weight matrices' gradients (:func:`compressible`) cross in one all-reduce whose
+  every part is hivemind's ``Float16Compression`` (2 bytes a value), and so does each reducer's
+  average on its way back; the reducer keeps, for its own part, the average as its partners decode
+  it, so every member holds the same bytes (:class:`~.exact_allreduce.ExactAllReduceRunner`); the
+  exact tensors cross in a second one, as they are.
 - ``powersgd`` (Vogels et al., NeurIPS 2019; hivemind's ``PowerSGDGradientAverager``, one power
   iteration with a warm start): a gradient matrix M (d x n; :func:`matrix_view`) crosses as two
   all-reduces of rank-r factors, P = M Q (d x r), orthonormalized once averaged, and then
@@ -30,8 +31,8 @@ and, with ``powersgd``, one warm-start factor Q per compressed matrix.
   float32, so that hosts whose float32 kernels sum in another order still end with the same bytes
   (a float64 result within 2^-29 of a float32 rounding boundary is the exception the stage's
   digest check then catches).
-- ``topk`` (sparse, with error feedback, as SparseLoCo and DGC): of each compressed tensor (the
-  same ones as PowerSGD's rule picks, without the saving test) a replica sends the ``k = ⌈f n⌉``
+- ``topk`` (sparse, with error feedback, as SparseLoCo and DGC): of each weight matrix's gradient
+  (:func:`compressible`) a replica sends the ``k = ⌈f n⌉``
   values of largest magnitude of its M (indices as int32, ascending; values as float16) and its
   weight; every member fetches every other member's share (an all-gather, the averager's
   ``sparse_share`` call) and sums them, weighted, in the group's order, so every member holds the
@@ -52,7 +53,7 @@ from hivemind.compression import CompressionBase, Float16Compression, NoCompress
 from hivemind.utils.math import get_flatten_greedy_dims
 
 __all__ = ["SCHEMES", "part_compression", "LowRank", "low_rank_plan", "matrix_view", "initial_factors",
-           "orthonormal", "product", "emulate", "MIN_SAVING", "Sparse", "sparse_plan", "sparse_share",
+           "orthonormal", "product", "emulate", "MIN_SAVING", "Sparse", "sparse_plan", "sparse_share", "compressible",
            "sparse_decoded", "sparse_sum", "check_share"]
 
 SCHEMES = ("fp32", "fp16", "powersgd", "topk")
@@ -143,12 +144,18 @@ class Sparse:
         return sparse + exact, sum(count_of)
 
 
+def compressible(shapes: Sequence[Sequence[int]], exact: Sequence[int] = ()) -> tuple[int, ...]:
+    """The averaged tensors (of ``shapes``) that ``fp16`` and ``topk`` compress: every one of 2
+    dimensions or more (the weight matrices) not in ``exact``."""
+    return tuple(i for i, shape in enumerate(shapes) if len(shape) >= 2 and i not in exact)
+
+
 def sparse_plan(shapes: Sequence[Sequence[int]], fraction: float, exact: Sequence[int] = ()) -> Sparse:
-    """The :class:`Sparse` of averaged tensors of ``shapes``: every tensor of 2 dimensions or more
-    not in ``exact``, ``⌈fraction × its values⌉`` of it."""
+    """The :class:`Sparse` of averaged tensors of ``shapes``: every :func:`compressible` one,
+    ``⌈fraction × its values⌉`` of it."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"a top-k fraction must be within (0, 1], got {fraction}")
-    chosen = [i for i, shape in enumerate(shapes) if len(shape) >= 2 and i not in exact]
+    chosen = compressible(shapes, exact)
     return Sparse(fraction, tuple(chosen), tuple(math.ceil(fraction * math.prod(shapes[i])) for i in chosen))
 
 
