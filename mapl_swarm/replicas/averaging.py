@@ -341,9 +341,11 @@ class StageAverager(DecentralizedAverager):
         for message in answer:
             yield message
 
-    async def _take_kept(self, group_info: GroupInfo) -> PeerID | None:
-        """This member's all-reduce of ``group_info`` broke: the averaged tensors of a partner that
-        kept the round, written into this member's; that partner, or None when none kept it."""
+    async def _take_kept(self, group_info: GroupInfo) -> list[PeerID] | None:
+        """This member's all-reduce of ``group_info`` broke: the averaged tensors of the partners
+        that kept the round, written into this member's once as many as :func:`~.kept_round.agreed`
+        asks gave the same bytes; those partners, or None when too few did."""
+        answers: list[tuple[PeerID, list[torch.Tensor]]] = []
         for peer in group_info.peer_ids:
             if peer == self.peer_id:
                 continue
@@ -360,10 +362,13 @@ class StageAverager(DecentralizedAverager):
             if got is None:
                 continue
             self._count_traffic(received=sum(t.numel() * t.element_size() for t in got))
-            async with enter_asynchronously(self.get_tensors()) as tensors:
-                for tensor, averaged in zip(tensors, got):
-                    tensor.copy_(averaged)
-            return peer
+            answers.append((peer, got))
+            givers = kept_round.agreed(answers, len(group_info.peer_ids))
+            if givers is not None:
+                async with enter_asynchronously(self.get_tensors()) as tensors:
+                    for tensor, averaged in zip(tensors, got):
+                        tensor.copy_(averaged)
+                return givers
         return None
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
@@ -401,7 +406,7 @@ class StageAverager(DecentralizedAverager):
             if kept_by is None:
                 raise
             logger.warning("stage %d averaging: the all-reduce broke here after it began (%s); took the round's "
-                           "result from %s, which kept it", self.stage, exc, kept_by)
+                           "result from %s, which kept it", self.stage, exc, " and ".join(map(str, kept_by)))
             return gathered
 
     def _group_ids(self, group_info: GroupInfo) -> list[bytes]:

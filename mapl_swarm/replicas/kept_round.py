@@ -9,8 +9,9 @@ Every member that keeps a round holds the group's averaged bytes (:mod:`.exact_a
 one that failed asks its partners for them (``rpc_kept_round``, members of that group only): a
 partner answers once its own all-reduce of that group ended, with its averaged tensors if it kept
 the round, and with a refusal if it failed too or has since begun filling its tensors for another
-round. The first partner that kept it gives this member the same bytes, and its round counts; when
-none did, the round fails as before (``unsure``: nobody kept it, so the step is redone).
+round. The first partner that kept it gives this member the same bytes, and its round counts (in a
+group of 3 or more, the first two partners that give the same bytes: :func:`agreed`); when none
+did, the round fails as before (``unsure``: nobody kept it, so the step is redone).
 
 :class:`Outcomes` is the keeping side's record (in the averager process), :func:`parts` and
 :func:`take` the answer's stream of serialized tensors (hivemind's chunks) and its checked reading.
@@ -30,7 +31,7 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from mapl_swarm.aio import within
 
-__all__ = ["Outcomes", "parts", "take", "KEPT_GROUPS", "CHUNK_BYTES"]
+__all__ = ["Outcomes", "parts", "take", "agreed", "KEPT_GROUPS", "CHUNK_BYTES"]
 
 KEPT_GROUPS = 4
 """Groups whose outcome an averager remembers (the current round's, and a few before it)."""
@@ -76,6 +77,22 @@ class Outcomes:
         except TimeoutError:
             return None
         return self._fill.get(group_id) if kept else None
+
+
+def agreed(answers: Sequence[tuple[PeerID, Sequence[torch.Tensor]]], group_size: int) -> list[PeerID] | None:
+    """The partners whose kept results this member takes, given ``answers`` so far (partner,
+    tensors; the last one just came): in a group of 2 its only partner's; in a larger one two
+    partners' giving the same bytes (the last and an earlier one), since a member that broke this
+    one's all-reduce on purpose could otherwise hand it any result; None when not yet."""
+    if not answers:
+        return None
+    peer, got = answers[-1]
+    if group_size <= 2:
+        return [peer]
+    for other, earlier in answers[:-1]:
+        if len(earlier) == len(got) and all(torch.equal(a, b) for a, b in zip(earlier, got)):
+            return [other, peer]
+    return None
 
 
 def parts(tensors: Sequence[torch.Tensor]) -> Iterator[averaging_pb2.AveragingData]:

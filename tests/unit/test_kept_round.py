@@ -12,7 +12,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import as_aiter
 
-from mapl_swarm.replicas.kept_round import CHUNK_BYTES, KEPT_GROUPS, Outcomes, parts, take
+from mapl_swarm.replicas.kept_round import CHUNK_BYTES, KEPT_GROUPS, Outcomes, agreed, parts, take
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 
@@ -62,3 +62,15 @@ async def test_an_answer_gives_back_the_same_bytes_and_a_wrong_one_gives_nothing
     assert await take(as_aiter(*answer[:-1]), tensors) is None
     assert await take(as_aiter(averaging_pb2.AveragingData(code=averaging_pb2.CANCELLED)), tensors) is None
     assert await take(as_aiter(*parts([torch.zeros(CHUNK_BYTES)])), [torch.zeros(4)]) is None
+
+
+def test_with_three_members_a_kept_result_is_taken_only_when_two_partners_give_the_same_bytes() -> None:
+    """A member that broke a partner's all-reduce on purpose could hand it any "kept" result: with
+    3 members or more two partners must agree (SPEC §9.10 item 6); with 2 the only partner's is taken."""
+    honest, forged = [torch.ones(3), torch.zeros(2)], [torch.full((3,), 9.0), torch.zeros(2)]
+    assert agreed([], 3) is None
+    assert agreed([("d", forged)], 2) == ["d"]
+    assert agreed([("d", forged)], 3) is None
+    assert agreed([("d", forged), ("b", honest)], 3) is None
+    assert agreed([("d", forged), ("b", honest), ("c", [t.clone() for t in honest])], 4) == ["b", "c"]
+    assert agreed([("b", honest), ("c", honest[:1])], 3) is None
