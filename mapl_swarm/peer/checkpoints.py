@@ -404,8 +404,9 @@ class PeerRunPolicy:
         self.cfg, self.stage, self.data, self.fingerprint, self.resume = cfg, stage, data, fingerprint, resume
         self.rt, self.compute, self.sampler = runtime, compute, sampler
         self.averaging = averaging
-        """With replicas: the replica's averaging, whose own state (PowerSGD's error feedback and
-        factors) is saved with each checkpoint (:meth:`~mapl_swarm.replicas.gradients.ReplicaGradients.own_state`)."""
+        """With replicas: the replica's averaging, whose own state (its error feedback, PowerSGD's
+        factors: :meth:`~mapl_swarm.replicas.gradients.ReplicaGradients.own_state`) is saved with
+        each checkpoint."""
         self.store = self._new_store()
         self.agreement = CheckpointAgreement(self.store, stage, cfg.pipeline.num_stages)
         if stage == 0 and cfg.pipeline.num_stages > 1:  # its losses come from the last stage (REPORT)

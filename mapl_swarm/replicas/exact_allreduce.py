@@ -10,8 +10,8 @@ keeps the peer's own values, as hivemind's zero delta does (and :class:`~.averag
 then fails the round: its values are not the average). With a lossy part compression
 (``replicas.averaging = "fp16"``) a reducer answers every peer in that compression, whatever a
 peer's parts came in, and keeps for itself its average as the peers decode it. The two methods
-are hivemind 1.1.12's with those changes (hivemind is pinned: ``pyproject.toml``); every peer of a group must run this
-runner (a stage's replicas all run :class:`~.averaging.StageAverager`). It also counts the tensor
+are hivemind 1.1.12's with those changes (hivemind is pinned: ``pyproject.toml``); every peer of a
+group must run this runner (a stage's replicas all run :class:`~.averaging.StageAverager`). It also counts the tensor
 bytes it sends and receives (``traffic``), what a stage's averaging costs on its links.
 """
 
