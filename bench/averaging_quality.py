@@ -36,8 +36,9 @@ from mapl_swarm.config import config_from_dict  # noqa: E402
 from mapl_swarm.data import BatchSampler, prepare_data, validation_batches  # noqa: E402
 from mapl_swarm.pipeline.inprocess import InProcessPipeline  # noqa: E402
 from mapl_swarm.replicas.schemes import (emulate, initial_factors, low_rank_plan,  # noqa: E402
-                                         compressible, part_compression, sparse_decoded, sparse_plan,
-                                         sparse_share, sparse_sum)
+                                         compressible, feedback, part_compression, sparse_decoded, sparse_plan,
+                                         sparse_share, sparse_sum, with_feedback)
+from mapl_swarm.replicas.gradients import exact_tensors  # noqa: E402
 from mapl_swarm.rng import derive_seed  # noqa: E402
 from mapl_swarm.step.assignment import replica_share  # noqa: E402
 
@@ -56,9 +57,7 @@ class StageAveraging:
     def __init__(self, stage, scheme: str, parameter: str, replicas: int, seed: int) -> None:
         self.stage, self.scheme = stage, scheme
         self.params = list(stage.optimized_parameters())
-        projectors = [b.projector for b in (stage.inbound, stage.outbound)
-                      if b is not None and getattr(b, "projector", None) is not None]
-        exact = [i for i, p in enumerate(self.params) if any(p is q for q in projectors)]
+        exact = exact_tensors(stage)
         shapes = [tuple(p.shape) for p in self.params]
         self.plan = low_rank_plan(shapes, int(parameter or 4), exact=exact) if scheme == "powersgd" else None
         self.sparse = sparse_plan(shapes, float(parameter or 0.01), exact=exact) if scheme == "topk" else None
@@ -76,7 +75,7 @@ class StageAveraging:
                   for p in self.params]
         if self.errors is not None:
             for e, i in zip(self.errors[replica], self.compressed):
-                filled[i] = filled[i] + e * scale
+                with_feedback(filled[i], e, n, num_micro_batches)
         self.shares.append((filled, float(n)))
         for p in self.params:
             p.grad = None
@@ -89,7 +88,7 @@ class StageAveraging:
             out = emulate(ms, weights, self.plan, self.factors)
             for r, m in enumerate(ms):
                 for e, i in zip(self.errors[r], self.plan.matrices):
-                    e.copy_((m[i] - out[i]) * (weights[r] / total))
+                    e.copy_(feedback(m[i], out[i], int(weights[r]), int(total)))
         elif self.scheme == "topk":
             out = [sum(m[i] * (w / total) for m, w in zip(ms, weights)) for i in range(len(ms[0]))]
             for i, k in zip(self.sparse.tensors, self.sparse.counts):
@@ -97,7 +96,7 @@ class StageAveraging:
                 out[i] = sparse_sum([(*sh, w) for sh, w in zip(shares, weights)], ms[0][i])
                 for r, (m, sh) in enumerate(zip(ms, shares)):
                     self.errors[r][self.sparse.tensors.index(i)].copy_(
-                        (m[i] - sparse_decoded(*sh, m[i])) * (weights[r] / total))
+                        feedback(m[i], sparse_decoded(*sh, m[i]), int(weights[r]), int(total)))
         elif self.scheme == "fp16":
             out = [sum(m[i] * (w / total) for m, w in zip(ms, weights)) for i in range(len(ms[0]))]
             for i in self.half:

@@ -55,7 +55,7 @@ from mapl_swarm.aio import within
 from mapl_swarm.net.discovery import averaging_prefix, member_keys
 from mapl_swarm.procs import set_parent_death_signal, watch_parent
 from mapl_swarm.replicas import kept_round, work
-from mapl_swarm.replicas.exact_allreduce import ExactAllReduceRunner
+from mapl_swarm.replicas.exact_allreduce import ExactAllReduceRunner, count_traffic
 from mapl_swarm.replicas.schemes import (LowRank, Sparse, check_share, orthonormal, part_compression, product,
                                          sparse_share, sparse_sum)
 from mapl_swarm.replicas.state import StateMismatch, flatten_state, restore_like
@@ -337,7 +337,7 @@ class StageAverager(DecentralizedAverager):
                         None, lambda: list(kept_round.parts(tensors))))
         if not answer:
             yield averaging_pb2.AveragingData(code=averaging_pb2.CANCELLED)
-        self._count_traffic(sent=sum(m.tensor_part.ByteSize() for m in answer))  # a round's bytes too
+        count_traffic(self._traffic, sent=sum(m.tensor_part.ByteSize() for m in answer))  # a round's bytes too
         for message in answer:
             yield message
 
@@ -361,7 +361,7 @@ class StageAverager(DecentralizedAverager):
                 continue
             if got is None:
                 continue
-            self._count_traffic(received=sum(t.numel() * t.element_size() for t in got))
+            count_traffic(self._traffic, received=sum(t.numel() * t.element_size() for t in got))
             answers.append((peer, got))
             givers = kept_round.agreed(answers, len(group_info.peer_ids))
             if givers is not None:
@@ -576,7 +576,7 @@ class StageAverager(DecentralizedAverager):
         except Exception as exc:  # gone, or a broken stream
             got, why = None, f"{type(exc).__name__}: {exc}"
         if got is not None:
-            self._count_traffic(received=sum(t.numel() * t.element_size() for t in got))
+            count_traffic(self._traffic, received=sum(t.numel() * t.element_size() for t in got))
             weight = float(got[-1][0])
             problems = [check_share(got[2 * j], got[2 * j + 1], k, tensors[i].numel())
                         for j, (i, k) in enumerate(zip(plan.tensors, plan.counts))]
@@ -588,11 +588,6 @@ class StageAverager(DecentralizedAverager):
             why, self._share_wrong = bad, True
         self._share_culprits.add(peer)
         raise AllreduceException(f"stage {self.stage}: the sparse share of {peer} cannot be summed: {why}")
-
-    def _count_traffic(self, sent: int = 0, received: int = 0) -> None:
-        with self._traffic.get_lock():
-            self._traffic[0] += sent
-            self._traffic[1] += received
 
     async def rpc_sparse_share(self, request: averaging_pb2.AveragingData,
                                context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
@@ -612,7 +607,7 @@ class StageAverager(DecentralizedAverager):
         if share is None:
             yield averaging_pb2.AveragingData(code=averaging_pb2.CANCELLED)
             return
-        self._count_traffic(sent=sum(t.numel() * t.element_size() for t in share))
+        count_traffic(self._traffic, sent=sum(t.numel() * t.element_size() for t in share))
         for message in kept_round.parts(share):
             yield message
 

@@ -32,9 +32,18 @@ from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_
 from mapl_swarm.replicas.robust import AGGREGATES
 from mapl_swarm.replicas.work import KeptParts
 
-__all__ = ["ExactAllReduceRunner"]
+__all__ = ["ExactAllReduceRunner", "count_traffic"]
 
 logger = logging.getLogger(__name__)
+
+
+def count_traffic(traffic: Any, sent: int = 0, received: int = 0) -> None:
+    """Add tensor bytes to ``traffic`` (``[sent, received]``, shared with the host process; None:
+    not counted)."""
+    if traffic is not None:
+        with traffic.get_lock():
+            traffic[0] += sent
+            traffic[1] += received
 
 
 class RobustPartReducer(TensorPartReducer):
@@ -116,10 +125,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         return deserialize_torch_tensor(self._encode(averaged))
 
     def _count(self, sent: int = 0, received: int = 0) -> None:
-        if self.traffic is not None:
-            with self.traffic.get_lock():
-                self.traffic[0] += sent
-                self.traffic[1] += received
+        count_traffic(self.traffic, sent, received)
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         async for message in super()._generate_input_for_peer(peer_index):

@@ -50,15 +50,15 @@ from mapl_swarm.errors import MaplError
 from mapl_swarm.replicas.averaging import GATHER_ONLY, StageAverager
 from mapl_swarm.replicas.checker import Check, ShareChecker
 from mapl_swarm.replicas.errors import AveragingFailed, Behind, RoundCancelled
-from mapl_swarm.replicas.schemes import (LowRank, Sparse, compressible, initial_factors, low_rank_plan,
-                                         sparse_decoded, sparse_plan, sparse_share)
+from mapl_swarm.replicas.schemes import (LowRank, Sparse, compressible, feedback, initial_factors, low_rank_plan,
+                                         sparse_decoded, sparse_plan, sparse_share, with_feedback)
 from mapl_swarm.replicas.state import state_summary
 from mapl_swarm.rng import derive_seed
 from mapl_swarm.step.checking import Accusations, divergent, drawn, stubborn
 from mapl_swarm.step.rounds import (NONCE_BYTES, RESUME_STEP, SYNC_STEP, ReplicaStep, commitment, read_round,
                                     round_counts)
 
-__all__ = ["ReplicaGradients", "ReplicaStep", "read_round", "round_counts", "AveragingFailed", "Behind",
+__all__ = ["ReplicaGradients", "exact_tensors", "ReplicaStep", "read_round", "round_counts", "AveragingFailed", "Behind",
            "RoundCancelled", "SYNC_STEP", "RESUME_STEP"]
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,17 @@ other's work): an honest replica that breaks one by leaving is gone before the n
 FIND_GROUP_S = 5.0
 """Least seconds one attempt of a round looks for its group (three matchmakings when longer): a
 replica that left is counted out of the round at the next attempt."""
+
+
+def exact_tensors(runtime: Any) -> list[int]:
+    """The averaged tensors of stage ``runtime`` that compression leaves exact whatever their shape
+    (indices among its optimized parameters, then its codec's step statistics): the MAPL
+    projectors' gradients and the statistics."""
+    params, stats = list(runtime.optimized_parameters()), runtime.step_statistics()
+    projectors = [b.projector for b in (runtime.inbound, runtime.outbound)
+                  if b is not None and getattr(b, "projector", None) is not None]
+    return [i for i, p in enumerate(params) if any(p is q for q in projectors)] + \
+        list(range(len(params), len(params) + len(stats)))
 
 
 def _stop(control: Any) -> None:
@@ -96,7 +107,7 @@ class ReplicaGradients:
         """The codec's step statistics (MAPL+VQ ``update = step``), averaged like the gradients."""
         r = runtime.cfg.replicas
         shapes = [tuple(t.shape) for t in [*self.params, *self.stats]]
-        exact = self._exact(runtime)
+        exact = exact_tensors(runtime)
         self.scheme = r.averaging
         """``replicas.averaging``: what this replica sends to average (:mod:`.schemes`)."""
         self.last_sent = 0
@@ -154,14 +165,6 @@ class ReplicaGradients:
         self._cancelled = False
         self.find_s = max(FIND_GROUP_S, 3 * averager_kwargs.get("min_matchmaking_time", 2.0))
         """Seconds one attempt of a round looks for its group (:meth:`cancel` says why it is bounded)."""
-
-    def _exact(self, runtime: Any) -> list[int]:
-        """The averaged tensors compression leaves exact whatever their shape: the MAPL projectors'
-        gradients and the codec's step statistics."""
-        projectors = [b.projector for b in (runtime.inbound, runtime.outbound)
-                      if b is not None and getattr(b, "projector", None) is not None]
-        return [i for i, p in enumerate(self.params) if any(p is q for q in projectors)] + \
-            list(range(len(self.params), len(self.params) + len(self.stats)))
 
     def own_state(self) -> dict[str, Any]:
         """What of the averaging is this replica's own and goes into its checkpoints: the scheme,
@@ -456,9 +459,8 @@ class ReplicaGradients:
             for buf, t in zip(buffers[len(self.params):len(filled)], stats, strict=True):
                 t.copy_(buf)
             if ms is not None:  # this replica's part of what compression left out, for its next steps
-                part = n / self.runtime.cfg.pipeline.num_micro_batches
                 for e, m, i in zip(self.errors, ms, self._compressed):
-                    torch.sub(m, self._sent(m, i, buffers), out=e).mul_(part)
+                    e.copy_(feedback(m, self._sent(m, i, buffers), n, self.runtime.cfg.pipeline.num_micro_batches))
         if self.checker is not None:
             self.checker.keep_state(step)
         self.last_sent = round_.sent_bytes
@@ -476,11 +478,8 @@ class ReplicaGradients:
         which micro-batch)."""
         if self.errors is None or not n:
             return None
-        ms = []
-        for e, i in zip(self.errors, self._compressed):
-            buffers[i].add_(e, alpha=self.runtime.cfg.pipeline.num_micro_batches / n)
-            ms.append(buffers[i].clone())
-        return ms
+        return [with_feedback(buffers[i], e, n, self.runtime.cfg.pipeline.num_micro_batches).clone()
+                for e, i in zip(self.errors, self._compressed)]
 
     def _sent(self, m: torch.Tensor, i: int, buffers: Sequence[torch.Tensor]) -> torch.Tensor:
         """What of ``m`` (this replica's M of averaged tensor ``i``) the round kept: PowerSGD's

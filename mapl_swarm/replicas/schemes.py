@@ -54,7 +54,7 @@ from hivemind.utils.math import get_flatten_greedy_dims
 
 __all__ = ["SCHEMES", "part_compression", "LowRank", "low_rank_plan", "matrix_view", "initial_factors",
            "orthonormal", "product", "emulate", "MIN_SAVING", "Sparse", "sparse_plan", "sparse_share", "compressible",
-           "sparse_decoded", "sparse_sum", "check_share"]
+           "sparse_decoded", "sparse_sum", "check_share", "with_feedback", "feedback"]
 
 SCHEMES = ("fp32", "fp16", "powersgd", "topk")
 MIN_SAVING = 0.5
@@ -69,6 +69,23 @@ def part_compression(scheme: str) -> CompressionBase:
     if scheme in ("fp32", "powersgd", "topk"):
         return NoCompression()
     raise ValueError(f"unknown averaging scheme {scheme!r}; one of {SCHEMES}")
+
+
+def _others(chosen: Sequence[int], count: int) -> list[int]:
+    """The indices among ``count`` not in ``chosen``."""
+    return [i for i in range(count) if i not in set(chosen)]
+
+
+def with_feedback(g: torch.Tensor, e: torch.Tensor, n: int, total: int) -> torch.Tensor:
+    """X = g + e · total / n, in place in ``g`` (a replica's scaled gradient; ``e`` its error
+    feedback, its part of the stage's average; ``n`` of the step's ``total`` micro-batches, n > 0)."""
+    return g.add_(e, alpha=total / n)
+
+
+def feedback(x: torch.Tensor, sent: torch.Tensor, n: int, total: int) -> torch.Tensor:
+    """The error feedback a replica keeps after a counted round: its part, n / total, of what of its
+    X the round did not carry (``sent``: P̂ Q̂ᵀ, or its own top-k share decoded)."""
+    return (x - sent).mul_(n / total)
 
 
 def matrix_view(shape: Sequence[int]) -> tuple[int, int]:
@@ -95,8 +112,7 @@ class LowRank:
 
     def exact(self, count: int) -> list[int]:
         """The indices, among ``count`` averaged tensors, averaged exactly."""
-        chosen = set(self.matrices)
-        return [i for i in range(count) if i not in chosen]
+        return _others(self.matrices, count)
 
     def values(self, count_of: Sequence[int]) -> tuple[int, int]:
         """(values sent by PowerSGD's two all-reduces, values fp32 would send) for tensors of
@@ -133,8 +149,7 @@ class Sparse:
 
     def exact(self, count: int) -> list[int]:
         """The indices, among ``count`` averaged tensors, averaged exactly."""
-        chosen = set(self.tensors)
-        return [i for i in range(count) if i not in chosen]
+        return _others(self.tensors, count)
 
     def values(self, count_of: Sequence[int]) -> tuple[int, int]:
         """(4-byte words one member's share and exact tensors take, values fp32 would send): a

@@ -34,6 +34,7 @@ import torch
 
 from mapl_swarm.net.discovery import Discovery, TrustedAuthority
 from mapl_swarm.pipeline.stage import StageRuntime
+from mapl_swarm.replicas.gradients import exact_tensors
 from mapl_swarm.replicas.schemes import compressible, emulate, sparse_decoded, sparse_share, sparse_sum
 from mapl_swarm.step.assignment import replica_share
 
@@ -100,7 +101,7 @@ def scenario(_bootstrap: Any, maddrs: list[str], ids: dict, scheme: str) -> None
                              for i in range(len(averaged))]
                     g = grads[stage, 0]
                     if scheme == "fp16":  # weight matrices within float16's rounding, the rest exact
-                        matrices = compressible([tuple(a.shape) for a in averaged], g._exact(g.runtime))
+                        matrices = compressible([tuple(a.shape) for a in averaged], exact_tensors(g.runtime))
                         for i, (a, x) in enumerate(zip(averaged, exact)):
                             if i in matrices:
                                 torch.testing.assert_close(a, x, rtol=2e-3, atol=1e-5)
