@@ -29,9 +29,11 @@ if TYPE_CHECKING:
 
 __all__ = ["Credit", "Credits", "REFORM_BURST", "STEPS_PER_REFORM", "REDO_STEPS_PER_CREDIT"]
 
-REFORM_BURST = 3
-"""Re-forms one member may tell of before any new progress: a neighbour whose own neighbour left
-twice in a row (a replacement that failed to start) still gets through; a fourth is refused."""
+REFORM_BURST = 1
+"""Re-forms one member may tell of before any new progress: one (issue 46 asks at most one re-form
+per attacker). An honest teller tells of one departure, and the swarm regains the rolled-back steps
+and a checkpoint interval more before the next one counts; a replacement that has not trained
+yet spends nobody's credit (:meth:`Credits.of`). A second before that is refused."""
 STEPS_PER_REFORM = 100
 """New progress that earns a re-form's credit back in a run without periodic checkpoints."""
 REDO_STEPS_PER_CREDIT = 20
@@ -88,7 +90,7 @@ class Credits:
 
     @classmethod
     def of(cls, cfg: TrainConfig) -> Credits:
-        """Re-forms: 3, one back per checkpoint interval of new progress (a re-form rolls back at most
+        """Re-forms: one, one back per checkpoint interval of new progress (a re-form rolls back at most
         that far; :data:`STEPS_PER_REFORM` without periodic checkpoints), none spent while this
         process has not trained past its first step (a replacement joining a swarm that re-forms
         around it loses nothing, and excluding the teller would leave it waiting for good). Redos: the redos one step

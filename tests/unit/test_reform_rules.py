@@ -89,13 +89,14 @@ def test_re_forms_without_a_step_in_between_wait_longer_each_time_up_to_a_bound(
 
 def test_a_member_that_keeps_re_forming_the_swarm_runs_out_of_credit_and_is_excluded(tmp_path):
     """Stage 1 tells stage 0 of a plausible re-form (stage 2 left) again and again without the swarm
-    regaining the steps each rolled back (SPEC §7.2 item 11): the first three pause stage 0, each a
-    session of its process, which keeps the credit; the fourth is dropped as ``implausible`` and
+    regaining the steps each rolled back (SPEC §7.2 item 11): the first pauses stage 0 (a session of
+    its process, which keeps the credit); the second is dropped as ``implausible`` and
     stage 1 is cut off as a departure (with a certificate, its serial refused from then on). New
     progress earns credit back: a teller of real departures between stretches of training is
     believed."""
     from mapl_swarm.peer.credits import REFORM_BURST, Credit, Credits
 
+    assert REFORM_BURST == 1  # issue 46: at most one re-form per attacker
     credit = Credit(REFORM_BURST, steps_per_credit=10)
 
     def told() -> tuple[dict, int | None, bool]:
