@@ -57,6 +57,8 @@ __all__ = ["SCHEMES", "part_compression", "LowRank", "low_rank_plan", "matrix_vi
            "sparse_decoded", "sparse_sum", "check_share", "with_feedback", "feedback"]
 
 SCHEMES = ("fp32", "fp16", "powersgd", "topk")
+FLOAT16_MAX = 65504.0
+"""The largest finite float16."""
 MIN_SAVING = 0.5
 """A matrix is compressed only when its factors are at most this fraction of its values (hivemind's
 ``min_compression_ratio``)."""
@@ -176,10 +178,11 @@ def sparse_plan(shapes: Sequence[Sequence[int]], fraction: float, exact: Sequenc
 
 def sparse_share(m: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` values of ``m`` of largest magnitude: (their flat indices, int32 ascending; the
-    values, float16)."""
+    values, float16, clamped to ±65504 as hivemind's ``Float16Compression`` does: a share holds no
+    infinity, and error feedback keeps what the clamp left out)."""
     flat = m.reshape(-1)
     idx = torch.topk(flat.abs(), k, sorted=False).indices.sort().values
-    return idx.to(torch.int32), flat[idx].to(torch.float16)
+    return idx.to(torch.int32), flat[idx].clamp(-FLOAT16_MAX, FLOAT16_MAX).to(torch.float16)
 
 
 def sparse_decoded(idx: torch.Tensor, values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

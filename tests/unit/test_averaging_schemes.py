@@ -11,9 +11,9 @@ import torch
 from mapl_swarm.config import load_config
 from mapl_swarm.errors import ConfigError
 from mapl_swarm.pipeline.stage import StageRuntime
-from mapl_swarm.replicas.schemes import (check_share, emulate, initial_factors, low_rank_plan, matrix_view,
-                                         orthonormal, part_compression, product, sparse_decoded, sparse_plan,
-                                         sparse_share, sparse_sum)
+from mapl_swarm.replicas.schemes import (check_share, emulate, feedback, initial_factors, low_rank_plan,
+                                         matrix_view, orthonormal, part_compression, product, sparse_decoded,
+                                         sparse_plan, sparse_share, sparse_sum)
 
 from conftest import micro_config
 
@@ -91,6 +91,17 @@ def test_topk_sends_the_largest_values_of_every_matrix_and_sums_shares_in_order(
     assert "share of" in check_share(idx.long(), values, 2, 6)
     with pytest.raises(ValueError, match="within"):
         sparse_plan([(4, 4)], 1.5)
+
+
+def test_a_value_beyond_float16_is_sent_clamped_and_error_feedback_keeps_the_rest() -> None:
+    """A share of inf would fail every partner's round (values not finite) for as long as error
+    feedback holds the value: it goes clamped to 65504, and the rest stays in the feedback."""
+    x = torch.tensor([1e5, -2e5, 1.0, 0.5])
+    idx, values = sparse_share(x, 2)
+    assert idx.tolist() == [0, 1] and values.tolist() == [65504.0, -65504.0]
+    assert check_share(idx, values, 2, 4) is None
+    left = feedback(x.clone(), sparse_decoded(idx, values, x), 1, 1)
+    assert left.tolist() == [1e5 - 65504.0, -2e5 + 65504.0, 1.0, 0.5]
 
 
 def test_part_compression_per_scheme() -> None:
