@@ -54,10 +54,12 @@ class StageAveraging:
     """One stage's averaging among R emulated replicas: its plan, warm-start factors and each
     replica's error feedback."""
 
-    def __init__(self, stage, scheme: str, parameter: str, replicas: int, seed: int) -> None:
+    def __init__(self, stage, scheme: str, parameter: str, replicas: int, seed: int, rows: bool = False) -> None:
         self.stage, self.scheme = stage, scheme
         self.params = list(stage.optimized_parameters())
-        exact = exact_tensors(stage)
+        self.tables = table_tensors(stage) if rows else []
+        exact = exact_tensors(stage) + self.tables
+        self.rows_sent = 0
         shapes = [tuple(p.shape) for p in self.params]
         self.plan = low_rank_plan(shapes, int(parameter or 4), exact=exact) if scheme == "powersgd" else None
         self.sparse = sparse_plan(shapes, float(parameter or 0.01), exact=exact) if scheme == "topk" else None
@@ -73,6 +75,8 @@ class StageAveraging:
         scale = num_micro_batches / n
         filled = [(p.grad.detach().float() * scale) if p.grad is not None else torch.zeros(p.shape)
                   for p in self.params]
+        for i in self.tables:  # a table's rows this replica touched: (row index, row) each
+            self.rows_sent += int((filled[i] != 0).any(dim=1).sum()) * (filled[i].shape[1] + 1)
         if self.errors is not None:
             for e, i in zip(self.errors[replica], self.compressed):
                 with_feedback(filled[i], e, n, num_micro_batches)
@@ -107,15 +111,29 @@ class StageAveraging:
             p.grad = g.to(p.dtype)
         self.shares = []
 
-    def values(self) -> tuple[int, int]:
-        """(values this scheme's round sends for the stage, values fp32's sends)."""
+    def values(self, rounds: int) -> tuple[float, int]:
+        """(values this scheme's round sends for the stage, on average over ``rounds``, values fp32's
+        sends); with ``+rows`` the tables' touched rows instead of the tables."""
         counts = [p.numel() for p in self.params]
         plan = self.plan or self.sparse
-        return plan.values(counts) if plan is not None else (sum(counts), sum(counts))
+        sent, dense = plan.values(counts) if plan is not None else (sum(counts), sum(counts))
+        if self.tables:
+            sent += self.rows_sent / rounds - sum(counts[i] for i in self.tables)
+        return sent, dense
+
+
+def table_tensors(stage) -> list[int]:
+    """The stage's embedding tables among its optimized parameters (the token embedding, the MAPL
+    anchor table): a replica's gradient of one is non-zero only in the rows of the tokens its
+    micro-batches held."""
+    tables = [t for t in (getattr(getattr(stage.model, "embed_tokens", None), "weight", None),
+                          getattr(stage.anchor, "table", None)) if t is not None]
+    return [i for i, p in enumerate(stage.optimized_parameters()) if any(p is t for t in tables)]
 
 
 def run(scheme_label: str, seed: int, args: argparse.Namespace, data) -> dict:
-    scheme, _, parameter = scheme_label.partition(":")
+    scheme_label_base, plus, extra = scheme_label.partition("+")
+    scheme, _, parameter = scheme_label_base.partition(":")
     cfg = config_from_dict({"preset": "tiny", "compression": {"codec": "mapl"},
                             "optim": {"warmup_steps": max(1, args.steps // 20)},
                             "run": {"steps": args.steps, "seed": seed, "out_dir": "runs/bench-averaging-quality"},
@@ -123,7 +141,7 @@ def run(scheme_label: str, seed: int, args: argparse.Namespace, data) -> dict:
                             "runtime": {"threads": 1}}, "bench")
     torch.manual_seed(seed)
     pipe = InProcessPipeline(cfg)
-    stages = [StageAveraging(s, scheme, parameter, args.replicas, seed) for s in pipe.stages]
+    stages = [StageAveraging(s, scheme, parameter, args.replicas, seed, rows=extra == "rows") for s in pipe.stages]
     T, M = cfg.model.context_length, cfg.pipeline.num_micro_batches
     sampler = BatchSampler(data.train, cfg.pipeline.micro_batch_size, T, seed)
     val = validation_batches(data.val, cfg.pipeline.micro_batch_size, T, cfg.eval.batches)
@@ -149,7 +167,7 @@ def run(scheme_label: str, seed: int, args: argparse.Namespace, data) -> dict:
             s.step()
         pipe.sync_projectors()
         losses.append(sum(step_losses) / len(step_losses))
-    sent, dense = (sum(x) for x in zip(*(st.values() for st in stages)))
+    sent, dense = (sum(x) for x in zip(*(st.values(args.steps) for st in stages)))
     return {"scheme": scheme_label, "seed": seed, "final_val_loss": pipe.evaluate(val),
             "mean_train_loss_last_20": sum(losses[-20:]) / len(losses[-20:]), "values_per_round": sent,
             "fp32_values_per_round": dense}

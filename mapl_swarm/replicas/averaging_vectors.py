@@ -48,9 +48,11 @@ __all__ = ["build_manifest", "check_manifest", "main"]
 MANIFEST = "manifest.json"
 FOLDER = "protocol/vectors/v2/averaging"
 COMMAND = "mapl_swarm.replicas.averaging_vectors"
-PLAN_SHAPES = [[64, 32], [32], [8, 4, 16], [3, 5, 7, 2], [4, 4], [512, 2], [6, 6], [], [96, 256]]
+PLAN_SHAPES = [[64, 32], [32], [8, 4, 16], [3, 5, 7, 2], [4, 4], [512, 2], [6, 6], [], [96, 256], [10, 10]]
 """Averaged tensors' shapes for the plans: matrices, vectors, a scalar, 3-D and 4-D tensors, one
-too small to save at rank 2 and one too narrow (512 x 2)."""
+too small to save at rank 2, one too narrow (512 x 2), and 100 values (0.07 of them: the double
+product 7.000000000000001 rounds up to 8)."""
+TOPK_FRACTIONS = (0.01, 0.05, 0.07, 0.3, 1.0)
 
 
 # ---------------------------------------------------------------------- tensors in JSON
@@ -88,7 +90,7 @@ def _plans() -> list[dict[str, Any]]:
         out.append({"scheme": "powersgd", "rank": rank, "shapes": PLAN_SHAPES, "exact": [4],
                     "compressed": list(plan.matrices), "views": [list(v) for v in plan.views],
                     "factor_shapes": [list(s) for s in plan.factor_shapes]})
-    for fraction in (0.01, 0.05, 0.3, 1.0):
+    for fraction in TOPK_FRACTIONS:
         plan = sparse_plan(PLAN_SHAPES, fraction, exact=[4])
         out.append({"scheme": "topk", "fraction": fraction, "shapes": PLAN_SHAPES, "exact": [4],
                     "compressed": list(plan.tensors), "counts": list(plan.counts)})
@@ -106,10 +108,18 @@ def _fp16(values: torch.Tensor) -> torch.Tensor:
 
 
 def _feedback_case(name: str, g: torch.Tensor, e: torch.Tensor, n: int, total: int,
-                   sent: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, Any]:
+                   sent: Callable[[torch.Tensor], torch.Tensor], **inputs: torch.Tensor) -> dict[str, Any]:
     x = with_feedback(g.clone(), e, n, total)
-    return {"name": name, "g": tensor_json(g), "e": tensor_json(e), "n": n, "M": total, "X": tensor_json(x),
+    return {"name": name, "g": tensor_json(g), "e": tensor_json(e), "n": n, "M": total,
+            **{k: tensor_json(v) for k, v in inputs.items()}, "X": tensor_json(x),
             "sent": tensor_json(sent(x)), "e_after": tensor_json(feedback(x, sent(x), n, total))}
+
+
+def one_member_low_rank(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """What a PowerSGD round of one member carries of its X from factor ``q``: P̂ Q̂'ᵀ, with
+    P = X Q orthonormalized and Q̂' = Xᵀ P̂."""
+    p_hat = orthonormal(x @ q)
+    return product(p_hat, x.t() @ p_hat)
 
 
 def _topk_share(name: str, x: torch.Tensor, fraction: float) -> dict[str, Any]:
@@ -146,15 +156,21 @@ def _share_checks() -> list[dict[str, Any]]:
 
 
 def _topk_sum() -> dict[str, Any]:
+    """Four members' shares of a 5 x 6 tensor, overlapping in most indices, with magnitudes far
+    apart, so that float32 sums in another order than the group's give other bytes."""
     like = torch.zeros(5, 6)
     members = []
-    for seed, (weight, fraction) in enumerate([(2.0, 0.2), (0.0, 0.2), (1.0, 0.3), (3.0, 0.1)]):
-        x = _draw(20 + seed, tuple(like.shape))
+    for seed, (weight, fraction, scale) in enumerate([(2.0, 0.8, 1.0), (0.0, 0.5, 1.0), (1.0, 0.9, 3e-4),
+                                                      (3.0, 0.7, 1e3)]):
+        x = _draw(20 + seed, tuple(like.shape), scale=scale)
         idx, values = sparse_share(x, math.ceil(fraction * like.numel()))
         members.append((idx, values, weight))
+    total = sparse_sum(members, like)
+    if torch.equal(total, sparse_sum(members[::-1], like)):
+        raise AssertionError("the top-k sum vector must tell the group's order from its reverse")
     return {"name": "group_of_4_one_of_weight_0", "shape": list(like.shape),
             "shares": [{"indices": tensor_json(i), "values": tensor_json(v), "weight": w} for i, v, w in members],
-            "sum": tensor_json(sparse_sum(members, like))}
+            "sum": tensor_json(total)}
 
 
 def _powersgd() -> list[dict[str, Any]]:
@@ -172,10 +188,13 @@ def _powersgd() -> list[dict[str, Any]]:
 
 def _feedback() -> list[dict[str, Any]]:
     g, e = _draw(40, (4, 6)), _draw(41, (4, 6), scale=0.1)
+    big_g, big_e, q = _draw(43, (12, 10)), _draw(44, (12, 10), scale=0.1), _draw(42, (10, 2))
+    if low_rank_plan([[12, 10]], 2).matrices != (0,):
+        raise AssertionError("the PowerSGD feedback vector's matrix must be one PowerSGD compresses")
     return [_feedback_case("topk_f0.25_n2_of_6", g, e, 2, 6,
                            lambda x: sparse_decoded(*sparse_share(x, math.ceil(0.25 * x.numel())), x)),
-            _feedback_case("powersgd_rank2_n3_of_4", g, e, 3, 4,
-                           lambda x: product(orthonormal(x @ _draw(42, (6, 2))), x.t() @ orthonormal(x @ _draw(42, (6, 2)))))]
+            _feedback_case("powersgd_12x10_rank2_n3_of_4", big_g, big_e, 3, 4,
+                           lambda x: one_member_low_rank(x, q), Q=q)]
 
 
 def _state() -> dict[str, Any]:
@@ -240,6 +259,9 @@ def _recompute(stored: dict[str, Any]) -> list[str]:
     for e in stored["feedback"]:
         x = with_feedback(tensor_of(e["g"]).clone(), tensor_of(e["e"]), e["n"], e["M"])
         problems += _same(f"feedback/{e['name']}/X", x, e["X"])
+        if "Q" in e and not torch.allclose(one_member_low_rank(x, tensor_of(e["Q"])), tensor_of(e["sent"]),
+                                           rtol=1e-5, atol=1e-6):
+            problems.append(f"feedback/{e['name']}/sent: not what a one-member round carries")
         problems += _same(f"feedback/{e['name']}/e_after", feedback(x, tensor_of(e["sent"]), e["n"], e["M"]),
                           e["e_after"])
     for e in stored["topk_share"]:

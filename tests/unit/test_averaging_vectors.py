@@ -86,12 +86,17 @@ def test_topk_shares_hold_the_largest_magnitudes_ascending():
 def test_a_topk_sum_adds_each_share_times_its_weight_over_the_sum_in_float32_in_group_order():
     e = STORED["topk_sum"][0]
     total = sum(s["weight"] for s in e["shares"])
-    out = np.zeros(math.prod(e["shape"]), np.float32)
-    for s in e["shares"]:
-        if s["weight"] > 0:
-            scale = np.float32(s["weight"] / total)  # the weight's share, rounded to float32
-            np.add.at(out, arr(s["indices"]), arr(s["values"]).astype(np.float32) * scale)
-    assert arr(e["sum"]).tobytes() == out.tobytes()
+
+    def summed(shares: list[dict]) -> bytes:
+        out = np.zeros(math.prod(e["shape"]), np.float32)
+        for s in shares:
+            if s["weight"] > 0:
+                scale = np.float32(s["weight"] / total)  # the weight's share, rounded to float32
+                np.add.at(out, arr(s["indices"]), arr(s["values"]).astype(np.float32) * scale)
+        return out.tobytes()
+
+    assert arr(e["sum"]).tobytes() == summed(e["shares"])
+    assert arr(e["sum"]).tobytes() != summed(e["shares"][::-1])  # the vector tells the order apart
 
 
 def test_powersgd_orthonormalizes_and_multiplies_in_float64_rounded_to_float32():
@@ -119,6 +124,10 @@ def test_error_feedback_is_x_minus_what_was_sent_times_n_over_m():
         assert np.allclose(x, g + fb * (e["M"] / e["n"]), rtol=1e-6, atol=1e-7), e["name"]
         after = (x.astype(np.float64) - arr(e["sent"])) * (e["n"] / e["M"])
         assert np.allclose(arr(e["e_after"]), after, rtol=1e-6, atol=1e-7), e["name"]
+        if "Q" in e:  # PowerSGD: what a round of this one member carries, from its factor Q
+            p = np.linalg.qr(x.astype(np.float64) @ arr(e["Q"]))[0]
+            sent = p @ (x.astype(np.float64).T @ p).T
+            assert np.allclose(arr(e["sent"]), sent, rtol=1e-5, atol=1e-6), e["name"]
 
 
 def test_the_digest_frame_and_sketch_follow_from_the_skeleton_and_the_tensors():
