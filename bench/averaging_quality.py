@@ -13,7 +13,9 @@ shares and their mean rounded through hivemind's ``Float16Compression``; ``power
 :func:`mapl_swarm.replicas.schemes.emulate` (the averager's arithmetic, each all-reduce a weighted
 mean), ``topk:F`` with F of each matrix's values (:func:`~mapl_swarm.replicas.schemes.sparse_share`
 and ``sparse_sum``, each replica's error feedback its M less its own share), projector
-gradients exact. Equal token budget for all; printed and written: each run's
+gradients exact. A label may add ``+rows`` (the embedding tables averaged exactly, counted as the
+rows each replica touched: index and row) and ``+warmN`` (the first N steps averaged as ``fp32``,
+as PyTorch's ``start_powerSGD_iter``). Equal token budget for all; printed and written: each run's
 final validation loss, and per scheme the mean over seeds of its Δ% against ``fp32`` at the same
 seed, with the averaging values each scheme sends per step against fp32's.
 """
@@ -59,7 +61,7 @@ class StageAveraging:
         self.params = list(stage.optimized_parameters())
         self.tables = table_tensors(stage) if rows else []
         exact = exact_tensors(stage) + self.tables
-        self.rows_sent = 0
+        self.rows_sent = self.dense_rounds = 0
         shapes = [tuple(p.shape) for p in self.params]
         self.plan = low_rank_plan(shapes, int(parameter or 4), exact=exact) if scheme == "powersgd" else None
         self.sparse = sparse_plan(shapes, float(parameter or 0.01), exact=exact) if scheme == "topk" else None
@@ -84,11 +86,15 @@ class StageAveraging:
         for p in self.params:
             p.grad = None
 
-    def combine(self) -> None:
-        """Set every parameter's gradient to the scheme's average of the kept shares."""
+    def combine(self, dense: bool = False) -> None:
+        """Set every parameter's gradient to the scheme's average of the kept shares (``dense``: to
+        their plain mean, as ``fp32`` does: a warm-up step)."""
         ms, weights = [s for s, _ in self.shares], [w for _, w in self.shares]
         total = sum(weights)
-        if self.scheme == "powersgd":
+        if dense:
+            self.dense_rounds += 1
+            out = [sum(m[i] * (w / total) for m, w in zip(ms, weights)) for i in range(len(ms[0]))]
+        elif self.scheme == "powersgd":
             out = emulate(ms, weights, self.plan, self.factors)
             for r, m in enumerate(ms):
                 for e, i in zip(self.errors[r], self.plan.matrices):
@@ -119,6 +125,7 @@ class StageAveraging:
         sent, dense = plan.values(counts) if plan is not None else (sum(counts), sum(counts))
         if self.tables:
             sent += self.rows_sent / rounds - sum(counts[i] for i in self.tables)
+        sent += (sum(counts) - sent) * self.dense_rounds / rounds  # warm-up rounds send every value
         return sent, dense
 
 
@@ -132,8 +139,9 @@ def table_tensors(stage) -> list[int]:
 
 
 def run(scheme_label: str, seed: int, args: argparse.Namespace, data) -> dict:
-    scheme_label_base, plus, extra = scheme_label.partition("+")
+    scheme_label_base, *extras = scheme_label.split("+")
     scheme, _, parameter = scheme_label_base.partition(":")
+    warm = next((int(x.removeprefix("warm")) for x in extras if x.startswith("warm")), 0)
     cfg = config_from_dict({"preset": "tiny", "compression": {"codec": "mapl"},
                             "optim": {"warmup_steps": max(1, args.steps // 20)},
                             "run": {"steps": args.steps, "seed": seed, "out_dir": "runs/bench-averaging-quality"},
@@ -141,7 +149,7 @@ def run(scheme_label: str, seed: int, args: argparse.Namespace, data) -> dict:
                             "runtime": {"threads": 1}}, "bench")
     torch.manual_seed(seed)
     pipe = InProcessPipeline(cfg)
-    stages = [StageAveraging(s, scheme, parameter, args.replicas, seed, rows=extra == "rows") for s in pipe.stages]
+    stages = [StageAveraging(s, scheme, parameter, args.replicas, seed, rows="rows" in extras) for s in pipe.stages]
     T, M = cfg.model.context_length, cfg.pipeline.num_micro_batches
     sampler = BatchSampler(data.train, cfg.pipeline.micro_batch_size, T, seed)
     val = validation_batches(data.val, cfg.pipeline.micro_batch_size, T, cfg.eval.batches)
@@ -160,7 +168,7 @@ def run(scheme_label: str, seed: int, args: argparse.Namespace, data) -> dict:
             for st in stages:
                 st.keep(r, len(share), M)
         for st in stages:
-            st.combine()
+            st.combine(dense=step < warm)
         codecs = [s.codec for s in pipe.stages]
         codecs[0].before_pipeline_step(codecs, pipe.stages[0].step_count)
         for s in pipe.stages:

@@ -1,9 +1,11 @@
 """Rounds without faults: how often an honest swarm with replicas redoes a step or retries a round.
 
-    python bench/replica_rounds.py [--steps 800] [--initial 2,2,2] [--out bench/results/replica_rounds.json]
+    python bench/replica_rounds.py [--steps 800] [--initial 2,2,2] [--averaging fp32] [--runs 1]
+                                   [--out bench/results/replica_rounds.json]
 
 Runs ``mapl-swarm launch`` of the tiny ``mapl`` swarm of ``bench/replica_drift.py`` (M = 4, one
-torch thread per peer) with ``replicas.initial`` = ``--initial``, nothing killed or stopped, and
+torch thread per peer) with ``replicas.initial`` = ``--initial``, ``--runs`` times per scheme of
+``--averaging`` (``replicas.averaging``), one after another, nothing killed or stopped, and
 reads every peer's log lines: steps redone (``is redone``) and why, rounds run again (``averaging
 again``), all-reduce streams that broke (``all-reduce with ... failed``) and rounds whose all-reduce
 broke at one member and whose result it took from a member that kept it (``took the round's
@@ -37,19 +39,14 @@ PATTERNS = {
 }
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=800)
-    ap.add_argument("--initial", default="2,2,2", help="replicas per stage, comma-separated")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench/results/replica_rounds.json")
-    args = ap.parse_args()
-    initial = [int(n) for n in args.initial.split(",")]
+def one_run(steps: int, initial: list[int], averaging: str) -> dict:
+    """One launched swarm: its exit status, seconds, counts of each pattern and a few examples."""
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         replicas = (f"[replicas]\nenabled = true\ninitial = {initial}\nrouting = \"throughput\"\n"
-                    f"matchmaking_s = 1.0\n")
-        config = CONFIG.format(cache=tmp / "cache", steps=args.steps, out=tmp / "run", name="rounds",
+                    f"matchmaking_s = 1.0\naveraging = \"{averaging}\"\n")
+        config = CONFIG.format(cache=tmp / "cache", steps=steps, out=tmp / "run", name="rounds",
                                replicas=replicas).replace("num_stages = 3", f"num_stages = {len(initial)}")
         path = tmp / "rounds.toml"
         path.write_text(config)
@@ -67,21 +64,38 @@ def main() -> int:
                 examples.setdefault(name, [])
                 if len(examples[name]) < 5:
                     examples[name].append(line.strip()[-300:])
+    return {"averaging": averaging, "exit_status": rc, "seconds": round(time.time() - t0),
+            "counts": {name: counts[name] for name in PATTERNS}, "examples": examples}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=800)
+    ap.add_argument("--initial", default="2,2,2", help="replicas per stage, comma-separated")
+    ap.add_argument("--averaging", default="fp32", help="replicas.averaging schemes, comma-separated")
+    ap.add_argument("--runs", type=int, default=1, help="runs per scheme")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench/results/replica_rounds.json")
+    args = ap.parse_args()
+    initial = [int(n) for n in args.initial.split(",")]
     rounds = args.steps * sum(1 for n in initial if n >= 2)  # one round per step of each stage with replicas
-    result = {"command": "python bench/replica_rounds.py " + " ".join(sys.argv[1:]), "exit_status": rc,
-              "steps": args.steps, "initial": initial, "rounds": rounds,
-              "machine": f"{platform.node()} {platform.machine()}, {platform.python_version()}",
-              "date": time.strftime("%Y-%m-%d"), "seconds": round(time.time() - t0),
-              "counts": {name: counts[name] for name in PATTERNS}, "examples": examples}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
-    print(f"launch exited {rc} after {result['seconds']} s; {args.steps} steps, {rounds} averaging rounds")
-    for name in PATTERNS:
-        print(f"  {name:18s} {counts[name]}")
-        for line in examples.get(name, []):
-            print(f"      {line}")
+    t0, runs = time.time(), []
+    for averaging in args.averaging.split(","):
+        for _ in range(args.runs):
+            runs.append(one_run(args.steps, initial, averaging))
+            r = runs[-1]
+            print(f"{averaging}: launch exited {r['exit_status']} after {r['seconds']} s; {args.steps} steps, "
+                  f"{rounds} averaging rounds; " + ", ".join(f"{k} {v}" for k, v in r["counts"].items()), flush=True)
+            for name in PATTERNS:
+                for line in r["examples"].get(name, []):
+                    print(f"      {line}")
+            result = {"command": "python bench/replica_rounds.py " + " ".join(sys.argv[1:]),
+                      "steps": args.steps, "initial": initial, "rounds_per_run": rounds,
+                      "machine": f"{platform.node()} {platform.machine()}, {platform.python_version()}",
+                      "date": time.strftime("%Y-%m-%d"), "seconds": round(time.time() - t0), "runs": runs}
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=1))  # after every run: a stopped benchmark keeps them
     print(f"wrote {args.out}")
-    return 0 if rc == 0 else 1
+    return 0 if all(r["exit_status"] == 0 for r in runs) else 1
 
 
 if __name__ == "__main__":
