@@ -4,7 +4,8 @@ averaging traffic is shaped like the pipeline's.
 
     sudo python bench/replica_lab.py [--rate-mbit 20] [--steps 4] [--stages 4] [--micro-batches 16]
                                      [--codec none] [--replicas 1,2] [--averaging fp32,powersgd]
-                                     [--averaging-rank 4] [--out bench/results/replica_lab.json]
+                                     [--averaging-rank 4] [--liveness-floor-s 0]
+                                     [--out bench/results/replica_lab.json]
 
 Per replica count it runs ``mapl-swarm lab`` (:func:`~mapl_swarm.lab.swarm.run_lab_swarm`, tiny
 preset, T=128, micro-batches of 4, 1 torch thread per peer) and, for replica counts above 1, once
@@ -107,6 +108,8 @@ def run_one(args: argparse.Namespace, replicas: int, work: Path, subnet: int, sc
     if replicas > 1:
         text += f"\n[replicas]\nenabled = true\ninitial = {[replicas] * args.stages}\nmatchmaking_s = 1.0\n"
         text += f'averaging_timeout_s = 600.0\naveraging = "{scheme}"\naveraging_rank = {args.averaging_rank}\n'
+    if args.liveness_floor_s:
+        text = text.replace("[net]\n", f"[net]\nliveness_floor_s = {args.liveness_floor_s}\n")
     path.write_text(text)
     cfg = load_config(path)
     killed: dict = {}
@@ -169,6 +172,9 @@ def main() -> int:
     p.add_argument("--averaging", default="fp32", help="replicas.averaging schemes to run (replica counts > 1)")
     p.add_argument("--averaging-rank", type=int, default=4)
     p.add_argument("--timeout-s", type=float, default=3000.0)
+    p.add_argument("--liveness-floor-s", type=float, default=0.0,
+                   help="net.liveness_floor_s of every peer (0: the default): on a slow FIFO link a neighbour's "
+                        "heartbeats can starve behind bulk flows for longer than the default floor")
     p.add_argument("--kill-after-steps", type=int, default=0)
     p.add_argument("--kill-delay-s", type=float, default=5.0)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "replica_lab.json")
