@@ -14,7 +14,6 @@ every entry through the reference checks (:mod:`~mapl_swarm.net.identity`,
 
 from __future__ import annotations
 
-import argparse
 import base64
 import hashlib
 import json
@@ -47,7 +46,7 @@ from mapl_swarm.net.identity import (
     verify_request,
     verify_revocations,
 )
-from mapl_swarm.wire.golden.vectors import json_value
+from mapl_swarm.wire.golden.vectors import json_value, manifest_main, manifest_text
 
 __all__ = ["build_manifest", "check_manifest", "main"]
 
@@ -334,9 +333,6 @@ def build_manifest() -> dict[str, Any]:
     }
 
 
-def manifest_text(manifest: dict[str, Any]) -> str:
-    return json.dumps(manifest, indent=1, sort_keys=False) + "\n"
-
 
 def _check_derivations(keys: dict[str, Any]) -> list[str]:
     problems = []
@@ -392,21 +388,8 @@ def check_manifest(root: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Command line entry point; returns the exit status."""
-    p = argparse.ArgumentParser(prog=f"python -m {COMMAND}", description=__doc__.split("\n")[0])
-    g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--out", type=Path, help="directory to (re)write manifest.json into")
-    g.add_argument("--check", type=Path, help="directory of the stored manifest.json to verify")
-    args = p.parse_args(argv)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / MANIFEST).write_text(manifest_text(build_manifest()), encoding="utf-8")
-        print(f"wrote {args.out / MANIFEST}")
-        return 0
-    problems = check_manifest(args.check)
-    for line in problems:
-        print(f"FAIL {line}")
-    print(f"{args.check / MANIFEST}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
-    return 0 if not problems else 1
+    return manifest_main(argv, command=COMMAND, description=__doc__.split("\n")[0], build=build_manifest,
+                         check=check_manifest, name=MANIFEST)
 
 
 if __name__ == "__main__":

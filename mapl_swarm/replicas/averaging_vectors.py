@@ -27,7 +27,6 @@ file with the generator's.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from collections.abc import Callable
@@ -42,6 +41,7 @@ from hivemind.compression.base import CompressionInfo
 from mapl_swarm.replicas.schemes import (check_share, compressible, feedback, low_rank_plan, orthonormal, product,
                                          sparse_decoded, sparse_plan, sparse_share, sparse_sum, with_feedback)
 from mapl_swarm.replicas.state import flatten_state, state_summary
+from mapl_swarm.wire.golden.vectors import manifest_main, manifest_text
 
 __all__ = ["build_manifest", "check_manifest", "main"]
 
@@ -232,9 +232,6 @@ def build_manifest() -> dict[str, Any]:
     }
 
 
-def manifest_text(manifest: dict[str, Any]) -> str:
-    return json.dumps(manifest, indent=1) + "\n"
-
 
 # ---------------------------------------------------------------------- check
 def _same(label: str, got: torch.Tensor, want: dict[str, Any]) -> list[str]:
@@ -325,21 +322,8 @@ def check_manifest(root: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Command line entry point; returns the exit status."""
-    p = argparse.ArgumentParser(prog=f"python -m {COMMAND}", description=__doc__.split("\n")[0])
-    g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--out", type=Path, help="directory to (re)write manifest.json into")
-    g.add_argument("--check", type=Path, help="directory of the stored manifest.json to verify")
-    args = p.parse_args(argv)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / MANIFEST).write_text(manifest_text(build_manifest()), encoding="utf-8")
-        print(f"wrote {args.out / MANIFEST}")
-        return 0
-    problems = check_manifest(args.check)
-    for line in problems:
-        print(f"FAIL {line}")
-    print(f"{args.check / MANIFEST}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
-    return 0 if not problems else 1
+    return manifest_main(argv, command=COMMAND, description=__doc__.split("\n")[0], build=build_manifest,
+                         check=check_manifest, name=MANIFEST)
 
 
 if __name__ == "__main__":

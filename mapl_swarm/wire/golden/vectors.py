@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -285,23 +286,52 @@ def check_vectors(root: Path) -> list[str]:
     return problems
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Command line entry point; returns the exit status."""
-    p = argparse.ArgumentParser(prog=f"python -m {COMMAND}", description=__doc__.split("\n")[0])
+def vectors_main(argv: list[str] | None, *, command: str, description: str, write: Callable[[Path], str],
+                 check: Callable[[Path], list[str]], checked: Callable[[Path], str]) -> int:
+    """The command line of a vector generator (this one, the identities', the averaging's): ``--out
+    DIR`` writes (``write`` says what it wrote), ``--check DIR`` prints each of ``check``'s problems
+    and a summary line (``checked`` names what was checked). Returns the exit status."""
+    p = argparse.ArgumentParser(prog=f"python -m {command}", description=description)
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--out", type=Path, help="directory to (re)write the vectors into")
     g.add_argument("--check", type=Path, help="directory of stored vectors to verify")
     args = p.parse_args(argv)
     if args.out is not None:
-        n = write_vectors(args.out)
-        print(f"wrote {n} vectors and {MANIFEST} to {args.out}")
+        args.out.mkdir(parents=True, exist_ok=True)
+        print(write(args.out))
         return 0
-    problems = check_vectors(args.check)
+    problems = check(args.check)
     for line in problems:
         print(f"FAIL {line}")
-    n = len(json.loads((args.check / MANIFEST).read_text(encoding="utf-8")).get("vectors", [])) if (
-        args.check / MANIFEST
-    ).exists() else 0
-    print(f"{n} vectors checked in {args.check}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
+    print(f"{checked(args.check)}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
     return 0 if not problems else 1
+
+
+def manifest_text(manifest: dict[str, Any]) -> str:
+    """A one-file vector manifest as stored (JSON, one space of indent, keys in the given order)."""
+    return json.dumps(manifest, indent=1) + "\n"
+
+
+def manifest_main(argv: list[str] | None, *, command: str, description: str, build: Callable[[], dict[str, Any]],
+                  check: Callable[[Path], list[str]], name: str = "manifest.json") -> int:
+    """:func:`vectors_main` of a generator whose vectors are one manifest file (``name``), written
+    from ``build()`` as :func:`manifest_text`."""
+    def write(out: Path) -> str:
+        (out / name).write_text(manifest_text(build()), encoding="utf-8")
+        return f"wrote {out / name}"
+
+    return vectors_main(argv, command=command, description=description, write=write, check=check,
+                        checked=lambda root: str(root / name))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line entry point; returns the exit status."""
+    def checked(root: Path) -> str:
+        n = len(json.loads((root / MANIFEST).read_text(encoding="utf-8")).get("vectors", [])) if (
+            root / MANIFEST).exists() else 0
+        return f"{n} vectors checked in {root}"
+
+    return vectors_main(argv, command=COMMAND, description=__doc__.split("\n")[0],
+                        write=lambda out: f"wrote {write_vectors(out)} vectors and {MANIFEST} to {out}",
+                        check=check_vectors, checked=checked)
 
