@@ -333,7 +333,6 @@ def build_manifest() -> dict[str, Any]:
     }
 
 
-
 def _check_derivations(keys: dict[str, Any]) -> list[str]:
     problems = []
     for label, a in (("authority", keys["authority"]), ("other_authority", keys["other_authority"])):

@@ -232,7 +232,6 @@ def build_manifest() -> dict[str, Any]:
     }
 
 
-
 # ---------------------------------------------------------------------- check
 def _same(label: str, got: torch.Tensor, want: dict[str, Any]) -> list[str]:
     return [] if tensor_json(got) == want else [f"{label}: the reference computes other bytes"]
