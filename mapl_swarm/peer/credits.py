@@ -30,8 +30,8 @@ if TYPE_CHECKING:
 __all__ = ["Credit", "Credits", "REFORM_BURST", "STEPS_PER_REFORM", "REDO_STEPS_PER_CREDIT"]
 
 REFORM_BURST = 1
-"""Re-forms one member may tell of before any new progress: one (issue 46 asks at most one re-form
-per attacker). An honest teller tells of one departure, and the swarm regains the rolled-back steps
+"""Re-forms one member may tell of before any new progress: one, so a dishonest member rolls the
+swarm back at most once before it is cut off. An honest teller tells of one departure, and the swarm regains the rolled-back steps
 and a checkpoint interval more before the next one counts; a replacement that has not trained
 yet spends nobody's credit (:meth:`Credits.of`). A second before that is refused."""
 STEPS_PER_REFORM = 100

@@ -27,7 +27,6 @@ file with the generator's.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -41,7 +40,7 @@ from hivemind.compression.base import CompressionInfo
 from mapl_swarm.replicas.schemes import (check_share, compressible, feedback, low_rank_plan, orthonormal, product,
                                          sparse_decoded, sparse_plan, sparse_share, sparse_sum, with_feedback)
 from mapl_swarm.replicas.state import flatten_state, state_summary
-from mapl_swarm.wire.golden.vectors import manifest_main, manifest_text
+from mapl_swarm.wire.golden.vectors import check_manifest_file, manifest_main
 
 __all__ = ["build_manifest", "check_manifest", "main"]
 
@@ -308,15 +307,7 @@ def _replace_tensors(state: Any, tensors: Any) -> Any:
 def check_manifest(root: Path) -> list[str]:
     """Every problem with the stored vectors under ``root``: each output recomputed by the reference
     from its stored inputs, then the whole file against the generator's."""
-    try:
-        text = (root / MANIFEST).read_text(encoding="utf-8")
-        stored = json.loads(text)
-    except (OSError, ValueError) as exc:
-        return [f"cannot read {root / MANIFEST}: {exc}"]
-    problems = _recompute(stored)
-    if text != manifest_text(build_manifest()):
-        problems.append(f"{root / MANIFEST} differs from what the generator writes (python -m {COMMAND} --out ...)")
-    return problems
+    return check_manifest_file(root, MANIFEST, build_manifest, _recompute)
 
 
 def main(argv: list[str] | None = None) -> int:

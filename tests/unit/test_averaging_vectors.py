@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from mapl_swarm.replicas import averaging_vectors as V
+from mapl_swarm.wire.golden.vectors import manifest_text
 
 ROOT = Path(__file__).resolve().parents[2] / V.FOLDER
 STORED = json.loads((ROOT / V.MANIFEST).read_text(encoding="utf-8"))
@@ -36,7 +37,7 @@ def test_a_changed_byte_is_reported(tmp_path):
         raw[0] ^= 1
         entry["hex"] = raw.hex()
     bad["digest"][0]["digest"] = "0" * 64
-    (tmp_path / V.MANIFEST).write_text(V.manifest_text(bad), encoding="utf-8")
+    (tmp_path / V.MANIFEST).write_text(manifest_text(bad), encoding="utf-8")
     problems = V.check_manifest(tmp_path)
     for name in ("topk_sum/", "powersgd/p_20x3/P_hat", "fp16", "digest/"):
         assert any(p.startswith(name) for p in problems), (name, problems)

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from mapl_swarm.net import identity_vectors as V
+from mapl_swarm.wire.golden.vectors import manifest_text
 from mapl_swarm.net.identity import parse_signed, verify_certificate
 
 ROOT = Path(__file__).resolve().parents[2] / V.FOLDER
@@ -56,7 +57,7 @@ def test_a_wrong_outcome_or_a_changed_byte_is_reported(tmp_path):
     signed[-1] ^= 1
     bad["records"][0]["record"]["stored"] = signed.hex()
     bad["keys"]["peers"][0]["curve_public"] = "00" * 32
-    (tmp_path / V.MANIFEST).write_text(V.manifest_text(bad), encoding="utf-8")
+    (tmp_path / V.MANIFEST).write_text(manifest_text(bad), encoding="utf-8")
     problems = V.check_manifest(tmp_path)
     assert any(p.startswith("certificates/valid: expected expired") for p in problems), problems
     assert any(p.startswith("records/valid: expected accept, the reference gives bad_signature") for p in problems)

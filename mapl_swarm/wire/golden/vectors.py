@@ -312,6 +312,21 @@ def manifest_text(manifest: dict[str, Any]) -> str:
     return json.dumps(manifest, indent=1) + "\n"
 
 
+def check_manifest_file(root: Path, name: str, build: Callable[[], dict[str, Any]],
+                        recheck: Callable[[dict[str, Any]], list[str]]) -> list[str]:
+    """Every problem with the one-file manifest ``root/name``: ``recheck``'s (each entry re-checked
+    by the reference from its stored inputs), then the whole file against ``build()``'s text."""
+    try:
+        text = (root / name).read_text(encoding="utf-8")
+        stored = json.loads(text)
+    except (OSError, ValueError) as exc:
+        return [f"cannot read {root / name}: {exc}"]
+    problems = recheck(stored)
+    if text != manifest_text(build()):
+        problems.append(f"{root / name} differs from what the generator writes (--out)")
+    return problems
+
+
 def manifest_main(argv: list[str] | None, *, command: str, description: str, build: Callable[[], dict[str, Any]],
                   check: Callable[[Path], list[str]], name: str = "manifest.json") -> int:
     """:func:`vectors_main` of a generator whose vectors are one manifest file (``name``), written
