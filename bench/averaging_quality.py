@@ -91,28 +91,25 @@ class StageAveraging:
         their plain mean, as ``fp32`` does: a warm-up step)."""
         ms, weights = [s for s, _ in self.shares], [w for _, w in self.shares]
         total = sum(weights)
-        if dense:
-            self.dense_rounds += 1
-            out = [sum(m[i] * (w / total) for m, w in zip(ms, weights)) for i in range(len(ms[0]))]
-        elif self.scheme == "powersgd":
+        if self.scheme == "powersgd" and not dense:
             out = emulate(ms, weights, self.plan, self.factors)
             for r, m in enumerate(ms):
                 for e, i in zip(self.errors[r], self.plan.matrices):
                     e.copy_(feedback(m[i], out[i], int(weights[r]), int(total)))
-        elif self.scheme == "topk":
+        else:  # the weighted mean, then the scheme's compressed tensors in its place
             out = [sum(m[i] * (w / total) for m, w in zip(ms, weights)) for i in range(len(ms[0]))]
-            for i, k in zip(self.sparse.tensors, self.sparse.counts):
-                shares = [sparse_share(m[i], k) for m in ms]
-                out[i] = sparse_sum([(*sh, w) for sh, w in zip(shares, weights)], ms[0][i])
-                for r, (m, sh) in enumerate(zip(ms, shares)):
-                    self.errors[r][self.sparse.tensors.index(i)].copy_(
-                        feedback(m[i], sparse_decoded(*sh, m[i]), int(weights[r]), int(total)))
-        elif self.scheme == "fp16":
-            out = [sum(m[i] * (w / total) for m, w in zip(ms, weights)) for i in range(len(ms[0]))]
-            for i in self.half:
-                out[i] = _fp16(sum(_fp16(m[i]) * (w / total) for m, w in zip(ms, weights)))
-        else:
-            out = [sum(m[i] * (w / total) for m, w in zip(ms, weights)) for i in range(len(ms[0]))]
+            if dense:
+                self.dense_rounds += 1
+            elif self.scheme == "topk":
+                for i, k in zip(self.sparse.tensors, self.sparse.counts):
+                    shares = [sparse_share(m[i], k) for m in ms]
+                    out[i] = sparse_sum([(*sh, w) for sh, w in zip(shares, weights)], ms[0][i])
+                    for r, (m, sh) in enumerate(zip(ms, shares)):
+                        self.errors[r][self.sparse.tensors.index(i)].copy_(
+                            feedback(m[i], sparse_decoded(*sh, m[i]), int(weights[r]), int(total)))
+            elif self.scheme == "fp16":
+                for i in self.half:
+                    out[i] = _fp16(sum(_fp16(m[i]) * (w / total) for m, w in zip(ms, weights)))
         for p, g in zip(self.params, out):
             p.grad = g.to(p.dtype)
         self.shares = []
