@@ -60,7 +60,7 @@ from mapl_swarm.replicas.schemes import (LowRank, Sparse, check_share, orthonorm
                                          sparse_share, sparse_sum)
 from mapl_swarm.replicas.state import StateMismatch, flatten_state, restore_like
 
-__all__ = ["StageAverager", "REFUSALS", "MEMBERS_CACHE_S", "GATHER_ONLY", "Usable"]
+__all__ = ["StageAverager", "NobodyKept", "REFUSALS", "MEMBERS_CACHE_S", "GATHER_ONLY", "Usable"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,14 @@ nothing; a round whose all-reduce broke at one member and not at another could s
 Usable = Callable[[dict[str, Any]], bool]
 """Whether a round whose members gathered this (peer id as text -> gathered data) can count: one it
 cannot runs no all-reduce (as :data:`GATHER_ONLY`), so a doomed round sends no tensor bytes."""
+
+
+class NobodyKept(MatchmakingException):
+    """A round whose all-reduce broke at every member of its group (each one's partners said so
+    through ``kept_round``): nobody applied it, so its members run it again from the same gradients
+    instead of redoing the step."""
+
+
 PHASES = (b".P", b".Q")
 """The suffixes of a PowerSGD round's two all-reduces' group ids (after the group's own id)."""
 HALF_PHASES = (b".H", b".X")
@@ -328,11 +336,14 @@ class StageAverager(DecentralizedAverager):
         if not await self._is_member(context.remote_id, "kept_round"):
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
-        fill = await self._outcomes.kept(request.group_id, context.remote_id, 2 * self.next_chunk_timeout)
+        outcome = await self._outcomes.outcome(request.group_id, context.remote_id, 2 * self.next_chunk_timeout)
+        if outcome is not None and not outcome.kept:
+            yield averaging_pb2.AveragingData(code=kept_round.FAILED_TOO)
+            return
         answer: list[averaging_pb2.AveragingData] = []
-        if fill is not None:
+        if outcome is not None:
             async with enter_asynchronously(self.get_tensors()) as tensors:
-                if self._fills.value == fill:  # not filled for another round since
+                if self._fills.value == outcome.fill:  # not filled for another round since
                     answer = list(await asyncio.get_running_loop().run_in_executor(
                         None, lambda: list(kept_round.parts(tensors))))
         if not answer:
@@ -341,14 +352,16 @@ class StageAverager(DecentralizedAverager):
         for message in answer:
             yield message
 
-    async def _take_kept(self, group_info: GroupInfo) -> list[PeerID] | None:
+    async def _take_kept(self, group_info: GroupInfo, *, take: bool = True) -> list[PeerID] | None:
         """This member's all-reduce of ``group_info`` broke: the averaged tensors of the partners
         that kept the round, written into this member's once as many as :func:`~.kept_round.agreed`
-        asks gave the same bytes; those partners, or None when too few did."""
+        asks gave the same bytes (``take`` False: none is taken); those partners, or None when too
+        few did. Raises :class:`NobodyKept` when every partner answered that its all-reduce of the
+        group failed too."""
         answers: list[tuple[PeerID, list[torch.Tensor]]] = []
-        for peer in group_info.peer_ids:
-            if peer == self.peer_id:
-                continue
+        failed_too = 0
+        partners = [peer for peer in group_info.peer_ids if peer != self.peer_id]
+        for peer in partners:
             try:
                 stub = type(self).get_stub(self._p2p, peer, namespace=self.prefix)
                 async with enter_asynchronously(self.get_tensors()) as tensors:  # shapes and dtypes only
@@ -356,6 +369,9 @@ class StageAverager(DecentralizedAverager):
                 got = await within(kept_round.take(
                     await stub.rpc_kept_round(averaging_pb2.AveragingData(group_id=group_info.group_id)), like),
                     3 * self.next_chunk_timeout)
+            except kept_round.FailedToo:
+                failed_too += 1
+                continue
             except Exception as exc:  # a partner gone, or a broken answer: ask the next one
                 logger.debug("stage %d averaging: no kept round from %s: %r", self.stage, peer, exc)
                 continue
@@ -363,12 +379,15 @@ class StageAverager(DecentralizedAverager):
                 continue
             count_traffic(self._traffic, received=sum(t.numel() * t.element_size() for t in got))
             answers.append((peer, got))
-            givers = kept_round.agreed(answers, len(group_info.peer_ids))
+            givers = kept_round.agreed(answers, len(group_info.peer_ids)) if take else None
             if givers is not None:
                 async with enter_asynchronously(self.get_tensors()) as tensors:
                     for tensor, averaged in zip(tensors, got):
                         tensor.copy_(averaged)
                 return givers
+        if partners and failed_too == len(partners):
+            raise NobodyKept(f"stage {self.stage}: the all-reduce broke at every member of the group, so none "
+                             f"applied it")
         return None
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
@@ -400,9 +419,12 @@ class StageAverager(DecentralizedAverager):
         try:
             return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         except MatchmakingException as exc:
-            if not self._outcomes.ran(group_info.group_id) or self._share_wrong:
-                raise  # a member that sent a wrong share is not asked for the round's result
-            kept_by = await self._take_kept(group_info)
+            if not self._outcomes.ran(group_info.group_id):
+                raise
+            try:  # a member that sent a wrong share is not asked for the round's result, only whether it kept it
+                kept_by = await self._take_kept(group_info, take=not self._share_wrong)
+            except NobodyKept as nobody:
+                raise NobodyKept(f"{nobody} ({exc})") from None
             if kept_by is None:
                 raise
             logger.warning("stage %d averaging: the all-reduce broke here after it began (%s); took the round's "

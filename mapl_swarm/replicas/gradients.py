@@ -27,8 +27,9 @@ replicas for the next step (stage 0 splits the data by them). The runtime's para
 average only from a round that counts: a round that failed or was cancelled
 (:meth:`ReplicaGradients.cancel`, a replica of the stage left) leaves the replica's own gradients
 in place. A member whose all-reduce broke after it began takes the result of a partner that kept
-the round (:mod:`.kept_round`); when none did, it is *unsure* (:class:`AveragingFailed`
-``unsure``) and the step is redone by all replicas. A stage with one
+the round (:mod:`.kept_round`); when every partner's broke too, nobody kept it and the round is run
+again; otherwise it is *unsure* (:class:`AveragingFailed` ``unsure``) and the step is redone by all
+replicas. A stage with one
 live replica takes its step alone (``expected`` 1: no round). Before the first step a
 :meth:`ReplicaGradients.sync` round (nothing averaged) finds the replicas that start together and
 checks that they hold the same parameters.
@@ -47,7 +48,7 @@ from typing import Any
 import torch
 
 from mapl_swarm.errors import MaplError
-from mapl_swarm.replicas.averaging import GATHER_ONLY, StageAverager
+from mapl_swarm.replicas.averaging import GATHER_ONLY, NobodyKept, StageAverager
 from mapl_swarm.replicas.checker import Check, ShareChecker
 from mapl_swarm.replicas.errors import AveragingFailed, Behind, RoundCancelled
 from mapl_swarm.replicas.schemes import (LowRank, Sparse, compressible, feedback, initial_factors, low_rank_plan,
@@ -250,12 +251,14 @@ class ReplicaGradients:
         except BaseException as exc:  # cancelled, failed (a member left mid-round) or timed out
             with self._lock:
                 cancelled, self._cancelled = self._cancelled, False
-            # once the all-reduce began, a partner may have got every part and kept the round
-            unsure = bool(self._control.began_allreduce)
+            # once the all-reduce began, a partner may have got every part and kept the round,
+            # unless every partner said that its all-reduce broke too
+            began = bool(self._control.began_allreduce)
+            unsure = began and not isinstance(exc, NobodyKept)
             if cancelled:
                 raise RoundCancelled(f"stage {self.runtime.stage}: the averaging round was cancelled",
                                      unsure=unsure) from None
-            if unsure and self.checker is not None:
+            if began and self.checker is not None:
                 self._broken(self.averager.culprits, int(gather.get("step", SYNC_STEP)))
             if not unsure and "could not find a group" in str(exc):  # hivemind's words for a lone member
                 raise AveragingFailed(f"stage {self.runtime.stage}: no group of the stage's replicas formed within "

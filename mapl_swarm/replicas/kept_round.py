@@ -8,10 +8,13 @@ the round; this member cannot tell, so the whole swarm would redo the step (SPEC
 Every member that keeps a round holds the group's averaged bytes (:mod:`.exact_allreduce`), so the
 one that failed asks its partners for them (``rpc_kept_round``, members of that group only): a
 partner answers once its own all-reduce of that group ended, with its averaged tensors if it kept
-the round, and with a refusal if it failed too or has since begun filling its tensors for another
-round. The first partner that kept it gives this member the same bytes, and its round counts (in a
-group of 3 or more, the first two partners that give the same bytes: :func:`agreed`); when none
-did, the round fails as before (``unsure``: nobody kept it, so the step is redone).
+the round, with "failed too" (:data:`FAILED_TOO`) if its all-reduce of that group failed as well,
+and with a refusal (``CANCELLED``) if it cannot say (it has since begun filling its tensors for
+another round, or its all-reduce did not end in time). The first partner that kept it gives this
+member the same bytes, and its round counts (in a group of 3 or more, the first two partners that
+give the same bytes: :func:`agreed`). When every partner failed too, nobody kept the round, so every
+member runs it again from the same gradients, as a round that failed before its all-reduce began
+(no step is redone); otherwise this member cannot tell (``unsure``) and the step is redone.
 
 :class:`Outcomes` is the keeping side's record (in the averager process), :func:`parts` and
 :func:`take` the answer's stream of serialized tensors (hivemind's chunks) and its checked reading.
@@ -22,6 +25,7 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
@@ -31,12 +35,26 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from mapl_swarm.aio import within
 
-__all__ = ["Outcomes", "parts", "take", "agreed", "KEPT_GROUPS", "CHUNK_BYTES"]
+__all__ = ["Outcome", "Outcomes", "FailedToo", "parts", "take", "agreed", "KEPT_GROUPS", "CHUNK_BYTES", "FAILED_TOO"]
 
 KEPT_GROUPS = 4
 """Groups whose outcome an averager remembers (the current round's, and a few before it)."""
 CHUNK_BYTES = 1 << 19
 """Bytes of a tensor per message of an answer (hivemind's all-reduce parts are as large)."""
+FAILED_TOO = averaging_pb2.GROUP_DISBANDED
+"""The answer's code when the asked member's all-reduce of that group failed too (one message)."""
+
+
+class Outcome(NamedTuple):
+    """How a member's all-reduce of a group ended: ``kept`` (with every averaged value), its tensors
+    then at ``fill`` (-1 when it failed)."""
+
+    kept: bool
+    fill: int
+
+
+class FailedToo(Exception):
+    """The asked partner's all-reduce of that group failed too (it answered :data:`FAILED_TOO`)."""
 
 
 class Outcomes:
@@ -66,9 +84,10 @@ class Outcomes:
         """This member's all-reduce of ``group_id`` began (so a partner may have kept it)."""
         return group_id in self._ended
 
-    async def kept(self, group_id: bytes, asker: PeerID, timeout: float) -> int | None:
-        """The fill at which this member kept ``group_id`` for ``asker``, a member of that group,
-        once its own all-reduce ended (``timeout`` s at most); None when it did not keep it."""
+    async def outcome(self, group_id: bytes, asker: PeerID, timeout: float) -> Outcome | None:
+        """How this member's all-reduce of ``group_id`` ended, for ``asker``, a member of that group,
+        once it ended (``timeout`` s at most); None when it did not end within that, or when
+        ``asker`` is no member of a group this member remembers."""
         entry = self._ended.get(group_id)
         if entry is None or asker not in entry[1]:
             return None
@@ -76,7 +95,10 @@ class Outcomes:
             kept = await within(asyncio.shield(entry[0]), timeout)
         except TimeoutError:
             return None
-        return self._fill.get(group_id) if kept else None
+        if not kept:
+            return Outcome(False, -1)
+        fill = self._fill.get(group_id)  # forgotten meanwhile (newer groups began): it cannot say
+        return None if fill is None else Outcome(True, fill)
 
 
 def agreed(answers: Sequence[tuple[PeerID, Sequence[torch.Tensor]]], group_size: int) -> list[PeerID] | None:
@@ -105,8 +127,8 @@ def parts(tensors: Sequence[torch.Tensor]) -> Iterator[averaging_pb2.AveragingDa
 
 async def take(answer: AsyncIterator[averaging_pb2.AveragingData], like: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
     """The tensors of a partner's answer, when it kept the round and they have the shapes and dtypes
-    of ``like`` (this member's, read for those only); None otherwise. Reads no more than a MiB over
-    what ``like`` holds."""
+    of ``like`` (this member's, read for those only); None otherwise. Raises :class:`FailedToo` when
+    the partner's all-reduce failed too. Reads no more than a MiB over what ``like`` holds."""
     limit = sum(t.numel() * t.element_size() for t in like) + (1 << 20)
     got: list[torch.Tensor] = []
     chunks: list = []
@@ -121,6 +143,8 @@ async def take(answer: AsyncIterator[averaging_pb2.AveragingData], like: Sequenc
         return True
 
     async for message in answer:
+        if message.code == FAILED_TOO and not got and not chunks:
+            raise FailedToo("the partner's all-reduce of the group failed too")
         if message.code != averaging_pb2.AVERAGED_PART:
             return None
         size += len(message.tensor_part.buffer)

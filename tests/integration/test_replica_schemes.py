@@ -20,6 +20,9 @@ each feeding its share of every step's micro-batches, for 3 steps.
   feedback, PowerSGD's first factors) and after one more step all three hold the same bytes.
 - ``topk`` with a member that claims ten times its micro-batches in its share: its partner's round
   fails naming it, without taking the result it kept.
+- an all-reduce that breaks at both replicas: each learns from the other that it broke there too, so
+  the round fails at both as one nobody applied (run again, no step redone), the gradients stay
+  each replica's own, and the round run again averages them.
 """
 
 from __future__ import annotations
@@ -244,6 +247,59 @@ def liar_scenario(_bootstrap: Any, maddrs: list[str], ids: dict) -> None:
             g.shutdown()
 
 
+def broken_scenario(_bootstrap: Any, maddrs: list[str], ids: dict) -> None:
+    from unittest import mock
+
+    from mapl_swarm.replicas import gradients
+    from mapl_swarm.replicas.errors import AveragingFailed
+
+    from test_replica_averaging import breakable
+
+    cfg = micro_config(pipeline={"num_stages": 2, "micro_batch_size": 2, "num_micro_batches": M},
+                       compression={"codec": "mapl"})
+    runtimes = [StageRuntime(cfg, 0) for _ in range(2)]
+    discs = [Discovery(RUN, config(maddrs), membership=ids[0, r]).start() for r in range(2)]
+    grads = []
+    try:
+        with mock.patch.object(gradients, "StageAverager", breakable()):
+            grads = [gradients.ReplicaGradients(rt, disc.dht, run_id=RUN, replicas=2)
+                     for rt, disc in zip(runtimes, discs)]
+        gen = torch.Generator().manual_seed(3)
+        for rt in runtimes:
+            for p in rt.optimized_parameters():
+                p.grad = torch.randn(p.shape, generator=gen)
+        before = [[p.grad.clone() for p in rt.optimized_parameters()] for rt in runtimes]
+
+        def average(r: int) -> Any:  # as the peer does: a round that formed no group is tried again
+            for _ in range(10):
+                try:
+                    return grads[r].average([2 * r, 2 * r + 1], step=0, timeout=60, expected=2)
+                except AveragingFailed as exc:
+                    if exc.unsure or "broke at every member" in str(exc):
+                        return exc
+            raise AssertionError("no group formed in 10 tries")
+
+        for g in grads:
+            g.averager.breaks.value = 1
+        with ThreadPoolExecutor(2) as pool:
+            failed = list(pool.map(average, range(2)))
+        assert all(isinstance(e, AveragingFailed) and not e.unsure for e in failed), failed  # run again, no redo
+        for rt, mine in zip(runtimes, before):
+            assert all(torch.equal(a, p.grad) for a, p in zip(mine, rt.optimized_parameters()))
+        for g in grads:
+            g.averager.breaks.value = 0
+        with ThreadPoolExecutor(2) as pool:
+            rounds = list(pool.map(average, range(2)))
+        assert all(not isinstance(r, AveragingFailed) for r in rounds), rounds
+        for a, b, x, y in zip(*(rt.optimized_parameters() for rt in runtimes), *before):
+            assert torch.equal(a.grad, b.grad) and torch.allclose(a.grad, x + y, atol=1e-5)  # each scaled by M / 2
+    finally:
+        for disc in discs:
+            disc.close()
+        for g in grads:
+            g.shutdown()
+
+
 @pytest.mark.timeout(300)
 def test_compressed_averaging_keeps_replicas_bitwise_equal(tmp_path, monkeypatch) -> None:
     local, ids = replica_identities(tmp_path / "ids", RUN)
@@ -252,3 +308,5 @@ def test_compressed_averaging_keeps_replicas_bitwise_equal(tmp_path, monkeypatch
                        functools.partial(scenario, ids=ids, scheme=scheme))
     with_bootstrap(monkeypatch, TrustedAuthority(RUN, local.authority.public),
                    functools.partial(liar_scenario, ids=ids))
+    with_bootstrap(monkeypatch, TrustedAuthority(RUN, local.authority.public),
+                   functools.partial(broken_scenario, ids=ids))

@@ -12,7 +12,8 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import as_aiter
 
-from mapl_swarm.replicas.kept_round import CHUNK_BYTES, KEPT_GROUPS, Outcomes, agreed, parts, take
+from mapl_swarm.replicas.kept_round import (CHUNK_BYTES, FAILED_TOO, KEPT_GROUPS, FailedToo, Outcome, Outcomes,
+                                             agreed, parts, take)
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 
@@ -24,18 +25,18 @@ async def test_a_kept_round_is_served_to_its_own_members_once_it_ended_and_only_
     outcomes = Outcomes()
     outcomes.began(b"g1", [A, B])
     assert outcomes.ran(b"g1") and not outcomes.ran(b"g0")
-    assert await outcomes.kept(b"g1", B, timeout=0.01) is None  # not ended yet: nothing within the wait
-    waiting = asyncio.ensure_future(outcomes.kept(b"g1", B, timeout=5))
+    assert await outcomes.outcome(b"g1", B, timeout=0.01) is None  # not ended yet: nothing within the wait
+    waiting = asyncio.ensure_future(outcomes.outcome(b"g1", B, timeout=5))
     await asyncio.sleep(0)
     outcomes.ended(b"g1", kept=True, fill=7)
-    assert await waiting == 7
-    assert await outcomes.kept(b"g1", C, timeout=1) is None  # a member of another group
-    assert await outcomes.kept(b"g0", B, timeout=1) is None  # a group this member was not in
+    assert await waiting == Outcome(True, 7)
+    assert await outcomes.outcome(b"g1", C, timeout=1) is None  # a member of another group
+    assert await outcomes.outcome(b"g0", B, timeout=1) is None  # a group this member was not in
     outcomes.began(b"g2", [A, B])
     outcomes.ended(b"g2", kept=False)
-    assert await outcomes.kept(b"g2", B, timeout=1) is None  # it failed here too
+    assert await outcomes.outcome(b"g2", B, timeout=1) == Outcome(False, -1)  # it failed here too
     outcomes.ended(b"g2", kept=True, fill=9)  # an outcome is final
-    assert await outcomes.kept(b"g2", B, timeout=1) is None
+    assert await outcomes.outcome(b"g2", B, timeout=1) == Outcome(False, -1)
 
 
 @pytest.mark.asyncio
@@ -45,7 +46,7 @@ async def test_only_the_last_groups_are_remembered():
         outcomes.began(bytes([i]), [A, B])
         outcomes.ended(bytes([i]), kept=True, fill=i)
     assert not outcomes.ran(bytes([0])) and not outcomes.ran(bytes([1]))
-    assert await outcomes.kept(bytes([KEPT_GROUPS + 1]), A, timeout=1) == KEPT_GROUPS + 1
+    assert await outcomes.outcome(bytes([KEPT_GROUPS + 1]), A, timeout=1) == Outcome(True, KEPT_GROUPS + 1)
 
 
 @pytest.mark.asyncio
@@ -62,6 +63,10 @@ async def test_an_answer_gives_back_the_same_bytes_and_a_wrong_one_gives_nothing
     assert await take(as_aiter(*answer[:-1]), tensors) is None
     assert await take(as_aiter(averaging_pb2.AveragingData(code=averaging_pb2.CANCELLED)), tensors) is None
     assert await take(as_aiter(*parts([torch.zeros(CHUNK_BYTES)])), [torch.zeros(4)]) is None
+    # "failed too" is an answer of its own (nobody may have kept the round), only as the first message
+    with pytest.raises(FailedToo):
+        await take(as_aiter(averaging_pb2.AveragingData(code=FAILED_TOO)), tensors)
+    assert await take(as_aiter(answer[0], averaging_pb2.AveragingData(code=FAILED_TOO)), tensors) is None
 
 
 def test_with_three_members_a_kept_result_is_taken_only_when_two_partners_give_the_same_bytes() -> None:
