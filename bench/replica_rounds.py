@@ -9,8 +9,9 @@ torch thread per peer) with ``replicas.initial`` = ``--initial``, ``--runs`` tim
 reads every peer's log lines: steps redone (``is redone``) and why, rounds run again (``averaging
 again``), all-reduce streams that broke (``all-reduce with ... failed``) and rounds whose all-reduce
 broke at one member and whose result it took from a member that kept it (``took the round's
-result``). An honest run should redo no step; each kept round is one that would have been redone
-before. Printed and written with the command, machine, date and duration.
+result``) or at every member (``broke at every member``, run again). An honest run should redo no
+step. Printed and written with the command, machine, date and duration; the whole log of a run
+that redid a step is kept beside the results (``<out>.<scheme>-<run>.log``).
 """
 
 from __future__ import annotations
@@ -36,11 +37,13 @@ PATTERNS = {
     "averaging_again": re.compile(r"; averaging again"),
     "stream_failed": re.compile(r"all-reduce with \S+ failed: (.*)"),
     "kept_round_taken": re.compile(r"took the round's result from"),
+    "broke_at_every_member": re.compile(r"broke at every member of the group"),
 }
 
 
-def one_run(steps: int, initial: list[int], averaging: str) -> dict:
-    """One launched swarm: its exit status, seconds, counts of each pattern and a few examples."""
+def one_run(steps: int, initial: list[int], averaging: str, keep: Path) -> dict:
+    """One launched swarm: its exit status, seconds, counts of each pattern and a few examples; its
+    log is copied to ``keep`` when it redid a step."""
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
@@ -64,6 +67,8 @@ def one_run(steps: int, initial: list[int], averaging: str) -> dict:
                 examples.setdefault(name, [])
                 if len(examples[name]) < 5:
                     examples[name].append(line.strip()[-300:])
+    if counts["redone"]:
+        keep.write_text(text)
     return {"averaging": averaging, "exit_status": rc, "seconds": round(time.time() - t0),
             "counts": {name: counts[name] for name in PATTERNS}, "examples": examples}
 
@@ -80,8 +85,8 @@ def main() -> int:
     rounds = args.steps * sum(1 for n in initial if n >= 2)  # one round per step of each stage with replicas
     t0, runs = time.time(), []
     for averaging in args.averaging.split(","):
-        for _ in range(args.runs):
-            runs.append(one_run(args.steps, initial, averaging))
+        for i in range(args.runs):
+            runs.append(one_run(args.steps, initial, averaging, args.out.with_suffix(f".{averaging}-{i + 1}.log")))
             r = runs[-1]
             print(f"{averaging}: launch exited {r['exit_status']} after {r['seconds']} s; {args.steps} steps, "
                   f"{rounds} averaging rounds; " + ", ".join(f"{k} {v}" for k, v in r["counts"].items()), flush=True)
