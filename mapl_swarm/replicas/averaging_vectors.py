@@ -17,7 +17,12 @@ little-endian element bytes in hex, with dtype and shape):
 - ``topk_sum``: a group's shares summed, weighted, in group order (float32);
 - ``powersgd``: an averaged P orthonormalized (float64 Gram-Schmidt, rounded to float32) and the
   product P̂ Q̂ᵀ (float64, rounded);
-- ``digest``: a small state's digest, frame and sketch (item 6; flattened as item 11 says).
+- ``digest``: a small state's digest, frame and sketch (item 6; flattened as item 11 says);
+- ``layout``: for each stage of the ``tiny`` preset's 3-stage pipeline with ``mapl`` and with
+  ``mapl_vq`` (``vq.update = "step"``), the averaged tensors in order (parameter names and shapes,
+  then the step statistics' shapes), the skeleton and tensor headers of the state a round digests,
+  and the skeleton and tensor headers of the stage state a joiner downloads (``runtime``, after
+  one optimizer step: the optimizers' state as torch's ``state_dict`` lays it out).
 
 The generator draws every input from fixed seeds, so it reproduces the file byte for byte;
 ``--check`` recomputes every output from the stored inputs alone with the reference
@@ -27,6 +32,7 @@ file with the generator's.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -209,8 +215,46 @@ def _digest() -> dict[str, Any]:
     skeleton, tensors = flatten_state(state)
     digest, frame, sketch = state_summary(state)
     return {"name": "small_stage_state", "skeleton_repr": repr(skeleton), "tensors": [tensor_json(t) for t in tensors],
-            "tensor_headers": [f"{t.dtype}{tuple(t.shape)}" for t in tensors],
+            "tensor_headers": _headers(tensors),
             "digest": digest, "frame": frame, "sketch": sketch}
+
+
+LAYOUT_CODECS: tuple[tuple[str, dict[str, Any]], ...] = (("mapl", {}), ("mapl_vq", {"vq": {"update": "step"}}))
+"""The codecs whose stages' layouts are vectors: without and with averaged step statistics."""
+
+
+def _headers(tensors: list[torch.Tensor]) -> list[str]:
+    return [f"{t.dtype}{tuple(t.shape)}" for t in tensors]
+
+
+@functools.cache
+def _layout() -> tuple[dict[str, Any], ...]:
+    """What each stage of the ``tiny`` preset averages, digests and serves (built once: a few s)."""
+    from mapl_swarm.config.loading import config_from_dict
+    from mapl_swarm.pipeline.stage import StageRuntime
+
+    out = []
+    for codec, extra in LAYOUT_CODECS:
+        cfg = config_from_dict({"preset": "tiny", "pipeline": {"num_stages": 3},
+                                "compression": {"codec": codec, **extra}})
+        for stage in range(cfg.pipeline.num_stages):
+            rt = StageRuntime(cfg, stage)
+            names = {id(p): name for name, p in rt.modules.named_parameters()}
+            params = rt.optimized_parameters()
+            digested, digested_tensors = flatten_state({"modules": rt.modules.state_dict(),
+                                                        "codec": rt.codec.replicated_state()})
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            for opt in rt.optimizers:
+                opt.step()
+            rt.step_count = 1
+            served, served_tensors = flatten_state(rt.state_dict())
+            out.append({"preset": "tiny", "codec": codec, "compression": extra, "stage": stage,
+                        "averaged": [[names[id(p)], list(p.shape)] for p in params],
+                        "statistics": [list(t.shape) for t in rt.step_statistics()],
+                        "digested_skeleton_repr": repr(digested), "digested_tensor_headers": _headers(digested_tensors),
+                        "served_skeleton_repr": repr(served), "served_tensor_headers": _headers(served_tensors)})
+    return tuple(out)
 
 
 def build_manifest() -> dict[str, Any]:
@@ -228,6 +272,7 @@ def build_manifest() -> dict[str, Any]:
         "topk_sum": [_topk_sum()],
         "powersgd": _powersgd(),
         "digest": [_digest()],
+        "layout": list(_layout()),
     }
 
 

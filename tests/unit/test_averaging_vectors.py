@@ -150,3 +150,23 @@ def test_the_digest_frame_and_sketch_follow_from_the_skeleton_and_the_tensors():
     shapes = [f"torch.{t['dtype']}({', '.join(map(str, t['shape']))}{',' if len(t['shape']) == 1 else ''})"
               for t in e["tensors"]]
     assert shapes == e["tensor_headers"]
+
+
+def test_each_layout_names_every_averaged_tensor_in_the_state_it_digests_and_serves():
+    """The averaged gradients are the digested parameters' (by name, float32, same shape), the
+    statistics come only with ``mapl_vq``, and the served ``runtime`` holds the same modules."""
+    import ast
+
+    def modules(text: str) -> dict[str, int]:
+        node = dict(ast.literal_eval(text)[1])["modules"]  # ['d', [[name, ['t', index]], ...]]
+        return {name: leaf[1] for name, leaf in node[1]}
+
+    assert {(e["codec"], e["stage"]) for e in STORED["layout"]} == {(c, s) for c in ("mapl", "mapl_vq")
+                                                                    for s in range(3)}
+    for e in STORED["layout"]:
+        digested, served = modules(e["digested_skeleton_repr"]), modules(e["served_skeleton_repr"])
+        assert list(digested) == list(served)
+        for name, shape in e["averaged"]:
+            assert e["digested_tensor_headers"][digested[name]] == f"torch.float32{tuple(shape)}", name
+        assert len({name for name, _ in e["averaged"]}) == len(e["averaged"])
+        assert bool(e["statistics"]) == (e["codec"] == "mapl_vq")
