@@ -947,7 +947,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except MaplError as exc:
         print(f"mapl-swarm: {exc.label}: {exc}", file=sys.stderr)
-        return exc.exit_code  # 2; 3 for a NaN/Inf in this process's own compute (NonFiniteError); 130 stopped
+        # 2; 3 for a NaN/Inf in this process's own compute (NonFiniteError); 4 a replica the swarm took
+        # for gone (TakenForGone); 130 stopped
+        return exc.exit_code
     except KeyboardInterrupt:
         print("mapl-swarm: interrupted", file=sys.stderr)
         return 130

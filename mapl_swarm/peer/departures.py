@@ -21,7 +21,7 @@ from typing import Literal
 
 from mapl_swarm.errors import MaplError
 
-__all__ = ["Departure", "Departures", "NeighbourLost"]
+__all__ = ["Departure", "Departures", "NeighbourLost", "TakenForGone"]
 
 Kind = Literal["silent", "left", "drain"]
 
@@ -64,6 +64,20 @@ class NeighbourLost(MaplError):
         """``hint``: what the operator can do, appended to the message."""
         self.departure = departure
         super().__init__(f"{name}: {departure.describe()}{hint}")
+
+
+class TakenForGone(MaplError):
+    """This replica left because the swarm took it for gone (exit status 4): a neighbour stopped
+    hearing from it within its liveness deadline, every other member followed that word, and its
+    stage went on with its other replicas (SPEC §9.10 item 10)."""
+
+    exit_code = 4
+
+    def __init__(self, name: str, why: str) -> None:
+        self.why = why
+        super().__init__(f"{name}: the swarm took this replica for gone ({why}), so it left; its stage goes on with "
+                         f"its other replicas. On slow or busy links raise net.liveness_floor_s (README "
+                         f"\"Liveness\")")
 
 
 class Departures:

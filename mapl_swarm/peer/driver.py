@@ -121,13 +121,16 @@ class Schedule:
                  val_batches: Sequence[torch.Tensor] = (), reject: Callable[[str, str, str], None] | None = None,
                  spawn: Callable[[Awaitable[Any]], Any] | None = None, joining: bool = False,
                  stage_contacts: Callable[[], Awaitable[Sequence[str]]] | None = None,
-                 drain: CheckpointAgreement | None = None, may_drain: bool = True) -> None:
+                 drain: CheckpointAgreement | None = None, may_drain: bool = True,
+                 leave: Callable[[str], None] | None = None) -> None:
         self.rt, self.host = runtime, HostRuntime(runtime)
         self.links, self.mailbox, self.compute = links, mailbox, compute
         self.name, self.result, self.waits, self.hooks = name, result, waits, hooks
         self.progress, self.progress_desc = progress, f"swarm {cfg.compression.codec} P={cfg.pipeline.num_stages}"
         self.replicas, self.sampler, self.val_batches = replicas, sampler, list(val_batches)
         self.drain, self._stage_contacts = drain, stage_contacts
+        self._leave = leave or (lambda why: None)
+        """Ends this replica's session when the swarm took it for gone (:class:`~.intents.Leave`)."""
         self._spawn = spawn or asyncio.ensure_future
         r, pipe = cfg.replicas, cfg.pipeline
         stage = 0 if links.up is None else links.up + 1
@@ -366,6 +369,8 @@ class Schedule:
                     self._progress.step(step_s=f"{self._step_seconds():.2f}")
             case do.Finish(step):
                 await self.hooks.finish(step)
+            case do.Leave(why):
+                self._leave(why)
             case do.Boundary(step):
                 if self.drain is not None and self.drain.should_stop():
                     await self.drain.decide(step)  # every stage has finished step - 1

@@ -42,7 +42,7 @@ from mapl_swarm.peer.admission import Admission, RejectCounter, mailbox_bound, r
 from mapl_swarm.peer.checkpoints import CheckpointAgreement, checkpoint_note
 from mapl_swarm.peer.compute import BackgroundTasks, ComputeThread, WorkerThread
 from mapl_swarm.peer.control import Control, PeerRejected
-from mapl_swarm.peer.departures import Departure, Departures, NeighbourLost
+from mapl_swarm.peer.departures import Departure, Departures, NeighbourLost, TakenForGone
 from mapl_swarm.peer.ingress import Ingress
 from mapl_swarm.peer.lifecycle import PeerState
 from mapl_swarm.peer.link import LinkSettings, Links, PeerLink, stage_name
@@ -196,7 +196,8 @@ class Peer:
             sampler=sampler, val_batches=val_batches or [], reject=self.rejects, spawn=self.tasks.spawn,
             joining=joining, drain=None if self.replicas_on else self.agreement,
             may_drain=stage == 0 or membership is None or "drain" in membership.body.roles,
-            stage_contacts=lambda: candidates_of(self.linker.resolve, stage, net.timeout_s))
+            stage_contacts=lambda: candidates_of(self.linker.resolve, stage, net.timeout_s),
+            leave=lambda why: self.stop(TakenForGone(self.name, why)))
         if reform is not None:  # what a pause before the handshake ends carries on
             self.schedule.starting = reform.replicas
         if self.replicas_on and run_policy is not None:  # a resumed run's agreement (SPEC §9.10 item 13)
@@ -514,6 +515,9 @@ class Peer:
             if not self.ingress.started:  # before training: the neighbours that welcomed it free its stage
                 await self._say_bye(transport, [link for link in self.links if link.welcomed],
                                     {"reason": f"stopped before training: {reason}"})
+            elif isinstance(reason, TakenForGone):  # the neighbours that still count it take it as one that left
+                await self._say_bye(transport, [link for link in self.links if link.welcomed],
+                                    {"reason": f"taken for gone: {reason.why}"})
             raise reason
         if isinstance(reason, _Rejoin):  # the other neighbours re-form too
             bye = {"reason": REJOIN_REASON, **({"lost": reason.lost} if reason.lost is not None else {})}

@@ -275,7 +275,7 @@ class StepCore:
             self.commit.on_route(phase, link, msg.step, msg.epoch)
         else:
             self.repair.on_route(msg, view)
-            if phase == "redo":
+            if phase == "redo" and not self.repair.leaving:
                 self.redo.on_route(msg, link)
 
     def arrived(self, msg: Message, link: str) -> None:

@@ -21,7 +21,7 @@ __all__ = [
     "SendProjectorGrad", "Feed", "Forward", "Backward", "EvalFeed", "EvalForward", "ApplySlice",
     "LoadProjector", "AddProjectorGrad", "SumLosses", "MeanLoss", "Sync", "Average", "CancelRound", "Download",
     "SetEpoch", "TakeStep", "Abandon", "Redo", "AskDrain", "RecordTrain", "RecordVal", "StepEnd", "Finish",
-    "Boundary", "Wait", "Done",
+    "Boundary", "Wait", "Done", "Leave",
 ]
 
 
@@ -359,3 +359,11 @@ class Done(Intent):
     """The run is over for this peer (``bye``: the BYE meta that ended it, passed on)."""
 
     bye: dict | None = None
+
+
+@dataclass(frozen=True)
+class Leave(Intent):
+    """The swarm took this replica for gone (``why``: who said so): it leaves now, as one that
+    departed (BYE to its neighbours, then its process ends); its stage goes on without it."""
+
+    why: str

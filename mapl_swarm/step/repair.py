@@ -62,6 +62,8 @@ class Repair:
         self.said: dict[str, dict[str, int]] = {}
         """Upstream link -> the contacts it said ``gone`` or ``reopen`` of -> the first step it did:
         of one it said so of in an earlier step it sent nothing of a later step to them."""
+        self.leaving = False
+        """The swarm took this replica for gone and it leaves (:meth:`taken_for_gone`)."""
         self.early: list[tuple[Message, LinkView]] = []
         """ROUTE ``gone`` of the step this replica moved to, come before it began serving it
         (:meth:`began`)."""
@@ -87,6 +89,9 @@ class Repair:
             return True
         log.warning("%s: the replica of stage %d at %s left (%s); going on with the stage's other replicas",
                     c.s.name, link.stage, link.contact, why)
+        # told too, on its own link: a live one whose messages were held back past this peer's
+        # deadline leaves, instead of serving on while the swarm counts none of its work
+        c.spawn(do.SendRoute(link.name, c.step, "gone", gone=(link.contact,), epoch=c.epoch))
         cur = c.cur
         active = c.active
         downstream = link.stage == c.links.down
@@ -234,6 +239,21 @@ class Repair:
                 and ((msg.type is MT.GRAD and msg.micro in cur.replayed) or msg.type is MT.PROJ_GRAD))
 
     # ------------------------------------------------------------------ what neighbours say
+    def names_me(self, msg: Message) -> bool:
+        """Whether a ROUTE names this replica's own contact among the gone."""
+        own, gone = self.c.flow.contact, msg.meta.get("gone", [])
+        return bool(own) and isinstance(gone, list) and own in gone
+
+    def taken_for_gone(self, why: str) -> None:
+        """A neighbour said this replica is gone (``why``): its partners and neighbours follow that word
+        and count none of its work from now on, so it leaves (:class:`~.intents.Leave`), once."""
+        c = self.c
+        if c.s.replicas and not self.leaving:
+            self.leaving = True
+            log.warning("%s: the swarm took this replica for gone (%s): it leaves, and its stage goes on with its "
+                        "other replicas", c.s.name, why)
+            c.spawn(do.Leave(why))
+
     def named(self, msg: Message) -> list[str]:
         """The contacts a ROUTE names gone, but this replica's own and its links' (of its own links its
         liveness deadline and their BYEs decide)."""
@@ -243,8 +263,13 @@ class Repair:
 
     def on_route(self, msg: Message, link: LinkView) -> None:
         """ROUTE ``gone`` or ``redo``: the replicas it names left (taken for those this replica has no
-        link to); ``gone`` of the current step also says which of its micro-batches the sender holds."""
+        link to); ``gone`` of the current step also says which of its micro-batches the sender holds.
+        One that names this replica: the swarm took it for gone, so it leaves (:meth:`taken_for_gone`)."""
         c = self.c
+        if self.names_me(msg):
+            self.taken_for_gone(f"stage {link.stage}'s {link.contact or link.name} named it gone in ROUTE "
+                                f"{msg.meta['phase']} of step {msg.step}")
+            return
         contacts = self.named(msg)
         if link.stage == c.links.up:
             self.say(link.name, msg)

@@ -146,6 +146,8 @@ class SimPeer:
         """As :class:`~mapl_swarm.replicas.gradients.ReplicaGradients`: committed to, and revealed in the next round."""
         self.alive = True
         self.done: dict | None = None
+        self.left: str | None = None
+        """Why it left on its own (taken for gone), if it did."""
         self.blocked: do.Intent | None = None
         """The intent this peer waits on (a Wait, or a round in its stage's coordinator)."""
         self.since = 0.0
@@ -324,6 +326,9 @@ class SimPeer:
                 self.blocked, self.since = intent, sw.now
             case do.Done(bye):
                 self.done = bye or {}
+            case do.Leave(why):  # the peer says BYE and exits: its neighbours find it gone
+                self.left = why
+                sw.kill(self.key)
             case _:
                 raise AssertionError(f"no simulation of {intent!r}")
 
@@ -523,6 +528,11 @@ class SimSwarm:
             self.detect.append((self.now + DETECT_TICKS * TICK_S, key))
         else:
             self.detect.extend((self.now + after, key, by) for by, after in found.items())
+
+    def suspect(self, key: tuple[int, int], by: tuple[int, int], after: float) -> None:
+        """Live replica ``key`` is taken for gone by neighbour ``by`` after ``after`` seconds (its
+        messages held back past that neighbour's liveness deadline), and by nobody else."""
+        self.detect.append((self.now + after, key, by))
 
     def join(self, stage: int) -> SimPeer:
         """One more replica of ``stage`` joins the running swarm (linked both ways at once)."""

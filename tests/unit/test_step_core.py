@@ -470,3 +470,27 @@ def test_no_interleaving_or_departure_counts_a_micro_batch_twice_or_loses_one(se
     sw.run()
     check_run(sw)
     assert not sw.lost
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("initial, victim, by", [((2, 2, 2), (1, 1), (0, 0)), ((2, 2, 2), (1, 0), (2, 1)),
+                                                 ((1, 2, 1), (1, 1), (0, 0))])
+def test_a_live_replica_one_neighbour_takes_for_gone_leaves_and_the_swarm_goes_on(initial, victim, by, seed):
+    """A neighbour whose messages from a live replica were held back past its liveness deadline takes
+    it for gone, and the swarm follows that word; the replica, told so on that neighbour's link,
+    leaves (its other neighbours find it gone as any replica that left) instead of serving on
+    while nobody counts its work: every step is taken once by every replica left."""
+    for moves in (5, 40, 120):
+        sw = SimSwarm(initial, M=4, steps=4, seed=seed)
+        ticks = [0]
+
+        def until() -> bool:
+            ticks[0] += 1
+            return ticks[0] > moves
+
+        sw.run(until=until)
+        sw.suspect(victim, by, 0.05)
+        sw.run()
+        check_run(sw)
+        peer = sw.peers[victim]
+        assert not peer.alive and peer.left is not None and "gone" in peer.left, (moves, peer.left)
