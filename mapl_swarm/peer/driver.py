@@ -26,8 +26,10 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from mapl_swarm.aio import within
 from mapl_swarm.errors import MaplError
 from mapl_swarm.metrics.progress import StepProgress
+from mapl_swarm.net.errors import NetError
 from mapl_swarm.peer.host import HostRuntime
 from mapl_swarm.peer.vq_link import Retransmitting
 from mapl_swarm.pipeline.payload import ACT_WIRE, GRAD_WIRE, WireName
@@ -105,6 +107,18 @@ class RuntimeProjectors:
     @property
     def outbound_pver(self) -> int:
         return self.rt.outbound.version if self.rt.outbound is not None else 0
+
+
+BEST_EFFORT_S = 5.0
+"""How long a best-effort send (:class:`~.intents.SendRoute` ``best_effort``) may wait for its link."""
+
+
+async def _best_effort(send: Awaitable[None], what: str) -> None:
+    """``send``, given up after :data:`BEST_EFFORT_S` or when its link fails (logged, not raised)."""
+    try:
+        await within(send, BEST_EFFORT_S)
+    except (NetError, TimeoutError) as exc:
+        log.debug("%s not sent: %s", what, exc)
 
 
 class Schedule:
@@ -307,11 +321,15 @@ class Schedule:
                 await links.named(link).send_act(step, micro, payload, eval_mode=eval_mode, pver=pver)
             case do.SendGrad(link, step, micro, payload, pver):
                 await links.named(link).send_grad(step, micro, payload, pver=pver)
-            case do.SendRoute(link, step, phase, acts, gone, held, epoch, proof):
+            case do.SendRoute(link, step, phase, acts, gone, held, epoch, proof, best_effort):
                 target = links.named(link)
                 if target is not None:
-                    await target.send_route(step, phase, acts=acts, gone=None if gone is None else list(gone),
-                                            epoch=epoch, held=None if held is None else list(held), proof=proof)
+                    send = target.send_route(step, phase, acts=acts, gone=None if gone is None else list(gone),
+                                             epoch=epoch, held=None if held is None else list(held), proof=proof)
+                    if best_effort:
+                        self._spawn(_best_effort(send, f"{self.name}: ROUTE {phase} to {link}"))
+                    else:
+                        await send
             case do.SendReport(link, step, meta):
                 await links.named(link).send_report(step, meta)
             case do.SendBye(link, step, meta):

@@ -336,7 +336,8 @@ class StageAverager(DecentralizedAverager):
         if not await self._is_member(context.remote_id, "kept_round"):
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
-        outcome = await self._outcomes.outcome(request.group_id, context.remote_id, 2 * self.next_chunk_timeout)
+        outcome = await self._outcomes.outcome(request.group_id, context.remote_id,
+                                               kept_round.OUTCOME_PARTS * self.next_chunk_timeout)
         if outcome is not None and not outcome.kept:
             yield averaging_pb2.AveragingData(code=kept_round.FAILED_TOO)
             return
@@ -366,9 +367,9 @@ class StageAverager(DecentralizedAverager):
                 stub = type(self).get_stub(self._p2p, peer, namespace=self.prefix)
                 async with enter_asynchronously(self.get_tensors()) as tensors:  # shapes and dtypes only
                     like = list(tensors)
-                got = await within(kept_round.take(
-                    await stub.rpc_kept_round(averaging_pb2.AveragingData(group_id=group_info.group_id)), like),
-                    3 * self.next_chunk_timeout)
+                answer = await stub.rpc_kept_round(averaging_pb2.AveragingData(group_id=group_info.group_id))
+                got = await kept_round.take(kept_round.paced(
+                    answer, (kept_round.OUTCOME_PARTS + 1) * self.next_chunk_timeout, self.next_chunk_timeout), like)
             except kept_round.FailedToo:
                 failed_too += 1
                 continue

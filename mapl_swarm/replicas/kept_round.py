@@ -35,12 +35,17 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from mapl_swarm.aio import within
 
-__all__ = ["Outcome", "Outcomes", "FailedToo", "parts", "take", "agreed", "KEPT_GROUPS", "CHUNK_BYTES", "FAILED_TOO"]
+__all__ = ["Outcome", "Outcomes", "FailedToo", "parts", "take", "paced", "agreed", "KEPT_GROUPS", "CHUNK_BYTES",
+           "FAILED_TOO", "OUTCOME_PARTS"]
 
 KEPT_GROUPS = 4
 """Groups whose outcome an averager remembers (the current round's, and a few before it)."""
 CHUNK_BYTES = 1 << 19
 """Bytes of a tensor per message of an answer (hivemind's all-reduce parts are as large)."""
+OUTCOME_PARTS = 4
+"""An asked member waits for its own all-reduce of the group to end up to this many part timeouts
+(hivemind's ``next_chunk_timeout``): a partner whose stream broke ends its all-reduce up to twice
+that after its last part came (its reducers' answers), and the asker must hear how it ended."""
 FAILED_TOO = averaging_pb2.GROUP_DISBANDED
 """The answer's code when the asked member's all-reduce of that group failed too (one message)."""
 
@@ -123,6 +128,22 @@ def parts(tensors: Sequence[torch.Tensor]) -> Iterator[averaging_pb2.AveragingDa
     for tensor in tensors:
         for chunk in split_for_streaming(serialize_torch_tensor(tensor), CHUNK_BYTES):
             yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=chunk)
+
+
+async def paced(answer: AsyncIterator[averaging_pb2.AveragingData], first_s: float,
+                next_s: float) -> AsyncIterator[averaging_pb2.AveragingData]:
+    """``answer``'s messages, the first within ``first_s`` (the asked member waits for its outcome),
+    each next within ``next_s`` (a large answer on a slow link takes as long as it takes, a stalled
+    one fails); raises :class:`TimeoutError`."""
+    messages = aiter(answer)
+    timeout = first_s
+    while True:
+        try:
+            message = await within(anext(messages), timeout)
+        except StopAsyncIteration:
+            return
+        yield message
+        timeout = next_s
 
 
 async def take(answer: AsyncIterator[averaging_pb2.AveragingData], like: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:

@@ -62,7 +62,8 @@ class SendRoute(Intent):
     """ROUTE ``phase`` (SPEC §9.10): ``acts`` with ``end``, ``gone`` contacts with ``gone``,
     ``reopen`` and ``redo``, ``held`` micro-batches with ``gone`` upstream; ``epoch`` None: the link's.
     ``proof``: a relayed ``redo``'s (its maker's ``cert`` and ``sig``, passed on unchanged); None:
-    this peer's own decision (a certified peer signs it)."""
+    this peer's own decision (a certified peer signs it). ``best_effort``: to a link that may be
+    dead (a replica just dropped): sent beside the other intents, given up after a few seconds."""
 
     link: str
     step: int
@@ -72,6 +73,7 @@ class SendRoute(Intent):
     held: tuple[int, ...] | None = None
     epoch: int | None = None
     proof: tuple[bytes, bytes] | None = None
+    best_effort: bool = False
 
 
 @dataclass(frozen=True)

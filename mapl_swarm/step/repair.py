@@ -89,9 +89,6 @@ class Repair:
             return True
         log.warning("%s: the replica of stage %d at %s left (%s); going on with the stage's other replicas",
                     c.s.name, link.stage, link.contact, why)
-        # told too, on its own link: a live one whose messages were held back past this peer's
-        # deadline leaves, instead of serving on while the swarm counts none of its work
-        c.spawn(do.SendRoute(link.name, c.step, "gone", gone=(link.contact,), epoch=c.epoch))
         cur = c.cur
         active = c.active
         downstream = link.stage == c.links.down
@@ -105,6 +102,9 @@ class Repair:
                 if flow.live(other.name) and other.name not in cur.replayed_to:  # those had a reopen
                     c.spawn(do.SendRoute(other.name, c.step, "gone", gone=(link.contact,),
                                          held=None if downstream else tuple(held), epoch=c.epoch))
+        # told too, on its own link: a live one whose messages were held back past this peer's
+        # deadline leaves, instead of serving on while the swarm counts none of its work
+        c.spawn(do.SendRoute(link.name, c.step, "gone", gone=(link.contact,), epoch=c.epoch, best_effort=True))
         if link.stage == 0:
             if c.phase is Phase.SERVE and cur.step == c.step:
                 # its share of the step's data is read by no other replica: stage 0 splits the step

@@ -157,13 +157,14 @@ def steps_done(out: Path) -> int:
     return sum(1 for line in path.read_text().splitlines() if '"loss"' in line)
 
 
-def kill_first_logged(procs: dict, keys: Sequence, pattern: re.Pattern, what: str):
-    """SIGKILL the first of ``procs[key]`` (:class:`Watched`, for ``key`` in ``keys``) to log a line
-    ``pattern`` finds, as soon as it did (``what`` names the line if none comes within 120 s); its key."""
+def kill_first_logged(procs: dict, keys: Sequence, pattern: re.Pattern, what: str, sig: int = signal.SIGKILL):
+    """``sig`` (SIGKILL) to the first of ``procs[key]`` (:class:`Watched`, for ``key`` in ``keys``) to
+    log a line ``pattern`` finds, as soon as it did (``what`` names the line if none comes within 120
+    s); its key."""
     found: list = []
     wait_until(lambda: found.extend(k for k in keys if any(pattern.search(line) for line in procs[k].lines)) or found,
                120, what)
-    procs[found[0]].proc.kill()
+    procs[found[0]].proc.send_signal(sig)
     return found[0]
 
 

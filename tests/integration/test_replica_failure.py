@@ -13,6 +13,9 @@ silent, drop its links and tell its partner.
   (``reopen``), so the repair holds however late in the step the death comes, up to its rounds.
 - A **stage-0** replica killed mid-step: its share of the step's data is read by no one else, so the
   step is redone by every stage (one run epoch later) with the micro-batches split again.
+- A middle replica **stopped** (SIGSTOP) past its neighbours' liveness deadline is taken for gone
+  and repaired around as a dead one; once it runs again (SIGCONT) it reads their word and leaves
+  (BYE, exit status 4) instead of serving steps nobody counts, and the others end the run.
 
 Marked ``slow`` (run with ``-m slow``; ~35-60 s each) to keep the default suite's share of the
 replica tests within its budget. With ``mapl_vq`` (codebooks learned per step) the re-run's codebook
@@ -21,13 +24,15 @@ statistics are counted once, as its gradients, so the codebooks too are those of
 from __future__ import annotations
 
 import re
+import signal
 
 import pytest
 
 from mapl_swarm.config import load_config
 from mapl_swarm.pipeline.trainer import train
 
-from swarm_helpers import ReplicaSwarm, kill_when_logged, steps_done, train_losses, wait_steps
+from deadlines import wait_until
+from swarm_helpers import ReplicaSwarm, kill_first_logged, kill_when_logged, steps_done, train_losses, wait_steps
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -168,3 +173,35 @@ def test_a_stage_that_loses_its_last_replica_re_forms_the_swarm_from_checkpoints
     # (bench/results/replica_drift.json); 0.52% was seen here at one step of 40
     for r in range(2):
         assert results[0, r]["train_losses"] == pytest.approx(train_losses(ref)[0 if rejoin else start:], rel=1e-2)
+
+
+def test_a_middle_replica_stopped_past_its_neighbours_deadline_is_taken_for_gone_and_leaves(tmp_path):
+    middle = ((1, 0), (1, 1))
+    with ReplicaSwarm(tmp_path, "replica-stopped", steps=STEPS, identities=[2, 2, 2]) as swarm:
+        for s in range(3):
+            for r in range(2):
+                swarm.start(s, r, "--set", "net.heartbeat_interval_s=0.5", "--set", "net.liveness_floor_s=5.0",
+                            "--set", "net.max_in_flight=1", *(["--log-level", "DEBUG"] if s == 1 else []))
+        wait_steps(swarm.out, 1, list(swarm.procs.values()), 180)
+        stopped = kill_first_logged(swarm.procs, middle, WORKING, "a backward of step 1 or later at stage 1",
+                                    sig=signal.SIGSTOP)
+        victim = swarm.procs[stopped]
+        others = {key: p for key, p in swarm.procs.items() if key != stopped}
+        try:  # until a neighbour took it for gone (past its 5 s floor), then it runs again
+            wait_until(lambda: any("left (silent since" in line for key, p in others.items() if key[0] != 1
+                                   for line in p.lines), 60, "a neighbour finding the stopped replica silent")
+        finally:
+            victim.proc.send_signal(signal.SIGCONT)
+        assert victim.wait(120) == 4, victim.output[-3000:]
+        assert "the swarm took this replica for gone" in victim.output
+        codes = {key: p.wait(240) for key, p in others.items()}
+        assert all(code == 0 for code in codes.values()), {k: (c, others[k].output[-3000:]) for k, c in codes.items()
+                                                           if c}
+    results = {key: swarm.result(*key) for key in others}
+    assert all(res["end"] == "finished" for res in results.values())
+    ref = tmp_path / "ref"
+    train(load_config(swarm.path, {"run": {"out_dir": str(ref)}}), progress=False)
+    for key in results:
+        if key[0] == 0:
+            assert results[key]["tokens"] == STEPS * swarm.cfg.tokens_per_step
+            assert results[key]["train_losses"] == pytest.approx(train_losses(ref), rel=1e-3)

@@ -13,7 +13,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import as_aiter
 
 from mapl_swarm.replicas.kept_round import (CHUNK_BYTES, FAILED_TOO, KEPT_GROUPS, FailedToo, Outcome, Outcomes,
-                                             agreed, parts, take)
+                                             agreed, paced, parts, take)
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 
@@ -79,3 +79,19 @@ def test_with_three_members_a_kept_result_is_taken_only_when_two_partners_give_t
     assert agreed([("d", forged), ("b", honest)], 3) is None
     assert agreed([("d", forged), ("b", honest), ("c", [t.clone() for t in honest])], 4) == ["b", "c"]
     assert agreed([("b", honest), ("c", honest[:1])], 3) is None
+
+
+@pytest.mark.asyncio
+async def test_an_answer_may_wait_long_for_its_first_message_and_not_between_the_next():
+    """The asked member waits for its own all-reduce to end before it answers; then a stalled answer
+    fails at the next message's timeout however long the first took."""
+    async def answer(gaps):
+        for gap in gaps:
+            await asyncio.sleep(gap)  # the asked side's pace (this is the input, not a synchronisation)
+            yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART)
+
+    assert len([m async for m in paced(answer([0.2, 0.0, 0.0]), first_s=1.0, next_s=0.1)]) == 3
+    with pytest.raises(TimeoutError):
+        [m async for m in paced(answer([0.0, 0.5]), first_s=1.0, next_s=0.1)]
+    with pytest.raises(TimeoutError):
+        [m async for m in paced(answer([0.5]), first_s=0.1, next_s=1.0)]
