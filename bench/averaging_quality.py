@@ -1,6 +1,6 @@
 """What compressed averaging among replicas costs in quality (``replicas.averaging``, SPEC §9.10 item 16).
 
-    python bench/averaging_quality.py [--steps 100] [--micro 4] [--replicas 2] [--seeds 0,1]
+    python bench/averaging_quality.py [--steps 100] [--val-every 0] [--micro 4] [--replicas 2] [--seeds 0,1]
                                       [--schemes fp32,powersgd:4,powersgd:16,topk:0.01,topk:0.05]
                                       [--out bench/results/averaging_quality.json]
 
@@ -16,8 +16,9 @@ and ``sparse_sum``, each replica's error feedback its M less its own share), pro
 gradients exact. A label may add ``+rows`` (the embedding tables averaged exactly, counted as the
 rows each replica touched: index and row) and ``+warmN`` (the first N steps averaged as ``fp32``,
 as PyTorch's ``start_powerSGD_iter``). Equal token budget for all; printed and written: each run's
-final validation loss, and per scheme the mean over seeds of its Δ% against ``fp32`` at the same
-seed, with the averaging values each scheme sends per step against fp32's.
+final validation loss (with ``--val-every N`` also every N steps: how the gap moves as training
+goes on), and per scheme the mean over seeds of its Δ% against ``fp32`` at the same seed, with the
+averaging values each scheme sends per step against fp32's.
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ def run(scheme_label: str, seed: int, args: argparse.Namespace, data) -> dict:
     T, M = cfg.model.context_length, cfg.pipeline.num_micro_batches
     sampler = BatchSampler(data.train, cfg.pipeline.micro_batch_size, T, seed)
     val = validation_batches(data.val, cfg.pipeline.micro_batch_size, T, cfg.eval.batches)
-    losses = []
+    losses, curve = [], []
     for step in range(args.steps):
         batches = [next(sampler) for _ in range(M)]
         step_losses = []
@@ -172,8 +173,11 @@ def run(scheme_label: str, seed: int, args: argparse.Namespace, data) -> dict:
             s.step()
         pipe.sync_projectors()
         losses.append(sum(step_losses) / len(step_losses))
+        if args.val_every and (step + 1) % args.val_every == 0 and step + 1 < args.steps:
+            curve.append([step + 1, pipe.evaluate(val)])
     sent, dense = (sum(x) for x in zip(*(st.values(args.steps) for st in stages)))
-    return {"scheme": scheme_label, "seed": seed, "final_val_loss": pipe.evaluate(val),
+    final = pipe.evaluate(val)
+    return {"scheme": scheme_label, "seed": seed, "final_val_loss": final, "val_curve": [*curve, [args.steps, final]],
             "mean_train_loss_last_20": sum(losses[-20:]) / len(losses[-20:]), "values_per_round": sent,
             "fp32_values_per_round": dense}
 
@@ -182,12 +186,18 @@ def write(args: argparse.Namespace, runs: list[dict], t0: float) -> dict:
     """Write the runs so far and their summary to ``args.out``; the summary (per scheme: the mean
     Δ% of val loss against ``fp32`` at the same seed, and averaging bytes against fp32's)."""
     base = {r["seed"]: r["final_val_loss"] for r in runs if r["scheme"] == "fp32"}
+    base_curve = {r["seed"]: dict(r["val_curve"]) for r in runs if r["scheme"] == "fp32"}
     summary = {}
     for label in dict.fromkeys(r["scheme"] for r in runs):
         mine = [r for r in runs if r["scheme"] == label]
         deltas = [100.0 * (r["final_val_loss"] - base[r["seed"]]) / base[r["seed"]] for r in mine if r["seed"] in base]
         summary[label] = {"val_loss_delta_pct_mean": sum(deltas) / len(deltas) if deltas else float("nan"),
                           "val_loss_delta_pct": deltas,
+                          "val_curve_delta_pct": [[r["seed"], [[step, 100.0 * (loss - base_curve[r["seed"]][step])
+                                                                 / base_curve[r["seed"]][step]]
+                                                                for step, loss in r["val_curve"]
+                                                                if step in base_curve.get(r["seed"], {})]]
+                                                  for r in mine],
                           "bytes_vs_fp32": (mine[0]["values_per_round"] * (2 if label == "fp16" else 4))
                           / (4 * mine[0]["fp32_values_per_round"])}
     result = {"command": "python bench/averaging_quality.py " + " ".join(sys.argv[1:]), "steps": args.steps,
@@ -203,6 +213,7 @@ def write(args: argparse.Namespace, runs: list[dict], t0: float) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--val-every", type=int, default=0, help="also record the validation loss every N steps")
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--micro", type=int, default=4, help="micro-batches per step (split among the replicas)")
     ap.add_argument("--seeds", default="0,1")
