@@ -647,7 +647,8 @@ def _max_restarts_arg(p: argparse.ArgumentParser) -> None:
                    help="per stage: how many times a peer that dies (non-zero status or a signal, not after "
                         "Ctrl-C) is started again with --resume while the others wait; one more death stops the "
                         "swarm; 0: any death stops it (default: 3). With replicas only a stage's last replica is "
-                        "restarted (the others' stage goes on without them)")
+                        "restarted (the others' stage goes on without them), and a replica the swarm took for gone "
+                        "(exit status 4) is started again with --join, as many times per stage")
 
 
 def _resume_arg(p: argparse.ArgumentParser, who: str, more: str = "") -> None:

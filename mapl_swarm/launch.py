@@ -19,8 +19,11 @@ other peers are left alone. :class:`RestartPolicy` decides (pure), :class:`Super
 processes. A stage that died once more than N restarts allow stops the swarm as before (exit 2,
 naming the stage); the summary counts the restarts per stage. With replicas a replica whose stage
 keeps a running one is never restarted (from its checkpoint it would not hold the others' state:
-the swarm goes on without it); a stage's last one is, as a chain's peer (the swarm re-forms, SPEC
-§9.10 item 10), when the run can re-form (``net.rejoin_timeout_s`` > 0, checkpoints on).
+the swarm goes on without it), except one the swarm took for gone while it lived (exit status 4,
+SPEC §9.10 item 10), which is started again with ``--join`` on a new port (:func:`rejoining`: it
+downloads a partner's state as a new member), up to N times per stage; a stage's last one is, as a
+chain's peer (the swarm re-forms), when the run can re-form (``net.rejoin_timeout_s`` > 0,
+checkpoints on).
 
 GPUs: each peer is given one GPU through its own ``CUDA_VISIBLE_DEVICES`` (:func:`gpu_plan`):
 round-robin over the launcher's visible GPUs, or over ``--gpus 0,1,2,3``; several peers may share
@@ -58,6 +61,7 @@ from mapl_swarm.errors import ConfigError, MaplError
 from mapl_swarm.net.dht_node import check_listen_address
 from mapl_swarm.net.discovery import Discovery, DiscoveryConfig, TrustedAuthority
 from mapl_swarm.net.identity import LocalIdentities, issue_local, read_signed, verify_revocations
+from mapl_swarm.peer.departures import TakenForGone
 from mapl_swarm.peer.signals import Interrupted
 from mapl_swarm.procs import die_with_parent
 from mapl_swarm.pipeline.payload import BACKWARD_KINDS, FORWARD_KINDS, kind_bytes
@@ -358,7 +362,7 @@ def launch(cfg: TrainConfig, config_args: list[str], *, progress: bool = True,
     P = cfg.pipeline.num_stages
     counts = replica_counts(cfg)
     # before any work: a bad --max-restarts answers at once
-    swarm = Supervisor(RestartPolicy(restarts_allowed(cfg, max_restarts)))
+    swarm = Supervisor(RestartPolicy(restarts_allowed(cfg, max_restarts)), rejoins=max_restarts)
     threads = cfg.runtime.threads or max(1, (os.cpu_count() or 1) // sum(counts))
     plan = gpu_plan(cfg.runtime.device, sum(counts), gpus=gpus)  # before any work: a bad --gpus answers at once
     if any(g is not None for g in plan):
@@ -507,6 +511,20 @@ def restarts_allowed(cfg: TrainConfig, max_restarts: int) -> int:
     return max_restarts
 
 
+def rejoining(peer: PeerProcess) -> PeerProcess:
+    """Replica ``peer`` started again as one that joins the running swarm: its command with
+    ``--join`` instead of ``--resume`` and without a fixed ``net.port`` (its old contact is gone
+    at every member: a new port makes it a new one)."""
+    cmd, out = list(peer.cmd), []
+    while cmd:
+        arg = cmd.pop(0)
+        if arg == "--set" and cmd and cmd[0].startswith("net.port="):
+            cmd.pop(0)
+        elif arg not in ("--resume", "--join"):
+            out.append(arg)
+    return replace(peer, cmd=[*out, "--join"])
+
+
 def resumed(peer: PeerProcess) -> PeerProcess:
     """``peer`` started again: the same command (key file, ports, threads), environment and GPU, plus
     ``--resume`` when it is not there already."""
@@ -541,8 +559,13 @@ class Supervisor:
     launcher's signals, restarts a dead one with ``--resume`` as its :class:`RestartPolicy` says
     and leaves the others alone, and stops them all (:func:`stop_all`)."""
 
-    def __init__(self, policy: RestartPolicy, companions: Mapping[str, subprocess.Popen] | None = None) -> None:
+    def __init__(self, policy: RestartPolicy, companions: Mapping[str, subprocess.Popen] | None = None, *,
+                 rejoins: int = 0) -> None:
         self.policy = policy
+        self.rejoins = rejoins
+        """How often a stage's replicas that the swarm took for gone (exit status 4) are started again
+        with ``--join``, in all (``--max-restarts``)."""
+        self._rejoins: dict[int, int] = {}
         self.companions = dict(companions or {})
         """Processes the peers need, by name (the lab's DHT node): one that exits stops the swarm."""
         self.peers: list[PeerProcess] = []
@@ -602,6 +625,15 @@ class Supervisor:
         what = f"status {status}" + (f" ({exit_text(status)})" if status < 0 else "")
         partners = [j for j, other in enumerate(self.peers)
                     if j != i and other.stage == peer.stage and self.procs[j].poll() is None]
+        if status == TakenForGone.exit_code and partners and not stopping and \
+                self._rejoins.get(peer.stage, 0) < self.rejoins:
+            # a live replica the swarm took for gone (a stalled link): it joins again as a new member
+            self._rejoins[peer.stage] = self._rejoins.get(peer.stage, 0) + 1
+            log.warning("%s (pid %d) left: the swarm took it for gone; starting it again with --join (rejoin %d of "
+                        "%d)", peer.label, pid, self._rejoins[peer.stage], self.rejoins)
+            self.peers[i] = rejoining(peer)
+            self.procs[i] = _start(self.peers[i])
+            return False
         if status != 0 and partners and not stopping:  # a replica: its stage goes on with the others (SPEC §9.10)
             log.warning("%s (pid %d) exited with %s; stage %d goes on with its %d other replica(s)", peer.label, pid,
                         what, peer.stage, len(partners))

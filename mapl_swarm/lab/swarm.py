@@ -73,7 +73,8 @@ def run_lab_swarm(cfg: TrainConfig, config_args: list[str], *, rate_mbit: float,
                               *(["--set", f"run.out_dir={json.dumps(str(replica_out_dir(cfg.run.out_dir, r)))}"]
                                 if r else [])]
                 peers.append(PeerProcess(k, lab.command(names[k, r], cmd), dict(os.environ), None, r))
-            return supervise(cfg, Supervisor(policy, {"the lab's DHT node": dht}), peers, timeout_s, command="lab")
+            return supervise(cfg, Supervisor(policy, {"the lab's DHT node": dht}, rejoins=max_restarts), peers,
+                             timeout_s, command="lab")
         finally:
             dht.terminate()  # once: its normal end (a second SIGTERM, as stop_all sends, cuts its close short)
             try:

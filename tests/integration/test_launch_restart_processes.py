@@ -251,6 +251,33 @@ def test_a_replica_that_dies_leaves_its_stage_to_the_others(tmp_path, caplog):
     assert swarm.policy.counts() == {}
 
 
+def test_a_replica_the_swarm_took_for_gone_joins_again_on_a_new_port_at_most_the_restarts(tmp_path, caplog):
+    """A replica that exits with status 4 (the swarm took it for gone, SPEC §9.10 item 10) while its
+    stage keeps a running one is started again with ``--join``, without ``--resume`` and without its
+    fixed port (its old contact is gone at every member), at most ``--max-restarts`` times per stage;
+    then it is left as any replica that exits."""
+    caplog.set_level(logging.WARNING, logger="mapl_swarm.launch")
+    fifos, count = [tmp_path / "fifo0", tmp_path / "fifo1"], tmp_path / "starts"
+    for f in fifos:
+        os.mkfifo(f)
+    env = dict(os.environ)
+    taken = (f"import pathlib; c = pathlib.Path({str(count)!r}); "
+             f"c.write_text(c.read_text() + ' '.join(__import__('sys').argv[1:]) + chr(10) if c.exists() else "
+             f"' '.join(__import__('sys').argv[1:]) + chr(10)); raise SystemExit(4)")
+    peers = [PeerProcess(0, [sys.executable, "-c", f"open({str(fifos[0])!r}).read()"], env, None),
+             PeerProcess(1, [sys.executable, "-c", f"open({str(fifos[1])!r}).read()"], env, None, 0),
+             PeerProcess(1, [sys.executable, "-c", taken, "--set", "net.port=5601", "--resume"], env, None, 1)]
+    swarm = Supervisor(RestartPolicy(0), rejoins=2)  # no restarts (no re-form), two rejoins
+    errors: list[BaseException] = []
+    supervising = _supervise(swarm, peers, errors)
+    _end_when(lambda: swarm.left == {2}, "the replica left after its rejoins", swarm, supervising, fifos, errors)
+    starts = count.read_text().splitlines()
+    assert starts == ["--set net.port=5601 --resume", "--join", "--join"]
+    assert caplog.text.count("starting it again with --join") == 2
+    assert "stage 1 goes on with its 1 other replica(s)" in caplog.text
+    assert swarm.policy.counts() == {}
+
+
 def test_a_stages_last_replica_that_dies_is_restarted_with_resume(tmp_path):
     """The last running replica of a stage dies (its partner left before): the swarm re-forms and
     waits for it (SPEC §9.10 item 10), so it is started again with ``--resume``, as a chain's peer."""

@@ -15,7 +15,8 @@ silent, drop its links and tell its partner.
   step is redone by every stage (one run epoch later) with the micro-batches split again.
 - A middle replica **stopped** (SIGSTOP) past its neighbours' liveness deadline is taken for gone
   and repaired around as a dead one; once it runs again (SIGCONT) it reads their word and leaves
-  (BYE, exit status 4) instead of serving steps nobody counts, and the others end the run.
+  (BYE, exit status 4) instead of serving steps nobody counts; started again with ``--join`` (as
+  ``launch`` does) it joins the running swarm, and every peer ends the run.
 
 Marked ``slow`` (run with ``-m slow``; ~35-60 s each) to keep the default suite's share of the
 replica tests within its budget. With ``mapl_vq`` (codebooks learned per step) the re-run's codebook
@@ -175,13 +176,13 @@ def test_a_stage_that_loses_its_last_replica_re_forms_the_swarm_from_checkpoints
         assert results[0, r]["train_losses"] == pytest.approx(train_losses(ref)[0 if rejoin else start:], rel=1e-2)
 
 
-def test_a_middle_replica_stopped_past_its_neighbours_deadline_is_taken_for_gone_and_leaves(tmp_path):
-    middle = ((1, 0), (1, 1))
-    with ReplicaSwarm(tmp_path, "replica-stopped", steps=STEPS, identities=[2, 2, 2]) as swarm:
+def test_a_middle_replica_stopped_past_its_neighbours_deadline_is_taken_for_gone_leaves_and_joins_again(tmp_path):
+    middle, steps = ((1, 0), (1, 1)), 14
+    args = ("--set", "net.heartbeat_interval_s=0.5", "--set", "net.liveness_floor_s=5.0", "--set", "net.max_in_flight=1")
+    with ReplicaSwarm(tmp_path, "replica-stopped", steps=steps, identities=[2, 2, 2]) as swarm:
         for s in range(3):
             for r in range(2):
-                swarm.start(s, r, "--set", "net.heartbeat_interval_s=0.5", "--set", "net.liveness_floor_s=5.0",
-                            "--set", "net.max_in_flight=1", *(["--log-level", "DEBUG"] if s == 1 else []))
+                swarm.start(s, r, *args, *(["--log-level", "DEBUG"] if s == 1 else []))
         wait_steps(swarm.out, 1, list(swarm.procs.values()), 180)
         stopped = kill_first_logged(swarm.procs, middle, WORKING, "a backward of step 1 or later at stage 1",
                                     sig=signal.SIGSTOP)
@@ -194,14 +195,19 @@ def test_a_middle_replica_stopped_past_its_neighbours_deadline_is_taken_for_gone
             victim.proc.send_signal(signal.SIGCONT)
         assert victim.wait(120) == 4, victim.output[-3000:]
         assert "the swarm took this replica for gone" in victim.output
-        codes = {key: p.wait(240) for key, p in others.items()}
-        assert all(code == 0 for code in codes.values()), {k: (c, others[k].output[-3000:]) for k, c in codes.items()
-                                                           if c}
-    results = {key: swarm.result(*key) for key in others}
+        # started again with --join (a new port: a new member), as launch does, it joins the running swarm
+        joiner = swarm.start(*stopped, *args, "--join")
+        codes = {key: p.wait(240) for key, p in [*others.items(), (stopped, joiner)]}
+        assert all(code == 0 for code in codes.values()), {k: (c, swarm.procs[k].output[-3000:])
+                                                           for k, c in codes.items() if c}
+    results = {key: swarm.result(*key) for key in swarm.procs}
     assert all(res["end"] == "finished" for res in results.values())
+    joined = re.search(r"joined stage 1 at step (\d+)", joiner.output)  # from a partner's state, as a new member
+    assert joined and int(joined.group(1)) < steps, joiner.output[-3000:]
+    assert results[stopped]["averaging"]["rounds"] >= 1
     ref = tmp_path / "ref"
     train(load_config(swarm.path, {"run": {"out_dir": str(ref)}}), progress=False)
     for key in results:
         if key[0] == 0:
-            assert results[key]["tokens"] == STEPS * swarm.cfg.tokens_per_step
+            assert results[key]["tokens"] == steps * swarm.cfg.tokens_per_step
             assert results[key]["train_losses"] == pytest.approx(train_losses(ref), rel=1e-3)
