@@ -337,7 +337,8 @@ class StageAverager(DecentralizedAverager):
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         outcome = await self._outcomes.outcome(request.group_id, context.remote_id,
-                                               kept_round.OUTCOME_PARTS * self.next_chunk_timeout)
+                                               kept_round.OUTCOME_PARTS * self.next_chunk_timeout,
+                                               unknown_s=self.next_chunk_timeout)
         if outcome is not None and not outcome.kept:
             yield averaging_pb2.AveragingData(code=kept_round.FAILED_TOO)
             return

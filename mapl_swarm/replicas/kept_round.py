@@ -8,8 +8,8 @@ the round; this member cannot tell, so the whole swarm would redo the step (SPEC
 Every member that keeps a round holds the group's averaged bytes (:mod:`.exact_allreduce`), so the
 one that failed asks its partners for them (``rpc_kept_round``, members of that group only): a
 partner answers once its own all-reduce of that group ended, with its averaged tensors if it kept
-the round, with "failed too" (:data:`FAILED_TOO`) if its all-reduce of that group failed as well,
-and with a refusal (``CANCELLED``) if it cannot say (it has since begun filling its tensors for
+the round, with "failed too" (:data:`FAILED_TOO`) if its all-reduce of that group failed as well
+or never began (its own matchmaking gave up before the leader's group began), and with a refusal (``CANCELLED``) if it cannot say (it has since begun filling its tensors for
 another round, or its all-reduce did not end in time). The first partner that kept it gives this
 member the same bytes, and its round counts (in a group of 3 or more, the first two partners that
 give the same bytes: :func:`agreed`). When every partner failed too, nobody kept the round, so every
@@ -23,6 +23,7 @@ member runs it again from the same gradients, as a round that failed before its 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import NamedTuple
@@ -42,6 +43,9 @@ KEPT_GROUPS = 4
 """Groups whose outcome an averager remembers (the current round's, and a few before it)."""
 CHUNK_BYTES = 1 << 19
 """Bytes of a tensor per message of an answer (hivemind's all-reduce parts are as large)."""
+SEEN_GROUPS = 1024
+"""Groups whose all-reduce began here that an averager remembers by id (it answers "not kept" about
+any other)."""
 OUTCOME_PARTS = 4
 """An asked member waits for its own all-reduce of the group to end up to this many part timeouts
 (hivemind's ``next_chunk_timeout``): a partner whose stream broke ends its all-reduce up to twice
@@ -69,6 +73,10 @@ class Outcomes:
     def __init__(self) -> None:
         self._ended: OrderedDict[bytes, tuple[asyncio.Future[bool], frozenset[PeerID]]] = OrderedDict()
         self._fill: dict[bytes, int] = {}
+        self._seen: OrderedDict[bytes, None] = OrderedDict()
+        """The last :data:`SEEN_GROUPS` groups whose all-reduce began here (a group asked about that
+        is not among them never began here)."""
+        self._waiters: list[asyncio.Future[None]] = []
 
     def began(self, group_id: bytes, members: Sequence[PeerID]) -> None:
         """This member's all-reduce of ``group_id`` among ``members`` began."""
@@ -76,6 +84,13 @@ class Outcomes:
         while len(self._ended) > KEPT_GROUPS:
             old, _ = self._ended.popitem(last=False)
             self._fill.pop(old, None)
+        self._seen[group_id] = None
+        while len(self._seen) > SEEN_GROUPS:
+            self._seen.popitem(last=False)
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     def ended(self, group_id: bytes, kept: bool, fill: int = -1) -> None:
         """That all-reduce ended; ``kept``: with every averaged value, its tensors at ``fill``."""
@@ -89,10 +104,23 @@ class Outcomes:
         """This member's all-reduce of ``group_id`` began (so a partner may have kept it)."""
         return group_id in self._ended
 
-    async def outcome(self, group_id: bytes, asker: PeerID, timeout: float) -> Outcome | None:
+    async def outcome(self, group_id: bytes, asker: PeerID, timeout: float, *,
+                      unknown_s: float = 0.0) -> Outcome | None:
         """How this member's all-reduce of ``group_id`` ended, for ``asker``, a member of that group,
         once it ended (``timeout`` s at most); None when it did not end within that, or when
-        ``asker`` is no member of a group this member remembers."""
+        ``asker`` is no member of a group this member remembers. A group whose all-reduce does not
+        begin here within ``unknown_s`` was not kept here (the leader counted this member in, but its
+        own matchmaking gave up before the group began: it will not join that group any more)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + unknown_s
+        while group_id not in self._seen:
+            left = deadline - loop.time()
+            if left <= 0:
+                return Outcome(False, -1)
+            waiter: asyncio.Future[None] = loop.create_future()
+            self._waiters.append(waiter)
+            with contextlib.suppress(TimeoutError):
+                await within(waiter, left)
         entry = self._ended.get(group_id)
         if entry is None or asker not in entry[1]:
             return None

@@ -31,7 +31,14 @@ async def test_a_kept_round_is_served_to_its_own_members_once_it_ended_and_only_
     outcomes.ended(b"g1", kept=True, fill=7)
     assert await waiting == Outcome(True, 7)
     assert await outcomes.outcome(b"g1", C, timeout=1) is None  # a member of another group
-    assert await outcomes.outcome(b"g0", B, timeout=1) is None  # a group this member was not in
+    # a group whose all-reduce never began here (its matchmaking gave up first) was not kept here,
+    # once it did not begin within the wait; one that begins meanwhile is waited for
+    assert await outcomes.outcome(b"g0", B, timeout=1, unknown_s=0.01) == Outcome(False, -1)
+    late = asyncio.ensure_future(outcomes.outcome(b"g3", B, timeout=5, unknown_s=5))
+    await asyncio.sleep(0)
+    outcomes.began(b"g3", [A, B])
+    outcomes.ended(b"g3", kept=True, fill=8)
+    assert await late == Outcome(True, 8)
     outcomes.began(b"g2", [A, B])
     outcomes.ended(b"g2", kept=False)
     assert await outcomes.outcome(b"g2", B, timeout=1) == Outcome(False, -1)  # it failed here too
