@@ -31,9 +31,10 @@ __all__ = ["Credit", "Credits", "REFORM_BURST", "STEPS_PER_REFORM", "REDO_STEPS_
 
 REFORM_BURST = 1
 """Re-forms one member may tell of before any new progress: one, so a dishonest member rolls the
-swarm back at most once before it is cut off. An honest teller tells of one departure, and the swarm regains the rolled-back steps
-and a checkpoint interval more before the next one counts; a replacement that has not trained
-yet spends nobody's credit (:meth:`Credits.of`). A second before that is refused."""
+swarm back at most once before it is cut off. An honest teller tells of one departure, and the
+swarm regains the rolled-back steps and a checkpoint interval more before the next one counts; a
+replacement that has not trained yet spends nobody's credit (:meth:`Credits.of`). A second before
+that is refused."""
 STEPS_PER_REFORM = 100
 """New progress that earns a re-form's credit back in a run without periodic checkpoints."""
 REDO_STEPS_PER_CREDIT = 20

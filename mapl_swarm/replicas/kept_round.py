@@ -9,8 +9,9 @@ Every member that keeps a round holds the group's averaged bytes (:mod:`.exact_a
 one that failed asks its partners for them (``rpc_kept_round``, members of that group only): a
 partner answers once its own all-reduce of that group ended, with its averaged tensors if it kept
 the round, with "failed too" (:data:`FAILED_TOO`) if its all-reduce of that group failed as well
-or never began (its own matchmaking gave up before the leader's group began), and with a refusal (``CANCELLED``) if it cannot say (it has since begun filling its tensors for
-another round, or its all-reduce did not end in time). The first partner that kept it gives this
+or never began (its own matchmaking gave up before the leader's group began), and with a refusal
+(``CANCELLED``) if it cannot say (it has since begun filling its tensors for another round, or its
+all-reduce did not end in time). The first partner that kept it gives this
 member the same bytes, and its round counts (in a group of 3 or more, the first two partners that
 give the same bytes: :func:`agreed`). When every partner failed too, nobody kept the round, so every
 member runs it again from the same gradients, as a round that failed before its all-reduce began
@@ -71,8 +72,8 @@ class Outcomes:
     fill of its tensors (a result is served only while the tensors still hold it)."""
 
     def __init__(self) -> None:
-        self._ended: OrderedDict[bytes, tuple[asyncio.Future[bool], frozenset[PeerID]]] = OrderedDict()
-        self._fill: dict[bytes, int] = {}
+        self._ended: OrderedDict[bytes, tuple[asyncio.Future[int | None], frozenset[PeerID]]] = OrderedDict()
+        """Each remembered group's end: the fill at which this member kept it, or None (it failed)."""
         self._seen: OrderedDict[bytes, None] = OrderedDict()
         """The last :data:`SEEN_GROUPS` groups whose all-reduce began here (a group asked about that
         is not among them never began here)."""
@@ -82,8 +83,7 @@ class Outcomes:
         """This member's all-reduce of ``group_id`` among ``members`` began."""
         self._ended[group_id] = (asyncio.get_running_loop().create_future(), frozenset(members))
         while len(self._ended) > KEPT_GROUPS:
-            old, _ = self._ended.popitem(last=False)
-            self._fill.pop(old, None)
+            self._ended.popitem(last=False)
         self._seen[group_id] = None
         while len(self._seen) > SEEN_GROUPS:
             self._seen.popitem(last=False)
@@ -96,9 +96,7 @@ class Outcomes:
         """That all-reduce ended; ``kept``: with every averaged value, its tensors at ``fill``."""
         entry = self._ended.get(group_id)
         if entry is not None and not entry[0].done():
-            entry[0].set_result(kept)
-            if kept:
-                self._fill[group_id] = fill
+            entry[0].set_result(fill if kept else None)
 
     def ran(self, group_id: bytes) -> bool:
         """This member's all-reduce of ``group_id`` began (so a partner may have kept it)."""
@@ -125,13 +123,10 @@ class Outcomes:
         if entry is None or asker not in entry[1]:
             return None
         try:
-            kept = await within(asyncio.shield(entry[0]), timeout)
+            fill = await within(asyncio.shield(entry[0]), timeout)
         except TimeoutError:
             return None
-        if not kept:
-            return Outcome(False, -1)
-        fill = self._fill.get(group_id)  # forgotten meanwhile (newer groups began): it cannot say
-        return None if fill is None else Outcome(True, fill)
+        return Outcome(False, -1) if fill is None else Outcome(True, fill)
 
 
 def agreed(answers: Sequence[tuple[PeerID, Sequence[torch.Tensor]]], group_size: int) -> list[PeerID] | None:

@@ -178,7 +178,8 @@ def test_a_stage_that_loses_its_last_replica_re_forms_the_swarm_from_checkpoints
 
 def test_a_middle_replica_stopped_past_its_neighbours_deadline_is_taken_for_gone_leaves_and_joins_again(tmp_path):
     middle, steps = ((1, 0), (1, 1)), 14
-    args = ("--set", "net.heartbeat_interval_s=0.5", "--set", "net.liveness_floor_s=5.0", "--set", "net.max_in_flight=1")
+    args = ("--set", "net.heartbeat_interval_s=0.5", "--set", "net.liveness_floor_s=5.0",
+            "--set", "net.max_in_flight=1")
     with ReplicaSwarm(tmp_path, "replica-stopped", steps=steps, identities=[2, 2, 2]) as swarm:
         for s in range(3):
             for r in range(2):
