@@ -270,11 +270,13 @@ def check_ports(cfg: TrainConfig) -> None:
     wanted = [(net.dht_host, p) for p in ([net.dht_port] if net.dht_port else [])]
     wanted += [(net.dht_host, p) for p in peer_ports(net.dht_port, P, offset=1) if p]
     wanted += [(net.bind_host, p) for p in peer_ports(net.port, P) if p]
+    wanted += [(cfg.metrics.prometheus_host, p) for p in peer_ports(cfg.metrics.prometheus_port or 0, P) if p]
     ports = [p for _, p in wanted]
     clash = sorted({p for p in ports if ports.count(p) > 1})
     if clash:
-        raise ConfigError(f"net.port and net.dht_port give the swarm overlapping ports {clash}: peers use "
-                          f"net.port + stage, the DHT net.dht_port .. net.dht_port + {P}; move one of them")
+        raise ConfigError(f"net.port, net.dht_port and metrics.prometheus_port give the swarm overlapping ports "
+                          f"{clash}: peers use net.port + stage and metrics.prometheus_port + stage, the DHT "
+                          f"net.dht_port .. net.dht_port + {P}; move one of them")
     for host, port in wanted:
         check_listen_address(host, port)
 
@@ -282,7 +284,8 @@ def check_ports(cfg: TrainConfig) -> None:
 def peer_processes(num_stages: int, config_args: Sequence[str], *, maddr: str, threads: int, progress: bool,
                    gpus: Sequence[str | None], environ: Mapping[str, str], member_args: Sequence[Sequence[str]],
                    net_port: int = 0, dht_port: int = 0, python: str = sys.executable,
-                   replicas: Sequence[int] = (), out_dir: str | Path = "") -> list[PeerProcess]:
+                   replicas: Sequence[int] = (), out_dir: str | Path = "",
+                   metrics_port: int | None = None) -> list[PeerProcess]:
     """The command and environment of every stage peer (pure: nothing is started), in stage order
     and, with ``replicas[s]`` peers of stage s (SPEC §9.10), replica order within a stage; replica
     r > 0 keeps its run folder in :func:`replica_out_dir` of ``out_dir``. ``gpus`` is
@@ -290,10 +293,12 @@ def peer_processes(num_stages: int, config_args: Sequence[str], *, maddr: str, t
     ``CUDA_VISIBLE_DEVICES``, or ``environ`` unchanged when it has none. ``member_args[i]``: the
     options that make peer i a member (``--peer-key``/``--cert``: paths only, a key never appears
     in a command or environment). With a base ``net_port`` / ``dht_port`` each peer gets its own
-    (:func:`peer_ports`; the bootstrap keeps ``dht_port`` itself)."""
+    (:func:`peer_ports`; the bootstrap keeps ``dht_port`` itself), and so with a base
+    ``metrics_port`` (``metrics.prometheus_port``) each its own Prometheus port."""
     base = [python, "-m", "mapl_swarm", "peer", *config_args]
     layout = [(s, r) for s in range(num_stages) for r in range(replicas[s] if replicas else 1)]
     ports, dht_ports = peer_ports(net_port, len(layout)), peer_ports(dht_port, len(layout), offset=1)
+    metrics_ports = peer_ports(metrics_port or 0, len(layout))
     out = []
     for i, (s, r) in enumerate(layout):
         cmd = base + ["--stage", str(s), "--initial-peer", maddr, "--set", f"runtime.threads={threads}",
@@ -304,6 +309,8 @@ def peer_processes(num_stages: int, config_args: Sequence[str], *, maddr: str, t
             cmd += ["--set", f"net.port={ports[i]}"]
         if dht_ports[i]:
             cmd += ["--set", f"net.dht_port={dht_ports[i]}"]
+        if metrics_ports[i]:
+            cmd += ["--set", f"metrics.prometheus_port={metrics_ports[i]}"]
         if s > 0 or r > 0 or not progress:
             cmd.append("--quiet")
         env = dict(environ)
@@ -311,6 +318,19 @@ def peer_processes(num_stages: int, config_args: Sequence[str], *, maddr: str, t
             env["CUDA_VISIBLE_DEVICES"] = gpus[i]
         out.append(PeerProcess(s, cmd, env, gpus[i], r))
     return out
+
+
+def _log_metrics_ports(cfg: TrainConfig, layout: Sequence[tuple[int, int]]) -> None:
+    """Where each local peer serves its Prometheus metrics (``metrics.prometheus_port``)."""
+    base, host = cfg.metrics.prometheus_port, cfg.metrics.prometheus_host
+    if base is None:
+        return
+    if base == 0:
+        log.info("Prometheus metrics: each peer picks a free port and logs it")
+        return
+    log.info("Prometheus metrics: %s", ", ".join(
+        f"stage {s}" + (f" replica {r}" if r else "") + f" http://{host}:{port}/metrics"
+        for (s, r), port in zip(layout, peer_ports(base, len(layout)))))
 
 
 IDENTITIES_DIR = "identities"
@@ -386,12 +406,14 @@ def launch(cfg: TrainConfig, config_args: list[str], *, progress: bool = True,
         log.info("metrics: %s (one per stage, appended every step); checkpoints: %s; manifest: %s",
                  out / f"metrics_stage{{0..{P - 1}}}.jsonl", out / "checkpoints", out / "manifest.json")
         layout = [(s, r) for s in range(P) for r in range(counts[s])]
+        _log_metrics_ports(cfg, layout)
         return supervise(cfg, swarm, peer_processes(P, config_args, maddr=maddr, threads=threads,
                                                     progress=progress, gpus=plan, environ=os.environ,
                                                     member_args=[[*local.args(s, r), *revoked] for s, r in layout],
                                                     net_port=cfg.net.port, dht_port=cfg.net.dht_port,
                                                     replicas=counts if cfg.replicas.enabled else (),
-                                                    out_dir=cfg.run.out_dir), timeout_s)
+                                                    out_dir=cfg.run.out_dir,
+                                                    metrics_port=cfg.metrics.prometheus_port), timeout_s)
     finally:
         bootstrap.close()
 

@@ -76,6 +76,8 @@ def reject_renamed_keys(raw: dict[str, Any], source: str = "<dict>") -> None:
 def _coerce(cls: type, name: str, value: Any, where: str) -> Any:
     hint = _hints(cls)[name]
     if get_origin(hint) is UnionType and type(None) in get_args(hint):  # optional: the other type
+        if value is None:  # not set (a dumped config's JSON form; TOML has no null)
+            return None
         hint = next(h for h in get_args(hint) if h is not type(None))
     if dataclasses.is_dataclass(hint):
         return _section(hint, value, f"{where.rstrip(']')}.{name}]")

@@ -107,10 +107,23 @@ class MetricsConfig:
     health_interval_steps: int = 0
     """Log compression health per boundary (energy captured, projector orthonormality error,
     backward gradient fidelity, codec stats) into the metrics stream every this many steps; 0 is off."""
+    prometheus_port: int | None = None
+    """Serve this process's metrics to Prometheus on this TCP port (``/metrics``; 0: a free port,
+    logged; not set: no endpoint). ``launch`` and ``lab`` give each local peer its own port from this
+    one up. Names: ``mapl_swarm.metrics.export``."""
+    prometheus_host: str = "127.0.0.1"
+    """The address the Prometheus endpoint binds (``0.0.0.0`` to be scraped from other hosts: it
+    serves figures only, but anyone who can reach it can read them)."""
+    tensorboard: bool = False
+    """Also write every metrics record as TensorBoard scalars under ``<out_dir>/tensorboard/``."""
 
     def __post_init__(self) -> None:
         _check_choices(self)
         _check_ints(self, positive=("log_interval_steps",), non_negative=("health_interval_steps",))
+        _check(self.prometheus_port is None or 0 <= self.prometheus_port <= 65535,
+               f"metrics.prometheus_port must be a TCP port 0..65535, got {self.prometheus_port!r}")
+        _check(bool(self.prometheus_host),
+               f"metrics.prometheus_host must be an address, got {self.prometheus_host!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -98,6 +98,11 @@ def config_hash(cfg: TrainConfig) -> str:
     d = digest_layout(config_to_dict(cfg))  # the layout hashes were first made in: finished runs still count
     d["run"].pop("out_dir", None)
     d.pop("net", None)
+    metrics = d.pop("metrics", {})  # what is left once the legacy keys moved: where figures go, not what they are
+    for exported in ("prometheus_port", "prometheus_host", "tensorboard"):
+        metrics.pop(exported, None)
+    if metrics:
+        d["metrics"] = metrics
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 

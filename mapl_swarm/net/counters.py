@@ -120,5 +120,5 @@ class TrafficCounters:
         return [
             {"link": lk, "direction": d, "kind": k, "messages": c[0], "payload_bytes": c[1],
              "wire_bytes": c[2]}
-            for (lk, d, k), c in sorted(self._cells.items())
+            for (lk, d, k), c in sorted(dict(self._cells).items())  # a copy: the metrics thread reads it too
         ]

@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from mapl_swarm.aio import until
@@ -400,8 +400,11 @@ class PeerRunPolicy:
     It reports what the schedule's :class:`~.schedule.NoRunHooks` describe."""
 
     def __init__(self, cfg: TrainConfig, stage: int, data: "PreparedData", fingerprint: str, *, resume: bool,
-                 runtime: "StageRuntime", compute: "ComputeThread", sampler: Any = None, averaging: Any = None) -> None:
+                 runtime: "StageRuntime", compute: "ComputeThread", sampler: Any = None, averaging: Any = None,
+                 exporters: Sequence[Any] = ()) -> None:
         self.cfg, self.stage, self.data, self.fingerprint, self.resume = cfg, stage, data, fingerprint, resume
+        self.exporters = exporters
+        """The process's metrics exporters (:mod:`mapl_swarm.metrics.export`), fed every record."""
         self.rt, self.compute, self.sampler = runtime, compute, sampler
         self.averaging = averaging
         """With replicas: the replica's averaging, whose own state (its error feedback, PowerSGD's
@@ -473,10 +476,10 @@ class PeerRunPolicy:
                      "rolled back to" if rejoin else "resumed from", start, self.epoch)
         self._start = self._ended = start
         run_records.write_manifest(self.cfg, self.data, driver="swarm", fingerprint=self.fingerprint,
-                                  resumed_from=start, stage=self.stage)
+                                  resumed_from=start, stage=self.stage, exporters=self.exporters)
         path = run_records.metrics_path(self.cfg.run.out_dir, self.stage)
-        self.records = StepRecords(self.cfg, self.stage, MetricsLog(path, resume_from=start if self.resume else None),
-                                   start)
+        self.records = StepRecords(self.cfg, self.stage, MetricsLog(path, resume_from=start if self.resume else None,
+                                                                    exporters=self.exporters), start)
         return start
 
     def _load(self, step: int) -> None:

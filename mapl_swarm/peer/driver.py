@@ -170,6 +170,8 @@ class Schedule:
         """The step whose PROJ the runtime holds (set under :attr:`_state_lock`, for a download)."""
         self._progress: StepProgress | None = None
         self._t0 = 0.0
+        self.redos = 0
+        """Steps this schedule ran again (its metrics export them)."""
         self.left = False
         """With replicas: this replica left on purpose (a signal) and its stage went on."""
 
@@ -370,6 +372,7 @@ class Schedule:
             case do.Abandon():
                 await self.compute.run(self.rt.abandon_step)
             case do.Redo(step, epoch):
+                self.redos += 1
                 links.set_epoch(epoch)
                 dropped = self.mailbox.drop(lambda m: m.epoch < epoch and m.type not in (MT.PROJ, MT.BYE,
                                                                                          MT.CODEBOOK_SLICE))

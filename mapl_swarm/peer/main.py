@@ -114,7 +114,7 @@ def peer_assets(cfg: TrainConfig) -> PeerAssets:
 def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool = False, progress: bool = True,
                membership: Membership | None = None, assets: PeerAssets | None = None, epoch: int = 0,
                rejoining: bool = False, runtime: Any = None, replicas: Any = None, joining: bool = False,
-               reform: Any = None, credits: Any = None):
+               reform: Any = None, credits: Any = None, exporters: Sequence[Any] = ()):
     """The :class:`~mapl_swarm.peer.runtime.Peer` of stage ``stage``: its data (stage 1), its
     StageRuntime (built from the config's seed) and run policy. With ``resume`` the peer resumes,
     after the handshake, from the newest step every stage has (agreed by messages, SPEC §5.2).
@@ -128,7 +128,8 @@ def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool 
     replicas (:func:`stage_replicas`), which this session's stage is attached to; ``joining``: the
     replica joins a running swarm (its state is downloaded from a live replica of its stage);
     ``reform``: with replicas, a session that re-forms the swarm (:class:`~.linker.Reform`); ``credits``:
-    each member's credit of re-forms and redos, kept across the process's sessions (:mod:`~.credits`)."""
+    each member's credit of re-forms and redos, kept across the process's sessions (:mod:`~.credits`);
+    ``exporters``: the process's metrics exporters (:mod:`mapl_swarm.metrics.export`)."""
     from mapl_swarm.data import BatchSampler, validation_batches
     from mapl_swarm.peer.checkpoints import PeerRunPolicy
     from mapl_swarm.peer.compute import ComputeThread
@@ -148,7 +149,7 @@ def build_peer(cfg: TrainConfig, stage: int, *, resolve, announce, resume: bool 
         val = validation_batches(data.val, cfg.pipeline.micro_batch_size, cfg.model.context_length, cfg.eval.batches)
     compute = ComputeThread(f"stage{stage}", initializer=functools.partial(bind_device, device))
     policy = PeerRunPolicy(cfg, stage, data, fingerprint, resume=resume, runtime=rt, compute=compute,
-                           sampler=sampler, averaging=replicas)  # resume: agreed after the handshake
+                           sampler=sampler, averaging=replicas, exporters=exporters)  # resume: agreed after handshake
     return Peer(cfg, stage, rt, fingerprint=fingerprint, config=assets.config, resolve=resolve, announce=announce,
                 sampler=sampler, val_batches=val, progress=progress and stage == 0, compute=compute, run_policy=policy,
                 membership=membership, epoch=epoch, rejoining=rejoining, replicas=replicas, joining=joining,
@@ -232,6 +233,8 @@ def run_peer(cfg: TrainConfig, stage: int | None, *, membership: Membership | No
                 from mapl_swarm.peer.result import peak_rss_mb
                 from mapl_swarm.peer.runtime import write_result
                 from mapl_swarm.peer.sessions import serve_sessions
+                from mapl_swarm.metrics.export import exporters_for
+                from mapl_swarm.peer.figures import live_figures
                 from mapl_swarm.peer.status import StatusSource
 
                 assets = peer_assets(cfg)
@@ -239,6 +242,7 @@ def run_peer(cfg: TrainConfig, stage: int | None, *, membership: Membership | No
                                                membership)
             status = StatusSource()
             discovery.publish_status(stage, status)
+            exporters: list[Any] = []
 
             async def announce(endpoint: str) -> None:
                 await asyncio.get_running_loop().run_in_executor(None, discovery.announce, stage, endpoint)
@@ -249,12 +253,16 @@ def run_peer(cfg: TrainConfig, stage: int | None, *, membership: Membership | No
                 status.peer = build_peer(cfg, stage, resolve=discovery.lookup_all_async, announce=announce,
                                          resume=resume, progress=progress, membership=membership, assets=assets,
                                          epoch=epoch, rejoining=rejoining, runtime=first, replicas=replicas,
-                                         joining=joining, reform=reform, credits=credits)
+                                         joining=joining, reform=reform, credits=credits, exporters=exporters)
                 return status.peer
 
             try:
+                exporters += exporters_for(cfg, stage=stage, peer_id=replicas.me if replicas is not None else "",
+                                           live=live_figures(status))  # their threads: after every fork
                 result = run(serve_sessions(session, cfg, stage, membership=membership, resume=resume))
             finally:
+                for exporter in exporters:
+                    exporter.close()
                 _withdraw(discovery, stage)
                 if replicas is not None:  # the DHT node first (StageAverager._shutdown says why)
                     discovery.close()

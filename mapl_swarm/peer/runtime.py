@@ -240,6 +240,7 @@ class Peer:
         self.receive = self.ingress.receive
         """Admit one received message and handle it at once (tests; the receive loops queue instead)."""
         self.stop_reason: BaseException | None = None
+        self.transport: Any = None
         """Why the session was stopped (the first :meth:`stop`), None while it was not."""
         self._stop_event = asyncio.Event()
 
@@ -288,6 +289,7 @@ class Peer:
         counters. ``transport`` is a started :class:`~mapl_swarm.net.transport.Transport` (tests: a
         fake). A stop ends the work wherever it waits (see the module docstring for the ends)."""
         self.admission.replies_on_link = hasattr(transport, "reply") and hasattr(transport, "recv_reply")
+        self.transport = transport  # its counters are read by the metrics export (:mod:`.figures`)
         endpoint = transport.start()
         unwatch = transport.add_connection_listener(self.monitor.connection)  # a neighbour's process ended
         work = asyncio.create_task(self._work(transport, endpoint), name=f"{self.name} work")

@@ -10,12 +10,13 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from mapl_swarm.config import TrainConfig, config_to_dict
 from mapl_swarm.errors import MaplError
 from mapl_swarm.files import atomic_write_text
 from mapl_swarm.metrics import JsonlWriter, run_manifest
+from mapl_swarm.metrics.export import Exporter
 from mapl_swarm.pipeline.run_policy import checkpoint_due, validation_due
 
 if TYPE_CHECKING:
@@ -37,9 +38,13 @@ def manifest_path(out_dir: str | Path, stage: int | None = None) -> Path:
 
 
 def write_manifest(cfg: TrainConfig, data: "PreparedData", *, driver: str, fingerprint: str,
-                   resumed_from: int, stage: int | None = None) -> Path:
-    """The run manifest: commit, versions, machine, config, corpus, who trains and from where."""
+                   resumed_from: int, stage: int | None = None, exporters: Sequence[Exporter] = ()) -> Path:
+    """The run manifest: commit, versions, machine, config, corpus, who trains and from where, and
+    where the process serves its metrics (``metrics_endpoints``: the Prometheus URL)."""
     extra: dict[str, Any] = {"driver": driver, "config_fingerprint": fingerprint}
+    endpoints = [e.url for e in exporters if hasattr(e, "url")]
+    if endpoints:
+        extra["metrics_endpoints"] = endpoints
     if stage is not None:
         extra["stage"] = stage
     manifest = run_manifest(config_to_dict(cfg), corpus_fingerprint=data.meta.get("corpus_fingerprint"),
@@ -56,9 +61,12 @@ def write_manifest(cfg: TrainConfig, data: "PreparedData", *, driver: str, finge
 class MetricsLog:
     """A JSONL metrics file, one record per line, flushed per record. Fresh (``resume_from=None``):
     started anew. Resume: records after ``resume_from`` (the interrupted run's) are dropped, then
-    appended to."""
+    appended to. Every record also goes to ``exporters`` (:mod:`mapl_swarm.metrics.export`: the
+    process's Prometheus endpoint, TensorBoard files), which live as long as the process and are
+    closed by whoever made them."""
 
-    def __init__(self, path: str | Path, *, resume_from: int | None) -> None:
+    def __init__(self, path: str | Path, *, resume_from: int | None, exporters: Sequence[Exporter] = ()) -> None:
+        self.exporters = list(exporters)
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_from is None:
@@ -70,6 +78,11 @@ class MetricsLog:
 
     def write(self, record: dict[str, Any]) -> None:
         self._writer.write(record)
+        for exporter in self.exporters:
+            try:
+                exporter.record(record)
+            except (OSError, ValueError) as exc:  # a full disk under the event files: the run goes on
+                log.warning("metrics record not exported by %s: %s", type(exporter).__name__, exc)
 
     def close(self) -> None:
         self._writer.close()
@@ -132,6 +145,8 @@ class StepRecords:
         if self._needs_loss and not _has_losses(self.cfg, rec):
             return
         del self._pending[step]
+        if rec.get("tokens") and rec.get("step_s"):  # the swarm's tokens over stage 0's step time, as train's
+            rec["tokens_per_s"] = round(rec["tokens"] / rec["step_s"], 1)
         if self._due(step) or any(k.startswith("health/") for k in rec):
             self.log.write(rec)
 

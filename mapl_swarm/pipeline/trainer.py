@@ -13,6 +13,7 @@ import torch
 from mapl_swarm.compress import config_boundary_bytes
 from mapl_swarm.config import TrainConfig, model_fingerprint
 from mapl_swarm.data import BatchSampler, PreparedData, prepare_data, validation_batches
+from mapl_swarm.metrics.export import opened_exporters
 from mapl_swarm.metrics.progress import StepProgress
 from mapl_swarm.pipeline.device import bind_device, resolve_device
 from mapl_swarm.pipeline.inprocess import InProcessPipeline
@@ -96,7 +97,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
     sampler = BatchSampler(data.train, cfg.pipeline.micro_batch_size, T, run.seed)
     val = validation_batches(data.val, cfg.pipeline.micro_batch_size, T, cfg.eval.batches)
     start = _resume(pipe, cfg, stores, sampler) if resume else 0
-    write_manifest(cfg, data, driver="train", fingerprint=fingerprint, resumed_from=start)
+
     expected = config_boundary_bytes(cfg)
     extra = [f"{n:.2f} B/token of {what}" for n, what in ((expected.codebook_bytes, "codebook slices"),
                                                           (expected.projector_bytes, "projector exchange")) if n]
@@ -108,7 +109,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
     val_history: list[tuple[int, float]] = [] if initial_val is None else [(0, initial_val)]
     tokens_total, wall, loss = 0, 0.0, float("nan")
     val_loss = initial_val if initial_val is not None else float("nan")
-    with MetricsLog(metrics_path(out), resume_from=start if resume else None) as metrics:
+    with opened_exporters(cfg, stage=None) as exporters, \
+            MetricsLog(metrics_path(out), resume_from=start if resume else None, exporters=exporters) as metrics:
+        write_manifest(cfg, data, driver="train", fingerprint=fingerprint, resumed_from=start, exporters=exporters)
         if initial_val is not None:
             metrics.write({"step": 0, "val_loss": initial_val})
         bar = StepProgress(run.steps, initial=start, enabled=progress, desc=f"train {cfg.compression.codec}")

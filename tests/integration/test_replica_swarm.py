@@ -9,10 +9,14 @@ over the whole batch (``train``), the projector's SPEL steps included (``mapl``)
 from __future__ import annotations
 
 import json
+import threading
+import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mapl_swarm.config import load_config
 from mapl_swarm.hf.export import export_run
@@ -108,13 +112,16 @@ def test_with_compressed_averaging_the_replicas_of_each_stage_stay_bitwise_equal
     path = write_config(tmp_path / f"{scheme}.toml", codec="mapl", stages=3, steps=STEPS, cache=cache,
                         out=tmp_path / "swarm", run_id=f"replicas-{scheme}")
     path.write_text(path.read_text() + "\n[replicas]\nenabled = true\ninitial = [2, 2, 2]\nmatchmaking_s = 1.0\n"
-                    f'averaging = "{scheme}"\naveraging_rank = 2\ntopk_fraction = 0.02\n')
-    summary = launch(load_config(path), ["--config", str(path)], progress=False, timeout_s=240)
+                    f'averaging = "{scheme}"\naveraging_rank = 2\ntopk_fraction = 0.02\n'
+                    "[metrics]\nprometheus_port = 0\ntensorboard = true\n")
+    folders = [replica_out_dir(tmp_path / "swarm", r) for r in range(2)]
+    with Scrapes(folders, stages=3) as scrapes:
+        summary = launch(load_config(path), ["--config", str(path)], progress=False, timeout_s=240)
     train(load_config(path, {"run": {"out_dir": str(tmp_path / "ref")}}), progress=False)
     ref = train_losses(tmp_path / "ref")
     assert summary.train_losses[0] == pytest.approx(ref[0], rel=1e-3)
     assert len(summary.train_losses) == STEPS and summary.train_losses[-1] < summary.train_losses[0]
-    folders = [replica_out_dir(tmp_path / "swarm", r) for r in range(2)]
+    check_exported(scrapes, folders)
     for s in range(3):
         states = [load_stage(folder, STEPS, s) for folder in folders]
         flat = [{k: v for k, v in _tensors(st).items() if not k.startswith(("/rng", "/averaging/errors"))}
@@ -131,6 +138,63 @@ def test_with_compressed_averaging_the_replicas_of_each_stage_stay_bitwise_equal
         sent = [r["averaging_sent_bytes"] for r in records if "averaging_sent_bytes" in r]
         assert sent and max(sent) < 0.25 * dense, (s, sent, dense)
         assert any(r.get("averaging_error_norm", 0) > 0 for r in records)
+
+
+class Scrapes:
+    """Scrapes every peer's Prometheus endpoint (named in its manifest once it serves) over and
+    over, on a thread, while the swarm runs: the samples of each scrape, per peer folder and stage."""
+
+    def __init__(self, folders: list[Path], stages: int) -> None:
+        self.manifests = [(folder, s, folder / ("manifest.json" if s == 0 else f"manifest_stage{s}.json"))
+                          for folder in folders for s in range(stages)]
+        self.got: dict[tuple[Path, int], list[dict]] = {(folder, s): [] for folder, s, _ in self.manifests}
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._done.wait(0.2):  # polling a live swarm's endpoints, not a synchronisation
+            for folder, s, manifest in self.manifests:
+                try:
+                    url = json.loads(manifest.read_text())["metrics_endpoints"][0]
+                    with urllib.request.urlopen(url, timeout=5) as resp:
+                        text = resp.read().decode()
+                except (OSError, ValueError, KeyError):
+                    continue  # not serving yet, or gone
+                self.got[folder, s].append({(x.name, tuple(sorted((k, v) for k, v in x.labels.items()
+                                                                  if k not in ("run", "stage", "peer_id")))): x.value
+                                            for fam in text_string_to_metric_families(text) for x in fam.samples})
+
+    def __enter__(self) -> "Scrapes":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+def check_exported(scrapes: Scrapes, folders: list[Path]) -> None:
+    """Every replica served its figures while it trained: at the step a scrape saw, the same figures
+    as its JSONL record of that step (stage 0: the swarm's train loss), its live replicas, bytes
+    sent on its links and by averaging; its TensorBoard files hold its JSONL's figures."""
+    for (folder, s), samples in scrapes.got.items():
+        records = {r["step"]: r for r in (json.loads(line) for line in
+                                          (folder / f"metrics_stage{s}.jsonl").read_text().splitlines())}
+        seen = [x for x in samples if x.get(("mapl_step", ())) in records]
+        assert seen, (folder, s, len(samples))
+        for x in seen:
+            rec = records[x[("mapl_step", ())]]
+            assert x[("mapl_step_seconds", ())] == rec["step_s"]
+            assert x[("mapl_averaging_sent_bytes", ())] == rec["averaging_sent_bytes"]
+            if s == 0:
+                assert x[("mapl_train_loss", ())] == rec["loss"]
+            assert x[("mapl_replicas", ())] == 2 and x[("mapl_redos_total", ())] == 0
+            assert sum(v for (name, labels), v in x.items() if name == "mapl_link_bytes_total"
+                       and ("direction", "tx") in labels and ("kind", "averaging") not in labels) > 0
+        tb = EventAccumulator(str(folder / "tensorboard" / f"stage{s}"))
+        tb.Reload()
+        assert [(e.step, e.value) for e in tb.Scalars("mapl_averaging_sent_bytes")] == [
+            (step, r["averaging_sent_bytes"]) for step, r in sorted(records.items()) if "averaging_sent_bytes" in r]
 
 
 def check_any_replica_exports(tmp_path: Path) -> None:
