@@ -518,6 +518,18 @@ def _cmd_lab(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from mapl_swarm.metrics.plot import plot_runs
+
+    written = plot_runs(args.runs, args.out)
+    for path in written:
+        print(path)
+    if not written:
+        print("mapl-swarm: nothing to plot in " + ", ".join(args.runs), file=sys.stderr)
+        return 1
+    return 0
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     from mapl_swarm.hf.export import export_run
 
@@ -849,6 +861,15 @@ def build_parser() -> argparse.ArgumentParser:
     _replicas_arg(p)
     _local_revocations_arg(p)
     p.set_defaults(func=_cmd_launch)
+
+    p = add("plot", "draw one or more runs' metrics as PNGs (loss, tokens/s, bandwidth, health)",
+            "Read the metrics files of each run folder (a `train` run's metrics.jsonl, or a swarm's "
+            "metrics_stage<S>.jsonl of every stage and replica) and write loss.png, throughput.png, "
+            "bandwidth.png and health.png, the runs overlaid (e.g. one per codec).")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders (run.out_dir)")
+    p.add_argument("--out", default="plots", metavar="DIR", help="folder for the PNGs (default: plots)")
+    _add_common_args(p, quiet=False)
+    p.set_defaults(func=_cmd_plot)
 
     p = add("export", "write a run's trained model as a Hugging Face model folder",
             "Write the newest checkpoint step that every stage holds verified as a Hugging Face model folder "

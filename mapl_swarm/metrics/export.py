@@ -19,7 +19,8 @@ default:
 
 Names (README "Monitoring" lists them): a record key in :data:`SCALARS` maps to its gauge; a
 ``health/b{B}/{name}`` key maps to ``mapl_{name}{boundary="B"}`` (``orth_error`` is
-``mapl_projector_orthonormality``); any other numeric key ``k`` is ``mapl_k`` with non-alphanumerics
+``mapl_projector_orthonormality``); ``link_tx_bytes/{link}`` (a peer's payload bytes sent so far on
+a link) maps to ``mapl_link_payload_sent_bytes{peer="link"}``; any other numeric key ``k`` is ``mapl_k`` with non-alphanumerics
 as ``_``.
 """
 
@@ -66,6 +67,8 @@ def scalar_name(key: str) -> tuple[str, dict[str, str]] | None:
         return None
     if key in SCALARS:
         return SCALARS[key][0], {}
+    if key.startswith("link_tx_bytes/"):
+        return "mapl_link_payload_sent_bytes", {"peer": key.split("/", 1)[1]}
     m = _HEALTH.match(key)
     if m:
         name = _RENAMED.get(m.group(2), m.group(2))

@@ -385,6 +385,8 @@ class Schedule:
                 self.hooks.val_loss(step, loss)
                 log.info("step %d: val loss %.4f", step, loss)
             case do.StepEnd(done, metrics):
+                for link in self.links:  # payload bytes sent so far per link: the plots' bandwidth over time
+                    metrics[f"link_tx_bytes/{link.name}"] = float(sum(link.counter.bytes.values()))
                 await self.hooks.step_end(done, metrics)
                 if self.links.up is not None and self._progress is not None:
                     self._progress.step(step_s=f"{self._step_seconds():.2f}")

@@ -21,6 +21,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from mapl_swarm.config import load_config
 from mapl_swarm.hf.export import export_run
 from mapl_swarm.launch import launch, replica_out_dir
+from mapl_swarm.metrics.plot import load_run, plot_runs
 from mapl_swarm.pipeline.checkpoint import load_stage, stage_steps
 from mapl_swarm.pipeline.trainer import train
 
@@ -122,6 +123,11 @@ def test_with_compressed_averaging_the_replicas_of_each_stage_stay_bitwise_equal
     assert summary.train_losses[0] == pytest.approx(ref[0], rel=1e-3)
     assert len(summary.train_losses) == STEPS and summary.train_losses[-1] < summary.train_losses[0]
     check_exported(scrapes, folders)
+    run = load_run(tmp_path / "swarm")  # `plot` reads every stage's and replica's records
+    assert sorted(run.peers) == [(s, r) for s in range(3) for r in range(2)]
+    assert all(any(k.startswith("link_tx_bytes/") for k in recs[-1]) for recs in run.peers.values())
+    assert sorted(p.name for p in plot_runs([tmp_path / "swarm"], tmp_path / "plots")) == [
+        "bandwidth.png", "loss.png", "throughput.png"]
     for s in range(3):
         states = [load_stage(folder, STEPS, s) for folder in folders]
         flat = [{k: v for k, v in _tensors(st).items() if not k.startswith(("/rng", "/averaging/errors"))}

@@ -12,6 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from mapl_swarm.cli import main
 from mapl_swarm.config import config_from_dict
 from mapl_swarm.errors import ConfigError
 from mapl_swarm.metrics.export import LiveFigures, PrometheusExporter, TensorBoardExporter, scalar_name
@@ -119,6 +120,18 @@ def test_train_exports_the_jsonl_figures_to_tensorboard_and_names_its_endpoint(t
     assert [(s, pytest.approx(v, rel=1e-6)) for s, v in vals] == got["mapl_val_loss"]
     health = [(r["step"], r["health/b0/energy_captured"]) for r in records if "health/b0/energy_captured" in r]
     assert health and [(s, pytest.approx(v, rel=1e-6)) for s, v in health] == got["mapl_energy_captured/boundary=0"]
+    # `plot` draws the run (and the same run twice, overlaid)
+    assert main(["plot", str(tmp_path / "run"), str(tmp_path / "run"), "--out", str(tmp_path / "plots")]) == 0
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["bandwidth.png", "health.png", "loss.png",
+                                                                      "throughput.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in (tmp_path / "plots").iterdir())
+
+
+def test_plot_names_a_folder_without_metrics_in_one_line(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert main(["plot", str(tmp_path / "empty"), "--out", str(tmp_path / "plots")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"no metrics in {tmp_path / 'empty'}" in err
 
 
 def _as_dict(cfg):
