@@ -369,6 +369,20 @@ def _cmd_status(args: argparse.Namespace) -> int:
     P = cfg.pipeline.num_stages
     dht = DiscoveryConfig(initial_peers=tuple(peers), client_mode=True)
     with Discovery(cfg.run.run_id, dht, membership=membership) as discovery:
+        if args.watch:
+            from mapl_swarm.metrics.watch import watch
+
+            if args.json:
+                raise ConfigError("status: --watch draws a table; --json prints one snapshot (give one of them)")
+            if not args.every > 0 or (args.count is not None and args.count < 1):
+                raise ConfigError(f"status --watch: --every must be > 0 and --count >= 1, got {args.every} and "
+                                  f"{args.count}")
+            try:
+                watch(lambda: [discovery.stage_peers(k) for k in range(P)], run_id=cfg.run.run_id,
+                      status_s=dht.status_s, every_s=args.every, count=args.count)
+            except KeyboardInterrupt:
+                pass
+            return 0
         stages = [discovery.stage_peers(k) for k in range(P)]
     serving = [sum(1 for p in ps if p.contact and not p.silent(dht.status_s)) for ps in stages]
     if args.json:
@@ -754,6 +768,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     _initial_peers_args(p)
     p.add_argument("--json", action="store_true", help="print the peers as JSON, one list per stage")
+    p.add_argument("--watch", action="store_true",
+                   help="a live table, redrawn every --every seconds until Ctrl-C: per peer its state, step, "
+                        "tokens/s, queue, per link bytes/s each way against the link's rate, round trip and last "
+                        "heartbeat, rejects by code, and the age of its record")
+    p.add_argument("--every", type=float, default=2.0, metavar="S", help="--watch: seconds between redraws (default 2)")
+    p.add_argument("--count", type=int, default=None, metavar="N", help="--watch: stop after N redraws")
     _key_args(p, "records are then unsigned hints", peer=False)
     p.set_defaults(func=_cmd_status)
 

@@ -113,8 +113,35 @@ def dht_validators(membership: Any) -> list[Any]:
 
 
 STATUS_FIELDS: dict[str, type] = {"state": str, "step": int, "tokens_per_s": float, "queue": int, "capacity": float,
-                                  "averaging": str, "averaging_bytes": int}
+                                  "averaging": str, "averaging_bytes": int, "links": list, "rejects": dict}
 """A status record's fields and their types (SPEC §9.1 "Status records"); a reader keeps only these."""
+LINK_FIELDS: dict[str, type] = {"peer": str, "tx_bps": float, "rx_bps": float, "rate_bps": float, "rtt_s": float,
+                                "heard_s": float}
+"""The fields of one entry of a status record's ``links`` (``peer`` required)."""
+MAX_STATUS_LINKS, MAX_STATUS_CODES = 16, 32
+"""A reader keeps at most this many ``links`` entries and ``rejects`` codes of a record."""
+
+
+def _typed(value: Any, kind: type, length: int = 32) -> Any:
+    """``value`` if it has type ``kind`` (an int taken for a float; a float finite; a str cut to
+    ``length``), else None."""
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or isinstance(value, bool) or (kind is float and not math.isfinite(value)):
+        return None
+    return value[:length] if kind is str else value
+
+
+def _checked_link(entry: Any) -> dict[str, Any]:
+    """One ``links`` entry's fields that have their types (figures >= 0); empty without ``peer``."""
+    if not isinstance(entry, dict):
+        return {}
+    out = {}
+    for name, kind in LINK_FIELDS.items():
+        v = _typed(entry.get(name), kind, 64)
+        if v is not None and (kind is str or v >= 0):
+            out[name] = v
+    return out if "peer" in out else {}
 
 
 def _checked_status(value: Any) -> dict[str, Any]:
@@ -124,11 +151,15 @@ def _checked_status(value: Any) -> dict[str, Any]:
         return {}
     out: dict[str, Any] = {}
     for name, kind in STATUS_FIELDS.items():
-        v = value.get(name)
-        if kind is float and isinstance(v, int) and not isinstance(v, bool):
-            v = float(v)
-        if isinstance(v, kind) and not isinstance(v, bool) and not (kind is float and not math.isfinite(v)):
-            out[name] = v[:32] if kind is str else v
+        v = _typed(value.get(name), kind)
+        if v is None:
+            continue
+        if name == "links":
+            v = [link for link in map(_checked_link, v[:MAX_STATUS_LINKS]) if link]
+        elif name == "rejects":
+            v = {code[:32]: n for code, n in list(v.items())[:MAX_STATUS_CODES]
+                 if isinstance(code, str) and type(n) is int and n >= 0}
+        out[name] = v
     return out
 
 

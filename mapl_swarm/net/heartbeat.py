@@ -314,6 +314,12 @@ class HeartbeatMonitor:
             state.cut_at = self._clock()
             logger.info("peer %r: connection ended; lost unless it comes back within %.1f s", peer, self.cut_grace_s)
 
+    def figures(self) -> dict[str, tuple[float | None, float]]:
+        """Per watched peer: (its smoothed round trip in seconds, None before a sample; seconds since
+        anything was heard from it). Safe from another thread: reads a copy."""
+        now = self._clock()
+        return {peer: (state.rtt.srtt, now - state.heard) for peer, state in dict(self._peers).items()}
+
     @property
     def cut_grace_s(self) -> float:
         """How long a neighbour's connection may stay down: two heartbeat intervals."""

@@ -18,6 +18,8 @@ import time
 from collections import deque
 from typing import Any
 
+from mapl_swarm.net.discovery import MAX_STATUS_CODES, MAX_STATUS_LINKS
+
 __all__ = ["StatusSource"]
 
 
@@ -29,6 +31,7 @@ class StatusSource:
         self.peer: Any = None
         self.window_s = window_s
         self._samples: deque[tuple[float, int, float]] = deque()  # (monotonic time, tokens, compute s) per call
+        self._link_totals: tuple[float, dict[str, list[int]]] | None = None  # (time, link -> [tx, rx] bytes)
 
     def __call__(self) -> dict[str, Any]:
         peer = self.peer
@@ -47,4 +50,27 @@ class StatusSource:
         return {"state": peer.state.value, "step": int(peer.schedule.step), "tokens_per_s": round(rate, 1),
                 "queue": peer.mailbox.waiting, "capacity": round(capacity, 1),
                 **({"averaging": averaging.scheme, "averaging_bytes": int(averaging.last_sent)}
-                   if averaging is not None else {})}
+                   if averaging is not None else {}),
+                "links": self._links(peer, now), "rejects": dict(sorted(dict(peer.result.rejects).items())[:MAX_STATUS_CODES])}
+
+    def _links(self, peer: Any, now: float) -> list[dict[str, Any]]:
+        """Per neighbour link: bytes per second each way since the previous record (on the wire,
+        headers included), the link's emulated rate (0: not shaped here), round trip and silence."""
+        totals: dict[str, list[int]] = {}
+        if peer.transport is not None:
+            for row in peer.transport.counters.rows():
+                totals.setdefault(str(row["link"]), [0, 0])[row["direction"] == "rx"] += int(row["wire_bytes"])
+        then, self._link_totals = self._link_totals, (now, totals)
+        dt = now - then[0] if then is not None else 0.0
+        rate_bps = peer.cfg.net.bandwidth_mbps * 1e6 / 8
+        out = []
+        for name, (rtt_s, heard_s) in sorted(peer.monitor.figures().items())[:MAX_STATUS_LINKS]:
+            tx, rx = totals.get(name, [0, 0])
+            before = then[1].get(name, [tx, rx]) if then is not None else [tx, rx]
+            link = {"peer": name[:64], "tx_bps": round((tx - before[0]) / dt, 1) if dt > 0 else 0.0,
+                    "rx_bps": round((rx - before[1]) / dt, 1) if dt > 0 else 0.0, "rate_bps": rate_bps,
+                    "heard_s": round(heard_s, 2)}
+            if rtt_s is not None:
+                link["rtt_s"] = round(rtt_s, 4)
+            out.append(link)
+        return out

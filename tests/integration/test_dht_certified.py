@@ -120,7 +120,9 @@ def check_status_records(maddrs: list[str], stage1: Discovery, member: Discovery
     """Status records (SPEC §9.1): the stage's certified peer's is read with its contact; a member
     of another stage and an outsider cannot publish one for it; ``mapl-swarm status`` prints them
     and exits 1 naming the stage no peer serves."""
-    status = {"state": "training", "step": 7, "tokens_per_s": 1234.5, "queue": 2}
+    status = {"state": "training", "step": 7, "tokens_per_s": 1234.5, "queue": 2,
+              "links": [{"peer": "stage2", "tx_bps": 250_000.0, "rx_bps": 125_000.0, "rate_bps": 1.25e6,
+                         "rtt_s": 0.012, "heard_s": 0.4}], "rejects": {"replay": 3}}
     stage1.publish_status(1, lambda: {**status, "not_a_field": "dropped"})
     member.publish_status(1, lambda: {**status, "step": 666})  # its certificate is stage 2's
     outsider.publish_status(0, lambda: status)
@@ -140,6 +142,53 @@ def check_status_records(maddrs: list[str], stage1: Discovery, member: Discovery
     assert [len(peers) for peers in stages] == [0, 1, 1]
     assert {k: stages[1][0][k] for k in ("peer_id", "contact", "status", "silent")} == {
         "peer_id": stage1.peer_id, "contact": peer.contact, "status": status, "silent": False}
+
+    # the live table, drawn in a pseudo-terminal as an operator sees it: every stage, its peers, links
+    screen = in_pty([sys.executable, "-m", "mapl_swarm", "status", "--set", "pipeline.num_stages=3", "--set",
+                     f'run.run_id="{RUN}"', "--cert", str(local.cert_file(0)), "--watch", "--every", "0.2",
+                     "--count", "2", *(a for m in maddrs for a in ("--initial-peer", m))])
+    assert f"run '{RUN}': 3 stages" in screen and "no peer" in screen, screen
+    assert stage1.peer_id[:8] in screen and "stage2: ↑0.25/1.25 ↓0.12 MB/s rtt 12 ms" in screen, screen
+    assert "replay 3" in screen and "training" in screen
+
+    # a certificate of another authority for the same run learns nothing: every record is refused
+    other = issue_local(local.folder.parent / "other-ids", run_id=RUN, num_stages=3)
+    done = subprocess.run([sys.executable, "-m", "mapl_swarm", "status", "--set", "pipeline.num_stages=3",
+                           "--set", f'run.run_id="{RUN}"', "--cert", str(other.cert_file(0)), "--json",
+                           *(a for m in maddrs for a in ("--initial-peer", m))],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and json.loads(done.stdout)["stages"] == [[], [], []], done.stdout
+
+
+def in_pty(cmd: list[str], timeout_s: float = 60) -> str:
+    """What ``cmd`` draws on a pseudo-terminal of 200 columns (its whole output, until it exits)."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))
+    env = {**os.environ, "COLUMNS": "200", "LINES": "50", "TERM": "xterm"}  # as a terminal's shell sets them
+    proc = subprocess.Popen(cmd, stdin=follower, stdout=follower, stderr=follower, close_fds=True, env=env)
+    os.close(follower)
+    chunks = []
+    try:
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # the terminal closed: the process exited
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        assert proc.wait(timeout=timeout_s) == 0, b"".join(chunks).decode(errors="replace")
+    finally:
+        os.close(leader)
+        if proc.poll() is None:
+            proc.kill()
+    return b"".join(chunks).decode(errors="replace")
 
 
 @pytest.mark.timeout(120)

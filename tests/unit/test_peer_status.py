@@ -20,6 +20,12 @@ def test_a_reader_keeps_only_the_fields_of_the_spec_with_their_types():
     assert _checked_status({"state": 5, "step": "3", "tokens_per_s": math.nan, "queue": True}) == {}
     assert _checked_status({"state": "x" * 1000})["state"] == "x" * 32
     assert _checked_status([1, 2]) == {} and _checked_status(None) == {}
+    # links and rejects: typed entries only, bounded; an entry without its peer is dropped
+    got = _checked_status({"links": [{"peer": "stage1", "tx_bps": 10, "rx_bps": -1.0, "rtt_s": "x", "evil": 1},
+                                     {"tx_bps": 5.0}, "junk"] + [{"peer": f"p{i}"} for i in range(40)],
+                           "rejects": {"replay": 3, "bad": -1, "x" * 100: 1, 7: 1, "f": 1.5}})
+    assert got["links"][0] == {"peer": "stage1", "tx_bps": 10.0} and len(got["links"]) == 14  # of the first 16
+    assert got["rejects"] == {"replay": 3, "x" * 32: 1}
 
 
 def test_the_source_reports_state_step_queue_and_a_windowed_token_rate(monkeypatch):
@@ -27,22 +33,38 @@ def test_the_source_reports_state_step_queue_and_a_windowed_token_rate(monkeypat
     monkeypatch.setattr("mapl_swarm.peer.status.time.monotonic", lambda: now[0])
     source = StatusSource(window_s=10.0)
     assert source() == {"state": "starting", "step": 0, "tokens_per_s": 0.0, "queue": 0, "capacity": 0.0}
+    rows = [{"link": "stage1", "direction": "tx", "kind": "act", "wire_bytes": 0},
+            {"link": "stage1", "direction": "rx", "kind": "grad", "wire_bytes": 0}]
     peer = SimpleNamespace(rt=SimpleNamespace(tokens_trained=0), state=PeerState.TRAINING,
-                           schedule=SimpleNamespace(step=4), mailbox=Mailbox("t"), compute=SimpleNamespace(busy_s=0.0))
+                           schedule=SimpleNamespace(step=4), mailbox=Mailbox("t"), compute=SimpleNamespace(busy_s=0.0),
+                           transport=SimpleNamespace(counters=SimpleNamespace(rows=lambda: rows)),
+                           monitor=SimpleNamespace(figures=lambda: {"stage1": (0.0125, 0.5)}),
+                           result=SimpleNamespace(rejects={"replay": 2}),
+                           cfg=SimpleNamespace(net=SimpleNamespace(bandwidth_mbps=8.0)))
     source.peer = peer
     assert source()["tokens_per_s"] == 0.0
     for _ in range(10):  # 1000 tokens a second, sampled every 2 s, computing half of the time
         now[0] += 2.0
         peer.rt.tokens_trained += 2000
         peer.compute.busy_s += 1.0
+        rows[0]["wire_bytes"] += 2_000_000
+        rows[1]["wire_bytes"] += 500_000
     status = source()
     replica_only = {"averaging", "averaging_bytes"}
+    # per link: bytes per second each way since the last record, the emulated rate, round trip, silence
+    assert status["links"] == [{"peer": "stage1", "tx_bps": 1e6, "rx_bps": 250_000.0, "rate_bps": 1e6,
+                                "heard_s": 0.5, "rtt_s": 0.0125}]  # 20 MB and 5 MB in the 20 s since the last call
+    assert status["rejects"] == {"replay": 2}
     assert set(status) == set(STATUS_FIELDS) - replica_only and status["state"] == "training" and status["step"] == 4
     assert status["tokens_per_s"] == pytest.approx(1000.0)
     assert status["capacity"] == pytest.approx(2000.0)  # what it would train never waiting
     now[0] += 2.0  # a stall: the rate falls, over the window
     peer.rt.tokens_trained += 0
-    assert source()["tokens_per_s"] == pytest.approx(20000 / 22, abs=0.1)  # published to 0.1 token/s
+    rows[0]["wire_bytes"] += 1_000_000
+    stalled = source()
+    assert stalled["tokens_per_s"] == pytest.approx(20000 / 22, abs=0.1)  # published to 0.1 token/s
+    assert (stalled["links"][0]["tx_bps"], stalled["links"][0]["rx_bps"]) == (500_000.0, 0.0)
+    assert _checked_status(stalled)["links"] == stalled["links"]
     peer.rt = SimpleNamespace(tokens_trained=0)  # a re-formed session's new stage runtime
     now[0] += 2.0
     assert source()["tokens_per_s"] == 0.0
