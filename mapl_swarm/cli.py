@@ -532,6 +532,43 @@ def _cmd_lab(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    if args.stage is not None:
+        cfg.check_stage(args.stage)
+    from mapl_swarm.doctor import local_checks, swarm_checks
+    from mapl_swarm.net.dht_node import precheck_initial_peers
+
+    peers = list(args.initial_peer or []) or list(cfg.net.initial_peers)
+    precheck_initial_peers(peers)
+    checks = local_checks(cfg, peer_key=args.peer_key, cert=args.cert, stage=args.stage,
+                          revocations=args.revocations, initial_peers=peers)
+    for check in checks:
+        print(check.line(), flush=True)
+    membership = None
+    if args.cert and next(c for c in checks if c.name == "certificate").ok:  # a usable identity reads the certified records as a member does
+        from mapl_swarm.net.identity import load_identity
+
+        membership = load_identity(args.peer_key, args.cert, run_id=cfg.run.run_id, stage=args.stage,
+                                   revocations=args.revocations)
+    if peers:
+        from mapl_swarm.peer.main import peer_assets
+
+        def settings() -> tuple[str, dict]:  # what this host's peer would send (prepares the data)
+            assets = peer_assets(cfg)
+            return assets.fingerprint, assets.config
+
+        for check in swarm_checks(cfg, initial_peers=peers, membership=membership, settings=settings):
+            checks.append(check)
+            print(check.line(), flush=True)
+    failed = [c for c in checks if c.ok is False]
+    if failed:
+        print(f"mapl-swarm doctor: {len(failed)} check(s) failed: {', '.join(c.name for c in failed)}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
 def _cmd_plot(args: argparse.Namespace) -> int:
     from mapl_swarm.metrics.plot import plot_runs
 
@@ -881,6 +918,22 @@ def build_parser() -> argparse.ArgumentParser:
     _replicas_arg(p)
     _local_revocations_arg(p)
     p.set_defaults(func=_cmd_launch)
+
+    p = add("doctor", "check why this host's peer would not meet its swarm, one line per check with its fix",
+            "Check this host before it serves: the peer key file, the certificate (run, stage, key, "
+            "revocation, expiry), the ports the peer will listen on, the address it will advertise; and, "
+            "with --initial-peer, the swarm: each bootstrap node answers, the DHT joins, the live peers' "
+            "protocol version and config fingerprint equal this host's (naming each differing setting), "
+            "and this host's clock agrees with theirs. Exit status 1 when a check fails.")
+    _add_config_args(p)
+    p.add_argument("--stage", type=int, metavar="K", help="the stage this host will serve (its certificate is "
+                                                          "checked for it)")
+    p.add_argument("--initial-peer", action="append", metavar="MADDR",
+                   help="multiaddr of the swarm's DHT bootstrap node (repeatable; default: net.initial_peers)")
+    p.add_argument("--peer-key", metavar="FILE", help="this host's peer key file")
+    p.add_argument("--cert", metavar="FILE", help="this host's certificate file")
+    _local_revocations_arg(p)
+    p.set_defaults(func=_cmd_doctor)
 
     p = add("plot", "draw one or more runs' metrics as PNGs (loss, tokens/s, bandwidth, health)",
             "Read the metrics files of each run folder (a `train` run's metrics.jsonl, or a swarm's "

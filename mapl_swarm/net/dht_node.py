@@ -148,32 +148,33 @@ def _check_resolves(host: str, family: int, maddr: str) -> None:
         raise DiscoveryError(f"initial peer {maddr!r}: host {host!r} cannot be resolved ({reason})")
 
 
-def check_listen_address(host: str, port: int) -> None:
-    """Bind ``host:port`` (TCP) for a moment: DiscoveryError naming them when the port is taken,
-    the host is not this machine's or cannot be resolved, or binding is not permitted."""
+def check_listen_address(host: str, port: int, what: str = "DHT") -> None:
+    """Bind ``host:port`` (TCP) for a moment: DiscoveryError naming them (as ``what``'s port) when
+    the port is taken, the host is not this machine's or cannot be resolved, or binding is not
+    permitted."""
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                           flags=socket.AI_PASSIVE)[0]
     except (socket.gaierror, UnicodeError) as exc:
-        raise DiscoveryError(f"DHT host {host!r} cannot be resolved ({getattr(exc, 'strerror', exc)})") from None
+        raise DiscoveryError(f"{what} host {host!r} cannot be resolved ({getattr(exc, 'strerror', exc)})") from None
     with socket.socket(family, kind, proto) as probe:
         # Like p2pd's listener: a port whose old connections linger in TIME_WAIT is free.
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(addr)
         except OSError as exc:
-            raise DiscoveryError(_bind_failure(host, port, exc)) from None
+            raise DiscoveryError(_bind_failure(host, port, exc, what)) from None
 
 
-def _bind_failure(host: str, port: int, exc: OSError) -> str:
+def _bind_failure(host: str, port: int, exc: OSError, what: str = "DHT") -> str:
     if exc.errno == errno.EADDRINUSE:
-        return (f"DHT port {port} on {host} is already in use (another DHT node or program listens on it); "
-                "choose a free port, or 0 for any")
+        return (f"{what} port {port} on {host} is already in use (another {'DHT node' if what == 'DHT' else 'peer'} "
+                "or program listens on it); choose a free port, or 0 for any")
     if exc.errno == errno.EADDRNOTAVAIL:
-        return f"DHT host {host} is not an address of this machine (cannot listen on {host}:{port})"
+        return f"{what} host {host} is not an address of this machine (cannot listen on {host}:{port})"
     if exc.errno == errno.EACCES:
-        return f"not permitted to listen on DHT port {port} on {host} (ports below 1024 need privileges)"
-    return f"cannot listen on DHT address {host}:{port}: {exc.strerror or exc}"
+        return f"not permitted to listen on {what} port {port} on {host} (ports below 1024 need privileges)"
+    return f"cannot listen on {what} address {host}:{port}: {exc.strerror or exc}"
 
 
 def start_dht(*, host: str = "0.0.0.0", port: int = 0, announce_host: str | None = None,

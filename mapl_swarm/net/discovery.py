@@ -57,7 +57,7 @@ from mapl_swarm.procs import wait_for_signal
 
 __all__ = ["DiscoveryConfig", "Discovery", "start_dht", "run_bootstrap_node", "host_maddr", "stage_key",
            "averaging_prefix", "member_keys", "status_key", "dht_validators", "TrustedAuthority", "MAX_STAGES",
-           "MAX_TTL_S", "StagePeer", "STATUS_FIELDS"]
+           "MAX_TTL_S", "StagePeer", "STATUS_FIELDS", "config_key", "checked_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -84,13 +84,19 @@ def status_key(run_id: str, stage: int) -> str:
     return f"mapl/{run_id}/status/{stage}"
 
 
-def member_keys(run_id: str, stage: int) -> tuple[str, str, str]:
+def config_key(run_id: str, stage: int) -> str:
+    """The DHT key of the config records of ``stage``'s peers (SPEC §9.1 "Config records")."""
+    return f"mapl/{run_id}/config/{stage}"
+
+
+def member_keys(run_id: str, stage: int) -> tuple[str, str, str, str]:
     """The DHT keys each peer of ``stage`` writes at its own libp2p peer id: its averager's
     matchmaking (hivemind's ``<prefix>.0b``, one group, no group bits) and state download
-    (``<prefix>.all_averagers``), and its status record (:func:`status_key`). A certified node
-    accepts a record under them only from a member of that stage, at its own peer id (SPEC §9.1)."""
+    (``<prefix>.all_averagers``), its status record (:func:`status_key`) and its config record
+    (:func:`config_key`). A certified node accepts a record under them only from a member of that
+    stage, at its own peer id (SPEC §9.1)."""
     prefix = averaging_prefix(run_id, stage)
-    return f"{prefix}.0b", f"{prefix}.all_averagers", status_key(run_id, stage)
+    return f"{prefix}.0b", f"{prefix}.all_averagers", status_key(run_id, stage), config_key(run_id, stage)
 
 
 def dht_validators(membership: Any) -> list[Any]:
@@ -130,6 +136,28 @@ def _typed(value: Any, kind: type, length: int = 32) -> Any:
     if not isinstance(value, kind) or isinstance(value, bool) or (kind is float and not math.isfinite(value)):
         return None
     return value[:length] if kind is str else value
+
+
+MAX_CONFIG_SETTINGS = 256
+"""A reader keeps at most this many settings of a config record."""
+
+
+def checked_config(value: Any) -> dict[str, Any]:
+    """A config record's fields that have their types (SPEC §9.1 "Config records"): ``protocol``
+    and ``fingerprint`` (str), ``config`` (str -> bool, int, finite float or str; at most
+    :data:`MAX_CONFIG_SETTINGS`, names cut to 64 characters, strings to 128)."""
+    if not isinstance(value, dict):
+        return {}
+    out: dict[str, Any] = {k: v for k in ("protocol", "fingerprint") if (v := _typed(value.get(k), str, 64))}
+    settings = value.get("config")
+    if isinstance(settings, dict):
+        out["config"] = {}
+        for name, v in list(settings.items())[:MAX_CONFIG_SETTINGS]:
+            if not isinstance(name, str) or not isinstance(v, (bool, int, float, str)):
+                continue
+            if not isinstance(v, float) or math.isfinite(v):
+                out["config"][name[:64]] = v[:128] if isinstance(v, str) else v
+    return out
 
 
 def _checked_link(entry: Any) -> dict[str, Any]:
@@ -178,6 +206,9 @@ class StagePeer:
     heard_s: float | None = None
     """Seconds since it last stored its status record (every ``status_s`` while it lives; None: it
     published none)."""
+    clock_age_s: float | None = None
+    """:attr:`heard_s` as this host's clock reads it, not clamped at 0: below 0 (a record stored in
+    this host's future) this host's clock is behind the peer's (``mapl-swarm doctor``)."""
 
     def silent(self, status_s: float) -> bool:
         """It stopped storing its status record: none for three of its periods (a process killed;
@@ -282,6 +313,7 @@ class Discovery:
         self._announced: dict[int, tuple[str, str]] = {}  # stage -> (subkey, endpoint)
         self._refusals_logged: set[int] = set()
         self._status: tuple[int, Callable[[], dict[str, Any]]] | None = None  # stage, source
+        self._config: tuple[int, dict[str, Any]] | None = None  # stage, config record
         self._lock = threading.Lock()  # guards the DHT command pipe
         self._state = threading.Lock()  # serialises announce / withdraw / refresh
         self._stop = threading.Event()
@@ -372,6 +404,32 @@ class Discovery:
             self._store_status()
         self._ensure_refresher()
 
+    def publish_config(self, stage: int, record: dict[str, Any]) -> None:
+        """Store this peer's config record of ``stage`` (its protocol version, config fingerprint and
+        the settings its neighbours must share: SPEC §9.1 "Config records") now and with every
+        re-announcement; ``mapl-swarm doctor`` compares a host's config with it."""
+        self._require()
+        with self._state:
+            self._config = (stage, record)
+            self._store_config()
+        self._ensure_refresher()
+
+    def stage_configs(self, stage: int) -> dict[str, dict[str, Any]]:
+        """The config record of each peer of ``stage`` that published one (:func:`checked_config`), by peer id."""
+        from hivemind.p2p import PeerID
+
+        found = self._call(lambda dht: dht.get(config_key(self.run_id, stage), latest=True, return_future=True),
+                           f"get the config of stage {stage}")
+        out: dict[str, dict[str, Any]] = {}
+        if found is not None and isinstance(found.value, dict):
+            for sub, v in found.value.items():
+                if isinstance(sub, bytes):
+                    try:
+                        out[PeerID(sub).to_base58()] = checked_config(v.value)
+                    except Exception:  # noqa: BLE001 - not a peer id: an insecure run's stranger
+                        continue
+        return out
+
     def stage_peers(self, stage: int) -> list[StagePeer]:
         """Every peer of ``stage`` with a live stage or status record, by peer id."""
         from hivemind.p2p import PeerID
@@ -394,7 +452,7 @@ class Discovery:
             status, status_until = statuses.get(peer_id, ({}, 0.0))
             heard = self.config.ttl_s - (status_until - now) if peer_id in statuses else None
             peers.append(StagePeer(peer_id, endpoint, max(until, status_until) - now, status,
-                                   None if heard is None else max(0.0, heard)))
+                                   None if heard is None else max(0.0, heard), heard))
         return sorted(peers, key=lambda p: p.peer_id)
 
     def entries(self, stage: int) -> list[tuple[str, str, float]]:
@@ -508,6 +566,15 @@ class Discovery:
                 "may hold a newer entry of it, or refuse it: a node of another authority, or a record this "
                 "certificate does not allow)", self.run_id, stage)
 
+    def _store_config(self) -> None:
+        """Store the config record (holding ``_state``)."""
+        if self._config is None:
+            return
+        stage, record = self._config
+        self._call(lambda dht: dht.store(config_key(self.run_id, stage), record, _dht_time() + self.config.ttl_s,
+                                         subkey=dht.peer_id.to_bytes(), return_future=True),
+                   f"store the config of stage {stage}")
+
     def _store_status(self) -> None:
         """Store the status record (holding ``_state``)."""
         if self._status is None:
@@ -530,6 +597,10 @@ class Discovery:
                             self._store(stage, subkey, endpoint)
                         except DiscoveryError as exc:
                             logger.warning("re-announce failed: %s", exc)
+                    try:
+                        self._store_config()
+                    except DiscoveryError as exc:
+                        logger.debug("config store failed: %s", exc)
                 try:
                     self._store_status()
                 except DiscoveryError as exc:

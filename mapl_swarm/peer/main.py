@@ -92,6 +92,14 @@ class PeerAssets:
     """The settings neighbours must share (``config.config_summary``), sent in the handshake."""
 
 
+def config_record(fingerprint: str, config: dict[str, Any]) -> dict[str, Any]:
+    """A peer's config record (SPEC §9.1 "Config records"): its protocol version, its config
+    fingerprint and the settings its neighbours must share."""
+    from mapl_swarm.wire.spec import PROTOCOL_VERSION
+
+    return {"protocol": ".".join(map(str, PROTOCOL_VERSION)), "fingerprint": fingerprint, "config": dict(config)}
+
+
 def peer_assets(cfg: TrainConfig) -> PeerAssets:
     """Prepare the data, fingerprint the config and bind the device (once per process)."""
     import torch
@@ -242,6 +250,7 @@ def run_peer(cfg: TrainConfig, stage: int | None, *, membership: Membership | No
                                                membership)
             status = StatusSource()
             discovery.publish_status(stage, status)
+            discovery.publish_config(stage, config_record(assets.fingerprint, assets.config))
             exporters: list[Any] = []
 
             async def announce(endpoint: str) -> None:

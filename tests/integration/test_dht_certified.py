@@ -95,6 +95,7 @@ def scenario(bootstrap_dht: Any, maddrs: list[str], ids: list, local: Any, lists
         with pytest.raises(discovery_module.DiscoveryTimeoutError, match="stage 0"):
             reader.lookup_all(0, timeout_s=1)
         check_status_records(maddrs, stage1, member, outsider, reader, local)
+        check_doctor(maddrs, stage1, reader, local)
 
         # the authority revokes the member: the node of a peer holding the list re-reads it (in the
         # DHT's own process) and reads the member's records as withdrawn; one without keeps them
@@ -158,6 +159,34 @@ def check_status_records(maddrs: list[str], stage1: Discovery, member: Discovery
                            *(a for m in maddrs for a in ("--initial-peer", m))],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and json.loads(done.stdout)["stages"] == [[], [], []], done.stdout
+
+
+def check_doctor(maddrs: list[str], stage1: Discovery, reader: Discovery, local: Any) -> None:
+    """``mapl-swarm doctor`` against the swarm: its bootstrap answers, the DHT joins, and a live
+    stage-1 peer's config record differs from this host's in one setting, which it names."""
+    from mapl_swarm.config import config_from_dict
+    from mapl_swarm.peer.main import config_record, peer_assets
+
+    cache = local.folder.parent / "doctor-cache"
+    cfg = config_from_dict({"pipeline": {"num_stages": 3}, "run": {"run_id": RUN},
+                            "data": {"cache_dir": str(cache)}}, "test")
+    assets = peer_assets(cfg)
+    rank = assets.config["compression.rank"]
+    stage1.publish_config(1, config_record("f" * 32, {**assets.config, "compression.rank": 2 * rank}))
+    wait_until(lambda: reader.stage_configs(1) != {}, 10, "stage 1's config record")
+    done = subprocess.run([sys.executable, "-m", "mapl_swarm", "doctor", "--set", "pipeline.num_stages=3",
+                           "--set", f'run.run_id="{RUN}"', "--set", f'data.cache_dir="{cache}"', "--stage", "0",
+                           "--peer-key", str(local.key_file(0)), "--cert", str(local.cert_file(0)),
+                           *(a for m in maddrs for a in ("--initial-peer", m))],
+                          capture_output=True, text=True, timeout=120)
+    lines = done.stdout.splitlines()
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert [line for line in lines if line.startswith("FAIL")] == [
+        f"FAIL config: differs from stage 1's: compression.rank (stage 1 has {2 * rank}, this host {rank}); fix: use "
+        "the swarm's config file (peers/*.toml) and --set only host-local settings"], lines
+    assert any(line.startswith("ok   bootstrap: 127.0.0.1:") for line in lines)
+    assert any(line.startswith("ok   protocol: 2.1") for line in lines) and any(
+        line.startswith("ok   clock:") for line in lines), lines
 
 
 def in_pty(cmd: list[str], timeout_s: float = 60) -> str:
