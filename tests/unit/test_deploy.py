@@ -230,3 +230,31 @@ def test_the_replicas_override_runs_two_replicas_of_every_stage_each_with_its_ow
 
     assert main(["keys", "local", "--config", str(ROOT / keys.config), "--out", str(tmp_path)]) == 0
     assert {p.name for p in tmp_path.glob("stage*.key")} == {f"{name}.key" for name in peers}
+
+
+def test_monitoring_override_scrapes_every_stage_peer_on_its_metrics_port():
+    """compose.monitoring.yaml: a Prometheus built like the peer image, on the swarm's network and
+    a non-internal one for its UI port, scraping each stage service at the metrics port its
+    config serves on (bound to every interface of its container)."""
+    base, monitoring = _compose(), _compose("compose.monitoring.yaml")
+    compose = _merged(base, monitoring)
+    prom = compose["services"]["prometheus"]
+    assert prom["build"]["dockerfile"] == "docker/prometheus.Dockerfile"
+    assert (ROOT / "docker/prometheus.Dockerfile").read_text().count("ARG BASE=") == 1
+    assert set(prom["networks"]) == {"default", "monitoring"} and "internal" not in compose["networks"]["monitoring"]
+    assert prom["ports"] == ["127.0.0.1:9090:9090"]
+    parser, targets = build_parser(), []
+    for name, svc in base["services"].items():
+        if name in ONE_SHOT + ("dht",):
+            continue
+        args = parser.parse_args(svc["command"])
+        cfg = load_config(ROOT / args.config, parse_overrides(args.set))
+        assert cfg.metrics.prometheus_host == "0.0.0.0" and cfg.metrics.prometheus_port
+        targets.append(f"{name}:{cfg.metrics.prometheus_port}")
+    (job,) = yaml.safe_load((ROOT / "docker/prometheus.yml").read_text())["scrape_configs"]
+    (static,) = job["static_configs"]
+    assert sorted(static["targets"]) == sorted(targets) and set(prom["depends_on"]) == {t.split(":")[0] for t in targets}
+    gpu = _merged(base, _compose("compose.gpu.yaml"))  # the GPU override's peers serve the same port
+    for name in prom["depends_on"]:
+        args = parser.parse_args(gpu["services"][name]["command"])
+        assert load_config(ROOT / args.config, parse_overrides(args.set)).metrics.prometheus_port == 9400
