@@ -15,7 +15,10 @@ mean), ``topk:F`` with F of each matrix's values (:func:`~mapl_swarm.replicas.sc
 and ``sparse_sum``, each replica's error feedback its M less its own share), projector
 gradients exact. A label may add ``+rows`` (the embedding tables averaged exactly, counted as the
 rows each replica touched: index and row) and ``+warmN`` (the first N steps averaged as ``fp32``,
-as PyTorch's ``start_powerSGD_iter``). Equal token budget for all; printed and written: each run's
+as PyTorch's ``start_powerSGD_iter``) and ``+mom`` (the Muon matrices' error feedback is
+their momentum, as Dion's: Muon itself then runs without momentum). ``quant:B`` sends each
+matrix's values at B bits with error feedback (each row on a uniform grid scaled by its rms; 1 bit:
+the sign times the row's mean magnitude). Equal token budget for all; printed and written: each run's
 final validation loss (with ``--val-every N`` also every N steps: how the gap moves as training
 goes on), and per scheme the mean over seeds of its Δ% against ``fp32`` at the same seed, with the
 averaging values each scheme sends per step against fp32's.
@@ -57,7 +60,8 @@ class StageAveraging:
     """One stage's averaging among R emulated replicas: its plan, warm-start factors and each
     replica's error feedback."""
 
-    def __init__(self, stage, scheme: str, parameter: str, replicas: int, seed: int, rows: bool = False) -> None:
+    def __init__(self, stage, scheme: str, parameter: str, replicas: int, seed: int, rows: bool = False,
+                 momentum: bool = False) -> None:
         self.stage, self.scheme = stage, scheme
         self.params = list(stage.optimized_parameters())
         self.tables = table_tensors(stage) if rows else []
@@ -67,11 +71,33 @@ class StageAveraging:
         self.plan = low_rank_plan(shapes, int(parameter or 4), exact=exact) if scheme == "powersgd" else None
         self.sparse = sparse_plan(shapes, float(parameter or 0.01), exact=exact) if scheme == "topk" else None
         self.half = compressible(shapes, exact) if scheme == "fp16" else ()
-        self.compressed = self.plan.matrices if self.plan else self.sparse.tensors if self.sparse else ()
+        self.bits = int(parameter or 1) if scheme == "quant" else 0
+        self.quantized = compressible(shapes, exact) if scheme == "quant" else ()
+        self.compressed = self.plan.matrices if self.plan else self.sparse.tensors if self.sparse else self.quantized
         self.factors = initial_factors(self.plan, derive_seed(seed, "powersgd", stage.stage)) if self.plan else []
         self.errors = [[torch.zeros(shapes[i]) for i in self.compressed] for _ in range(replicas)] \
             if self.compressed else None
         self.shares: list[tuple[list[torch.Tensor], float]] = []
+        # ``+mom``: the Muon matrices' error feedback is their momentum (Dion's, Ahn et al. 2025): a
+        # replica keeps mu of what was sent beside all that was not, and Muon runs without its own
+        # momentum, so the averaged, compressed tensor is already the momentum Muon orthogonalizes
+        self.decay = [0.0] * len(self.params)
+        if momentum and self.compressed:
+            muon = stage.optimizers[0]
+            ids = {id(p) for g in muon.param_groups for p in g["params"]}
+            left = [p for p in ids if p not in {id(self.params[i]) for i in self.compressed}]
+            if left:
+                raise SystemExit(f"+mom: {len(left)} Muon matrices of stage {stage.stage} are not compressed")
+            for i in self.compressed:
+                if id(self.params[i]) in ids:
+                    self.decay[i] = muon.param_groups[0]["momentum"]
+            for g in muon.param_groups:
+                g["momentum"] = 0.0
+
+    def _feedback(self, i: int, m: torch.Tensor, sent: torch.Tensor, n: int, total: int) -> torch.Tensor:
+        """A replica's error feedback of tensor ``i`` after a round (``+mom``: with mu of ``sent``)."""
+        e = feedback(m, sent, n, total)
+        return e.add_(sent, alpha=self.decay[i] * n / total) if self.decay[i] else e
 
     def keep(self, replica: int, n: int, num_micro_batches: int) -> None:
         """Replica ``replica`` computed ``n`` micro-batches: keep its filled tensors, clear the grads."""
@@ -96,7 +122,7 @@ class StageAveraging:
             out = emulate(ms, weights, self.plan, self.factors)
             for r, m in enumerate(ms):
                 for e, i in zip(self.errors[r], self.plan.matrices):
-                    e.copy_(feedback(m[i], out[i], int(weights[r]), int(total)))
+                    e.copy_(self._feedback(i, m[i], out[i], int(weights[r]), int(total)))
         else:  # the weighted mean, then the scheme's compressed tensors in its place
             out = [sum(m[i] * (w / total) for m, w in zip(ms, weights)) for i in range(len(ms[0]))]
             if dense:
@@ -107,7 +133,14 @@ class StageAveraging:
                     out[i] = sparse_sum([(*sh, w) for sh, w in zip(shares, weights)], ms[0][i])
                     for r, (m, sh) in enumerate(zip(ms, shares)):
                         self.errors[r][self.sparse.tensors.index(i)].copy_(
-                            feedback(m[i], sparse_decoded(*sh, m[i]), int(weights[r]), int(total)))
+                            self._feedback(i, m[i], sparse_decoded(*sh, m[i]), int(weights[r]), int(total)))
+            elif self.scheme == "quant":
+                for i in self.quantized:
+                    shares = [quantized(m[i], self.bits) for m in ms]
+                    out[i] = sum(sh * (w / total) for sh, w in zip(shares, weights))
+                    for r, (m, sh) in enumerate(zip(ms, shares)):
+                        self.errors[r][self.quantized.index(i)].copy_(
+                            self._feedback(i, m[i], sh, int(weights[r]), int(total)))
             elif self.scheme == "fp16":
                 for i in self.half:
                     out[i] = _fp16(sum(_fp16(m[i]) * (w / total) for m, w in zip(ms, weights)))
@@ -121,10 +154,26 @@ class StageAveraging:
         counts = [p.numel() for p in self.params]
         plan = self.plan or self.sparse
         sent, dense = plan.values(counts) if plan is not None else (sum(counts), sum(counts))
+        if self.quantized:  # bits per value and one float16 scale per row, in 4-byte words
+            shapes = [p.shape for p in self.params]
+            sent -= sum(counts[i] - counts[i] * self.bits / 32 - shapes[i][0] / 2 for i in self.quantized)
         if self.tables:
             sent += self.rows_sent / rounds - sum(counts[i] for i in self.tables)
         sent += (sum(counts) - sent) * self.dense_rounds / rounds  # warm-up rounds send every value
         return sent, dense
+
+
+def quantized(m: torch.Tensor, bits: int) -> torch.Tensor:
+    """``m`` as a member's ``bits``-bit share decodes it: each row's values rounded to the
+    2^bits-level uniform grid (step = the row's rms, levels ±0.5, ±1.5, ... steps: the optimal
+    4-level grid for Gaussian values; 1 bit: the sign times the row's mean |value|, as EF-signSGD)."""
+    rows = m.reshape(m.shape[0], -1)
+    if bits == 1:
+        return (torch.sign(rows) * rows.abs().mean(dim=1, keepdim=True)).reshape(m.shape)
+    step = rows.pow(2).mean(dim=1, keepdim=True).sqrt().clamp_min(1e-30)
+    half = 2 ** (bits - 1)
+    q = torch.clamp(torch.floor(rows / step), -half, half - 1) + 0.5
+    return (q * step).reshape(m.shape)
 
 
 def table_tensors(stage) -> list[int]:
@@ -147,7 +196,8 @@ def run(scheme_label: str, seed: int, args: argparse.Namespace, data) -> dict:
                             "runtime": {"threads": 1}}, "bench")
     torch.manual_seed(seed)
     pipe = InProcessPipeline(cfg)
-    stages = [StageAveraging(s, scheme, parameter, args.replicas, seed, rows="rows" in extras) for s in pipe.stages]
+    stages = [StageAveraging(s, scheme, parameter, args.replicas, seed, rows="rows" in extras, momentum="mom" in extras)
+              for s in pipe.stages]
     T, M = cfg.model.context_length, cfg.pipeline.num_micro_batches
     sampler = BatchSampler(data.train, cfg.pipeline.micro_batch_size, T, seed)
     val = validation_batches(data.val, cfg.pipeline.micro_batch_size, T, cfg.eval.batches)
