@@ -546,11 +546,18 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     for check in checks:
         print(check.line(), flush=True)
     membership = None
-    if args.cert and next(c for c in checks if c.name == "certificate").ok:  # a usable identity reads the certified records as a member does
+    if args.cert:  # the certified records are read as a member reads them, or as its bootstrap node does
         from mapl_swarm.net.identity import load_identity
 
-        membership = load_identity(args.peer_key, args.cert, run_id=cfg.run.run_id, stage=args.stage,
-                                   revocations=args.revocations)
+        if next(c for c in checks if c.name == "certificate").ok:
+            membership = load_identity(args.peer_key, args.cert, run_id=cfg.run.run_id, stage=args.stage,
+                                       revocations=args.revocations)
+        else:
+            try:
+                membership = _membership(argparse.Namespace(key_file=None, peer_key=None, insecure=False,
+                                                            cert=args.cert), cfg)
+            except ConfigError:
+                membership = None  # an unreadable certificate: failed above; the records are read unchecked
     if peers:
         from mapl_swarm.peer.main import peer_assets
 

@@ -57,8 +57,9 @@ def _key_check(peer_key: str | None) -> tuple[Check, Any]:
         return Check("peer key", None, "no --peer-key given (an insecure peer has none)"), None
     try:
         key = load_peer_key(peer_key)
-    except MaplError as exc:
-        return Check("peer key", False, str(exc), f"mapl-swarm keys peer --out {peer_key} (or chmod 600 it)"), None
+    except MaplError as exc:  # a mode too open names its chmod itself
+        return Check("peer key", False, str(exc), "" if "chmod" in str(exc) else f"mapl-swarm keys peer --out "
+                                                                                  f"{peer_key}"), None
     return Check("peer key", True, f"{peer_key}: well formed, mode 0600, key {key.key_id}"), key
 
 

@@ -184,7 +184,7 @@ def plot_runs(folders: list[str | Path], out_dir: str | Path) -> list[Path]:
             (f"s{s}" + (f"r{r}" if r else ""), recs) for (s, r), recs in sorted(run.peers.items())]
         for who, recs in sources:
             for link, (xs, ys) in sorted(_rates(recs).items()):
-                if xs:
+                if any(ys):  # a stage of one replica records averaging rounds of 0 bytes: no line
                     ax.plot(xs, [y / 1e6 for y in ys], label=" ".join(x for x in (run.name, who, link) if x), lw=1)
                     drawn = True
     ax.set(xlabel="seconds", ylabel="MB / s sent", title="Bandwidth per link")

@@ -55,7 +55,10 @@ class StatusSource:
 
     def _links(self, peer: Any, now: float) -> list[dict[str, Any]]:
         """Per neighbour link: bytes per second each way since the previous record (on the wire,
-        headers included), the link's emulated rate (0: not shaped here), round trip and silence."""
+        headers included), the link's emulated rate (0: not shaped here) and, for a link this peer
+        watches (the one it dialed, ``stage2@<contact hash>``), round trip and silence. The
+        transport counts what it receives under the sender's stage name (``stage2``: from every
+        replica of stage 2 together), and the replies it sends there: those are entries of their own."""
         totals: dict[str, list[int]] = {}
         if peer.transport is not None:
             for row in peer.transport.counters.rows():
@@ -63,14 +66,17 @@ class StatusSource:
         then, self._link_totals = self._link_totals, (now, totals)
         dt = now - then[0] if then is not None else 0.0
         rate_bps = peer.cfg.net.bandwidth_mbps * 1e6 / 8
+        watched = peer.monitor.figures()
         out = []
-        for name, (rtt_s, heard_s) in sorted(peer.monitor.figures().items())[:MAX_STATUS_LINKS]:
+        for name in sorted({*watched, *totals})[:MAX_STATUS_LINKS]:
             tx, rx = totals.get(name, [0, 0])
             before = then[1].get(name, [tx, rx]) if then is not None else [tx, rx]
             link = {"peer": name[:64], "tx_bps": round((tx - before[0]) / dt, 1) if dt > 0 else 0.0,
-                    "rx_bps": round((rx - before[1]) / dt, 1) if dt > 0 else 0.0, "rate_bps": rate_bps,
-                    "heard_s": round(heard_s, 2)}
-            if rtt_s is not None:
-                link["rtt_s"] = round(rtt_s, 4)
+                    "rx_bps": round((rx - before[1]) / dt, 1) if dt > 0 else 0.0, "rate_bps": rate_bps}
+            if name in watched:
+                rtt_s, heard_s = watched[name]
+                link["heard_s"] = round(heard_s, 2)
+                if rtt_s is not None:
+                    link["rtt_s"] = round(rtt_s, 4)
             out.append(link)
         return out

@@ -18,6 +18,8 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -196,3 +198,38 @@ def test_a_crashed_stage_restarts_and_a_killed_one_is_started_again(project, ref
     assert "resuming (checkpoint steps" in project.logs("stage2")
     assert project.losses() == pytest.approx(reference, abs=1e-3)
     print(f"\ncompose up + crash of stage 1 + docker kill/start of stage 2 to step {STEPS}: {took:.0f} s")
+
+
+def test_the_monitoring_override_scrapes_every_stage(image, tmp_path):
+    """compose.monitoring.yaml: its Prometheus (built on the same local base) scrapes every stage's
+    endpoint while the swarm trains: each stage's ``mapl_step`` series is up, and stage 0's train
+    loss is the one its JSONL holds at that step."""
+    _run(["docker", "build", "-f", "docker/prometheus.Dockerfile", "--build-arg", "BASE=mapl-swarm-base:bookworm",
+          "-t", "mapl-swarm-prometheus:latest", "."], timeout=1800)
+    p = Project(f"mapltest{os.getpid()}mon", tmp_path)
+    p.cmd[p.cmd.index(str(p.override)):p.cmd.index(str(p.override))] = [str(ROOT / "compose.monitoring.yaml"), "-f"]
+    p.down()
+    try:
+        p("up", "-d", "--no-build")
+
+        def query(q: str) -> list[dict]:
+            with urllib.request.urlopen(f"http://127.0.0.1:9090/api/v1/query?query={urllib.parse.quote(q)}",
+                                        timeout=5) as resp:
+                return json.loads(resp.read())["data"]["result"]
+
+        def scraped() -> bool:
+            try:
+                steps = {r["metric"]["stage"]: float(r["value"][1]) for r in query("mapl_step")}
+            except OSError:
+                return False
+            return sorted(steps) == ["0", "1", "2", "3"] and min(steps.values()) >= 2
+
+        wait_until(scraped, 600, lambda: p("logs", "--tail", "30").stdout[-6000:])
+        # one query: both series of the same scrape
+        got = {r["metric"]["__name__"]: float(r["value"][1])
+               for r in query('{__name__=~"mapl_step|mapl_train_loss",stage="0"}')}
+        records = {r["step"]: r for r in (json.loads(line) for line in
+                                          (p.volume("shared") / "run" / "metrics_stage0.jsonl").read_text().splitlines())}
+        assert got["mapl_train_loss"] == pytest.approx(records[int(got["mapl_step"])]["loss"], rel=1e-9)
+    finally:
+        p.down()

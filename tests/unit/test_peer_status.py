@@ -34,7 +34,8 @@ def test_the_source_reports_state_step_queue_and_a_windowed_token_rate(monkeypat
     source = StatusSource(window_s=10.0)
     assert source() == {"state": "starting", "step": 0, "tokens_per_s": 0.0, "queue": 0, "capacity": 0.0}
     rows = [{"link": "stage1", "direction": "tx", "kind": "act", "wire_bytes": 0},
-            {"link": "stage1", "direction": "rx", "kind": "grad", "wire_bytes": 0}]
+            {"link": "stage1", "direction": "rx", "kind": "grad", "wire_bytes": 0},
+            {"link": "stage0", "direction": "rx", "kind": "rx", "wire_bytes": 0}]  # received from stage 0's peers
     peer = SimpleNamespace(rt=SimpleNamespace(tokens_trained=0), state=PeerState.TRAINING,
                            schedule=SimpleNamespace(step=4), mailbox=Mailbox("t"), compute=SimpleNamespace(busy_s=0.0),
                            transport=SimpleNamespace(counters=SimpleNamespace(rows=lambda: rows)),
@@ -49,11 +50,13 @@ def test_the_source_reports_state_step_queue_and_a_windowed_token_rate(monkeypat
         peer.compute.busy_s += 1.0
         rows[0]["wire_bytes"] += 2_000_000
         rows[1]["wire_bytes"] += 500_000
+        rows[2]["wire_bytes"] += 100_000
     status = source()
     replica_only = {"averaging", "averaging_bytes"}
     # per link: bytes per second each way since the last record, the emulated rate, round trip, silence
-    assert status["links"] == [{"peer": "stage1", "tx_bps": 1e6, "rx_bps": 250_000.0, "rate_bps": 1e6,
-                                "heard_s": 0.5, "rtt_s": 0.0125}]  # 20 MB and 5 MB in the 20 s since the last call
+    assert status["links"] == [  # 20 MB and 5 MB in the 20 s since the last call; stage 0's peers not watched
+        {"peer": "stage0", "tx_bps": 0.0, "rx_bps": 50_000.0, "rate_bps": 1e6},
+        {"peer": "stage1", "tx_bps": 1e6, "rx_bps": 250_000.0, "rate_bps": 1e6, "heard_s": 0.5, "rtt_s": 0.0125}]
     assert status["rejects"] == {"replay": 2}
     assert set(status) == set(STATUS_FIELDS) - replica_only and status["state"] == "training" and status["step"] == 4
     assert status["tokens_per_s"] == pytest.approx(1000.0)
@@ -63,7 +66,7 @@ def test_the_source_reports_state_step_queue_and_a_windowed_token_rate(monkeypat
     rows[0]["wire_bytes"] += 1_000_000
     stalled = source()
     assert stalled["tokens_per_s"] == pytest.approx(20000 / 22, abs=0.1)  # published to 0.1 token/s
-    assert (stalled["links"][0]["tx_bps"], stalled["links"][0]["rx_bps"]) == (500_000.0, 0.0)
+    assert (stalled["links"][1]["tx_bps"], stalled["links"][1]["rx_bps"]) == (500_000.0, 0.0)
     assert _checked_status(stalled)["links"] == stalled["links"]
     peer.rt = SimpleNamespace(tokens_trained=0)  # a re-formed session's new stage runtime
     now[0] += 2.0
