@@ -565,7 +565,8 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
             assets = peer_assets(cfg)
             return assets.fingerprint, assets.config
 
-        for check in swarm_checks(cfg, initial_peers=peers, membership=membership, settings=settings):
+        for check in swarm_checks(cfg, initial_peers=peers, membership=membership, settings=settings,
+                                  stage=args.stage):
             checks.append(check)
             print(check.line(), flush=True)
     failed = [c for c in checks if c.ok is False]

@@ -7,7 +7,9 @@ and the address it will advertise (not a wildcard; not a loopback or private add
 a swarm whose bootstrap is elsewhere or public). Against the swarm (``--initial-peer``): each
 bootstrap node answers on its TCP port; this host joins the DHT; the live peers' config records
 (SPEC §9.1) carry this host's protocol major version and config fingerprint, and where they do not,
-the settings that differ are named; this host's clock agrees with the peers' records.
+the settings that differ are named; this host's clock agrees with the peers' records; and a live
+peer, asked for a dial-back (SPEC §9.11), reaches the contact this host's peer would advertise,
+bound where it would listen (``net.bind_host``, ``net.port``).
 
 The outcome of a check is ``ok``, ``FAIL`` (exit status 1) or ``skip`` (could not be checked:
 nothing to check it against, or an earlier check failed).
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import secrets
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -143,8 +146,7 @@ def _address_check(cfg: Any, initial_peers: Sequence[str]) -> Check:
                                                   f"internet ({next(ip for ip in remote if ip.is_global)})",
                      "advertise this host's public address (net.advertise_host) and forward the port, or serve "
                      "from a host with one")
-    return Check("advertised address", True, f"{host} (a dial-back from a live peer is not made: run `mapl-swarm "
-                                             f"peer` and watch `status` for its links)")
+    return Check("advertised address", True, f"{host} (whether the swarm reaches it: the dial-back, `reachable`)")
 
 
 def local_checks(cfg: Any, *, peer_key: str | None, cert: str | None, stage: int | None,
@@ -225,11 +227,89 @@ def _clock_check(peers: Sequence[Any], status_s: float) -> Check:
                                 "old)")
 
 
+async def _ask_dial_back(cfg: Any, identity: Any, stage: int, contacts: Sequence[tuple[int, str]],
+                         wait_s: float, connect_s: float = 3.0) -> Check:
+    """Bind where this host's peer will listen, ask live peers (one after the other) to dial the
+    contact it would advertise (SPEC §9.11), and wait ``wait_s`` for each one's DIALBACK. A live
+    peer that does not acknowledge the request within ``connect_s`` (out of this host's reach, or
+    refusing it) was not asked: with none asked the check is skipped, not failed."""
+    from mapl_swarm.net.transport import Transport, TransportConfig
+    from mapl_swarm.wire import Message, MessageType, WireError, decode, encode
+
+    config = TransportConfig(bind_host=cfg.net.bind_host, bind_port=cfg.net.port,
+                             advertise_host=cfg.net.advertise_host or None, curve=identity.curve)
+    asked: list[int] = []
+
+    def echoes(frames: Any, nonce: bytes) -> bool:
+        try:
+            msg = decode(frames)
+        except WireError:
+            return False
+        return msg.type is MessageType.DIALBACK and msg.meta.get("nonce") == nonce
+
+    async def acknowledged(nonce: bytes) -> bool:
+        """The asked peer's acknowledgement on the request's own connection."""
+        try:
+            while True:
+                _, frames = await transport.recv_reply(timeout_s=connect_s)
+                if echoes(frames, nonce):
+                    return True
+        except (OSError, MaplError):
+            return False
+
+    async with Transport("dialback", config) as transport:
+        mine = transport.endpoint.partition("#")[0]
+        for i, (their_stage, contact) in enumerate(contacts):
+            link, nonce, start = f"ask{i}", secrets.token_bytes(16), time.monotonic()
+            transport.connect(link, contact)
+            await transport.send(link, encode(Message(
+                type=MessageType.DIALBACK, run_id=cfg.run.run_id, src=stage, dst=their_stage,
+                meta={"nonce": nonce, "cert": identity.encoded_cert, "contact": transport.endpoint})))
+            if await acknowledged(nonce):  # else that peer is out of this host's reach, or refused: not asked
+                asked.append(their_stage)
+                while (left := start + wait_s - time.monotonic()) > 0:
+                    try:
+                        _, frames = await transport.recv(timeout_s=left)
+                    except (OSError, MaplError):
+                        break
+                    if echoes(frames, nonce):
+                        port = "" if cfg.net.port else " (net.port is 0: a free port was checked; a NAT or " \
+                                                       "firewall that forwards one port needs a fixed net.port)"
+                        return Check("reachable", True, f"a live peer of stage {their_stage} dialed {mine}{port}")
+            await transport.disconnect(link)
+    if not asked:
+        return Check("reachable", None, f"not checked: no live peer acknowledged a dial-back request "
+                                        f"({len(contacts)} tried: out of reach, refusing, or older than 2.1)")
+    return Check("reachable", False, f"no live peer could dial {mine} within {wait_s:.0f} s (asked "
+                                     f"{len(asked)}): a NAT or firewall keeps the swarm out",
+                 f"forward/open TCP port {mine.rsplit(':', 1)[1]} to this host and set net.advertise_host to the "
+                 "address the others dial")
+
+
+def _dial_back_check(cfg: Any, identity: Any, stage: int | None, staged: Sequence[tuple[int, Any]],
+                     status_s: float, wait_s: float = 10.0) -> Check:
+    """``reachable``: live peers (of ``staged``: (stage, peer) pairs) dial this host back."""
+    if identity is None:
+        return Check("reachable", None, "a dial-back needs this host's --peer-key and --cert")
+    contacts = [(s, p.contact) for s, p in staged if p.contact and not p.silent(status_s)][:2]
+    if not contacts:
+        return Check("reachable", None, "no live peer to dial back")
+    from mapl_swarm.net.transport import run
+
+    own = stage if stage is not None else identity.body.stages[0] if identity.body.stages else 0
+    try:
+        return run(_ask_dial_back(cfg, identity, own, contacts, wait_s))
+    except MaplError as exc:  # the port taken, the host not this machine's: named by the port checks too
+        return Check("reachable", None, f"not checked: {exc}")
+
+
 def swarm_checks(cfg: Any, *, initial_peers: Sequence[str], membership: Any,
-                 settings: Callable[[], tuple[str, dict[str, Any]]], timeout_s: float = 5.0) -> list[Check]:
+                 settings: Callable[[], tuple[str, dict[str, Any]]], stage: int | None = None,
+                 timeout_s: float = 5.0) -> list[Check]:
     """The checks against the swarm: its bootstrap nodes, the DHT, the live peers' config records
     (against ``settings()``: this host's config fingerprint and summary, asked for only once the
-    DHT answers) and clocks."""
+    DHT answers), clocks, and a dial-back of the contact this host's peer would advertise (with a
+    certified ``membership``: a peer identity)."""
     from mapl_swarm.net.discovery import Discovery, DiscoveryConfig, DiscoveryError
 
     if not initial_peers:
@@ -242,11 +322,12 @@ def swarm_checks(cfg: Any, *, initial_peers: Sequence[str], membership: Any,
         with Discovery(cfg.run.run_id, dht, membership=membership) as discovery:
             P = cfg.pipeline.num_stages
             configs = {s: discovery.stage_configs(s) for s in range(P)}
-            peers = [p for s in range(P) for p in discovery.stage_peers(s)]
+            staged = [(s, p) for s in range(P) for p in discovery.stage_peers(s)]
     except (DiscoveryError, MaplError) as exc:
         return out + [Check("DHT", False, f"cannot join the swarm's DHT: {exc}",
                             "check the multiaddr's peer id and that the node runs this run's authority")]
-    out.append(Check("DHT", True, f"joined; {len(peers)} peer record(s) of run {cfg.run.run_id!r}"))
+    out.append(Check("DHT", True, f"joined; {len(staged)} peer record(s) of run {cfg.run.run_id!r}"))
     fingerprint, summary = settings()
+    identity = membership if hasattr(membership, "encoded_cert") else None
     return out + _config_checks(configs, fingerprint=fingerprint, summary=summary) + \
-        [_clock_check(peers, dht.status_s)]
+        [_clock_check([p for _, p in staged], dht.status_s), _dial_back_check(cfg, identity, stage, staged, dht.status_s)]

@@ -38,7 +38,8 @@ from mapl_swarm.net.errors import NetError
 from mapl_swarm.peer.admission import Admission, Admitted, Arrival, RejectCounter
 from mapl_swarm.peer.link import Links, PeerLink, Reply, stage_of
 from mapl_swarm.peer.session import Early, HelloRefused, Rejected
-from mapl_swarm.wire import Message, MessageType, VersionMismatch
+from mapl_swarm.peer.dialback import DialBacks, Refused as DialBackRefused
+from mapl_swarm.wire import Message, MessageType, VersionMismatch, WireError, decode
 from mapl_swarm.wire.spec import FINISHED_REASON, REJOIN_REASON
 
 if TYPE_CHECKING:
@@ -101,7 +102,8 @@ class Ingress:
 
     def __init__(self, name: str, links: Links, admission: Admission, monitor: HeartbeatMonitor,
                  rejects: RejectCounter, arrived: Callable[[Message, PeerLink], None], mailbox: Mailbox, *,
-                 handle: Handle, spawn: Callable[[Awaitable[None]], Any], held_bound: int, run_steps: int) -> None:
+                 handle: Handle, spawn: Callable[[Awaitable[None]], Any], held_bound: int, run_steps: int,
+                 dialbacks: DialBacks | None = None) -> None:
         self.name, self.links, self.admission, self.monitor = name, links, admission, monitor
         self.rejects, self.arrived, self.mailbox, self.handle, self.spawn = rejects, arrived, mailbox, handle, spawn
         """``arrived(msg, link)``: the step core hears of every admitted pipeline message as it comes
@@ -125,6 +127,8 @@ class Ingress:
         self._refused_versions: set[str] = set()
         self.strangers = StrangerBudget(admission.clock)
         """What connections without a session may send (a flood is dropped before decoding)."""
+        self.dialbacks = dialbacks
+        """Serves members' dial-back requests (:mod:`.dialback`); None: none served."""
 
     # ------------------------------------------------------------------ the loops
     async def receive_loop(self, transport: Any) -> None:
@@ -226,7 +230,16 @@ class Ingress:
 
     async def take(self, arrival: Arrival, transport: Any, *, dispatch: bool = True) -> Answer | None:
         """The one step of the module docstring, on the receive loop (``dispatch`` False: a control
-        message is handled at once); returns the answer to a refused HELLO, or None."""
+        message is handled at once); returns the answer to a refused HELLO (or the dial a dial-back
+        request asks for), or None."""
+        if self.dialbacks is not None and arrival.reply_link is None and stage_of(arrival.sender) is None:
+            msg = self._dialback_request(arrival)  # no neighbour's connection: only a dial-back request is served
+            if msg is not None:
+                try:
+                    return self.dialbacks.request(msg, arrival.sender, arrival.peer_key, transport)
+                except DialBackRefused as exc:
+                    self.rejects(exc.code, arrival.sender, exc.text)
+                    return None
         try:
             got = await self.admission.admit(arrival)
         except Early as early:
@@ -270,6 +283,15 @@ class Ingress:
         except Rejected as exc:  # queue_full
             self.rejects(exc.code, arrival.sender, exc.text)
         return None
+
+    def _dialback_request(self, arrival: Arrival) -> Message | None:
+        """A stranger's message decoded, when it is a well-formed DIALBACK request (SPEC §9.11);
+        None for anything else, which the admission then drops as a stranger's."""
+        try:
+            msg = decode(arrival.frames, self.admission.limits)
+        except WireError:
+            return None
+        return msg if msg.type is MT.DIALBACK else None
 
     def _unsigned_work(self, msg: Message, link: PeerLink) -> bool:
         """A train ACT or GRAD that its sender did not sign, in a run whose replicas check each other's

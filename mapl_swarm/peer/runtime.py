@@ -43,6 +43,7 @@ from mapl_swarm.peer.checkpoints import CheckpointAgreement, checkpoint_note
 from mapl_swarm.peer.compute import BackgroundTasks, ComputeThread, WorkerThread
 from mapl_swarm.peer.control import Control, PeerRejected
 from mapl_swarm.peer.departures import Departure, Departures, NeighbourLost, TakenForGone
+from mapl_swarm.peer.dialback import DialBacks
 from mapl_swarm.peer.ingress import Ingress
 from mapl_swarm.peer.lifecycle import PeerState
 from mapl_swarm.peer.link import LinkSettings, Links, PeerLink, stage_name
@@ -236,12 +237,13 @@ class Peer:
         """The handlers of admitted control messages, by type."""
         self.ingress = Ingress(self.name, self.links, self.admission, self.monitor, self.rejects,
                                self.schedule.arrived, self.mailbox, handle=self.control.handle, spawn=self.tasks.spawn,
-                               held_bound=4 * mailbox_bound(cfg) + 64, run_steps=cfg.run.steps)
+                               held_bound=4 * mailbox_bound(cfg) + 64, run_steps=cfg.run.steps,
+                               dialbacks=DialBacks(self.name, stage, cfg.run.run_id, membership))
         self.receive = self.ingress.receive
         """Admit one received message and handle it at once (tests; the receive loops queue instead)."""
         self.stop_reason: BaseException | None = None
-        self.transport: Any = None
         """Why the session was stopped (the first :meth:`stop`), None while it was not."""
+        self.transport: Any = None
         self._stop_event = asyncio.Event()
 
     @property

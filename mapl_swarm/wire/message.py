@@ -194,6 +194,7 @@ META_SCHEMA: dict[MessageType, tuple[dict[str, str], dict[str, str]]] = {
                                                   "cert": "cert", "sig": "sig"}),
     MessageType.ROUTE: ({"phase": "route_phase"}, {"acts": "uint", "gone": "strs", "held": "uints", "cert": "cert",
                                                    "sig": "sig"}),
+    MessageType.DIALBACK: ({"nonce": "nonce"}, {"cert": "cert", "contact": "str"}),
 }
 """(required, optional) typed ``meta`` fields per message type (SPEC §5); other types have none."""
 

@@ -89,6 +89,8 @@ class MessageType(enum.IntEnum):
     """Checkpoint agreement (SPEC §5.2)."""
     ROUTE = 16
     """Which replicas take part in a step's routing (2.1, SPEC §9.10)."""
+    DIALBACK = 17
+    """A member's request that a live peer dial its contact, and that dial (2.1, SPEC §9.11)."""
 
 
 HANDSHAKE_TYPES: frozenset[MessageType] = frozenset({MessageType.HELLO, MessageType.WELCOME, MessageType.REJECT})

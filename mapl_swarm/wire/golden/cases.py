@@ -185,6 +185,9 @@ def _valid(v: dict[str, list[bytes]]) -> list[Case]:
                         "end (a replica of stage 1 left; a fresh end follows)",
         "bye_leave": "2.1: BYE reason leave from a replica of stage 1 that took 13 steps and leaves while its "
                      "stage goes on (SPEC §9.10 item 14)",
+        "dialback_request": "2.1: DIALBACK request of a member of stage 2 to a live peer of stage 1: its "
+                            "certificate, the contact to dial, a nonce (SPEC §9.11)",
+        "dialback": "2.1: DIALBACK from the live peer on its dial to that contact, echoing the nonce",
     }
     return [Case(n, "valid", f, text[n]) for n, f in v.items()]
 
@@ -461,6 +464,9 @@ def _invalid_replicas(v: dict[str, list[bytes]]) -> list[Case]:
         ("route_redo_no_gone", _edit(v["route_redo"], _meta(gone=_DROP)), IM, "2.1: ROUTE redo without gone"),
         ("act_sig_short", _edit(v["act_train_signed"], _meta(sig=bytes(63))), IM, "2.1: ACT with a 63-byte sig"),
         ("route_exclude_no_gone", _edit(v["route_exclude"], _meta(gone=_DROP)), IM, "2.1: ROUTE exclude without gone"),
+        ("dialback_no_nonce", _edit(v["dialback"], _meta(nonce=_DROP)), IM, "2.1: DIALBACK without a nonce"),
+        ("dialback_contact_bin", _edit(v["dialback_request"], _meta(contact=b"tcp://h:1")), IM,
+         "2.1: DIALBACK with a bin contact"),
         ("route_held_not_gone", _edit(v["route_redo"], _meta(held=[3])), IM, "2.1: ROUTE redo with held "
          "(only gone names held micro-batches)"),
         ("route_held_not_uints", _edit(v["route_gone_held"], _meta(held=[-1])), IM, "2.1: ROUTE gone with a "
@@ -629,7 +635,8 @@ CASES_2_1 = frozenset({"hello_replica", "route_ready", "route_end", "route_phase
                        "route_taken_from_upstream", "route_gone_held", "route_reopen", "route_held_not_gone",
                        "route_held_not_uints", "route_reopen_from_downstream", "hello_reform",
                        "hello_stage_replicas_zero", "bye_leave", "route_redo_signed", "route_redo_sig_short",
-                       "route_ready_signed"})
+                       "route_ready_signed", "dialback_request", "dialback", "dialback_no_nonce",
+                       "dialback_contact_bin"})
 """The vectors protocol 2.1 added (at version 2.1; the others stay at 2.0)."""
 
 _V2_1 = b"\xa1v\x92\x02\x01"

@@ -292,6 +292,7 @@ def samples() -> dict[str, Message]:
     out.update(_unsaved_samples())
     out.update(_anchored_samples())
     out.update(_certified_samples())
+    out.update(_dialback_samples())
     out.update(_replica_samples())
     return out
 
@@ -345,6 +346,18 @@ def _certified_samples() -> dict[str, Message]:
     hello.meta.update(capabilities=["1f1b", "checkpoint_agreement", "drain", "rejoin"],
                       cert=b"\x82\xa4body\xc4" + bytes([len(body)]) + body + b"\xa3sig\xc4\x40" + sig)
     return {"hello_cert": hello}
+
+
+def _dialback_samples() -> dict[str, Message]:
+    """2.1, a dial-back (SPEC §9.11): a member's request (its certificate, the contact it wants
+    dialed, a nonce) and the live peer's dial to that contact, echoing the nonce."""
+    cert = b"\x82\xa4body\xc4\x03abc\xa3sig\xc4\x40" + bytes(64)
+    nonce = hashlib.sha256(b"mapl-swarm golden dial-back nonce").digest()[:16]
+    return {
+        "dialback_request": Message(type=MessageType.DIALBACK, run_id=RUN_ID, src=2, dst=1,
+                                    meta={"nonce": nonce, "cert": cert, "contact": "tcp://203.0.113.7:5555#" + "ab" * 32}),
+        "dialback": Message(type=MessageType.DIALBACK, run_id=RUN_ID, src=1, dst=2, meta={"nonce": nonce}),
+    }
 
 
 def _handshake_samples() -> dict[str, Message]:
