@@ -932,7 +932,8 @@ def build_parser() -> argparse.ArgumentParser:
             "revocation, expiry), the ports the peer will listen on, the address it will advertise; and, "
             "with --initial-peer, the swarm: each bootstrap node answers, the DHT joins, the live peers' "
             "protocol version and config fingerprint equal this host's (naming each differing setting), "
-            "and this host's clock agrees with theirs. Exit status 1 when a check fails.")
+            "this host's clock agrees with theirs, and (with --peer-key and --cert) a live peer can dial "
+            "the contact this host's peer would advertise. Exit status 1 when a check fails.")
     _add_config_args(p)
     p.add_argument("--stage", type=int, metavar="K", help="the stage this host will serve (its certificate is "
                                                           "checked for it)")

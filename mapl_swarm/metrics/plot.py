@@ -132,27 +132,7 @@ def _finish(ax: Any, size: int, ncol: int = 1) -> None:
         ax.legend(fontsize=size, ncol=ncol)
 
 
-def plot_runs(folders: list[str | Path], out_dir: str | Path) -> list[Path]:
-    """Write the figures of the runs in ``folders`` (overlaid) under ``out_dir``; the paths written."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    runs = [load_run(f) for f in folders]
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    written: list[Path] = []
-
-    def save(fig, name: str, drawn: bool) -> None:
-        if drawn:
-            path = out / name
-            fig.tight_layout()
-            fig.savefig(path, dpi=110)
-            written.append(path)
-        plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+def _loss(runs: list[RunMetrics], ax: Any) -> bool:
     drawn = False
     for run in runs:
         xs, ys = _series(run.main, "loss")
@@ -164,9 +144,10 @@ def plot_runs(folders: list[str | Path], out_dir: str | Path) -> list[Path]:
                 ax.plot(vx, vy, "o--", color=line.get_color(), label=f"{run.name} val", ms=4, lw=0.8)
     ax.set(xlabel="step", ylabel="loss", title="Loss")
     _finish(ax, 8)
-    save(fig, "loss.png", drawn)
+    return drawn
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+
+def _throughput(runs: list[RunMetrics], ax: Any) -> bool:
     drawn = False
     for run in runs:
         xs, ys = _tokens_per_s(run.main)
@@ -175,9 +156,10 @@ def plot_runs(folders: list[str | Path], out_dir: str | Path) -> list[Path]:
             drawn = True
     ax.set(xlabel="step", ylabel="tokens / s", title="Throughput")
     _finish(ax, 8)
-    save(fig, "throughput.png", drawn)
+    return drawn
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+
+def _bandwidth(runs: list[RunMetrics], ax: Any) -> bool:
     drawn = False
     for run in runs:
         sources = [("", run.train)] if run.train else [
@@ -189,9 +171,11 @@ def plot_runs(folders: list[str | Path], out_dir: str | Path) -> list[Path]:
                     drawn = True
     ax.set(xlabel="seconds", ylabel="MB / s sent", title="Bandwidth per link")
     _finish(ax, 6, ncol=2)
-    save(fig, "bandwidth.png", drawn)
+    return drawn
 
-    fig, (energy, orth) = plt.subplots(1, 2, figsize=(10, 4.2))
+
+def _health_figure(runs: list[RunMetrics], axes: Any) -> bool:
+    energy, orth = axes
     drawn = False
     for run in runs:
         records = run.train or [r for (_, replica), recs in sorted(run.peers.items()) if replica == 0 for r in recs]
@@ -204,6 +188,32 @@ def plot_runs(folders: list[str | Path], out_dir: str | Path) -> list[Path]:
     orth.set(xlabel="step", ylabel="‖AᵀA − I‖", title="Projector: orthonormality error")
     for ax in (energy, orth):
         _finish(ax, 6)
-    save(fig, "health.png", drawn)
+    return drawn
+
+
+_FIGURES = (("loss.png", _loss, 1), ("throughput.png", _throughput, 1), ("bandwidth.png", _bandwidth, 1),
+            ("health.png", _health_figure, 2))
+"""(file, what draws it, panels side by side)."""
+
+
+def plot_runs(folders: list[str | Path], out_dir: str | Path) -> list[Path]:
+    """Write the figures of the runs in ``folders`` (overlaid) under ``out_dir``; the paths written
+    (a figure with nothing to draw is not written)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [load_run(f) for f in folders]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    for name, draw, panels in _FIGURES:
+        fig, axes = plt.subplots(1, panels, figsize=(7 if panels == 1 else 10, 4.2))
+        if draw(runs, axes):
+            fig.tight_layout()
+            fig.savefig(out / name, dpi=110)
+            written.append(out / name)
+        plt.close(fig)
     log.info("plot: %s", ", ".join(str(p) for p in written))
     return written
