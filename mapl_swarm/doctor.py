@@ -192,7 +192,8 @@ def _config_checks(configs: dict[int, dict[str, dict[str, Any]]], *, fingerprint
                 Check("config", None, "nothing to compare with")]
     out = []
     major = mine["protocol"].split(".")[0]
-    wrong = [(s, rec.get("protocol", "?")) for s, _, rec in records if str(rec.get("protocol", "")).split(".")[0] != major]
+    wrong = [(s, rec.get("protocol", "?")) for s, _, rec in records
+             if str(rec.get("protocol", "")).split(".")[0] != major]
     if wrong:
         out.append(Check("protocol", False, f"this host speaks {mine['protocol']}, stage {wrong[0][0]} "
                                             f"{wrong[0][1]}", "run the same major version of mapl-swarm on every host"))
@@ -204,8 +205,10 @@ def _config_checks(configs: dict[int, dict[str, dict[str, Any]]], *, fingerprint
         out.append(Check("config", True, f"fingerprint {fingerprint} equals every live peer's ({len(records)})"))
     else:
         s, rec = other
-        differ = [d.replace("stage -1 ", "this host ") for d in config_differences(summary, rec.get("config", {}), s, -1)]
-        shown = ", ".join(differ) if differ else f"fingerprint {rec.get('fingerprint')} against this host's {fingerprint}"
+        differ = [d.replace("stage -1 ", "this host ")  # config_differences names this host as stage -1
+                  for d in config_differences(summary, rec.get("config", {}), s, -1)]
+        shown = ", ".join(differ) if differ else \
+            f"fingerprint {rec.get('fingerprint')} against this host's {fingerprint}"
         out.append(Check("config", False, f"differs from stage {s}'s: {shown}",
                          "use the swarm's config file (peers/*.toml) and --set only host-local settings"))
     return out
@@ -330,4 +333,5 @@ def swarm_checks(cfg: Any, *, initial_peers: Sequence[str], membership: Any,
     fingerprint, summary = settings()
     identity = membership if hasattr(membership, "encoded_cert") else None
     return out + _config_checks(configs, fingerprint=fingerprint, summary=summary) + \
-        [_clock_check([p for _, p in staged], dht.status_s), _dial_back_check(cfg, identity, stage, staged, dht.status_s)]
+        [_clock_check([p for _, p in staged], dht.status_s),
+         _dial_back_check(cfg, identity, stage, staged, dht.status_s)]

@@ -11,8 +11,7 @@ default:
   scrape time (:class:`LiveFigures`): bytes per link, direction and kind (averaging included),
   rejected messages by code, the replicas of its stage, the steps redone. Every series carries
   the labels ``run``, ``stage`` and ``peer_id`` (a replica's averaging peer id; empty for a chain
-  stage and ``train``), so one Prometheus scrapes a
-  whole swarm.
+  stage and ``train``), so one Prometheus scrapes a whole swarm.
 - :class:`TensorBoardExporter` (``metrics.tensorboard``): one event file per process under
   ``<out_dir>/tensorboard/<who>/``, each record's figures as scalars at its step, tagged with the
   same names (labels appended: ``mapl_energy_captured/boundary=0``).
@@ -20,8 +19,8 @@ default:
 Names (README "Monitoring" lists them): a record key in :data:`SCALARS` maps to its gauge; a
 ``health/b{B}/{name}`` key maps to ``mapl_{name}{boundary="B"}`` (``orth_error`` is
 ``mapl_projector_orthonormality``); ``link_tx_bytes/{link}`` (a peer's payload bytes sent so far on
-a link) maps to ``mapl_link_payload_sent_bytes{peer="link"}``; any other numeric key ``k`` is ``mapl_k`` with non-alphanumerics
-as ``_``.
+a link) maps to ``mapl_link_payload_sent_bytes{peer="link"}``; any other numeric key ``k`` is
+``mapl_k`` with non-alphanumerics as ``_``.
 """
 
 from __future__ import annotations

@@ -8,10 +8,10 @@ naming the CURVE key its connection proved), the contact to dial (``contact``:
 only an address that claims to be itself) and a ``nonce``. This peer then opens one connection to
 that contact, pinned to that key, sends a DIALBACK echoing the nonce and closes it; the same
 DIALBACK goes back first on the request's own connection, so that the requester knows it was
-heard (only the one on its listening socket proves that the swarm reaches it). A stranger (an insecure run, a certificate of another
-authority), a second request of the same certificate within :data:`PER_MEMBER_S`, and requests
-beyond :data:`MAX_IN_FLIGHT` dials at once are dropped and counted (``not_certified``,
-``queue_full``).
+heard (only the one on its listening socket proves that the swarm reaches it). A stranger's
+request (an insecure run, a certificate of another authority), a second request of the same
+certificate within :data:`PER_MEMBER_S`, and requests beyond :data:`MAX_IN_FLIGHT` dials at once
+are dropped and counted (``not_certified``, ``queue_full``).
 """
 
 from __future__ import annotations

@@ -51,7 +51,8 @@ class StatusSource:
                 "queue": peer.mailbox.waiting, "capacity": round(capacity, 1),
                 **({"averaging": averaging.scheme, "averaging_bytes": int(averaging.last_sent)}
                    if averaging is not None else {}),
-                "links": self._links(peer, now), "rejects": dict(sorted(dict(peer.result.rejects).items())[:MAX_STATUS_CODES])}
+                "links": self._links(peer, now),
+                "rejects": dict(sorted(dict(peer.result.rejects).items())[:MAX_STATUS_CODES])}
 
     def _links(self, peer: Any, now: float) -> list[dict[str, Any]]:
         """Per neighbour link: bytes per second each way since the previous record (on the wire,

@@ -228,8 +228,8 @@ def test_the_monitoring_override_scrapes_every_stage(image, tmp_path):
         # one query: both series of the same scrape
         got = {r["metric"]["__name__"]: float(r["value"][1])
                for r in query('{__name__=~"mapl_step|mapl_train_loss",stage="0"}')}
-        records = {r["step"]: r for r in (json.loads(line) for line in
-                                          (p.volume("shared") / "run" / "metrics_stage0.jsonl").read_text().splitlines())}
+        text = (p.volume("shared") / "run" / "metrics_stage0.jsonl").read_text()
+        records = {r["step"]: r for r in map(json.loads, text.splitlines())}
         assert got["mapl_train_loss"] == pytest.approx(records[int(got["mapl_step"])]["loss"], rel=1e-9)
     finally:
         p.down()

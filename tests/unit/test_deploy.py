@@ -253,7 +253,8 @@ def test_monitoring_override_scrapes_every_stage_peer_on_its_metrics_port():
         targets.append(f"{name}:{cfg.metrics.prometheus_port}")
     (job,) = yaml.safe_load((ROOT / "docker/prometheus.yml").read_text())["scrape_configs"]
     (static,) = job["static_configs"]
-    assert sorted(static["targets"]) == sorted(targets) and set(prom["depends_on"]) == {t.split(":")[0] for t in targets}
+    assert sorted(static["targets"]) == sorted(targets)
+    assert set(prom["depends_on"]) == {t.split(":")[0] for t in targets}
     gpu = _merged(base, _compose("compose.gpu.yaml"))  # the GPU override's peers serve the same port
     for name in prom["depends_on"]:
         args = parser.parse_args(gpu["services"][name]["command"])

@@ -98,7 +98,8 @@ async def test_doctor_hears_the_dial_when_reachable_and_fails_when_not(ids):
         server = asyncio.ensure_future(serve(live, dialbacks, 1))
         check = await _ask_dial_back(reachable, ids[2], 2, [(1, live.endpoint)], wait_s=10)
         assert await server == ["dialed"]
-        assert check.ok is True and check.line().startswith("ok   reachable: a live peer of stage 1 dialed tcp://127.0.0.1:")
+        assert check.ok is True
+        assert check.line().startswith("ok   reachable: a live peer of stage 1 dialed tcp://127.0.0.1:")
         dialbacks = DialBacks("stage1", 1, RUN, ids[1])
         server = asyncio.ensure_future(serve(live, dialbacks, 1))
         check = await _ask_dial_back(hidden, ids[2], 2, [(1, live.endpoint)], wait_s=1.5)

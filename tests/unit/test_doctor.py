@@ -79,6 +79,7 @@ def test_an_unreachable_bootstrap_node_is_flagged(capsys):
 
 
 def test_a_loopback_address_advertised_to_a_remote_swarm_is_flagged(capsys):
-    code, lines = doctor(capsys, "--initial-peer", "/ip4/192.0.2.1/tcp/9/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N")
+    remote = "/ip4/192.0.2.1/tcp/9/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+    code, lines = doctor(capsys, "--initial-peer", remote)
     assert code == 1
     assert any(line.startswith("FAIL advertised address: 127.0.0.1 is this host's loopback") for line in lines), lines

@@ -74,7 +74,8 @@ def test_the_prometheus_endpoint_serves_the_last_record_and_the_live_counters(tm
 def test_a_taken_port_is_one_config_error(tmp_path):
     first = PrometheusExporter("127.0.0.1", 0, run="r1", stage=0)
     try:
-        with pytest.raises(ConfigError, match=rf"metrics.prometheus_port: cannot serve metrics on 127.0.0.1:{first.port}"):
+        taken = rf"metrics.prometheus_port: cannot serve metrics on 127.0.0.1:{first.port}"
+        with pytest.raises(ConfigError, match=taken):
             PrometheusExporter("127.0.0.1", first.port, run="r1", stage=1)
     finally:
         first.close()

@@ -355,7 +355,8 @@ def _dialback_samples() -> dict[str, Message]:
     nonce = hashlib.sha256(b"mapl-swarm golden dial-back nonce").digest()[:16]
     return {
         "dialback_request": Message(type=MessageType.DIALBACK, run_id=RUN_ID, src=2, dst=1,
-                                    meta={"nonce": nonce, "cert": cert, "contact": "tcp://203.0.113.7:5555#" + "ab" * 32}),
+                                    meta={"nonce": nonce, "cert": cert,
+                                          "contact": "tcp://203.0.113.7:5555#" + "ab" * 32}),
         "dialback": Message(type=MessageType.DIALBACK, run_id=RUN_ID, src=1, dst=2, meta={"nonce": nonce}),
     }
 
