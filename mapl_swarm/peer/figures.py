@@ -2,31 +2,18 @@
 
 They are read on the exporter's HTTP thread from the current session's peer (``status.peer``, which
 the event loop replaces at each re-form, as for the status record): attributes only, and the
-dictionaries the event loop fills are copied whole before they are read. A counter restarts with a
-session's peer where the peer keeps it per session (rejects, averaging bytes); Prometheus takes a
-counter that goes down for a restart. Transport bytes are the process's.
+dictionaries the event loop fills are copied whole (one C-level copy under the GIL) before they are
+read. A counter restarts with a session's peer where the peer keeps it per session (rejects,
+averaging bytes); Prometheus takes a counter that goes down for a restart. Transport bytes are the
+process's.
 """
 
 from __future__ import annotations
-
 
 from mapl_swarm.metrics.export import LiveFigures
 from mapl_swarm.peer.status import StatusSource
 
 __all__ = ["live_figures"]
-
-_TRIES = 5
-
-
-def _copied(d: dict) -> dict:
-    """``d`` copied while another thread may add to it (a copy that raced a resize is retried)."""
-    for _ in range(_TRIES):
-        try:
-            return dict(d)
-        except RuntimeError:
-            continue
-    return {}
-
 
 def live_figures(status: StatusSource) -> LiveFigures:
     """The counters of ``status.peer`` (nothing before the first session)."""
@@ -40,7 +27,7 @@ def live_figures(status: StatusSource) -> LiveFigures:
         if transport is not None:
             rows += [(str(r["link"]), str(r["direction"]), str(r["kind"]), int(r["wire_bytes"]))
                      for r in transport.counters.rows()]
-        averaging = _copied(peer.result.averaging)
+        averaging = dict(peer.result.averaging)  # one copy: the event loop adds to it
         if averaging:
             rows += [("averaging", "tx", "averaging", int(averaging.get("sent_bytes", 0))),
                      ("averaging", "rx", "averaging", int(averaging.get("received_bytes", 0)))]
@@ -48,7 +35,7 @@ def live_figures(status: StatusSource) -> LiveFigures:
 
     def rejected() -> dict[str, int]:
         peer = status.peer
-        return {} if peer is None else {str(k): int(v) for k, v in _copied(peer.result.rejects).items()}
+        return {} if peer is None else {str(k): int(v) for k, v in dict(peer.result.rejects).items()}
 
     def replicas() -> int | None:
         peer = status.peer
