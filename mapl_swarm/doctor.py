@@ -215,18 +215,20 @@ def _config_checks(configs: dict[int, dict[str, dict[str, Any]]], *, fingerprint
 
 
 def _clock_check(peers: Sequence[Any], status_s: float) -> Check:
-    ages = [p.clock_age_s for p in peers if p.clock_age_s is not None]
+    ages = sorted(p.clock_age_s for p in peers if p.clock_age_s is not None)
     if not ages:
         return Check("clock", None, "no live peer's status record to compare with")
-    youngest = min(ages)  # a live peer stored one at most status_s ago by its own clock
-    if youngest < -CLOCK_SKEW_S:
-        return Check("clock", False, f"this host's clock is about {-youngest:.0f} s behind the swarm's",
+    # a live peer stores one every status_s by its own clock; the median, so that one peer with
+    # another record lifetime (or clock) does not decide
+    age = ages[len(ages) // 2]
+    if age < -CLOCK_SKEW_S:
+        return Check("clock", False, f"this host's clock is about {-age:.0f} s behind the swarm's",
                      "run NTP (timedatectl set-ntp true / chrony)")
-    if youngest > status_s + CLOCK_SKEW_S + 3 * status_s:
-        return Check("clock", False, f"every peer's newest record looks {youngest:.0f} s old: this host's clock is "
-                                     "ahead of the swarm's (or every peer stopped)",
+    if age > 4 * status_s + CLOCK_SKEW_S:
+        return Check("clock", False, f"the peers' records look {age:.0f} s old: this host's clock is ahead of "
+                                     "the swarm's (or the peers stopped)",
                      "run NTP (timedatectl set-ntp true / chrony)")
-    return Check("clock", True, f"within {CLOCK_SKEW_S:.0f} s of the swarm's (newest record {max(youngest, 0):.1f} s "
+    return Check("clock", True, f"within {CLOCK_SKEW_S:.0f} s of the swarm's (median record {max(age, 0):.1f} s "
                                 "old)")
 
 

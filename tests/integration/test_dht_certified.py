@@ -79,7 +79,9 @@ def scenario(bootstrap_dht: Any, maddrs: list[str], ids: list, local: Any, lists
     with Discovery(RUN, config(maddrs), membership=ids[1]) as stage1, \
             Discovery(RUN, config(maddrs, **late), membership=ids[2]) as member, \
             Discovery(RUN, config(maddrs, **late)) as outsider, \
-            Discovery(RUN, config(maddrs), membership=ids[0]) as reader:  # ids[0] holds the revocation list
+            Discovery(RUN, config(maddrs), membership=ids[0]) as reader, \
+            Discovery(RUN, config(maddrs), membership=load_identity(  # a second replica of stage 1
+                local.key_file(1, 1), local.cert_file(1, 1), run_id=RUN, stage=1)) as replica:  # ids[0]: the list
         stage1.announce(1, honest)
         member.announce(2, contact("tcp://10.0.0.9:5002", ids[2].key.curve_public))
         member.announce(1, relay, subkey="relay")
@@ -94,7 +96,7 @@ def scenario(bootstrap_dht: Any, maddrs: list[str], ids: list, local: Any, lists
         assert set(held) == {stage1.peer_id}
         with pytest.raises(discovery_module.DiscoveryTimeoutError, match="stage 0"):
             reader.lookup_all(0, timeout_s=1)
-        check_status_records(maddrs, stage1, member, outsider, reader, local)
+        check_status_records(maddrs, stage1, member, outsider, reader, local, replica)
         check_doctor(maddrs, stage1, reader, local)
 
         # the authority revokes the member: the node of a peer holding the list re-reads it (in the
@@ -117,7 +119,7 @@ def scenario(bootstrap_dht: Any, maddrs: list[str], ids: list, local: Any, lists
 
 
 def check_status_records(maddrs: list[str], stage1: Discovery, member: Discovery, outsider: Discovery,
-                         reader: Discovery, local: Any) -> None:
+                         reader: Discovery, local: Any, replica: Discovery) -> None:
     """Status records (SPEC §9.1): the stage's certified peer's is read with its contact; a member
     of another stage and an outsider cannot publish one for it; ``mapl-swarm status`` prints them
     and exits 1 naming the stage no peer serves."""
@@ -144,12 +146,19 @@ def check_status_records(maddrs: list[str], stage1: Discovery, member: Discovery
     assert {k: stages[1][0][k] for k in ("peer_id", "contact", "status", "silent")} == {
         "peer_id": stage1.peer_id, "contact": peer.contact, "status": status, "silent": False}
 
-    # the live table, drawn in a pseudo-terminal as an operator sees it: every stage, its peers, links
+    # the live table, drawn in a pseudo-terminal as an operator sees it: every stage, each replica, links
+    replica.publish_status(1, lambda: {**status, "step": 8, "links": []})
+    member.publish_status(2, lambda: {"state": "training", "step": 7, "tokens_per_s": 99.0, "queue": 0})
+    wait_until(lambda: len(reader.stage_peers(1)) == 2, 10, "the second replica's status record")
     screen = in_pty([sys.executable, "-m", "mapl_swarm", "status", "--set", "pipeline.num_stages=3", "--set",
                      f'run.run_id="{RUN}"', "--cert", str(local.cert_file(0)), "--watch", "--every", "0.2",
                      "--count", "2", *(a for m in maddrs for a in ("--initial-peer", m))])
     assert f"run '{RUN}': 3 stages" in screen and "no peer" in screen, screen
     assert stage1.peer_id[:8] in screen and "stage2: ↑0.25/1.25 ↓0.12 MB/s rtt 12 ms" in screen, screen
+    rows = [line for line in screen.splitlines() if "│" in line and line.split("│")[1].strip().isdigit()]
+    shown = {(row.split("│")[1].strip(), row.split("│")[2].strip()) for row in rows}
+    assert {stage for stage, _ in shown} == {"0", "1", "2"}, screen  # every stage, stage 0 "no peer"
+    assert {f"{p.peer_id[:8]}…{p.peer_id[-6:]}" for p in (stage1, replica)} <= {peer for _, peer in shown}, screen
     assert "replay 3" in screen and "training" in screen
 
     # a certificate of another authority for the same run learns nothing: every record is refused
@@ -224,7 +233,7 @@ def in_pty(cmd: list[str], timeout_s: float = 60) -> str:
 
 @pytest.mark.timeout(120)
 def test_certified_nodes_keep_only_records_of_a_peer_certified_for_the_stage(tmp_path, monkeypatch) -> None:
-    local = issue_local(tmp_path / "ids", run_id=RUN, num_stages=3)
+    local = issue_local(tmp_path / "ids", run_id=RUN, num_stages=3, replicas=[1, 2, 1])
     lists = tmp_path / "revoked.list"
     write_signed(lists, revoke(local.authority, [], run_id=RUN, now=1000))
     ids = [load_identity(local.key_file(s), local.cert_file(s), run_id=RUN, stage=s,

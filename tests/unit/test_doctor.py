@@ -83,3 +83,21 @@ def test_a_loopback_address_advertised_to_a_remote_swarm_is_flagged(capsys):
     code, lines = doctor(capsys, "--initial-peer", remote)
     assert code == 1
     assert any(line.startswith("FAIL advertised address: 127.0.0.1 is this host's loopback") for line in lines), lines
+
+
+def test_a_clock_behind_or_ahead_of_the_peers_records_is_flagged():
+    """The median age of the live peers' status records (they store one every 2 s) by this host's
+    clock: in the future, this host is behind; far in the past, ahead (or every peer stopped)."""
+    from types import SimpleNamespace
+
+    from mapl_swarm.doctor import _clock_check
+
+    def peers(*ages):
+        return [SimpleNamespace(clock_age_s=a) for a in ages]
+
+    assert _clock_check(peers(0.4, 1.9, -570.0), 2.0).ok is True  # one peer's other record lifetime: outvoted
+    behind = _clock_check(peers(-61.0, -60.2, 1.0), 2.0)
+    assert behind.ok is False and "about 60 s behind" in behind.line() and "NTP" in behind.line()
+    ahead = _clock_check(peers(95.0, 96.5), 2.0)
+    assert ahead.ok is False and "ahead of the swarm's" in ahead.line()
+    assert _clock_check(peers(), 2.0).ok is None
