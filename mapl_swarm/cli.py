@@ -109,22 +109,28 @@ def _membership(args: argparse.Namespace, cfg: Any, stage: int | None = None, *,
         raise ConfigError("--peer-key goes with --cert (a certified peer)")
     if args.insecure:
         return None
-    from mapl_swarm.net.identity import (CertificateBody, CertificateError, load_identity, read_signed,
-                                         verify_certificate)
+    from mapl_swarm.net.identity import load_identity
 
     if stage is None and not peer:  # a bootstrap node: it trusts the authority of the certificate it is given
-        from mapl_swarm.net.discovery import TrustedAuthority
-
-        cert = read_signed(args.cert, "certificate")
-        try:
-            body = CertificateBody.decode(cert.body)
-            verify_certificate(cert, authority=body.authority, run_id=body.run)  # its signature, not expired
-        except CertificateError as exc:
-            raise ConfigError(f"certificate {args.cert}: {exc} ({exc.code})") from None
-        return TrustedAuthority(body.run, body.authority)
+        return _trusted_authority(args.cert)
     if not args.peer_key:
         raise ConfigError("--cert needs --peer-key FILE (this host's peer key, from `mapl-swarm keys peer`)")
     return load_identity(args.peer_key, args.cert, run_id=cfg.run.run_id, stage=stage, revocations=args.revocations)
+
+
+def _trusted_authority(cert_path: str):
+    """The run and authority a certificate names (its signature checked, not expired): what a
+    bootstrap node, or a reader of certified records without a usable key, trusts."""
+    from mapl_swarm.net.discovery import TrustedAuthority
+    from mapl_swarm.net.identity import CertificateBody, CertificateError, read_signed, verify_certificate
+
+    cert = read_signed(cert_path, "certificate")
+    try:
+        body = CertificateBody.decode(cert.body)
+        verify_certificate(cert, authority=body.authority, run_id=body.run)  # its signature, not expired
+    except CertificateError as exc:
+        raise ConfigError(f"certificate {cert_path}: {exc} ({exc.code})") from None
+    return TrustedAuthority(body.run, body.authority)
 
 
 def _cmd_keys(args: argparse.Namespace) -> int:
@@ -554,8 +560,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
                                        revocations=args.revocations)
         else:
             try:
-                membership = _membership(argparse.Namespace(key_file=None, peer_key=None, insecure=False,
-                                                            cert=args.cert), cfg)
+                membership = _trusted_authority(args.cert)
             except ConfigError:
                 membership = None  # an unreadable certificate: failed above; the records are read unchecked
     if peers:

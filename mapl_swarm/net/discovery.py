@@ -416,35 +416,16 @@ class Discovery:
 
     def stage_configs(self, stage: int) -> dict[str, dict[str, Any]]:
         """The config record of each peer of ``stage`` that published one (:func:`checked_config`), by peer id."""
-        from hivemind.p2p import PeerID
-
         found = self._call(lambda dht: dht.get(config_key(self.run_id, stage), latest=True, return_future=True),
                            f"get the config of stage {stage}")
-        out: dict[str, dict[str, Any]] = {}
-        if found is not None and isinstance(found.value, dict):
-            for sub, v in found.value.items():
-                if isinstance(sub, bytes):
-                    try:
-                        out[PeerID(sub).to_base58()] = checked_config(v.value)
-                    except Exception:  # noqa: BLE001 - not a peer id: an insecure run's stranger
-                        continue
-        return out
+        return {peer: checked_config(value) for peer, (value, _) in _by_peer_id(found).items()}
 
     def stage_peers(self, stage: int) -> list[StagePeer]:
         """Every peer of ``stage`` with a live stage or status record, by peer id."""
-        from hivemind.p2p import PeerID
-
         contacts = {sub: (endpoint, expiration) for sub, endpoint, expiration in self.entries(stage)}
-        statuses: dict[str, tuple[dict[str, Any], float]] = {}
         found = self._call(lambda dht: dht.get(status_key(self.run_id, stage), latest=True, return_future=True),
                            f"get the status of stage {stage}")
-        if found is not None and isinstance(found.value, dict):
-            for sub, v in found.value.items():
-                if isinstance(sub, bytes):
-                    try:
-                        statuses[PeerID(sub).to_base58()] = (_checked_status(v.value), float(v.expiration_time))
-                    except Exception:  # noqa: BLE001 - not a peer id: an insecure run's stranger
-                        continue
+        statuses = {peer: (_checked_status(value), until) for peer, (value, until) in _by_peer_id(found).items()}
         now = _dht_time()
         peers = []
         for peer_id in dict.fromkeys([*contacts, *statuses]):
@@ -605,6 +586,22 @@ class Discovery:
                     self._store_status()
                 except DiscoveryError as exc:
                     logger.debug("status store failed: %s", exc)
+
+
+def _by_peer_id(found: Any) -> dict[str, tuple[Any, float]]:
+    """A dictionary record read from the DHT (``dht.get``), by the peer id each subkey holds:
+    (value, expiration time). Subkeys that are no peer id (an insecure run's strangers) are skipped."""
+    from hivemind.p2p import PeerID
+
+    out: dict[str, tuple[Any, float]] = {}
+    if found is not None and isinstance(found.value, dict):
+        for sub, v in found.value.items():
+            if isinstance(sub, bytes):
+                try:
+                    out[PeerID(sub).to_base58()] = (v.value, float(v.expiration_time))
+                except Exception:  # noqa: BLE001 - not a peer id: an insecure run's stranger
+                    continue
+    return out
 
 
 def _dht_time() -> float:
