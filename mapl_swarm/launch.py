@@ -264,19 +264,20 @@ def peer_ports(base: int, num_stages: int, *, offset: int = 0) -> list[int]:
 
 def check_ports(cfg: TrainConfig) -> None:
     """Before anything starts: every fixed port the swarm will listen on (the bootstrap's
-    ``net.dht_port``, each peer's ``net.dht_port + 1 + stage`` and ``net.port + stage``) is free;
+    ``net.dht_port``, and for the i-th of its peers in :func:`peer_processes`' order, every replica
+    counted, ``net.dht_port + 1 + i``, ``net.port + i`` and ``metrics.prometheus_port + i``) is free;
     DiscoveryError naming the first one that is not."""
-    P, net = cfg.pipeline.num_stages, cfg.net
+    n, net = sum(replica_counts(cfg)), cfg.net
     wanted = [(net.dht_host, p) for p in ([net.dht_port] if net.dht_port else [])]
-    wanted += [(net.dht_host, p) for p in peer_ports(net.dht_port, P, offset=1) if p]
-    wanted += [(net.bind_host, p) for p in peer_ports(net.port, P) if p]
-    wanted += [(cfg.metrics.prometheus_host, p) for p in peer_ports(cfg.metrics.prometheus_port or 0, P) if p]
+    wanted += [(net.dht_host, p) for p in peer_ports(net.dht_port, n, offset=1) if p]
+    wanted += [(net.bind_host, p) for p in peer_ports(net.port, n) if p]
+    wanted += [(cfg.metrics.prometheus_host, p) for p in peer_ports(cfg.metrics.prometheus_port or 0, n) if p]
     ports = [p for _, p in wanted]
     clash = sorted({p for p in ports if ports.count(p) > 1})
     if clash:
         raise ConfigError(f"net.port, net.dht_port and metrics.prometheus_port give the swarm overlapping ports "
-                          f"{clash}: peers use net.port + stage and metrics.prometheus_port + stage, the DHT "
-                          f"net.dht_port .. net.dht_port + {P}; move one of them")
+                          f"{clash}: its {n} peers use net.port + i and metrics.prometheus_port + i, the DHT "
+                          f"net.dht_port .. net.dht_port + {n}; move one of them")
     for host, port in wanted:
         check_listen_address(host, port)
 

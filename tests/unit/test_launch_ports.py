@@ -47,3 +47,8 @@ def test_taken_and_clashing_ports_are_refused_at_once():
             check_ports(_cfg(port=port - 1, bind_host="127.0.0.1"))
     with pytest.raises(ConfigError, match="overlapping ports"):
         check_ports(_cfg(port=7000, dht_port=7001))
+    # every replica is a peer with ports of its own: 5 peers reach 7004, past a metrics base of 7004
+    with pytest.raises(ConfigError, match=r"overlapping ports \[7004\]: its 5 peers"):
+        check_ports(config_from_dict({"pipeline": {"num_stages": 3}, "net": {"port": 7000},
+                                      "replicas": {"enabled": True, "initial": [1, 2, 2]},
+                                      "metrics": {"prometheus_port": 7004}}))
