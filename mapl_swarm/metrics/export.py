@@ -56,6 +56,8 @@ SCALARS: dict[str, tuple[str, str]] = {
 }
 """Record key -> (metric name, help) for the figures every process may record."""
 
+_HELP = dict(SCALARS.values())
+"""Metric name -> help."""
 _HEALTH = re.compile(r"^health/b(\d+)/(.+)$")
 _RENAMED = {"orth_error": "projector_orthonormality"}
 
@@ -103,16 +105,6 @@ class Exporter(Protocol):
     def close(self) -> None: ...
 
 
-@dataclass
-class _Place:
-    run: str
-    stage: str
-    peer_id: str
-
-    def labels(self) -> dict[str, str]:
-        return {"run": self.run, "stage": self.stage, "peer_id": self.peer_id}
-
-
 class PrometheusExporter:
     """The Prometheus endpoint of one process (``prometheus_client``'s own HTTP server, in a daemon
     thread); :attr:`port` is the bound port (``port=0`` picks a free one)."""
@@ -121,7 +113,8 @@ class PrometheusExporter:
                  live: LiveFigures | None = None) -> None:
         from prometheus_client import CollectorRegistry, start_http_server
 
-        self._place = _Place(run, "" if stage is None else str(stage), peer_id)
+        self._place = {"run": run, "stage": "" if stage is None else str(stage), "peer_id": peer_id}
+        """The labels of every series: where this process is."""
         self._live = live
         self._last: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
         self._lock = threading.Lock()
@@ -147,16 +140,15 @@ class PrometheusExporter:
     def collect(self):  # prometheus_client's Collector protocol
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        place = self._place.labels()
+        place = self._place
         with self._lock:
             last = dict(self._last)
         families: dict[str, GaugeMetricFamily] = {}
-        helps = {name: text for name, text in SCALARS.values()}
         for (name, labels), value in sorted(last.items()):
             extra = dict(labels)
             fam = families.get(name)
             if fam is None:
-                fam = families[name] = GaugeMetricFamily(name, helps.get(name, f"{name} (last record)"),
+                fam = families[name] = GaugeMetricFamily(name, _HELP.get(name, f"{name} (last record)"),
                                                          labels=[*place, *extra])
             fam.add_metric([*place.values(), *extra.values()], value)
         yield from families.values()
