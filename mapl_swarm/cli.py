@@ -526,7 +526,8 @@ def _cmd_lab(args: argparse.Namespace) -> int:
     from mapl_swarm.lab.swarm import run_lab_swarm
 
     s = run_lab_swarm(cfg, _config_args(args) + (["--resume"] if args.resume else []), rate_mbit=args.rate_mbit,
-                      subnet=args.subnet, max_restarts=args.max_restarts, revocations=args.revocations)
+                      subnet=args.subnet, max_restarts=args.max_restarts, revocations=args.revocations,
+                      nat=[host for host in (args.nat or "").split(",") if host])
     if s.end_note:  # drained (SIGINT/SIGTERM): one line
         print(f"mapl-swarm: {s.end_note}")
         return 0
@@ -911,6 +912,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rate-mbit", type=float, default=20.0, metavar="MBIT",
                    help="tbf rate of every link in Mbit/s; 0 leaves links unshaped (default: 20)")
     p.add_argument("--subnet", type=int, default=77, metavar="N", help="lab addresses are 10.N.0.x (default: 77)")
+    p.add_argument("--nat", metavar="HOST[,HOST]",
+                   help="put these peers' hosts behind NAT (stage1, stage2r1: a replica's): they accept no inbound "
+                        "connection and run with net.reachable = \"no\" (needs iptables)")
     _resume_arg(p, "every peer continues")
     _max_restarts_arg(p)
     _replicas_arg(p)

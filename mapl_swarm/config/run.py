@@ -163,6 +163,13 @@ class NetConfig:
     """TCP port to bind; 0 picks a free one."""
     advertise_host: str = ""
     """Host announced to other peers; empty: bind_host, or this host's address when bound to 0.0.0.0."""
+    reachable: Literal["yes", "no", "auto"] = "yes"
+    """Whether other hosts can open connections to this peer: ``yes``; ``no`` (behind NAT or a
+    firewall that admits nothing inbound): it announces a dial-out contact and its neighbours send to
+    it on the connections it opens (SPEC §1.2), and its DHT node runs in hivemind's client mode;
+    ``auto``: ask a live peer of the run to dial it back (SPEC §9.11) and decide by that (``yes``
+    when nobody can be asked: the first peer). Dial-out needs certified peers, and two dial-out
+    neighbours cannot link to each other."""
     dht_host: str = "127.0.0.1"
     """Interface the peer's DHT node listens on."""
     dht_port: int = 0

@@ -9,7 +9,9 @@ key and a certificate for its stage, and the DHT node any certificate of the run
 The data is prepared once, first. The peers are supervised as ``launch`` supervises its own
 (:func:`~mapl_swarm.launch.supervise`): Ctrl-C drains them, and one that dies is started again
 with ``--resume`` in its namespace (at most ``max_restarts`` times per stage) while the others wait
-for it; the DHT node exiting stops the run.
+for it; the DHT node exiting stops the run. Hosts named in ``nat`` (``stage1``, ``stage2r1``: a
+replica's host is its stage's with ``r<index>``) sit behind NAT (:class:`NetnsLab`) and run with
+``net.reachable = "no"``.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Sequence
 
 from mapl_swarm.config import TrainConfig
 from mapl_swarm.data import prepare_data
+from mapl_swarm.errors import ConfigError
 from mapl_swarm.lab.netns import NetnsLab
 from mapl_swarm.launch import (PeerProcess, RestartPolicy, Supervisor, SwarmSummary, local_identities, replica_counts,
                                replica_out_dir, restarts_allowed, revocation_args, supervise)
@@ -38,7 +42,7 @@ _DHT_GRACE_S = 30.0
 
 def run_lab_swarm(cfg: TrainConfig, config_args: list[str], *, rate_mbit: float, subnet: int = 77,
                   timeout_s: float = 3600.0, threads: int = 1, max_restarts: int = 3,
-                  revocations: str | os.PathLike[str] | None = None) -> SwarmSummary:
+                  revocations: str | os.PathLike[str] | None = None, nat: Sequence[str] = ()) -> SwarmSummary:
     """Train ``cfg`` with the DHT and each stage in its own namespace; returns the swarm summary
     (or, after Ctrl-C, the drained one with its ``end_note``). ``config_args`` (the options that
     produced ``cfg``, with ``--log-level``) go to every peer; the DHT child gets the log level.
@@ -49,12 +53,17 @@ def run_lab_swarm(cfg: TrainConfig, config_args: list[str], *, rate_mbit: float,
     layout = [(k, r) for k in range(P) for r in range(counts[k])]  # a host (a namespace, its own links) each
     names = {(k, r): f"stage{k}" + (f"r{r}" if r else "") for k, r in layout}
     hosts = ["dht"] + [names[kr] for kr in layout]
+    unknown = sorted(set(nat) - set(hosts[1:]))
+    if unknown:
+        raise ConfigError(f"--nat names no peer host of this lab: {', '.join(unknown)} (its hosts: "
+                          f"{', '.join(hosts[1:])})")
     local = local_identities(cfg)
     revoked = revocation_args(revocations, local, cfg.run.run_id)
     for k, r in layout:  # results of an earlier run must not be mistaken for this one's
         (replica_out_dir(cfg.run.out_dir, r) / f"peer_stage{k}.json").unlink(missing_ok=True)
     prepare_data(cfg.data, progress=False)  # once, here, rather than raced by every peer
-    with tempfile.TemporaryDirectory() as tmp, NetnsLab(hosts, rate_mbit=rate_mbit, subnet=subnet) as lab:
+    with tempfile.TemporaryDirectory() as tmp, NetnsLab(hosts, rate_mbit=rate_mbit, subnet=subnet,
+                                                                   nat=nat) as lab:
         maddr_file = str(Path(tmp) / "dht.maddrs")
         base = [sys.executable, "-m", "mapl_swarm"]
         log_args = config_args[config_args.index("--log-level"):][:2] if "--log-level" in config_args else []
@@ -69,6 +78,7 @@ def run_lab_swarm(cfg: TrainConfig, config_args: list[str], *, rate_mbit: float,
                 cmd = base + ["peer", *config_args, "--stage", str(k), "--initial-peers-file", maddr_file,
                               "--set", 'net.bind_host="0.0.0.0"', "--set", f'net.advertise_host="{addr}"',
                               "--set", f'net.dht_host="{addr}"', "--set", f"runtime.threads={threads}", "--quiet",
+                              *(["--set", 'net.reachable="no"'] if lab.behind_nat(names[k, r]) else []),
                               "--launched", *local.args(k, r), *revoked,
                               *(["--set", f"run.out_dir={json.dumps(str(replica_out_dir(cfg.run.out_dir, r)))}"]
                                 if r else [])]

@@ -25,6 +25,20 @@ decision (its HELLO carries a certificate for that key). A routing id is bound t
 that used it: a message under that routing id from another key is dropped (``mismatched_keys``).
 Without ``curve`` (``--insecure``) everything travels in the clear and anyone may connect.
 
+Dial-out peers (``TransportConfig.dial_out``: a host behind NAT or a firewall that admits no inbound
+connection; pinned transports only): such a transport advertises the contact ``dialout#<hex key>``
+(:data:`DIAL_OUT`) and both directions of each of its links travel on the one connection it dials.
+A reachable transport's :meth:`Transport.connect` to a dial-out contact opens a **reverse link**:
+what it sends there goes out on its own ROUTER to the routing id the peer binds with
+:meth:`Transport.bind_reverse` (once the dial-out peer's HELLO on that connection proved the key of
+the contact), waiting for that binding and, when the connection is being made again, for it to
+come back (up to ``send_timeout_s``; then the message is dropped). On the dial-out side the
+neighbour's messages arrive on the DEALER, beside its answers (:meth:`Transport.recv_reply`):
+:meth:`Transport.request_sender` names the connection as a routing id of the neighbour's stage for
+the peer's admission, :meth:`Transport.peer_key` gives the link's pinned key for it, and
+:meth:`Transport.reply` to it goes out on that DEALER. Which message is an answer is the wire's
+business (WELCOME and REJECT, SPEC §1.2), so the peer sorts them, not the transport.
+
 No takeover: ``ROUTER_HANDOVER`` is off, so a second connection presenting a routing id that is in
 use cannot take it over (the first one keeps it, and ZeroMQ never serves the second); ZeroMQ
 heartbeats (``zmq_heartbeat_s``) drop a dead connection, freeing its routing id, and a DEALER
@@ -78,12 +92,14 @@ if TYPE_CHECKING:
     from mapl_swarm.net.identity import PeerIdentity as Membership
 
 __all__ = [
+    "DIAL_OUT",
     "CurveKeys",
     "TransportConfig",
     "Transport",
     "tcp_endpoint",
     "contact",
     "split_contact",
+    "is_dial_out",
     "new_event_loop",
     "run",
 ]
@@ -132,6 +148,13 @@ HANDSHAKE_TIMEOUT_MS = 10_000
 (``ZMQ_HANDSHAKE_IVL``; libzmq's default is 30 s). A CURVE handshake is 2 round trips."""
 
 
+DIAL_OUT = "dialout"
+"""The address part of a dial-out peer's contact, ``dialout#<hex key>``: it accepts no connection."""
+REVERSE_RETRY_S = 0.05
+"""How often a reverse link tries again to send while its dial-out peer's connection is being made
+again (ZeroMQ's ROUTER refuses a routing id that has no connection, rather than queueing)."""
+
+
 def contact(endpoint: str, curve_public: bytes) -> str:
     """``endpoint#<hex>``: where a certified peer listens and the CURVE key (32 raw bytes) it proves there."""
     if len(curve_public) != 32:
@@ -152,6 +175,12 @@ def split_contact(text: str) -> tuple[str, bytes | None]:
     if len(raw) != 32 or key != key.lower():
         raise NetError(f"contact {text!r}: the part after '#' must be 64 lowercase hex digits (a CURVE key)")
     return endpoint, raw
+
+
+def is_dial_out(text: str) -> bool:
+    """``text`` is a dial-out peer's contact (``dialout#<hex key>``): it is reached only on the
+    connections it opens itself."""
+    return text.partition("#")[0] == DIAL_OUT
 
 
 def tcp_endpoint(host: str, port: int) -> str:
@@ -197,6 +226,10 @@ class TransportConfig:
     before it reconnects, so that the ROUTER has dropped the dead connection by then (without
     handover a reconnection arriving while the old one is held would never be served).
     0: no ZeroMQ heartbeats, reconnects after 0.1 s."""
+    dial_out: bool = False
+    """This peer accepts no inbound connection (behind NAT or a firewall): it advertises
+    ``dialout#<hex key>`` and its neighbours send to it on the connections it dials (module
+    docstring). Needs ``curve``."""
 
     def __post_init__(self) -> None:
         if not (0 <= self.bind_port <= 65535):
@@ -213,6 +246,9 @@ class TransportConfig:
             raise ConfigError(f"transport.zmq_heartbeat_s must be >= 0, got {self.zmq_heartbeat_s}")
         if self.curve is not None and not isinstance(self.curve, CurveKeys):
             raise ConfigError("transport.curve must be CurveKeys (a peer identity's) or None")
+        if self.dial_out and self.curve is None:
+            raise ConfigError("net.reachable = \"no\" (a dial-out peer) needs certified peers (--peer-key and --cert): "
+                              "its neighbours know its connections by the CURVE key in its contact")
 
     @classmethod
     def for_run(cls, cfg: TrainConfig, membership: Membership | None) -> "TransportConfig":
@@ -222,7 +258,8 @@ class TransportConfig:
         net = cfg.net
         return cls(bind_host=net.bind_host, bind_port=net.port, advertise_host=net.advertise_host or None,
                    send_timeout_s=net.timeout_s, curve=membership.curve if membership is not None else None,
-                   max_message_bytes=max_message_bytes(cfg), zmq_heartbeat_s=net.zmq_heartbeat_s)
+                   max_message_bytes=max_message_bytes(cfg), zmq_heartbeat_s=net.zmq_heartbeat_s,
+                   dial_out=net.reachable == "no")
 
     def heartbeat_options(self) -> dict[int, int]:
         """The ZeroMQ heartbeat socket options (milliseconds) of every socket; empty when off."""
@@ -284,7 +321,12 @@ class Transport:
         self._watchers: dict[str, tuple[asyncio.Task[None], zmq.asyncio.Socket]] = {}
         """Per outbound link: the task reading its DEALER's connection events, and their socket."""
         self._connection_listeners: list[Callable[[str, bool], None]] = []
-        self._replies: asyncio.Queue[tuple[str, list[Frame]]] = asyncio.Queue(maxsize=REPLY_QUEUE_MESSAGES)
+        self._reverse: dict[str, _ReverseLink] = {}
+        """Reverse links (to dial-out peers), by link name."""
+        self._requests: dict[str, str] = {}
+        """Dial-out side: the routing id each DEALER's neighbour is known by (:meth:`request_sender`) -> link."""
+        self._replies: asyncio.Queue[tuple[str, list[Frame]]] = asyncio.Queue(
+            maxsize=0 if config.dial_out else REPLY_QUEUE_MESSAGES)
         self.dropped_replies = 0
         """Replies dropped because :attr:`REPLY_QUEUE_MESSAGES` were already waiting."""
         self._bound_endpoint = ""
@@ -326,7 +368,7 @@ class Transport:
         self._bound_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._endpoint = tcp_endpoint(self._advertise_host(), self.port)
         if cfg.curve is not None:
-            self._endpoint = contact(self._endpoint, z85.decode(cfg.curve.public))
+            self._endpoint = contact(DIAL_OUT if cfg.dial_out else self._endpoint, z85.decode(cfg.curve.public))
         logger.info("%s: bound %s, advertising %s (%s, routing id %s)", self.name, self._bound_endpoint,
                     self._endpoint, "INSECURE: plain TCP" if cfg.curve is None else "CURVE, certified peers",
                     self.routing_id)
@@ -423,6 +465,9 @@ class Transport:
         if cfg.curve is not None and server_key is None:
             raise NetError(f"{self.name}: link {link!r} to {endpoint!r}: a certified peer dials contacts only "
                            f"(endpoint#<its CURVE key>, from its DHT record)")
+        if address == DIAL_OUT:
+            self._connect_reverse(link, endpoint, server_key, config)
+            return
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.SNDHWM, cfg.send_hwm)
@@ -453,12 +498,85 @@ class Transport:
         self._dealers[link] = dealer
         self._endpoints[link] = endpoint
         self._server_keys[link] = server_key
+        if cfg.dial_out:  # the neighbour's requests come on this connection, under a name of their own
+            self._requests[f"{self.name_of_link(link)}.{secrets.token_hex(4)}"] = link
         self._shapers[link] = LinkShaper(config, deliver, name=f"{self.name}->{link}")
         self._readers[link] = asyncio.get_running_loop().create_task(self._read_replies(link, dealer),
                                                                      name=f"{self.name}<-{link} replies")
         self._watchers[link] = (asyncio.get_running_loop().create_task(
             self._watch_connection(link, events), name=f"{self.name}->{link} events"), events)
         logger.debug("%s: link %r -> %s (%s)", self.name, link, endpoint, config.describe())
+
+    def _connect_reverse(self, link: str, endpoint: str, key: bytes | None, config: LinkConfig) -> None:
+        """A link to the dial-out peer at ``endpoint`` (module docstring): sent on the ROUTER to the
+        routing id :meth:`bind_reverse` binds."""
+        if self.config.dial_out:
+            raise NetError(f"{self.name}: link {link!r}: the peer at {endpoint} accepts no connection, and neither "
+                           f"does this one (both dial out): a relay between them is needed")
+        if self.config.curve is None or key is None:
+            raise NetError(f"{self.name}: link {link!r} to the dial-out peer {endpoint!r}: only certified peers "
+                           f"link to dial-out peers (the key in its contact names its connection)")
+        reverse = _ReverseLink(key)
+        loop = asyncio.get_running_loop()
+
+        async def deliver(frames: list[Frame]) -> None:
+            await reverse.bound.wait()
+            deadline = loop.time() + self.config.send_timeout_s
+            while True:
+                router = self._router
+                if router is None:
+                    raise NetError(f"{self.name}: reverse link {link!r} used before start()")
+                try:
+                    await router.send_multipart([reverse.routing_id.encode(), *frames], copy=False)
+                    return
+                except zmq.ZMQError as exc:
+                    if exc.errno != zmq.EHOSTUNREACH:
+                        raise NetError(f"{self.name}: send on reverse link {link!r} failed: {exc}") from exc
+                if loop.time() > deadline:  # as a DEALER's queue would, in the end: the heartbeats tell the rest
+                    logger.warning("%s: dropped a message on link %r: the dial-out peer's connection %r has been "
+                                   "gone for %g s", self.name, link, reverse.routing_id, self.config.send_timeout_s)
+                    return
+                await asyncio.sleep(REVERSE_RETRY_S)
+
+        self._reverse[link] = reverse
+        self._endpoints[link] = endpoint
+        self._server_keys[link] = key
+        self._shapers[link] = LinkShaper(config, deliver, name=f"{self.name}->{link}")
+        logger.debug("%s: link %r -> %s, reversed: it goes out on the connection that peer dials (%s)", self.name,
+                     link, endpoint, config.describe())
+
+    def bind_reverse(self, link: str, routing_id: str) -> None:
+        """Send the reverse link ``link``'s messages to the connection ``routing_id`` from now on (its
+        dial-out peer's HELLO came on it). The connection must have proved the link's pinned key."""
+        reverse = self._reverse.get(link)
+        if reverse is None:
+            raise NetError(f"{self.name}: {link!r} is not a reverse link")
+        key = self.peer_key(routing_id)
+        if key is None or key != reverse.key:
+            raise NetError(f"{self.name}: connection {routing_id!r} has not proved the key of the dial-out peer of "
+                           f"link {link!r}")
+        if reverse.routing_id != routing_id:
+            logger.debug("%s: reverse link %r now goes out on connection %r", self.name, link, routing_id)
+        reverse.routing_id = routing_id
+        reverse.bound.set()
+
+    def is_reverse(self, link: str) -> bool:
+        """``link`` goes to a dial-out peer (its messages leave on the ROUTER)."""
+        return link in self._reverse
+
+    def reverse_link(self, routing_id: str) -> str | None:
+        """The reverse link bound to the connection ``routing_id`` (its dial-out peer's), or None."""
+        return next((link for link, reverse in self._reverse.items() if reverse.routing_id == routing_id), None)
+
+    def request_sender(self, link: str) -> str | None:
+        """Dial-out transports: the routing id under which the neighbour of ``link`` speaks on that
+        link's own connection (``<its stage name>.<8 hex>``, new per connect); None otherwise."""
+        return next((sender for sender, name in self._requests.items() if name == link), None)
+
+    @staticmethod
+    def name_of_link(link: str) -> str:
+        """The neighbour's transport name in a link name: ``"stage1@3fa2c9d1"`` -> ``"stage1"``."""
+        return link.partition("@")[0]
 
     def new_routing_id(self) -> str:
         """A fresh routing id for the DEALERs connected from now on (a session that re-forms the swarm:
@@ -476,6 +594,9 @@ class Transport:
         except what ZeroMQ can send within ``linger_s``."""
         shaper = self._shapers.pop(link, None)
         dealer = self._dealers.pop(link, None)
+        self._reverse.pop(link, None)
+        for sender in [sender for sender, name in self._requests.items() if name == link]:
+            del self._requests[sender]
         self._endpoints.pop(link, None)
         self._server_keys.pop(link, None)
         reader = self._readers.pop(link, None)
@@ -532,6 +653,10 @@ class Transport:
         :class:`NetTimeoutError` when it accepts nothing within ``timeout_s`` (default
         ``config.send_timeout_s``)."""
         self._check_open()
+        link = self._requests.get(routing_id)
+        if link is not None:  # a dial-out peer answers its neighbour on the connection it dialed
+            await self.send(link, frames, kind=kind, timeout_s=timeout_s)
+            return
         router = self._router
         if router is None:
             raise NetError(f"{self.name}: reply before start()")
@@ -607,6 +732,9 @@ class Transport:
     def peer_key(self, routing_id: str) -> bytes | None:
         """The CURVE public key (32 raw bytes) that the connection ``routing_id`` proved (pinned
         transports; None when none is known)."""
+        link = self._requests.get(routing_id)
+        if link is not None:
+            return self._server_keys.get(link)
         key = self._keys.get(routing_id)
         return None if key is None else z85.decode(key)
 
@@ -631,6 +759,9 @@ class Transport:
             frames: list[Frame] = [p.buffer if len(p) >= _ZERO_COPY_MIN_BYTES else p.bytes for p in parts]
             kind = self._rx_kind(frames) if self._rx_kind is not None else "rx"
             self.counters.add(link, "rx", kind, frames)
+            if self.config.dial_out:  # everything the neighbour sends comes here: wait for room, drop nothing
+                await self._replies.put((link, frames))
+                continue
             try:
                 self._replies.put_nowait((link, frames))
             except asyncio.QueueFull:
@@ -675,3 +806,12 @@ class Transport:
     def _check_open(self) -> None:
         if self._closed:
             raise LinkClosedError(f"transport {self.name!r} is closed")
+
+
+class _ReverseLink:
+    """A reverse link's pinned key and the connection its dial-out peer's HELLO came on."""
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+        self.routing_id = ""
+        self.bound = asyncio.Event()

@@ -16,6 +16,12 @@ to exactly one place:
 - a control message: the same queue, for the dispatcher, which hands it to the handler its type
   names in ``handle``'s table (the peer's :class:`~.control.Control`).
 
+A dial-out neighbour's (or, on a dial-out peer, every neighbour's) messages and answers share one
+connection (SPEC §1.2): an answer (WELCOME, REJECT) that comes from a dial-out neighbour's
+connection is taken as an answer on this peer's link to it, and a message other than an answer that
+comes on a dial-out peer's own connection as its neighbour's message, under the name
+``Transport.request_sender`` gives that connection.
+
 Receiving never waits on handling, so a handler that waits (a relay to a neighbour whose send
 buffer is full) never makes another neighbour look silent. A connection without a session (a
 stranger's, or a neighbour's before its HELLO is welcomed) has a budget (:class:`StrangerBudget`):
@@ -39,7 +45,7 @@ from mapl_swarm.peer.admission import Admission, Admitted, Arrival, RejectCounte
 from mapl_swarm.peer.link import Links, PeerLink, Reply, stage_of
 from mapl_swarm.peer.session import Early, HelloRefused, Rejected
 from mapl_swarm.peer.dialback import DialBacks, Refused as DialBackRefused
-from mapl_swarm.wire import Message, MessageType, VersionMismatch, WireError, decode
+from mapl_swarm.wire import Message, MessageType, VersionMismatch, WireError, decode, decode_header
 from mapl_swarm.wire.spec import FINISHED_REASON, REJOIN_REASON
 
 if TYPE_CHECKING:
@@ -144,8 +150,11 @@ class Ingress:
                                                    f"messages, then {STRANGER_RATE_PER_S:g} a second")
                 continue
             key = transport.peer_key(sender) if self.admission.s.identity is not None else None
+            reverse = transport.reverse_link(sender)
+            arrival = (Arrival(reverse, frames, reply_link=reverse) if reverse is not None and self._is_answer(frames)
+                       else Arrival(sender, frames, peer_key=key))
             async with self._admitting:
-                self._answer(await self.take(Arrival(sender, frames, peer_key=key), transport), sender)
+                self._answer(await self.take(arrival, transport), sender)
 
     def _in_session(self, sender: str) -> bool:
         """``sender`` is the routing id of a neighbour's bound inbound session."""
@@ -155,7 +164,21 @@ class Ingress:
         """Answers (WELCOME/REJECT) on this peer's own connections to its neighbours."""
         while True:
             link, frames = await transport.recv_reply(timeout_s=3600.0)
-            self._answer(await self.take(Arrival(link, frames, reply_link=link), transport), link)
+            sender = transport.request_sender(link)
+            if sender is None or self._is_answer(frames):
+                arrival = Arrival(link, frames, reply_link=link)
+            else:  # a dial-out peer: its neighbour speaks on this connection too
+                arrival = Arrival(sender, frames, peer_key=transport.peer_key(sender))
+            async with self._admitting:
+                self._answer(await self.take(arrival, transport), arrival.sender)
+
+    def _is_answer(self, frames: Any) -> bool:
+        """``frames`` are a WELCOME or REJECT (what a malformed header is, the admission says)."""
+        try:
+            header, _ = decode_header(frames, self.admission.limits)
+        except WireError:
+            return False
+        return header.type in (MT.WELCOME, MT.REJECT)
 
     async def dispatch_loop(self, transport: Any) -> None:
         """Handles the admitted control messages in arrival order."""

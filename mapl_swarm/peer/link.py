@@ -400,6 +400,8 @@ class PeerLink:
         self.capabilities = frozenset(msg.meta.get("capabilities", []))
         self.peer_anchored = self.peer_anchored or msg.meta.get("anchored") is True
         self.rx = RxSession(routing_id=sender, heard_at=now, last_seq=msg.seq)
+        if self._transport is not None and self._transport.is_reverse(self.name):
+            self._transport.bind_reverse(self.name, sender)  # a dial-out neighbour: its connection carries ours too
         await reply(self._answer(MT.WELCOME, {**s.hello_meta(self.local_contact), "nonce": new_nonce(),
                                               "hello_nonce": msg.meta["nonce"], **_anchor(anchored)}), MT.WELCOME.name)
         if self.codebooks is not None:

@@ -226,9 +226,13 @@ def run_peer(cfg: TrainConfig, stage: int | None, *, membership: Membership | No
     if stage is None and not joining:
         raise ConfigError("--stage K is required, unless the peer joins a running swarm (--join)")
     net = cfg.net
+    if net.reachable != "yes" and membership is None:
+        raise ConfigError(f"net.reachable = {net.reachable!r} needs certified peers (--peer-key and --cert): a dial-out "
+                          f"peer's neighbours know its connections by the CURVE key in its contact")
     peers = tuple(initial_peers) or net.initial_peers
-    discovery = Discovery(cfg.run.run_id, DiscoveryConfig(initial_peers=peers, host=net.dht_host,
-                                                          port=net.dht_port), membership=membership)
+    # a dial-out peer's DHT node serves nobody (hivemind's client mode): none could reach it
+    discovery = Discovery(cfg.run.run_id, DiscoveryConfig(initial_peers=peers, host=net.dht_host, port=net.dht_port,
+                                                          client_mode=net.reachable == "no"), membership=membership)
     discovery.start()  # forks the DHT process: before the event loop, ZeroMQ, torch work and threads
     try:
         if stage is None:

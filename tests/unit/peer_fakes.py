@@ -153,6 +153,15 @@ class FakeTransport:
     async def recv_reply(self, timeout_s: float) -> tuple[str, list]:
         return await self.replies.get()
 
+    def is_reverse(self, link: str) -> bool:  # every fake link is dialed: no dial-out peers here
+        return False
+
+    def reverse_link(self, routing_id: str) -> str | None:
+        return None
+
+    def request_sender(self, link: str) -> str | None:
+        return None
+
     def peer_key(self, routing_id: str) -> bytes | None:
         return self.net.key_of(routing_id)
 
