@@ -291,12 +291,16 @@ async def _ask_dial_back(cfg: Any, identity: Any, stage: int, contacts: Sequence
                  "address the others dial")
 
 
-def _dial_back_check(cfg: Any, identity: Any, stage: int | None, staged: Sequence[tuple[int, Any]],
-                     status_s: float, wait_s: float = 10.0) -> Check:
-    """``reachable``: live peers (of ``staged``: (stage, peer) pairs) dial this host back."""
+def dial_back_check(cfg: Any, identity: Any, stage: int | None, staged: Sequence[tuple[int, Any]],
+                    status_s: float, wait_s: float = 10.0) -> Check:
+    """``reachable``: live peers (of ``staged``: (stage, peer) pairs; dial-out peers cannot be asked)
+    dial this host back. A peer with ``net.reachable = "auto"`` decides by it too."""
+    from mapl_swarm.net.transport import is_dial_out
+
     if identity is None:
         return Check("reachable", None, "a dial-back needs this host's --peer-key and --cert")
-    contacts = [(s, p.contact) for s, p in staged if p.contact and not p.silent(status_s)][:2]
+    contacts = [(s, p.contact) for s, p in staged
+                if p.contact and not is_dial_out(p.contact) and not p.silent(status_s)][:2]
     if not contacts:
         return Check("reachable", None, "no live peer to dial back")
     from mapl_swarm.net.transport import run
@@ -336,4 +340,4 @@ def swarm_checks(cfg: Any, *, initial_peers: Sequence[str], membership: Any,
     identity = membership if hasattr(membership, "encoded_cert") else None
     return out + _config_checks(configs, fingerprint=fingerprint, summary=summary) + \
         [_clock_check([p for _, p in staged], dht.status_s),
-         _dial_back_check(cfg, identity, stage, staged, dht.status_s)]
+         dial_back_check(cfg, identity, stage, staged, dht.status_s)]

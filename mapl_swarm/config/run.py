@@ -383,6 +383,9 @@ class TrainConfig:
         _check(not (r.check_fraction and codec_info(c.codec).quantized),
                f"replicas.check_fraction with compression.codec = {c.codec!r}: a checker cannot rebuild another "
                f"replica's streamed codebooks; use a codec without VQ or check_fraction = 0")
+        _check(not (r.enabled and self.net.reachable == "no"),
+               "net.reachable = \"no\" in a run with replicas: a dial-out peer serves a chain stage only (a stage's "
+               "replicas average with hivemind, whose rounds need every member to accept connections)")
 
     def check_stage(self, stage: int) -> None:
         """A peer's ``--stage``: ConfigError unless the pipeline has it."""

@@ -15,7 +15,7 @@ import functools
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -213,6 +213,31 @@ def _withdraw(discovery: Discovery, stage: int) -> None:
         log.debug("stage %d: its DHT record not withdrawn: %s", stage, exc)
 
 
+def decide_reachable(cfg: TrainConfig, check: Any, stage: int) -> TrainConfig:
+    """``cfg`` with ``net.reachable = "auto"`` decided by a dial-back ``check``
+    (:func:`mapl_swarm.doctor.dial_back_check`): ``no`` when live peers could not dial this host,
+    ``yes`` when one did or nobody could be asked (logged, with what to set if that is wrong)."""
+    reachable = "no" if check.ok is False else "yes"
+    if check.ok is None:
+        log.warning("stage %d: net.reachable = \"auto\": %s; taken as reachable (set net.reachable = \"no\" on a "
+                    "host behind NAT)", stage, check.detail)
+    else:
+        log.info("stage %d: net.reachable = \"auto\": %s: %s", stage, check.detail,
+                 "serving as a dial-out peer" if reachable == "no" else "reachable")
+    if reachable == "no" and cfg.replicas.enabled:
+        raise MaplError(f"stage {stage}: this host cannot be reached ({check.detail}), and in a run with replicas a "
+                        f"dial-out peer cannot serve: open its port, or serve a run without replicas")
+    return replace(cfg, net=replace(cfg.net, reachable=reachable))
+
+
+def _reachability(cfg: TrainConfig, discovery: Discovery, membership: Membership | None, stage: int) -> Any:
+    """The dial-back check of the contact this host's peer would advertise, asked of live peers."""
+    from mapl_swarm.doctor import dial_back_check
+
+    staged = [(k, p) for k in range(cfg.pipeline.num_stages) for p in discovery.stage_peers(k)]
+    return dial_back_check(cfg, membership, stage, staged, discovery.config.status_s)
+
+
 def run_peer(cfg: TrainConfig, stage: int | None, *, membership: Membership | None,
              initial_peers: Sequence[str] = (), resume: bool = False, progress: bool = True, joining: bool = False,
              insecure_warning_interval_s: float = INSECURE_WARNING_INTERVAL_S):
@@ -237,6 +262,13 @@ def run_peer(cfg: TrainConfig, stage: int | None, *, membership: Membership | No
     try:
         if stage is None:
             stage = pick_joined_stage(cfg, discovery, membership)
+        if net.reachable == "auto":
+            cfg = decide_reachable(cfg, _reachability(cfg, discovery, membership, stage), stage)
+            if cfg.net.reachable == "no":  # its DHT node again, serving nobody
+                discovery.close()
+                discovery = Discovery(cfg.run.run_id, replace(discovery.config, client_mode=True),
+                                      membership=membership)
+                discovery.start()
         if membership is not None:
             log.info("stage %d: %s: members-only encrypted links", stage, membership.describe())
         with InsecureWarning(stage, insecure_warning_interval_s) if membership is None else contextlib.nullcontext():

@@ -1,4 +1,4 @@
-"""Wire protocol 2.1: messages <-> ZeroMQ multipart frames (normative text: protocol/SPEC.md).
+"""Wire protocol 2.2: messages <-> ZeroMQ multipart frames (normative text: protocol/SPEC.md).
 
 Imports no torch; tensors are numpy arrays (bf16 as its raw ``uint16`` bit patterns). Messages carry
 no authentication tag: CURVE with per-peer keys authenticates every connection (SPEC §7).

@@ -1,4 +1,4 @@
-"""Constants of wire protocol 2.1: version, message types, dtypes, codecs, limits, key order.
+"""Constants of wire protocol 2.2: version, message types, dtypes, codecs, limits, key order.
 
 Everything here mirrors a table of ``protocol/SPEC.md``; change the spec first, then this file.
 """
@@ -64,7 +64,7 @@ __all__ = [
     "INT64_MIN",
 ]
 
-PROTOCOL_VERSION: tuple[int, int] = (2, 1)
+PROTOCOL_VERSION: tuple[int, int] = (2, 2)
 """(major, minor) spoken by this implementation. A decoder accepts any minor of its major and
 refuses every other major with ``VersionMismatch`` (SPEC §10)."""
 

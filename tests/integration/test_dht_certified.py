@@ -194,7 +194,7 @@ def check_doctor(maddrs: list[str], stage1: Discovery, reader: Discovery, local:
         f"FAIL config: differs from stage 1's: compression.rank (stage 1 has {2 * rank}, this host {rank}); fix: use "
         "the swarm's config file (peers/*.toml) and --set only host-local settings"], lines
     assert any(line.startswith("ok   bootstrap: 127.0.0.1:") for line in lines)
-    assert any(line.startswith("ok   protocol: 2.1") for line in lines) and any(
+    assert any(line.startswith("ok   protocol: 2.2") for line in lines) and any(
         line.startswith("ok   clock:") for line in lines), lines
     # the records' contacts (10.0.0.x) serve nothing: nobody could be asked for a dial-back
     assert lines[-1].startswith("skip reachable: not checked: no live peer acknowledged"), lines

@@ -101,6 +101,9 @@ sys.exit(rc)
     ["peer", "--stage", "0", "--insecure", "--initial-peer", "/ip4/10.0.0.1/tcp/31337"],  # no peer id
     ["peer", "--insecure"],  # no stage, and not joining (which picks one)
     ["peer", "--insecure", "--join"],  # joining needs a run with replicas
+    ["peer", "--stage", "1", "--insecure", "--set", 'net.reachable="no"'],  # dial-out needs CURVE keys
+    ["peer", "--stage", "1", "--insecure", "--set", 'net.reachable="maybe"'],
+    ["lab", "--set", 'net.reachable="no"', "--set", "replicas.enabled=true"],  # no dial-out replicas yet
 ])
 def test_config_errors_answer_before_torch_is_imported(args, tmp_path):
     proc = subprocess.run([sys.executable, "-c", _NO_TORCH, *args], capture_output=True, text=True, timeout=120,

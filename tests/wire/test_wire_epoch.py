@@ -39,7 +39,7 @@ def repack(frames, **changes) -> list[bytes]:
 
 
 def test_version_and_rejoin_names():
-    assert spec.PROTOCOL_VERSION == wire.PROTOCOL_VERSION == (2, 1)
+    assert spec.PROTOCOL_VERSION == wire.PROTOCOL_VERSION == (2, 2)
     assert wire.REJOIN_CAPABILITY == spec.REJOIN_CAPABILITY == "rejoin"
     assert wire.REJOIN_REASON == spec.REJOIN_REASON == "rejoin"
     assert spec.EPOCH_KEY == "epoch" and spec.OPTIONAL_HEADER_KEYS == ("epoch",)
@@ -79,8 +79,8 @@ def test_a_written_epoch_0_and_other_key_orders_decode():
     epoch = h.pop("epoch")
     h["epoch"] = epoch  # after tensors: not canonical, still valid
     assert decode([msgpack.packb(h, use_bin_type=True)]).epoch == 4
-    newer = repack(encode(heartbeat()), v=[2, 1], epoch=6)  # a newer minor's header: read the same
-    assert decode(newer).epoch == 6 and decode(newer).version == (2, 1)
+    newer = repack(encode(heartbeat()), v=[2, 3], epoch=6)  # a newer minor's header: read the same
+    assert decode(newer).epoch == 6 and decode(newer).version == (2, 3)
 
 
 @pytest.mark.parametrize("bad", [-1, -(2**63), "2", 2.0, float(2**64), True, None, [1], b"\x01"])

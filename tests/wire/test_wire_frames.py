@@ -118,7 +118,7 @@ def test_non_contiguous_and_big_endian_inputs():
 
 def test_messages_carry_no_tag_and_the_wire_has_no_keys():
     """Protocol 2 authenticates connections (CURVE with per-peer keys, SPEC §7), not messages."""
-    assert PROTOCOL_VERSION == (2, 1)
+    assert PROTOCOL_VERSION == (2, 2)
     for name, msg in samples().items():
         assert "auth" not in msgpack.unpackb(bytes(encode(msg)[0])), name
     assert "auth_failed" not in ERRORS_BY_CODE
@@ -153,8 +153,8 @@ def test_version_mismatch_names_both_versions(peer):
     head["v"] = list(peer)
     with pytest.raises(VersionMismatch) as exc:
         decode([msgpack.packb(head)])
-    assert str(exc.value) == f"peer speaks {peer[0]}.{peer[1]}, this peer speaks 2.1"
-    assert exc.value.peer_version == peer and exc.value.local_version == PROTOCOL_VERSION == (2, 1)
+    assert str(exc.value) == f"peer speaks {peer[0]}.{peer[1]}, this peer speaks 2.2"
+    assert exc.value.peer_version == peer and exc.value.local_version == PROTOCOL_VERSION == (2, 2)
     assert exc.value.code == "version_mismatch" and isinstance(exc.value, MaplError)
 
 
@@ -165,7 +165,7 @@ def test_a_1_9_hello_is_refused_even_when_its_fields_are_those_of_2_0():
     head = msgpack.unpackb(frames[0])
     head["v"] = [1, 9]
     head["auth"] = bytes(32)
-    with pytest.raises(VersionMismatch, match=r"^peer speaks 1\.9, this peer speaks 2\.1$"):
+    with pytest.raises(VersionMismatch, match=r"^peer speaks 1\.9, this peer speaks 2\.2$"):
         decode([msgpack.packb(head)])
     with pytest.raises(MalformedHeader, match="1, 9"):  # nor does this peer send one
         encode(Message(**{**samples()["hello"].__dict__, "version": (1, 9)}))

@@ -63,19 +63,20 @@ def test_vectors_cover_every_error_and_message_type():
 
 
 def test_vectors_are_of_this_version_and_carry_no_keys():
-    """Every vector is a 2.0 message but those 2.1 added and the newer minors an accept vector shows;
-    nothing is tagged (SPEC §7)."""
-    from mapl_swarm.wire.golden.cases import CASES_2_1
+    """Every vector is a 2.0 message but those 2.1 and 2.2 added and the newer minors an accept vector
+    shows; nothing is tagged (SPEC §7)."""
+    from mapl_swarm.wire.golden.cases import CASES_2_1, CASES_2_2
 
-    assert MANIFEST["protocol"] == f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}" == "2.1"
+    assert MANIFEST["protocol"] == f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}" == "2.2"
     assert "vectors/v2" in MANIFEST["regenerate"] and "vectors/v2" in MANIFEST["check"]
     assert not {"keys", "secret_hex"} & set(MANIFEST)
     newer = {"accept/newer_minor.mwv": [2, 1], "accept/unknown_header_key.mwv": [2, 3]}
     for e in ENTRIES:
         assert "secret" not in e, e["file"]
         if "message" in e:
-            added = e["file"].split("/")[1].removesuffix(".mwv") in CASES_2_1
-            assert e["message"]["version"] == newer.get(e["file"], [2, 1] if added else [2, 0]), e["file"]
+            name = e["file"].split("/")[1].removesuffix(".mwv")
+            minor = 2 if name in CASES_2_2 else 1 if name in CASES_2_1 else 0
+            assert e["message"]["version"] == newer.get(e["file"], [2, minor]), e["file"]
     by_file = {e["file"]: e for e in ENTRIES}
     for major in (0, 1, 3):
         assert by_file[f"invalid/version_major_{major}.mwv"]["error"] == "version_mismatch"

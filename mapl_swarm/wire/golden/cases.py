@@ -22,7 +22,7 @@ import numpy as np
 from mapl_swarm.wire.codebook import slice_message
 from mapl_swarm.wire.frames import encode
 from mapl_swarm.wire.message import Message, WireTensor
-from mapl_swarm.wire.spec import MessageType
+from mapl_swarm.wire.spec import PROTOCOL_VERSION, MessageType
 
 from .content_cases import content_cases, epoch_cases
 from .samples import RUN_ID, SAMPLE_INDEX, VQ_LAYOUT, sample_codebook, sample_floats, samples
@@ -167,6 +167,8 @@ def _valid(v: dict[str, list[bytes]]) -> list[Case]:
         "hello_cert": "HELLO of a certified peer: its certificate in cert (opaque to the decoder, checked by "
                       "the peer)",
         "hello_replica": "2.1: HELLO of a replica (capability replicas) naming its contact",
+        "hello_dial_out": "2.2: HELLO of a dial-out peer of stage 1 (SPEC §1.2): its contact names its CURVE key "
+                          "and no address; stage 0 sends to it on this connection",
         "hello_reform": "2.1: HELLO of a replica whose swarm re-forms (run epoch 2): 1 replica of its stage was "
                         "live at its pause, stage 2 lost its last replica",
         "route_ready": "2.1: ROUTE ready from stage 2: it takes stage 1's train ACTs of step 12",
@@ -637,26 +639,33 @@ CASES_2_1 = frozenset({"hello_replica", "route_ready", "route_end", "route_phase
                        "hello_stage_replicas_zero", "bye_leave", "route_redo_signed", "route_redo_sig_short",
                        "route_ready_signed", "dialback_request", "dialback", "dialback_no_nonce",
                        "dialback_contact_bin"})
-"""The vectors protocol 2.1 added (at version 2.1; the others stay at 2.0)."""
+"""The vectors protocol 2.1 added (at version 2.1)."""
+CASES_2_2 = frozenset({"hello_dial_out"})
+"""The vectors protocol 2.2 added (at version 2.2; those of neither set stay at 2.0)."""
 
-_V2_1 = b"\xa1v\x92\x02\x01"
-_V2_0 = b"\xa1v\x92\x02\x00"
 
-
-def _at_2_0(frames: list[bytes]) -> list[bytes]:
-    """``frames`` of an encoder of 2.1 as one of 2.0 wrote them: its header's ``v`` (the first key,
-    right after the map header) [2, 0]. A minor version adds vectors and never changes existing ones
-    (SPEC §10): the samples of before 2.1 keep their version, and the cases made from them too."""
+def at_minor(frames: list[bytes], minor: int) -> list[bytes]:
+    """``frames`` of this encoder as one of version ``2.<minor>`` wrote them: its header's ``v`` (the
+    first key, right after the map header) rewritten. A minor version adds vectors and never changes
+    existing ones (SPEC §10): each keeps the version it was added at, and the cases made from it too."""
+    ours = b"\xa1v\x92" + bytes(PROTOCOL_VERSION)
     head = frames[0] if frames else b""
-    at = head.find(_V2_1, 0, 1 + 2 + len(_V2_1))  # after a map header of up to 3 bytes
-    return frames if at < 0 else [head[:at] + _V2_0 + head[at + len(_V2_1):], *frames[1:]]
+    at = head.find(ours, 0, 1 + 2 + len(ours))  # after a map header of up to 3 bytes
+    if at < 0:
+        return frames
+    return [head[:at] + b"\xa1v\x92" + bytes((PROTOCOL_VERSION[0], minor)) + head[at + len(ours):], *frames[1:]]
+
+
+def added_at(name: str) -> int:
+    """The minor version that added the vector ``name``."""
+    return 2 if name in CASES_2_2 else 1 if name in CASES_2_1 else 0
 
 
 def build_cases() -> list[Case]:
     """Every golden vector: valid, accept, invalid, codebook, then content (some with the receiver's
-    epoch); those of 2.0 at version 2.0, the 2.1 additions (:data:`CASES_2_1`) at 2.1."""
+    epoch); each at the version that added it (:func:`added_at`)."""
     def frames(name: str, msg_frames: list[bytes]) -> list[bytes]:
-        return msg_frames if name in CASES_2_1 else _at_2_0(msg_frames)
+        return at_minor(msg_frames, added_at(name))
 
     v = {name: frames(name, [bytes(f) for f in encode(m)]) for name, m in samples().items()}
     content = [Case(n, "content", frames(n, f), d, extra={"run": r.to_dict(), "window": w.to_dict(), "outcome": o})

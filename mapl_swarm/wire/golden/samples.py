@@ -308,9 +308,12 @@ def _replica_samples() -> dict[str, Message]:
     reform = _stage_hello(MessageType.HELLO)
     reform.epoch = 2
     reform.meta.update(hello.meta, stage_replicas=1, lost=2)
+    dial_out = _stage_hello(MessageType.HELLO)
+    dial_out.meta.update(capabilities=["1f1b", "checkpoint_agreement", "drain"], contact="dialout#" + "ab" * 32)
     return {
         "hello_replica": hello,
         "hello_reform": reform,
+        "hello_dial_out": dial_out,
         "route_ready": Message(type=MessageType.ROUTE, run_id=RUN_ID, src=2, dst=1, step=12, seq=40,
                                meta={"phase": "ready"}),
         "route_end": Message(type=MessageType.ROUTE, run_id=RUN_ID, src=0, dst=1, step=12, seq=41,
