@@ -358,6 +358,26 @@ def _cmd_dht(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_relay(args: argparse.Namespace) -> int:
+    if args.insecure:
+        raise ConfigError("a relay serves the certified members of one run: give --cert (any certificate of the run)")
+    trust = _membership(args, None)
+    from mapl_swarm.net.identity import create_peer_key, load_peer_key
+    from mapl_swarm.net.relay import run_relay
+
+    key = load_peer_key(args.relay_key) if Path(args.relay_key).exists() else create_peer_key(args.relay_key)
+
+    def ready(port: int, public: bytes) -> None:
+        print(f"relay of run {trust.run_id!r} on {args.host}:{port}; on each dial-out peer set "
+              f"net.relay = \"{args.announce_host or args.host}:{port}#{public.hex()}\"", flush=True)
+
+    try:
+        run_relay(trust, key, args.host, args.port, ready=ready)
+    except (KeyboardInterrupt, _Terminated) as stop:  # its normal end
+        log.info("relay stopped (%s)", "SIGTERM" if isinstance(stop, _Terminated) else "SIGINT")
+    return 0
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     cfg = _load(args)
     membership = _membership(args, None)  # any certificate of the run: records are checked against its authority
@@ -415,6 +435,8 @@ def _status_line(p: Any, status_s: float) -> str:
                f"{st['queue']:<3}" if {"step", "tokens_per_s", "queue"} <= st.keys() else "no status record".ljust(46))
     if "averaging" in st:  # a replica: its scheme and the bytes its last averaging round sent
         figures += f"  averaging {st['averaging']} {st.get('averaging_bytes', 0) / 1e6:.2f} MB/step"
+    if "relayed_bytes" in st:  # a dial-out peer linked to another through a relay
+        figures += f"  relayed {st['relayed_bytes'] / 1e6:.2f} MB"
     where = p.contact.partition("#")[0] or "(withdrawn)"
     if p.silent(status_s):
         heard = f"SILENT for {p.heard_s:.0f} s: not serving (stopped or lost)"
@@ -527,7 +549,7 @@ def _cmd_lab(args: argparse.Namespace) -> int:
 
     s = run_lab_swarm(cfg, _config_args(args) + (["--resume"] if args.resume else []), rate_mbit=args.rate_mbit,
                       subnet=args.subnet, max_restarts=args.max_restarts, revocations=args.revocations,
-                      nat=[host for host in (args.nat or "").split(",") if host])
+                      nat=[host for host in (args.nat or "").split(",") if host], relay=args.relay)
     if s.end_note:  # drained (SIGINT/SIGTERM): one line
         print(f"mapl-swarm: {s.end_note}")
         return 0
@@ -812,6 +834,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common_args(p, quiet=False)
     p.set_defaults(func=_cmd_dht)
 
+    p = add("relay", "join dial-out peers behind NAT to each other (run on a reachable host)",
+            "Splice pairs of connections from dial-out peers (net.reachable = \"no\") that are neighbours, so "
+            "that the CURVE-encrypted link runs end to end through this host: it serves certified members of "
+            "the run only, and sees ciphertext, sizes and timing. Give each dial-out peer net.relay = HOST:PORT.")
+    p.add_argument("--host", default="0.0.0.0", help="interface to listen on (default: 0.0.0.0, every one)")
+    p.add_argument("--port", type=int, default=0, help="TCP port (default: 0, a free one)")
+    p.add_argument("--announce-host", default=None, metavar="HOST", help="the address peers dial (printed)")
+    p.add_argument("--relay-key", required=True, metavar="FILE",
+                   help="the relay's own key (created when missing, mode 0600): members seal their requests to "
+                        "it, so the run id and certificates never cross in clear; its CURVE key is printed")
+    _key_args(p, "refused: a relay serves certified members only", peer=False)
+    _add_common_args(p, quiet=False)
+    p.set_defaults(func=_cmd_relay)
+
     p = add("status", "show a running swarm's peers (every replica of every stage) from its DHT",
             "Read a running swarm's DHT and print each stage's peers (its replicas) with their state, step, "
             "tokens/s and queue, from the status records every peer renews every few seconds. Exit status 1 "
@@ -915,6 +951,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nat", metavar="HOST[,HOST]",
                    help="put these peers' hosts behind NAT (stage1, stage2r1: a replica's): they accept no inbound "
                         "connection and run with net.reachable = \"no\" (needs iptables)")
+    p.add_argument("--relay", action="store_true",
+                   help="run a relay (mapl-swarm relay) on the DHT's host for the peers behind NAT")
     _resume_arg(p, "every peer continues")
     _max_restarts_arg(p)
     _replicas_arg(p)

@@ -288,7 +288,7 @@ async def _ask_dial_back(cfg: Any, identity: Any, stage: int, contacts: Sequence
     return Check("reachable", False, f"no live peer could dial {mine} within {wait_s:.0f} s (asked "
                                      f"{len(asked)}): a NAT or firewall keeps the swarm out",
                  f"forward/open TCP port {mine.rsplit(':', 1)[1]} to this host and set net.advertise_host to the "
-                 "address the others dial")
+                 "address the others dial, or serve as a dial-out peer: net.reachable = \"no\"")
 
 
 def dial_back_check(cfg: Any, identity: Any, stage: int | None, staged: Sequence[tuple[int, Any]],

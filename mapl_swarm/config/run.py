@@ -151,6 +151,19 @@ class RuntimeConfig:
         _check_ints(self, non_negative=("threads",))
 
 
+def relay_address(text: str) -> tuple[str, int, bytes] | None:
+    """``(host, port, CURVE key)`` of a ``net.relay`` value ``HOST:PORT#<64 hex>``; None when malformed."""
+    address, _, key = text.partition("#")
+    host, colon, port = address.rpartition(":")
+    try:
+        raw = bytes.fromhex(key)
+    except ValueError:
+        return None
+    if not (colon and host and port.isdigit() and 0 < int(port) < 65536 and len(raw) == 32):
+        return None
+    return host.strip("[]"), int(port), raw
+
+
 @dataclass(frozen=True, kw_only=True)
 class NetConfig:
     """How a stage peer binds, finds its neighbours and shapes its outbound links."""
@@ -170,6 +183,10 @@ class NetConfig:
     ``auto``: ask a live peer of the run to dial it back (SPEC §9.11) and decide by that (``yes``
     when nobody can be asked: the first peer). Dial-out needs certified peers, and two dial-out
     neighbours cannot link to each other."""
+    relay: str = ""
+    """``HOST:PORT#<hex CURVE key>`` of a relay, as ``mapl-swarm relay`` prints it: a dial-out peer
+    links to its dial-out neighbours through it (SPEC §9.12), its request sealed to that key; empty:
+    none (two dial-out neighbours then cannot link)."""
     dht_host: str = "127.0.0.1"
     """Interface the peer's DHT node listens on."""
     dht_port: int = 0
@@ -231,6 +248,8 @@ class NetConfig:
             _check(getattr(self, name) > 0, f"net.{name} must be positive")
         _check(self.max_message_bytes == 0 or self.max_message_bytes >= 4096,  # the handshake counts too
                f"net.max_message_bytes must be 0 (derived from the run) or >= 4096, got {self.max_message_bytes}")
+        _check(not self.relay or relay_address(self.relay) is not None,
+               f"net.relay must be HOST:PORT#<64 hex digits> as `mapl-swarm relay` prints it, got {self.relay!r}")
         _check(math.isfinite(self.zmq_heartbeat_s) and self.zmq_heartbeat_s >= 0,
                f"net.zmq_heartbeat_s must be >= 0 (0: off), got {self.zmq_heartbeat_s}")
         _check(math.isfinite(self.liveness_floor_s) and self.liveness_floor_s > self.heartbeat_interval_s,

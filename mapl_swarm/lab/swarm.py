@@ -11,7 +11,8 @@ The data is prepared once, first. The peers are supervised as ``launch`` supervi
 with ``--resume`` in its namespace (at most ``max_restarts`` times per stage) while the others wait
 for it; the DHT node exiting stops the run. Hosts named in ``nat`` (``stage1``, ``stage2r1``: a
 replica's host is its stage's with ``r<index>``) sit behind NAT (:class:`NetnsLab`) and run with
-``net.reachable = "no"``.
+``net.reachable = "no"``; with ``relay`` a ``mapl-swarm relay`` runs on the DHT's host (port
+:data:`RELAY_PORT`) and they use it (``net.relay``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from mapl_swarm.config import TrainConfig
 from mapl_swarm.data import prepare_data
 from mapl_swarm.errors import ConfigError
 from mapl_swarm.lab.netns import NetnsLab
+from mapl_swarm.net.identity import create_peer_key
 from mapl_swarm.launch import (PeerProcess, RestartPolicy, Supervisor, SwarmSummary, local_identities, replica_counts,
                                replica_out_dir, restarts_allowed, revocation_args, supervise)
 from mapl_swarm.procs import die_with_parent
@@ -38,11 +40,13 @@ log = logging.getLogger(__name__)
 __all__ = ["run_lab_swarm"]
 
 _DHT_GRACE_S = 30.0
+RELAY_PORT = 7400
 
 
 def run_lab_swarm(cfg: TrainConfig, config_args: list[str], *, rate_mbit: float, subnet: int = 77,
                   timeout_s: float = 3600.0, threads: int = 1, max_restarts: int = 3,
-                  revocations: str | os.PathLike[str] | None = None, nat: Sequence[str] = ()) -> SwarmSummary:
+                  revocations: str | os.PathLike[str] | None = None, nat: Sequence[str] = (),
+                  relay: bool = False) -> SwarmSummary:
     """Train ``cfg`` with the DHT and each stage in its own namespace; returns the swarm summary
     (or, after Ctrl-C, the drained one with its ``end_note``). ``config_args`` (the options that
     produced ``cfg``, with ``--log-level``) go to every peer; the DHT child gets the log level.
@@ -71,6 +75,14 @@ def run_lab_swarm(cfg: TrainConfig, config_args: list[str], *, rate_mbit: float,
         dht = lab.popen("dht", base + ["dht", "--host", lab.address("dht"), "--maddr-file", maddr_file,
                                        "--cert", str(local.cert_file(0)),
                                        *log_args], preexec_fn=die_with_parent(), process_group=0)
+        relay_key = Path(tmp) / "relay.key"
+        relay_public = create_peer_key(relay_key).curve_public if relay else b""
+        relay_proc = lab.popen("dht", base + ["relay", "--host", lab.address("dht"), "--port", str(RELAY_PORT),
+                                              "--relay-key", str(relay_key), "--cert", str(local.cert_file(0)),
+                                              *log_args], preexec_fn=die_with_parent(), process_group=0) \
+            if relay else None
+        relayed = ["--set", f'net.relay="{lab.address("dht")}:{RELAY_PORT}#{relay_public.hex()}"'] \
+            if relay else []
         try:
             peers = []
             for k, r in layout:
@@ -78,14 +90,18 @@ def run_lab_swarm(cfg: TrainConfig, config_args: list[str], *, rate_mbit: float,
                 cmd = base + ["peer", *config_args, "--stage", str(k), "--initial-peers-file", maddr_file,
                               "--set", 'net.bind_host="0.0.0.0"', "--set", f'net.advertise_host="{addr}"',
                               "--set", f'net.dht_host="{addr}"', "--set", f"runtime.threads={threads}", "--quiet",
-                              *(["--set", 'net.reachable="no"'] if lab.behind_nat(names[k, r]) else []),
+                              *(["--set", 'net.reachable="no"', *relayed] if lab.behind_nat(names[k, r]) else []),
                               "--launched", *local.args(k, r), *revoked,
                               *(["--set", f"run.out_dir={json.dumps(str(replica_out_dir(cfg.run.out_dir, r)))}"]
                                 if r else [])]
                 peers.append(PeerProcess(k, lab.command(names[k, r], cmd), dict(os.environ), None, r))
-            return supervise(cfg, Supervisor(policy, {"the lab's DHT node": dht}, rejoins=max_restarts), peers,
-                             timeout_s, command="lab")
+            essential = {"the lab's DHT node": dht, **({"the lab's relay": relay_proc} if relay_proc else {})}
+            return supervise(cfg, Supervisor(policy, essential, rejoins=max_restarts), peers, timeout_s,
+                             command="lab")
         finally:
+            if relay_proc is not None:
+                relay_proc.terminate()
+                relay_proc.wait(_DHT_GRACE_S)
             dht.terminate()  # once: its normal end (a second SIGTERM, as stop_all sends, cuts its close short)
             try:
                 dht.wait(_DHT_GRACE_S)
@@ -93,3 +109,4 @@ def run_lab_swarm(cfg: TrainConfig, config_args: list[str], *, rate_mbit: float,
                 log.warning("the lab's DHT node did not stop within %.0f s; killing it", _DHT_GRACE_S)
                 dht.kill()
                 dht.wait()
+

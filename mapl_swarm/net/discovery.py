@@ -119,7 +119,8 @@ def dht_validators(membership: Any) -> list[Any]:
 
 
 STATUS_FIELDS: dict[str, type] = {"state": str, "step": int, "tokens_per_s": float, "queue": int, "capacity": float,
-                                  "averaging": str, "averaging_bytes": int, "links": list, "rejects": dict}
+                                  "averaging": str, "averaging_bytes": int, "links": list, "rejects": dict,
+                                  "relayed_bytes": int}
 """A status record's fields and their types (SPEC §9.1 "Status records"); a reader keeps only these."""
 LINK_FIELDS: dict[str, type] = {"peer": str, "tx_bps": float, "rx_bps": float, "rate_bps": float, "rtt_s": float,
                                 "heard_s": float}

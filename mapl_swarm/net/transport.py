@@ -37,7 +37,10 @@ neighbour's messages arrive on the DEALER, beside its answers (:meth:`Transport.
 :meth:`Transport.request_sender` names the connection as a routing id of the neighbour's stage for
 the peer's admission, :meth:`Transport.peer_key` gives the link's pinned key for it, and
 :meth:`Transport.reply` to it goes out on that DEALER. Which message is an answer is the wire's
-business (WELCOME and REJECT, SPEC §1.2), so the peer sorts them, not the transport.
+business (WELCOME and REJECT, SPEC §1.2), so the peer sorts them, not the transport. Two dial-out
+neighbours meet at a relay (``relay``, :mod:`~.relay`): the one with the smaller CURVE key dials the
+other's ROUTER through it (a DEALER link to a local endpoint the relay client carries), the other
+takes that connection into its ROUTER and treats the link as a reverse link.
 
 No takeover: ``ROUTER_HANDOVER`` is off, so a second connection presenting a routing id that is in
 use cannot take it over (the first one keeps it, and ZeroMQ never serves the second); ZeroMQ
@@ -86,6 +89,7 @@ from mapl_swarm.net.emulator import LinkConfig, LinkShaper
 from mapl_swarm.net.errors import LinkClosedError, NetError, NetTimeoutError
 from mapl_swarm.net.limits import max_message_bytes
 from mapl_swarm.net.identity import CurveKeys
+from mapl_swarm.net.relay import RelayClient, role_of
 
 if TYPE_CHECKING:
     from mapl_swarm.config import TrainConfig
@@ -97,6 +101,7 @@ __all__ = [
     "TransportConfig",
     "Transport",
     "tcp_endpoint",
+    "peer_transport",
     "contact",
     "split_contact",
     "is_dial_out",
@@ -111,7 +116,8 @@ _ZERO_COPY_MIN_BYTES = zmq.COPY_THRESHOLD
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "*", "")
 REPLY_QUEUE_MESSAGES = 64
 """Replies (messages received on the DEALERs) waiting for :meth:`Transport.recv_reply` at most; a
-neighbour's ROUTER answers a HELLO once, so more are dropped."""
+neighbour's ROUTER answers a HELLO once, so more are dropped. A dial-out transport, which receives
+everything on its DEALERs, drops nothing: its DEALERs wait for room."""
 ZAP_DOMAIN = "mapl"
 """ZAP domain of every CURVE ROUTER (the authenticator admits clients in this domain only)."""
 _HEARTBEAT_TIMEOUT_FACTOR = 3
@@ -278,6 +284,18 @@ class TransportConfig:
         return options
 
 
+def peer_transport(name: str, cfg: TrainConfig, membership: Membership | None) -> "Transport":
+    """A stage peer's transport (:meth:`TransportConfig.for_run`), with the relay of ``net.relay``
+    when it dials out."""
+    from mapl_swarm.config.run import relay_address
+
+    relay = None
+    if cfg.net.relay and cfg.net.reachable == "no" and membership is not None:
+        host, port, key = relay_address(cfg.net.relay)  # checked with the config
+        relay = RelayClient(host, port, key, membership)
+    return Transport(name, TransportConfig.for_run(cfg, membership), relay=relay)
+
+
 class Transport:
     """One peer's ZeroMQ endpoint: an inbound ROUTER plus a shaped DEALER per neighbour.
 
@@ -295,7 +313,7 @@ class Transport:
 
     def __init__(self, name: str, config: TransportConfig = TransportConfig(), *,
                  rx_kind: Callable[[Sequence[Frame]], str] | None = None,
-                 context: zmq.asyncio.Context | None = None) -> None:
+                 context: zmq.asyncio.Context | None = None, relay: RelayClient | None = None) -> None:
         if not name or not name.isprintable():
             raise ConfigError(f"transport name must be a non-empty printable string, got {name!r}")
         self.name = name
@@ -321,6 +339,10 @@ class Transport:
         self._watchers: dict[str, tuple[asyncio.Task[None], zmq.asyncio.Socket]] = {}
         """Per outbound link: the task reading its DEALER's connection events, and their socket."""
         self._connection_listeners: list[Callable[[str, bool], None]] = []
+        self.relay = relay
+        """Dial-out transports: the relay that joins this peer to dial-out neighbours (None: none)."""
+        self._relayed: dict[str, Callable[[], None]] = {}
+        """Links through the relay -> the call that stops carrying them."""
         self._reverse: dict[str, _ReverseLink] = {}
         """Reverse links (to dial-out peers), by link name."""
         self._requests: dict[str, str] = {}
@@ -419,6 +441,8 @@ class Transport:
             await self.disconnect(link, linger_s=linger_s)
         if self._router is not None:
             self._router.close(linger=0)
+        if self.relay is not None:
+            await self.relay.aclose()
         self._stop_authenticator()  # after the ROUTER: never a moment without the ZAP handler
         if self._own_context:
             self._ctx.term()
@@ -466,8 +490,11 @@ class Transport:
             raise NetError(f"{self.name}: link {link!r} to {endpoint!r}: a certified peer dials contacts only "
                            f"(endpoint#<its CURVE key>, from its DHT record)")
         if address == DIAL_OUT:
-            self._connect_reverse(link, endpoint, server_key, config)
-            return
+            if not (cfg.dial_out and self.relay is not None and server_key is not None
+                    and role_of(z85.decode(cfg.curve.public), server_key) == "dial"):
+                self._connect_reverse(link, endpoint, server_key, config)
+                return
+            address, self._relayed[link] = self.relay.dial_endpoint(server_key)  # its ROUTER, through the relay
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.SNDHWM, cfg.send_hwm)
@@ -510,12 +537,17 @@ class Transport:
     def _connect_reverse(self, link: str, endpoint: str, key: bytes | None, config: LinkConfig) -> None:
         """A link to the dial-out peer at ``endpoint`` (module docstring): sent on the ROUTER to the
         routing id :meth:`bind_reverse` binds."""
-        if self.config.dial_out:
-            raise NetError(f"{self.name}: link {link!r}: the peer at {endpoint} accepts no connection, and neither "
-                           f"does this one (both dial out): a relay between them is needed")
         if self.config.curve is None or key is None:
             raise NetError(f"{self.name}: link {link!r} to the dial-out peer {endpoint!r}: only certified peers "
                            f"link to dial-out peers (the key in its contact names its connection)")
+        if self.config.dial_out:
+            if self.relay is None:
+                raise NetError(f"{self.name}: link {link!r}: the peer at {endpoint} accepts no connection, and neither "
+                               f"does this one (both dial out): a relay between them is needed (net.relay, "
+                               f"`mapl-swarm relay` on a reachable host)")
+            host = self._bound_endpoint.rsplit(":", 1)[0].removeprefix("tcp://").strip("[]")
+            local = ("127.0.0.1" if host in _WILDCARD_HOSTS else host, self.port)
+            self._relayed[link] = self.relay.serve(key, local)  # its connection comes through the relay
         reverse = _ReverseLink(key)
         loop = asyncio.get_running_loop()
 
@@ -595,6 +627,9 @@ class Transport:
         shaper = self._shapers.pop(link, None)
         dealer = self._dealers.pop(link, None)
         self._reverse.pop(link, None)
+        stop_relaying = self._relayed.pop(link, None)
+        if stop_relaying is not None:
+            stop_relaying()
         for sender in [sender for sender, name in self._requests.items() if name == link]:
             del self._requests[sender]
         self._endpoints.pop(link, None)
@@ -741,8 +776,9 @@ class Transport:
     async def recv_reply(self, timeout_s: float) -> tuple[str, list[Frame]]:
         """Next message received on one of this transport's DEALERs, as ``(link name, frames)``: a
         ROUTER reply of the neighbour that link dialed (WELCOME or REJECT to a HELLO, SPEC §1.2), on
-        the very connection the HELLO went out on. Raises :class:`NetTimeoutError` when none
-        arrives within ``timeout_s``."""
+        the very connection the HELLO went out on; on a dial-out transport also everything else its
+        neighbour sends (module docstring). Raises :class:`NetTimeoutError` when none arrives within
+        ``timeout_s``."""
         self._check_open()
         try:
             return await within(self._replies.get(), timeout_s)

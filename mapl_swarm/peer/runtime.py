@@ -37,7 +37,7 @@ from mapl_swarm.net.emulator import LinkConfig
 from mapl_swarm.net.errors import NetError
 from mapl_swarm.net.heartbeat import HeartbeatConfig, HeartbeatMonitor, Silence
 from mapl_swarm.net.identity import REVOCATION_POLL_S
-from mapl_swarm.net.transport import Transport, TransportConfig
+from mapl_swarm.net.transport import Transport, peer_transport
 from mapl_swarm.peer.admission import Admission, RejectCounter, mailbox_bound, run_shapes
 from mapl_swarm.peer.checkpoints import CheckpointAgreement, checkpoint_note
 from mapl_swarm.peer.compute import BackgroundTasks, ComputeThread, WorkerThread
@@ -280,7 +280,7 @@ class Peer:
         uses it, :mod:`~.sessions`), or on a transport of its own, closed at the end."""
         if transport is not None:
             return await self.serve(transport)
-        async with Transport(self.name, TransportConfig.for_run(self.cfg, self.membership)) as own:
+        async with peer_transport(self.name, self.cfg, self.membership) as own:
             result = await self.serve(own)
             # a clean end: what is still queued (the last BYE) gets up to a second to leave
             await own.aclose(linger_s=_LAST_WORDS_S)

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from mapl_swarm.config import TrainConfig
-from mapl_swarm.net.transport import Transport, TransportConfig
+from mapl_swarm.net.transport import Transport, peer_transport
 from mapl_swarm.peer.link import stage_name
 from mapl_swarm.peer.credits import Credits
 from mapl_swarm.peer.result import PeerResult
@@ -111,7 +111,7 @@ async def serve_sessions(new_session: Callable[..., Peer], cfg: TrainConfig, sta
     result: PeerResult | None = None
     epoch, rejoining, idle, reform = 0, False, 0, None
     credits = Credits.of(cfg)
-    async with Transport(stage_name(stage), TransportConfig.for_run(cfg, membership)) as transport:
+    async with peer_transport(stage_name(stage), cfg, membership) as transport:
         while True:
             peer = new_session(resume=resume or rejoining, epoch=epoch, rejoining=rejoining, reform=reform,
                                credits=credits)

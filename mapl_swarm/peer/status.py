@@ -51,6 +51,8 @@ class StatusSource:
                 "queue": peer.mailbox.waiting, "capacity": round(capacity, 1),
                 **({"averaging": averaging.scheme, "averaging_bytes": int(averaging.last_sent)}
                    if averaging is not None else {}),
+                **({"relayed_bytes": int(peer.transport.relay.bytes)}
+                   if getattr(peer.transport, "relay", None) is not None else {}),
                 "links": self._links(peer, now),
                 "rejects": dict(sorted(dict(peer.result.rejects).items())[:MAX_STATUS_CODES])}
 

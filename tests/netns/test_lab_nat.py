@@ -2,6 +2,7 @@
 iproute2 and iptables; skipped elsewhere)."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ from mapl_swarm.lab.netns import NetnsLab, nat_available
 from mapl_swarm.pipeline.trainer import train
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from swarm_helpers import train_losses, write_config  # noqa: E402
+from swarm_helpers import cli, train_losses, write_config  # noqa: E402
 
 ok, why = nat_available()
 pytestmark = [pytest.mark.netns, pytest.mark.skipif(not ok, reason=f"NAT lab unavailable: {why}"),
@@ -79,3 +80,116 @@ def test_a_chain_whose_middle_stage_is_behind_nat_trains_to_the_in_process_losse
     middle = json.loads((tmp_path / "run" / "peer_stage1.json").read_text())
     assert middle["bad_frames"] == 0
     assert summary.links[0]["forward_payload"] > 0 and summary.links[1]["forward_payload"] > 0
+
+
+@pytest.mark.slow  # ~4 min: each peer waits for the other's record before it finds it cannot link
+def test_two_dial_out_neighbours_say_which_stage_they_cannot_reach_and_that_a_relay_is_needed(tmp_path):
+    path = write_config(tmp_path / "nat2.toml", stages=3, steps=3, cache=tmp_path / "cache", out=tmp_path / "run",
+                        run_id="natlab2", timeout=60)
+    proc = subprocess.run(cli("lab", "--config", str(path), "--rate-mbit", "0", "--subnet", "86", "--nat",
+                              "stage1,stage2", "--max-restarts", "0"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    for mine, theirs in ((1, 2), (2, 1)):
+        assert re.search(rf"stage{mine}: link 'stage{theirs}(@[0-9a-f]{{8}})?': the peer at dialout#[0-9a-f]{{64}} "
+                         rf"accepts no "
+                         rf"connection, and neither does this one \(both dial out\): a relay between them is needed",
+                         proc.stderr), proc.stderr[-6000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-6000:]
+
+
+CAPTURE = r"""
+import socket, sys, time
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.ntohs(0x0003))  # every frame, both ways
+s.settimeout(0.5)
+out = open(sys.argv[1], "wb"); print("capturing", flush=True)
+end = time.time() + float(sys.argv[2])
+while time.time() < end:
+    try:
+        frame = s.recv(65535)
+        out.write(len(frame).to_bytes(4, "big") + frame)
+    except socket.timeout:
+        pass
+    out.flush()
+"""
+
+
+def test_two_neighbours_behind_nat_train_through_a_relay_that_sees_only_ciphertext(tmp_path):
+    """Stages 1 and 2 both behind NAT: they meet at the relay on the DHT's host, and the 3-stage chain
+    trains to `mapl-swarm train`'s losses. Every frame on the relay's host, captured there, holds
+    no run id, no token-id sequence of the batches and no header key in clear."""
+    from mapl_swarm.lab import swarm as lab_swarm
+    from mapl_swarm.lab.netns import NetnsLab as Lab
+
+    path = write_config(tmp_path / "relay.toml", stages=3, steps=3, cache=tmp_path / "cache", out=tmp_path / "run",
+                        run_id="natrelay-run-7f3a", timeout=90)
+    path.write_text(path.read_text().replace("[net]\n", "[net]\ncompress_ids = false\n"))
+    cfg = load_config(path)
+    captured = tmp_path / "relay.pcapraw"
+    capture: list[subprocess.Popen] = []
+
+    class CapturingLab(Lab):  # the capture starts on the relay's host as soon as the lab is up
+        def up(self):
+            lab = super().up()
+            proc = lab.popen("dht", [sys.executable, "-c", CAPTURE, str(captured), "400"], stdout=subprocess.PIPE,
+                             text=True)
+            assert proc.stdout.readline().strip() == "capturing"
+            capture.append(proc)
+            return lab
+
+    lab_swarm.NetnsLab, original = CapturingLab, lab_swarm.NetnsLab
+    try:
+        summary = lab_swarm.run_lab_swarm(cfg, ["--config", str(path)], rate_mbit=50, subnet=87, timeout_s=500,
+                                          nat=["stage1", "stage2"], relay=True)
+    finally:
+        lab_swarm.NetnsLab = original
+        for proc in capture:
+            proc.kill()
+            proc.wait()
+    train(load_config(path, {"run": {"out_dir": str(tmp_path / "ref")}}), progress=False)
+    assert summary.train_losses == pytest.approx(train_losses(tmp_path / "ref"), abs=1e-3)
+    assert summary.links[1]["forward_payload"] > 0  # stage 1 -> 2, through the relay
+    frames = _frames(captured.read_bytes())
+    relayed = b"".join(_relay_payload(frame, lab_swarm.RELAY_PORT) for frame in frames)
+    assert len(relayed) >= summary.links[1]["forward_payload"]  # the link 1 -> 2 crossed the relay's host
+    assert b"\xa5relay\x01\xa5nonce" in relayed  # a control: what the relay says in clear is in the capture
+    assert b"natrelay-run-7f3a" not in relayed
+    for key in (b"\xa4type", b"\xa3run", b"\xa7tensors", b"fingerprint", b"capabilities", b"\xa4cert"):
+        assert key not in relayed, key
+    for ids in _token_ids(cfg):
+        assert ids not in relayed
+
+
+def _frames(raw: bytes) -> list[bytes]:
+    out, i = [], 0
+    while i + 4 <= len(raw):
+        n = int.from_bytes(raw[i:i + 4], "big")
+        out.append(raw[i + 4:i + 4 + n])
+        i += 4 + n
+    return out
+
+
+def _relay_payload(frame: bytes, relay_port: int) -> bytes:
+    """The TCP payload of an Ethernet + IPv4 + TCP frame to or from ``relay_port`` (b"" otherwise)."""
+    import struct
+
+    if len(frame) < 54 or frame[12:14] != b"\x08\x00" or frame[14] >> 4 != 4 or frame[23] != 6:
+        return b""
+    ihl = (frame[14] & 0x0F) * 4
+    total = struct.unpack(">H", frame[16:18])[0]
+    tcp = 14 + ihl
+    src, dst = struct.unpack(">HH", frame[tcp:tcp + 4])
+    if relay_port not in (src, dst):
+        return b""
+    return frame[tcp + (frame[tcp + 12] >> 4) * 4:14 + total]
+
+
+def _token_ids(cfg):
+    """The first micro-batch's first 16 token ids, as int32 and int64 bytes (stage 0 sends them raw:
+    ``net.compress_ids`` is off in this run)."""
+    from mapl_swarm.data import prepare_data
+    from mapl_swarm.data.batches import BatchSampler
+
+    data = prepare_data(cfg.data, progress=False)
+    row = BatchSampler(data.train, cfg.pipeline.micro_batch_size, cfg.model.context_length,
+                       cfg.run.seed).batch_at(0)[0, :16].numpy()
+    return [row.astype("<i4").tobytes(), row.astype("<i8").tobytes()]

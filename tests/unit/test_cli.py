@@ -104,6 +104,8 @@ sys.exit(rc)
     ["peer", "--stage", "1", "--insecure", "--set", 'net.reachable="no"'],  # dial-out needs CURVE keys
     ["peer", "--stage", "1", "--insecure", "--set", 'net.reachable="maybe"'],
     ["lab", "--set", 'net.reachable="no"', "--set", "replicas.enabled=true"],  # no dial-out replicas yet
+    ["peer", "--stage", "1", "--insecure", "--set", 'net.relay="host:7400"'],  # no relay key
+    ["relay", "--relay-key", "relay.key", "--insecure"],  # a relay serves certified members only
 ])
 def test_config_errors_answer_before_torch_is_imported(args, tmp_path):
     proc = subprocess.run([sys.executable, "-c", _NO_TORCH, *args], capture_output=True, text=True, timeout=120,

@@ -52,13 +52,13 @@ def test_the_source_reports_state_step_queue_and_a_windowed_token_rate(monkeypat
         rows[1]["wire_bytes"] += 500_000
         rows[2]["wire_bytes"] += 100_000
     status = source()
-    replica_only = {"averaging", "averaging_bytes"}
+    optional = {"averaging", "averaging_bytes", "relayed_bytes"}  # a replica's, a relayed dial-out peer's
     # per link: bytes per second each way since the last record, the emulated rate, round trip, silence
     assert status["links"] == [  # 20 MB and 5 MB in the 20 s since the last call; stage 0's peers not watched
         {"peer": "stage0", "tx_bps": 0.0, "rx_bps": 50_000.0, "rate_bps": 1e6},
         {"peer": "stage1", "tx_bps": 1e6, "rx_bps": 250_000.0, "rate_bps": 1e6, "heard_s": 0.5, "rtt_s": 0.0125}]
     assert status["rejects"] == {"replay": 2}
-    assert set(status) == set(STATUS_FIELDS) - replica_only and status["state"] == "training" and status["step"] == 4
+    assert set(status) == set(STATUS_FIELDS) - optional and status["state"] == "training" and status["step"] == 4
     assert status["tokens_per_s"] == pytest.approx(1000.0)
     assert status["capacity"] == pytest.approx(2000.0)  # what it would train never waiting
     now[0] += 2.0  # a stall: the rate falls, over the window
@@ -74,8 +74,12 @@ def test_the_source_reports_state_step_queue_and_a_windowed_token_rate(monkeypat
     # a replica also says how it averages and what its last round sent (SPEC §9.10 item 16)
     peer.schedule.replicas = SimpleNamespace(scheme="powersgd", last_sent=123_456)
     status = source()
-    assert set(status) == set(STATUS_FIELDS) and status["averaging"] == "powersgd"
+    assert set(status) == set(STATUS_FIELDS) - {"relayed_bytes"} and status["averaging"] == "powersgd"
     assert _checked_status(status)["averaging_bytes"] == 123_456
+    # a dial-out peer says what its links carried through a relay (SPEC §9.12)
+    peer.transport.relay = SimpleNamespace(bytes=4_096_000)
+    status = source()
+    assert set(status) == set(STATUS_FIELDS) and _checked_status(status)["relayed_bytes"] == 4_096_000
 
 
 def test_status_marks_a_peer_that_stopped_storing_its_status_silent_and_not_serving():
@@ -95,3 +99,6 @@ def test_status_marks_a_peer_that_stopped_storing_its_status_silent_and_not_serv
     replica = StagePeer("12D3KooWrep", "tcp://10.0.0.4:5556#ef", 28.0,
                         {**status, "averaging": "topk", "averaging_bytes": 250_000}, heard_s=1.0)
     assert "queue 0    averaging topk 0.25 MB/step  tcp://10.0.0.4:5556" in _status_line(replica, 2.0)
+    relayed = StagePeer("12D3KooWnat", "dialout#" + "ab" * 32, 28.0, {**status, "relayed_bytes": 3_500_000},
+                        heard_s=1.0)
+    assert "queue 0    relayed 3.50 MB  dialout  as of 1.0 s ago" in _status_line(relayed, 2.0)
