@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import secrets
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -232,84 +231,13 @@ def _clock_check(peers: Sequence[Any], status_s: float) -> Check:
                                 "old)")
 
 
-async def _ask_dial_back(cfg: Any, identity: Any, stage: int, contacts: Sequence[tuple[int, str]],
-                         wait_s: float, connect_s: float = 3.0) -> Check:
-    """Bind where this host's peer will listen, ask live peers (one after the other) to dial the
-    contact it would advertise (SPEC §9.11), and wait ``wait_s`` for each one's DIALBACK. A live
-    peer that does not acknowledge the request within ``connect_s`` (out of this host's reach, or
-    refusing it) was not asked: with none asked the check is skipped, not failed."""
-    from mapl_swarm.net.transport import Transport, TransportConfig
-    from mapl_swarm.wire import Message, MessageType, WireError, decode, encode
-
-    config = TransportConfig(bind_host=cfg.net.bind_host, bind_port=cfg.net.port,
-                             advertise_host=cfg.net.advertise_host or None, curve=identity.curve)
-    asked: list[int] = []
-
-    def echoes(frames: Any, nonce: bytes) -> bool:
-        try:
-            msg = decode(frames)
-        except WireError:
-            return False
-        return msg.type is MessageType.DIALBACK and msg.meta.get("nonce") == nonce
-
-    async def acknowledged(nonce: bytes) -> bool:
-        """The asked peer's acknowledgement on the request's own connection."""
-        try:
-            while True:
-                _, frames = await transport.recv_reply(timeout_s=connect_s)
-                if echoes(frames, nonce):
-                    return True
-        except (OSError, MaplError):
-            return False
-
-    async with Transport("dialback", config) as transport:
-        mine = transport.endpoint.partition("#")[0]
-        for i, (their_stage, contact) in enumerate(contacts):
-            link, nonce, start = f"ask{i}", secrets.token_bytes(16), time.monotonic()
-            transport.connect(link, contact)
-            await transport.send(link, encode(Message(
-                type=MessageType.DIALBACK, run_id=cfg.run.run_id, src=stage, dst=their_stage,
-                meta={"nonce": nonce, "cert": identity.encoded_cert, "contact": transport.endpoint})))
-            if await acknowledged(nonce):  # else that peer is out of this host's reach, or refused: not asked
-                asked.append(their_stage)
-                while (left := start + wait_s - time.monotonic()) > 0:
-                    try:
-                        _, frames = await transport.recv(timeout_s=left)
-                    except (OSError, MaplError):
-                        break
-                    if echoes(frames, nonce):
-                        port = "" if cfg.net.port else " (net.port is 0: a free port was checked; a NAT or " \
-                                                       "firewall that forwards one port needs a fixed net.port)"
-                        return Check("reachable", True, f"a live peer of stage {their_stage} dialed {mine}{port}")
-            await transport.disconnect(link)
-    if not asked:
-        return Check("reachable", None, f"not checked: no live peer acknowledged a dial-back request "
-                                        f"({len(contacts)} tried: out of reach, refusing, or older than 2.1)")
-    return Check("reachable", False, f"no live peer could dial {mine} within {wait_s:.0f} s (asked "
-                                     f"{len(asked)}): a NAT or firewall keeps the swarm out",
-                 f"forward/open TCP port {mine.rsplit(':', 1)[1]} to this host and set net.advertise_host to the "
-                 "address the others dial, or serve as a dial-out peer: net.reachable = \"no\"")
-
-
 def dial_back_check(cfg: Any, identity: Any, stage: int | None, staged: Sequence[tuple[int, Any]],
                     status_s: float, wait_s: float = 10.0) -> Check:
-    """``reachable``: live peers (of ``staged``: (stage, peer) pairs; dial-out peers cannot be asked)
-    dial this host back. A peer with ``net.reachable = "auto"`` decides by it too."""
-    from mapl_swarm.net.transport import is_dial_out
+    """``reachable``: live peers dial this host back (:func:`~mapl_swarm.peer.dialback.reachability`)."""
+    from mapl_swarm.peer.dialback import reachability
 
-    if identity is None:
-        return Check("reachable", None, "a dial-back needs this host's --peer-key and --cert")
-    contacts = [(s, p.contact) for s, p in staged
-                if p.contact and not is_dial_out(p.contact) and not p.silent(status_s)][:2]
-    if not contacts:
-        return Check("reachable", None, "no live peer to dial back")
-    from mapl_swarm.net.transport import run
-
-    own = stage if stage is not None else identity.body.stages[0] if identity.body.stages else 0
-    try:
-        return run(_ask_dial_back(cfg, identity, own, contacts, wait_s))
-    except MaplError as exc:  # the port taken, the host not this machine's: named by the port checks too
-        return Check("reachable", None, f"not checked: {exc}")
+    found = reachability(cfg, identity, stage, staged, status_s, wait_s)
+    return Check("reachable", found.ok, found.detail, found.fix)
 
 
 def swarm_checks(cfg: Any, *, initial_peers: Sequence[str], membership: Any,

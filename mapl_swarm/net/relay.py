@@ -46,6 +46,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from mapl_swarm.aio import within
 from mapl_swarm.net.errors import NetError
 from mapl_swarm.net.identity import CertificateError, Signed, verify_certificate
 
@@ -217,7 +218,7 @@ class Relay:
         nonce = secrets.token_bytes(NONCE_BYTES)
         write_frame(writer, {"relay": 1, "nonce": nonce})
         try:
-            sealed = (await asyncio.wait_for(read_frame(reader), HELLO_TIMEOUT_S)).get("sealed")
+            sealed = (await within(read_frame(reader), HELLO_TIMEOUT_S)).get("sealed")
             if not isinstance(sealed, bytes):
                 raise NetError("no sealed request")
             request = msgpack.unpackb(unseal(self._secret, nonce, sealed), raw=False)

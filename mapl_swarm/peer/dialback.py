@@ -18,17 +18,21 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
+
+from mapl_swarm.errors import MaplError
 
 from mapl_swarm.net.errors import NetError
 from mapl_swarm.net.identity import CertificateError
-from mapl_swarm.net.transport import split_contact
-from mapl_swarm.wire import Message, MessageType, encode
+from mapl_swarm.net.transport import Transport, TransportConfig, is_dial_out, run, split_contact
+from mapl_swarm.wire import Message, MessageType, WireError, decode, encode
 
-__all__ = ["DialBacks", "PER_MEMBER_S", "MAX_IN_FLIGHT", "DIAL_S"]
+__all__ = ["DialBacks", "PER_MEMBER_S", "MAX_IN_FLIGHT", "DIAL_S", "Reachability", "ask_dial_back", "reachability"]
 
 log = logging.getLogger(__name__)
 
@@ -107,3 +111,88 @@ class DialBacks:
         finally:
             self._in_flight -= 1
             await transport.disconnect(link, linger_s=DIAL_S)
+
+
+# ---------------------------------------------------------------------- the requester's side
+@dataclass(frozen=True)
+class Reachability:
+    """What a dial-back found: ``ok`` True (a live peer dialed this host), False (none could: a NAT
+    or firewall) or None (nobody could be asked), with what it found and, when False, the fix."""
+
+    ok: bool | None
+    detail: str
+    fix: str = ""
+
+
+async def ask_dial_back(cfg: Any, identity: Any, stage: int, contacts: Sequence[tuple[int, str]],
+                        wait_s: float, connect_s: float = 3.0) -> Reachability:
+    """Bind where this host's peer will listen, ask live peers (one after the other) to dial the
+    contact it would advertise (SPEC §9.11), and wait ``wait_s`` for each one's DIALBACK. A live
+    peer that does not acknowledge the request within ``connect_s`` (out of this host's reach, or
+    refusing it) was not asked: with none asked the check is skipped, not failed."""
+    config = TransportConfig(bind_host=cfg.net.bind_host, bind_port=cfg.net.port,
+                             advertise_host=cfg.net.advertise_host or None, curve=identity.curve)
+    asked: list[int] = []
+
+    def echoes(frames: Any, nonce: bytes) -> bool:
+        try:
+            msg = decode(frames)
+        except WireError:
+            return False
+        return msg.type is MessageType.DIALBACK and msg.meta.get("nonce") == nonce
+
+    async def acknowledged(nonce: bytes) -> bool:
+        """The asked peer's acknowledgement on the request's own connection."""
+        try:
+            while True:
+                _, frames = await transport.recv_reply(timeout_s=connect_s)
+                if echoes(frames, nonce):
+                    return True
+        except (OSError, MaplError):
+            return False
+
+    async with Transport("dialback", config) as transport:
+        mine = transport.endpoint.partition("#")[0]
+        for i, (their_stage, contact) in enumerate(contacts):
+            link, nonce, start = f"ask{i}", secrets.token_bytes(16), time.monotonic()
+            transport.connect(link, contact)
+            await transport.send(link, encode(Message(
+                type=MessageType.DIALBACK, run_id=cfg.run.run_id, src=stage, dst=their_stage,
+                meta={"nonce": nonce, "cert": identity.encoded_cert, "contact": transport.endpoint})))
+            if await acknowledged(nonce):  # else that peer is out of this host's reach, or refused: not asked
+                asked.append(their_stage)
+                while (left := start + wait_s - time.monotonic()) > 0:
+                    try:
+                        _, frames = await transport.recv(timeout_s=left)
+                    except (OSError, MaplError):
+                        break
+                    if echoes(frames, nonce):
+                        port = "" if cfg.net.port else " (net.port is 0: a free port was checked; a NAT or " \
+                                                       "firewall that forwards one port needs a fixed net.port)"
+                        return Reachability(True, f"a live peer of stage {their_stage} dialed {mine}{port}")
+            await transport.disconnect(link)
+    if not asked:
+        return Reachability(None, f"not checked: no live peer acknowledged a dial-back request "
+                                  f"({len(contacts)} tried: out of reach, refusing, or older than 2.1)")
+    return Reachability(False, f"no live peer could dial {mine} within {wait_s:.0f} s (asked {len(asked)}): a NAT "
+                               f"or firewall keeps the swarm out",
+                        f"forward/open TCP port {mine.rsplit(':', 1)[1]} to this host and set net.advertise_host to the "
+                 "address the others dial, or serve as a dial-out peer: net.reachable = \"no\"")
+
+
+def reachability(cfg: Any, identity: Any, stage: int | None, staged: Sequence[tuple[int, Any]],
+                 status_s: float, wait_s: float = 10.0) -> Reachability:
+    """Whether live peers (of ``staged``: (stage, peer) pairs; dial-out peers cannot be asked) dial
+    this host back: ``mapl-swarm doctor``'s check, and how a peer with ``net.reachable = "auto"``
+    decides."""
+    if identity is None:
+        return Reachability(None, "a dial-back needs this host's --peer-key and --cert")
+    contacts = [(s, p.contact) for s, p in staged
+                if p.contact and not is_dial_out(p.contact) and not p.silent(status_s)][:2]
+    if not contacts:
+        return Reachability(None, "no live peer to dial back")
+    own = stage if stage is not None else identity.body.stages[0] if identity.body.stages else 0
+    try:
+        return run(ask_dial_back(cfg, identity, own, contacts, wait_s))
+    except MaplError as exc:  # the port taken, the host not this machine's: named by the port checks too
+        return Reachability(None, f"not checked: {exc}")

@@ -215,7 +215,7 @@ def _withdraw(discovery: Discovery, stage: int) -> None:
 
 def decide_reachable(cfg: TrainConfig, check: Any, stage: int) -> TrainConfig:
     """``cfg`` with ``net.reachable = "auto"`` decided by a dial-back ``check``
-    (:func:`mapl_swarm.doctor.dial_back_check`): ``no`` when live peers could not dial this host,
+    (:func:`~.dialback.reachability`): ``no`` when live peers could not dial this host,
     ``yes`` when one did or nobody could be asked (logged, with what to set if that is wrong)."""
     reachable = "no" if check.ok is False else "yes"
     if check.ok is None:
@@ -231,11 +231,11 @@ def decide_reachable(cfg: TrainConfig, check: Any, stage: int) -> TrainConfig:
 
 
 def _reachability(cfg: TrainConfig, discovery: Discovery, membership: Membership | None, stage: int) -> Any:
-    """The dial-back check of the contact this host's peer would advertise, asked of live peers."""
-    from mapl_swarm.doctor import dial_back_check
+    """A dial-back of the contact this host's peer would advertise, asked of live peers."""
+    from mapl_swarm.peer.dialback import reachability
 
     staged = [(k, p) for k in range(cfg.pipeline.num_stages) for p in discovery.stage_peers(k)]
-    return dial_back_check(cfg, membership, stage, staged, discovery.config.status_s)
+    return reachability(cfg, membership, stage, staged, discovery.config.status_s)
 
 
 def run_peer(cfg: TrainConfig, stage: int | None, *, membership: Membership | None,

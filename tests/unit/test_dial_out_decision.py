@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import pytest
 
 from mapl_swarm.config import config_from_dict
-from mapl_swarm.doctor import Check, dial_back_check
 from mapl_swarm.errors import MaplError
 from mapl_swarm.net.identity import issue_local, load_identity
+from mapl_swarm.peer.dialback import Reachability, reachability
 from mapl_swarm.peer.main import decide_reachable
 
 RUN = "decide-run"
@@ -24,7 +24,7 @@ def _cfg(**sections):
 
 @pytest.mark.parametrize("ok, decided", [(True, "yes"), (False, "no"), (None, "yes")])
 def test_auto_takes_the_dial_backs_verdict(ok, decided, caplog):
-    check = Check("reachable", ok, "what the dial-back found")
+    check = Reachability(ok, "what the dial-back found")
     with caplog.at_level(logging.INFO, logger="mapl_swarm.peer.main"):
         cfg = decide_reachable(_cfg(), check, 1)
     assert cfg.net.reachable == decided
@@ -35,7 +35,7 @@ def test_auto_takes_the_dial_backs_verdict(ok, decided, caplog):
 
 def test_auto_in_a_run_with_replicas_refuses_to_dial_out():
     with pytest.raises(MaplError, match="dial-out peer cannot serve"):
-        decide_reachable(_cfg(replicas={"enabled": True}), Check("reachable", False, "no live peer could dial"), 1)
+        decide_reachable(_cfg(replicas={"enabled": True}), Reachability(False, "no live peer could dial"), 1)
 
 
 @dataclass
@@ -50,5 +50,5 @@ def test_a_dial_out_peer_is_never_asked_to_dial_back(tmp_path):
     local = issue_local(tmp_path, run_id=RUN, num_stages=3)
     me = load_identity(local.key_file(2), local.cert_file(2), run_id=RUN, stage=2)
     staged = [(1, _Record("dialout#" + "ab" * 32))]
-    check = dial_back_check(_cfg(), me, 2, staged, status_s=5.0)
+    check = reachability(_cfg(), me, 2, staged, status_s=5.0)
     assert check.ok is None and "no live peer to dial back" in check.detail

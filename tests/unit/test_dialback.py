@@ -11,10 +11,10 @@ import secrets
 import pytest
 
 from mapl_swarm.config import config_from_dict
-from mapl_swarm.doctor import _ask_dial_back
+from mapl_swarm.doctor import Check
 from mapl_swarm.net.identity import issue_local, load_identity
 from mapl_swarm.net.transport import Transport, TransportConfig
-from mapl_swarm.peer.dialback import DialBacks, PER_MEMBER_S, Refused
+from mapl_swarm.peer.dialback import DialBacks, PER_MEMBER_S, Refused, ask_dial_back
 from mapl_swarm.wire import Message, MessageType, decode, encode
 
 RUN = "dialback-run"
@@ -96,18 +96,24 @@ async def test_doctor_hears_the_dial_when_reachable_and_fails_when_not(ids):
                                "net": {"advertise_host": "127.0.0.2"}}, "test")
     async with Transport("stage1", pinned(ids[1])) as live:
         server = asyncio.ensure_future(serve(live, dialbacks, 1))
-        check = await _ask_dial_back(reachable, ids[2], 2, [(1, live.endpoint)], wait_s=10)
+        check = await _ask(reachable, ids[2], 2, [(1, live.endpoint)], wait_s=10)
         assert await server == ["dialed"]
         assert check.ok is True
         assert check.line().startswith("ok   reachable: a live peer of stage 1 dialed tcp://127.0.0.1:")
         dialbacks = DialBacks("stage1", 1, RUN, ids[1])
         server = asyncio.ensure_future(serve(live, dialbacks, 1))
-        check = await _ask_dial_back(hidden, ids[2], 2, [(1, live.endpoint)], wait_s=1.5)
+        check = await _ask(hidden, ids[2], 2, [(1, live.endpoint)], wait_s=1.5)
         assert await server == ["dialed"]  # the live peer tried: its dial never arrived
         assert check.ok is False and "no live peer could dial tcp://127.0.0.2:" in check.line()
         assert "forward/open TCP port" in check.line()
     # a live peer this host cannot connect to was not asked: not a verdict on this host
     gone = "tcp://127.0.0.1:1#" + ids[1].key.curve_public.hex()
-    check = await _ask_dial_back(reachable, ids[2], 2, [(1, gone)], wait_s=5, connect_s=0.5)
+    check = await _ask(reachable, ids[2], 2, [(1, gone)], wait_s=5, connect_s=0.5)
     assert check.ok is None and "no live peer acknowledged a dial-back request" in check.line()
 
+
+
+async def _ask(*args, **kwargs) -> Check:
+    """:func:`ask_dial_back` as ``doctor`` shows it."""
+    found = await ask_dial_back(*args, **kwargs)
+    return Check("reachable", found.ok, found.detail, found.fix)
