@@ -81,7 +81,8 @@ def main() -> int:
     print("| hosts | tokens/s (steps 2..N) | vs direct | train loss, last step |")
     print("|---|---|---|---|")
     for r in rows:
-        print(f"| {r['row']} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base:.2f}x | {r['train_losses'][-1]:.4f} |")
+        print(f"| {r['row']} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base:.2f}x | "
+              f"{r['train_losses'][-1]:.4f} |")
     return 0
 
 

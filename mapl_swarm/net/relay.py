@@ -130,7 +130,7 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, coun
             await writer.drain()
         if writer.can_write_eof():
             writer.write_eof()
-    except (ConnectionError, OSError):
+    except (ConnectionError, OSError, RuntimeError):  # the other side went first (RuntimeError: closed under us)
         pass
 
 
@@ -145,7 +145,7 @@ async def splice(a: tuple[asyncio.StreamReader, asyncio.StreamWriter],
             return_when=asyncio.FIRST_COMPLETED)
         for task in pending:  # one side ended: the ZeroMQ connection through it is over
             task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        await asyncio.gather(*done, *pending, return_exceptions=True)
     finally:
         for _, writer in (a, b):
             writer.close()
@@ -194,10 +194,14 @@ class Relay:
     async def aclose(self) -> None:
         if self._server is not None:
             self._server.close()
-            await self._server.wait_closed()
+        for waiting in self._waiting:  # unpaired requests end with the relay
+            waiting.writer.close()
+        self._waiting.clear()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()

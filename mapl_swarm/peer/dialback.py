@@ -176,8 +176,8 @@ async def ask_dial_back(cfg: Any, identity: Any, stage: int, contacts: Sequence[
                                   f"({len(contacts)} tried: out of reach, refusing, or older than 2.1)")
     return Reachability(False, f"no live peer could dial {mine} within {wait_s:.0f} s (asked {len(asked)}): a NAT "
                                f"or firewall keeps the swarm out",
-                        f"forward/open TCP port {mine.rsplit(':', 1)[1]} to this host and set net.advertise_host to the "
-                 "address the others dial, or serve as a dial-out peer: net.reachable = \"no\"")
+                        f"forward/open TCP port {mine.rsplit(':', 1)[1]} to this host and set net.advertise_host to "
+                        "the address the others dial, or serve as a dial-out peer: net.reachable = \"no\"")
 
 
 def reachability(cfg: Any, identity: Any, stage: int | None, staged: Sequence[tuple[int, Any]],

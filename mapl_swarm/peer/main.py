@@ -26,6 +26,7 @@ from mapl_swarm.startup import without_collections
 
 if TYPE_CHECKING:
     from mapl_swarm.net.transport import Membership
+    from mapl_swarm.peer.dialback import Reachability
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +214,7 @@ def _withdraw(discovery: Discovery, stage: int) -> None:
         log.debug("stage %d: its DHT record not withdrawn: %s", stage, exc)
 
 
-def decide_reachable(cfg: TrainConfig, check: Any, stage: int) -> TrainConfig:
+def decide_reachable(cfg: TrainConfig, check: Reachability, stage: int) -> TrainConfig:
     """``cfg`` with ``net.reachable = "auto"`` decided by a dial-back ``check``
     (:func:`~.dialback.reachability`): ``no`` when live peers could not dial this host,
     ``yes`` when one did or nobody could be asked (logged, with what to set if that is wrong)."""
@@ -230,7 +231,7 @@ def decide_reachable(cfg: TrainConfig, check: Any, stage: int) -> TrainConfig:
     return replace(cfg, net=replace(cfg.net, reachable=reachable))
 
 
-def _reachability(cfg: TrainConfig, discovery: Discovery, membership: Membership | None, stage: int) -> Any:
+def _reachability(cfg: TrainConfig, discovery: Discovery, membership: Membership | None, stage: int) -> Reachability:
     """A dial-back of the contact this host's peer would advertise, asked of live peers."""
     from mapl_swarm.peer.dialback import reachability
 
@@ -252,8 +253,8 @@ def run_peer(cfg: TrainConfig, stage: int | None, *, membership: Membership | No
         raise ConfigError("--stage K is required, unless the peer joins a running swarm (--join)")
     net = cfg.net
     if net.reachable != "yes" and membership is None:
-        raise ConfigError(f"net.reachable = {net.reachable!r} needs certified peers (--peer-key and --cert): a dial-out "
-                          f"peer's neighbours know its connections by the CURVE key in its contact")
+        raise ConfigError(f"net.reachable = {net.reachable!r} needs certified peers (--peer-key and --cert): a "
+                          f"dial-out peer's neighbours know its connections by the CURVE key in its contact")
     peers = tuple(initial_peers) or net.initial_peers
     # a dial-out peer's DHT node serves nobody (hivemind's client mode): none could reach it
     discovery = Discovery(cfg.run.run_id, DiscoveryConfig(initial_peers=peers, host=net.dht_host, port=net.dht_port,

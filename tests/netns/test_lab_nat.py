@@ -65,6 +65,7 @@ def test_a_host_behind_nat_dials_out_and_nobody_dials_in():
             listener.wait()
 
 
+@pytest.mark.slow  # ~2-3 min: a lab swarm and the in-process reference
 def test_a_chain_whose_middle_stage_is_behind_nat_trains_to_the_in_process_losses(tmp_path):
     """Stage 1 accepts no connection: it announces a dial-out contact, its DHT node runs in client
     mode, and stages 0 and 2 send to it on the connections it opens. The losses are those of
@@ -113,6 +114,7 @@ while time.time() < end:
 """
 
 
+@pytest.mark.slow  # ~3 min: a lab swarm with a relay and a capture, and the in-process reference
 def test_two_neighbours_behind_nat_train_through_a_relay_that_sees_only_ciphertext(tmp_path):
     """Stages 1 and 2 both behind NAT: they meet at the relay on the DHT's host, and the 3-stage chain
     trains to `mapl-swarm train`'s losses. Every frame on the relay's host, captured there, holds
