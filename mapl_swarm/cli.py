@@ -362,10 +362,10 @@ def _cmd_relay(args: argparse.Namespace) -> int:
     if args.insecure:
         raise ConfigError("a relay serves the certified members of one run: give --cert (any certificate of the run)")
     trust = _membership(args, None)
-    from mapl_swarm.net.identity import create_peer_key, load_peer_key
+    from mapl_swarm.net.identity import peer_key_at
     from mapl_swarm.net.relay import run_relay
 
-    key = load_peer_key(args.relay_key) if Path(args.relay_key).exists() else create_peer_key(args.relay_key)
+    key = peer_key_at(args.relay_key)
 
     def ready(port: int, public: bytes) -> None:
         print(f"relay of run {trust.run_id!r} on {args.host}:{port}; on each dial-out peer set "

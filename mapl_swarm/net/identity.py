@@ -55,6 +55,7 @@ __all__ = [
     "AUTHORITY_HEADER", "PEER_KEY_HEADER", "REQUEST_HEADER", "CERTIFICATE_HEADER", "REVOCATIONS_HEADER", "ROLES",
     "MAX_VALIDITY_S", "MAX_REVOKED", "Authority", "PeerKey", "RequestBody", "CertificateBody", "RevocationsBody",
     "Signed", "CertificateError", "load_authority", "create_authority", "load_peer_key", "create_peer_key",
+    "peer_key_at",
     "make_request", "verify_request", "issue", "revoke", "verify_certificate", "verify_revocations", "read_signed", "write_signed", "signed_text", "parse_signed",
     "libp2p_peer_id", "CurveKeys", "PeerIdentity", "drain_statement", "DRAIN_CONTEXT", "redo_statement", "REDO_CONTEXT", "work_statement", "WORK_CONTEXT", "load_identity", "LocalIdentities", "issue_local", "RevocationWatch", "REVOCATION_POLL_S",
 ]
@@ -239,6 +240,11 @@ def create_peer_key(path: str | os.PathLike[str], *, force: bool = False) -> Pee
     key = PeerKey(secrets.token_bytes(KEY_BYTES), str(path))
     write_key_file(path, key.secret, header=PEER_KEY_HEADER, what="peer key", force=force)
     return key
+
+
+def peer_key_at(path: str | os.PathLike[str]) -> PeerKey:
+    """The peer key at ``path``, created there first when missing (an identity kept across restarts)."""
+    return load_peer_key(path) if Path(path).exists() else create_peer_key(path)
 
 
 # ---------------------------------------------------------------------- signed bodies
@@ -800,7 +806,7 @@ def issue_local(folder: str | os.PathLike[str], *, run_id: str, num_stages: int,
     local = LocalIdentities(root, authority)
     for stage, replica in ((s, r) for s in range(num_stages) for r in range(replicas[s] if replicas else 1)):
         key_path, cert_path = local.key_file(stage, replica), local.cert_file(stage, replica)
-        key = load_peer_key(key_path) if key_path.exists() else create_peer_key(key_path)
+        key = peer_key_at(key_path)
         if cert_path.exists():
             try:
                 body = verify_certificate(read_signed(cert_path, "certificate"), authority=authority.public,

@@ -168,7 +168,6 @@ class _Waiting:
     name: str
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
-    paired: asyncio.Future
 
 
 class Relay:
@@ -236,15 +235,13 @@ class Relay:
         except _Refused as exc:
             self._refuse(writer, exc.code, exc.reason, who)
             return
-        me = _Waiting(body.curve_key, role, peer, body.name, reader, writer,
-                      asyncio.get_running_loop().create_future())
-        partner = next((w for w in self._waiting if w.key == peer and w.peer == me.key and w.role != role
-                        and not w.paired.done()), None)
+        me = _Waiting(body.curve_key, role, peer, body.name, reader, writer)
+        # a request waits in the list until paired (then taken out) or expired; the keys fix the roles
+        partner = next((w for w in self._waiting if w.key == peer and w.peer == me.key), None)
         if partner is None:
             self._wait(me, who)
             return
         self._waiting.remove(partner)
-        partner.paired.set_result(me)
         await self._carry(partner, me)
 
     def _check(self, request: dict[str, Any], nonce: bytes) -> tuple[Any, str, bytes]:
@@ -276,7 +273,7 @@ class Relay:
         log.debug("relay: %s (%s, %s) waits for its neighbour", me.name, who, me.role)
 
         def expire() -> None:
-            if me in self._waiting and not me.paired.done():
+            if me in self._waiting:
                 self._waiting.remove(me)
                 me.writer.close()
 
