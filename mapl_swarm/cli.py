@@ -358,23 +358,55 @@ def _cmd_dht(args: argparse.Namespace) -> int:
     return 0
 
 
+RELAY_PEERS_WAIT_S = 60.0
+"""How long ``relay --initial-peers-file`` waits for the file."""
+
+
 def _cmd_relay(args: argparse.Namespace) -> int:
     if args.insecure:
         raise ConfigError("a relay serves the certified members of one run: give --cert (any certificate of the run)")
     trust = _membership(args, None)
-    from mapl_swarm.net.identity import peer_key_at
+    from mapl_swarm.net.identity import load_identity, peer_key_at
     from mapl_swarm.net.relay import run_relay
+    from mapl_swarm.peer.main import read_peers_file
 
+    peers = [*(args.initial_peer or []), *(read_peers_file(args.initial_peers_file, RELAY_PEERS_WAIT_S)
+                                            if args.initial_peers_file else [])]
+    host = args.announce_host or args.host
+    if peers and host in ("0.0.0.0", "::", ""):
+        raise ConfigError(f"--initial-peer: a relay announced in the DHT needs the address members dial: give "
+                          f"--announce-host (it listens on {args.host!r})")
     key = peer_key_at(args.relay_key)
+    discovery = None
+    if peers:  # announced under the run's relay key, signed by the member whose key the relay's is
+        try:
+            identity = load_identity(args.relay_key, args.cert, run_id=trust.run_id)
+        except ConfigError as exc:
+            raise ConfigError(f"--initial-peer: a relay announces itself in the DHT as the member whose key it "
+                              f"holds, so --relay-key must be the peer key --cert was issued to (a member host's "
+                              f"--peer-key): {exc}") from None
+        from mapl_swarm.net.discovery import Discovery, DiscoveryConfig
+
+        discovery = Discovery(trust.run_id, DiscoveryConfig(initial_peers=tuple(peers), client_mode=True),
+                              membership=identity)
+        discovery.start()  # forks the DHT process: before the relay's event loop
 
     def ready(port: int, public: bytes) -> None:
+        address = f"{host}:{port}#{public.hex()}"
         print(f"relay of run {trust.run_id!r} on {args.host}:{port}; on each dial-out peer set "
-              f"net.relay = \"{args.announce_host or args.host}:{port}#{public.hex()}\"", flush=True)
+              f"net.relay = \"{address}\"" + (" (or nothing: it is announced in the DHT)" if discovery else ""),
+              flush=True)
+        if discovery is not None:
+            discovery.announce_relay(address)
 
     try:
-        run_relay(trust, key, args.host, args.port, ready=ready)
+        run_relay(trust, key, args.host, args.port, ready=ready, revocations=args.revocations)
     except (KeyboardInterrupt, _Terminated) as stop:  # its normal end
         log.info("relay stopped (%s)", "SIGTERM" if isinstance(stop, _Terminated) else "SIGINT")
+    finally:
+        if discovery is not None:
+            discovery.withdraw_relay()
+            discovery.close()
     return 0
 
 
@@ -837,7 +869,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("relay", "join dial-out peers behind NAT to each other (run on a reachable host)",
             "Splice pairs of connections from dial-out peers (net.reachable = \"no\") that are neighbours, so "
             "that the CURVE-encrypted link runs end to end through this host: it serves certified members of "
-            "the run only, and sees ciphertext, sizes and timing. Give each dial-out peer net.relay = HOST:PORT.")
+            "the run only, and sees ciphertext, sizes and timing. Give each dial-out peer the net.relay it prints, "
+            "or, with --initial-peer, it announces itself in the run's DHT (its --relay-key then being the peer key "
+            "--cert was issued to), where dial-out peers without net.relay find it.")
     p.add_argument("--host", default="0.0.0.0", help="interface to listen on (default: 0.0.0.0, every one)")
     p.add_argument("--port", type=int, default=0, help="TCP port (default: 0, a free one)")
     p.add_argument("--announce-host", default=None, metavar="HOST", help="the address peers dial (printed)")
@@ -845,6 +879,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the relay's own key (created when missing, mode 0600): members seal their requests to "
                         "it, so the run id and certificates never cross in clear; its CURVE key is printed")
     _key_args(p, "refused: a relay serves certified members only", peer=False)
+    p.add_argument("--revocations", metavar="FILE",
+                   help="the authority's revocation list (`mapl-swarm keys revoke`), read again when it changes: "
+                        "revoked members are refused and their relayed connections cut")
+    _initial_peers_args(p)
     _add_common_args(p, quiet=False)
     p.set_defaults(func=_cmd_relay)
 

@@ -3,7 +3,9 @@ metrics, runtime (device, precision), network; and the whole :class:`TrainConfig
 
 from __future__ import annotations
 
+import ipaddress
 import math
+import re
 from dataclasses import dataclass, field, fields, replace
 from typing import ClassVar, Literal, get_type_hints
 
@@ -159,9 +161,14 @@ def relay_address(text: str) -> tuple[str, int, bytes] | None:
         raw = bytes.fromhex(key)
     except ValueError:
         return None
-    if not (colon and host and port.isdigit() and 0 < int(port) < 65536 and len(raw) == 32):
+    if not (colon and port.isdigit() and 0 < int(port) < 65536 and len(raw) == 32):
         return None
-    return host.strip("[]"), int(port), raw
+    if host.startswith("[") and host.endswith("]"):  # an IPv6 literal
+        try:
+            return str(ipaddress.IPv6Address(host[1:-1])), int(port), raw
+        except ValueError:
+            return None
+    return (host, int(port), raw) if re.fullmatch(r"[A-Za-z0-9.-]+", host) else None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -402,9 +409,6 @@ class TrainConfig:
         _check(not (r.check_fraction and codec_info(c.codec).quantized),
                f"replicas.check_fraction with compression.codec = {c.codec!r}: a checker cannot rebuild another "
                f"replica's streamed codebooks; use a codec without VQ or check_fraction = 0")
-        _check(not (r.enabled and self.net.reachable == "no"),
-               "net.reachable = \"no\" in a run with replicas: a dial-out peer serves a chain stage only (a stage's "
-               "replicas average with hivemind, whose rounds need every member to accept connections)")
 
     def check_stage(self, stage: int) -> None:
         """A peer's ``--stage``: ConfigError unless the pipeline has it."""

@@ -34,6 +34,10 @@ Under a stage's **member keys** (its replicas' averaging keys, SPEC §9.1 "Repli
 value is any one msgpack object and the subkey must be msgpack (bin) of the signer's own libp2p
 peer id (:func:`~mapl_swarm.net.identity.libp2p_peer_id` of the certificate's signing key), so the
 subkeys a reader sees there are the stage's certified members.
+Under the run's **relay key** (``mapl/<run>/relays``, SPEC §9.12) any member of the run (a
+certificate of any stage) announces a relay it runs: the subkey is its own peer id, as under the
+member keys, and the value a tombstone or ``HOST:PORT#<hex key>`` whose key is the certificate's
+CURVE key (so members seal their requests to the key the authority certified).
 A record whose certificate is revoked (the live set a revocation watch fills) reads as withdrawn:
 hivemind drops a node's whole answer for a key when one of its records fails validation, so a
 refused record would hide the stage's other peers too.
@@ -109,7 +113,8 @@ class CertifiedRecordValidator(RecordValidatorBase):
     a record under any other key is refused."""
 
     def __init__(self, *, run_id: str, authority: bytes, stage_keys: Mapping[str, int], identity=None,
-                 member_keys: Mapping[str, int] | None = None, revoked: AbstractSet[int] = frozenset(),
+                 member_keys: Mapping[str, int] | None = None, relay_keys: AbstractSet[str] = frozenset(),
+                 revoked: AbstractSet[int] = frozenset(),
                  revocations: str | os.PathLike[str] | None = None, max_ttl_s: float = CERTIFIED_MAX_TTL_S) -> None:
         from mapl_swarm.net.identity import RevocationWatch
 
@@ -118,6 +123,8 @@ class CertifiedRecordValidator(RecordValidatorBase):
         self._member_stage_of = {dht_key_id(key): s for key, s in (member_keys or {}).items()}
         """Keys of a stage's replicas (averaging, state download): a record's subkey must be its
         signer's own libp2p peer id, so a reader's subkeys are the stage's certified members."""
+        self._relay_keys = frozenset(dht_key_id(key) for key in relay_keys)
+        """The run's relay key: any member, at its own peer id, a relay address of its own CURVE key."""
         self.revoked: set[int] = set(revoked)
         self._watch = None if revocations is None else RevocationWatch(revocations)
         """The authority's revocation list file, re-read (at most every ``REVOCATION_POLL_S``) when a
@@ -171,7 +178,8 @@ class CertifiedRecordValidator(RecordValidatorBase):
         (the codes of ``protocol/vectors/v2/identity``): ``not_a_stage_key``, ``unsigned``,
         ``no_subkey``, ``expiration_too_far``, a certificate code of SPEC §7.1, ``bad_signature``,
         ``after_certificate``, ``not_a_contact`` (the value) or ``wrong_key`` (the contact's); for a
-        member key ``not_own_peer_id`` (the subkey) or ``not_msgpack`` (the value)."""
+        member key ``not_own_peer_id`` (the subkey) or ``not_msgpack`` (the value); for the relay key
+        ``not_own_peer_id``, ``not_a_relay`` (the value) or ``wrong_key`` (the relay's)."""
         from cryptography.exceptions import InvalidSignature
         from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
@@ -179,9 +187,10 @@ class CertifiedRecordValidator(RecordValidatorBase):
 
         key = bytes(record.key)
         member = key in self._member_stage_of
+        relay = key in self._relay_keys
         stage = self._member_stage_of[key] if member else self._stage_of.get(key)
         parts = self._split(bytes(record.value))
-        if stage is None:
+        if stage is None and not relay:
             return "not_a_stage_key"
         if parts is None:
             return "unsigned"
@@ -204,10 +213,12 @@ class CertifiedRecordValidator(RecordValidatorBase):
             return "bad_signature"
         if record.expiration_time > body.not_after:
             return "after_certificate"
+        if (member or relay) and record.subkey != _packed_bin(libp2p_peer_id(body.sign_key)):
+            return "not_own_peer_id"
         if member:
-            if record.subkey != _packed_bin(libp2p_peer_id(body.sign_key)):
-                return "not_own_peer_id"
             return None if _one_plain_object(value) else "not_msgpack"
+        if relay:
+            return _relay_refusal(value, body.curve_key)
         return _contact_refusal(value, body.curve_key)
 
     def strip_value(self, record: DHTRecord) -> bytes:
@@ -240,6 +251,24 @@ def _packed_bin(data: bytes) -> bytes:
 
 _TOMBSTONE = b"\xa0"
 """msgpack of the empty string: a withdrawn entry (SPEC §9.1)."""
+
+
+def _relay_refusal(value: bytes, curve_key: bytes) -> str | None:
+    """None when ``value`` is msgpack of ``""`` (a tombstone) or of a relay address
+    ``HOST:PORT#<hex key>`` naming ``curve_key``; else ``not_a_relay`` or ``wrong_key``."""
+    import msgpack
+
+    from mapl_swarm.config.run import relay_address
+
+    if not _one_plain_object(value):
+        return "not_a_relay"
+    text = msgpack.unpackb(value, raw=False)
+    if text == "":
+        return None
+    address = relay_address(text) if isinstance(text, str) else None
+    if address is None:
+        return "not_a_relay"
+    return None if hmac.compare_digest(address[2], curve_key) else "wrong_key"
 
 
 def _contact_refusal(value: bytes, curve_key: bytes) -> str | None:

@@ -56,8 +56,8 @@ from mapl_swarm.net.identity import PeerIdentity
 from mapl_swarm.procs import wait_for_signal
 
 __all__ = ["DiscoveryConfig", "Discovery", "start_dht", "run_bootstrap_node", "host_maddr", "stage_key",
-           "averaging_prefix", "member_keys", "status_key", "dht_validators", "TrustedAuthority", "MAX_STAGES",
-           "MAX_TTL_S", "StagePeer", "STATUS_FIELDS", "config_key", "checked_config"]
+           "averaging_prefix", "member_keys", "relay_key", "status_key", "dht_validators", "TrustedAuthority",
+           "MAX_STAGES", "MAX_TTL_S", "StagePeer", "STATUS_FIELDS", "config_key", "checked_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +89,12 @@ def config_key(run_id: str, stage: int) -> str:
     return f"mapl/{run_id}/config/{stage}"
 
 
+def relay_key(run_id: str) -> str:
+    """The DHT key under which members announce the relays they run (SPEC §9.12), each at its own
+    peer id: ``HOST:PORT#<hex key>``, the key its certificate's."""
+    return f"mapl/{run_id}/relays"
+
+
 def member_keys(run_id: str, stage: int) -> tuple[str, str, str, str]:
     """The DHT keys each peer of ``stage`` writes at its own libp2p peer id: its averager's
     matchmaking (hivemind's ``<prefix>.0b``, one group, no group bits) and state download
@@ -114,7 +120,8 @@ def dht_validators(membership: Any) -> list[Any]:
     watch = getattr(membership, "watch", None)  # a peer's revocation list (a bootstrap node reads no records)
     members = {key: s for s in range(MAX_STAGES) for key in member_keys(membership.run_id, s)}
     return [CertifiedRecordValidator(run_id=membership.run_id, authority=membership.authority, identity=signer,
-                                     stage_keys=keys, member_keys=members, revoked=membership.revoked,
+                                     stage_keys=keys, member_keys=members, relay_keys={relay_key(membership.run_id)},
+                                     revoked=membership.revoked,
                                      revocations=None if watch is None else watch.path)]
 
 
@@ -315,6 +322,7 @@ class Discovery:
         self._refusals_logged: set[int] = set()
         self._status: tuple[int, Callable[[], dict[str, Any]]] | None = None  # stage, source
         self._config: tuple[int, dict[str, Any]] | None = None  # stage, config record
+        self._relay: str | None = None  # the relay this member runs and announces
         self._lock = threading.Lock()  # guards the DHT command pipe
         self._state = threading.Lock()  # serialises announce / withdraw / refresh
         self._stop = threading.Event()
@@ -414,6 +422,32 @@ class Discovery:
             self._config = (stage, record)
             self._store_config()
         self._ensure_refresher()
+
+    def announce_relay(self, address: str) -> None:
+        """Publish ``address`` (``HOST:PORT#<hex key>``: a relay this member runs, with its own
+        certificate's CURVE key, SPEC §9.12) now and at every re-announcement; :meth:`withdraw_relay`
+        tombstones it."""
+        self._require()
+        with self._state:
+            self._relay = address
+            self._store_relay(address)
+        self._ensure_refresher()
+
+    def withdraw_relay(self) -> None:
+        """Stop announcing this member's relay and hide it at once."""
+        with self._state:
+            if self._relay is not None:
+                self._relay = None
+                self._store_relay("")
+
+    def relays(self) -> list[str]:
+        """The relays the run's members announce (``HOST:PORT#<hex key>``), the latest-expiring first."""
+        from mapl_swarm.config.run import relay_address
+
+        found = self._call(lambda dht: dht.get(relay_key(self.run_id), latest=True, return_future=True),
+                           "get the relays")
+        entries = sorted(_by_peer_id(found).values(), key=lambda entry: -entry[1])
+        return [value for value, _ in entries if isinstance(value, str) and relay_address(value) is not None]
 
     def stage_configs(self, stage: int) -> dict[str, dict[str, Any]]:
         """The config record of each peer of ``stage`` that published one (:func:`checked_config`), by peer id."""
@@ -548,6 +582,11 @@ class Discovery:
                 "may hold a newer entry of it, or refuse it: a node of another authority, or a record this "
                 "certificate does not allow)", self.run_id, stage)
 
+    def _store_relay(self, address: str) -> None:
+        """Store this member's relay record (holding ``_state``); ``""`` withdraws it."""
+        self._call(lambda dht: dht.store(relay_key(self.run_id), address, _dht_time() + self.config.ttl_s,
+                                         subkey=dht.peer_id.to_bytes(), return_future=True), "store the relay")
+
     def _store_config(self) -> None:
         """Store the config record (holding ``_state``)."""
         if self._config is None:
@@ -581,8 +620,10 @@ class Discovery:
                             logger.warning("re-announce failed: %s", exc)
                     try:
                         self._store_config()
+                        if self._relay is not None:
+                            self._store_relay(self._relay)
                     except DiscoveryError as exc:
-                        logger.debug("config store failed: %s", exc)
+                        logger.debug("config or relay store failed: %s", exc)
                 try:
                     self._store_status()
                 except DiscoveryError as exc:

@@ -25,7 +25,7 @@ from typing import Any
 import msgpack
 
 from mapl_swarm.errors import ConfigError
-from mapl_swarm.net.discovery import member_keys, stage_key
+from mapl_swarm.net.discovery import member_keys, relay_key, stage_key
 from mapl_swarm.net.identity import (
     CERTIFICATE_HEADER,
     SIGNING_CONTEXT,
@@ -292,7 +292,21 @@ def _record_cases() -> list[tuple[str, str, dict[str, Any], dict[str, Any]]]:
          check),
         ("member_not_msgpack", "a replica's record whose value is no msgpack object",
          _record(key=member_keys(RUN, 1)[1], subkey=_peer_subkey(PEERS[1]), value=b"\xc1"), check),
+        ("relay_valid", "2.2: a member's relay (SPEC §9.12) at its own peer id, with its certificate's CURVE key",
+         _relay(f"10.0.0.2:7400#{PEERS[1].curve_public.hex()}"), check),
+        ("relay_tombstone", "2.2: the empty string: the member withdraws its relay", _relay(""), check),
+        ("relay_wrong_key", "2.2: a relay address naming another CURVE key than the certificate's",
+         _relay(f"10.0.0.2:7400#{PEERS[0].curve_public.hex()}"), check),
+        ("relay_not_own_peer_id", "2.2: a relay record at another peer's id",
+         _relay(f"10.0.0.2:7400#{PEERS[1].curve_public.hex()}", subkey=_peer_subkey(PEERS[0])), check),
+        ("relay_not_a_relay", "2.2: a stage contact under the relay key (no HOST:PORT#key)",
+         _relay(_contact(PEERS[1])), check),
     ]
+
+
+def _relay(value: str, subkey: bytes | None = None) -> dict[str, Any]:
+    """A record under the run's relay key, signed by stage 1's peer."""
+    return _record(key=relay_key(RUN), subkey=_peer_subkey(PEERS[1]) if subkey is None else subkey, value=value)
 
 
 def _peer_subkey(peer: PeerKey) -> bytes:
@@ -309,7 +323,8 @@ def _record_entry(name: str, description: str, record: dict[str, Any], check: di
     validator = CertifiedRecordValidator(
         run_id=check["run"], authority=bytes.fromhex(check["authority"]), revoked=set(check["revoked"]),
         stage_keys={stage_key(check["run"], s): s for s in stages},
-        member_keys={key: s for s in stages for key in member_keys(check["run"], s)})
+        member_keys={key: s for s in stages for key in member_keys(check["run"], s)},
+        relay_keys={relay_key(check["run"])})
     r = DHTRecord(bytes.fromhex(record["key"]), bytes.fromhex(record["subkey"]), bytes.fromhex(record["stored"]),
                   record["expiration_time"])
     refusal = validator.refusal(r, check["now"])

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import socket
 import struct
@@ -48,7 +49,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from mapl_swarm.aio import within
 from mapl_swarm.net.errors import NetError
-from mapl_swarm.net.identity import CertificateError, Signed, verify_certificate
+from mapl_swarm.net.identity import REVOCATION_POLL_S, CertificateError, RevocationWatch, Signed, verify_certificate
 
 log = logging.getLogger(__name__)
 
@@ -160,12 +161,13 @@ class RelayStats:
     bytes: int = 0
 
 
-@dataclass
+@dataclass(eq=False)  # each request is its own (a key of the relay's pairs)
 class _Waiting:
     key: bytes
     role: str
     peer: bytes
     name: str
+    serial: int
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
 
@@ -173,10 +175,19 @@ class _Waiting:
 class Relay:
     """The relay's side (module docstring): ``trust`` is the run and authority it serves
     (``run_id``, ``authority``, ``revoked``: a :class:`~.discovery.TrustedAuthority`), ``key`` its
-    own :class:`~.identity.PeerKey` (requests are sealed to its CURVE key, :attr:`public`)."""
+    own :class:`~.identity.PeerKey` (requests are sealed to its CURVE key, :attr:`public`).
+    ``revocations``: the authority's revocation list file, read again when it changes (at each
+    request, and by :meth:`enforce_revocations`): a revoked member is refused, and the pairs it
+    is in are cut."""
 
-    def __init__(self, trust: Any, key: Any, *, pair_timeout_s: float = PAIR_TIMEOUT_S) -> None:
+    def __init__(self, trust: Any, key: Any, *, pair_timeout_s: float = PAIR_TIMEOUT_S,
+                 revocations: str | os.PathLike[str] | None = None) -> None:
         self.trust = trust
+        self.run_id, self.authority = trust.run_id, trust.authority
+        self.revoked: set[int] = set(trust.revoked)
+        """The serials refused: the trust's, and those of the revocation list (:class:`~.identity.RevocationWatch`)."""
+        self._watch = RevocationWatch(revocations) if revocations is not None else None
+        self._pairs: dict[tuple[_Waiting, _Waiting], asyncio.Task] = {}
         self.public = key.curve_public
         self._secret = z85.decode(key.curve_secret)
         self.pair_timeout_s = pair_timeout_s
@@ -235,7 +246,7 @@ class Relay:
         except _Refused as exc:
             self._refuse(writer, exc.code, exc.reason, who)
             return
-        me = _Waiting(body.curve_key, role, peer, body.name, reader, writer)
+        me = _Waiting(body.curve_key, role, peer, body.name, body.serial, reader, writer)
         # a request waits in the list until paired (then taken out) or expired; the keys fix the roles
         partner = next((w for w in self._waiting if w.key == peer and w.peer == me.key), None)
         if partner is None:
@@ -244,8 +255,22 @@ class Relay:
         self._waiting.remove(partner)
         await self._carry(partner, me)
 
+    def enforce_revocations(self) -> None:
+        """Read the revocation list again if it changed, and cut every pair holding a member revoked
+        since it was paired (and every waiting request of one)."""
+        if self._watch is None or not self._watch.poll(self):
+            return
+        for w in [w for w in self._waiting if w.serial in self.revoked]:
+            self._waiting.remove(w)
+            w.writer.close()
+        for (a, b), task in list(self._pairs.items()):
+            if a.serial in self.revoked or b.serial in self.revoked:
+                log.warning("relay: cut %s and %s: a certificate was revoked", a.name, b.name)
+                task.cancel()
+
     def _check(self, request: dict[str, Any], nonce: bytes) -> tuple[Any, str, bytes]:
-        t = self.trust
+        self.enforce_revocations()
+        t = self
         role, peer, cert, sig = request.get("role"), request.get("peer"), request.get("cert"), request.get("sig")
         if request.get("run") != t.run_id:
             raise _Refused("run_mismatch", f"run {request.get('run')!r}, this relay serves {t.run_id!r}")
@@ -253,7 +278,7 @@ class Relay:
             raise _Refused("malformed", "a request needs role (dial or serve), peer (32 bytes) and sig")
         try:
             body = verify_certificate(Signed.decode("certificate", cert), authority=t.authority, run_id=t.run_id,
-                                      revoked=set(t.revoked))
+                                      revoked=self.revoked)
             Ed25519PublicKey.from_public_bytes(body.sign_key).verify(sig, relay_statement(t.run_id, nonce, role,
                                                                                            peer))
         except CertificateError as exc:
@@ -290,7 +315,14 @@ class Relay:
             carried[0] += n
             self.stats.bytes += n
 
-        await splice((a.reader, a.writer), (b.reader, b.writer), count)
+        task = asyncio.ensure_future(splice((a.reader, a.writer), (b.reader, b.writer), count))
+        self._pairs[a, b] = task
+        try:
+            await asyncio.gather(task, return_exceptions=True)
+        finally:
+            del self._pairs[a, b]
+            for w in (a, b):
+                w.writer.close()
         log.info("relay: %s and %s parted after %d bytes", a.name, b.name, carried[0])
 
 
@@ -403,11 +435,12 @@ class RelayClient:
 
 
 def run_relay(trust: Any, key: Any, host: str, port: int, *, ready: Callable[[int, bytes], None] | None = None,
-              report_s: float = 60.0) -> RelayStats:
+              report_s: float = 60.0, revocations: str | os.PathLike[str] | None = None) -> RelayStats:
     """Serve as the relay of ``trust``'s run with ``key`` on ``host:port`` until interrupted;
-    ``ready(port, CURVE key)`` once listening. Logs what it carried every ``report_s`` and at the
-    end; returns it."""
-    relay = Relay(trust, key)
+    ``ready(port, CURVE key)`` once listening. Reads ``revocations`` (the authority's list) again
+    every :data:`~.identity.REVOCATION_POLL_S` when it changed. Logs what it carried every
+    ``report_s`` and at the end; returns it."""
+    relay = Relay(trust, key, revocations=revocations)
 
     def report() -> None:
         s = relay.stats
@@ -418,10 +451,15 @@ def run_relay(trust: Any, key: Any, host: str, port: int, *, ready: Callable[[in
         bound = await relay.start(host, port)
         if ready is not None:
             ready(bound, relay.public)
+        loop = asyncio.get_running_loop()
+        reported = loop.time()
         try:
             while True:
-                await asyncio.sleep(report_s)
-                report()
+                await asyncio.sleep(min(report_s, REVOCATION_POLL_S))
+                relay.enforce_revocations()
+                if loop.time() - reported >= report_s:
+                    reported = loop.time()
+                    report()
         finally:
             await relay.aclose()
 

@@ -32,7 +32,8 @@ A reachable transport's :meth:`Transport.connect` to a dial-out contact opens a 
 what it sends there goes out on its own ROUTER to the routing id the peer binds with
 :meth:`Transport.bind_reverse` (once the dial-out peer's HELLO on that connection proved the key of
 the contact), waiting for that binding and, when the connection is being made again, for it to
-come back (up to ``send_timeout_s``; then the message is dropped). On the dial-out side the
+come back (held as a DEALER's queue holds them, so a flush does not wait for them; dropped once
+the connection has been gone for ``send_timeout_s``). On the dial-out side the
 neighbour's messages arrive on the DEALER, beside its answers (:meth:`Transport.recv_reply`):
 :meth:`Transport.request_sender` names the connection as a routing id of the neighbour's stage for
 the peer's admission, :meth:`Transport.peer_key` gives the link's pinned key for it, and
@@ -72,7 +73,7 @@ import logging
 import math
 import secrets
 import socket
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Coroutine, Sequence, TypeVar
 
@@ -159,6 +160,9 @@ DIAL_OUT = "dialout"
 REVERSE_RETRY_S = 0.05
 """How often a reverse link tries again to send while its dial-out peer's connection is being made
 again (ZeroMQ's ROUTER refuses a routing id that has no connection, rather than queueing)."""
+REVERSE_QUEUE = 1000
+"""Messages a reverse link holds for its dial-out peer's connection (ZeroMQ's default send high-water
+mark of a DEALER); beyond it the oldest is dropped."""
 
 
 def contact(endpoint: str, curve_public: bytes) -> str:
@@ -543,32 +547,24 @@ class Transport:
         if self.config.dial_out:
             if self.relay is None:
                 raise NetError(f"{self.name}: link {link!r}: the peer at {endpoint} accepts no connection, and neither "
-                               f"does this one (both dial out): a relay between them is needed (net.relay, "
-                               f"`mapl-swarm relay` on a reachable host)")
+                               f"does this one (both dial out): a relay between them is needed (net.relay, or "
+                               f"`mapl-swarm relay --initial-peer ...` on a reachable host, announced in the DHT)")
             host = self._bound_endpoint.rsplit(":", 1)[0].removeprefix("tcp://").strip("[]")
             local = ("127.0.0.1" if host in _WILDCARD_HOSTS else host, self.port)
             self._relayed[link] = self.relay.serve(key, local)  # its connection comes through the relay
         reverse = _ReverseLink(key)
-        loop = asyncio.get_running_loop()
 
         async def deliver(frames: list[Frame]) -> None:
-            await reverse.bound.wait()
-            deadline = loop.time() + self.config.send_timeout_s
-            while True:
-                router = self._router
-                if router is None:
-                    raise NetError(f"{self.name}: reverse link {link!r} used before start()")
-                try:
-                    await router.send_multipart([reverse.routing_id.encode(), *frames], copy=False)
-                    return
-                except zmq.ZMQError as exc:
-                    if exc.errno != zmq.EHOSTUNREACH:
-                        raise NetError(f"{self.name}: send on reverse link {link!r} failed: {exc}") from exc
-                if loop.time() > deadline:  # as a DEALER's queue would, in the end: the heartbeats tell the rest
-                    logger.warning("%s: dropped a message on link %r: the dial-out peer's connection %r has been "
-                                   "gone for %g s", self.name, link, reverse.routing_id, self.config.send_timeout_s)
-                    return
-                await asyncio.sleep(REVERSE_RETRY_S)
+            # handed over at once, as to a DEALER's queue: a flush never waits for a gone dial-out peer
+            if not reverse.pending and reverse.bound.is_set() and await self._send_reverse(link, reverse, frames):
+                return
+            if len(reverse.pending) >= REVERSE_QUEUE:
+                reverse.pending.popleft()
+                logger.warning("%s: link %r: %d messages wait for the dial-out peer's connection; dropped the "
+                               "oldest", self.name, link, REVERSE_QUEUE)
+            reverse.pending.append(frames)
+            if reverse.task is None or reverse.task.done():
+                reverse.task = asyncio.get_running_loop().create_task(self._resend_reverse(link, reverse))
 
         self._reverse[link] = reverse
         self._endpoints[link] = endpoint
@@ -576,6 +572,40 @@ class Transport:
         self._shapers[link] = LinkShaper(config, deliver, name=f"{self.name}->{link}")
         logger.debug("%s: link %r -> %s, reversed: it goes out on the connection that peer dials (%s)", self.name,
                      link, endpoint, config.describe())
+
+    async def _send_reverse(self, link: str, reverse: _ReverseLink, frames: list[Frame]) -> bool:
+        """Send on the ROUTER to the reverse link's connection; False while that connection is gone."""
+        router = self._router
+        if router is None:
+            raise NetError(f"{self.name}: reverse link {link!r} used before start()")
+        try:
+            await router.send_multipart([reverse.routing_id.encode(), *frames], copy=False)
+            return True
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise NetError(f"{self.name}: send on reverse link {link!r} failed: {exc}") from exc
+            return False
+
+    async def _resend_reverse(self, link: str, reverse: _ReverseLink) -> None:
+        """Send a reverse link's waiting messages, in order, once it is bound and while its
+        connection is there; all of them are dropped once that connection has been gone for
+        ``send_timeout_s`` (a DEALER's queue would hold them; the heartbeats tell the rest)."""
+        loop = asyncio.get_running_loop()
+        gone_since: float | None = None
+        while reverse.pending:
+            await reverse.bound.wait()
+            if await self._send_reverse(link, reverse, reverse.pending[0]):
+                reverse.pending.popleft()
+                gone_since = None
+                continue
+            gone_since = loop.time() if gone_since is None else gone_since
+            if loop.time() - gone_since > self.config.send_timeout_s:
+                logger.warning("%s: dropped %d message(s) on link %r: the dial-out peer's connection %r has been "
+                               "gone for %g s", self.name, len(reverse.pending), link, reverse.routing_id,
+                               self.config.send_timeout_s)
+                reverse.pending.clear()
+                return
+            await asyncio.sleep(REVERSE_RETRY_S)
 
     def bind_reverse(self, link: str, routing_id: str) -> None:
         """Send the reverse link ``link``'s messages to the connection ``routing_id`` from now on (its
@@ -626,7 +656,10 @@ class Transport:
         except what ZeroMQ can send within ``linger_s``."""
         shaper = self._shapers.pop(link, None)
         dealer = self._dealers.pop(link, None)
-        self._reverse.pop(link, None)
+        reverse = self._reverse.pop(link, None)
+        if reverse is not None and reverse.task is not None:
+            reverse.task.cancel()
+            await asyncio.gather(reverse.task, return_exceptions=True)
         stop_relaying = self._relayed.pop(link, None)
         if stop_relaying is not None:
             stop_relaying()
@@ -845,9 +878,12 @@ class Transport:
 
 
 class _ReverseLink:
-    """A reverse link's pinned key and the connection its dial-out peer's HELLO came on."""
+    """A reverse link's pinned key, the connection its dial-out peer's HELLO came on, and the
+    messages waiting for that connection (before it is bound, or while it is made again)."""
 
     def __init__(self, key: bytes) -> None:
         self.key = key
         self.routing_id = ""
         self.bound = asyncio.Event()
+        self.pending: deque[list[Frame]] = deque()
+        self.task: asyncio.Task[None] | None = None

@@ -225,10 +225,19 @@ def decide_reachable(cfg: TrainConfig, check: Reachability, stage: int) -> Train
     else:
         log.info("stage %d: net.reachable = \"auto\": %s: %s", stage, check.detail,
                  "serving as a dial-out peer" if reachable == "no" else "reachable")
-    if reachable == "no" and cfg.replicas.enabled:
-        raise MaplError(f"stage {stage}: this host cannot be reached ({check.detail}), and in a run with replicas a "
-                        f"dial-out peer cannot serve: open its port, or serve a run without replicas")
     return replace(cfg, net=replace(cfg.net, reachable=reachable))
+
+
+def with_announced_relay(cfg: TrainConfig, relays: Sequence[str], stage: int) -> TrainConfig:
+    """A dial-out peer without ``net.relay``: ``cfg`` with the first relay the run's members announce
+    in the DHT (SPEC §9.12), or as it is when none does (a dial-out neighbour then cannot be linked,
+    and the link says so)."""
+    if not relays:
+        log.info("stage %d: no relay announced in the DHT (a dial-out neighbour would need one: net.relay, or "
+                 "`mapl-swarm relay --initial-peer ...` on a reachable host)", stage)
+        return cfg
+    log.info("stage %d: relay %s, announced in the DHT, for dial-out neighbours", stage, relays[0])
+    return replace(cfg, net=replace(cfg.net, relay=relays[0]))
 
 
 def _reachability(cfg: TrainConfig, discovery: Discovery, membership: Membership | None, stage: int) -> Reachability:
@@ -270,6 +279,8 @@ def run_peer(cfg: TrainConfig, stage: int | None, *, membership: Membership | No
                 discovery = Discovery(cfg.run.run_id, replace(discovery.config, client_mode=True),
                                       membership=membership)
                 discovery.start()
+        if cfg.net.reachable == "no" and not cfg.net.relay:
+            cfg = with_announced_relay(cfg, discovery.relays(), stage)
         if membership is not None:
             log.info("stage %d: %s: members-only encrypted links", stage, membership.describe())
         with InsecureWarning(stage, insecure_warning_interval_s) if membership is None else contextlib.nullcontext():

@@ -90,6 +90,9 @@ HALF_PHASES = (b".H", b".X")
 SPARSE_PHASES = (b".S", b".X")
 """The suffixes of a ``topk`` round's group ids: its all-gather of sparse shares, its all-reduce of
 the exact tensors."""
+DIAL_OUT_PRIORITY = -1.0
+"""The value a dial-out member (``net.reachable = "no"``, hivemind's client mode) declares under
+``all_averagers``; a member that serves state declares ``0.0`` (its state-sharing priority)."""
 MEMBERS_CACHE_S = 1.0
 """How long a read of the stage's members is reused before the DHT is asked again."""
 MEMBERS_REREAD_S = 0.2
@@ -174,10 +177,16 @@ class StageAverager(DecentralizedAverager):
         self._fills = mp.Value("q", 0)  # how often the host filled the tensors for a round
         self._outcomes = kept_round.Outcomes()  # the averager process's (kept_round)
         self._refused_logged: set[tuple[str, PeerID]] = set()
+        self._dial_out: frozenset[PeerID] = frozenset()
+        """The members that declared :data:`DIAL_OUT_PRIORITY`: nobody dials them (state downloads ask them last)."""
+        self._serving = False  # the averager process's: a dial-out member's handlers are registered
+        dial_out = dht.client_mode if kwargs.get("client_mode") is None else bool(kwargs["client_mode"])
         super().__init__(averaged_tensors, dht, prefix=averaging_prefix(run_id, stage), target_group_size=replicas,
                          min_group_size=2, initial_group_bits="", min_matchmaking_time=min_matchmaking_time,
                          request_timeout=request_timeout, declare_state_period=declare_state_period,
-                         next_chunk_timeout=next_chunk_timeout, allow_state_sharing=True, **kwargs)
+                         next_chunk_timeout=next_chunk_timeout, allow_state_sharing=not dial_out, **kwargs)
+        if dial_out:  # it serves its state over its own connections (hivemind's setter refuses client mode)
+            self._allow_state_sharing.value = True
 
     def start(self) -> None:
         self._parent_pid_seen = os.getpid()
@@ -204,7 +213,8 @@ class StageAverager(DecentralizedAverager):
         cannot read, and the node then waits out its shutdown timeout): its handlers went with the
         daemon, so removing them fails, and nothing else is left to do but its groups."""
         try:
-            await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
+            if not self.client_mode or self._serving:
+                await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
         except OSError:
             logger.debug("stage %d averaging: the p2p daemon stopped before the averager", self.stage)
         remaining: set[Any] = set()
@@ -223,8 +233,20 @@ class StageAverager(DecentralizedAverager):
             super().run_in_background(await_ready=False)
         finally:
             signal.signal(signal.SIGINT, previous)
+        if self.client_mode:
+            self._outer_pipe.send(("_serve_dial_out", [], {}))  # run once the averager process is ready
         if await_ready:
             self.wait_until_ready(timeout)
+
+    async def _serve_dial_out(self) -> None:
+        """A dial-out member's averager (hivemind's client mode, in which it registers no handler
+        and declares nothing): it serves its partners over the connections it opened to them (a
+        partner asking for a kept round, a sparse share or its inputs reaches it there) and declares
+        itself a member with :data:`DIAL_OUT_PRIORITY`. It still leads no group and reduces no part:
+        hivemind's client mode, which its partners accept (:meth:`_aggregate_with_group`)."""
+        await self.add_p2p_handlers(self._p2p, namespace=self.prefix)
+        self._serving = True
+        asyncio.create_task(self._declare_for_download_periodically())
 
     @contextlib.contextmanager
     def filling(self) -> Iterator[Sequence[torch.Tensor]]:
@@ -276,9 +298,11 @@ class StageAverager(DecentralizedAverager):
         if age > MEMBERS_CACHE_S or (fresh and age > MEMBERS_REREAD_S):
             found = await self.dht.get(self._members_key, latest=True, return_future=True)
             entries = found.value if isinstance(found, ValueWithExpiration) and isinstance(found.value, dict) else {}
-            self._members = frozenset(PeerID(sub) for sub, v in entries.items()
-                                      if isinstance(sub, bytes) and isinstance(v, ValueWithExpiration)
-                                      and isinstance(v.value, (int, float)) and not isinstance(v.value, bool))
+            declared = {PeerID(sub): v.value for sub, v in entries.items()
+                        if isinstance(sub, bytes) and isinstance(v, ValueWithExpiration)
+                        and isinstance(v.value, (int, float)) and not isinstance(v.value, bool)}
+            self._members = frozenset(declared)
+            self._dial_out = frozenset(p for p, value in declared.items() if value == DIAL_OUT_PRIORITY)
             self._members_read = time.monotonic()
         return self._members
 
@@ -403,11 +427,14 @@ class StageAverager(DecentralizedAverager):
         except Exception as exc:  # hivemind's own would fail alike: the round fails
             raise MatchmakingException(f"unreadable gathered data: {type(exc).__name__}: {exc}") from None
         # hivemind sizes each member's part by the bandwidth it declares: one declaring a huge one
-        # would reduce (and so choose) nearly all of the stage's update; replicas reduce equal parts
-        odd = {str(p): d[:2] for p, d in declared.items() if d[0] is not None or d[1] != AveragingMode.NODE.value}
+        # would reduce (and so choose) nearly all of the stage's update; replicas reduce equal parts,
+        # but for dial-out members (client mode), which reduce none since nobody can send them one
+        odd = {str(p): d[:2] for p, d in declared.items()
+               if d[0] is not None or d[1] not in (AveragingMode.NODE.value, AveragingMode.CLIENT.value)
+               or (d[1] == AveragingMode.CLIENT.value and p not in self._dial_out)}
         if odd:
             raise MatchmakingException(f"member(s) declared a bandwidth or mode of their own (bandwidth, mode): {odd}; "
-                                       f"the replicas of a stage reduce equal parts")
+                                       f"the replicas of a stage reduce equal parts, but for dial-out members")
         if any(isinstance(v, dict) and v.get(GATHER_ONLY) is True for v in gathered.values()) or (
                 self._usable is not None and not self._usable({str(p): v for p, v in gathered.items()})):
             # every member reads the same gathered data, so all of them skip the all-reduce alike
@@ -647,15 +674,16 @@ class StageAverager(DecentralizedAverager):
                                      f"left mid-round)")
 
     async def _declare_for_download_periodically(self) -> None:
-        """hivemind's declaration under ``all_averagers`` (a replica always shares its state), with a
-        record that outlives its renewal (:data:`MEMBER_RECORD_PERIODS`); renewed every period and
-        after each round, as hivemind's."""
+        """hivemind's declaration under ``all_averagers`` (a replica always shares its state; a
+        dial-out one declares :data:`DIAL_OUT_PRIORITY`), with a record that outlives its renewal
+        (:data:`MEMBER_RECORD_PERIODS`); renewed every period and after each round, as hivemind's."""
         key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
         period = self.declare_state_period
         while True:
             expiration = get_dht_time() + MEMBER_RECORD_PERIODS * period
             asyncio.create_task(within(
-                self.dht.store(key, subkey=self.peer_id.to_bytes(), value=self.state_sharing_priority,
+                self.dht.store(key, subkey=self.peer_id.to_bytes(),
+                           value=DIAL_OUT_PRIORITY if self.client_mode else self.state_sharing_priority,
                                expiration_time=expiration, return_future=True), period))
             self._state_updated.clear()
             try:
@@ -763,6 +791,7 @@ class StageAverager(DecentralizedAverager):
             if sources:
                 peers = [p for p in peers if p.to_base58() in sources]
             random.shuffle(peers)
+            peers.sort(key=lambda p: p in self._dial_out)  # one dialing out answers over its own connection only
             for peer in peers:
                 try:
                     stream = await self.get_stub(self._p2p, peer, namespace=self.prefix).rpc_download_state(

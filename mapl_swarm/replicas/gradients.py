@@ -154,6 +154,9 @@ class ReplicaGradients:
                                       inputs=(lambda step, epoch: self.checker.inputs_of(step, epoch))
                                       if self.checker is not None else None,
                                       **averager_kwargs)
+        if self.averager.client_mode:
+            log.info("stage %d: averaging as a dial-out member (hivemind's client mode): its partners reduce every "
+                     "part and reach it over the connections it opens", runtime.stage)
         if self.checker is not None:
             self.checker.averager = self.averager
         self.me = str(self.averager.peer_id)

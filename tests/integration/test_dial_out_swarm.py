@@ -50,15 +50,22 @@ def test_a_chain_whose_middle_stage_dials_out_trains_to_the_in_process_losses(tm
     assert _losses(tmp_path / "run") == pytest.approx(train_losses(tmp_path / "ref"), abs=1e-3)
 
 
-def test_two_dial_out_neighbours_train_through_a_relay(tmp_path):
+@pytest.mark.parametrize("found", ["configured", "announced"])
+def test_two_dial_out_neighbours_train_through_a_relay(tmp_path, found):
+    """``configured``: each dial-out peer is given the relay (``net.relay``); ``announced``: the relay
+    runs with stage 0's peer key and certificate and announces itself in the run's DHT, where the
+    dial-out peers, given no relay, find it."""
+    run_id = f"dialout-relay-{found}"
     path = write_config(tmp_path / "relay.toml", stages=3, steps=3, cache=tmp_path / "cache", out=tmp_path / "run",
-                        run_id="dialout-relay", timeout=90)
+                        run_id=run_id, timeout=90)
     dht, maddr = start_dht(path)
-    relay = Watched(cli("relay", "--host", "127.0.0.1", "--relay-key", str(tmp_path / "relay.key"),
-                        "--cert", identity_args("dialout-relay", 3, 0)[-1]))
+    key, cert = identity_args(run_id, 3, 0)[1::2]
+    announce = ["--relay-key", key, "--initial-peer", maddr, "--announce-host", "127.0.0.1"] \
+        if found == "announced" else ["--relay-key", str(tmp_path / "relay.key")]
+    relay = Watched(cli("relay", "--host", "127.0.0.1", *announce, "--cert", cert))
     try:
         address = relay.wait_for(r'net\.relay = "(127\.0\.0\.1:\d+#[0-9a-f]{64})"', 60).group(1)
-        via = ["--set", 'net.reachable="no"', "--set", f'net.relay="{address}"']
+        via = ["--set", 'net.reachable="no"', *(["--set", f'net.relay="{address}"'] if found == "configured" else [])]
         _run_chain(path, maddr, {1: via, 2: via})
     finally:
         relay.stop(sig=2)

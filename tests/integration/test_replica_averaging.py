@@ -152,9 +152,12 @@ def scenario(bootstrap_dht: Any, maddrs: list[str], ids: list) -> None:
             # a member declaring a bandwidth of its own would reduce nearly all of the update: refused
             pack = avg_a.serializer.dumps
             fair, greedy = (pack([bw, AveragingMode.NODE.value, pack({"step": 1})]) for bw in (None, 1e9))
-            with pytest.raises(MatchmakingException, match="declared a bandwidth or mode of their own"):
-                asyncio.run(avg_a._aggregate_with_group(GroupInfo(b"g", (avg_a.peer_id, avg_b.peer_id),
-                                                                  (fair, greedy)), 0))
+            # and one that reduces no part (hivemind's client mode) must have declared itself dial-out
+            shirker = pack([None, AveragingMode.CLIENT.value, pack({"step": 1})])
+            for theirs in (greedy, shirker):
+                with pytest.raises(MatchmakingException, match="declared a bandwidth or mode of their own"):
+                    asyncio.run(avg_a._aggregate_with_group(GroupInfo(b"g", (avg_a.peer_id, avg_b.peer_id),
+                                                                      (fair, theirs)), 0))
 
             # the intruders' averagers also look for a group, while the replicas average
             intruders = [averagers[x].step(weight=1.0, timeout=8, wait=False, allow_retries=False)

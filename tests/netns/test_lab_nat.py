@@ -2,7 +2,9 @@
 iproute2 and iptables; skipped elsewhere)."""
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +16,7 @@ from mapl_swarm.lab.netns import NetnsLab, nat_available
 from mapl_swarm.pipeline.trainer import train
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from swarm_helpers import cli, train_losses, write_config  # noqa: E402
+from swarm_helpers import Watched, cli, pids, train_losses, wait_steps, write_config  # noqa: E402
 
 ok, why = nat_available()
 pytestmark = [pytest.mark.netns, pytest.mark.skipif(not ok, reason=f"NAT lab unavailable: {why}"),
@@ -81,6 +83,42 @@ def test_a_chain_whose_middle_stage_is_behind_nat_trains_to_the_in_process_losse
     middle = json.loads((tmp_path / "run" / "peer_stage1.json").read_text())
     assert middle["bad_frames"] == 0
     assert summary.links[0]["forward_payload"] > 0 and summary.links[1]["forward_payload"] > 0
+
+
+@pytest.mark.parametrize("scheme", ["fp32", "topk"])
+def test_a_replica_behind_nat_averages_with_its_partner_and_its_kill_is_survived(tmp_path, scheme):
+    """Stage 1 has two replicas, the second behind NAT: its averager runs in hivemind's client mode
+    (its partner, which cannot dial it, reduces every part and reaches it on the connections it
+    opens: with ``topk`` it asks it for its sparse share there). It averages the first steps with
+    its partner; SIGKILLed mid-run, its stage goes on with the other replica, and the run ends with
+    every step (``fp32``: at the losses of `mapl-swarm train`)."""
+    out = tmp_path / "run"
+    path = write_config(tmp_path / "natrep.toml", stages=3, steps=8, cache=tmp_path / "cache", out=out,
+                        run_id=f"natreplica-{scheme}", timeout=60)
+    path.write_text(path.read_text().replace("[net]\n", "[net]\nheartbeat_interval_s = 0.5\nliveness_floor_s = 5.0\n")
+                    + '\n[replicas]\nenabled = true\ninitial = [1, 2, 1]\nmatchmaking_s = 1.0\nrouting = "uniform"\n'
+                    + f'averaging = "{scheme}"\n')
+    lab = Watched(cli("lab", "--config", str(path), "--rate-mbit", "50", "--subnet", "88", "--nat", "stage1r1"))
+    try:
+        wait_steps(out, 3, [lab], 400)
+        nated = pids("-f", f"peer --config {path} --stage 1 .*replica1")
+        assert nated, "no peer of stage 1's second replica found"
+        for pid in nated:  # the peer and its forked DHT child, as a host crash
+            os.kill(pid, signal.SIGKILL)
+        lab.wait_for(r"stage 1 replica 1 \(pid \d+\) exited with status -9 \(SIGKILL\); stage 1 goes on with its 1 "
+                     r"other replica", 60)
+        assert lab.wait(400) == 0, lab.output[-6000:]
+        assert "Traceback" not in lab.output
+    finally:
+        lab.stop()
+    survivor = json.loads((out / "peer_stage1.json").read_text())
+    assert survivor["end"] == "finished" and survivor["averaging"]["rounds"] >= 2, survivor["averaging"]
+    records = [json.loads(line) for line in (out / "metrics_stage0.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 8
+    if scheme == "fp32":
+        train(load_config(path, {"run": {"out_dir": str(tmp_path / "ref")}}), progress=False)
+        assert losses == pytest.approx(train_losses(tmp_path / "ref"), rel=1e-3)
 
 
 @pytest.mark.slow  # ~4 min: each peer waits for the other's record before it finds it cannot link

@@ -103,7 +103,6 @@ sys.exit(rc)
     ["peer", "--insecure", "--join"],  # joining needs a run with replicas
     ["peer", "--stage", "1", "--insecure", "--set", 'net.reachable="no"'],  # dial-out needs CURVE keys
     ["peer", "--stage", "1", "--insecure", "--set", 'net.reachable="maybe"'],
-    ["lab", "--set", 'net.reachable="no"', "--set", "replicas.enabled=true"],  # no dial-out replicas yet
     ["peer", "--stage", "1", "--insecure", "--set", 'net.relay="host:7400"'],  # no relay key
     ["relay", "--relay-key", "relay.key", "--insecure"],  # a relay serves certified members only
 ])
@@ -111,6 +110,19 @@ def test_config_errors_answer_before_torch_is_imported(args, tmp_path):
     proc = subprocess.run([sys.executable, "-c", _NO_TORCH, *args], capture_output=True, text=True, timeout=120,
                           cwd=tmp_path)
     _assert_one_line_error(proc)
+
+
+def test_a_relay_announced_in_the_dht_needs_an_address_and_the_key_of_its_certificate(tmp_path):
+    from mapl_swarm.net.identity import issue_local
+
+    key, cert = issue_local(tmp_path / "ids", run_id="relayrun", num_stages=2).args(0)[1::2]
+    announce = ["relay", "--cert", cert, "--initial-peer", "/ip4/127.0.0.1/tcp/9/p2p/QmPeer"]
+    for args, needle in (([*announce, "--relay-key", key], "--announce-host"),
+                         ([*announce, "--relay-key", str(tmp_path / "own.key"), "--announce-host", "10.0.0.1"],
+                          "the peer key --cert was issued to")):
+        proc = subprocess.run([sys.executable, "-c", _NO_TORCH, *args], capture_output=True, text=True, timeout=120,
+                              cwd=tmp_path)
+        _assert_one_line_error(proc, needle)
 
 
 def test_log_level_after_the_subcommand_reaches_the_children():

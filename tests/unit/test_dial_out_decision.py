@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import pytest
 
 from mapl_swarm.config import config_from_dict
-from mapl_swarm.errors import MaplError
 from mapl_swarm.net.identity import issue_local, load_identity
 from mapl_swarm.peer.dialback import Reachability, reachability
 from mapl_swarm.peer.main import decide_reachable
@@ -33,9 +32,9 @@ def test_auto_takes_the_dial_backs_verdict(ok, decided, caplog):
         assert 'set net.reachable = "no"' in caplog.text
 
 
-def test_auto_in_a_run_with_replicas_refuses_to_dial_out():
-    with pytest.raises(MaplError, match="dial-out peer cannot serve"):
-        decide_reachable(_cfg(replicas={"enabled": True}), Reachability(False, "no live peer could dial"), 1)
+def test_auto_in_a_run_with_replicas_dials_out_too():
+    cfg = decide_reachable(_cfg(replicas={"enabled": True}), Reachability(False, "no live peer could dial"), 1)
+    assert cfg.net.reachable == "no"
 
 
 @dataclass

@@ -5,6 +5,7 @@ both directions of its link travel on the one connection it dials. Real CURVE so
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import replace
 from typing import AsyncIterator
 
@@ -146,3 +147,32 @@ async def test_a_reverse_link_waits_for_its_peer_to_connect_again(pair) -> None:
         again.connect("stage1", endpoint)
         link, frames = await again.recv_reply(timeout_s=5)
         assert (link, frames) == ("stage1", [b"while away"])
+
+
+@pytest.mark.asyncio
+async def test_a_gone_dial_out_peer_holds_up_no_flush_and_its_messages_are_dropped_after_the_send_timeout(
+        caplog) -> None:
+    """Its neighbour took it for gone and the run ends: a flush of every link returns at once (what
+    waits for the connection is held, as a DEALER's queue holds it), and once the connection has
+    been gone for ``send_timeout_s`` the held messages are dropped, said once."""
+    a, d = Transport("stage1", replace(REACHABLE, send_timeout_s=1.0)), Transport("stage2", DIALING)
+    a.start()
+    d.start()
+    try:
+        a.connect("stage2", d.endpoint)
+        d.connect("stage1", a.endpoint)
+        await d.send("stage1", [b"HELLO"])
+        sender, _ = await a.recv(timeout_s=5)
+        a.bind_reverse("stage2", sender)
+        await d.aclose()  # gone, with no connection to come back
+        for i in range(3):
+            await a.send("stage2", [b"late %d" % i])
+        await asyncio.wait_for(a.flush(timeout_s=5), 2.0)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while "dropped" not in caplog.text and loop.time() < deadline:
+            await asyncio.sleep(0.05)  # polling the log with a deadline
+        assert re.search(r"dropped [1-3] message\(s\) on link 'stage2'", caplog.text), caplog.text
+    finally:
+        await a.aclose()
+        await d.aclose()

@@ -131,3 +131,40 @@ async def test_without_a_relay_two_dial_out_peers_say_one_is_needed(ids):
     async with Transport("stage1", config) as one:
         with pytest.raises(NetError, match="a relay between them is needed"):
             one.connect("stage2", "dialout#" + ids[2].key.curve_public.hex())
+
+
+@pytest.mark.asyncio
+async def test_the_relay_reads_the_revocation_list_refuses_the_revoked_and_cuts_their_pairs(relay_key, tmp_path):
+    from mapl_swarm.net.identity import revoke, write_signed
+
+    local = issue_local(tmp_path / "ids", run_id=RUN, num_stages=3)
+    ids = {s: load_identity(local.key_file(s), local.cert_file(s), run_id=RUN, stage=s) for s in (1, 2)}
+    listed = tmp_path / "revocations"
+    relay = Relay(_trust(ids[1]), relay_key, revocations=listed)  # no list yet: nobody revoked
+    port = await relay.start("127.0.0.1", 0)
+    one, two = _dialing(ids[1], relay, port, "stage1"), _dialing(ids[2], relay, port, "stage2")
+    try:
+        one.start()
+        two.start()
+        one.connect("stage2", two.endpoint)
+        two.connect("stage1", one.endpoint)
+        dialer, server = (one, two) if role_of(ids[1].key.curve_public, ids[2].key.curve_public) == "dial" \
+            else (two, one)
+        await dialer.send(server.name, [b"HELLO"])
+        await server.recv(timeout_s=10)  # paired and carried
+        assert relay.stats.paired == 1 and len(relay._pairs) == 1
+        write_signed(listed, revoke(local.authority, [ids[2].body.serial], run_id=RUN))
+        relay.enforce_revocations()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while relay._pairs and loop.time() < deadline:
+            await asyncio.sleep(0.02)  # the cut pair's task ends
+        assert not relay._pairs
+        with pytest.raises(NetError, match="refused this peer"):  # and it is refused from now on
+            await RelayClient("127.0.0.1", port, relay.public, ids[2]).open(
+                role_of(ids[2].key.curve_public, ids[1].key.curve_public), ids[1].key.curve_public)
+        assert relay.stats.refused["not_certified"] >= 1
+    finally:
+        await one.aclose()
+        await two.aclose()
+        await relay.aclose()
