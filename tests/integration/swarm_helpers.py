@@ -220,6 +220,15 @@ def pids(*pgrep_args: str) -> list[int]:
     return [int(p) for p in subprocess.run(["pgrep", *pgrep_args], capture_output=True, text=True).stdout.split()]
 
 
+def crash(pattern: str, what: str) -> None:
+    """SIGKILL every process whose command line ``pattern`` finds (a peer and its forked DHT child:
+    a host crash); fails naming ``what`` when there is none."""
+    killed = pids("-f", pattern)
+    assert killed, f"no {what} found"
+    for pid in killed:
+        os.kill(pid, signal.SIGKILL)
+
+
 def cli(*args: str) -> list[str]:
     """``mapl-swarm ARGS``; a ``peer`` gets its stage's identity (:func:`identity_args`, for the run
     and stage its options name) unless ARGS choose (``--cert`` or ``--insecure``)."""

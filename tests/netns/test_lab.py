@@ -1,7 +1,6 @@
 """Kernel-shaped links in network namespaces (root + iproute2; skipped elsewhere)."""
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -16,7 +15,7 @@ from mapl_swarm.pipeline import checkpoint
 from mapl_swarm.pipeline.trainer import train
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from swarm_helpers import Watched, cli, ctrl_c_after, pids, train_losses, wait_steps, write_config  # noqa: E402
+from swarm_helpers import Watched, cli, crash, ctrl_c_after, train_losses, wait_steps, write_config  # noqa: E402
 from test_swarm_liveness import BAD_OUTPUT  # noqa: E402
 
 ok, why = netns_available()
@@ -142,10 +141,7 @@ def test_lab_restarts_a_killed_peer_in_its_namespace_and_the_losses_are_unchange
     lab = Watched(cli("lab", "--config", str(path), "--rate-mbit", "0", "--subnet", "81"))
     try:
         wait_steps(out, 5, [lab], 300)
-        killed = pids("-f", f"peer --config {path} --stage 1 ")
-        assert killed, "no stage 1 peer found"
-        for pid in killed:  # the peer and its forked DHT child, as a host crash
-            os.kill(pid, signal.SIGKILL)
+        crash(f"peer --config {path} --stage 1 ", "stage 1 peer")
         lab.wait_for(r"stage 1 \(pid \d+\) died \(SIGKILL\); restarting it with --resume \(restart 1 of 3\)", 30)
         assert lab.wait(300) == 0, lab.output[-6000:]
         assert "restarted peers: stage 1 x1" in lab.output and "Traceback" not in lab.output

@@ -2,9 +2,7 @@
 iproute2 and iptables; skipped elsewhere)."""
 
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +14,7 @@ from mapl_swarm.lab.netns import NetnsLab, nat_available
 from mapl_swarm.pipeline.trainer import train
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from swarm_helpers import Watched, cli, pids, train_losses, wait_steps, write_config  # noqa: E402
+from swarm_helpers import Watched, cli, crash, train_losses, wait_steps, write_config  # noqa: E402
 
 ok, why = nat_available()
 pytestmark = [pytest.mark.netns, pytest.mark.skipif(not ok, reason=f"NAT lab unavailable: {why}"),
@@ -101,10 +99,7 @@ def test_a_replica_behind_nat_averages_with_its_partner_and_its_kill_is_survived
     lab = Watched(cli("lab", "--config", str(path), "--rate-mbit", "50", "--subnet", "88", "--nat", "stage1r1"))
     try:
         wait_steps(out, 3, [lab], 400)
-        nated = pids("-f", f"peer --config {path} --stage 1 .*replica1")
-        assert nated, "no peer of stage 1's second replica found"
-        for pid in nated:  # the peer and its forked DHT child, as a host crash
-            os.kill(pid, signal.SIGKILL)
+        crash(f"peer --config {path} --stage 1 .*replica1", "peer of stage 1's second replica")
         lab.wait_for(r"stage 1 replica 1 \(pid \d+\) exited with status -9 \(SIGKILL\); stage 1 goes on with its 1 "
                      r"other replica", 60)
         assert lab.wait(400) == 0, lab.output[-6000:]

@@ -5,6 +5,8 @@ and it carries bytes it cannot read."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from typing import AsyncIterator
 
 import pytest
 from zmq.utils import z85
@@ -47,18 +49,29 @@ def _dialing(identity, relay: Relay, port: int, name: str) -> Transport:
     return Transport(name, config, relay=RelayClient("127.0.0.1", port, relay.public, identity))
 
 
-@pytest.mark.asyncio
-async def test_two_dial_out_neighbours_link_through_the_relay_which_reads_nothing(ids, relay_key):
-    relay = Relay(_trust(ids[1]), relay_key)
+@contextlib.asynccontextmanager
+async def _linked(relay: Relay, one_id, two_id) -> AsyncIterator[tuple[Transport, Transport, int]]:
+    """``relay`` started, and stages 1 and 2 (dial-out, of these identities) linked through it:
+    (the dialing one, the serving one, the relay's port); everything closed at the end."""
     port = await relay.start("127.0.0.1", 0)
-    one, two = _dialing(ids[1], relay, port, "stage1"), _dialing(ids[2], relay, port, "stage2")
+    one, two = _dialing(one_id, relay, port, "stage1"), _dialing(two_id, relay, port, "stage2")
     try:
         one.start()
         two.start()
         one.connect("stage2", two.endpoint)
         two.connect("stage1", one.endpoint)
-        dialer, server = (one, two) if role_of(ids[1].key.curve_public, ids[2].key.curve_public) == "dial" \
-            else (two, one)
+        dials = role_of(one_id.key.curve_public, two_id.key.curve_public) == "dial"
+        yield (one, two, port) if dials else (two, one, port)
+    finally:
+        await one.aclose()
+        await two.aclose()
+        await relay.aclose()
+
+
+@pytest.mark.asyncio
+async def test_two_dial_out_neighbours_link_through_the_relay_which_reads_nothing(ids, relay_key):
+    relay = Relay(_trust(ids[1]), relay_key)
+    async with _linked(relay, ids[1], ids[2]) as (dialer, server, _):
         to_server, to_dialer = server.name, dialer.name
         secret = b"run id " + RUN.encode() + b" and token ids 1 2 3"
         await dialer.send(to_server, [b"HELLO", secret])
@@ -71,10 +84,6 @@ async def test_two_dial_out_neighbours_link_through_the_relay_which_reads_nothin
         assert (link, frames) == (to_server, [b"WELCOME and more", secret])
         assert relay.stats.paired >= 1 and relay.stats.bytes > 2 * len(secret)
         assert dialer.relay.bytes > 0 and server.relay.bytes > 0
-    finally:
-        await one.aclose()
-        await two.aclose()
-        await relay.aclose()
 
 
 async def _ask(relay: Relay, port: int, request, seal_to: bytes | None = None) -> dict:
@@ -141,15 +150,7 @@ async def test_the_relay_reads_the_revocation_list_refuses_the_revoked_and_cuts_
     ids = {s: load_identity(local.key_file(s), local.cert_file(s), run_id=RUN, stage=s) for s in (1, 2)}
     listed = tmp_path / "revocations"
     relay = Relay(_trust(ids[1]), relay_key, revocations=listed)  # no list yet: nobody revoked
-    port = await relay.start("127.0.0.1", 0)
-    one, two = _dialing(ids[1], relay, port, "stage1"), _dialing(ids[2], relay, port, "stage2")
-    try:
-        one.start()
-        two.start()
-        one.connect("stage2", two.endpoint)
-        two.connect("stage1", one.endpoint)
-        dialer, server = (one, two) if role_of(ids[1].key.curve_public, ids[2].key.curve_public) == "dial" \
-            else (two, one)
+    async with _linked(relay, ids[1], ids[2]) as (dialer, server, port):
         await dialer.send(server.name, [b"HELLO"])
         await server.recv(timeout_s=10)  # paired and carried
         assert relay.stats.paired == 1 and len(relay._pairs) == 1
@@ -164,7 +165,3 @@ async def test_the_relay_reads_the_revocation_list_refuses_the_revoked_and_cuts_
             await RelayClient("127.0.0.1", port, relay.public, ids[2]).open(
                 role_of(ids[2].key.curve_public, ids[1].key.curve_public), ids[1].key.curve_public)
         assert relay.stats.refused["not_certified"] >= 1
-    finally:
-        await one.aclose()
-        await two.aclose()
-        await relay.aclose()
