@@ -182,7 +182,6 @@ class Relay:
 
     def __init__(self, trust: Any, key: Any, *, pair_timeout_s: float = PAIR_TIMEOUT_S,
                  revocations: str | os.PathLike[str] | None = None) -> None:
-        self.trust = trust
         self.run_id, self.authority = trust.run_id, trust.authority
         self.revoked: set[int] = set(trust.revoked)
         """The serials refused: the trust's, and those of the revocation list (:class:`~.identity.RevocationWatch`)."""
@@ -270,17 +269,16 @@ class Relay:
 
     def _check(self, request: dict[str, Any], nonce: bytes) -> tuple[Any, str, bytes]:
         self.enforce_revocations()
-        t = self
         role, peer, cert, sig = request.get("role"), request.get("peer"), request.get("cert"), request.get("sig")
-        if request.get("run") != t.run_id:
-            raise _Refused("run_mismatch", f"run {request.get('run')!r}, this relay serves {t.run_id!r}")
+        if request.get("run") != self.run_id:
+            raise _Refused("run_mismatch", f"run {request.get('run')!r}, this relay serves {self.run_id!r}")
         if role not in ROLES or not isinstance(peer, bytes) or len(peer) != 32 or not isinstance(sig, bytes):
             raise _Refused("malformed", "a request needs role (dial or serve), peer (32 bytes) and sig")
         try:
-            body = verify_certificate(Signed.decode("certificate", cert), authority=t.authority, run_id=t.run_id,
-                                      revoked=self.revoked)
-            Ed25519PublicKey.from_public_bytes(body.sign_key).verify(sig, relay_statement(t.run_id, nonce, role,
-                                                                                           peer))
+            body = verify_certificate(Signed.decode("certificate", cert), authority=self.authority,
+                                      run_id=self.run_id, revoked=self.revoked)
+            statement = relay_statement(self.run_id, nonce, role, peer)
+            Ed25519PublicKey.from_public_bytes(body.sign_key).verify(sig, statement)
         except CertificateError as exc:
             raise _Refused("not_certified", f"{exc} ({exc.code})") from None
         except (InvalidSignature, ValueError):
