@@ -441,13 +441,15 @@ class Discovery:
                 self._store_relay("")
 
     def relays(self) -> list[str]:
-        """The relays the run's members announce (``HOST:PORT#<hex key>``), the latest-expiring first."""
+        """The relays the run's members announce (``HOST:PORT#<hex key>``), by their keys, smallest
+        first: two dial-out neighbours that read the same records take the same one."""
         from mapl_swarm.config.run import relay_address
 
         found = self._call(lambda dht: dht.get(relay_key(self.run_id), latest=True, return_future=True),
                            "get the relays")
-        entries = sorted(_by_peer_id(found).values(), key=lambda entry: -entry[1])
-        return [value for value, _ in entries if isinstance(value, str) and relay_address(value) is not None]
+        live = {value: address[2] for value, _ in _by_peer_id(found).values()
+                if isinstance(value, str) and (address := relay_address(value)) is not None}
+        return sorted(live, key=live.__getitem__)
 
     def stage_configs(self, stage: int) -> dict[str, dict[str, Any]]:
         """The config record of each peer of ``stage`` that published one (:func:`checked_config`), by peer id."""

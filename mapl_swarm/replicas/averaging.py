@@ -435,6 +435,11 @@ class StageAverager(DecentralizedAverager):
         if odd:
             raise MatchmakingException(f"member(s) declared a bandwidth or mode of their own (bandwidth, mode): {odd}; "
                                        f"the replicas of a stage reduce equal parts, but for dial-out members")
+        dialing = [str(p) for p, d in declared.items() if d[1] == AveragingMode.CLIENT.value]
+        if self._sparse is not None and len(dialing) > 1:  # each member asks each other for its share
+            raise MatchmakingException(f"dial-out members {dialing} in one topk round: they cannot reach each other "
+                                       f"for their sparse shares (a stage with topk averaging holds one dial-out "
+                                       f"replica at most; use fp32, fp16 or powersgd)")
         if any(isinstance(v, dict) and v.get(GATHER_ONLY) is True for v in gathered.values()) or (
                 self._usable is not None and not self._usable({str(p): v for p, v in gathered.items()})):
             # every member reads the same gathered data, so all of them skip the all-reduce alike
