@@ -10,7 +10,10 @@ ways, unread: the ZeroMQ connection that runs through it is CURVE-encrypted and 
 so the relay sees ciphertext, sizes and timing, and can neither read nor forge. It serves certified
 members of its run only (the certificate of its run's authority, valid, not revoked, and a
 signature of the request's nonce by the certificate's key), and holds at most
-:data:`MAX_WAITING_PER_PEER` unpaired connections per member, for at most :data:`PAIR_TIMEOUT_S`.
+:data:`MAX_WAITING_PER_PEER` unpaired connections per member, for at most :data:`PAIR_TIMEOUT_S`,
+:data:`MAX_PAIRS_PER_PEER` pairs per member and :data:`MAX_UNREAD` connections not yet read
+(:data:`MAX_UNREAD_PER_ADDRESS` per address); it logs refusals sparingly (:data:`REFUSALS_LOGGED_S`)
+and answers every one a stranger can cause with the same code.
 
 Framing before the splice: each control message is a 4-byte big-endian length and a msgpack map
 (:func:`read_frame`, at most :data:`MAX_CONTROL_BYTES`). The relay speaks first
@@ -30,10 +33,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import secrets
+import signal
 import socket
 import struct
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -64,6 +70,17 @@ HELLO_TIMEOUT_S = 10.0
 """How long a connection may take to send its request."""
 MAX_WAITING_PER_PEER = 8
 """Unpaired requests a relay holds per member (beyond, the member's oldest is closed)."""
+MAX_PAIRS_PER_PEER = 32
+"""Spliced pairs a relay carries per member (beyond, the member's oldest is cut): a member has a
+link per neighbouring peer, a few dozen at most."""
+MAX_UNREAD = 256
+"""Connections a relay holds before their request is read and checked (beyond, a new one is closed
+at once): strangers cannot take every descriptor with idle connections."""
+MAX_UNREAD_PER_ADDRESS = 16
+"""Of those, from one IP address."""
+REFUSALS_LOGGED_S = 10.0
+"""A relay logs one refusal of each code per this many seconds (the rest are counted): a stranger's
+flood of bad requests cannot fill its disk."""
 _CHUNK = 256 * 1024
 ROLES = ("dial", "serve")
 
@@ -168,8 +185,10 @@ class _Waiting:
     peer: bytes
     name: str
     serial: int
+    not_after: float
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
+    timer: asyncio.TimerHandle | None = None
 
 
 class Relay:
@@ -194,6 +213,10 @@ class Relay:
         self._waiting: list[_Waiting] = []
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._unread: dict[str, int] = defaultdict(int)
+        """Connections whose request is not read yet, by IP address."""
+        self._logged: dict[str, float] = {}
+        """When a refusal of each code was last logged."""
 
     async def start(self, host: str, port: int) -> int:
         """Listen on ``host:port`` (0: a free port); returns the port."""
@@ -213,24 +236,36 @@ class Relay:
             await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        address = str(writer.get_extra_info("peername")[0])
+        if sum(self._unread.values()) >= MAX_UNREAD or self._unread[address] >= MAX_UNREAD_PER_ADDRESS:
+            self.stats.refused["busy"] += 1
+            writer.close()  # nothing read, nothing said: a flood of idle connections costs no more
+            return
         task = asyncio.current_task()
         self._tasks.add(task)
         try:
-            await self._one(reader, writer)
+            await self._one(reader, writer, address)
+        except asyncio.CancelledError:
+            writer.close()  # the relay stops (aclose); asyncio would log a handler that ends cancelled
         finally:
             self._tasks.discard(task)
 
     def _refuse(self, writer: asyncio.StreamWriter, code: str, reason: str, who: str) -> None:
         self.stats.refused[code] += 1
-        log.warning("relay: refused %s: %s (%s)", who, reason, code)
+        now = time.monotonic()
+        if now - self._logged.get(code, -math.inf) >= REFUSALS_LOGGED_S:
+            self._logged[code] = now
+            log.warning("relay: refused %s: %s (%s; %d refused so far, at most one logged per %g s)", who,
+                        reason[:200], code, self.stats.refused[code], REFUSALS_LOGGED_S)
         write_frame(writer, {"ok": False, "code": code})  # the reason may name the run: it stays here
         writer.close()
 
-    async def _one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, address: str) -> None:
         who = "{}:{}".format(*writer.get_extra_info("peername")[:2])
         nonce = secrets.token_bytes(NONCE_BYTES)
-        write_frame(writer, {"relay": 1, "nonce": nonce})
+        self._unread[address] += 1
         try:
+            write_frame(writer, {"relay": 1, "nonce": nonce})
             sealed = (await within(read_frame(reader), HELLO_TIMEOUT_S)).get("sealed")
             if not isinstance(sealed, bytes):
                 raise NetError("no sealed request")
@@ -240,69 +275,88 @@ class Relay:
         except (NetError, TimeoutError, ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
             self._refuse(writer, "malformed", f"no readable relay request: {exc}", who)
             return
+        finally:
+            self._unread[address] -= 1
+            if not self._unread[address]:
+                del self._unread[address]
         try:
             body, role, peer = self._check(request, nonce)
         except _Refused as exc:
             self._refuse(writer, exc.code, exc.reason, who)
             return
-        me = _Waiting(body.curve_key, role, peer, body.name, body.serial, reader, writer)
-        # a request waits in the list until paired (then taken out) or expired; the keys fix the roles
-        partner = next((w for w in self._waiting if w.key == peer and w.peer == me.key), None)
+        me = _Waiting(body.curve_key, role, peer, body.name, body.serial, body.not_after, reader, writer)
+        # a request waits in the list until paired (then taken out) or expired; the keys fix the roles.
+        # A partner whose connection already ended is dropped rather than paired.
+        for gone in [w for w in self._waiting if w.reader.at_eof() or w.writer.is_closing()]:
+            self._drop(gone)
+        partner = next((w for w in self._waiting if w.key == peer and w.peer == me.key and w.role != me.role), None)
         if partner is None:
             self._wait(me, who)
             return
-        self._waiting.remove(partner)
+        self._drop(partner, close=False)
         await self._carry(partner, me)
 
+    def _drop(self, waiting: _Waiting, *, close: bool = True) -> None:
+        """Take a request out of the waiting list (closing its connection unless it is paired)."""
+        self._waiting.remove(waiting)
+        if waiting.timer is not None:
+            waiting.timer.cancel()
+        if close:
+            waiting.writer.close()
+
     def enforce_revocations(self) -> None:
-        """Read the revocation list again if it changed, and cut every pair holding a member revoked
-        since it was paired (and every waiting request of one)."""
-        if self._watch is None or not self._watch.poll(self):
-            return
-        for w in [w for w in self._waiting if w.serial in self.revoked]:
-            self._waiting.remove(w)
-            w.writer.close()
+        """Read the revocation list again if it changed, and cut every pair holding a member whose
+        certificate was revoked or expired since it was paired (and every waiting request of one)."""
+        if self._watch is not None:
+            self._watch.poll(self)
+        now = time.time()
+
+        def invalid(w: _Waiting) -> bool:
+            return w.serial in self.revoked or now >= w.not_after
+
+        for w in [w for w in self._waiting if invalid(w)]:
+            self._drop(w)
         for (a, b), task in list(self._pairs.items()):
-            if a.serial in self.revoked or b.serial in self.revoked:
-                log.warning("relay: cut %s and %s: a certificate was revoked", a.name, b.name)
+            if invalid(a) or invalid(b):
+                log.warning("relay: cut %s and %s: a certificate was revoked or expired", a.name, b.name)
                 task.cancel()
 
     def _check(self, request: dict[str, Any], nonce: bytes) -> tuple[Any, str, bytes]:
         self.enforce_revocations()
         role, peer, cert, sig = request.get("role"), request.get("peer"), request.get("cert"), request.get("sig")
+        # whatever is wrong before the certificate and signature verify is one code: a stranger learns
+        # nothing, not even whether it guessed the run
         if request.get("run") != self.run_id:
-            raise _Refused("run_mismatch", f"run {request.get('run')!r}, this relay serves {self.run_id!r}")
-        if role not in ROLES or not isinstance(peer, bytes) or len(peer) != 32 or not isinstance(sig, bytes):
-            raise _Refused("malformed", "a request needs role (dial or serve), peer (32 bytes) and sig")
+            raise _Refused("not_certified", "a request for another run")
         try:
             body = verify_certificate(Signed.decode("certificate", cert), authority=self.authority,
                                       run_id=self.run_id, revoked=self.revoked)
+            if role not in ROLES or not isinstance(peer, bytes) or len(peer) != 32 or not isinstance(sig, bytes):
+                raise ValueError("a request needs role (dial or serve), peer (32 bytes) and sig")
             statement = relay_statement(self.run_id, nonce, role, peer)
             Ed25519PublicKey.from_public_bytes(body.sign_key).verify(sig, statement)
         except CertificateError as exc:
             raise _Refused("not_certified", f"{exc} ({exc.code})") from None
-        except (InvalidSignature, ValueError):
-            raise _Refused("not_certified", "the request's signature is not its certificate's key's") from None
-        if role != role_of(body.curve_key, peer):
-            raise _Refused("not_allowed", f"role {role!r}: the peer with the smaller CURVE key dials")
+        except (InvalidSignature, ValueError, TypeError) as exc:
+            raise _Refused("not_certified", f"an unsigned or malformed request: {type(exc).__name__} {exc}") from None
+        if peer == body.curve_key or role != role_of(body.curve_key, peer):
+            raise _Refused("not_allowed", f"role {role!r} for peer {peer.hex()[:16]}: the peer with the smaller "
+                                          f"CURVE key dials the other")
         return body, role, peer
 
     def _wait(self, me: _Waiting, who: str) -> None:
         mine = [w for w in self._waiting if w.key == me.key]
         if len(mine) >= MAX_WAITING_PER_PEER:  # a member's connections are bounded: its oldest goes
-            self._waiting.remove(mine[0])
-            mine[0].writer.close()
+            self._drop(mine[0])
         self._waiting.append(me)
         log.debug("relay: %s (%s, %s) waits for its neighbour", me.name, who, me.role)
-
-        def expire() -> None:
-            if me in self._waiting:
-                self._waiting.remove(me)
-                me.writer.close()
-
-        asyncio.get_running_loop().call_later(self.pair_timeout_s, expire)
+        me.timer = asyncio.get_running_loop().call_later(self.pair_timeout_s, self._drop, me)
 
     async def _carry(self, a: _Waiting, b: _Waiting) -> None:
+        for w in (a, b):  # a member's pairs are bounded: its oldest is cut
+            theirs = [task for pair, task in self._pairs.items() if w.key in (pair[0].key, pair[1].key)]
+            if len(theirs) >= MAX_PAIRS_PER_PEER:
+                theirs[0].cancel()
         self.stats.paired += 1
         for w in (a, b):
             write_frame(w.writer, {"ok": True})
@@ -434,10 +488,11 @@ class RelayClient:
 
 def run_relay(trust: Any, key: Any, host: str, port: int, *, ready: Callable[[int, bytes], None] | None = None,
               report_s: float = 60.0, revocations: str | os.PathLike[str] | None = None) -> RelayStats:
-    """Serve as the relay of ``trust``'s run with ``key`` on ``host:port`` until interrupted;
+    """Serve as the relay of ``trust``'s run with ``key`` on ``host:port`` until SIGINT or SIGTERM
+    (taken by the event loop, so that no signal lands inside a transport's callback);
     ``ready(port, CURVE key)`` once listening. Reads ``revocations`` (the authority's list) again
-    every :data:`~.identity.REVOCATION_POLL_S` when it changed. Logs what it carried every
-    ``report_s`` and at the end; returns it."""
+    every :data:`~.identity.REVOCATION_POLL_S` when it changed, and cuts what holds a revoked or
+    expired certificate. Logs what it carried every ``report_s`` and at the end; returns it."""
     relay = Relay(trust, key, revocations=revocations)
 
     def report() -> None:
@@ -446,14 +501,20 @@ def run_relay(trust: Any, key: Any, host: str, port: int, *, ready: Callable[[in
                  dict(s.refused) or "none")
 
     async def main() -> None:
+        loop = asyncio.get_running_loop()
+        stopped = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, lambda sig=sig: (log.info("relay stopped (%s)", sig.name), stopped.set()))
         bound = await relay.start(host, port)
         if ready is not None:
             ready(bound, relay.public)
-        loop = asyncio.get_running_loop()
         reported = loop.time()
         try:
-            while True:
-                await asyncio.sleep(min(report_s, REVOCATION_POLL_S))
+            while not stopped.is_set():
+                try:
+                    await within(stopped.wait(), min(report_s, REVOCATION_POLL_S))
+                except TimeoutError:
+                    pass
                 relay.enforce_revocations()
                 if loop.time() - reported >= report_s:
                     reported = loop.time()

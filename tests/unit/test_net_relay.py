@@ -16,6 +16,7 @@ from mapl_swarm.net.errors import NetError
 import msgpack
 
 from mapl_swarm.net.identity import create_peer_key, issue_local, load_identity
+from mapl_swarm.net import relay as relay_module
 from mapl_swarm.net.relay import Relay, RelayClient, read_frame, relay_statement, role_of, seal, write_frame
 from mapl_swarm.net.transport import Transport, TransportConfig
 
@@ -121,11 +122,16 @@ async def test_the_relay_refuses_outsiders_other_runs_and_forged_requests(ids, s
             "replayed": await _ask(relay, port, signed(me, nonce_for=b"\0" * 16)),
             "wrong role": await _ask(relay, port, signed(me, role="serve" if role == "dial" else "dial")),
             "sealed to another relay": await _ask(relay, port, signed(me), seal_to=other_relay),
+            "itself as peer": await _ask(relay, port, lambda nonce: {
+                "run": RUN, "cert": me.encoded_cert, "role": "serve", "peer": me.key.curve_public,
+                "sig": me.key.sign(relay_statement(RUN, nonce, "serve", me.key.curve_public))}),
         }
+        # a stranger learns nothing from the code, not even whether it guessed the run
         assert {k: (a["ok"], a["code"]) for k, a in answers.items()} == {
             "outsider": (False, "not_certified"), "other run": (False, "not_certified"),
-            "wrong run": (False, "run_mismatch"), "replayed": (False, "not_certified"),
-            "wrong role": (False, "not_allowed"), "sealed to another relay": (False, "malformed")}
+            "wrong run": (False, "not_certified"), "replayed": (False, "not_certified"),
+            "wrong role": (False, "not_allowed"), "sealed to another relay": (False, "malformed"),
+            "itself as peer": (False, "not_allowed")}
         assert all(set(a) == {"ok", "code"} for a in answers.values())  # nothing of the run in the answer
         assert relay.stats.paired == 0 and relay.stats.bytes == 0
         with pytest.raises(NetError, match="refused this peer"):
@@ -165,3 +171,33 @@ async def test_the_relay_reads_the_revocation_list_refuses_the_revoked_and_cuts_
             await RelayClient("127.0.0.1", port, relay.public, ids[2]).open(
                 role_of(ids[2].key.curve_public, ids[1].key.curve_public), ids[1].key.curve_public)
         assert relay.stats.refused["not_certified"] >= 1
+
+
+@pytest.mark.asyncio
+async def test_idle_connections_of_one_address_are_bounded_and_refusals_are_logged_sparingly(
+        ids, relay_key, monkeypatch, caplog) -> None:
+    """A stranger's idle connections beyond the bound are closed at once (no nonce); the
+    members' spliced link goes on; a flood of bad requests logs one line per code."""
+    monkeypatch.setattr(relay_module, "MAX_UNREAD_PER_ADDRESS", 3)
+    relay = Relay(_trust(ids[1]), relay_key)
+    async with _linked(relay, ids[1], ids[2]) as (dialer, server, port):
+        await dialer.send(server.name, [b"HELLO"])
+        assert (await server.recv(timeout_s=10))[1] == [b"HELLO"]
+        idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+        for reader, _ in idle:
+            assert "nonce" in await read_frame(reader)  # each waits for its request
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        assert await reader.read() == b""  # the fourth: closed, nothing said
+        writer.close()
+        for _, w in idle:
+            w.close()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while relay._unread and loop.time() < deadline:
+            await asyncio.sleep(0.02)  # the relay reads the idle ones' ends
+        for _ in range(5):
+            await _ask(relay, port, lambda nonce: {"run": "guess", "role": "dial", "peer": b"x" * 32, "sig": b""})
+        assert relay.stats.refused["busy"] >= 1 and relay.stats.refused["not_certified"] == 5
+        assert caplog.text.count("(not_certified;") == 1
+        await dialer.send(server.name, [b"still there"])
+        assert (await server.recv(timeout_s=10))[1] == [b"still there"]
