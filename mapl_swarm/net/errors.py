@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from mapl_swarm.errors import MaplError
 
-__all__ = ["NetError", "NetTimeoutError", "LinkClosedError", "DiscoveryError", "DiscoveryTimeoutError"]
+__all__ = ["NetError", "NetTimeoutError", "LinkClosedError", "RelayNeeded", "DiscoveryError", "DiscoveryTimeoutError"]
 
 
 class NetError(MaplError):
@@ -21,6 +21,11 @@ class NetTimeoutError(NetError, TimeoutError):
 
 class LinkClosedError(NetError):
     """A message was sent on a link (shaper or transport) that was already closed."""
+
+
+class RelayNeeded(NetError):
+    """A dial-out peer cannot link a dial-out neighbour: neither accepts a connection and no relay
+    is known (SPEC §9.12)."""
 
 
 class DiscoveryError(NetError):

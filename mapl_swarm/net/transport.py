@@ -87,7 +87,7 @@ from mapl_swarm.aio import within
 from mapl_swarm.errors import ConfigError
 from mapl_swarm.net.counters import Frame, TrafficCounters
 from mapl_swarm.net.emulator import LinkConfig, LinkShaper
-from mapl_swarm.net.errors import LinkClosedError, NetError, NetTimeoutError
+from mapl_swarm.net.errors import LinkClosedError, NetError, NetTimeoutError, RelayNeeded
 from mapl_swarm.net.limits import max_message_bytes
 from mapl_swarm.net.identity import CurveKeys
 from mapl_swarm.net.relay import RelayClient, role_of
@@ -546,9 +546,10 @@ class Transport:
                            f"link to dial-out peers (the key in its contact names its connection)")
         if self.config.dial_out:
             if self.relay is None:
-                raise NetError(f"{self.name}: link {link!r}: the peer at {endpoint} accepts no connection, and neither "
-                               f"does this one (both dial out): a relay between them is needed (net.relay, or "
-                               f"`mapl-swarm relay --initial-peer ...` on a reachable host, announced in the DHT)")
+                raise RelayNeeded(f"{self.name}: link {link!r}: the peer at {endpoint} accepts no connection, and "
+                                  f"neither does this one (both dial out): a relay between them is needed (net.relay, "
+                                  f"or `mapl-swarm relay --initial-peer ...` on a reachable host, announced in the "
+                                  f"DHT)")
             host = self._bound_endpoint.rsplit(":", 1)[0].removeprefix("tcp://").strip("[]")
             local = ("127.0.0.1" if host in _WILDCARD_HOSTS else host, self.port)
             self._relayed[link] = self.relay.serve(key, local)  # its connection comes through the relay

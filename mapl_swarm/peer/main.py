@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from mapl_swarm.config import TrainConfig
 from mapl_swarm.errors import ConfigError, MaplError
 from mapl_swarm.net.discovery import Discovery, DiscoveryConfig
+from mapl_swarm.net.errors import RelayNeeded
 from mapl_swarm.startup import without_collections
 
 if TYPE_CHECKING:
@@ -313,14 +314,19 @@ def run_peer(cfg: TrainConfig, stage: int | None, *, membership: Membership | No
                                          joining=joining, reform=reform, credits=credits, exporters=exporters)
                 return status.peer
 
+            withdraw = True
             try:
                 exporters += exporters_for(cfg, stage=stage, peer_id=replicas.me if replicas is not None else "",
                                            live=live_figures(status))  # their threads: after every fork
                 result = run(serve_sessions(session, cfg, stage, membership=membership, resume=resume))
+            except RelayNeeded:
+                withdraw = False  # its record lapses by itself: the other dial-out neighbour finds it and says so too
+                raise
             finally:
                 for exporter in exporters:
                     exporter.close()
-                _withdraw(discovery, stage)
+                if withdraw:
+                    _withdraw(discovery, stage)
                 if replicas is not None:  # the DHT node first (StageAverager._shutdown says why)
                     discovery.close()
                     replicas.shutdown()

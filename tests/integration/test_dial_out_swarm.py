@@ -73,3 +73,27 @@ def test_two_dial_out_neighbours_train_through_a_relay(tmp_path, found):
     assert re.search(r"relay: \S+ \((dial|serve)\) and \S+ \((dial|serve)\) paired", relay.output), relay.output
     train(load_config(path, {"run": {"out_dir": str(tmp_path / "ref")}}), progress=False)
     assert _losses(tmp_path / "run") == pytest.approx(train_losses(tmp_path / "ref"), abs=1e-3)
+
+
+def test_two_dial_out_neighbours_without_a_relay_each_say_a_relay_is_needed(tmp_path):
+    """Stages 1 and 2 both dial out and no relay is configured or announced: each exits (status 2)
+    within the handshake timeout naming the other stage and that a relay is needed."""
+    path = write_config(tmp_path / "norelay.toml", stages=3, steps=3, cache=tmp_path / "cache",
+                        out=tmp_path / "run", run_id="dialout-norelay", timeout=60)
+    dht, maddr = start_dht(path)
+    procs = {}
+    try:
+        for stage in range(3):
+            procs[stage] = Watched(cli("peer", "--config", str(path), "--stage", str(stage), "--initial-peer", maddr,
+                                       "--quiet", *(["--set", 'net.reachable="no"'] if stage else [])))
+        for mine, theirs in ((1, 2), (2, 1)):
+            assert procs[mine].wait(120) == 2, procs[mine].output[-6000:]
+            assert re.search(rf"stage{mine}: link 'stage{theirs}(@[0-9a-f]{{8}})?': the peer at dialout#[0-9a-f]{{64}} "
+                             rf"accepts no connection, and neither does this one \(both dial out\): a relay between "
+                             rf"them is needed", procs[mine].output), procs[mine].output[-6000:]
+            assert "Traceback" not in procs[mine].output
+    finally:
+        for p in procs.values():
+            if p.proc.poll() is None:
+                p.stop(signal.SIGKILL, timeout=10)
+        dht.stop(sig=2)
