@@ -83,7 +83,7 @@ def test_a_chain_whose_middle_stage_is_behind_nat_trains_to_the_in_process_losse
     assert summary.links[0]["forward_payload"] > 0 and summary.links[1]["forward_payload"] > 0
 
 
-@pytest.mark.parametrize("scheme", ["fp32", "topk"])
+@pytest.mark.parametrize("scheme", ["fp32", pytest.param("topk", marks=pytest.mark.slow)])  # ~35 s each
 def test_a_replica_behind_nat_averages_with_its_partner_and_its_kill_is_survived(tmp_path, scheme):
     """Stage 1 has two replicas, the second behind NAT: its averager runs in hivemind's client mode
     (its partner, which cannot dial it, reduces every part and reaches it on the connections it
