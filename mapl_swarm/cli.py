@@ -268,13 +268,13 @@ def _auto_resume(cfg: Any, stage: int) -> bool | None:
     return bool(steps)
 
 
-def _initial_peers(args: argparse.Namespace, cfg: Any) -> list[str]:
-    """The DHT multiaddrs of ``--initial-peer`` and ``--initial-peers-file`` (waited for)."""
+def _initial_peers(args: argparse.Namespace, wait_s: float) -> list[str]:
+    """The DHT multiaddrs of ``--initial-peer`` and ``--initial-peers-file`` (waited for up to ``wait_s``)."""
     from mapl_swarm.peer.main import read_peers_file
 
     peers = list(args.initial_peer or [])
     if args.initial_peers_file:
-        peers += read_peers_file(args.initial_peers_file, cfg.net.timeout_s)
+        peers += read_peers_file(args.initial_peers_file, wait_s)
     return peers
 
 
@@ -303,7 +303,7 @@ def _cmd_peer(args: argparse.Namespace) -> int:
         resume = _auto_resume(cfg, args.stage)
         if resume is None:
             return 0
-    peers = _initial_peers(args, cfg)
+    peers = _initial_peers(args, cfg.net.timeout_s)
     precheck_initial_peers(peers or cfg.net.initial_peers)  # a mistyped address, before torch loads
     if args.join and not cfg.replicas.enabled:
         raise ConfigError("--join takes a replica into a running swarm with replicas: set replicas.enabled = true "
@@ -368,10 +368,8 @@ def _cmd_relay(args: argparse.Namespace) -> int:
     trust = _membership(args, None)
     from mapl_swarm.net.identity import load_identity, peer_key_at
     from mapl_swarm.net.relay import run_relay
-    from mapl_swarm.peer.main import read_peers_file
 
-    peers = [*(args.initial_peer or []), *(read_peers_file(args.initial_peers_file, RELAY_PEERS_WAIT_S)
-                                            if args.initial_peers_file else [])]
+    peers = _initial_peers(args, RELAY_PEERS_WAIT_S)
     host = args.announce_host or args.host
     if peers and host in ("0.0.0.0", "::", ""):
         raise ConfigError(f"--initial-peer: a relay announced in the DHT needs the address members dial: give "
@@ -415,7 +413,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     membership = _membership(args, None)  # any certificate of the run: records are checked against its authority
     from mapl_swarm.net.dht_node import precheck_initial_peers
 
-    peers = _initial_peers(args, cfg) or list(cfg.net.initial_peers)
+    peers = _initial_peers(args, cfg.net.timeout_s) or list(cfg.net.initial_peers)
     if not peers:
         raise ConfigError("status reads a running swarm's DHT: give --initial-peer MADDR (as `mapl-swarm dht` "
                           "printed it) or --initial-peers-file PATH")

@@ -40,7 +40,6 @@ from typing import Any, AsyncIterator, Callable  # typing's: hivemind reads the 
 
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException
@@ -56,6 +55,7 @@ from mapl_swarm.net.discovery import averaging_prefix, member_keys
 from mapl_swarm.procs import set_parent_death_signal, watch_parent
 from mapl_swarm.replicas import kept_round, work
 from mapl_swarm.replicas.exact_allreduce import ExactAllReduceRunner, count_traffic
+from mapl_swarm.replicas.members import DIAL_OUT_PRIORITY, group_refusal, member_records
 from mapl_swarm.replicas.schemes import (LowRank, Sparse, check_share, orthonormal, part_compression, product,
                                          sparse_share, sparse_sum)
 from mapl_swarm.replicas.state import StateMismatch, flatten_state, restore_like
@@ -90,9 +90,6 @@ HALF_PHASES = (b".H", b".X")
 SPARSE_PHASES = (b".S", b".X")
 """The suffixes of a ``topk`` round's group ids: its all-gather of sparse shares, its all-reduce of
 the exact tensors."""
-DIAL_OUT_PRIORITY = -1.0
-"""The value a dial-out member (``net.reachable = "no"``, hivemind's client mode) declares under
-``all_averagers``; a member that serves state declares ``0.0`` (its state-sharing priority)."""
 MEMBERS_CACHE_S = 1.0
 """How long a read of the stage's members is reused before the DHT is asked again."""
 MEMBERS_REREAD_S = 0.2
@@ -298,11 +295,7 @@ class StageAverager(DecentralizedAverager):
         if age > MEMBERS_CACHE_S or (fresh and age > MEMBERS_REREAD_S):
             found = await self.dht.get(self._members_key, latest=True, return_future=True)
             entries = found.value if isinstance(found, ValueWithExpiration) and isinstance(found.value, dict) else {}
-            declared = {PeerID(sub): v.value for sub, v in entries.items()
-                        if isinstance(sub, bytes) and isinstance(v, ValueWithExpiration)
-                        and isinstance(v.value, (int, float)) and not isinstance(v.value, bool)}
-            self._members = frozenset(declared)
-            self._dial_out = frozenset(p for p, value in declared.items() if value == DIAL_OUT_PRIORITY)
+            self._members, self._dial_out = member_records(entries)
             self._members_read = time.monotonic()
         return self._members
 
@@ -426,20 +419,9 @@ class StageAverager(DecentralizedAverager):
             gathered = {peer: self.serializer.loads(d[2]) for peer, d in declared.items()}
         except Exception as exc:  # hivemind's own would fail alike: the round fails
             raise MatchmakingException(f"unreadable gathered data: {type(exc).__name__}: {exc}") from None
-        # hivemind sizes each member's part by the bandwidth it declares: one declaring a huge one
-        # would reduce (and so choose) nearly all of the stage's update; replicas reduce equal parts,
-        # but for dial-out members (client mode), which reduce none since nobody can send them one
-        odd = {str(p): d[:2] for p, d in declared.items()
-               if d[0] is not None or d[1] not in (AveragingMode.NODE.value, AveragingMode.CLIENT.value)
-               or (d[1] == AveragingMode.CLIENT.value and p not in self._dial_out)}
-        if odd:
-            raise MatchmakingException(f"member(s) declared a bandwidth or mode of their own (bandwidth, mode): {odd}; "
-                                       f"the replicas of a stage reduce equal parts, but for dial-out members")
-        dialing = [str(p) for p, d in declared.items() if d[1] == AveragingMode.CLIENT.value]
-        if self._sparse is not None and len(dialing) > 1:  # each member asks each other for its share
-            raise MatchmakingException(f"dial-out members {dialing} in one topk round: they cannot reach each other "
-                                       f"for their sparse shares (a stage with topk averaging holds one dial-out "
-                                       f"replica at most; use fp32, fp16 or powersgd)")
+        refusal = group_refusal(declared, self._dial_out, sparse=self._sparse is not None)
+        if refusal is not None:
+            raise MatchmakingException(refusal)
         if any(isinstance(v, dict) and v.get(GATHER_ONLY) is True for v in gathered.values()) or (
                 self._usable is not None and not self._usable({str(p): v for p, v in gathered.items()})):
             # every member reads the same gathered data, so all of them skip the all-reduce alike

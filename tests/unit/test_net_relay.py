@@ -20,6 +20,8 @@ from mapl_swarm.net import relay as relay_module
 from mapl_swarm.net.relay import Relay, RelayClient, read_frame, relay_statement, role_of, seal, write_frame
 from mapl_swarm.net.transport import Transport, TransportConfig
 
+from deadlines import until
+
 RUN = "relay-run"
 
 
@@ -162,11 +164,7 @@ async def test_the_relay_reads_the_revocation_list_refuses_the_revoked_and_cuts_
         assert relay.stats.paired == 1 and len(relay._pairs) == 1
         write_signed(listed, revoke(local.authority, [ids[2].body.serial], run_id=RUN))
         relay.enforce_revocations()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 10
-        while relay._pairs and loop.time() < deadline:
-            await asyncio.sleep(0.02)  # the cut pair's task ends
-        assert not relay._pairs
+        await until(lambda: not relay._pairs, 10, "the revoked member's pair cut")
         with pytest.raises(NetError, match="refused this peer"):  # and it is refused from now on
             await RelayClient("127.0.0.1", port, relay.public, ids[2]).open(
                 role_of(ids[2].key.curve_public, ids[1].key.curve_public), ids[1].key.curve_public)
@@ -191,10 +189,7 @@ async def test_idle_connections_of_one_address_are_bounded_and_refusals_are_logg
         writer.close()
         for _, w in idle:
             w.close()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 10
-        while relay._unread and loop.time() < deadline:
-            await asyncio.sleep(0.02)  # the relay reads the idle ones' ends
+        await until(lambda: not relay._unread, 10, "the relay read the idle connections' ends")
         for _ in range(5):
             await _ask(relay, port, lambda nonce: {"run": "guess", "role": "dial", "peer": b"x" * 32, "sig": b""})
         assert relay.stats.refused["busy"] >= 1 and relay.stats.refused["not_certified"] == 5
