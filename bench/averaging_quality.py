@@ -16,7 +16,11 @@ and ``sparse_sum``, each replica's error feedback its M less its own share), pro
 gradients exact. A label may add ``+rows`` (the embedding tables averaged exactly, counted as the
 rows each replica touched: index and row) and ``+warmN`` (the first N steps averaged as ``fp32``,
 as PyTorch's ``start_powerSGD_iter``) and ``+mom`` (the Muon matrices' error feedback is
-their momentum, as Dion's: Muon itself then runs without momentum). ``quant:B`` sends each
+their momentum, as Dion's: Muon itself then runs without momentum) and ``+upd`` (the matrices
+Muon trains carry each replica's own Muon update, ``replicas.averaged = "updates"``, through the
+peers' :class:`~mapl_swarm.replicas.updates.LocalUpdates`, each emulated replica with its own
+optimizer state; ``+updall``: every compressed matrix, ``+updadamw``: AdamW's only; with ``fp32``
+the same, uncompressed). ``quant:B`` sends each
 matrix's values at B bits with error feedback (each row on a uniform grid scaled by its rms; 1 bit:
 the sign times the row's mean magnitude). Equal token budget for all; printed and written: each run's
 final validation loss (with ``--val-every N`` also every N steps: how the gap moves as training
@@ -40,11 +44,13 @@ sys.path.insert(0, str(ROOT))
 
 from mapl_swarm.config import config_from_dict  # noqa: E402
 from mapl_swarm.data import BatchSampler, prepare_data, validation_batches  # noqa: E402
+from mapl_swarm.optim.param_table import build_optimizers  # noqa: E402
 from mapl_swarm.pipeline.inprocess import InProcessPipeline  # noqa: E402
 from mapl_swarm.replicas.schemes import (emulate, initial_factors, low_rank_plan,  # noqa: E402
                                          compressible, feedback, part_compression, sparse_decoded, sparse_plan,
                                          sparse_share, sparse_sum, with_feedback)
 from mapl_swarm.replicas.gradients import exact_tensors  # noqa: E402
+from mapl_swarm.replicas.updates import LocalUpdates, updated  # noqa: E402
 from mapl_swarm.rng import derive_seed  # noqa: E402
 from mapl_swarm.step.assignment import replica_share  # noqa: E402
 
@@ -61,7 +67,7 @@ class StageAveraging:
     replica's error feedback."""
 
     def __init__(self, stage, scheme: str, parameter: str, replicas: int, seed: int, rows: bool = False,
-                 momentum: bool = False) -> None:
+                 momentum: bool = False, update: str = "") -> None:
         self.stage, self.scheme = stage, scheme
         self.params = list(stage.optimized_parameters())
         self.tables = table_tensors(stage) if rows else []
@@ -78,6 +84,17 @@ class StageAveraging:
         self.errors = [[torch.zeros(shapes[i]) for i in self.compressed] for _ in range(replicas)] \
             if self.compressed else None
         self.shares: list[tuple[list[torch.Tensor], float]] = []
+        # ``+upd``: the matrices Muon trains cross as each replica's own Muon step (its own momentum,
+        # from its own gradient; ``replicas.averaged = "updates"``, the peers' code), not as gradients;
+        # ``+updall`` every compressed matrix (AdamW's too), ``+updadamw`` AdamW's only
+        self.local = (self.compressed or compressible(shapes, exact)) if update else ()
+        if update == "muon":  # the peers' rule
+            self.local = updated(stage.optimizers, self.params, self.local)
+        elif update == "adamw":  # the others only
+            self.local = tuple(i for i in self.local if i not in updated(stage.optimizers, self.params, self.local))
+        self.updates = [LocalUpdates(build_optimizers(stage.param_rows, stage.cfg.optim),
+                                     [self.params[i] for i in self.local], stage.stage)
+                        for _ in range(replicas)] if update else []
         # ``+mom``: the Muon matrices' error feedback is their momentum (Dion's, Ahn et al. 2025): a
         # replica keeps mu of what was sent beside all that was not, and Muon runs without its own
         # momentum, so the averaged, compressed tensor is already the momentum Muon orthogonalizes
@@ -106,6 +123,10 @@ class StageAveraging:
                   for p in self.params]
         for i in self.tables:  # a table's rows this replica touched: (row index, row) each
             self.rows_sent += int((filled[i] != 0).any(dim=1).sum()) * (filled[i].shape[1] + 1)
+        if self.local:  # the replica's own optimizer step, from its own state (the peers' code)
+            got = self.updates[replica].compute([filled[i] for i in self.local], self.stage.lr_multiplier())
+            for i, u in zip(self.local, got):
+                filled[i] = u
         if self.errors is not None:
             for e, i in zip(self.errors[replica], self.compressed):
                 with_feedback(filled[i], e, n, num_micro_batches)
@@ -144,8 +165,12 @@ class StageAveraging:
             elif self.scheme == "fp16":
                 for i in self.half:
                     out[i] = _fp16(sum(_fp16(m[i]) * (w / total) for m, w in zip(ms, weights)))
-        for p, g in zip(self.params, out):
-            p.grad = g.to(p.dtype)
+        if self.local:
+            self.updates[0].commit([out[i] for i in self.local], self.stage.step_count)
+            for u in self.updates[1:]:  # the emulated replicas share one set of parameters
+                u.keep_state()
+        for i, (p, g) in enumerate(zip(self.params, out)):
+            p.grad = None if i in self.local else g.to(p.dtype)
         self.shares = []
 
     def values(self, rounds: int) -> tuple[float, int]:
@@ -196,7 +221,8 @@ def run(scheme_label: str, seed: int, args: argparse.Namespace, data) -> dict:
                             "runtime": {"threads": 1}}, "bench")
     torch.manual_seed(seed)
     pipe = InProcessPipeline(cfg)
-    stages = [StageAveraging(s, scheme, parameter, args.replicas, seed, rows="rows" in extras, momentum="mom" in extras)
+    stages = [StageAveraging(s, scheme, parameter, args.replicas, seed, rows="rows" in extras, momentum="mom" in extras,
+                             update=next((x.removeprefix("upd") or "muon" for x in extras if x.startswith("upd")), ""))
               for s in pipe.stages]
     T, M = cfg.model.context_length, cfg.pipeline.num_micro_batches
     sampler = BatchSampler(data.train, cfg.pipeline.micro_batch_size, T, seed)

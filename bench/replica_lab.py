@@ -98,16 +98,33 @@ def kill_replica(metrics: Path, after_steps: int, delay_s: float, killed: dict) 
     killed.update(time=time.time(), pids=found)
 
 
+def scheme_settings(scheme: str, rank: int) -> str:
+    """The ``[replicas]`` lines of an ``--averaging`` entry: ``SCHEME[:PARAMETER][/updates]``
+    (``powersgd:8``: rank 8, else ``--averaging-rank``; ``topk:0.04``: that fraction, else the
+    default; ``/updates``: ``averaged = "updates"``)."""
+    spec, _, carried = scheme.partition("/")
+    name, _, parameter = spec.partition(":")
+    rank = int(parameter) if name == "powersgd" and parameter else rank
+    lines = [f'averaging = "{name}"', f"averaging_rank = {rank}"]
+    if name == "topk" and parameter:
+        lines.append(f"topk_fraction = {float(parameter)}")
+    if carried:
+        lines.append(f'averaged = "{carried}"')
+    return "\n".join(lines) + "\n"
+
+
 def run_one(args: argparse.Namespace, replicas: int, work: Path, subnet: int, scheme: str = "fp32") -> dict:
     from mapl_swarm.config import load_config
     from mapl_swarm.lab.swarm import run_lab_swarm
 
-    path = work / f"r{replicas}-{scheme}.toml"
-    text = CONFIG.format(codec=args.codec, cache=work / "cache", steps=args.steps, out=work / f"run{replicas}-{scheme}",
-                         replicas=replicas, scheme=scheme, stages=args.stages, micro=args.micro_batches)
+    name = scheme.replace(":", "-").replace("/", "-")
+    path = work / f"r{replicas}-{name}.toml"
+    text = CONFIG.format(codec=args.codec, cache=work / "cache", steps=args.steps, out=work / f"run{replicas}-{name}",
+                         replicas=replicas, scheme=name.replace(".", "-"), stages=args.stages,
+                         micro=args.micro_batches)
     if replicas > 1:
         text += f"\n[replicas]\nenabled = true\ninitial = {[replicas] * args.stages}\nmatchmaking_s = 1.0\n"
-        text += f'averaging_timeout_s = 600.0\naveraging = "{scheme}"\naveraging_rank = {args.averaging_rank}\n'
+        text += f"averaging_timeout_s = 600.0\n{scheme_settings(scheme, args.averaging_rank)}"
     if args.liveness_floor_s:
         text = text.replace("[net]\n", f"[net]\nliveness_floor_s = {args.liveness_floor_s}\n")
     path.write_text(text)
@@ -169,7 +186,8 @@ def main() -> int:
     p.add_argument("--micro-batches", type=int, default=16)
     p.add_argument("--codec", default="none")
     p.add_argument("--replicas", default="1,2")
-    p.add_argument("--averaging", default="fp32", help="replicas.averaging schemes to run (replica counts > 1)")
+    p.add_argument("--averaging", default="fp32", help="replicas.averaging schemes to run (replica counts > 1), "
+                   "each SCHEME[:PARAMETER][/updates], e.g. topk:0.04/updates")
     p.add_argument("--averaging-rank", type=int, default=4)
     p.add_argument("--timeout-s", type=float, default=3000.0)
     p.add_argument("--liveness-floor-s", type=float, default=0.0,

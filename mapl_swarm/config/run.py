@@ -336,6 +336,12 @@ class ReplicasConfig:
     error_feedback: bool = True
     """``powersgd`` and ``topk``: what compression left out of a replica's gradient is added to its next one
     (each replica's own buffer, saved in its checkpoints; a joining replica starts it at zero)."""
+    averaged: Literal["gradients", "updates"] = "gradients"
+    """``powersgd`` and ``topk``: what the compressed weight matrices that Muon trains carry
+    (``mapl_swarm.replicas.updates``): each replica's gradient, which every replica's optimizer then
+    steps from; or each replica's own Muon update from its own gradient and momentum (kept per
+    replica, in its checkpoints and in the state a joining replica downloads), which every replica
+    adds. The other tensors are averaged as gradients either way."""
 
     def __post_init__(self) -> None:
         _check_choices(self)
@@ -349,6 +355,9 @@ class ReplicasConfig:
         _check(not (self.check_fraction and self.averaging != "fp32"),
                f"replicas.check_fraction needs replicas.averaging = 'fp32' (a checker compares a share with "
                f"the values its partner sent), got {self.averaging!r}")
+        _check(self.averaged == "gradients" or self.averaging in ("powersgd", "topk"),
+               f"replicas.averaged = 'updates' needs a scheme with error feedback (powersgd or topk), got "
+               f"replicas.averaging = {self.averaging!r}")
         _check(self.aggregation == "mean" or self.averaging in ("fp32", "fp16"),
                f"replicas.aggregation = {self.aggregation!r} needs dense averaging (fp32 or fp16), got "
                f"replicas.averaging = {self.averaging!r}: a robust aggregate of factors or sparse shares bounds "
@@ -406,6 +415,10 @@ class TrainConfig:
                f"replicas.enabled with compression.codec = {c.codec!r} needs compression.vq.update = 'step' (the "
                f"replicas of a stage then learn the same codebooks from the step's averaged statistics), got "
                f"{c.vq.update!r}")
+        _check(not (r.enabled and r.averaged == "updates" and self.optim.grad_clip_norm > 0),
+               f"replicas.averaged = 'updates' with optim.grad_clip_norm = {self.optim.grad_clip_norm:g}: a replica "
+               f"steps its compressed matrices from its own gradient, whose norm is not the step's; set "
+               f"optim.grad_clip_norm = 0 or average gradients")
         _check(not (r.check_fraction and codec_info(c.codec).quantized),
                f"replicas.check_fraction with compression.codec = {c.codec!r}: a checker cannot rebuild another "
                f"replica's streamed codebooks; use a codec without VQ or check_fraction = 0")

@@ -502,6 +502,8 @@ class Schedule:
     def _take_step(self) -> dict:
         """The optimizer step (compute thread), under the served state's lock."""
         with self._state_lock:
+            if self.replicas is not None:
+                self.replicas.apply_updates()
             metrics = self.rt.step()
         if self.replicas is not None and self.replicas.errors is not None:
             metrics["averaging_error_norm"] = round(self.replicas.error_norm, 6)

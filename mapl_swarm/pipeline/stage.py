@@ -350,9 +350,7 @@ class StageRuntime:
             raise RuntimeError(f"stage {self.stage}: step with {len(self._saved)} micro-batches un-backwarded and "
                                f"{len(self._origin_grads)} upstream replicas' projector gradients not taken")
         o = self.cfg.optim
-        mult = lr_multiplier(self.step_count, total_steps=self.cfg.run.steps, warmup_steps=o.warmup_steps,
-                             schedule=o.schedule, min_lr_ratio=o.min_lr_ratio,
-                             wsd_decay_fraction=o.wsd_decay_fraction)
+        mult = self.lr_multiplier()
         for opt in self.optimizers:
             for group in opt.param_groups:
                 group["lr"] = group["base_lr"] * mult
@@ -375,6 +373,12 @@ class StageRuntime:
                 del self.kept_inputs[old]
         self.step_count += 1
         return metrics
+
+    def lr_multiplier(self) -> float:
+        """The schedule's multiplier of every optimizer's base lr for this stage's next step."""
+        o = self.cfg.optim
+        return lr_multiplier(self.step_count, total_steps=self.cfg.run.steps, warmup_steps=o.warmup_steps,
+                             schedule=o.schedule, min_lr_ratio=o.min_lr_ratio, wsd_decay_fraction=o.wsd_decay_fraction)
 
     def _check_finite_step(self, params: list[torch.Tensor]) -> tuple[torch.Tensor, float]:
         """The gradients' total 2-norm (as ``clip_grad_norm_`` computes it) and its value, after one

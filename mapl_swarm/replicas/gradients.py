@@ -9,7 +9,10 @@ all-reduce through :class:`~.averaging.StageAverager`): the result is the global
 the same bytes on every replica, and every replica takes the same optimizer step. With
 ``replicas.averaging`` other than ``fp32`` what crosses is compressed (:mod:`.schemes`): the
 result is then the scheme's approximation of that gradient, still the same bytes everywhere, and
-each replica keeps its own error feedback (:meth:`ReplicaGradients.own_state`). A sender's
+each replica keeps its own error feedback (:meth:`ReplicaGradients.own_state`). With
+``replicas.averaged = "updates"`` the compressed matrices Muon trains carry each replica's own
+Muon update instead (:mod:`.updates`), which :meth:`ReplicaGradients.apply_updates` adds to them before the
+runtime's optimizers step the other tensors from their averaged gradients. A sender's
 projector gradient holds what its receivers sent it (PROJ_GRAD), so it is averaged with the rest:
 every replica of the sender applies the same SPEL step and sends the same next projector version.
 The codec's step statistics (MAPL+VQ with ``compression.vq.update = step``: each codebook sender's
@@ -54,6 +57,7 @@ from mapl_swarm.replicas.errors import AveragingFailed, Behind, RoundCancelled
 from mapl_swarm.replicas.schemes import (LowRank, Sparse, compressible, feedback, initial_factors, low_rank_plan,
                                          sparse_decoded, sparse_plan, sparse_share, with_feedback)
 from mapl_swarm.replicas.state import state_summary
+from mapl_swarm.replicas.updates import LocalUpdates, updated
 from mapl_swarm.rng import derive_seed
 from mapl_swarm.step.checking import Accusations, divergent, drawn, stubborn
 from mapl_swarm.step.rounds import (NONCE_BYTES, RESUME_STEP, SYNC_STEP, ReplicaStep, commitment, read_round,
@@ -127,6 +131,13 @@ class ReplicaGradients:
         self.errors: list[torch.Tensor] | None = [torch.zeros(shapes[i]) for i in self._compressed] \
             if self._compressed and r.error_feedback else None
         """This replica's error feedback, one buffer per compressed tensor (its own; checkpointed)."""
+        self.averaged = r.averaged
+        """``replicas.averaged``: whether the compressed tensors carry gradients or optimizer updates."""
+        self.updates = self._local_updates(runtime)
+        """With ``averaged = "updates"``: this replica's own Muon step of the compressed matrices Muon trains."""
+        self._averaged_updates: list[torch.Tensor] | None = None
+        """The stage's averaged updates of the compressed matrices from the last round that counted,
+        until :meth:`apply_updates` adds them."""
         self._served: Callable[[], Any] = lambda: self.runtime.state_dict()
         self.check_fraction = runtime.cfg.replicas.check_fraction
         self.checker = ShareChecker(runtime, partial(type(runtime), runtime.cfg, runtime.stage, runtime.device),
@@ -170,6 +181,13 @@ class ReplicaGradients:
         self.find_s = max(FIND_GROUP_S, 3 * averager_kwargs.get("min_matchmaking_time", 2.0))
         """Seconds one attempt of a round looks for its group (:meth:`cancel` says why it is bounded)."""
 
+    def _local_updates(self, runtime: Any) -> LocalUpdates | None:
+        self._updated = updated(runtime.optimizers, self.params, self._compressed) \
+            if self.averaged == "updates" else ()
+        """The compressed tensors that carry this replica's own update (:func:`.updates.updated`)."""
+        return LocalUpdates(runtime.optimizers, [self.params[i] for i in self._updated], runtime.stage) \
+            if self._updated else None
+
     def own_state(self) -> dict[str, Any]:
         """What of the averaging is this replica's own and goes into its checkpoints: the scheme,
         its error feedback and the warm-start factors (empty lists without PowerSGD)."""
@@ -177,13 +195,15 @@ class ReplicaGradients:
         if self.low_rank is not None:
             with self.averager.get_tensors() as buffers:
                 factors = [t.clone() for t in buffers[len(buffers) - len(self.low_rank.matrices):]]
-        return {"scheme": self.scheme,
+        return {"scheme": self.scheme, "averaged": self.averaged,
                 "errors": [e.clone() for e in self.errors] if self.errors is not None else [], "factors": factors}
 
     def load_own_state(self, state: dict[str, Any] | None) -> None:
         """Continue from :meth:`own_state` of a checkpoint (None, or one of another scheme or
-        shapes: the error feedback starts at zero and the factors where they are)."""
-        if not isinstance(state, dict) or state.get("scheme") != self.scheme:
+        shapes, or whose compressed tensors carried the other of gradients and updates: the error
+        feedback starts at zero and the factors where they are)."""
+        if not isinstance(state, dict) or state.get("scheme") != self.scheme or \
+                state.get("averaged", "gradients") != self.averaged:
             if self.errors is not None:
                 for e in self.errors:
                     e.zero_()
@@ -211,6 +231,7 @@ class ReplicaGradients:
         if [p.shape for p in [*params, *stats]] != [p.shape for p in [*self.params, *self.stats]]:
             raise ValueError(f"stage {runtime.stage}: another runtime's parameters")
         self.runtime, self.params, self.stats = runtime, params, stats
+        self.updates, self._averaged_updates = self._local_updates(runtime), None
         if self.checker is not None:
             self.checker.runtime = runtime
 
@@ -433,6 +454,9 @@ class ReplicaGradients:
         and steps."""
         gather = self._gather(micro, loss_sum, epoch, contact, step, expected, leave=leave, going=going,
                               drain=drain)
+        self._averaged_updates = None
+        if self.updates is not None:
+            self.updates.discard()
         if expected <= 1:
             return self._delivered(self._result({self.me: gather}))
         self.averager.set_group_size(expected)
@@ -446,6 +470,10 @@ class ReplicaGradients:
                     buf.zero_()
                 else:
                     buf.copy_(t.detach().to("cpu", torch.float32)).mul_(scale)
+            if self.updates is not None and n:  # its own optimizer's step from its gradient, taken aside
+                got = self.updates.compute([buffers[i] for i in self._updated], self.runtime.lr_multiplier())
+                for i, u in zip(self._updated, got):
+                    buffers[i].copy_(u)
             ms = self._with_feedback(buffers, n)
         round_ = self._round(float(n), gather, timeout)
         # every check below reads only what every member gathered, so all of them decide alike
@@ -462,6 +490,10 @@ class ReplicaGradients:
         with self.averager.get_tensors() as buffers, torch.no_grad():
             for buf, p in zip(buffers, self.params):
                 p.grad = buf.to(p.device, p.dtype, copy=True)
+            if self.updates is not None:  # added by apply_updates; the optimizers step the others
+                self._averaged_updates = [buffers[i].clone() for i in self._updated]
+                for i in self._updated:
+                    self.params[i].grad = None
             for buf, t in zip(buffers[len(self.params):len(filled)], stats, strict=True):
                 t.copy_(buf)
             if ms is not None:  # this replica's part of what compression left out, for its next steps
@@ -471,6 +503,14 @@ class ReplicaGradients:
             self.checker.keep_state(step)
         self.last_sent = round_.sent_bytes
         return self._delivered(round_, reduced=True)
+
+    def apply_updates(self) -> None:
+        """With ``averaged = "updates"``, before the runtime's step: add the stage's averaged updates
+        of the last round that counted to the compressed matrices (their optimizer state becomes the
+        one this replica's own step led to); nothing after a round that did not count, or alone."""
+        got, self._averaged_updates = self._averaged_updates, None
+        if got is not None and self.updates is not None:
+            self.updates.commit(got, self.runtime.step_count)
 
     def _with_feedback(self, buffers: Sequence[torch.Tensor], n: int) -> list[torch.Tensor] | None:
         """Add this replica's error feedback to the compressed gradients just filled into

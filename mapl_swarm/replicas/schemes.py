@@ -39,6 +39,9 @@ and, with ``powersgd``, one warm-start factor Q per compressed matrix.
   same bytes; the exact tensors go through one all-reduce. Error feedback as PowerSGD's, with the
   replica's own share (decoded) in place of P̂ Q̂ᵀ: its own share is what it contributed.
 
+With ``replicas.averaged = "updates"`` the M of a compressed matrix holds the replica's own optimizer
+update in place of its gradient g (:mod:`.updates`); the arithmetic here is the same.
+
 :func:`emulate` runs the same arithmetic for R replicas in one process (the quality benchmark).
 """
 

@@ -65,12 +65,37 @@ def filled(g: Any, micro: list[int]) -> list[torch.Tensor]:
     return out
 
 
+def recording(g: Any) -> list[list[torch.Tensor]]:
+    """The updates replica ``g``'s own optimizer computes (``averaged = "updates"``), as they come."""
+    got: list[list[torch.Tensor]] = []
+    compute = g.updates.compute
+
+    def recorded(*args: Any) -> list[torch.Tensor]:
+        got.append([u.clone() for u in compute(*args)])
+        return got[-1]
+
+    g.updates.compute = recorded
+    return got
+
+
+def step_all(pairs: list, grads: dict) -> None:
+    """Every replica adds its averaged updates (``averaged = "updates"``) and steps."""
+    for g in grads.values():
+        g.apply_updates()
+    for first, last in pairs:
+        first.step()
+        last.step()
+
+
 def scenario(_bootstrap: Any, maddrs: list[str], ids: dict, scheme: str) -> None:
     from mapl_swarm.replicas.gradients import ReplicaGradients
 
+    scheme, _, carried = scheme.partition("/")
+    updating = carried == "updates"
     cfg = micro_config(pipeline={"num_stages": 2, "micro_batch_size": 2, "num_micro_batches": M},
                        compression={"codec": "mapl"},
-                       replicas={"averaging": scheme, "averaging_rank": 2, "topk_fraction": 0.02})
+                       replicas={"averaging": scheme, "averaging_rank": 2, "topk_fraction": 0.02,
+                                 "averaged": carried or "gradients"})
     gen = torch.Generator().manual_seed(5)
     data = [[torch.randint(0, 256, (2, 17), generator=gen) for _ in range(M)] for _ in range(STEPS)]
     pairs = [(StageRuntime(cfg, 0), StageRuntime(cfg, 1)) for _ in range(2)]
@@ -80,12 +105,14 @@ def scenario(_bootstrap: Any, maddrs: list[str], ids: dict, scheme: str) -> None
         for (stage, r), disc in discs.items():
             if r < 2:
                 grads[stage, r] = ReplicaGradients(pairs[r][stage], disc.dht, run_id=RUN, replicas=2)
+        updates = {key: recording(g) for key, g in grads.items() if updating}
         with ThreadPoolExecutor(6) as pool:
             for step in range(STEPS):
                 shares = {r: [g - step * M for g in replica_share(step, M, r, 2)] for r in range(2)}
                 for r, (first, last) in enumerate(pairs):
                     pipeline_pass(first, last, [data[step][g] for g in shares[r]])
                 before = {key: filled(g, shares[key[1]]) for key, g in grads.items()}
+                feedback = {key: [e.clone() for e in g.errors] for key, g in grads.items()} if updating else {}
                 factors = {}
                 for stage in (0, 1):
                     g = grads[stage, 0]
@@ -95,14 +122,27 @@ def scenario(_bootstrap: Any, maddrs: list[str], ids: dict, scheme: str) -> None
                 rounds = dict(zip(grads, pool.map(lambda key: grads[key].average(
                     shares[key[1]], step=step, timeout=60, expected=2), grads)))
                 assert all(x.group_size == 2 and x.in_sync for x in rounds.values()), rounds
+                for key, g in grads.items() if updating else ():  # M: its own update and its feedback
+                    fed = dict(zip(g._compressed, feedback[key]))
+                    for u, i in zip(updates[key][-1], g._updated):
+                        before[key][i] = u + fed[i] * (M / len(shares[key[1]]))
                 for stage in (0, 1):
-                    averaged = [p.grad.clone() for p in grads[stage, 0].params]
-                    assert all(torch.equal(a, p.grad) for a, p in zip(averaged, grads[stage, 1].params)), \
-                        f"step {step}: stage {stage}: the replicas' averaged gradients differ"
+                    g = grads[stage, 0]
+                    if updating:  # the compressed matrices' averaged updates wait for apply_updates
+                        assert g._updated and set(g._updated) < set(g._compressed)  # Muon's matrices only
+                        assert all(grads[stage, r].params[i].grad is None for r in range(2) for i in g._updated)
+                        assert all(torch.equal(a, b) for a, b in zip(g._averaged_updates,
+                                                                     grads[stage, 1]._averaged_updates))
+                        for u, i in zip(g._averaged_updates, g._updated):
+                            g.params[i].grad = u.clone()
+                    averaged = [p.grad.clone() for p in g.params]
+                    assert all(torch.equal(a, p.grad) for a, p in zip(averaged, grads[stage, 1].params)
+                               if p.grad is not None), f"step {step}: stage {stage}: the replicas' averages differ"
+                    for i in g._updated if updating else ():
+                        g.params[i].grad = None
                     weights = [float(len(shares[r])) for r in range(2)]
                     exact = [sum(before[stage, r][i] * (w / sum(weights)) for r, w in enumerate(weights))
                              for i in range(len(averaged))]
-                    g = grads[stage, 0]
                     if scheme == "fp16":  # weight matrices within float16's rounding, the rest exact
                         matrices = compressible([tuple(a.shape) for a in averaged], exact_tensors(g.runtime))
                         for i, (a, x) in enumerate(zip(averaged, exact)):
@@ -144,9 +184,7 @@ def scenario(_bootstrap: Any, maddrs: list[str], ids: dict, scheme: str) -> None
                     elif stage in FP32_ROUND_BYTES:
                         limit = {"fp16": 0.55, "powersgd": 0.1, "topk": 0.25}[scheme]
                         assert sent <= limit * FP32_ROUND_BYTES[stage], (scheme, sent, FP32_ROUND_BYTES[stage])
-                for first, last in pairs:
-                    first.step()
-                    last.step()
+                step_all(pairs, grads)
                 install_projector(pairs[0][0], [last for _, last in pairs])
                 for stage in (0, 1):
                     assert all(torch.equal(x, y) for x, y in zip(params(pairs[0][stage]), params(pairs[1][stage])))
@@ -189,9 +227,7 @@ def join(cfg: Any, pairs: list, grads: dict, discs: dict, pool: ThreadPoolExecut
         pipeline_pass(first, last, [data[g] for g in shares[r]])
     rounds = list(pool.map(lambda key: grads[key].average(shares[key[1]], step=STEPS, timeout=60, expected=3), grads))
     assert all(x.group_size == 3 and x.in_sync for x in rounds), rounds
-    for first, last in pairs:
-        first.step()
-        last.step()
+    step_all(pairs, grads)
     for stage in (0, 1):
         ref = params(pairs[0][stage])
         assert all(all(torch.equal(x, y) for x, y in zip(ref, params(pair[stage]))) for pair in pairs[1:]), stage
@@ -303,7 +339,7 @@ def broken_scenario(_bootstrap: Any, maddrs: list[str], ids: dict) -> None:
 @pytest.mark.timeout(300)
 def test_compressed_averaging_keeps_replicas_bitwise_equal(tmp_path, monkeypatch) -> None:
     local, ids = replica_identities(tmp_path / "ids", RUN)
-    for scheme in ("fp32", "fp16", "powersgd", "topk"):
+    for scheme in ("fp32", "fp16", "powersgd", "topk", "topk/updates"):
         with_bootstrap(monkeypatch, TrustedAuthority(RUN, local.authority.public),
                        functools.partial(scenario, ids=ids, scheme=scheme))
     with_bootstrap(monkeypatch, TrustedAuthority(RUN, local.authority.public),

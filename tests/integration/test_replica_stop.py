@@ -65,23 +65,27 @@ def test_ctrl_c_drains_every_replica_at_one_step_and_the_resumed_run_matches_tra
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_drained_powersgd_swarm_resumes_with_its_error_feedback_and_factors(tmp_path):
-    """``replicas.averaging = "powersgd"`` (SPEC §9.10 item 16): every replica saves its error
-    feedback and warm-start factors with its checkpoint, so a swarm drained by Ctrl-C and resumed
-    trains to the losses of the same swarm run without a stop, as close as two such runs come:
+@pytest.mark.parametrize("scheme", ["powersgd", "topk/updates"])
+def test_a_drained_compressed_swarm_resumes_with_its_error_feedback_and_factors(tmp_path, scheme):
+    """``replicas.averaging = "powersgd"`` and ``"topk"`` with ``averaged = "updates"`` (SPEC §9.10
+    item 16): every replica saves its error feedback and warm-start factors (and, with updates, its
+    own optimizer state of the compressed matrices) with its checkpoint, so a swarm drained by
+    Ctrl-C and resumed trains to the losses of the same swarm run without a stop, as close as two such runs come:
     the feedback of a replica routed no micro-batch in a step waits for its next one, so two runs
     differ where routing did, before the drain too (measured: within 0.04%, 0.5% and 0.4% of the
     whole run's losses in three runs). That a checkpoint's feedback and factors are what is loaded:
     tests/unit/test_checkpoint_agreement.py and tests/integration/test_replica_schemes.py."""
     steps = 10
-    scheme = '\naveraging = "powersgd"\naveraging_rank = 2\n'
+    name, _, carried = scheme.partition("/")
+    settings = (f'\naveraging = "{name}"\naveraging_rank = 2\ntopk_fraction = 0.05\n'
+                f'averaged = "{carried or "gradients"}"\n')
     whole_out, out = tmp_path / "whole", tmp_path / "swarm"
     whole = write_config(tmp_path / "whole.toml", stages=3, steps=steps, cache=tmp_path / "cache", out=whole_out,
-                         run_id="replica-psgd-whole", timeout=60)
+                         run_id=f"replica-{name}-whole", timeout=60)
     path = write_config(tmp_path / "drain.toml", stages=3, steps=steps, cache=tmp_path / "cache", out=out,
-                        run_id="replica-psgd-drain", timeout=60)
+                        run_id=f"replica-{name}-drain", timeout=60)
     for p in (whole, path):
-        p.write_text(p.read_text() + "\n[checkpoint]\ninterval_steps = 1000\n" + REPLICAS + scheme)
+        p.write_text(p.read_text() + "\n[checkpoint]\ninterval_steps = 1000\n" + REPLICAS + settings)
     done = subprocess.run([sys.executable, "-m", "mapl_swarm", "launch", "--config", str(whole), "--quiet"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-6000:]
@@ -89,7 +93,9 @@ def test_a_drained_powersgd_swarm_resumes_with_its_error_feedback_and_factors(tm
     assert status == 0, stderr[-6000:]
     step = int(re.search(r"drained at step (\d+)", stdout).group(1))
     state = checkpoint.load_stage(replica_out_dir(out, 1), step, 1)
-    assert state["averaging"]["scheme"] == "powersgd" and state["averaging"]["factors"]
+    assert state["averaging"]["scheme"] == name and state["averaging"]["errors"]
+    assert bool(state["averaging"]["factors"]) == (name == "powersgd")
+    assert state["averaging"]["averaged"] == (carried or "gradients")
     resumed = subprocess.run([sys.executable, "-m", "mapl_swarm", "launch", "--config", str(path), "--resume"],
                              capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-6000:]

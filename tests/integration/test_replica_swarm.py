@@ -104,16 +104,20 @@ def check_codebooks(results: dict) -> None:
                     assert book["digests"][f"rx_{stream}"] == digest
 
 
-@pytest.mark.parametrize("scheme", ["powersgd", pytest.param("topk", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("scheme", ["powersgd", pytest.param("topk", marks=pytest.mark.slow),
+                                    pytest.param("topk/updates", marks=pytest.mark.slow)])
 def test_with_compressed_averaging_the_replicas_of_each_stage_stay_bitwise_equal(tmp_path, cache, scheme):
     """``replicas.averaging`` ``powersgd`` and ``topk`` (SPEC §9.10 item 16) in a launched swarm:
     every replica of a stage saves the same parameters, optimizer state (and PowerSGD's warm-start
-    factors); each keeps its own error feedback; the first step's loss (before any update) is
-    ``train``'s; an averaging round sends a small fraction of the stage's fp32 gradient bytes."""
+    factors; with ``averaged = "updates"`` the optimizer state is each replica's own); each keeps its
+    own error feedback; the first step's loss (before any update) is ``train``'s; an averaging round
+    sends a small fraction of the stage's fp32 gradient bytes."""
+    scheme, _, carried = scheme.partition("/")
     path = write_config(tmp_path / f"{scheme}.toml", codec="mapl", stages=3, steps=STEPS, cache=cache,
-                        out=tmp_path / "swarm", run_id=f"replicas-{scheme}")
+                        out=tmp_path / "swarm", run_id=f"replicas-{scheme}-{carried or 'gradients'}")
     path.write_text(path.read_text() + "\n[replicas]\nenabled = true\ninitial = [2, 2, 2]\nmatchmaking_s = 1.0\n"
                     f'averaging = "{scheme}"\naveraging_rank = 2\ntopk_fraction = 0.02\n'
+                    f'averaged = "{carried or "gradients"}"\n'
                     "[metrics]\nprometheus_port = 0\ntensorboard = true\n")
     folders = [replica_out_dir(tmp_path / "swarm", r) for r in range(2)]
     with Scrapes(folders, stages=3) as scrapes:
@@ -130,13 +134,18 @@ def test_with_compressed_averaging_the_replicas_of_each_stage_stay_bitwise_equal
         "bandwidth.png", "loss.png", "throughput.png"]
     for s in range(3):
         states = [load_stage(folder, STEPS, s) for folder in folders]
-        flat = [{k: v for k, v in _tensors(st).items() if not k.startswith(("/rng", "/averaging/errors"))}
-                for st in states]
-        assert flat[0].keys() == flat[1].keys()
+        own = ("/rng", "/averaging/errors") + (("/optimizers",) if carried else ())
+        flat = [{k: v for k, v in _tensors(st).items() if not k.startswith(own)} for st in states]
+        assert flat[0].keys() == flat[1].keys() and any(k.startswith("/modules") for k in flat[0])
+        if carried:  # the compressed matrices' optimizer state: each replica's own, from its own gradients
+            moments = [{k: v for k, v in _tensors(st).items() if k.startswith("/optimizers")} for st in states]
+            assert moments[0].keys() == moments[1].keys()
+            assert any(not torch.equal(moments[0][k], moments[1][k]) for k in moments[0])
         assert any(k.startswith("/averaging/factors") for k in flat[0]) == (scheme == "powersgd")
         assert all(torch.equal(flat[0][k], flat[1][k]) for k in flat[0]), s
         # each replica's own error feedback (zero only for one that computed no micro-batch yet)
         assert all(st["averaging"]["scheme"] == scheme and st["averaging"]["errors"] for st in states)
+        assert all(st["averaging"]["averaged"] == (carried or "gradients") for st in states)
         assert any(float(e.norm()) > 0 for st in states for e in st["averaging"]["errors"])
         dense = 4 * sum(v.numel() for k, v in _tensors(states[0]["modules"]).items())
         records = [json.loads(line) for folder in folders

@@ -133,10 +133,15 @@ def test_a_stage_keeps_its_projector_gradient_and_statistics_exact() -> None:
     ('averaging = "topk"\naggregation = "trimmed_mean"', "needs dense averaging"),
     ('topk_fraction = 1.5', "replicas.topk_fraction must be a number within"),
     ('topk_fraction = 0.0', "replicas.topk_fraction must be a number within"),
+    ('averaged = "moments"', "replicas.averaged must be one of"),
+    ('averaged = "updates"', "replicas.averaged = 'updates' needs a scheme with error feedback .* got "
+                             "replicas.averaging = 'fp32'"),
+    ('averaging = "topk"\naveraged = "updates"\n[optim]\ngrad_clip_norm = 1.0',
+     "replicas.averaged = 'updates' with optim.grad_clip_norm = 1: a replica steps"),
 ])
 def test_bad_averaging_settings_are_one_line_config_errors(tmp_path, setting, message) -> None:
     path = tmp_path / "bad.toml"
-    path.write_text(f"[replicas]\nenabled = true\n{setting}\n[pipeline]\nnum_stages = 2\n")
+    path.write_text(f"[pipeline]\nnum_stages = 2\n[replicas]\nenabled = true\n{setting}\n")
     with pytest.raises(ConfigError, match=message) as err:
         load_config(path)
     assert "\n" not in str(err.value)
