@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from replica_drift import CONFIG  # noqa: E402 - the same swarm as the drift benchmark
+from replica_lab import scheme_settings  # noqa: E402 - SCHEME[:PARAMETER][/updates], as the lab reads it
 
 PATTERNS = {
     "redone": re.compile(r"step (\d+) is redone \(run epoch \d+\): (.*)"),
@@ -48,7 +49,7 @@ def one_run(steps: int, initial: list[int], averaging: str, keep: Path) -> dict:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         replicas = (f"[replicas]\nenabled = true\ninitial = {initial}\nrouting = \"throughput\"\n"
-                    f"matchmaking_s = 1.0\naveraging = \"{averaging}\"\n")
+                    f"matchmaking_s = 1.0\n{scheme_settings(averaging, 4)}")
         config = CONFIG.format(cache=tmp / "cache", steps=steps, out=tmp / "run", name="rounds",
                                replicas=replicas).replace("num_stages = 3", f"num_stages = {len(initial)}")
         path = tmp / "rounds.toml"
@@ -77,7 +78,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=800)
     ap.add_argument("--initial", default="2,2,2", help="replicas per stage, comma-separated")
-    ap.add_argument("--averaging", default="fp32", help="replicas.averaging schemes, comma-separated")
+    ap.add_argument("--averaging", default="fp32", help="replicas.averaging schemes, comma-separated, each "
+                    "SCHEME[:PARAMETER][/updates] as bench/replica_lab.py reads them")
     ap.add_argument("--runs", type=int, default=1, help="runs per scheme")
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/replica_rounds.json")
     args = ap.parse_args()
@@ -85,8 +87,9 @@ def main() -> int:
     rounds = args.steps * sum(1 for n in initial if n >= 2)  # one round per step of each stage with replicas
     t0, runs = time.time(), []
     for averaging in args.averaging.split(","):
+        name = averaging.replace(":", "-").replace("/", "-")
         for i in range(args.runs):
-            runs.append(one_run(args.steps, initial, averaging, args.out.with_suffix(f".{averaging}-{i + 1}.log")))
+            runs.append(one_run(args.steps, initial, averaging, args.out.with_suffix(f".{name}-{i + 1}.log")))
             r = runs[-1]
             print(f"{averaging}: launch exited {r['exit_status']} after {r['seconds']} s; {args.steps} steps, "
                   f"{rounds} averaging rounds; " + ", ".join(f"{k} {v}" for k, v in r["counts"].items()), flush=True)

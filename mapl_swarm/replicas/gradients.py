@@ -11,8 +11,8 @@ the same bytes on every replica, and every replica takes the same optimizer step
 result is then the scheme's approximation of that gradient, still the same bytes everywhere, and
 each replica keeps its own error feedback (:meth:`ReplicaGradients.own_state`). With
 ``replicas.averaged = "updates"`` the compressed matrices Muon trains carry each replica's own
-Muon update instead (:mod:`.updates`), which :meth:`ReplicaGradients.apply_updates` adds to them before the
-runtime's optimizers step the other tensors from their averaged gradients. A sender's
+Muon update instead (:mod:`.updates`), which :meth:`ReplicaGradients.apply_updates` adds to them
+before the runtime's optimizers step the other tensors from their averaged gradients. A sender's
 projector gradient holds what its receivers sent it (PROJ_GRAD), so it is averaged with the rest:
 every replica of the sender applies the same SPEL step and sends the same next projector version.
 The codec's step statistics (MAPL+VQ with ``compression.vq.update = step``: each codebook sender's

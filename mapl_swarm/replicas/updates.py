@@ -19,6 +19,7 @@ that fails leaves nothing to undo, and a state served meanwhile is consistent.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,28 +61,31 @@ class LocalUpdates:
         for s, g in zip(shadows, grads):
             if s is not None:
                 s.grad = g.detach().to(s.device, s.dtype)
-        lists = []
-        for opt in self.optimizers:
-            for group in opt.param_groups:
-                lists.append(group["params"])
-                group["params"] = [shadows[i] for i, p in enumerate(self.params)
-                                   if shadows[i] is not None and any(p is q for q in lists[-1])]
-                group["lr"] = group["base_lr"] * lr_multiplier
-            for p, s in zip(self.params, shadows):
-                if s is not None and p in opt.state:
-                    opt.state[s] = _copied(opt.state[p])
-        try:
-            with torch.no_grad():
-                for opt in self.optimizers:
-                    opt.step()
-        finally:
-            saved = iter(lists)
-            for opt in self.optimizers:
-                for group in opt.param_groups:
-                    group["params"] = next(saved)
-        self._pending = [{} if s is None else opt.state.pop(s, {}) for s, opt in zip(shadows, self._owner)]
+        owners = {id(opt): opt for opt in self._owner}
+        aside = {key: self._aside(opt, shadows, lr_multiplier) for key, opt in owners.items()}
+        with torch.no_grad():
+            for opt in aside.values():
+                opt.step()
+        self._pending = [{} if s is None else aside[id(opt)].state.get(s, {}) for s, opt in zip(shadows, self._owner)]
         return [torch.zeros(p.shape, dtype=torch.float32) if s is None else (s.detach() - p.detach()).float().cpu()
                 for p, s in zip(self.params, shadows)]
+
+    def _aside(self, opt: torch.optim.Optimizer, shadows: Sequence[torch.Tensor | None],
+               lr_multiplier: float) -> torch.optim.Optimizer:
+        """An optimizer of ``opt``'s kind and settings over the ``shadows`` of the parameters it
+        trains, with copies of their state: the live optimizer, which a served state may be read
+        from meanwhile, is not touched. (Its attributes are copied as they are: torch's pickling
+        keeps only the base class's, so ``copy.copy`` would drop a subclass's own, as Muon's.)"""
+        mine = {id(p): s for p, s, o in zip(self.params, shadows, self._owner) if o is opt and s is not None}
+        twin = object.__new__(type(opt))
+        twin.__dict__.update(opt.__dict__)
+        twin.param_groups = [{**group, "params": [mine[id(p)] for p in group["params"] if id(p) in mine],
+                              "lr": group["base_lr"] * lr_multiplier} for group in opt.param_groups]
+        twin.state = defaultdict(dict)
+        for p, s in zip(self.params, shadows):
+            if id(p) in mine and p in opt.state:
+                twin.state[s] = _copied(opt.state[p])
+        return twin
 
     def commit(self, averaged: Sequence[torch.Tensor], step: int) -> None:
         """Add the stage's ``averaged`` updates (one per parameter, the same bytes at every replica)

@@ -16,6 +16,10 @@ each feeding its share of every step's micro-batches, for 3 steps.
   of each sparse tensor is the weighted sum of the replicas' top-k shares of their M (computed here
   apart), the exact ones the exact mean; each replica's error feedback is its part of its M less
   its own share.
+- ``topk`` and ``powersgd`` with ``averaged = "updates"``: the matrices Muon trains carry each
+  replica's own Muon update (recorded here as it is computed); both replicas hold the same averaged
+  updates, which are the scheme's average of the replicas' updates plus their error feedback, and
+  the same parameters once they are added.
 - ``fp32``, ``powersgd``, ``topk``: then a third replica of each stage joins (state download, zero
   feedback, PowerSGD's first factors) and after one more step all three hold the same bytes.
 - ``topk`` with a member that claims ten times its micro-batches in its share: its partner's round
@@ -339,7 +343,7 @@ def broken_scenario(_bootstrap: Any, maddrs: list[str], ids: dict) -> None:
 @pytest.mark.timeout(300)
 def test_compressed_averaging_keeps_replicas_bitwise_equal(tmp_path, monkeypatch) -> None:
     local, ids = replica_identities(tmp_path / "ids", RUN)
-    for scheme in ("fp32", "fp16", "powersgd", "topk", "topk/updates"):
+    for scheme in ("fp32", "fp16", "powersgd", "topk", "topk/updates", "powersgd/updates"):
         with_bootstrap(monkeypatch, TrustedAuthority(RUN, local.authority.public),
                        functools.partial(scenario, ids=ids, scheme=scheme))
     with_bootstrap(monkeypatch, TrustedAuthority(RUN, local.authority.public),

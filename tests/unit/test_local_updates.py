@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from mapl_swarm.errors import NonFiniteError
+from mapl_swarm.optim.muon import Muon
 from mapl_swarm.pipeline.stage import StageRuntime
 from mapl_swarm.replicas.gradients import exact_tensors
 from mapl_swarm.replicas.schemes import compressible
@@ -98,3 +99,23 @@ def test_tensors_no_optimizer_trains_are_refused() -> None:
     rt, _, _ = stage_with_grads(3)
     with pytest.raises(ValueError, match="no optimizer trains the tensors of shapes \\[\\(3, 3\\)\\]"):
         LocalUpdates(rt.optimizers, [torch.zeros(3, 3)], rt.stage)
+
+
+def test_the_live_optimizers_are_not_touched_while_an_update_is_computed(monkeypatch) -> None:
+    """A served state may be read from the live optimizers meanwhile (another thread): the step is
+    taken by optimizers of the same kind over the shadows."""
+    rt, chosen, grads = stage_with_grads(4)
+    params = rt.optimized_parameters()
+
+    def groups() -> list[list[int]]:
+        return [[id(p) for p in g["params"]] for opt in rt.optimizers for g in opt.param_groups]
+
+    live, seen, step = groups(), [], Muon.step
+
+    def spy(self: Muon, *args, **kwargs):
+        seen.append((self in rt.optimizers, groups(), {id(p) for opt in rt.optimizers for p in opt.state}))
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(Muon, "step", spy)
+    LocalUpdates(rt.optimizers, [params[i] for i in chosen], rt.stage).compute(grads, 1.0)
+    assert seen and all(not ours and now == live and not state for ours, now, state in seen)
