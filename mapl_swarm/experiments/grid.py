@@ -93,11 +93,19 @@ class RunSpec:
         return config_from_dict(raw, f"grid run {self.run_id}")
 
 
+ADDED_AT_DEFAULT: dict[tuple[str, str], Any] = {("replicas", "averaged"): "gradients"}
+"""Settings added after a sweep's hashes were first made, left out of :func:`config_hash` while at
+their default (the value every earlier run had), so that finished runs still count."""
+
+
 def config_hash(cfg: TrainConfig) -> str:
     """Digest of everything that shapes a run's numbers (the output folder excluded)."""
     d = digest_layout(config_to_dict(cfg))  # the layout hashes were first made in: finished runs still count
     d["run"].pop("out_dir", None)
     d.pop("net", None)
+    for (table, key), default in ADDED_AT_DEFAULT.items():
+        if d.get(table, {}).get(key, default) == default:
+            d.get(table, {}).pop(key, None)
     metrics = d.pop("metrics", {})  # what is left once the legacy keys moved: where figures go, not what they are
     for exported in ("prometheus_port", "prometheus_host", "tensorboard"):
         metrics.pop(exported, None)

@@ -150,3 +150,8 @@ def test_where_figures_are_exported_is_not_part_of_a_runs_config_hash():
     exported = config_from_dict({"preset": "tiny", "metrics": {"prometheus_port": 9100, "tensorboard": True,
                                                                "prometheus_host": "0.0.0.0"}}, "test")
     assert config_hash(plain) == config_hash(exported) == "047c0995e469428c"
+    # a setting added since counts once it is set away from the default every earlier run had
+    updates = config_from_dict({"preset": "tiny", "pipeline": {"num_stages": 2},
+                                "replicas": {"averaging": "topk", "averaged": "updates"}}, "test")
+    topk = config_from_dict({"preset": "tiny", "pipeline": {"num_stages": 2}, "replicas": {"averaging": "topk"}}, "test")
+    assert config_hash(updates) != config_hash(topk)
