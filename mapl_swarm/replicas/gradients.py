@@ -133,6 +133,8 @@ class ReplicaGradients:
         """This replica's error feedback, one buffer per compressed tensor (its own; checkpointed)."""
         self.averaged = r.averaged
         """``replicas.averaged``: whether the compressed tensors carry gradients or optimizer updates."""
+        self._updated = updated(runtime.optimizers, self.params, self._compressed) if r.averaged == "updates" else ()
+        """The compressed tensors that carry this replica's own update (:func:`.updates.updated`)."""
         self.updates = self._local_updates(runtime)
         """With ``averaged = "updates"``: this replica's own Muon step of the compressed matrices Muon trains."""
         self._averaged_updates: list[torch.Tensor] | None = None
@@ -182,9 +184,7 @@ class ReplicaGradients:
         """Seconds one attempt of a round looks for its group (:meth:`cancel` says why it is bounded)."""
 
     def _local_updates(self, runtime: Any) -> LocalUpdates | None:
-        self._updated = updated(runtime.optimizers, self.params, self._compressed) \
-            if self.averaged == "updates" else ()
-        """The compressed tensors that carry this replica's own update (:func:`.updates.updated`)."""
+        """This replica's own step of :attr:`_updated` (the same indices in any runtime it attaches)."""
         return LocalUpdates(runtime.optimizers, [self.params[i] for i in self._updated], runtime.stage) \
             if self._updated else None
 

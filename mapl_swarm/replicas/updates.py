@@ -45,8 +45,8 @@ class LocalUpdates:
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer], params: Sequence[torch.Tensor],
                  stage: int) -> None:
-        self.optimizers, self.params, self.stage = list(optimizers), list(params), stage
-        owners = {id(p): opt for opt in self.optimizers for g in opt.param_groups for p in g["params"]}
+        self.params, self.stage = list(params), stage
+        owners = {id(p): opt for opt in optimizers for g in opt.param_groups for p in g["params"]}
         missing = [tuple(p.shape) for p in self.params if id(p) not in owners]
         if missing:
             raise ValueError(f"stage {stage}: no optimizer trains the tensors of shapes {missing}")
