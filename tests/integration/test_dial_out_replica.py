@@ -4,7 +4,8 @@ hivemind's client mode (it leads no group and reduces no part; its partner reduc
 round, and reaches it over the connections it opened). With ``fp32`` averaging the swarm trains
 to the losses of `mapl-swarm train`; with ``topk`` (whose round asks each member for its sparse
 share) the two replicas end with the same parameters, bit for bit; and a dial-out replica joins a
-running stage by downloading its partner's state."""
+running stage by downloading its partner's state. ``fp32`` is ``slow`` (the default run's budget;
+``tests/netns/test_lab_nat.py`` runs it behind a NAT router where the machine allows)."""
 
 import re
 
@@ -34,7 +35,7 @@ def _tensors(state, prefix=""):
     return {}
 
 
-@pytest.mark.parametrize("scheme", ["fp32", "topk"])
+@pytest.mark.parametrize("scheme", [pytest.param("fp32", marks=pytest.mark.slow), "topk"])  # fp32: tests/netns too
 def test_a_dial_out_replica_averages_with_its_partner(tmp_path, scheme):
     with ReplicaSwarm(tmp_path, f"dialout-replica-{scheme}", steps=STEPS, identities=[1, 2, 1],
                       initial=(1, 2, 1)) as swarm:

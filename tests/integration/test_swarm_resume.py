@@ -42,8 +42,11 @@ def test_killed_peer_then_resume_continues_exactly(tmp_path):
     done = checkpoint.latest_complete_step(tmp_path / "run", 3)
     assert done >= step
 
-    resumed = Watched(cli("launch", "--config", str(path), "--resume", "--quiet"))
+    # --log-level after the subcommand reaches every peer: the resumed swarm prints no INFO line
+    resumed = Watched(cli("launch", "--config", str(path), "--resume", "--log-level", "WARNING", "--quiet"))
     assert resumed.wait(300) == 0, resumed.output
+    assert " INFO " not in resumed.output and "LinkConfig(" not in resumed.output, resumed.output
+    assert "payload" in resumed.output and "on the wire" in resumed.output
     losses = json.loads((tmp_path / "run" / "peer_stage0.json").read_text())["train_losses"]
     assert done < 10 and len(losses) == 10 - done
 
