@@ -609,12 +609,24 @@ class Discovery:
                    f"store the status of stage {stage}")
 
     def _refresh_loop(self) -> None:
+        """Store the status record every ``status_s`` and re-announce every ``refresh_s``, each
+        paced from the start of its last store, the status first: a status published while the
+        loop waits for a re-announcement, or a slow store of the announcements, must not leave a
+        live peer's status unrenewed long enough to read as silent (three periods)."""
         c = self.config
-        last_announce = time.monotonic()
-        while not self._stop.wait(min(c.refresh_s, c.status_s) if self._status else c.refresh_s):
+        start = time.monotonic()
+        next_status, next_announce = start + c.status_s, start + c.refresh_s
+        while not self._stop.wait(max(0.0, min(next_status, next_announce) - time.monotonic())):
             with self._state:
-                if time.monotonic() - last_announce >= c.refresh_s - 1e-3:
-                    last_announce = time.monotonic()
+                now = time.monotonic() + 1e-3
+                if now >= next_status:
+                    next_status = now + c.status_s
+                    try:
+                        self._store_status()
+                    except DiscoveryError as exc:
+                        logger.debug("status store failed: %s", exc)
+                if now >= next_announce:
+                    next_announce = now + c.refresh_s
                     for stage, (subkey, endpoint) in self._announced.items():
                         try:
                             self._store(stage, subkey, endpoint)
@@ -626,10 +638,6 @@ class Discovery:
                             self._store_relay(self._relay)
                     except DiscoveryError as exc:
                         logger.debug("config or relay store failed: %s", exc)
-                try:
-                    self._store_status()
-                except DiscoveryError as exc:
-                    logger.debug("status store failed: %s", exc)
 
 
 def _by_peer_id(found: Any) -> dict[str, tuple[Any, float]]:
